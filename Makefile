@@ -1,0 +1,56 @@
+# trtllm-toolchain: every target installs what it needs through `setup`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+SPEC ?= build/tiny-llama.yaml
+TOOLCHAIN := $(VENV)/bin/toolchain
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+PYTEST_ARGS ?=
+
+.PHONY: help setup demo test build-engine convert model-repo serve perf bench deploy tiny-model clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
+	@echo "  SPEC=$(SPEC) selects the deployment spec"
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python >= 3.10 is required (set PYTHON=...)")'
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	# torch is pinned to the CPU build: an unpinned torch pulls a multi-GB CUDA build.
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0" "numpy<2"
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
+	@touch $(STAMP)
+
+setup: $(STAMP) ## Create .venv and install the project (quick when nothing changed)
+
+demo: setup ## The whole pipeline on CPU: convert, build, model repo, serve, bench
+	$(TOOLCHAIN) deploy $(SPEC)
+
+test: setup ## Run the test suite (tests needing a live deployment are skipped)
+	$(VENV)/bin/pytest -q -m "not perf" $(PYTEST_ARGS)
+
+convert: setup ## HF checkpoint -> TensorRT-LLM checkpoint
+	$(TOOLCHAIN) convert $(SPEC)
+
+build-engine: setup ## Build the engine (CPU engine, or trtllm-build on a GPU host)
+	$(TOOLCHAIN) build-engine $(SPEC)
+
+model-repo: build-engine ## Render the Triton model repository
+	$(TOOLCHAIN) model-repo $(SPEC)
+
+serve: model-repo ## Start tritonserver on the repository (Ctrl-C stops it)
+	$(TOOLCHAIN) serve $(SPEC)
+
+bench: setup ## Run the benchmarks in benchmarks/ (JSON under reports/benchmarks)
+	@mkdir -p reports/benchmarks
+	@set -e; for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b --json reports/benchmarks/$$(basename $$b .py).json; done
+
+perf: setup ## Latency report against a running deployment (start one with make serve)
+	$(TOOLCHAIN) bench $(SPEC)
+
+tiny-model: setup ## Retrain the embedded default model into models/tiny-llama
+	$(TOOLCHAIN) tiny-model models/tiny-llama
+
+clean: ## Remove generated engines, model repositories and reports
+	rm -rf engines/*/ model_repo/*/ model_repo/*.manifest.json reports/

@@ -1,0 +1,200 @@
+"""Architecture registry, HF config normalisation and the Llama name table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from toolchain.archs import family_for_config, get_family, load_params, supported
+from toolchain.archs.common import Family, NameTable, Row, Shard, Stage
+from toolchain.archs.params import normalize_rope
+from toolchain.errors import ToolchainError
+
+
+def hf_cfg(**over):
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 250, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+           "max_position_embeddings": 512, "hidden_act": "silu", "dtype": "bfloat16",
+           "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
+    cfg.update(over)
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def test_registry_lists_and_resolves_llama():
+    assert "LlamaForCausalLM" in supported()
+    family = get_family("LlamaForCausalLM")
+    assert family.name == "llama" and "LlamaForCausalLM" in family.architectures
+
+
+def test_unknown_architecture_lists_supported():
+    with pytest.raises(ToolchainError) as err:
+        get_family("GPT2LMHeadModel")
+    assert "GPT2LMHeadModel" in str(err.value) and "LlamaForCausalLM" in str(err.value)
+
+
+def test_missing_architectures_key():
+    with pytest.raises(ToolchainError, match="architectures"):
+        family_for_config({"hidden_size": 8})
+
+
+def test_registry_imports_family_modules_lazily():
+    code = "import sys, toolchain.archs; print('toolchain.archs.llama' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_transformers5_spellings():
+    _, p = load_params(hf_cfg())
+    assert (p.vocab_size, p.hidden_size, p.intermediate_size, p.num_hidden_layers) == (250, 64, 128, 2)
+    assert (p.num_attention_heads, p.num_key_value_heads, p.head_size) == (4, 2, 16)
+    assert p.dtype == "bfloat16" and p.rope_theta == 10000.0 and p.rotary_scaling is None
+    assert p.rms_norm_eps == 1e-5 and p.hidden_act == "silu"
+
+
+def test_transformers4_spellings():
+    cfg = hf_cfg(dtype=None, rope_parameters=None, torch_dtype="float16", rope_theta=500000.0, rope_scaling=None)
+    _, p = load_params(cfg)
+    assert p.dtype == "float16" and p.rope_theta == 500000.0 and p.rotary_scaling is None
+
+
+def test_aliases_for_other_spellings():
+    cfg = {"architectures": ["LlamaForCausalLM"], "n_vocab": 100, "n_embd": 32, "ffn_hidden_size": 64,
+           "n_layer": 3, "n_head": 4, "layer_norm_epsilon": 1e-6, "n_positions": 128}
+    _, p = load_params(cfg)
+    assert (p.vocab_size, p.hidden_size, p.intermediate_size, p.num_hidden_layers) == (100, 32, 64, 3)
+    assert p.num_key_value_heads == 4  # absent -> MHA
+    assert p.head_size == 8 and p.max_position_embeddings == 128 and p.rms_norm_eps == 1e-6
+    # Llama defaults fill what the file omits, as transformers' LlamaConfig would.
+    assert p.hidden_act == "silu" and p.rope_theta == 10000.0 and p.dtype is None
+    assert not (p.tie_word_embeddings or p.attention_bias or p.mlp_bias)
+
+
+def test_head_dim_wins_over_hidden_over_heads():
+    _, p = load_params(hf_cfg(head_dim=32))
+    assert p.head_size == 32
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads"])
+def test_missing_required_field_is_named(field):
+    cfg = hf_cfg()
+    del cfg[field]
+    with pytest.raises(ToolchainError, match=field):
+        load_params(cfg)
+
+
+def test_bad_field_values():
+    with pytest.raises(ToolchainError, match="hidden_size"):
+        load_params(hf_cfg(hidden_size="64"))
+    with pytest.raises(ToolchainError, match="num_key_value_heads"):
+        load_params(hf_cfg(num_key_value_heads=3))
+    with pytest.raises(ToolchainError, match="dtype"):
+        load_params(hf_cfg(dtype="int8"))
+
+
+@pytest.mark.parametrize("cfg", [
+    {"rope_theta": 1e4},
+    {"rope_theta": 1e4, "rope_scaling": None},
+    {"rope_theta": 1e4, "rope_scaling": {"type": "default"}},
+    {"rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}},
+])
+def test_rope_default_becomes_null(cfg):
+    assert normalize_rope(cfg) == (1e4, None)
+
+
+def test_rope_llama3_complete_with_both_type_keys():
+    params = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    theta, scaling = normalize_rope({"rope_parameters": params})
+    assert theta == 500000.0
+    assert scaling == {"type": "llama3", "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    # transformers 4.x spelling gives the same result.
+    old = {k: v for k, v in params.items() if k != "rope_theta"}
+    assert normalize_rope({"rope_theta": 500000.0, "rope_scaling": old}) == (theta, scaling)
+
+
+def test_rope_linear_old_type_key_gets_rope_type():
+    _, scaling = normalize_rope({"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert scaling == {"type": "linear", "rope_type": "linear", "factor": 2.0}
+
+
+def test_rope_errors():
+    with pytest.raises(ToolchainError, match="unsupported rope type 'magic'"):
+        normalize_rope({"rope_scaling": {"rope_type": "magic", "factor": 2.0}})
+    with pytest.raises(ToolchainError, match="low_freq_factor"):
+        normalize_rope({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192}})
+    with pytest.raises(ToolchainError, match="factor"):
+        normalize_rope({"rope_scaling": {"type": "linear"}})
+
+
+def test_params_carry_normalised_rope_and_stay_immutable():
+    cfg = hf_cfg(rope_parameters={"rope_theta": 5e5, "rope_type": "linear", "factor": 4.0})
+    _, p = load_params(cfg)
+    scaling = p.rotary_scaling
+    scaling["factor"] = 99.0
+    assert p.rotary_scaling["factor"] == 4.0
+    with pytest.raises(AttributeError):
+        p.hidden_size = 1
+
+
+def test_llama_table_naming_trap_and_matching():
+    family, p = load_params(hf_cfg())
+    table = NameTable(family, p)
+    fc = table.match("model.layers.1.mlp.gate_proj.weight")
+    gate = table.match("model.layers.1.mlp.up_proj.weight")
+    assert fc.row.trt == "transformer.layers.{layer}.mlp.fc.weight" and fc.layer == 1
+    assert gate.row.trt == "transformer.layers.{layer}.mlp.gate.weight"
+    assert table.match("model.layers.2.mlp.up_proj.weight") is None  # past num_hidden_layers
+    assert table.match("model.layers.0.self_attn.q_proj.bias") is None  # attention_bias false
+    assert table.match("model.layers.0.self_attn.rotary_emb.inv_freq").row.shard is Shard.DROP
+    names = [n for n, _ in table.expected()]
+    assert "lm_head.weight" in names and len(names) == len(set(names)) == 2 * 9 + 3
+
+
+def test_bias_rows_follow_config_flags():
+    family, p = load_params(hf_cfg(attention_bias=True, mlp_bias=True))
+    table = NameTable(family, p)
+    assert table.match("model.layers.0.self_attn.k_proj.bias").row.part == "k"
+    assert table.match("model.layers.0.self_attn.o_proj.bias").row.shard is Shard.REPLICATE
+    assert table.match("model.layers.0.mlp.down_proj.bias").row.shard is Shard.REPLICATE
+    assert table.match("model.layers.0.mlp.up_proj.bias").row.shard is Shard.COLUMN
+
+
+def test_family_rejects_malformed_rows():
+    with pytest.raises(ValueError, match="part"):
+        Family("x", ("X",), (Row("a.{layer}.q", "b.{layer}.qkv", Shard.QKV),))
+    with pytest.raises(ValueError, match="stage"):
+        Family("x", ("X",), (Row("norm", "ln_f", Shard.REPLICATE),))
+    with pytest.raises(ValueError, match="transform"):
+        Family("x", ("X",), (Row("norm", "ln_f", Shard.REPLICATE, stage=Stage.LAST, transform="nope"),))
+
+
+# One tiny random checkpoint maker per registered architecture (style anchor 13):
+# registering an arch without adding it here fails the test below.
+def _llama(out):
+    from conftest import make_hf_llama
+
+    return make_hf_llama(out, num_hidden_layers=1)
+
+
+ARCH_FIXTURES = {"LlamaForCausalLM": _llama}
+
+
+@pytest.mark.parametrize("arch", supported())
+def test_every_registered_arch_has_a_tiny_checkpoint_that_converts(arch, tmp_path):
+    from toolchain.checkpoint.convert import convert_checkpoint
+
+    assert arch in ARCH_FIXTURES, f"add a tiny checkpoint maker for {arch} to ARCH_FIXTURES"
+    hf = ARCH_FIXTURES[arch](tmp_path / "hf")
+    (tmp_path / "ck").mkdir()
+    config = convert_checkpoint(hf, tmp_path / "ck", tp=2, pp=1, dtype="float32")
+    assert config["architecture"] == arch
+
+
+def test_partial_rotary_rejected():
+    with pytest.raises(ToolchainError, match="partial_rotary_factor"):
+        normalize_rope({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.5}})

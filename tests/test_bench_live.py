@@ -1,0 +1,242 @@
+"""`run_bench` and `toolchain bench` against a real tritonserver serving a mock
+`ensemble`: a decoupled Python model with the ensemble text contract and known
+timing, so the measured TTFT/TPOT can be checked against the truth."""
+
+from __future__ import annotations
+
+import csv
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_bench_workload import MOCK_WORDS, make_word_tokenizer
+from toolchain.cli import main as cli_main
+from toolchain.errors import ToolchainError
+from toolchain.spec import load_spec
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+# The mock's truth, from the moment its execute() sees the request:
+EMPTY_MS = 30        # an empty first response (must not count as the first token)
+FIRST_TOKEN_MS = 50  # first word
+STEP_MS = 10         # every further word
+OSL = 8
+
+MOCK_CONFIG = f"""
+name: "ensemble"
+backend: "python"
+max_batch_size: 8
+model_transaction_policy {{ decoupled: true }}
+input [
+  {{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }},
+  {{ name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true }},
+  {{ name: "end_id" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
+  {{ name: "exclude_input_in_output" data_type: TYPE_BOOL dims: [ 1 ] optional: true }}
+]
+output [ {{ name: "text_output" data_type: TYPE_STRING dims: [ -1 ] }} ]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+parameters {{ key: "empty_ms" value: {{ string_value: "{EMPTY_MS}" }} }}
+parameters {{ key: "first_token_ms" value: {{ string_value: "{FIRST_TOKEN_MS}" }} }}
+parameters {{ key: "step_ms" value: {{ string_value: "{STEP_MS}" }} }}
+"""
+
+MOCK_MODEL = textwrap.dedent(f"""
+    import json
+    import threading
+    import time
+
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    WORDS = {MOCK_WORDS!r}
+    FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+    def _scalar(request, name):
+        t = pb_utils.get_input_tensor_by_name(request, name)
+        return None if t is None else t.as_numpy().ravel()[0]
+
+
+    def _text(s):
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("text_output", np.array([[s.encode()]], dtype=np.object_))])
+
+
+    class TritonPythonModel:
+        def initialize(self, args):
+            params = json.loads(args["model_config"])["parameters"]
+            self.ms = {{k: float(v["string_value"]) for k, v in params.items()}}
+
+        def execute(self, requests):
+            for request in requests:
+                t0 = time.perf_counter()
+                sender = request.get_response_sender()
+                # The ensemble contract the bench must honour: streaming, EOS ignored, a prompt.
+                problem = None
+                if not _scalar(request, "stream"):
+                    problem = "stream must be true"
+                elif _scalar(request, "end_id") != -1:
+                    problem = "end_id must be -1 (ignore_eos)"
+                elif not _scalar(request, "text_input"):
+                    problem = "empty prompt"
+                if problem:
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(problem)), flags=FINAL)
+                    continue
+                n = int(_scalar(request, "max_tokens"))
+                threading.Thread(target=self._stream, args=(sender, t0, n), daemon=True).start()
+            return None
+
+        def _stream(self, sender, t0, n):
+            def at(ms):
+                delay = t0 + ms / 1000.0 - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+
+            at(self.ms["empty_ms"])
+            sender.send(_text(""))
+            for k in range(n):
+                at(self.ms["first_token_ms"] + k * self.ms["step_ms"])
+                sender.send(_text(" " + WORDS[k % len(WORDS)]))
+            sender.send(flags=FINAL)
+""")
+
+REPORT_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "output_tokens_per_s", "requests_per_s", "num_requests",
+               "errors", "window_s", "goodput_req_per_s", "token_count_source", "workload", "slo")
+STAT_KEYS = ("p50", "p90", "p95", "p99", "mean", "stdev", "min", "max", "n")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from toolchain.triton.server import TritonServer
+
+    root = tmp_path_factory.mktemp("bench-live")
+    repo = root / "repo"
+    (repo / "ensemble" / "1").mkdir(parents=True)
+    (repo / "ensemble" / "config.pbtxt").write_text(MOCK_CONFIG)
+    (repo / "ensemble" / "1" / "model.py").write_text(MOCK_MODEL)
+    tok = make_word_tokenizer(root / "tokenizer")
+    with TritonServer(repo, "127.0.0.1", 0, 0, 0, log_path=root / "server.log") as server:
+        yield server, tok, root
+
+
+def spec_file(root: Path, tok: Path, name: str, **workload_and_slo) -> Path:
+    slo = workload_and_slo.pop("slo", {})
+    workload = {"num_requests": 24, "warmup_requests": 2, "concurrency": 2, "input_tokens": 32,
+                "output_tokens": OSL, "seed": 0, **workload_and_slo}
+    data = {"name": name, "model": {"checkpoint": str(tok)},
+            "validation": {"workload": workload, "slo": slo}}
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_run_bench_measures_the_mock_truth(served):
+    from toolchain.bench.run import run_bench
+
+    server, tok, root = served
+    spec = load_spec(spec_file(root, tok, "truth", slo={"ttft_p99_ms": 1000, "tpot_p99_ms": 100}))
+    out = root / "out-truth"
+    report = run_bench(spec, server.urls["grpc"], out)
+
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk == json.loads(json.dumps(report))
+    for key in REPORT_KEYS:
+        assert key in report, key
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(STAT_KEYS) <= set(report[key])
+
+    assert report["errors"] == 0 and report["num_requests"] == 24 and report["warmup_requests"] == 2
+    assert report["token_count_source"] == "tokenizer"
+    assert report["osl_mismatches"] == 0 and report["osl"]["min"] == report["osl"]["max"] == OSL
+
+    ttft, tpot, ttfr = report["ttft_ms"]["p50"], report["tpot_ms"]["p50"], report["ttfr_ms"]["p50"]
+    print(f"\nmock truth TTFT {FIRST_TOKEN_MS} ms / TPOT {STEP_MS} ms / TTFR {EMPTY_MS} ms; "
+          f"measured p50 TTFT {ttft:.3f} ms, TPOT {tpot:.3f} ms, TTFR {ttfr:.3f} ms, "
+          f"ITL p50 {report['itl_ms']['p50']:.3f} ms, E2E p50 {report['e2e_ms']['p50']:.3f} ms")
+    # Measured = truth + transport/scheduling overhead (client and server share 2 cores).
+    assert FIRST_TOKEN_MS - 0.5 <= ttft <= FIRST_TOKEN_MS + 6
+    assert EMPTY_MS - 0.5 <= ttfr <= EMPTY_MS + 6       # the empty response was seen, but not as a token
+    assert STEP_MS - 1 <= tpot <= STEP_MS + 1
+    e2e_truth = FIRST_TOKEN_MS + (OSL - 1) * STEP_MS
+    assert e2e_truth - 0.5 <= report["e2e_ms"]["p50"] <= e2e_truth + 7
+    assert report["itl_ms"]["n"] == 24 * (OSL - 1)
+    # closed loop with 2 outstanding: about 2 requests per E2E
+    assert report["requests_per_s"] == pytest.approx(2000 / e2e_truth, rel=0.25)
+    assert report["output_tokens_per_s"] == pytest.approx(report["requests_per_s"] * OSL, rel=1e-6)
+    assert report["slo"]["passed"] is True
+    assert report["slo"]["ttft_p99_ms"]["threshold"] == 1000
+    assert report["goodput_fraction"] == 1.0
+
+    rows = list(csv.DictReader((out / "requests.csv").open()))
+    assert len(rows) == 26 and sum(r["warmup"] == "1" for r in rows) == 2
+    assert all(r["error"] == "" and int(r["osl"]) == OSL and int(r["isl"]) == 32 for r in rows)
+
+
+def test_cli_exits_nonzero_when_an_slo_is_missed(served, capsys):
+    server, tok, root = served
+    spec = spec_file(root, tok, "missed", num_requests=4, warmup_requests=0, slo={"ttft_p99_ms": 5})
+    out = root / "out-missed"
+    rc = cli_main(["bench", str(spec), "--url", server.urls["grpc"], "--out", str(out)])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "SLO missed: ttft_p99_ms" in err
+    report = json.loads((out / "report.json").read_text())  # written before failing
+    assert report["slo"]["passed"] is False and report["slo"]["ttft_p99_ms"]["passed"] is False
+
+
+def test_cli_passes_and_defaults_out_to_the_report_dir(served, tmp_path):
+    server, tok, root = served
+    spec = spec_file(root, tok, "passing", num_requests=4, warmup_requests=1, slo={"e2e_p99_ms": 5000})
+    rc = cli_main(["--root", str(tmp_path), "bench", str(spec), "--url", server.urls["grpc"],
+                   "--set", "validation.workload.concurrency=3"])
+    assert rc == 0
+    report = json.loads((tmp_path / "reports" / "passing" / "report.json").read_text())
+    assert report["workload"]["concurrency"] == 3 and report["slo"]["passed"] is True
+
+
+def test_model_not_served_names_the_model(served):
+    from toolchain.bench.run import run_bench
+
+    server, tok, root = served
+    spec = load_spec(spec_file(root, tok, "bls", endpoint="tensorrt_llm_bls"))
+    with pytest.raises(ToolchainError, match=r"model 'tensorrt_llm_bls' not found .*serves: ensemble"):
+        run_bench(spec, server.urls["grpc"], root / "out-bls")
+
+
+def test_contract_violation_is_counted_as_errors(served):
+    from toolchain.bench.run import run_bench
+
+    server, tok, root = served
+    # Without ignore_eos no end_id is sent; this mock then refuses every request.
+    spec = load_spec(spec_file(root, tok, "errs", num_requests=3, warmup_requests=0, ignore_eos=False))
+    report = run_bench(spec, server.urls["grpc"], root / "out-errs")
+    assert report["errors"] == 3 and report["num_requests"] == 0
+    assert "end_id must be -1" in next(iter(report["error_reasons"]))
+    assert report["slo"]["passed"] is False and report["aborted"] is None
+
+
+def test_timed_out_requests_are_cancelled_and_counted(served):
+    from toolchain.bench.run import run_bench
+
+    server, tok, root = served
+    spec = load_spec(spec_file(root, tok, "slow", num_requests=3, warmup_requests=0))
+    report = run_bench(spec, server.urls["grpc"], root / "out-slow", request_timeout_s=0.02)  # first token is at 50 ms
+    assert report["errors"] == 3 and report["error_reasons"] == {"timed out after 0.02 s": 3}
+    assert report["aborted"] is None  # the server is fine, only slow
+    # the stream stays usable afterwards
+    again = run_bench(spec, server.urls["grpc"], root / "out-slow2")
+    assert again["errors"] == 0 and again["num_requests"] == 3
+
+
+def test_unreachable_server_names_the_url(tmp_path):
+    from toolchain.bench.run import run_bench
+    from toolchain.triton.server import free_port
+
+    url = f"127.0.0.1:{free_port('127.0.0.1')}"
+    spec = load_spec(spec_file(tmp_path, tmp_path, "down"))
+    with pytest.raises(ToolchainError, match=f"not reachable at {url}"):
+        run_bench(spec, url, tmp_path / "out")

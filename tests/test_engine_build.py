@@ -1,0 +1,70 @@
+"""build-engine (target cpu): engine config, manifest, reuse and rebuild."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from conftest import write_spec
+from toolchain.cli import main
+from toolchain.engine import trtllm
+from toolchain.spec import load_spec
+
+
+def _build(tmp_path, spec_path, *extra):
+    return main(["--root", str(tmp_path / "ws"), "build-engine", str(spec_path), *extra])
+
+
+def test_cpu_engine_dir_carries_limits_and_ranks(tmp_path, hf_llama, capsys):
+    spec = write_spec(tmp_path / "s.yaml", hf_llama, parallelism={"tp": 2},
+                      limits={"max_batch_size": 3, "max_input_len": 100, "max_seq_len": 200, "max_num_tokens": 300})
+    assert _build(tmp_path, spec) == 0
+    engine = tmp_path / "ws" / "engines" / "test-model" / "engine"
+    config = json.loads((engine / "config.json").read_text())
+    assert config["build_config"]["max_batch_size"] == 3
+    assert config["build_config"]["max_seq_len"] == 200
+    assert config["pretrained_config"]["mapping"]["tp_size"] == 2
+    assert sorted(p.name for p in engine.glob("rank*.safetensors")) == ["rank0.safetensors", "rank1.safetensors"]
+    manifest = json.loads((engine / "manifest.json").read_text())
+    assert manifest["stage"] == "build-engine" and "torch" in manifest["tools"]
+    assert "built" in capsys.readouterr().out
+
+
+def test_unchanged_is_reused_changed_is_rebuilt(tmp_path, hf_llama, capsys):
+    spec = write_spec(tmp_path / "s.yaml", hf_llama)
+    assert _build(tmp_path, spec) == 0
+    capsys.readouterr()
+    assert _build(tmp_path, spec) == 0
+    assert "reused" in capsys.readouterr().out
+    assert _build(tmp_path, spec, "--set", "limits.max_batch_size=5") == 0
+    assert "built" in capsys.readouterr().out
+    engine = tmp_path / "ws" / "engines" / "test-model" / "engine"
+    assert json.loads((engine / "config.json").read_text())["build_config"]["max_batch_size"] == 5
+    # No temporary or stale directories are left next to the outputs.
+    assert sorted(p.name for p in engine.parent.iterdir()) == ["checkpoint", "engine"]
+
+
+def test_max_seq_len_beyond_positions_warns_like_trtllm_build(tmp_path, hf_llama, capsys):
+    spec = write_spec(tmp_path / "s.yaml", hf_llama, limits={"max_input_len": 100, "max_seq_len": 4096})
+    assert _build(tmp_path, spec) == 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("warning: limits.max_seq_len (4096)") and "(512)" in err
+
+
+def test_trtllm_target_without_trtllm_build_names_the_command(tmp_path, hf_llama, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    spec = write_spec(tmp_path / "s.yaml", hf_llama, target="trtllm", parallelism={"tp": 2})
+    assert _build(tmp_path, spec) == 2
+    err = capsys.readouterr().err
+    assert "trtllm-build not found" in err and "--checkpoint_dir" in err and "--max_seq_len" in err
+
+
+def test_dry_run_prints_trtllm_build_flags(tmp_path, hf_llama, capsys):
+    spec_path = write_spec(tmp_path / "s.yaml", hf_llama, target="trtllm", limits={"max_num_tokens": 777})
+    assert _build(tmp_path, spec_path, "--dry-run") == 0
+    argv = shlex.split(capsys.readouterr().out.strip())
+    assert argv[0] == "trtllm-build"
+    assert argv[argv.index("--max_num_tokens") + 1] == "777"
+    spec = load_spec(spec_path)
+    assert argv == trtllm.build_command(spec, tmp_path / "ws" / "engines" / "test-model" / "checkpoint",
+                                        tmp_path / "ws" / "engines" / "test-model" / "engine")

@@ -1,0 +1,58 @@
+"""Architecture registry: HF `architectures[0]` -> the module holding its table.
+
+Modules are named as strings and imported only on lookup, so adding a family
+costs nothing until a checkpoint of that family is converted. Each module
+exposes `FAMILY` (a `toolchain.archs.common.Family`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from toolchain.archs.common import Family
+from toolchain.archs.params import ArchParams, normalize_params
+from toolchain.errors import ToolchainError
+
+# HF architecture string -> module under toolchain.archs. Mistral and Qwen2
+# reuse the Llama table shape (see llama.llama_rows) and are added by a later issue.
+_REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "toolchain.archs.llama",
+}
+
+__all__ = ["ArchParams", "Family", "supported", "get_family", "family_for_config", "load_params"]
+
+
+def supported() -> list[str]:
+    """HF architecture names the converter accepts, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_family(architecture: str) -> Family:
+    """The family table registered for an HF architecture string."""
+    module_path = _REGISTRY.get(architecture)
+    if module_path is None:
+        raise ToolchainError(
+            f"unsupported architecture '{architecture}'",
+            f"supported: {', '.join(supported())}",
+        )
+    family = importlib.import_module(module_path).FAMILY
+    if architecture not in family.architectures:  # a registry typo, not a user error
+        raise RuntimeError(f"{module_path}.FAMILY does not list {architecture}")
+    return family
+
+
+def family_for_config(hf_config: dict, origin: str = "config.json") -> Family:
+    """Look up the family from an HF config dict's `architectures[0]`."""
+    archs = hf_config.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ToolchainError(
+            f"{origin} has no 'architectures' list",
+            f"add e.g. \"architectures\": [\"LlamaForCausalLM\"]; supported: {', '.join(supported())}",
+        )
+    return get_family(archs[0])
+
+
+def load_params(hf_config: dict, origin: str = "config.json") -> tuple[Family, ArchParams]:
+    """Family and normalised parameters for an HF config dict."""
+    family = family_for_config(hf_config, origin)
+    return family, normalize_params(hf_config, family, origin)

@@ -1,0 +1,179 @@
+"""Shared pieces of the per-family tables: row and family declarations, name
+matching, and the named transforms rows may apply.
+
+A family is data: a tuple of `Row`s, each mapping one HF tensor-name pattern
+(`{layer}` standing for the decoder block index) to a TensorRT-LLM checkpoint
+name plus a shard rule. The checkpoint package interprets the rules; nothing
+here touches weights except the small transforms at the bottom.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import torch
+
+from toolchain.errors import ToolchainError
+
+
+class Shard(str, enum.Enum):
+    """How a tensor is laid out over the tensor-parallel ranks (reference §3)."""
+
+    COLUMN = "column"        # split dim 0 (output features); column-parallel biases split too
+    ROW = "row"              # split dim 1 (input features) of a row-parallel weight
+    REPLICATE = "replicate"  # full copy on every rank (norms, row-parallel biases)
+    QKV = "qkv"              # q/k/v rows fused per rank, per head, KV duplicated when tp > nkv (§3.2)
+    VOCAB = "vocab"          # lm_head: pad V to ceil(V/T)*T with zero rows, split dim 0 (§3.4)
+    EMBEDDING = "embedding"  # vocab embedding: full unless use_parallel_embedding (§3.4)
+    DROP = "drop"            # known HF tensor with no checkpoint counterpart
+
+
+class Stage(str, enum.Enum):
+    """Which pipeline stage holds a tensor (reference §3.4, §3.6)."""
+
+    LAYER = "layer"  # the stage owning the row's decoder layer
+    FIRST = "first"
+    LAST = "last"
+
+
+@dataclass(frozen=True)
+class Row:
+    hf: str
+    """HF tensor name; `{layer}` matches the decoder block index."""
+    trt: str | None
+    """TensorRT-LLM name (same `{layer}` placeholder, renumbered per stage); None for DROP rows."""
+    shard: Shard
+    part: str | None = None
+    """For QKV rows: which of "q", "k", "v" this source is."""
+    when: str | None = None
+    """Boolean `ArchParams` attribute that enables the row; a disabled row makes its tensor unexpected."""
+    stage: Stage | None = None
+    """Defaults to LAYER for `{layer}` rows; non-layer rows must say FIRST or LAST."""
+    transform: str | None = None
+    """Name in TRANSFORMS applied to the HF tensor before sharding."""
+    tied_from: str | None = None
+    """HF name to use instead when this tensor is absent and word embeddings are tied."""
+    shape: tuple[str, ...] | None = None
+    """Expected HF shape in DIM symbols (after the transform), checked before any weight is read."""
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.hf
+
+    @property
+    def placement(self) -> Stage:
+        return self.stage or (Stage.LAYER if self.per_layer else Stage.FIRST)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]
+    rows: tuple[Row, ...]
+    defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Values for HF config keys a config.json may omit (the HF config class defaults)."""
+    config_extra: Callable[[Any], dict] | None = None
+    """Family-specific TensorRT-LLM config.json fields, given the ArchParams."""
+
+    def __post_init__(self) -> None:
+        # Table mistakes are programming errors: fail at import, not mid-conversion.
+        for row in self.rows:
+            if row.shard is Shard.QKV and row.part not in ("q", "k", "v"):
+                raise ValueError(f"{self.name}: QKV row {row.hf} needs part q, k or v")
+            if row.shard is not Shard.DROP and row.trt is None:
+                raise ValueError(f"{self.name}: row {row.hf} has no TensorRT-LLM name")
+            if not row.per_layer and row.stage is None and row.shard is not Shard.DROP:
+                raise ValueError(f"{self.name}: non-layer row {row.hf} must name its stage")
+            if row.transform is not None and row.transform not in TRANSFORMS:
+                raise ValueError(f"{self.name}: row {row.hf} names unknown transform {row.transform}")
+            if row.shape is not None and not set(row.shape) <= set(DIMS):
+                raise ValueError(f"{self.name}: row {row.hf} shape uses unknown symbols {row.shape}")
+
+
+# Symbols for Row.shape, so tables state shapes without code.
+DIMS: dict[str, Callable[[Any], int]] = {
+    "H": lambda p: p.hidden_size,
+    "I": lambda p: p.intermediate_size,
+    "V": lambda p: p.vocab_size,
+    "Q": lambda p: p.num_attention_heads * p.head_size,     # q_proj rows, o_proj columns
+    "KV": lambda p: p.num_key_value_heads * p.head_size,    # k_proj / v_proj rows
+}
+
+
+def expected_shape(row: Row, params: Any) -> tuple[int, ...] | None:
+    return None if row.shape is None else tuple(DIMS[sym](params) for sym in row.shape)
+
+
+@dataclass(frozen=True)
+class Match:
+    row: Row
+    layer: int | None
+
+
+class NameTable:
+    """The enabled rows of a family for one model, matched against HF names."""
+
+    def __init__(self, family: Family, params: Any):
+        self.family = family
+        self.params = params
+        self.rows = tuple(r for r in family.rows if r.when is None or bool(getattr(params, r.when)))
+        self._patterns = [(re.compile(_pattern_regex(r.hf)), r) for r in self.rows]
+
+    def match(self, hf_name: str) -> Match | None:
+        for regex, row in self._patterns:
+            m = regex.fullmatch(hf_name)
+            if m is None:
+                continue
+            layer = int(m.group("layer")) if row.per_layer else None
+            if layer is not None and layer >= self.params.num_hidden_layers:
+                return None  # a block past num_hidden_layers: config and weights disagree
+            return Match(row, layer)
+        return None
+
+    def expected(self) -> list[tuple[str, Match]]:
+        """Every HF name the enabled non-DROP rows require, in table order per layer."""
+        out = []
+        for row in self.rows:
+            if row.shard is Shard.DROP:
+                continue
+            layers = range(self.params.num_hidden_layers) if row.per_layer else [None]
+            for layer in layers:
+                out.append((hf_name(row, layer), Match(row, layer)))
+        return out
+
+    def unmatched_error(self, names: list[str], origin: str) -> ToolchainError:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return ToolchainError(
+            f"{origin}: {len(names)} tensor(s) match no {self.family.name} table row: {shown}",
+            "the checkpoint does not fit its config.json (architecture, num_hidden_layers, attention_bias, mlp_bias)",
+        )
+
+
+def _pattern_regex(pattern: str) -> str:
+    return re.escape(pattern).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+
+
+def hf_name(row: Row, layer: int | None) -> str:
+    return row.hf.replace("{layer}", str(layer)) if layer is not None else row.hf
+
+
+def trt_name(row: Row, local_layer: int | None) -> str:
+    if row.trt is None:
+        raise ValueError(f"row {row.hf} has no TensorRT-LLM name")
+    return row.trt.replace("{layer}", str(local_layer)) if local_layer is not None else row.trt
+
+
+# Named transforms applied to an HF tensor before sharding. They must work on
+# meta tensors too: the dry-run plan runs them to learn shapes without reading data.
+def _transpose(t: torch.Tensor) -> torch.Tensor:
+    # HF GPT-2 style Conv1D stores (in, out); the checkpoint wants (out, in) (reference §1.2).
+    return t.transpose(0, 1).contiguous()
+
+
+TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "transpose": _transpose,
+}

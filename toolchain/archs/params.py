@@ -1,0 +1,218 @@
+"""HF config.json normalised once into a frozen `ArchParams`.
+
+HF spells the same hyper-parameter differently across families and
+transformers versions (5.x writes `dtype` and `rope_parameters` where 4.x wrote
+`torch_dtype`, `rope_theta` and `rope_scaling`), so every field is read through
+an alias list. No stage reads raw HF keys after this.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from toolchain.errors import ToolchainError
+
+ALIASES: dict[str, tuple[str, ...]] = {
+    "vocab_size": ("vocab_size", "n_vocab", "padded_vocab_size"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "intermediate_size": ("intermediate_size", "ffn_hidden_size", "n_inner"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
+    "head_dim": ("head_dim", "head_size", "kv_channels"),
+    "rms_norm_eps": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_epsilon"),
+    "rope_theta": ("rope_theta", "rotary_emb_base", "rotary_base"),
+    "rope_scaling": ("rope_scaling",),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions", "seq_length"),
+    "tie_word_embeddings": ("tie_word_embeddings",),
+    "attention_bias": ("attention_bias",),
+    "mlp_bias": ("mlp_bias",),
+    "hidden_act": ("hidden_act", "activation_function"),
+    "dtype": ("dtype", "torch_dtype"),
+}
+
+# Missing and without a family default -> error. Families give the HF config
+# class defaults (what transformers itself would load) for the last three.
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "rms_norm_eps", "max_position_embeddings", "hidden_act")
+
+# TensorRT-LLM 1.x RotaryScalingType accepts these (reference §1.3); "default"
+# and "none" mean no scaling and become null.
+ROPE_TYPES = ("linear", "dynamic", "longrope", "llama3", "yarn", "mrope")
+ROPE_REQUIRED_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32",
+          "float16": "float16", "half": "float16", "fp16": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class ArchParams:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling_json: str | None
+    """Normalised TensorRT-LLM `rotary_scaling` as JSON (kept as text so the dataclass stays immutable)."""
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    hidden_act: str
+    dtype: str | None
+    """HF weight dtype ("float32", "float16", "bfloat16"), None when config.json does not say."""
+
+    @property
+    def rotary_scaling(self) -> dict | None:
+        return json.loads(self.rope_scaling_json) if self.rope_scaling_json is not None else None
+
+
+_MISSING = object()
+
+
+def _find(cfg: dict, field: str, origin: str, defaults: dict) -> Any:
+    for key in ALIASES[field]:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    if field in defaults:
+        return defaults[field]
+    if field in REQUIRED:
+        raise ToolchainError(
+            f"{origin} lacks {field} (looked for {', '.join(ALIASES[field])})",
+            "add it to config.json or point model.checkpoint at a complete HF checkpoint",
+        )
+    return _MISSING
+
+
+def _as_int(value: Any, field: str, origin: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ToolchainError(f"{origin}: {field} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _as_float(value: Any, field: str, origin: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ToolchainError(f"{origin}: {field} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def normalize_rope(cfg: dict, origin: str = "config.json") -> tuple[float | None, dict | None]:
+    """(rope_theta, rotary_scaling) from either spelling; rotary_scaling per reference §1.3."""
+    params = cfg.get("rope_parameters")
+    theta = None
+    scaling = None
+    if isinstance(params, dict) and params:
+        if all(isinstance(v, dict) for v in params.values()):
+            # transformers 5 nests one dict per attention-layer type for hybrid models.
+            raise ToolchainError(f"{origin}: per-layer-type rope_parameters ({', '.join(params)}) are not supported",
+                                 "only one RoPE setting for all layers can be converted")
+        theta = params.get("rope_theta")
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    nested = params if isinstance(params, dict) else {}
+    partial = nested.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        # rotary_pct is omitted for the Llama family (§1.2): rotary dim = head_size.
+        raise ToolchainError(f"{origin}: partial_rotary_factor {partial} is not supported",
+                             "the Llama family rotates the full head (rotary_dim = head_size)")
+    if cfg.get("rope_scaling") is not None:
+        scaling = dict(cfg["rope_scaling"]) if isinstance(cfg["rope_scaling"], dict) else cfg["rope_scaling"]
+    for key in ALIASES["rope_theta"]:
+        if cfg.get(key) is not None:
+            theta = cfg[key]
+            break
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ToolchainError(f"{origin}: rope_scaling must be a mapping or null, got {scaling!r}")
+    if not scaling:
+        return theta, None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default", "none"):
+        return theta, None
+    if kind == "su":
+        # Older HF name for longrope; TensorRT-LLM only treats "su" like longrope for
+        # length deduction, so write the enum name it parses (reference §1.3; open point:
+        # the 1.2 attention enum is not stated to accept "su").
+        kind = "longrope"
+    if kind not in ROPE_TYPES:
+        raise ToolchainError(f"{origin}: unsupported rope type '{kind}'",
+                             f"TensorRT-LLM 1.x accepts {', '.join(ROPE_TYPES)} (or no scaling)")
+    missing = [k for k in ROPE_REQUIRED_KEYS.get(kind, ()) if scaling.get(k) is None]
+    if missing:
+        raise ToolchainError(f"{origin}: rope type '{kind}' lacks {', '.join(missing)}",
+                             "add the missing keys to rope_scaling / rope_parameters")
+    # Both spellings: the 1.x attention layer reads "type", falling back to "rope_type".
+    out = {k: v for k, v in scaling.items() if k not in ("type", "rope_type")}
+    return theta, {"type": kind, "rope_type": kind, **out}
+
+
+def normalize_dtype(value: Any, origin: str = "config.json") -> str | None:
+    if value is None or value is _MISSING:
+        return None
+    name = str(value).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ToolchainError(f"{origin}: unsupported weight dtype '{value}'",
+                             "convert float32, float16 or bfloat16 checkpoints")
+    return DTYPES[name]
+
+
+def normalize_params(cfg: dict, family: Any, origin: str = "config.json") -> ArchParams:
+    """ArchParams for `cfg`, an HF config.json dict of `family`."""
+    defaults = dict(family.defaults)
+
+    def get(field: str) -> Any:
+        return _find(cfg, field, origin, defaults)
+
+    hidden = _as_int(get("hidden_size"), "hidden_size", origin)
+    heads = _as_int(get("num_attention_heads"), "num_attention_heads", origin)
+    kv = get("num_key_value_heads")
+    kv = heads if kv is _MISSING else _as_int(kv, "num_key_value_heads", origin)
+    head_dim = get("head_dim")
+    if head_dim is _MISSING:
+        if hidden % heads:
+            raise ToolchainError(f"{origin}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}",
+                                 "add head_dim to config.json")
+        head_dim = hidden // heads
+    head_dim = _as_int(head_dim, "head_dim", origin)
+    if heads % kv:
+        raise ToolchainError(f"{origin}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    theta, scaling = normalize_rope(cfg, origin)
+    if theta is None:
+        theta = defaults.get("rope_theta")
+    if theta is None:
+        raise ToolchainError(f"{origin} lacks rope_theta (looked for rope_parameters.rope_theta, "
+                             f"{', '.join(ALIASES['rope_theta'])})", "add rope_theta to config.json")
+
+    def flag(field: str) -> bool:
+        value = get(field)
+        return False if value is _MISSING else bool(value)
+
+    return ArchParams(
+        architecture=(cfg.get("architectures") or family.architectures)[0],
+        vocab_size=_as_int(get("vocab_size"), "vocab_size", origin),
+        hidden_size=hidden,
+        intermediate_size=_as_int(get("intermediate_size"), "intermediate_size", origin),
+        num_hidden_layers=_as_int(get("num_hidden_layers"), "num_hidden_layers", origin),
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_size=head_dim,
+        rms_norm_eps=_as_float(get("rms_norm_eps"), "rms_norm_eps", origin),
+        rope_theta=_as_float(theta, "rope_theta", origin),
+        rope_scaling_json=json.dumps(scaling, sort_keys=True) if scaling is not None else None,
+        max_position_embeddings=_as_int(get("max_position_embeddings"), "max_position_embeddings", origin),
+        tie_word_embeddings=flag("tie_word_embeddings"),
+        attention_bias=flag("attention_bias"),
+        mlp_bias=flag("mlp_bias"),
+        hidden_act=str(get("hidden_act")),
+        dtype=normalize_dtype(get("dtype"), origin),
+    )

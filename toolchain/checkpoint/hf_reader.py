@@ -1,0 +1,194 @@
+"""Lazy reader for a Hugging Face checkpoint directory.
+
+Only safetensors headers are read up front: they give every tensor's name,
+shape and dtype, so the converter can check names and plan every rank before
+reading a weight. Data is read one tensor at a time on request.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from toolchain.errors import ToolchainError
+
+INDEX = "model.safetensors.index.json"
+
+# safetensors dtype codes -> torch dtypes (the ones a HF LLM checkpoint carries).
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse one safetensors header and check the file holds all the data it
+    announces (a truncated download fails here, naming the file)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) < 8:
+                raise ValueError("shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8:
+                raise ValueError(f"header length {n} exceeds the file size {size}")
+            header = json.loads(fh.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        tensors: dict[str, TensorInfo] = {}
+        data_end = 0
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            dtype = ST_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"tensor {name} has unsupported dtype {info['dtype']}")
+            shape = tuple(int(d) for d in info["shape"])
+            numel = 1
+            for d in shape:
+                numel *= d
+            if end - begin != numel * dtype.itemsize:
+                raise ValueError(f"tensor {name} spans {end - begin} bytes, its shape needs {numel * dtype.itemsize}")
+            data_end = max(data_end, end)
+            tensors[name] = TensorInfo(name, path, shape, dtype)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        raise ToolchainError(f"corrupt safetensors file {path}: {err}",
+                             "re-download or re-save the checkpoint") from None
+    if 8 + n + data_end > size:
+        raise ToolchainError(
+            f"truncated safetensors file {path}: {size} bytes, header announces {8 + n + data_end}",
+            "re-download or re-save the checkpoint",
+        )
+    return tensors
+
+
+class HFCheckpoint:
+    """config.json plus a name -> TensorInfo index over the safetensors shards."""
+
+    def __init__(self, directory: Path | str):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise ToolchainError(f"HF checkpoint directory not found: {self.directory}",
+                                 "set model.checkpoint in the spec to a directory with config.json and *.safetensors")
+        self.config_path = self.directory / "config.json"
+        if not self.config_path.is_file():
+            raise ToolchainError(f"no config.json in {self.directory}",
+                                 "point model.checkpoint at a Hugging Face model directory")
+        try:
+            self.config = json.loads(self.config_path.read_text())
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ToolchainError(f"malformed {self.config_path}: {err}") from None
+        if not isinstance(self.config, dict):
+            raise ToolchainError(f"{self.config_path} must hold a JSON object")
+        self._handles: dict[Path, object] = {}
+        self._files: list[Path] | None = None
+        self._tensors: dict[str, TensorInfo] | None = None
+
+    @property
+    def files(self) -> list[Path]:
+        """The safetensors shards (found on first use, so config checks come first)."""
+        if self._files is None:
+            self._files = self._shard_files()
+        return self._files
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        """name -> TensorInfo from every shard header (read on first use; no weight data)."""
+        if self._tensors is None:
+            tensors: dict[str, TensorInfo] = {}
+            for path in self.files:
+                for name, info in read_header(path).items():
+                    if name in tensors:
+                        raise ToolchainError(f"tensor {name} appears in both {tensors[name].file.name} and {path.name}",
+                                             f"remove stray safetensors files from {self.directory}")
+                    tensors[name] = info
+            self._tensors = tensors
+            self._check_index()
+        return self._tensors
+
+    def _shard_files(self) -> list[Path]:
+        index = self.directory / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self._weight_map = dict(weight_map)
+            except (ValueError, KeyError, TypeError) as err:
+                raise ToolchainError(f"malformed {index}: {err}") from None
+            names = sorted(set(self._weight_map.values()))
+            missing = [n for n in names if not (self.directory / n).is_file()]
+            if missing:
+                raise ToolchainError(f"{INDEX} names missing shard file(s): {', '.join(missing)}",
+                                     f"download them into {self.directory}")
+            return [self.directory / n for n in names]
+        self._weight_map = None
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files:
+            other = sorted(p.name for pattern in ("*.bin", "*.pt") for p in self.directory.glob(pattern))
+            hint = (f"found {other[0]}; re-save the model with safe_serialization=True" if other
+                    else "add the model.safetensors weights to the directory")
+            raise ToolchainError(f"no *.safetensors weights in {self.directory}", hint)
+        return files
+
+    def _check_index(self) -> None:
+        if self._weight_map is None:
+            return
+        for name, fname in self._weight_map.items():
+            info = self._tensors.get(name)
+            if info is None or info.file.name != fname:
+                raise ToolchainError(f"{INDEX} puts {name} in {fname} but that file does not hold it",
+                                     "the index and the shards come from different downloads")
+
+    @property
+    def input_files(self) -> list[Path]:
+        """Every file the conversion depends on (for manifests)."""
+        files = self.files
+        extra = [self.directory / INDEX] if self._weight_map is not None else []
+        return [self.config_path, *extra, *files]
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        return self.tensors[name]
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A data-less tensor with the right shape and dtype (for planning)."""
+        info = self.tensors[name]
+        return torch.empty(info.shape, dtype=info.dtype, device="meta")
+
+    def load(self, name: str) -> torch.Tensor:
+        """Read one tensor (memory-mapped; the handle per shard is kept open)."""
+        info = self.tensors[name]
+        try:
+            handle = self._handles.get(info.file)
+            if handle is None:
+                handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
+            return handle.get_tensor(name)
+        except Exception as err:  # the safetensors error types vary by version
+            raise ToolchainError(f"cannot read {name} from {info.file}: {err}",
+                                 "re-download or re-save the checkpoint") from None
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "HFCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

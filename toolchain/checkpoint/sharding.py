@@ -1,0 +1,138 @@
+"""Tensor- and pipeline-parallel layout of a TensorRT-LLM checkpoint
+(reference §3). Pure tensor functions: they run on meta tensors for planning
+and on real tensors for writing, so shapes can never disagree between the two.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from toolchain.errors import ToolchainError
+
+
+def rank_of(pp_rank: int, tp_rank: int, tp: int) -> int:
+    """Rank file index with cp = 1: the TP index varies fastest (§1.4, §3.6)."""
+    return pp_rank * tp + tp_rank
+
+
+def kv_heads_per_rank(nkv: int, tp: int) -> int:
+    """KV heads each rank holds; one (duplicated) head when tp > nkv (§3.2)."""
+    return max(1, nkv // tp)
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """Vp = ceil(V/T)*T (§3.4)."""
+    return math.ceil(vocab / tp) * tp
+
+
+def pp_layers(num_layers: int, pp: int) -> list[list[int]]:
+    """Global layer indices per stage: torch.tensor_split over range(L), so the
+    first L % P stages get one extra layer (1.x behaviour, §3.6)."""
+    return [chunk.tolist() for chunk in torch.tensor_split(torch.arange(num_layers), pp)]
+
+
+def _tp_problems(params, tp: int, *, embedding_dim1: bool = False) -> list[str]:
+    nh, nkv, inter = params.num_attention_heads, params.num_key_value_heads, params.intermediate_size
+    problems = []
+    if nh % tp:
+        problems.append(f"tp={tp} does not divide num_attention_heads={nh}")
+    if nkv >= tp and nkv % tp:
+        problems.append(f"tp={tp} does not divide num_key_value_heads={nkv}")
+    if nkv < tp and tp % nkv:
+        problems.append(f"tp={tp} is not a multiple of num_key_value_heads={nkv} "
+                        "(KV heads cannot be duplicated evenly)")
+    if inter % tp:
+        problems.append(f"tp={tp} does not divide intermediate_size={inter}")
+    if embedding_dim1 and params.hidden_size % tp:
+        problems.append(f"tp={tp} does not divide hidden_size={params.hidden_size} (embedding_sharding_dim 1)")
+    return problems
+
+
+def working_tps(params, limit: int = 64, *, embedding_dim1: bool = False) -> list[int]:
+    return [t for t in range(1, limit + 1) if not _tp_problems(params, t, embedding_dim1=embedding_dim1)]
+
+
+def check_parallelism(params, tp: int, pp: int, *, use_parallel_embedding: bool = False,
+                      embedding_sharding_dim: int = 0) -> None:
+    """The §3.5 checklist, run before any weight is read."""
+    if tp < 1 or pp < 1:
+        raise ToolchainError(f"tp={tp}, pp={pp}: both must be at least 1")
+    if embedding_sharding_dim not in (0, 1):
+        raise ToolchainError(f"embedding_sharding_dim={embedding_sharding_dim} must be 0 (vocab) or 1 (hidden)")
+    dim1 = use_parallel_embedding and embedding_sharding_dim == 1
+    problems = _tp_problems(params, tp, embedding_dim1=dim1)
+    if problems:
+        ok = working_tps(params, limit=max(tp, params.num_attention_heads), embedding_dim1=dim1)
+        raise ToolchainError(problems[0], f"use parallelism.tp {_or_list(ok)}")
+    if pp > params.num_hidden_layers:
+        raise ToolchainError(f"pp={pp} exceeds num_hidden_layers={params.num_hidden_layers}",
+                             f"use parallelism.pp <= {params.num_hidden_layers}")
+
+
+def _or_list(values: list[int]) -> str:
+    text = [str(v) for v in values]
+    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]
+
+
+def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    # (heads*hd, ...) -> (heads, hd, ...): weights and biases split the same way.
+    return t.reshape(heads, t.shape[0] // heads, *t.shape[1:])
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, nh: int, nkv: int, tp: int) -> list[torch.Tensor]:
+    """Per rank [q_r; k_r; v_r] along dim 0, split per head (§3.2). When tp > nkv
+    each KV head is repeated tp/nkv times: rank r gets head r // (tp/nkv)."""
+    qh = _heads(q, nh).chunk(tp, dim=0)
+    kh, vh = _heads(k, nkv), _heads(v, nkv)
+    out = []
+    for r in range(tp):
+        if nkv >= tp:
+            per = nkv // tp
+            k_r, v_r = kh[r * per:(r + 1) * per], vh[r * per:(r + 1) * per]
+        else:
+            head = r // (tp // nkv)
+            k_r, v_r = kh[head:head + 1], vh[head:head + 1]
+        out.append(torch.cat([_flat(qh[r]), _flat(k_r), _flat(v_r)], dim=0))
+    return out
+
+
+def split_column(t: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """Column-parallel: output features (dim 0) split evenly; biases likewise."""
+    return list(t.chunk(tp, dim=0)) if tp > 1 else [t]
+
+
+def split_row(t: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """Row-parallel: input features (dim 1) of an (out, in) weight split evenly."""
+    return list(t.chunk(tp, dim=1)) if tp > 1 else [t]
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Append zero rows up to `rows` (cat rather than F.pad so meta tensors work)."""
+    extra = rows - t.shape[0]
+    if extra <= 0:
+        return t
+    return torch.cat([t, torch.zeros((extra, *t.shape[1:]), dtype=t.dtype, device=t.device)], dim=0)
+
+
+def split_vocab(t: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """lm_head: pad V to a multiple of tp with zero rows, then split dim 0 (§3.4).
+    The config keeps the unpadded vocab_size; the runtime slices the logits."""
+    return split_column(pad_rows(t, padded_vocab(t.shape[0], tp)), tp)
+
+
+def split_embedding(t: torch.Tensor, tp: int, *, parallel: bool, dim: int) -> list[torch.Tensor]:
+    """Vocab embedding: the full table on every rank unless use_parallel_embedding;
+    then dim 0 pads and splits the vocab like lm_head, dim 1 splits the hidden size.
+    Open point (§3.4): the golden layouts only cover V divisible by T, so the
+    zero-row padding of a sharded embedding is taken from the reference text alone."""
+    if not parallel or tp == 1:
+        return [t] * tp
+    if dim == 0:
+        return split_vocab(t, tp)
+    return list(t.chunk(tp, dim=1))

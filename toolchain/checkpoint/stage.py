@@ -1,0 +1,122 @@
+"""The `convert` stage: spec -> engines/<name>/checkpoint with a manifest.
+
+All checks (spec, config.json, parallelism, tensor names, headers) run before
+the output directory is touched, and the data is written into a temporary
+directory renamed into place only when complete, so a failure leaves nothing
+behind that could be mistaken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from toolchain.checkpoint.convert import plan_checkpoint
+from toolchain.checkpoint.hf_reader import HFCheckpoint
+from toolchain.checkpoint.layout import Plan
+from toolchain.checkpoint.writer import write_plan
+from toolchain.fsutil import atomic_dir, sha256_file
+from toolchain.manifest import Manifest, is_current
+from toolchain.spec import DeploymentSpec
+from toolchain.workspace import Workspace
+
+# Bump when the converter's output changes for the same inputs, so old
+# checkpoints are rebuilt rather than reused.
+CONVERTER_VERSION = 1
+# Files above this are fingerprinted instead of fully hashed (see input_hash).
+FULL_HASH_LIMIT = 256 << 20
+EDGE = 1 << 20
+
+
+def convert_settings(spec: DeploymentSpec) -> dict:
+    """The spec fields that change what convert writes."""
+    return {"converter": CONVERTER_VERSION, "target": spec.target, "dtype": spec.model.dtype,
+            "tp": spec.parallelism.tp, "pp": spec.parallelism.pp,
+            "use_parallel_embedding": spec.parallelism.parallel_embedding,
+            "embedding_sharding_dim": spec.parallelism.embedding_sharding_dim}
+
+
+def convert_hash(spec: DeploymentSpec) -> str:
+    blob = json.dumps(convert_settings(spec), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def input_hash(path: Path) -> str:
+    """sha256 of a small file; for a big one, of its size, mtime and first and
+    last MiB. Hashing tens of GB on every run would cost minutes; a changed
+    download changes size or mtime, and an edit in place almost surely touches
+    the header (first MiB). `--force` covers the rest."""
+    st = path.stat()
+    if st.st_size <= FULL_HASH_LIMIT:
+        return "sha256:" + sha256_file(path)
+    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    with open(path, "rb") as fh:
+        h.update(fh.read(EDGE))
+        fh.seek(st.st_size - EDGE)
+        h.update(fh.read(EDGE))
+    return "fingerprint:" + h.hexdigest()
+
+
+def _outputs(plan: Plan, files: dict[str, int]) -> dict:
+    return {"world_size": plan.options.world_size, "tp": plan.options.tp, "pp": plan.options.pp,
+            "dtype": plan.options.dtype, "architecture": plan.config["architecture"],
+            "bytes": sum(files.values()), "files": files, "dropped_hf_tensors": plan.dropped}
+
+
+def _plan_options(spec: DeploymentSpec) -> dict:
+    par = spec.parallelism
+    return {"tp": par.tp, "pp": par.pp, "dtype": spec.model.dtype, "target": spec.target,
+            "use_parallel_embedding": par.parallel_embedding, "embedding_sharding_dim": par.embedding_sharding_dim}
+
+
+def plan_convert(spec: DeploymentSpec) -> Plan:
+    """What `run_convert` would write (per rank names, shapes, bytes); reads no weights."""
+    with HFCheckpoint(spec.model.checkpoint) as ckpt:
+        return plan_checkpoint(ckpt.directory, **_plan_options(spec), ckpt=ckpt)
+
+
+def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
+                echo: Callable[[str], None] | None = None) -> Manifest:
+    """Convert spec.model.checkpoint into workspace.checkpoint_dir(spec); reuse
+    a current output unless `force`. Returns the manifest of what is there."""
+    say = echo or (lambda _msg: None)
+    final = workspace.checkpoint_dir(spec)
+    ckpt = HFCheckpoint(spec.model.checkpoint)
+    with ckpt:
+        # Planning validates config, parallelism, names and headers before any write.
+        plan = plan_checkpoint(ckpt.directory, **_plan_options(spec), ckpt=ckpt)
+        wanted = Manifest(stage="convert", spec_hash=convert_hash(spec),
+                          inputs={p.name: input_hash(p) for p in ckpt.input_files})
+        if not force and is_current(final, wanted):
+            say(f"checkpoint {final} is current (same settings and inputs); reusing it (--force rebuilds)")
+            return Manifest.read(final)
+        created = _missing_dirs(final.parent, workspace.root)
+        start = time.monotonic()
+        try:
+            with atomic_dir(final) as tmp:
+                files = write_plan(plan, ckpt, tmp)
+                (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+                wanted.outputs = _outputs(plan, files)
+                wanted.seconds = round(time.monotonic() - start, 3)
+                wanted.write(tmp)
+        except BaseException:
+            for directory in created:  # innermost first; only what this run created
+                try:
+                    directory.rmdir()
+                except OSError:
+                    break
+            raise
+    return wanted
+
+
+def _missing_dirs(directory: Path, root: Path) -> list[Path]:
+    """`directory` and its ancestors below `root` that do not exist yet, innermost first."""
+    out = []
+    directory, root = Path(directory), Path(root)
+    while not directory.exists() and directory != root and directory != directory.parent:
+        out.append(directory)
+        directory = directory.parent
+    return out

@@ -1,0 +1,14 @@
+"""`toolchain archs`: the Hugging Face architectures the converter supports."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command()
+def command() -> None:
+    """List supported Hugging Face architectures (config.json `architectures[0]`)."""
+    from toolchain.archs import supported
+
+    for name in supported():
+        click.echo(name)

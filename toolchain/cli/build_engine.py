@@ -1,0 +1,32 @@
+"""`toolchain build-engine SPEC`: convert if needed, then build the engine."""
+
+from __future__ import annotations
+
+import shlex
+
+import click
+
+from toolchain.cli._common import Context, spec_command
+
+
+@click.command()
+@click.option("--force", is_flag=True, help="Rebuild even when the engine is up to date.")
+@click.option("--dry-run", is_flag=True, help="Print the trtllm-build command (target trtllm) and exit.")
+@spec_command
+def command(ctx: Context, spec, force: bool, dry_run: bool) -> None:
+    """Build the engine for SPEC into engines/<name>/engine (reused when nothing changed)."""
+    from toolchain.engine import trtllm
+    from toolchain.engine.build import run_build
+
+    ws = ctx.workspace
+    if dry_run:
+        if spec.target == "trtllm":
+            click.echo(shlex.join(trtllm.build_command(spec, ws.checkpoint_dir(spec), ws.engine_dir(spec))))
+        else:
+            click.echo(f"target cpu: engine config + {spec.parallelism.world_size} rank file(s) into {ws.engine_dir(spec)}")
+        return
+    manifest, reused = run_build(spec, ws, force=force)
+    for warning in manifest.outputs.get("warnings", []):
+        click.echo(f"warning: {warning}", err=True)
+    state = "up to date, reused" if reused else f"built in {manifest.seconds:.2f}s"
+    click.echo(f"engine {ws.engine_dir(spec)}: {state} ({manifest.outputs.get('ranks')} rank(s), target {spec.target})")

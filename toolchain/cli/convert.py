@@ -1,0 +1,51 @@
+"""`toolchain convert SPEC`: HF checkpoint -> TensorRT-LLM 1.2 checkpoint."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from toolchain.cli._common import Context, spec_command
+from toolchain.spec import DeploymentSpec
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _print_plan(plan) -> None:
+    o = plan.options
+    click.echo(f"plan: {plan.config['architecture']} -> {o.world_size} rank(s) (tp {o.tp} x pp {o.pp}), "
+               f"dtype {o.dtype}, {_size(plan.total_bytes)}")
+    for rank, tensors in enumerate(plan.ranks):
+        click.echo(f"rank{rank}.safetensors  {len(tensors)} tensors  {_size(plan.rank_bytes(rank))}")
+        for t in tensors:
+            shape = "x".join(str(d) for d in t.shape)
+            click.echo(f"  {t.name:<56} {shape:>14}  {str(t.dtype).removeprefix('torch.'):<9} {t.nbytes:>12}")
+    if plan.dropped:
+        click.echo(f"dropped HF tensors (no checkpoint counterpart): {len(plan.dropped)}")
+
+
+@click.command(help="Convert the spec's HF checkpoint into a TensorRT-LLM 1.2 checkpoint "
+                    "(config.json + rank{N}.safetensors).")
+@click.option("--force", is_flag=True, help="Rebuild even when the existing checkpoint is current.")
+@click.option("--dry-run", is_flag=True, help="Print per-rank tensors, shapes and bytes; write nothing.")
+@spec_command
+def command(ctx: Context, spec: DeploymentSpec, force: bool, dry_run: bool) -> None:
+    from toolchain.checkpoint.stage import plan_convert, run_convert  # keep `toolchain --help` light
+
+    if dry_run:
+        _print_plan(plan_convert(spec))
+        return
+    start = time.time()
+    manifest = run_convert(spec, ctx.workspace, force=force, echo=click.echo)
+    out = ctx.workspace.checkpoint_dir(spec)
+    if manifest.created >= start:
+        o = manifest.outputs
+        click.echo(f"wrote {out}: {o['world_size']} rank(s) (tp {o['tp']} x pp {o['pp']}), {o['dtype']}, "
+                   f"{_size(o['bytes'])} in {time.time() - start:.1f}s")

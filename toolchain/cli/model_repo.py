@@ -1,0 +1,32 @@
+"""`toolchain model-repo SPEC`: render the Triton model repository."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from toolchain.cli._common import Context, spec_command
+from toolchain.spec import DeploymentSpec
+
+
+@click.command()
+@click.option("--force", is_flag=True, help="Re-render even when the repository is up to date.")
+@spec_command
+def command(ctx: Context, spec: DeploymentSpec, force: bool) -> None:
+    """Render model_repo/<name> for SPEC: ensemble, preprocessing, tensorrt_llm, postprocessing and
+    tensorrt_llm_bls, every config.pbtxt built through Triton's ModelConfig protobuf."""
+    from toolchain.triton.repo import run_model_repo  # keep `toolchain --help` light
+
+    ws = ctx.workspace
+    start = time.time()
+    manifest = run_model_repo(spec, ws, force=force)
+    out = manifest.outputs
+    state = f"rendered in {manifest.seconds:.2f}s" if manifest.created >= start else "up to date, reused"
+    mode = "decoupled (streaming)" if out.get("decoupled") else "not decoupled"
+    click.echo(f"model repository {ws.model_repo_dir(spec)}: {state} "
+               f"({len(out.get('models', []))} models, target {out.get('target')}, "
+               f"tensorrt_llm backend {out.get('backend')}, {mode})")
+    if not (ws.engine_dir(spec) / "config.json").is_file():
+        click.echo(f"note: no engine at {ws.engine_dir(spec)} yet; run `toolchain build-engine` before serving",
+                   err=True)

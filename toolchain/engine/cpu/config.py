@@ -1,0 +1,217 @@
+"""The engine directory's `config.json`, read and validated into one object.
+
+The file is shaped like trtllm-build's output (`pretrained_config` +
+`build_config`), so the CPU engine reads exactly what a GPU engine directory
+describes. Everything the forward pass needs is resolved here once, so a bad
+directory fails at load with one clear message instead of mid-request.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolchain.errors import ToolchainError
+
+# Architectures whose TRT-LLM implementation is the Llama decoder (reference §1.2).
+ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+ROPE_TYPES = {None, "none", "linear", "llama3"}
+UNQUANTIZED = {None, "NO_QUANT"}
+
+_REBUILD = "rebuild the engine with `toolchain build-engine --force`"
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Model shape and options from `pretrained_config`, plus the parallel mapping."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    hidden_act: str
+    norm_epsilon: float
+    rotary_base: float
+    rotary_scaling: dict | None
+    attn_bias: bool
+    dense_bias: bool
+    mlp_bias: bool
+    use_parallel_embedding: bool
+    embedding_sharding_dim: int
+    tie_word_embeddings: bool
+    tp: int
+    pp: int
+    quant_algo: str | None
+    kv_cache_quant_algo: str | None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.tp
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        # T > nkv: each rank holds one duplicated KV head (reference §3.2).
+        return max(1, self.num_kv_heads // self.tp)
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.tp) * self.tp
+
+    def stage_layers(self, pp_rank: int) -> range:
+        """Global layer indices of a pipeline stage: torch.tensor_split(range(L), P) (reference §3.6)."""
+        base, extra = divmod(self.num_layers, self.pp)
+        start = pp_rank * base + min(pp_rank, extra)
+        return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
+@dataclass(frozen=True)
+class BuildLimits:
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_num_tokens: int
+
+
+def _need(cfg: dict, key: str, kind: type, origin: str) -> Any:
+    if key not in cfg:
+        raise ToolchainError(f"{origin}: pretrained_config has no '{key}'", _REBUILD)
+    value = cfg[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ToolchainError(f"{origin}: pretrained_config '{key}' must be {kind.__name__}, got {value!r}", _REBUILD)
+    return value
+
+
+def _rope_scaling(raw: Any, origin: str) -> dict | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ToolchainError(f"{origin}: rotary_scaling must be an object or null, got {raw!r}", _REBUILD)
+    kind = raw.get("type", raw.get("rope_type"))
+    if kind in (None, "none", "default"):
+        return None
+    if kind not in ROPE_TYPES:
+        raise ToolchainError(f"{origin}: rotary_scaling type '{kind}' is not supported by the CPU engine",
+                             "supported: linear, llama3 (or null)")
+    needed = ["factor"] + (["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+                           if kind == "llama3" else [])
+    missing = [k for k in needed if k not in raw]
+    if missing:
+        raise ToolchainError(f"{origin}: rotary_scaling of type '{kind}' lacks {', '.join(missing)}", _REBUILD)
+    return {**raw, "type": kind}
+
+
+def parse_dims(cfg: dict, origin: str) -> ModelDims:
+    arch = _need(cfg, "architecture", str, origin)
+    if arch not in ARCHITECTURES:
+        raise ToolchainError(f"{origin}: architecture '{arch}' is not supported by the CPU engine",
+                             f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    if cfg.get("position_embedding_type", "rope_gpt_neox") != "rope_gpt_neox":
+        raise ToolchainError(f"{origin}: position_embedding_type '{cfg['position_embedding_type']}' "
+                             "is not supported by the CPU engine", "only rope_gpt_neox is")
+    mapping = cfg.get("mapping") or {}
+    tp, pp = int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
+    world = int(mapping.get("world_size", tp * pp))
+    if tp < 1 or pp < 1 or world != tp * pp or int(mapping.get("cp_size", 1)) != 1:
+        raise ToolchainError(f"{origin}: mapping {mapping} is inconsistent (world_size must be tp_size x pp_size, "
+                             "cp_size 1)", _REBUILD)
+    quant = cfg.get("quantization") or {}
+    hidden = _need(cfg, "hidden_size", int, origin)
+    heads = _need(cfg, "num_attention_heads", int, origin)
+    dims = ModelDims(
+        architecture=arch,
+        vocab_size=_need(cfg, "vocab_size", int, origin),
+        hidden_size=hidden,
+        num_layers=_need(cfg, "num_hidden_layers", int, origin),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_size=int(cfg.get("head_size") or hidden // heads),
+        intermediate_size=_need(cfg, "intermediate_size", int, origin),
+        hidden_act=_need(cfg, "hidden_act", str, origin),
+        norm_epsilon=float(cfg.get("norm_epsilon", 1e-5)),
+        rotary_base=float(cfg.get("rotary_base", 10000.0)),
+        rotary_scaling=_rope_scaling(cfg.get("rotary_scaling"), origin),
+        attn_bias=bool(cfg.get("attn_bias", False)),
+        # TRT-LLM's Qwen attention has biased q/k/v but an unbiased output projection.
+        dense_bias=bool(cfg.get("attn_bias", False)) and arch != "Qwen2ForCausalLM",
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        use_parallel_embedding=bool(cfg.get("use_parallel_embedding", False)),
+        embedding_sharding_dim=int(cfg.get("embedding_sharding_dim", 0)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tp=tp,
+        pp=pp,
+        quant_algo=quant.get("quant_algo"),
+        kv_cache_quant_algo=quant.get("kv_cache_quant_algo"),
+    )
+    _check_dims(dims, origin)
+    return dims
+
+
+def _check_dims(d: ModelDims, origin: str) -> None:
+    problems = []
+    if d.hidden_act != "silu":
+        problems.append(f"hidden_act '{d.hidden_act}' (only silu is supported)")
+    if d.num_heads % d.tp:
+        problems.append(f"num_attention_heads {d.num_heads} not divisible by tp {d.tp}")
+    if d.num_kv_heads % d.tp and d.tp % d.num_kv_heads:
+        problems.append(f"num_key_value_heads {d.num_kv_heads} and tp {d.tp} do not divide one another")
+    if d.num_heads % d.num_kv_heads:
+        problems.append(f"num_attention_heads {d.num_heads} not a multiple of num_key_value_heads {d.num_kv_heads}")
+    if d.intermediate_size % d.tp:
+        problems.append(f"intermediate_size {d.intermediate_size} not divisible by tp {d.tp}")
+    if d.pp > d.num_layers:
+        problems.append(f"pp {d.pp} exceeds num_hidden_layers {d.num_layers}")
+    if d.embedding_sharding_dim not in (0, 1):
+        problems.append(f"embedding_sharding_dim {d.embedding_sharding_dim} (must be 0 or 1)")
+    if d.use_parallel_embedding and d.embedding_sharding_dim == 1 and d.hidden_size % d.tp:
+        problems.append(f"hidden_size {d.hidden_size} not divisible by tp {d.tp} (embedding_sharding_dim 1)")
+    if d.head_size % 2:
+        problems.append(f"head_size {d.head_size} is odd (rotary needs pairs)")
+    if problems:
+        raise ToolchainError(f"{origin}: " + "; ".join(problems), _REBUILD)
+    if d.quant_algo not in UNQUANTIZED or d.kv_cache_quant_algo not in UNQUANTIZED:
+        raise ToolchainError(
+            f"{origin}: quantization (quant_algo={d.quant_algo}, kv_cache_quant_algo={d.kv_cache_quant_algo}) "
+            "is not supported by the CPU engine yet", "build an unquantized engine for target cpu")
+
+
+def parse_limits(build: Any, origin: str) -> BuildLimits:
+    if not isinstance(build, dict):
+        raise ToolchainError(f"{origin}: 'build_config' missing or not an object", _REBUILD)
+    values = {}
+    for key in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens"):
+        value = build.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ToolchainError(f"{origin}: build_config '{key}' must be a positive integer, got {value!r}", _REBUILD)
+        values[key] = value
+    if build.get("max_beam_width", 1) != 1:
+        raise ToolchainError(f"{origin}: max_beam_width {build['max_beam_width']} (the CPU engine only does 1)",
+                             _REBUILD)
+    if values["max_input_len"] > values["max_seq_len"]:
+        raise ToolchainError(f"{origin}: max_input_len exceeds max_seq_len", _REBUILD)
+    return BuildLimits(**values)
+
+
+def read_engine_config(engine_dir: Path) -> tuple[dict, ModelDims, BuildLimits]:
+    """The raw config dict plus its parsed model dimensions and build limits."""
+    path = Path(engine_dir) / "config.json"
+    if not path.is_file():
+        raise ToolchainError(f"no engine config at {path}", "build the engine first: `toolchain build-engine`")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ToolchainError(f"{path} is not valid JSON: {err}", _REBUILD) from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("pretrained_config"), dict):
+        raise ToolchainError(f"{path}: no 'pretrained_config' object", _REBUILD)
+    return raw, parse_dims(raw["pretrained_config"], str(path)), parse_limits(raw.get("build_config"), str(path))

@@ -1,0 +1,46 @@
+"""Every matmul of the engine goes through `Linear`.
+
+One small class so a quantized kernel (int8/int4 weight-only, SmoothQuant,
+FP8) can replace the float path for a module without touching the model code:
+`make_linear` is the single place that decides which implementation a checkpoint
+module gets, from the tensors present under its prefix and the quant config.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Linear:
+    """y = x @ W.T + b with W stored (out, in) as in the checkpoint, in float32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def __call__(self, x: torch.Tensor, *, add_bias: bool = True) -> torch.Tensor:
+        # Row-parallel shards leave their bias out; it is added once after the partial sums.
+        bias = self.bias if add_bias else None
+        return torch.nn.functional.linear(x, self.weight, bias)
+
+
+def linear_tensor_names(prefix: str, bias: bool, quant_algo: str | None = None) -> list[str]:
+    """The tensors a linear module needs under `prefix`, for the strict-load check.
+
+    Quantized formats add their scale tensors here (reference §2.8).
+    """
+    return [f"{prefix}.weight"] + ([f"{prefix}.bias"] if bias else [])
+
+
+def make_linear(tensors: dict[str, torch.Tensor], prefix: str, bias: bool,
+                quant_algo: str | None = None) -> Linear:
+    """Build the linear for `prefix` from a rank's (already float32) tensors."""
+    return Linear(tensors[f"{prefix}.weight"], tensors[f"{prefix}.bias"] if bias else None)

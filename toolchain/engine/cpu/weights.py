@@ -1,0 +1,205 @@
+"""Load every rank's shard of the engine, strictly, the way trtllm-build does.
+
+Each `rank{N}.safetensors` is kept as its own `RankShard` (never merged into
+full matrices), so running the model over the shards proves every rank's
+slice is right. A missing tensor or a wrong shape is an error that lists what
+is wrong; a tensor the model does not use is ignored with a warning (the
+build's strict load behaves the same way, reference §1.1).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from toolchain.engine.cpu.config import ModelDims
+from toolchain.engine.cpu.linear import Linear, linear_tensor_names, make_linear
+from toolchain.errors import ToolchainError
+
+log = logging.getLogger(__name__)
+
+EMBEDDING = "transformer.vocab_embedding.weight"
+FINAL_NORM = "transformer.ln_f.weight"
+LM_HEAD = "lm_head"
+
+
+@dataclass
+class LayerShard:
+    """One decoder layer's slice held by one TP rank."""
+
+    input_norm: torch.Tensor
+    qkv: Linear
+    dense: Linear        # row-parallel: its bias (full copy) is added once after the partial sums
+    post_norm: torch.Tensor
+    fc: Linear           # HF gate_proj: the activation is applied to it
+    gate: Linear         # HF up_proj
+    proj: Linear         # row-parallel, like dense
+
+
+@dataclass
+class RankShard:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    layers: list[LayerShard]
+    embedding: torch.Tensor | None = None   # first stage only
+    final_norm: torch.Tensor | None = None  # last stage only
+    lm_head: Linear | None = None           # last stage only: rows [Vp/T), padded vocab slice
+
+
+def _layer(i: int) -> str:
+    return f"transformer.layers.{i}"
+
+
+def expected_shapes(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor rank (tp_rank, pp_rank) must hold, with its shape (reference §2.1, §3)."""
+    H, T, hd = d.hidden_size, d.tp, d.head_size
+    qkv_out = (d.heads_per_rank + 2 * d.kv_heads_per_rank) * hd
+    inter = d.intermediate_size // T
+    shapes: dict[str, tuple[int, ...]] = {}
+    if pp_rank == 0:
+        if not d.use_parallel_embedding:
+            shapes[EMBEDDING] = (d.vocab_size, H)
+        elif d.embedding_sharding_dim == 0:
+            shapes[EMBEDDING] = (d.padded_vocab // T, H)
+        else:
+            shapes[EMBEDDING] = (d.vocab_size, H // T)
+    for i in range(len(d.stage_layers(pp_rank))):
+        p = _layer(i)
+        shapes[f"{p}.input_layernorm.weight"] = (H,)
+        shapes[f"{p}.post_layernorm.weight"] = (H,)
+        modules = [("attention.qkv", (qkv_out, H), d.attn_bias),
+                   ("attention.dense", (H, d.heads_per_rank * hd), d.dense_bias),
+                   ("mlp.fc", (inter, H), d.mlp_bias),
+                   ("mlp.gate", (inter, H), d.mlp_bias),
+                   ("mlp.proj", (H, inter), d.mlp_bias)]
+        for name, (out_f, in_f), bias in modules:
+            # Row-parallel biases are full copies: their length is the full output, H.
+            for tensor in linear_tensor_names(f"{p}.{name}", bias, d.quant_algo):
+                shapes[tensor] = (out_f, in_f) if tensor.endswith(".weight") else (out_f,)
+    if pp_rank == d.pp - 1:
+        shapes[FINAL_NORM] = (H,)
+        shapes[f"{LM_HEAD}.weight"] = (d.padded_vocab // T, H)
+    return shapes
+
+
+def _tied_lm_head(d: ModelDims, tensors: dict[str, torch.Tensor], tp_rank: int) -> torch.Tensor | None:
+    """The lm_head slice derived from this rank's embedding, when the tied exemption applies (§1.1)."""
+    emb = tensors.get(EMBEDDING)
+    if emb is None or not d.tie_word_embeddings:
+        return None
+    rows = d.padded_vocab // d.tp
+    if not d.use_parallel_embedding:
+        padded = torch.cat([emb, emb.new_zeros(d.padded_vocab - d.vocab_size, emb.shape[1])])
+        return padded[tp_rank * rows:(tp_rank + 1) * rows]
+    if d.embedding_sharding_dim == 0:
+        return emb  # the vocab-sharded embedding is exactly this rank's lm_head slice
+    return None
+
+
+def _read_rank(path: Path, wanted: dict[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    tensors, extra = {}, []
+    try:
+        fh = safe_open(str(path), framework="pt")
+    except Exception as err:  # safetensors raises its own error type for a bad header
+        raise ToolchainError(f"cannot read {path}: {err}", "rebuild the engine with `--force`") from None
+    with fh:
+        for name in fh.keys():
+            if name not in wanted:
+                extra.append(name)
+                continue
+            t = fh.get_tensor(name)
+            if not t.is_floating_point():
+                raise ToolchainError(f"{path.name}: tensor {name} has dtype {t.dtype}; the CPU engine expects "
+                                     "floating-point weights", "rebuild the engine without quantization")
+            tensors[name] = t.to(torch.float32).contiguous()  # compute in fp32 whatever the stored dtype
+    return tensors, extra
+
+
+def load_rank(engine_dir: Path, d: ModelDims, rank: int) -> RankShard:
+    pp_rank, tp_rank = divmod(rank, d.tp)
+    path = Path(engine_dir) / f"rank{rank}.safetensors"
+    if not path.is_file():
+        raise ToolchainError(f"engine rank file missing: {path} (world_size {d.world_size})",
+                             "rebuild the engine with `toolchain build-engine --force`")
+    wanted = expected_shapes(d, tp_rank, pp_rank)
+    tensors, extra = _read_rank(path, wanted)
+    head = f"{LM_HEAD}.weight"
+    if head in wanted and head not in tensors:
+        tied = _tied_lm_head(d, tensors, tp_rank)
+        if tied is not None:
+            tensors[head] = tied
+    missing = [n for n in wanted if n not in tensors]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ToolchainError(f"{path.name} lacks {len(missing)} required tensor(s): {shown}",
+                             "the checkpoint does not match its config.json; reconvert and rebuild with --force")
+    wrong = [f"{n} {tuple(tensors[n].shape)} (expected {shape})" for n, shape in wanted.items()
+             if tuple(tensors[n].shape) != shape]
+    if wrong:
+        raise ToolchainError(f"{path.name}: shape mismatch: " + "; ".join(wrong[:5]),
+                             "the checkpoint does not match its config.json (tp/pp, heads, vocab)")
+    if extra:
+        log.warning("%s: ignoring %d unused tensor(s): %s", path.name, len(extra), ", ".join(sorted(extra)[:5]))
+    return _assemble(d, tensors, rank, tp_rank, pp_rank)
+
+
+def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int, pp_rank: int) -> RankShard:
+    q = d.quant_algo
+    layers = []
+    for i in range(len(d.stage_layers(pp_rank))):
+        p = _layer(i)
+        layers.append(LayerShard(
+            input_norm=t[f"{p}.input_layernorm.weight"],
+            qkv=make_linear(t, f"{p}.attention.qkv", d.attn_bias, q),
+            dense=make_linear(t, f"{p}.attention.dense", d.dense_bias, q),
+            post_norm=t[f"{p}.post_layernorm.weight"],
+            fc=make_linear(t, f"{p}.mlp.fc", d.mlp_bias, q),
+            gate=make_linear(t, f"{p}.mlp.gate", d.mlp_bias, q),
+            proj=make_linear(t, f"{p}.mlp.proj", d.mlp_bias, q),
+        ))
+    shard = RankShard(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, layers=layers)
+    shard.embedding = t.get(EMBEDDING)
+    if pp_rank == d.pp - 1:
+        shard.final_norm = t[FINAL_NORM]
+        # lm_head stays unquantized in every format the engine reads (exclude_modules default).
+        shard.lm_head = make_linear(t, LM_HEAD, False, None)
+    return shard
+
+
+def load_stages(engine_dir: Path, d: ModelDims) -> list[list[RankShard]]:
+    """All ranks, grouped by pipeline stage, TP ranks in order within a stage."""
+    stages = [[load_rank(engine_dir, d, pp * d.tp + tp) for tp in range(d.tp)] for pp in range(d.pp)]
+    check_replicas(stages, d)
+    return stages
+
+
+def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
+    """Tensors every TP rank holds in full must be identical across the ranks of a stage.
+
+    The forward pass keeps one hidden state per stage (as the all-reduce would
+    make it), so it applies each replicated tensor once; comparing the copies
+    here is what proves ranks other than the first hold the right ones.
+    """
+    for shards in stages:
+        first = shards[0]
+        for other in shards[1:]:
+            pairs = [(FINAL_NORM, first.final_norm, other.final_norm)]
+            if not d.use_parallel_embedding:  # sharded embeddings differ by design
+                pairs.append((EMBEDDING, first.embedding, other.embedding))
+            for i, (a, b) in enumerate(zip(first.layers, other.layers)):
+                p = _layer(i)
+                pairs += [(f"{p}.input_layernorm.weight", a.input_norm, b.input_norm),
+                          (f"{p}.post_layernorm.weight", a.post_norm, b.post_norm),
+                          (f"{p}.attention.dense.bias", a.dense.bias, b.dense.bias),
+                          (f"{p}.mlp.proj.bias", a.proj.bias, b.proj.bias)]
+            for name, a, b in pairs:
+                if a is not None and b is not None and not torch.equal(a, b):
+                    raise ToolchainError(
+                        f"rank{other.rank}.safetensors: replicated tensor {name} differs from "
+                        f"rank{first.rank}'s copy",
+                        "every TP rank must hold the same norms and row-parallel biases; reconvert with --force")

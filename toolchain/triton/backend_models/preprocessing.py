@@ -1,0 +1,153 @@
+"""Triton Python model `preprocessing` (TensorRT-LLM 1.2 contract): text -> token ids.
+
+QUERY [B,1] is tokenized with the tokenizer in the `tokenizer_dir` parameter
+and returned right-padded with the pad id as INPUT_ID [B,L] plus
+REQUEST_INPUT_LEN [B,1]. Stop/bad word strings become the `[B,2,N]` word lists
+of TensorRT-LLM (row 0: the words' ids concatenated, row 1: cumulative end
+offsets padded with -1). END_ID/PAD_ID default to the tokenizer's EOS/PAD
+(PAD := EOS when the tokenizer has none). Copied into <repo>/preprocessing/1/model.py.
+"""
+
+import json
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def _param(config, key):
+    """A string parameter, or None when missing, empty or an unfilled `${...}`."""
+    value = config.get("parameters", {}).get(key, {}).get("string_value")
+    if value is None or value == "" or value.startswith("${"):
+        return None
+    return value
+
+
+def _flag(text, default):
+    if text is None:
+        return default
+    return text.strip().lower() in ("1", "true", "t", "yes", "y")
+
+
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _text(value):
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from transformers import AutoTokenizer
+
+        config = json.loads(args["model_config"])
+        tokenizer_dir = _param(config, "tokenizer_dir")
+        if tokenizer_dir is None or not os.path.isdir(tokenizer_dir):
+            # A missing directory would otherwise be taken for a Hub id and downloaded.
+            raise ValueError(f"preprocessing: tokenizer_dir {tokenizer_dir!r} is not a directory")
+        self.add_special_tokens = _flag(_param(config, "add_special_tokens"), True)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        self.end_id = -1 if eos is None else int(eos)
+        self.pad_id = self.end_id if pad is None else int(pad)
+        if self.pad_id < 0:
+            self.pad_id = 0
+        self.vocab_size = len(self.tokenizer)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                responses.append(pb_utils.InferenceResponse(output_tensors=self._process(request)))
+            except Exception as err:  # one bad request must not fail the batch
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError(f"preprocessing: {err}")))
+        return responses
+
+    def _process(self, request):
+        for name in ("IMAGE_BYTES", "IMAGE_URL", "IMAGES", "VIDEO_BYTES"):
+            if pb_utils.get_input_tensor_by_name(request, name) is not None:
+                raise ValueError(f"{name}: multimodal inputs are not supported by this deployment")
+        query = _input(request, "QUERY")
+        batch = query.shape[0]
+        end_id = _input(request, "END_ID")
+        pad_id = _input(request, "PAD_ID")
+        end_id = np.full((batch, 1), self.end_id, np.int32) if end_id is None else end_id.reshape(batch, 1)
+        pad_id = np.full((batch, 1), self.pad_id, np.int32) if pad_id is None else pad_id.reshape(batch, 1)
+
+        input_ids, input_lens = self._encode(query, pad_id)
+        decoder_query = _input(request, "DECODER_QUERY")
+        if decoder_query is not None:
+            decoder_ids, decoder_lens = self._encode(decoder_query, pad_id)
+        else:  # decoder-only: a one-token placeholder, as the 1.2 preprocessing sends it
+            decoder_ids = pad_id.astype(np.int32).reshape(batch, 1)
+            decoder_lens = np.ones((batch, 1), np.int32)
+
+        outputs = [
+            pb_utils.Tensor("INPUT_ID", input_ids),
+            pb_utils.Tensor("REQUEST_INPUT_LEN", input_lens),
+            pb_utils.Tensor("DECODER_INPUT_ID", decoder_ids),
+            pb_utils.Tensor("REQUEST_DECODER_INPUT_LEN", decoder_lens),
+            pb_utils.Tensor("BAD_WORDS_IDS", self._word_lists(_input(request, "BAD_WORDS_DICT"), batch)),
+            pb_utils.Tensor("STOP_WORDS_IDS", self._word_lists(_input(request, "STOP_WORDS_DICT"), batch)),
+            pb_utils.Tensor("EMBEDDING_BIAS", self._embedding_bias(
+                _input(request, "EMBEDDING_BIAS_WORDS"), _input(request, "EMBEDDING_BIAS_WEIGHTS"), batch)),
+            pb_utils.Tensor("REQUEST_OUTPUT_LEN", _input(request, "REQUEST_OUTPUT_LEN").astype(np.int32)),
+            pb_utils.Tensor("OUT_END_ID", end_id.astype(np.int32)),
+            pb_utils.Tensor("OUT_PAD_ID", pad_id.astype(np.int32)),
+        ]
+        extra_id = _input(request, "PROMPT_TABLE_EXTRA_ID")
+        if extra_id is not None:
+            # Ids past the vocabulary address the prompt table; tag those with the extra id.
+            extra = np.where(input_ids >= self.vocab_size, extra_id.reshape(batch, 1), 0).astype(np.uint64)
+            outputs.append(pb_utils.Tensor("OUT_PROMPT_TABLE_EXTRA_IDS", extra))
+        return outputs
+
+    def _encode(self, texts, pad_id):
+        rows = [self.tokenizer.encode(_text(row.reshape(-1)[0]), add_special_tokens=self.add_special_tokens)
+                for row in texts]
+        width = max(1, max(len(r) for r in rows))
+        ids = np.empty((len(rows), width), np.int32)
+        for i, row in enumerate(rows):
+            ids[i, :] = pad_id[i, 0]
+            ids[i, :len(row)] = row
+        return ids, np.array([[len(r)] for r in rows], np.int32)
+
+    def _word_lists(self, words, batch):
+        if words is None:
+            return np.empty((batch, 2, 0), np.int32)
+        flat, offsets = [], []
+        for row in words.reshape(batch, -1):
+            ids, ends = [], []
+            for word in row:
+                word_ids = self.tokenizer.encode(_text(word), add_special_tokens=False)
+                if word_ids:
+                    ids += word_ids
+                    ends.append(len(ids))
+            flat.append(ids)
+            offsets.append(ends)
+        width = max(1, max(len(r) for r in flat))
+        out = np.zeros((batch, 2, width), np.int32)
+        out[:, 1, :] = -1
+        for i, (ids, ends) in enumerate(zip(flat, offsets)):
+            out[i, 0, :len(ids)] = ids
+            out[i, 1, :len(ends)] = ends
+        return out
+
+    def _embedding_bias(self, words, weights, batch):
+        if words is None or weights is None:
+            return np.empty((batch, 0), np.float32)
+        bias = np.zeros((batch, self.vocab_size), np.float32)
+        for i, (row_words, row_weights) in enumerate(zip(words.reshape(batch, -1), weights.reshape(batch, -1))):
+            if len(row_words) != len(row_weights):
+                raise ValueError("EMBEDDING_BIAS_WORDS and EMBEDDING_BIAS_WEIGHTS differ in length")
+            for word, weight in zip(row_words, row_weights):
+                for token in self.tokenizer.encode(_text(word), add_special_tokens=False):
+                    bias[i, token] += weight
+        return bias
+
+    def finalize(self):
+        self.tokenizer = None

@@ -1,0 +1,372 @@
+"""Triton Python model `tensorrt_llm` for target `cpu`: the CPU engine behind the
+TensorRT-LLM 1.2 tensor contract.
+
+Same name, tensors, reshape/optional flags and decoupled setting as the C++
+`tensorrtllm` backend, so preprocessing, the ensemble, the BLS and clients
+cannot tell the difference. One `InflightBatcher` over `CpuEngine.load(<gpt_model_path>)`
+is started in `initialize()`; `execute()` only submits and returns None, and
+responses are sent from the batcher's callbacks through each request's
+response sender:
+
+* streaming (decoupled only): every response carries just the new tokens,
+  `output_ids` [1,1,n] and `sequence_length` [1,1]; the last one has the FINAL flag;
+* non-streaming: one response with prompt + completion (completion only when
+  `exclude_input_in_output`), FINAL flag set;
+* batch > 1 (decoupled only): one executor request per row, responses tagged
+  with `batch_index`, FINAL on the response that completes the last row;
+* `stop=true` with the Triton request id of an in-flight request cancels it
+  and both requests end with an empty final response; client cancellation is
+  polled every 100 ms (`cancellation_check_period_ms`).
+
+Copied into <repo>/tensorrt_llm/1/model.py.
+"""
+
+import inspect
+import itertools
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+# Request input -> SamplingParams field, with the value that means "off" for the
+# fields this engine may not implement (a non-neutral value must not be ignored).
+SAMPLING = (
+    ("temperature", "temperature", float, None),
+    ("runtime_top_k", "top_k", int, None),
+    ("runtime_top_p", "top_p", float, None),
+    ("seed", "seed", int, None),
+    ("min_tokens", "min_tokens", int, None),
+    ("repetition_penalty", "repetition_penalty", float, 1.0),
+    ("presence_penalty", "presence_penalty", float, 0.0),
+    ("frequency_penalty", "frequency_penalty", float, 0.0),
+    ("runtime_top_p_min", "top_p_min", float, 0.0),
+    ("runtime_top_p_decay", "top_p_decay", float, 1.0),
+)
+# Inputs whose mere presence asks for something the CPU engine does not do.
+UNSUPPORTED_INPUTS = ("encoder_input_features", "draft_input_ids", "draft_logits", "prompt_embedding_table",
+                      "lora_task_id", "lora_weights", "lora_config", "cross_attention_mask", "context_phase_params",
+                      "guided_decoding_guide_type", "guided_decoding_guide", "mrope_rotary_cos_sin")
+UNSUPPORTED_FLAGS = ("return_log_probs", "return_context_logits", "return_generation_logits")
+
+
+def _param(config, key):
+    value = config.get("parameters", {}).get(key, {}).get("string_value")
+    if value is None or value == "" or value.startswith("${"):
+        return None
+    return value
+
+
+def _flag(text, default):
+    return default if text is None else text.strip().lower() in ("1", "true", "t", "yes", "y")
+
+
+class _Inputs:
+    """Reads a request's tensors, tolerating both `[B]` (after `reshape []`)
+    and `[B,1]` layouts for per-row scalars."""
+
+    def __init__(self, request):
+        self.request = request
+        ids = self.get("input_ids")
+        if ids is None:
+            raise ValueError("input_ids is required")
+        self.ids = ids.reshape(1, -1) if ids.ndim == 1 else ids.reshape(ids.shape[0], -1)
+        self.batch = self.ids.shape[0]
+
+    def get(self, name):
+        tensor = pb_utils.get_input_tensor_by_name(self.request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    def scalar(self, name, row, default=None, cast=int):
+        arr = self.get(name)
+        if arr is None or arr.size == 0:
+            return default
+        flat = arr.reshape(-1)
+        if flat.size == self.batch:
+            return cast(flat[row])
+        if flat.size % self.batch == 0:
+            return cast(arr.reshape(self.batch, -1)[row, 0])
+        return cast(flat[0])
+
+    def word_list(self, name, row):
+        """[B,2,N] TensorRT-LLM word list -> list of token-id lists for one row."""
+        arr = self.get(name)
+        if arr is None or arr.size == 0:
+            return []
+        arr = arr.reshape(self.batch, 2, -1)[row]
+        words, start = [], 0
+        for end in arr[1]:
+            if end < 0:
+                break
+            words.append([int(t) for t in arr[0, start:end]])
+            start = int(end)
+        return words
+
+
+class _Group:
+    """One Triton request: its sender and the engine requests of its rows."""
+
+    def __init__(self, sender, triton_id, batch, streaming):
+        self.sender = sender
+        self.triton_id = triton_id
+        self.batch = batch
+        self.streaming = streaming
+        self.pending = set()
+        self.done = False
+
+
+class _Row:
+    def __init__(self, group, index, prompt, exclude_input, wants):
+        self.group = group
+        self.index = index
+        self.prompt = prompt
+        self.exclude_input = exclude_input
+        self.wants = wants  # optional outputs requested per request flags
+        self.tokens = []
+        self.arrival_ns = time.time_ns()
+        self.first_token_ns = 0
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.default_exclude_input = _flag(_param(config, "exclude_input_in_output"), False)
+        period = _param(config, "cancellation_check_period_ms")
+        self.cancel_period_s = (int(period) if period and period.isdigit() else 100) / 1000.0
+        toolchain_path = _param(config, "toolchain_path")
+        # The Python stub ignores PYTHONPATH; the rendered path is a fallback for a
+        # toolchain that is not installed in the serving environment.
+        if toolchain_path and toolchain_path not in sys.path:
+            sys.path.append(toolchain_path)
+        from toolchain.engine.cpu import CpuEngine, InflightBatcher, SamplingParams
+
+        engine_dir = _param(config, "gpt_model_path")
+        if engine_dir is None or not os.path.isfile(os.path.join(engine_dir, "config.json")):
+            raise ValueError(f"tensorrt_llm: no engine at gpt_model_path {engine_dir!r} (run `toolchain build-engine`)")
+        self.SamplingParams = SamplingParams
+        self.sampling_fields = set(inspect.signature(SamplingParams).parameters)
+        threads = _param(config, "engine_threads")
+        self.engine = CpuEngine.load(engine_dir, num_threads=int(threads) if threads and threads.isdigit() else None)
+        self.batcher = InflightBatcher(self.engine)
+        self.batcher.start()
+        self.lock = threading.Lock()
+        self.rows = {}  # engine request id -> _Row
+        self.groups = {}  # id(group) -> _Group
+        self.ids = itertools.count(1)
+        self.stopping = threading.Event()
+        self.watcher = threading.Thread(target=self._watch_cancellation, name="tensorrt_llm-cancel", daemon=True)
+        self.watcher.start()
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._submit(request, sender)
+            except Exception as err:
+                self._send(sender, error=f"tensorrt_llm: {err}")
+        return None  # every response goes through the senders, in both modes
+
+    def _submit(self, request, sender):
+        inputs = _Inputs(request)
+        triton_id = request.request_id()
+        if inputs.scalar("stop", 0, False, bool):
+            self._stop(triton_id)
+            self._send(sender)
+            return
+        streaming = inputs.scalar("streaming", 0, False, bool)
+        if streaming and not self.decoupled:
+            raise ValueError("Streaming is only supported if model is deployed using decoupled mode.")
+        if inputs.batch > 1 and not self.decoupled:
+            raise ValueError("Batch size > 1 requires the tensorrt_llm model to use the decoupled transaction policy")
+        self._check_supported(inputs)
+
+        group = _Group(sender, triton_id, inputs.batch, streaming)
+        submissions = []
+        for row in range(inputs.batch):
+            length = inputs.scalar("input_lengths", row, inputs.ids.shape[1])
+            if length <= 0 or length > inputs.ids.shape[1]:
+                raise ValueError(f"input_lengths {length} does not fit input_ids of width {inputs.ids.shape[1]}")
+            prompt = [int(t) for t in inputs.ids[row, :length]]
+            params = self._sampling(inputs, row)
+            exclude = inputs.scalar("exclude_input_in_output", row, self.default_exclude_input, bool)
+            wants = {flag for flag in ("return_num_input_tokens", "return_num_output_tokens", "return_perf_metrics")
+                     if inputs.scalar(flag, row, False, bool)}
+            rid = next(self.ids)
+            submissions.append((rid, _Row(group, row, prompt, exclude, wants), prompt, params))
+        with self.lock:
+            self.groups[id(group)] = group
+            for rid, row, _, _ in submissions:
+                self.rows[rid] = row
+                group.pending.add(rid)
+        for rid, _, prompt, params in submissions:
+            try:
+                self.batcher.submit(rid, prompt, params, self._callback(rid))
+            except Exception as err:
+                self._abort(group, error=f"tensorrt_llm: {err}")
+                return
+
+    def _check_supported(self, inputs):
+        for name in UNSUPPORTED_INPUTS:
+            if inputs.get(name) is not None:
+                raise ValueError(f"{name} is not supported by the CPU engine")
+        for name in UNSUPPORTED_FLAGS:
+            if inputs.scalar(name, 0, False, bool):
+                raise ValueError(f"{name}=true is not supported by the CPU engine")
+        for name in ("beam_width", "num_return_sequences"):
+            if inputs.scalar(name, 0, 1) > 1:
+                raise ValueError(f"{name} > 1 is not supported by the CPU engine")
+        bias = inputs.get("embedding_bias")
+        if bias is not None and bias.size and np.any(bias):
+            raise ValueError("embedding_bias is not supported by the CPU engine")
+        if "bad_words" not in self.sampling_fields and any(
+                inputs.word_list("bad_words_list", r) for r in range(inputs.batch)):
+            raise ValueError("bad_words_list is not supported by the CPU engine")
+
+    def _sampling(self, inputs, row):
+        max_new = inputs.scalar("request_output_len", row)
+        if max_new is None or max_new <= 0:
+            raise ValueError("request_output_len must be > 0")
+        kwargs = {"max_new_tokens": max_new, "end_id": inputs.scalar("end_id", row, -1),
+                  "pad_id": inputs.scalar("pad_id", row, None),
+                  "stop_words": inputs.word_list("stop_words_list", row)}
+        if "bad_words" in self.sampling_fields:
+            kwargs["bad_words"] = inputs.word_list("bad_words_list", row)
+        for name, field, cast, neutral in SAMPLING:
+            value = inputs.scalar(name, row, None, cast)
+            if value is None:
+                continue
+            if field in self.sampling_fields:
+                kwargs[field] = value
+            elif neutral is not None and value != neutral:
+                raise ValueError(f"{name}={value:g} is not supported by the CPU engine")
+        return self.SamplingParams(**kwargs)
+
+    # ---- engine callbacks -------------------------------------------------------------------------------------
+    def _callback(self, rid):
+        return lambda new_tokens, finished, error=None: self._on_tokens(rid, new_tokens, finished, error)
+
+    def _on_tokens(self, rid, new_tokens, finished, error):
+        with self.lock:
+            row = self.rows.get(rid)
+            if row is None:  # cancelled or stopped meanwhile
+                return
+            group = row.group
+        if error:
+            self._abort(group, error=f"tensorrt_llm: {error}")
+            return
+        with self.lock:
+            if group.done:
+                return
+            new_tokens = [int(t) for t in (new_tokens or ())]
+            if new_tokens and not row.first_token_ns:
+                row.first_token_ns = time.time_ns()
+            row.tokens += new_tokens
+            if finished:
+                self.rows.pop(rid, None)
+                group.pending.discard(rid)
+            last = finished and not group.pending
+            if last:
+                group.done = True
+                self.groups.pop(id(group), None)
+            if group.streaming:
+                if new_tokens:
+                    self._send(group.sender, self._outputs(row, new_tokens), final=last)
+                elif last:
+                    self._send(group.sender)
+            elif finished:
+                full = row.tokens if row.exclude_input else row.prompt + row.tokens
+                self._send(group.sender, self._outputs(row, full), final=last)
+
+    def _outputs(self, row, tokens):
+        out = [pb_utils.Tensor("output_ids", np.array(tokens, np.int32).reshape(1, 1, -1)),
+               pb_utils.Tensor("sequence_length", np.array([[len(tokens)]], np.int32))]
+        if row.group.batch > 1:
+            out.append(pb_utils.Tensor("batch_index", np.array([[row.index]], np.int32)))
+        if "return_num_input_tokens" in row.wants:
+            out.append(pb_utils.Tensor("num_input_tokens", np.array([[len(row.prompt)]], np.int32)))
+        if "return_num_output_tokens" in row.wants:
+            out.append(pb_utils.Tensor("num_output_tokens", np.array([[len(row.tokens)]], np.int32)))
+        if "return_perf_metrics" in row.wants:
+            now = time.time_ns()
+            for name, value in (("arrival_time_ns", row.arrival_ns), ("first_scheduled_time_ns", row.arrival_ns),
+                                ("first_token_time_ns", row.first_token_ns or now), ("last_token_time_ns", now)):
+                out.append(pb_utils.Tensor(name, np.array([[value]], np.int64)))
+            for name in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
+                         "total_accepted_draft_tokens", "total_draft_tokens"):
+                out.append(pb_utils.Tensor(name, np.zeros((1, 1), np.int32)))
+            out.append(pb_utils.Tensor("acceptance_rate", np.zeros((1, 1), np.float32)))
+        return out
+
+    # ---- stop, cancellation, errors ---------------------------------------------------------------------------
+    def _stop(self, triton_id):
+        if not triton_id:
+            return
+        with self.lock:
+            targets = [g for g in self.groups.values() if g.triton_id == triton_id]
+        for group in targets:
+            self._abort(group)
+
+    def _watch_cancellation(self):
+        while not self.stopping.wait(self.cancel_period_s):
+            with self.lock:
+                groups = list(self.groups.values())
+            for group in groups:
+                try:
+                    cancelled = group.sender.is_cancelled()
+                except Exception:
+                    cancelled = False
+                if cancelled:
+                    self._abort(group, cancelled=True)
+
+    def _abort(self, group, error=None, cancelled=False):
+        """End a group once: cancel its engine requests (outside the lock, the
+        batcher may be calling back) and send the final response."""
+        with self.lock:
+            if group.done:
+                return
+            group.done = True
+            self.groups.pop(id(group), None)
+            rids = [rid for rid in group.pending if rid in self.rows]
+            for rid in rids:
+                self.rows.pop(rid, None)
+        for rid in rids:
+            try:
+                self.batcher.cancel(rid)
+            except Exception:
+                pass
+        if cancelled:
+            code = getattr(pb_utils.TritonError, "CANCELLED", None)
+            err = pb_utils.TritonError("request cancelled", code) if code is not None else pb_utils.TritonError(
+                "request cancelled")
+            self._send(group.sender, error=err)
+        else:
+            self._send(group.sender, error=error)
+
+    def _send(self, sender, outputs=None, error=None, final=True):
+        try:
+            if outputs is None and error is None:
+                sender.send(flags=FINAL)
+                return
+            if isinstance(error, str):
+                error = pb_utils.TritonError(error)
+            response = pb_utils.InferenceResponse(output_tensors=outputs or [], error=error)
+            sender.send(response, flags=FINAL if final else 0)
+        except Exception as err:  # the client may be gone; nothing else to tell it
+            print(f"tensorrt_llm: could not send a response: {err}", file=sys.stderr)
+
+    def finalize(self):
+        self.stopping.set()
+        try:
+            self.batcher.stop()
+        finally:
+            with self.lock:
+                groups = list(self.groups.values())
+            for group in groups:
+                self._abort(group, error="tensorrt_llm: model is unloading")

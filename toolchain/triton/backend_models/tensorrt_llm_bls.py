@@ -1,0 +1,237 @@
+"""Triton Python model `tensorrt_llm_bls` (TensorRT-LLM 1.2 contract): text in, text out
+through Business Logic Scripting instead of an ensemble.
+
+preprocessing -> tensorrt_llm (streamed with `exec(decoupled=True)` when the
+model is decoupled) -> postprocessing for every chunk; each chunk goes back as
+`text_output` (the delta, or the text so far with `accumulate_tokens`), then a
+separate flag-only final response. In decoupled mode each request runs on its
+own thread, so one instance serves many requests at once, as the in-flight
+batcher below it expects; a client cancellation is forwarded to tensorrt_llm
+as a `stop` request for the same request id. Copied into
+<repo>/tensorrt_llm_bls/1/model.py.
+"""
+
+import json
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+# BLS input -> preprocessing input
+PREPROCESSING_INPUTS = {
+    "text_input": "QUERY", "decoder_text_input": "DECODER_QUERY", "max_tokens": "REQUEST_OUTPUT_LEN",
+    "bad_words": "BAD_WORDS_DICT", "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID",
+    "embedding_bias_words": "EMBEDDING_BIAS_WORDS", "embedding_bias_weights": "EMBEDDING_BIAS_WEIGHTS",
+    "prompt_table_extra_id": "PROMPT_TABLE_EXTRA_ID",
+}
+# preprocessing output -> tensorrt_llm input
+PREPROCESSED = {
+    "INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
+    "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id", "STOP_WORDS_IDS": "stop_words_list",
+    "BAD_WORDS_IDS": "bad_words_list", "EMBEDDING_BIAS": "embedding_bias",
+    "OUT_PROMPT_TABLE_EXTRA_IDS": "prompt_table_extra_ids",
+}
+# BLS input -> tensorrt_llm input, passed through unchanged (as [B,1])
+PASSTHROUGH = {
+    "top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": "temperature",
+    "length_penalty": "len_penalty", "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
+    "beam_width": "beam_width", "stream": "streaming", "exclude_input_in_output": "exclude_input_in_output",
+    "return_log_probs": "return_log_probs", "return_context_logits": "return_context_logits",
+    "return_generation_logits": "return_generation_logits", "return_perf_metrics": "return_perf_metrics",
+    "return_num_input_tokens": "return_num_input_tokens", "return_num_output_tokens": "return_num_output_tokens",
+    "num_return_sequences": "num_return_sequences", "prompt_embedding_table": "prompt_embedding_table",
+    "prompt_vocab_size": "prompt_vocab_size", "lora_task_id": "lora_task_id", "lora_weights": "lora_weights",
+    "lora_config": "lora_config", "guided_decoding_guide_type": "guided_decoding_guide_type",
+    "guided_decoding_guide": "guided_decoding_guide",
+}
+# tensorrt_llm outputs forwarded to the client as they are
+FORWARDED = ("cum_log_probs", "output_log_probs", "context_logits", "generation_logits", "batch_index",
+             "sequence_index", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
+             "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
+             "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens",
+             "num_output_tokens")
+UNSUPPORTED = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input", "num_draft_tokens",
+               "use_draft_logits")
+
+
+def _param(config, key):
+    value = config.get("parameters", {}).get(key, {}).get("string_value")
+    if value is None or value == "" or value.startswith("${"):
+        return None
+    return value
+
+
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _output(response, name):
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        accumulate = _param(config, "accumulate_tokens")
+        self.accumulate = accumulate is not None and accumulate.strip().lower() in ("1", "true", "t", "yes", "y")
+        self.llm_model = _param(config, "tensorrt_llm_model_name") or "tensorrt_llm"
+        self.threads = set()
+        self.lock = threading.Lock()
+
+    def execute(self, requests):
+        if not self.decoupled:
+            return [self._run_unary(request) for request in requests]
+        for request in requests:
+            sender = request.get_response_sender()
+            thread = threading.Thread(target=self._run_streaming, args=(request, sender), daemon=True)
+            with self.lock:
+                self.threads.add(thread)
+            thread.start()
+        return None
+
+    # ---- one request ------------------------------------------------------------------------------------------
+    def _run_unary(self, request):
+        try:
+            if self._stream_requested(request):
+                raise ValueError("Streaming is only supported if model is deployed using decoupled mode.")
+            outputs = None
+            for outputs in self._generate(request, None):
+                pass
+            return pb_utils.InferenceResponse(output_tensors=outputs or [])
+        except Exception as err:
+            return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"tensorrt_llm_bls: {err}"))
+
+    def _run_streaming(self, request, sender):
+        try:
+            for outputs in self._generate(request, sender):
+                sender.send(pb_utils.InferenceResponse(output_tensors=outputs))
+            sender.send(flags=FINAL)
+        except _Cancelled:
+            self._safe_send(sender, pb_utils.InferenceResponse(
+                output_tensors=[], error=pb_utils.TritonError("request cancelled")))
+        except Exception as err:
+            self._safe_send(sender, pb_utils.InferenceResponse(
+                output_tensors=[], error=pb_utils.TritonError(f"tensorrt_llm_bls: {err}")))
+        finally:
+            with self.lock:
+                self.threads.discard(threading.current_thread())
+
+    @staticmethod
+    def _safe_send(sender, response):
+        try:
+            sender.send(response, flags=FINAL)
+        except Exception as err:
+            print(f"tensorrt_llm_bls: could not send a response: {err}", file=sys.stderr)
+
+    @staticmethod
+    def _stream_requested(request):
+        stream = _input(request, "stream")
+        return stream is not None and bool(stream.reshape(-1)[0])
+
+    def _generate(self, request, sender):
+        """Yield the output tensors of each response to send."""
+        for name in UNSUPPORTED:
+            if pb_utils.get_input_tensor_by_name(request, name) is not None:
+                raise ValueError(f"{name} is not supported by this deployment")
+        llm_inputs = self._preprocess(request)
+        batch = llm_inputs["input_ids"].shape[0]
+        for name, target in PASSTHROUGH.items():
+            value = _input(request, name)
+            if value is not None:
+                # Inputs declared with reshape [] arrive as [B]; the LLM model wants [B,1].
+                llm_inputs[target] = value.reshape(batch, 1) if value.ndim == 1 else value
+        llm_id = f"bls-{uuid.uuid4().hex}"
+        llm_request = pb_utils.InferenceRequest(
+            model_name=self.llm_model, request_id=llm_id,
+            inputs=[pb_utils.Tensor(k, v) for k, v in llm_inputs.items()],
+            requested_output_names=["output_ids", "sequence_length", *FORWARDED])
+        responses = llm_request.exec(decoupled=True) if self.decoupled else [llm_request.exec()]
+        so_far = {}
+        for response in responses:
+            if sender is not None and sender.is_cancelled():
+                self._stop_llm(llm_id)
+                raise _Cancelled()
+            if response.has_error():
+                raise RuntimeError(response.error().message())
+            tokens = _output(response, "output_ids")
+            if tokens is None:  # the flag-only final response of the LLM model
+                continue
+            lengths = _output(response, "sequence_length")
+            if self.accumulate:
+                index = _output(response, "batch_index")
+                key = 0 if index is None else int(index.reshape(-1)[0])
+                seq = so_far.setdefault(key, [])
+                seq += [int(t) for t in tokens.reshape(-1)[:int(lengths.reshape(-1)[0])]]
+                tokens = np.array(seq, np.int32).reshape(1, 1, -1)
+                lengths = np.array([[len(seq)]], np.int32)
+            text = self._postprocess(tokens, lengths)
+            outputs = [pb_utils.Tensor("text_output", text)]
+            for name in FORWARDED:
+                value = _output(response, name)
+                if value is not None:
+                    outputs.append(pb_utils.Tensor(name, value))
+            yield outputs
+
+    def _preprocess(self, request):
+        inputs = []
+        for name, target in PREPROCESSING_INPUTS.items():
+            value = _input(request, name)
+            if value is not None:
+                inputs.append(pb_utils.Tensor(target, value))
+        response = pb_utils.InferenceRequest(
+            model_name="preprocessing", inputs=inputs, requested_output_names=list(PREPROCESSED)).exec()
+        if response.has_error():
+            raise RuntimeError(response.error().message())
+        llm_inputs = {}
+        for name, target in PREPROCESSED.items():
+            value = _output(response, name)
+            if value is None:
+                continue
+            if name == "EMBEDDING_BIAS" and value.size == 0:
+                continue  # nothing to bias; leave the input out as the ensemble's LLM sees it empty
+            llm_inputs[target] = value
+        return llm_inputs
+
+    def _postprocess(self, tokens, lengths):
+        response = pb_utils.InferenceRequest(
+            model_name="postprocessing", requested_output_names=["OUTPUT"],
+            inputs=[pb_utils.Tensor("TOKENS_BATCH", tokens.astype(np.int32)),
+                    pb_utils.Tensor("SEQUENCE_LENGTH", lengths.astype(np.int32))]).exec()
+        if response.has_error():
+            raise RuntimeError(response.error().message())
+        return _output(response, "OUTPUT")
+
+    def _stop_llm(self, llm_id):
+        """The 1.2 way to cancel an in-flight LLM request: `stop=true` with its id
+        (plus the required inputs as dummies)."""
+        try:
+            stop = pb_utils.InferenceRequest(
+                model_name=self.llm_model, request_id=llm_id, requested_output_names=["output_ids"],
+                inputs=[pb_utils.Tensor("input_ids", np.zeros((1, 1), np.int32)),
+                        pb_utils.Tensor("input_lengths", np.zeros((1, 1), np.int32)),
+                        pb_utils.Tensor("request_output_len", np.zeros((1, 1), np.int32)),
+                        pb_utils.Tensor("stop", np.ones((1, 1), bool))])
+            for _ in stop.exec(decoupled=True):  # drain up to the empty final response
+                pass
+        except Exception as err:
+            print(f"tensorrt_llm_bls: stop request failed: {err}", file=sys.stderr)
+
+    def finalize(self):
+        deadline = time.monotonic() + 5.0
+        with self.lock:
+            threads = list(self.threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,137 @@
+"""The `model-repo` stage: render the Triton model repository for a spec.
+
+Writes `model_repo/<name>/` atomically: one directory per model (config.pbtxt
+rendered through Triton's protobuf and parsed back; `1/model.py` for the
+Python-backend models) and `manifest.json` at the repository root.
+tritonserver 2.51 only treats directories as models and ignores plain files
+there (checked against the wheel's server), so the manifest can live in the
+repository it describes.
+
+The stage is keyed on the spec fields that reach the configs, the engine's manifest (so a rebuilt engine
+re-renders the repository), the tokenizer files and the renderer's own
+sources. The engine itself is not needed to render, only to serve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import toolchain
+from toolchain.errors import ToolchainError
+from toolchain.fsutil import atomic_dir, sha256_file
+from toolchain.manifest import MANIFEST, Manifest, is_current
+from toolchain.spec import DeploymentSpec
+from toolchain.triton import backend_models
+from toolchain.triton.config import ModelConfig, check_ensemble
+from toolchain.triton.templates import PYTHON_MODELS, RepoOptions, build_models
+from toolchain.workspace import Workspace
+
+STAGE = "model-repo"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "spiece.model")
+_RENDERER_SOURCES = ("config.py", "tensors.py", "templates.py", "repo.py")
+
+
+def repo_options(spec: DeploymentSpec, workspace: Workspace) -> RepoOptions:
+    s = spec.serving
+    return RepoOptions(
+        target=spec.target,
+        max_batch_size=spec.limits.max_batch_size,
+        decoupled=s.streaming,
+        instance_count=s.instance_count,
+        max_queue_delay_microseconds=s.max_queue_delay_microseconds,
+        engine_dir=Path(workspace.engine_dir(spec)).resolve(),
+        tokenizer_dir=Path(spec.model.tokenizer_dir).resolve(),
+        kv_cache_free_gpu_mem_fraction=s.kv_cache_free_gpu_mem_fraction,
+        exclude_input_in_output=s.exclude_input_in_output,
+        toolchain_path=Path(toolchain.__file__).resolve().parent.parent,
+        engine_threads=s.engine_threads,
+    )
+
+
+def tokenizer_files(tokenizer_dir: Path) -> list[Path]:
+    tokenizer_dir = Path(tokenizer_dir)
+    if not tokenizer_dir.is_dir():
+        raise ToolchainError(f"tokenizer directory not found: {tokenizer_dir}",
+                             "set model.tokenizer (or model.checkpoint) to a directory holding the tokenizer")
+    found = [tokenizer_dir / name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
+    if not found:
+        raise ToolchainError(f"no tokenizer files in {tokenizer_dir} "
+                             f"(looked for {', '.join(TOKENIZER_FILES[:4])}, ...)",
+                             "set model.tokenizer to a Hugging Face tokenizer directory")
+    return found
+
+
+def _renderer_hash() -> str:
+    """Hash of the code that decides what is written, so a changed template or
+    model.py re-renders even when the spec did not change."""
+    here = Path(__file__).resolve().parent
+    paths = [here / name for name in _RENDERER_SOURCES] + sorted(backend_models.HERE.glob("*.py"))
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(path.name.encode() + b"\0" + sha256_file(path).encode())
+    return h.hexdigest()
+
+
+def options_hash(opts: RepoOptions) -> str:
+    """Hash of what the repository is rendered from: the spec fields that reach
+    a config.pbtxt, not the whole spec, so a different port does not re-render."""
+    blob = json.dumps(dataclasses.asdict(opts), sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def wanted_manifest(spec: DeploymentSpec, workspace: Workspace) -> Manifest:
+    opts = repo_options(spec, workspace)
+    engine_manifest = opts.engine_dir / MANIFEST
+    inputs = {
+        "engine_manifest": sha256_file(engine_manifest) if engine_manifest.is_file() else "missing",
+        "renderer": _renderer_hash(),
+    }
+    for path in tokenizer_files(opts.tokenizer_dir):
+        inputs[f"tokenizer/{path.name}"] = sha256_file(path)
+    return Manifest(stage=STAGE, spec_hash=options_hash(opts), inputs=inputs)
+
+
+def render_repository(models: dict[str, ModelConfig], out: Path, target: str, header: str = "") -> None:
+    """Write every model of `models` under `out` (an existing, empty directory)."""
+    check_ensemble(models["ensemble"], models)
+    python_models = PYTHON_MODELS + (("tensorrt_llm",) if target == "cpu" else ())
+    for name, model in models.items():
+        version_dir = Path(out) / name / "1"
+        version_dir.mkdir(parents=True)
+        model.write(version_dir.parent, header)
+        if name in python_models:
+            shutil.copyfile(backend_models.source(name), version_dir / "model.py")
+
+
+def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = False) -> Manifest:
+    """Render `workspace.model_repo_dir(spec)`; reuse it when its manifest is current."""
+    started = time.monotonic()
+    repo_dir = workspace.model_repo_dir(spec)
+    manifest = wanted_manifest(spec, workspace)
+    if not force and is_current(repo_dir, manifest):
+        return Manifest.read(repo_dir)
+    opts = repo_options(spec, workspace)
+    models = build_models(opts)
+    source = spec.source or "<spec>"
+    header = (f"Generated by `toolchain model-repo` from {source} (deployment '{spec.name}', target {spec.target}).\n"
+              "Edit the spec and re-run; changes made here are overwritten.")
+    with atomic_dir(repo_dir) as tmp:
+        render_repository(models, tmp, opts.target, header)
+        manifest.outputs = {
+            "models": sorted(models),
+            "target": opts.target,
+            "backend": models["tensorrt_llm"].backend,
+            "decoupled": opts.decoupled,
+            "max_batch_size": opts.max_batch_size,
+            "engine_dir": str(opts.engine_dir),
+            "tokenizer_dir": str(opts.tokenizer_dir),
+        }
+        manifest.seconds = round(time.monotonic() - started, 3)
+        manifest.write(tmp)
+    return manifest

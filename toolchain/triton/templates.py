@@ -1,0 +1,122 @@
+"""The five models of the TensorRT-LLM 1.2 inflight-batching repository as typed configs.
+
+`build_models(RepoOptions)` returns ensemble, preprocessing, tensorrt_llm,
+postprocessing and tensorrt_llm_bls with the tensors of `tensors.py`. Target
+`cpu` and target `trtllm` render the same repository except for the
+`tensorrt_llm` backend (`python` running the CPU engine, or the C++
+`tensorrtllm` backend) and the parameters only one of them reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolchain.triton.config import ConfigError, DynamicBatching, EnsembleStep, InstanceGroup, ModelConfig, Tensor
+from toolchain.triton.tensors import (BLS_INPUTS, ENSEMBLE_INPUTS, ENSEMBLE_STEPS, POSTPROCESSING_INPUTS,
+                                      POSTPROCESSING_OUTPUTS, PREPROCESSING_INPUTS, PREPROCESSING_OUTPUTS,
+                                      TENSORRT_LLM_INPUTS, TENSORRT_LLM_OUTPUTS, TEXT_OUTPUTS)
+
+MODEL_NAMES = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
+# Python-backend models whose 1/model.py ships inside toolchain.triton.backend_models.
+PYTHON_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
+
+
+@dataclass(frozen=True)
+class RepoOptions:
+    """Every value the five configs need; built from the spec by repo.py."""
+
+    target: str  # "cpu" or "trtllm"
+    max_batch_size: int
+    decoupled: bool
+    instance_count: int
+    max_queue_delay_microseconds: int
+    engine_dir: Path
+    tokenizer_dir: Path
+    kv_cache_free_gpu_mem_fraction: float
+    exclude_input_in_output: bool
+    toolchain_path: Path  # fallback sys.path entry for the CPU model (the stub ignores PYTHONPATH)
+    engine_threads: int = 1  # torch threads of the CPU engine (target cpu)
+    max_queue_size: int = 0  # 0 = unbounded, as fill_template.py defaults it
+    logits_dtype: str = "TYPE_FP32"
+    encoder_features_dtype: str = "TYPE_FP16"
+    prompt_table_dtype: str = "TYPE_FP16"
+
+
+def _tensors(rows, opts: RepoOptions) -> list[Tensor]:
+    symbolic = {"LOGITS": opts.logits_dtype, "ENCODER_FEATURES": opts.encoder_features_dtype,
+                "PROMPT_TABLE": opts.prompt_table_dtype}
+    out = []
+    for name, dtype, dims, flags in rows:
+        dtype = symbolic.get(dtype, dtype)
+        out.append(Tensor(name, dtype if dtype.startswith("TYPE_") else f"TYPE_{dtype}", dims,
+                          optional="optional" in flags, reshape=() if "scalar" in flags else None,
+                          ragged="ragged" in flags))
+    return out
+
+
+def _batching(opts: RepoOptions) -> DynamicBatching:
+    return DynamicBatching((opts.max_batch_size,), opts.max_queue_delay_microseconds, opts.max_queue_size)
+
+
+def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
+    """The §2.5 parameters a deployment sets; the rest are left out so the
+    backend applies its documented defaults (never a literal `${...}`)."""
+    params: dict[str, object] = {
+        "gpt_model_type": "inflight_fused_batching",
+        "gpt_model_path": opts.engine_dir,
+        "max_beam_width": 1,
+        "batch_scheduler_policy": "guaranteed_no_evict",
+        "kv_cache_free_gpu_mem_fraction": opts.kv_cache_free_gpu_mem_fraction,
+        # Reuse needs an engine built with paged context FMHA; the build stage does
+        # not promise that, so it is off explicitly (the C++ default is on).
+        "enable_kv_cache_reuse": False,
+        "enable_chunked_context": False,
+        "exclude_input_in_output": opts.exclude_input_in_output,
+        "normalize_log_probs": True,
+        "decoding_mode": "top_k_top_p",
+        "cancellation_check_period_ms": 100,
+        "stats_check_period_ms": 100,
+        "tokenizer_dir": opts.tokenizer_dir,
+    }
+    if opts.target == "trtllm":
+        params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
+        params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
+    else:
+        params["toolchain_path"] = opts.toolchain_path
+        params["engine_threads"] = opts.engine_threads
+    return params
+
+
+def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
+    """The five model configs for `opts`, keyed by model name."""
+    if opts.target not in ("cpu", "trtllm"):
+        raise ConfigError(f"unknown target {opts.target!r}", "use target: cpu or target: trtllm")
+    mbs = opts.max_batch_size
+    cpu = [InstanceGroup(opts.instance_count, "KIND_CPU")]
+    models = {
+        "ensemble": ModelConfig(
+            "ensemble", mbs, _tensors(ENSEMBLE_INPUTS, opts), _tensors(TEXT_OUTPUTS, opts), platform="ensemble",
+            ensemble_steps=[EnsembleStep(m, dict(i), dict(o)) for m, i, o in ENSEMBLE_STEPS]),
+        "preprocessing": ModelConfig(
+            "preprocessing", mbs, _tensors(PREPROCESSING_INPUTS, opts), _tensors(PREPROCESSING_OUTPUTS, opts),
+            backend="python", instance_group=cpu, dynamic_batching=_batching(opts),
+            parameters={"tokenizer_dir": opts.tokenizer_dir, "add_special_tokens": True,
+                        "gpt_model_path": opts.engine_dir}),
+        "tensorrt_llm": ModelConfig(
+            "tensorrt_llm", mbs, _tensors(TENSORRT_LLM_INPUTS, opts), _tensors(TENSORRT_LLM_OUTPUTS, opts),
+            backend="tensorrtllm" if opts.target == "trtllm" else "python",
+            # One instance: GPU placement is MPI's business, and on CPU one engine
+            # owns the in-flight batch.
+            instance_group=[InstanceGroup(1, "KIND_CPU")], dynamic_batching=_batching(opts),
+            decoupled=opts.decoupled, parameters=tensorrt_llm_parameters(opts)),
+        "postprocessing": ModelConfig(
+            "postprocessing", mbs, _tensors(POSTPROCESSING_INPUTS, opts), _tensors(POSTPROCESSING_OUTPUTS, opts),
+            backend="python", instance_group=cpu, dynamic_batching=DynamicBatching(),
+            parameters={"tokenizer_dir": opts.tokenizer_dir, "skip_special_tokens": True}),
+        "tensorrt_llm_bls": ModelConfig(
+            "tensorrt_llm_bls", mbs, _tensors(BLS_INPUTS, opts), _tensors(TEXT_OUTPUTS, opts), backend="python",
+            instance_group=cpu, decoupled=opts.decoupled,
+            parameters={"accumulate_tokens": False, "tensorrt_llm_model_name": "tensorrt_llm"}),
+    }
+    return models
