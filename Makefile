@@ -7,6 +7,10 @@ TOOLCHAIN := $(VENV)/bin/toolchain
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
+PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
+# This host's pip config lists local package folders that may be absent; drop
+# those warnings but keep pip's exit status.
+QUIET_PIP := 2>&1 | { grep -v '^WARNING: Location' || true; }; test $${PIPESTATUS[0]} -eq 0
 
 .PHONY: help setup demo test build-engine convert model-repo serve perf bench deploy tiny-model clean
 
@@ -18,8 +22,8 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python >= 3.10 is required (set PYTHON=...)")'
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	# torch is pinned to the CPU build: an unpinned torch pulls a multi-GB CUDA build.
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0" "numpy<2"
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
+	$(PIP) "torch==2.13.0" "numpy<2" $(QUIET_PIP)
+	$(PIP) -e ".[test]" $(QUIET_PIP)
 	@touch $(STAMP)
 
 setup: $(STAMP) ## Create .venv and install the project (quick when nothing changed)

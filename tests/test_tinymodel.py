@@ -90,7 +90,7 @@ def test_shipped_model_loads_with_expected_config():
 def test_shipped_model_beats_uniform_on_heldout_code():
     tok, model = load_hf(TINY_TRAINED)
     heldout = max(load_corpus().heldout, key=lambda p: p.stat().st_size)
-    ids = torch.tensor(tok(read_text(heldout))["input_ids"])
+    ids = torch.tensor(tok(read_text(heldout)[:10_000])["input_ids"])
     windows = min(8, len(ids) // 256)
     ids = ids[: windows * 256].reshape(windows, 256)
     with torch.no_grad():

@@ -42,10 +42,14 @@ def load_tokenizer(tokenizer_dir: Path):
         raise ToolchainError(f"tokenizer directory not found: {tokenizer_dir}",
                              "set model.tokenizer (or model.checkpoint) to a directory holding tokenizer files")
     try:
-        return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     except Exception as err:  # transformers raises many types for a bad directory
         raise ToolchainError(f"cannot load a tokenizer from {tokenizer_dir}: {err}",
                              "point model.tokenizer at a directory with tokenizer.json or tokenizer_config.json") from None
+    # The corpus is tokenized in one piece to cut prompts from it; that is not a
+    # model input, so the "longer than model_max_length" warning would only mislead.
+    tokenizer.model_max_length = int(1e12)
+    return tokenizer
 
 
 def corpus_text(max_chars: int = CORPUS_MAX_CHARS) -> str:

@@ -26,7 +26,10 @@ def command(ctx: Context, spec, out_dir: Path | None) -> None:
     def progress(stage: str, msg: str) -> None:
         click.echo(f"[{time.perf_counter() - start:7.2f}s] {stage:<12} {msg}", err=True)
 
+    from toolchain.bench.report import print_report
+
     report = deploy(spec, ctx.workspace, out_dir, progress)
+    print_report(report)
     target = (out_dir or ctx.workspace.report_dir(spec)) / "report.json"
     # The stage timings belong in the saved report too.
     if target.is_file():
