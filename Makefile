@@ -50,8 +50,8 @@ bench: setup ## Run the benchmarks in benchmarks/ (JSON under reports/benchmarks
 	@mkdir -p reports/benchmarks
 	@set -e; for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b --json reports/benchmarks/$$(basename $$b .py).json; done
 
-perf: setup ## Latency report against a running deployment (start one with make serve)
-	$(TOOLCHAIN) bench $(SPEC)
+perf: setup ## SLO tests against a deployment (PERF_ARGS="--server host:port"; default: starts SPEC's)
+	$(VENV)/bin/pytest -q -m perf tests/perf --spec $(SPEC) $(PERF_ARGS)
 
 tiny-model: setup ## Retrain the embedded default model into models/tiny-llama
 	$(TOOLCHAIN) tiny-model models/tiny-llama

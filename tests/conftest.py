@@ -61,3 +61,68 @@ def write_spec(path: Path, checkpoint: Path, **sections) -> Path:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+# -- every registered family: Mistral, Qwen2, Qwen3 (and Llama variants) -------------
+
+TINY_DIMS = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+HF_CLASSES = {
+    "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def make_hf_model(arch: str, out: Path, *, seed=0, dtype=torch.float32, **overrides) -> Path:
+    """Write a random `arch` checkpoint (config.json + model.safetensors) to `out`.
+
+    Like make_hf_llama, 2-D weights are scaled up so greedy decoding is
+    decisive; in addition biases and norm weights are randomised, because HF
+    initialises them to zeros and ones, which would hide a bias or norm that
+    is dropped, swapped between ranks or applied twice."""
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[arch])
+    torch.manual_seed(seed)
+    config = config_cls(**{**TINY_DIMS, "bos_token_id": 1, "eos_token_id": 2, **overrides})
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.mul_(4.0)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+            else:  # RMSNorm weights (input, post-attention, final, q/k norms)
+                param.copy_(1.0 + 0.25 * torch.randn_like(param))
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_mistral(tmp_path_factory) -> Path:
+    """Mistral with an 8-token sliding window, so 20-token prompts exercise it."""
+    return make_hf_model("MistralForCausalLM", tmp_path_factory.mktemp("hf-mistral"), seed=11, sliding_window=8)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen2(tmp_path_factory) -> Path:
+    """Qwen2 with q/k/v biases, tied embeddings (like Qwen2 0.5B/1.5B), vocab 251."""
+    return make_hf_model("Qwen2ForCausalLM", tmp_path_factory.mktemp("hf-qwen2"), seed=12, vocab_size=251,
+                         tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3(tmp_path_factory) -> Path:
+    """Qwen3: per-head q/k RMSNorm, head_dim 32 (not hidden / heads = 16)."""
+    return make_hf_model("Qwen3ForCausalLM", tmp_path_factory.mktemp("hf-qwen3"), seed=13, head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def hf_llama32(tmp_path_factory) -> Path:
+    """Llama 3.2 style: llama3 RoPE scaling and tied embeddings."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    return make_hf_model("LlamaForCausalLM", tmp_path_factory.mktemp("hf-llama32"), seed=14,
+                         tie_word_embeddings=True, rope_parameters=rope)

@@ -40,7 +40,8 @@ def test_missing_architectures_key():
 
 
 def test_registry_imports_family_modules_lazily():
-    code = "import sys, toolchain.archs; print('toolchain.archs.llama' in sys.modules)"
+    code = ("import sys, toolchain.archs; print(any(m in sys.modules for m in "
+            "('toolchain.archs.llama', 'toolchain.archs.mistral', 'toolchain.archs.qwen')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -181,7 +182,20 @@ def _llama(out):
     return make_hf_llama(out, num_hidden_layers=1)
 
 
-ARCH_FIXTURES = {"LlamaForCausalLM": _llama}
+def _family(arch, **kw):
+    def make(out):
+        from conftest import make_hf_model
+
+        return make_hf_model(arch, out, num_hidden_layers=1, **kw)
+    return make
+
+
+ARCH_FIXTURES = {
+    "LlamaForCausalLM": _llama,
+    "MistralForCausalLM": _family("MistralForCausalLM", sliding_window=8),
+    "Qwen2ForCausalLM": _family("Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": _family("Qwen3ForCausalLM", head_dim=32),
+}
 
 
 @pytest.mark.parametrize("arch", supported())
@@ -198,3 +212,49 @@ def test_every_registered_arch_has_a_tiny_checkpoint_that_converts(arch, tmp_pat
 def test_partial_rotary_rejected():
     with pytest.raises(ToolchainError, match="partial_rotary_factor"):
         normalize_rope({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.5}})
+
+
+def test_registry_lists_every_family():
+    assert supported() == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    assert [get_family(a).name for a in supported()] == ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def test_cli_archs_lists_them(capsys):
+    from toolchain.cli import main
+
+    assert main(["archs"]) == 0
+    assert capsys.readouterr().out.split() == supported()
+
+
+@pytest.mark.parametrize("over,window", [({}, 4096), ({"sliding_window": None}, None), ({"sliding_window": 512}, 512)])
+def test_mistral_window(over, window):
+    cfg = hf_cfg(architectures=["MistralForCausalLM"], **over)
+    if "sliding_window" in over and over["sliding_window"] is None:
+        cfg["sliding_window"] = None  # explicit null: no window (Mistral 7B v0.2+)
+    _, p = load_params(cfg)
+    assert p.sliding_window == window and not p.qk_layernorm
+
+
+def test_qwen2_biases_forced_and_window_rules():
+    family, p = load_params(hf_cfg(architectures=["Qwen2ForCausalLM"], use_sliding_window=False, sliding_window=64))
+    assert p.attention_bias and p.sliding_window is None
+    table = NameTable(family, p)
+    assert table.match("model.layers.0.self_attn.v_proj.bias").row.part == "v"
+    assert table.match("model.layers.0.self_attn.o_proj.bias") is None  # TRT-LLM Qwen: no dense bias
+    _, p = load_params(hf_cfg(architectures=["Qwen2ForCausalLM"], sliding_window=64,
+                              layer_types=["sliding_attention", "sliding_attention"]))
+    assert p.sliding_window == 64
+    _, p = load_params(hf_cfg(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64,
+                              max_window_layers=0))
+    assert p.sliding_window == 64
+    with pytest.raises(ToolchainError, match="1 of 2 layers"):
+        load_params(hf_cfg(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64,
+                           max_window_layers=1))
+
+
+def test_qwen3_qk_norm_rows_and_head_dim():
+    family, p = load_params(hf_cfg(architectures=["Qwen3ForCausalLM"], head_dim=32, attention_bias=False))
+    assert p.qk_layernorm and p.head_size == 32 and not p.attention_bias
+    row = NameTable(family, p).match("model.layers.1.self_attn.k_norm.weight").row
+    assert row.trt == "transformer.layers.{layer}.attention.k_layernorm.weight" and row.shard is Shard.REPLICATE
+    assert family.config_extra(p) == {"qwen_type": "qwen3", "seq_length": 512}

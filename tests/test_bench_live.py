@@ -104,6 +104,26 @@ MOCK_MODEL = textwrap.dedent(f"""
             sender.send(flags=FINAL)
 """)
 
+# The LLM-API flavour's tensors (a different contract the bench must refuse).
+LLMAPI_CONFIG = """
+name: "llmapi"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [
+  { name: "text_input" data_type: TYPE_STRING dims: [ -1 ] },
+  { name: "sampling_param_max_tokens" data_type: TYPE_INT32 dims: [ 1 ] optional: true },
+  { name: "streaming" data_type: TYPE_BOOL dims: [ 1 ] optional: true }
+]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+NOOP_MODEL = """
+class TritonPythonModel:
+    def execute(self, requests):
+        return None
+"""
+
 REPORT_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "output_tokens_per_s", "requests_per_s", "num_requests",
                "errors", "window_s", "goodput_req_per_s", "token_count_source", "workload", "slo")
 STAT_KEYS = ("p50", "p90", "p95", "p99", "mean", "stdev", "min", "max", "n")
@@ -119,6 +139,14 @@ def served(tmp_path_factory):
     (repo / "ensemble" / "config.pbtxt").write_text(MOCK_CONFIG)
     (repo / "ensemble" / "1" / "model.py").write_text(MOCK_MODEL)
     tok = make_word_tokenizer(root / "tokenizer")
+    from toolchain.bench.mock import write_triton_mock
+
+    write_triton_mock(repo, "mock_ids", contract="token-ids", ttft_ms=20, step_ms=3)
+    write_triton_mock(repo, "mock_chunks", ttft_ms=20, step_ms=3, empty_ms=5, tokens_per_response=4,
+                      flag_only_final=True)
+    (repo / "llmapi" / "1").mkdir(parents=True)
+    (repo / "llmapi" / "config.pbtxt").write_text(LLMAPI_CONFIG)
+    (repo / "llmapi" / "1" / "model.py").write_text(NOOP_MODEL)
     with TritonServer(repo, "127.0.0.1", 0, 0, 0, log_path=root / "server.log") as server:
         yield server, tok, root
 
@@ -240,3 +268,65 @@ def test_unreachable_server_names_the_url(tmp_path):
     spec = load_spec(spec_file(tmp_path, tmp_path, "down"))
     with pytest.raises(ToolchainError, match=f"not reachable at {url}"):
         run_bench(spec, url, tmp_path / "out")
+
+
+def test_token_id_contract_counts_exactly_and_cancels(served):
+    from toolchain.bench.run import run_bench
+
+    server, tok, root = served
+    spec = load_spec(spec_file(root, tok, "ids", endpoint="mock_ids", num_requests=12, output_tokens=10,
+                               cancel_fraction=0.5, multi_turn={"turns": 2}))
+    r = run_bench(spec, server.urls["grpc"], root / "out-ids")
+    assert r["token_count_source"] == "server" and r["transport"]["contract"] == "token-ids"
+    assert {"input_ids", "input_lengths", "request_output_len", "streaming", "end_id"} <= set(r["workload"]["inputs_sent"])
+    assert r["errors"] == 0 and r["cancelled"] > 0
+    assert r["osl"]["min"] == r["osl"]["max"] == 10
+    rows = list(csv.DictReader((root / "out-ids" / "requests.csv").open()))
+    second = [x for x in rows if x["turn"] == "1"]
+    assert second and all(int(x["isl"]) > 32 for x in second)  # the history came along
+
+
+def test_http_generate_stream_and_multi_token_chunks(served):
+    from toolchain.bench.run import run_bench
+
+    server, tok, root = served
+    spec = load_spec(spec_file(root, tok, "http", protocol="triton-http", endpoint="mock_chunks", num_requests=6,
+                               output_tokens=12))
+    r = run_bench(spec, None, root / "out-http", url=server.urls["http"], metrics_url=server.metrics_url)
+    assert r["errors"] == 0 and r["num_requests"] == 6 and r["osl"]["mean"] == 12
+    assert r["itl_ms"]["n"] == 6 * 2 and r["itl_per_token_ms"]["p50"] < r["itl_ms"]["p50"]
+    srv = r["levels"][0]["server"]
+    assert srv["available"] and srv["server_requests_success"] == 6  # the server-side cross-check
+    g = run_bench(load_spec(spec_file(root, tok, "chunks", endpoint="mock_chunks", num_requests=6, output_tokens=12)),
+                  server.urls["grpc"], root / "out-chunks", metrics_url="")
+    assert g["ttfr_ms"]["p50"] < g["ttft_ms"]["p50"]  # the empty first response is not a token
+    assert g["e2e_final_ms"]["p50"] > g["e2e_ms"]["p50"]  # the flag-only final arrives after the last token
+    assert g["levels"][0]["server"]["available"] is False
+
+
+def test_llmapi_contract_is_refused_in_one_line(served):
+    from toolchain.bench.run import run_bench
+
+    server, tok, root = served
+    spec = load_spec(spec_file(root, tok, "llmapi", endpoint="llmapi"))
+    with pytest.raises(ToolchainError, match="LLM-API contract") as err:
+        run_bench(spec, server.urls["grpc"], root / "out-llmapi")
+    assert "\n" not in str(err.value)
+
+
+def test_cli_rate_sweep_writes_table_json_csv_and_plots(served, capsys):
+    server, tok, root = served
+    path = spec_file(root, tok, "sweep", num_requests=8, warmup_requests=1, slo={"ttft_p99_ms": 5000})
+    out = root / "out-sweep"
+    rc = cli_main(["bench", str(path), "--url", server.urls["grpc"], "--out", str(out), "--mode", "rate",
+                   "--sweep", "10,20", "--slo", "tpot_p99_ms<=1000"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "sweep" in captured.out and "highest load meeting the SLOs: 20" in captured.out
+    report = json.loads((out / "report.json").read_text())
+    assert [lv["load"]["value"] for lv in report["levels"]] == [10.0, 20.0]
+    assert report["sweep"]["levels"][0]["slo_passed"] and report["workload"]["slo_thresholds"] == [
+        "ttft_p99_ms", "tpot_p99_ms"]
+    assert {"latency_vs_load.png", "latency_cdf.png", "itl_by_position.png"} <= {p.name for p in out.iterdir()}
+    rows = list(csv.DictReader((out / "requests.csv").open()))
+    assert len(rows) == 17 and {r["level"] for r in rows} == {"-1", "0", "1"}

@@ -408,4 +408,5 @@ def test_cli_model_repo_and_serve_print(tmp_path, capsys):
     line = capsys.readouterr().out.strip()
     assert "tritonserver" in line and "--http-port=18123" in line and "--http-address=127.0.0.1" in line
     assert main(["--root", str(root), "serve", str(spec.source), "--set", "target=trtllm"]) == 2
-    assert "not supported yet" in capsys.readouterr().err
+    # An engine dir whose config.json is not a trtllm-build engine is caught before launch.
+    assert "preflight check triton.engine-dir failed" in capsys.readouterr().err

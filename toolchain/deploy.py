@@ -50,7 +50,10 @@ def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = No
         server.start(timeout=serving.startup_timeout_s)
     try:
         with _timed("bench", progress, timings):
-            report = run_bench(spec, server.grpc_url, out_dir or workspace.report_dir(spec))
+            # The bench reaches the server it just started, whatever ports were picked.
+            url = server.http_url if spec.validation.workload.protocol == "triton-http" else server.grpc_url
+            report = run_bench(spec, out_dir=out_dir or workspace.report_dir(spec), url=url,
+                               metrics_url=server.metrics_url)
     finally:
         with _timed("stop", progress, timings):
             server.stop()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from toolchain.errors import ToolchainError
 
@@ -109,25 +109,97 @@ class ServingSection(_Section):
     """torch threads of the CPU engine inside the server (target cpu); small models decode fastest on one."""
 
 
+class SharedPrefixSection(_Section):
+    num_prefixes: int = Field(0, ge=0)
+    """Distinct system prompts shared between requests (0: no shared prefix)."""
+    prefix_tokens: int = Field(128, ge=1)
+    """Length of each system prompt in tokens."""
+    users_per_prefix: int = Field(4, ge=1)
+    """Distinct user prompts (of input_tokens) per system prompt; requests cycle over prefix x user."""
+
+
+class MultiTurnSection(_Section):
+    turns: int = Field(1, ge=1)
+    """Turns per session (1: single requests); each turn resends the history plus a new user message."""
+    think_time_s: float = Field(0.0, ge=0)
+    """Pause between a turn's last token and the next turn's send."""
+
+
+class TrafficClass(_Section):
+    name: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """Class name, used in the report's per-class metrics."""
+    share: float = Field(1.0, gt=0)
+    """Relative share of sessions in this class (shares are normalised)."""
+    priority: int = Field(0, ge=0)
+    """Request priority sent to the server (Triton request priority, OpenAI `priority`); 0 sends none."""
+    input_tokens: int | None = Field(None, ge=1)
+    """Mean prompt length for this class; default: the workload's input_tokens."""
+    output_tokens: int | None = Field(None, ge=1)
+    """Requested output tokens for this class; default: the workload's output_tokens."""
+
+
 class WorkloadSection(_Section):
     num_requests: int = Field(32, ge=1)
-    """Measured requests."""
+    """Measured requests per load level (ignored when duration_s is set)."""
     warmup_requests: int = Field(2, ge=0)
     """Requests sent first and excluded from the report."""
     concurrency: int = Field(4, ge=1)
-    """Requests kept outstanding at once (closed loop)."""
+    """Requests kept outstanding at once (mode concurrency, closed loop)."""
     input_tokens: int = Field(64, ge=1)
     """Mean prompt length in tokens."""
     input_tokens_stddev: float = Field(0.0, ge=0)
     """Standard deviation of the prompt length."""
     output_tokens: int = Field(32, ge=1)
-    """Requested output tokens (max_tokens)."""
+    """Requested output tokens (max_tokens); the mean when output_tokens_stddev > 0."""
+    output_tokens_stddev: float = Field(0.0, ge=0)
+    """Standard deviation of the requested output length."""
     seed: int = 0
-    """Seed for prompt sampling."""
-    endpoint: Literal["ensemble", "tensorrt_llm_bls"] = "ensemble"
-    """Triton model the bench streams to."""
+    """Seed for every random choice (prompts, lengths, arrivals, classes, cancellations)."""
+    endpoint: str = Field("ensemble", min_length=1)
+    """Model the bench sends to: a Triton model (ensemble, tensorrt_llm_bls, or tensorrt_llm for token ids) or the OpenAI `model` field."""
     ignore_eos: bool = True
-    """Send end_id = -1 so every request generates exactly output_tokens tokens."""
+    """Force exactly output_tokens tokens: end_id = -1 and min_tokens where the model declares them (OpenAI: ignore_eos, min_tokens)."""
+    mode: Literal["concurrency", "rate"] = "concurrency"
+    """`concurrency`: closed loop with N outstanding; `rate`: open loop at a request rate from a precomputed schedule."""
+    sweep: list[float] = Field(default_factory=list)
+    """Load levels to run in order (concurrencies or req/s by mode); empty: one level at concurrency or rate."""
+    rate: float = Field(1.0, gt=0)
+    """Request rate in requests/s (mode rate)."""
+    arrival: Literal["poisson", "gamma", "constant"] = "poisson"
+    """Inter-arrival distribution (mode rate); gamma uses burstiness as its shape."""
+    burstiness: float = Field(1.0, gt=0)
+    """Gamma shape for arrival gamma: < 1 burstier than Poisson, > 1 more regular (1 is Poisson)."""
+    duration_s: float | None = Field(None, gt=0)
+    """Run each level this long instead of num_requests requests."""
+    protocol: Literal["triton-grpc", "triton-http", "openai-completions", "openai-chat"] = "triton-grpc"
+    """Wire protocol: Triton gRPC streaming, Triton HTTP generate_stream (SSE), or OpenAI-compatible SSE."""
+    url: str | None = None
+    """Server address (host:port for gRPC, http://host:port otherwise); default: from the serving section."""
+    streaming: bool = True
+    """Stream tokens; false sends non-streaming requests (TTFT then equals E2E)."""
+    prompts_file: Path | None = None
+    """JSONL prompts (one object a line: prompt, messages, input_ids or turns; optional output_tokens, class); replaces synthetic prompts."""
+    shared_prefix: SharedPrefixSection = Field(default_factory=SharedPrefixSection)
+    """N system prompts x M users per prompt (prefix-cache workloads)."""
+    multi_turn: MultiTurnSection = Field(default_factory=MultiTurnSection)
+    """Sessions whose turns carry the conversation history."""
+    classes: list[TrafficClass] = Field(default_factory=list)
+    """Priority classes, each with its share of traffic; reported separately."""
+    cancel_fraction: float = Field(0.0, ge=0, le=1)
+    """Share of requests cancelled mid-stream (after a random number of tokens); counted, never timed."""
+    request_timeout_s: float = Field(300.0, gt=0)
+    """Seconds one request may take before it is cancelled and counted as failed."""
+
+    @model_validator(mode="after")
+    def _classes_distinct(self) -> "WorkloadSection":
+        names = [c.name for c in self.classes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"class names must be distinct, got {names}")
+        if any(v <= 0 for v in self.sweep):
+            raise ValueError(f"sweep levels must be > 0, got {self.sweep}")
+        if self.mode == "concurrency" and any(v != int(v) for v in self.sweep):
+            raise ValueError(f"concurrency sweep levels must be whole numbers, got {self.sweep}")
+        return self
 
 
 class SloSection(_Section):
@@ -137,6 +209,18 @@ class SloSection(_Section):
     """99th-percentile time per output token must be at most this."""
     e2e_p99_ms: float | None = Field(None, gt=0)
     """99th-percentile end-to-end latency must be at most this."""
+    itl_p99_ms: float | None = Field(None, gt=0)
+    """99th-percentile gap between streamed token-bearing responses must be at most this."""
+    extra: list[str] = Field(default_factory=list)
+    """More thresholds as strings, e.g. "ttft_p90_ms<=200", "itl p99.9 <= 80 ms", "send_lag_mean_ms<=1"."""
+
+    @model_validator(mode="after")
+    def _extra_parse(self) -> "SloSection":
+        from toolchain.bench.slo import parse_slo
+
+        for text in self.extra:
+            parse_slo(text)  # raises ValueError naming the string
+        return self
 
 
 class ValidationSection(_Section):
@@ -144,6 +228,112 @@ class ValidationSection(_Section):
     """The load `toolchain bench` applies."""
     slo: SloSection = Field(default_factory=SloSection)
     """Service-level objectives the report is judged against."""
+
+
+class CalibrationSection(_Section):
+    dataset: str = "builtin"
+    """Calibration text: `builtin` (the Python standard-library sources on this machine, no download) or a prompts file (.jsonl with a "text" per line, else one prompt per line)."""
+    samples: int = Field(32, ge=1, le=4096)
+    """Calibration sequences (prompts, or built-in windows of seq_len tokens)."""
+    seq_len: int = Field(256, ge=8)
+    """Tokens per calibration sequence; must not exceed the model's context."""
+
+
+class QuantizationSection(_Section):
+    method: Literal["none", "int8_wo", "int4_wo", "awq", "smoothquant", "fp8"] = "none"
+    """Weight format: int8_wo/int4_wo (W8A16/W4A16, per channel), awq (W4A16_AWQ, calibrated int4 per group), smoothquant (W8A8_SQ_PER_CHANNEL), fp8 (per-tensor FP8, Ada/Hopper); none also imports AutoAWQ/GPTQ checkpoints as stored."""
+    group_size: int = 128
+    """Input channels per int4 scale for awq: 64 or 128 (the sizes TensorRT-LLM implements)."""
+    alpha: float = Field(0.5, ge=0, le=1)
+    """SmoothQuant migration strength: s = amax_x^alpha / amax_w^(1-alpha)."""
+    kv_cache: Literal["none", "int8", "fp8"] = "none"
+    """KV-cache precision; int8 and fp8 use per-layer scales from calibration."""
+    exclude_modules: list[str] = Field(default_factory=list)
+    """fnmatch globs of TensorRT-LLM module names kept unquantized (e.g. "transformer.layers.0.*"); the embedding and lm_head always are."""
+    calibration: CalibrationSection = Field(default_factory=CalibrationSection)
+    """Data for awq, smoothquant, fp8 and KV-cache scales."""
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_size(cls, value: int) -> int:
+        if value not in (64, 128):
+            raise ValueError(f"group size {value} is not supported; TensorRT-LLM's per-group int4 implements 64 and 128 only, use one of them")
+        return value
+
+
+class GpuSection(_Section):
+    name: str | None = None
+    """GPU model from the planner's table (H100 80GB, H200 141GB, A100 80GB, A100 40GB, L40S, L4, RTX 4090, RTX 3090); gives memory and SM version."""
+    memory_gib: float | None = Field(None, gt=0)
+    """Memory of one GPU in GiB; overrides the table, or describes a GPU not in it (then also set `sm`)."""
+    sm: int | None = Field(None, ge=60, le=199)
+    """Compute capability as major*10+minor (80 Ampere, 89 Ada, 90 Hopper, 100 Blackwell); overrides the table."""
+    per_node: int = Field(8, ge=1, le=64)
+    """GPUs per host; a world size (tp x pp) above it spans the hosts listed in `hostfile`."""
+    hostfile: Path | None = None
+    """MPI hostfile naming the hosts of a multi-node deployment (passed to mpirun)."""
+
+
+class BuildSection(_Section):
+    trtllm_build: Path | None = None
+    """trtllm-build executable (target trtllm); default: `trtllm-build` on PATH."""
+    workers: int = Field(0, ge=0, le=64)
+    """Ranks built in parallel (trtllm-build --workers); 0 = one per rank, bounded by host RAM (two rank checkpoints per worker)."""
+    mpi: Literal["auto", "always", "never"] = "auto"
+    """Build one rank per MPI process with one log per rank; `auto` does so when tp x pp > 1 and mpirun is on PATH."""
+    host_memory_gib: float | None = Field(None, gt=0)
+    """RAM of the build host in GiB, for the --workers bound; default: this machine's."""
+    gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "disable"] = "auto"
+    """--gemm_plugin: `auto` (model dtype) suits fp16/bf16 models and the unquantized GEMMs (lm_head) of quantized ones."""
+    context_fmha: bool = True
+    """--context_fmha: fused attention in the context phase; off also turns paged and FP8 context FMHA off."""
+    use_paged_context_fmha: bool = True
+    """--use_paged_context_fmha: the context phase reads the paged KV cache; KV-cache reuse and chunked context need it."""
+    tokens_per_block: int = Field(32, ge=1, le=1024)
+    """--tokens_per_block: tokens per KV-cache block, a power of 2 (written explicitly: the default moved from 64 to 32)."""
+    multiple_profiles: bool = False
+    """--multiple_profiles: several TensorRT profiles for different token counts (longer build, faster runtime)."""
+    opt_num_tokens: int | None = Field(None, ge=1)
+    """--opt_num_tokens: tuning point of the profile; cannot be combined with multiple_profiles."""
+    use_fused_mlp: bool = True
+    """--use_fused_mlp: one GEMM for fc and gate (trtllm-build applies it only to unquantized and FP8 models)."""
+    reduce_fusion: bool = False
+    """--reduce_fusion: fuse the all-reduce with residual and norm (Llama with tp > 1)."""
+    max_beam_width: int = Field(1, ge=1, le=64)
+    """--max_beam_width: widest beam search the engine serves (not with speculative decoding)."""
+    gather_context_logits: bool = False
+    """--gather_context_logits: return prompt logits (max_num_tokens x vocab x 4 bytes more; not with speculative decoding)."""
+    kv_cache_reuse: bool = True
+    """Reuse KV blocks of shared prefixes (Triton enable_kv_cache_reuse); needs paged context FMHA and a non-INT8 KV cache."""
+    chunked_context: bool = False
+    """Process long prompts in chunks (Triton enable_chunked_context) so max_num_tokens may be below max_input_len; needs paged context FMHA."""
+    log_level: Literal["verbose", "info", "warning", "error"] = "info"
+    """trtllm-build --log_level."""
+
+    @model_validator(mode="after")
+    def _power_of_two(self) -> "BuildSection":
+        if self.tokens_per_block & (self.tokens_per_block - 1):
+            raise ValueError(f"tokens_per_block {self.tokens_per_block} must be a power of 2 (e.g. 32 or 64)")
+        return self
+
+
+class SpeculativeSection(_Section):
+    mode: Literal["none", "draft_target", "medusa", "eagle", "lookahead", "ngram"] = "none"
+    """Speculative decoding: a separate draft model, Medusa heads, EAGLE, lookahead, n-gram prompt lookup, or none."""
+    max_draft_len: int = Field(0, ge=0, le=1024)
+    """Most draft tokens per step (trtllm-build --max_draft_len); medusa/eagle: 0 takes it from the checkpoint."""
+    draft_model: Path | None = None
+    """draft_target: HF checkpoint of the draft model (same tokenizer); converted and built at tp 1 next to the target."""
+    draft_kv_cache_free_gpu_mem_fraction: float = Field(0.1, gt=0, lt=1)
+    """draft_target: share of free GPU memory for the draft's KV cache; with the target's share it must stay below 1."""
+    lookahead_window_size: int = Field(0, ge=0)
+    """lookahead: window size W (Triton lookahead_window_size)."""
+    lookahead_ngram_size: int = Field(0, ge=0)
+    """lookahead: n-gram size N (Triton lookahead_ngram_size)."""
+    lookahead_verification_set_size: int = Field(0, ge=0)
+    """lookahead: verification set size G (Triton lookahead_verification_set_size)."""
+    choices: str | None = None
+    """medusa/eagle: draft tree as "{0, 0, 0}, {0, 1}" (Triton medusa_choices / eagle_choices); default the backend's."""
 
 
 class DeploymentSpec(_Section):
@@ -161,6 +351,14 @@ class DeploymentSpec(_Section):
     """Triton server settings."""
     validation: ValidationSection = Field(default_factory=ValidationSection)
     """Latency workload and SLOs."""
+    gpu: GpuSection = Field(default_factory=GpuSection)
+    """The GPUs the deployment runs on, for the memory plan and the preflight checks."""
+    build: BuildSection = Field(default_factory=BuildSection)
+    """trtllm-build plugins and flags, and the runtime features they enable."""
+    speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
+    """Speculative decoding."""
+    quantization: QuantizationSection = Field(default_factory=QuantizationSection)
+    """Weight, activation and KV-cache quantization applied by convert."""
 
     source: Path | None = Field(None, exclude=True)
     """The file this spec was loaded from (set by the loader)."""
@@ -216,6 +414,14 @@ def _resolve_paths(spec: DeploymentSpec, base: Path) -> None:
 
     spec.model.checkpoint = resolve(spec.model.checkpoint)
     spec.model.tokenizer = resolve(spec.model.tokenizer)
+    spec.gpu.hostfile = resolve(spec.gpu.hostfile)
+    spec.speculative.draft_model = resolve(spec.speculative.draft_model)
+    if spec.build.trtllm_build is not None and "/" in str(spec.build.trtllm_build):
+        spec.build.trtllm_build = resolve(spec.build.trtllm_build)
+    calib = spec.quantization.calibration
+    if calib.dataset != "builtin":
+        calib.dataset = str(resolve(Path(calib.dataset)))
+    spec.validation.workload.prompts_file = resolve(spec.validation.workload.prompts_file)
     if spec.serving.tritonserver is not None and "/" in str(spec.serving.tritonserver):
         spec.serving.tritonserver = resolve(spec.serving.tritonserver)
 

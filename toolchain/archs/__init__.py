@@ -1,8 +1,9 @@
 """Architecture registry: HF `architectures[0]` -> the module holding its table.
 
-Modules are named as strings and imported only on lookup, so adding a family
-costs nothing until a checkpoint of that family is converted. Each module
-exposes `FAMILY` (a `toolchain.archs.common.Family`).
+Modules are named as strings ("module" or "module:ATTRIBUTE") and imported
+only on lookup, so adding a family costs nothing until a checkpoint of that
+family is converted. The attribute (default `FAMILY`) is a
+`toolchain.archs.common.Family`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ from toolchain.archs.common import Family
 from toolchain.archs.params import ArchParams, normalize_params
 from toolchain.errors import ToolchainError
 
-# HF architecture string -> module under toolchain.archs. Mistral and Qwen2
-# reuse the Llama table shape (see llama.llama_rows) and are added by a later issue.
+# HF architecture string -> "module[:attribute]". Every family reuses the Llama
+# table shape (llama.llama_rows) with its own switches and config normalisation.
+# Adding one here means adding a tiny checkpoint maker to tests/test_archs.py too.
 _REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "toolchain.archs.llama",
+    "MistralForCausalLM": "toolchain.archs.mistral",
+    "Qwen2ForCausalLM": "toolchain.archs.qwen:QWEN2",
+    "Qwen3ForCausalLM": "toolchain.archs.qwen:QWEN3",
 }
 
 __all__ = ["ArchParams", "Family", "supported", "get_family", "family_for_config", "load_params"]
@@ -29,15 +34,16 @@ def supported() -> list[str]:
 
 def get_family(architecture: str) -> Family:
     """The family table registered for an HF architecture string."""
-    module_path = _REGISTRY.get(architecture)
-    if module_path is None:
+    entry = _REGISTRY.get(architecture)
+    if entry is None:
         raise ToolchainError(
             f"unsupported architecture '{architecture}'",
             f"supported: {', '.join(supported())}",
         )
-    family = importlib.import_module(module_path).FAMILY
+    module_path, _, attribute = entry.partition(":")
+    family = getattr(importlib.import_module(module_path), attribute or "FAMILY")
     if architecture not in family.architectures:  # a registry typo, not a user error
-        raise RuntimeError(f"{module_path}.FAMILY does not list {architecture}")
+        raise RuntimeError(f"{entry} does not list {architecture}")
     return family
 
 

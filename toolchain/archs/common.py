@@ -13,11 +13,12 @@ import enum
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from toolchain.errors import ToolchainError
+
+if TYPE_CHECKING:  # torch costs ~1.4 s to import; `toolchain plan` reads tables without it
+    import torch
 
 
 class Shard(str, enum.Enum):
@@ -78,6 +79,10 @@ class Family:
     """Values for HF config keys a config.json may omit (the HF config class defaults)."""
     config_extra: Callable[[Any], dict] | None = None
     """Family-specific TensorRT-LLM config.json fields, given the ArchParams."""
+    normalize: Callable[[dict, Any, str], Any] | None = None
+    """Family-specific config normalisation: (HF config dict, ArchParams, origin) -> ArchParams.
+    Runs after the shared alias lookup, for what only this family's HF config spells
+    (sliding windows, forced biases, q/k norms) and what it cannot represent."""
 
     def __post_init__(self) -> None:
         # Table mistakes are programming errors: fail at import, not mid-conversion.
@@ -101,6 +106,7 @@ DIMS: dict[str, Callable[[Any], int]] = {
     "V": lambda p: p.vocab_size,
     "Q": lambda p: p.num_attention_heads * p.head_size,     # q_proj rows, o_proj columns
     "KV": lambda p: p.num_key_value_heads * p.head_size,    # k_proj / v_proj rows
+    "HD": lambda p: p.head_size,                              # per-head q/k norms (Qwen3)
 }
 
 

@@ -1,8 +1,12 @@
-"""Llama family: HF LlamaForCausalLM -> TensorRT-LLM LLaMAForCausalLM checkpoint.
+"""Llama family (Llama 2, 3, 3.1, 3.2): HF LlamaForCausalLM -> TensorRT-LLM
+LLaMAForCausalLM checkpoint.
 
 Names and shard rules from reference §2.1 and §3. `llama_rows` is
-parametrised on the bias switches so Mistral (same table) and Qwen2 (q/k/v
-bias only, no o_proj bias) can reuse it.
+parametrised on the bias switches and the q/k norms so Mistral (same table),
+Qwen2 (q/k/v bias only, no o_proj bias) and Qwen3 (per-head q/k RMSNorm)
+reuse it. Llama 3.1/3.2's `llama3` RoPE needs nothing here: params.py
+normalises every rope type, and small Llama 3.2 models' tied embeddings are
+the lm_head row's `tied_from`.
 """
 
 from __future__ import annotations
@@ -10,13 +14,46 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from toolchain.archs.common import Family, Row, Shard, Stage
+from toolchain.errors import ToolchainError
 
 L = "model.layers.{layer}"
 T = "transformer.layers.{layer}"
 
 
-def llama_rows(qkv_bias_when: str | None = "attention_bias",
-               dense_bias_when: str | None = "attention_bias") -> tuple[Row, ...]:
+def _switch(flag: bool | str) -> tuple[bool, str | None]:
+    """(row present, its `when`) for a bias switch: True always, False never,
+    a string names the ArchParams flag that enables it."""
+    if isinstance(flag, bool):
+        return flag, None
+    return True, flag
+
+
+def llama_rows(qkv_bias: bool | str = "attention_bias", dense_bias: bool | str = "attention_bias",
+               qk_norm: bool = False) -> tuple[Row, ...]:
+    qkv_on, qkv_when = _switch(qkv_bias)
+    dense_on, dense_when = _switch(dense_bias)
+    qkv_bias_rows = (
+        Row(f"{L}.self_attn.q_proj.bias", f"{T}.attention.qkv.bias", Shard.QKV, part="q", when=qkv_when,
+            shape=("Q",)),
+        # k/v biases are split and duplicated per head exactly like their weights when
+        # tp > nkv (reference §8 row 4: the Qwen2 converter crash was biases left out).
+        Row(f"{L}.self_attn.k_proj.bias", f"{T}.attention.qkv.bias", Shard.QKV, part="k", when=qkv_when,
+            shape=("KV",)),
+        Row(f"{L}.self_attn.v_proj.bias", f"{T}.attention.qkv.bias", Shard.QKV, part="v", when=qkv_when,
+            shape=("KV",)),
+    ) if qkv_on else ()
+    # Row-parallel bias: added once after the all-reduce, so every rank holds all of it (§3.1).
+    dense_bias_rows = (
+        Row(f"{L}.self_attn.o_proj.bias", f"{T}.attention.dense.bias", Shard.REPLICATE, when=dense_when,
+            shape=("H",)),
+    ) if dense_on else ()
+    # TensorRT-LLM's Attention(qk_layernorm=True, layernorm_share=True) holds one
+    # RmsNorm(head_size) per q and k, shared by every head, so every rank gets
+    # the full (head_size,) vector (tensorrt_llm/layers/attention.py).
+    qk_norm_rows = (
+        Row(f"{L}.self_attn.q_norm.weight", f"{T}.attention.q_layernorm.weight", Shard.REPLICATE, shape=("HD",)),
+        Row(f"{L}.self_attn.k_norm.weight", f"{T}.attention.k_layernorm.weight", Shard.REPLICATE, shape=("HD",)),
+    ) if qk_norm else ()
     return (
         Row("model.embed_tokens.weight", "transformer.vocab_embedding.weight", Shard.EMBEDDING, stage=Stage.FIRST,
             shape=("V", "H")),
@@ -24,16 +61,10 @@ def llama_rows(qkv_bias_when: str | None = "attention_bias",
         Row(f"{L}.self_attn.q_proj.weight", f"{T}.attention.qkv.weight", Shard.QKV, part="q", shape=("Q", "H")),
         Row(f"{L}.self_attn.k_proj.weight", f"{T}.attention.qkv.weight", Shard.QKV, part="k", shape=("KV", "H")),
         Row(f"{L}.self_attn.v_proj.weight", f"{T}.attention.qkv.weight", Shard.QKV, part="v", shape=("KV", "H")),
-        Row(f"{L}.self_attn.q_proj.bias", f"{T}.attention.qkv.bias", Shard.QKV, part="q", when=qkv_bias_when,
-            shape=("Q",)),
-        Row(f"{L}.self_attn.k_proj.bias", f"{T}.attention.qkv.bias", Shard.QKV, part="k", when=qkv_bias_when,
-            shape=("KV",)),
-        Row(f"{L}.self_attn.v_proj.bias", f"{T}.attention.qkv.bias", Shard.QKV, part="v", when=qkv_bias_when,
-            shape=("KV",)),
+        *qkv_bias_rows,
+        *qk_norm_rows,
         Row(f"{L}.self_attn.o_proj.weight", f"{T}.attention.dense.weight", Shard.ROW, shape=("H", "Q")),
-        # Row-parallel bias: added once after the all-reduce, so every rank holds all of it (§3.1).
-        Row(f"{L}.self_attn.o_proj.bias", f"{T}.attention.dense.bias", Shard.REPLICATE, when=dense_bias_when,
-            shape=("H",)),
+        *dense_bias_rows,
         Row(f"{L}.post_attention_layernorm.weight", f"{T}.post_layernorm.weight", Shard.REPLICATE, shape=("H",)),
         # Naming trap (§2.1): GatedMLP computes proj(act(fc(x)) * gate(x)), so the
         # activated branch `fc` is HF gate_proj and `gate` is HF up_proj.
@@ -61,9 +92,19 @@ LLAMA_DEFAULTS = MappingProxyType({
     "hidden_act": "silu",
 })
 
+def _no_window(cfg: dict, params, origin: str):
+    # LlamaConfig has no sliding window; a config.json that sets one is another
+    # family mislabelled, and silently dropping the window would change outputs.
+    if cfg.get("sliding_window") is not None:
+        raise ToolchainError(f"{origin}: LlamaForCausalLM with sliding_window={cfg['sliding_window']}",
+                             "a windowed model should declare its own architecture, e.g. MistralForCausalLM")
+    return params
+
+
 FAMILY = Family(
     name="llama",
     architectures=("LlamaForCausalLM",),
     rows=llama_rows(),
     defaults=LLAMA_DEFAULTS,
+    normalize=_no_window,
 )

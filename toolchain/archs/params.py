@@ -73,6 +73,11 @@ class ArchParams:
     hidden_act: str
     dtype: str | None
     """HF weight dtype ("float32", "float16", "bfloat16"), None when config.json does not say."""
+    sliding_window: int | None = None
+    """Attention window in tokens (each query sees at most this many keys, itself included), None
+    for full attention. Not a TensorRT-LLM checkpoint field: written as runtime_defaults (§1.2)."""
+    qk_layernorm: bool = False
+    """RMSNorm over each q and k head before RoPE (Qwen3)."""
 
     @property
     def rotary_scaling(self) -> dict | None:
@@ -197,7 +202,7 @@ def normalize_params(cfg: dict, family: Any, origin: str = "config.json") -> Arc
         value = get(field)
         return False if value is _MISSING else bool(value)
 
-    return ArchParams(
+    params = ArchParams(
         architecture=(cfg.get("architectures") or family.architectures)[0],
         vocab_size=_as_int(get("vocab_size"), "vocab_size", origin),
         hidden_size=hidden,
@@ -216,3 +221,11 @@ def normalize_params(cfg: dict, family: Any, origin: str = "config.json") -> Arc
         hidden_act=str(get("hidden_act")),
         dtype=normalize_dtype(get("dtype"), origin),
     )
+    if family.normalize is not None:
+        params = family.normalize(cfg, params, origin)
+    return params
+
+
+def as_window(value: Any, origin: str, key: str = "sliding_window") -> int | None:
+    """A sliding-window length from config.json (None or a positive integer)."""
+    return None if value is None else _as_int(value, key, origin)

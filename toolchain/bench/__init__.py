@@ -1,15 +1,20 @@
-"""`toolchain bench`: a streaming latency harness for the deployed Triton model.
+"""`toolchain bench`: a latency harness for served LLMs (Triton gRPC/HTTP, OpenAI-compatible).
 
 Layout (each module small, each step replaceable):
 
-- `records`  per-request raw records with monotonic timestamps (the source of truth)
-- `metrics`  every statistic derived offline from those records
-- `workload` synthetic prompts of exact token lengths
-- `client`   closed-loop gRPC streaming load generator
-- `report`   report.json / requests.csv / console table
-- `run`      `run_bench(spec, grpc_url, out_dir, tokenizer_dir=None) -> dict`
+- `records`      per-request raw records with monotonic timestamps (the source of truth)
+- `metrics`      every statistic derived offline from those records; `slo` thresholds and verdicts
+- `workload`     synthetic prompts of exact token lengths; `datasets` the per-level plan of
+                 sessions (synthetic, shared prefix, JSONL prompts, multi-turn, classes, cancellation)
+- `schedule`     seeded open-loop arrival schedules (Poisson, gamma, constant)
+- `protocols`    transports: triton_grpc, triton_http (generate_stream), openai (SSE)
+- `loadgen`      the asyncio driver: closed loop (concurrency) and open loop (rate)
+- `servermetrics` Triton /metrics scraped around each level; `exporter` the harness's own Prometheus metrics
+- `report`, `plots` report.json / requests.csv / console tables / PNGs
+- `run`          `run_bench(spec, grpc_url, out_dir, ...) -> dict`
+- `mock`         known-timing mock servers for tests and benchmarks/harness_accuracy.py
 
 Metric definitions follow section (a) of the latency-harness reference notes.
-Heavy imports (tritonclient, transformers) live in the modules that need them
-so `import toolchain.bench` stays cheap.
+Heavy imports (tritonclient, aiohttp, transformers, matplotlib) live in the
+modules that need them so `import toolchain.bench` stays cheap.
 """

@@ -4,7 +4,11 @@
           first response is not a token). TTFR = t_first_resp - t_send.
 - E2E   = t_last_tok - t_send; E2E-final = t_final - t_send kept separately
           (they differ when a flag-only final response arrives late).
-- TPOT  = (t_last_tok - t_first_tok) / (OSL - 1), only for OSL > 1.
+- TPOT  = (t_last_tok - t_first_tok) / (OSL - n_first), n_first = tokens in the
+          first token-bearing response; defined when OSL > n_first. With one token
+          per response this is the usual (E2E - TTFT) / (OSL - 1); with multi-token
+          chunks the usual formula charges the first chunk's extra tokens to the
+          decode window and understates TPOT (the pitfall in the reference notes).
 - TTST  = second token-bearing response - first token-bearing response.
 - ITL   = every gap between consecutive token-bearing responses, pooled over
           requests (chunk-weighted); each gap keeps its token count so a
@@ -12,8 +16,13 @@
 - Throughput window = first measured t_send .. last measured t_last_tok.
 - Goodput = measured requests meeting every per-request SLO / window.
 
+- Send lag = t_send - t_sched (open loop: how late the harness sent against
+          its precomputed schedule); TTFT/E2E-sched are measured from t_sched, so
+          a harness falling behind shows up instead of hiding (coordinated omission).
+
 Percentiles: numpy `linear`; stdev: population (ddof=0), as genai-perf and vLLM.
-Warm-up requests are excluded; failed requests are counted, never timed.
+Warm-up requests are excluded; failed requests are counted, never timed;
+requests cancelled on purpose are counted apart and never timed either.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from typing import Iterable
 
 import numpy as np
 
+from toolchain.bench import slo as S
 from toolchain.bench.records import RequestRecord
 
 NS_PER_MS = 1e6
@@ -44,19 +54,22 @@ def request_metrics(rec: RequestRecord) -> dict:
     """Per-request latencies in ms (None where undefined) and the ITL gaps."""
     toks = rec.token_responses()
     osl = rec.osl
-    t_send = rec.t_send
-    out = {
+    t_send, t_sched = rec.t_send, rec.t_sched
+    return {
         "ttft": _ms(rec.t_first_tok - t_send) if toks and t_send is not None else None,
         "ttfr": _ms(rec.t_first_resp - t_send) if rec.responses and t_send is not None else None,
         "e2e": _ms(rec.t_last_tok - t_send) if toks and t_send is not None else None,
         "e2e_final": _ms(rec.t_final - t_send) if rec.t_final is not None and t_send is not None else None,
-        "tpot": _ms(rec.t_last_tok - rec.t_first_tok) / (osl - 1) if toks and osl > 1 else None,
+        "tpot": _ms(rec.t_last_tok - rec.t_first_tok) / (osl - toks[0].n_tok)
+        if toks and osl > toks[0].n_tok and len(toks) > 1 else None,
         "ttst": _ms(toks[1].t_ns - toks[0].t_ns) if len(toks) > 1 else None,
+        "send_lag": _ms(rec.send_lag_ns),
+        "ttft_sched": _ms(rec.t_first_tok - t_sched) if toks and t_sched is not None else None,
+        "e2e_sched": _ms(rec.t_last_tok - t_sched) if toks and t_sched is not None else None,
         "osl": osl,
         # (gap ms, tokens in the later response) for each consecutive pair
         "itl": [(_ms(b.t_ns - a.t_ns), b.n_tok) for a, b in zip(toks, toks[1:])],
     }
-    return out
 
 
 def stats(values: Iterable[float]) -> dict:
@@ -71,34 +84,37 @@ def stats(values: Iterable[float]) -> dict:
 
 
 def parse_slo_name(name: str) -> tuple[str, str]:
-    """'ttft_p99_ms' -> ('ttft', 'p99')."""
+    """'ttft_p99_ms' -> ('ttft', 'p99') (the spec's named SLO fields)."""
     m = _SLO_NAME.match(name)
     if not m or m["pct"] not in PERCENTILES:
         raise ValueError(f"SLO '{name}' is not <metric>_p<NN>_ms with a reported percentile")
     return m["metric"], m["pct"]
 
 
-def _meets(per_req: dict, slo: dict[str, float]) -> bool:
-    for name, threshold in slo.items():
-        metric, _ = parse_slo_name(name)
-        value = per_req.get(metric)
-        if value is None:
-            # TPOT is undefined for OSL <= 1: such a request cannot miss it (vLLM rule).
-            if metric == "tpot":
+def _thresholds(slo) -> list[S.Threshold]:
+    """Accept Threshold lists or the legacy {name: value} mapping of the spec's fields."""
+    if not slo:
+        return []
+    if isinstance(slo, dict):
+        out = []
+        for name, value in slo.items():
+            if value is None:
                 continue
-            return False
-        if value > threshold:
-            return False
-    return True
+            parse_slo_name(name)
+            out.append(S.parse_slo(f"{name}<={value}"))
+        return out
+    return list(slo)
 
 
-def compute(records: list[RequestRecord], slo: dict[str, float] | None = None) -> dict:
-    """Aggregate the measured (non-warm-up) records. `slo`: set thresholds only."""
-    slo = {k: v for k, v in (slo or {}).items() if v is not None}
+def compute(records: list[RequestRecord], slo=None, *, by_class: bool = True) -> dict:
+    """Aggregate the measured (non-warm-up) records. `slo`: thresholds (or {name: value})."""
+    ths = _thresholds(slo)
     measured = [r for r in records if not r.warmup]
+    cancelled = [r for r in measured if r.cancelled]
+    judged = [r for r in measured if not r.cancelled]
     # A request that completed without a single output token produced nothing to time.
-    good = [r for r in measured if r.ok and r.t_first_tok is not None]
-    failed = [r for r in measured if not (r.ok and r.t_first_tok is not None)]
+    good = [r for r in judged if r.ok and r.t_first_tok is not None]
+    failed = [r for r in judged if not (r.ok and r.t_first_tok is not None)]
     per = [request_metrics(r) for r in good]
 
     sends = [r.t_send for r in measured if r.t_send is not None]
@@ -110,14 +126,19 @@ def compute(records: list[RequestRecord], slo: dict[str, float] | None = None) -
         return count / window_s if window_s else None
 
     total_osl = sum(p["osl"] for p in per)
-    n_good_slo = sum(1 for p in per if _meets(p, slo))
+    n_good_slo = sum(1 for p in per if S.request_meets(p, ths))
     gaps = [g for p in per for g in p["itl"]]
     reasons = Counter(_error_text(r) for r in failed)
-    return {
+    send_span = (max(sends) - min(sends)) / 1e9 if len(sends) > 1 else None
+    both = [r for r in good if r.server_osl is not None and r.client_osl is not None]
+    out = {
         "num_requests": len(good),
         "sent": len(sends),
         "errors": len(failed),
         "error_reasons": dict(reasons.most_common(5)),
+        "cancelled": len(cancelled),
+        "timed_out": sum(1 for r in failed if r.timed_out),
+        "not_sent": sum(1 for r in measured if r.t_send is None),
         "warmup_requests": sum(1 for r in records if r.warmup),
         "window_s": window_s,
         "window": {"definition": WINDOW_DEFINITION, "start_ns": start, "end_ns": end},
@@ -125,7 +146,8 @@ def compute(records: list[RequestRecord], slo: dict[str, float] | None = None) -
         "output_tokens_per_s": rate(total_osl),
         "output_tokens": total_osl,
         "goodput_req_per_s": rate(n_good_slo),
-        "goodput_fraction": n_good_slo / len(measured) if measured else None,
+        "goodput_fraction": n_good_slo / len(judged) if judged else None,
+        "achieved_send_rate": (len(sends) - 1) / send_span if send_span else None,
         "ttft_ms": stats(p["ttft"] for p in per),
         "ttfr_ms": stats(p["ttfr"] for p in per),
         "ttst_ms": stats(p["ttst"] for p in per),
@@ -134,9 +156,49 @@ def compute(records: list[RequestRecord], slo: dict[str, float] | None = None) -
         "itl_per_token_ms": stats(g / n for g, n in gaps),
         "e2e_ms": stats(p["e2e"] for p in per),
         "e2e_final_ms": stats(p["e2e_final"] for p in per),
+        "send_lag_ms": stats(_ms(r.send_lag_ns) for r in measured if r.send_lag_ns is not None),
+        "ttft_sched_ms": stats(p["ttft_sched"] for p in per),
+        "e2e_sched_ms": stats(p["e2e_sched"] for p in per),
         "isl": stats(r.isl for r in good),
         "osl": stats(p["osl"] for p in per),
+        "token_count_check": {
+            "requests_with_both": len(both),
+            "mismatches": sum(1 for r in both if r.server_osl != r.client_osl),
+            "server_total": sum(r.server_osl for r in both),
+            "client_total": sum(r.client_osl for r in both),
+        },
     }
+    classes = sorted({r.cls for r in measured})
+    if by_class and len(classes) > 1:
+        out["per_class"] = {c: _class_view(compute([r for r in measured if r.cls == c], ths, by_class=False))
+                            for c in classes}
+    return out
+
+
+_CLASS_KEYS = ("num_requests", "errors", "cancelled", "requests_per_s", "output_tokens_per_s", "goodput_fraction",
+               "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "send_lag_ms", "osl")
+
+
+def _class_view(m: dict) -> dict:
+    return {k: m[k] for k in _CLASS_KEYS}
+
+
+def itl_by_position(records: list[RequestRecord], max_positions: int = 512) -> dict:
+    """Gap before the k-th token-bearing response (k = 2, 3, ...), pooled over requests:
+    the plot that shows decode slowing as sequences grow or stalls at fixed steps."""
+    buckets: list[list[float]] = []
+    for r in records:
+        if r.warmup or not r.ok:
+            continue
+        toks = r.token_responses()
+        for k, (a, b) in enumerate(zip(toks, toks[1:max_positions + 1])):
+            if len(buckets) <= k:
+                buckets.append([])
+            buckets[k].append((b.t_ns - a.t_ns) / NS_PER_MS)
+    return {"position": [k + 2 for k in range(len(buckets))],
+            "mean_ms": [float(np.mean(b)) for b in buckets],
+            "p90_ms": [float(np.percentile(b, 90)) for b in buckets],
+            "n": [len(b) for b in buckets]}
 
 
 def _error_text(rec: RequestRecord) -> str:
@@ -149,19 +211,6 @@ def _error_text(rec: RequestRecord) -> str:
     return "no output tokens"
 
 
-def evaluate_slo(metrics: dict, slo: dict[str, float | None]) -> dict:
-    """{'passed': bool, <threshold name>: {threshold, measured, passed}, 'errors': {...}}.
-
-    Failed requests fail the run: percentiles over the survivors would hide them.
-    """
-    out: dict = {}
-    for name, threshold in slo.items():
-        if threshold is None:
-            continue
-        metric, pct = parse_slo_name(name)
-        measured = metrics[f"{metric}_ms"][pct]
-        out[name] = {"threshold": threshold, "measured": measured,
-                     "passed": measured is not None and measured <= threshold}
-    out["errors"] = {"threshold": 0, "measured": metrics["errors"], "passed": metrics["errors"] == 0}
-    ok = all(v["passed"] for v in out.values()) and metrics["num_requests"] > 0
-    return {"passed": ok, **out}
+def evaluate_slo(metrics: dict, slo) -> dict:
+    """{'passed': bool, <threshold name>: {threshold, measured, passed}, 'errors': {...}}."""
+    return S.evaluate(metrics, _thresholds(slo))

@@ -1,8 +1,12 @@
-"""report.json, requests.csv and the console table.
+"""report.json, requests.csv and the console tables.
 
-Every figure in the report is derived from the raw records by `metrics`; the
-CSV keeps one row per request (timestamps relative to the run's monotonic
-anchor, whose wall-clock time is in the report) for re-analysis.
+Every figure is derived from the raw records by `metrics`. report.json holds
+one entry per load level under `levels` and a `sweep` summary; the top-level
+metric keys (ttft_ms, tpot_ms, itl_ms, e2e_ms, output_tokens_per_s,
+requests_per_s, num_requests, ...) are the single level of a one-level run, or
+the last (highest) level of a sweep, and `slo.passed` is true only when every
+level met every threshold. The CSV keeps one row per request (times in ms
+after the run's monotonic anchor, whose wall-clock time is `started_at`).
 """
 
 from __future__ import annotations
@@ -15,34 +19,68 @@ from toolchain.bench import metrics as M
 from toolchain.bench.records import RequestRecord
 from toolchain.fsutil import atomic_file
 
-LATENCY_KEYS = ("ttft_ms", "ttfr_ms", "ttst_ms", "tpot_ms", "itl_ms", "itl_per_token_ms", "e2e_ms", "e2e_final_ms")
+LATENCY_KEYS = ("ttft_ms", "ttfr_ms", "ttst_ms", "tpot_ms", "itl_ms", "itl_per_token_ms", "e2e_ms", "e2e_final_ms",
+                "send_lag_ms", "ttft_sched_ms", "e2e_sched_ms")
 FEW_SAMPLES = 100
 
-CSV_COLUMNS = ("index", "request_id", "warmup", "isl", "max_tokens", "osl", "responses", "token_source",
-               "t_sched_ms", "t_send_ms", "t_first_resp_ms", "t_first_tok_ms", "t_last_tok_ms", "t_final_ms",
-               "ttft_ms", "ttfr_ms", "ttst_ms", "tpot_ms", "e2e_ms", "e2e_final_ms", "error")
+CSV_COLUMNS = ("index", "request_id", "level", "class", "session", "turn", "warmup", "isl", "max_tokens", "osl",
+               "server_osl", "client_osl", "responses", "token_source", "t_sched_ms", "t_send_ms", "t_first_resp_ms",
+               "t_first_tok_ms", "t_last_tok_ms", "t_final_ms", "send_lag_ms", "ttft_ms", "ttfr_ms", "ttst_ms",
+               "tpot_ms", "e2e_ms", "e2e_final_ms", "ttft_sched_ms", "cancelled", "timed_out", "error")
 
 
-def build_report(metrics: dict, slo: dict, *, workload: dict, run: dict, token_count_source: str,
-                 osl_mismatches: int) -> dict:
+def level_notes(metrics: dict, token_source: str, osl_mismatches: int, open_loop: bool = True) -> list[str]:
     notes = []
-    p99_n = metrics["ttft_ms"]["n"]
-    if 0 < p99_n < FEW_SAMPLES:
-        notes.append(f"p99 values come from only {p99_n} requests; treat them as indicative (>= {FEW_SAMPLES} advised)")
-    if token_count_source == "tokenizer":
+    n = metrics["ttft_ms"]["n"]
+    if 0 < n < FEW_SAMPLES:
+        notes.append(f"p99 values come from only {n} requests; treat them as indicative (>= {FEW_SAMPLES} advised)")
+    if token_source == "tokenizer":
         notes.append("output token counts re-tokenise streamed text with the deployment tokenizer (an estimate)")
+    elif token_source == "server-total":
+        notes.append("OSL is the server's usage total; per-chunk counts (ITL per token) are tokenizer estimates")
     if osl_mismatches:
         notes.append(f"{osl_mismatches} requests produced a token count other than max_tokens")
+    check = metrics.get("token_count_check", {})
+    if check.get("mismatches"):
+        notes.append(f"server and tokenizer token counts differ for {check['mismatches']} of "
+                     f"{check['requests_with_both']} requests ({check['server_total']} vs {check['client_total']})")
+    lag = metrics["send_lag_ms"]
+    if open_loop and lag["n"] and lag["mean"] is not None and lag["mean"] > 1.0:
+        notes.append(f"mean send lag {lag['mean']:.2f} ms: the client fell behind its schedule; trust the "
+                     "*_sched_ms figures, and the achieved rate, over the nominal load")
+    return notes
+
+
+def sweep_row(level: dict) -> dict:
+    def s(key, stat):
+        return (level.get(key) or {}).get(stat)
+
+    return {"level": level["level"], "mode": level["load"]["mode"], "load": level["load"]["value"],
+            "requests_per_s": level["requests_per_s"], "output_tokens_per_s": level["output_tokens_per_s"],
+            "goodput_req_per_s": level["goodput_req_per_s"], "ttft_p50_ms": s("ttft_ms", "p50"),
+            "ttft_p99_ms": s("ttft_ms", "p99"), "tpot_p50_ms": s("tpot_ms", "p50"), "tpot_p99_ms": s("tpot_ms", "p99"),
+            "itl_p99_ms": s("itl_ms", "p99"), "e2e_p99_ms": s("e2e_ms", "p99"), "send_lag_mean_ms": s("send_lag_ms", "mean"),
+            "send_lag_p99_ms": s("send_lag_ms", "p99"), "num_requests": level["num_requests"],
+            "errors": level["errors"], "cancelled": level["cancelled"], "slo_passed": level["slo"]["passed"]}
+
+
+def build_report(levels: list[dict], *, run: dict, workload: dict, notes: list[str]) -> dict:
+    last = levels[-1] if levels else {}
+    top = {k: v for k, v in last.items() if k not in ("level", "slo", "notes")}
+    passed = bool(levels) and all(lv["slo"]["passed"] for lv in levels) and run.get("aborted") is None
+    failing = next((lv for lv in levels if not lv["slo"]["passed"]), last)
+    slo = {**(failing.get("slo") or {"errors": {"threshold": 0, "measured": 0, "passed": True}}), "passed": passed}
+    if len(levels) > 1:
+        slo["level"] = failing.get("level")
+    rows = [sweep_row(lv) for lv in levels]
+    held = [r["load"] for r in rows if r["slo_passed"]]
     return {
-        **run,
-        **metrics,
-        "token_count_source": token_count_source,
-        "osl_mismatches": osl_mismatches,
-        "percentile_method": f"numpy {M.PERCENTILE_METHOD}",
-        "stdev_kind": "population",
-        "workload": workload,
-        "slo": slo,
-        "notes": notes,
+        **run, **top,
+        "percentile_method": f"numpy {M.PERCENTILE_METHOD}", "stdev_kind": "population",
+        "workload": workload, "slo": slo,
+        "sweep": {"levels": rows, "max_load_meeting_slo": max(held) if held else None},
+        "levels": levels,
+        "notes": notes + [f"level {lv['level']} ({lv['load']['value']:g}): {n}" for lv in levels for n in lv["notes"]],
     }
 
 
@@ -58,14 +96,18 @@ def csv_rows(records: list[RequestRecord], anchor_ns: int):
     for rec in records:
         per = M.request_metrics(rec)
         yield {
-            "index": rec.index, "request_id": rec.request_id, "warmup": int(rec.warmup), "isl": rec.isl,
-            "max_tokens": rec.max_tokens, "osl": rec.osl, "responses": len(rec.responses),
-            "token_source": rec.token_source,
+            "index": rec.index, "request_id": rec.request_id, "level": rec.level, "class": rec.cls,
+            "session": "" if rec.session is None else rec.session, "turn": rec.turn, "warmup": int(rec.warmup),
+            "isl": rec.isl, "max_tokens": rec.max_tokens, "osl": rec.osl,
+            "server_osl": "" if rec.server_osl is None else rec.server_osl,
+            "client_osl": "" if rec.client_osl is None else rec.client_osl,
+            "responses": len(rec.responses), "token_source": rec.token_source,
             "t_sched_ms": _rel(rec.t_sched, anchor_ns), "t_send_ms": _rel(rec.t_send, anchor_ns),
             "t_first_resp_ms": _rel(rec.t_first_resp, anchor_ns), "t_first_tok_ms": _rel(rec.t_first_tok, anchor_ns),
             "t_last_tok_ms": _rel(rec.t_last_tok, anchor_ns), "t_final_ms": _rel(rec.t_final, anchor_ns),
-            **{f"{k}_ms": _round(per[k]) for k in ("ttft", "ttfr", "ttst", "tpot", "e2e", "e2e_final")},
-            "error": rec.error or "",
+            **{f"{k}_ms": _round(per[k]) for k in ("send_lag", "ttft", "ttfr", "ttst", "tpot", "e2e", "e2e_final",
+                                                   "ttft_sched")},
+            "cancelled": int(rec.cancelled), "timed_out": int(rec.timed_out), "error": rec.error or "",
         }
 
 
@@ -85,39 +127,83 @@ def _fmt(v, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-def print_report(report: dict, console=None) -> None:
+def print_level(level: dict, console=None, title: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=f"{report.get('model', '')} @ {report.get('url', '')}", title_justify="left")
+    load = level["load"]
+    table = Table(title=title or f"level {level['level']}: {load['mode']} {load['value']:g}", title_justify="left")
     table.add_column("metric (ms)")
     for col in ("mean", "p50", "p90", "p95", "p99", "min", "max", "n"):
         table.add_column(col, justify="right")
     for key in LATENCY_KEYS:
-        s = report.get(key)
-        if not s:
+        s = level.get(key)
+        if not s or not s["n"]:
             continue
         table.add_row(key.removesuffix("_ms"), *(_fmt(s[c]) for c in ("mean", "p50", "p90", "p95", "p99", "min", "max")),
                       str(s["n"]))
     console.print(table)
+    gf = level["goodput_fraction"]
     console.print(
-        f"requests {report['num_requests']} ok, {report['errors']} failed, {report['warmup_requests']} warm-up | "
-        f"window {_fmt(report['window_s'], 3)} s | {_fmt(report['requests_per_s'])} req/s | "
-        f"{_fmt(report['output_tokens_per_s'], 1)} output tok/s | goodput {_fmt(report['goodput_req_per_s'])} req/s "
-        f"({_fmt(100 * report['goodput_fraction'] if report['goodput_fraction'] is not None else None, 0)} %) | "
-        f"tokens: {report['token_count_source']}")
-    for reason, count in report.get("error_reasons", {}).items():
+        f"requests {level['num_requests']} ok, {level['errors']} failed, {level['cancelled']} cancelled, "
+        f"{level['warmup_requests']} warm-up | window {_fmt(level['window_s'], 3)} s | "
+        f"{_fmt(level['requests_per_s'])} req/s | {_fmt(level['output_tokens_per_s'], 1)} output tok/s | "
+        f"goodput {_fmt(level['goodput_req_per_s'])} req/s ({_fmt(100 * gf if gf is not None else None, 0)} %) | "
+        f"tokens: {level['token_count_source']}")
+    for name, c in (level.get("per_class") or {}).items():
+        console.print(f"  class {name}: {c['num_requests']} ok, TTFT p99 {_fmt(c['ttft_ms']['p99'])} ms, "
+                      f"TPOT p99 {_fmt(c['tpot_ms']['p99'])} ms, E2E p99 {_fmt(c['e2e_ms']['p99'])} ms")
+    for reason, count in level.get("error_reasons", {}).items():
         console.print(f"[red]{count} x {reason}[/red]")
+    srv = level.get("server") or {}
+    if srv.get("available"):
+        console.print(f"[dim]server: {_num(srv.get('server_requests_success'))} requests succeeded, "
+                      f"{_num(srv.get('server_requests_failure'))} failed on '{srv.get('endpoint_model')}'[/dim]")
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:g}"
+
+
+def print_summary(report: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    rows = report["sweep"]["levels"]
+    if len(rows) > 1:
+        t = Table(title="sweep", title_justify="left")
+        cols = [("load", "load"), ("req/s", "requests_per_s"), ("tok/s", "output_tokens_per_s"),
+                ("TTFT p50", "ttft_p50_ms"), ("TTFT p99", "ttft_p99_ms"), ("TPOT p50", "tpot_p50_ms"),
+                ("TPOT p99", "tpot_p99_ms"), ("ITL p99", "itl_p99_ms"), ("E2E p99", "e2e_p99_ms"),
+                ("lag mean", "send_lag_mean_ms"), ("err", "errors"), ("SLO", "slo_passed")]
+        for head, _ in cols:
+            t.add_column(head, justify="right")
+        for r in rows:
+            t.add_row(*(("pass" if r[k] else "FAIL") if k == "slo_passed" else
+                        (f"{r[k]:g}" if k in ("load", "errors") else _fmt(r[k])) for _, k in cols))
+        console.print(t)
+        console.print(f"highest load meeting the SLOs: {_num(report['sweep']['max_load_meeting_slo'])}")
     slo = report["slo"]
     for name, check in slo.items():
-        if name == "passed":
+        if not isinstance(check, dict):
             continue
         mark = "[green]pass[/green]" if check["passed"] else "[red]FAIL[/red]"
         if name == "errors":
             console.print(f"failed requests: {check['measured']} (must be 0)  {mark}")
         else:
-            console.print(f"SLO {name}: measured {_fmt(check['measured'])} vs threshold {check['threshold']}  {mark}")
+            console.print(f"SLO {name}: measured {_fmt(check['measured'])} vs {check['threshold']:g}  {mark}")
+    if report.get("aborted"):
+        console.print(f"[red]incomplete: {report['aborted']}[/red]")
     console.print("[green]SLO passed[/green]" if slo["passed"] else "[red]SLO missed[/red]")
     for note in report.get("notes", []):
         console.print(f"[dim]note: {note}[/dim]")
+
+
+def print_report(report: dict, console=None) -> None:
+    """Every level's table, then the sweep summary and the verdict."""
+    for level in report.get("levels", []):
+        print_level(level, console, title=f"{report.get('model', '')} @ {report.get('url', '')} - level "
+                                          f"{level['level']}: {level['load']['mode']} {level['load']['value']:g}")
+    print_summary(report, console)

@@ -1,22 +1,58 @@
-"""`run_bench`: drive the workload, derive the metrics, write the report."""
+"""`run_bench`: check the endpoint, build the workload, run every load level, write the report.
+
+Order of a run: the transport checks the server, the model and its contract
+(one-line errors before any load); the tokenizer and the plan are built; the
+warm-up requests run once, closed loop, excluded from every figure; then each
+level runs with a server-metrics scrape before and after it. Records are
+counted (tokenizer where the server did not count) between levels, outside
+any timing. An interrupted or aborted run still writes what it measured,
+marked `complete: false`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import os
+import platform
 import time
 from pathlib import Path
+from typing import Callable
 
 from toolchain import __version__
 from toolchain.bench import metrics as M
-from toolchain.bench.client import ClosedLoop, Job, RequestOptions, check_endpoint
-from toolchain.bench.records import RequestRecord
-from toolchain.bench.report import build_report, write_outputs
+from toolchain.bench import schedule, servermetrics
+from toolchain.bench import slo as S
+from toolchain.bench.datasets import Plan
+from toolchain.bench.loadgen import Runner
+from toolchain.bench.protocols import make_transport
+from toolchain.bench.report import build_report, level_notes, write_outputs
 from toolchain.bench.tokens import TokenCounter, token_count_source
-from toolchain.bench.workload import PROMPT_CORPUS, build_prompts, load_tokenizer
+from toolchain.bench.workload import PROMPT_CORPUS, load_tokenizer
 from toolchain.errors import ToolchainError
 from toolchain.spec import DeploymentSpec
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
+
+
+def _loopback(host: str) -> str:
+    # A server bound to every interface is reached on loopback.
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def default_url(spec: DeploymentSpec, protocol: str) -> str:
+    s = spec.serving
+    port, field = (s.grpc_port, "grpc_port") if protocol == "triton-grpc" else (s.http_port, "http_port")
+    if port == 0:
+        raise ToolchainError(f"serving.{field} is 0 (a free port picked at start), so the bench cannot guess it",
+                             "pass --url of the running server")
+    host = _loopback(s.host)
+    return f"{host}:{port}" if protocol == "triton-grpc" else f"http://{host}:{port}"
+
+
+def default_metrics_url(spec: DeploymentSpec) -> str | None:
+    s = spec.serving
+    return None if s.metrics_port == 0 else f"http://{_loopback(s.host)}:{s.metrics_port}/metrics"
 
 
 def normalize_url(url: str) -> str:
@@ -30,80 +66,168 @@ def normalize_url(url: str) -> str:
 def max_prompt_len(spec: DeploymentSpec) -> int:
     """Longest prompt the deployment accepts for this workload; rejects a workload that cannot fit."""
     wl, lim = spec.validation.workload, spec.limits
-    if wl.input_tokens > lim.max_input_len:
-        raise ToolchainError(
-            f"validation.workload.input_tokens ({wl.input_tokens}) exceeds limits.max_input_len ({lim.max_input_len})",
-            "lower the workload's input_tokens or rebuild the engine with a larger max_input_len")
-    if wl.input_tokens + wl.output_tokens > lim.max_seq_len:
-        raise ToolchainError(
-            f"input_tokens + output_tokens ({wl.input_tokens} + {wl.output_tokens}) exceeds limits.max_seq_len "
-            f"({lim.max_seq_len})", "shorten the workload or rebuild with a larger max_seq_len")
-    return min(lim.max_input_len, lim.max_seq_len - wl.output_tokens)
+    for where, isl, osl in [("", wl.input_tokens, wl.output_tokens)] + [
+            (f" (class {c.name})", c.input_tokens or wl.input_tokens, c.output_tokens or wl.output_tokens)
+            for c in wl.classes]:
+        if wl.shared_prefix.num_prefixes:
+            isl += wl.shared_prefix.prefix_tokens
+        if isl > lim.max_input_len:
+            raise ToolchainError(
+                f"validation.workload.input_tokens{where} ({isl}) exceeds limits.max_input_len ({lim.max_input_len})",
+                "lower the workload's input_tokens or rebuild the engine with a larger max_input_len")
+        if isl + osl > lim.max_seq_len:
+            raise ToolchainError(
+                f"input_tokens + output_tokens{where} ({isl} + {osl}) exceeds limits.max_seq_len ({lim.max_seq_len})",
+                "shorten the workload or rebuild with a larger max_seq_len")
+    return min(lim.max_input_len, lim.max_seq_len - 1)
 
 
-def run_bench(spec: DeploymentSpec, grpc_url: str, out_dir: Path, tokenizer_dir: Path | None = None, *,
-              request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> dict:
-    """Run spec.validation.workload against `grpc_url`; write out_dir/report.json and requests.csv; return the report."""
+def levels_of(wl) -> list[float]:
+    if wl.sweep:
+        return [int(v) if wl.mode == "concurrency" else float(v) for v in wl.sweep]
+    return [wl.concurrency if wl.mode == "concurrency" else wl.rate]
+
+
+def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path | str = "reports",
+              tokenizer_dir: Path | None = None, *, request_timeout_s: float | None = None, url: str | None = None,
+              metrics_url: str | None = None, slo_extra: tuple[str, ...] = (), prometheus_port: int | None = None,
+              plots: bool = True, on_level: Callable[[dict], None] | None = None) -> dict:
+    """Run spec.validation.workload; write out_dir/report.json, requests.csv and plots; return the report.
+
+    `grpc_url` (the walking skeleton's argument) is used for protocol triton-grpc when no `url` is given."""
     wl = spec.validation.workload
-    url = normalize_url(grpc_url)
+    timeout_s = request_timeout_s or wl.request_timeout_s
+    try:
+        thresholds = S.thresholds(spec.validation.slo, slo_extra)
+    except ValueError as err:
+        raise ToolchainError(str(err)) from None
     max_len = max_prompt_len(spec)
-    contract = check_endpoint(url, wl.endpoint)
+    target = url or wl.url or (grpc_url if wl.protocol == "triton-grpc" and grpc_url else None) \
+        or default_url(spec, wl.protocol)
+    if wl.protocol == "triton-grpc":
+        target = normalize_url(target)
+    transport = make_transport(wl.protocol, url=target, model=wl.endpoint, streaming=wl.streaming,
+                               ignore_eos=wl.ignore_eos, exclude_input=spec.serving.exclude_input_in_output,
+                               keep_text=wl.multi_turn.turns > 1 or wl.prompts_file is not None)
+    transport.prepare()
+    metrics_url = metrics_url if metrics_url is not None else (
+        default_metrics_url(spec) if wl.protocol.startswith("triton") else None)
     tokenizer_dir = Path(tokenizer_dir or spec.model.tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
+    counter = TokenCounter(tokenizer)
+    plan = Plan(wl, tokenizer, max_input=max_len, max_seq=spec.limits.max_seq_len,
+                token_ids=transport.token_ids, chat=transport.chat)
 
-    total = wl.warmup_requests + wl.num_requests
-    prompts = build_prompts(tokenizer, count=total, mean=wl.input_tokens, stddev=wl.input_tokens_stddev,
-                            seed=wl.seed, max_len=max_len)
-    opts = RequestOptions(max_tokens=wl.output_tokens, ignore_eos=wl.ignore_eos,
-                          exclude_input_in_output=spec.serving.exclude_input_in_output)
-    jobs = []
-    for i, prompt in enumerate(prompts):
-        warm = i < wl.warmup_requests
-        rid = f"w{i}" if warm else f"m{i - wl.warmup_requests}"
-        rec = RequestRecord(index=i, request_id=rid, warmup=warm, isl=prompt.isl, max_tokens=wl.output_tokens)
-        jobs.append(Job(rec, prompt.text, opts))
+    exporter = None
+    if prometheus_port is not None:
+        from toolchain.bench.exporter import Exporter
 
-    # One wall-clock anchor per run, to line the monotonic stamps up with server logs.
+        exporter = Exporter(prometheus_port, counter=counter)
+    runner = Runner(transport, plan, timeout_s=timeout_s, think_time_s=wl.multi_turn.think_time_s,
+                    on_done=exporter.observe if exporter else None)
+    loads = levels_of(wl)
+    levels: list[dict] = []
     started_wall = dt.datetime.now(dt.timezone.utc)
     anchor_ns = time.perf_counter_ns()
-    with ClosedLoop(url, contract, wl.concurrency, request_timeout_s) as loop:
-        loop.run_phase([j for j in jobs if j.record.warmup])
-        loop.run_phase([j for j in jobs if not j.record.warmup])
-        aborted, stray = loop.aborted, loop.stray_responses
 
-    records = [j.record for j in jobs]
-    TokenCounter(tokenizer).fill(records)
-    slo_thresholds = spec.validation.slo.model_dump()
-    metrics = M.compute(records, slo_thresholds)
-    window = metrics["window"]
-    for edge in ("start", "end"):  # monotonic ns -> ms after started_at, like requests.csv
-        t = window.pop(f"{edge}_ns")
-        window[f"{edge}_ms"] = None if t is None else (t - anchor_ns) / M.NS_PER_MS
-    measured_ok = [r for r in records if not r.warmup and r.ok]
-    mismatches = sum(1 for r in measured_ok if r.osl != r.max_tokens) if wl.ignore_eos else 0
+    def finish_level(i: int, value: float, before, after, n_sessions: int | None) -> None:
+        recs = [r for r in runner.records if r.level == i and not r.warmup]
+        counter.fill(recs)
+        m = M.compute(recs, thresholds)
+        m["warmup_requests"] = sum(1 for r in runner.records if r.warmup)  # run once, before the first level
+        for edge in ("start", "end"):  # monotonic ns -> ms after started_at, like requests.csv
+            t = m["window"].pop(f"{edge}_ns")
+            m["window"][f"{edge}_ms"] = None if t is None else (t - anchor_ns) / M.NS_PER_MS
+        ok = [r for r in recs if r.ok]
+        mism = sum(1 for r in ok if r.osl != r.max_tokens) if wl.ignore_eos else 0
+        src = token_count_source(recs)
+        load = {"mode": wl.mode, "value": value, "sessions": n_sessions, "duration_s": wl.duration_s}
+        if wl.mode == "rate":
+            load.update(arrival=wl.arrival, burstiness=wl.burstiness)
+        level = {"level": i, "load": load, **m, "token_count_source": src, "osl_mismatches": mism,
+                 "slo": S.evaluate(m, thresholds), "server": servermetrics.delta(before, after, wl.endpoint),
+                 "itl_by_position": M.itl_by_position(recs, max_positions=256)}
+        level["notes"] = level_notes(m, src, mism, open_loop=wl.mode == "rate")
+        levels.append(level)
+        if on_level is not None:
+            on_level(level)
+
+    async def main() -> None:
+        await transport.open()
+        try:
+            if wl.warmup_requests:
+                first = loads[0] if wl.mode == "concurrency" else 4
+                n = plan.sessions_for(wl.warmup_requests)
+                await runner.closed_loop(plan.sessions("warmup", n), max(1, min(int(first), n)), -1, warm=True)
+                counter.fill([r for r in runner.records if r.warmup])
+            for i, value in enumerate(loads):
+                if runner.aborted:
+                    break
+                if exporter:
+                    exporter.load.set(value)
+                before = await asyncio.to_thread(servermetrics.scrape, metrics_url)
+                n = None if wl.duration_s else plan.sessions_for(wl.num_requests)
+                if wl.mode == "concurrency":
+                    await runner.closed_loop(plan.sessions(i, n), int(value), i, duration_s=wl.duration_s)
+                else:
+                    offsets = schedule.arrivals(value, count=n, duration_s=wl.duration_s, arrival=wl.arrival,
+                                                burstiness=wl.burstiness, seed=f"{wl.seed}:{i}")
+                    await runner.open_loop(list(plan.sessions(i, len(offsets))), offsets, i)
+                after = await asyncio.to_thread(servermetrics.scrape, metrics_url)
+                finish_level(i, value, before, after, n)
+        finally:
+            await transport.close()
+
+    aborted = None
+    try:
+        asyncio.run(main())
+        aborted = runner.aborted
+    except KeyboardInterrupt:
+        aborted = "interrupted by the user"
+    finally:
+        if exporter:
+            exporter.close()
+    if aborted and runner.records and (not levels or any(r.level == len(levels) for r in runner.records)):
+        # the level that was running when it stopped: report what it measured
+        i = len(levels)
+        for r in runner.records:
+            if r.level == i and r.t_final is None and r.error is None and not r.cancelled:
+                r.error = f"unfinished: {aborted}"
+        finish_level(i, loads[min(i, len(loads) - 1)], None, None, None)
+
+    records = runner.records
     workload = {
         **wl.model_dump(mode="json"),
-        "load_mode": "closed-loop concurrency",
-        "request_timeout_s": request_timeout_s,
+        "levels": loads,
+        "request_timeout_s": timeout_s,
         "max_prompt_tokens": max_len,
-        "prompt_corpus": PROMPT_CORPUS,
-        "isl_definition": "prompt tokens without special tokens (the server may add BOS)",
-        "inputs_sent": sorted(i for i in contract.inputs
-                              if i in {"text_input", "max_tokens", "stream", "exclude_input_in_output"}
-                              or (i == "end_id" and wl.ignore_eos)),
+        "prompt_corpus": str(wl.prompts_file) if wl.prompts_file else PROMPT_CORPUS,
+        "isl_definition": "prompt tokens without special tokens (the server may add BOS); chat: message contents "
+                          "joined, chat template not counted",
+        "inputs_sent": sorted(transport.inputs_sent),
+        "slo_thresholds": [t.name for t in thresholds],
     }
     run = {
         "tool": f"toolchain bench {__version__}",
         "deployment": spec.name,
         "model": wl.endpoint,
-        "url": url,
+        "url": transport.url,
+        "protocol": wl.protocol,
+        "transport": transport.describe(),
         "tokenizer": str(tokenizer_dir),
+        "metrics_url": metrics_url,
         "started_at": started_wall.isoformat(),
         "clock": "time.perf_counter_ns (monotonic); requests.csv times are ms after started_at",
+        "client": {"python": platform.python_version(), "cpus": os.cpu_count(), "loop": "asyncio, one thread"},
+        "complete": aborted is None,
         "aborted": aborted,
-        "stray_responses": stray,
     }
-    report = build_report(metrics, M.evaluate_slo(metrics, slo_thresholds), workload=workload, run=run,
-                          token_count_source=token_count_source(records), osl_mismatches=mismatches)
-    write_outputs(Path(out_dir), report, records, anchor_ns)
+    report = build_report(levels, run=run, workload=workload, notes=[])
+    out_dir = Path(out_dir)
+    write_outputs(out_dir, report, records, anchor_ns)
+    if plots and levels:
+        from toolchain.bench.plots import write_plots
+
+        report["plots"] = write_plots(out_dir, report, records)
+        write_outputs(out_dir, report, records, anchor_ns)
     return report

@@ -1,12 +1,17 @@
-"""Per-response output token counts for text-only streams.
+"""Per-response output token counts, filled in after the run.
 
-The ensemble streams per-chunk text, so counts are a client re-tokenisation
-(an estimate; the report says so via token_count_source). Each chunk is
-encoded behind a fixed prefix and the prefix's own tokens are subtracted:
-encoding a chunk alone would let SentencePiece add a word-start marker to it
-and over-count (the genai-perf technique). A non-empty chunk is at least one
-token, since the server only sends text for generated tokens; an empty chunk
-is none (e.g. Triton's empty first response).
+Text-only streams are counted by client re-tokenisation (an estimate; the
+report says so via token_count_source). Each chunk is encoded behind a fixed
+prefix and the prefix's own tokens are subtracted: encoding a chunk alone
+would let SentencePiece add a word-start marker to it and over-count (the
+genai-perf technique). A non-empty chunk is at least one token, since the
+server only sends text for generated tokens; an empty chunk is none (e.g.
+Triton's empty first response).
+
+Where the server counted (output ids, num_output_tokens, OpenAI usage), its
+figure stands and the tokenizer's estimate is kept next to it (client_osl) so
+a mismatch is visible. Counting happens after the run so it cannot delay the
+next arrival stamp.
 """
 
 from __future__ import annotations
@@ -30,12 +35,21 @@ class TokenCounter:
         return max(1, self._len(_PREFIX + text) - self._prefix_len)
 
     def fill(self, records: list[RequestRecord]) -> None:
-        """Set n_tok for every text response and drop the stored text."""
+        """Set n_tok for every text response (unless the server counted), the client estimate, and drop the text."""
         for rec in records:
+            texts = [r.text for r in rec.responses if r.text is not None]
+            if not texts and rec.token_source == "server":
+                continue
+            estimate = 0
             for resp in rec.responses:
                 if resp.text is not None:
-                    resp.n_tok = self.count(resp.text)
+                    n = self.count(resp.text)
+                    estimate += n
+                    if rec.token_source != "server":
+                        resp.n_tok = n
                     resp.text = None
+            if texts:
+                rec.client_osl = estimate
 
 
 def token_count_source(records: list[RequestRecord]) -> str:

@@ -118,3 +118,8 @@ def build_prompts(tokenizer, *, count: int, mean: int, stddev: float, seed: int,
     lengths = sample_lengths(mean, stddev, count, rng, max_len)
     factory = PromptFactory(tokenizer, seed=rng.randrange(1 << 30))
     return [factory.make(n) for n in lengths]
+
+
+def sample_output_lengths(mean: int, stddev: float, count: int, rng: random.Random, max_len: int) -> list[int]:
+    """Requested output lengths: normal around `mean`, at least 1, at most max_len."""
+    return sample_lengths(mean, stddev, count, rng, max_len)

@@ -21,6 +21,7 @@ TOP_LEVEL_KEYS = frozenset({
     "qwen_type", "seq_length", "moe", "runtime_defaults",
 })
 REQUIRED_KEYS = TOP_LEVEL_KEYS - {"qwen_type", "seq_length", "moe", "runtime_defaults"}
+RUNTIME_DEFAULT_KEYS = frozenset({"max_attention_window", "sink_token_length"})
 MAPPING_KEYS = frozenset({"world_size", "tp_size", "pp_size", "cp_size", "moe_tp_size", "moe_ep_size",
                           "moe_cluster_size", "gpus_per_node"})
 QUANT_KEYS = frozenset({"quant_algo", "kv_cache_quant_algo", "group_size", "has_zero_point", "pre_quant_scale",
@@ -61,10 +62,17 @@ def build_config(family: Family, params: ArchParams, *, dtype: str, tp: int, pp:
         "use_parallel_embedding": use_parallel_embedding,
         "embedding_sharding_dim": embedding_sharding_dim,
         "tie_word_embeddings": params.tie_word_embeddings,  # informational: lm_head.weight is always written
-        "qk_layernorm": False,
+        "qk_layernorm": params.qk_layernorm,
         "mapping": build_mapping(tp, pp),
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
     }
+    if params.sliding_window is not None:
+        # Not a model field in TensorRT-LLM: PretrainedConfig.runtime_defaults
+        # (RuntimeDefaults: max_attention_window, a list repeated over the layers)
+        # is what the runtime falls back to for the attention window, and the
+        # CPU engine reads the same key. Triton's `max_attention_window_size`
+        # overrides it per deployment (§1.2, Mistral v0.1 note).
+        config["runtime_defaults"] = {"max_attention_window": [params.sliding_window]}
     if family.config_extra is not None:
         config.update(family.config_extra(params))
     validate_config(config)
@@ -78,6 +86,7 @@ def validate_config(config: dict) -> None:
     missing = sorted(REQUIRED_KEYS - set(config))
     unknown += [f"mapping.{k}" for k in sorted(set(config.get("mapping", {})) - MAPPING_KEYS)]
     unknown += [f"quantization.{k}" for k in sorted(set(config.get("quantization", {})) - QUANT_KEYS)]
+    unknown += [f"runtime_defaults.{k}" for k in sorted(set(config.get("runtime_defaults", {})) - RUNTIME_DEFAULT_KEYS)]
     if unknown or missing:
         raise ValueError(f"checkpoint config.json: unknown keys {unknown}, missing keys {missing}")
     m = config["mapping"]

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 from toolchain.archs import load_params
 from toolchain.archs.params import ArchParams
 from toolchain.checkpoint import sharding
 from toolchain.checkpoint.config import build_config
+from toolchain.checkpoint.config_only import ConfigOnlyCheckpoint, has_weights
 from toolchain.checkpoint.hf_reader import HFCheckpoint
-from toolchain.checkpoint.layout import Options, Plan, build_plan
+from toolchain.checkpoint.layout import TORCH_DTYPES, Options, Plan, build_plan
+from toolchain.checkpoint.quantize import Quantizer, virtualize_prequantized
 from toolchain.checkpoint.writer import write_plan
 from toolchain.errors import ToolchainError
+from toolchain.quant.recipe import ModelShape, Recipe, check_recipe, parse_prequantized
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 TARGETS = ("cpu", "trtllm")
@@ -46,24 +50,74 @@ def resolve_dtype(requested: str, params: ArchParams, ckpt: HFCheckpoint, target
 
 def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto", target: str = "cpu",
                     use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
-                    ckpt: HFCheckpoint | None = None) -> Plan:
-    """Everything `convert_checkpoint` would write, per rank, without reading weights."""
+                    ckpt: HFCheckpoint | None = None, recipe: Recipe | None = None,
+                    gpu: tuple[str | None, int | None] | None = None) -> Plan:
+    """Everything `convert_checkpoint` would write, per rank, without reading weights.
+    `gpu` is (name, SM) of the target GPU when the spec names one (format checks)."""
     ckpt = ckpt or HFCheckpoint(hf_dir)
     family, params = load_params(ckpt.config, str(ckpt.config_path))
     sharding.check_parallelism(params, tp, pp, use_parallel_embedding=use_parallel_embedding,
                                embedding_sharding_dim=embedding_sharding_dim)
+    recipe = recipe or Recipe()
+    prequantized = parse_prequantized(ckpt.config.get("quantization_config"), str(ckpt.config_path))
+    shape = ModelShape(params.hidden_size, params.intermediate_size, params.num_attention_heads,
+                       params.num_key_value_heads, params.head_size, params.max_position_embeddings)
+    layout_plan = check_recipe(recipe, shape, tp=tp, target=target, prequantized=prequantized,
+                               gpu_name=(gpu or (None, None))[0], gpu_sm=(gpu or (None, None))[1])
+    raw = virtualize_prequantized(ckpt, prequantized.kind) if prequantized is not None else {}
     resolved = resolve_dtype(dtype, params, ckpt, target)
     opts = Options(tp=tp, pp=pp, dtype=resolved, use_parallel_embedding=use_parallel_embedding,
                    embedding_sharding_dim=embedding_sharding_dim)
     config = build_config(family, params, dtype=resolved, tp=tp, pp=pp,
                           use_parallel_embedding=use_parallel_embedding,
                           embedding_sharding_dim=embedding_sharding_dim)
-    return build_plan(family, params, ckpt, opts, config)
+    quant = None
+    if recipe.active or prequantized is not None:
+        quant = Quantizer(recipe, params.num_attention_heads, params.num_key_value_heads, tp,
+                          sharding.pp_layers(params.num_hidden_layers, pp), layout_plan, params.intermediate_size,
+                          TORCH_DTYPES[resolved], prequantized, raw=raw)
+        config["quantization"] = quant.config()
+    plan = build_plan(family, params, ckpt, opts, config, quant=quant)
+    plan.config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
+    return plan
+
+
+def plan_any(hf_dir: Path | str, **options) -> Plan:
+    """`plan_checkpoint`, or from config.json alone when the directory holds no
+    weights yet (dry runs only: converting still needs the safetensors)."""
+    if has_weights(hf_dir) or not (Path(hf_dir) / "config.json").is_file():
+        with HFCheckpoint(hf_dir) as ckpt:
+            return plan_checkpoint(ckpt.directory, ckpt=ckpt, **options)
+    return plan_checkpoint(hf_dir, ckpt=ConfigOnlyCheckpoint(hf_dir), **options)
+
+
+def calibrate(plan: Plan, hf_dir: Path | str, *, tokenizer_dir: Path | str | None = None,
+              calibration: list | None = None, echo: Callable[[str], None] | None = None) -> None:
+    """Collect the activation statistics the plan's quantizer needs (runs the HF
+    model layer by layer; only after every check has passed). `calibration`
+    gives token sequences directly instead of the recipe's dataset."""
+    quant = plan.quant
+    if quant is None or not quant.recipe.needs_calibration:
+        return
+    from toolchain.quant.calibration import calibration_tokens, collect_stats, hf_tokenizer
+
+    r = quant.recipe
+    seqs = calibration
+    if seqs is None:
+        tokenize = hf_tokenizer(Path(tokenizer_dir or hf_dir))
+        seqs = calibration_tokens(tokenize, r.calibration_dataset, r.calibration_samples, r.calibration_seq_len)
+    vocab = plan.params.vocab_size
+    if any(int(s.max()) >= vocab or int(s.min()) < 0 for s in seqs):
+        raise ToolchainError(f"calibration tokens fall outside the model's vocabulary [0, {vocab})",
+                             "set model.tokenizer to the model's own tokenizer")
+    quant.stats = collect_stats(Path(hf_dir), seqs, covariance=r.method == "awq", progress=echo)
 
 
 def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto",
                        target: str = "cpu", use_parallel_embedding: bool = False,
-                       embedding_sharding_dim: int = 0) -> dict:
+                       embedding_sharding_dim: int = 0, recipe: Recipe | None = None,
+                       tokenizer_dir: Path | str | None = None, calibration: list | None = None,
+                       gpu: tuple[str | None, int | None] | None = None) -> dict:
     """Write config.json and rank{N}.safetensors into `out_dir` (existing, empty);
     return the config written."""
     out = Path(out_dir)
@@ -73,7 +127,8 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
     with HFCheckpoint(hf_dir) as ckpt:
         plan = plan_checkpoint(hf_dir, tp=tp, pp=pp, dtype=dtype, target=target,
                                use_parallel_embedding=use_parallel_embedding,
-                               embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt)
+                               embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt, recipe=recipe, gpu=gpu)
+        calibrate(plan, hf_dir, tokenizer_dir=tokenizer_dir, calibration=calibration)
         write_plan(plan, ckpt, out)
     (out / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
     return plan.config

@@ -8,12 +8,12 @@ reading a weight. Data is read one tensor at a time on request.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from toolchain.errors import ToolchainError
 
@@ -33,6 +33,8 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
+    offset: int = 0
+    """Byte offset of the data in the file (header included)."""
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -66,7 +68,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             if end - begin != numel * dtype.itemsize:
                 raise ValueError(f"tensor {name} spans {end - begin} bytes, its shape needs {numel * dtype.itemsize}")
             data_end = max(data_end, end)
-            tensors[name] = TensorInfo(name, path, shape, dtype)
+            tensors[name] = TensorInfo(name, path, shape, dtype, 8 + n + begin)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
         raise ToolchainError(f"corrupt safetensors file {path}: {err}",
                              "re-download or re-save the checkpoint") from None
@@ -173,18 +175,47 @@ class HFCheckpoint:
         return torch.empty(info.shape, dtype=info.dtype, device="meta")
 
     def load(self, name: str) -> torch.Tensor:
-        """Read one tensor (memory-mapped; the handle per shard is kept open)."""
-        info = self.tensors[name]
+        """Read one tensor into its own memory with plain reads, not a memory map:
+        pages of a mapped file count in the process's RSS until unmapped, so a
+        converter reading a 2 GB checkpoint through mmap peaks at 2 GB whatever
+        it frees (measured by benchmarks/convert_memory.py)."""
+        return self.read(self.tensors[name])
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        """Read the tensor `info` describes (also one hidden from `tensors`, e.g. an
+        AutoAWQ qweight behind the virtual weight the planner sees)."""
+        name = info.name
+        numel = 1
+        for d in info.shape:
+            numel *= d
+        size = numel * info.dtype.itemsize
+        buf = bytearray(size)
         try:
-            handle = self._handles.get(info.file)
-            if handle is None:
-                handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-            return handle.get_tensor(name)
-        except Exception as err:  # the safetensors error types vary by version
+            fd = self._handles.get(info.file)
+            if fd is None:
+                fd = self._handles[info.file] = os.open(info.file, os.O_RDONLY)
+            view, got = memoryview(buf), 0
+            while got < size:
+                n = os.preadv(fd, [view[got:]], info.offset + got)
+                if n <= 0:
+                    raise OSError(f"unexpected end of file after {got} of {size} bytes")
+                got += n
+        except OSError as err:
             raise ToolchainError(f"cannot read {name} from {info.file}: {err}",
                                  "re-download or re-save the checkpoint") from None
+        if size == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        return torch.frombuffer(buf, dtype=info.dtype).reshape(info.shape)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
 
     def close(self) -> None:
+        for fd in self._handles.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         self._handles.clear()
 
     def __enter__(self) -> "HFCheckpoint":

@@ -9,6 +9,7 @@ writer, so the plan and the written files cannot disagree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -73,6 +74,10 @@ class Plan:
     groups: list[Group]
     ranks: list[list[PlannedTensor]]
     dropped: list[str]
+    config_only: bool = False
+    """Planned from config.json alone (no weights present): shapes from the family table."""
+    quant: Any = None
+    """The `checkpoint.quantize.Quantizer` of a quantized conversion (None: every tensor as in §2.1)."""
 
     def rank_bytes(self, rank: int) -> int:
         return sum(t.nbytes for t in self.ranks[rank])
@@ -80,6 +85,10 @@ class Plan:
     @property
     def total_bytes(self) -> int:
         return sum(self.rank_bytes(r) for r in range(len(self.ranks)))
+
+    def stage_layers(self, rank: int) -> list[int]:
+        """Global decoder-layer indices held by `rank` (its pipeline stage's share)."""
+        return sharding.pp_layers(self.params.num_hidden_layers, self.options.pp)[rank // self.options.tp]
 
     def describe(self) -> dict:
         """JSON-friendly view: per rank, tensor name -> [shape, dtype, bytes]."""
@@ -221,14 +230,37 @@ def build_groups(family: Family, params: ArchParams, ckpt: HFCheckpoint,
     return [groups[k] for k in sorted(groups, key=order.__getitem__)], dropped
 
 
-def build_plan(family: Family, params: ArchParams, ckpt: HFCheckpoint, opts: Options, config: dict) -> Plan:
-    """Plan every rank file from headers only: no weight is read."""
+def build_plan(family: Family, params: ArchParams, ckpt: HFCheckpoint, opts: Options, config: dict,
+               quant: Any = None) -> Plan:
+    """Plan every rank file from headers only: no weight is read. With a
+    quantizer, its linears are planned in their quantized layout instead."""
     groups, dropped = build_groups(family, params, ckpt, opts)
+    if quant is not None:
+        groups = quant.merge_mlp(groups)
     dtype = TORCH_DTYPES[opts.dtype]
     ranks: list[list[PlannedTensor]] = [[] for _ in range(opts.world_size)]
     for group in groups:
+        if quant is not None and quant.handles(group):
+            fp = {}
+            for sub in _per_output(group):
+                metas = {s: prepare(ckpt.meta(s), sub.outputs[0].row, dtype, s) for s in sub.sources}
+                for rank, items in shard_group(sub, metas, params, opts).items():
+                    fp.update({(rank, n): tuple(t.shape) for n, t in items})
+            for rank, items in quant.plan_group(group, fp).items():
+                ranks[rank].extend(PlannedTensor(n, shape, dt) for n, shape, dt in items)
+            continue
         row = group.outputs[0].row
         metas = {s: prepare(ckpt.meta(s), row, dtype, s) for s in group.sources}
         for rank, items in shard_group(group, metas, params, opts).items():
             ranks[rank].extend(PlannedTensor(n, tuple(t.shape), t.dtype) for n, t in items)
-    return Plan(family, params, opts, config, groups, ranks, dropped)
+    if quant is not None:
+        for rank in range(opts.world_size):
+            ranks[rank].extend(PlannedTensor(n, s, dt) for n, s, dt in quant.kv_planned(rank // opts.tp))
+    return Plan(family, params, opts, config, groups, ranks, dropped, quant=quant)
+
+
+def _per_output(group: Group) -> list[Group]:
+    """A merged group (fc and gate read together) as one group per output; others unchanged."""
+    if len(group.outputs) == 1 or group.outputs[0].row.shard is Shard.QKV:
+        return [group]
+    return [Group(sources=(s,), outputs=[o]) for s, o in zip(group.sources, group.outputs)]

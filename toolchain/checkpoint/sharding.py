@@ -87,7 +87,14 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, nh: int, nkv: int, tp: int) -> list[torch.Tensor]:
     """Per rank [q_r; k_r; v_r] along dim 0, split per head (§3.2). When tp > nkv
-    each KV head is repeated tp/nkv times: rank r gets head r // (tp/nkv)."""
+    each KV head is repeated tp/nkv times: rank r gets head r // (tp/nkv).
+
+    Works on any tensor whose dim 0 runs over the projections' output rows, so
+    the same call shards weights (out, in), biases (out,), and the quantized
+    formats' per-channel (out,) and per-group (out, in/g) scales: a duplicated
+    KV head carries its bias and scales along (reference §8 row 4). This is
+    the hook the quantization formats use; a per-tensor scale (1,) has no rows
+    and is replicated instead (FP8 also needs q/k/v to share it, §2.6)."""
     qh = _heads(q, nh).chunk(tp, dim=0)
     kh, vh = _heads(k, nkv), _heads(v, nkv)
     out = []

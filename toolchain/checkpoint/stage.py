@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from toolchain.checkpoint.convert import plan_checkpoint
+from toolchain.checkpoint.convert import plan_any, plan_checkpoint
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.checkpoint.layout import Plan
 from toolchain.checkpoint.writer import write_plan
@@ -73,9 +73,9 @@ def _plan_options(spec: DeploymentSpec) -> dict:
 
 
 def plan_convert(spec: DeploymentSpec) -> Plan:
-    """What `run_convert` would write (per rank names, shapes, bytes); reads no weights."""
-    with HFCheckpoint(spec.model.checkpoint) as ckpt:
-        return plan_checkpoint(ckpt.directory, **_plan_options(spec), ckpt=ckpt)
+    """What `run_convert` would write (per rank names, shapes, bytes); reads no
+    weights, and needs none: a directory with config.json alone is planned from it."""
+    return plan_any(spec.model.checkpoint, **_plan_options(spec))
 
 
 def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,

@@ -78,7 +78,13 @@ def write_plan(plan: Plan, ckpt: HFCheckpoint, out_dir: Path) -> dict[str, int]:
     dtype = TORCH_DTYPES[plan.options.dtype]
     writers = [RankFileWriter(Path(out_dir) / rank_file(r), tensors) for r, tensors in enumerate(plan.ranks)]
     try:
+        quant = plan.quant
         for group in plan.groups:
+            if quant is not None and quant.handles(group):
+                for rank, items in quant.write_group(group, ckpt).items():
+                    for name, piece in items:
+                        writers[rank].write(name, piece)
+                continue
             # The first output's row is the row the sources matched (a tied
             # lm_head is an extra output of the embedding's group).
             row = group.outputs[0].row
@@ -87,6 +93,11 @@ def write_plan(plan: Plan, ckpt: HFCheckpoint, out_dir: Path) -> dict[str, int]:
                 for name, piece in items:
                     writers[rank].write(name, piece)
             del tensors
+        if quant is not None:
+            for rank, w in enumerate(writers):
+                stage = rank // plan.options.tp
+                for local, (name, _, _) in enumerate(quant.kv_planned(stage)):
+                    w.write(name, quant.kv_scale(stage, local))
         for w in writers:
             w.close()
     except BaseException:

@@ -19,6 +19,7 @@ from toolchain.errors import ToolchainError
 # command name -> module under toolchain.cli holding a Click command `command`
 COMMANDS = {
     "archs": "archs",
+    "plan": "plan",
     "tiny-model": "tiny_model",
     "convert": "convert",
     "build-engine": "build_engine",
@@ -26,6 +27,7 @@ COMMANDS = {
     "serve": "serve",
     "bench": "bench",
     "deploy": "deploy",
+    "eval": "eval",
 }
 
 

@@ -1,4 +1,5 @@
-"""Shared CLI plumbing: the spec argument, `--set` overrides, workspace."""
+"""Shared CLI plumbing: the spec argument, `--set` overrides, `--skip-check`,
+the preflight checks that guard each stage, and the workspace."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import click
 from toolchain.spec import load_spec
 from toolchain.workspace import Workspace
 
+# Keyword arguments that make a command only print what it would do: checks
+# then report instead of refusing, so a dry run always shows its commands.
+_DRY_FLAGS = ("dry_run", "print_only")
+
 
 class Context:
     def __init__(self, debug: bool, root: Path):
@@ -20,16 +25,39 @@ class Context:
 pass_ctx = click.make_pass_decorator(Context)
 
 
+def preflight(ctx: Context, spec, stage: str, skip: tuple[str, ...], dry: bool) -> None:
+    """Run the checks guarding `stage` (toolchain.plan.preflight); a failure stops
+    the stage unless skipped, and is only reported by dry runs. Passing checks
+    and warnings stay quiet here: `toolchain plan` shows them."""
+    from toolchain.plan.preflight import FAIL, GUARDED, check_skip_ids, run_preflight
+
+    if stage not in GUARDED:
+        check_skip_ids(skip)
+        return
+    results = run_preflight(spec, stage, ctx.workspace, skip=skip, enforce=not dry)
+    for r in results:
+        if r.status == FAIL:
+            click.echo(f"warning: check {r.id} fails: {r.message}", err=True)
+
+
 def spec_command(func):
-    """Add `SPEC` and repeated `--set a.b=value`; pass (ctx, spec, ...) to `func`."""
+    """Add `SPEC`, repeated `--set a.b=value` and `--skip-check ID`; run the
+    preflight checks of the command's stage; pass (ctx, spec, ...) to `func`."""
 
     @click.argument("spec_path", metavar="SPEC", type=click.Path(path_type=Path))
     @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                   help="Override a spec field, e.g. --set parallelism.tp=2 (repeatable).")
+    @click.option("--skip-check", "skip_checks", multiple=True, metavar="ID",
+                  help="Start even though preflight check ID fails (repeatable; `toolchain plan` lists the ids).")
     @pass_ctx
     @functools.wraps(func)
-    def wrapper(ctx: Context, spec_path: Path, overrides: tuple[str, ...], **kwargs):
+    def wrapper(ctx: Context, spec_path: Path, overrides: tuple[str, ...], skip_checks: tuple[str, ...], **kwargs):
         spec = load_spec(spec_path, overrides)
+        stage = click.get_current_context().info_name
+        dry = any(kwargs.get(flag) for flag in _DRY_FLAGS)
+        if stage == "plan":
+            return func(ctx, spec, skip_checks=skip_checks, **kwargs)
+        preflight(ctx, spec, stage, skip_checks, dry)
         return func(ctx, spec, **kwargs)
 
     return wrapper

@@ -11,17 +11,19 @@ from toolchain.cli._common import Context, spec_command
 
 @click.command()
 @click.option("--force", is_flag=True, help="Rebuild even when the engine is up to date.")
-@click.option("--dry-run", is_flag=True, help="Print the trtllm-build command (target trtllm) and exit.")
+@click.option("--dry-run", is_flag=True,
+              help="Print the trtllm-build command line(s) (target trtllm) and exit; failing checks only warn.")
 @spec_command
 def command(ctx: Context, spec, force: bool, dry_run: bool) -> None:
-    """Build the engine for SPEC into engines/<name>/engine (reused when nothing changed)."""
-    from toolchain.engine import trtllm
-    from toolchain.engine.build import run_build
+    """Build the engine for SPEC into engines/<name>/engine (reused when nothing changed).
+    Target trtllm runs trtllm-build 1.2 (PATH or build.trtllm_build), one log per rank under mpirun."""
+    from toolchain.engine.build import planned_commands, run_build
 
     ws = ctx.workspace
     if dry_run:
         if spec.target == "trtllm":
-            click.echo(shlex.join(trtllm.build_command(spec, ws.checkpoint_dir(spec), ws.engine_dir(spec))))
+            for cmd in planned_commands(spec, ws):
+                click.echo(shlex.join(cmd))
         else:
             click.echo(f"target cpu: engine config + {spec.parallelism.world_size} rank file(s) into {ws.engine_dir(spec)}")
         return
@@ -30,3 +32,5 @@ def command(ctx: Context, spec, force: bool, dry_run: bool) -> None:
         click.echo(f"warning: {warning}", err=True)
     state = "up to date, reused" if reused else f"built in {manifest.seconds:.2f}s"
     click.echo(f"engine {ws.engine_dir(spec)}: {state} ({manifest.outputs.get('ranks')} rank(s), target {spec.target})")
+    if not reused and manifest.outputs.get("logs"):
+        click.echo(f"logs: {ws.engine_dir(spec) / 'logs'} ({', '.join(manifest.outputs['logs'])})")

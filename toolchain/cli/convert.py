@@ -18,12 +18,22 @@ def _size(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def _print_plan(plan) -> None:
+def _layers(layers: list[int]) -> str:
+    return "none" if not layers else f"{layers[0]}" if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+
+
+def _print_plan(plan, summary: bool = False) -> None:
     o = plan.options
     click.echo(f"plan: {plan.config['architecture']} -> {o.world_size} rank(s) (tp {o.tp} x pp {o.pp}), "
                f"dtype {o.dtype}, {_size(plan.total_bytes)}")
+    if plan.config_only:
+        click.echo("planned from config.json alone (no weights in the checkpoint directory yet); "
+                   "`toolchain convert` needs the safetensors")
     for rank, tensors in enumerate(plan.ranks):
-        click.echo(f"rank{rank}.safetensors  {len(tensors)} tensors  {_size(plan.rank_bytes(rank))}")
+        click.echo(f"rank{rank}.safetensors  pp {rank // o.tp} tp {rank % o.tp}  "
+                   f"layers {_layers(plan.stage_layers(rank))}  {len(tensors)} tensors  {_size(plan.rank_bytes(rank))}")
+        if summary:
+            continue
         for t in tensors:
             shape = "x".join(str(d) for d in t.shape)
             click.echo(f"  {t.name:<56} {shape:>14}  {str(t.dtype).removeprefix('torch.'):<9} {t.nbytes:>12}")
@@ -34,13 +44,18 @@ def _print_plan(plan) -> None:
 @click.command(help="Convert the spec's HF checkpoint into a TensorRT-LLM 1.2 checkpoint "
                     "(config.json + rank{N}.safetensors).")
 @click.option("--force", is_flag=True, help="Rebuild even when the existing checkpoint is current.")
-@click.option("--dry-run", is_flag=True, help="Print per-rank tensors, shapes and bytes; write nothing.")
+@click.option("--dry-run", is_flag=True,
+              help="Print per-rank tensors, shapes and bytes; write nothing. Works on a checkpoint "
+                   "directory holding only config.json.")
+@click.option("--summary", is_flag=True, help="With --dry-run: one line per rank, no tensor list.")
 @spec_command
-def command(ctx: Context, spec: DeploymentSpec, force: bool, dry_run: bool) -> None:
+def command(ctx: Context, spec: DeploymentSpec, force: bool, dry_run: bool, summary: bool) -> None:
     from toolchain.checkpoint.stage import plan_convert, run_convert  # keep `toolchain --help` light
 
+    if summary and not dry_run:
+        raise click.UsageError("--summary only applies with --dry-run")
     if dry_run:
-        _print_plan(plan_convert(spec))
+        _print_plan(plan_convert(spec), summary=summary)
         return
     start = time.time()
     manifest = run_convert(spec, ctx.workspace, force=force, echo=click.echo)

@@ -3,21 +3,25 @@
 Target `cpu`: the "engine" is the converted checkpoint plus an engine
 `config.json` shaped like trtllm-build's output (`pretrained_config` +
 `build_config`), so the CPU engine reads exactly what a GPU engine directory
-describes. Target `trtllm`: runs `trtllm-build` with the spec's limits.
-Either way the output is written to a temporary directory, renamed into place
-when complete, and reused while its manifest matches.
+describes. Target `trtllm`: runs a trtllm-build of the 1.2 line (found on PATH
+or at build.trtllm_build) with the flags of `engine/trtllm.py`, under mpirun
+with one log per rank when there are several ranks and mpirun is present,
+then checks the engine's config.json against the spec; draft_target also
+converts and builds the draft model into engine/draft/. Either way the output
+is written to a temporary directory, renamed into place when complete, and
+reused while its manifest (spec, checkpoint, TensorRT-LLM version) matches.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
-from toolchain.checkpoint.stage import run_convert
 from toolchain.engine import trtllm
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir, sha256_file
@@ -79,33 +83,102 @@ def _write_cpu_engine(spec: DeploymentSpec, checkpoint_dir: Path, out: Path) -> 
             "warnings": _limit_warnings(spec, pretrained)}
 
 
-def _run_trtllm_build(spec: DeploymentSpec, checkpoint_dir: Path, out: Path, final: Path) -> dict:
-    cmd = trtllm.build_command(spec, checkpoint_dir, final)
-    binary = trtllm.require_trtllm_build(cmd)
-    cmd = [binary, *cmd[1:]]
-    cmd[cmd.index("--output_dir") + 1] = str(out)
-    log = out / "build.log"
-    with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
+def planned_commands(spec: DeploymentSpec, workspace: Workspace) -> list[list[str]]:
+    """The command lines `run_build` would run for target trtllm (the draft's second for
+    draft_target), with the final output directories: what --dry-run and plan print."""
+    engine = workspace.engine_dir(spec)
+    jobs = [(False, workspace.checkpoint_dir(spec), engine, spec.parallelism.world_size)]
+    if spec.speculative.mode == "draft_target":
+        jobs.append((True, engine / "draft" / "checkpoint", engine / "draft" / "engine", 1))
+    out = []
+    for draft, ckpt, dest, world in jobs:
+        mpi = trtllm.use_mpi(spec, world)
+        cmd = trtllm.build_command(spec, ckpt, dest, str(spec.build.trtllm_build or "trtllm-build"), draft=draft,
+                                   workers=1 if mpi else None)
+        out.append(trtllm.mpi_command(cmd, world, dest / "logs", spec.gpu.hostfile) if mpi else cmd)
+    return out
+
+
+def _tail_error(log_dir: Path) -> str:
+    """The last line of the build logs that reads like an error, for the one-line message."""
+    for log in sorted(log_dir.glob("*.log")):
+        for line in reversed(log.read_text(errors="replace").splitlines()):
+            if any(word in line for word in ("Error", "error", "assert", "Traceback")):
+                return f": {line.strip()[:200]}"
+    return ""
+
+
+def _trtllm_build(spec: DeploymentSpec, binary: str, checkpoint_dir: Path, out: Path, final: Path, *,
+                  draft: bool = False) -> dict:
+    """One trtllm-build run into `out` with logs under out/logs (one per rank under MPI)."""
+    world = 1 if draft else spec.parallelism.world_size
+    mpi = trtllm.use_mpi(spec, world)
+    cmd = trtllm.build_command(spec, checkpoint_dir, out, binary, draft=draft, workers=1 if mpi else None)
+    logs = out / "logs"
+    logs.mkdir(parents=True)
+    run = trtllm.mpi_command(cmd, world, logs, spec.gpu.hostfile) if mpi else cmd
+    with open(logs / ("mpirun.log" if mpi else "build.log"), "w") as fh:
+        fh.write("$ " + shlex.join(run) + "\n")
+        fh.flush()
+        proc = subprocess.run(run, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
-        keep = final.parent / "build.failed.log"
-        shutil.copy2(log, keep)
-        raise ToolchainError(f"trtllm-build failed with exit status {proc.returncode}", f"see {keep}")
-    return {"ranks": spec.parallelism.world_size, "command": cmd}
+        kept = final.parent / ("draft-build-logs.failed" if draft else "build-logs.failed")
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(logs, kept)
+        raise ToolchainError(f"trtllm-build{' (draft)' if draft else ''} failed with exit status "
+                             f"{proc.returncode}{_tail_error(logs)}", f"logs in {kept}")
+    problems = trtllm.check_engine(spec, out, draft=draft)
+    if problems:
+        raise ToolchainError(f"the engine trtllm-build wrote disagrees with the spec: {'; '.join(problems)}",
+                             f"see {logs}; rerun with --force after fixing the build host")
+    display = trtllm.build_command(spec, checkpoint_dir, final, "trtllm-build", draft=draft,
+                                   workers=1 if mpi else None)
+    return {"ranks": world, "command": shlex.join(display), "mpi": mpi,
+            "logs": sorted(p.name for p in logs.iterdir())}
+
+
+def _build_draft(spec: DeploymentSpec, binary: str, out: Path, final: Path) -> dict:
+    """draft_target: convert the draft model at tp 1 and build it into out/draft/engine."""
+    from toolchain.checkpoint.convert import convert_checkpoint
+
+    ckpt = out / "draft" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    convert_checkpoint(spec.speculative.draft_model, ckpt, tp=1, pp=1, dtype=spec.model.dtype, target="trtllm")
+    engine = out / "draft" / "engine"
+    engine.mkdir()
+    result = _trtllm_build(spec, binary, ckpt, engine, final / "draft" / "engine", draft=True)
+    shutil.rmtree(ckpt)  # the engine holds the weights now
+    return result
+
+
+def _run_trtllm_build(spec: DeploymentSpec, checkpoint_dir: Path, out: Path, final: Path, binary: str) -> dict:
+    outputs = _trtllm_build(spec, binary, checkpoint_dir, out, final)
+    if spec.speculative.mode == "draft_target":
+        outputs["draft"] = _build_draft(spec, binary, out, final)
+    return outputs
 
 
 def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False) -> tuple[Manifest, bool]:
     """Build the engine for `spec`; returns (manifest, reused)."""
+    # Imported here: the converter pulls in torch, which `plan` (a build-command
+    # preview that must answer in well under two seconds) never needs.
+    from toolchain.checkpoint.stage import run_convert
+
     ckpt_manifest = run_convert(spec, workspace, force=False)
     if isinstance(ckpt_manifest, tuple):  # tolerate (manifest, reused) from the convert stage
         ckpt_manifest = ckpt_manifest[0]
     checkpoint_dir = workspace.checkpoint_dir(spec)
     final = workspace.engine_dir(spec)
-    wanted = Manifest(
-        stage="build-engine",
-        spec_hash=spec.spec_hash(),
-        inputs={"checkpoint": sha256_file(checkpoint_dir / MANIFEST), "target": spec.target},
-    )
+    inputs = {"checkpoint": sha256_file(checkpoint_dir / MANIFEST), "target": spec.target}
+    binary = None
+    if spec.target == "trtllm":
+        # Found (and its version checked) first: without it nothing can be built, and
+        # an engine from another TensorRT-LLM version must not count as current.
+        binary = trtllm.find_trtllm_build(spec, trtllm.build_command(spec, checkpoint_dir, final))
+        inputs["tensorrt_llm"] = trtllm.installed_version(Path(binary)) or "unknown"
+        if spec.speculative.mode == "draft_target" and spec.speculative.draft_model is not None:
+            inputs["draft_model"] = _config_hash(spec.speculative.draft_model)
+    wanted = Manifest(stage="build-engine", spec_hash=spec.spec_hash(), inputs=inputs)
     if not force and is_current(final, wanted):
         return Manifest.read(final), True
     start = time.perf_counter()
@@ -113,7 +186,13 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False) -
         if spec.target == "cpu":
             wanted.outputs = _write_cpu_engine(spec, checkpoint_dir, out)
         else:
-            wanted.outputs = _run_trtllm_build(spec, checkpoint_dir, out, final)
+            wanted.outputs = _run_trtllm_build(spec, checkpoint_dir, out, final, binary)
         wanted.seconds = round(time.perf_counter() - start, 3)
         wanted.write(out)
     return wanted, False
+
+
+def _config_hash(hf_dir: Path) -> str:
+    """Names, sizes and times of the draft model's files: a changed draft rebuilds."""
+    files = sorted(Path(hf_dir).glob("*.json")) + sorted(Path(hf_dir).glob("*.safetensors"))
+    return ",".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)

@@ -55,28 +55,15 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, steps: int | None = None, 
     started = time.perf_counter()
     final_loss = train_model(model, train_stream, recipe, steps, seed, log)
     train_seconds = time.perf_counter() - started
-
     round_to_fp16(model)
-    windows = eval_windows(held_stream, recipe.eval_windows, recipe.seq_len)
-    ppl = perplexity(model, windows)
-    vocab = model.config.vocab_size
-    log(f"held-out perplexity {ppl:.2f} on {windows.numel():,} tokens (uniform model: {vocab})")
-    sample = greedy_sample(model, tok)
-    log(f"greedy sample from {SAMPLE_PROMPT!r}:\n{sample}")
 
     record = {
-        "seed": seed, "steps": steps, "quick": quick,
-        "command": reproduce_command(out_dir, seed, steps, quick),
-        "corpus": corpus.describe(),
-        "train_files": len(corpus.train), "heldout_files": len(corpus.heldout),
+        "seed": seed, "steps": steps, "quick": quick, "command": reproduce_command(out_dir, seed, steps, quick),
+        "corpus": corpus.describe(), "train_files": len(corpus.train), "heldout_files": len(corpus.heldout),
         "train_tokens": len(train_stream), "heldout_tokens": len(held_stream),
         "batch_size": recipe.batch_size, "seq_len": recipe.seq_len, "lr": recipe.lr,
-        "final_train_loss": round(final_loss, 4),
-        "heldout_eval_tokens": windows.numel(), "heldout_perplexity": round(ppl, 3),
-        "uniform_perplexity": vocab, "train_seconds": round(train_seconds, 1),
-        "threads": torch.get_num_threads(), "python": sys.version.split()[0], "torch": torch.__version__,
-        "machine": platform.machine(), "weights_dtype": "float16",
-        "greedy_sample": {"prompt": SAMPLE_PROMPT, "text": sample},
+        "final_train_loss": round(final_loss, 4), **evaluate(model, tok, held_stream, recipe, log),
+        "train_seconds": round(train_seconds, 1), **environment(),
     }
     with atomic_dir(out_dir) as tmp:
         save_model(model, tok, recipe, tmp)
@@ -85,6 +72,23 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, steps: int | None = None, 
         make_readable(tmp)
     log(f"wrote {out_dir} in {train_seconds:.0f}s of training")
     return record
+
+
+def evaluate(model, tok, held_stream: torch.Tensor, recipe: Recipe, log: Callable[[str], None]) -> dict:
+    windows = eval_windows(held_stream, recipe.eval_windows, recipe.seq_len)
+    ppl = perplexity(model, windows)
+    vocab = model.config.vocab_size
+    log(f"held-out perplexity {ppl:.2f} on {windows.numel():,} tokens (uniform model: {vocab})")
+    sample = greedy_sample(model, tok)
+    log(f"greedy sample from {SAMPLE_PROMPT!r}:\n{sample}")
+    return {"heldout_eval_tokens": windows.numel(), "heldout_perplexity": round(ppl, 3),
+            "uniform_perplexity": vocab, "greedy_sample": {"prompt": SAMPLE_PROMPT, "text": sample}}
+
+
+def environment() -> dict:
+    """What the same-seed-same-weights promise depends on."""
+    return {"threads": torch.get_num_threads(), "python": sys.version.split()[0], "torch": torch.__version__,
+            "machine": platform.machine(), "weights_dtype": "float16"}
 
 
 def prepare_data(corpus: Corpus, recipe: Recipe, log: Callable[[str], None]):

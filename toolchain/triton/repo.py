@@ -37,6 +37,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _RENDERER_SOURCES = ("config.py", "tensors.py", "templates.py", "repo.py")
 
 
+def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
+    """Target trtllm: backend parameters from the build/speculative sections, and the draft engine."""
+    if spec.target != "trtllm":
+        return {}
+    from toolchain.engine.trtllm import triton_parameters
+
+    out = {"trtllm_parameters": tuple(sorted(triton_parameters(spec).items()))}
+    if spec.speculative.mode == "draft_target":
+        out["draft_engine_dir"] = Path(workspace.engine_dir(spec)).resolve() / "draft" / "engine"
+        out["draft_kv_cache_free_gpu_mem_fraction"] = spec.speculative.draft_kv_cache_free_gpu_mem_fraction
+    return out
+
+
 def repo_options(spec: DeploymentSpec, workspace: Workspace) -> RepoOptions:
     s = spec.serving
     return RepoOptions(
@@ -51,6 +64,7 @@ def repo_options(spec: DeploymentSpec, workspace: Workspace) -> RepoOptions:
         exclude_input_in_output=s.exclude_input_in_output,
         toolchain_path=Path(toolchain.__file__).resolve().parent.parent,
         engine_threads=s.engine_threads,
+        **_trtllm_options(spec, workspace),
     )
 
 

@@ -41,6 +41,11 @@ class RepoOptions:
     logits_dtype: str = "TYPE_FP32"
     encoder_features_dtype: str = "TYPE_FP16"
     prompt_table_dtype: str = "TYPE_FP16"
+    # target trtllm: parameters from the spec's build and speculative sections
+    # (toolchain.engine.trtllm.triton_parameters), and the draft-target draft engine.
+    trtllm_parameters: tuple[tuple[str, object], ...] = ()
+    draft_engine_dir: Path | None = None
+    draft_kv_cache_free_gpu_mem_fraction: float = 0.1
 
 
 def _tensors(rows, opts: RepoOptions) -> list[Tensor]:
@@ -68,8 +73,8 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
         "max_beam_width": 1,
         "batch_scheduler_policy": "guaranteed_no_evict",
         "kv_cache_free_gpu_mem_fraction": opts.kv_cache_free_gpu_mem_fraction,
-        # Reuse needs an engine built with paged context FMHA; the build stage does
-        # not promise that, so it is off explicitly (the C++ default is on).
+        # Reuse needs an engine built with paged context FMHA: off explicitly here (the
+        # C++ default is on); target trtllm takes both from the build section below.
         "enable_kv_cache_reuse": False,
         "enable_chunked_context": False,
         "exclude_input_in_output": opts.exclude_input_in_output,
@@ -82,6 +87,7 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
     if opts.target == "trtllm":
         params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
         params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
+        params.update(dict(opts.trtllm_parameters))
     else:
         params["toolchain_path"] = opts.toolchain_path
         params["engine_threads"] = opts.engine_threads
@@ -119,4 +125,14 @@ def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
             instance_group=cpu, decoupled=opts.decoupled,
             parameters={"accumulate_tokens": False, "tensorrt_llm_model_name": "tensorrt_llm"}),
     }
+    if opts.target == "trtllm" and opts.draft_engine_dir is not None:
+        # Draft-target (§7.1): a copy of tensorrt_llm on the draft engine, driven by the BLS.
+        params = tensorrt_llm_parameters(opts) | {
+            "gpt_model_path": opts.draft_engine_dir, "gpu_device_ids": "0",
+            "kv_cache_free_gpu_mem_fraction": opts.draft_kv_cache_free_gpu_mem_fraction}
+        models["tensorrt_llm_draft"] = ModelConfig(
+            "tensorrt_llm_draft", mbs, _tensors(TENSORRT_LLM_INPUTS, opts), _tensors(TENSORRT_LLM_OUTPUTS, opts),
+            backend="tensorrtllm", instance_group=[InstanceGroup(1, "KIND_CPU")], dynamic_batching=_batching(opts),
+            decoupled=opts.decoupled, parameters=params)
+        models["tensorrt_llm_bls"].parameters["tensorrt_llm_draft_model_name"] = "tensorrt_llm_draft"
     return models

@@ -15,8 +15,10 @@ from typing import Any
 
 from toolchain.errors import ToolchainError
 
-# Architectures whose TRT-LLM implementation is the Llama decoder (reference §1.2).
-ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+# Architectures whose TRT-LLM implementation is the Llama or Qwen decoder
+# (reference §1.2). "QWenForCausalLM" is what modelopt's exporter writes.
+QWEN_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "QWenForCausalLM"}
+ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", *QWEN_ARCHITECTURES}
 ROPE_TYPES = {None, "none", "linear", "llama3"}
 UNQUANTIZED = {None, "NO_QUANT"}
 
@@ -49,6 +51,15 @@ class ModelDims:
     pp: int
     quant_algo: str | None
     kv_cache_quant_algo: str | None
+    qk_layernorm: bool = False
+    attention_windows: tuple[int, ...] | None = None
+    """runtime_defaults.max_attention_window: per-layer windows, repeated over the layers; None = full."""
+
+    def attention_window(self, layer: int) -> int | None:
+        """Keys a query at `layer` may see (itself included), None for all."""
+        if not self.attention_windows:
+            return None
+        return self.attention_windows[layer % len(self.attention_windows)]
 
     @property
     def world_size(self) -> int:
@@ -112,6 +123,23 @@ def _rope_scaling(raw: Any, origin: str) -> dict | None:
     return {**raw, "type": kind}
 
 
+def _windows(raw: Any, origin: str) -> tuple[int, ...] | None:
+    """TensorRT-LLM's RuntimeDefaults.max_attention_window: a list of positive
+    ints, repeated over the layers when shorter than num_layers."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ToolchainError(f"{origin}: runtime_defaults must be an object, got {raw!r}", _REBUILD)
+    windows = raw.get("max_attention_window")
+    if windows is None:
+        return None
+    if (not isinstance(windows, list) or not windows
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in windows)):
+        raise ToolchainError(f"{origin}: runtime_defaults.max_attention_window must be a non-empty list of "
+                             f"positive integers, got {windows!r}", _REBUILD)
+    return tuple(windows)
+
+
 def parse_dims(cfg: dict, origin: str) -> ModelDims:
     arch = _need(cfg, "architecture", str, origin)
     if arch not in ARCHITECTURES:
@@ -144,7 +172,7 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         rotary_scaling=_rope_scaling(cfg.get("rotary_scaling"), origin),
         attn_bias=bool(cfg.get("attn_bias", False)),
         # TRT-LLM's Qwen attention has biased q/k/v but an unbiased output projection.
-        dense_bias=bool(cfg.get("attn_bias", False)) and arch != "Qwen2ForCausalLM",
+        dense_bias=bool(cfg.get("attn_bias", False)) and arch not in QWEN_ARCHITECTURES,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         use_parallel_embedding=bool(cfg.get("use_parallel_embedding", False)),
         embedding_sharding_dim=int(cfg.get("embedding_sharding_dim", 0)),
@@ -153,6 +181,8 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         pp=pp,
         quant_algo=quant.get("quant_algo"),
         kv_cache_quant_algo=quant.get("kv_cache_quant_algo"),
+        qk_layernorm=bool(cfg.get("qk_layernorm", False)),
+        attention_windows=_windows(cfg.get("runtime_defaults"), origin),
     )
     _check_dims(dims, origin)
     return dims

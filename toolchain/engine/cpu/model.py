@@ -47,6 +47,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(variance + eps))
 
 
+def window_mask(past: int, n: int, window: int) -> torch.Tensor:
+    """[n, past + n] keys visible to the n new queries at positions past..past+n-1:
+    causal, and at most `window` of them, the query's own included (what
+    TRT-LLM's max_attention_window and HF's sliding_window both mean)."""
+    q = torch.arange(past, past + n)[:, None]
+    key = torch.arange(past + n)[None, :]
+    return (key <= q) & (q - key < window)
+
+
 class Model:
     def __init__(self, d: ModelDims, stages: list[list[RankShard]]):
         self.d = d
@@ -126,6 +135,8 @@ class Model:
             q = qkv[:, : nq * hd].view(-1, nq, hd)
             k = qkv[:, nq * hd: (nq + nkv) * hd].view(-1, nkv, hd)
             v = qkv[:, (nq + nkv) * hd:].view(-1, nkv, hd)
+            if w.q_norm is not None:  # qk_layernorm (Qwen3): per-head RMSNorm before RoPE
+                q, k = rms_norm(q, w.q_norm, d.norm_epsilon), rms_norm(k, w.k_norm, d.norm_epsilon)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             attn = self._attend(q, k, v, chunks, spans, layer, s.tp_rank)
             part = w.dense(attn, add_bias=False)
@@ -135,13 +146,16 @@ class Model:
 
     def _attend(self, q, k, v, chunks, spans, layer, tp_rank) -> torch.Tensor:
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2])
+        window = self.d.attention_window(layer)
         for c, (s, e) in zip(chunks, spans):
             n, past = e - s, c.cache.length
             kc, vc = c.cache.k[layer][tp_rank], c.cache.v[layer][tp_rank]
             kc[:, past:past + n] = k[s:e].transpose(0, 1)
             vc[:, past:past + n] = v[s:e].transpose(0, 1)
             mask, causal = None, False
-            if n > 1 and past == 0:
+            if window is not None and past + n > window:
+                mask = window_mask(past, n, window)
+            elif n > 1 and past == 0:
                 causal = True
             elif n > 1:  # new tokens after a cached prefix: token i sees positions <= past + i
                 mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)

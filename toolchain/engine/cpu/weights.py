@@ -38,6 +38,8 @@ class LayerShard:
     fc: Linear           # HF gate_proj: the activation is applied to it
     gate: Linear         # HF up_proj
     proj: Linear         # row-parallel, like dense
+    q_norm: torch.Tensor | None = None  # qk_layernorm: RMSNorm weight over each q head (head_size,)
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -72,6 +74,9 @@ def expected_shapes(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tuple
         p = _layer(i)
         shapes[f"{p}.input_layernorm.weight"] = (H,)
         shapes[f"{p}.post_layernorm.weight"] = (H,)
+        if d.qk_layernorm:  # one norm shared by every head, full on every rank
+            shapes[f"{p}.attention.q_layernorm.weight"] = (hd,)
+            shapes[f"{p}.attention.k_layernorm.weight"] = (hd,)
         modules = [("attention.qkv", (qkv_out, H), d.attn_bias),
                    ("attention.dense", (H, d.heads_per_rank * hd), d.dense_bias),
                    ("mlp.fc", (inter, H), d.mlp_bias),
@@ -161,6 +166,8 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
             fc=make_linear(t, f"{p}.mlp.fc", d.mlp_bias, q),
             gate=make_linear(t, f"{p}.mlp.gate", d.mlp_bias, q),
             proj=make_linear(t, f"{p}.mlp.proj", d.mlp_bias, q),
+            q_norm=t.get(f"{p}.attention.q_layernorm.weight") if d.qk_layernorm else None,
+            k_norm=t.get(f"{p}.attention.k_layernorm.weight") if d.qk_layernorm else None,
         ))
     shard = RankShard(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, layers=layers)
     shard.embedding = t.get(EMBEDDING)
@@ -195,6 +202,8 @@ def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
                 p = _layer(i)
                 pairs += [(f"{p}.input_layernorm.weight", a.input_norm, b.input_norm),
                           (f"{p}.post_layernorm.weight", a.post_norm, b.post_norm),
+                          (f"{p}.attention.q_layernorm.weight", a.q_norm, b.q_norm),
+                          (f"{p}.attention.k_layernorm.weight", a.k_norm, b.k_norm),
                           (f"{p}.attention.dense.bias", a.dense.bias, b.dense.bias),
                           (f"{p}.mlp.proj.bias", a.proj.bias, b.proj.bias)]
             for name, a, b in pairs:

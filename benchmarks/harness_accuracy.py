@@ -1,0 +1,256 @@
+"""How accurate is `toolchain bench`, and how fast can it send? Same mocks, measured by it and by genai-perf.
+
+Mocks with known timing (toolchain.bench.mock): a decoupled Triton Python model
+(served by the real tritonserver from nvidia-pytriton) and an aiohttp
+OpenAI-compatible server in its own process. Truth: first token 40 ms after the
+mock sees the request, then 10 ms per token, 32 output tokens. Scenarios: one
+token per response; an empty first response (sent at once); 4 tokens per
+response; OpenAI chat with a role-only first chunk; OpenAI completions with
+4-token chunks.
+
+Truth as a client can see it = the mock's timing + the transport floor (the
+path into the model and back, which no client can avoid). The floor is
+measured, per protocol, as the time to a response the mock sends the moment it
+sees the request (the empty first response / role-only chunk). Errors are
+given both against that (`*_error_pct`) and against the bare mock timing
+(`*_error_pct_vs_mock`), for this harness and for genai-perf.
+
+genai-perf 0.0.16 + perf_analyzer 2.51 are installed into benchmarks/.venv/genai-perf
+(latency-harness notes, section (d)); if that fails, its keys are null with a reason.
+
+Send rate: open-loop Poisson levels against the OpenAI mock (plain asyncio
+sleeps, 4 tokens of 2 ms) until the mean send lag exceeds 1 ms or the achieved
+rate falls 5 % short: `max_rate_req_s_at_1ms_lag`.
+
+    python benchmarks/harness_accuracy.py [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from toolchain.bench.mock import make_word_tokenizer, openai_app, write_triton_mock  # noqa: E402,F401
+from toolchain.bench.run import run_bench  # noqa: E402
+from toolchain.spec import load_spec  # noqa: E402
+from toolchain.triton.server import TritonServer, free_port  # noqa: E402
+
+TTFT_MS, STEP_MS, ISL, OSL = 40.0, 10.0, 128, 32
+GP_VENV = REPO / "benchmarks" / ".venv" / "genai-perf"
+GP_PACKAGES = ["genai-perf==0.0.16", "tritonclient[all]==2.51.0", "nvidia-cuda-runtime-cu12"]
+
+
+# ---- genai-perf ------------------------------------------------------------------------------------------------
+def genai_perf_env() -> tuple[dict | None, str | None]:
+    """(environment to run genai-perf with, None) or (None, why it is unavailable)."""
+    py = GP_VENV / "bin" / "python"
+    if not (GP_VENV / "bin" / "genai-perf").exists():
+        print("installing genai-perf into", GP_VENV, file=sys.stderr)
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(GP_VENV)], check=True)
+            subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *GP_PACKAGES],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1800)
+        except (subprocess.SubprocessError, OSError) as err:
+            return None, f"could not install {' '.join(GP_PACKAGES)}: {err}"
+    site = subprocess.run([str(py), "-c", "import site; print(site.getsitepackages()[0])"],
+                          capture_output=True, text=True).stdout.strip()
+    env = dict(os.environ, PATH=f"{GP_VENV / 'bin'}:{os.environ['PATH']}", HF_HUB_OFFLINE="1",
+               LD_LIBRARY_PATH=f"{site}/nvidia/cuda_runtime/lib:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    probe = subprocess.run(["perf_analyzer", "--version"], env=env, capture_output=True, text=True)
+    if probe.returncode != 0 and "libb64" in probe.stderr and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-q", "libb64-0d"], capture_output=True)
+        probe = subprocess.run(["perf_analyzer", "--version"], env=env, capture_output=True, text=True)
+    if probe.returncode != 0:
+        return None, f"perf_analyzer does not start: {(probe.stderr or probe.stdout).strip()[:200]}"
+    return env, None
+
+
+def genai_perf(env: dict, args: list[str], out: Path) -> dict | None:
+    cmd = ["genai-perf", "profile", *args, "--artifact-dir", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    found = list(out.rglob("profile_export_genai_perf.json"))
+    if proc.returncode != 0 or not found:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        print(f"genai-perf failed: {' | '.join(tail)}", file=sys.stderr)
+        return None
+    data = json.loads(found[0].read_text())
+    pick = {}
+    for key, name in (("time_to_first_token", "ttft"), ("inter_token_latency", "tpot"),
+                      ("time_to_second_token", "ttst"), ("request_latency", "e2e")):
+        block = data.get(key) or {}
+        pick[name] = block.get("p50", block.get("avg"))
+        if block.get("unit") == "ns" and pick[name] is not None:
+            pick[name] /= 1e6
+    return pick
+
+
+# ---- this harness ----------------------------------------------------------------------------------------------
+def spec_for(root: Path, tok: Path, name: str, **workload):
+    wl = {"num_requests": 40, "warmup_requests": 4, "concurrency": 2, "input_tokens": ISL, "output_tokens": OSL,
+          "seed": 1, **workload}
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, "model": {"checkpoint": str(tok)},
+                                    "limits": {"max_input_len": 512, "max_seq_len": 1024},
+                                    "validation": {"workload": wl}}))
+    return load_spec(path)
+
+
+def harness(root, tok, name, url, **workload) -> dict:
+    r = run_bench(spec_for(root, tok, name, **workload), url=url, out_dir=root / "out" / name, plots=False,
+                  metrics_url="")
+    return {"ttft": r["ttft_ms"]["p50"], "ttfr": r["ttfr_ms"]["p50"], "tpot": r["tpot_ms"]["p50"],
+            "e2e": r["e2e_ms"]["p50"], "errors": r["errors"], "send_lag_mean": r["send_lag_ms"]["mean"],
+            "achieved_rate": r["achieved_send_rate"], "requests_per_s": r["requests_per_s"]}
+
+
+def wait_http(url: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not come up")
+            time.sleep(0.1)
+
+
+def openai_mock(port: int, *extra: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "toolchain.bench.mock", "openai", "--port", str(port), *extra],
+                            cwd=REPO)
+    wait_http(f"http://127.0.0.1:{port}/health")
+    return proc
+
+
+def pct(measured, truth):
+    return None if measured is None else round(abs(measured - truth) / truth * 100, 2)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--quick", action="store_true", help="fewer requests and rate levels")
+    ap.add_argument("--no-genai-perf", action="store_true")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="harness-accuracy-"))
+    tok = make_word_tokenizer(root / "tok")
+    n = 20 if args.quick else 40
+    gp_env, gp_reason = (None, "skipped (--no-genai-perf)") if args.no_genai_perf else genai_perf_env()
+    scenarios, results = [], {}
+
+    # -- Triton: max_batch_size 0 and dims [1], the shapes genai-perf's tensorrtllm backend sends
+    repo = root / "repo"
+    for name, kw in (("plain", {}), ("empty_first", {"empty_ms": 0.0}), ("chunks4", {"tokens_per_response": 4})):
+        write_triton_mock(repo, name, ttft_ms=TTFT_MS, step_ms=STEP_MS, max_batch_size=0, **kw)
+    with TritonServer(repo, "127.0.0.1", 0, 0, 0, log_path=root / "tritonserver.log") as srv:
+        for name in ("plain", "empty_first", "chunks4"):
+            h = harness(root, tok, f"triton-{name}", srv.grpc_url, endpoint=name, num_requests=n)
+            g = None
+            if gp_env:
+                g = genai_perf(gp_env, ["-m", name, "--backend", "tensorrtllm", "--streaming", "-u", srv.grpc_url,
+                                        "--tokenizer", str(tok), "--synthetic-input-tokens-mean", str(ISL),
+                                        "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(OSL),
+                                        "--output-tokens-stddev", "0", "--concurrency", "2", "--request-count",
+                                        str(n), "--warmup-request-count", "4", "--random-seed", "1"],
+                               root / "gp" / name)
+            results[f"triton-{name}"] = {"harness": h, "genai_perf": g}
+            scenarios.append(f"triton-{name}")
+    triton_floor = results["triton-empty_first"]["harness"]["ttfr"]
+
+    # -- OpenAI: chat with a role-only first chunk (its TTFR is the floor), completions with 4-token chunks
+    port = free_port("127.0.0.1")
+    proc = openai_mock(port, "--ttft-ms", str(TTFT_MS), "--step-ms", str(STEP_MS))
+    try:
+        for name, proto, ep in (("chat", "openai-chat", "chat"), ("completions", "openai-completions", "completions")):
+            h = harness(root, tok, f"openai-{name}", f"http://127.0.0.1:{port}", protocol=proto, endpoint="mock",
+                        num_requests=n)
+            g = None
+            if gp_env:
+                g = genai_perf(gp_env, ["-m", "mock", "--endpoint-type", ep, "--streaming", "-u",
+                                        f"127.0.0.1:{port}", "--tokenizer", str(tok), "--synthetic-input-tokens-mean",
+                                        str(ISL), "--output-tokens-mean", str(OSL), "--output-tokens-stddev", "0",
+                                        "--concurrency", "2", "--request-count", str(n), "--warmup-request-count",
+                                        "4", "--random-seed", "1"], root / "gp" / f"openai-{name}")
+            results[f"openai-{name}"] = {"harness": h, "genai_perf": g}
+            scenarios.append(f"openai-{name}")
+    finally:
+        proc.kill()
+    openai_floor = results["openai-chat"]["harness"]["ttfr"]
+
+    # -- errors per scenario and tool
+    table = {}
+    for sc in scenarios:
+        floor = triton_floor if sc.startswith("triton") else openai_floor
+        row = {"transport_floor_ms": round(floor, 3)}
+        for tool in ("harness", "genai_perf"):
+            m = results[sc][tool]
+            if m is None:
+                continue
+            row[tool] = {"ttft_ms": m["ttft"], "tpot_ms": m["tpot"],
+                         "ttft_error_pct": pct(m["ttft"], TTFT_MS + floor),
+                         "ttft_error_pct_vs_mock": pct(m["ttft"], TTFT_MS),
+                         "tpot_error_pct": pct(m["tpot"], STEP_MS)}
+        table[sc] = row
+
+    def worst(tool, key):
+        vals = [table[sc][tool][key] for sc in scenarios if tool in table[sc] and table[sc][tool][key] is not None]
+        return max(vals) if vals else None
+
+    # -- send rate
+    port = free_port("127.0.0.1")
+    proc = openai_mock(port, "--ttft-ms", "10", "--step-ms", "2", "--coarse")
+    rates = [100, 200, 300, 400, 500, 600, 800] if not args.quick else [100, 200, 300]
+    held, rate_levels = None, []
+    try:
+        for rate in rates:
+            h = harness(root, tok, f"rate-{rate}", f"http://127.0.0.1:{port}", protocol="openai-completions",
+                        endpoint="mock", mode="rate", rate=rate, duration_s=3.0 if not args.quick else 2.0,
+                        output_tokens=4, input_tokens=32, warmup_requests=20)
+            ok = (h["errors"] == 0 and h["send_lag_mean"] is not None and h["send_lag_mean"] <= 1.0
+                  and h["achieved_rate"] is not None and h["achieved_rate"] >= 0.95 * rate)
+            rate_levels.append({"rate": rate, "send_lag_mean_ms": round(h["send_lag_mean"], 3),
+                                "achieved_send_rate": round(h["achieved_rate"], 1), "errors": h["errors"], "held": ok})
+            if not ok:
+                break
+            held = rate
+    finally:
+        proc.kill()
+
+    out = {
+        "truth": {"ttft_ms": TTFT_MS, "tpot_ms": STEP_MS, "osl": OSL, "isl": ISL, "concurrency": 2, "requests": n},
+        "ttft_error_pct": worst("harness", "ttft_error_pct"),
+        "tpot_error_pct": worst("harness", "tpot_error_pct"),
+        "ttft_error_pct_vs_mock": worst("harness", "ttft_error_pct_vs_mock"),
+        "genai_perf_ttft_error_pct": worst("genai_perf", "ttft_error_pct"),
+        "genai_perf_tpot_error_pct": worst("genai_perf", "tpot_error_pct"),
+        "genai_perf_ttft_error_pct_vs_mock": worst("genai_perf", "ttft_error_pct_vs_mock"),
+        "genai_perf_reason": gp_reason,
+        "max_rate_req_s_at_1ms_lag": held,
+        "rate_levels": rate_levels,
+        "scenarios": table,
+        "targets": {"ttft_error_pct": 2, "tpot_error_pct": 2, "max_rate_req_s_at_1ms_lag": 200},
+    }
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Runs inside a peer quantizer's own virtual environment (never imported by the
+project): quantize a Hugging Face model with nvidia-modelopt or llmcompressor
+on CPU, then report held-out perplexity of the peer's own (fake-quantized)
+model and the bytes of what it exports.
+
+Usage: python run_peer.py JOB.json RESULT.json, where JOB holds
+{"tool", "method", "model_dir", "calib": [[ids]], "eval": [[ids]], "out_dir", "tp"}.
+The token ids come from the benchmark, so every tool sees the same
+calibration and evaluation tokens as the toolchain.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def perplexity(model, windows) -> float:
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for ids in windows:
+            x = torch.tensor([ids])
+            logits = model(x).logits[0, :-1].float()
+            nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+            count += len(ids) - 1
+    return math.exp(nll / count)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*.safetensors"))
+
+
+def run_modelopt(job, model) -> dict:
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    cfg = {"INT4_AWQ": mtq.INT4_AWQ_CFG, "INT8_SMOOTHQUANT": mtq.INT8_SMOOTHQUANT_CFG,
+           "FP8": mtq.FP8_DEFAULT_CFG, "INT8_DEFAULT": mtq.INT8_DEFAULT_CFG}[job["method"]]
+
+    def loop(m):
+        for ids in job["calib"]:
+            m(torch.tensor([ids]))
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        model = mtq.quantize(model, cfg, loop)
+    quant_s = time.perf_counter() - start
+    ppl = perplexity(model, job["eval"])
+    start = time.perf_counter()
+    export_tensorrt_llm_checkpoint(model, "llama", dtype=torch.float16, export_dir=job["out_dir"],
+                                   inference_tensor_parallel=job.get("tp", 1))
+    return {"perplexity": ppl, "convert_s": quant_s + time.perf_counter() - start,
+            "bytes": dir_bytes(Path(job["out_dir"])), "format": "tensorrt_llm_checkpoint"}
+
+
+def run_llmcompressor(job, model) -> dict:
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform import AWQModifier
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    # AWQ pins its activation cache to accelerator memory; on a CPU-only host that raises (cpu-feasibility §3).
+    IntermediatesCache.pin_memory = lambda self, *a, **k: None
+    calib = job["calib"]
+    ds = Dataset.from_dict({"input_ids": calib, "attention_mask": [[1] * len(c) for c in calib]})
+    recipe = [AWQModifier(duo_scaling=True),
+              QuantizationModifier(ignore=["lm_head"], scheme="W4A16_ASYM", targets=["Linear"])]
+    start = time.perf_counter()
+    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=max(len(c) for c in calib),
+            num_calibration_samples=len(calib))
+    quant_s = time.perf_counter() - start
+    ppl = perplexity(model, job["eval"])
+    start = time.perf_counter()
+    model.save_pretrained(job["out_dir"], save_compressed=True)
+    return {"perplexity": ppl, "convert_s": quant_s + time.perf_counter() - start,
+            "bytes": dir_bytes(Path(job["out_dir"])), "format": "compressed-tensors"}
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
+    runner = {"modelopt": run_modelopt, "llmcompressor": run_llmcompressor}[job["tool"]]
+    result = runner(job, model)
+    Path(sys.argv[2]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

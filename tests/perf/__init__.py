@@ -1,0 +1,1 @@
+"""Live-deployment SLO checks (marker perf, run by make perf)."""

@@ -1,0 +1,93 @@
+"""CPU-engine pieces the families need: sliding-window masks, the window
+setting from runtime_defaults, q/k norms loaded strictly, Qwen naming."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_engine_cpu_util import _one_thread, engine_dir  # noqa: F401
+
+from toolchain.engine.cpu import CpuEngine
+from toolchain.engine.cpu.model import window_mask
+from toolchain.errors import ToolchainError
+
+
+@pytest.mark.parametrize("past,n,window", [(0, 6, 3), (5, 1, 3), (4, 3, 2), (0, 4, 10), (7, 2, 1)])
+def test_window_mask_matches_definition(past, n, window):
+    mask = window_mask(past, n, window)
+    for i in range(n):
+        for j in range(past + n):
+            q = past + i
+            assert bool(mask[i, j]) == (j <= q and q - j < window), (i, j)
+
+
+@pytest.fixture(scope="module")
+def qwen3_hf(tmp_path_factory):
+    from conftest import make_hf_model
+
+    return make_hf_model("Qwen3ForCausalLM", tmp_path_factory.mktemp("q3"), seed=3, head_dim=32)
+
+
+@pytest.fixture
+def copy_of(tmp_path, tmp_path_factory):
+    def make(hf, tp=2, pp=1):
+        out = tmp_path / "engine"
+        shutil.copytree(engine_dir(tmp_path_factory, hf, tp, pp, dtype="auto"), out)
+        for f in out.glob("rank*.safetensors"):
+            f.write_bytes(f.read_bytes())  # break hard links before editing
+        return out
+    return make
+
+
+def edit_config(engine, fn):
+    cfg = json.loads((engine / "config.json").read_text())
+    fn(cfg["pretrained_config"])
+    (engine / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_q_layernorm_is_named(copy_of, qwen3_hf):
+    engine = copy_of(qwen3_hf)
+    path = engine / "rank1.safetensors"
+    tensors = load_file(str(path))
+    del tensors["transformer.layers.1.attention.q_layernorm.weight"]
+    save_file(tensors, str(path))
+    with pytest.raises(ToolchainError, match=r"rank1\.safetensors lacks 1 required tensor.*q_layernorm"):
+        CpuEngine.load(engine)
+
+
+def test_q_layernorm_replicas_must_agree(copy_of, qwen3_hf):
+    engine = copy_of(qwen3_hf)
+    path = engine / "rank1.safetensors"
+    tensors = load_file(str(path))
+    tensors["transformer.layers.0.attention.k_layernorm.weight"] += 1
+    save_file(tensors, str(path))
+    with pytest.raises(ToolchainError, match="k_layernorm.weight differs"):
+        CpuEngine.load(engine)
+
+
+@pytest.mark.parametrize("value", [[0], [], "8", [True], {"a": 1}])
+def test_bad_attention_window(copy_of, qwen3_hf, value):
+    engine = copy_of(qwen3_hf)
+    edit_config(engine, lambda c: c.update(runtime_defaults={"max_attention_window": value}))
+    with pytest.raises(ToolchainError, match="max_attention_window"):
+        CpuEngine.load(engine)
+
+
+def test_per_layer_windows_repeat_over_layers(copy_of, qwen3_hf):
+    engine = copy_of(qwen3_hf)
+    edit_config(engine, lambda c: c.update(runtime_defaults={"max_attention_window": [4, 100]}))
+    dims = CpuEngine.load(engine).dims
+    assert [dims.attention_window(i) for i in range(2)] == [4, 100]
+    assert dims.attention_window(2) == 4
+
+
+def test_modelopt_qwen_architecture_name_is_accepted(copy_of, qwen3_hf):
+    engine = copy_of(qwen3_hf)
+    edit_config(engine, lambda c: c.update(architecture="QWenForCausalLM"))
+    loaded = CpuEngine.load(engine)
+    assert loaded.dims.qk_layernorm and not loaded.dims.dense_bias
+    assert loaded.forward_logits([1, 2, 3]).shape == (3, 250)

@@ -1,0 +1,164 @@
+"""Parity matrix: every registered family x (tp, pp) x checkpoint dtype, run
+rank by rank by the CPU engine, against Hugging Face transformers.
+
+Each case converts a tiny random HF checkpoint stored in that dtype (as real
+checkpoints ship) and compares
+- logits with HF computing in float32 over the same stored weights: the CPU
+  engine computes in float32, so any difference is a layout or numerics bug;
+  tolerance FP32_REF_ATOL for every dtype, and greedy tokens must be equal;
+- logits with HF computing in the checkpoint dtype itself (what an HF user
+  runs): the gap is HF's half-precision rounding, bounded per dtype by
+  NATIVE_ATOL (measured worst cases: fp16 3.4e-3, bf16 3.4e-2 on logits of
+  magnitude ~2.7).
+
+The models cover: KV heads fewer than tp (2 KV heads at tp 4, and MQA),
+vocabularies not divisible by tp (250, 251), tied (Qwen2, Llama 3.2) and
+untied (Mistral, Qwen3) embeddings, q/k/v biases (Qwen2), q/k norms and
+head_dim != hidden/heads (Qwen3), llama3 RoPE (Llama 3.2) and a sliding
+window shorter than the prompts (Mistral)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_hf_model
+from test_engine_cpu_util import _one_thread, hf_greedy, hf_logits, load_engine  # noqa: F401
+
+from toolchain.archs import supported
+from toolchain.engine.cpu import CpuEngine, SamplingParams
+
+LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FP32_REF_ATOL = 1e-4
+NATIVE_ATOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
+NEW = 16
+# 6 and 20 tokens: the second, and every generated token, lies past Mistral's 8-token window.
+PROMPTS = [[1, 5, 9, 33, 200, 7], [1, 17, 101, 3, 44, 90, 91, 92, 12, 240, 6, 7, 7, 7, 8, 9, 10, 11, 12, 13]]
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+# One tiny model per family; the keys double as test ids.
+FAMILIES = {
+    "llama32-tied": ("LlamaForCausalLM", dict(seed=14, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
+    "mistral-window": ("MistralForCausalLM", dict(seed=11, sliding_window=8)),
+    "qwen2-bias-tied": ("Qwen2ForCausalLM", dict(seed=12, vocab_size=251, tie_word_embeddings=True)),
+    "qwen3-qknorm": ("Qwen3ForCausalLM", dict(seed=13, head_dim=32)),
+}
+
+_MODELS: dict = {}
+
+
+def hf_dir(factory, family: str, dtype: str, **extra) -> Path:
+    key = (family, dtype, json.dumps(extra, sort_keys=True))
+    if key not in _MODELS:
+        arch, kw = FAMILIES[family]
+        _MODELS[key] = make_hf_model(arch, factory.mktemp(f"hf-{family}-{dtype}"), dtype=DTYPES[dtype],
+                                     **{**kw, **extra})
+    return _MODELS[key]
+
+
+def reference(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    key = ("ref", str(path), str(dtype))
+    if key not in _MODELS:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        model.generation_config.eos_token_id = None  # the engine runs with end_id -1
+        _MODELS[key] = model
+    return _MODELS[key]
+
+
+def greedy(path: Path, prompt: list[int]) -> list[int]:
+    key = ("greedy", str(path), tuple(prompt))
+    if key not in _MODELS:
+        _MODELS[key] = hf_greedy(reference(path, torch.float32), prompt, NEW)
+    return _MODELS[key]
+
+
+def check(engine: CpuEngine, path: Path, dtype: str, prompts=PROMPTS) -> None:
+    fp32, native = reference(path, torch.float32), reference(path, DTYPES[dtype])
+    for prompt in prompts:
+        got = engine.forward_logits(prompt)
+        torch.testing.assert_close(got, hf_logits(fp32, prompt), atol=FP32_REF_ATOL, rtol=0)
+        torch.testing.assert_close(got, hf_logits(native, prompt), atol=NATIVE_ATOL[dtype], rtol=0)
+        assert engine.generate(prompt, SamplingParams(max_new_tokens=NEW)) == greedy(path, prompt)
+
+
+def test_matrix_covers_every_registered_architecture():
+    assert {arch for arch, _ in FAMILIES.values()} == set(supported())
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_parity(tmp_path_factory, family, tp, pp, dtype):
+    path = hf_dir(tmp_path_factory, family, dtype)
+    engine = load_engine(tmp_path_factory, path, tp, pp, dtype="auto")
+    assert engine.config["pretrained_config"]["dtype"] == dtype
+    assert (engine.dims.tp, engine.dims.pp) == (tp, pp)
+    check(engine, path, dtype)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_qwen2_mqa_biases_duplicated_on_every_rank(tmp_path_factory, tp):
+    # One KV head: every rank holds a copy of it, bias included (reference §8 row 4).
+    path = hf_dir(tmp_path_factory, "qwen2-bias-tied", "float32", num_key_value_heads=1)
+    engine = load_engine(tmp_path_factory, path, tp, 1, dtype="auto")
+    assert engine.dims.kv_heads_per_rank == 1
+    biases = [s.layers[0].qkv.bias for s in engine.model.stages[0]]
+    hd = engine.dims.head_size
+    kv = [b[-2 * hd:] for b in biases]  # [k; v] rows at the end of each rank's qkv
+    assert all(torch.equal(kv[0], other) for other in kv[1:])
+    check(engine, path, "float32")
+
+
+@pytest.mark.parametrize("family,dim", [("qwen2-bias-tied", 0), ("mistral-window", 1), ("qwen3-qknorm", 0)])
+def test_parallel_embedding(tmp_path_factory, family, dim):
+    path = hf_dir(tmp_path_factory, family, "float32")
+    engine = load_engine(tmp_path_factory, path, 2, 2, dtype="auto",
+                         convert_kwargs={"use_parallel_embedding": True, "embedding_sharding_dim": dim})
+    assert engine.dims.use_parallel_embedding and engine.dims.embedding_sharding_dim == dim
+    check(engine, path, "float32")
+
+
+@pytest.mark.parametrize("layers,tp,pp", [(3, 1, 2), (3, 2, 2), (5, 1, 4), (5, 2, 4)])
+def test_uneven_pipeline_split(tmp_path_factory, layers, tp, pp):
+    # torch.tensor_split: L=3, P=2 -> [2, 1]; L=5, P=4 -> [2, 1, 1, 1].
+    path = hf_dir(tmp_path_factory, "qwen3-qknorm", "float32", num_hidden_layers=layers)
+    engine = load_engine(tmp_path_factory, path, tp, pp, dtype="auto")
+    expected = [len(t) for t in torch.tensor_split(torch.arange(layers), pp)]
+    assert [len(stage[0].layers) for stage in engine.model.stages] == expected
+    assert [[s.rank for s in stage] for stage in engine.model.stages] == [
+        [p * tp + t for t in range(tp)] for p in range(pp)]
+    check(engine, path, "float32")
+
+
+def test_sliding_window_is_applied(tmp_path_factory, tmp_path):
+    """Without the window the engine must disagree with HF on prompts longer
+    than it, so the Mistral rows of the matrix prove the window is applied."""
+    import shutil
+
+    path = hf_dir(tmp_path_factory, "mistral-window", "float32")
+    engine = load_engine(tmp_path_factory, path, 2, 1, dtype="auto")
+    assert engine.config["pretrained_config"]["runtime_defaults"] == {"max_attention_window": [8]}
+    no_window = tmp_path / "engine"
+    shutil.copytree(engine_path(tmp_path_factory, path), no_window)
+    cfg = json.loads((no_window / "config.json").read_text())
+    del cfg["pretrained_config"]["runtime_defaults"]
+    (no_window / "config.json").write_text(json.dumps(cfg))
+    full = CpuEngine.load(no_window)
+    long_prompt = PROMPTS[1]
+    want = hf_logits(reference(path, torch.float32), long_prompt)
+    torch.testing.assert_close(engine.forward_logits(long_prompt), want, atol=FP32_REF_ATOL, rtol=0)
+    diff = (full.forward_logits(long_prompt) - want).abs()
+    assert diff[:8].max() < FP32_REF_ATOL  # within the window both agree
+    assert diff[8:].max() > 1e-2
+
+
+def engine_path(factory, path: Path) -> Path:
+    from test_engine_cpu_util import engine_dir
+
+    return engine_dir(factory, path, 2, 1, dtype="auto")

@@ -1,0 +1,109 @@
+"""`toolchain plan`: the example specs plan (table, commands, checks), the JSON
+contract, exit codes 0 / 1 / 2, and --skip-check."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from toolchain.cli import main
+from toolchain.engine import trtllm
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = ["llama3-8b-awq-h100", "llama3-70b-sq-tp4pp2", "mistral-7b-fp8-l40s", "qwen2.5-7b-draft-target"]
+
+
+def plan(tmp_path, spec: Path | str, *args) -> int:
+    return main(["--root", str(tmp_path), "plan", str(spec), *args])
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_examples_plan_as_json(tmp_path, capsys, name):
+    assert plan(tmp_path, REPO / "build" / f"{name}.yaml", "--json") == 0, capsys.readouterr().err
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] is True and report["ok"] is True and report["failed_checks"] == []
+    for rank in report["ranks"]:
+        assert {"rank", "weights_bytes", "kv_bytes_per_token", "kv_tokens_capacity"} <= set(rank)
+        assert rank["weights_bytes"] > 0 and rank["kv_tokens_capacity"] > 0
+    assert len(report["ranks"]) == report["parallelism"]["world_size"]
+    assert all({"id", "status", "message"} == set(c) for c in report["checks"])
+    assert not [c for c in report["checks"] if c["status"] == "fail"]
+    assert report["build_commands"]
+    for line in report["build_commands"]:
+        argv = shlex.split(line)
+        assert argv[0] == "trtllm-build"
+        trtllm.validate(argv[1:])  # every flag and value from the 1.2 table
+    assert report["launch_command"].split()[0] in ("mpirun", "TRTLLM_ORCHESTRATOR=1")
+    assert report["eos"]["end_id"] is not None
+
+
+def test_example_quantization_reaches_the_plan(tmp_path, capsys):
+    expected = {"llama3-8b-awq-h100": ("W4A16_AWQ g128", "float16"),
+                "llama3-70b-sq-tp4pp2": ("W8A8_SQ_PER_CHANNEL", "int8"),
+                "mistral-7b-fp8-l40s": ("FP8", "fp8"),
+                "qwen2.5-7b-draft-target": ("no weight quantization", "bfloat16")}
+    for name, (fmt, kv) in expected.items():
+        assert plan(tmp_path, REPO / "build" / f"{name}.yaml", "--json") == 0
+        report = json.loads(capsys.readouterr().out)
+        assert (report["weight_format"], report["kv_cache_dtype"]) == (fmt, kv), name
+    assert report["draft_kv_tokens_capacity"] > 0
+    assert len(report["build_commands"]) == 2 and "--speculative_decoding_mode draft_tokens_external" in \
+        report["build_commands"][0] and "--speculative_decoding_mode" not in report["build_commands"][1]
+
+
+def test_text_output_has_table_commands_and_checks(tmp_path, capsys):
+    assert plan(tmp_path, REPO / "build" / "llama3-70b-sq-tp4pp2.yaml") == 0
+    out = capsys.readouterr().out
+    assert "rank  tp  pp  layers" in out and "KV B/token" in out and "estimates" in out
+    assert "\n  trtllm-build --checkpoint_dir" in out and "--use_paged_context_fmha disable" in out
+    assert "\nlaunch:\n  mpirun --allow-run-as-root" in out and out.count(" : -n 1 ") == 7
+    assert "PASS  kv.int8-disables-paged-fmha" in out and "verdict: fits" in out
+
+
+def test_tiny_llama_plans_clean(tmp_path, capsys):
+    assert plan(tmp_path, REPO / "build" / "tiny-llama.yaml") == 0
+    out = capsys.readouterr().out
+    assert "0 failed" in out and "target cpu" in out
+
+
+def test_not_fitting_exits_1_with_the_change_that_fits(tmp_path, capsys):
+    rc = plan(tmp_path, REPO / "build" / "llama3-8b-awq-h100.yaml", "--set", "model.checkpoint=configs/llama-3-70b",
+              "--set", "quantization.method=none", "--json")
+    captured = capsys.readouterr()
+    assert rc == 1
+    report = json.loads(captured.out)
+    assert report["fits"] is False and "memory.fits" in report["failed_checks"]
+    assert "parallelism.tp=2" in report["suggestions"]
+    assert captured.err.startswith("error: plan:") and len(captured.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("gpu.name=B300", "unknown gpu.name 'B300'"),
+    ("gpu.nmae=H100", "unknown key 'gpu.nmae'"),
+    ("build.tokens_per_block=48", "power of 2"),
+    ("speculative.mode=medusa2", "invalid 'speculative.mode'"),
+])
+def test_invalid_spec_exits_2(tmp_path, capsys, override, fragment):
+    assert plan(tmp_path, REPO / "build" / "llama3-8b-awq-h100.yaml", "--set", override) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_skip_check_turns_a_failure_into_a_skip(tmp_path, capsys):
+    spec = REPO / "build" / "llama3-8b-awq-h100.yaml"
+    assert plan(tmp_path, spec, "--set", "build.host_memory_gib=1") == 1
+    assert "FAIL  build.host-ram" in capsys.readouterr().out
+    assert plan(tmp_path, spec, "--set", "build.host_memory_gib=1", "--skip-check", "build.host-ram") == 0
+    assert "skipped by --skip-check" in capsys.readouterr().out
+    assert plan(tmp_path, spec, "--skip-check", "no.such-check") == 2
+    assert "unknown check id 'no.such-check'" in capsys.readouterr().err
+
+
+def test_trtllm_spec_without_gpu_reports_weights_but_fails(tmp_path, capsys):
+    rc = plan(tmp_path, REPO / "build" / "llama3-70b-sq-tp4pp2.yaml", "--set", "gpu.name=null", "--json")
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1 and report["failed_checks"] == ["gpu.known"]
+    assert report["ranks"][0]["weights_bytes"] > 0 and report["ranks"][0]["kv_tokens_capacity"] is None

@@ -1,0 +1,300 @@
+"""Every preflight check has a case here that makes it fail (or warn, for the
+advisory ones), starting from a spec on which every check passes; a meta-test
+refuses a registered check without a trigger."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from toolchain.plan.model import QuantFormat
+from toolchain.plan.preflight import FAIL, PASS, REGISTRY, WARN, build_context, run_checks
+from toolchain.spec import LimitsSection, load_spec
+from toolchain.workspace import Workspace
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "build" / "configs"
+LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+             "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+             "torch_dtype": "float16", "eos_token_id": 2}
+
+
+def base(tmp_path: Path) -> dict:
+    """A trtllm spec on which every check passes (Llama-3-8B-Instruct on an H100)."""
+    return {"name": "chk", "target": "trtllm",
+            "model": {"checkpoint": str(CONFIGS / "llama-3-8b-instruct"), "dtype": "bfloat16"},
+            "limits": {"max_batch_size": 8, "max_input_len": 2048, "max_seq_len": 4096, "max_num_tokens": 4096},
+            "gpu": {"name": "H100 80GB"}, "build": {"host_memory_gib": 512},
+            "serving": {"http_port": 0, "grpc_port": 0, "metrics_port": 0}}
+
+
+def merge(data: dict, change: dict) -> dict:
+    out = dict(data)
+    for key, value in change.items():
+        out[key] = merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def run(tmp_path: Path, change: dict | None = None, *, stage="plan", quant=None, setup=None) -> dict:
+    data = merge(base(tmp_path), change or {})
+    # The spec itself refuses bad limits; model_construct gets one past it, as a
+    # spec built in code rather than loaded could be.
+    raw_limits = data.pop("_limits", None)
+    if setup:
+        setup(tmp_path, data)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    spec = load_spec(path)
+    if raw_limits:
+        spec = spec.model_copy(update={"limits": LimitsSection.model_construct(**raw_limits)})
+    ws = Workspace(tmp_path / "ws")
+    ctx = build_context(spec, stage, ws, quant=quant)
+    return {r.id: r for r in run_checks(ctx)}
+
+
+def config_dir(tmp_path: Path, cfg: dict, name="hf", generation=None) -> Path:
+    d = tmp_path / name
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    if generation is not None:
+        (d / "generation_config.json").write_text(json.dumps(generation))
+    return d
+
+
+def use_config(cfg: dict, generation=None):
+    def setup(tmp_path, data):
+        data["model"]["checkpoint"] = str(config_dir(tmp_path, cfg, generation=generation))
+    return setup
+
+
+def engine_dir(tmp_path: Path, *, world=1, ranks=None, version="1.2.0", mbs=8) -> None:
+    d = tmp_path / "ws" / "engines" / "chk" / "engine"
+    d.mkdir(parents=True)
+    for r in range(world if ranks is None else ranks):
+        (d / f"rank{r}.engine").write_bytes(b"x")
+    (d / "config.json").write_text(json.dumps({
+        "version": version, "pretrained_config": {"mapping": {"world_size": world}},
+        "build_config": {"max_batch_size": mbs, "max_beam_width": 1}}))
+
+
+def tokenizer(tmp_path: Path, eos: str, names: dict[int, str], vocab: int | None = None) -> Path:
+    d = tmp_path / "tok"
+    d.mkdir()
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": eos, "added_tokens_decoder": {str(i): {"content": n, "special": True} for i, n in names.items()}}))
+    if vocab is not None:
+        (d / "tokenizer.json").write_text(json.dumps({"added_tokens": [], "model": {
+            "vocab": {f"t{i}": i for i in range(vocab)}}}))
+    return d
+
+
+def busy_port(tmp_path, data):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    data["serving"].update(host="127.0.0.1", http_port=sock.getsockname()[1])
+    busy_port.sock = sock  # kept open until the check ran
+
+
+def fake_tritonserver(tmp_path, data):
+    binary = tmp_path / "triton" / "bin" / "tritonserver"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    data["serving"]["tritonserver"] = str(binary)
+
+
+def rope(scaling: dict) -> dict:
+    return {**json.loads((CONFIGS / "llama-3-8b-instruct" / "config.json").read_text()), "rope_scaling": scaling}
+
+
+DRAFT = {"speculative": {"mode": "draft_target", "max_draft_len": 4,
+                         "draft_model": str(CONFIGS / "qwen2.5-0.5b-instruct")},
+         "model": {"checkpoint": str(CONFIGS / "qwen2.5-7b-instruct")},
+         "serving": {"streaming": False, "grpc_port": 8001, "kv_cache_free_gpu_mem_fraction": 0.8}}
+
+# check id -> (spec change, keyword arguments of run(), expected status)
+TRIGGERS = {
+    "limits.input-vs-seq": ({"_limits": dict(max_batch_size=8, max_input_len=4096, max_seq_len=4096,
+                                             max_num_tokens=8192)}, {}, FAIL),
+    "limits.num-tokens-vs-input": ({"limits": {"max_input_len": 8192, "max_seq_len": 8192 + 512,
+                                               "max_num_tokens": 4096}}, {}, FAIL),
+    "limits.num-tokens-vs-block": ({"limits": {"max_num_tokens": 16, "max_input_len": 8}}, {}, FAIL),
+    "limits.seq-vs-positions": ({"limits": {"max_seq_len": 16384}}, {}, WARN),
+    "kv.paged-context-fmha": ({"build": {"use_paged_context_fmha": False, "kv_cache_reuse": True}}, {}, FAIL),
+    "kv.int8-disables-paged-fmha": ({}, {"quant": QuantFormat(kv_cache="int8")}, FAIL),
+    "kv.one-sequence": ({"limits": {"max_seq_len": 131072}, "serving": {"kv_cache_free_gpu_mem_fraction": 0.1}},
+                        {}, FAIL),
+    "kv.batch-concurrency": ({"limits": {"max_batch_size": 4096}}, {}, WARN),
+    "memory.fits": ({"model": {"checkpoint": str(CONFIGS / "llama-3-70b")}}, {}, FAIL),
+    "build.host-ram": ({"build": {"host_memory_gib": 8}}, {}, FAIL),
+    "build.multiple-profiles": ({"build": {"multiple_profiles": True, "opt_num_tokens": 1024}}, {}, FAIL),
+    "rope.unknown-type": ({}, {"setup": use_config(rope({"type": "wobbly", "factor": 2.0}))}, FAIL),
+    "rope.missing-keys": ({}, {"setup": use_config(rope({"rope_type": "llama3", "factor": 8.0}))}, FAIL),
+    "tp.heads": ({"parallelism": {"tp": 3}}, {}, FAIL),
+    "pp.layers": ({"parallelism": {"pp": 33}, "gpu": {"per_node": 64}}, {}, FAIL),
+    "arch.supported": ({"model": {"checkpoint": str(CONFIGS / "mistral-7b-instruct-v0.3")}},
+                       {"setup": "unregister-mistral"}, WARN),
+    "quant.group-size": ({}, {"quant": QuantFormat("awq", group_size=32)}, FAIL),
+    "quant.group-padding": ({"parallelism": {"tp": 4}}, {"quant": QuantFormat("awq"), "setup": use_config(LLAMA2_7B)},
+                            FAIL),
+    "quant.weight-only-padding": ({"parallelism": {"tp": 8}},
+                                  {"quant": QuantFormat("int8_wo"), "setup": use_config(LLAMA2_7B)}, FAIL),
+    "quant.lm-head-excluded": ({}, {"quant": QuantFormat("int8_wo"), "setup": "checkpoint-excludes-lm-head-only"},
+                               FAIL),
+    "quant.fp8-needs-sm89": ({"gpu": {"name": "A100 80GB"}}, {"quant": QuantFormat("fp8")}, FAIL),
+    "quant.blackwell-int-formats": ({"gpu": {"name": None, "memory_gib": 180, "sm": 100}},
+                                    {"quant": QuantFormat("awq")}, FAIL),
+    "gpu.known": ({"gpu": {"name": None}}, {}, FAIL),
+    "eos.resolved": ({}, {"setup": use_config({k: v for k, v in LLAMA2_7B.items() if k != "eos_token_id"})}, FAIL),
+    "eos.tokenizer-default": ({}, {"setup": "tokenizer-eos-end-of-text"}, FAIL),
+    "triton.tokenizer": ({}, {"setup": "tokenizer-too-big"}, FAIL),
+    "triton.engine-dir": ({"parallelism": {"tp": 2}}, {"setup": "engine-missing-rank"}, FAIL),
+    "triton.engine-version": ({}, {"setup": "engine-1.1"}, FAIL),
+    "triton.world-size": ({}, {"setup": "engine-world-4"}, FAIL),
+    "triton.batch-size": ({}, {"setup": "engine-mbs-4"}, FAIL),
+    "triton.kv-fraction": (merge(DRAFT, {"serving": {"kv_cache_free_gpu_mem_fraction": 0.95}}), {}, FAIL),
+    "triton.placeholders": ({}, {"setup": "repo-placeholder", "stage": "serve"}, FAIL),
+    "launch.multi-node": ({"parallelism": {"tp": 8, "pp": 2}}, {}, FAIL),
+    "triton.backend-present": ({}, {"setup": fake_tritonserver, "stage": "serve"}, FAIL),
+    "serve.ports-free": ({}, {"setup": busy_port, "stage": "serve"}, FAIL),
+    "bench.workload-limits": ({"validation": {"workload": {"input_tokens": 4000}}}, {}, FAIL),
+    "bench.streaming": ({"validation": {"workload": {"streaming": False}}}, {}, FAIL),
+    "spec.draft-len": ({"speculative": {"mode": "lookahead", "max_draft_len": 0}}, {}, FAIL),
+    "spec.gather-context-logits": ({"speculative": {"mode": "medusa"}, "build": {"gather_context_logits": True}},
+                                   {}, FAIL),
+    "spec.beam-search": ({"speculative": {"mode": "medusa"}, "build": {"max_beam_width": 2}}, {}, FAIL),
+    "spec.eagle-limits": ({"speculative": {"mode": "eagle"}, "parallelism": {"pp": 2}}, {}, FAIL),
+    "spec.lookahead-draft-len": ({"speculative": {"mode": "lookahead", "max_draft_len": 10, "lookahead_window_size": 7,
+                                                  "lookahead_ngram_size": 7, "lookahead_verification_set_size": 7}},
+                                 {}, FAIL),
+    "spec.draft-model": (merge(DRAFT, {"speculative": {"draft_model": None}}), {}, FAIL),
+    "spec.draft-target-reuse": (merge(DRAFT, {"build": {"kv_cache_reuse": False}}), {}, FAIL),
+    "spec.draft-target-grpc-port": (merge(DRAFT, {"serving": {"grpc_port": 9001}}), {}, FAIL),
+    "spec.draft-target-decoupled": (merge(DRAFT, {"serving": {"streaming": True}}), {}, FAIL),
+    "spec.ngram-no-triton": ({"speculative": {"mode": "ngram", "max_draft_len": 4}}, {}, FAIL),
+}
+
+
+def named_setup(name: str):
+    def checkpoint_excludes_lm_head_only(tmp_path, data):
+        d = tmp_path / "ws" / "engines" / "chk" / "checkpoint"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({"quantization": {"quant_algo": "W8A16",
+                                                                    "exclude_modules": ["lm_head"]}}))
+
+    def tokenizer_eos_end_of_text(tmp_path, data):
+        data["model"]["tokenizer"] = str(tokenizer(tmp_path, "<|end_of_text|>",
+                                                   {128001: "<|end_of_text|>", 128009: "<|eot_id|>"}))
+
+    def tokenizer_too_big(tmp_path, data):
+        data["model"]["tokenizer"] = str(tokenizer(tmp_path, "<|eot_id|>", {128001: "<|end_of_text|>",
+                                                                            128009: "<|eot_id|>"}, vocab=128300))
+
+    def repo_placeholder(tmp_path, data):
+        d = tmp_path / "ws" / "model_repo" / "chk" / "tensorrt_llm"
+        d.mkdir(parents=True)
+        (d / "config.pbtxt").write_text('name: "tensorrt_llm"\nmax_batch_size: ${triton_max_batch_size}\n')
+
+    def unregister_mistral(tmp_path, data):
+        pass  # applied through monkeypatch in the test
+
+    table = {
+        "checkpoint-excludes-lm-head-only": checkpoint_excludes_lm_head_only,
+        "tokenizer-eos-end-of-text": tokenizer_eos_end_of_text,
+        "tokenizer-too-big": tokenizer_too_big,
+        "repo-placeholder": repo_placeholder,
+        "unregister-mistral": unregister_mistral,
+        "engine-missing-rank": lambda t, d: engine_dir(t, world=2, ranks=1),
+        "engine-1.1": lambda t, d: engine_dir(t, version="1.1.0"),
+        "engine-world-4": lambda t, d: engine_dir(t, world=4),
+        "engine-mbs-4": lambda t, d: engine_dir(t, mbs=4),
+    }
+    return table[name]
+
+
+def test_base_spec_passes_every_check(tmp_path):
+    results = run(tmp_path)
+    bad = {i: r.message for i, r in results.items() if r.status not in (PASS, "skip")}
+    assert bad == {"triton.tokenizer": bad.get("triton.tokenizer")}  # no tokenizer ships with the config
+    assert results["triton.tokenizer"].status == WARN
+
+
+@pytest.mark.parametrize("check_id", sorted(TRIGGERS))
+def test_check_triggers(tmp_path, monkeypatch, check_id):
+    change, kwargs, expected = TRIGGERS[check_id]
+    kwargs = dict(kwargs)
+    if isinstance(kwargs.get("setup"), str):
+        if kwargs["setup"] == "unregister-mistral":
+            import toolchain.plan.model as model_mod
+            from toolchain.errors import ToolchainError
+
+            def unsupported(cfg, origin="config.json"):
+                raise ToolchainError(f"unsupported architecture '{cfg['architectures'][0]}'")
+            monkeypatch.setattr(model_mod, "family_for_config", unsupported)
+        kwargs["setup"] = named_setup(kwargs["setup"])
+    result = run(tmp_path, change, **kwargs)[check_id]
+    assert result.status == expected, result.message
+    assert result.message and "\n" not in result.message
+
+
+def test_every_check_has_a_trigger_and_a_doc():
+    run_checks  # noqa: B018 - the import registers the checks
+    from toolchain.plan.preflight import _load_checks
+
+    _load_checks()
+    assert set(REGISTRY) == set(TRIGGERS)
+    assert all(c.doc for c in REGISTRY.values())
+
+
+def test_stage_selection(tmp_path):
+    """convert and build-engine run the engine checks, model-repo and serve the
+    serving ones; plan-only checks (enforced by convert itself) never guard a stage."""
+    for stage, present, absent in [("convert", "limits.input-vs-seq", "eos.resolved"),
+                                   ("model-repo", "eos.resolved", "memory.fits"),
+                                   ("serve", "serve.ports-free", "build.host-ram")]:
+        (tmp_path / stage).mkdir()
+        ids = set(run(tmp_path / stage, stage=stage))
+        assert present in ids and absent not in ids and "tp.heads" not in ids
+
+
+def test_eos_resolution_prefers_the_chat_terminator(tmp_path):
+    def setup(t, data):
+        data["model"]["tokenizer"] = str(tokenizer(t, "<|eot_id|>", {128001: "<|end_of_text|>",
+                                                                    128009: "<|eot_id|>"}))
+    r = run(tmp_path, setup=setup)
+    assert r["eos.resolved"].status == PASS and r["eos.tokenizer-default"].status == PASS
+    msg = r["eos.resolved"].message
+    assert msg.startswith("end_id 128009 (<|eot_id|>), stop ids [128001 (<|end_of_text|>)], pad_id 128009")
+
+
+def test_eos_resolution_without_tokenizer_and_for_qwen(tmp_path):
+    from toolchain.plan.eos import resolve
+
+    llama = json.loads((CONFIGS / "llama-3-8b-instruct" / "config.json").read_text())
+    gen = json.loads((CONFIGS / "llama-3-8b-instruct" / "generation_config.json").read_text())
+    e = resolve(llama, gen, None)
+    assert (e.end_id, e.stop_ids, e.pad_id) == (128009, (128001,), 128009)
+    qwen = json.loads((CONFIGS / "qwen2.5-7b-instruct" / "config.json").read_text())
+    qgen = json.loads((CONFIGS / "qwen2.5-7b-instruct" / "generation_config.json").read_text())
+    e = resolve(qwen, qgen, None)
+    assert (e.end_id, e.stop_ids, e.pad_id) == (151645, (151643,), 151643)
+
+
+def test_lookahead_draft_len_formula():
+    from toolchain.plan.checks_spec import lookahead_draft_len
+
+    assert lookahead_draft_len(7, 7, 7) == 83  # the reference's example
+    assert lookahead_draft_len(1, 1, 0) == 0
+
+
+def test_tiny_llama_passes_every_check_at_every_stage(tmp_path):
+    spec = load_spec(REPO / "build" / "tiny-llama.yaml", ["serving.http_port=0", "serving.grpc_port=0",
+                                                          "serving.metrics_port=0"])
+    for stage in ("plan", "convert", "build-engine", "model-repo", "serve", "deploy"):
+        results = run_checks(build_context(spec, stage, Workspace(tmp_path)))
+        assert [r.id for r in results if r.status == FAIL] == [], stage

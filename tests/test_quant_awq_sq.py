@@ -1,0 +1,89 @@
+"""AWQ and SmoothQuant on synthetic activations with outlier channels (the
+cpu-feasibility §4 recipe): the searches must beat plain round-to-nearest."""
+
+from __future__ import annotations
+
+import torch
+
+from toolchain.quant import awq, smoothquant
+from toolchain.quant.int_quant import dequantize_per_channel, dequantize_per_group, fake_quant_per_group
+
+
+def _outlier_problem(seed=0, n=2048, inp=256, out=192, factor=50.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, inp, generator=g)
+    w = torch.randn(out, inp, generator=g) * 0.05
+    hot = torch.randperm(inp, generator=g)[:4]
+    x[:, hot] *= factor          # function-preserving: big inputs, small matching weight columns
+    w[:, hot] /= factor
+    return x, w
+
+
+def _stats(x):
+    return x.abs().mean(0), (x.double().t() @ x.double()) / x.shape[0], x.abs().amax(0)
+
+
+def test_awq_beats_round_to_nearest_on_outliers():
+    x, w = _outlier_problem()
+    absmean, cov, _ = _stats(x)
+    (lin,), found = awq.quantize_awq([w], absmean, cov, 128)
+    y = x @ w.t()
+    w_awq = dequantize_per_group(lin.weight, lin.weights_scaling_factor, 128)
+    y_awq = (x * lin.prequant_scaling_factor) @ w_awq.t()
+    y_rtn = x @ fake_quant_per_group(w, 128).t()
+    err_awq, err_rtn = (y_awq - y).pow(2).mean(), (y_rtn - y).pow(2).mean()
+    assert err_awq < 0.5 * err_rtn, (float(err_awq), float(err_rtn))
+    assert found.loss <= found.rtn_loss
+    assert lin.weight.dtype == torch.int8 and lin.weights_scaling_factor.shape == (192, 2)
+    assert lin.prequant_scaling_factor.shape == (256,)
+
+
+def test_awq_shared_input_gets_one_prequant_and_search_off_is_rtn():
+    x, w = _outlier_problem(seed=1)
+    absmean, cov, _ = _stats(x)
+    w2 = torch.randn(64, 256) * 0.05
+    lins, _ = awq.quantize_awq([w, w2], absmean, cov, 64)
+    assert torch.equal(lins[0].prequant_scaling_factor, lins[1].prequant_scaling_factor)
+    base, found = awq.quantize_awq([w], absmean, cov, 64, search=False, clip=False)
+    assert found is None and torch.equal(base[0].prequant_scaling_factor, torch.ones(256))
+    assert torch.allclose(dequantize_per_group(base[0].weight, base[0].weights_scaling_factor, 64),
+                          fake_quant_per_group(w, 64))
+
+
+def test_clip_search_never_widens_the_range():
+    x, w = _outlier_problem(seed=2)
+    _, cov, _ = _stats(x)
+    amax = awq.search_clip(w, cov, 128)
+    org = w.reshape(192, 2, 128).abs().amax(-1)
+    assert bool((amax <= org + 1e-7).all()) and bool((amax >= 0.5 * org).all())
+
+
+def test_smoothquant_recovers_static_w8a8_loss():
+    x, w = _outlier_problem(seed=3)
+    _, _, amax = _stats(x)
+    y = x @ w.t()
+
+    def run(lin):
+        xq = smoothquant.quantize_activation(x, lin.prequant_scaling_factor, lin.activation_scaling_factor)
+        wd = dequantize_per_channel(lin.weight, lin.weights_scaling_factor)
+        return (xq.float() * lin.activation_scaling_factor) @ wd.t()
+
+    (sq,) = smoothquant.quantize_sq([w], amax, alpha=0.5)
+    (plain,) = smoothquant.quantize_sq([w], amax, alpha=None)
+    err_sq, err_plain = (run(sq) - y).pow(2).mean(), (run(plain) - y).pow(2).mean()
+    assert err_sq < 0.2 * err_plain, (float(err_sq), float(err_plain))
+    assert sq.weight.dtype == torch.int8 and sq.weights_scaling_factor.shape == (192,)
+    assert sq.activation_scaling_factor.shape == (1,) and sq.prequant_scaling_factor.shape == (256,)
+    assert torch.equal(plain.prequant_scaling_factor, torch.ones(256))
+
+
+def test_smoothing_factor_formula_and_shared_vectors():
+    a = torch.tensor([4.0, 1.0, 0.0])
+    w1 = torch.tensor([[1.0, 2.0, 1.0]])
+    w2 = torch.tensor([[4.0, 0.5, 1.0]])
+    s = smoothquant.smoothing_factors(a, [w1, w2], 0.5)
+    expect = torch.tensor([(4.0 ** 0.5) / (4.0 ** 0.5), 1.0 / (2.0 ** 0.5), (1e-5 ** 0.5) / 1.0])
+    assert torch.allclose(s, expect)
+    lins = smoothquant.quantize_sq([w1, w2], a, 0.5)
+    assert torch.equal(lins[0].prequant_scaling_factor, lins[1].prequant_scaling_factor)
+    assert torch.equal(lins[0].activation_scaling_factor, lins[1].activation_scaling_factor)

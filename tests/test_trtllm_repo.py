@@ -1,0 +1,110 @@
+"""The tensorrt_llm model of a target-trtllm repository: it parses with Triton's
+protobuf and carries the §2.5 parameters of the 1.2 template (every one whose
+default is a value; the ones whose default is "unset" are listed with a reason),
+and the build/speculative sections reach it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as pb
+
+from conftest import write_spec
+from toolchain.engine.trtllm import TRITON_UNSET
+from toolchain.spec import load_spec
+from toolchain.triton.repo import run_model_repo
+from toolchain.workspace import Workspace
+from triton_helpers import make_tiny_tokenizer
+
+# triton-trtllm-model-repo.md §2.5 `parameters` (placeholder -> key), written from the reference.
+TEMPLATE_1_2 = {
+    "max_beam_width", "gpt_model_type", "gpt_model_path", "encoder_model_path", "max_tokens_in_paged_kv_cache",
+    "kv_cache_free_gpu_mem_fraction", "cross_kv_cache_fraction", "kv_cache_host_memory_bytes",
+    "kv_cache_onboard_blocks", "max_attention_window_size", "sink_token_length", "enable_kv_cache_reuse",
+    "batch_scheduler_policy", "enable_chunked_context", "exclude_input_in_output", "normalize_log_probs",
+    "cancellation_check_period_ms", "stats_check_period_ms", "iter_stats_max_iterations",
+    "request_stats_max_iterations", "gpu_device_ids", "participant_ids", "num_nodes",
+    "lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size", "lora_cache_gpu_memory_fraction",
+    "lora_cache_host_memory_bytes", "lora_prefetch_dir", "decoding_mode", "medusa_choices", "eagle_choices",
+    "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size", "gpu_weights_percent",
+    "enable_context_fmha_fp32_acc", "multi_block_mode", "cuda_graph_mode", "cuda_graph_cache_size",
+    "enable_trt_overlap", "speculative_decoding_fast_logits", "tokenizer_dir", "guided_decoding_backend",
+    "xgrammar_tokenizer_info_path",
+    # fixed, non-templated
+    "FORCE_CPU_ONLY_INPUT_TENSORS", "executor_worker_path",
+}
+
+
+def render(tmp_path: Path, **sections) -> tuple[dict[str, pb.ModelConfig], Path]:
+    hf = tmp_path / "hf"
+    make_tiny_tokenizer(hf)
+    (hf / "config.json").write_text("{}")
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", hf, target="trtllm", **sections))
+    ws = Workspace(tmp_path / "ws")
+    run_model_repo(spec, ws)
+    repo = ws.model_repo_dir(spec)
+    configs = {}
+    for path in repo.glob("*/config.pbtxt"):
+        configs[path.parent.name] = text_format.Parse(path.read_text(), pb.ModelConfig())
+    return configs, ws.engine_dir(spec).resolve()
+
+
+def params(cfg: pb.ModelConfig) -> dict[str, str]:
+    return {k: v.string_value for k, v in cfg.parameters.items()}
+
+
+def test_tensorrt_llm_carries_every_1_2_parameter(tmp_path):
+    configs, _ = render(tmp_path)
+    got = params(configs["tensorrt_llm"])
+    assert set(TRITON_UNSET) <= TEMPLATE_1_2
+    assert set(got) - TEMPLATE_1_2 == set(), "a parameter the 1.2 template does not have"
+    assert TEMPLATE_1_2 - set(TRITON_UNSET) - set(got) == set(), "a 1.2 parameter left out without a reason"
+    assert all(v and "${" not in v for v in got.values())
+    assert got["enable_kv_cache_reuse"] == "true" and got["enable_chunked_context"] == "false"
+    assert got["decoding_mode"] == "top_k_top_p" and got["num_nodes"] == "1"
+    assert configs["tensorrt_llm"].backend == "tensorrtllm"
+
+
+def test_build_and_speculative_sections_reach_the_parameters(tmp_path):
+    configs, _ = render(tmp_path / "la", build={"kv_cache_reuse": False, "chunked_context": True},
+                        speculative={"mode": "lookahead", "max_draft_len": 83, "lookahead_window_size": 7,
+                                     "lookahead_ngram_size": 7, "lookahead_verification_set_size": 7})
+    got = params(configs["tensorrt_llm"])
+    assert got["enable_kv_cache_reuse"] == "false" and got["enable_chunked_context"] == "true"
+    assert got["decoding_mode"] == "lookahead"
+    assert (got["lookahead_window_size"], got["lookahead_ngram_size"], got["lookahead_verification_set_size"]) == \
+        ("7", "7", "7")
+    configs, _ = render(tmp_path / "me", speculative={"mode": "medusa", "choices": "{0, 0}, {0, 1}"})
+    got = params(configs["tensorrt_llm"])
+    assert got["decoding_mode"] == "medusa" and got["medusa_choices"] == "{0, 0}, {0, 1}"
+    configs, _ = render(tmp_path / "bw", build={"max_beam_width": 4})
+    assert params(configs["tensorrt_llm"])["decoding_mode"] == "beam_search"
+    assert params(configs["tensorrt_llm"])["max_beam_width"] == "4"
+
+
+def test_draft_target_adds_the_draft_model(tmp_path):
+    configs, engine = render(tmp_path, speculative={"mode": "draft_target", "max_draft_len": 4,
+                                                    "draft_model": str(tmp_path),
+                                                    "draft_kv_cache_free_gpu_mem_fraction": 0.15},
+                             serving={"streaming": False})
+    assert {"tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls"} <= set(configs)
+    draft, target = params(configs["tensorrt_llm_draft"]), params(configs["tensorrt_llm"])
+    assert draft["gpt_model_path"] == str(engine / "draft" / "engine") and target["gpt_model_path"] == str(engine)
+    assert draft["kv_cache_free_gpu_mem_fraction"] == "0.15" and draft["gpu_device_ids"] == "0"
+    assert target["enable_kv_cache_reuse"] == draft["enable_kv_cache_reuse"] == "true"
+    assert configs["tensorrt_llm_draft"].model_transaction_policy.decoupled is False
+    assert params(configs["tensorrt_llm_bls"])["tensorrt_llm_draft_model_name"] == "tensorrt_llm_draft"
+
+
+def test_cpu_target_is_unchanged(tmp_path):
+    hf = tmp_path / "hf"
+    make_tiny_tokenizer(hf)
+    (hf / "config.json").write_text("{}")
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", hf, speculative={"mode": "draft_target"}))
+    ws = Workspace(tmp_path / "ws")
+    run_model_repo(spec, ws)
+    repo = ws.model_repo_dir(spec)
+    assert not (repo / "tensorrt_llm_draft").exists()
+    got = params(text_format.Parse((repo / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig()))
+    assert got["enable_kv_cache_reuse"] == "false" and "lora_cache_max_adapter_size" not in got

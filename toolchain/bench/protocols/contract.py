@@ -1,0 +1,128 @@
+"""Which Triton tensor contract a served model speaks, from its metadata and config.
+
+- text: the ensemble / tensorrt_llm_bls contract (`text_input`, `max_tokens`
+  -> `text_output`); with `return_num_output_tokens` declared the server also
+  returns a cumulative `num_output_tokens` per response: exact token counts.
+- token ids: the `tensorrt_llm` contract (`input_ids`, `input_lengths`,
+  `request_output_len` -> `output_ids`): exact counts, and the bench sends token
+  ids it made with the deployment tokenizer.
+- the LLM-API flavour (`sampling_param_*` inputs) and anything else are
+  refused with one line naming what the model declares.
+
+Optional inputs are sent only when the model declares them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from toolchain.errors import ToolchainError
+
+TEXT, TOKEN_IDS = "text", "token-ids"
+
+
+@dataclass
+class Contract:
+    model: str
+    kind: str
+    inputs: set[str]
+    outputs: set[str]
+    decoupled: bool
+    batched: bool = True
+    """max_batch_size > 0: every tensor carries a leading batch dimension."""
+
+    @property
+    def server_counts(self) -> bool:
+        """Per-response token counts come from the server (exact)."""
+        if self.kind == TOKEN_IDS:
+            return True
+        return "return_num_output_tokens" in self.inputs and "num_output_tokens" in self.outputs
+
+
+def detect(model: str, url: str, meta: dict, config: dict, *, streaming: bool) -> Contract:
+    inputs = {i["name"] for i in meta.get("inputs", [])}
+    outputs = {o["name"] for o in meta.get("outputs", [])}
+    decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+    if {"input_ids", "input_lengths", "request_output_len"} <= inputs and "output_ids" in outputs:
+        kind = TOKEN_IDS
+    elif {"text_input", "max_tokens"} <= inputs and "text_output" in outputs:
+        kind = TEXT
+    elif any(i.startswith("sampling_param_") for i in inputs):
+        raise ToolchainError(
+            f"model '{model}' on {url} has the TensorRT-LLM LLM-API contract (sampling_param_* inputs), "
+            "not the ensemble/BLS text contract or the tensorrt_llm token-id contract",
+            "bench it through an OpenAI-compatible frontend (protocol openai-completions) or deploy the "
+            "inflight-batching repository")
+    else:
+        shown = ", ".join(sorted(inputs)[:8]) or "none"
+        raise ToolchainError(
+            f"model '{model}' on {url} speaks neither the text contract (text_input, max_tokens -> text_output) "
+            f"nor the token-id contract (input_ids, input_lengths, request_output_len -> output_ids); "
+            f"its inputs: {shown}",
+            "set validation.workload.endpoint to ensemble, tensorrt_llm_bls or tensorrt_llm")
+    stream_input = "stream" if kind == TEXT else "streaming"
+    if streaming and stream_input not in inputs:
+        raise ToolchainError(f"model '{model}' on {url} has no '{stream_input}' input, so it cannot stream tokens",
+                             "set validation.workload.streaming: false")
+    if streaming and not decoupled:
+        raise ToolchainError(f"model '{model}' on {url} is not decoupled, so it cannot stream tokens",
+                             "deploy with serving.streaming: true, or set validation.workload.streaming: false")
+    return Contract(model, kind, inputs, outputs, decoupled, batched=int(config.get("max_batch_size", 0) or 0) > 0)
+
+
+def request_tensors(c: Contract, *, text: str | None, ids: list[int] | None, max_tokens: int, streaming: bool,
+                    ignore_eos: bool, exclude_input: bool | None) -> list[tuple[str, str, np.ndarray]]:
+    """[(name, Triton datatype, array with the batch dim)] for one request."""
+    def i32(v):
+        return np.array([[v]], np.int32)
+
+    def flag(v):
+        return np.array([[v]], np.bool_)
+
+    out = []
+    if c.kind == TOKEN_IDS:
+        out += [("input_ids", "INT32", np.asarray([ids], np.int32)), ("input_lengths", "INT32", i32(len(ids))),
+                ("request_output_len", "INT32", i32(max_tokens))]
+        if "streaming" in c.inputs:
+            out.append(("streaming", "BOOL", flag(streaming)))
+        # Non-streaming responses would echo the prompt; the counts must be the completion only.
+        if "exclude_input_in_output" in c.inputs:
+            out.append(("exclude_input_in_output", "BOOL", flag(True)))
+    else:
+        out += [("text_input", "BYTES", np.array([[text.encode("utf-8")]], np.object_)),
+                ("max_tokens", "INT32", i32(max_tokens))]
+        if "stream" in c.inputs:
+            out.append(("stream", "BOOL", flag(streaming)))
+        if exclude_input is not None and "exclude_input_in_output" in c.inputs:
+            out.append(("exclude_input_in_output", "BOOL", flag(exclude_input)))
+        if c.server_counts:
+            out.append(("return_num_output_tokens", "BOOL", flag(True)))
+    if ignore_eos:
+        # end_id -1 matches no token and min_tokens = max_tokens stops other stop rules: OSL is exact.
+        if "end_id" in c.inputs:
+            out.append(("end_id", "INT32", i32(-1)))
+        if "min_tokens" in c.inputs:
+            out.append(("min_tokens", "INT32", i32(max_tokens)))
+    if not c.batched:  # max_batch_size 0: the declared dims are the whole shape
+        out = [(n, d, a.reshape(a.shape[1:])) for n, d, a in out]
+    return out
+
+
+def requested_outputs(c: Contract) -> list[str]:
+    if c.kind == TOKEN_IDS:
+        return ["output_ids", "sequence_length"]  # the backend insists on both
+    return ["text_output", "num_output_tokens"] if c.server_counts else ["text_output"]
+
+
+def ready_or_raise(model: str, url: str, index: list[dict], hint_field: str = "validation.workload.endpoint") -> None:
+    """Raise the one-line error for a model that is missing or not ready, given the repository index."""
+    states = {m.get("name"): m for m in index}
+    if model not in states:
+        served = ", ".join(sorted(n for n in states if n)) or "nothing"
+        raise ToolchainError(f"model '{model}' not found on the Triton server at {url} (it serves: {served})",
+                             f"set {hint_field} to a served model or regenerate the model repository")
+    entry = states[model]
+    raise ToolchainError(f"model '{model}' is not ready on {url} (state {entry.get('state', '?')}: "
+                         f"{entry.get('reason', '')})", "check the tritonserver log for why it failed to load")

@@ -1,0 +1,355 @@
+"""Quantized linears in the checkpoint: which tensors each format writes, and
+how they are computed and sharded (reference §2.2–§2.8, §3.1, §3.5).
+
+A quantized linear is quantized whole, before any split, exactly as ModelOpt
+quantizes and then exports: per-tensor and shared parameters (FP8 scales,
+SmoothQuant's activation scale, AWQ's search) need the full matrix. Each
+resulting component is then split with the linear's own TP rule according to
+its layout:
+
+| component layout | QKV / column-parallel | row-parallel |
+|---|---|---|
+| `weight` (out, in) | like the fp weight | like the fp weight |
+| `out_vec` (out,), `out_groups` (out, in/g) | like the weight's rows | (out,) full copy; (out, in/g) split on dim 1 |
+| `in_vec` (in,) | full copy | split |
+| `scalar` (1,) | full copy | full copy |
+
+Formats written (`quant_algo`):
+- W8A16 / W4A16: option (a) of §2.2, the fp weights as they are; trtllm-build
+  quantizes them for the target GPU (option b's interleaved layout is
+  GPU-specific). The CPU engine quantizes them the same way at load.
+- W4A16_AWQ: packed int4 (out/2, in) int8, `weights_scaling_factor` (out, in/g),
+  `prequant_scaling_factor` (in,); imports of AutoAWQ/GPTQ add `zero` (out, in/g)
+  instead of the prequant vector (§4.3 option C: lossless, not yet verified on a GPU build, §9).
+- W8A8_SQ_PER_CHANNEL: int8 weight, per-channel and static activation scales, prequant.
+- FP8: e4m3 weight, per-tensor weight and activation scales; q/k/v and fc/gate share them.
+
+Scale dtypes follow NVIDIA's exporter (the golden layouts): float32 scales,
+prequant vectors in the model dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from toolchain.archs.common import Shard
+from toolchain.checkpoint import sharding
+from toolchain.checkpoint.hf_reader import HFCheckpoint, TensorInfo
+from toolchain.checkpoint.layout import Group, prepare, stage_ranks
+from toolchain.errors import ToolchainError
+from toolchain.quant import awq as awq_q
+from toolchain.quant import fp8 as fp8_q
+from toolchain.quant import prequantized as pre_q
+from toolchain.quant import smoothquant as sq_q
+from toolchain.quant.int_quant import pack_int4
+from toolchain.quant.kv_cache import kv_cache_scale
+from toolchain.quant.recipe import LayoutPlan, Prequantized, Recipe, is_excluded
+
+# TensorRT-LLM linear modules -> the calibration slot of their input (q/k/v share one, fc/gate another).
+LINEARS = {"attention.qkv": "qkv", "attention.dense": "dense", "mlp.fc": "mlp", "mlp.gate": "mlp", "mlp.proj": "proj"}
+MLP_OUT = ("mlp.fc", "mlp.gate")    # their out dim is the intermediate size
+MLP_IN = ("mlp.proj",)              # its in dim is
+ALWAYS_EXCLUDED = ["lm_head", "transformer.vocab_embedding"]
+F32, I8 = torch.float32, torch.int8
+KV_NAME = "transformer.layers.{layer}.attention.kv_cache_scaling_factor"
+
+
+@dataclass
+class Component:
+    suffix: str
+    layout: str                  # weight | out_vec | out_groups | in_vec | scalar
+    parts: list[torch.Tensor]    # one per source for row-carrying layouts (q, k, v); else one
+    dtype: torch.dtype
+
+
+def linear_of(name: str) -> tuple[str, str, int] | None:
+    """'transformer.layers.3.attention.qkv.weight' -> (module prefix, 'attention.qkv', 3), else None."""
+    parts = name.split(".")
+    if len(parts) != 6 or parts[:2] != ["transformer", "layers"] or parts[-1] != "weight":
+        return None
+    module = ".".join(parts[3:5])
+    return (name[: -len(".weight")], module, int(parts[2])) if module in LINEARS else None
+
+
+@dataclass
+class Quantizer:
+    recipe: Recipe
+    nh: int
+    nkv: int
+    tp: int
+    layers_per_stage: list[list[int]]
+    layout: LayoutPlan
+    intermediate: int
+    dtype: torch.dtype
+    prequantized: Prequantized | None = None
+    stats: list | None = None   # calibration LayerStats per global layer, set before writing
+    raw: dict[str, TensorInfo] = field(default_factory=dict)  # imports: the packed tensors behind the virtual weights
+
+    # -- what is written ------------------------------------------------------------------
+
+    @property
+    def fmt(self) -> str | None:
+        """The stored format of quantized linears; None when the weights stay fp (none, W8A16/W4A16 option a)."""
+        if self.prequantized is not None:
+            return "int4_zero"
+        return {"awq": "awq", "smoothquant": "sq", "fp8": "fp8"}.get(self.recipe.method)
+
+    @property
+    def quant_algo(self) -> str | None:
+        return "W4A16_AWQ" if self.prequantized is not None else self.recipe.quant_algo
+
+    @property
+    def group_size(self) -> int:
+        return self.prequantized.group_size if self.prequantized is not None else self.recipe.group_size
+
+    def config(self) -> dict:
+        """config.json `quantization` (reference §1.5). The exclude list replaces TensorRT-LLM's
+        default, so it always names lm_head and the vocab embedding (§1.5: per-channel weight-only
+        modes would otherwise quantize the embedding); NVIDIA's exporter writes only "lm_head"
+        because its formats never quantize embeddings."""
+        algo = self.quant_algo
+        q: dict = {"quant_algo": algo, "kv_cache_quant_algo": self.recipe.kv_cache_quant_algo}
+        if algo is not None:
+            q["exclude_modules"] = ALWAYS_EXCLUDED + [p for p in self.recipe.exclude_modules
+                                                     if p not in ALWAYS_EXCLUDED]
+        if algo == "W4A16_AWQ":
+            zero = self.prequantized is not None
+            q.update(group_size=self.group_size, has_zero_point=zero, pre_quant_scale=not zero)
+        return q
+
+    def global_layer(self, stage: int, local: int) -> int:
+        return self.layers_per_stage[stage][local]
+
+    def quantizes(self, name: str, stage: int) -> bool:
+        lin = linear_of(name)
+        if lin is None or self.fmt is None:
+            return False
+        prefix, _module, local = lin
+        glob = prefix.replace(f"layers.{local}.", f"layers.{self.global_layer(stage, local)}.", 1)
+        return not is_excluded(glob, self.recipe.exclude_modules)
+
+    def padded_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Per-group int4 MLP linears are zero-padded to the intermediate size the engine expects (§3.5)."""
+        lin = linear_of(name)
+        if lin is None or self.fmt not in ("awq", "int4_zero"):
+            return shape
+        local = self.layout.padded_intermediate // self.tp
+        if lin[1] in MLP_OUT:
+            return (local, shape[1])
+        if lin[1] in MLP_IN:
+            return (shape[0], local)
+        return shape
+
+    def planned(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """The tensors replacing fp weight `name` of per-rank `shape`."""
+        out, inp = self.padded_shape(name, shape)
+        prefix = name[: -len(".weight")]
+        g = self.group_size
+        if self.fmt in ("awq", "int4_zero"):
+            items = [("weight", (out // 2, inp), I8), ("weights_scaling_factor", (out, inp // g), F32)]
+            items.append(("zero", (out, inp // g), F32) if self.fmt == "int4_zero"
+                         else ("prequant_scaling_factor", (inp,), self.dtype))
+        elif self.fmt == "sq":
+            items = [("weight", (out, inp), I8), ("weights_scaling_factor", (out,), F32),
+                     ("activation_scaling_factor", (1,), F32), ("prequant_scaling_factor", (inp,), self.dtype)]
+        else:
+            items = [("weight", (out, inp), fp8_q.FP8_DTYPE), ("weights_scaling_factor", (1,), F32),
+                     ("activation_scaling_factor", (1,), F32)]
+        return [(f"{prefix}.{s}", sh, dt) for s, sh, dt in items]
+
+    def kv_planned(self, stage: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        if self.recipe.kv_cache == "none":
+            return []
+        return [(KV_NAME.format(layer=i), (1,), F32) for i in range(len(self.layers_per_stage[stage]))]
+
+    def kv_scale(self, stage: int, local: int) -> torch.Tensor:
+        return kv_cache_scale(self.stats[self.global_layer(stage, local)].qkv_amax, self.recipe.kv_cache)
+
+    # -- computing ------------------------------------------------------------------------
+
+    def components(self, module: str, layer: int, weights: list[list[torch.Tensor]],
+                   prefixes: list[list[str]], load) -> list[list[Component]]:
+        """Per output (qkv: one with q, k, v; merged fc/gate: two), its full, unsplit components."""
+        if self.fmt == "int4_zero":
+            return [self._imported(p, load) for p in prefixes]
+        flat = [w for ws in weights for w in ws]
+        slot = LINEARS[module]
+        st = self.stats[layer].inputs[slot]
+        g = self.group_size
+        if self.fmt == "awq":
+            lins, _ = awq_q.quantize_awq(flat, st.absmean, st.cov, g, search=self.recipe.search,
+                                         clip=self.recipe.search)
+            comps = [[Component("weight", "weight", [l.weight], I8),
+                      Component("weights_scaling_factor", "out_groups", [l.weights_scaling_factor], F32),
+                      Component("prequant_scaling_factor", "in_vec", [l.prequant_scaling_factor], self.dtype)]
+                     for l in lins]
+        elif self.fmt == "sq":
+            lins = sq_q.quantize_sq(flat, st.amax, self.recipe.alpha if self.recipe.search else None)
+            comps = [[Component("weight", "weight", [l.weight], I8),
+                      Component("weights_scaling_factor", "out_vec", [l.weights_scaling_factor], F32),
+                      Component("activation_scaling_factor", "scalar", [l.activation_scaling_factor], F32),
+                      Component("prequant_scaling_factor", "in_vec", [l.prequant_scaling_factor], self.dtype)]
+                     for l in lins]
+        else:
+            # q/k/v must share one weight scale (§2.6); fc and gate preferably do, and here they do.
+            qs, wscale = fp8_q.quantize_fp8_shared(flat)
+            ascale = fp8_q.fp8_scale(st.amax.max())
+            comps = [[Component("weight", "weight", [q], fp8_q.FP8_DTYPE),
+                      Component("weights_scaling_factor", "scalar", [wscale], F32),
+                      Component("activation_scaling_factor", "scalar", [ascale], F32)] for q in qs]
+        return self._regroup(comps, [len(ws) for ws in weights])
+
+    @staticmethod
+    def _regroup(per_source: list[list[Component]], counts: list[int]) -> list[list[Component]]:
+        """Per-source components -> per output (q, k, v become the parts of one output's components)."""
+        out, at = [], 0
+        for n in counts:
+            group = per_source[at:at + n]
+            merged = []
+            for i, comp in enumerate(group[0]):
+                parts = [c[i].parts[0] for c in group] if comp.layout in ("weight", "out_vec", "out_groups") \
+                    else comp.parts
+                merged.append(Component(comp.suffix, comp.layout, parts, comp.dtype))
+            out.append(merged)
+            at += n
+        return out
+
+    def _imported(self, prefixes: list[str], load) -> list[Component]:
+        """AutoAWQ/GPTQ tensors of one output's sources -> signed int4 + scales + zero, losslessly."""
+        ws, ss, zs = [], [], []
+        g = self.group_size
+        for p in prefixes:
+            if self.prequantized.kind == "awq":
+                q, z, s = pre_q.unpack_awq_gemm(load(p + ".qweight"), load(p + ".qzeros"), load(p + ".scales"))
+            else:
+                g_idx = load(p + ".g_idx") if p + ".g_idx" in self.raw else None
+                try:
+                    q, z, s = pre_q.unpack_gptq(load(p + ".qweight"), load(p + ".qzeros"), load(p + ".scales"),
+                                                g_idx, g)
+                except ValueError as err:
+                    raise ToolchainError(f"{p}: {err}", "re-quantize the model with desc_act false") from None
+            signed, scales, zero = pre_q.to_signed_with_zero(q, z, s)
+            ws.append(signed), ss.append(scales), zs.append(zero)
+        return [Component("weight", "weight", ws, I8), Component("weights_scaling_factor", "out_groups", ss, F32),
+                Component("zero", "out_groups", zs, F32)]
+
+    def pad(self, module: str, comps: list[Component]) -> list[Component]:
+        """Zero-pad per-group MLP components to the padded intermediate size (§3.5): zero weights,
+        unit scales and prequant (so nothing divides by zero), zero zero-points."""
+        target = self.layout.padded_intermediate
+        if self.fmt not in ("awq", "int4_zero") or target == self.intermediate or module not in MLP_OUT + MLP_IN:
+            return comps
+        g, out = self.group_size, []
+        for c in comps:
+            fill = 0.0 if c.suffix in ("weight", "zero") else 1.0
+            parts = []
+            for t in c.parts:
+                if module in MLP_OUT and c.layout in ("weight", "out_groups"):
+                    t = torch.cat([t, torch.full((target - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype)])
+                elif module in MLP_IN and c.layout == "weight":
+                    t = torch.cat([t, torch.full((t.shape[0], target - t.shape[1]), fill, dtype=t.dtype)], dim=1)
+                elif module in MLP_IN and c.layout == "out_groups":
+                    extra = target // g - t.shape[1]
+                    t = torch.cat([t, torch.full((t.shape[0], extra), fill, dtype=t.dtype)], dim=1)
+                elif module in MLP_IN and c.layout == "in_vec":
+                    t = torch.cat([t, torch.full((target - t.shape[0],), fill, dtype=t.dtype)])
+                parts.append(t)
+            out.append(Component(c.suffix, c.layout, parts, c.dtype))
+        return out
+
+    def split(self, comp: Component, shard: Shard) -> list[torch.Tensor]:
+        """One component's per-rank pieces under the linear's TP rule (table in the module docstring)."""
+        tp = self.tp
+        if comp.layout == "scalar":
+            return [comp.parts[0]] * tp
+        if comp.layout == "in_vec":
+            t = comp.parts[0]
+            return list(t.chunk(tp)) if shard is Shard.ROW and tp > 1 else [t] * tp
+        if shard is Shard.QKV:
+            return sharding.split_qkv(*comp.parts, nh=self.nh, nkv=self.nkv, tp=tp)
+        (t,) = comp.parts
+        if shard is Shard.COLUMN:
+            return sharding.split_column(t, tp)
+        if comp.layout == "out_vec":
+            return [t] * tp
+        return sharding.split_row(t, tp)
+
+    def finish(self, comp: Component, piece: torch.Tensor) -> torch.Tensor:
+        if comp.suffix == "weight" and self.fmt in ("awq", "int4_zero"):
+            return pack_int4(piece.contiguous())
+        return piece.to(comp.dtype).contiguous()
+
+    # -- the plan and the writer ----------------------------------------------------------
+
+    def handles(self, group: Group) -> bool:
+        return all(self.quantizes(o.name, o.stage) for o in group.outputs)
+
+    def merge_mlp(self, groups: list[Group]) -> list[Group]:
+        """fc (HF gate_proj) and gate (HF up_proj) share one input, so their shared
+        parameters (AWQ scales, SmoothQuant smoothing and activation scale, FP8
+        scales) need both weights: read them as one group, sources in output order."""
+        if self.fmt in (None, "int4_zero"):
+            return groups
+        out: list[Group] = []
+        for g in groups:
+            prev = out[-1] if out else None
+            lin, plin = linear_of(g.outputs[0].name), prev and linear_of(prev.outputs[0].name)
+            if (prev is not None and lin and plin and len(g.outputs) == len(prev.outputs) == 1
+                    and plin[1] == "mlp.fc" and lin[1] == "mlp.gate" and plin[2] == lin[2]
+                    and prev.outputs[0].stage == g.outputs[0].stage and self.handles(prev) and self.handles(g)):
+                out[-1] = Group(sources=prev.sources + g.sources, outputs=prev.outputs + g.outputs)
+            else:
+                out.append(g)
+        return out
+
+    def plan_group(self, group: Group, fp_shapes: dict[str, tuple[int, ...]]) -> dict[int, list]:
+        """rank -> [(name, shape, dtype)] for a quantized group, from its outputs' fp per-rank shapes."""
+        out: dict[int, list] = {}
+        for o in group.outputs:
+            for rank in stage_ranks(o.stage, self.tp):
+                out.setdefault(rank, []).extend(self.planned(o.name, fp_shapes[(rank, o.name)]))
+        return out
+
+    def write_group(self, group: Group, ckpt: HFCheckpoint) -> dict[int, list[tuple[str, torch.Tensor]]]:
+        """rank -> [(name, tensor)] for a quantized group: quantize whole, split each component."""
+        o0 = group.outputs[0]
+        _, module, local = linear_of(o0.name)
+        layer = self.global_layer(o0.stage, local)
+        per_output = [list(group.sources)] if o0.row.shard is Shard.QKV else [[s] for s in group.sources]
+        prefixes = [[s[: -len(".weight")] for s in srcs] for srcs in per_output]
+        weights = None
+        if self.fmt != "int4_zero":
+            rows = [o0.row] if o0.row.shard is Shard.QKV else [o.row for o in group.outputs]
+            weights = [[prepare(ckpt.load(s), row, torch.float32, s) for s in srcs]
+                       for row, srcs in zip(rows, per_output)]
+        comps = self.components(module, layer, weights, prefixes, lambda n: ckpt.read(self.raw[n]))
+        result: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for o, cs in zip(group.outputs, comps):
+            prefix, mod, _ = linear_of(o.name)
+            for comp in self.pad(mod, cs):
+                for rank, piece in zip(stage_ranks(o.stage, self.tp), self.split(comp, o.row.shard)):
+                    result.setdefault(rank, []).append((f"{prefix}.{comp.suffix}", self.finish(comp, piece)))
+        return result
+
+
+def virtualize_prequantized(ckpt: HFCheckpoint, kind: str) -> dict[str, TensorInfo]:
+    """Present an AutoAWQ/GPTQ checkpoint to the planner as the fp model it encodes:
+    each linear's packed qweight/qzeros/scales/g_idx become one virtual `weight`
+    (out, in) the name tables match. Returns the hidden packed tensors."""
+    raw = dict(ckpt.tensors)
+    packed = {n[: -len(".qweight")] for n in raw if n.endswith(".qweight")}
+    virtual: dict[str, TensorInfo] = {}
+    for name, info in raw.items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix in packed and leaf in ("qzeros", "scales", "g_idx"):
+            continue
+        if prefix in packed and leaf == "qweight":
+            rows, cols = info.shape
+            shape = (cols * 8, rows) if kind == "awq" else (cols, rows * 8)
+            virtual[prefix + ".weight"] = TensorInfo(prefix + ".weight", info.file, shape, torch.float16, -1)
+        else:
+            virtual[name] = info
+    ckpt._tensors = virtual
+    return raw

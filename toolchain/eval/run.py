@@ -1,0 +1,137 @@
+"""`run_eval`: build (or reuse) the spec's engine, run it with the CPU engine
+rank by rank, and compare it with the original Hugging Face model.
+
+Target `cpu` evaluates the built engine directory. Target `trtllm` engines
+only run on a GPU, so there the converted checkpoint (the exact rank files
+trtllm-build consumes) is evaluated through a CPU engine view of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from toolchain.errors import StageFailed, ToolchainError
+from toolchain.eval.metrics import evaluate
+from toolchain.eval.texts import STREAM_FACTOR, default_documents, file_documents, token_stream, token_windows
+from toolchain.spec import DeploymentSpec
+from toolchain.workspace import Workspace
+
+DEFAULT_MAX_TOKENS = 4096
+DEFAULT_WINDOW = 256
+
+
+@contextmanager
+def engine_for_eval(spec: DeploymentSpec, workspace: Workspace) -> Iterator[Path]:
+    """A directory the CPU engine can load for `spec`, building what is missing."""
+    if spec.target == "cpu":
+        from toolchain.engine.build import run_build
+
+        run_build(spec, workspace)
+        yield workspace.engine_dir(spec)
+        return
+    from toolchain.checkpoint.stage import run_convert
+    from toolchain.engine.build import build_config
+
+    run_convert(spec, workspace)
+    checkpoint = workspace.checkpoint_dir(spec)
+    with tempfile.TemporaryDirectory(prefix="toolchain-eval-") as tmp:
+        view = Path(tmp)
+        pretrained = json.loads((checkpoint / "config.json").read_text())
+        (view / "config.json").write_text(json.dumps({"version": "eval-view", "target": "cpu",
+                                                      "pretrained_config": pretrained,
+                                                      "build_config": build_config(spec)}))
+        for rank_file in checkpoint.glob("rank*.safetensors"):
+            try:
+                os.link(rank_file, view / rank_file.name)
+            except OSError:
+                shutil.copy2(rank_file, view / rank_file.name)
+        yield view
+
+
+def _tokenizer(spec: DeploymentSpec):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(spec.model.tokenizer_dir)
+    except (OSError, ValueError) as err:
+        raise ToolchainError(f"cannot load a tokenizer from {spec.model.tokenizer_dir}: {str(err).splitlines()[0]}",
+                             "set model.tokenizer to a directory with tokenizer.json / tokenizer_config.json") from None
+
+
+def _reference(spec: DeploymentSpec) -> Callable[[list[int]], torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    # No progress bar: the command's output stays its own report lines.
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        # float32 whatever the stored dtype: the reference is the HF weights, computed exactly.
+        model = AutoModelForCausalLM.from_pretrained(spec.model.checkpoint, dtype=torch.float32).eval()
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+    return lambda ids: model(torch.tensor([ids])).logits[0].float()
+
+
+def run_eval(spec: DeploymentSpec, workspace: Workspace, *, text: Path | None = None,
+             max_tokens: int = DEFAULT_MAX_TOKENS, window: int = DEFAULT_WINDOW, threads: int | None = None,
+             min_agreement: float | None = None, max_perplexity_ratio: float | None = None,
+             echo: Callable[[str], None] | None = None) -> dict:
+    """Evaluate the spec's converted model against its HF checkpoint; returns the report dict.
+    Raises StageFailed (after computing the report) when a given threshold is missed."""
+    from toolchain.engine.cpu import CpuEngine
+
+    say = echo or (lambda _msg: None)
+    if max_tokens < 2:
+        raise ToolchainError(f"max_tokens {max_tokens} is too small", "use --max-tokens 2 or more")
+    start = time.monotonic()
+    description, documents = file_documents(text) if text is not None else default_documents()
+    tokenizer = _tokenizer(spec)
+    stream = token_stream(tokenizer, documents, STREAM_FACTOR * max_tokens)
+    with engine_for_eval(spec, workspace) as engine_dir:
+        engine = CpuEngine.load(engine_dir, num_threads=threads)
+    window = min(window, engine.limits.max_seq_len)
+    bad = [t for t in stream if not 0 <= t < engine.vocab_size]
+    if bad:
+        raise ToolchainError(f"the tokenizer produced id {bad[0]} outside the model's vocabulary "
+                             f"[0, {engine.vocab_size})", "set model.tokenizer to the model's own tokenizer")
+    windows = token_windows(stream, window, max_tokens)
+    say(f"evaluating {sum(map(len, windows))} of {len(stream)} tokens in {len(windows)} window(s) of {window} "
+        f"({description})")
+    report = evaluate(engine.forward_logits, _reference(spec), windows)
+    pretrained = engine.config["pretrained_config"]
+    report.update({
+        "text": description,
+        "window": window,
+        "max_tokens": max_tokens,
+        "model": {"checkpoint": str(spec.model.checkpoint), "architecture": pretrained["architecture"],
+                  "dtype": pretrained["dtype"], "tp": engine.dims.tp, "pp": engine.dims.pp,
+                  "quantization": pretrained.get("quantization")},
+        "seconds": round(time.monotonic() - start, 2),
+    })
+    missed = []
+    if min_agreement is not None and report["greedy_token_agreement"] < min_agreement:
+        missed.append(f"greedy_token_agreement {report['greedy_token_agreement']} < {min_agreement}")
+    if max_perplexity_ratio is not None and report["perplexity_ratio"] > max_perplexity_ratio:
+        missed.append(f"perplexity_ratio {report['perplexity_ratio']} > {max_perplexity_ratio}")
+    report["passed"] = not missed
+    if missed:
+        report["missed"] = missed
+    return report
+
+
+def check_thresholds(report: dict) -> None:
+    """Raise StageFailed naming every threshold `report` missed."""
+    if not report.get("passed", True):
+        raise StageFailed("eval thresholds missed: " + "; ".join(report["missed"]),
+                          "compare the converted model's layout and dtype with the reference")

@@ -1,0 +1,337 @@
+"""Checks that guard convert and build-engine: limits, KV cache, RoPE, parallelism,
+quantization, GPU support, memory and speculative decoding.
+
+Rows of trtllm-checkpoint-and-build.md §8 (cited as #n), §5.6 and §6. Each
+check returns (status, message); a failing message names the spec field to change.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from toolchain.plan import memory as mem
+from toolchain.plan.model import read_json
+from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
+from toolchain.plan.preflight import ENGINE, FAIL, PASS, SKIP, WARN, Context, check, this_host_memory_bytes
+
+NEEDS_TRTLLM = (SKIP, "applies to target trtllm")
+NO_MODEL = "model config not readable here; the stage reports why"
+
+
+def _model(ctx: Context):
+    return ctx.model.params if ctx.model is not None else None
+
+
+# ---- limits (#8, §5.2) -------------------------------------------------------------------------------------------
+@check("limits.input-vs-seq", ENGINE, "max_input_len must leave room for output (#8)")
+def _input_vs_seq(ctx: Context):
+    lim = ctx.spec.limits
+    if lim.max_input_len >= lim.max_seq_len:
+        return FAIL, (f"limits.max_input_len ({lim.max_input_len}) must be below limits.max_seq_len "
+                      f"({lim.max_seq_len}); raise max_seq_len or lower max_input_len")
+    return PASS, f"max_input_len {lim.max_input_len} < max_seq_len {lim.max_seq_len}"
+
+
+@check("limits.num-tokens-vs-input", ENGINE, "without chunked context max_num_tokens caps a prompt (#8)")
+def _num_tokens_vs_input(ctx: Context):
+    if not ctx.trtllm:
+        return NEEDS_TRTLLM
+    lim, b = ctx.spec.limits, ctx.spec.build
+    chunked = b.chunked_context and b.use_paged_context_fmha and b.context_fmha
+    if lim.max_num_tokens >= lim.max_input_len or chunked:
+        how = "chunked context" if lim.max_num_tokens < lim.max_input_len else f"max_num_tokens {lim.max_num_tokens}"
+        return PASS, f"prompts up to max_input_len {lim.max_input_len} fit one step ({how})"
+    return FAIL, (f"limits.max_num_tokens ({lim.max_num_tokens}) caps a prompt below limits.max_input_len "
+                  f"({lim.max_input_len}) without chunked context; raise max_num_tokens to {lim.max_input_len} "
+                  "or set build.chunked_context=true (with build.use_paged_context_fmha=true)")
+
+
+@check("limits.num-tokens-vs-block", ENGINE, "with context FMHA max_num_tokens must hold one KV block (§5.2)")
+def _num_tokens_vs_block(ctx: Context):
+    if not ctx.trtllm:
+        return NEEDS_TRTLLM
+    lim, b = ctx.spec.limits, ctx.spec.build
+    if b.context_fmha and lim.max_num_tokens < b.tokens_per_block:
+        return FAIL, (f"limits.max_num_tokens ({lim.max_num_tokens}) is below build.tokens_per_block "
+                      f"({b.tokens_per_block}); raise max_num_tokens or lower tokens_per_block")
+    return PASS, f"max_num_tokens {lim.max_num_tokens} >= tokens_per_block {b.tokens_per_block}"
+
+
+@check("limits.seq-vs-positions", ENGINE, "max_seq_len beyond the trained context degrades quality (§1.3)")
+def _seq_vs_positions(ctx: Context):
+    p = _model(ctx)
+    if p is None:
+        return SKIP, NO_MODEL
+    scaling = p.rotary_scaling or {}
+    factor = 1.0 if scaling.get("type") in (None, "llama3", "longrope", "su") else float(scaling.get("factor", 1.0))
+    trained = int(p.max_position_embeddings * factor)
+    if ctx.spec.limits.max_seq_len > trained:
+        return WARN, (f"limits.max_seq_len ({ctx.spec.limits.max_seq_len}) exceeds the model's trained positions "
+                      f"({trained}); output quality past that length is not guaranteed")
+    return PASS, f"max_seq_len {ctx.spec.limits.max_seq_len} <= trained positions {trained}"
+
+
+# ---- KV cache (#9, §2.7, §5.3; Triton #10) ------------------------------------------------------------------------
+@check("kv.paged-context-fmha", ENGINE, "KV reuse and chunked context need paged context FMHA (#9)")
+def _paged_context_fmha(ctx: Context):
+    if not ctx.trtllm:
+        return NEEDS_TRTLLM
+    b = ctx.spec.build
+    wanted = [f for f in ("kv_cache_reuse", "chunked_context") if getattr(b, f)]
+    if wanted and not (b.use_paged_context_fmha and b.context_fmha):
+        off = "build.use_paged_context_fmha" if not b.use_paged_context_fmha else "build.context_fmha"
+        return FAIL, (f"{' and '.join('build.' + w for w in wanted)} need paged context FMHA, but {off} is false; "
+                      f"set {off}=true or turn {' and '.join('build.' + w for w in wanted)} off")
+    return PASS, ("paged context FMHA on" if b.use_paged_context_fmha else "no feature needs paged context FMHA")
+
+
+@check("kv.int8-disables-paged-fmha", ENGINE, "an INT8 KV cache turns paged context FMHA off (#9, §2.7)")
+def _int8_kv(ctx: Context):
+    if not ctx.trtllm:
+        return NEEDS_TRTLLM
+    if ctx.quant.kv_cache != "int8":
+        return PASS, f"KV cache {ctx.quant.kv_cache if ctx.quant.kv_cache != 'none' else 'in the model dtype'}"
+    b = ctx.spec.build
+    on = [f"build.{f}" for f in ("use_paged_context_fmha", "kv_cache_reuse", "chunked_context") if getattr(b, f)]
+    if on:
+        return FAIL, (f"quantization.kv_cache=int8 turns paged context FMHA off, so {', '.join(on)} cannot take "
+                      f"effect; set {'=false, '.join(on)}=false, or use quantization.kv_cache=fp8")
+    return PASS, "INT8 KV cache with paged context FMHA, reuse and chunked context off"
+
+
+@check("kv.one-sequence", ENGINE, "the KV cache must hold one full sequence (Triton #10)")
+def _one_sequence(ctx: Context):
+    m = ctx.memory
+    if m is None:
+        return SKIP, "no memory plan (see gpu.known, tp.heads, pp.layers)"
+    if not m.weights_fit:
+        return SKIP, "weights do not fit (see memory.fits)"
+    if m.concurrency < 1:
+        return FAIL, (f"the KV cache holds {m.kv_tokens_capacity} tokens per rank, less than one sequence of "
+                      f"{m.sequence_tokens}; lower limits.max_seq_len, quantize the KV cache, or raise "
+                      "serving.kv_cache_free_gpu_mem_fraction")
+    if m.draft_kv_tokens_capacity is not None and m.draft_kv_tokens_capacity < m.draft_sequence_tokens:
+        return FAIL, (f"the draft model's KV cache holds {m.draft_kv_tokens_capacity} tokens, less than one "
+                      f"sequence of {m.draft_sequence_tokens}; raise speculative.draft_kv_cache_free_gpu_mem_fraction")
+    return PASS, f"{m.kv_tokens_capacity} KV tokens per rank hold {m.concurrency} full sequences"
+
+
+@check("kv.batch-concurrency", ENGINE, "fewer full-length sequences fit than max_batch_size")
+def _batch_concurrency(ctx: Context):
+    m = ctx.memory
+    if m is None or not m.fits:
+        return SKIP, "no fitting memory plan"
+    if m.concurrency < ctx.spec.limits.max_batch_size:
+        return WARN, (f"only {m.concurrency} sequences of {m.sequence_tokens} tokens fit in the KV cache at once, "
+                      f"below limits.max_batch_size {ctx.spec.limits.max_batch_size}: requests wait under "
+                      "guaranteed_no_evict (quantize the KV cache or lower max_batch_size to match)")
+    return PASS, f"{m.concurrency} full-length sequences fit (max_batch_size {ctx.spec.limits.max_batch_size})"
+
+
+# ---- memory (#7) --------------------------------------------------------------------------------------------------
+@check("memory.fits", ENGINE, "weights, activations and workspace must fit each GPU (#7)")
+def _memory_fits(ctx: Context):
+    if ctx.memory is None:
+        return SKIP, "no memory plan (see gpu.known, tp.heads, pp.layers)" if ctx.model else NO_MODEL
+    return (PASS if ctx.memory.weights_fit else FAIL), ctx.memory.verdict()
+
+
+@check("build.host-ram", ENGINE, "parallel builds hold two rank checkpoints each in host RAM (#7)")
+def _host_ram(ctx: Context):
+    if not ctx.trtllm:
+        return NEEDS_TRTLLM
+    if ctx.model is None:
+        return SKIP, NO_MODEL
+    host = this_host_memory_bytes(ctx.spec)
+    workers, per = build_workers(ctx.spec, checkpoint_bytes_per_rank(ctx.spec, ctx.quant), host)
+    need, gib = workers * per, mem.GIB
+    if need > host:
+        fix = ("lower build.workers" if workers > 1 else
+               "build on a host with more RAM (build.host_memory_gib says how much it has)")
+        return FAIL, (f"{workers} build worker(s) need about {need / gib:.1f} GiB of host RAM "
+                      f"({per / gib:.1f} GiB each), the build host has {host / gib:.1f} GiB; {fix}")
+    return PASS, f"--workers {workers}: about {need / gib:.1f} GiB of {host / gib:.1f} GiB host RAM"
+
+
+@check("build.multiple-profiles", ENGINE, "multiple_profiles and opt_num_tokens exclude each other (§5.6)")
+def _multiple_profiles(ctx: Context):
+    b = ctx.spec.build
+    if b.multiple_profiles and b.opt_num_tokens is not None:
+        return FAIL, "build.multiple_profiles=true cannot be combined with build.opt_num_tokens; unset one of them"
+    return PASS, "profile flags compatible"
+
+
+# ---- RoPE (#10) ---------------------------------------------------------------------------------------------------
+def _rope(ctx: Context, check_id: str):
+    if ctx.model is None:
+        return SKIP, NO_MODEL
+    for pid, message in ctx.model.rope_problems:
+        if pid == check_id:
+            return FAIL, message
+    scaling = ctx.model.params.rotary_scaling
+    return PASS, f"rope type {scaling['type']}" if scaling else "no rope scaling"
+
+
+@check("rope.unknown-type", ENGINE, "TensorRT-LLM 1.2 rejects unknown rope types (#10)")
+def _rope_type(ctx: Context):
+    return _rope(ctx, "rope.unknown-type")
+
+
+@check("rope.missing-keys", ENGINE, "llama3/yarn/linear/dynamic scaling needs its keys (#10)")
+def _rope_keys(ctx: Context):
+    return _rope(ctx, "rope.missing-keys")
+
+
+# ---- parallelism (#4, §3.5); convert enforces these itself, so they only show in plan ---------------------------
+def _tp_ok(p, t: int) -> bool:
+    kv = p.num_key_value_heads
+    return p.num_attention_heads % t == 0 and (kv % t == 0 or t % kv == 0) and p.intermediate_size % t == 0
+
+
+@check("tp.heads", (), "tp must divide the heads, the KV heads (or be a multiple of them) and the MLP (#4)")
+def _tp_heads(ctx: Context):
+    p, tp = _model(ctx), ctx.spec.parallelism.tp
+    if p is None:
+        return SKIP, NO_MODEL
+    if _tp_ok(p, tp):
+        dup = f", each KV head duplicated {tp // p.num_key_value_heads}x" if tp > p.num_key_value_heads else ""
+        return PASS, f"tp {tp} splits {p.num_attention_heads} heads and {p.num_key_value_heads} KV heads{dup}"
+    good = [t for t in (1, 2, 4, 8, 16, 32, 64) if _tp_ok(p, t)]
+    return FAIL, (f"parallelism.tp={tp} does not split num_attention_heads={p.num_attention_heads}, "
+                  f"num_key_value_heads={p.num_key_value_heads}, intermediate_size={p.intermediate_size}; "
+                  f"use tp {', '.join(map(str, good))}")
+
+
+@check("pp.layers", (), "pp cannot exceed the number of layers (§3.5)")
+def _pp_layers(ctx: Context):
+    p, pp = _model(ctx), ctx.spec.parallelism.pp
+    if p is None:
+        return SKIP, NO_MODEL
+    if pp > p.num_hidden_layers:
+        return FAIL, f"parallelism.pp={pp} exceeds num_hidden_layers={p.num_hidden_layers}; lower pp"
+    sizes = sorted({len(r) for r in mem.stage_layers(p.num_hidden_layers, pp)}, reverse=True)
+    return PASS, f"{p.num_hidden_layers} layers in {pp} stage(s) of {'/'.join(map(str, sizes))}"
+
+
+@check("arch.supported", (), "the converter must support the architecture (convert refuses otherwise)")
+def _arch(ctx: Context):
+    if ctx.model is None:
+        return SKIP, NO_MODEL
+    arch = ctx.model.params.architecture
+    if ctx.model.registered:
+        return PASS, f"{arch} is supported by convert"
+    return WARN, (f"convert does not support {arch} yet (`toolchain archs` lists what it does); "
+                  "the plan uses its Llama-shaped config")
+
+
+# ---- quantization (#1, #2, #3, #15; §2.2, §1.5) -------------------------------------------------------------------
+def _full_dims(p) -> dict[str, int]:
+    return {"hidden_size": p.hidden_size, "intermediate_size": p.intermediate_size,
+            "attention width (heads x head_size)": p.num_attention_heads * p.head_size}
+
+
+@check("quant.group-size", ENGINE, "int4 per-group kernels exist for group sizes 64 and 128 (#2)")
+def _group_size(ctx: Context):
+    q = ctx.quant
+    if not q.per_group:
+        return PASS, "no per-group format"
+    if q.group_size not in (64, 128):
+        return FAIL, f"quantization.group_size={q.group_size} has no int4 kernel; use 64 or 128"
+    return PASS, f"group size {q.group_size}"
+
+
+@check("quant.group-padding", ENGINE, "AWQ dims must be multiples of max(64, g) x tp (#1)")
+def _group_padding(ctx: Context):
+    q, p, tp = ctx.quant, _model(ctx), ctx.spec.parallelism.tp
+    if not q.per_group or p is None:
+        return (PASS, "no per-group format") if p is not None else (SKIP, NO_MODEL)
+    if q.group_size not in (64, 128):
+        return SKIP, "see quant.group-size"
+
+    def bad(t: int, g: int) -> list[str]:
+        m = max(64, g) * t
+        dims = _full_dims(p)
+        out = [f"{n} {d}" for n, d in dims.items() if d % m]
+        out += [f"{n}/tp {d // t}" for n, d in dims.items() if (d // t) % g]
+        return out
+
+    problems = bad(tp, q.group_size)
+    if not problems:
+        return PASS, f"every linear dim is a multiple of {max(64, q.group_size) * tp}"
+    alternatives = [f"tp {t}" for t in (1, 2, 4, 8) if t != tp and _tp_ok(p, t) and not bad(t, q.group_size)]
+    if q.group_size == 128 and not bad(tp, 64):
+        alternatives.append("quantization.group_size=64")
+    return FAIL, (f"AWQ g{q.group_size} at tp {tp} needs dims that are multiples of {max(64, q.group_size) * tp}: "
+                  f"{', '.join(problems)} are not (trtllm-build fails on the shape); "
+                  f"use {' or '.join(alternatives) or 'another format'}")
+
+
+@check("quant.weight-only-padding", ENGINE, "weight-only dims must be multiples of 64 x tp (§2.2)")
+def _weight_only_padding(ctx: Context):
+    q, p, tp = ctx.quant, _model(ctx), ctx.spec.parallelism.tp
+    if p is None:
+        return SKIP, NO_MODEL
+    if not q.weight_only:
+        return PASS, "no weight-only format"
+    problems = [f"{n} {d}" for n, d in _full_dims(p).items() if d % (64 * tp)]
+    if problems:
+        return FAIL, (f"{q.method} at tp {tp} pads dims to multiples of {64 * tp}: {', '.join(problems)} are not; "
+                      "use a smaller parallelism.tp or another quantization.method")
+    return PASS, f"every linear dim is a multiple of {64 * tp}"
+
+
+@check("quant.lm-head-excluded", ("build-engine",), "lm_head (and for weight-only the embedding) stay unquantized "
+       "in the checkpoint's exclude_modules (#3, #6, §1.5)")
+def _lm_head_excluded(ctx: Context):
+    if ctx.quant.method == "none":
+        return PASS, "no weight quantization"
+    path = ctx.workspace.checkpoint_dir(ctx.spec) / "config.json" if ctx.workspace is not None else None
+    cfg = read_json(path) if path is not None else None
+    if cfg is None:
+        return SKIP, "no converted checkpoint yet"
+    excl = (cfg.get("quantization") or {}).get("exclude_modules")
+    if not excl:
+        return PASS, "TensorRT-LLM's default exclusions (lm_head, embeddings) apply"
+    need = ["lm_head"] + (["transformer.vocab_embedding"] if ctx.quant.weight_only else [])
+    missing = [m for m in need if not any(fnmatch.fnmatch(m, pat) for pat in excl)]
+    if missing:
+        return FAIL, (f"{path} lists exclude_modules, which replace TensorRT-LLM's defaults, without "
+                      f"{', '.join(missing)}: the build would expect quantized tensors there; rerun "
+                      "`toolchain convert --force` with a converter that keeps them")
+    return PASS, f"the checkpoint keeps {', '.join(need)} unquantized"
+
+
+@check("quant.fp8-needs-sm89", ENGINE, "FP8 weights and FP8 KV need SM 89 or newer (§5.6, #15)")
+def _fp8_sm(ctx: Context):
+    q, dev = ctx.quant, ctx.device
+    fp8 = [f for f, on in (("quantization.method=fp8", q.method == "fp8"),
+                           ("quantization.kv_cache=fp8", q.kv_cache == "fp8")) if on]
+    if not fp8:
+        return PASS, "no FP8"
+    if dev is None or dev.sm is None:
+        return SKIP, "no GPU named"
+    if dev.sm < 89:
+        return FAIL, (f"{' and '.join(fp8)} need SM 89+ (Ada/Hopper); the {dev.name} is SM {dev.sm}: "
+                      "use int8 formats or a newer GPU")
+    return PASS, f"FP8 on SM {dev.sm}"
+
+
+@check("quant.blackwell-int-formats", ENGINE, "SM 100-119 rejects int8/int4 weight formats and INT8 KV (#15)")
+def _blackwell(ctx: Context):
+    q, dev = ctx.quant, ctx.device
+    if dev is None or dev.sm is None or not 100 <= dev.sm < 120:
+        return PASS, "not a Blackwell GPU"
+    bad = ([f"quantization.method={q.method}"] if q.integer else []) + \
+          (["quantization.kv_cache=int8"] if q.kv_cache == "int8" else [])
+    if bad:
+        return FAIL, f"SM {dev.sm} (Blackwell) cannot build {' and '.join(bad)}; use fp8 (or NVFP4) instead"
+    return PASS, f"formats build on SM {dev.sm}"
+
+
+@check("gpu.known", (), "a trtllm plan needs the GPU it runs on")
+def _gpu_known(ctx: Context):
+    if ctx.device is not None:
+        sm = f", SM {ctx.device.sm}" if ctx.device.sm else ""
+        return PASS, f"{ctx.device.name}: {ctx.device.memory_gib:.1f} GiB{sm}"
+    return FAIL, ("target trtllm names no GPU, so the memory fit cannot be checked; set gpu.name "
+                  "(e.g. 'H100 80GB') or gpu.memory_gib and gpu.sm")

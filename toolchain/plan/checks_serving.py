@@ -1,0 +1,255 @@
+"""Checks that guard model-repo and serve: end ids, tokenizer, the built engine
+against the spec, the launch, ports, and whether the bench workload fits.
+
+Rows of triton-trtllm-model-repo.md §8 (cited as T#n) and
+trtllm-checkpoint-and-build.md §8 #12. Checks on built artefacts run where a
+stage consumes them (plan, model-repo, serve) and report `skip` while they do
+not exist yet.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+from pathlib import Path
+
+from toolchain.plan.preflight import FAIL, PASS, SERVING, SKIP, WARN, Context, check
+from toolchain.plan.versions import TRITON_CONTAINER, TRTLLM_LINE, in_line
+
+NOT_BUILT = (SKIP, "no engine built yet")
+DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
+
+
+# ---- end ids (#12) ------------------------------------------------------------------------------------------------
+@check("eos.resolved", SERVING, "generation must stop: EOS ids resolved from generation_config.json (#12)")
+def _eos_resolved(ctx: Context):
+    e = ctx.eos
+    if e is None:
+        return SKIP, "model config not readable here; the stage reports why"
+    if e.end_id is None:
+        return FAIL, ("no eos_token_id in generation_config.json or config.json and no tokenizer eos_token: "
+                      "generation would only stop at max_tokens; add eos_token_id to generation_config.json")
+    tok = ctx.tokenizer
+    if tok is not None and tok.names:
+        unknown = [i for i in e.eos_ids if i not in tok.names]
+        if unknown:
+            return FAIL, (f"EOS id(s) {', '.join(map(str, unknown))} are not special tokens of the tokenizer in "
+                          f"{tok.directory}: model and tokenizer disagree; fix eos_token_id or model.tokenizer")
+    return PASS, e.describe()
+
+
+@check("eos.tokenizer-default", SERVING, "the tokenizer's eos_token (preprocessing's end_id) must end a turn (#12)")
+def _eos_default(ctx: Context):
+    e, tok = ctx.eos, ctx.tokenizer
+    if e is None or tok is None:
+        return SKIP, "no tokenizer files to compare (model-repo needs them)"
+    if e.end_id is None or e.tokenizer_eos_id is None:
+        return SKIP, "see eos.resolved"
+    if e.tokenizer_eos_id != e.end_id:
+        return FAIL, (f"the tokenizer's eos_token {tok.label(e.tokenizer_eos_id)} is what preprocessing sends as "
+                      f"end_id, but the model ends a turn with {e.label(e.end_id)}; set eos_token to "
+                      f"\"{tok.names.get(e.end_id, e.end_id)}\" in {tok.directory / 'tokenizer_config.json'}")
+    return PASS, f"preprocessing's default end_id is {e.label(e.end_id)}"
+
+
+@check("triton.tokenizer", SERVING, "pre/postprocessing need the model's tokenizer (T#8)")
+def _tokenizer(ctx: Context):
+    tok, where = ctx.tokenizer, ctx.spec.model.tokenizer_dir
+    if tok is None:
+        if ctx.stage == "plan":
+            return WARN, f"no tokenizer files in {where}; model-repo needs them (set model.tokenizer)"
+        return SKIP, "the stage reports the missing tokenizer"
+    if ctx.model is not None and tok.size and tok.size > ctx.model.params.vocab_size:
+        return FAIL, (f"the tokenizer in {where} has {tok.size} tokens but the model's vocab_size is "
+                      f"{ctx.model.params.vocab_size}: they belong to different models; fix model.tokenizer")
+    return PASS, f"tokenizer in {where}" + (f" ({tok.size} tokens)" if tok.size else "")
+
+
+# ---- the built engine against the spec (T#3, T#4, T#5, T#9) -----------------------------------------------------
+def _engine(ctx: Context, owner: bool = False):
+    """(engine config, None), or (None, the result to report); a malformed config is
+    reported once, by triton.engine-dir (`owner`)."""
+    cfg = ctx.engine_config()
+    if cfg is None:
+        return None, NOT_BUILT
+    if "_unreadable" in cfg or not isinstance(cfg.get("build_config"), dict):
+        if not owner:
+            return None, (SKIP, "see triton.engine-dir")
+        return None, (FAIL, f"{ctx.engine_dir() / 'config.json'} is not an engine config (no build_config); "
+                            "rerun `toolchain build-engine --force`")
+    return cfg, None
+
+
+@check("triton.engine-dir", SERVING, "the engine dir must hold config.json and one engine per rank (T#3)")
+def _engine_dir(ctx: Context):
+    cfg, early = _engine(ctx, owner=True)
+    if cfg is None:
+        return early
+    pattern = "rank*.engine" if ctx.trtllm else "rank*.safetensors"
+    ranks = sorted(ctx.engine_dir().glob(pattern))
+    want = ctx.spec.parallelism.world_size
+    if len(ranks) != want:
+        return FAIL, (f"{ctx.engine_dir()} holds {len(ranks)} {pattern} file(s), tp x pp needs {want}; "
+                      "rerun `toolchain build-engine --force`")
+    return PASS, f"{len(ranks)} rank file(s) in {ctx.engine_dir()}"
+
+
+@check("triton.engine-version", SERVING, "engines load only in the TensorRT-LLM that built them (T#4)")
+def _engine_version(ctx: Context):
+    if not ctx.trtllm:
+        return SKIP, "applies to target trtllm"
+    cfg, early = _engine(ctx)
+    if cfg is None:
+        return early
+    version = cfg.get("version")
+    if not in_line(version):
+        return FAIL, (f"engine built by TensorRT-LLM {version}, but the serving image "
+                      f"({TRITON_CONTAINER}-trtllm-python-py3) runs {TRTLLM_LINE}; rebuild with TensorRT-LLM "
+                      f"{TRTLLM_LINE}")
+    return PASS, f"engine built by TensorRT-LLM {version}"
+
+
+@check("triton.world-size", SERVING, "MPI world size must equal the engine's tp x pp (T#5)")
+def _world_size(ctx: Context):
+    cfg, early = _engine(ctx)
+    if cfg is None:
+        return early
+    mapping = (cfg.get("pretrained_config") or {}).get("mapping") or {}
+    engine_world = mapping.get("world_size", 1)
+    if engine_world != ctx.spec.parallelism.world_size:
+        return FAIL, (f"the engine was built for world size {engine_world}, the spec launches "
+                      f"tp x pp = {ctx.spec.parallelism.world_size} ranks; rebuild the engine")
+    return PASS, f"world size {engine_world}"
+
+
+@check("triton.batch-size", SERVING, "Triton's max_batch_size and beam width within the engine's (T#9)")
+def _batch_size(ctx: Context):
+    cfg, early = _engine(ctx)
+    if cfg is None:
+        return early
+    bc = cfg["build_config"]
+    mbs, beam = ctx.spec.limits.max_batch_size, ctx.spec.build.max_beam_width if ctx.trtllm else 1
+    if bc.get("max_batch_size", mbs) < mbs:
+        return FAIL, (f"the engine was built for max_batch_size {bc['max_batch_size']}, the repository uses "
+                      f"limits.max_batch_size {mbs}; rebuild the engine")
+    if bc.get("max_beam_width", 1) < beam:
+        return FAIL, f"the engine supports beam width {bc.get('max_beam_width', 1)}, the spec {beam}; rebuild"
+    return PASS, f"max_batch_size {mbs} <= engine {bc.get('max_batch_size', mbs)}"
+
+
+@check("triton.kv-fraction", SERVING, "KV fractions of models sharing a GPU must sum below 1 (T#10, T#20)")
+def _kv_fraction(ctx: Context):
+    target = ctx.spec.serving.kv_cache_free_gpu_mem_fraction
+    if ctx.spec.speculative.mode != "draft_target":
+        return PASS, f"one TensorRT-LLM model per GPU, fraction {target}"
+    draft = ctx.spec.speculative.draft_kv_cache_free_gpu_mem_fraction
+    if target + draft >= 1:
+        return FAIL, (f"target ({target}) and draft ({draft}) KV fractions share GPU 0 and sum to "
+                      f"{target + draft:.2f}; lower serving.kv_cache_free_gpu_mem_fraction to {1 - draft - 0.05:.2f}")
+    return PASS, f"target {target} + draft {draft} < 1"
+
+
+@check("triton.placeholders", SERVING, "no unfilled ${...} may reach tritonserver (T#1)")
+def _placeholders(ctx: Context):
+    if not ctx.artefacts:
+        return SKIP, "the repository is rendered by this run"
+    repo = Path(ctx.workspace.model_repo_dir(ctx.spec))
+    configs = sorted(repo.glob("*/config.pbtxt"))
+    if not configs:
+        return SKIP, "no model repository rendered yet"
+    for path in configs:
+        m = re.search(r"\$\{[^}]*\}", path.read_text(errors="replace"))
+        if m:
+            return FAIL, f"{path} still holds {m.group(0)}; rerun `toolchain model-repo --force` (never edit by hand)"
+    return PASS, f"{len(configs)} config.pbtxt without placeholders"
+
+
+# ---- launch (T#5, T#17, T#21) -------------------------------------------------------------------------------------
+@check("launch.multi-node", SERVING, "ranks beyond one host need a hostfile (T#5, Triton §4.2)")
+def _multi_node(ctx: Context):
+    world, g = ctx.spec.parallelism.world_size, ctx.spec.gpu
+    if g.hostfile is not None and not Path(g.hostfile).is_file():
+        return FAIL, f"gpu.hostfile {g.hostfile} does not exist"
+    if world > g.per_node and g.hostfile is None:
+        return FAIL, (f"tp x pp = {world} ranks exceed gpu.per_node {g.per_node}; list the hosts in gpu.hostfile "
+                      "(or raise gpu.per_node if one host has that many GPUs)")
+    nodes = -(-world // g.per_node)
+    return PASS, f"{world} rank(s) on {nodes} host(s)"
+
+
+def _tritonserver(ctx: Context) -> Path | None:
+    explicit = ctx.spec.serving.tritonserver
+    found = str(explicit) if explicit else (shutil.which("tritonserver") or DEFAULT_TRITONSERVER)
+    found = shutil.which(found) if "/" not in found else found
+    return Path(found) if found and Path(found).is_file() else None
+
+
+@check("triton.backend-present", ("serve",), "the tritonserver must ship the tensorrtllm backend (T#21)")
+def _backend_present(ctx: Context):
+    if not ctx.trtllm:
+        return PASS, "target cpu runs the Python backend"
+    if ctx.stage == "plan":
+        return SKIP, "checked on the serving host when serve starts"
+    binary = _tritonserver(ctx)
+    if binary is None:
+        return SKIP, "no tritonserver here; serve reports it"
+    backend = binary.resolve().parent.parent / "backends" / "tensorrtllm"
+    need = ["libtriton_tensorrtllm.so"] + (["trtllmExecutorWorker"] if ctx.spec.speculative.mode == "draft_target"
+                                           else [])
+    missing = [n for n in need if not (backend / n).is_file()]
+    if missing:
+        return FAIL, (f"{binary} has no {backend / missing[0]}: serve target trtllm inside the "
+                      f"tritonserver:{TRITON_CONTAINER}-trtllm-python-py3 image (TensorRT-LLM {TRTLLM_LINE})")
+    return PASS, f"tensorrtllm backend in {backend}"
+
+
+def _in_use(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+@check("serve.ports-free", ("serve",), "a stale tritonserver or another process holds the ports (T#17)")
+def _ports(ctx: Context):
+    if ctx.stage == "plan":
+        return SKIP, "checked on the serving host when serve starts"
+    s = ctx.spec.serving
+    busy = [f"serving.{k}_port={p}" for k in ("http", "grpc", "metrics") if (p := getattr(s, f"{k}_port"))
+            and _in_use(s.host, p)]
+    if busy:
+        return FAIL, (f"{', '.join(busy)} already in use on {s.host} (a tritonserver still running?); stop it or "
+                      "pick other ports (0 = any free one)")
+    return PASS, "ports free"
+
+
+# ---- the bench workload (T#6, T#15) ------------------------------------------------------------------------------
+@check("bench.workload-limits", ("bench",), "prompts and outputs must fit the engine limits (T#15)")
+def _workload_limits(ctx: Context):
+    w, lim = ctx.spec.validation.workload, ctx.spec.limits
+    longest = int(w.input_tokens + 3 * w.input_tokens_stddev)
+    if longest > lim.max_input_len:
+        return FAIL, (f"the workload's prompts reach {longest} tokens (mean + 3 stddev), above limits.max_input_len "
+                      f"{lim.max_input_len}; shorten validation.workload.input_tokens")
+    if longest + w.output_tokens > lim.max_seq_len:
+        return FAIL, (f"prompt {longest} + output {w.output_tokens} tokens exceed limits.max_seq_len "
+                      f"{lim.max_seq_len}; lower validation.workload.output_tokens")
+    return PASS, f"prompts up to {longest} + {w.output_tokens} output tokens fit"
+
+
+@check("bench.streaming", ("bench",), "streaming requests need decoupled models and vice versa (T#6)")
+def _bench_streaming(ctx: Context):
+    w, served = ctx.spec.validation.workload, ctx.spec.serving.streaming
+    if not w.protocol.startswith("triton"):
+        return SKIP, f"protocol {w.protocol} talks to another server"
+    if w.streaming != served:
+        fix = ("set validation.workload.streaming=false" if not served else
+               "set validation.workload.streaming=true (a decoupled model answers streaming requests only)")
+        return FAIL, (f"validation.workload.streaming={str(w.streaming).lower()} but serving.streaming="
+                      f"{str(served).lower()}: {fix}")
+    return PASS, ("decoupled models, streamed over " + w.protocol) if served else "non-streaming requests"

@@ -1,0 +1,134 @@
+"""Checks for speculative decoding: build combinations trtllm-build rejects
+(trtllm-checkpoint-and-build.md §5.6, §6, §8 #13 #14) and the Triton-side
+limits of each method (triton-trtllm-model-repo.md §7, §8 #18 #19)."""
+
+from __future__ import annotations
+
+from toolchain.plan.preflight import ENGINE, FAIL, PASS, SERVING, Context, check
+
+OFF = (PASS, "no speculative decoding")
+
+
+def lookahead_draft_len(w: int, n: int, g: int) -> int:
+    """Draft tokens a lookahead (W, N, G) configuration produces per step (§6)."""
+    return (0 if n == 1 else n - 2) + (w - 1 + g) * (n - 1)
+
+
+@check("spec.draft-len", ENGINE, "a draft length is needed and must stay below max_seq_len")
+def _draft_len(ctx: Context):
+    sp, lim = ctx.spec.speculative, ctx.spec.limits
+    if sp.mode == "none":
+        return OFF
+    if sp.mode in ("draft_target", "lookahead", "ngram") and sp.max_draft_len == 0:
+        return FAIL, f"speculative.mode={sp.mode} needs speculative.max_draft_len > 0 (the draft tokens per step)"
+    if sp.max_draft_len >= lim.max_seq_len:
+        return FAIL, (f"speculative.max_draft_len ({sp.max_draft_len}) must be below limits.max_seq_len "
+                      f"({lim.max_seq_len})")
+    return PASS, f"{sp.mode}, up to {sp.max_draft_len or 'the checkpoint'} draft tokens per step"
+
+
+@check("spec.gather-context-logits", ENGINE, "gather_context_logits with max_draft_len > 0 is an error (#14)")
+def _gather(ctx: Context):
+    if ctx.spec.speculative.mode == "none":
+        return OFF
+    if ctx.spec.build.gather_context_logits:
+        return FAIL, "build.gather_context_logits cannot be combined with speculative decoding; turn it off"
+    return PASS, "no context logits gathered"
+
+
+@check("spec.beam-search", ENGINE, "beam search is not supported with speculative decoding (#14)")
+def _beam(ctx: Context):
+    if ctx.spec.speculative.mode == "none":
+        return OFF
+    if ctx.spec.build.max_beam_width > 1:
+        return FAIL, (f"build.max_beam_width={ctx.spec.build.max_beam_width} cannot be combined with "
+                      "speculative decoding; set it to 1")
+    return PASS, "beam width 1"
+
+
+@check("spec.eagle-limits", ENGINE, "EAGLE needs pp 1, max_batch_size <= 512, max_draft_len <= 256 (#14, §5.6)")
+def _eagle(ctx: Context):
+    sp = ctx.spec.speculative
+    if sp.mode != "eagle":
+        return PASS, "not EAGLE"
+    bad = []
+    if ctx.spec.parallelism.pp > 1:
+        bad.append(f"parallelism.pp={ctx.spec.parallelism.pp} (must be 1)")
+    if ctx.spec.limits.max_batch_size > 512:
+        bad.append(f"limits.max_batch_size={ctx.spec.limits.max_batch_size} (at most 512)")
+    if sp.max_draft_len > 256:
+        bad.append(f"speculative.max_draft_len={sp.max_draft_len} (at most 256)")
+    if bad:
+        return FAIL, f"EAGLE cannot be built with {', '.join(bad)}"
+    return PASS, "EAGLE limits met"
+
+
+@check("spec.lookahead-draft-len", ENGINE + SERVING, "lookahead needs W, N, G and max_draft_len >= D (#13)")
+def _lookahead(ctx: Context):
+    sp = ctx.spec.speculative
+    if sp.mode != "lookahead":
+        return PASS, "not lookahead"
+    w, n, g = sp.lookahead_window_size, sp.lookahead_ngram_size, sp.lookahead_verification_set_size
+    if w < 1 or n < 1:
+        return FAIL, ("lookahead needs speculative.lookahead_window_size and lookahead_ngram_size >= 1 "
+                      "(Triton refuses to start without all three lookahead parameters)")
+    d = lookahead_draft_len(w, n, g)
+    if sp.max_draft_len < d:
+        return FAIL, (f"lookahead (W={w}, N={n}, G={g}) drafts {d} tokens per step but speculative.max_draft_len "
+                      f"is {sp.max_draft_len}; set max_draft_len to {d}")
+    return PASS, f"(W={w}, N={n}, G={g}) drafts {d} <= max_draft_len {sp.max_draft_len}"
+
+
+@check("spec.draft-model", ENGINE + SERVING, "draft_target needs a readable draft checkpoint (Triton #18)")
+def _draft_model(ctx: Context):
+    sp = ctx.spec.speculative
+    if sp.mode != "draft_target":
+        return PASS, "no draft model needed"
+    if sp.draft_model is None:
+        return FAIL, "speculative.mode=draft_target needs speculative.draft_model (an HF checkpoint directory)"
+    if ctx.draft is None:
+        return FAIL, f"draft model: {ctx.draft_error}"
+    dp = ctx.draft.params
+    if ctx.model is not None and dp.vocab_size > ctx.model.params.vocab_size:
+        return FAIL, (f"draft vocab_size {dp.vocab_size} exceeds the target's {ctx.model.params.vocab_size}: "
+                      "the draft must share the target's tokenizer")
+    return PASS, f"draft {dp.architecture} with {dp.num_hidden_layers} layers at {sp.draft_model}"
+
+
+@check("spec.draft-target-reuse", ENGINE, "draft-target needs KV-cache reuse and paged context FMHA (§6)")
+def _draft_reuse(ctx: Context):
+    if ctx.spec.speculative.mode not in ("draft_target", "ngram"):
+        return PASS, "not draft-target"
+    b = ctx.spec.build
+    if not (b.kv_cache_reuse and b.use_paged_context_fmha):
+        return FAIL, (f"speculative.mode={ctx.spec.speculative.mode} relies on KV-cache reuse; set "
+                      "build.kv_cache_reuse=true and build.use_paged_context_fmha=true")
+    return PASS, "KV-cache reuse on"
+
+
+@check("spec.draft-target-grpc-port", SERVING, "the BLS reaches the draft through localhost:8001 (Triton §7.1)")
+def _draft_port(ctx: Context):
+    if ctx.spec.speculative.mode != "draft_target":
+        return PASS, "not draft-target"
+    if ctx.spec.serving.grpc_port != 8001:
+        return FAIL, (f"draft-target through the BLS calls gRPC on localhost:8001, but serving.grpc_port is "
+                      f"{ctx.spec.serving.grpc_port}; set serving.grpc_port=8001")
+    return PASS, "gRPC on 8001"
+
+
+@check("spec.draft-target-decoupled", SERVING, "draft-target through the BLS cannot stream (Triton §7.1)")
+def _draft_stream(ctx: Context):
+    if ctx.spec.speculative.mode != "draft_target":
+        return PASS, "not draft-target"
+    if ctx.spec.serving.streaming:
+        return FAIL, ("draft-target runs through the BLS, which neither streams nor accepts decoupled models; "
+                      "set serving.streaming=false")
+    return PASS, "not decoupled"
+
+
+@check("spec.ngram-no-triton", SERVING, "n-gram speculation has no Triton engine-backend path (§6)")
+def _ngram(ctx: Context):
+    if ctx.spec.speculative.mode != "ngram":
+        return PASS, "not n-gram"
+    return FAIL, ("speculative.mode=ngram has no documented Triton path in the TensorRT-LLM 1.2 engine backend; "
+                  "use lookahead (draft-free) or draft_target")

@@ -1,0 +1,159 @@
+"""Memory per rank: weights by format, KV cache per token, activations (estimate).
+
+Formulas from trtllm-checkpoint-and-build.md §7 with the shapes of §2.1 and the
+sharding rules of §3. Everything is per rank: TP splits the linear layers
+(except that each rank holds at least one whole KV head), PP gives a rank its
+stage's layers, the first stage the embedding and the last the lm_head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from toolchain.archs.params import ArchParams
+from toolchain.plan.model import QuantFormat
+
+GIB = 1024**3
+# CUDA context, cuBLAS/NCCL workspaces and runtime buffers per GPU: the
+# reference's rule of thumb is "a few hundred MB to 1 GB"; plan the high end.
+GPU_WORKSPACE_BYTES = 1 * GIB
+ACTIVATION_BYTES = 2  # fp16/bf16 activations on GPU
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """Layers per PP stage as TensorRT-LLM 1.x assigns them (torch.tensor_split:
+    the first L % P stages get one extra, §3.6)."""
+    base, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for stage in range(pp):
+        n = base + (1 if stage < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def kv_heads_per_rank(p: ArchParams, tp: int) -> int:
+    # With tp > nkv every rank holds one whole (duplicated) KV head (§3.2).
+    return max(1, p.num_key_value_heads // tp)
+
+
+def padded_vocab(p: ArchParams, tp: int) -> int:
+    return math.ceil(p.vocab_size / tp) * tp
+
+
+def linear_shapes(p: ArchParams, tp: int) -> list[tuple[str, int, int]]:
+    """(name, out, in) of one decoder layer's linears on one rank."""
+    hd, h = p.head_size, p.hidden_size
+    q_r = p.num_attention_heads // tp * hd
+    kv_r = kv_heads_per_rank(p, tp) * hd
+    i_r = p.intermediate_size // tp
+    return [("qkv", q_r + 2 * kv_r, h), ("dense", h, q_r), ("fc", i_r, h), ("gate", i_r, h), ("proj", h, i_r)]
+
+
+def linear_bytes(out: int, inp: int, quant: QuantFormat, dt_bytes: int, stored: bool = False) -> float:
+    """Bytes of one linear weight and its scales (§7.1). `stored`: as written in the
+    checkpoint, where weight-only formats are still in the model dtype (§2.2 option a:
+    trtllm-build quantizes)."""
+    n = out * inp
+    m = quant.method
+    if m == "none" or (stored and quant.weight_only):
+        return n * dt_bytes
+    if m == "int8_wo":
+        return n + out * 2
+    if m == "int4_wo":
+        return n / 2 + out * 2
+    if m == "awq":
+        return n * (0.5 + 2 / quant.group_size) + inp * 2  # packed int4, fp16 group scales, prequant
+    if m == "smoothquant":
+        return n + out * 4 + 4 + inp * dt_bytes  # int8, f32 per-channel and activation scale, prequant
+    if m == "fp8":
+        return n + 8  # fp8 weight, f32 weight and activation scalars
+    raise ValueError(f"unknown quantization method {m}")
+
+
+@dataclass(frozen=True)
+class WeightBreakdown:
+    layers: float
+    embedding: float
+    lm_head: float
+    norms: float
+
+    @property
+    def total(self) -> int:
+        return int(self.layers + self.embedding + self.lm_head + self.norms)
+
+
+def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantFormat, dt_bytes: int,
+                 parallel_embedding: bool = False, embedding_sharding_dim: int = 0, qkv_bias: bool = False,
+                 dense_bias: bool = False, stored: bool = False) -> WeightBreakdown:
+    """Weight bytes of one rank (its TP slice of its PP stage)."""
+    n_layers = len(stage_layers(p.num_hidden_layers, pp)[pp_rank])
+    h, v = p.hidden_size, p.vocab_size
+    per_layer = sum(linear_bytes(o, i, quant, dt_bytes, stored) for _, o, i in linear_shapes(p, tp))
+    if qkv_bias:
+        per_layer += linear_shapes(p, tp)[0][1] * dt_bytes
+    if dense_bias:
+        per_layer += h * dt_bytes  # row-parallel bias, full on every rank
+    if p.mlp_bias:
+        per_layer += (2 * (p.intermediate_size // tp) + h) * dt_bytes
+    norms = n_layers * 2 * h * dt_bytes
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    embedding = 0.0
+    if first:
+        # Embedding and lm_head stay in the model dtype under every format (§7.1).
+        if not parallel_embedding:
+            embedding = v * h * dt_bytes
+        elif embedding_sharding_dim == 0:
+            embedding = padded_vocab(p, tp) // tp * h * dt_bytes
+        else:
+            embedding = v * (h // tp) * dt_bytes
+    lm_head = 0.0
+    if last:
+        norms += h * dt_bytes  # ln_f
+        lm_head = padded_vocab(p, tp) // tp * h * dt_bytes
+        # trtllm-build shares one table when both tensors are identical (§1.1):
+        # tied, on the same rank, same shape.
+        if p.tie_word_embeddings and first and not parallel_embedding and padded_vocab(p, tp) // tp == v:
+            lm_head = 0.0
+    return WeightBreakdown(n_layers * per_layer, embedding, lm_head, norms)
+
+
+def kv_bytes_per_token(p: ArchParams, *, tp: int, stage_layer_count: int, kv_bytes: int) -> int:
+    """2 (K and V) x L_stage x nkv_r x hd x bytes (§7.2)."""
+    return 2 * stage_layer_count * kv_heads_per_rank(p, tp) * p.head_size * kv_bytes
+
+
+def activation_bytes(p: ArchParams, *, tp: int, max_num_tokens: int, max_input_len: int,
+                     context_fmha: bool = True, act_bytes: int = ACTIVATION_BYTES) -> int:
+    """Estimate of one rank's activation memory, fixed at build time by the profile
+    (§7.3): max_num_tokens packed tokens times the widest tensors of one layer
+    (residual, normed input, qkv, attention output, fc and gate outputs). Without
+    context FMHA the attention scores of each context sequence come on top."""
+    q_r = p.num_attention_heads // tp * p.head_size
+    width = 2 * p.hidden_size + linear_shapes(p, tp)[0][1] + q_r + 2 * (p.intermediate_size // tp)
+    total = max_num_tokens * width * act_bytes
+    if not context_fmha:
+        sequences = math.ceil(max_num_tokens / max_input_len)
+        total += sequences * (p.num_attention_heads // tp) * max_input_len**2 * act_bytes
+    return int(total)
+
+
+def logits_bytes(p: ArchParams, *, tp: int, max_batch_size: int, beam: int, max_num_tokens: int,
+                 gather_context_logits: bool) -> int:
+    """fp32 logits buffers of the last stage (§7.3 rules of thumb)."""
+    per_row = padded_vocab(p, tp) // tp * 4
+    total = max_batch_size * beam * per_row
+    if gather_context_logits:
+        total += max_num_tokens * per_row
+    return total
+
+
+def sequence_tokens(max_seq_len: int, draft_len: int, tokens_per_block: int, window: int | None = None) -> int:
+    """KV tokens one full-length sequence occupies: paged allocation rounds up to
+    whole blocks, speculative decoding adds the draft as head-room (§7.2), and a
+    sliding-window model keeps at most its window."""
+    tokens = max_seq_len + draft_len
+    if window:
+        tokens = min(tokens, window)
+    return math.ceil(tokens / tokens_per_block) * tokens_per_block

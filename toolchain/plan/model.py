@@ -1,0 +1,188 @@
+"""What the planner knows about the model and its precision, from config files only.
+
+A plan needs the HF `config.json` (normalised once by `toolchain.archs`) and,
+when present, `generation_config.json`; never the weights. Problems the
+converter would raise about RoPE are kept as findings for the `rope.*` checks,
+and the shapes are still planned without the scaling dict.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toolchain.archs import family_for_config, get_family, load_params
+from toolchain.archs.params import ROPE_REQUIRED_KEYS, ROPE_TYPES, ArchParams, normalize_params
+from toolchain.errors import ToolchainError
+
+# TensorRT-LLM maps these onto its Llama implementation (Qwen2 adds q/k/v biases,
+# reference §1.2), so their shapes plan like Llama even before the converter
+# registers them; the `arch.supported` check says whether convert can run.
+LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+QUANT_METHODS = ("none", "int8_wo", "int4_wo", "awq", "smoothquant", "fp8")
+KV_DTYPES = ("none", "int8", "fp8")
+# spec quantization.method -> TensorRT-LLM QuantAlgo (reference §1.5, what ModelOpt exports)
+QUANT_ALGO = {"none": None, "int8_wo": "W8A16", "int4_wo": "W4A16", "awq": "W4A16_AWQ",
+              "smoothquant": "W8A8_SQ_PER_CHANNEL", "fp8": "FP8"}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """The precision recipe as the planner sees it."""
+
+    method: str = "none"
+    kv_cache: str = "none"
+    group_size: int = 128
+    exclude_modules: tuple[str, ...] | None = None
+    """None: TensorRT-LLM's default exclusion list (lm_head, embeddings, ...) applies."""
+
+    @property
+    def quant_algo(self) -> str | None:
+        return QUANT_ALGO[self.method]
+
+    @property
+    def per_group(self) -> bool:
+        return self.method == "awq"
+
+    @property
+    def weight_only(self) -> bool:
+        return self.method in ("int8_wo", "int4_wo")
+
+    @property
+    def integer(self) -> bool:
+        """Formats Blackwell cannot build (reference §5.6)."""
+        return self.method in ("int8_wo", "int4_wo", "awq", "smoothquant")
+
+    def describe(self) -> str:
+        algo = self.quant_algo or "no weight quantization"
+        if self.per_group:
+            algo += f" g{self.group_size}"
+        return algo
+
+
+def quant_format(spec) -> QuantFormat:
+    """Read the spec's `quantization` section defensively: older specs have none."""
+    q = getattr(spec, "quantization", None)
+    if q is None:
+        return QuantFormat()
+
+    def text(name: str, default: str) -> str:
+        value = getattr(q, name, default)
+        return default if value is None else str(getattr(value, "value", value))
+
+    method = text("method", "none")
+    kv = text("kv_cache", "none")
+    if method not in QUANT_METHODS:
+        raise ToolchainError(f"quantization.method '{method}' is not planned", f"use one of {', '.join(QUANT_METHODS)}")
+    if kv not in KV_DTYPES:
+        raise ToolchainError(f"quantization.kv_cache '{kv}' is not planned", f"use one of {', '.join(KV_DTYPES)}")
+    excl = getattr(q, "exclude_modules", None)
+    return QuantFormat(method, kv, int(getattr(q, "group_size", None) or 128),
+                       tuple(excl) if excl is not None else None)
+
+
+@dataclass
+class ModelInfo:
+    params: ArchParams
+    config_dir: Path
+    hf_config: dict
+    generation_config: dict | None
+    registered: bool
+    """The converter supports this architecture (`toolchain archs`)."""
+    rope_problems: list[tuple[str, str]] = field(default_factory=list)
+    """(check id, message) for RoPE settings TensorRT-LLM 1.2 would reject."""
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.params.attention_bias or self.params.architecture == "Qwen2ForCausalLM"
+
+    @property
+    def dense_bias(self) -> bool:
+        # Qwen's attention has q/k/v biases but no output-projection bias (§2.1).
+        return self.params.attention_bias and not self.params.architecture.startswith("Qwen")
+
+
+def read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ToolchainError(f"{path} is not valid JSON: {err}") from None
+    return data if isinstance(data, dict) else None
+
+
+def _rope_problems(cfg: dict, origin: str) -> list[tuple[str, str]]:
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    scaling = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else None
+    if scaling is None and params and not all(isinstance(v, dict) for v in params.values()):
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if not scaling:
+        return []
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default", "none"):
+        return []
+    kind = "longrope" if kind == "su" else kind
+    if kind not in ROPE_TYPES:
+        return [("rope.unknown-type", f"{origin}: rope type '{kind}' is not one TensorRT-LLM 1.2 accepts "
+                                      f"({', '.join(ROPE_TYPES)}); use a checkpoint with a supported rope_scaling")]
+    missing = [k for k in ROPE_REQUIRED_KEYS.get(kind, ()) if scaling.get(k) is None]
+    if missing:
+        return [("rope.missing-keys", f"{origin}: rope type '{kind}' lacks {', '.join(missing)}; "
+                                      "add them to rope_scaling in config.json before converting")]
+    return []
+
+
+def _without_rope_scaling(cfg: dict) -> dict:
+    out = {k: v for k, v in cfg.items() if k != "rope_scaling"}
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and not all(isinstance(v, dict) for v in params.values()):
+        out["rope_parameters"] = {k: v for k, v in params.items() if k == "rope_theta"}
+    return out
+
+
+def load_model(config_dir: Path) -> ModelInfo:
+    """Normalised parameters of the HF model in `config_dir` (only config files are read)."""
+    config_dir = Path(config_dir)
+    origin = str(config_dir / "config.json")
+    cfg = read_json(config_dir / "config.json")
+    if cfg is None:
+        raise ToolchainError(f"no config.json in {config_dir}",
+                             "point model.checkpoint at an HF model directory (config.json is enough to plan)")
+    problems = _rope_problems(cfg, origin)
+    planned = _without_rope_scaling(cfg) if problems else cfg
+    try:
+        family_for_config(cfg, origin)
+        registered = True
+    except ToolchainError:
+        arch = (cfg.get("architectures") or [None])[0]
+        if arch not in LLAMA_SHAPED:
+            raise
+        registered = False
+    if registered:
+        _, params = load_params(planned, origin)
+    else:
+        params = normalize_params(planned, get_family("LlamaForCausalLM"), origin)
+    return ModelInfo(params, config_dir, cfg, read_json(config_dir / "generation_config.json"), registered, problems)
+
+
+def weight_dtype(spec, params: ArchParams) -> str:
+    """The dtype unquantized weights have in the engine."""
+    dtype = spec.model.dtype
+    if dtype == "auto":
+        dtype = params.dtype or "float16"
+    # Upstream converters map fp32 to fp16 for GPU engines (reference §1.2).
+    if spec.target == "trtllm" and dtype == "float32":
+        dtype = "float16"
+    return dtype
+
+
+def kv_dtype(spec, params: ArchParams, quant: QuantFormat) -> str:
+    return quant.kv_cache if quant.kv_cache != "none" else weight_dtype(spec, params)
+
+
+def kv_dtype_bytes(name: str) -> int:
+    return 1 if name in ("int8", "fp8") else DTYPE_BYTES[name]

@@ -1,0 +1,250 @@
+"""The memory plan of a spec: per rank, what fits, and what would make it fit.
+
+`plan_memory` is a pure function of the spec, the model parameters, the
+precision and the device, so the verdict can try variants of the spec (more
+tensor parallelism, a smaller format, shorter sequences) by planning them too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toolchain.plan import memory as mem
+from toolchain.plan.gpus import GIB, GPUS, Gpu
+from toolchain.plan.model import DTYPE_BYTES, ModelInfo, QuantFormat, kv_dtype, kv_dtype_bytes, weight_dtype
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    layers: tuple[int, int]
+    """First and last decoder layer (global index) this rank holds; (0, -1) when none."""
+    weights_bytes: int
+    checkpoint_bytes: int
+    """Size of this rank's checkpoint file (weight-only formats are stored unquantized)."""
+    kv_bytes_per_token: int
+    activation_bytes: int
+    """Estimate: activations of the build profile plus the last stage's logits buffers."""
+    workspace_bytes: int
+    """Estimate: CUDA context, cuBLAS/NCCL workspaces, runtime buffers."""
+    draft_bytes: int
+    """Weights and activations of a draft model placed on this rank's GPU."""
+    device_bytes: int
+    free_bytes: int
+    """Device memory left after everything above; the KV pool takes its share of it."""
+    kv_pool_bytes: int
+    kv_tokens_capacity: int
+
+
+@dataclass
+class MemoryPlan:
+    device: Gpu
+    weight_dtype: str
+    kv_dtype: str
+    quant: QuantFormat
+    ranks: list[RankPlan]
+    sequence_tokens: int
+    """KV tokens one full-length sequence needs (block-rounded, draft head-room, beams)."""
+    max_batch_size: int
+    draft_kv_tokens_capacity: int | None = None
+    draft_sequence_tokens: int | None = None
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def kv_tokens_capacity(self) -> int:
+        # Every token's KV lives on every stage: the pipeline holds what its tightest rank holds.
+        return min(r.kv_tokens_capacity for r in self.ranks)
+
+    @property
+    def concurrency(self) -> int:
+        return self.kv_tokens_capacity // self.sequence_tokens
+
+    @property
+    def weights_fit(self) -> bool:
+        return all(r.free_bytes > 0 for r in self.ranks)
+
+    @property
+    def fits(self) -> bool:
+        draft_ok = self.draft_kv_tokens_capacity is None or self.draft_kv_tokens_capacity >= self.draft_sequence_tokens
+        return self.weights_fit and self.concurrency >= 1 and draft_ok
+
+    def tightest(self) -> RankPlan:
+        return min(self.ranks, key=lambda r: r.free_bytes)
+
+    def verdict(self) -> str:
+        r = self.tightest()
+        if not self.weights_fit:
+            need = r.device_bytes - r.free_bytes
+            text = (f"does not fit: rank {r.rank} needs {need / GIB:.1f} GiB before any KV cache, "
+                    f"the {self.device.name} has {r.device_bytes / GIB:.1f} GiB")
+        elif self.concurrency < 1:
+            text = (f"does not fit: the KV cache holds {self.kv_tokens_capacity} tokens per rank, "
+                    f"less than one {self.sequence_tokens}-token sequence")
+        elif not self.fits:
+            text = (f"does not fit: the draft model's KV cache holds {self.draft_kv_tokens_capacity} tokens, "
+                    f"less than one {self.draft_sequence_tokens}-token sequence")
+        else:
+            text = (f"fits: {r.free_bytes / GIB:.1f} GiB left for the KV cache on the tightest rank (rank {r.rank}); "
+                    f"{self.concurrency} sequences of {self.sequence_tokens} tokens fit at once "
+                    f"(max_batch_size {self.max_batch_size})")
+        if self.suggestions:
+            text += "; would fit with " + " or ".join(f"--set {s}" for s in self.suggestions)
+        return text
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """A draft_target draft model: tp 1, all layers, on the GPU of rank 0."""
+
+    info: ModelInfo
+
+
+def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: DraftModel | None = None,
+                suggest: bool = True) -> MemoryPlan:
+    p = model.params
+    par, lim, build = spec.parallelism, spec.limits, spec.build
+    tp, pp = par.tp, par.pp
+    dt = weight_dtype(spec, p)
+    dt_bytes = DTYPE_BYTES[dt]
+    kv_name = kv_dtype(spec, p, quant)
+    kv_bytes = kv_dtype_bytes(kv_name)
+    gpu = device.kind == "gpu"
+    device_bytes = device.memory_bytes if gpu else device.memory_bytes // (tp * pp)  # the CPU engine shares RAM
+    fraction = spec.serving.kv_cache_free_gpu_mem_fraction
+    spec_mode = spec.speculative.mode
+    draft_len = spec.speculative.max_draft_len if spec_mode != "none" else 0
+    beam = build.max_beam_width
+    seq_tokens = mem.sequence_tokens(lim.max_seq_len, draft_len, build.tokens_per_block,
+                                     getattr(p, "sliding_window", None)) * beam
+    act_width = 2 if gpu else DTYPE_BYTES[dt]
+    stages = mem.stage_layers(p.num_hidden_layers, pp)
+
+    draft_bytes = draft_kv = 0
+    if draft is not None:
+        dp = draft.info.params
+        ddt = DTYPE_BYTES[weight_dtype(spec, dp)]
+        draft_bytes = mem.rank_weights(dp, tp=1, pp_rank=0, pp=1, quant=QuantFormat(), dt_bytes=ddt).total
+        draft_bytes += mem.activation_bytes(dp, tp=1, max_num_tokens=lim.max_num_tokens,
+                                            max_input_len=lim.max_input_len, context_fmha=build.context_fmha)
+        draft_kv = mem.kv_bytes_per_token(dp, tp=1, stage_layer_count=dp.num_hidden_layers, kv_bytes=ddt)
+
+    ranks: list[RankPlan] = []
+    for rank in range(tp * pp):
+        pp_rank, tp_rank = divmod(rank, tp)
+        layers = stages[pp_rank]
+        common = dict(tp=tp, pp_rank=pp_rank, pp=pp, quant=quant, dt_bytes=dt_bytes,
+                      parallel_embedding=par.parallel_embedding, embedding_sharding_dim=par.embedding_sharding_dim,
+                      qkv_bias=model.qkv_bias, dense_bias=model.dense_bias)
+        weights = mem.rank_weights(p, **common).total
+        stored = mem.rank_weights(p, stored=True, **common).total
+        act = mem.activation_bytes(p, tp=tp, max_num_tokens=lim.max_num_tokens, max_input_len=lim.max_input_len,
+                                   context_fmha=build.context_fmha, act_bytes=act_width)
+        if pp_rank == pp - 1:
+            act += mem.logits_bytes(p, tp=tp, max_batch_size=lim.max_batch_size, beam=beam,
+                                    max_num_tokens=lim.max_num_tokens,
+                                    gather_context_logits=build.gather_context_logits)
+        workspace = mem.GPU_WORKSPACE_BYTES if gpu else 0
+        on_gpu = draft_bytes if rank == 0 else 0
+        free = device_bytes - weights - act - workspace - on_gpu
+        kv_tok = mem.kv_bytes_per_token(p, tp=tp, stage_layer_count=len(layers), kv_bytes=kv_bytes)
+        pool = int(fraction * free) if free > 0 else 0
+        capacity = pool // kv_tok // build.tokens_per_block * build.tokens_per_block if kv_tok else 0
+        ranks.append(RankPlan(rank, tp_rank, pp_rank, (layers.start, layers.stop - 1), weights, stored, kv_tok, act,
+                              workspace, on_gpu, device_bytes, free, pool, capacity))
+
+    plan = MemoryPlan(device, dt, kv_name, quant, ranks, seq_tokens, lim.max_batch_size)
+    if draft is not None:
+        free0 = max(ranks[0].free_bytes, 0)
+        pool = int(spec.speculative.draft_kv_cache_free_gpu_mem_fraction * free0)
+        plan.draft_kv_tokens_capacity = pool // draft_kv // build.tokens_per_block * build.tokens_per_block
+        plan.draft_sequence_tokens = mem.sequence_tokens(lim.max_seq_len, 0, build.tokens_per_block)
+    if suggest and not plan.fits:
+        plan.suggestions = suggestions(spec, model, quant, device, draft)
+    return plan
+
+
+def layout_ok(params, tp: int, pp: int) -> bool:
+    """Whether tp x pp can split this model at all (convert refuses otherwise, §3.5);
+    only then is a memory plan meaningful."""
+    kv = params.num_key_value_heads
+    return (pp <= params.num_hidden_layers and params.num_attention_heads % tp == 0
+            and (kv % tp == 0 or tp % kv == 0) and params.intermediate_size % tp == 0)
+
+
+def _with(spec, section: str, **values):
+    return spec.model_copy(update={section: getattr(spec, section).model_copy(update=values)})
+
+
+def _fits(spec, model, quant, device, draft) -> bool:
+    return plan_memory(spec, model, quant, device, draft, suggest=False).fits
+
+
+def suggestions(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: DraftModel | None) -> list[str]:
+    """The smallest change along each axis that makes the plan fit, as `--set` overrides."""
+    p = model.params
+    out: list[str] = []
+    tp, pp = spec.parallelism.tp, spec.parallelism.pp
+    limit = max(spec.gpu.per_node, spec.parallelism.gpus or 0)
+    for t in (2, 4, 8, 16, 32, 64):
+        if t > tp and t * pp <= limit and layout_ok(p, t, pp) \
+                and _fits(_with(spec, "parallelism", tp=t, gpus=None), model, quant, device, draft):
+            out.append(f"parallelism.tp={t}")
+            break
+    sm = device.sm or 0
+    gpu = device.kind == "gpu"  # the CPU engine's formats are its own business
+    formats = [] if not gpu else (["fp8"] if 89 <= sm < 100 else []) + ([] if sm >= 100 else ["int8_wo", "awq"])
+    order = ["none", "int8_wo", "fp8", "smoothquant", "int4_wo", "awq"]
+    for method in formats:
+        if order.index(method) > order.index(quant.method) and \
+                _fits(spec, model, QuantFormat(method, quant.kv_cache, quant.group_size, quant.exclude_modules),
+                      device, draft):
+            out.append(f"quantization.method={method}")
+            break
+    if quant.kv_cache == "none" and gpu:
+        kv = "fp8" if sm >= 89 else "int8"
+        if _fits(spec, model, QuantFormat(quant.method, kv, quant.group_size, quant.exclude_modules), device, draft):
+            out.append(f"quantization.kv_cache={kv}")
+    lim = spec.limits
+    best = None
+    low, high = lim.max_input_len + 1, lim.max_seq_len - 1
+    while low <= high:  # the longest max_seq_len that fits
+        mid = (low + high) // 2
+        if _fits(_with(spec, "limits", max_seq_len=mid), model, quant, device, draft):
+            best, low = mid, mid + 1
+        else:
+            high = mid - 1
+    if best is not None:
+        out.append(f"limits.max_seq_len={best}")
+    bigger = [g for g in GPUS if gpu and g.memory_gib > device.memory_gib and (g.sm or 0) >= sm]
+    for g in sorted(bigger, key=lambda g: g.memory_gib):
+        if _fits(_with(spec, "gpu", name=g.name, memory_gib=None, sm=None), model, quant, g, draft):
+            out.append(f"gpu.name='{g.name}'")
+            break
+    return out
+
+
+def build_workers(spec, checkpoint_bytes: list[int], host_bytes: int) -> tuple[int, int]:
+    """(workers, bytes per worker) for trtllm-build --workers: each worker holds
+    one rank's weights plus TensorRT's builder copy, about twice the rank
+    checkpoint (reference §8 #7), so host RAM bounds how many run at once."""
+    per_worker = 2 * max(checkpoint_bytes)
+    world = len(checkpoint_bytes)
+    if spec.build.workers:
+        return min(spec.build.workers, world), per_worker
+    return max(1, min(world, host_bytes // per_worker)), per_worker
+
+
+def checkpoint_bytes_per_rank(spec, quant: QuantFormat | None = None) -> list[int]:
+    """Size of each rank's checkpoint file, from config.json alone."""
+    from toolchain.plan.model import load_model, quant_format
+
+    model = load_model(spec.model.checkpoint)
+    quant = quant or quant_format(spec)
+    p, tp, pp = model.params, spec.parallelism.tp, spec.parallelism.pp
+    dt_bytes = DTYPE_BYTES[weight_dtype(spec, p)]
+    return [mem.rank_weights(p, tp=tp, pp_rank=r // tp, pp=pp, quant=quant, dt_bytes=dt_bytes, stored=True,
+                             parallel_embedding=spec.parallelism.parallel_embedding,
+                             embedding_sharding_dim=spec.parallelism.embedding_sharding_dim,
+                             qkv_bias=model.qkv_bias, dense_bias=model.dense_bias).total for r in range(tp * pp)]

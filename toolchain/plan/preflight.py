@@ -1,0 +1,193 @@
+"""Preflight checks: every known failure that can be caught before a stage starts.
+
+Each check has a stable id, the stages it guards and a function returning
+(status, message); the message names the fix. `toolchain plan` runs them all;
+`convert`, `build-engine`, `model-repo`, `serve` and `deploy` run the ones
+guarding them through `run_preflight` and refuse to start on a failure unless
+`--skip-check ID` names it. The check modules register themselves on import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from toolchain.errors import ToolchainError
+from toolchain.plan import eos as eos_mod
+from toolchain.plan import gpus
+from toolchain.plan.model import ModelInfo, QuantFormat, load_model, quant_format, read_json
+from toolchain.plan.plan import DraftModel, MemoryPlan, layout_ok, plan_memory
+
+PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
+ENGINE = ("convert", "build-engine")
+SERVING = ("model-repo", "serve")
+GUARDED = ("convert", "build-engine", "model-repo", "serve", "deploy")
+# Stages that read artefacts of earlier stages without rebuilding them; deploy
+# rebuilds first, so a stale engine there is not a finding.
+_ARTEFACT_STAGES = ("plan", "model-repo", "serve")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    id: str
+    status: str
+    message: str
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "status": self.status, "message": self.message}
+
+
+@dataclass(frozen=True)
+class Check:
+    id: str
+    stages: tuple[str, ...]
+    """Stages it guards; () = only `toolchain plan` (the stage enforces the rule itself)."""
+    doc: str
+    fn: Callable[["Context"], tuple[str, str]]
+
+
+REGISTRY: dict[str, Check] = {}
+
+
+def check(check_id: str, stages: tuple[str, ...], doc: str):
+    """Register a check function under a stable id."""
+    def register(fn):
+        if check_id in REGISTRY:
+            raise ValueError(f"check id {check_id} registered twice")
+        REGISTRY[check_id] = Check(check_id, tuple(stages), doc, fn)
+        return fn
+    return register
+
+
+@dataclass
+class Context:
+    """Everything a check reads, computed once."""
+
+    spec: object
+    stage: str
+    workspace: object | None
+    quant: QuantFormat
+    device: gpus.Gpu | None
+    model: ModelInfo | None = None
+    model_error: str | None = None
+    draft: ModelInfo | None = None
+    draft_error: str | None = None
+    memory: MemoryPlan | None = None
+    eos: eos_mod.EosResolution | None = None
+    tokenizer: eos_mod.TokenizerInfo | None = None
+    _engine_config: dict | None = field(default=None, repr=False)
+
+    @property
+    def trtllm(self) -> bool:
+        return self.spec.target == "trtllm"
+
+    @property
+    def artefacts(self) -> bool:
+        return self.stage in _ARTEFACT_STAGES and self.workspace is not None
+
+    def engine_dir(self) -> Path | None:
+        return Path(self.workspace.engine_dir(self.spec)) if self.workspace is not None else None
+
+    def engine_config(self) -> dict | None:
+        """The built engine's config.json when artefacts are checked at this stage and one exists."""
+        if not self.artefacts:
+            return None
+        if self._engine_config is None:
+            path = self.engine_dir() / "config.json"
+            try:
+                self._engine_config = read_json(path) if path.is_file() else None
+            except ToolchainError:
+                self._engine_config = {"_unreadable": str(path)}
+        return self._engine_config
+
+
+def build_context(spec, stage: str = "plan", workspace=None, quant: QuantFormat | None = None) -> Context:
+    """Load what the checks need. For `plan` a config that cannot be read is an
+    error (exit 2); before a stage the model-dependent checks are skipped and the
+    stage reports the problem in its own words."""
+    ctx = Context(spec, stage, workspace, quant or quant_format(spec), gpus.resolve(spec))
+    try:
+        ctx.model = load_model(spec.model.checkpoint)
+    except ToolchainError as err:
+        if stage == "plan":
+            raise
+        ctx.model_error = str(err)
+    sp = spec.speculative
+    if sp.mode == "draft_target" and sp.draft_model is not None:
+        try:
+            ctx.draft = load_model(sp.draft_model)
+        except ToolchainError as err:
+            ctx.draft_error = str(err)
+    par = spec.parallelism
+    if ctx.model is not None and ctx.device is not None and layout_ok(ctx.model.params, par.tp, par.pp):
+        draft = DraftModel(ctx.draft) if ctx.draft is not None else None
+        ctx.memory = plan_memory(spec, ctx.model, ctx.quant, ctx.device, draft)
+    ctx.tokenizer = eos_mod.read_tokenizer(spec.model.tokenizer_dir)
+    if ctx.model is not None:
+        ctx.eos = eos_mod.resolve(ctx.model.hf_config, ctx.model.generation_config, ctx.tokenizer)
+    return ctx
+
+
+def _load_checks() -> None:
+    # Importing registers them; kept out of module import to avoid a cycle.
+    from toolchain.plan import checks_engine, checks_serving, checks_spec  # noqa: F401
+
+
+def applies(chk: Check, stage: str) -> bool:
+    if stage == "plan":
+        return True
+    if stage == "deploy":
+        return bool(chk.stages)
+    return stage in chk.stages
+
+
+def check_skip_ids(skip: tuple[str, ...] | list[str]) -> None:
+    """Refuse a --skip-check id no check has (a typo would silently skip nothing)."""
+    _load_checks()
+    unknown = [s for s in skip if s not in REGISTRY]
+    if unknown:
+        raise ToolchainError(f"unknown check id '{unknown[0]}' in --skip-check",
+                             "`toolchain plan SPEC` lists every check id")
+
+
+def run_checks(ctx: Context, skip: tuple[str, ...] | list[str] = ()) -> list[CheckResult]:
+    """Run every check that applies to ctx.stage, in registration order."""
+    check_skip_ids(skip)
+    results = []
+    for chk in REGISTRY.values():
+        if not applies(chk, ctx.stage):
+            continue
+        if chk.id in skip:
+            results.append(CheckResult(chk.id, SKIP, "skipped by --skip-check"))
+            continue
+        try:
+            status, message = chk.fn(ctx)
+        except ToolchainError as err:
+            status, message = FAIL, str(err)
+        results.append(CheckResult(chk.id, status, message))
+    return results
+
+
+class PreflightFailed(ToolchainError):
+    """A stage refused to start because a preflight check failed."""
+
+
+def run_preflight(spec, stage: str, workspace=None, skip: tuple[str, ...] | list[str] = (),
+                  enforce: bool = True) -> list[CheckResult]:
+    """Run the checks guarding `stage`; raise PreflightFailed naming the failed
+    ids unless `enforce` is False (dry runs only report)."""
+    results = run_checks(build_context(spec, stage, workspace), skip)
+    failed = [r for r in results if r.status == FAIL]
+    if failed and enforce:
+        first = failed[0]
+        more = f" (and {len(failed) - 1} more: {', '.join(r.id for r in failed[1:])})" if len(failed) > 1 else ""
+        raise PreflightFailed(f"preflight check {first.id} failed: {first.message}{more}",
+                              f"fix the spec, or pass --skip-check {first.id} to {stage} anyway")
+    return results
+
+
+def this_host_memory_bytes(spec) -> int:
+    gib = spec.build.host_memory_gib
+    return int(gib * gpus.GIB) if gib else gpus.host_memory_bytes()
+

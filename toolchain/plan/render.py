@@ -1,0 +1,110 @@
+"""The plan as a dict (for --json) and as text: per-rank table, verdict, commands, checks."""
+
+from __future__ import annotations
+
+from toolchain.plan.gpus import GIB, Gpu
+from toolchain.plan.plan import layout_ok, plan_memory
+from toolchain.plan.preflight import FAIL, Context, CheckResult
+
+
+def _size(n: float) -> str:
+    if abs(n) >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / 1024**2:.1f} MiB"
+
+
+def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
+    """Everything the planner found; the CLI adds build and launch commands."""
+    spec, model = ctx.spec, ctx.model
+    memory = ctx.memory
+    if memory is None and model is not None and ctx.device is None and \
+            layout_ok(model.params, spec.parallelism.tp, spec.parallelism.pp):
+        # No GPU named: weights and KV bytes per token are still known, capacities are not.
+        memory = plan_memory(spec, model, ctx.quant, Gpu("no GPU named", 0.0, None), suggest=False)
+    ranks = []
+    for r in memory.ranks if memory else []:
+        ranks.append({
+            "rank": r.rank, "tp_rank": r.tp_rank, "pp_rank": r.pp_rank, "layers": list(r.layers),
+            "weights_bytes": r.weights_bytes, "checkpoint_bytes": r.checkpoint_bytes,
+            "kv_bytes_per_token": r.kv_bytes_per_token,
+            "kv_tokens_capacity": r.kv_tokens_capacity if ctx.memory else None,
+            "activation_bytes_estimate": r.activation_bytes, "workspace_bytes_estimate": r.workspace_bytes,
+            "draft_bytes": r.draft_bytes, "free_bytes": r.free_bytes if ctx.memory else None,
+            "kv_pool_bytes": r.kv_pool_bytes if ctx.memory else None,
+        })
+    failed = [r.id for r in results if r.status == FAIL]
+    fits = bool(ctx.memory and ctx.memory.fits)
+    dev = ctx.device
+    return {
+        "name": spec.name, "target": spec.target,
+        "architecture": model.params.architecture if model else None,
+        "parallelism": {"tp": spec.parallelism.tp, "pp": spec.parallelism.pp,
+                        "world_size": spec.parallelism.world_size},
+        "device": {"name": dev.name, "memory_gib": round(dev.memory_gib, 2), "sm": dev.sm, "kind": dev.kind}
+        if dev else None,
+        "weight_format": ctx.quant.describe(), "quantization": ctx.quant.method,
+        "weight_dtype": memory.weight_dtype if memory else None, "kv_cache_dtype": memory.kv_dtype if memory else None,
+        "ranks": ranks,
+        "sequence_tokens": memory.sequence_tokens if memory else None,
+        "kv_tokens_capacity": ctx.memory.kv_tokens_capacity if ctx.memory else None,
+        "concurrency": ctx.memory.concurrency if ctx.memory else None,
+        "draft_kv_tokens_capacity": ctx.memory.draft_kv_tokens_capacity if ctx.memory else None,
+        "fits": fits,
+        "verdict": ctx.memory.verdict() if ctx.memory else "unknown: no GPU to plan against (see gpu.known)",
+        "suggestions": ctx.memory.suggestions if ctx.memory else [],
+        "estimates": "activation_bytes_estimate and workspace_bytes_estimate are estimates (reference §7.3)",
+        "eos": ctx.eos.as_dict() if ctx.eos else None,
+        "checks": [r.as_dict() for r in results],
+        "failed_checks": failed,
+        "ok": fits and not failed,
+    }
+
+
+def render_text(report: dict) -> str:
+    out = []
+    dev = report["device"]
+    where = f"{dev['name']} ({dev['memory_gib']:.1f} GiB" + (f", SM {dev['sm']})" if dev["sm"] else ")") \
+        if dev else "no GPU named"
+    par = report["parallelism"]
+    out.append(f"plan {report['name']}: {report['architecture']}, target {report['target']}, "
+               f"tp {par['tp']} x pp {par['pp']} on {where}")
+    out.append(f"weights {report['weight_format']} ({report['weight_dtype']} elsewhere), "
+               f"KV cache {report['kv_cache_dtype']}")
+    out.append("")
+    head = ("rank", "tp", "pp", "layers", "weights", "act+logits*", "workspace*", "free for KV", "KV B/token",
+            "KV tokens")
+    rows = [head]
+    for r in report["ranks"]:
+        layers = f"{r['layers'][0]}-{r['layers'][1]}" if r["layers"][1] >= r["layers"][0] else "-"
+        act = r["activation_bytes_estimate"] + r["draft_bytes"]
+        rows.append((str(r["rank"]), str(r["tp_rank"]), str(r["pp_rank"]), layers, _size(r["weights_bytes"]),
+                     _size(act) + (" +draft" if r["draft_bytes"] else ""), _size(r["workspace_bytes_estimate"]),
+                     _size(r["free_bytes"]) if r["free_bytes"] is not None else "?", f"{r['kv_bytes_per_token']:,}",
+                     f"{r['kv_tokens_capacity']:,}" if r["kv_tokens_capacity"] is not None else "?"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    for row in rows:
+        out.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip())
+    out.append("* estimates: activations of the build profile plus logits buffers; CUDA context and workspaces")
+    if report["concurrency"] is not None:
+        out.append(f"longest sequence ({report['sequence_tokens']} KV tokens): {report['concurrency']} fit at once "
+                   f"in {report['kv_tokens_capacity']:,} KV tokens per rank")
+    out.append(f"verdict: {report['verdict']}")
+    if report.get("eos"):
+        e = report["eos"]
+        out.append(f"end ids: end_id {e['end_id']}, stop ids {e['stop_ids']}, pad_id {e['pad_id']} ({e['source']})")
+    out.append("")
+    out.append("build:" if report.get("build_commands") else "build: toolchain build-engine (target cpu, no trtllm-build)")
+    for cmd in report.get("build_commands", []):
+        out.append(f"  {cmd}")
+    if report.get("launch_command"):
+        out.append("launch:")
+        out.append(f"  {report['launch_command']}")
+    out.append("")
+    out.append("checks:")
+    width = max((len(c["id"]) for c in report["checks"]), default=0)
+    for c in report["checks"]:
+        out.append(f"  {c['status'].upper():<4}  {c['id']:<{width}}  {c['message']}")
+    counts = {s: sum(c["status"] == s for c in report["checks"]) for s in ("pass", "warn", "fail", "skip")}
+    out.append(f"  {counts['pass']} passed, {counts['warn']} warnings, {counts['fail']} failed, "
+               f"{counts['skip']} skipped")
+    return "\n".join(out)

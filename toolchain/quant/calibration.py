@@ -1,0 +1,207 @@
+"""Calibration data and the activation statistics the quantizers need.
+
+Data: the built-in set is text already on every machine, the running
+interpreter's standard-library sources (the files the tiny model trained on;
+every 20th file, which it holds out for evaluation, is skipped here too), so
+calibration needs no download. A prompts file (`.jsonl` with one JSON string
+or object with "text"/"prompt" per line, otherwise one prompt per non-blank
+line) replaces it.
+
+Statistics are collected layer by layer: the Hugging Face model is built on
+the meta device, and only one decoder layer at a time gets real weights, runs
+over the hidden states of every calibration sample (hooks record what enters
+each linear), and is freed again. Memory holds the hidden states and one
+layer, never the whole model.
+
+This package imports nothing of the project but its error type, which is
+why the stdlib file selection mirrors `toolchain.tinymodel.corpus` here.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from toolchain.errors import ToolchainError
+from toolchain.quant.recipe import BUILTIN, check_calibration_file
+
+EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+HOLDOUT_EVERY = 20
+# HF module names of a Llama-family decoder layer, by the slot their input feeds.
+SLOTS = {"qkv": "self_attn.q_proj", "dense": "self_attn.o_proj", "mlp": "mlp.gate_proj", "proj": "mlp.down_proj"}
+KV_OUTPUTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+
+
+# -- data ------------------------------------------------------------------------------
+
+def builtin_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = sorted((p for p in root.rglob("*.py")
+                    if p.is_file() and not EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])),
+                   key=lambda p: p.relative_to(root).as_posix())
+    train = [f for i, f in enumerate(found) if i % HOLDOUT_EVERY != 0]
+    if not train:
+        raise ToolchainError(f"no standard-library sources under {root} for the built-in calibration set",
+                             "set quantization.calibration.dataset to a prompts file")
+    return train
+
+
+def read_prompts(path: Path) -> list[str]:
+    path = check_calibration_file(str(path))
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if path.suffix != ".jsonl":
+        return lines
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ToolchainError(f"quantization.calibration.dataset {path} line {n}: not JSON ({err.msg})",
+                                 "write one JSON string or object with a 'text' field per line") from None
+        text = item if isinstance(item, str) else (item.get("text") or item.get("prompt")
+                                                   if isinstance(item, dict) else None)
+        if not isinstance(text, str) or not text.strip():
+            raise ToolchainError(f"quantization.calibration.dataset {path} line {n}: no text",
+                                 "give each line a non-empty 'text' (or 'prompt') string")
+        prompts.append(text)
+    return prompts
+
+
+def calibration_tokens(tokenize: Callable[[str], list[int]], dataset: str, samples: int,
+                       seq_len: int) -> list[torch.Tensor]:
+    """Up to `samples` 1-D int64 sequences of at most `seq_len` tokens.
+
+    Built-in: the training files' text in a fixed spread-out order, cut into
+    full `seq_len` windows. A prompts file: each prompt truncated to `seq_len`."""
+    if dataset != BUILTIN:
+        seqs = [torch.tensor(tokenize(p)[:seq_len], dtype=torch.int64) for p in read_prompts(Path(dataset))]
+        seqs = [s for s in seqs if s.numel() > 0][:samples]
+        if not seqs:
+            raise ToolchainError(f"quantization.calibration.dataset {dataset}: no prompt has any tokens",
+                                 "give non-empty prompts")
+        return seqs
+    files = builtin_files()
+    # A prime stride visits files from all over the library, not one package.
+    order = [files[(i * 37) % len(files)] for i in range(len(files))]
+    seqs: list[torch.Tensor] = []
+    for path in order:
+        ids = tokenize(path.read_text(encoding="utf-8", errors="replace"))
+        for start in range(0, len(ids) - seq_len + 1, seq_len):
+            seqs.append(torch.tensor(ids[start:start + seq_len], dtype=torch.int64))
+            if len(seqs) == samples:
+                return seqs
+    if not seqs:
+        raise ToolchainError(f"the built-in calibration text yields no {seq_len}-token window",
+                             "lower quantization.calibration.seq_len")
+    return seqs
+
+
+def hf_tokenizer(tokenizer_dir: Path) -> Callable[[str], list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return lambda text: tok(text, add_special_tokens=False)["input_ids"]
+
+
+# -- statistics -------------------------------------------------------------------------
+
+@dataclass
+class InputStats:
+    """What entered one linear (or the linears sharing its input) over all calibration tokens."""
+
+    amax: torch.Tensor                   # (in,) max |x| per channel
+    abssum: torch.Tensor                 # (in,) sum |x| per channel
+    xtx: torch.Tensor | None             # (in, in) float64 sum of x xᵀ, when asked for
+    tokens: int = 0
+
+    @property
+    def absmean(self) -> torch.Tensor:
+        return self.abssum / max(self.tokens, 1)
+
+    @property
+    def cov(self) -> torch.Tensor:
+        """E[x xᵀ] (uncentered second moment)."""
+        return self.xtx / max(self.tokens, 1)
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        self.amax = torch.maximum(self.amax, x.abs().amax(dim=0))
+        self.abssum += x.abs().sum(dim=0)
+        if self.xtx is not None:
+            xd = x.double()
+            self.xtx += xd.t() @ xd
+        self.tokens += x.shape[0]
+
+
+@dataclass
+class LayerStats:
+    inputs: dict[str, InputStats] = field(default_factory=dict)
+    qkv_amax: float = 0.0   # largest |q, k, v projection output| (KV-cache scales, reference §2.7)
+
+
+class _Weights:
+    """name -> tensor over a directory's safetensors files (headers only until asked)."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        files = sorted(Path(directory).glob("*.safetensors"))
+        if not files:
+            raise ToolchainError(f"no *.safetensors in {directory}", "point model.checkpoint at the HF model")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def prefixed(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {n[len(prefix):]: self.get(n).float() for n in self._where if n.startswith(prefix)}
+
+
+def collect_stats(hf_dir: Path, sequences: list[torch.Tensor], *, covariance: bool,
+                  progress: Callable[[str], None] | None = None) -> list[LayerStats]:
+    """Run the HF model layer by layer over `sequences`; per decoder layer, the
+    input statistics of each linear slot ("qkv", "dense", "mlp", "proj")."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_dir = Path(hf_dir)
+    config = AutoConfig.from_pretrained(str(hf_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    weights = _Weights(hf_dir)
+    base = model.model
+    rotary = type(base.rotary_emb)(config=config)  # built on CPU: meta buffers hold no frequencies
+    embed = weights.get("model.embed_tokens.weight").float()
+    hidden = [embed[s][None] for s in sequences]
+    del embed
+    rope = [rotary(h, torch.arange(h.shape[1])[None]) for h in hidden]
+    result = []
+    for i, layer in enumerate(base.layers):
+        layer.to_empty(device="cpu")
+        layer.load_state_dict(weights.prefixed(f"model.layers.{i}."), strict=True)
+        stats = LayerStats()
+        hooks = []
+        for slot, name in SLOTS.items():
+            module = layer.get_submodule(name)
+            width = module.in_features
+            stats.inputs[slot] = InputStats(torch.zeros(width), torch.zeros(width),
+                                            torch.zeros(width, width, dtype=torch.float64) if covariance else None)
+            hooks.append(module.register_forward_pre_hook(lambda _m, args, s=stats.inputs[slot]: s.add(args[0])))
+
+        def kv_hook(_m, _args, out, st=stats):
+            st.qkv_amax = max(st.qkv_amax, float(out.detach().abs().max()))
+        hooks += [layer.get_submodule(n).register_forward_hook(kv_hook) for n in KV_OUTPUTS]
+        with torch.no_grad():
+            hidden = [layer(h, position_embeddings=pe, attention_mask=None) for h, pe in zip(hidden, rope)]
+        for h in hooks:
+            h.remove()
+        layer.to("meta")  # free the layer's weights before the next one loads
+        result.append(stats)
+        if progress is not None:
+            progress(f"calibrated layer {i + 1}/{len(base.layers)}")
+    return result

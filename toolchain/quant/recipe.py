@@ -1,0 +1,240 @@
+"""The quantization recipe and the one function that rejects bad combinations.
+
+`check_recipe` runs before any weight is read: it needs only the recipe, the
+model's dimensions (from config.json), the parallelism, the target GPU if one
+is named, the HF `quantization_config` if the source is already quantized,
+and the calibration file's existence. Every error names the spec field to
+change and how.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toolchain.errors import ToolchainError
+
+METHODS = ("none", "int8_wo", "int4_wo", "awq", "smoothquant", "fp8")
+KV_KINDS = ("none", "int8", "fp8")
+GROUP_SIZES = (64, 128)  # the only per-group int4 sizes TensorRT-LLM implements (reference §8 #2, issue #988)
+BUILTIN = "builtin"
+
+# quant_algo written to config.json per method (reference §1.5).
+QUANT_ALGO = {"none": None, "int8_wo": "W8A16", "int4_wo": "W4A16", "awq": "W4A16_AWQ",
+              "smoothquant": "W8A8_SQ_PER_CHANNEL", "fp8": "FP8"}
+KV_ALGO = {"none": None, "int8": "INT8", "fp8": "FP8"}
+INTEGER_METHODS = ("int8_wo", "int4_wo", "awq", "smoothquant")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    method: str = "none"
+    group_size: int = 128
+    alpha: float = 0.5
+    kv_cache: str = "none"
+    exclude_modules: tuple[str, ...] = ()
+    calibration_dataset: str = BUILTIN
+    calibration_samples: int = 32
+    calibration_seq_len: int = 256
+    search: bool = True
+    """AWQ's scale and clip search / SmoothQuant's smoothing. Off gives the
+    round-to-nearest and plain-W8A8 baselines in the same layouts (benchmarks)."""
+
+    @property
+    def quant_algo(self) -> str | None:
+        return QUANT_ALGO[self.method]
+
+    @property
+    def kv_cache_quant_algo(self) -> str | None:
+        return KV_ALGO[self.kv_cache]
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method in ("awq", "smoothquant", "fp8") or self.kv_cache != "none"
+
+    @property
+    def active(self) -> bool:
+        return self.method != "none" or self.kv_cache != "none"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The config.json facts the checks need (kept free of the archs package)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_size: int
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class Prequantized:
+    """An HF `quantization_config` the converter can import (AutoAWQ GEMM or GPTQ)."""
+
+    kind: str            # "awq" or "gptq"
+    group_size: int
+    bits: int
+    zero_point: bool
+    desc_act: bool = False
+    version: str = "gemm"
+    raw: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """What the checks settled for the writer: the intermediate size per-group
+    int4 layers are padded to (zero rows/columns; reference §3.5)."""
+
+    padded_intermediate: int
+
+
+def parse_prequantized(qc: dict | None, origin: str) -> Prequantized | None:
+    """The HF `quantization_config`, or None for an unquantized checkpoint."""
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in ("awq", "gptq"):
+        raise ToolchainError(f"{origin}: quantization_config quant_method '{method}' cannot be imported",
+                             "only AutoAWQ (GEMM) and GPTQ int4 checkpoints are; convert the unquantized model "
+                             "and set quantization.method instead")
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        return Prequantized("awq", group, bits, bool(qc.get("zero_point", True)), False, version, dict(qc))
+    return Prequantized("gptq", group, bits, True, bool(qc.get("desc_act", False)), "gptq", dict(qc))
+
+
+def per_group_multiple(group_size: int, tp: int) -> int:
+    """The engine pads per-group int4 dims to multiples of max(64, g) * T (reference §2.3, §3.5)."""
+    return max(64, group_size) * tp
+
+
+def _check_per_group(shape: ModelShape, group: int, tp: int, field_name: str) -> int:
+    """Divisibility for per-group int4; returns the padded intermediate size."""
+    m = per_group_multiple(group, tp)
+    nkv_r = max(1, shape.num_key_value_heads // tp)
+    qkv_out = (shape.num_attention_heads + 2 * nkv_r * tp) * shape.head_size
+    attn_in = shape.num_attention_heads * shape.head_size
+    fixes = f"use {field_name} 64, or another parallelism.tp"
+    for what, dim in (("hidden_size", shape.hidden_size), ("the fused qkv width", qkv_out),
+                      ("num_attention_heads x head_size", attn_in)):
+        if dim % m:
+            # Padding attention dims would change the head layout: reject (§2.3).
+            raise ToolchainError(f"per-group int4 (group {group}) at tp {tp} needs {what} ({dim}) to be a multiple "
+                                 f"of max(64, group) x tp = {m}", fixes)
+    padded = -(-shape.intermediate_size // m) * m  # zero rows/columns in the MLP are harmless (§3.5)
+    for what, local in (("hidden_size", shape.hidden_size), ("attention input per rank", attn_in // tp),
+                        ("intermediate size per rank", padded // tp)):
+        if local % group:
+            raise ToolchainError(f"per-group int4: {what} ({local}) is not a multiple of the group size {group}",
+                                 fixes)
+    if (qkv_out // tp) % 2 or (padded // tp) % 2 or shape.hidden_size % 2:
+        raise ToolchainError("per-group int4 packs two rows per byte: every per-rank output width must be even",
+                             "use another parallelism.tp")
+    return padded
+
+
+def _check_gpu(recipe: Recipe, gpu_name: str | None, sm: int | None, pre: Prequantized | None) -> None:
+    if sm is None:
+        return
+    name = gpu_name or f"SM{sm}"
+    fp8 = [f for f, used in (("quantization.method fp8", recipe.method == "fp8"),
+                             ("quantization.kv_cache fp8", recipe.kv_cache == "fp8")) if used]
+    if fp8 and sm < 89:
+        raise ToolchainError(f"{fp8[0]} needs an Ada or Hopper GPU (SM >= 89); {name} is SM{sm}",
+                             "use quantization.method awq, int8_wo or smoothquant (and kv_cache int8) on this GPU")
+    if 100 <= sm < 120:
+        ints = [f for f, used in (("quantization.method " + recipe.method, recipe.method in INTEGER_METHODS),
+                                  ("an imported int4 checkpoint", pre is not None),
+                                  ("quantization.kv_cache int8", recipe.kv_cache == "int8")) if used]
+        if ints:
+            raise ToolchainError(f"{ints[0]} does not build on Blackwell ({name}, SM{sm}): TensorRT-LLM rejects "
+                                 "int8/int4 weight-only, SmoothQuant and INT8 KV there (reference §8 #15)",
+                                 "use quantization.method fp8 and kv_cache fp8")
+
+
+def check_calibration_file(dataset: str) -> Path:
+    """The calibration prompts file must exist, be readable text and hold a non-blank line."""
+    path = Path(dataset)
+    hint = "set quantization.calibration.dataset to a readable text/JSONL file of prompts, or to 'builtin'"
+    if not path.is_file():
+        raise ToolchainError(f"quantization.calibration.dataset: no such file {path}", hint)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ToolchainError(f"quantization.calibration.dataset: cannot read {path}: {err}", hint) from None
+    if not text.strip():
+        raise ToolchainError(f"quantization.calibration.dataset: {path} is empty", hint)
+    return path
+
+
+def check_exclude(patterns: tuple[str, ...]) -> None:
+    for p in patterns:
+        if not isinstance(p, str) or not p.strip():
+            raise ToolchainError(f"quantization.exclude_modules: empty pattern {p!r}",
+                                 "give fnmatch globs of TensorRT-LLM module names, e.g. 'transformer.layers.0.*'")
+
+
+def is_excluded(module: str, patterns: tuple[str, ...] | list[str]) -> bool:
+    """fnmatch against TensorRT-LLM module names, as TensorRT-LLM matches exclude_modules (§1.5)."""
+    return any(fnmatch.fnmatchcase(module, p) for p in patterns)
+
+
+def check_recipe(recipe: Recipe, shape: ModelShape, *, tp: int, target: str = "cpu",
+                 prequantized: Prequantized | None = None, gpu_name: str | None = None,
+                 gpu_sm: int | None = None) -> LayoutPlan:
+    """Reject every invalid combination before a weight is read; returns the layout decisions."""
+    if recipe.method not in METHODS:
+        raise ToolchainError(f"quantization.method '{recipe.method}' is unknown", f"use one of {', '.join(METHODS)}")
+    if recipe.kv_cache not in KV_KINDS:
+        raise ToolchainError(f"quantization.kv_cache '{recipe.kv_cache}' is unknown",
+                             f"use one of {', '.join(KV_KINDS)}")
+    check_exclude(recipe.exclude_modules)
+    padded = shape.intermediate_size
+    if prequantized is not None:
+        pre = prequantized
+        if recipe.method != "none":
+            raise ToolchainError(f"the checkpoint is already quantized ({pre.kind}); quantization.method "
+                                 f"'{recipe.method}' would quantize it twice",
+                                 "set quantization.method none to import it as stored")
+        if recipe.kv_cache != "none":
+            raise ToolchainError("quantization.kv_cache needs calibration, which cannot run a pre-quantized "
+                                 f"({pre.kind}) checkpoint", "set quantization.kv_cache none for this checkpoint")
+        if pre.kind == "gptq" and pre.desc_act:
+            raise ToolchainError("GPTQ checkpoint uses act-order (desc_act: true), which the TensorRT-LLM layout "
+                                 "cannot express (reference §4.2)", "re-quantize it with desc_act false")
+        if pre.kind == "awq" and pre.version != "gemm":
+            raise ToolchainError(f"AutoAWQ version '{pre.version}' cannot be imported", "only GEMM checkpoints can")
+        if pre.bits != 4:
+            raise ToolchainError(f"{pre.kind} checkpoint has {pre.bits}-bit weights", "only 4-bit ones can be imported")
+        if pre.group_size not in GROUP_SIZES:
+            raise ToolchainError(f"{pre.kind} checkpoint has group_size {pre.group_size}",
+                                 "TensorRT-LLM's per-group int4 supports 64 and 128 only; re-quantize with one")
+        padded = _check_per_group(shape, pre.group_size, tp, "a checkpoint quantized with group size")
+    if recipe.group_size not in GROUP_SIZES:
+        raise ToolchainError(f"quantization.group_size {recipe.group_size} is not supported",
+                             "TensorRT-LLM's per-group int4 implements 64 and 128 only (issue #988); use one of them")
+    if recipe.method == "awq":
+        padded = _check_per_group(shape, recipe.group_size, tp, "quantization.group_size")
+    if recipe.method in ("int8_wo", "int4_wo") and target == "trtllm":
+        m = 64 * tp
+        for what, dim in (("hidden_size", shape.hidden_size), ("intermediate_size", shape.intermediate_size)):
+            if dim % m:
+                # Whether the build pads per-channel weight-only dims is unverified (§2.2, §9): refuse.
+                raise ToolchainError(f"weight-only {recipe.method} at tp {tp} needs {what} ({dim}) to be a multiple "
+                                     f"of 64 x tp = {m}", "use another parallelism.tp or quantization.method")
+    _check_gpu(recipe, gpu_name, gpu_sm, prequantized)
+    if recipe.needs_calibration:
+        if recipe.calibration_samples < 1:
+            raise ToolchainError("quantization.calibration.samples must be at least 1")
+        if recipe.calibration_seq_len > shape.max_position_embeddings:
+            raise ToolchainError(f"quantization.calibration.seq_len {recipe.calibration_seq_len} exceeds the "
+                                 f"model's context ({shape.max_position_embeddings} positions)",
+                                 f"set quantization.calibration.seq_len <= {shape.max_position_embeddings}")
+        if recipe.calibration_dataset != BUILTIN:
+            check_calibration_file(recipe.calibration_dataset)
+    return LayoutPlan(padded_intermediate=padded)
