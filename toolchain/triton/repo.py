@@ -50,6 +50,23 @@ def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
     return out
 
 
+def _end_ids(spec: DeploymentSpec) -> dict:
+    """end_id and extra stop ids from the checkpoint's config files, so that an
+    instruct model stops at its chat terminator (reference §8 #12) without the
+    client sending end_id."""
+    from toolchain.plan.eos import read_tokenizer, resolve
+
+    def read(name: str) -> dict | None:
+        path = Path(spec.model.checkpoint) / name
+        try:
+            return json.loads(path.read_text()) if path.is_file() else None
+        except ValueError:
+            return None  # the convert stage reports a broken config.json
+
+    eos = resolve(read("config.json") or {}, read("generation_config.json"), read_tokenizer(spec.model.tokenizer_dir))
+    return {"end_id": eos.end_id, "stop_ids": tuple(eos.stop_ids)}
+
+
 def repo_options(spec: DeploymentSpec, workspace: Workspace) -> RepoOptions:
     s = spec.serving
     return RepoOptions(
@@ -64,6 +81,7 @@ def repo_options(spec: DeploymentSpec, workspace: Workspace) -> RepoOptions:
         exclude_input_in_output=s.exclude_input_in_output,
         toolchain_path=Path(toolchain.__file__).resolve().parent.parent,
         engine_threads=s.engine_threads,
+        **_end_ids(spec),
         **_trtllm_options(spec, workspace),
     )
 

@@ -37,6 +37,10 @@ class RepoOptions:
     exclude_input_in_output: bool
     toolchain_path: Path  # fallback sys.path entry for the CPU model (the stub ignores PYTHONPATH)
     engine_threads: int = 1  # torch threads of the CPU engine (target cpu)
+    # Resolved from generation_config.json (plan/eos.py): the preprocessing model's
+    # default end_id, and the other EOS ids it always adds as stop words.
+    end_id: int | None = None
+    stop_ids: tuple[int, ...] = ()
     max_queue_size: int = 0  # 0 = unbounded, as fill_template.py defaults it
     logits_dtype: str = "TYPE_FP32"
     encoder_features_dtype: str = "TYPE_FP16"
@@ -94,6 +98,16 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
     return params
 
 
+def _preprocessing_parameters(opts: RepoOptions) -> dict[str, object]:
+    params: dict[str, object] = {"tokenizer_dir": opts.tokenizer_dir, "add_special_tokens": True,
+                                 "gpt_model_path": opts.engine_dir}
+    if opts.end_id is not None:
+        params["end_id"] = opts.end_id
+    if opts.stop_ids:
+        params["stop_token_ids"] = ",".join(str(i) for i in opts.stop_ids)
+    return params
+
+
 def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
     """The five model configs for `opts`, keyed by model name."""
     if opts.target not in ("cpu", "trtllm"):
@@ -107,8 +121,7 @@ def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
         "preprocessing": ModelConfig(
             "preprocessing", mbs, _tensors(PREPROCESSING_INPUTS, opts), _tensors(PREPROCESSING_OUTPUTS, opts),
             backend="python", instance_group=cpu, dynamic_batching=_batching(opts),
-            parameters={"tokenizer_dir": opts.tokenizer_dir, "add_special_tokens": True,
-                        "gpt_model_path": opts.engine_dir}),
+            parameters=_preprocessing_parameters(opts)),
         "tensorrt_llm": ModelConfig(
             "tensorrt_llm", mbs, _tensors(TENSORRT_LLM_INPUTS, opts), _tensors(TENSORRT_LLM_OUTPUTS, opts),
             backend="tensorrtllm" if opts.target == "trtllm" else "python",

@@ -8,11 +8,13 @@ directory fails at load with one clear message instead of mid-request.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from toolchain.engine.cpu.qlinear import FORMATS as QUANT_FORMATS
 from toolchain.errors import ToolchainError
 
 # Architectures whose TRT-LLM implementation is the Llama or Qwen decoder
@@ -21,6 +23,12 @@ QWEN_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "QWenForCausalLM"}
 ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", *QWEN_ARCHITECTURES}
 ROPE_TYPES = {None, "none", "linear", "llama3"}
 UNQUANTIZED = {None, "NO_QUANT"}
+# quant_algo values the CPU engine runs as stored (engine/cpu/qlinear.py), and KV-cache formats.
+QUANT_ALGOS = {"W8A16", "W4A16", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL", "FP8"}
+KV_ALGOS = {"INT8", "FP8"}
+# TensorRT-LLM's exclusion list when config.json gives none (reference §1.5).
+DEFAULT_EXCLUDE = ("*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
+                   "*shared_expert_gate", "*fused_a")
 
 _REBUILD = "rebuild the engine with `toolchain build-engine --force`"
 
@@ -53,6 +61,29 @@ class ModelDims:
     kv_cache_quant_algo: str | None
     qk_layernorm: bool = False
     attention_windows: tuple[int, ...] | None = None
+    group_size: int = 128
+    has_zero_point: bool = False
+    pre_quant_scale: bool = False
+    exclude_modules: tuple[str, ...] = DEFAULT_EXCLUDE
+    """fnmatch globs of unquantized modules; a list in config.json replaces the default (§1.5)."""
+
+    @property
+    def per_group(self) -> bool:
+        return self.quant_algo == "W4A16_AWQ"
+
+    @property
+    def mlp_width(self) -> int:
+        """Full MLP width as stored: per-group int4 pads it to max(64, g) * tp (reference §3.5)."""
+        if not self.per_group:
+            return self.intermediate_size
+        m = max(64, self.group_size) * self.tp
+        return -(-self.intermediate_size // m) * m
+
+    def linear_format(self, module: str) -> str | None:
+        """How `module` (global TensorRT-LLM name) is stored: None for fp, else a qlinear format."""
+        if self.quant_algo in UNQUANTIZED or any(fnmatch.fnmatchcase(module, p) for p in self.exclude_modules):
+            return None
+        return QUANT_FORMATS[self.quant_algo]
     """runtime_defaults.max_attention_window: per-layer windows, repeated over the layers; None = full."""
 
     def attention_window(self, layer: int) -> int | None:
@@ -183,6 +214,10 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         kv_cache_quant_algo=quant.get("kv_cache_quant_algo"),
         qk_layernorm=bool(cfg.get("qk_layernorm", False)),
         attention_windows=_windows(cfg.get("runtime_defaults"), origin),
+        group_size=int(quant.get("group_size") or 128),
+        has_zero_point=bool(quant.get("has_zero_point", False)),
+        pre_quant_scale=bool(quant.get("pre_quant_scale", False)),
+        exclude_modules=tuple(quant["exclude_modules"]) if quant.get("exclude_modules") else DEFAULT_EXCLUDE,
     )
     _check_dims(dims, origin)
     return dims
@@ -210,10 +245,20 @@ def _check_dims(d: ModelDims, origin: str) -> None:
         problems.append(f"head_size {d.head_size} is odd (rotary needs pairs)")
     if problems:
         raise ToolchainError(f"{origin}: " + "; ".join(problems), _REBUILD)
-    if d.quant_algo not in UNQUANTIZED or d.kv_cache_quant_algo not in UNQUANTIZED:
-        raise ToolchainError(
-            f"{origin}: quantization (quant_algo={d.quant_algo}, kv_cache_quant_algo={d.kv_cache_quant_algo}) "
-            "is not supported by the CPU engine yet", "build an unquantized engine for target cpu")
+    if d.quant_algo not in UNQUANTIZED | QUANT_ALGOS:
+        raise ToolchainError(f"{origin}: quant_algo {d.quant_algo} is not supported by the CPU engine",
+                             f"supported: {', '.join(sorted(QUANT_ALGOS))}")
+    if d.kv_cache_quant_algo not in UNQUANTIZED | KV_ALGOS:
+        raise ToolchainError(f"{origin}: kv_cache_quant_algo {d.kv_cache_quant_algo} is not supported by the CPU "
+                             "engine", "supported: INT8, FP8")
+    if d.per_group and d.group_size not in (64, 128):
+        raise ToolchainError(f"{origin}: group_size {d.group_size} (TensorRT-LLM implements 64 and 128)", _REBUILD)
+    if d.quant_algo in ("W8A16", "W4A16") and not all(
+            any(fnmatch.fnmatchcase(m, p) for p in d.exclude_modules) for m in ("lm_head", "transformer.vocab_embedding")):
+        # The list replaces the default, so these modes would quantize the embedding (§1.5).
+        raise ToolchainError(f"{origin}: quant_algo {d.quant_algo} with exclude_modules {list(d.exclude_modules)} "
+                             "quantizes lm_head or the vocab embedding, which the CPU engine does not run",
+                             "name lm_head and transformer.vocab_embedding in exclude_modules, or omit the list")
 
 
 def parse_limits(build: Any, origin: str) -> BuildLimits:

@@ -22,15 +22,25 @@ import torch.nn.functional as F
 from toolchain.engine.cpu.config import ModelDims
 from toolchain.engine.cpu.rope import Rotary, apply_rotary
 from toolchain.engine.cpu.weights import RankShard
+from toolchain.quant.kv_cache import dequantize_kv, quantize_kv, storage_dtype
+
+
+# kv_cache_quant_algo -> what the cache stores (reference §2.7): x / scale as int8 or e4m3.
+KV_KINDS = {"INT8": "int8", "FP8": "fp8"}
 
 
 class KVCache:
-    """One request's keys and values: per global layer and TP rank, [kv_heads_per_rank, capacity, head]."""
+    """One request's keys and values: per global layer and TP rank, [kv_heads_per_rank, capacity, head].
+
+    With an INT8/FP8 KV cache the tensors hold the quantized values (int8 or
+    float8_e4m3fn) and are read back with the layer's kv_cache_scaling_factor."""
 
     def __init__(self, d: ModelDims, capacity: int):
         shape = (d.kv_heads_per_rank, capacity, d.head_size)
-        self.k = [[torch.empty(shape) for _ in range(d.tp)] for _ in range(d.num_layers)]
-        self.v = [[torch.empty(shape) for _ in range(d.tp)] for _ in range(d.num_layers)]
+        self.kind = KV_KINDS.get(d.kv_cache_quant_algo)
+        dtype = storage_dtype(self.kind) if self.kind else torch.float32
+        self.k = [[torch.empty(shape, dtype=dtype) for _ in range(d.tp)] for _ in range(d.num_layers)]
+        self.v = [[torch.empty(shape, dtype=dtype) for _ in range(d.tp)] for _ in range(d.num_layers)]
         self.capacity = capacity
         self.length = 0  # tokens already written (positions 0 .. length-1)
 
@@ -64,6 +74,10 @@ class Model:
         self.scale = d.head_size ** -0.5
         # Global index of each stage's first layer: caches are indexed globally.
         self.layer_offset = [d.stage_layers(p).start for p in range(d.pp)]
+        # KV-cache scales by (global layer, tp rank); empty for an fp cache.
+        self.kv_scales = {(self.layer_offset[p] + i, s.tp_rank): layer.kv_scale
+                          for p, shards in enumerate(stages) for s in shards
+                          for i, layer in enumerate(s.layers) if layer.kv_scale is not None}
 
     # -- the stages ---------------------------------------------------------
 
@@ -150,8 +164,15 @@ class Model:
         for c, (s, e) in zip(chunks, spans):
             n, past = e - s, c.cache.length
             kc, vc = c.cache.k[layer][tp_rank], c.cache.v[layer][tp_rank]
-            kc[:, past:past + n] = k[s:e].transpose(0, 1)
-            vc[:, past:past + n] = v[s:e].transpose(0, 1)
+            kind = c.cache.kind
+            if kind is None:
+                kc[:, past:past + n] = k[s:e].transpose(0, 1)
+                vc[:, past:past + n] = v[s:e].transpose(0, 1)
+            else:
+                scale = self.kv_scales[(layer, tp_rank)]
+                kc[:, past:past + n] = quantize_kv(k[s:e].transpose(0, 1), scale, kind)
+                vc[:, past:past + n] = quantize_kv(v[s:e].transpose(0, 1), scale, kind)
+                kc, vc = dequantize_kv(kc[:, : past + n], scale), dequantize_kv(vc[:, : past + n], scale)
             mask, causal = None, False
             if window is not None and past + n > window:
                 mask = window_mask(past, n, window)

@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 
 from toolchain.engine.cpu.config import ModelDims
-from toolchain.engine.cpu.linear import Linear, linear_tensor_names, make_linear
+from toolchain.engine.cpu.linear import Linear, make_linear
+from toolchain.engine.cpu.qlinear import stored_tensors
 from toolchain.errors import ToolchainError
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class LayerShard:
     proj: Linear         # row-parallel, like dense
     q_norm: torch.Tensor | None = None  # qk_layernorm: RMSNorm weight over each q head (head_size,)
     k_norm: torch.Tensor | None = None
+    kv_scale: torch.Tensor | None = None  # INT8/FP8 KV cache: the layer's scale (1,), the same on every rank
 
 
 @dataclass
@@ -57,39 +59,59 @@ def _layer(i: int) -> str:
     return f"transformer.layers.{i}"
 
 
-def expected_shapes(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor rank (tp_rank, pp_rank) must hold, with its shape (reference §2.1, §3)."""
+def _global(d: ModelDims, pp_rank: int, local: int) -> str:
+    """A layer's TensorRT-LLM module prefix with its global index (what exclude_modules globs name)."""
+    return _layer(d.stage_layers(pp_rank)[local])
+
+
+def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor rank (tp_rank, pp_rank) must hold: shape and dtype kind ("float", "int8",
+    "fp8"), per the stored format of each linear (reference §2.1, §2.8, §3)."""
     H, T, hd = d.hidden_size, d.tp, d.head_size
     qkv_out = (d.heads_per_rank + 2 * d.kv_heads_per_rank) * hd
-    inter = d.intermediate_size // T
-    shapes: dict[str, tuple[int, ...]] = {}
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
     if pp_rank == 0:
         if not d.use_parallel_embedding:
-            shapes[EMBEDDING] = (d.vocab_size, H)
+            out[EMBEDDING] = ((d.vocab_size, H), "float")
         elif d.embedding_sharding_dim == 0:
-            shapes[EMBEDDING] = (d.padded_vocab // T, H)
+            out[EMBEDDING] = ((d.padded_vocab // T, H), "float")
         else:
-            shapes[EMBEDDING] = (d.vocab_size, H // T)
+            out[EMBEDDING] = ((d.vocab_size, H // T), "float")
     for i in range(len(d.stage_layers(pp_rank))):
         p = _layer(i)
-        shapes[f"{p}.input_layernorm.weight"] = (H,)
-        shapes[f"{p}.post_layernorm.weight"] = (H,)
+        out[f"{p}.input_layernorm.weight"] = ((H,), "float")
+        out[f"{p}.post_layernorm.weight"] = ((H,), "float")
         if d.qk_layernorm:  # one norm shared by every head, full on every rank
-            shapes[f"{p}.attention.q_layernorm.weight"] = (hd,)
-            shapes[f"{p}.attention.k_layernorm.weight"] = (hd,)
-        modules = [("attention.qkv", (qkv_out, H), d.attn_bias),
-                   ("attention.dense", (H, d.heads_per_rank * hd), d.dense_bias),
-                   ("mlp.fc", (inter, H), d.mlp_bias),
-                   ("mlp.gate", (inter, H), d.mlp_bias),
-                   ("mlp.proj", (H, inter), d.mlp_bias)]
-        for name, (out_f, in_f), bias in modules:
+            out[f"{p}.attention.q_layernorm.weight"] = ((hd,), "float")
+            out[f"{p}.attention.k_layernorm.weight"] = ((hd,), "float")
+        if d.kv_cache_quant_algo is not None:
+            out[f"{p}.attention.kv_cache_scaling_factor"] = ((1,), "float")
+        for name, (out_f, in_f), bias in _linears(d, qkv_out):
+            fmt = d.linear_format(f"{_global(d, pp_rank, i)}.{name}")
+            if fmt == "int4_group" and name.startswith("mlp."):
+                # per-group int4 MLP dims are stored padded (§3.5)
+                w = d.mlp_width // T
+                out_f, in_f = (w, in_f) if name != "mlp.proj" else (out_f, w)
             # Row-parallel biases are full copies: their length is the full output, H.
-            for tensor in linear_tensor_names(f"{p}.{name}", bias, d.quant_algo):
-                shapes[tensor] = (out_f, in_f) if tensor.endswith(".weight") else (out_f,)
+            out.update(stored_tensors(f"{p}.{name}", out_f, in_f, bias, fmt, group=d.group_size,
+                                      zero=d.has_zero_point, prequant=d.pre_quant_scale))
     if pp_rank == d.pp - 1:
-        shapes[FINAL_NORM] = (H,)
-        shapes[f"{LM_HEAD}.weight"] = (d.padded_vocab // T, H)
-    return shapes
+        out[FINAL_NORM] = ((H,), "float")
+        out[f"{LM_HEAD}.weight"] = ((d.padded_vocab // T, H), "float")
+    return out
+
+
+def _linears(d: ModelDims, qkv_out: int):
+    inter = d.intermediate_size // d.tp
+    return [("attention.qkv", (qkv_out, d.hidden_size), d.attn_bias),
+            ("attention.dense", (d.hidden_size, d.heads_per_rank * d.head_size), d.dense_bias),
+            ("mlp.fc", (inter, d.hidden_size), d.mlp_bias),
+            ("mlp.gate", (inter, d.hidden_size), d.mlp_bias),
+            ("mlp.proj", (d.hidden_size, inter), d.mlp_bias)]
+
+
+def expected_shapes(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tuple[int, ...]]:
+    return {n: shape for n, (shape, _) in expected_tensors(d, tp_rank, pp_rank).items()}
 
 
 def _tied_lm_head(d: ModelDims, tensors: dict[str, torch.Tensor], tp_rank: int) -> torch.Tensor | None:
@@ -106,7 +128,11 @@ def _tied_lm_head(d: ModelDims, tensors: dict[str, torch.Tensor], tp_rank: int) 
     return None
 
 
-def _read_rank(path: Path, wanted: dict[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], list[str]]:
+KINDS = {"float": (torch.float32, torch.float16, torch.bfloat16), "int8": (torch.int8,),
+         "fp8": (torch.float8_e4m3fn, torch.int8)}  # FP8 weights may be stored as an int8 view (§1.1)
+
+
+def _read_rank(path: Path, wanted: dict[str, tuple[tuple[int, ...], str]]) -> tuple[dict[str, torch.Tensor], list[str]]:
     tensors, extra = {}, []
     try:
         fh = safe_open(str(path), framework="pt")
@@ -118,10 +144,15 @@ def _read_rank(path: Path, wanted: dict[str, tuple[int, ...]]) -> tuple[dict[str
                 extra.append(name)
                 continue
             t = fh.get_tensor(name)
-            if not t.is_floating_point():
-                raise ToolchainError(f"{path.name}: tensor {name} has dtype {t.dtype}; the CPU engine expects "
-                                     "floating-point weights", "rebuild the engine without quantization")
-            tensors[name] = t.to(torch.float32).contiguous()  # compute in fp32 whatever the stored dtype
+            kind = wanted[name][1]
+            if t.dtype not in KINDS[kind]:
+                raise ToolchainError(f"{path.name}: tensor {name} has dtype {t.dtype}, its format stores {kind}",
+                                     "the checkpoint does not match its config.json quantization; reconvert")
+            if kind == "float":
+                t = t.to(torch.float32)  # compute in fp32 whatever the stored dtype
+            elif kind == "fp8" and t.dtype == torch.int8:
+                t = t.view(torch.float8_e4m3fn)
+            tensors[name] = t.contiguous()
     return tensors, extra
 
 
@@ -131,8 +162,9 @@ def load_rank(engine_dir: Path, d: ModelDims, rank: int) -> RankShard:
     if not path.is_file():
         raise ToolchainError(f"engine rank file missing: {path} (world_size {d.world_size})",
                              "rebuild the engine with `toolchain build-engine --force`")
-    wanted = expected_shapes(d, tp_rank, pp_rank)
-    tensors, extra = _read_rank(path, wanted)
+    wanted_kinds = expected_tensors(d, tp_rank, pp_rank)
+    wanted = {n: shape for n, (shape, _) in wanted_kinds.items()}
+    tensors, extra = _read_rank(path, wanted_kinds)
     head = f"{LM_HEAD}.weight"
     if head in wanted and head not in tensors:
         tied = _tied_lm_head(d, tensors, tp_rank)
@@ -154,26 +186,30 @@ def load_rank(engine_dir: Path, d: ModelDims, rank: int) -> RankShard:
 
 
 def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int, pp_rank: int) -> RankShard:
-    q = d.quant_algo
     layers = []
     for i in range(len(d.stage_layers(pp_rank))):
-        p = _layer(i)
+        p, g = _layer(i), _global(d, pp_rank, i)
+
+        def linear(name: str, bias: bool) -> Linear:
+            return make_linear(t, f"{p}.{name}", bias, d.linear_format(f"{g}.{name}"), group=d.group_size)
+
         layers.append(LayerShard(
             input_norm=t[f"{p}.input_layernorm.weight"],
-            qkv=make_linear(t, f"{p}.attention.qkv", d.attn_bias, q),
-            dense=make_linear(t, f"{p}.attention.dense", d.dense_bias, q),
+            qkv=linear("attention.qkv", d.attn_bias),
+            dense=linear("attention.dense", d.dense_bias),
             post_norm=t[f"{p}.post_layernorm.weight"],
-            fc=make_linear(t, f"{p}.mlp.fc", d.mlp_bias, q),
-            gate=make_linear(t, f"{p}.mlp.gate", d.mlp_bias, q),
-            proj=make_linear(t, f"{p}.mlp.proj", d.mlp_bias, q),
+            fc=linear("mlp.fc", d.mlp_bias),
+            gate=linear("mlp.gate", d.mlp_bias),
+            proj=linear("mlp.proj", d.mlp_bias),
             q_norm=t.get(f"{p}.attention.q_layernorm.weight") if d.qk_layernorm else None,
             k_norm=t.get(f"{p}.attention.k_layernorm.weight") if d.qk_layernorm else None,
+            kv_scale=t.get(f"{p}.attention.kv_cache_scaling_factor"),
         ))
     shard = RankShard(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, layers=layers)
     shard.embedding = t.get(EMBEDDING)
     if pp_rank == d.pp - 1:
         shard.final_norm = t[FINAL_NORM]
-        # lm_head stays unquantized in every format the engine reads (exclude_modules default).
+        # lm_head stays unquantized in every format the engine reads (config checks exclude_modules).
         shard.lm_head = make_linear(t, LM_HEAD, False, None)
     return shard
 
@@ -204,6 +240,7 @@ def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
                           (f"{p}.post_layernorm.weight", a.post_norm, b.post_norm),
                           (f"{p}.attention.q_layernorm.weight", a.q_norm, b.q_norm),
                           (f"{p}.attention.k_layernorm.weight", a.k_norm, b.k_norm),
+                          (f"{p}.attention.kv_cache_scaling_factor", a.kv_scale, b.kv_scale),
                           (f"{p}.attention.dense.bias", a.dense.bias, b.dense.bias),
                           (f"{p}.mlp.proj.bias", a.proj.bias, b.proj.bias)]
             for name, a, b in pairs:

@@ -56,6 +56,14 @@ class TritonPythonModel:
         if self.pad_id < 0:
             self.pad_id = 0
         self.vocab_size = len(self.tokenizer)
+        # The repository renders the end id resolved from generation_config.json
+        # (an instruct model's chat terminator) and its other EOS ids; requests
+        # that send END_ID or stop words still win or add to these.
+        end_id = _param(config, "end_id")
+        if end_id is not None and end_id.lstrip("-").isdigit():
+            self.end_id = int(end_id)
+        stops = _param(config, "stop_token_ids") or ""
+        self.stop_ids = [int(t) for t in stops.split(",") if t.strip().lstrip("-").isdigit()]
 
     def execute(self, requests):
         responses = []
@@ -92,7 +100,8 @@ class TritonPythonModel:
             pb_utils.Tensor("DECODER_INPUT_ID", decoder_ids),
             pb_utils.Tensor("REQUEST_DECODER_INPUT_LEN", decoder_lens),
             pb_utils.Tensor("BAD_WORDS_IDS", self._word_lists(_input(request, "BAD_WORDS_DICT"), batch)),
-            pb_utils.Tensor("STOP_WORDS_IDS", self._word_lists(_input(request, "STOP_WORDS_DICT"), batch)),
+            pb_utils.Tensor("STOP_WORDS_IDS", self._word_lists(
+                _input(request, "STOP_WORDS_DICT"), batch, () if _input(request, "END_ID") is not None else self.stop_ids)),
             pb_utils.Tensor("EMBEDDING_BIAS", self._embedding_bias(
                 _input(request, "EMBEDDING_BIAS_WORDS"), _input(request, "EMBEDDING_BIAS_WEIGHTS"), batch)),
             pb_utils.Tensor("REQUEST_OUTPUT_LEN", _input(request, "REQUEST_OUTPUT_LEN").astype(np.int32)),
@@ -116,12 +125,16 @@ class TritonPythonModel:
             ids[i, :len(row)] = row
         return ids, np.array([[len(r)] for r in rows], np.int32)
 
-    def _word_lists(self, words, batch):
-        if words is None:
+    def _word_lists(self, words, batch, extra_ids=()):
+        if words is None and not extra_ids:
             return np.empty((batch, 2, 0), np.int32)
+        rows = words.reshape(batch, -1) if words is not None else [()] * batch
         flat, offsets = [], []
-        for row in words.reshape(batch, -1):
+        for row in rows:
             ids, ends = [], []
+            for token in extra_ids:  # single-token stop words
+                ids.append(token)
+                ends.append(len(ids))
             for word in row:
                 word_ids = self.tokenizer.encode(_text(word), add_special_tokens=False)
                 if word_ids:

@@ -1,0 +1,197 @@
+"""Quantized linears: each checkpoint format run as stored, on torch's CPU kernels.
+
+| quant_algo | stored (reference §2.8) | run |
+|---|---|---|
+| W8A16 / W4A16 | fp weight (option a: the build quantizes) | quantized here at load, per channel amax/127 or amax/7, as trtllm-build does; `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` |
+| W4A16_AWQ (ModelOpt) | int8 (out/2, in) packed int4, scales (out, in/g), prequant (in,), zero (out, in/g) if has_zero_point | x·prequant, then `_weight_int4pack_mm_for_cpu` |
+| W8A8_SQ_PER_CHANNEL | int8 (out, in), per-channel scale, static activation scale, prequant | x·prequant quantized per tensor to int8, `torch._int_mm`, rescaled |
+| FP8 | e4m3 (out, in), per-tensor weight and activation scales | emulated: activation rounded through e4m3, weight dequantized, fp32 matmul |
+
+The packed integer kernels are GEMV kernels fed bf16 activations (fp32
+input is 40-100x slower, cpu-feasibility §1.3); they win for a few rows
+(decode) and lose badly for many (prefill). So up to `DECODE_ROWS` rows run
+the kernel and larger batches dequantize the stored weight for that call and
+run an fp32 matmul: the same weights, exactly their dequantized values.
+Nothing is cached in float, so memory holds the format as stored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from toolchain.engine.cpu.linear import Linear
+from toolchain.quant import fp8 as fp8q
+from toolchain.quant.int_quant import dequantize_per_group, pack_int4, quantize_per_channel, unpack_int4
+
+DECODE_ROWS = 16
+INT4_KERNEL_GROUP = 32  # per-channel int4 runs the grouped kernel with one scale repeated per 32 columns
+
+
+def _int4_kernel_pack(q_signed: torch.Tensor, scales: torch.Tensor, zero: torch.Tensor | None,
+                      group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) int4 in [-8, 7] + (out, in/g) scales/zero -> the kernel's packed weight and
+    [in/g, out, 2] scale-and-zero (bf16). The kernel computes (u - 8)·s + zero with u = q + 8
+    (cpu-feasibility §1.2); the packed layout depends on the CPU, so it is built here, never stored."""
+    u = (q_signed.to(torch.int32) + 8).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
+    z = zero if zero is not None else torch.zeros_like(scales)
+    sz = torch.stack([scales.float().t(), z.float().t()], dim=-1).contiguous().to(torch.bfloat16)
+    return packed, sz
+
+
+class Int8WeightOnly(Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        q, scale = quantize_per_channel(weight.float(), bits=8)
+        super().__init__(q, bias)
+        self.scale = scale
+        self._scale_bf16 = scale.to(torch.bfloat16)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float() * self.scale[:, None]
+
+    def __call__(self, x, *, add_bias=True):
+        if x.shape[0] <= DECODE_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self._scale_bf16).float()
+        else:
+            y = F.linear(x, self.dequantized())
+        return _bias(y, self.bias, add_bias)
+
+
+class Int4Grouped(Linear):
+    """Signed int4 per group: ModelOpt W4A16_AWQ (with prequant, or with zero for imports).
+
+    `weight` keeps the checkpoint's packed (out/2, in) int8 bytes; the kernel's
+    own CPU-specific packing is derived from it at load."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, group: int, *, zero=None, prequant=None,
+                 bias=None):
+        super().__init__(packed, bias)
+        q_signed = unpack_int4(packed)
+        self.out_f, self.in_f = q_signed.shape
+        self.group, self.scales = group, scales.float()
+        self.zero = zero.float() if zero is not None else None
+        self.prequant = prequant.float() if prequant is not None else None
+        self._kernel, self._sz = _int4_kernel_pack(q_signed, self.scales, self.zero, group)
+
+
+    @property
+    def out_features(self):
+        return self.out_f
+
+    @property
+    def in_features(self):
+        return self.in_f
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_per_group(unpack_int4(self.weight), self.scales, self.group, zero=self.zero)
+
+    def __call__(self, x, *, add_bias=True):
+        if self.prequant is not None:
+            x = x * self.prequant
+        if x.shape[0] <= DECODE_ROWS:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self._kernel, self.group,
+                                                          self._sz).float()
+        else:
+            y = F.linear(x, self.dequantized())
+        return _bias(y, self.bias, add_bias)
+
+
+class Int4WeightOnly(Int4Grouped):
+    """W4A16 per channel (option a: the checkpoint holds fp weights and the build quantizes):
+    quantized here to amax/7 per output channel, run by the grouped kernel with the channel's
+    scale repeated per INT4_KERNEL_GROUP columns."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        q, scale = quantize_per_channel(weight.float(), bits=4)
+        k = weight.shape[1]
+        group = INT4_KERNEL_GROUP if k % INT4_KERNEL_GROUP == 0 else k
+        super().__init__(pack_int4(q), scale[:, None].repeat(1, k // group), group, bias=bias)
+
+
+class SmoothQuantW8A8(Linear):
+    def __init__(self, weight, weight_scale, act_scale, prequant, bias=None):
+        super().__init__(weight, bias)
+        self.weight_scale, self.act_scale, self.prequant = weight_scale.float(), act_scale.float(), prequant.float()
+        self._out_scale = self.weight_scale * self.act_scale
+
+    def quantize_input(self, x):
+        return torch.clamp(torch.round(x * self.prequant / self.act_scale), -127, 127).to(torch.int8)
+
+    def __call__(self, x, *, add_bias=True):
+        y = torch._int_mm(self.quantize_input(x), self.weight.t()).float() * self._out_scale
+        return _bias(y, self.bias, add_bias)
+
+
+class Fp8PerTensor(Linear):
+    """FP8 by emulation: torch has no CPU FP8 GEMM, so the e4m3 weight is widened
+    once at load (exactly its stored values times the scale) and each call rounds
+    the activation through e4m3 with the static scale, as the FP8 GEMM input would be."""
+
+    def __init__(self, weight, weight_scale, act_scale, bias=None):
+        super().__init__(weight, bias)
+        self.weight_scale, self.act_scale = weight_scale.float(), act_scale.float()
+        self._wide = fp8q.from_fp8(weight, self.weight_scale)
+
+    def __call__(self, x, *, add_bias=True):
+        y = F.linear(fp8q.fake_fp8(x, self.act_scale), self._wide)
+        return _bias(y, self.bias, add_bias)
+
+
+def _bias(y, bias, add):
+    return y + bias if (add and bias is not None) else y
+
+
+# -- what each format stores, and building the right Linear --------------------------------
+
+FORMATS = {"W8A16": "int8_wo", "W4A16": "int4_wo", "W4A16_AWQ": "int4_group",
+           "W8A8_SQ_PER_CHANNEL": "sq", "FP8": "fp8"}
+
+
+def stored_tensors(prefix: str, out_f: int, in_f: int, bias: bool, fmt: str | None, *, group: int = 128,
+                   zero: bool = False, prequant: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, kind) of one linear as the checkpoint stores it (reference §2.8);
+    kind is "float", "int8" or "fp8" (the dtype family the loader accepts)."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    if fmt in (None, "int8_wo", "int4_wo"):  # option (a): fp weights, quantized at load
+        out[f"{prefix}.weight"] = ((out_f, in_f), "float")
+    elif fmt == "int4_group":
+        out[f"{prefix}.weight"] = ((out_f // 2, in_f), "int8")
+        out[f"{prefix}.weights_scaling_factor"] = ((out_f, in_f // group), "float")
+        if prequant:
+            out[f"{prefix}.prequant_scaling_factor"] = ((in_f,), "float")
+        if zero:
+            out[f"{prefix}.zero"] = ((out_f, in_f // group), "float")
+    elif fmt == "sq":
+        out[f"{prefix}.weight"] = ((out_f, in_f), "int8")
+        out[f"{prefix}.weights_scaling_factor"] = ((out_f,), "float")
+        out[f"{prefix}.activation_scaling_factor"] = ((1,), "float")
+        out[f"{prefix}.prequant_scaling_factor"] = ((in_f,), "float")
+    elif fmt == "fp8":
+        out[f"{prefix}.weight"] = ((out_f, in_f), "fp8")
+        out[f"{prefix}.weights_scaling_factor"] = ((1,), "float")
+        out[f"{prefix}.activation_scaling_factor"] = ((1,), "float")
+    else:
+        raise ValueError(f"unknown linear format {fmt}")
+    if bias:
+        out[f"{prefix}.bias"] = ((out_f,), "float")
+    return out
+
+
+def build_linear(t: dict[str, torch.Tensor], prefix: str, bias: bool, fmt: str | None, *,
+                 group: int = 128) -> Linear:
+    b = t[f"{prefix}.bias"] if bias else None
+    w = t[f"{prefix}.weight"]
+    if fmt is None:
+        return Linear(w, b)
+    if fmt == "int8_wo":
+        return Int8WeightOnly(w, b)
+    if fmt == "int4_wo":
+        return Int4WeightOnly(w, b)
+    if fmt == "int4_group":
+        return Int4Grouped(w, t[f"{prefix}.weights_scaling_factor"], group, zero=t.get(f"{prefix}.zero"),
+                           prequant=t.get(f"{prefix}.prequant_scaling_factor"), bias=b)
+    if fmt == "sq":
+        return SmoothQuantW8A8(w, t[f"{prefix}.weights_scaling_factor"], t[f"{prefix}.activation_scaling_factor"],
+                               t[f"{prefix}.prequant_scaling_factor"], b)
+    return Fp8PerTensor(w, t[f"{prefix}.weights_scaling_factor"], t[f"{prefix}.activation_scaling_factor"], b)
