@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from toolchain.checkpoint.convert import plan_any, plan_checkpoint
+from toolchain.checkpoint.convert import calibrate, plan_any, plan_checkpoint
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.checkpoint.layout import Plan
 from toolchain.checkpoint.writer import write_plan
+from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir, sha256_file
 from toolchain.manifest import Manifest, is_current
+from toolchain.quant.recipe import Recipe
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
 
@@ -36,7 +38,36 @@ def convert_settings(spec: DeploymentSpec) -> dict:
     return {"converter": CONVERTER_VERSION, "target": spec.target, "dtype": spec.model.dtype,
             "tp": spec.parallelism.tp, "pp": spec.parallelism.pp,
             "use_parallel_embedding": spec.parallelism.parallel_embedding,
-            "embedding_sharding_dim": spec.parallelism.embedding_sharding_dim}
+            "embedding_sharding_dim": spec.parallelism.embedding_sharding_dim,
+            "quantization": _quant_settings(spec)}
+
+
+def _quant_settings(spec: DeploymentSpec) -> dict | None:
+    q = getattr(spec, "quantization", None)
+    return None if q is None else q.model_dump(mode="json")
+
+
+def recipe_of(spec: DeploymentSpec) -> Recipe:
+    """The spec's quantization section as the converter's recipe."""
+    q = spec.quantization
+    c = q.calibration
+    return Recipe(method=q.method, group_size=q.group_size, alpha=q.alpha, kv_cache=q.kv_cache,
+                  exclude_modules=tuple(q.exclude_modules), calibration_dataset=c.dataset,
+                  calibration_samples=c.samples, calibration_seq_len=c.seq_len)
+
+
+def target_gpu(spec: DeploymentSpec) -> tuple[str | None, int | None] | None:
+    """(name, SM) of the GPU the spec names, for the format checks; read defensively
+    (the `gpu` section and its table belong to the planner)."""
+    gpu = getattr(spec, "gpu", None)
+    name, sm = getattr(gpu, "name", None), getattr(gpu, "sm", None)
+    if name and sm is None:
+        try:
+            from toolchain.plan.gpus import lookup  # the GPU table lives with the planner
+            sm = lookup(name).sm
+        except (ImportError, ToolchainError, AttributeError):
+            sm = None
+    return (name, sm) if (name or sm) else None
 
 
 def convert_hash(spec: DeploymentSpec) -> str:
@@ -69,7 +100,8 @@ def _outputs(plan: Plan, files: dict[str, int]) -> dict:
 def _plan_options(spec: DeploymentSpec) -> dict:
     par = spec.parallelism
     return {"tp": par.tp, "pp": par.pp, "dtype": spec.model.dtype, "target": spec.target,
-            "use_parallel_embedding": par.parallel_embedding, "embedding_sharding_dim": par.embedding_sharding_dim}
+            "use_parallel_embedding": par.parallel_embedding, "embedding_sharding_dim": par.embedding_sharding_dim,
+            "recipe": recipe_of(spec), "gpu": target_gpu(spec)}
 
 
 def plan_convert(spec: DeploymentSpec) -> Plan:
@@ -88,8 +120,11 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
     with ckpt:
         # Planning validates config, parallelism, names and headers before any write.
         plan = plan_checkpoint(ckpt.directory, **_plan_options(spec), ckpt=ckpt)
-        wanted = Manifest(stage="convert", spec_hash=convert_hash(spec),
-                          inputs={p.name: input_hash(p) for p in ckpt.input_files})
+        inputs = {p.name: input_hash(p) for p in ckpt.input_files}
+        if plan.quant is not None and plan.quant.recipe.needs_calibration \
+                and plan.quant.recipe.calibration_dataset != "builtin":
+            inputs["calibration"] = input_hash(Path(plan.quant.recipe.calibration_dataset))
+        wanted = Manifest(stage="convert", spec_hash=convert_hash(spec), inputs=inputs)
         if not force and is_current(final, wanted):
             say(f"checkpoint {final} is current (same settings and inputs); reusing it (--force rebuilds)")
             return Manifest.read(final)
@@ -97,6 +132,7 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
         start = time.monotonic()
         try:
             with atomic_dir(final) as tmp:
+                calibrate(plan, ckpt.directory, tokenizer_dir=spec.model.tokenizer_dir, echo=say)
                 files = write_plan(plan, ckpt, tmp)
                 (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
                 wanted.outputs = _outputs(plan, files)

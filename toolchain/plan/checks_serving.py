@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 from pathlib import Path
 
+from toolchain.netutil import port_in_use
 from toolchain.plan.preflight import FAIL, PASS, SERVING, SKIP, WARN, Context, check
 from toolchain.plan.versions import TRITON_CONTAINER, TRTLLM_LINE, in_line
 
@@ -204,24 +204,13 @@ def _backend_present(ctx: Context):
     return PASS, f"tensorrtllm backend in {backend}"
 
 
-def _in_use(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
 @check("serve.ports-free", ("serve",), "a stale tritonserver or another process holds the ports (T#17)")
 def _ports(ctx: Context):
     if ctx.stage == "plan":
         return SKIP, "checked on the serving host when serve starts"
     s = ctx.spec.serving
     busy = [f"serving.{k}_port={p}" for k in ("http", "grpc", "metrics") if (p := getattr(s, f"{k}_port"))
-            and _in_use(s.host, p)]
+            and port_in_use(s.host, p)]
     if busy:
         return FAIL, (f"{', '.join(busy)} already in use on {s.host} (a tritonserver still running?); stop it or "
                       "pick other ports (0 = any free one)")

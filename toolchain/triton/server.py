@@ -15,7 +15,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,31 +24,10 @@ import uuid
 from pathlib import Path
 
 from toolchain.errors import StageFailed, ToolchainError
+from toolchain.netutil import free_port, port_in_use  # noqa: F401  (free_port is re-exported)
 from toolchain.triton.runtime import ServerBinary, backend_dir, resolve_binary, server_env
 
 _PORT_FIELDS = {"http": "serving.http_port", "grpc": "serving.grpc_port", "metrics": "serving.metrics_port"}
-
-
-def free_port(host: str) -> int:
-    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _family(host: str) -> int:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """True when something is listening on (host, port). SO_REUSEADDR mirrors the
-    server's own bind, so sockets in TIME_WAIT from a previous run don't count."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 def _port_error(kind: str, host: str, port: int) -> ToolchainError:
