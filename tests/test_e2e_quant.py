@@ -46,7 +46,6 @@ def test_quantized_model_served_through_triton(tmp_path):
                               skip_special_tokens=True) for p in PROMPTS}
     run_model_repo(spec, ws)
     with TritonServer(ws.model_repo_dir(spec), host="127.0.0.1", http_port=0, grpc_port=0, metrics_port=0) as srv:
-        srv.start(timeout=180)
         client = grpcclient.InferenceServerClient(srv.grpc_url)
         for prompt in PROMPTS:
             text = _stream_text(client, "ensemble", prompt, True)

@@ -14,12 +14,10 @@ spawns the executor workers itself. Several hosts come from gpu.hostfile.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -27,6 +25,7 @@ from pathlib import Path
 
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.plan.versions import TRITON_IMAGE, TRTLLM_LINE
+from toolchain.triton import procgroup
 from toolchain.triton.server import diagnose_log, free_port, is_ready
 
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
@@ -177,12 +176,9 @@ class TritonLaunch:
                 self.ports[kind] = free_port(self.spec.serving.host if self.spec.serving.host != "0.0.0.0"
                                              else "127.0.0.1")
         launch = self.command()
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "wb")
         t0 = time.monotonic()
-        self.process = subprocess.Popen(launch.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env={**os.environ, **launch.env},
-                                        start_new_session=True)  # stop() signals mpirun and every rank
+        # Its own process group: stop() signals mpirun and every rank.
+        self.process, self._log = procgroup.spawn(launch.argv, {**os.environ, **launch.env}, self.log_path)
         try:
             self._wait_ready(timeout)
         except BaseException:
@@ -192,18 +188,14 @@ class TritonLaunch:
         return self
 
     def _wait_ready(self, timeout: float) -> None:
-        url, deadline = f"{self.urls['http']}/v2/health/ready", time.monotonic() + timeout
-        while True:
-            rc = self.process.poll()
-            if rc is not None:
-                raise StageFailed(f"mpirun exited during start-up (exit code {rc}): {self.failure_cause()}",
-                                  f"full log: {self.log_path}")
-            if is_ready(url):
-                return
-            if time.monotonic() > deadline:
-                raise StageFailed(f"rank 0 not ready after {timeout:.0f} s", f"raise serving.startup_timeout_s or "
-                                  f"read {self.log_path}")
-            time.sleep(0.5)
+        url = f"{self.urls['http']}/v2/health/ready"
+        procgroup.wait_ready(
+            self.process, lambda: is_ready(url), timeout,
+            exited=lambda rc: StageFailed(f"mpirun exited during start-up (exit code {rc}): {self.failure_cause()}",
+                                          f"full log: {self.log_path}"),
+            timed_out=lambda: StageFailed(f"rank 0 not ready after {timeout:.0f} s",
+                                          f"raise serving.startup_timeout_s or read {self.log_path}"),
+            poll_s=0.5)
 
     def failure_cause(self, default: str = "see the log") -> str:
         try:
@@ -216,14 +208,7 @@ class TritonLaunch:
         proc, self.process = self.process, None
         rc = None
         if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                rc = proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                rc = proc.wait()
+            rc = procgroup.stop_group(proc, timeout)
         if self._log is not None:
             self._log.close()
             self._log = None

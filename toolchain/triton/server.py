@@ -10,11 +10,9 @@ first error line.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shlex
-import signal
 import subprocess
 import tempfile
 import time
@@ -25,6 +23,7 @@ from pathlib import Path
 
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.netutil import free_port, port_in_use  # noqa: F401  (free_port is re-exported)
+from toolchain.triton import procgroup
 from toolchain.triton.runtime import ServerBinary, backend_dir, resolve_binary, server_env
 
 _PORT_FIELDS = {"http": "serving.http_port", "grpc": "serving.grpc_port", "metrics": "serving.metrics_port"}
@@ -130,12 +129,8 @@ class TritonServer:
             fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_fh = open(self.log_path, "wb")
         t0 = time.monotonic()
-        self.process = subprocess.Popen(self.command(), stdout=self._log_fh, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=server_env(self.binary),
-                                        start_new_session=True)  # own process group: stop() reaches the stubs
+        self.process, self._log_fh = procgroup.spawn(self.command(), server_env(self.binary), self.log_path)
         try:
             self._wait_ready(timeout)
         except BaseException:
@@ -146,22 +141,20 @@ class TritonServer:
 
     def _wait_ready(self, timeout: float) -> None:
         url = f"{self.urls['http']}/v2/health/ready"
-        deadline = time.monotonic() + timeout
-        while True:
-            rc = self.process.poll()
-            if rc is not None:
-                in_use = _SOCKET_IN_USE.search(self.log_text())
-                if in_use:  # lost a race for a port after the preflight check
-                    raise _port_error(in_use.group("kind").lower(), self.host, int(in_use.group("port")))
-                raise StageFailed(f"tritonserver exited during start-up (exit code {rc}): {self.failure_cause()}",
-                                  f"full log: {self.log_path}")
-            if is_ready(url):
-                return
-            if time.monotonic() > deadline:
-                cause = self.failure_cause(default="")
-                raise StageFailed(f"tritonserver not ready after {timeout:.0f} s" + (f": {cause}" if cause else ""),
-                                  f"raise serving.startup_timeout_s or read {self.log_path}")
-            time.sleep(0.1)
+
+        def exited(rc: int) -> Exception:
+            in_use = _SOCKET_IN_USE.search(self.log_text())
+            if in_use:  # lost a race for a port after the preflight check
+                return _port_error(in_use.group("kind").lower(), self.host, int(in_use.group("port")))
+            return StageFailed(f"tritonserver exited during start-up (exit code {rc}): {self.failure_cause()}",
+                               f"full log: {self.log_path}")
+
+        def timed_out() -> Exception:
+            cause = self.failure_cause(default="")
+            return StageFailed(f"tritonserver not ready after {timeout:.0f} s" + (f": {cause}" if cause else ""),
+                               f"raise serving.startup_timeout_s or read {self.log_path}")
+
+        procgroup.wait_ready(self.process, lambda: is_ready(url), timeout, exited, timed_out, poll_s=0.1)
 
     def log_text(self) -> str:
         try:
@@ -177,18 +170,7 @@ class TritonServer:
         proc, self.process = self.process, None
         rc = None
         if proc is not None:
-            wait = self.exit_timeout_s + 5 if timeout is None else timeout
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                rc = proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                rc = None
-            # Stubs left behind by a server that did not exit cleanly die with the group.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            if rc is None:
-                rc = proc.wait()
+            rc = procgroup.stop_group(proc, self.exit_timeout_s + 5 if timeout is None else timeout)
         if self._log_fh is not None:
             self._log_fh.close()
             self._log_fh = None

@@ -1,0 +1,55 @@
+"""A server process in its own process group: start with output to a log,
+wait for its readiness URL, stop it (SIGTERM, bounded wait, SIGKILL the group).
+
+Shared by the single tritonserver launcher (CPU and one-GPU hosts) and the
+mpirun launch of one tritonserver per rank; the group is what lets a stop
+reach the Python-backend stubs and every MPI rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import IO, Callable
+
+
+def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> tuple[subprocess.Popen, IO[bytes]]:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+    return proc, log
+
+
+def wait_ready(proc: subprocess.Popen, is_ready: Callable[[], bool], timeout: float,
+               exited: Callable[[int], Exception], timed_out: Callable[[], Exception], poll_s: float) -> None:
+    """Return once `is_ready()`; raise `exited(rc)` if the process dies first,
+    `timed_out()` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rc = proc.poll()
+        if rc is not None:
+            raise exited(rc)
+        if is_ready():
+            return
+        if time.monotonic() > deadline:
+            raise timed_out()
+        time.sleep(poll_s)
+
+
+def stop_group(proc: subprocess.Popen, wait_s: float) -> int:
+    """SIGTERM the group, wait up to `wait_s`, then SIGKILL whatever is left of
+    it (stubs of a server that did not exit cleanly). Returns the exit code."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        rc = proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        rc = None
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait() if rc is None else rc
