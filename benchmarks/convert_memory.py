@@ -161,7 +161,8 @@ def main(argv=None) -> int:
                   "convert_s": round(got["seconds"], 2), "copy_s": round(copy_s, 2),
                   "convert_vs_copy": round(got["seconds"] / copy_s, 2) if copy_s else None}
     mib = 2 ** 20
-    print(f"model {result['model_bytes'] / mib:.0f} MiB -> {len(rank_files)} rank files of {largest_rank / mib:.0f} MiB")
+    print(f"model {result['model_bytes'] / mib:.0f} MiB -> {len(rank_files)} rank files of "
+          f"{largest_rank / mib:.0f} MiB")
     print(f"peak RSS {result['peak_rss'] / mib:.0f} MiB (baseline after imports {result['baseline_rss'] / mib:.0f} "
           f"MiB, conversion {used / mib:.0f} MiB); bound 2 x {largest_layer / mib:.0f} + {largest_rank / mib:.0f} = "
           f"{bound / mib:.0f} MiB: {'within' if result['within_bound'] else 'OVER'}")

@@ -272,7 +272,8 @@ def verdicts(rows: list[dict]) -> list[str]:
                        "is moot on this model")
         if None not in (kl.get((m, "awq")), kl.get((m, "rtn:int4_g128"))):
             ratio = kl[(m, "awq")] / kl[(m, "rtn:int4_g128")]
-            out.append(f"awq's KL to fp16 is {ratio:.0%} of RTN's (target <= 50%): {'PASS' if ratio <= 0.5 else 'FAIL'}")
+            out.append(f"awq's KL to fp16 is {ratio:.0%} of RTN's (target <= 50%): "
+                       f"{'PASS' if ratio <= 0.5 else 'FAIL'}")
         peers = [ppl.get((m, f"peer:{t}:{meth}")) for t, meth in PEER_JOBS if "AWQ" in meth]
         peers = [p for p in peers if p is not None]
         if peers:

@@ -330,3 +330,74 @@ def test_cli_rate_sweep_writes_table_json_csv_and_plots(served, capsys):
     assert {"latency_vs_load.png", "latency_cdf.png", "itl_by_position.png"} <= {p.name for p in out.iterdir()}
     rows = list(csv.DictReader((out / "requests.csv").open()))
     assert len(rows) == 17 and {r["level"] for r in rows} == {"-1", "0", "1"}
+
+
+def test_grpc_streams_are_reused_and_a_failed_request_never_poisons_one(served):
+    """One persistent stream per in-flight request: reused after a final response, closed after a timeout,
+    a cancellation or an error, and the next request on that slot sees only its own responses."""
+    import asyncio
+
+    from toolchain.bench.datasets import Prompt, Turn
+    from toolchain.bench.protocols.triton_grpc import TritonGrpc
+    from toolchain.bench.records import RequestRecord
+
+    server, _, _ = served
+    tr = TritonGrpc(server.urls["grpc"], "ensemble")
+    tr.prepare()
+    prompt = Prompt(text="alpha bravo charlie", messages=None, ids=None, isl=3)
+    seq = iter(range(100))
+
+    async def one(turn=Turn(max_tokens=OSL), timeout=5.0, request=None):
+        rec = RequestRecord(index=0, request_id=f"t{next(seq)}")
+        try:
+            await asyncio.wait_for(tr.run(rec, prompt, turn, 0, request), timeout)
+        except asyncio.TimeoutError:
+            rec.timed_out = True
+        return rec
+
+    def clean(rec):  # exactly this request's stream: the empty first response, OSL words, the final flag
+        return (rec.ok and len(rec.responses) == OSL + 1 and not rec.responses[0].text
+                and all(r.text for r in rec.responses[1:]))
+
+    async def main():
+        await tr.open()
+        try:
+            a = await one()
+            assert clean(a) and len(tr._idle) == 1
+            stream = tr._idle[0]
+            b = await one()
+            assert clean(b) and tr._idle == [stream]  # the same stream served both
+            both = await asyncio.gather(one(), one())  # two in flight: a second stream is opened
+            assert all(map(clean, both)) and len(tr._idle) == 2 and stream in tr._idle
+
+            taken = tr._idle[-1]  # the next request's stream
+            slow = await one(timeout=0.01)  # first token at 50 ms: cancelled mid-request
+            assert slow.timed_out and not slow.ok and len(tr._idle) == 1 and taken not in tr._idle
+            assert taken.cancelled()
+            cut = await one(Turn(max_tokens=OSL, cancel_after=2))
+            assert cut.cancelled and len(tr._idle) == 0
+            tr.ignore_eos = False  # this mock refuses a request without end_id -1
+            bad_req = tr.build(RequestRecord(index=0, request_id="bad"), prompt, Turn(max_tokens=OSL), 0)
+            tr.ignore_eos = True
+            bad = await one(request=bad_req)
+            assert "end_id must be -1" in bad.error and len(tr._idle) == 0
+            after = await asyncio.gather(one(), one(), one())
+            assert all(map(clean, after)) and len(tr._idle) == 3
+
+            class Gone:  # an idle stream the server ended, not yet known as done: one fresh retry
+                def done(self):
+                    return False
+
+                async def write(self, _):
+                    raise asyncio.InvalidStateError("RPC already finished.")
+
+                def cancel(self):
+                    return True
+
+            tr._idle.append(Gone())
+            retried = await one()
+            assert clean(retried) and not any(isinstance(c, Gone) for c in tr._idle)
+        finally:
+            await tr.close()
+
+    asyncio.run(main())

@@ -93,7 +93,7 @@ def test_corrupt_rank_file(engine_copy):
     (lambda c: c["pretrained_config"]["mapping"].update(world_size=8), "mapping"),
     (lambda c: c["pretrained_config"].update(rotary_scaling={"type": "yarn", "factor": 2.0}), "'yarn'"),
     (lambda c: c["pretrained_config"].update(rotary_scaling={"type": "llama3", "factor": 8.0}), "lacks"),
-    (lambda c: c["pretrained_config"].update(quantization={"quant_algo": "W8A16"}), "quantization"),
+    (lambda c: c["pretrained_config"].update(quantization={"quant_algo": "W4A8_AWQ"}), "quant_algo W4A8_AWQ"),
     (lambda c: c["pretrained_config"].update(hidden_act="gelu"), "hidden_act"),
     (lambda c: c["build_config"].pop("max_seq_len"), "max_seq_len"),
     (lambda c: c.pop("build_config"), "build_config"),

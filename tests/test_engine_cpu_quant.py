@@ -101,7 +101,8 @@ def _engine_for(hf, tmp_path, recipe, tp=1):
     from toolchain.checkpoint.convert import convert_checkpoint
     from toolchain.engine.cpu import CpuEngine
 
-    ckpt, eng = tmp_path / f"ckpt-{recipe.method}-{recipe.kv_cache}-{tp}", tmp_path / f"eng-{recipe.method}-{recipe.kv_cache}-{tp}"
+    tag = f"{recipe.method}-{recipe.kv_cache}-{tp}"
+    ckpt, eng = tmp_path / f"ckpt-{tag}", tmp_path / f"eng-{tag}"
     ckpt.mkdir()
     eng.mkdir()
     g = torch.Generator().manual_seed(0)

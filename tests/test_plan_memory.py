@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from toolchain.plan import memory as mem
-from toolchain.plan.gpus import GIB, lookup
+from toolchain.gpus import GIB, lookup
 from toolchain.plan.model import QuantFormat, load_model
 from toolchain.plan.plan import plan_memory
 from toolchain.spec import load_spec
@@ -164,7 +164,7 @@ def test_gpu_table_and_overrides(tmp_path):
     assert lookup("h100").sm == 90 and lookup("H200").memory_gib > 140 and lookup("l40s").sm == 89
     assert lookup("RTX-3090").sm == 86 and lookup("a100 40gb").memory_gib == 40
     spec = spec_for(tmp_path, CONFIGS / "llama-3-8b-instruct", gpu={"name": "A100", "memory_gib": 20})
-    from toolchain.plan.gpus import resolve
+    from toolchain.gpus import resolve
 
     dev = resolve(spec)
     assert dev.name == "A100 80GB" and dev.memory_gib == 20 and dev.sm == 80

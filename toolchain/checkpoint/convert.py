@@ -22,7 +22,7 @@ from toolchain.checkpoint.layout import TORCH_DTYPES, Options, Plan, build_plan
 from toolchain.checkpoint.quantize import Quantizer, virtualize_prequantized
 from toolchain.checkpoint.writer import write_plan
 from toolchain.errors import ToolchainError
-from toolchain.quant.recipe import ModelShape, Recipe, check_recipe, parse_prequantized
+from toolchain.quant.recipe import ModelShape, Recipe, check_recipe, is_excluded, parse_prequantized
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 TARGETS = ("cpu", "trtllm")
@@ -71,6 +71,14 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     config = build_config(family, params, dtype=resolved, tp=tp, pp=pp,
                           use_parallel_embedding=use_parallel_embedding,
                           embedding_sharding_dim=embedding_sharding_dim)
+    if layout_plan.padded_intermediate != params.intermediate_size and any(
+            is_excluded(f"transformer.layers.{i}.mlp.{m}", recipe.exclude_modules)
+            for i in range(params.num_hidden_layers) for m in ("fc", "gate", "proj")):
+        # A padded int4 MLP next to an unpadded fp one would disagree on the width (§3.5).
+        raise ToolchainError(f"intermediate_size {params.intermediate_size} is padded to "
+                             f"{layout_plan.padded_intermediate} for per-group int4 at tp {tp}, which needs every "
+                             "MLP linear quantized", "remove the mlp modules from quantization.exclude_modules, "
+                             "or use quantization.group_size 64 or another parallelism.tp")
     quant = None
     if recipe.active or prequantized is not None:
         quant = Quantizer(recipe, params.num_attention_heads, params.num_key_value_heads, tp,

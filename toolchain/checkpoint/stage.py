@@ -20,6 +20,7 @@ from toolchain.checkpoint.layout import Plan
 from toolchain.checkpoint.writer import write_plan
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir, sha256_file
+from toolchain.gpus import lookup
 from toolchain.manifest import Manifest, is_current
 from toolchain.quant.recipe import Recipe
 from toolchain.spec import DeploymentSpec
@@ -57,15 +58,13 @@ def recipe_of(spec: DeploymentSpec) -> Recipe:
 
 
 def target_gpu(spec: DeploymentSpec) -> tuple[str | None, int | None] | None:
-    """(name, SM) of the GPU the spec names, for the format checks; read defensively
-    (the `gpu` section and its table belong to the planner)."""
-    gpu = getattr(spec, "gpu", None)
-    name, sm = getattr(gpu, "name", None), getattr(gpu, "sm", None)
+    """(name, SM) of the GPU the spec names, for the format checks (FP8 needs SM 89+)."""
+    gpu = spec.gpu
+    name, sm = gpu.name, gpu.sm
     if name and sm is None:
         try:
-            from toolchain.plan.gpus import lookup  # the GPU table lives with the planner
             sm = lookup(name).sm
-        except (ImportError, ToolchainError, AttributeError):
+        except ToolchainError:  # an unknown name is the planner's `gpu.known` check to report
             sm = None
     return (name, sm) if (name or sm) else None
 

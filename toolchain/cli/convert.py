@@ -26,6 +26,9 @@ def _print_plan(plan, summary: bool = False) -> None:
     o = plan.options
     click.echo(f"plan: {plan.config['architecture']} -> {o.world_size} rank(s) (tp {o.tp} x pp {o.pp}), "
                f"dtype {o.dtype}, {_size(plan.total_bytes)}")
+    quant = plan.config.get("quantization") or {}
+    if quant.get("quant_algo") or quant.get("kv_cache_quant_algo"):
+        click.echo("quantization: " + ", ".join(f"{k} {v}" for k, v in quant.items() if v not in (None, [])))
     if plan.config_only:
         click.echo("planned from config.json alone (no weights in the checkpoint directory yet); "
                    "`toolchain convert` needs the safetensors")

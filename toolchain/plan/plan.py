@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from toolchain.plan import memory as mem
-from toolchain.plan.gpus import GIB, GPUS, Gpu
+from toolchain.gpus import GIB, GPUS, Gpu
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, QuantFormat, kv_dtype, kv_dtype_bytes, weight_dtype
 
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 from toolchain.errors import ToolchainError
 from toolchain.plan import eos as eos_mod
-from toolchain.plan import gpus
+from toolchain import gpus
 from toolchain.plan.model import ModelInfo, QuantFormat, load_model, quant_format, read_json
 from toolchain.plan.plan import DraftModel, MemoryPlan, layout_ok, plan_memory
 

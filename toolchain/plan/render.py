@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from toolchain.plan.gpus import GIB, Gpu
+from toolchain.gpus import GIB, Gpu
 from toolchain.plan.plan import layout_ok, plan_memory
 from toolchain.plan.preflight import FAIL, Context, CheckResult
 

@@ -105,6 +105,7 @@ def hf_tokenizer(tokenizer_dir: Path) -> Callable[[str], list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok.model_max_length = 1 << 62  # whole files are tokenized and cut into windows here: no length warning
     return lambda text: tok(text, add_special_tokens=False)["input_ids"]
 
 

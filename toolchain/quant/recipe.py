@@ -127,6 +127,10 @@ def _check_per_group(shape: ModelShape, group: int, tp: int, field_name: str) ->
             raise ToolchainError(f"per-group int4 (group {group}) at tp {tp} needs {what} ({dim}) to be a multiple "
                                  f"of max(64, group) x tp = {m}", fixes)
     padded = -(-shape.intermediate_size // m) * m  # zero rows/columns in the MLP are harmless (§3.5)
+    if shape.intermediate_size % group:
+        # The groups are formed before padding, so the real width must split into whole groups.
+        raise ToolchainError(f"per-group int4: intermediate_size {shape.intermediate_size} is not a multiple of "
+                             f"the group size {group}", fixes)
     for what, local in (("hidden_size", shape.hidden_size), ("attention input per rank", attn_in // tp),
                         ("intermediate size per rank", padded // tp)):
         if local % group:

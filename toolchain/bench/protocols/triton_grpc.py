@@ -1,13 +1,25 @@
 """Triton gRPC streaming (`ModelStreamInfer`) on asyncio, for both Triton contracts.
 
-One bidirectional stream per request over one shared HTTP/2 channel: a
-failed request's error then belongs to exactly that request (Triton's stream
-error messages carry no request id), and cancelling a request (timeout or
-cancel_fraction) cancels only its own call, which Triton passes on to the
-model as a cancellation. Requests are protobufs built here with raw tensor
-contents, so they can carry `triton_enable_empty_final_response` (which
+Persistent streams over one shared HTTP/2 channel, one request in flight per
+stream: a request takes an idle stream (or opens one), and gives it back once
+its final response arrived. Opening a stream per request cost about a
+millisecond of TTFT on a 2-core box (the call set-up, its metadata and a
+request-iterator task before the request reaches the wire), and that is the
+client's, not the server's. One request per stream keeps what the per-request
+streams gave: a failed request's error belongs to exactly that request
+(Triton's stream error messages need not carry a request id), and cancelling
+a request (timeout or cancel_fraction) cancels only its own stream, which
+Triton passes on to the model as a cancellation. A stream whose request
+failed, was cancelled or timed out is closed, never reused; the next request
+opens a fresh one.
+
+Requests are protobufs built here with raw tensor contents and serialized in
+`build()`, before `t_send` is stamped, so the send path is a stamp and a
+write. They can carry `triton_enable_empty_final_response` (which
 tritonclient refuses as a reserved parameter): the flag-only final response
-then arrives and E2E-final is exact.
+then arrives and E2E-final is exact; it is also what tells a stream is free
+again. Responses come off the stream as bytes and are parsed after the
+arrival stamp.
 """
 
 from __future__ import annotations
@@ -22,6 +34,8 @@ from toolchain.bench.protocols import Reply, Stream, short
 from toolchain.bench.protocols.contract import (TOKEN_IDS, Contract, detect, ready_or_raise, request_tensors,
                                                 requested_outputs)
 from toolchain.errors import ToolchainError
+
+_STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
 def _raw(dtype: str, arr: np.ndarray) -> bytes:
@@ -50,7 +64,8 @@ class TritonGrpc:
         self.model, self.streaming, self.ignore_eos, self.exclude_input = model, streaming, ignore_eos, exclude_input
         self.keep_text = keep_text
         self.contract: Contract | None = None
-        self._channel = self._stub = None
+        self._channel = None
+        self._idle: list = []
         self._seq = 0
 
     @property
@@ -101,22 +116,29 @@ class TritonGrpc:
     # ---- run -----------------------------------------------------------------------------------------------
     async def open(self) -> None:
         import grpc
-        from tritonclient.grpc import service_pb2, service_pb2_grpc
+        from tritonclient.grpc import service_pb2
 
         self._pb = service_pb2
+        self._parse = service_pb2.ModelStreamInferResponse.FromString
+        self._eof = grpc.aio.EOF
         # Large messages: long prompts as token ids; no keepalive pings to disturb timing.
         self._channel = grpc.aio.insecure_channel(self.url, options=[
             ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
-        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        # No (de)serializers: build() hands over bytes, and responses are parsed after they are stamped.
+        self._stream = self._channel.stream_stream(_STREAM_METHOD)
+        self._idle = []  # streams with nothing in flight, the most recently used last
         self._outputs = [service_pb2.ModelInferRequest.InferRequestedOutputTensor(name=n)
                          for n in requested_outputs(self.contract)]
 
     async def close(self) -> None:
+        for call in self._idle:
+            call.cancel()
+        self._idle = []
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
 
-    def build(self, rec, prompt, turn, priority: int):
+    def build(self, rec, prompt, turn, priority: int) -> bytes:
         pb = self._pb
         tensors = request_tensors(self.contract, text=prompt.text, ids=prompt.ids, max_tokens=turn.max_tokens,
                                   streaming=self.streaming, ignore_eos=self.ignore_eos,
@@ -128,47 +150,69 @@ class TritonGrpc:
         req.parameters["triton_enable_empty_final_response"].bool_param = True
         if priority:
             req.parameters["priority"].uint64_param = priority
-        return req
+        return req.SerializeToString()
+
+    def _take(self):
+        """(an idle stream, True), or (a new one, False). A stream the server has ended is dropped."""
+        while self._idle:
+            call = self._idle.pop()
+            if not call.done():
+                return call, True
+        return self._stream(), False
 
     async def run(self, rec, prompt, turn, priority: int = 0, request=None) -> Reply:
         req = request if request is not None else self.build(rec, prompt, turn, priority)
         st = Stream(rec, turn.cancel_after, self.keep_text)
         token_ids = self.contract.kind == TOKEN_IDS
-
-        async def one():
-            yield req
-
+        parse, eof = self._parse, self._eof
         if self.contract.server_counts:
             rec.token_source = "server"
-        rec.t_send = time.perf_counter_ns()
-        call = self._stub.ModelStreamInfer(one())
+        call, reused = self._take()
+        free = False  # True once the final response arrived: the stream can take the next request
         try:
-            async for msg in call:
+            rec.t_send = time.perf_counter_ns()
+            try:
+                await call.write(req)
+            except Exception:  # AioRpcError, InvalidStateError (CancelledError is not an Exception)
+                if not reused:
+                    raise
+                # An idle stream the server closed meanwhile (the message never went out): open a fresh one.
+                call.cancel()
+                call, reused = self._stream(), False
+                rec.t_send = time.perf_counter_ns()
+                await call.write(req)
+            while True:
+                raw = await call.read()
                 t = time.perf_counter_ns()
+                if raw is eof:
+                    if rec.t_final is None and rec.error is None:
+                        rec.error = "stream ended without a final response"
+                    break
+                msg = parse(raw)
                 if msg.error_message:
                     rec.error = " ".join(msg.error_message.split())[:200]
                     rec.t_final = t
                     break
                 resp = msg.infer_response
                 if self._handle(st, t, resp, token_ids):
-                    call.cancel()
-                    break
+                    break  # cancelled after cancel_after tokens: the stream is cancelled below
                 param = resp.parameters.get("triton_final_response")
                 if param is not None and param.bool_param:
                     rec.t_final = t
+                    free = True
                     break
-            else:
-                if rec.t_final is None and rec.error is None:
-                    rec.error = "stream ended without a final response"
-        except asyncio.CancelledError:
-            call.cancel()
+        except asyncio.CancelledError:  # the caller's timeout: cancelling the stream cancels the request
             raise
         except Exception as err:  # grpc.aio.AioRpcError and friends: the server went away
             rec.error = f"gRPC {short(err)}"
+        finally:
+            if free:
+                self._idle.append(call)
+            else:
+                call.cancel()
         if self.contract.server_counts and rec.error is None:
             rec.server_osl = st.tokens if token_ids else st.cumulative
         return st.reply()
-
     def _handle(self, st: Stream, t: int, resp, token_ids: bool) -> bool:
         names = [o.name for o in resp.outputs]
         raw = dict(zip(names, resp.raw_output_contents))

@@ -253,8 +253,9 @@ def _check_dims(d: ModelDims, origin: str) -> None:
                              "engine", "supported: INT8, FP8")
     if d.per_group and d.group_size not in (64, 128):
         raise ToolchainError(f"{origin}: group_size {d.group_size} (TensorRT-LLM implements 64 and 128)", _REBUILD)
+    kept = ("lm_head", "transformer.vocab_embedding")
     if d.quant_algo in ("W8A16", "W4A16") and not all(
-            any(fnmatch.fnmatchcase(m, p) for p in d.exclude_modules) for m in ("lm_head", "transformer.vocab_embedding")):
+            any(fnmatch.fnmatchcase(m, p) for p in d.exclude_modules) for m in kept):
         # The list replaces the default, so these modes would quantize the embedding (§1.5).
         raise ToolchainError(f"{origin}: quant_algo {d.quant_algo} with exclude_modules {list(d.exclude_modules)} "
                              "quantizes lm_head or the vocab embedding, which the CPU engine does not run",
