@@ -1,4 +1,4 @@
-"""Open-loop arrival schedules: seeded, with the asked-for rate and burstiness (no timing)."""
+"""Open-loop arrival schedules: seeded, with the asked-for rate and burstiness (no timing); levels and the collector."""
 
 from __future__ import annotations
 
@@ -38,3 +38,35 @@ def test_bad_arguments():
         schedule.gaps(3, 1, "uniform")
     with pytest.raises(ValueError):
         schedule.arrivals(1)
+
+
+def test_levels_run_with_the_heap_frozen_out_of_the_collector():
+    """A full collection over everything alive (tokenizer included) would stall the loop mid-level."""
+    import asyncio
+    import gc
+
+    from toolchain.bench.datasets import Prompt, Session, Turn
+    from toolchain.bench.loadgen import Runner
+    from toolchain.bench.protocols import Reply
+
+    seen = []
+
+    class Transport:
+        def build(self, rec, prompt, turn, priority):
+            return b""
+
+        async def run(self, rec, prompt, turn, priority=0, request=None):
+            seen.append(gc.get_freeze_count())
+            rec.t_send = rec.t_final = 1
+            return Reply()
+
+    class Plan:
+        def prompt(self, s, k, history):
+            return Prompt("x", None, None, 1)
+
+    runner = Runner(Transport(), Plan(), timeout_s=1.0)
+    sessions = [Session(i, turns=[Turn(max_tokens=1)]) for i in range(4)]
+    asyncio.run(runner.closed_loop(sessions[:2], 2, 0))
+    asyncio.run(runner.open_loop(sessions[2:], [0.0, 0.001], 1))
+    assert len(seen) == 4 and all(n > 0 for n in seen)
+    assert gc.get_freeze_count() == 0 and all(r.ok for r in runner.records)
