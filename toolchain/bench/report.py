@@ -127,16 +127,26 @@ def _fmt(v, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-def print_level(level: dict, console=None, title: str = "") -> None:
+def _console():
+    """A console wide enough for the latency table: rich falls back to 80
+    columns when the output is not a terminal (make demo | tee, CI logs), which
+    would cut the metric names and figures."""
+    import shutil
+
     from rich.console import Console
+
+    return Console(width=max(110, shutil.get_terminal_size((110, 24)).columns))
+
+
+def print_level(level: dict, console=None, title: str = "") -> None:
     from rich.table import Table
 
-    console = console or Console()
+    console = console or _console()
     load = level["load"]
     table = Table(title=title or f"level {level['level']}: {load['mode']} {load['value']:g}", title_justify="left")
-    table.add_column("metric (ms)")
+    table.add_column("metric (ms)", no_wrap=True)
     for col in ("mean", "p50", "p90", "p95", "p99", "min", "max", "n"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for key in LATENCY_KEYS:
         s = level.get(key)
         if not s or not s["n"]:
@@ -167,10 +177,9 @@ def _num(v) -> str:
 
 
 def print_summary(report: dict, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or _console()
     rows = report["sweep"]["levels"]
     if len(rows) > 1:
         t = Table(title="sweep", title_justify="left")
