@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, action="append", default=[], help="another local HF model directory")
     ap.add_argument("--no-peers", action="store_true", help="skip nvidia-modelopt and llmcompressor")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--eval-windows", type=int, default=24)
+    ap.add_argument("--eval-windows", type=int, default=96)  # 24k tokens: enough for int4 RTN loss to clear the noise
     ap.add_argument("--eval-seq-len", type=int, default=256)
     ap.add_argument("--calib-samples", type=int, default=32)
     ap.add_argument("--calib-seq-len", type=int, default=256)
