@@ -39,7 +39,7 @@ def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = No
     with _timed("convert", progress, timings):
         run_convert(spec, workspace)
     with _timed("build-engine", progress, timings):
-        run_build(spec, workspace)
+        run_build(spec, workspace, converted=True)
     with _timed("model-repo", progress, timings):
         run_model_repo(spec, workspace)
     serving = spec.serving

@@ -161,6 +161,15 @@ def normalize_rope(cfg: dict, origin: str = "config.json") -> tuple[float | None
     return theta, {"type": kind, "rope_type": kind, **out}
 
 
+def trained_positions(max_position_embeddings: int, rotary_scaling: dict | None) -> int:
+    """Positions the model was trained for: max_position_embeddings times the rope
+    factor, except for types whose max_position_embeddings already reports the
+    long context (llama3, longrope; reference §1.3)."""
+    scaling = rotary_scaling or {}
+    factor = 1.0 if scaling.get("type") in (None, "llama3", "longrope", "su") else float(scaling.get("factor", 1.0))
+    return int(max_position_embeddings * factor)
+
+
 def normalize_dtype(value: Any, origin: str = "config.json") -> str | None:
     if value is None or value is _MISSING:
         return None

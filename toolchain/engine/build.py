@@ -22,6 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from toolchain.archs.params import trained_positions
 from toolchain.engine import trtllm
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir, sha256_file
@@ -48,15 +49,13 @@ def build_config(spec: DeploymentSpec) -> dict:
 
 def _limit_warnings(spec: DeploymentSpec, pretrained: dict) -> list[str]:
     max_pos = pretrained.get("max_position_embeddings")
-    scaling = pretrained.get("rotary_scaling") or {}
-    factor = 1.0
-    # llama3/longrope already report the long context in max_position_embeddings (§1.3).
-    if scaling.get("type") not in (None, "llama3", "longrope", "su"):
-        factor = float(scaling.get("factor", 1.0))
+    if not max_pos:
+        return []
+    trained = trained_positions(max_pos, pretrained.get("rotary_scaling"))
     # trtllm-build only warns here (§1.3): RoPE extrapolates, quality degrades.
-    if max_pos and spec.limits.max_seq_len > max_pos * factor:
+    if spec.limits.max_seq_len > trained:
         return [f"limits.max_seq_len ({spec.limits.max_seq_len}) exceeds the model's trained positions "
-                f"({int(max_pos * factor)}); quality past that length is not guaranteed"]
+                f"({trained}); quality past that length is not guaranteed"]
     return []
 
 
@@ -158,15 +157,16 @@ def _run_trtllm_build(spec: DeploymentSpec, checkpoint_dir: Path, out: Path, fin
     return outputs
 
 
-def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False) -> tuple[Manifest, bool]:
-    """Build the engine for `spec`; returns (manifest, reused)."""
-    # Imported here: the converter pulls in torch, which `plan` (a build-command
-    # preview that must answer in well under two seconds) never needs.
-    from toolchain.checkpoint.stage import run_convert
+def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
+              converted: bool = False) -> tuple[Manifest, bool]:
+    """Build the engine for `spec`; returns (manifest, reused). Converts first
+    unless the caller just did (`converted`, as `deploy` does)."""
+    if not converted:
+        # Imported here: the converter pulls in torch, which `plan` (a build-command
+        # preview that must answer in well under two seconds) never needs.
+        from toolchain.checkpoint.stage import run_convert
 
-    ckpt_manifest = run_convert(spec, workspace, force=False)
-    if isinstance(ckpt_manifest, tuple):  # tolerate (manifest, reused) from the convert stage
-        ckpt_manifest = ckpt_manifest[0]
+        run_convert(spec, workspace, force=False)  # the engine's input; its manifest is hashed below
     checkpoint_dir = workspace.checkpoint_dir(spec)
     final = workspace.engine_dir(spec)
     inputs = {"checkpoint": sha256_file(checkpoint_dir / MANIFEST), "target": spec.target}

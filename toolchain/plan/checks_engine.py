@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 
+from toolchain.archs.params import trained_positions
 from toolchain.plan import memory as mem
 from toolchain.plan.model import read_json
 from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
@@ -62,9 +63,7 @@ def _seq_vs_positions(ctx: Context):
     p = _model(ctx)
     if p is None:
         return SKIP, NO_MODEL
-    scaling = p.rotary_scaling or {}
-    factor = 1.0 if scaling.get("type") in (None, "llama3", "longrope", "su") else float(scaling.get("factor", 1.0))
-    trained = int(p.max_position_embeddings * factor)
+    trained = trained_positions(p.max_position_embeddings, p.rotary_scaling)
     if ctx.spec.limits.max_seq_len > trained:
         return WARN, (f"limits.max_seq_len ({ctx.spec.limits.max_seq_len}) exceeds the model's trained positions "
                       f"({trained}); output quality past that length is not guaranteed")
