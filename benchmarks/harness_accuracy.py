@@ -10,10 +10,17 @@ response; OpenAI chat with a role-only first chunk; OpenAI completions with
 
 Truth as a client can see it = the mock's timing + the transport floor (the
 path into the model and back, which no client can avoid). The floor is
-measured, per protocol, as the time to a response the mock sends the moment it
-sees the request (the empty first response / role-only chunk). Errors are
-given both against that (`*_error_pct`) and against the bare mock timing
-(`*_error_pct_vs_mock`), for this harness and for genai-perf.
+measured per protocol by a probe that shares no code with the harness: a
+minimal client (tritonclient's gRPC stream / http.client) sends one request at
+a time to a mock whose one token comes FLOOR_PROBE_MS after it sees the
+request, and floor = median time to that token − FLOOR_PROBE_MS. The probe's
+response carries a token, as the first token does (an empty Triton response
+skips the output tensor and reads ~0.5 ms faster), and comes after an idle
+stretch, as the first token does (a response sent at once finds the threads
+still running). Both mocks spin the last 1.5 ms before each send, so the
+truth is exact to tens of microseconds.
+Errors are given both against truth + floor (`*_error_pct`) and against the
+bare mock timing (`*_error_pct_vs_mock`), for this harness and for genai-perf.
 
 genai-perf 0.0.16 + perf_analyzer 2.51 are installed into benchmarks/.venv/genai-perf
 (latency-harness notes, section (d)); if that fails, its keys are null with a reason.
@@ -43,12 +50,13 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from toolchain.bench.mock import make_word_tokenizer, openai_app, write_triton_mock  # noqa: E402,F401
+from toolchain.bench.mock import make_word_tokenizer, write_triton_mock  # noqa: E402
 from toolchain.bench.run import run_bench  # noqa: E402
 from toolchain.spec import load_spec  # noqa: E402
 from toolchain.triton.server import TritonServer, free_port  # noqa: E402
 
 TTFT_MS, STEP_MS, ISL, OSL = 40.0, 10.0, 128, 32
+FLOOR_PROBE_MS = 20.0
 GP_VENV = REPO / "benchmarks" / ".venv" / "genai-perf"
 GP_PACKAGES = ["genai-perf==0.0.16", "tritonclient[all]==2.51.0", "nvidia-cuda-runtime-cu12"]
 
@@ -135,6 +143,80 @@ def openai_mock(port: int, *extra: str) -> subprocess.Popen:
     return proc
 
 
+# ---- the floor probes: minimal clients, one request at a time ------------------------------------------------
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def triton_floor_probe(url: str, model: str, n: int) -> float:
+    """Median ms from send to the first response carrying text, over `n` sequential requests (tritonclient)."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    got: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
+    client.start_stream(callback=lambda result, error: got.put((time.perf_counter_ns(), result, error)))
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"alpha bravo charlie"], dtype=np.object_))
+    max_tokens = grpcclient.InferInput("max_tokens", [1], "INT32")
+    max_tokens.set_data_from_numpy(np.array([1], dtype=np.int32))
+    samples = []
+    try:
+        for i in range(n + 2):  # the first two warm the stream up
+            t_send = time.perf_counter_ns()
+            client.async_stream_infer(model, [text, max_tokens], request_id=str(i),
+                                      enable_empty_final_response=True)
+            first = None
+            while True:
+                t, result, error = got.get(timeout=10)
+                if error is not None:
+                    raise RuntimeError(f"floor probe: {error}")
+                out = result.as_numpy("text_output")
+                if first is None and out is not None and out.size:
+                    first = t
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+            if i >= 2:
+                samples.append((first - t_send) / 1e6)
+            time.sleep(0.005)
+    finally:
+        client.stop_stream()
+        client.close()
+    return _median(samples) - FLOOR_PROBE_MS
+
+
+def openai_floor_probe(port: int, n: int) -> float:
+    """Median ms from send to the first SSE chunk carrying text, over `n` sequential
+    streamed /v1/completions on one keep-alive connection (http.client)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    body = json.dumps({"model": "mock", "prompt": "alpha bravo charlie", "max_tokens": 1, "stream": True})
+    samples = []
+    try:
+        for i in range(n + 2):
+            t_send = time.perf_counter_ns()
+            conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            first = None
+            for line in resp:
+                if first is None and line.startswith(b"data: {") and b'"text": "' in line:
+                    first = time.perf_counter_ns()
+                if line.strip() == b"data: [DONE]":
+                    break
+            resp.read()
+            if i >= 2:
+                samples.append((first - t_send) / 1e6)
+            time.sleep(0.005)
+    finally:
+        conn.close()
+    return _median(samples) - FLOOR_PROBE_MS
+
+
 def pct(measured, truth):
     return None if measured is None else round(abs(measured - truth) / truth * 100, 2)
 
@@ -153,9 +235,11 @@ def main() -> int:
 
     # -- Triton: max_batch_size 0 and dims [1], the shapes genai-perf's tensorrtllm backend sends
     repo = root / "repo"
-    for name, kw in (("plain", {}), ("empty_first", {"empty_ms": 0.0}), ("chunks4", {"tokens_per_response": 4})):
-        write_triton_mock(repo, name, ttft_ms=TTFT_MS, step_ms=STEP_MS, max_batch_size=0, **kw)
+    for name, kw in (("plain", {}), ("empty_first", {"empty_ms": 0.0}), ("chunks4", {"tokens_per_response": 4}),
+                     ("floor", {"ttft_ms": FLOOR_PROBE_MS})):
+        write_triton_mock(repo, name, **{"ttft_ms": TTFT_MS, **kw}, step_ms=STEP_MS, max_batch_size=0)
     with TritonServer(repo, "127.0.0.1", 0, 0, 0, log_path=root / "tritonserver.log") as srv:
+        triton_floor = triton_floor_probe(srv.grpc_url, "floor", n)
         for name in ("plain", "empty_first", "chunks4"):
             h = harness(root, tok, f"triton-{name}", srv.grpc_url, endpoint=name, num_requests=n)
             g = None
@@ -168,9 +252,14 @@ def main() -> int:
                                root / "gp" / name)
             results[f"triton-{name}"] = {"harness": h, "genai_perf": g}
             scenarios.append(f"triton-{name}")
-    triton_floor = results["triton-empty_first"]["harness"]["ttfr"]
 
-    # -- OpenAI: chat with a role-only first chunk (its TTFR is the floor), completions with 4-token chunks
+    # -- OpenAI: the floor probe, then chat with a role-only first chunk and completions with 4-token chunks
+    port = free_port("127.0.0.1")
+    proc = openai_mock(port, "--ttft-ms", str(FLOOR_PROBE_MS), "--step-ms", str(STEP_MS))
+    try:
+        openai_floor = openai_floor_probe(port, n)
+    finally:
+        proc.kill()
     port = free_port("127.0.0.1")
     proc = openai_mock(port, "--ttft-ms", str(TTFT_MS), "--step-ms", str(STEP_MS))
     try:
@@ -188,7 +277,6 @@ def main() -> int:
             scenarios.append(f"openai-{name}")
     finally:
         proc.kill()
-    openai_floor = results["openai-chat"]["harness"]["ttfr"]
 
     # -- errors per scenario and tool
     table = {}
@@ -238,6 +326,12 @@ def main() -> int:
         "genai_perf_tpot_error_pct": worst("genai_perf", "tpot_error_pct"),
         "genai_perf_ttft_error_pct_vs_mock": worst("genai_perf", "ttft_error_pct_vs_mock"),
         "genai_perf_reason": gp_reason,
+        # the probes' floors, and the harness's time to a token-less response sent at once (for comparison)
+        "transport_floor_ms": {
+            "triton": {"probe": round(triton_floor, 3),
+                       "empty_response_at_once": round(results["triton-empty_first"]["harness"]["ttfr"], 3)},
+            "openai": {"probe": round(openai_floor, 3),
+                       "role_chunk_at_once": round(results["openai-chat"]["harness"]["ttfr"], 3)}},
         "max_rate_req_s_at_1ms_lag": held,
         "rate_levels": rate_levels,
         "scenarios": table,

@@ -11,7 +11,8 @@ Per row: held-out perplexity run by the CPU engine over the converted
 checkpoint, checkpoint bytes, convert seconds (calibration included) and
 greedy decode tokens/s. Baselines in the same layouts: `rtn:int4_g128`
 (W4A16_AWQ layout, no search, prequant = ones) and `rtn:w8a8` (SmoothQuant
-layout, no smoothing). Peers (nvidia-modelopt INT4_AWQ / INT8_SMOOTHQUANT,
+layout, no smoothing). `awq` is what `method: awq` gives (scale and clip
+search, GPTQ-style rounding); `awq:nearest` is classic AWQ (`rounding: nearest`). Peers (nvidia-modelopt INT4_AWQ / INT8_SMOOTHQUANT,
 llmcompressor AWQ) run in their own virtual environments under
 benchmarks/.venv-peers, created here; each reports perplexity of its own
 fake-quantized model on the same tokens, or null with the reason.
@@ -41,7 +42,8 @@ PEERS = REPO / "benchmarks" / ".venv-peers"
 PEER_SCRIPT = REPO / "benchmarks" / "peers" / "run_peer.py"
 PEER_INSTALL = {"modelopt": ["torch==2.13.0", "numpy<2", "nvidia-modelopt[hf]==0.47.0"],
                 "llmcompressor": ["torch==2.13.0", "llmcompressor==0.14.0.1"]}
-PEER_JOBS = [("modelopt", "INT4_AWQ"), ("modelopt", "INT8_SMOOTHQUANT"), ("llmcompressor", "AWQ")]
+PEER_JOBS = [("modelopt", "INT4_AWQ"), ("modelopt", "INT8_SMOOTHQUANT"), ("llmcompressor", "AWQ"),
+             ("llmcompressor", "AWQ+GPTQ")]
 OUTLIER_CHANNELS, OUTLIER_FACTOR = 4, 50.0
 
 
@@ -145,6 +147,7 @@ def methods():
 
     return [("fp16", Recipe()), ("int8_wo", Recipe(method="int8_wo")), ("int4_wo", Recipe(method="int4_wo")),
             ("rtn:int4_g128", Recipe(method="awq", search=False)), ("awq", Recipe(method="awq")),
+            ("awq:nearest", Recipe(method="awq", rounding="nearest")),
             ("rtn:w8a8", Recipe(method="smoothquant", search=False)), ("smoothquant", Recipe(method="smoothquant")),
             ("fp8", Recipe(method="fp8")), ("fp16+kv_int8", Recipe(kv_cache="int8")),
             ("fp16+kv_fp8", Recipe(kv_cache="fp8"))]
@@ -222,8 +225,10 @@ def peer_rows(name: str, hf: Path, calib, windows, work: Path, args, reference: 
         out = work / f"{name}-{tool}-{method}"
         job = work / f"{out.name}.job.json"
         result = work / f"{out.name}.result.json"
+        logp_path = work / f"{out.name}.logp.pt"
         job.write_text(json.dumps({"tool": tool, "method": method, "model_dir": str(hf), "calib": calib,
-                                   "eval": windows, "out_dir": str(out), "tp": args.tp}))
+                                   "eval": windows, "out_dir": str(out), "tp": args.tp,
+                                   "logp_path": str(logp_path)}))
         proc = subprocess.run([str(python), str(PEER_SCRIPT), str(job), str(result)], capture_output=True,
                               text=True, timeout=3600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         if proc.returncode != 0 or not result.is_file():
@@ -235,9 +240,20 @@ def peer_rows(name: str, hf: Path, calib, windows, work: Path, args, reference: 
                    format=got.get("format"))
         if got.get("format") == "tensorrt_llm_checkpoint":
             row.update(_run_on_cpu_engine(out, windows, work, args, reference.get(name)))
+        elif logp_path.is_file() and reference.get(name):  # KL of the peer's own fake-quantized model
+            row["kl_vs_fp16"] = _kl(torch.load(logp_path), reference[name])
         rows.append(row)
         _print_row(row)
     return rows
+
+
+def _kl(logps: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    kl, count = 0.0, 0
+    for logp, ref in zip(logps, reference):
+        ref, logp = ref.float(), logp.float()
+        kl += float((ref.exp() * (ref - logp)).sum())
+        count += ref.shape[0]
+    return round(kl / count, 6)
 
 
 def _run_on_cpu_engine(ckpt: Path, windows, work: Path, args, reference) -> dict:
@@ -274,10 +290,19 @@ def verdicts(rows: list[dict]) -> list[str]:
             ratio = kl[(m, "awq")] / kl[(m, "rtn:int4_g128")]
             out.append(f"awq's KL to fp16 is {ratio:.0%} of RTN's (target <= 50%): "
                        f"{'PASS' if ratio <= 0.5 else 'FAIL'}")
-        peers = [ppl.get((m, f"peer:{t}:{meth}")) for t, meth in PEER_JOBS if "AWQ" in meth]
-        peers = [p for p in peers if p is not None]
+        awq_peers = [f"peer:{t}:{meth}" for t, meth in PEER_JOBS if "AWQ" in meth]
+        peers = [ppl[(m, p)] for p in awq_peers if ppl.get((m, p)) is not None]
         if peers:
             out.append(f"awq {awq:.4f} vs best peer AWQ {min(peers):.4f}: {'PASS' if awq <= min(peers) else 'FAIL'}")
+        peer_kl = [kl[(m, p)] for p in awq_peers if kl.get((m, p)) is not None]
+        if peer_kl and kl.get((m, "awq")) is not None:
+            out.append(f"awq KL {kl[(m, 'awq')]:.5f} vs best peer AWQ KL {min(peer_kl):.5f}")
+        # classic AWQ (nearest rounding) against the peers' classic AWQ, for the record
+        classic = [ppl[(m, p)] for p in awq_peers if "GPTQ" not in p and ppl.get((m, p)) is not None]
+        near = ppl.get((m, "awq:nearest"))
+        if classic and near is not None:
+            out.append(f"awq:nearest {near:.4f} vs best peer classic AWQ {min(classic):.4f} "
+                       f"({near / min(classic) - 1:+.3%})")
     sq, w8 = ppl.get((m, "smoothquant")), ppl.get((m, "rtn:w8a8"))
     if None not in (base, sq, w8):
         out.append(f"smoothquant loses {sq / base - 1:+.2%} (target < 1%), plain static W8A8 {w8 / base - 1:+.2%}: "

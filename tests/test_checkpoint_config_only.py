@@ -6,7 +6,6 @@ weights."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 from conftest import REPO, make_hf_model, write_spec

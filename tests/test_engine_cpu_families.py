@@ -7,7 +7,6 @@ import json
 import shutil
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 from test_engine_cpu_util import _one_thread, engine_dir  # noqa: F401
 

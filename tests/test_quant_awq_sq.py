@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from toolchain.quant import awq, smoothquant
+from toolchain.quant import awq, gptq, smoothquant
 from toolchain.quant.int_quant import dequantize_per_channel, dequantize_per_group, fake_quant_per_group
 
 
@@ -48,6 +48,78 @@ def test_awq_shared_input_gets_one_prequant_and_search_off_is_rtn():
     assert found is None and torch.equal(base[0].prequant_scaling_factor, torch.ones(256))
     assert torch.allclose(dequantize_per_group(base[0].weight, base[0].weights_scaling_factor, 64),
                           fake_quant_per_group(w, 64))
+
+
+def _correlated_problem(seed=4, n=4096, inp=256, out=96):
+    """Inputs with strongly correlated channels: where error compensation pays."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(inp, inp, generator=g) / inp ** 0.5 + torch.eye(inp)
+    x = torch.randn(n, inp, generator=g) @ mix
+    w = torch.randn(out, inp, generator=g) * 0.05
+    return x, w
+
+
+def test_gptq_rounding_lowers_output_error_on_the_same_grid():
+    x, w = _correlated_problem()
+    absmean, cov, _ = _stats(x)
+    (near,), _ = awq.quantize_awq([w], absmean, cov, 64, rounding="nearest")
+    (comp,), _ = awq.quantize_awq([w], absmean, cov, 64, rounding="gptq")
+    # same layout, same scales and prequant: only the integers differ
+    assert torch.equal(near.weights_scaling_factor, comp.weights_scaling_factor)
+    assert torch.equal(near.prequant_scaling_factor, comp.prequant_scaling_factor)
+    assert comp.weight.dtype == torch.int8 and int(comp.weight.min()) >= -8 and int(comp.weight.max()) <= 7
+    assert not torch.equal(near.weight, comp.weight)
+    y = x @ w.t()
+
+    def err(lin):
+        wd = dequantize_per_group(lin.weight, lin.weights_scaling_factor, 64)
+        return float(((x * lin.prequant_scaling_factor) @ wd.t() - y).pow(2).mean())
+    assert err(comp) < 0.8 * err(near), (err(comp), err(near))
+
+
+def test_gptq_rounding_is_nearest_when_inputs_are_uncorrelated():
+    # Diagonal C: no channel can absorb another's error, so every integer is the nearest one.
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(5))
+    cov = torch.diag(torch.rand(128, generator=torch.Generator().manual_seed(6)) + 0.5)
+    from toolchain.quant.int_quant import quantize_per_group
+    q, scales = quantize_per_group(w, 64)
+    assert torch.equal(gptq.gptq_round(w, scales, gptq.upper_inverse_factor(cov), 64, block=48), q)
+    order = gptq.act_order(cov)
+    assert not torch.equal(order, torch.arange(128))
+    assert torch.equal(gptq.gptq_round(w, scales, gptq.upper_inverse_factor(cov, order), 64, order=order), q)
+
+
+def test_act_order_rounds_the_loudest_channels_first_and_maps_back():
+    x, w = _correlated_problem(seed=8)
+    x[:, 200] *= 30.0  # one loud channel
+    _, cov, _ = _stats(x)
+    order = gptq.act_order(cov)
+    assert int(order[0]) == 200 and sorted(order.tolist()) == list(range(256))
+    from toolchain.quant.int_quant import quantize_per_group
+    _, scales = quantize_per_group(w, 64)
+    q_ord = gptq.gptq_round(w, scales, gptq.upper_inverse_factor(cov, order), 64, order=order)
+    q_nat = gptq.gptq_round(w, scales, gptq.upper_inverse_factor(cov), 64)
+
+    def err(q):
+        return float(awq.output_error(dequantize_per_group(q, scales, 64) - w, cov))
+    # the loud channel, rounded first, keeps its nearest integer; the order changes the result for the better
+    assert torch.equal(q_ord[:, 200], torch.clamp(torch.round(w[:, 200] / scales[:, 3]), -8, 7).to(torch.int8))
+    assert err(q_ord) < err(q_nat)
+
+
+def test_gptq_factor_tolerates_channels_calibration_never_saw():
+    x, _ = _correlated_problem(seed=7, inp=64)
+    x[:, 5] = 0.0
+    _, cov, _ = _stats(x)
+    u = gptq.upper_inverse_factor(cov)
+    assert torch.isfinite(u).all() and float(u[5, 5]) > 0
+    assert torch.count_nonzero(u[5, 6:]) == 0 and torch.count_nonzero(u[:5, 5]) == 0
+
+
+def test_awq_rejects_an_unknown_rounding():
+    import pytest
+    with pytest.raises(ValueError, match="rounding"):
+        awq.quantize_awq([torch.zeros(8, 64)], torch.ones(64), torch.eye(64), 64, rounding="stochastic")
 
 
 def test_clip_search_never_widens_the_range():

@@ -39,6 +39,7 @@ def test_spec_section_defaults_and_overrides(tmp_path):
     ("quantization.method=int3", "quantization.method"),
     ("quantization.kv_cache=int4", "quantization.kv_cache"),
     ("quantization.alpha=1.5", "quantization.alpha"),
+    ("quantization.rounding=stochastic", "quantization.rounding"),
     ("quantization.calibration.samples=0", "quantization.calibration.samples"),
 ])
 def test_spec_rejects_bad_values_in_one_line(tmp_path, override, fragment):
@@ -47,6 +48,16 @@ def test_spec_rejects_bad_values_in_one_line(tmp_path, override, fragment):
     with pytest.raises(ToolchainError) as err:
         load_spec(path, [override])
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_rounding_reaches_the_recipe(tmp_path):
+    from toolchain.checkpoint.stage import recipe_of
+
+    path = tmp_path / "s.yaml"
+    path.write_text("name: x\nquantization: {method: awq}\n")
+    assert recipe_of(load_spec(path)).rounding == "gptq"
+    assert recipe_of(load_spec(path, ["quantization.rounding=nearest"])).rounding == "nearest"
+    _fails("quantization.rounding 'stochastic'", Recipe(method="awq", rounding="stochastic"))
 
 
 def test_group_size_message_names_the_fix(tmp_path):

@@ -244,6 +244,8 @@ class QuantizationSection(_Section):
     """Weight format: int8_wo/int4_wo (W8A16/W4A16, per channel), awq (W4A16_AWQ, calibrated int4 per group), smoothquant (W8A8_SQ_PER_CHANNEL), fp8 (per-tensor FP8, Ada/Hopper); none also imports AutoAWQ/GPTQ checkpoints as stored."""
     group_size: int = 128
     """Input channels per int4 scale for awq: 64 or 128 (the sizes TensorRT-LLM implements)."""
+    rounding: Literal["gptq", "nearest"] = "gptq"
+    """How awq rounds weights onto its searched per-group grid: gptq spreads each input channel's rounding error over the channels not yet rounded (same W4A16_AWQ layout, lower output error); nearest is classic AWQ."""
     alpha: float = Field(0.5, ge=0, le=1)
     """SmoothQuant migration strength: s = amax_x^alpha / amax_w^(1-alpha)."""
     kv_cache: Literal["none", "int8", "fp8"] = "none"

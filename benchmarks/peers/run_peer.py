@@ -20,14 +20,20 @@ from pathlib import Path
 import torch
 
 
-def perplexity(model, windows) -> float:
-    nll, count = 0.0, 0
+def perplexity(model, windows, logp_path: str | None = None) -> float:
+    """Held-out perplexity; with `logp_path`, the next-token log-probabilities are
+    saved there too (bf16), for the benchmark's KL against its fp16 row."""
+    nll, count, logps = 0.0, 0, []
     with torch.no_grad():
         for ids in windows:
             x = torch.tensor([ids])
-            logits = model(x).logits[0, :-1].float()
-            nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+            logp = torch.log_softmax(model(x).logits[0, :-1].float(), dim=-1)
+            nll -= float(logp.gather(1, x[0, 1:, None]).sum())
             count += len(ids) - 1
+            if logp_path:
+                logps.append(logp.to(torch.bfloat16))
+    if logp_path:
+        torch.save(logps, logp_path)
     return math.exp(nll / count)
 
 
@@ -61,7 +67,7 @@ def run_modelopt(job, model) -> dict:
 def run_llmcompressor(job, model) -> dict:
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform import AWQModifier
     from llmcompressor.pipelines.cache import IntermediatesCache
 
@@ -69,13 +75,15 @@ def run_llmcompressor(job, model) -> dict:
     IntermediatesCache.pin_memory = lambda self, *a, **k: None
     calib = job["calib"]
     ds = Dataset.from_dict({"input_ids": calib, "attention_mask": [[1] * len(c) for c in calib]})
-    recipe = [AWQModifier(duo_scaling=True),
-              QuantizationModifier(ignore=["lm_head"], scheme="W4A16_ASYM", targets=["Linear"])]
+    # "AWQ": scales and clipping, then round to nearest; "AWQ+GPTQ": the same scales, then GPTQ's
+    # error-compensating rounding (llmcompressor's documented chaining of the two modifiers).
+    quantizer = {"AWQ": QuantizationModifier, "AWQ+GPTQ": GPTQModifier}[job["method"]]
+    recipe = [AWQModifier(duo_scaling=True), quantizer(ignore=["lm_head"], scheme="W4A16_ASYM", targets=["Linear"])]
     start = time.perf_counter()
     oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=max(len(c) for c in calib),
             num_calibration_samples=len(calib))
     quant_s = time.perf_counter() - start
-    ppl = perplexity(model, job["eval"])
+    ppl = perplexity(model, job["eval"], job.get("logp_path"))
     start = time.perf_counter()
     model.save_pretrained(job["out_dir"], save_compressed=True)
     return {"perplexity": ppl, "convert_s": quant_s + time.perf_counter() - start,

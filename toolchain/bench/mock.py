@@ -8,7 +8,8 @@
   /v1/chat/completions, /health), streaming or not.
 
 Timing truth, from the moment the mock sees the request: an optional empty
-first response at `empty_ms`; the first token-bearing response at `ttft_ms`
+first response (Triton) or role-only chunk (OpenAI chat) at `empty_ms` /
+`role_chunk_ms`; the first token-bearing response at `ttft_ms`
 (+ `prefill_us_per_word` per prompt word); then one response every
 `tokens_per_response * step_ms`, each carrying `tokens_per_response` tokens.
 So the true TTFT is ttft_ms and the true time per output token is step_ms.
@@ -78,6 +79,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 WORDS = %(words)r
+SPIN_S = %(spin_s)r
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -112,10 +114,18 @@ class TritonPythonModel:
                     return
                 when, _, fn = self.heap[0]
                 delay = when - time.perf_counter()
-                if delay > 0:
-                    self.cv.wait(delay)
+                if delay > SPIN_S:
+                    self.cv.wait(delay - SPIN_S)
                     continue
-                heapq.heappop(self.heap)
+                if delay <= 0:
+                    heapq.heappop(self.heap)
+            if delay > 0:
+                # The last stretch is spun, lock released: a condition wait wakes up to a few hundred
+                # microseconds late, which would show up as error in the very timing this mock is the truth of.
+                # sleep(0) hands the GIL to execute() meanwhile.
+                while time.perf_counter() < when:
+                    time.sleep(0)
+                continue
             try:
                 fn()
             except Exception as err:
@@ -173,8 +183,10 @@ class TritonPythonModel:
 
 def write_triton_mock(repo: Path, name: str = "mock_llm", *, contract: str = "text", ttft_ms: float = 40.0,
                       step_ms: float = 10.0, empty_ms: float = -1.0, tokens_per_response: int = 1,
-                      flag_only_final: bool = False, prefill_us_per_word: float = 0.0, max_batch_size: int = 8) -> Path:
-    """Write <repo>/<name>/{config.pbtxt, 1/model.py}; returns the model directory."""
+                      flag_only_final: bool = False, prefill_us_per_word: float = 0.0, max_batch_size: int = 8,
+                      precise: bool = True) -> Path:
+    """Write <repo>/<name>/{config.pbtxt, 1/model.py}; returns the model directory. `precise`
+    spins the last 1.5 ms before each send (exact timing, some CPU); off for rate tests."""
     d = Path(repo) / name
     (d / "1").mkdir(parents=True, exist_ok=True)
     params = {"ttft_ms": ttft_ms, "step_ms": step_ms, "empty_ms": empty_ms, "tokens_per_response": tokens_per_response,
@@ -185,7 +197,8 @@ def write_triton_mock(repo: Path, name: str = "mock_llm", *, contract: str = "te
         "model_transaction_policy { decoupled: true }\n" + io +
         "instance_group [ { count: 1 kind: KIND_CPU } ]\n" +
         "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in params.items()))
-    (d / "1" / "model.py").write_text(textwrap.dedent(_MODEL_PY % {"words": WORDS}))
+    spin_s = 0.0015 if precise else 0.0
+    (d / "1" / "model.py").write_text(textwrap.dedent(_MODEL_PY % {"words": WORDS, "spin_s": spin_s}))
     return d
 
 
@@ -203,7 +216,8 @@ async def _at(t: float, precise: bool) -> None:
 
 
 def openai_app(*, model: str = "mock", ttft_ms: float = 40.0, step_ms: float = 10.0, tokens_per_response: int = 1,
-               role_chunk: bool = True, usage_prompt_tokens: bool = True, precise: bool = True):
+               role_chunk: bool = True, usage_prompt_tokens: bool = True, precise: bool = True,
+               role_chunk_ms: float = 0.0):
     import time
 
     from aiohttp import web
@@ -244,6 +258,8 @@ def openai_app(*, model: str = "mock", ttft_ms: float = 40.0, step_ms: float = 1
             await resp.write(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
 
         if chat and role_chunk:
+            if role_chunk_ms > 0:
+                await _at(t0 + role_chunk_ms / 1000.0, precise)
             await send(chunk("", role=True))
         while k < n:
             m = min(per, n - k)
@@ -283,10 +299,11 @@ def main(argv=None) -> None:
     o.add_argument("--step-ms", type=float, default=10.0)
     o.add_argument("--tokens-per-response", type=int, default=1)
     o.add_argument("--no-role-chunk", action="store_true")
+    o.add_argument("--role-chunk-ms", type=float, default=0.0, help="send the role-only chat chunk this late")
     o.add_argument("--coarse", action="store_true", help="plain asyncio sleeps (no spinning): for rate tests")
     a = ap.parse_args(argv)
     app = openai_app(model=a.model, ttft_ms=a.ttft_ms, step_ms=a.step_ms, tokens_per_response=a.tokens_per_response,
-                     role_chunk=not a.no_role_chunk, precise=not a.coarse)
+                     role_chunk=not a.no_role_chunk, precise=not a.coarse, role_chunk_ms=a.role_chunk_ms)
     web.run_app(app, host=a.host, port=a.port, print=None, access_log=None)
 
 

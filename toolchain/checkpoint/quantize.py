@@ -180,7 +180,8 @@ class Quantizer:
         g = self.group_size
         if self.fmt == "awq":
             lins, _ = awq_q.quantize_awq(flat, st.absmean, st.cov, g, search=self.recipe.search,
-                                         clip=self.recipe.search)
+                                         clip=self.recipe.search,
+                                         rounding=self.recipe.rounding if self.recipe.search else "nearest")
             comps = [[Component("weight", "weight", [l.weight], I8),
                       Component("weights_scaling_factor", "out_groups", [l.weights_scaling_factor], F32),
                       Component("prequant_scaling_factor", "in_vec", [l.prequant_scaling_factor], self.dtype)]

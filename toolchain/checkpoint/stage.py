@@ -52,7 +52,7 @@ def recipe_of(spec: DeploymentSpec) -> Recipe:
     """The spec's quantization section as the converter's recipe."""
     q = spec.quantization
     c = q.calibration
-    return Recipe(method=q.method, group_size=q.group_size, alpha=q.alpha, kv_cache=q.kv_cache,
+    return Recipe(method=q.method, group_size=q.group_size, alpha=q.alpha, kv_cache=q.kv_cache, rounding=q.rounding,
                   exclude_modules=tuple(q.exclude_modules), calibration_dataset=c.dataset,
                   calibration_samples=c.samples, calibration_seq_len=c.seq_len)
 

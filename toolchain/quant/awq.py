@@ -8,6 +8,10 @@ it separate rather than folding it into the previous norm). Then, per group,
 it clips the quantization range when a slightly smaller amax lowers the
 output error.
 
+Rounding: `nearest` is classic AWQ; `gptq` keeps the scales and clipped
+ranges found here and only picks the integers with error compensation
+(toolchain.quant.gptq), which lowers the same objective further.
+
 Both searches score a candidate by the output error on calibration data,
 `E‖ΔW x‖² = tr(ΔW C ΔWᵀ)` with `C = E[x xᵀ]` the input's second-moment matrix,
 so only `C` (in × in) and the per-channel mean |x| are kept from calibration,
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from toolchain.quant.gptq import act_order, gptq_round, upper_inverse_factor
 from toolchain.quant.int_quant import fake_quant_per_group, group_amax, quantize_per_group
 
 N_GRID = 20        # scale exponents 0, 0.05, ..., 1 (the original AWQ grid)
@@ -100,18 +105,26 @@ def search_clip(w_scaled: torch.Tensor, cov_scaled: torch.Tensor, group_size: in
 
 
 def quantize_awq(weights: list[torch.Tensor], x_absmean: torch.Tensor, cov: torch.Tensor, group_size: int,
-                 *, search: bool = True, clip: bool = True) -> tuple[list[AwqLinear], AwqSearch | None]:
+                 *, search: bool = True, clip: bool = True,
+                 rounding: str = "nearest") -> tuple[list[AwqLinear], AwqSearch | None]:
     """AWQ for linears sharing one input. `search=False, clip=False` is plain
     per-group round-to-nearest in the same layout (prequant = ones), the
-    baseline AWQ is measured against."""
+    baseline AWQ is measured against; `rounding="gptq"` picks the integers
+    with error compensation on the same scales."""
+    if rounding not in ("nearest", "gptq"):
+        raise ValueError(f"rounding must be 'nearest' or 'gptq', got {rounding!r}")
     inp = weights[0].shape[1]
     found = search_scales(weights, x_absmean, cov, group_size) if search else None
     s = found.scales if found is not None else torch.ones(inp)
     cov_s = cov.double() / (s.double()[:, None] * s.double()[None, :])
+    order = act_order(cov_s) if rounding == "gptq" else None
+    u = upper_inverse_factor(cov_s, order) if rounding == "gptq" else None
     out = []
     for w in weights:
         ws = w.float() * s[None, :]
         amax = search_clip(ws, cov_s, group_size) if clip else None
         q, scales = quantize_per_group(ws, group_size, bits=4, amax=amax)
+        if rounding == "gptq":
+            q = gptq_round(ws, scales, u, group_size, order=order)
         out.append(AwqLinear(q, scales, 1.0 / s))
     return out, found

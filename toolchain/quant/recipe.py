@@ -17,6 +17,7 @@ from toolchain.errors import ToolchainError
 
 METHODS = ("none", "int8_wo", "int4_wo", "awq", "smoothquant", "fp8")
 KV_KINDS = ("none", "int8", "fp8")
+ROUNDINGS = ("gptq", "nearest")
 GROUP_SIZES = (64, 128)  # the only per-group int4 sizes TensorRT-LLM implements (reference §8 #2, issue #988)
 BUILTIN = "builtin"
 
@@ -37,6 +38,8 @@ class Recipe:
     calibration_dataset: str = BUILTIN
     calibration_samples: int = 32
     calibration_seq_len: int = 256
+    rounding: str = "gptq"
+    """How awq picks its int4 integers on the searched grid: gptq (error-compensating) or nearest."""
     search: bool = True
     """AWQ's scale and clip search / SmoothQuant's smoothing. Off gives the
     round-to-nearest and plain-W8A8 baselines in the same layouts (benchmarks)."""
@@ -197,6 +200,9 @@ def check_recipe(recipe: Recipe, shape: ModelShape, *, tp: int, target: str = "c
     if recipe.kv_cache not in KV_KINDS:
         raise ToolchainError(f"quantization.kv_cache '{recipe.kv_cache}' is unknown",
                              f"use one of {', '.join(KV_KINDS)}")
+    if recipe.rounding not in ROUNDINGS:
+        raise ToolchainError(f"quantization.rounding '{recipe.rounding}' is unknown",
+                             f"use one of {', '.join(ROUNDINGS)}")
     check_exclude(recipe.exclude_modules)
     padded = shape.intermediate_size
     if prequantized is not None:
