@@ -15,6 +15,6 @@ Layout (each module small, each step replaceable):
 - `mock`         known-timing mock servers for tests and benchmarks/harness_accuracy.py
 
 Metric definitions follow section (a) of the latency-harness reference notes.
-Heavy imports (tritonclient, aiohttp, transformers, matplotlib) live in the
+Heavy imports (tritonclient, transformers, matplotlib) live in the
 modules that need them so `import toolchain.bench` stays cheap.
 """

@@ -79,10 +79,9 @@ class OpenAI(HttpClient):
         st = Stream(rec, turn.cancel_after, self.keep_text)
         rec.t_send = time.perf_counter_ns()
         try:
-            async with self.session.post(self.url + self.path, data=data,
-                                         headers={"Content-Type": "application/json"}) as resp:
+            async with await self.http.post(self.path, data) as resp:
                 if resp.status != 200:
-                    rec.error = error_text(resp.status, await _payload(resp))
+                    rec.error = error_text(resp.status, await resp.payload())
                     rec.t_final = time.perf_counter_ns()
                     return st.reply()
                 if not self.streaming:
@@ -129,10 +128,3 @@ class OpenAI(HttpClient):
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int) and usage["completion_tokens"] > 0:
             rec.server_osl = usage["completion_tokens"]
             rec.token_source = "server-total"
-
-
-async def _payload(resp):
-    try:
-        return await resp.json(content_type=None)
-    except Exception:
-        return await resp.text()

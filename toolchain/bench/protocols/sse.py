@@ -1,8 +1,8 @@
 """HTTP plumbing shared by the SSE transports (Triton generate_stream, OpenAI).
 
-aiohttp with no connection cap (its default of 100 per host would queue
-requests inside the client and inflate TTFT at high concurrency) and no
-overall timeout (the caller times each request). An SSE event is stamped the
+Requests go through `http1.Http1Pool` (keep-alive connections, as many as
+requests in flight, so none queues inside the client) with no overall timeout
+(the caller times each request). An SSE event is stamped the
 moment its `data:` line has been read; comment lines and other fields are
 skipped. A non-2xx answer becomes one line naming the status and the
 server's message.
@@ -60,24 +60,26 @@ def error_text(status: int, payload) -> str:
 
 
 class HttpClient:
+    """Base of the SSE transports: a keep-alive pool (protocols.http1) opened per run."""
+
+    url: str
+
     def __init__(self):
-        self.session = None
+        self.http = None
 
     async def open(self) -> None:
-        import aiohttp
+        from toolchain.bench.protocols.http1 import Http1Pool
 
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), read_bufsize=1 << 20)
+        self.http = Http1Pool(self.url)
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        if self.http is not None:
+            await self.http.close()
+            self.http = None
 
     async def events(self, resp) -> AsyncIterator[tuple[int, str]]:
         """(arrival ns, data payload) for each SSE `data:` line of a response."""
-        async for line in resp.content:
+        async for line in resp.lines():
             t = time.perf_counter_ns()
             if line.startswith(b"data:"):
                 yield t, line[5:].strip().decode("utf-8", "replace")

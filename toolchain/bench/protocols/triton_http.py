@@ -89,12 +89,12 @@ class TritonHttp(HttpClient):
         token_ids = self.contract.kind == TOKEN_IDS
         if self.contract.server_counts:
             rec.token_source = "server"
-        url = f"{self.url}/v2/models/{self.model}/{self._endpoint}"
+        path = f"/v2/models/{self.model}/{self._endpoint}"
         rec.t_send = time.perf_counter_ns()
         try:
-            async with self.session.post(url, data=data, headers={"Content-Type": "application/json"}) as resp:
+            async with await self.http.post(path, data) as resp:
                 if resp.status != 200:
-                    rec.error = error_text(resp.status, await _payload(resp))
+                    rec.error = error_text(resp.status, await resp.payload())
                     rec.t_final = time.perf_counter_ns()
                     return st.reply()
                 if self._endpoint == "generate":
@@ -132,10 +132,3 @@ class TritonHttp(HttpClient):
             n, st.cumulative = max(0, total - st.cumulative), max(total, st.cumulative)
             return st.counted(t, n, text=text)
         return st.text(t, text or "")
-
-
-async def _payload(resp):
-    try:
-        return await resp.json(content_type=None)
-    except Exception:
-        return await resp.text()
