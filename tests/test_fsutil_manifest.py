@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from toolchain.fsutil import atomic_dir, sha256_tree
+from toolchain.fsutil import atomic_dir, atomic_file, sha256_tree
 from toolchain.manifest import Manifest, is_current
 
 
@@ -19,6 +19,23 @@ def test_atomic_dir_replaces_only_on_success(tmp_path):
             raise RuntimeError("interrupted")
     assert (final / "a").read_text() == "1"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_atomic_file_gets_the_umask_mode_not_mkstemps_0600(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        with atomic_file(tmp_path / "report.json") as fh:
+            fh.write("{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "report.json").stat().st_mode & 0o777 == 0o644
+    with pytest.raises(RuntimeError):
+        with atomic_file(tmp_path / "other.json") as fh:
+            fh.write("partial")
+            raise RuntimeError("interrupted")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]  # nothing half-written left
 
 
 def test_manifest_roundtrip_and_currency(tmp_path):

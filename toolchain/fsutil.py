@@ -47,6 +47,7 @@ def atomic_file(final: Path, mode: str = "w") -> Iterator:
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=final.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; the result is a normal output file
         with os.fdopen(fd, mode) as fh:
             yield fh
         os.replace(tmp, final)
