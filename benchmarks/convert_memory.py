@@ -8,7 +8,13 @@ shard at a time); conversion runs in a child process whose peak RSS
 (VmHWM) is read from /proc, with the RSS after imports (torch alone is a few
 hundred MB) reported as the baseline.
 
-    python benchmarks/convert_memory.py [--json PATH] [--tp 2] [--layers 20] [--keep DIR]
+With `--method awq` it also calibrates (random tokens) and quantizes, and the
+bound adds one layer's AWQ statistics, the calibration activations and the
+layer the HF model runs: calibration is streamed, so the second-moment
+matrices of only one layer are alive at a time (all layers' would be
+`awq_stats_bytes_all_layers`).
+
+    python benchmarks/convert_memory.py [--json PATH] [--tp 2] [--layers 20] [--keep DIR] [--method awq]
 """
 
 from __future__ import annotations
@@ -27,6 +33,23 @@ import torch
 DIMS = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 4,
         "vocab_size": 32000}
 SHARD_BYTES = 512 << 20
+CALIB = (8, 128)  # calibration samples x tokens for --method awq
+
+
+def awq_search_bytes() -> int:
+    """Working set of the AWQ search and GPTQ rounding on the costliest linear input, an estimate
+    from the code: per input width I, the second moments in float64 twice (E[xxᵀ], the scaled copy)
+    and float32 five times (the search's copy, the permuted one, three factorization steps),
+    36·I² bytes; per weight block O x I, about six float32 temporaries, 24·O·I bytes."""
+    h, i = DIMS["hidden_size"], DIMS["intermediate_size"]
+    q = h + 2 * DIMS["num_key_value_heads"] * h // DIMS["num_attention_heads"]
+    return max(36 * width * width + 24 * out * width for out, width in ((q, h), (h, h), (2 * i, h), (h, i)))
+
+
+def awq_stats_bytes() -> int:
+    """The in x in float64 second-moment matrices AWQ keeps per decoder layer (one per distinct linear input)."""
+    h, i = DIMS["hidden_size"], DIMS["intermediate_size"]
+    return 8 * (3 * h * h + i * i)
 
 
 def tensor_shapes(layers: int) -> dict[str, tuple[int, ...]]:
@@ -96,13 +119,19 @@ def _rss_kb(field: str) -> int:
     return 0
 
 
-def child(hf: str, out: str, tp: int) -> None:
-    """Runs in a fresh process: convert and print the memory figures as JSON."""
+def child(hf: str, out: str, tp: int, method: str = "none") -> None:
+    """Runs in a fresh process: convert and print the memory figures as JSON. AWQ calibrates on
+    random token sequences (the generated model has no tokenizer; memory does not depend on the text)."""
     from toolchain.checkpoint.convert import convert_checkpoint
+    from toolchain.quant.recipe import Recipe
 
+    recipe = Recipe(method=method, calibration_samples=CALIB[0], calibration_seq_len=CALIB[1])
+    g = torch.Generator().manual_seed(0)
+    calib = [torch.randint(0, DIMS["vocab_size"], (CALIB[1],), generator=g) for _ in range(CALIB[0])]
     baseline = _rss_kb("VmRSS")
     start = time.perf_counter()
-    convert_checkpoint(hf, out, tp=tp, pp=1, dtype="float16", target="trtllm")
+    convert_checkpoint(hf, out, tp=tp, pp=1, dtype="float16", target="trtllm", recipe=recipe,
+                       calibration=calib if method != "none" else None)
     seconds = time.perf_counter() - start
     print(json.dumps({"baseline_rss": baseline * 1024, "peak_rss": _rss_kb("VmHWM") * 1024, "seconds": seconds}))
 
@@ -120,10 +149,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--keep", type=Path, help="generate into / reuse this directory instead of a temporary one")
-    ap.add_argument("--child", nargs=3, metavar=("HF", "OUT", "TP"), help=argparse.SUPPRESS)
+    ap.add_argument("--method", choices=("none", "awq"), default="none",
+                    help="awq: calibrate and quantize too (use --layers 4: the search is slow on 2 cores)")
+    ap.add_argument("--child", nargs=4, metavar=("HF", "OUT", "TP", "METHOD"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child[0], args.child[1], int(args.child[2]))
+        child(args.child[0], args.child[1], int(args.child[2]), args.child[3])
         return 0
     with tempfile.TemporaryDirectory(prefix="convert-memory-") as tmp:
         work = Path(tmp)
@@ -143,7 +174,7 @@ def main(argv=None) -> int:
         shutil.rmtree(copy_dir)
         out = work / "ckpt"
         out.mkdir()
-        proc = subprocess.run([sys.executable, __file__, "--child", str(hf), str(out), str(args.tp)],
+        proc = subprocess.run([sys.executable, __file__, "--child", str(hf), str(out), str(args.tp), args.method],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stderr[-2000:], file=sys.stderr)
@@ -153,8 +184,16 @@ def main(argv=None) -> int:
         largest_rank = max(p.stat().st_size for p in rank_files)
         largest_layer, per_layer = largest_layer_bytes(args.layers)
         bound = 2 * largest_layer + largest_rank
+        if args.method == "awq":
+            # plus one layer's statistics, the search's working set, the calibration activations
+            # (fp32, two copies while a layer runs) and the fp32 copy of the layer the HF model runs
+            acts = 2 * 4 * CALIB[0] * CALIB[1] * DIMS["hidden_size"]
+            bound += awq_stats_bytes() + awq_search_bytes() + acts + 2 * per_layer
         used = got["peak_rss"] - got["baseline_rss"]
-        result = {"model_bytes": src_bytes, "tp": args.tp, "rank_file_bytes": largest_rank,
+        result = {"model_bytes": src_bytes, "tp": args.tp, "method": args.method, "rank_file_bytes": largest_rank,
+                  "awq_stats_bytes_per_layer": awq_stats_bytes() if args.method == "awq" else None,
+                  "awq_stats_bytes_all_layers": awq_stats_bytes() * args.layers if args.method == "awq" else None,
+                  "awq_search_bytes": awq_search_bytes() if args.method == "awq" else None,
                   "largest_layer_bytes": largest_layer, "decoder_layer_bytes": per_layer,
                   "baseline_rss": got["baseline_rss"], "peak_rss": got["peak_rss"], "conversion_rss": used,
                   "bound": bound, "within_bound": used <= bound, "peak_within_bound": got["peak_rss"] <= bound,
@@ -163,9 +202,13 @@ def main(argv=None) -> int:
     mib = 2 ** 20
     print(f"model {result['model_bytes'] / mib:.0f} MiB -> {len(rank_files)} rank files of "
           f"{largest_rank / mib:.0f} MiB")
+    extra = "" if args.method == "none" else " + AWQ calibration and search"
     print(f"peak RSS {result['peak_rss'] / mib:.0f} MiB (baseline after imports {result['baseline_rss'] / mib:.0f} "
-          f"MiB, conversion {used / mib:.0f} MiB); bound 2 x {largest_layer / mib:.0f} + {largest_rank / mib:.0f} = "
-          f"{bound / mib:.0f} MiB: {'within' if result['within_bound'] else 'OVER'}")
+          f"MiB, conversion {used / mib:.0f} MiB); bound 2 x {largest_layer / mib:.0f} + {largest_rank / mib:.0f}"
+          f"{extra} = {bound / mib:.0f} MiB: {'within' if result['within_bound'] else 'OVER'}")
+    if args.method == "awq":
+        print(f"AWQ second moments: {awq_stats_bytes() / mib:.0f} MiB per layer, one layer alive at a time "
+              f"(all {args.layers} layers: {awq_stats_bytes() * args.layers / mib:.0f} MiB)")
     print(f"convert {result['convert_s']}s vs plain copy {result['copy_s']}s ({result['convert_vs_copy']}x)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -64,3 +64,19 @@ def test_layer_by_layer_stats_match_the_whole_model(tmp_path):
         assert torch.allclose(st.absmean, x.abs().mean(0), atol=1e-5)
         assert torch.allclose(st.cov, (x.double().t() @ x.double()) / 14, atol=1e-4)
     assert all(s.qkv_amax > 0 for s in stats)
+
+
+def test_stats_stream_calibrates_on_demand_and_keeps_one_layers_matrices(tmp_path):
+    hf = make_hf_llama(tmp_path / "m", num_hidden_layers=3)
+    seqs = [torch.randint(0, 250, (n,)) for n in (9, 5)]
+    done = []
+    stats = cal.collect_stats(hf, seqs, covariance=True, progress=done.append)
+    assert len(stats) == 3 and done == []           # nothing runs until a layer is asked for
+    assert stats[1].inputs["qkv"].xtx is not None and len(done) == 2
+    assert stats[0].inputs["qkv"].xtx is None        # behind the writer: its matrices are gone
+    with pytest.raises(RuntimeError, match="already dropped"):
+        _ = stats[0].inputs["mlp"].cov
+    assert stats[0].inputs["mlp"].absmean.shape[0] > 0 and stats[0].qkv_amax > 0  # the small stats stay
+    assert [s.qkv_amax > 0 for s in stats] == [True] * 3 and len(done) == 3
+    with pytest.raises(IndexError):
+        stats[3]

@@ -48,8 +48,11 @@ class AwqSearch:
 
 
 def output_error(dw: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
-    """tr(ΔW C ΔWᵀ): the mean squared output change over the calibration tokens."""
-    return ((dw.double() @ cov.double()) * dw.double()).sum()
+    """tr(ΔW C ΔWᵀ): the mean squared output change over the calibration tokens, computed
+    in `cov`'s dtype (the searches pass float32: this product is their whole cost, and
+    float32 ranks the candidates the same) and summed in float64."""
+    d = dw.to(cov.dtype)
+    return ((d @ cov) * d).sum(dtype=torch.float64)
 
 
 def search_scales(weights: list[torch.Tensor], x_absmean: torch.Tensor, cov: torch.Tensor, group_size: int,
@@ -64,6 +67,7 @@ def search_scales(weights: list[torch.Tensor], x_absmean: torch.Tensor, cov: tor
     w_mean = rel.mean(dim=0).clamp(min=1e-8)
     x_mean = x_absmean.float().clamp(min=1e-8)
     best: AwqSearch | None = None
+    cov = cov.float()
     rtn = float(output_error(fake_quant_per_group(w, group_size) - w, cov))
     for i in range(n_grid + 1):
         alpha = i / n_grid

@@ -23,7 +23,7 @@ import json
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -127,6 +127,9 @@ class InputStats:
     @property
     def cov(self) -> torch.Tensor:
         """E[x xᵀ] (uncentered second moment)."""
+        if self.xtx is None:
+            raise RuntimeError("this layer's second moments were not collected or were already dropped "
+                               "(StatsStream keeps only the current layer's)")
         return self.xtx / max(self.tokens, 1)
 
     def add(self, x: torch.Tensor) -> None:
@@ -165,9 +168,19 @@ class _Weights:
 
 
 def collect_stats(hf_dir: Path, sequences: list[torch.Tensor], *, covariance: bool,
-                  progress: Callable[[str], None] | None = None) -> list[LayerStats]:
-    """Run the HF model layer by layer over `sequences`; per decoder layer, the
-    input statistics of each linear slot ("qkv", "dense", "mlp", "proj")."""
+                  progress: Callable[[str], None] | None = None) -> "StatsStream":
+    """Per decoder layer, the input statistics of each linear slot ("qkv",
+    "dense", "mlp", "proj"), from running the HF model layer by layer over
+    `sequences`. Lazily: a layer is calibrated when its statistics are first
+    asked for (see StatsStream)."""
+    from transformers import AutoConfig
+
+    layers = AutoConfig.from_pretrained(str(hf_dir)).num_hidden_layers
+    return StatsStream(_layer_stats(Path(hf_dir), sequences, covariance, progress), layers)
+
+
+def _layer_stats(hf_dir: Path, sequences: list[torch.Tensor], covariance: bool,
+                 progress: Callable[[str], None] | None) -> Iterator[LayerStats]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_dir = Path(hf_dir)
@@ -181,7 +194,6 @@ def collect_stats(hf_dir: Path, sequences: list[torch.Tensor], *, covariance: bo
     hidden = [embed[s][None] for s in sequences]
     del embed
     rope = [rotary(h, torch.arange(h.shape[1])[None]) for h in hidden]
-    result = []
     for i, layer in enumerate(base.layers):
         layer.to_empty(device="cpu")
         layer.load_state_dict(weights.prefixed(f"model.layers.{i}."), strict=True)
@@ -202,7 +214,40 @@ def collect_stats(hf_dir: Path, sequences: list[torch.Tensor], *, covariance: bo
         for h in hooks:
             h.remove()
         layer.to("meta")  # free the layer's weights before the next one loads
-        result.append(stats)
         if progress is not None:
             progress(f"calibrated layer {i + 1}/{len(base.layers)}")
-    return result
+        yield stats
+
+
+class StatsStream:
+    """Layer statistics, calibrated on demand in layer order.
+
+    The converter writes layer by layer in increasing order, so asking for
+    layer i runs calibration up to i, and the second-moment matrices (AWQ's
+    `xtx`, in × in float64 per linear input) of the layers before i are
+    dropped: they are the bulk of the memory (about 2 GB per Llama-3-8B layer,
+    65 GB for all 32), and only one layer's are alive at a time. The small
+    per-channel vectors and the KV amax stay for every layer (the KV scales are
+    written last). Asking for an earlier layer's matrix afterwards fails loudly."""
+
+    def __init__(self, layers: Iterator[LayerStats], count: int):
+        self._layers, self._count = layers, count
+        self._have: list[LayerStats] = []
+        self._front = 0  # layers below this one have had their matrices dropped
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i: int) -> LayerStats:
+        if not 0 <= i < self._count:
+            raise IndexError(i)
+        while len(self._have) <= i:
+            self._have.append(next(self._layers))
+        for j in range(self._front, i):
+            for st in self._have[j].inputs.values():
+                st.xtx = None
+        self._front = max(self._front, i)
+        return self._have[i]
+
+    def __iter__(self) -> Iterator[LayerStats]:
+        return (self[i] for i in range(self._count))
