@@ -159,3 +159,18 @@ def test_smoothing_factor_formula_and_shared_vectors():
     lins = smoothquant.quantize_sq([w1, w2], a, 0.5)
     assert torch.equal(lins[0].prequant_scaling_factor, lins[1].prequant_scaling_factor)
     assert torch.equal(lins[0].activation_scaling_factor, lins[1].activation_scaling_factor)
+
+
+def test_scale_search_on_a_row_sample_matches_the_full_search():
+    x, w = _outlier_problem(seed=9, out=1200)
+    absmean, cov, _ = _stats(x)
+    full = awq.search_scales([w], absmean, cov, 128, rows=10**9)
+    sampled = awq.search_scales([w], absmean, cov, 128, rows=256)
+    again = awq.search_scales([w], absmean, cov, 128, rows=256)
+    assert torch.equal(sampled.scales, again.scales)  # a fixed sample: conversions are reproducible
+
+    def loss(found):
+        s = found.scales
+        return float(awq.output_error(fake_quant_per_group(w * s, 128) / s - w, cov))
+    rtn = float(awq.output_error(fake_quant_per_group(w, 128) - w, cov))
+    assert loss(sampled) <= loss(full) * 1.02 and loss(sampled) < 0.5 * rtn

@@ -28,6 +28,7 @@ from toolchain.quant.gptq import act_order, gptq_round, upper_inverse_factor
 from toolchain.quant.int_quant import fake_quant_per_group, group_amax, quantize_per_group
 
 N_GRID = 20        # scale exponents 0, 0.05, ..., 1 (the original AWQ grid)
+SEARCH_ROWS = 2048  # output rows the scale search scores candidates on (a fixed, seeded sample)
 MAX_SHRINK = 0.5   # clipping tries amax x 1.0, 0.95, ..., 0.55
 
 
@@ -56,15 +57,24 @@ def output_error(dw: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
 
 
 def search_scales(weights: list[torch.Tensor], x_absmean: torch.Tensor, cov: torch.Tensor, group_size: int,
-                  n_grid: int = N_GRID) -> AwqSearch:
+                  n_grid: int = N_GRID, rows: int = SEARCH_ROWS) -> AwqSearch:
     """Grid search over s = mean|x|^α (and, "duo", mean|x|^α / mean|ŵ|^(1-α),
     ŵ the weight relative to its group max) for linears sharing one input.
 
     α = 0 without duo is s = 1, plain round-to-nearest, so the chosen scales are
-    never worse than RTN on the calibration data."""
+    never worse than RTN on the calibration data (on the scored rows).
+
+    Each candidate costs a GEMM of ΔW with C, O(out·in²). Every output row adds
+    its own term to the error, so above `rows` rows the candidates are scored on
+    a fixed random sample of them: an unbiased estimate of the same objective
+    whose ranking is stable at a few thousand rows, and 14x cheaper on a
+    Llama-3-8B gate/up block (28672 rows)."""
     w = torch.cat([t.float() for t in weights], dim=0)
     rel = w.abs() / group_amax(w, group_size).clamp(min=1e-12).repeat_interleave(group_size, dim=1)
-    w_mean = rel.mean(dim=0).clamp(min=1e-8)
+    w_mean = rel.mean(dim=0).clamp(min=1e-8)  # from every row: the scales themselves see the whole weight
+    if w.shape[0] > rows:
+        pick = torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(0))[:rows]
+        w = w[pick.sort().values]
     x_mean = x_absmean.float().clamp(min=1e-8)
     best: AwqSearch | None = None
     cov = cov.float()
