@@ -103,6 +103,34 @@ def test_served_text_equals_engine_greedy(served, expected, model, stream):
         assert expected[prompt].strip(), "the engine generated nothing to compare"
 
 
+def test_cpu_engine_exports_the_trt_llm_metric_families(served):
+    """After the requests above, /metrics carries the TensorRT-LLM backend's families (reference §6.1)
+    with the engine's numbers: the batch limit, iterations run, and one histogram sample per request."""
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    from toolchain.bench.servermetrics import scrape
+
+    _, ws, server = served
+    _stream_text(grpcclient.InferenceServerClient(server.grpc_url), "ensemble", PROMPTS[0], True)
+    limits = json.loads((ws.engine_dir(served[0]) / "config.json").read_text())["build_config"]
+    deadline = time.monotonic() + 5
+    while True:  # the gauges are refreshed every stats_check_period_ms (100 ms)
+        got = scrape(server.metrics_url)
+        values = {(name, dict(labels).get("request_type") or dict(labels).get("general_type")): v
+                  for (name, labels), v in (got or {}).items() if dict(labels).get("model") == "tensorrt_llm"}
+        if values.get(("nv_trt_llm_general_metrics", "iteration_counter"), 0) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert values[("nv_trt_llm_request_metrics", "max")] == limits["max_batch_size"]
+    assert values[("nv_trt_llm_general_metrics", "iteration_counter")] >= 1
+    assert {"active", "scheduled", "context", "waiting"} <= {k for n, k in values if n == "nv_trt_llm_request_metrics"}
+    done = values.get(("nv_llm_output_token_len_count", None))
+    assert done is not None and done >= 1
+    assert values[("nv_llm_output_token_len_sum", None)] >= done  # every request generated tokens
+
+
 def test_deploy_command_writes_report(tmp_path, capsys):
     root = tmp_path / "ws"
     argv = ["--root", str(root), "deploy", str(REPO / "build" / "tiny-llama.yaml")]

@@ -115,6 +115,33 @@ def test_request_joins_a_running_batch(engine, batcher):
     assert col.tokens("long") == long_alone and col.tokens("short") == short_alone
 
 
+def test_iteration_stats_describe_the_last_step_and_read_zero_when_idle(engine, batcher):
+    seen = []
+    col = Collector()
+    params = SamplingParams(max_new_tokens=6)
+
+    def watch(i):
+        inner = col.callback(i)
+
+        def cb(tokens, finished, error=None):
+            st = batcher.stats  # called from the batcher thread, right after the step that made these tokens
+            seen.append((st.scheduled, st.context, st.context_tokens, st.generation, st.active))
+            return inner(tokens, finished, error)
+        return cb
+    batcher.submit("a", PROMPTS[0], params, watch("a"))
+    batcher.submit("b", PROMPTS[1], params, watch("b"))
+    col.wait()
+    first = seen[0]
+    # the first step prefilled whatever it admitted, and counted their prompt tokens
+    assert first[1] >= 1 and first[2] >= len(PROMPTS[0]) and first[0] == first[1] + first[3]
+    assert any(g >= 1 and c == 0 for _, c, _, g, _ in seen)  # later steps only decoded
+    assert all(s <= a for s, _, _, _, a in seen)
+    deadline = time.monotonic() + TIMEOUT
+    while batcher.stats.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (batcher.stats.active, batcher.stats.scheduled) == (0, 0) and batcher.stats.timestamp_us > 0
+
+
 def test_cancel_running_and_queued(tmp_path_factory, hf_llama):
     engine = load_engine(tmp_path_factory, hf_llama, 1, 1, max_batch_size=1)
     col, gate = Collector(), threading.Event()

@@ -42,12 +42,23 @@ class _Request:
 
 @dataclass
 class BatcherStats:
-    """Counters for tests and reports: how much batching actually happened."""
+    """Counters for tests and reports: how much batching actually happened, and the last
+    iteration's composition (what TensorRT-LLM's executor reports as iteration stats)."""
 
     steps: int = 0
     tokens: int = 0
     max_running: int = 0
     joined_running: int = 0  # admissions that happened while other requests were mid-generation
+    # the last iteration
+    active: int = 0                  # running + queued
+    scheduled: int = 0               # in the batch
+    context: int = 0                 # of them prefilled in this step
+    context_tokens: int = 0          # their prompt tokens
+    generation: int = 0              # of them decoding
+    timestamp_us: int = 0            # when it ended (wall clock)
+
+    def idle(self) -> None:
+        self.active = self.scheduled = self.context = self.context_tokens = self.generation = 0
 
 
 class InflightBatcher:
@@ -134,6 +145,8 @@ class InflightBatcher:
     def _loop(self) -> None:
         while True:
             with self._cv:
+                if not (self._waiting or self._queue or self._running or self._stopping or self._cancel):
+                    self.stats.idle()  # nothing in flight: the gauges read zero, not the last step
                 while not (self._waiting or self._queue or self._running or self._stopping or self._cancel):
                     self._cv.wait()
                 if self._stopping:
@@ -204,6 +217,7 @@ class InflightBatcher:
 
     def _step(self) -> None:
         batch = list(self._running)
+        prefill = [r for r in batch if not r.seq.prefilled]
         try:
             emitted = self.engine.step([r.seq for r in batch])
         except Exception:
@@ -216,8 +230,14 @@ class InflightBatcher:
                     req.seq.error = f"engine step failed: {type(err).__name__}: {err}"
                     req.seq.finish("error")
                     emitted.append([])
-        self.stats.steps += 1
-        self.stats.max_running = max(self.stats.max_running, len(batch))
+        st = self.stats
+        st.steps += 1
+        st.max_running = max(st.max_running, len(batch))
+        st.active = len(batch) + len(self._queue)
+        st.scheduled, st.context = len(batch), len(prefill)
+        st.context_tokens = sum(len(r.prompt) for r in prefill)
+        st.generation = len(batch) - len(prefill)
+        st.timestamp_us = time.time_ns() // 1000
         for req, tokens in zip(batch, emitted):
             self.stats.tokens += len(tokens)
             seq = req.seq

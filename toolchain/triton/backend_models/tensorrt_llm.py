@@ -132,6 +132,69 @@ class _Row:
         self.first_token_ns = 0
 
 
+class _Metrics:
+    """The TensorRT-LLM backend's `nv_trt_llm_*` gauges and `nv_llm_*_token_len` histograms
+    (model-repo reference §6.1), fed from the CPU engine's iteration stats, so dashboards and
+    `toolchain bench`'s server cross-check read the same families on CPU as on a GPU. The KV-cache
+    block and runtime-memory families are not exported: the CPU engine has no block pool."""
+
+    REQUEST = ("active", "max", "scheduled", "context", "waiting")
+    BATCHER = ("total_context_tokens", "generation_requests", "micro_batch_id", "paused_requests")
+    GENERAL = ("timestamp", "iteration_counter")
+    BUCKETS = [10, 50, 100, 500, 1000]
+
+    @classmethod
+    def create(cls, model, version, max_batch):
+        try:
+            return cls(model, str(version), max_batch)
+        except Exception as err:  # metrics disabled, or a Python backend without custom metrics
+            print(f"tensorrt_llm: custom metrics unavailable ({err}); serving without nv_trt_llm_*", file=sys.stderr)
+            return None
+
+    def __init__(self, model, version, max_batch):
+        fam = pb_utils.MetricFamily
+        base = {"model": model, "version": version}
+
+        self.families = []  # a Metric is invalid once its MetricFamily is garbage collected
+
+        def family_of(name, description, kind):
+            family = fam(name=name, description=description, kind=kind)
+            self.families.append(family)
+            return family
+
+        def gauges(name, description, label, keys):
+            family = family_of(name, description, fam.GAUGE)
+            return {k: family.Metric(labels={**base, label: k}) for k in keys}
+        self.request = gauges("nv_trt_llm_request_metrics", "TRT LLM request metrics", "request_type", self.REQUEST)
+        self.batcher = gauges("nv_trt_llm_inflight_batcher_metrics", "TRT LLM inflight_batcher-specific metrics",
+                              "inflight_batcher_specific_metric", self.BATCHER)
+        self.general = gauges("nv_trt_llm_general_metrics", "General TRT LLM metrics", "general_type", self.GENERAL)
+        self.request["max"].set(max_batch)
+        self.tokens = None
+        if hasattr(fam, "HISTOGRAM"):
+            self.tokens = {}
+            for name, key, what in (("nv_llm_input_token_len", "total_input_tokens", "input"),
+                                    ("nv_llm_output_token_len", "total_output_tokens", "output")):
+                family = family_of(name, f"TRT LLM response metrics: {what} tokens per request", fam.HISTOGRAM)
+                self.tokens[what] = family.Metric(labels={**base, "response_metric_type": key}, buckets=self.BUCKETS)
+
+    def iteration(self, st):
+        r, b, g = self.request, self.batcher, self.general
+        r["active"].set(st.active)
+        r["scheduled"].set(st.scheduled)
+        r["context"].set(st.context)
+        r["waiting"].set(max(0, st.active - st.scheduled))
+        b["total_context_tokens"].set(st.context_tokens)
+        b["generation_requests"].set(st.generation)
+        g["timestamp"].set(st.timestamp_us)
+        g["iteration_counter"].set(st.steps)
+
+    def request_done(self, prompt_tokens, output_tokens):
+        if self.tokens is not None:
+            self.tokens["input"].observe(prompt_tokens)
+            self.tokens["output"].observe(output_tokens)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -155,6 +218,10 @@ class TritonPythonModel:
         self.engine = CpuEngine.load(engine_dir, num_threads=int(threads) if threads and threads.isdigit() else None)
         self.batcher = InflightBatcher(self.engine)
         self.batcher.start()
+        period = _param(config, "stats_check_period_ms")
+        self.stats_period_s = (int(period) if period and period.isdigit() else 100) / 1000.0
+        self.metrics = _Metrics.create(args["model_name"], args.get("model_version", "1"),
+                                       self.engine.limits.max_batch_size)
         self.lock = threading.Lock()
         self.rows = {}  # engine request id -> _Row
         self.groups = {}  # id(group) -> _Group
@@ -162,6 +229,16 @@ class TritonPythonModel:
         self.stopping = threading.Event()
         self.watcher = threading.Thread(target=self._watch_cancellation, name="tensorrt_llm-cancel", daemon=True)
         self.watcher.start()
+        if self.metrics is not None:
+            threading.Thread(target=self._report_stats, name="tensorrt_llm-stats", daemon=True).start()
+
+    def _report_stats(self):
+        while not self.stopping.wait(self.stats_period_s):
+            try:
+                self.metrics.iteration(self.batcher.stats)
+            except Exception as err:  # metrics are a side channel: never let them take the model down
+                print(f"tensorrt_llm: stats report failed: {err}", file=sys.stderr)
+                return
 
     # ---- requests -------------------------------------------------------------------------------------------
     def execute(self, requests):
@@ -271,6 +348,8 @@ class TritonPythonModel:
             if finished:
                 self.rows.pop(rid, None)
                 group.pending.discard(rid)
+                if self.metrics is not None:
+                    self.metrics.request_done(len(row.prompt), len(row.tokens))
             last = finished and not group.pending
             if last:
                 group.done = True
@@ -318,10 +397,16 @@ class TritonPythonModel:
             with self.lock:
                 groups = list(self.groups.values())
             for group in groups:
-                try:
-                    cancelled = group.sender.is_cancelled()
-                except Exception:
-                    cancelled = False
+                # Under the lock, and only while the group is open: every final response is sent under
+                # this lock or after `done` was set under it, and asking a sender whose final response
+                # has gone out reads a freed response factory (tritonserver 2.51 segfaults on it).
+                with self.lock:
+                    if group.done:
+                        continue
+                    try:
+                        cancelled = group.sender.is_cancelled()
+                    except Exception:
+                        cancelled = False
                 if cancelled:
                     self._abort(group, cancelled=True)
 
