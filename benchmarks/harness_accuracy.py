@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -144,12 +145,6 @@ def openai_mock(port: int, *extra: str) -> subprocess.Popen:
 
 
 # ---- the floor probes: minimal clients, one request at a time ------------------------------------------------
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
 def triton_floor_probe(url: str, model: str, n: int) -> float:
     """Median ms from send to the first response carrying text, over `n` sequential requests (tritonclient)."""
     import queue
@@ -186,7 +181,7 @@ def triton_floor_probe(url: str, model: str, n: int) -> float:
     finally:
         client.stop_stream()
         client.close()
-    return _median(samples) - FLOOR_PROBE_MS
+    return statistics.median(samples) - FLOOR_PROBE_MS
 
 
 def openai_floor_probe(port: int, n: int) -> float:
@@ -214,7 +209,7 @@ def openai_floor_probe(port: int, n: int) -> float:
             time.sleep(0.005)
     finally:
         conn.close()
-    return _median(samples) - FLOOR_PROBE_MS
+    return statistics.median(samples) - FLOOR_PROBE_MS
 
 
 def pct(measured, truth):

@@ -116,7 +116,7 @@ def engine_scores(engine, windows, reference: list[torch.Tensor] | None) -> tupl
         count += len(ids) - 1
         if reference is not None:
             ref = reference[w].float()
-            kl += float((ref.exp() * (ref - logp)).sum())
+            kl += _window_kl(ref, logp)
             agree += int((ref.argmax(-1) == logp.argmax(-1)).sum())
         logps.append(logp.to(torch.bfloat16))
     out = {"perplexity": round(math.exp(nll / count), 4)}
@@ -247,13 +247,16 @@ def peer_rows(name: str, hf: Path, calib, windows, work: Path, args, reference: 
     return rows
 
 
+def _window_kl(ref: torch.Tensor, logp: torch.Tensor) -> float:
+    """Sum over a window's positions of KL(ref || logp), both log-probabilities."""
+    ref, logp = ref.float(), logp.float()
+    return float((ref.exp() * (ref - logp)).sum())
+
+
 def _kl(logps: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    kl, count = 0.0, 0
-    for logp, ref in zip(logps, reference):
-        ref, logp = ref.float(), logp.float()
-        kl += float((ref.exp() * (ref - logp)).sum())
-        count += ref.shape[0]
-    return round(kl / count, 6)
+    """Mean KL per token of a peer's saved log-probabilities against the fp16 row's."""
+    kl = sum(_window_kl(ref, logp) for logp, ref in zip(logps, reference))
+    return round(kl / sum(ref.shape[0] for ref in reference), 6)
 
 
 def _run_on_cpu_engine(ckpt: Path, windows, work: Path, args, reference) -> dict:

@@ -26,6 +26,7 @@ import torch
 
 from toolchain.quant.gptq import act_order, gptq_round, upper_inverse_factor
 from toolchain.quant.int_quant import fake_quant_per_group, group_amax, quantize_per_group
+from toolchain.quant.recipe import ROUNDINGS
 
 N_GRID = 20        # scale exponents 0, 0.05, ..., 1 (the original AWQ grid)
 SEARCH_ROWS = 2048  # output rows the scale search scores candidates on (a fixed, seeded sample)
@@ -125,8 +126,8 @@ def quantize_awq(weights: list[torch.Tensor], x_absmean: torch.Tensor, cov: torc
     per-group round-to-nearest in the same layout (prequant = ones), the
     baseline AWQ is measured against; `rounding="gptq"` picks the integers
     with error compensation on the same scales."""
-    if rounding not in ("nearest", "gptq"):
-        raise ValueError(f"rounding must be 'nearest' or 'gptq', got {rounding!r}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
     inp = weights[0].shape[1]
     found = search_scales(weights, x_absmean, cov, group_size) if search else None
     s = found.scales if found is not None else torch.ones(inp)

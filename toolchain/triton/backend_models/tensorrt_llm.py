@@ -62,6 +62,12 @@ def _param(config, key):
     return value
 
 
+def _period_s(config, key, default_ms=100):
+    """A `*_period_ms` parameter in seconds (the backend's default when unset or not a number)."""
+    value = _param(config, key)
+    return (int(value) if value and value.isdigit() else default_ms) / 1000.0
+
+
 def _flag(text, default):
     return default if text is None else text.strip().lower() in ("1", "true", "t", "yes", "y")
 
@@ -200,8 +206,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.default_exclude_input = _flag(_param(config, "exclude_input_in_output"), False)
-        period = _param(config, "cancellation_check_period_ms")
-        self.cancel_period_s = (int(period) if period and period.isdigit() else 100) / 1000.0
+        self.cancel_period_s = _period_s(config, "cancellation_check_period_ms")
         toolchain_path = _param(config, "toolchain_path")
         # The Python stub ignores PYTHONPATH; the rendered path is a fallback for a
         # toolchain that is not installed in the serving environment.
@@ -218,8 +223,7 @@ class TritonPythonModel:
         self.engine = CpuEngine.load(engine_dir, num_threads=int(threads) if threads and threads.isdigit() else None)
         self.batcher = InflightBatcher(self.engine)
         self.batcher.start()
-        period = _param(config, "stats_check_period_ms")
-        self.stats_period_s = (int(period) if period and period.isdigit() else 100) / 1000.0
+        self.stats_period_s = _period_s(config, "stats_check_period_ms")
         self.metrics = _Metrics.create(args["model_name"], args.get("model_version", "1"),
                                        self.engine.limits.max_batch_size)
         self.lock = threading.Lock()
