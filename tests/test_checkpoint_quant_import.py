@@ -102,3 +102,29 @@ def test_gptq_act_order_rejected_before_weights(base, tmp_path):
     with pytest.raises(ToolchainError, match="act-order"):
         convert_checkpoint(hf, out, tp=1, pp=1, dtype="float16", target="cpu")
     assert not any(out.iterdir())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_imported_zero_has_the_groupwise_layer_layout(base, tmp_path, tp):
+    """trtllm-build's W4A16_AWQ preprocessing transposes `weights_scaling_factor`
+    but not `zero`, and WeightOnlyGroupwiseQuant{Column,Row}Linear declare it
+    (in/g, out) in the model dtype (TensorRT-LLM tensorrt_llm/models/modeling_utils.py
+    preprocess_perlayer_weights; tensorrt_llm/quantization/layers.py). So the
+    checkpoint stores it that way, split per rank like the scales."""
+    from safetensors import safe_open
+
+    hf = build_prequantized(base, tmp_path / "awq", "awq")
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    convert_checkpoint(hf, out, tp=tp, pp=1, dtype="float16", target="trtllm")
+    g, hidden, inter = 128, 256, 512
+    with safe_open(str(out / "rank0.safetensors"), "pt") as f:
+        prefix = "transformer.layers.0."
+        for name, (inp, outp) in {"attention.dense": (hidden // tp, hidden), "mlp.fc": (hidden, inter // tp),
+                                  "mlp.proj": (inter // tp, hidden)}.items():
+            scale = f.get_tensor(f"{prefix}{name}.weights_scaling_factor")
+            zero = f.get_tensor(f"{prefix}{name}.zero")
+            assert tuple(scale.shape) == (outp, inp // g), name   # transposed by trtllm-build
+            assert tuple(zero.shape) == (inp // g, outp), name    # read as stored
+            assert zero.dtype == torch.float16, name
+            assert f"{prefix}{name}.prequant_scaling_factor" not in f.keys()

@@ -13,7 +13,9 @@ from toolchain.cli import main
 from toolchain.engine import trtllm
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = ["llama3-8b-awq-h100", "llama3-70b-sq-tp4pp2", "mistral-7b-fp8-l40s", "qwen2.5-7b-draft-target"]
+EXAMPLES = ["llama3-8b-awq-h100", "llama3-70b-sq-tp4pp2", "mistral-7b-fp8-l40s"]
+# Deploys but would not speculate yet: plan refuses it (see test below).
+NOT_YET = ["--skip-check", "spec.mode-runnable"]
 
 
 def plan(tmp_path, spec: Path | str, *args) -> int:
@@ -46,12 +48,32 @@ def test_example_quantization_reaches_the_plan(tmp_path, capsys):
                 "mistral-7b-fp8-l40s": ("FP8", "fp8"),
                 "qwen2.5-7b-draft-target": ("no weight quantization", "bfloat16")}
     for name, (fmt, kv) in expected.items():
-        assert plan(tmp_path, REPO / "build" / f"{name}.yaml", "--json") == 0
+        assert plan(tmp_path, REPO / "build" / f"{name}.yaml", "--json", *NOT_YET) == 0
         report = json.loads(capsys.readouterr().out)
         assert (report["weight_format"], report["kv_cache_dtype"]) == (fmt, kv), name
     assert report["draft_kv_tokens_capacity"] > 0
     assert len(report["build_commands"]) == 2 and "--speculative_decoding_mode draft_tokens_external" in \
         report["build_commands"][0] and "--speculative_decoding_mode" not in report["build_commands"][1]
+
+
+def test_draft_target_example_is_refused_until_the_bls_speculates(tmp_path, capsys):
+    """Draft-target would deploy and never speculate (our BLS does not run the
+    draft -> target loop), Medusa and EAGLE have no head-carrying checkpoint:
+    plan fails with one line naming the mode."""
+    spec = REPO / "build" / "qwen2.5-7b-draft-target.yaml"
+    assert plan(tmp_path, spec, "--json") == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["failed_checks"] == ["spec.mode-runnable"]
+    assert len(captured.err.strip().splitlines()) == 1
+    for mode in ("medusa", "eagle"):
+        assert plan(tmp_path, REPO / "build" / "llama3-8b-awq-h100.yaml", "--set", f"speculative.mode={mode}",
+                    "--set", "speculative.max_draft_len=4", "--json") == 1
+        failed = json.loads(capsys.readouterr().out)["failed_checks"]
+        assert "spec.mode-runnable" in failed, (mode, failed)
+    assert plan(tmp_path, REPO / "build" / "llama3-8b-awq-h100.yaml", "--set", "speculative.mode=lookahead",
+                "--set", "speculative.max_draft_len=4", "--json") in (0, 1)
+    assert "spec.mode-runnable" not in json.loads(capsys.readouterr().out)["failed_checks"]
 
 
 def test_text_output_has_table_commands_and_checks(tmp_path, capsys):

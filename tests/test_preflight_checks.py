@@ -72,7 +72,7 @@ def use_config(cfg: dict, generation=None):
     return setup
 
 
-def engine_dir(tmp_path: Path, *, world=1, ranks=None, version="1.2.0", mbs=8) -> None:
+def engine_dir(tmp_path: Path, *, world=1, ranks=None, version="1.2.1", mbs=8) -> None:
     d = tmp_path / "ws" / "engines" / "chk" / "engine"
     d.mkdir(parents=True)
     for r in range(world if ranks is None else ranks):
@@ -162,8 +162,10 @@ TRIGGERS = {
     "launch.multi-node": ({"parallelism": {"tp": 8, "pp": 2}}, {}, FAIL),
     "triton.backend-present": ({}, {"setup": fake_tritonserver, "stage": "serve"}, FAIL),
     "serve.ports-free": ({}, {"setup": busy_port, "stage": "serve"}, FAIL),
+    "serve.shm-size": ({"serving": {"instance_count": 1_000_000}}, {"stage": "serve"}, FAIL),
     "bench.workload-limits": ({"validation": {"workload": {"input_tokens": 4000}}}, {}, FAIL),
     "bench.streaming": ({"validation": {"workload": {"streaming": False}}}, {}, FAIL),
+    "spec.mode-runnable": ({"speculative": {"mode": "medusa"}}, {}, FAIL),
     "spec.draft-len": ({"speculative": {"mode": "lookahead", "max_draft_len": 0}}, {}, FAIL),
     "spec.gather-context-logits": ({"speculative": {"mode": "medusa"}, "build": {"gather_context_logits": True}},
                                    {}, FAIL),
@@ -298,3 +300,19 @@ def test_tiny_llama_passes_every_check_at_every_stage(tmp_path):
     for stage in ("plan", "convert", "build-engine", "model-repo", "serve", "deploy"):
         results = run_checks(build_context(spec, stage, Workspace(tmp_path)))
         assert [r.id for r in results if r.status == FAIL] == [], stage
+
+
+def test_engine_version_against_the_containers_table(tmp_path):
+    """The serving image is the first Triton release whose Dockerfile builds
+    TensorRT-LLM 1.2.1 (26.04; 25.12 ships 1.1.0). An engine from 1.2.0rc8 shares
+    its TensorRT and only warns; one from 1.1.0 cannot load."""
+    from toolchain.plan import versions
+
+    assert versions.TRITON_CONTAINER == "26.04" and versions.container_for("1.1.0") == "25.12"
+    assert versions.TRITON_IMAGE == "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
+    assert versions.tensorrt_of("1.2.0rc8") == versions.TENSORRT_VERSION
+    for version, expected in [("1.2.1", PASS), ("1.2.0rc8", WARN), ("1.1.0", FAIL), ("1.2.0rc2", FAIL)]:
+        sub = tmp_path / version
+        sub.mkdir()
+        result = run(sub, {}, setup=lambda t, d, v=version: engine_dir(t, version=v))["triton.engine-version"]
+        assert result.status == expected, (version, result.message)

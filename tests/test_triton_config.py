@@ -276,7 +276,9 @@ def test_trtllm_target_uses_the_tensorrtllm_backend(tmp_path):
     assert params["max_beam_width"] == "1" and params["batch_scheduler_policy"] == "guaranteed_no_evict"
     assert params["executor_worker_path"].endswith("trtllmExecutorWorker")
     assert "toolchain_path" not in params
-    assert all(v and not v.startswith("${") for v in params.values())
+    assert not any(v.startswith("${") for v in params.values())
+    # Empty only where the backend requires the key and empty means "off".
+    assert {k for k, v in params.items() if not v} == {"guided_decoding_backend", "xgrammar_tokenizer_info_path"}
 
 
 POSTPROCESSING_GOLDEN = """\
@@ -410,3 +412,58 @@ def test_cli_model_repo_and_serve_print(tmp_path, capsys):
     assert main(["--root", str(root), "serve", str(spec.source), "--set", "target=trtllm"]) == 2
     # An engine dir whose config.json is not a trtllm-build engine is caught before launch.
     assert "preflight check triton.engine-dir failed" in capsys.readouterr().err
+
+
+def _upstream_tree(root: Path) -> Path:
+    """A stand-in for tensorrtllm_backend's all_models/inflight_batcher_llm (the real
+    one is on GPU hosts, not here): each Python model with a model.py, the BLS with lib/."""
+    tree = root / "triton_backend" / "all_models" / "inflight_batcher_llm"
+    for name in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
+        (tree / name / "1").mkdir(parents=True)
+        (tree / name / "1" / "model.py").write_text(f"# upstream {name}\n")
+    (tree / "tensorrt_llm_bls" / "1" / "lib").mkdir()
+    (tree / "tensorrt_llm_bls" / "1" / "lib" / "decode.py").write_text("# upstream decode\n")
+    (tree / "tensorrt_llm_bls" / "1" / "__pycache__").mkdir()
+    (tree / "tensorrt_llm_bls" / "1" / "__pycache__" / "model.cpython-312.pyc").write_bytes(b"x")
+    return tree
+
+
+def test_python_models_from_an_upstream_tree(tmp_path, capsys):
+    """--python-models takes NVIDIA's pre/post/BLS model.py and helpers, renders only the
+    configs, keeps the CPU tensorrt_llm model, says which it used, and re-renders when
+    an upstream file changes."""
+    from toolchain.cli import main
+
+    spec = _deploy_spec(tmp_path)
+    tree = _upstream_tree(tmp_path / "backend")
+    root = tmp_path / "ws"
+    # the repository root is found under the directory given
+    assert main(["--root", str(root), "model-repo", str(spec.source), "--python-models", str(tmp_path / "backend")]) == 0
+    out = capsys.readouterr().out
+    assert "python models: NVIDIA's from" in out and "tensorrt_llm_bls" in out
+    repo = Workspace(root).model_repo_dir(spec)
+    for name in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
+        assert (repo / name / "1" / "model.py").read_text() == f"# upstream {name}\n"
+        assert (repo / name / "config.pbtxt").is_file()
+    assert (repo / "tensorrt_llm_bls" / "1" / "lib" / "decode.py").is_file()
+    assert not (repo / "tensorrt_llm_bls" / "1" / "__pycache__").exists()
+    assert "class TritonPythonModel" in (repo / "tensorrt_llm" / "1" / "model.py").read_text()  # CPU engine
+    (tree / "postprocessing" / "1" / "model.py").write_text("# upstream postprocessing, patched\n")
+    assert main(["--root", str(root), "model-repo", str(spec.source), "--python-models", str(tree)]) == 0
+    assert "rendered" in capsys.readouterr().out
+    assert (repo / "postprocessing" / "1" / "model.py").read_text().endswith("patched\n")
+    assert main(["--root", str(root), "model-repo", str(spec.source)]) == 0  # back to ours
+    assert "the toolchain's" in capsys.readouterr().out
+    assert "class TritonPythonModel" in (repo / "postprocessing" / "1" / "model.py").read_text()
+
+
+def test_python_models_dir_without_the_models_is_one_line(tmp_path, capsys):
+    from toolchain.cli import main
+
+    spec = _deploy_spec(tmp_path)
+    tree = _upstream_tree(tmp_path / "backend")
+    (tree / "tensorrt_llm_bls" / "1" / "model.py").unlink()
+    for bad in (tree, tmp_path / "nowhere"):
+        assert main(["--root", str(tmp_path / "ws"), "model-repo", str(spec.source), "--python-models", str(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and "\n" not in err and "--python-models" in err

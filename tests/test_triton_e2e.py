@@ -232,3 +232,33 @@ def test_cli_serve_prints_endpoints_and_stops_on_sigterm(served, engine):
     assert proc.returncode == 0, "".join(lines) + rest
     assert "tritonserver stopped (exit code 0)" in rest
     assert (ws.model_repo_dir(spec).parent / f"{spec.name}.tritonserver.log").is_file()
+
+
+# A config the real backend refuses must fail here too: the CPU tensorrt_llm
+# model reads its parameters with the C++ backend's rules
+# (toolchain/upstream/facts/backend_parameters.json), and preprocessing indexes
+# multimodal_model_path as tensorrtllm_backend's model.py does.
+@pytest.mark.parametrize("model, key, value, message", [
+    ("tensorrt_llm", "guided_decoding_backend", None, "Cannot find parameter with name: guided_decoding_backend"),
+    ("tensorrt_llm", "gpt_model_type", "static_batching", "gpt_model_type"),
+    ("preprocessing", "multimodal_model_path", None, "multimodal_model_path"),
+])
+def test_a_config_the_gpu_backend_refuses_fails_to_load(tmp_path_factory, hf_dir, model, key, value, message):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    from toolchain.errors import StageFailed
+
+    spec, ws, server = _deploy(tmp_path_factory, hf_dir, streaming=False)
+    path = ws.model_repo_dir(spec) / model / "config.pbtxt"
+    cfg = text_format.Parse(path.read_text(), pb.ModelConfig())
+    assert key in cfg.parameters
+    if value is None:
+        del cfg.parameters[key]
+    else:
+        cfg.parameters[key].string_value = value
+    path.write_text(text_format.MessageToString(cfg))
+    with pytest.raises(StageFailed) as err:
+        with server:
+            pass
+    assert f"model '{model}' failed to load" in str(err.value) and message in str(err.value), str(err.value)

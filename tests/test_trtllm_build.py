@@ -27,7 +27,7 @@ FAKE = Path(__file__).resolve().parent / "fake_trtllm_build"
 
 @pytest.fixture
 def fake_build(tmp_path, monkeypatch):
-    """PATH with the fake trtllm-build first and its tensorrt_llm 1.2.0 metadata importable."""
+    """PATH with the fake trtllm-build first and its tensorrt_llm 1.2.1 metadata importable."""
     monkeypatch.setenv("PATH", f"{FAKE}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("PYTHONPATH", str(FAKE / "site"))
     record = tmp_path / "calls.jsonl"
@@ -60,7 +60,7 @@ def test_build_runs_trtllm_build_with_the_table_flags(tmp_path, hf_llama, fake_b
     assert sorted(p.name for p in engine.glob("rank*.engine")) == ["rank0.engine", "rank1.engine"]
     assert (engine / "logs" / "build.log").read_text().startswith("$ ")
     manifest = json.loads((engine / "manifest.json").read_text())
-    assert manifest["inputs"]["tensorrt_llm"] == "1.2.0" and manifest["outputs"]["ranks"] == 2
+    assert manifest["inputs"]["tensorrt_llm"] == "1.2.1" and manifest["outputs"]["ranks"] == 2
     [argv] = calls(fake_build)
     args = trtllm.validate(argv)
     assert args["--max_batch_size"] == 4 and args["--max_num_tokens"] == 300 and args["--workers"] == 2
@@ -182,7 +182,9 @@ def test_draft_target_builds_the_draft_too(tmp_path, hf_llama, hf_llama_tied, fa
     spec = trt_spec(tmp_path, hf_llama, speculative={"mode": "draft_target", "max_draft_len": 4,
                                                      "draft_model": str(hf_llama_tied)},
                     serving={"streaming": False})
-    assert build(tmp_path, spec) == 0, capsys.readouterr().err
+    # refused by default until the BLS speculates (spec.mode-runnable); the build itself is ready
+    assert build(tmp_path, spec) == 2 and "spec.mode-runnable" in capsys.readouterr().err
+    assert build(tmp_path, spec, "--skip-check", "spec.mode-runnable") == 0, capsys.readouterr().err
     target, draft = calls(fake_build)
     assert trtllm.validate(target)["--speculative_decoding_mode"] == "draft_tokens_external"
     assert trtllm.validate(target)["--max_draft_len"] == 4

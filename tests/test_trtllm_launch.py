@@ -79,7 +79,7 @@ def test_container_lines_use_the_matching_image(tmp_path):
     launch = launch_command(spec, tmp_path / "repo")
     lines = container_commands(spec, launch, [tmp_path / "engines", tmp_path / "repo"])
     docker = shlex.split(lines["docker"])
-    assert TRITON_IMAGE == "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"
+    assert TRITON_IMAGE == "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
     assert docker[:3] == ["docker", "run", "--rm"] and TRITON_IMAGE in docker
     assert docker[docker.index(TRITON_IMAGE) + 1:] == launch.argv
     assert f"{tmp_path / 'repo'}:{tmp_path / 'repo'}" in docker and "8001:8001" in docker
@@ -106,7 +106,7 @@ def test_serve_print_and_refusal_without_mpirun(tmp_path, capsys, monkeypatch):
     engine.mkdir(parents=True)
     for r in range(8):
         (engine / f"rank{r}.engine").write_bytes(b"x")
-    (engine / "config.json").write_text(json.dumps({"version": "1.2.0", "pretrained_config": {"mapping": {
+    (engine / "config.json").write_text(json.dumps({"version": "1.2.1", "pretrained_config": {"mapping": {
         "world_size": 8}}, "build_config": {"max_batch_size": 64, "max_beam_width": 1}}))
     assert main(["--root", str(root), "serve", str(spec_path), "--set", "serving.http_port=0",
                  "--set", "serving.grpc_port=0", "--set", "serving.metrics_port=0"]) == 2

@@ -1,7 +1,7 @@
 """The tensorrt_llm model of a target-trtllm repository: it parses with Triton's
-protobuf and carries the §2.5 parameters of the 1.2 template (every one whose
-default is a value; the ones whose default is "unset" are listed with a reason),
-and the build/speculative sections reach it."""
+protobuf and carries the parameters of upstream's tensorrt_llm template (every
+one whose value is known; those left out are listed in TRITON_UNSET with a
+reason), and the build/speculative sections reach it."""
 
 from __future__ import annotations
 
@@ -14,26 +14,14 @@ from conftest import write_spec
 from toolchain.engine.trtllm import TRITON_UNSET
 from toolchain.spec import load_spec
 from toolchain.triton.repo import run_model_repo
+from toolchain.upstream import facts
 from toolchain.workspace import Workspace
 from triton_helpers import make_tiny_tokenizer
 
-# triton-trtllm-model-repo.md §2.5 `parameters` (placeholder -> key), written from the reference.
-TEMPLATE_1_2 = {
-    "max_beam_width", "gpt_model_type", "gpt_model_path", "encoder_model_path", "max_tokens_in_paged_kv_cache",
-    "kv_cache_free_gpu_mem_fraction", "cross_kv_cache_fraction", "kv_cache_host_memory_bytes",
-    "kv_cache_onboard_blocks", "max_attention_window_size", "sink_token_length", "enable_kv_cache_reuse",
-    "batch_scheduler_policy", "enable_chunked_context", "exclude_input_in_output", "normalize_log_probs",
-    "cancellation_check_period_ms", "stats_check_period_ms", "iter_stats_max_iterations",
-    "request_stats_max_iterations", "gpu_device_ids", "participant_ids", "num_nodes",
-    "lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size", "lora_cache_gpu_memory_fraction",
-    "lora_cache_host_memory_bytes", "lora_prefetch_dir", "decoding_mode", "medusa_choices", "eagle_choices",
-    "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size", "gpu_weights_percent",
-    "enable_context_fmha_fp32_acc", "multi_block_mode", "cuda_graph_mode", "cuda_graph_cache_size",
-    "enable_trt_overlap", "speculative_decoding_fast_logits", "tokenizer_dir", "guided_decoding_backend",
-    "xgrammar_tokenizer_info_path",
-    # fixed, non-templated
-    "FORCE_CPU_ONLY_INPUT_TENSORS", "executor_worker_path",
-}
+# The keys of upstream's tensorrt_llm template (toolchain/upstream/facts/model_templates.json).
+TEMPLATE_KEYS = set(facts("model_templates")["models"]["tensorrt_llm"]["parameters"])
+# Keys the C++ backend reads without a fallback: present even when their feature is off.
+REQUIRED_EMPTY = {"guided_decoding_backend", "xgrammar_tokenizer_info_path"}
 
 
 def render(tmp_path: Path, **sections) -> tuple[dict[str, pb.ModelConfig], Path]:
@@ -57,10 +45,11 @@ def params(cfg: pb.ModelConfig) -> dict[str, str]:
 def test_tensorrt_llm_carries_every_1_2_parameter(tmp_path):
     configs, _ = render(tmp_path)
     got = params(configs["tensorrt_llm"])
-    assert set(TRITON_UNSET) <= TEMPLATE_1_2
-    assert set(got) - TEMPLATE_1_2 == set(), "a parameter the 1.2 template does not have"
-    assert TEMPLATE_1_2 - set(TRITON_UNSET) - set(got) == set(), "a 1.2 parameter left out without a reason"
-    assert all(v and "${" not in v for v in got.values())
+    assert set(TRITON_UNSET) <= TEMPLATE_KEYS
+    assert set(got) - TEMPLATE_KEYS == set(), "a parameter the upstream template does not have"
+    assert TEMPLATE_KEYS - set(TRITON_UNSET) - set(got) == set(), "a template parameter left out without a reason"
+    assert not REQUIRED_EMPTY & set(TRITON_UNSET)
+    assert all((v or k in REQUIRED_EMPTY) and "${" not in v for k, v in got.items())
     assert got["enable_kv_cache_reuse"] == "true" and got["enable_chunked_context"] == "false"
     assert got["decoding_mode"] == "top_k_top_p" and got["num_nodes"] == "1"
     assert configs["tensorrt_llm"].backend == "tensorrtllm"

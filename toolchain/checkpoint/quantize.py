@@ -19,8 +19,13 @@ Formats written (`quant_algo`):
   quantizes them for the target GPU (option b's interleaved layout is
   GPU-specific). The CPU engine quantizes them the same way at load.
 - W4A16_AWQ: packed int4 (out/2, in) int8, `weights_scaling_factor` (out, in/g),
-  `prequant_scaling_factor` (in,); imports of AutoAWQ/GPTQ add `zero` (out, in/g)
-  instead of the prequant vector (§4.3 option C: lossless, not yet verified on a GPU build, §9).
+  `prequant_scaling_factor` (in,); imports of AutoAWQ/GPTQ add `zero` instead of the
+  prequant vector (lossless). trtllm-build's W4A16_AWQ preprocessing (TensorRT-LLM
+  tensorrt_llm/models/modeling_utils.py, preprocess_perlayer_weights) transposes the
+  weight and `weights_scaling_factor` but leaves `zero` as stored, and the groupwise
+  layers (tensorrt_llm/quantization/layers.py, WeightOnlyGroupwiseQuant*Linear) declare
+  it `(in/g, out)` in the model dtype: so `zero` is split like the scales, then
+  written transposed, in the model dtype.
 - W8A8_SQ_PER_CHANNEL: int8 weight, per-channel and static activation scales, prequant.
 - FP8: e4m3 weight, per-tensor weight and activation scales; q/k/v and fc/gate share them.
 
@@ -149,7 +154,7 @@ class Quantizer:
         g = self.group_size
         if self.fmt in ("awq", "int4_zero"):
             items = [("weight", (out // 2, inp), I8), ("weights_scaling_factor", (out, inp // g), F32)]
-            items.append(("zero", (out, inp // g), F32) if self.fmt == "int4_zero"
+            items.append(("zero", (inp // g, out), self.dtype) if self.fmt == "int4_zero"
                          else ("prequant_scaling_factor", (inp,), self.dtype))
         elif self.fmt == "sq":
             items = [("weight", (out, inp), I8), ("weights_scaling_factor", (out,), F32),
@@ -234,7 +239,7 @@ class Quantizer:
             signed, scales, zero = pre_q.to_signed_with_zero(q, z, s)
             ws.append(signed), ss.append(scales), zs.append(zero)
         return [Component("weight", "weight", ws, I8), Component("weights_scaling_factor", "out_groups", ss, F32),
-                Component("zero", "out_groups", zs, F32)]
+                Component("zero", "out_groups", zs, self.dtype)]
 
     def pad(self, module: str, comps: list[Component]) -> list[Component]:
         """Zero-pad per-group MLP components to the padded intermediate size (§3.5): zero weights,
@@ -280,6 +285,8 @@ class Quantizer:
     def finish(self, comp: Component, piece: torch.Tensor) -> torch.Tensor:
         if comp.suffix == "weight" and self.fmt in ("awq", "int4_zero"):
             return pack_int4(piece.contiguous())
+        if comp.suffix == "zero":  # split as (out, in/g) like the scales, stored as the layer declares it
+            return piece.t().to(comp.dtype).contiguous()
         return piece.to(comp.dtype).contiguous()
 
     # -- the plan and the writer ----------------------------------------------------------

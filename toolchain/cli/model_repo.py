@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import click
 
@@ -12,21 +13,28 @@ from toolchain.spec import DeploymentSpec
 
 @click.command()
 @click.option("--force", is_flag=True, help="Re-render even when the repository is up to date.")
+@click.option("--python-models", "python_models", metavar="DIR", default=None,
+              help="Use preprocessing, postprocessing and tensorrt_llm_bls model.py (and helpers) from "
+                   "tensorrtllm_backend's all_models/inflight_batcher_llm tree DIR instead of the toolchain's.")
 @spec_command
-def command(ctx: Context, spec: DeploymentSpec, force: bool) -> None:
+def command(ctx: Context, spec: DeploymentSpec, force: bool, python_models: str | None) -> None:
     """Render model_repo/<name> for SPEC: ensemble, preprocessing, tensorrt_llm, postprocessing and
     tensorrt_llm_bls, every config.pbtxt built through Triton's ModelConfig protobuf."""
     from toolchain.triton.repo import run_model_repo  # keep `toolchain --help` light
 
     ws = ctx.workspace
     start = time.time()
-    manifest = run_model_repo(spec, ws, force=force)
+    manifest = run_model_repo(spec, ws, force=force, python_models=python_models)
     out = manifest.outputs
     state = f"rendered in {manifest.seconds:.2f}s" if manifest.created >= start else "up to date, reused"
     mode = "decoupled (streaming)" if out.get("decoupled") else "not decoupled"
     click.echo(f"model repository {ws.model_repo_dir(spec)}: {state} "
                f"({len(out.get('models', []))} models, target {out.get('target')}, "
                f"tensorrt_llm backend {out.get('backend')}, {mode})")
+    used = out.get("python_models") or {}
+    upstream = sorted(n for n, where in used.items() if where != "toolchain")
+    click.echo("python models: " + (f"NVIDIA's from {Path(used[upstream[0]]).parent.parent} ({', '.join(upstream)})"
+                                    if upstream else "the toolchain's"))
     if not (ws.engine_dir(spec) / "config.json").is_file():
         click.echo(f"note: no engine at {ws.engine_dir(spec)} yet; run `toolchain build-engine` before serving",
                    err=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolchain.errors import ToolchainError
-from toolchain.plan.versions import TRTLLM_LINE, in_line
+from toolchain.plan.versions import TRITON_IMAGE, TRTLLM_LINE, TRTLLM_VERSION, in_line
 
 SUPPORTED_LINE = TRTLLM_LINE
 EN = ("enable", "disable")
@@ -301,8 +301,8 @@ def find_trtllm_build(spec, cmd: list[str]) -> str:
     if not in_line(version):
         found = f"TensorRT-LLM {version}" if version else "no importable tensorrt_llm"
         raise ToolchainError(f"{binary} runs {found}, not the {SUPPORTED_LINE} line this toolchain targets",
-                             f"use the tritonserver:25.12-trtllm-python-py3 image or pip install "
-                             f"'tensorrt_llm=={SUPPORTED_LINE}.*', or set build.trtllm_build")
+                             f"use the {TRITON_IMAGE} image or pip install "
+                             f"'tensorrt_llm=={TRTLLM_VERSION}', or set build.trtllm_build")
     return binary
 
 
@@ -377,8 +377,6 @@ TRITON_UNSET = {
     "sink_token_length": "attention sinks off",
     "participant_ids": "orchestrator mode without spawning only",
     "lora_prefetch_dir": "no adapters preloaded",
-    "guided_decoding_backend": "guided decoding off",
-    "xgrammar_tokenizer_info_path": "guided decoding off",
     "medusa_choices": "written when speculative.choices is set (else the backend's mc_sim_7b_63)",
     "eagle_choices": "written when speculative.choices is set (else the backend's mc_sim_7b_63)",
     "lookahead_window_size": "written for speculative.mode lookahead",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from toolchain.netutil import port_in_use
 from toolchain.plan.preflight import FAIL, PASS, SERVING, SKIP, WARN, Context, check
-from toolchain.plan.versions import TRITON_CONTAINER, TRTLLM_LINE, in_line
+from toolchain.plan.versions import TENSORRT_VERSION, TRITON_IMAGE, TRTLLM_VERSION, in_line, tensorrt_of
 
 NOT_BUILT = (SKIP, "no engine built yet")
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
@@ -95,19 +95,21 @@ def _engine_dir(ctx: Context):
     return PASS, f"{len(ranks)} rank file(s) in {ctx.engine_dir()}"
 
 
-@check("triton.engine-version", SERVING, "engines load only in the TensorRT-LLM that built them (T#4)")
+@check("triton.engine-version", SERVING, "engines load only in the TensorRT-LLM that built them")
 def _engine_version(ctx: Context):
     if not ctx.trtllm:
         return SKIP, "applies to target trtllm"
     cfg, early = _engine(ctx)
     if cfg is None:
         return early
-    version = cfg.get("version")
-    if not in_line(version):
-        return FAIL, (f"engine built by TensorRT-LLM {version}, but the serving image "
-                      f"({TRITON_CONTAINER}-trtllm-python-py3) runs {TRTLLM_LINE}; rebuild with TensorRT-LLM "
-                      f"{TRTLLM_LINE}")
-    return PASS, f"engine built by TensorRT-LLM {version}"
+    version = str(cfg.get("version") or "").strip()
+    if version == TRTLLM_VERSION:
+        return PASS, f"engine built by TensorRT-LLM {version}, as {TRITON_IMAGE} runs"
+    rebuild = f"rebuild with TensorRT-LLM {TRTLLM_VERSION} (the version {TRITON_IMAGE} runs)"
+    if in_line(version) and tensorrt_of(version) == TENSORRT_VERSION:
+        return WARN, (f"engine built by TensorRT-LLM {version}, {TRITON_IMAGE} runs {TRTLLM_VERSION} "
+                      f"(same TensorRT {TENSORRT_VERSION}, so it deserializes); {rebuild} to match")
+    return FAIL, f"engine built by TensorRT-LLM {version or 'unknown'}, which {TRITON_IMAGE} cannot load; {rebuild}"
 
 
 @check("triton.world-size", SERVING, "MPI world size must equal the engine's tp x pp (T#5)")
@@ -200,7 +202,7 @@ def _backend_present(ctx: Context):
     missing = [n for n in need if not (backend / n).is_file()]
     if missing:
         return FAIL, (f"{binary} has no {backend / missing[0]}: serve target trtllm inside the "
-                      f"tritonserver:{TRITON_CONTAINER}-trtllm-python-py3 image (TensorRT-LLM {TRTLLM_LINE})")
+                      f"{TRITON_IMAGE} image (TensorRT-LLM {TRTLLM_VERSION})")
     return PASS, f"tensorrtllm backend in {backend}"
 
 
@@ -215,6 +217,42 @@ def _ports(ctx: Context):
         return FAIL, (f"{', '.join(busy)} already in use on {s.host} (a tritonserver still running?); stop it or "
                       "pick other ports (0 = any free one)")
     return PASS, "ports free"
+
+
+# The Python backend gives every Python model instance its own shared-memory
+# region in /dev/shm, created at `shm-default-byte-size` (1 MiB by default) and
+# grown by `shm-growth-byte-size` (1 MiB) as request and response tensors pass
+# through it (triton-inference-server/python_backend, README "Managing Shared
+# Memory"). Docker's default /dev/shm is 64 MiB, a common cause of
+# "Failed to increase the shared memory pool size" under load.
+SHM_REGION_BYTES = 1 << 20
+SHM_PATH = Path("/dev/shm")
+
+
+def shm_needed(spec) -> tuple[int, int]:
+    """(Python model instances, bytes of /dev/shm they need at full batch): a region each, plus
+    token tensors of a full batch (ids and lengths in, ids out, int32) in flight through every hop."""
+    s, lim = spec.serving, spec.limits
+    python_models = 3 + (1 if spec.target == "cpu" else 0)  # pre, post, BLS (+ the CPU tensorrt_llm)
+    instances = python_models * s.instance_count
+    tokens = lim.max_batch_size * lim.max_seq_len * 4
+    return instances, instances * SHM_REGION_BYTES + 4 * python_models * tokens
+
+
+@check("serve.shm-size", ("serve",), "/dev/shm must hold the Python backend's shared-memory regions")
+def _shm(ctx: Context):
+    if ctx.stage == "plan":
+        return SKIP, "checked on the serving host when serve starts"
+    if not SHM_PATH.is_dir():
+        return SKIP, f"no {SHM_PATH} on this host"
+    instances, need = shm_needed(ctx.spec)
+    free = shutil.disk_usage(SHM_PATH).free
+    mib = 1 << 20
+    if free < need:
+        return FAIL, (f"{SHM_PATH} has {free // mib} MiB free, {instances} Python model instances need about "
+                      f"{-(-need // mib)} MiB; in a container pass --shm-size=2g (or --ipc=host), on Kubernetes "
+                      "mount an emptyDir with medium Memory at /dev/shm")
+    return PASS, f"{free // mib} MiB free in {SHM_PATH} for {instances} Python model instances"
 
 
 # ---- the bench workload (T#6, T#15) ------------------------------------------------------------------------------

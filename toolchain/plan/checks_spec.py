@@ -14,6 +14,27 @@ def lookahead_draft_len(w: int, n: int, g: int) -> int:
     return (0 if n == 1 else n - 2) + (w - 1 + g) * (n - 1)
 
 
+# Modes whose deployment would load but not speculate. Medusa and EAGLE need
+# MedusaForCausalLM / EagleForCausalLM checkpoints carrying the draft heads,
+# which no converter here writes yet; draft-target needs the BLS to run the
+# draft -> target loop (tensorrtllm_backend all_models/inflight_batcher_llm/
+# tensorrt_llm_bls/1/lib/decode.py, Decoder._spec_generate), which ours does not.
+NOT_YET = {
+    "medusa": "no converter writes a MedusaForCausalLM checkpoint with its Medusa heads",
+    "eagle": "no converter writes an EagleForCausalLM checkpoint with its EAGLE draft layers",
+    "draft_target": "the BLS does not yet run the draft -> target loop, so the target never receives draft tokens",
+}
+
+
+@check("spec.mode-runnable", ENGINE + SERVING, "the speculative mode must speculate once deployed")
+def _mode_runnable(ctx: Context):
+    mode = ctx.spec.speculative.mode
+    if mode in NOT_YET:
+        return FAIL, (f"speculative.mode={mode} is not supported yet: {NOT_YET[mode]}; "
+                      "set speculative.mode none (or lookahead on target trtllm)")
+    return (PASS, f"{mode} runs end to end") if mode != "none" else OFF
+
+
 @check("spec.draft-len", ENGINE, "a draft length is needed and must stay below max_seq_len")
 def _draft_len(ctx: Context):
     sp, lim = ctx.spec.speculative, ctx.spec.limits

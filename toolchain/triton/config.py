@@ -109,6 +109,8 @@ class ModelConfig:
                 raise ConfigError(f"{where}: invalid instance group {group!r}")
         for key, value in self.parameters.items():
             _need_text(key, f"{where}: parameter name")
+            if value is EMPTY:  # a key the backend must find, meaning "off" (e.g. guided decoding)
+                continue
             _need_text(_param_text(value), f"{where}: parameter '{key}'")
         if self.platform == "ensemble" and not self.ensemble_steps:
             raise ConfigError(f"{where}: an ensemble needs at least one step")
@@ -234,9 +236,23 @@ def _by_name(tensors: list[Tensor], name: str, what: str) -> Tensor:
     raise KeyError(f"no {what} named '{name}'")
 
 
+class _Empty:
+    def __repr__(self) -> str:
+        return "EMPTY"
+
+
+EMPTY = _Empty()
+"""A parameter value rendered as `string_value: ""`: the key is present and empty. The C++
+tensorrtllm backend and tensorrtllm_backend's Python models require some keys even when
+their feature is off (guided decoding's, multimodal_model_path). A plain "" stays refused,
+as an accidentally unset value."""
+
+
 def _param_text(value: object) -> str | None:
     if value is None:
         return None
+    if value is EMPTY:
+        return ""
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolchain.errors import StageFailed, ToolchainError
-from toolchain.plan.versions import TRITON_IMAGE, TRTLLM_LINE
+from toolchain.plan.versions import TRITON_IMAGE, TRTLLM_VERSION
 from toolchain.triton import procgroup
 from toolchain.triton.server import diagnose_log, free_port, is_ready
 
@@ -126,7 +126,7 @@ def find_tools(spec, repo_dir: Path) -> tuple[str, str]:
         missing = "mpirun" if mpirun is None else f"tritonserver ({server})"
         line = launch_command(spec, repo_dir).shell()
         raise ToolchainError(f"{missing} not found; target trtllm serves one tritonserver per rank under mpirun",
-                             f"inside the {TRITON_IMAGE} image (TensorRT-LLM {TRTLLM_LINE}) run: {line}")
+                             f"inside the {TRITON_IMAGE} image (TensorRT-LLM {TRTLLM_VERSION}) run: {line}")
     return mpirun, server
 
 

@@ -117,35 +117,78 @@ def options_hash(opts: RepoOptions) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def wanted_manifest(spec: DeploymentSpec, workspace: Workspace) -> Manifest:
+def wanted_manifest(spec: DeploymentSpec, workspace: Workspace, python_models: Path | None = None) -> Manifest:
     opts = repo_options(spec, workspace)
     engine_manifest = opts.engine_dir / MANIFEST
     inputs = {
         "engine_manifest": sha256_file(engine_manifest) if engine_manifest.is_file() else "missing",
         "renderer": _renderer_hash(),
     }
+    if python_models is not None:  # a changed upstream model.py re-renders
+        for name in PYTHON_MODELS:
+            for path in _python_model_files(python_models, name):
+                inputs[f"python_models/{path.relative_to(python_models)}"] = sha256_file(path)
     for path in tokenizer_files(opts.tokenizer_dir):
         inputs[f"tokenizer/{path.name}"] = sha256_file(path)
     return Manifest(stage=STAGE, spec_hash=options_hash(opts), inputs=inputs)
 
 
-def render_repository(models: dict[str, ModelConfig], out: Path, target: str, header: str = "") -> None:
-    """Write every model of `models` under `out` (an existing, empty directory)."""
+# Where an `all_models/inflight_batcher_llm` tree may sit under the directory a user names.
+_UPSTREAM_LAYOUTS = ("", "inflight_batcher_llm", "all_models/inflight_batcher_llm",
+                     "triton_backend/all_models/inflight_batcher_llm")
+
+
+def upstream_python_models(directory: Path | str) -> Path:
+    """The `inflight_batcher_llm` tree under `directory` holding tensorrtllm_backend's own
+    preprocessing, postprocessing and tensorrt_llm_bls `1/model.py` (as the GPU container ships
+    them); a ToolchainError naming what is missing otherwise."""
+    base = Path(directory).expanduser()
+    if not base.is_dir():
+        raise ToolchainError(f"--python-models {directory}: no such directory",
+                             "point it at tensorrtllm_backend's all_models/inflight_batcher_llm")
+    for sub in _UPSTREAM_LAYOUTS:
+        root = base / sub
+        if all((root / name / "1" / "model.py").is_file() for name in PYTHON_MODELS):
+            return root.resolve()
+    missing = [n for n in PYTHON_MODELS if not (base / n / "1" / "model.py").is_file()]
+    raise ToolchainError(f"--python-models {directory}: no {missing[0]}/1/model.py there",
+                         "point it at tensorrtllm_backend's all_models/inflight_batcher_llm "
+                         f"(needs {', '.join(f'{n}/1/model.py' for n in PYTHON_MODELS)})")
+
+
+def _python_model_files(root: Path, name: str) -> list[Path]:
+    version = root / name / "1"
+    return sorted(p for p in version.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+def render_repository(models: dict[str, ModelConfig], out: Path, target: str, header: str = "",
+                      python_models: Path | None = None) -> None:
+    """Write every model of `models` under `out` (an existing, empty directory). With
+    `python_models` (an upstream inflight_batcher_llm tree), preprocessing, postprocessing and
+    tensorrt_llm_bls run NVIDIA's own model.py and helpers; only their configs are rendered."""
     check_ensemble(models["ensemble"], models)
-    python_models = PYTHON_MODELS + (("tensorrt_llm",) if target == "cpu" else ())
+    ours = PYTHON_MODELS + (("tensorrt_llm",) if target == "cpu" else ())
     for name, model in models.items():
         version_dir = Path(out) / name / "1"
         version_dir.mkdir(parents=True)
         model.write(version_dir.parent, header)
-        if name in python_models:
+        if python_models is not None and name in PYTHON_MODELS:
+            for src in _python_model_files(python_models, name):
+                dest = version_dir / src.relative_to(python_models / name / "1")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dest)
+        elif name in ours:
             shutil.copyfile(backend_models.source(name), version_dir / "model.py")
 
 
-def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = False) -> Manifest:
-    """Render `workspace.model_repo_dir(spec)`; reuse it when its manifest is current."""
+def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
+                   python_models: Path | str | None = None) -> Manifest:
+    """Render `workspace.model_repo_dir(spec)`; reuse it when its manifest is current.
+    `python_models`: an upstream inflight_batcher_llm tree whose Python models to use."""
     started = time.monotonic()
     repo_dir = workspace.model_repo_dir(spec)
-    manifest = wanted_manifest(spec, workspace)
+    upstream = upstream_python_models(python_models) if python_models is not None else None
+    manifest = wanted_manifest(spec, workspace, upstream)
     if not force and is_current(repo_dir, manifest):
         return Manifest.read(repo_dir)
     opts = repo_options(spec, workspace)
@@ -154,7 +197,7 @@ def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = Fal
     header = (f"Generated by `toolchain model-repo` from {source} (deployment '{spec.name}', target {spec.target}).\n"
               "Edit the spec and re-run; changes made here are overwritten.")
     with atomic_dir(repo_dir) as tmp:
-        render_repository(models, tmp, opts.target, header)
+        render_repository(models, tmp, opts.target, header, upstream)
         manifest.outputs = {
             "models": sorted(models),
             "target": opts.target,
@@ -163,6 +206,8 @@ def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = Fal
             "max_batch_size": opts.max_batch_size,
             "engine_dir": str(opts.engine_dir),
             "tokenizer_dir": str(opts.tokenizer_dir),
+            "python_models": {name: str(upstream / name / "1") if upstream else "toolchain"
+                              for name in PYTHON_MODELS},
         }
         manifest.seconds = round(time.monotonic() - started, 3)
         manifest.write(tmp)

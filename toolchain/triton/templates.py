@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolchain.triton.config import ConfigError, DynamicBatching, EnsembleStep, InstanceGroup, ModelConfig, Tensor
+from toolchain.triton.config import (EMPTY, ConfigError, DynamicBatching, EnsembleStep, InstanceGroup, ModelConfig,
+                                     Tensor)
 from toolchain.triton.tensors import (BLS_INPUTS, ENSEMBLE_INPUTS, ENSEMBLE_STEPS, POSTPROCESSING_INPUTS,
                                       POSTPROCESSING_OUTPUTS, PREPROCESSING_INPUTS, PREPROCESSING_OUTPUTS,
                                       TENSORRT_LLM_INPUTS, TENSORRT_LLM_OUTPUTS, TEXT_OUTPUTS)
@@ -86,7 +87,12 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
         "decoding_mode": "top_k_top_p",
         "cancellation_check_period_ms": 100,
         "stats_check_period_ms": 100,
+        # Read without a fallback by the C++ backend (getGuidedDecodingConfigFromParams in
+        # NVIDIA/TensorRT-LLM triton_backend/inflight_batcher_llm/src/model_instance_state.cc, 1.2):
+        # a missing key fails the load; empty means guided decoding off.
         "tokenizer_dir": opts.tokenizer_dir,
+        "guided_decoding_backend": EMPTY,
+        "xgrammar_tokenizer_info_path": EMPTY,
     }
     if opts.target == "trtllm":
         params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
@@ -99,8 +105,12 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
 
 
 def _preprocessing_parameters(opts: RepoOptions) -> dict[str, object]:
+    # multimodal_model_path is read without a fallback by tensorrtllm_backend's
+    # preprocessing model.py (a KeyError when absent); empty means text only, as
+    # for max_num_images and hf_model_path (the Qwen2-VL / LLaVA processors' path).
     params: dict[str, object] = {"tokenizer_dir": opts.tokenizer_dir, "add_special_tokens": True,
-                                 "gpt_model_path": opts.engine_dir}
+                                 "gpt_model_path": opts.engine_dir, "multimodal_model_path": EMPTY,
+                                 "max_num_images": EMPTY, "hf_model_path": EMPTY}
     if opts.end_id is not None:
         params["end_id"] = opts.end_id
     if opts.stop_ids:
@@ -136,7 +146,9 @@ def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
         "tensorrt_llm_bls": ModelConfig(
             "tensorrt_llm_bls", mbs, _tensors(BLS_INPUTS, opts), _tensors(TEXT_OUTPUTS, opts), backend="python",
             instance_group=cpu, decoupled=opts.decoupled,
-            parameters={"accumulate_tokens": False, "tensorrt_llm_model_name": "tensorrt_llm"}),
+            # Empty names mean "none" to tensorrtllm_backend's BLS (get_valid_param_value).
+            parameters={"accumulate_tokens": False, "tensorrt_llm_model_name": "tensorrt_llm",
+                        "tensorrt_llm_draft_model_name": EMPTY, "multimodal_encoders_name": EMPTY}),
     }
     if opts.target == "trtllm" and opts.draft_engine_dir is not None:
         # Draft-target (§7.1): a copy of tensorrt_llm on the draft engine, driven by the BLS.

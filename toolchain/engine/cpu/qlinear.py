@@ -161,7 +161,7 @@ def stored_tensors(prefix: str, out_f: int, in_f: int, bias: bool, fmt: str | No
         if prequant:
             out[f"{prefix}.prequant_scaling_factor"] = ((in_f,), "float")
         if zero:
-            out[f"{prefix}.zero"] = ((out_f, in_f // group), "float")
+            out[f"{prefix}.zero"] = ((in_f // group, out_f), "float")  # as the TRT-LLM groupwise layer declares it
     elif fmt == "sq":
         out[f"{prefix}.weight"] = ((out_f, in_f), "int8")
         out[f"{prefix}.weights_scaling_factor"] = ((out_f,), "float")
@@ -189,7 +189,8 @@ def build_linear(t: dict[str, torch.Tensor], prefix: str, bias: bool, fmt: str |
     if fmt == "int4_wo":
         return Int4WeightOnly(w, b)
     if fmt == "int4_group":
-        return Int4Grouped(w, t[f"{prefix}.weights_scaling_factor"], group, zero=t.get(f"{prefix}.zero"),
+        zero = t.get(f"{prefix}.zero")
+        return Int4Grouped(w, t[f"{prefix}.weights_scaling_factor"], group, zero=None if zero is None else zero.t(),
                            prequant=t.get(f"{prefix}.prequant_scaling_factor"), bias=b)
     if fmt == "sq":
         return SmoothQuantW8A8(w, t[f"{prefix}.weights_scaling_factor"], t[f"{prefix}.activation_scaling_factor"],

@@ -43,6 +43,14 @@ class TritonPythonModel:
         from transformers import AutoTokenizer
 
         config = json.loads(args["model_config"])
+        # tensorrtllm_backend's preprocessing indexes these two without a fallback:
+        # a config without them fails there, so it fails here too.
+        for key in ("tokenizer_dir", "multimodal_model_path"):
+            if key not in config.get("parameters", {}):
+                raise ValueError(f"preprocessing: config.pbtxt has no parameter {key!r} (add it; empty means unset)")
+        if _param(config, "multimodal_model_path") is not None:
+            raise ValueError("preprocessing: multimodal_model_path is set, but this CPU model serves text only; "
+                             "leave it empty")
         tokenizer_dir = _param(config, "tokenizer_dir")
         if tokenizer_dir is None or not os.path.isdir(tokenizer_dir):
             # A missing directory would otherwise be taken for a Hub id and downloaded.

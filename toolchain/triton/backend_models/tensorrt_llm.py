@@ -62,16 +62,6 @@ def _param(config, key):
     return value
 
 
-def _period_s(config, key, default_ms=100):
-    """A `*_period_ms` parameter in seconds (the backend's default when unset or not a number)."""
-    value = _param(config, key)
-    return (int(value) if value and value.isdigit() else default_ms) / 1000.0
-
-
-def _flag(text, default):
-    return default if text is None else text.strip().lower() in ("1", "true", "t", "yes", "y")
-
-
 class _Inputs:
     """Reads a request's tensors, tolerating both `[B]` (after `reshape []`)
     and `[B,1]` layouts for per-row scalars."""
@@ -205,25 +195,34 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.default_exclude_input = _flag(_param(config, "exclude_input_in_output"), False)
-        self.cancel_period_s = _period_s(config, "cancellation_check_period_ms")
         toolchain_path = _param(config, "toolchain_path")
         # The Python stub ignores PYTHONPATH; the rendered path is a fallback for a
         # toolchain that is not installed in the serving environment.
         if toolchain_path and toolchain_path not in sys.path:
             sys.path.append(toolchain_path)
         from toolchain.engine.cpu import CpuEngine, InflightBatcher, SamplingParams
+        from toolchain.triton import backend_params
 
-        engine_dir = _param(config, "gpt_model_path")
-        if engine_dir is None or not os.path.isfile(os.path.join(engine_dir, "config.json")):
+        # Every parameter is read by the C++ backend's rules, so a config that fails to load on a
+        # GPU host fails here too, with the backend's own message.
+        try:
+            values = backend_params.read(config, warn=lambda m: print(f"tensorrt_llm: warning: {m}", file=sys.stderr))
+            engine_dir = backend_params.check_load(values)
+        except backend_params.ParameterError as err:
+            raise ValueError(f"tensorrt_llm: {err}") from None
+        self._refuse_unsupported(values)
+        if not os.path.isfile(os.path.join(engine_dir, "config.json")):
             raise ValueError(f"tensorrt_llm: no engine at gpt_model_path {engine_dir!r} (run `toolchain build-engine`)")
+        self.default_exclude_input = values["exclude_input_in_output"]
+        # A period of 0 is the backend's busy loop; the CPU threads wait at least a millisecond.
+        self.cancel_period_s = max(values["cancellation_check_period_ms"], 1) / 1000.0
+        self.stats_period_s = max(values["stats_check_period_ms"], 1) / 1000.0
         self.SamplingParams = SamplingParams
         self.sampling_fields = set(inspect.signature(SamplingParams).parameters)
         threads = _param(config, "engine_threads")
         self.engine = CpuEngine.load(engine_dir, num_threads=int(threads) if threads and threads.isdigit() else None)
         self.batcher = InflightBatcher(self.engine)
         self.batcher.start()
-        self.stats_period_s = _period_s(config, "stats_check_period_ms")
         self.metrics = _Metrics.create(args["model_name"], args.get("model_version", "1"),
                                        self.engine.limits.max_batch_size)
         self.lock = threading.Lock()
@@ -235,6 +234,24 @@ class TritonPythonModel:
         self.watcher.start()
         if self.metrics is not None:
             threading.Thread(target=self._report_stats, name="tensorrt_llm-stats", daemon=True).start()
+
+    @staticmethod
+    def _refuse_unsupported(values):
+        """What the C++ backend would run but the CPU engine cannot: refused, never ignored."""
+        if values["gpt_model_type"] in ("V1", "v1"):
+            raise ValueError("tensorrt_llm: gpt_model_type V1 (static batching) is not supported by the CPU engine; "
+                             "use inflight_fused_batching")
+        if values.get("encoder_model_path") not in (None, "", "${encoder_engine_dir}"):
+            raise ValueError("tensorrt_llm: encoder_model_path is set; the CPU engine runs decoder-only models")
+        if values["max_beam_width"] != 1:
+            raise ValueError(f"tensorrt_llm: max_beam_width {values['max_beam_width']} (the CPU engine only does 1)")
+        mode = values.get("decoding_mode")
+        if mode not in (None, "top_k", "top_p", "top_k_top_p"):
+            raise ValueError(f"tensorrt_llm: decoding_mode {mode} is not supported by the CPU engine "
+                             "(top_k, top_p or top_k_top_p)")
+        if values["guided_decoding_backend"] not in ("", "${guided_decoding_backend}"):
+            raise ValueError("tensorrt_llm: guided decoding is not supported by the CPU engine; "
+                             "leave guided_decoding_backend empty")
 
     def _report_stats(self):
         while not self.stopping.wait(self.stats_period_s):

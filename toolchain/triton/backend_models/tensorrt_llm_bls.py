@@ -88,6 +88,9 @@ class TritonPythonModel:
         accumulate = _param(config, "accumulate_tokens")
         self.accumulate = accumulate is not None and accumulate.strip().lower() in ("1", "true", "t", "yes", "y")
         self.llm_model = _param(config, "tensorrt_llm_model_name") or "tensorrt_llm"
+        if _param(config, "multimodal_encoders_name"):
+            raise ValueError("tensorrt_llm_bls: multimodal_encoders_name is set, but this BLS serves text only; "
+                             "leave it empty")
         self.threads = set()
         self.lock = threading.Lock()
 

@@ -1,0 +1,56 @@
+"""The upstream fact files carry their provenance: each names the repository and
+commit it was read from, and every entry that came from a file names its path,
+line and commit, so a reader can open the exact upstream line a rule stands on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from toolchain import upstream
+
+FILES = sorted(p.stem for p in upstream.FACTS_DIR.glob("*.json"))
+HEX40 = set("0123456789abcdef")
+
+
+def _entries(node, inherited=None):
+    """Every dict with a `line`, with `path`/`commit`/`source` taken from the nearest
+    enclosing entry that names them (a template's tensors sit under its path)."""
+    if isinstance(node, dict):
+        context = {**(inherited or {}), **{k: node[k] for k in ("path", "commit", "source") if k in node}}
+        if isinstance(node.get("line"), int) or ("line" in node and "path" in context):
+            yield {**context, "line": node["line"]}
+        for value in node.values():
+            yield from _entries(value, context)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _entries(value, inherited)
+
+
+def test_the_expected_fact_files_exist():
+    assert {"backend_parameters", "model_templates", "containers"} <= set(FILES)
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_every_entry_names_repository_commit_path_and_line(name):
+    doc = upstream.load(name)
+    assert doc["about"] and doc["sources"]
+    for src in doc["sources"].values():
+        assert "/" in src["repository"] and len(src["commit"]) == 40 and set(src["commit"]) <= HEX40
+    entries = list(_entries(doc["facts"]))
+    assert entries, name
+    for entry in entries:
+        assert entry.get("source", next(iter(doc["sources"]))) in doc["sources"], entry
+        assert entry.get("path"), entry
+        assert isinstance(entry["line"], int) and entry["line"] > 0, entry
+        commit = entry.get("commit") or doc["sources"][entry.get("source", next(iter(doc["sources"])))]["commit"]
+        assert len(commit) == 40 and set(commit) <= HEX40, entry
+    assert upstream.cite(name, entries[0]).count("@") == 1
+
+
+def test_fact_files_are_stable_json():
+    """Written by tools.upstream_facts with a fixed layout, so a regeneration diff is readable."""
+    for name in FILES:
+        path = upstream.FACTS_DIR / f"{name}.json"
+        assert path.read_text() == json.dumps(json.loads(path.read_text()), indent=1) + "\n", name
