@@ -22,8 +22,9 @@ truth is exact to tens of microseconds.
 Errors are given both against truth + floor (`*_error_pct`) and against the
 bare mock timing (`*_error_pct_vs_mock`), for this harness and for genai-perf.
 
-genai-perf 0.0.16 + perf_analyzer 2.51 are installed into benchmarks/.venv/genai-perf
-(latency-harness notes, section (d)); if that fails, its keys are null with a reason.
+genai-perf 0.0.16 + perf_analyzer 2.51 (the binary that tritonclient[all]==2.51.0's
+wheel ships) are installed into benchmarks/.venv/genai-perf; if that fails, its keys
+are null with a reason.
 
 Send rate: open-loop Poisson levels against the OpenAI mock (plain asyncio
 sleeps, 4 tokens of 2 ms) until the mean send lag exceeds 1 ms or the achieved

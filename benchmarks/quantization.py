@@ -4,8 +4,8 @@ Models: `tiny` (models/tiny-llama as trained) and `tiny-outliers`, a
 function-preserving variant (4 random channels of every decoder RMSNorm x 50,
 the matching input columns of the q/k/v or gate/up weights / 50: the fp32
 output is unchanged, but the linears now see the few huge input channels real
-LLMs have, which is what AWQ and SmoothQuant exist for; cpu-feasibility §4),
-plus any `--model DIR`.
+LLMs have, which is what AWQ (arXiv:2306.00978) and SmoothQuant
+(arXiv:2211.10438) exist for), plus any `--model DIR`.
 
 Per row: held-out perplexity run by the CPU engine over the converted
 checkpoint, checkpoint bytes, convert seconds (calibration included) and

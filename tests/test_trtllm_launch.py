@@ -154,3 +154,30 @@ def test_launch_waits_for_rank_0_and_stops_the_group(tmp_path, monkeypatch, mode
         rc = server.stop()
     assert rc == 0 and not server.running
     assert os.path.exists(tmp_path / "log.txt")
+
+
+def test_leader_mode_matches_upstreams_launcher(tmp_path):
+    """Each rank runs what TensorRT-LLM's triton_backend/scripts/launch_triton_server.py
+    (get_cmd, facts/launch.json) runs, with our ports. Two deliberate differences:
+    rank 0 also binds its addresses, and ranks > 0 switch their endpoints off instead
+    of repeating rank 0's ports (they never serve: the backend's leader mode keeps
+    them in the executor loop)."""
+    from toolchain.upstream import facts
+
+    up = facts("launch")
+    upstream = up["world_size"]["2"]
+    spec = spec_with(tmp_path, parallelism={"tp": 2},
+                     serving={"host": "0.0.0.0", "http_port": 8000, "grpc_port": 8001, "metrics_port": 8002})
+    launch = launch_command(spec, Path(up["model_repo"]), tritonserver=up["defaults"]["tritonserver"])
+    assert launch.argv[:len(upstream["mpirun"])] == upstream["mpirun"]
+    ours = [rank[2:] for rank in segments(launch.argv)]
+    assert len(ours) == len(upstream["ranks"])
+    ports = ("--http-port=", "--grpc-port=", "--metrics-port=")
+    for i, (mine, theirs) in enumerate(zip(ours, upstream["ranks"])):
+        assert mine[0] == theirs[0]  # the tritonserver binary first
+        want = {a for a in theirs if i == 0 or not a.startswith(ports)}
+        assert want <= set(mine), (i, sorted(want - set(mine)))
+        extra = set(mine) - set(theirs)
+        allowed = ({f"--{k}-address=0.0.0.0" for k in ("http", "grpc", "metrics")} if i == 0 else
+                   {"--allow-http=false", "--allow-grpc=false", "--allow-metrics=false"})
+        assert extra <= allowed, (i, sorted(extra - allowed))

@@ -3,7 +3,8 @@
 Memory is what `nvidia-smi` reports as total for the card (a little below the
 marketing figure: an "80GB" H100 shows 81559 MiB), because that is what the
 CUDA context, the engine and the KV cache share. SM versions decide which
-precisions TensorRT-LLM 1.2 can build (reference §5.6, §7).
+precisions TensorRT-LLM 1.2 can build (tensorrt_llm/builder.py; the support matrix in
+docs/source/legacy/reference/precision.md).
 """
 
 from __future__ import annotations

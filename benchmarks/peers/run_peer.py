@@ -71,7 +71,8 @@ def run_llmcompressor(job, model) -> dict:
     from llmcompressor.modifiers.transform import AWQModifier
     from llmcompressor.pipelines.cache import IntermediatesCache
 
-    # AWQ pins its activation cache to accelerator memory; on a CPU-only host that raises (cpu-feasibility §3).
+    # AWQ pins its activation cache to accelerator memory; on a CPU-only host that raises
+    # (llmcompressor src/llmcompressor/pipelines/cache.py, IntermediatesCache).
     IntermediatesCache.pin_memory = lambda self, *a, **k: None
     calib = job["calib"]
     ds = Dataset.from_dict({"input_ids": calib, "attention_mask": [[1] * len(c) for c in calib]})

@@ -22,19 +22,20 @@ if TYPE_CHECKING:  # torch costs ~1.4 s to import; `toolchain plan` reads tables
 
 
 class Shard(str, enum.Enum):
-    """How a tensor is laid out over the tensor-parallel ranks (reference §3)."""
+    """How a tensor is laid out over the tensor-parallel ranks (TensorRT-LLM
+    tensorrt_llm/models/convert_utils.py, tensorrt_llm/layers/linear.py)."""
 
     COLUMN = "column"        # split dim 0 (output features); column-parallel biases split too
     ROW = "row"              # split dim 1 (input features) of a row-parallel weight
     REPLICATE = "replicate"  # full copy on every rank (norms, row-parallel biases)
-    QKV = "qkv"              # q/k/v rows fused per rank, per head, KV duplicated when tp > nkv (§3.2)
-    VOCAB = "vocab"          # lm_head: pad V to ceil(V/T)*T with zero rows, split dim 0 (§3.4)
-    EMBEDDING = "embedding"  # vocab embedding: full unless use_parallel_embedding (§3.4)
+    QKV = "qkv"              # q/k/v rows fused per rank, per head, KV duplicated when tp > nkv (dup_kv_weight)
+    VOCAB = "vocab"          # lm_head: pad V to ceil(V/T)*T with zero rows, split dim 0 (pad_vocab_size)
+    EMBEDDING = "embedding"  # vocab embedding: full unless use_parallel_embedding (layers/embedding.py)
     DROP = "drop"            # known HF tensor with no checkpoint counterpart
 
 
 class Stage(str, enum.Enum):
-    """Which pipeline stage holds a tensor (reference §3.4, §3.6)."""
+    """Which pipeline stage holds a tensor (TensorRT-LLM tensorrt_llm/mapping.py, Mapping.pp_layers)."""
 
     LAYER = "layer"  # the stage owning the row's decoder layer
     FIRST = "first"
@@ -176,7 +177,8 @@ def trt_name(row: Row, local_layer: int | None) -> str:
 # Named transforms applied to an HF tensor before sharding. They must work on
 # meta tensors too: the dry-run plan runs them to learn shapes without reading data.
 def _transpose(t: torch.Tensor) -> torch.Tensor:
-    # HF GPT-2 style Conv1D stores (in, out); the checkpoint wants (out, in) (reference §1.2).
+    # HF GPT-2 style Conv1D stores (in, out); the checkpoint wants (out, in) (TensorRT-LLM
+    # tensorrt_llm/models/gpt/convert.py).
     return t.transpose(0, 1).contiguous()
 
 

@@ -1,7 +1,8 @@
 """Llama family (Llama 2, 3, 3.1, 3.2): HF LlamaForCausalLM -> TensorRT-LLM
 LLaMAForCausalLM checkpoint.
 
-Names and shard rules from reference §2.1 and §3. `llama_rows` is
+Names and shard rules follow TensorRT-LLM tensorrt_llm/models/llama/convert.py and
+tensorrt_llm/models/convert_utils.py. `llama_rows` is
 parametrised on the bias switches and the q/k norms so Mistral (same table),
 Qwen2 (q/k/v bias only, no o_proj bias) and Qwen3 (per-head q/k RMSNorm)
 reuse it. Llama 3.1/3.2's `llama3` RoPE needs nothing here: params.py
@@ -36,13 +37,14 @@ def llama_rows(qkv_bias: bool | str = "attention_bias", dense_bias: bool | str =
         Row(f"{L}.self_attn.q_proj.bias", f"{T}.attention.qkv.bias", Shard.QKV, part="q", when=qkv_when,
             shape=("Q",)),
         # k/v biases are split and duplicated per head exactly like their weights when
-        # tp > nkv (reference §8 row 4: the Qwen2 converter crash was biases left out).
+        # tp > nkv (TensorRT-LLM issue #2200: the Qwen2 converter crash was biases left out).
         Row(f"{L}.self_attn.k_proj.bias", f"{T}.attention.qkv.bias", Shard.QKV, part="k", when=qkv_when,
             shape=("KV",)),
         Row(f"{L}.self_attn.v_proj.bias", f"{T}.attention.qkv.bias", Shard.QKV, part="v", when=qkv_when,
             shape=("KV",)),
     ) if qkv_on else ()
-    # Row-parallel bias: added once after the all-reduce, so every rank holds all of it (§3.1).
+    # Row-parallel bias: added once after the all-reduce, so every rank holds all of it
+    # (RowLinear in tensorrt_llm/layers/linear.py).
     dense_bias_rows = (
         Row(f"{L}.self_attn.o_proj.bias", f"{T}.attention.dense.bias", Shard.REPLICATE, when=dense_when,
             shape=("H",)),
@@ -66,7 +68,7 @@ def llama_rows(qkv_bias: bool | str = "attention_bias", dense_bias: bool | str =
         Row(f"{L}.self_attn.o_proj.weight", f"{T}.attention.dense.weight", Shard.ROW, shape=("H", "Q")),
         *dense_bias_rows,
         Row(f"{L}.post_attention_layernorm.weight", f"{T}.post_layernorm.weight", Shard.REPLICATE, shape=("H",)),
-        # Naming trap (§2.1): GatedMLP computes proj(act(fc(x)) * gate(x)), so the
+        # Naming trap (GatedMLP, tensorrt_llm/layers/mlp.py): it computes proj(act(fc(x)) * gate(x)), so the
         # activated branch `fc` is HF gate_proj and `gate` is HF up_proj.
         Row(f"{L}.mlp.gate_proj.weight", f"{T}.mlp.fc.weight", Shard.COLUMN, shape=("I", "H")),
         Row(f"{L}.mlp.up_proj.weight", f"{T}.mlp.gate.weight", Shard.COLUMN, shape=("I", "H")),
@@ -75,7 +77,8 @@ def llama_rows(qkv_bias: bool | str = "attention_bias", dense_bias: bool | str =
         Row(f"{L}.mlp.up_proj.bias", f"{T}.mlp.gate.bias", Shard.COLUMN, when="mlp_bias", shape=("I",)),
         Row(f"{L}.mlp.down_proj.bias", f"{T}.mlp.proj.bias", Shard.REPLICATE, when="mlp_bias", shape=("H",)),
         Row("model.norm.weight", "transformer.ln_f.weight", Shard.REPLICATE, stage=Stage.LAST, shape=("H",)),
-        # Always written, even when tied (§1.1: the safest choice; §3.4).
+        # Always written, even when tied (the safest choice), padded like TensorRT-LLM's lm_head
+        # (tensorrt_llm/_utils.py, pad_vocab_size).
         Row("lm_head.weight", "lm_head.weight", Shard.VOCAB, stage=Stage.LAST,
             tied_from="model.embed_tokens.weight", shape=("V", "H")),
         # Checkpoints saved by older transformers carry the RoPE buffer; the engine

@@ -1,6 +1,6 @@
 """Mistral family: HF MistralForCausalLM -> TensorRT-LLM checkpoint with
 `architecture: "MistralForCausalLM"` (MODEL_MAP sends it to the Llama
-implementation, reference §1.2).
+implementation: TensorRT-LLM tensorrt_llm/models/__init__.py).
 
 The tensors are Llama's. What differs is the sliding window (Mistral 7B
 v0.1: 4096; v0.2+ and NeMo: null). It is not a checkpoint tensor or a

@@ -38,7 +38,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "rms_norm_eps", "max_position_embeddings", "hidden_act")
 
-# TensorRT-LLM 1.x RotaryScalingType accepts these (reference §1.3); "default"
+# TensorRT-LLM 1.x RotaryScalingType (tensorrt_llm/functional.py) accepts these; "default"
 # and "none" mean no scaling and become null.
 ROPE_TYPES = ("linear", "dynamic", "longrope", "llama3", "yarn", "mrope")
 ROPE_REQUIRED_KEYS = {
@@ -75,7 +75,7 @@ class ArchParams:
     """HF weight dtype ("float32", "float16", "bfloat16"), None when config.json does not say."""
     sliding_window: int | None = None
     """Attention window in tokens (each query sees at most this many keys, itself included), None
-    for full attention. Not a TensorRT-LLM checkpoint field: written as runtime_defaults (§1.2)."""
+    for full attention. Not a TensorRT-LLM checkpoint field: written as runtime_defaults (PretrainedConfig)."""
     qk_layernorm: bool = False
     """RMSNorm over each q and k head before RoPE (Qwen3)."""
 
@@ -114,7 +114,8 @@ def _as_float(value: Any, field: str, origin: str) -> float:
 
 
 def normalize_rope(cfg: dict, origin: str = "config.json") -> tuple[float | None, dict | None]:
-    """(rope_theta, rotary_scaling) from either spelling; rotary_scaling per reference §1.3."""
+    """(rope_theta, rotary_scaling) from either spelling; rotary_scaling as TensorRT-LLM's attention
+    reads it (tensorrt_llm/layers/attention.py)."""
     params = cfg.get("rope_parameters")
     theta = None
     scaling = None
@@ -128,7 +129,7 @@ def normalize_rope(cfg: dict, origin: str = "config.json") -> tuple[float | None
     nested = params if isinstance(params, dict) else {}
     partial = nested.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
-        # rotary_pct is omitted for the Llama family (§1.2): rotary dim = head_size.
+        # rotary_pct is omitted for the Llama family (LLaMAConfig): rotary dim = head_size.
         raise ToolchainError(f"{origin}: partial_rotary_factor {partial} is not supported",
                              "the Llama family rotates the full head (rotary_dim = head_size)")
     if cfg.get("rope_scaling") is not None:
@@ -146,7 +147,7 @@ def normalize_rope(cfg: dict, origin: str = "config.json") -> tuple[float | None
         return theta, None
     if kind == "su":
         # Older HF name for longrope; TensorRT-LLM only treats "su" like longrope for
-        # length deduction, so write the enum name it parses (reference §1.3; open point:
+        # length deduction (tensorrt_llm/builder.py), so write the enum name it parses (open point:
         # the 1.2 attention enum is not stated to accept "su").
         kind = "longrope"
     if kind not in ROPE_TYPES:
@@ -164,7 +165,7 @@ def normalize_rope(cfg: dict, origin: str = "config.json") -> tuple[float | None
 def trained_positions(max_position_embeddings: int, rotary_scaling: dict | None) -> int:
     """Positions the model was trained for: max_position_embeddings times the rope
     factor, except for types whose max_position_embeddings already reports the
-    long context (llama3, longrope; reference §1.3)."""
+    long context (llama3, longrope; TensorRT-LLM tensorrt_llm/builder.py, _init_max_seq_len)."""
     scaling = rotary_scaling or {}
     factor = 1.0 if scaling.get("type") in (None, "llama3", "longrope", "su") else float(scaling.get("factor", 1.0))
     return int(max_position_embeddings * factor)

@@ -77,7 +77,7 @@ def _qwen3(cfg: dict, params, origin: str):
 
 def _extra(qwen_type: str):
     def extra(params) -> dict:
-        # seq_length is read by QWenConfig only; it defaults to 8192 there (§1.2).
+        # seq_length is read by QWenConfig only; it defaults to 8192 there (tensorrt_llm/models/qwen/config.py).
         return {"qwen_type": qwen_type, "seq_length": params.max_position_embeddings}
     return extra
 

@@ -14,7 +14,8 @@ Layout (each module small, each step replaceable):
 - `run`          `run_bench(spec, grpc_url, out_dir, ...) -> dict`
 - `mock`         known-timing mock servers for tests and benchmarks/harness_accuracy.py
 
-Metric definitions follow section (a) of the latency-harness reference notes.
+Metric definitions follow genai-perf (genai_perf/profile_data_parser/llm_profile_data_parser.py)
+and vLLM's serving benchmark (vllm/benchmarks/serve.py), with the departures `metrics` lists.
 Heavy imports (tritonclient, transformers, matplotlib) live in the
 modules that need them so `import toolchain.bench` stays cheap.
 """

@@ -1,4 +1,5 @@
-"""Metric definitions (latency-harness reference, section (a)), from raw records.
+"""Metric definitions (after genai-perf's llm_profile_data_parser.py and vLLM's
+vllm/benchmarks/serve.py), from raw records.
 
 - TTFT  = t_first_tok - t_send   (first response carrying >= 1 token; an empty
           first response is not a token). TTFR = t_first_resp - t_send.
@@ -8,7 +9,7 @@
           first token-bearing response; defined when OSL > n_first. With one token
           per response this is the usual (E2E - TTFT) / (OSL - 1); with multi-token
           chunks the usual formula charges the first chunk's extra tokens to the
-          decode window and understates TPOT (the pitfall in the reference notes).
+          decode window and understates TPOT (as genai-perf's and vLLM's formula do).
 - TTST  = second token-bearing response - first token-bearing response.
 - ITL   = every gap between consecutive token-bearing responses, pooled over
           requests (chunk-weighted); each gap keeps its token count so a

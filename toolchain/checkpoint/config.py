@@ -1,6 +1,8 @@
-"""The checkpoint's config.json (reference §1.2–§1.5).
+"""The checkpoint's config.json: TensorRT-LLM's PretrainedConfig and QuantConfig
+(tensorrt_llm/models/modeling_utils.py), LLaMAConfig / QWenConfig
+(tensorrt_llm/models/{llama,qwen}/config.py) and Mapping (tensorrt_llm/mapping.py).
 
-Every field of the §1.2 table is written explicitly because several
+Every field a Llama-family model uses is written explicitly because several
 TensorRT-LLM code defaults are wrong for Llama (hidden_act "gelu",
 position_embedding_type "learned_absolute"), and the key set is checked
 against an allow-list because TensorRT-LLM silently accepts misspelt keys.
@@ -17,7 +19,7 @@ TOP_LEVEL_KEYS = frozenset({
     "norm_epsilon", "position_embedding_type", "max_position_embeddings", "rotary_base", "rotary_scaling",
     "attn_bias", "mlp_bias", "use_parallel_embedding", "embedding_sharding_dim", "tie_word_embeddings",
     "qk_layernorm", "mapping", "quantization",
-    # family extras (§1.2): Qwen2 and MoE families, runtime defaults
+    # family extras: Qwen2 (QWenConfig) and MoE families, runtime defaults
     "qwen_type", "seq_length", "moe", "runtime_defaults",
 })
 REQUIRED_KEYS = TOP_LEVEL_KEYS - {"qwen_type", "seq_length", "moe", "runtime_defaults"}
@@ -29,8 +31,9 @@ QUANT_KEYS = frozenset({"quant_algo", "kv_cache_quant_algo", "group_size", "has_
 
 
 def build_mapping(tp: int, pp: int) -> dict:
-    """§1.4 with cp = 1; moe_tp = tp so moe_tp x moe_ep x moe_cluster = tp holds for dense models.
-    The keys follow §1.4's example; modelopt's golden files write only world/tp/pp
+    """TensorRT-LLM's Mapping (tensorrt_llm/mapping.py) with cp = 1; moe_tp = tp so
+    moe_tp x moe_ep x moe_cluster = tp holds for dense models. The keys are Mapping's
+    constructor arguments; modelopt's golden files write only world/tp/pp
     (open point: not verified against a 1.2 `trtllm-build` here)."""
     return {"world_size": tp * pp, "tp_size": tp, "pp_size": pp, "cp_size": 1,
             "moe_tp_size": tp, "moe_ep_size": 1, "moe_cluster_size": 1, "gpus_per_node": 8}
@@ -41,10 +44,10 @@ def build_config(family: Family, params: ArchParams, *, dtype: str, tp: int, pp:
     config = {
         "architecture": params.architecture,
         "dtype": dtype,
-        # §1.2 says keep float32; modelopt's golden exports write the model dtype
+        # PretrainedConfig defaults to float32; modelopt's golden exports write the model dtype
         # instead (open point: both build; float32 logits are the safer choice).
         "logits_dtype": "float32",
-        "vocab_size": params.vocab_size,  # unpadded, even though lm_head rows are padded (§1.2)
+        "vocab_size": params.vocab_size,  # unpadded, even though lm_head rows are padded (PretrainedConfig)
         "hidden_size": params.hidden_size,
         "num_hidden_layers": params.num_hidden_layers,  # full model, not per stage
         "num_attention_heads": params.num_attention_heads,
@@ -71,7 +74,7 @@ def build_config(family: Family, params: ArchParams, *, dtype: str, tp: int, pp:
         # (RuntimeDefaults: max_attention_window, a list repeated over the layers)
         # is what the runtime falls back to for the attention window, and the
         # CPU engine reads the same key. Triton's `max_attention_window_size`
-        # overrides it per deployment (§1.2, Mistral v0.1 note).
+        # overrides it per deployment (tensorrtllm_backend docs/model_config.md).
         config["runtime_defaults"] = {"max_attention_window": [params.sliding_window]}
     if family.config_extra is not None:
         config.update(family.config_extra(params))

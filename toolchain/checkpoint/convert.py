@@ -1,7 +1,7 @@
 """HF checkpoint directory -> TensorRT-LLM 1.2 checkpoint directory.
 
 Order matters for error quality: config.json is normalised and the
-parallelism checked (§3.5) before any safetensors file is opened, names are
+parallelism checked (sharding.check_parallelism) before any safetensors file is opened, names are
 matched and every rank planned from headers before any weight is read, and
 only then is data read and written.
 """
@@ -30,7 +30,8 @@ TARGETS = ("cpu", "trtllm")
 
 def resolve_dtype(requested: str, params: ArchParams, ckpt: HFCheckpoint, target: str) -> str:
     """The checkpoint dtype. "auto" takes the HF dtype; fp32 becomes fp16 on the
-    trtllm target as the upstream converters do (§1.2), but stays fp32 on cpu
+    trtllm target as the upstream converters do (TensorRT-LLM LLaMAConfig.from_hugging_face,
+    tensorrt_llm/models/llama/config.py), but stays fp32 on cpu
     where fp16 matmuls are slow and lossy for no gain."""
     if requested not in DTYPE_CHOICES:
         raise ToolchainError(f"unknown dtype '{requested}'", f"use one of {', '.join(DTYPE_CHOICES)}")
@@ -74,7 +75,8 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     if layout_plan.padded_intermediate != params.intermediate_size and any(
             is_excluded(f"transformer.layers.{i}.mlp.{m}", recipe.exclude_modules)
             for i in range(params.num_hidden_layers) for m in ("fc", "gate", "proj")):
-        # A padded int4 MLP next to an unpadded fp one would disagree on the width (§3.5).
+        # A padded int4 MLP next to an unpadded fp one would disagree on the width
+        # (recipe.per_group_multiple).
         raise ToolchainError(f"intermediate_size {params.intermediate_size} is padded to "
                              f"{layout_plan.padded_intermediate} for per-group int4 at tp {tp}, which needs every "
                              "MLP linear quantized", "remove the mlp modules from quantization.exclude_modules, "

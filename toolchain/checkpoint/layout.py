@@ -77,7 +77,8 @@ class Plan:
     config_only: bool = False
     """Planned from config.json alone (no weights present): shapes from the family table."""
     quant: Any = None
-    """The `checkpoint.quantize.Quantizer` of a quantized conversion (None: every tensor as in §2.1)."""
+    """The `checkpoint.quantize.Quantizer` of a quantized conversion (None: every tensor unquantized, as
+    tensorrt_llm/models/llama/convert.py writes it)."""
 
     def rank_bytes(self, rank: int) -> int:
         return sum(t.nbytes for t in self.ranks[rank])

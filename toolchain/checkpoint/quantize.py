@@ -1,5 +1,6 @@
 """Quantized linears in the checkpoint: which tensors each format writes, and
-how they are computed and sharded (reference §2.2–§2.8, §3.1, §3.5).
+how they are computed and sharded (TensorRT-LLM tensorrt_llm/quantization/layers.py,
+tensorrt_llm/quantization/quantize_by_modelopt.py, tensorrt_llm/models/convert_utils.py).
 
 A quantized linear is quantized whole, before any split, exactly as ModelOpt
 quantizes and then exports: per-tensor and shared parameters (FP8 scales,
@@ -15,9 +16,11 @@ its layout:
 | `scalar` (1,) | full copy | full copy |
 
 Formats written (`quant_algo`):
-- W8A16 / W4A16: option (a) of §2.2, the fp weights as they are; trtllm-build
-  quantizes them for the target GPU (option b's interleaved layout is
-  GPU-specific). The CPU engine quantizes them the same way at load.
+- W8A16 / W4A16: the fp weights as they are; trtllm-build quantizes them for
+  the target GPU (preprocess_weights in tensorrt_llm/models/modeling_utils.py;
+  the pre-quantized layout of `convert_checkpoint.py --use_weight_only` is
+  interleaved per GPU architecture). The CPU engine quantizes them the same way
+  at load.
 - W4A16_AWQ: packed int4 (out/2, in) int8, `weights_scaling_factor` (out, in/g),
   `prequant_scaling_factor` (in,); imports of AutoAWQ/GPTQ add `zero` instead of the
   prequant vector (lossless). trtllm-build's W4A16_AWQ preprocessing (TensorRT-LLM
@@ -110,10 +113,10 @@ class Quantizer:
         return self.prequantized.group_size if self.prequantized is not None else self.recipe.group_size
 
     def config(self) -> dict:
-        """config.json `quantization` (reference §1.5). The exclude list replaces TensorRT-LLM's
-        default, so it always names lm_head and the vocab embedding (§1.5: per-channel weight-only
-        modes would otherwise quantize the embedding); NVIDIA's exporter writes only "lm_head"
-        because its formats never quantize embeddings."""
+        """config.json `quantization` (QuantConfig, TensorRT-LLM tensorrt_llm/models/modeling_utils.py).
+        The exclude list replaces TensorRT-LLM's default, so it always names lm_head and the vocab
+        embedding (per-channel weight-only modes would otherwise quantize the embedding); NVIDIA's
+        exporter writes only "lm_head" because its formats never quantize embeddings."""
         algo = self.quant_algo
         q: dict = {"quant_algo": algo, "kv_cache_quant_algo": self.recipe.kv_cache_quant_algo}
         if algo is not None:
@@ -136,7 +139,8 @@ class Quantizer:
         return not is_excluded(glob, self.recipe.exclude_modules)
 
     def padded_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """Per-group int4 MLP linears are zero-padded to the intermediate size the engine expects (§3.5)."""
+        """Per-group int4 MLP linears are zero-padded to the intermediate size the engine expects
+        (WeightOnlyGroupwiseQuantLinear, tensorrt_llm/quantization/layers.py)."""
         lin = linear_of(name)
         if lin is None or self.fmt not in ("awq", "int4_zero"):
             return shape
@@ -199,7 +203,7 @@ class Quantizer:
                       Component("prequant_scaling_factor", "in_vec", [l.prequant_scaling_factor], self.dtype)]
                      for l in lins]
         else:
-            # q/k/v must share one weight scale (§2.6); fc and gate preferably do, and here they do.
+            # q/k/v must share one weight scale (FP8Linear); fc and gate preferably do, and here they do.
             qs, wscale = fp8_q.quantize_fp8_shared(flat)
             ascale = fp8_q.fp8_scale(st.amax.max())
             comps = [[Component("weight", "weight", [q], fp8_q.FP8_DTYPE),
@@ -242,8 +246,9 @@ class Quantizer:
                 Component("zero", "out_groups", zs, self.dtype)]
 
     def pad(self, module: str, comps: list[Component]) -> list[Component]:
-        """Zero-pad per-group MLP components to the padded intermediate size (§3.5): zero weights,
-        unit scales and prequant (so nothing divides by zero), zero zero-points."""
+        """Zero-pad per-group MLP components to the padded intermediate size
+        (WeightOnlyGroupwiseQuantLinear): zero weights, unit scales and prequant (so nothing
+        divides by zero), zero zero-points."""
         target = self.layout.padded_intermediate
         if self.fmt not in ("awq", "int4_zero") or target == self.intermediate or module not in MLP_OUT + MLP_IN:
             return comps

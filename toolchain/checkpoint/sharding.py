@@ -1,6 +1,7 @@
 """Tensor- and pipeline-parallel layout of a TensorRT-LLM checkpoint
-(reference §3). Pure tensor functions: they run on meta tensors for planning
-and on real tensors for writing, so shapes can never disagree between the two.
+(TensorRT-LLM tensorrt_llm/models/convert_utils.py, tensorrt_llm/mapping.py).
+Pure tensor functions: they run on meta tensors for planning and on real
+tensors for writing, so shapes can never disagree between the two.
 """
 
 from __future__ import annotations
@@ -13,23 +14,23 @@ from toolchain.errors import ToolchainError
 
 
 def rank_of(pp_rank: int, tp_rank: int, tp: int) -> int:
-    """Rank file index with cp = 1: the TP index varies fastest (§1.4, §3.6)."""
+    """Rank file index with cp = 1: the TP index varies fastest (TensorRT-LLM tensorrt_llm/mapping.py)."""
     return pp_rank * tp + tp_rank
 
 
 def kv_heads_per_rank(nkv: int, tp: int) -> int:
-    """KV heads each rank holds; one (duplicated) head when tp > nkv (§3.2)."""
+    """KV heads each rank holds; one (duplicated) head when tp > nkv (convert_utils.py, dup_kv_weight)."""
     return max(1, nkv // tp)
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
-    """Vp = ceil(V/T)*T (§3.4)."""
+    """Vp = ceil(V/T)*T (TensorRT-LLM tensorrt_llm/_utils.py, pad_vocab_size)."""
     return math.ceil(vocab / tp) * tp
 
 
 def pp_layers(num_layers: int, pp: int) -> list[list[int]]:
     """Global layer indices per stage: torch.tensor_split over range(L), so the
-    first L % P stages get one extra layer (1.x behaviour, §3.6)."""
+    first L % P stages get one extra layer (1.x behaviour: tensorrt_llm/mapping.py, Mapping.pp_layers)."""
     return [chunk.tolist() for chunk in torch.tensor_split(torch.arange(num_layers), pp)]
 
 
@@ -56,7 +57,8 @@ def working_tps(params, limit: int = 64, *, embedding_dim1: bool = False) -> lis
 
 def check_parallelism(params, tp: int, pp: int, *, use_parallel_embedding: bool = False,
                       embedding_sharding_dim: int = 0) -> None:
-    """The §3.5 checklist, run before any weight is read."""
+    """The divisibility rules TensorRT-LLM asserts (convert_utils.py, mapping.py,
+    quantization/layers.py), checked before any weight is read."""
     if tp < 1 or pp < 1:
         raise ToolchainError(f"tp={tp}, pp={pp}: both must be at least 1")
     if embedding_sharding_dim not in (0, 1):
@@ -86,15 +88,15 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, nh: int, nkv: int, tp: int) -> list[torch.Tensor]:
-    """Per rank [q_r; k_r; v_r] along dim 0, split per head (§3.2). When tp > nkv
+    """Per rank [q_r; k_r; v_r] along dim 0, split per head (convert_utils.py). When tp > nkv
     each KV head is repeated tp/nkv times: rank r gets head r // (tp/nkv).
 
     Works on any tensor whose dim 0 runs over the projections' output rows, so
     the same call shards weights (out, in), biases (out,), and the quantized
     formats' per-channel (out,) and per-group (out, in/g) scales: a duplicated
-    KV head carries its bias and scales along (reference §8 row 4). This is
+    KV head carries its bias and scales along (TensorRT-LLM issue #2200). This is
     the hook the quantization formats use; a per-tensor scale (1,) has no rows
-    and is replicated instead (FP8 also needs q/k/v to share it, §2.6)."""
+    and is replicated instead (FP8 also needs q/k/v to share it: FP8Linear)."""
     qh = _heads(q, nh).chunk(tp, dim=0)
     kh, vh = _heads(k, nkv), _heads(v, nkv)
     out = []
@@ -128,7 +130,7 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def split_vocab(t: torch.Tensor, tp: int) -> list[torch.Tensor]:
-    """lm_head: pad V to a multiple of tp with zero rows, then split dim 0 (§3.4).
+    """lm_head: pad V to a multiple of tp with zero rows, then split dim 0 (pad_vocab_size).
     The config keeps the unpadded vocab_size; the runtime slices the logits."""
     return split_column(pad_rows(t, padded_vocab(t.shape[0], tp)), tp)
 
@@ -136,8 +138,8 @@ def split_vocab(t: torch.Tensor, tp: int) -> list[torch.Tensor]:
 def split_embedding(t: torch.Tensor, tp: int, *, parallel: bool, dim: int) -> list[torch.Tensor]:
     """Vocab embedding: the full table on every rank unless use_parallel_embedding;
     then dim 0 pads and splits the vocab like lm_head, dim 1 splits the hidden size.
-    Open point (§3.4): the golden layouts only cover V divisible by T, so the
-    zero-row padding of a sharded embedding is taken from the reference text alone."""
+    Open point: the golden layouts only cover V divisible by T, so the zero-row padding
+    of a sharded embedding rests on tensorrt_llm/layers/embedding.py alone."""
     if not parallel or tp == 1:
         return [t] * tp
     if dim == 0:

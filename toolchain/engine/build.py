@@ -52,7 +52,8 @@ def _limit_warnings(spec: DeploymentSpec, pretrained: dict) -> list[str]:
     if not max_pos:
         return []
     trained = trained_positions(max_pos, pretrained.get("rotary_scaling"))
-    # trtllm-build only warns here (§1.3): RoPE extrapolates, quality degrades.
+    # trtllm-build only warns here (TensorRT-LLM tensorrt_llm/builder.py): RoPE extrapolates,
+    # quality degrades.
     if spec.limits.max_seq_len > trained:
         return [f"limits.max_seq_len ({spec.limits.max_seq_len}) exceeds the model's trained positions "
                 f"({trained}); quality past that length is not guaranteed"]

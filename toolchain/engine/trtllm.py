@@ -1,8 +1,9 @@
 """Everything specific to TensorRT-LLM 1.2's `trtllm-build`: the flag table,
 the command line for a spec, the version check and the engine check.
 
-The flag table is data transcribed from trtllm-checkpoint-and-build.md §5
-(1.x `tensorrt_llm/commands/build.py`, `plugin/plugin.py`): names, value sets,
+The flag table is data transcribed from TensorRT-LLM 1.x
+`tensorrt_llm/commands/build.py`, `tensorrt_llm/builder.py` (BuildConfig) and
+`tensorrt_llm/plugin/plugin.py` (PluginConfig): names, value sets,
 defaults, and the combinations trtllm-build rejects or silently ignores. The
 command builder validates its own output against it, so a spec can never
 produce a flag or value the 1.2 CLI does not document.
@@ -38,7 +39,7 @@ class Flag:
 
 
 FLAGS: dict[str, Flag] = {
-    # §5.1 input / output / process
+    # input / output / process (tensorrt_llm/commands/build.py)
     "--checkpoint_dir": Flag("path"), "--model_config": Flag("path"), "--build_config": Flag("path"),
     "--model_cls_file": Flag("path"), "--model_cls_name": Flag("str"),
     "--output_dir": Flag("path", default="engine_outputs"), "--workers": Flag("int", default=1),
@@ -49,19 +50,19 @@ FLAGS: dict[str, Flag] = {
     "--profiling_verbosity": Flag("choice", ("layer_names_only", "detailed", "none"), "layer_names_only"),
     "--strip_plan": Flag("switch"), "--weight_sparsity": Flag("switch"), "--weight_streaming": Flag("switch"),
     "--fast_build": Flag("switch"),
-    # §5.2 limits
+    # limits (BuildConfig, tensorrt_llm/builder.py)
     "--max_batch_size": Flag("int", default=2048), "--max_input_len": Flag("int", default=1024),
     "--max_seq_len": Flag("int"), "--max_beam_width": Flag("int", default=1),
     "--max_num_tokens": Flag("int", default=8192), "--opt_num_tokens": Flag("int"),
     "--max_encoder_input_len": Flag("int", default=1024), "--max_prompt_embedding_table_size": Flag("int", default=0),
-    # §5.3 KV cache and attention
+    # KV cache and attention (PluginConfig, tensorrt_llm/plugin/plugin.py)
     "--kv_cache_type": Flag("choice", ("paged", "continuous", "disabled"), "paged"),
     "--tokens_per_block": Flag("int", default=32),
     "--use_paged_context_fmha": Flag("choice", EN, "enable"), "--use_fp8_context_fmha": Flag("choice", EN, "enable"),
     "--context_fmha": Flag("choice", EN, "enable"), "--remove_input_padding": Flag("choice", EN, "enable"),
     "--gpt_attention_plugin": Flag("choice", PLUGIN, "auto"), "--multiple_profiles": Flag("choice", EN, "disable"),
     "--paged_state": Flag("choice", EN, "enable"),
-    # §5.4 GEMM and fusion plugins
+    # GEMM and fusion plugins (PluginConfig)
     "--gemm_plugin": Flag("choice", ("auto", "float16", "bfloat16", "float32", "int32", "fp8", "nvfp4", "disable"),
                           "disable"),
     "--gemm_swiglu_plugin": Flag("choice", ("fp8", "disable"), "disable"),
@@ -75,7 +76,7 @@ FLAGS: dict[str, Flag] = {
     "--moe_plugin": Flag("choice", PLUGIN, "auto"), "--nccl_plugin": Flag("choice", PLUGIN, "auto"),
     "--lora_plugin": Flag("choice", PLUGIN, "disable"), "--dora_plugin": Flag("choice", EN, "disable"),
     "--mamba_conv1d_plugin": Flag("choice", PLUGIN, "auto"), "--bert_attention_plugin": Flag("choice", PLUGIN, "auto"),
-    # §5.5 logits, LoRA, speculative decoding
+    # logits, LoRA, speculative decoding (tensorrt_llm/commands/build.py)
     "--logits_dtype": Flag("choice", ("float16", "float32")), "--gather_context_logits": Flag("switch"),
     "--gather_generation_logits": Flag("switch"), "--gather_all_token_logits": Flag("switch"),
     "--lora_dir": Flag("path"), "--lora_ckpt_source": Flag("choice", ("hf", "nemo"), "hf"),
@@ -84,14 +85,15 @@ FLAGS: dict[str, Flag] = {
                                                    "explicit_draft_tokens", "eagle")),
     "--max_draft_len": Flag("int", default=0),
 }
-# Flags present in 0.x but removed by 1.x (§5.5); emitting one is a bug.
+# Flags present in 0.x but removed by 1.x (TensorRT-LLM docs/source/release-notes.md); emitting one is a bug.
 REMOVED = ("--auto_parallel", "--gpus_per_node", "--cluster_key", "--enable_xqa", "--use_embedding_sharing")
 LIMIT_FLAGS = ("--max_batch_size", "--max_input_len", "--max_seq_len", "--max_beam_width", "--max_num_tokens",
                "--opt_num_tokens")
 
 # Value patterns: "*" any value given, ">0"/">1" integers above 0/1, else literal values.
 ANY = "*"
-# (flag, when, other flag, when, why): trtllm-build errors, or ignores one of them (§5.1, §5.6).
+# (flag, when, other flag, when, why): trtllm-build errors, or ignores one of them
+# (tensorrt_llm/commands/build.py main, tensorrt_llm/builder.py build).
 CONFLICTS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--multiple_profiles", "enable", "--opt_num_tokens", ANY, "an error in trtllm-build"),
     ("--gather_context_logits", ANY, "--max_draft_len", ">0", "an error in trtllm-build"),
@@ -186,14 +188,16 @@ def build_flags(spec, *, draft: bool = False) -> list[tuple[str, object]]:
     """(flag, value) pairs for the spec's target (or its draft model) engine."""
     lim, b, sp = spec.limits, spec.build, spec.speculative
     # Written even where they equal the 1.2 defaults: inflight batching needs them
-    # (§5.6), and the paged-FMHA and tokens_per_block defaults changed between versions.
+    # (TensorRT-LLM docs/source/legacy/advanced/gpt-attention.md), and the paged-FMHA
+    # and tokens_per_block defaults changed between versions (tensorrt_llm/plugin/plugin.py).
     flags: list[tuple[str, object]] = [
         ("--gemm_plugin", b.gemm_plugin), ("--gpt_attention_plugin", "auto"), ("--remove_input_padding", "enable"),
         ("--kv_cache_type", "paged"), ("--tokens_per_block", b.tokens_per_block),
     ]
     if not b.context_fmha:
         flags.append(("--context_fmha", "disable"))
-    # The draft engine is unquantized and always wants paged context FMHA (§6).
+    # The draft engine is unquantized and always wants paged context FMHA
+    # (TensorRT-LLM examples/draft_target_model/README.md).
     paged = b.context_fmha if draft else b.use_paged_context_fmha
     flags += [("--use_paged_context_fmha", _en(paged)),
               ("--max_batch_size", lim.max_batch_size), ("--max_input_len", lim.max_input_len),
@@ -220,7 +224,8 @@ def build_flags(spec, *, draft: bool = False) -> list[tuple[str, object]]:
 
 
 def default_workers(spec) -> int:
-    """--workers: one per rank, bounded by host RAM (reference §8 #7)."""
+    """--workers: one per rank, bounded by host RAM (each worker holds a rank's weights:
+    TensorRT-LLM tensorrt_llm/commands/build.py, parallel_build)."""
     from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
     from toolchain.plan.preflight import this_host_memory_bytes
 
@@ -336,7 +341,8 @@ def check_engine(spec, engine_dir: Path, *, draft: bool = False) -> list[str]:
     for key, want in exact.items():
         if key in bc and bc[key] != want:
             problems.append(f"build_config.{key} {bc[key]} != {want}")
-    # trtllm-build adds the draft length to max_seq_len and may raise max_num_tokens (§5.6).
+    # trtllm-build adds the draft length to max_seq_len and may raise max_num_tokens
+    # (TensorRT-LLM tensorrt_llm/builder.py, build).
     if "max_seq_len" in bc and bc["max_seq_len"] not in (lim.max_seq_len, lim.max_seq_len + draft_len):
         problems.append(f"build_config.max_seq_len {bc['max_seq_len']} != {lim.max_seq_len}")
     if "max_num_tokens" in bc and bc["max_num_tokens"] < min(lim.max_num_tokens, lim.max_seq_len * lim.max_batch_size):
@@ -359,7 +365,8 @@ def check_engine(spec, engine_dir: Path, *, draft: bool = False) -> list[str]:
 
 
 # ---- what the tensorrtllm backend of the 1.2 line is told --------------------------------------------------------
-# §2.5 parameters whose documented default is a value: written explicitly, so the
+# tensorrt_llm model parameters (tensorrtllm_backend docs/model_config.md) whose
+# documented default is a value: written explicitly, so the
 # deployment does not change when a backend default does.
 TRITON_DEFAULTS: dict[str, object] = {
     "kv_cache_host_memory_bytes": 0, "kv_cache_onboard_blocks": True, "iter_stats_max_iterations": 1000,
@@ -368,7 +375,7 @@ TRITON_DEFAULTS: dict[str, object] = {
     "enable_context_fmha_fp32_acc": False, "multi_block_mode": True, "cuda_graph_mode": False,
     "cuda_graph_cache_size": 0, "enable_trt_overlap": False, "speculative_decoding_fast_logits": False,
 }
-# §2.5 parameters left out on purpose: their default is "unset", which no value
+# tensorrt_llm model parameters left out on purpose: their default is "unset", which no value
 # expresses (an unfilled ${...} is what the upstream template leaves there).
 TRITON_UNSET = {
     "encoder_model_path": "encoder-decoder models only",

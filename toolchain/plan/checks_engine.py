@@ -1,8 +1,10 @@
 """Checks that guard convert and build-engine: limits, KV cache, RoPE, parallelism,
 quantization, GPU support, memory and speculative decoding.
 
-Rows of trtllm-checkpoint-and-build.md §8 (cited as #n), §5.6 and §6. Each
-check returns (status, message); a failing message names the spec field to change.
+Each check's description cites the upstream TensorRT-LLM code, doc or issue it
+rests on (the build-time rules mostly come from tensorrt_llm/commands/build.py
+and tensorrt_llm/builder.py). Each check returns (status, message); a failing
+message names the spec field to change.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ def _model(ctx: Context):
     return ctx.model.params if ctx.model is not None else None
 
 
-# ---- limits (#8, §5.2) -------------------------------------------------------------------------------------------
-@check("limits.input-vs-seq", ENGINE, "max_input_len must leave room for output (#8)")
+# ---- limits (BuildConfig; TensorRT-LLM issues #2702, #2717) ---------------------------------------------------------
+@check("limits.input-vs-seq", ENGINE, "max_input_len must leave room for output (TensorRT-LLM builder.py)")
 def _input_vs_seq(ctx: Context):
     lim = ctx.spec.limits
     if lim.max_input_len >= lim.max_seq_len:
@@ -33,7 +35,8 @@ def _input_vs_seq(ctx: Context):
     return PASS, f"max_input_len {lim.max_input_len} < max_seq_len {lim.max_seq_len}"
 
 
-@check("limits.num-tokens-vs-input", ENGINE, "without chunked context max_num_tokens caps a prompt (#8)")
+@check("limits.num-tokens-vs-input", ENGINE,
+       "without chunked context max_num_tokens caps a prompt (TensorRT-LLM issue #2702)")
 def _num_tokens_vs_input(ctx: Context):
     if not ctx.trtllm:
         return NEEDS_TRTLLM
@@ -47,7 +50,8 @@ def _num_tokens_vs_input(ctx: Context):
                   "or set build.chunked_context=true (with build.use_paged_context_fmha=true)")
 
 
-@check("limits.num-tokens-vs-block", ENGINE, "with context FMHA max_num_tokens must hold one KV block (§5.2)")
+@check("limits.num-tokens-vs-block", ENGINE,
+       "with context FMHA max_num_tokens must hold one KV block (TensorRT-LLM _common.py)")
 def _num_tokens_vs_block(ctx: Context):
     if not ctx.trtllm:
         return NEEDS_TRTLLM
@@ -58,7 +62,8 @@ def _num_tokens_vs_block(ctx: Context):
     return PASS, f"max_num_tokens {lim.max_num_tokens} >= tokens_per_block {b.tokens_per_block}"
 
 
-@check("limits.seq-vs-positions", ENGINE, "max_seq_len beyond the trained context degrades quality (§1.3)")
+@check("limits.seq-vs-positions", ENGINE,
+       "max_seq_len beyond the trained context degrades quality (TensorRT-LLM builder.py)")
 def _seq_vs_positions(ctx: Context):
     p = _model(ctx)
     if p is None:
@@ -70,8 +75,9 @@ def _seq_vs_positions(ctx: Context):
     return PASS, f"max_seq_len {ctx.spec.limits.max_seq_len} <= trained positions {trained}"
 
 
-# ---- KV cache (#9, §2.7, §5.3; Triton #10) ------------------------------------------------------------------------
-@check("kv.paged-context-fmha", ENGINE, "KV reuse and chunked context need paged context FMHA (#9)")
+# ---- KV cache (TensorRT-LLM kv-cache-reuse.md, builder.py; tensorrtllm_backend model_config.md) ---------------------
+@check("kv.paged-context-fmha", ENGINE,
+       "KV reuse and chunked context need paged context FMHA (TensorRT-LLM kv-cache-reuse.md)")
 def _paged_context_fmha(ctx: Context):
     if not ctx.trtllm:
         return NEEDS_TRTLLM
@@ -84,7 +90,8 @@ def _paged_context_fmha(ctx: Context):
     return PASS, ("paged context FMHA on" if b.use_paged_context_fmha else "no feature needs paged context FMHA")
 
 
-@check("kv.int8-disables-paged-fmha", ENGINE, "an INT8 KV cache turns paged context FMHA off (#9, §2.7)")
+@check("kv.int8-disables-paged-fmha", ENGINE,
+       "an INT8 KV cache turns paged context FMHA off (TensorRT-LLM builder.py)")
 def _int8_kv(ctx: Context):
     if not ctx.trtllm:
         return NEEDS_TRTLLM
@@ -98,7 +105,7 @@ def _int8_kv(ctx: Context):
     return PASS, "INT8 KV cache with paged context FMHA, reuse and chunked context off"
 
 
-@check("kv.one-sequence", ENGINE, "the KV cache must hold one full sequence (Triton #10)")
+@check("kv.one-sequence", ENGINE, "the KV cache must hold one full sequence (tensorrtllm_backend model_config.md)")
 def _one_sequence(ctx: Context):
     m = ctx.memory
     if m is None:
@@ -127,15 +134,16 @@ def _batch_concurrency(ctx: Context):
     return PASS, f"{m.concurrency} full-length sequences fit (max_batch_size {ctx.spec.limits.max_batch_size})"
 
 
-# ---- memory (#7) --------------------------------------------------------------------------------------------------
-@check("memory.fits", ENGINE, "weights, activations and workspace must fit each GPU (#7)")
+# ---- memory (TensorRT-LLM memory.md) --------------------------------------------------------------------------------
+@check("memory.fits", ENGINE, "weights, activations and workspace must fit each GPU (TensorRT-LLM memory.md)")
 def _memory_fits(ctx: Context):
     if ctx.memory is None:
         return SKIP, "no memory plan (see gpu.known, tp.heads, pp.layers)" if ctx.model else NO_MODEL
     return (PASS if ctx.memory.weights_fit else FAIL), ctx.memory.verdict()
 
 
-@check("build.host-ram", ENGINE, "parallel builds hold two rank checkpoints each in host RAM (#7)")
+@check("build.host-ram", ENGINE,
+       "parallel builds hold two rank checkpoints each in host RAM (TensorRT-LLM build.py --workers)")
 def _host_ram(ctx: Context):
     if not ctx.trtllm:
         return NEEDS_TRTLLM
@@ -152,7 +160,8 @@ def _host_ram(ctx: Context):
     return PASS, f"--workers {workers}: about {need / gib:.1f} GiB of {host / gib:.1f} GiB host RAM"
 
 
-@check("build.multiple-profiles", ENGINE, "multiple_profiles and opt_num_tokens exclude each other (§5.6)")
+@check("build.multiple-profiles", ENGINE,
+       "multiple_profiles and opt_num_tokens exclude each other (TensorRT-LLM build.py)")
 def _multiple_profiles(ctx: Context):
     b = ctx.spec.build
     if b.multiple_profiles and b.opt_num_tokens is not None:
@@ -160,7 +169,7 @@ def _multiple_profiles(ctx: Context):
     return PASS, "profile flags compatible"
 
 
-# ---- RoPE (#10) ---------------------------------------------------------------------------------------------------
+# ---- RoPE (TensorRT-LLM functional.py RotaryScalingType, layers/attention.py; issue #2105) --------------------------
 def _rope(ctx: Context, check_id: str):
     if ctx.model is None:
         return SKIP, NO_MODEL
@@ -171,23 +180,25 @@ def _rope(ctx: Context, check_id: str):
     return PASS, f"rope type {scaling['type']}" if scaling else "no rope scaling"
 
 
-@check("rope.unknown-type", ENGINE, "TensorRT-LLM 1.2 rejects unknown rope types (#10)")
+@check("rope.unknown-type", ENGINE, "TensorRT-LLM 1.2 rejects unknown rope types (functional.py RotaryScalingType)")
 def _rope_type(ctx: Context):
     return _rope(ctx, "rope.unknown-type")
 
 
-@check("rope.missing-keys", ENGINE, "llama3/yarn/linear/dynamic scaling needs its keys (#10)")
+@check("rope.missing-keys", ENGINE,
+       "llama3/yarn/linear/dynamic scaling needs its keys (TensorRT-LLM layers/attention.py)")
 def _rope_keys(ctx: Context):
     return _rope(ctx, "rope.missing-keys")
 
 
-# ---- parallelism (#4, §3.5); convert enforces these itself, so they only show in plan ---------------------------
+# ---- parallelism (TensorRT-LLM convert_utils.py, mapping.py); convert enforces these itself, so plan only -----------
 def _tp_ok(p, t: int) -> bool:
     kv = p.num_key_value_heads
     return p.num_attention_heads % t == 0 and (kv % t == 0 or t % kv == 0) and p.intermediate_size % t == 0
 
 
-@check("tp.heads", (), "tp must divide the heads, the KV heads (or be a multiple of them) and the MLP (#4)")
+@check("tp.heads", (),
+       "tp must divide the heads, the KV heads (or be a multiple of them) and the MLP (TensorRT-LLM convert_utils.py)")
 def _tp_heads(ctx: Context):
     p, tp = _model(ctx), ctx.spec.parallelism.tp
     if p is None:
@@ -201,7 +212,7 @@ def _tp_heads(ctx: Context):
                   f"use tp {', '.join(map(str, good))}")
 
 
-@check("pp.layers", (), "pp cannot exceed the number of layers (§3.5)")
+@check("pp.layers", (), "pp cannot exceed the number of layers (TensorRT-LLM mapping.py)")
 def _pp_layers(ctx: Context):
     p, pp = _model(ctx), ctx.spec.parallelism.pp
     if p is None:
@@ -223,13 +234,13 @@ def _arch(ctx: Context):
                   "the plan uses its Llama-shaped config")
 
 
-# ---- quantization (#1, #2, #3, #15; §2.2, §1.5) -------------------------------------------------------------------
+# ---- quantization (TensorRT-LLM quantization/layers.py, modeling_utils.py, builder.py; issues #648, #988) -----------
 def _full_dims(p) -> dict[str, int]:
     return {"hidden_size": p.hidden_size, "intermediate_size": p.intermediate_size,
             "attention width (heads x head_size)": p.num_attention_heads * p.head_size}
 
 
-@check("quant.group-size", ENGINE, "int4 per-group kernels exist for group sizes 64 and 128 (#2)")
+@check("quant.group-size", ENGINE, "int4 per-group kernels exist for group sizes 64 and 128 (TensorRT-LLM issue #988)")
 def _group_size(ctx: Context):
     q = ctx.quant
     if not q.per_group:
@@ -239,7 +250,7 @@ def _group_size(ctx: Context):
     return PASS, f"group size {q.group_size}"
 
 
-@check("quant.group-padding", ENGINE, "AWQ dims must be multiples of max(64, g) x tp (#1)")
+@check("quant.group-padding", ENGINE, "AWQ dims must be multiples of max(64, g) x tp (TensorRT-LLM issue #648)")
 def _group_padding(ctx: Context):
     q, p, tp = ctx.quant, _model(ctx), ctx.spec.parallelism.tp
     if not q.per_group or p is None:
@@ -265,7 +276,8 @@ def _group_padding(ctx: Context):
                   f"use {' or '.join(alternatives) or 'another format'}")
 
 
-@check("quant.weight-only-padding", ENGINE, "weight-only dims must be multiples of 64 x tp (§2.2)")
+@check("quant.weight-only-padding", ENGINE,
+       "weight-only dims must be multiples of 64 x tp (TensorRT-LLM quantization/layers.py)")
 def _weight_only_padding(ctx: Context):
     q, p, tp = ctx.quant, _model(ctx), ctx.spec.parallelism.tp
     if p is None:
@@ -280,7 +292,7 @@ def _weight_only_padding(ctx: Context):
 
 
 @check("quant.lm-head-excluded", ("build-engine",), "lm_head (and for weight-only the embedding) stay unquantized "
-       "in the checkpoint's exclude_modules (#3, #6, §1.5)")
+       "in the checkpoint's exclude_modules (TensorRT-LLM modeling_utils.py QuantConfig)")
 def _lm_head_excluded(ctx: Context):
     if ctx.quant.method == "none":
         return PASS, "no weight quantization"
@@ -300,7 +312,7 @@ def _lm_head_excluded(ctx: Context):
     return PASS, f"the checkpoint keeps {', '.join(need)} unquantized"
 
 
-@check("quant.fp8-needs-sm89", ENGINE, "FP8 weights and FP8 KV need SM 89 or newer (§5.6, #15)")
+@check("quant.fp8-needs-sm89", ENGINE, "FP8 weights and FP8 KV need SM 89 or newer (TensorRT-LLM precision.md)")
 def _fp8_sm(ctx: Context):
     q, dev = ctx.quant, ctx.device
     fp8 = [f for f, on in (("quantization.method=fp8", q.method == "fp8"),
@@ -315,7 +327,8 @@ def _fp8_sm(ctx: Context):
     return PASS, f"FP8 on SM {dev.sm}"
 
 
-@check("quant.blackwell-int-formats", ENGINE, "SM 100-119 rejects int8/int4 weight formats and INT8 KV (#15)")
+@check("quant.blackwell-int-formats", ENGINE,
+       "SM 100-119 rejects int8/int4 weight formats and INT8 KV (TensorRT-LLM builder.py)")
 def _blackwell(ctx: Context):
     q, dev = ctx.quant, ctx.device
     if dev is None or dev.sm is None or not 100 <= dev.sm < 120:

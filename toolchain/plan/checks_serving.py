@@ -1,10 +1,12 @@
 """Checks that guard model-repo and serve: end ids, tokenizer, the built engine
 against the spec, the launch, ports, and whether the bench workload fits.
 
-Rows of triton-trtllm-model-repo.md §8 (cited as T#n) and
-trtllm-checkpoint-and-build.md §8 #12. Checks on built artefacts run where a
-stage consumes them (plan, model-repo, serve) and report `skip` while they do
-not exist yet.
+Each check's description cites the upstream source it rests on: a file of
+TensorRT-LLM's triton_backend/ (model files under
+all_models/inflight_batcher_llm/, scripts/launch_triton_server.py), a
+tensorrtllm_backend doc, or an upstream issue. Checks on built artefacts run
+where a stage consumes them (plan, model-repo, serve) and report `skip` while
+they do not exist yet.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ NOT_BUILT = (SKIP, "no engine built yet")
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
 
 
-# ---- end ids (#12) ------------------------------------------------------------------------------------------------
-@check("eos.resolved", SERVING, "generation must stop: EOS ids resolved from generation_config.json (#12)")
+# ---- end ids (TensorRT-LLM issue #2120; preprocessing/1/model.py) ---------------------------------------------------
+@check("eos.resolved", SERVING,
+       "generation must stop: EOS ids resolved from generation_config.json (TensorRT-LLM issue #2120)")
 def _eos_resolved(ctx: Context):
     e = ctx.eos
     if e is None:
@@ -39,7 +42,8 @@ def _eos_resolved(ctx: Context):
     return PASS, e.describe()
 
 
-@check("eos.tokenizer-default", SERVING, "the tokenizer's eos_token (preprocessing's end_id) must end a turn (#12)")
+@check("eos.tokenizer-default", SERVING,
+       "the tokenizer's eos_token (preprocessing's end_id) must end a turn (preprocessing/1/model.py)")
 def _eos_default(ctx: Context):
     e, tok = ctx.eos, ctx.tokenizer
     if e is None or tok is None:
@@ -53,7 +57,7 @@ def _eos_default(ctx: Context):
     return PASS, f"preprocessing's default end_id is {e.label(e.end_id)}"
 
 
-@check("triton.tokenizer", SERVING, "pre/postprocessing need the model's tokenizer (T#8)")
+@check("triton.tokenizer", SERVING, "pre/postprocessing need the model's tokenizer (preprocessing/1/model.py)")
 def _tokenizer(ctx: Context):
     tok, where = ctx.tokenizer, ctx.spec.model.tokenizer_dir
     if tok is None:
@@ -66,7 +70,7 @@ def _tokenizer(ctx: Context):
     return PASS, f"tokenizer in {where}" + (f" ({tok.size} tokens)" if tok.size else "")
 
 
-# ---- the built engine against the spec (T#3, T#4, T#5, T#9) -----------------------------------------------------
+# ---- the built engine against the spec ------------------------------------------------------------------------------
 def _engine(ctx: Context, owner: bool = False):
     """(engine config, None), or (None, the result to report); a malformed config is
     reported once, by triton.engine-dir (`owner`)."""
@@ -81,7 +85,8 @@ def _engine(ctx: Context, owner: bool = False):
     return cfg, None
 
 
-@check("triton.engine-dir", SERVING, "the engine dir must hold config.json and one engine per rank (T#3)")
+@check("triton.engine-dir", SERVING,
+       "the engine dir must hold config.json and one engine per rank (tensorrtllm_backend issue #61)")
 def _engine_dir(ctx: Context):
     cfg, early = _engine(ctx, owner=True)
     if cfg is None:
@@ -95,7 +100,8 @@ def _engine_dir(ctx: Context):
     return PASS, f"{len(ranks)} rank file(s) in {ctx.engine_dir()}"
 
 
-@check("triton.engine-version", SERVING, "engines load only in the TensorRT-LLM that built them")
+@check("triton.engine-version", SERVING,
+       "engines load only in the TensorRT-LLM that built them (tensorrtllm_backend issue #531)")
 def _engine_version(ctx: Context):
     if not ctx.trtllm:
         return SKIP, "applies to target trtllm"
@@ -112,7 +118,8 @@ def _engine_version(ctx: Context):
     return FAIL, f"engine built by TensorRT-LLM {version or 'unknown'}, which {TRITON_IMAGE} cannot load; {rebuild}"
 
 
-@check("triton.world-size", SERVING, "MPI world size must equal the engine's tp x pp (T#5)")
+@check("triton.world-size", SERVING,
+       "MPI world size must equal the engine's tp x pp (tensorrtllm_backend README.md, Leader Mode)")
 def _world_size(ctx: Context):
     cfg, early = _engine(ctx)
     if cfg is None:
@@ -125,7 +132,8 @@ def _world_size(ctx: Context):
     return PASS, f"world size {engine_world}"
 
 
-@check("triton.batch-size", SERVING, "Triton's max_batch_size and beam width within the engine's (T#9)")
+@check("triton.batch-size", SERVING,
+       "Triton's max_batch_size and beam width within the engine's (tensorrtllm_backend docs/model_config.md)")
 def _batch_size(ctx: Context):
     cfg, early = _engine(ctx)
     if cfg is None:
@@ -140,7 +148,8 @@ def _batch_size(ctx: Context):
     return PASS, f"max_batch_size {mbs} <= engine {bc.get('max_batch_size', mbs)}"
 
 
-@check("triton.kv-fraction", SERVING, "KV fractions of models sharing a GPU must sum below 1 (T#10, T#20)")
+@check("triton.kv-fraction", SERVING,
+       "KV fractions of models sharing a GPU must sum below 1 (tensorrtllm_backend docs/llama_multi_instance.md)")
 def _kv_fraction(ctx: Context):
     target = ctx.spec.serving.kv_cache_free_gpu_mem_fraction
     if ctx.spec.speculative.mode != "draft_target":
@@ -152,7 +161,7 @@ def _kv_fraction(ctx: Context):
     return PASS, f"target {target} + draft {draft} < 1"
 
 
-@check("triton.placeholders", SERVING, "no unfilled ${...} may reach tritonserver (T#1)")
+@check("triton.placeholders", SERVING, "no unfilled ${...} may reach tritonserver (tensorrtllm_backend issue #250)")
 def _placeholders(ctx: Context):
     if not ctx.artefacts:
         return SKIP, "the repository is rendered by this run"
@@ -167,8 +176,9 @@ def _placeholders(ctx: Context):
     return PASS, f"{len(configs)} config.pbtxt without placeholders"
 
 
-# ---- launch (T#5, T#17, T#21) -------------------------------------------------------------------------------------
-@check("launch.multi-node", SERVING, "ranks beyond one host need a hostfile (T#5, Triton §4.2)")
+# ---- launch (launch_triton_server.py; tensorrtllm_backend README.md) ------------------------------------------------
+@check("launch.multi-node", SERVING,
+       "ranks beyond one host need a hostfile (tensorrtllm_backend README.md, Leader Mode)")
 def _multi_node(ctx: Context):
     world, g = ctx.spec.parallelism.world_size, ctx.spec.gpu
     if g.hostfile is not None and not Path(g.hostfile).is_file():
@@ -187,7 +197,8 @@ def _tritonserver(ctx: Context) -> Path | None:
     return Path(found) if found and Path(found).is_file() else None
 
 
-@check("triton.backend-present", ("serve",), "the tritonserver must ship the tensorrtllm backend (T#21)")
+@check("triton.backend-present", ("serve",),
+       "the tritonserver must ship the tensorrtllm backend (TensorRT-LLM PR #15907)")
 def _backend_present(ctx: Context):
     if not ctx.trtllm:
         return PASS, "target cpu runs the Python backend"
@@ -206,7 +217,8 @@ def _backend_present(ctx: Context):
     return PASS, f"tensorrtllm backend in {backend}"
 
 
-@check("serve.ports-free", ("serve",), "a stale tritonserver or another process holds the ports (T#17)")
+@check("serve.ports-free", ("serve",),
+       "a stale tritonserver or another process holds the ports (launch_triton_server.py)")
 def _ports(ctx: Context):
     if ctx.stage == "plan":
         return SKIP, "checked on the serving host when serve starts"
@@ -255,8 +267,9 @@ def _shm(ctx: Context):
     return PASS, f"{free // mib} MiB free in {SHM_PATH} for {instances} Python model instances"
 
 
-# ---- the bench workload (T#6, T#15) ------------------------------------------------------------------------------
-@check("bench.workload-limits", ("bench",), "prompts and outputs must fit the engine limits (T#15)")
+# ---- the bench workload ---------------------------------------------------------------------------------------------
+@check("bench.workload-limits", ("bench",),
+       "prompts and outputs must fit the engine limits (tensorrtllm_backend issue #565)")
 def _workload_limits(ctx: Context):
     w, lim = ctx.spec.validation.workload, ctx.spec.limits
     longest = int(w.input_tokens + 3 * w.input_tokens_stddev)
@@ -269,7 +282,8 @@ def _workload_limits(ctx: Context):
     return PASS, f"prompts up to {longest} + {w.output_tokens} output tokens fit"
 
 
-@check("bench.streaming", ("bench",), "streaming requests need decoupled models and vice versa (T#6)")
+@check("bench.streaming", ("bench",),
+       "streaming requests need decoupled models and vice versa (Triton server decoupled_models.md)")
 def _bench_streaming(ctx: Context):
     w, served = ctx.spec.validation.workload, ctx.spec.serving.streaming
     if not w.protocol.startswith("triton"):

@@ -1,6 +1,8 @@
 """Checks for speculative decoding: build combinations trtllm-build rejects
-(trtllm-checkpoint-and-build.md §5.6, §6, §8 #13 #14) and the Triton-side
-limits of each method (triton-trtllm-model-repo.md §7, §8 #18 #19)."""
+(TensorRT-LLM tensorrt_llm/commands/build.py, tensorrt_llm/builder.py, the
+examples/{draft_target_model,lookahead,ngram}/README.md pages) and the
+Triton-side limits of each method (TensorRT-LLM triton_backend
+all_models/inflight_batcher_llm/tensorrt_llm_bls, tensorrtllm_backend issues #710, #711)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ OFF = (PASS, "no speculative decoding")
 
 
 def lookahead_draft_len(w: int, n: int, g: int) -> int:
-    """Draft tokens a lookahead (W, N, G) configuration produces per step (§6)."""
+    """Draft tokens a lookahead (W, N, G) configuration produces per step (TensorRT-LLM
+    examples/lookahead/README.md)."""
     return (0 if n == 1 else n - 2) + (w - 1 + g) * (n - 1)
 
 
@@ -48,7 +51,8 @@ def _draft_len(ctx: Context):
     return PASS, f"{sp.mode}, up to {sp.max_draft_len or 'the checkpoint'} draft tokens per step"
 
 
-@check("spec.gather-context-logits", ENGINE, "gather_context_logits with max_draft_len > 0 is an error (#14)")
+@check("spec.gather-context-logits", ENGINE,
+       "gather_context_logits with max_draft_len > 0 is an error (TensorRT-LLM build.py)")
 def _gather(ctx: Context):
     if ctx.spec.speculative.mode == "none":
         return OFF
@@ -57,7 +61,8 @@ def _gather(ctx: Context):
     return PASS, "no context logits gathered"
 
 
-@check("spec.beam-search", ENGINE, "beam search is not supported with speculative decoding (#14)")
+@check("spec.beam-search", ENGINE,
+       "beam search is not supported with speculative decoding (TensorRT-LLM speculative-decoding.md)")
 def _beam(ctx: Context):
     if ctx.spec.speculative.mode == "none":
         return OFF
@@ -67,7 +72,8 @@ def _beam(ctx: Context):
     return PASS, "beam width 1"
 
 
-@check("spec.eagle-limits", ENGINE, "EAGLE needs pp 1, max_batch_size <= 512, max_draft_len <= 256 (#14, §5.6)")
+@check("spec.eagle-limits", ENGINE,
+       "EAGLE needs pp 1, max_batch_size <= 512, max_draft_len <= 256 (TensorRT-LLM builder.py)")
 def _eagle(ctx: Context):
     sp = ctx.spec.speculative
     if sp.mode != "eagle":
@@ -84,7 +90,8 @@ def _eagle(ctx: Context):
     return PASS, "EAGLE limits met"
 
 
-@check("spec.lookahead-draft-len", ENGINE + SERVING, "lookahead needs W, N, G and max_draft_len >= D (#13)")
+@check("spec.lookahead-draft-len", ENGINE + SERVING,
+       "lookahead needs W, N, G and max_draft_len >= D (TensorRT-LLM lookahead README)")
 def _lookahead(ctx: Context):
     sp = ctx.spec.speculative
     if sp.mode != "lookahead":
@@ -100,7 +107,8 @@ def _lookahead(ctx: Context):
     return PASS, f"(W={w}, N={n}, G={g}) drafts {d} <= max_draft_len {sp.max_draft_len}"
 
 
-@check("spec.draft-model", ENGINE + SERVING, "draft_target needs a readable draft checkpoint (Triton #18)")
+@check("spec.draft-model", ENGINE + SERVING,
+       "draft_target needs a readable draft checkpoint (TensorRT-LLM draft_target_model README)")
 def _draft_model(ctx: Context):
     sp = ctx.spec.speculative
     if sp.mode != "draft_target":
@@ -116,7 +124,8 @@ def _draft_model(ctx: Context):
     return PASS, f"draft {dp.architecture} with {dp.num_hidden_layers} layers at {sp.draft_model}"
 
 
-@check("spec.draft-target-reuse", ENGINE, "draft-target needs KV-cache reuse and paged context FMHA (§6)")
+@check("spec.draft-target-reuse", ENGINE,
+       "draft-target needs KV-cache reuse and paged context FMHA (TensorRT-LLM draft_target_model README)")
 def _draft_reuse(ctx: Context):
     if ctx.spec.speculative.mode not in ("draft_target", "ngram"):
         return PASS, "not draft-target"
@@ -127,7 +136,8 @@ def _draft_reuse(ctx: Context):
     return PASS, "KV-cache reuse on"
 
 
-@check("spec.draft-target-grpc-port", SERVING, "the BLS reaches the draft through localhost:8001 (Triton §7.1)")
+@check("spec.draft-target-grpc-port", SERVING,
+       "the BLS reaches the draft through localhost:8001 (tensorrt_llm_bls/1/model.py)")
 def _draft_port(ctx: Context):
     if ctx.spec.speculative.mode != "draft_target":
         return PASS, "not draft-target"
@@ -137,7 +147,8 @@ def _draft_port(ctx: Context):
     return PASS, "gRPC on 8001"
 
 
-@check("spec.draft-target-decoupled", SERVING, "draft-target through the BLS cannot stream (Triton §7.1)")
+@check("spec.draft-target-decoupled", SERVING,
+       "draft-target through the BLS cannot stream (tensorrt_llm_bls/1/lib/decode.py)")
 def _draft_stream(ctx: Context):
     if ctx.spec.speculative.mode != "draft_target":
         return PASS, "not draft-target"
@@ -147,7 +158,8 @@ def _draft_stream(ctx: Context):
     return PASS, "not decoupled"
 
 
-@check("spec.ngram-no-triton", SERVING, "n-gram speculation has no Triton engine-backend path (§6)")
+@check("spec.ngram-no-triton", SERVING,
+       "n-gram speculation has no Triton engine-backend path (TensorRT-LLM examples/ngram/README.md)")
 def _ngram(ctx: Context):
     if ctx.spec.speculative.mode != "ngram":
         return PASS, "not n-gram"

@@ -3,7 +3,7 @@
 Instruct models end a turn with a chat terminator (`<|eot_id|>` 128009 for
 Llama-3-Instruct, `<|im_end|>` for Qwen) while config.json's `eos_token_id` may
 name the end-of-text token, and `generation_config.json` lists several EOS ids
-(reference §8 #12). The rule: end_id is the chat terminator among the EOS ids
+(TensorRT-LLM issue #2120). The rule: end_id is the chat terminator among the EOS ids
 (named by the tokenizer when it is there), else the tokenizer's eos_token, else
 config.json's; every other EOS id becomes a stop word; pad_id falls back to
 end_id. Tokenizer files are read as JSON, without loading transformers.

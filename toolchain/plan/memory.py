@@ -1,9 +1,11 @@
 """Memory per rank: weights by format, KV cache per token, activations (estimate).
 
-Formulas from trtllm-checkpoint-and-build.md §7 with the shapes of §2.1 and the
-sharding rules of §3. Everything is per rank: TP splits the linear layers
-(except that each rank holds at least one whole KV head), PP gives a rank its
-stage's layers, the first stage the embedding and the last the lm_head.
+Formulas after TensorRT-LLM docs/source/legacy/reference/memory.md, with the
+tensor shapes of tensorrt_llm/models/llama/convert.py and the sharding rules of
+tensorrt_llm/models/convert_utils.py and tensorrt_llm/mapping.py. Everything is
+per rank: TP splits the linear layers (except that each rank holds at least
+one whole KV head), PP gives a rank its stage's layers, the first stage the
+embedding and the last the lm_head.
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ from toolchain.archs.params import ArchParams
 from toolchain.plan.model import QuantFormat
 
 GIB = 1024**3
-# CUDA context, cuBLAS/NCCL workspaces and runtime buffers per GPU: the
-# reference's rule of thumb is "a few hundred MB to 1 GB"; plan the high end.
+# CUDA context, cuBLAS/NCCL workspaces and runtime buffers per GPU: a few hundred
+# MB to 1 GB by rule of thumb (TensorRT-LLM's memory.md gives no figure); plan the high end.
 GPU_WORKSPACE_BYTES = 1 * GIB
 ACTIVATION_BYTES = 2  # fp16/bf16 activations on GPU
 
 
 def stage_layers(num_layers: int, pp: int) -> list[range]:
     """Layers per PP stage as TensorRT-LLM 1.x assigns them (torch.tensor_split:
-    the first L % P stages get one extra, §3.6)."""
+    the first L % P stages get one extra; tensorrt_llm/mapping.py, Mapping.pp_layers)."""
     base, extra = divmod(num_layers, pp)
     out, start = [], 0
     for stage in range(pp):
@@ -34,7 +36,7 @@ def stage_layers(num_layers: int, pp: int) -> list[range]:
 
 
 def kv_heads_per_rank(p: ArchParams, tp: int) -> int:
-    # With tp > nkv every rank holds one whole (duplicated) KV head (§3.2).
+    # With tp > nkv every rank holds one whole (duplicated) KV head (convert_utils.py, dup_kv_weight).
     return max(1, p.num_key_value_heads // tp)
 
 
@@ -52,9 +54,9 @@ def linear_shapes(p: ArchParams, tp: int) -> list[tuple[str, int, int]]:
 
 
 def linear_bytes(out: int, inp: int, quant: QuantFormat, dt_bytes: int, stored: bool = False) -> float:
-    """Bytes of one linear weight and its scales (§7.1). `stored`: as written in the
-    checkpoint, where weight-only formats are still in the model dtype (§2.2 option a:
-    trtllm-build quantizes)."""
+    """Bytes of one linear weight and its scales (memory.md). `stored`: as written in the
+    checkpoint, where weight-only formats are still in the model dtype (trtllm-build
+    quantizes them: preprocess_weights in tensorrt_llm/models/modeling_utils.py)."""
     n = out * inp
     m = quant.method
     if m == "none" or (stored and quant.weight_only):
@@ -101,7 +103,8 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantF
     first, last = pp_rank == 0, pp_rank == pp - 1
     embedding = 0.0
     if first:
-        # Embedding and lm_head stay in the model dtype under every format (§7.1).
+        # Embedding and lm_head stay in the model dtype under every format (QuantConfig's default
+        # exclude list, tensorrt_llm/models/modeling_utils.py).
         if not parallel_embedding:
             embedding = v * h * dt_bytes
         elif embedding_sharding_dim == 0:
@@ -112,7 +115,8 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantF
     if last:
         norms += h * dt_bytes  # ln_f
         lm_head = padded_vocab(p, tp) // tp * h * dt_bytes
-        # trtllm-build shares one table when both tensors are identical (§1.1):
+        # trtllm-build shares one table when both tensors are identical (TensorRT-LLM
+        # docs/source/release-notes.md, 0.16: --use_embedding_sharing removed):
         # tied, on the same rank, same shape.
         if p.tie_word_embeddings and first and not parallel_embedding and padded_vocab(p, tp) // tp == v:
             lm_head = 0.0
@@ -120,14 +124,15 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantF
 
 
 def kv_bytes_per_token(p: ArchParams, *, tp: int, stage_layer_count: int, kv_bytes: int) -> int:
-    """2 (K and V) x L_stage x nkv_r x hd x bytes (§7.2)."""
+    """2 (K and V) x L_stage x nkv_r x hd x bytes (the paged KV cache layout,
+    docs/source/legacy/advanced/gpt-attention.md)."""
     return 2 * stage_layer_count * kv_heads_per_rank(p, tp) * p.head_size * kv_bytes
 
 
 def activation_bytes(p: ArchParams, *, tp: int, max_num_tokens: int, max_input_len: int,
                      context_fmha: bool = True, act_bytes: int = ACTIVATION_BYTES) -> int:
     """Estimate of one rank's activation memory, fixed at build time by the profile
-    (§7.3): max_num_tokens packed tokens times the widest tensors of one layer
+    (memory.md): max_num_tokens packed tokens times the widest tensors of one layer
     (residual, normed input, qkv, attention output, fc and gate outputs). Without
     context FMHA the attention scores of each context sequence come on top."""
     q_r = p.num_attention_heads // tp * p.head_size
@@ -141,7 +146,7 @@ def activation_bytes(p: ArchParams, *, tp: int, max_num_tokens: int, max_input_l
 
 def logits_bytes(p: ArchParams, *, tp: int, max_batch_size: int, beam: int, max_num_tokens: int,
                  gather_context_logits: bool) -> int:
-    """fp32 logits buffers of the last stage (§7.3 rules of thumb)."""
+    """fp32 logits buffers of the last stage (an estimate; memory.md gives no formula)."""
     per_row = padded_vocab(p, tp) // tp * 4
     total = max_batch_size * beam * per_row
     if gather_context_logits:
@@ -151,7 +156,8 @@ def logits_bytes(p: ArchParams, *, tp: int, max_batch_size: int, beam: int, max_
 
 def sequence_tokens(max_seq_len: int, draft_len: int, tokens_per_block: int, window: int | None = None) -> int:
     """KV tokens one full-length sequence occupies: paged allocation rounds up to
-    whole blocks, speculative decoding adds the draft as head-room (§7.2), and a
+    whole blocks, speculative decoding adds the draft as head-room (tensorrt_llm/builder.py
+    adds max_draft_len to max_seq_len), and a
     sliding-window model keeps at most its window."""
     tokens = max_seq_len + draft_len
     if window:

@@ -17,13 +17,15 @@ from toolchain.archs.params import ROPE_REQUIRED_KEYS, ROPE_TYPES, ArchParams, n
 from toolchain.errors import ToolchainError
 
 # TensorRT-LLM maps these onto its Llama implementation (Qwen2 adds q/k/v biases,
-# reference §1.2), so their shapes plan like Llama even before the converter
+# MODEL_MAP in TensorRT-LLM tensorrt_llm/models/__init__.py), so their shapes plan like
+# Llama even before the converter
 # registers them; the `arch.supported` check says whether convert can run.
 LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 QUANT_METHODS = ("none", "int8_wo", "int4_wo", "awq", "smoothquant", "fp8")
 KV_DTYPES = ("none", "int8", "fp8")
-# spec quantization.method -> TensorRT-LLM QuantAlgo (reference §1.5, what ModelOpt exports)
+# spec quantization.method -> TensorRT-LLM QuantAlgo (tensorrt_llm/quantization/mode.py), as
+# ModelOpt exports them (tensorrt_llm/quantization/quantize_by_modelopt.py)
 QUANT_ALGO = {"none": None, "int8_wo": "W8A16", "int4_wo": "W4A16", "awq": "W4A16_AWQ",
               "smoothquant": "W8A8_SQ_PER_CHANNEL", "fp8": "FP8"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -53,7 +55,7 @@ class QuantFormat:
 
     @property
     def integer(self) -> bool:
-        """Formats Blackwell cannot build (reference §5.6)."""
+        """Formats Blackwell cannot build (TensorRT-LLM tensorrt_llm/builder.py, build)."""
         return self.method in ("int8_wo", "int4_wo", "awq", "smoothquant")
 
     def describe(self) -> str:
@@ -101,7 +103,8 @@ class ModelInfo:
 
     @property
     def dense_bias(self) -> bool:
-        # Qwen's attention has q/k/v biases but no output-projection bias (§2.1).
+        # Qwen's attention has q/k/v biases but no output-projection bias (TensorRT-LLM
+        # tensorrt_llm/models/qwen/config.py).
         return self.params.attention_bias and not self.params.architecture.startswith("Qwen")
 
 
@@ -174,7 +177,8 @@ def weight_dtype(spec, params: ArchParams) -> str:
     dtype = spec.model.dtype
     if dtype == "auto":
         dtype = params.dtype or "float16"
-    # Upstream converters map fp32 to fp16 for GPU engines (reference §1.2).
+    # Upstream converters map fp32 to fp16 for GPU engines (TensorRT-LLM infer_dtype, called by
+    # LLaMAConfig.from_hugging_face in tensorrt_llm/models/llama/config.py).
     if spec.target == "trtllm" and dtype == "float32":
         dtype = "float16"
     return dtype

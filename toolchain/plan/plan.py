@@ -166,7 +166,8 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
 
 
 def layout_ok(params, tp: int, pp: int) -> bool:
-    """Whether tp x pp can split this model at all (convert refuses otherwise, §3.5);
+    """Whether tp x pp can split this model at all (convert refuses otherwise:
+    checkpoint.sharding.check_parallelism);
     only then is a memory plan meaningful."""
     kv = params.num_key_value_heads
     return (pp <= params.num_hidden_layers and params.num_attention_heads % tp == 0
@@ -228,7 +229,7 @@ def suggestions(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
 def build_workers(spec, checkpoint_bytes: list[int], host_bytes: int) -> tuple[int, int]:
     """(workers, bytes per worker) for trtllm-build --workers: each worker holds
     one rank's weights plus TensorRT's builder copy, about twice the rank
-    checkpoint (reference §8 #7), so host RAM bounds how many run at once."""
+    checkpoint (build OOMs: TensorRT-LLM issue #1543), so host RAM bounds how many run at once."""
     per_worker = 2 * max(checkpoint_bytes)
     world = len(checkpoint_bytes)
     if spec.build.workers:

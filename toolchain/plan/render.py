@@ -52,7 +52,8 @@ def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
         "fits": fits,
         "verdict": ctx.memory.verdict() if ctx.memory else "unknown: no GPU to plan against (see gpu.known)",
         "suggestions": ctx.memory.suggestions if ctx.memory else [],
-        "estimates": "activation_bytes_estimate and workspace_bytes_estimate are estimates (reference §7.3)",
+        "estimates": ("activation_bytes_estimate and workspace_bytes_estimate are estimates "
+                      "(TensorRT-LLM docs/source/legacy/reference/memory.md gives no formula)"),
         "eos": ctx.eos.as_dict() if ctx.eos else None,
         "checks": [r.as_dict() for r in results],
         "failed_checks": failed,

@@ -145,7 +145,7 @@ class InputStats:
 @dataclass
 class LayerStats:
     inputs: dict[str, InputStats] = field(default_factory=dict)
-    qkv_amax: float = 0.0   # largest |q, k, v projection output| (KV-cache scales, reference §2.7)
+    qkv_amax: float = 0.0   # largest |q, k, v projection output| (KV-cache scales, as ModelOpt calibrates them)
 
 
 class _Weights:

@@ -1,4 +1,5 @@
-"""Per-tensor FP8 (e4m3) weights and activation scales (reference §2.6).
+"""Per-tensor FP8 (e4m3) weights and activation scales (TensorRT-LLM FP8Linear,
+tensorrt_llm/quantization/layers.py).
 
 `scale = amax / 448`; the stored weight is `W / scale` cast to float8_e4m3fn
 after clamping to ±448 (e4m3fn has no infinity: an unclamped overflow would
@@ -40,6 +41,6 @@ def quantize_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_fp8_shared(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """One scale for tensors the engine fuses (q, k, v; fc and gate): the max of
-    their amaxes, every tensor quantized with it (reference §2.6, §3.2)."""
+    their amaxes, every tensor quantized with it (the fused FP8Linear has one weight scale)."""
     scale = fp8_scale(torch.stack([w.abs().max().float() for w in weights]).max())
     return [to_fp8(w, scale) for w in weights], scale

@@ -15,7 +15,8 @@ once per block. Channels are taken in decreasing order of their input energy
 first, while the most channels are left to absorb it. The groups stay the
 contiguous ones the layout stores, and their scales are fixed beforehand, so
 the order leaves no trace in the checkpoint (GPTQ's dynamic act-order, which
-TensorRT-LLM cannot express, regroups the channels; reference §4.2).
+TensorRT-LLM cannot express, regroups the channels; TensorRT-LLM
+tensorrt_llm/models/llama/convert.py, load_weights_from_gptq).
 """
 
 from __future__ import annotations

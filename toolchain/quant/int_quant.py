@@ -2,7 +2,8 @@
 
 All weights are (out, in) as in PyTorch and the checkpoint. Scales follow
 ModelOpt's convention `scale = amax / maxbound` (7 for int4, 127 for int8,
-reference §4.4) and `q = clamp(round(w / scale), -2^(b-1), 2^(b-1) - 1)`;
+TensorRT-LLM tensorrt_llm/quantization/quantize_by_modelopt.py) and
+`q = clamp(round(w / scale), -2^(b-1), 2^(b-1) - 1)`;
 `torch.round` rounds half to even, as ModelOpt's fake quantizer does.
 """
 
@@ -70,7 +71,7 @@ def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 def dequantize_per_group(q: torch.Tensor, scales: torch.Tensor, group_size: int,
                          zero: torch.Tensor | None = None) -> torch.Tensor:
     """w = q * s (+ zero), per group; `zero` (out, in/g) is the additive zero
-    in TensorRT-LLM's kernel convention (reference §2.4)."""
+    in TensorRT-LLM's kernel convention (tensorrt_llm/quantization/functional.py)."""
     w = _groups(q.float(), group_size) * scales.float()[..., None]
     if zero is not None:
         w = w + zero.float()[..., None]
@@ -87,7 +88,8 @@ def fake_quant_per_group(w: torch.Tensor, group_size: int, bits: int = 4,
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """ModelOpt `pack_int4_in_uint8` layout, as int8: (out, in) int4 values in
     [-8, 7] -> (out/2, in), byte [j, k] holding row 2j in the low nibble and row
-    2j+1 in the high nibble, each as 4-bit two's complement (reference §2.3)."""
+    2j+1 in the high nibble, each as 4-bit two's complement (TensorRT-Model-Optimizer
+    modelopt/torch/export/quant_utils.py)."""
     if q.dim() != 2 or q.shape[0] % 2:
         raise ValueError(f"int4 packing needs a 2-D tensor with an even number of rows, got {tuple(q.shape)}")
     if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):

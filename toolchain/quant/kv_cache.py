@@ -1,4 +1,5 @@
-"""KV-cache quantization scales (reference §2.7): one float32 scale per layer,
+"""KV-cache quantization scales (TensorRT-LLM tensorrt_llm/quantization/quantize_by_modelopt.py,
+tensorrt_llm/models/llama/convert.py): one float32 scale per layer,
 `attention.kv_cache_scaling_factor (1,)`, and the cache stores `x / scale`.
 
 - INT8: `amax / 127`, amax the largest |q, k, v| projection output seen in calibration.

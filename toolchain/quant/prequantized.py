@@ -1,7 +1,8 @@
 """Pre-quantized Hugging Face int4 formats: AutoAWQ (GEMM) and AutoGPTQ.
 
 Both store asymmetric per-group int4, `w = (q - z) · s` with q, z in 0..15,
-packed eight to an int32 (reference §4.1, §4.2):
+packed eight to an int32 (the layouts TensorRT-LLM's importer reads:
+tensorrt_llm/models/llama/convert.py, load_weights_from_gptq):
 
 - AutoAWQ GEMM: `qweight (in, out/8)`, `qzeros (in/g, out/8)`, `scales (in/g, out)`;
   8 output columns per int32, column 8c + j in nibble `AWQ_ORDER[j]`.
@@ -98,7 +99,7 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     """GPTQ v1 tensors -> (q (out, in), zeros (out, in/g), scales (out, in/g) float32).
 
     Raises ValueError for act-order (a permuted g_idx): TensorRT-LLM's layouts
-    have no place for the permutation (reference §4.2)."""
+    have no place for the permutation (load_weights_from_gptq)."""
     if gptq_act_order(g_idx, group_size):
         raise ValueError("GPTQ act-order (desc_act) g_idx cannot be expressed in the TensorRT-LLM layout")
     rows, out = qweight.shape
@@ -115,5 +116,5 @@ def to_signed_with_zero(q: torch.Tensor, zeros: torch.Tensor,
                         scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric (q, z, s) -> (q - 8 as int8 in [-8, 7], scales, zero) with
     `w = (q - 8) · s + zero` and `zero = (8 - z) · s`: TensorRT-LLM's kernel
-    convention (reference §2.4), exact for every q and z."""
+    convention (tensorrt_llm/quantization/functional.py), exact for every q and z."""
     return (q - 8).to(torch.int8), scales.float(), (8 - zeros.float()) * scales.float()

@@ -18,10 +18,10 @@ from toolchain.errors import ToolchainError
 METHODS = ("none", "int8_wo", "int4_wo", "awq", "smoothquant", "fp8")
 KV_KINDS = ("none", "int8", "fp8")
 ROUNDINGS = ("gptq", "nearest")
-GROUP_SIZES = (64, 128)  # the only per-group int4 sizes TensorRT-LLM implements (reference §8 #2, issue #988)
+GROUP_SIZES = (64, 128)  # the only per-group int4 sizes TensorRT-LLM implements (TensorRT-LLM issue #988)
 BUILTIN = "builtin"
 
-# quant_algo written to config.json per method (reference §1.5).
+# quant_algo written to config.json per method (QuantAlgo, TensorRT-LLM tensorrt_llm/quantization/mode.py).
 QUANT_ALGO = {"none": None, "int8_wo": "W8A16", "int4_wo": "W4A16", "awq": "W4A16_AWQ",
               "smoothquant": "W8A8_SQ_PER_CHANNEL", "fp8": "FP8"}
 KV_ALGO = {"none": None, "int8": "INT8", "fp8": "FP8"}
@@ -89,7 +89,7 @@ class Prequantized:
 @dataclass(frozen=True)
 class LayoutPlan:
     """What the checks settled for the writer: the intermediate size per-group
-    int4 layers are padded to (zero rows/columns; reference §3.5)."""
+    int4 layers are padded to (zero rows/columns; TensorRT-LLM tensorrt_llm/quantization/layers.py)."""
 
     padded_intermediate: int
 
@@ -112,7 +112,8 @@ def parse_prequantized(qc: dict | None, origin: str) -> Prequantized | None:
 
 
 def per_group_multiple(group_size: int, tp: int) -> int:
-    """The engine pads per-group int4 dims to multiples of max(64, g) * T (reference §2.3, §3.5)."""
+    """The engine pads per-group int4 dims to multiples of max(64, g) * T (TensorRT-LLM
+    tensorrt_llm/quantization/layers.py, WeightOnlyGroupwiseQuantLinear; issue #648)."""
     return max(64, group_size) * tp
 
 
@@ -126,10 +127,10 @@ def _check_per_group(shape: ModelShape, group: int, tp: int, field_name: str) ->
     for what, dim in (("hidden_size", shape.hidden_size), ("the fused qkv width", qkv_out),
                       ("num_attention_heads x head_size", attn_in)):
         if dim % m:
-            # Padding attention dims would change the head layout: reject (§2.3).
+            # Padding attention dims would change the head layout: reject.
             raise ToolchainError(f"per-group int4 (group {group}) at tp {tp} needs {what} ({dim}) to be a multiple "
                                  f"of max(64, group) x tp = {m}", fixes)
-    padded = -(-shape.intermediate_size // m) * m  # zero rows/columns in the MLP are harmless (§3.5)
+    padded = -(-shape.intermediate_size // m) * m  # zero rows/columns in the MLP are harmless
     if shape.intermediate_size % group:
         # The groups are formed before padding, so the real width must split into whole groups.
         raise ToolchainError(f"per-group int4: intermediate_size {shape.intermediate_size} is not a multiple of "
@@ -160,7 +161,7 @@ def _check_gpu(recipe: Recipe, gpu_name: str | None, sm: int | None, pre: Prequa
                                   ("quantization.kv_cache int8", recipe.kv_cache == "int8")) if used]
         if ints:
             raise ToolchainError(f"{ints[0]} does not build on Blackwell ({name}, SM{sm}): TensorRT-LLM rejects "
-                                 "int8/int4 weight-only, SmoothQuant and INT8 KV there (reference §8 #15)",
+                                 "int8/int4 weight-only, SmoothQuant and INT8 KV there (tensorrt_llm/builder.py)",
                                  "use quantization.method fp8 and kv_cache fp8")
 
 
@@ -187,7 +188,8 @@ def check_exclude(patterns: tuple[str, ...]) -> None:
 
 
 def is_excluded(module: str, patterns: tuple[str, ...] | list[str]) -> bool:
-    """fnmatch against TensorRT-LLM module names, as TensorRT-LLM matches exclude_modules (§1.5)."""
+    """fnmatch against TensorRT-LLM module names, as TensorRT-LLM matches exclude_modules (QuantConfig,
+    tensorrt_llm/models/modeling_utils.py)."""
     return any(fnmatch.fnmatchcase(module, p) for p in patterns)
 
 
@@ -216,7 +218,8 @@ def check_recipe(recipe: Recipe, shape: ModelShape, *, tp: int, target: str = "c
                                  f"({pre.kind}) checkpoint", "set quantization.kv_cache none for this checkpoint")
         if pre.kind == "gptq" and pre.desc_act:
             raise ToolchainError("GPTQ checkpoint uses act-order (desc_act: true), which the TensorRT-LLM layout "
-                                 "cannot express (reference §4.2)", "re-quantize it with desc_act false")
+                                 "cannot express (TensorRT-LLM tensorrt_llm/models/llama/convert.py)",
+                                 "re-quantize it with desc_act false")
         if pre.kind == "awq" and pre.version != "gemm":
             raise ToolchainError(f"AutoAWQ version '{pre.version}' cannot be imported", "only GEMM checkpoints can")
         if pre.bits != 4:
@@ -234,7 +237,9 @@ def check_recipe(recipe: Recipe, shape: ModelShape, *, tp: int, target: str = "c
         m = 64 * tp
         for what, dim in (("hidden_size", shape.hidden_size), ("intermediate_size", shape.intermediate_size)):
             if dim % m:
-                # Whether the build pads per-channel weight-only dims is unverified (§2.2, §9): refuse.
+                # The engine's per-channel weight-only layers expect padded dims
+                # (tensorrt_llm/quantization/layers.py); whether the build pads unpadded fp
+                # weights is unverified: refuse.
                 raise ToolchainError(f"weight-only {recipe.method} at tp {tp} needs {what} ({dim}) to be a multiple "
                                      f"of 64 x tp = {m}", "use another parallelism.tp or quantization.method")
     _check_gpu(recipe, gpu_name, gpu_sm, prequantized)

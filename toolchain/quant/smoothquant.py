@@ -1,4 +1,5 @@
-"""SmoothQuant in the W8A8_SQ_PER_CHANNEL layout (ModelOpt `int8_sq`, reference §2.5a).
+"""SmoothQuant in the W8A8_SQ_PER_CHANNEL layout (ModelOpt `int8_sq`; TensorRT-LLM
+tensorrt_llm/quantization/quantize_by_modelopt.py).
 
 A few input channels of real LLM activations are huge, so one per-tensor
 int8 scale for the activation wastes its range on them. SmoothQuant moves
@@ -17,7 +18,7 @@ import torch
 
 from toolchain.quant.int_quant import quantize_per_channel
 
-MIN_SCALE = 1e-5  # the reference converter clamps s at this (§2.5)
+MIN_SCALE = 1e-5  # TensorRT-LLM's converter clamps s at this (tensorrt_llm/models/llama/convert.py, smooth_gemm)
 
 
 @dataclass
@@ -44,7 +45,7 @@ def quantize_sq(weights: list[torch.Tensor], act_amax: torch.Tensor, alpha: floa
     (plain static W8A8, the baseline SmoothQuant is measured against).
 
     All outputs share the prequant vector and the activation scale, as the
-    fused qkv and fc/gate GEMMs need (§2.5)."""
+    fused qkv and fc/gate GEMMs need (TensorRT-LLM tensorrt_llm/quantization/layers.py)."""
     if alpha is None:
         s = torch.ones_like(act_amax, dtype=torch.float32)
     else:

@@ -1,5 +1,5 @@
 """Launch target trtllm: one tritonserver per rank under mpirun, as NVIDIA's
-`launch_triton_server.py` does (triton-trtllm-model-repo.md §4).
+`launch_triton_server.py` does (TensorRT-LLM triton_backend/scripts/launch_triton_server.py).
 
 Leader mode (the default): MPMD `mpirun -n 1 <rank 0> : -n 1 <rank 1> ...`,
 world size = tp x pp. Every rank gets `--disable-auto-complete-config` (the
@@ -71,7 +71,8 @@ def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSE
         head += ["--hostfile", str(spec.gpu.hostfile)]
     world = spec.parallelism.world_size
     if spec.speculative.mode == "draft_target":
-        # Orchestrator with spawned workers: one server process, every GPU's CUDA pool off (§4.1).
+        # Orchestrator with spawned workers: one server process, every GPU's CUDA pool off
+        # (launch_triton_server.py --multi-model).
         gpus = [f"--cuda-memory-pool-byte-size={g}:0" for g in range(world)]
         rank0 = _rank_args(0, spec, repo, tritonserver, ports)
         argv = head + ["-n", "1", *rank0, "--pinned-memory-pool-byte-size=0", "--enable-peer-access=false", *gpus]

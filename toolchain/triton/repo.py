@@ -52,7 +52,7 @@ def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
 
 def _end_ids(spec: DeploymentSpec) -> dict:
     """end_id and extra stop ids from the checkpoint's config files, so that an
-    instruct model stops at its chat terminator (reference §8 #12) without the
+    instruct model stops at its chat terminator (TensorRT-LLM issue #2120) without the
     client sending end_id."""
     from toolchain.plan.eos import read_tokenizer, resolve
 

@@ -70,8 +70,8 @@ def _batching(opts: RepoOptions) -> DynamicBatching:
 
 
 def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
-    """The §2.5 parameters a deployment sets; the rest are left out so the
-    backend applies its documented defaults (never a literal `${...}`)."""
+    """The tensorrt_llm parameters (tensorrtllm_backend docs/model_config.md) a deployment sets;
+    the rest are left out so the backend applies its documented defaults (never a literal `${...}`)."""
     params: dict[str, object] = {
         "gpt_model_type": "inflight_fused_batching",
         "gpt_model_path": opts.engine_dir,
@@ -151,7 +151,8 @@ def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
                         "tensorrt_llm_draft_model_name": EMPTY, "multimodal_encoders_name": EMPTY}),
     }
     if opts.target == "trtllm" and opts.draft_engine_dir is not None:
-        # Draft-target (§7.1): a copy of tensorrt_llm on the draft engine, driven by the BLS.
+        # Draft-target (TensorRT-LLM examples/draft_target_model/README.md): a copy of tensorrt_llm
+        # on the draft engine, driven by the BLS.
         params = tensorrt_llm_parameters(opts) | {
             "gpt_model_path": opts.draft_engine_dir, "gpu_device_ids": "0",
             "kv_cache_free_gpu_mem_fraction": opts.draft_kv_cache_free_gpu_mem_fraction}

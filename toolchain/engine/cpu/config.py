@@ -18,7 +18,8 @@ from toolchain.engine.cpu.qlinear import FORMATS as QUANT_FORMATS
 from toolchain.errors import ToolchainError
 
 # Architectures whose TRT-LLM implementation is the Llama or Qwen decoder
-# (reference §1.2). "QWenForCausalLM" is what modelopt's exporter writes.
+# (MODEL_MAP in TensorRT-LLM tensorrt_llm/models/__init__.py). "QWenForCausalLM" is what
+# modelopt's exporter writes.
 QWEN_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "QWenForCausalLM"}
 ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", *QWEN_ARCHITECTURES}
 ROPE_TYPES = {None, "none", "linear", "llama3"}
@@ -26,7 +27,8 @@ UNQUANTIZED = {None, "NO_QUANT"}
 # quant_algo values the CPU engine runs as stored (engine/cpu/qlinear.py), and KV-cache formats.
 QUANT_ALGOS = {"W8A16", "W4A16", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL", "FP8"}
 KV_ALGOS = {"INT8", "FP8"}
-# TensorRT-LLM's exclusion list when config.json gives none (reference §1.5).
+# TensorRT-LLM's exclusion list when config.json gives none (QuantConfig in
+# tensorrt_llm/models/modeling_utils.py).
 DEFAULT_EXCLUDE = ("*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
                    "*shared_expert_gate", "*fused_a")
 
@@ -65,7 +67,7 @@ class ModelDims:
     has_zero_point: bool = False
     pre_quant_scale: bool = False
     exclude_modules: tuple[str, ...] = DEFAULT_EXCLUDE
-    """fnmatch globs of unquantized modules; a list in config.json replaces the default (§1.5)."""
+    """fnmatch globs of unquantized modules; a list in config.json replaces the default (QuantConfig)."""
 
     @property
     def per_group(self) -> bool:
@@ -73,7 +75,8 @@ class ModelDims:
 
     @property
     def mlp_width(self) -> int:
-        """Full MLP width as stored: per-group int4 pads it to max(64, g) * tp (reference §3.5)."""
+        """Full MLP width as stored: per-group int4 pads it to max(64, g) * tp (TensorRT-LLM
+        tensorrt_llm/quantization/layers.py, WeightOnlyGroupwiseQuantLinear)."""
         if not self.per_group:
             return self.intermediate_size
         m = max(64, self.group_size) * self.tp
@@ -102,7 +105,7 @@ class ModelDims:
 
     @property
     def kv_heads_per_rank(self) -> int:
-        # T > nkv: each rank holds one duplicated KV head (reference §3.2).
+        # T > nkv: each rank holds one duplicated KV head (TensorRT-LLM convert_utils.py, dup_kv_weight).
         return max(1, self.num_kv_heads // self.tp)
 
     @property
@@ -110,7 +113,8 @@ class ModelDims:
         return -(-self.vocab_size // self.tp) * self.tp
 
     def stage_layers(self, pp_rank: int) -> range:
-        """Global layer indices of a pipeline stage: torch.tensor_split(range(L), P) (reference §3.6)."""
+        """Global layer indices of a pipeline stage: torch.tensor_split(range(L), P) (TensorRT-LLM
+        tensorrt_llm/mapping.py, Mapping.pp_layers)."""
         base, extra = divmod(self.num_layers, self.pp)
         start = pp_rank * base + min(pp_rank, extra)
         return range(start, start + base + (1 if pp_rank < extra else 0))
@@ -256,7 +260,7 @@ def _check_dims(d: ModelDims, origin: str) -> None:
     kept = ("lm_head", "transformer.vocab_embedding")
     if d.quant_algo in ("W8A16", "W4A16") and not all(
             any(fnmatch.fnmatchcase(m, p) for p in d.exclude_modules) for m in kept):
-        # The list replaces the default, so these modes would quantize the embedding (§1.5).
+        # The list replaces the default, so these modes would quantize the embedding (QuantConfig).
         raise ToolchainError(f"{origin}: quant_algo {d.quant_algo} with exclude_modules {list(d.exclude_modules)} "
                              "quantizes lm_head or the vocab embedding, which the CPU engine does not run",
                              "name lm_head and transformer.vocab_embedding in exclude_modules, or omit the list")

@@ -25,7 +25,8 @@ from toolchain.engine.cpu.weights import RankShard
 from toolchain.quant.kv_cache import dequantize_kv, quantize_kv, storage_dtype
 
 
-# kv_cache_quant_algo -> what the cache stores (reference §2.7): x / scale as int8 or e4m3.
+# kv_cache_quant_algo -> what the cache stores (TensorRT-LLM tensorrt_llm/quantization/quantize_by_modelopt.py):
+# x / scale as int8 or e4m3.
 KV_KINDS = {"INT8": "int8", "FP8": "fp8"}
 
 

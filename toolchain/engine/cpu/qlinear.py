@@ -1,15 +1,15 @@
 """Quantized linears: each checkpoint format run as stored, on torch's CPU kernels.
 
-| quant_algo | stored (reference §2.8) | run |
+| quant_algo | stored (TensorRT-LLM tensorrt_llm/quantization/layers.py) | run |
 |---|---|---|
-| W8A16 / W4A16 | fp weight (option a: the build quantizes) | quantized here at load, per channel amax/127 or amax/7, as trtllm-build does; `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` |
+| W8A16 / W4A16 | fp weight (the build quantizes it: `preprocess_weights`) | quantized here at load, per channel amax/127 or amax/7, as trtllm-build does; `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` |
 | W4A16_AWQ (ModelOpt) | int8 (out/2, in) packed int4, scales (out, in/g), prequant (in,), zero (out, in/g) if has_zero_point | x·prequant, then `_weight_int4pack_mm_for_cpu` |
 | W8A8_SQ_PER_CHANNEL | int8 (out, in), per-channel scale, static activation scale, prequant | x·prequant quantized per tensor to int8, `torch._int_mm`, rescaled |
 | FP8 | e4m3 (out, in), per-tensor weight and activation scales | emulated: activation rounded through e4m3, weight dequantized, fp32 matmul |
 
 The packed integer kernels are GEMV kernels fed bf16 activations (fp32
-input is 40-100x slower, cpu-feasibility §1.3); they win for a few rows
-(decode) and lose badly for many (prefill). So up to `DECODE_ROWS` rows run
+input is 40-100x slower); they win for a few rows (decode) and lose badly
+for many (prefill). So up to `DECODE_ROWS` rows run
 the kernel and larger batches dequantize the stored weight for that call and
 run an fp32 matmul: the same weights, exactly their dequantized values.
 Nothing is cached in float, so memory holds the format as stored.
@@ -32,7 +32,8 @@ def _int4_kernel_pack(q_signed: torch.Tensor, scales: torch.Tensor, zero: torch.
                       group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, in) int4 in [-8, 7] + (out, in/g) scales/zero -> the kernel's packed weight and
     [in/g, out, 2] scale-and-zero (bf16). The kernel computes (u - 8)·s + zero with u = q + 8
-    (cpu-feasibility §1.2); the packed layout depends on the CPU, so it is built here, never stored."""
+    (PyTorch aten/src/ATen/native/cpu/int4mm_kernel.cpp); the packed layout depends on the CPU, so it
+    is built here, never stored."""
     u = (q_signed.to(torch.int32) + 8).contiguous()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
     z = zero if zero is not None else torch.zeros_like(scales)
@@ -150,7 +151,8 @@ FORMATS = {"W8A16": "int8_wo", "W4A16": "int4_wo", "W4A16_AWQ": "int4_group",
 
 def stored_tensors(prefix: str, out_f: int, in_f: int, bias: bool, fmt: str | None, *, group: int = 128,
                    zero: bool = False, prequant: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, kind) of one linear as the checkpoint stores it (reference §2.8);
+    """name -> (shape, kind) of one linear as the checkpoint stores it (TensorRT-LLM
+    tensorrt_llm/quantization/layers.py);
     kind is "float", "int8" or "fp8" (the dtype family the loader accepts)."""
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     if fmt in (None, "int8_wo", "int4_wo"):  # option (a): fp weights, quantized at load

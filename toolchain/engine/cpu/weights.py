@@ -4,7 +4,8 @@ Each `rank{N}.safetensors` is kept as its own `RankShard` (never merged into
 full matrices), so running the model over the shards proves every rank's
 slice is right. A missing tensor or a wrong shape is an error that lists what
 is wrong; a tensor the model does not use is ignored with a warning (the
-build's strict load behaves the same way, reference §1.1).
+build's strict load behaves the same way: TensorRT-LLM
+tensorrt_llm/models/modeling_utils.py).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def _global(d: ModelDims, pp_rank: int, local: int) -> str:
 
 def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every tensor rank (tp_rank, pp_rank) must hold: shape and dtype kind ("float", "int8",
-    "fp8"), per the stored format of each linear (reference §2.1, §2.8, §3)."""
+    "fp8"), per the stored format of each linear (TensorRT-LLM tensorrt_llm/models/llama/convert.py,
+    tensorrt_llm/quantization/layers.py)."""
     H, T, hd = d.hidden_size, d.tp, d.head_size
     qkv_out = (d.heads_per_rank + 2 * d.kv_heads_per_rank) * hd
     out: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -89,7 +91,7 @@ def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tupl
         for name, (out_f, in_f), bias in _linears(d, qkv_out):
             fmt = d.linear_format(f"{_global(d, pp_rank, i)}.{name}")
             if fmt == "int4_group" and name.startswith("mlp."):
-                # per-group int4 MLP dims are stored padded (§3.5)
+                # per-group int4 MLP dims are stored padded (WeightOnlyGroupwiseQuantLinear)
                 w = d.mlp_width // T
                 out_f, in_f = (w, in_f) if name != "mlp.proj" else (out_f, w)
             # Row-parallel biases are full copies: their length is the full output, H.
@@ -115,7 +117,8 @@ def expected_shapes(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tuple
 
 
 def _tied_lm_head(d: ModelDims, tensors: dict[str, torch.Tensor], tp_rank: int) -> torch.Tensor | None:
-    """The lm_head slice derived from this rank's embedding, when the tied exemption applies (§1.1)."""
+    """The lm_head slice derived from this rank's embedding, when the tied exemption applies
+    (TensorRT-LLM tensorrt_llm/models/modeling_utils.py)."""
     emb = tensors.get(EMBEDDING)
     if emb is None or not d.tie_word_embeddings:
         return None
@@ -129,7 +132,7 @@ def _tied_lm_head(d: ModelDims, tensors: dict[str, torch.Tensor], tp_rank: int) 
 
 
 KINDS = {"float": (torch.float32, torch.float16, torch.bfloat16), "int8": (torch.int8,),
-         "fp8": (torch.float8_e4m3fn, torch.int8)}  # FP8 weights may be stored as an int8 view (§1.1)
+         "fp8": (torch.float8_e4m3fn, torch.int8)}  # FP8 weights may be stored as an int8 view (FP8Linear)
 
 
 def _read_rank(path: Path, wanted: dict[str, tuple[tuple[int, ...], str]]) -> tuple[dict[str, torch.Tensor], list[str]]:

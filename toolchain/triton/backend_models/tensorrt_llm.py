@@ -130,9 +130,10 @@ class _Row:
 
 class _Metrics:
     """The TensorRT-LLM backend's `nv_trt_llm_*` gauges and `nv_llm_*_token_len` histograms
-    (model-repo reference §6.1), fed from the CPU engine's iteration stats, so dashboards and
-    `toolchain bench`'s server cross-check read the same families on CPU as on a GPU. The KV-cache
-    block and runtime-memory families are not exported: the CPU engine has no block pool."""
+    (TensorRT-LLM triton_backend/inflight_batcher_llm/src/custom_metrics_reporter/), fed from the
+    CPU engine's iteration stats, so dashboards and `toolchain bench`'s server cross-check read the
+    same families on CPU as on a GPU. The KV-cache block and runtime-memory families are not
+    exported: the CPU engine has no block pool."""
 
     REQUEST = ("active", "max", "scheduled", "context", "waiting")
     BATCHER = ("total_context_tokens", "generation_requests", "micro_batch_id", "paused_requests")
