@@ -147,3 +147,23 @@ def test_bad_input_fails_before_weights_are_read(tiny, tmp_path, monkeypatch):
     with pytest.raises(ToolchainError, match="Ada or Hopper"):
         convert_checkpoint(tiny, out, tp=1, pp=1, dtype="float16", target="trtllm", recipe=Recipe(method="fp8"),
                            gpu=("A100 80GB", 80))
+
+
+@pytest.mark.parametrize("recipe", [Recipe(), Recipe(method="int8_wo"), Recipe(method="int4_wo"),
+                                    Recipe(method="awq"), Recipe(method="smoothquant", kv_cache="int8"),
+                                    Recipe(method="fp8", kv_cache="fp8")], ids=lambda r: f"{r.method}-{r.kv_cache}")
+def test_config_json_is_what_tensorrt_llm_reads(tiny, tmp_path, recipe):
+    """config.json against TensorRT-LLM's own classes (facts/checkpoint_config.json,
+    from tensorrt_llm/models/modeling_utils.py): QuantConfig.from_dict is cls(**config),
+    so every `quantization` key must be a field; PretrainedConfig.__init__'s
+    parameters without a default must be present."""
+    from toolchain.upstream import facts
+
+    up = facts("checkpoint_config")
+    cfg = convert(tiny, tmp_path / "c", recipe)
+    fields = set(up["quant_config"]["fields"])
+    assert set(cfg["quantization"]) <= fields, sorted(set(cfg["quantization"]) - fields)
+    required = {k for k, v in up["pretrained_config"]["init_params"].items() if v["required"]}
+    assert required <= set(cfg), sorted(required - set(cfg))
+    written = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert written == cfg
