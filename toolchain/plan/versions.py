@@ -44,7 +44,3 @@ def tensorrt_of(version: str | None) -> str | None:
     found = {rel["tensorrt"] for rel in _releases().values() if rel["tensorrt_llm"] == str(version or "").strip()}
     return found.pop() if len(found) == 1 else None
 
-
-def image_cite() -> str:
-    rel = _releases()[TRITON_CONTAINER]
-    return f"triton-inference-server/tensorrtllm_backend@{rel['ref']} {rel['path']}:{rel['line']}"

@@ -238,6 +238,8 @@ class TritonPythonModel:
 
     @staticmethod
     def _refuse_unsupported(values):
+        from toolchain.triton import backend_params
+
         """What the C++ backend would run but the CPU engine cannot: refused, never ignored."""
         if values["gpt_model_type"] in ("V1", "v1"):
             raise ValueError("tensorrt_llm: gpt_model_type V1 (static batching) is not supported by the CPU engine; "
@@ -250,7 +252,7 @@ class TritonPythonModel:
         if mode not in (None, "top_k", "top_p", "top_k_top_p"):
             raise ValueError(f"tensorrt_llm: decoding_mode {mode} is not supported by the CPU engine "
                              "(top_k, top_p or top_k_top_p)")
-        if values["guided_decoding_backend"] not in ("", "${guided_decoding_backend}"):
+        if not backend_params.is_unset(values["guided_decoding_backend"], "guided_decoding_backend"):
             raise ValueError("tensorrt_llm: guided decoding is not supported by the CPU engine; "
                              "leave guided_decoding_backend empty")
 
