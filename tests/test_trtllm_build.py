@@ -82,7 +82,8 @@ def test_every_spec_flag_is_in_the_fakes_table(tmp_path):
         if flag.kind == "choice":
             assert set(flag.values) <= theirs, name
         else:
-            assert theirs == {"path": "path", "int": "int", "switch": "switch", "str": "str"}[flag.kind], name
+            # upstream's argparse takes paths as type=str
+            assert theirs == {"path": "str", "int": "int", "switch": "switch", "str": "str"}[flag.kind], name
 
 
 @pytest.mark.parametrize("example", ["llama3-8b-awq-h100", "llama3-70b-sq-tp4pp2", "mistral-7b-fp8-l40s",
@@ -107,6 +108,7 @@ def test_example_commands_pass_the_fake(tmp_path, example):
     (["--user_buffer", "enable"], "needs --reduce_fusion enable", True),
     (["--max_batch_size", "many"], "takes an integer", True),
     (["--speculative_decoding_mode", "draft_tokens_external"], "needs --max_draft_len", False),
+    (["--weight_streaming", "--gemm_plugin", "float16"], "needs --gemm_plugin disable", False),
 ])
 def test_table_rejects_what_trtllm_build_rejects(tmp_path, argv, fragment, tool_rejects):
     full = ["--checkpoint_dir", "ckpt", *argv]
@@ -116,6 +118,13 @@ def test_table_rejects_what_trtllm_build_rejects(tmp_path, argv, fragment, tool_
         proc = subprocess.run([sys.executable, str(FAKE / "trtllm-build"), *full], capture_output=True, text=True,
                               cwd=tmp_path)
         assert proc.returncode == 2 and "error" in proc.stderr  # the fake agrees
+
+
+def test_an_unset_gemm_plugin_counts_as_off():
+    """trtllm-build's --gemm_plugin has no default (PluginConfig maps unset and "disable" to None),
+    so weight streaming needs no explicit --gemm_plugin disable."""
+    assert trtllm.validate(["--checkpoint_dir", "ckpt", "--weight_streaming"])["--weight_streaming"] is True
+    assert trtllm.validate(["--checkpoint_dir", "ckpt", "--weight_streaming", "--gemm_plugin", "disable"])
 
 
 def test_wrong_version_is_refused_before_building(tmp_path, hf_llama, fake_build, monkeypatch, capsys):
@@ -207,3 +216,25 @@ def test_dry_run_prints_even_when_a_check_fails(tmp_path, hf_llama, capsys, monk
     assert build(tmp_path, spec) == 2
     err = capsys.readouterr().err
     assert "preflight check kv.paged-context-fmha failed" in err and "--skip-check kv.paged-context-fmha" in err
+
+
+def test_flag_table_is_upstreams():
+    """Our trtllm-build flag table against the flags parse_arguments and add_plugin_argument
+    define (facts/trtllm_build.json, from TensorRT-LLM tensorrt_llm/commands/build.py and
+    plugin/plugin.py): every flag exists, with the same kind, values among upstream's
+    choices and the same default; no removed flag is still there."""
+    from toolchain.upstream import facts
+
+    upstream = facts("trtllm_build")["flags"]
+    assert not set(trtllm.REMOVED) & set(upstream)
+    kinds = {"path": "str", "str": "str", "int": "int", "switch": "switch", "choice": "choice"}
+    for name, flag in trtllm.FLAGS.items():
+        assert name in upstream, f"{name} is not a trtllm-build flag"
+        up = upstream[name]
+        where = f"{name} ({up['path']}:{up['line']})"
+        if up["kind"] != "other":
+            assert kinds[flag.kind] == up["kind"], where
+        if flag.kind == "choice" and up["choices"] is not None:
+            assert set(flag.values) <= set(up["choices"]), (where, sorted(set(flag.values) - set(up["choices"])))
+        if flag.default is not None and up.get("default_expr") is None and flag.kind != "switch":
+            assert flag.default == up["default"], (where, flag.default, up["default"])

@@ -63,8 +63,8 @@ FLAGS: dict[str, Flag] = {
     "--gpt_attention_plugin": Flag("choice", PLUGIN, "auto"), "--multiple_profiles": Flag("choice", EN, "disable"),
     "--paged_state": Flag("choice", EN, "enable"),
     # GEMM and fusion plugins (PluginConfig)
-    "--gemm_plugin": Flag("choice", ("auto", "float16", "bfloat16", "float32", "int32", "fp8", "nvfp4", "disable"),
-                          "disable"),
+    # No default: unset lets trtllm-build decide (nvfp4 turns it on); "disable" forces it off.
+    "--gemm_plugin": Flag("choice", ("auto", "float16", "bfloat16", "float32", "int32", "fp8", "nvfp4", "disable")),
     "--gemm_swiglu_plugin": Flag("choice", ("fp8", "disable"), "disable"),
     "--fp8_rowwise_gemm_plugin": Flag("choice", PLUGIN, "disable"),
     "--low_latency_gemm_plugin": Flag("choice", ("fp8", "disable"), "disable"),
@@ -90,8 +90,10 @@ REMOVED = ("--auto_parallel", "--gpus_per_node", "--cluster_key", "--enable_xqa"
 LIMIT_FLAGS = ("--max_batch_size", "--max_input_len", "--max_seq_len", "--max_beam_width", "--max_num_tokens",
                "--opt_num_tokens")
 
-# Value patterns: "*" any value given, ">0"/">1" integers above 0/1, else literal values.
+# Value patterns: "*" any value given, ">0"/">1" integers above 0/1, OFF a plugin left unset or
+# "disable" (PluginConfig maps both to None), else literal values.
 ANY = "*"
+OFF = "off"
 # (flag, when, other flag, when, why): trtllm-build errors, or ignores one of them
 # (tensorrt_llm/commands/build.py main, tensorrt_llm/builder.py build).
 CONFLICTS: tuple[tuple[str, str, str, str, str], ...] = (
@@ -107,7 +109,7 @@ CONFLICTS: tuple[tuple[str, str, str, str, str], ...] = (
 REQUIRES: tuple[tuple[str, str, str, str, str], ...] = (
     ("--user_buffer", "enable", "--reduce_fusion", "enable", "user buffers need reduce fusion"),
     ("--gemm_swiglu_plugin", "fp8", "--use_fused_mlp", "enable", "the SwiGLU plugin needs the fused MLP"),
-    ("--weight_streaming", ANY, "--gemm_plugin", "disable", "weight streaming runs without the GEMM plugin"),
+    ("--weight_streaming", ANY, "--gemm_plugin", OFF, "weight streaming runs without the GEMM plugin"),
     ("--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", ">0", "drafts need a length"),
     ("--speculative_decoding_mode", "lookahead_decoding", "--max_draft_len", ">0", "drafts need a length"),
     ("--speculative_decoding_mode", "draft_tokens_external", "--use_paged_context_fmha", "enable",
@@ -122,6 +124,8 @@ class FlagError(ValueError):
 
 
 def _matches(value: object, pattern: str) -> bool:
+    if pattern == OFF:
+        return value in (None, "disable")
     if value is None or value is False:
         return False
     if pattern == ANY:
@@ -176,7 +180,7 @@ def validate(argv: list[str]) -> dict[str, object]:
             raise FlagError(f"{a} {args[a]} with {b} {args[b]}: {why}")
     for a, when_a, b, need, why in REQUIRES:
         if a in args and _matches(args[a], when_a) and not _matches(value(b), need):
-            raise FlagError(f"{a} {args[a]} needs {b} {need} ({why})")
+            raise FlagError(f"{a} {args[a]} needs {b} {'disable' if need == OFF else need} ({why})")
     return args
 
 

@@ -9,6 +9,7 @@ deployment must fill.
 
 from __future__ import annotations
 
+import json
 import re
 
 from google.protobuf import json_format, text_format
@@ -66,8 +67,9 @@ def extract(sources, previous=None):
         for key, value in cfg.parameters.items():
             m = re.search(rf'key:\s*"{re.escape(key)}"', text)
             params[key] = {"value": value.string_value, "line": line_of(text, m.start()) if m else None}
-        steps = [json_format.MessageToDict(s, preserving_proto_field_name=True)
-                 for s in cfg.ensemble_scheduling.step]
+        # protobuf maps (input_map, output_map) iterate in no fixed order: sort them for stable facts
+        steps = [json.loads(json.dumps(json_format.MessageToDict(s, preserving_proto_field_name=True),
+                                       sort_keys=True)) for s in cfg.ensemble_scheduling.step]
         models[name] = {
             "source": "trtllm", "path": path, "commit": src.commit_of(path),
             "backend": cfg.backend or None, "platform": cfg.platform or None,
