@@ -1,5 +1,5 @@
 """Rank-file layout of converted checkpoints against an expectation table for
-TensorRT-LLM 1.2 computed here from the reference formulas (§2.1, §3), and
+TensorRT-LLM 1.2 computed here from TensorRT-LLM's layout rules (models/llama/convert.py, mapping.py), and
 against NVIDIA modelopt's golden layouts. Nothing here imports the
 converter's tables or sharding code."""
 
@@ -20,7 +20,7 @@ LAYOUTS = Path("/work/shared/reference/layouts")
 ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-# §1.2: the fields written for a dense, unquantized Llama.
+# The fields written for a dense, unquantized Llama (models/modeling_utils.py PretrainedConfig).
 CONFIG_KEYS = {
     "architecture", "dtype", "logits_dtype", "vocab_size", "hidden_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_size", "intermediate_size", "hidden_act",
@@ -36,10 +36,10 @@ def expected_layout(cfg: dict, tp: int, pp: int, dtype: str, *, parallel_embeddi
     V, H, I, L = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = H // nh
-    nkv_r = max(1, nkv // tp)                 # §3.2
-    qkv_r = (nh // tp + 2 * nkv_r) * hd       # §2.1 QKV_r
-    vp = math.ceil(V / tp) * tp               # §3.4
-    per_stage = [L // pp + (1 if s < L % pp else 0) for s in range(pp)]  # §3.6 tensor_split
+    nkv_r = max(1, nkv // tp)                 # KV heads duplicated below tp
+    qkv_r = (nh // tp + 2 * nkv_r) * hd       # fused QKV rows per rank
+    vp = math.ceil(V / tp) * tp               # vocab padded to a multiple of tp
+    per_stage = [L // pp + (1 if s < L % pp else 0) for s in range(pp)]  # mapping.py pp_layers (torch.tensor_split)
     dt = ST[dtype]
     if not parallel_embedding or tp == 1:
         emb = (V, H)
@@ -53,7 +53,7 @@ def expected_layout(cfg: dict, tp: int, pp: int, dtype: str, *, parallel_embeddi
             d = {}
             if stage == 0:
                 d["transformer.vocab_embedding.weight"] = (emb, dt)
-            for i in range(per_stage[stage]):  # local numbering from 0 (§1.1)
+            for i in range(per_stage[stage]):  # local numbering from 0
                 p = f"transformer.layers.{i}."
                 d[p + "input_layernorm.weight"] = ((H,), dt)
                 d[p + "attention.qkv.weight"] = ((qkv_r, H), dt)
@@ -205,4 +205,4 @@ def test_matches_modelopt_golden_layout(tmp_path, tp):
     for key, value in gc["mapping"].items():
         assert written["mapping"][key] == value, key
     # logits_dtype differs on purpose: modelopt writes the model dtype, we keep
-    # TensorRT-LLM's float32 default (reference §1.2 "keep float32").
+    # TensorRT-LLM's float32 default (infer_dtype keeps float32).

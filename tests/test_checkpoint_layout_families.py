@@ -1,5 +1,5 @@
 """Rank-file layout and config.json of every family x (tp, pp) x dtype against
-an expectation table computed here from the reference (§1.2–§1.4, §2.1, §3),
+an expectation table computed here from TensorRT-LLM's rules (models/modeling_utils.py, mapping.py, models/llama/convert.py),
 and Qwen2 against NVIDIA modelopt's golden layouts. Nothing here imports the
 converter's tables or sharding code: the expectations are written from the
 reference text, per family."""
@@ -34,23 +34,23 @@ def expected_layout(arch: str, cfg: dict, tp: int, pp: int, dtype: str,
     """Per rank: name -> (shape, safetensors dtype), from the reference tables."""
     V, H, I, L = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim") or H // nh            # §1.2: HF head_dim when present
+    hd = cfg.get("head_dim") or H // nh            # HF head_dim when present (models/llama/config.py)
     qkv_bias = arch == "Qwen2ForCausalLM" or (arch == "LlamaForCausalLM" and cfg.get("attention_bias"))
-    dense_bias = arch == "LlamaForCausalLM" and cfg.get("attention_bias")  # Qwen: no o_proj bias (§2.1)
+    dense_bias = arch == "LlamaForCausalLM" and cfg.get("attention_bias")  # Qwen: no o_proj bias (models/qwen/convert.py)
     mlp_bias = bool(cfg.get("mlp_bias"))
     qk_norm = arch == "Qwen3ForCausalLM"
-    qkv_r = (nh // tp + 2 * max(1, nkv // tp)) * hd  # §2.1, §3.2
-    vp = math.ceil(V / tp) * tp                       # §3.4
-    stages = [L // pp + (1 if s < L % pp else 0) for s in range(pp)]  # §3.6 tensor_split
+    qkv_r = (nh // tp + 2 * max(1, nkv // tp)) * hd  # fused QKV, KV heads duplicated below tp (models/convert_utils.py dup_kv_weight)
+    vp = math.ceil(V / tp) * tp                       # vocab padded to a multiple of tp (_utils.py pad_vocab_size)
+    stages = [L // pp + (1 if s < L % pp else 0) for s in range(pp)]  # mapping.py pp_layers (torch.tensor_split)
     dt = ST[dtype]
     emb = (V, H) if not parallel_embedding else (vp // tp, H) if embedding_dim == 0 else (V, H // tp)
     ranks = []
-    for stage in range(pp):          # rank = pp_rank * tp + tp_rank (§1.4)
+    for stage in range(pp):          # rank = pp_rank * tp + tp_rank (mapping.py)
         for _ in range(tp):
             d = {}
             if stage == 0:
                 d["transformer.vocab_embedding.weight"] = (emb, dt)
-            for i in range(stages[stage]):  # local numbering (§1.1)
+            for i in range(stages[stage]):  # local numbering
                 p = f"transformer.layers.{i}."
                 d[p + "input_layernorm.weight"] = ((H,), dt)
                 d[p + "post_layernorm.weight"] = ((H,), dt)
@@ -72,13 +72,13 @@ def expected_layout(arch: str, cfg: dict, tp: int, pp: int, dtype: str,
                     d[p + "attention.k_layernorm.weight"] = ((hd,), dt)
             if stage == pp - 1:
                 d["transformer.ln_f.weight"] = ((H,), dt)
-                d["lm_head.weight"] = ((vp // tp, H), dt)  # written even when tied (§1.1)
+                d["lm_head.weight"] = ((vp // tp, H), dt)  # written even when tied
             ranks.append(d)
     return ranks
 
 
 def expected_config_fields(arch: str, cfg: dict, tp: int, pp: int, dtype: str) -> dict:
-    """The config.json fields TensorRT-LLM 1.2 reads, as §1.2–§1.4 say to write them."""
+    """The config.json fields TensorRT-LLM 1.2 reads, as PretrainedConfig and Mapping take them (models/modeling_utils.py, mapping.py)."""
     H, nh = cfg["hidden_size"], cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
     kind = rope.get("rope_type")
@@ -131,7 +131,7 @@ def test_layout_and_config(tmp_path_factory, tmp_path, family, tp, pp, dtype):
     assert not extra, f"unexpected config keys {sorted(extra)}"
     for key, value in want.items():
         assert written[key] == value, key
-    # TensorRT-LLM 1.x rejects rope type "default" (§1.3): no scaling is null.
+    # TensorRT-LLM 1.x rejects rope type "default" (functional.py RotaryScalingType): no scaling is null.
     assert written["rotary_scaling"] is None or written["rotary_scaling"]["type"] != "default"
 
 

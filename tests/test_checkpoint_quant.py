@@ -1,5 +1,5 @@
 """Quantized checkpoints: every method's tensors against the reference tables
-(§2.2–§2.8), conformance with NVIDIA's exporter rank by rank (the golden
+(TensorRT-LLM quantization/layers.py, models/modeling_utils.py), conformance with NVIDIA's exporter rank by rank (the golden
 layouts, TP 1 and 2), KV scales, exclusions, padding, and bad input rejected
 before any weight is read."""
 
@@ -77,7 +77,7 @@ def test_conformance_with_modelopt_export(golden_models, tmp_path, model, fmt, t
     gq, q = golden["checkpoint_config"]["quantization"], cfg["quantization"]
     for key in set(gq) - {"exclude_modules"}:
         assert q.get(key) == gq[key], key
-    # The exclude list replaces TensorRT-LLM's default, so ours also names the embedding (§1.5);
+    # The exclude list replaces TensorRT-LLM's default, so ours also names the embedding (models/modeling_utils.py QuantConfig);
     # the exporter's formats never quantize embeddings and write only lm_head.
     assert set(gq.get("exclude_modules") or []) <= set(q.get("exclude_modules") or [])
 
@@ -95,7 +95,7 @@ def test_weight_only_is_option_a(tiny, tmp_path, tp):
         assert cfg["quantization"] == {"quant_algo": algo, "kv_cache_quant_algo": None,
                                        "exclude_modules": ["lm_head", "transformer.vocab_embedding"]}
         ranks = layout(tmp_path / method)
-        assert all(d == "F16" for r in ranks for _, d in r.values())  # the build quantizes (§2.2 a)
+        assert all(d == "F16" for r in ranks for _, d in r.values())  # the build quantizes (models/convert_utils.py weight_only_quantize_dict)
 
 
 def test_kv_cache_scales_per_layer(tiny, tmp_path):
@@ -167,3 +167,86 @@ def test_config_json_is_what_tensorrt_llm_reads(tiny, tmp_path, recipe):
     assert required <= set(cfg), sorted(required - set(cfg))
     written = json.loads((tmp_path / "c" / "config.json").read_text())
     assert written == cfg
+
+
+# Which TensorRT-LLM layer each linear becomes (quantization/quantize.py maps ColumnLinear
+# and RowLinear), and its full (in, out) in the `tiny` model: hidden 256, MLP 512, 4 heads
+# and 2 KV heads of 64.
+LAYER_OF = {"attention.qkv": ("column", 256, 512), "attention.dense": ("row", 256, 256),
+            "mlp.fc": ("column", 256, 512), "mlp.gate": ("column", 256, 512), "mlp.proj": ("row", 512, 256)}
+LAYER_CLASSES = {"W4A16_AWQ": ("WeightOnlyGroupwiseQuantLinear", "WeightOnlyGroupwiseQuantRowLinear"),
+                 "FP8": ("FP8Linear", "FP8RowLinear")}
+
+
+def declared(layer: dict, kind: str, full_in: int, full_out: int, tp: int, group: int) -> dict:
+    """name -> shape of a layer's parameters on one rank, evaluated from the facts. Layers on
+    Linear / RowLinear take per-rank features from that base (layers/linear.py)."""
+    env = {"in_features": full_in, "out_features": full_out, "tp_size": tp}
+    feats = {k: eval(expr, {}, env) for k, expr in layer["features"].items()}  # noqa: S307 - upstream's own arithmetic
+    feats.setdefault("in_features", full_in // tp if kind == "row" else full_in)
+    feats.setdefault("out_features", full_out // tp if kind == "column" else full_out)
+    scope = {**feats, "group_size": group}
+    return {name: tuple(eval(p["shape"], {}, scope)) for name, p in layer["parameters"].items()}  # noqa: S307
+
+
+def after_preprocess(algo: str, suffix: str, t: torch.Tensor, rules: dict) -> tuple[int, ...]:
+    """The tensor's shape once trtllm-build's preprocess_perlayer_weights has run on it."""
+    done = {r["suffix"] for r in rules.get(algo, [])}
+    if suffix not in done:
+        return tuple(t.shape)
+    if suffix == "weight":  # packed int4 (out/2, in) int8 -> transposed, viewed as 16-bit: (in, out/4)
+        return (t.shape[1], t.shape[0] // 2)
+    if suffix == "weights_scaling_factor":
+        return tuple(reversed(t.shape))
+    return (1, t.numel())  # prequant_scaling_factor
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("method, algo", [("awq", "W4A16_AWQ"), ("fp8", "FP8")])
+def test_tensors_fit_the_layers_trtllm_build_loads_them_into(tiny, tmp_path, tp, method, algo):
+    """Every quantized tensor, after trtllm-build's own preprocessing, has the shape its
+    TensorRT-LLM layer declares (facts/quantized_layers.json, from quantization/layers.py
+    and models/modeling_utils.py), and each layer parameter is present."""
+    from toolchain.upstream import facts
+
+    up = facts("quantized_layers")
+    cfg = convert(tiny, tmp_path / "c", Recipe(method=method), tp=tp)
+    assert cfg["quantization"]["quant_algo"] == algo
+    column, row = (up["layers"][c] for c in LAYER_CLASSES[algo])
+    group = cfg["quantization"].get("group_size", 128)
+    with safe_open(str(tmp_path / "c" / "rank0.safetensors"), framework="pt") as fh:
+        names = set(fh.keys())
+        for module, (kind, full_in, full_out) in LAYER_OF.items():
+            prefix = f"transformer.layers.0.{module}"
+            want = declared(column if kind == "column" else row, kind, full_in, full_out, tp, group)
+            for name, shape in want.items():
+                if name in ("weight", "bias") and algo == "FP8":
+                    continue  # the base Linear's weight: checked by the unquantized layout tests
+                if name in ("bias", "zero") or (name == "prequant_scaling_factor" and method != "awq"):
+                    assert f"{prefix}.{name}" not in names  # not declared by this config
+                    continue
+                got = after_preprocess(algo, name, fh.get_tensor(f"{prefix}.{name}"), up["preprocess"])
+                assert got == shape, (prefix, name, got, shape)
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_mapping_is_what_tensorrt_llm_reads(tiny, tmp_path, tp, pp):
+    """config.json `mapping` against tensorrt_llm/mapping.py (facts/mapping.json): from_dict
+    is cls(**mapping), so every key must be a Mapping.__init__ parameter; world_size must be
+    tp x pp; the layer split of every stage file is Mapping.pp_layers' tensor_split."""
+    from toolchain.checkpoint.sharding import pp_layers
+    from toolchain.plan.memory import stage_layers
+    from toolchain.upstream import facts
+
+    up = facts("mapping")
+    assert up["rules"]["pp_layers"]["quote"].startswith("return torch.tensor_split(torch.arange(num_layers)")
+    out = tmp_path / "c"
+    out.mkdir()
+    cfg = convert_checkpoint(tiny, out, tp=tp, pp=pp, dtype="float16", target="trtllm")
+    mapping = cfg["mapping"]
+    assert set(mapping) <= set(up["init_params"]), sorted(set(mapping) - set(up["init_params"]))
+    assert mapping["world_size"] == mapping["tp_size"] * mapping["pp_size"] == tp * pp
+    for layers in (2, 5, 7):
+        upstream = [chunk.tolist() for chunk in torch.tensor_split(torch.arange(layers), pp)]
+        assert pp_layers(layers, pp) == upstream
+        assert [list(r) for r in stage_layers(layers, pp)] == upstream

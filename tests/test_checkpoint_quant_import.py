@@ -113,6 +113,9 @@ def test_imported_zero_has_the_groupwise_layer_layout(base, tmp_path, tp):
     checkpoint stores it that way, split per rank like the scales."""
     from safetensors import safe_open
 
+    from toolchain.upstream import facts
+
+    layers = facts("quantized_layers")["layers"]
     hf = build_prequantized(base, tmp_path / "awq", "awq")
     out = tmp_path / "ckpt"
     out.mkdir()
@@ -127,4 +130,11 @@ def test_imported_zero_has_the_groupwise_layer_layout(base, tmp_path, tp):
             assert tuple(scale.shape) == (outp, inp // g), name   # transposed by trtllm-build
             assert tuple(zero.shape) == (inp // g, outp), name    # read as stored
             assert zero.dtype == torch.float16, name
+            # the same, from the layer declarations themselves (facts/quantized_layers.json)
+            layer = layers["WeightOnlyGroupwiseQuantRowLinear" if name in ("attention.dense", "mlp.proj")
+                           else "WeightOnlyGroupwiseQuantLinear"]
+            assert layer["parameters"]["zero"]["dtype"] == "dtype"  # the model dtype
+            assert "zero" not in {r["suffix"] for r in facts("quantized_layers")["preprocess"]["W4A16_AWQ"]}
+            assert eval(layer["parameters"]["zero"]["shape"], {},  # noqa: S307 - upstream's own arithmetic
+                        {"in_features": inp, "out_features": outp, "group_size": g}) == tuple(zero.shape)
             assert f"{prefix}{name}.prequant_scaling_factor" not in f.keys()

@@ -104,7 +104,7 @@ def test_served_text_equals_engine_greedy(served, expected, model, stream):
 
 
 def test_cpu_engine_exports_the_trt_llm_metric_families(served):
-    """After the requests above, /metrics carries the TensorRT-LLM backend's families (reference §6.1)
+    """After the requests above, /metrics carries the TensorRT-LLM backend's families (triton_backend/inflight_batcher_llm/src/custom_metrics_reporter/)
     with the engine's numbers: the batch limit, iterations run, and one histogram sample per request."""
     import time
 

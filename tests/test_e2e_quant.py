@@ -66,6 +66,6 @@ def test_eval_reports_each_method(tmp_path, method, kv):
     assert report["model"]["quantization"]["kv_cache_quant_algo"] == {"none": None, "int8": "INT8",
                                                                         "fp8": "FP8"}[kv]
     assert report["tokens_evaluated"] > 400
-    # The trained tiny model has no outlier channels: every format stays close to fp (cpu-feasibility §4).
+    # The trained tiny model has no outlier channels: every format stays close to fp.
     assert report["perplexity"] < 1.1 * report["reference_perplexity"]
     assert report["greedy_token_agreement"] > 0.8

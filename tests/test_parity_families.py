@@ -104,7 +104,7 @@ def test_parity(tmp_path_factory, family, tp, pp, dtype):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_qwen2_mqa_biases_duplicated_on_every_rank(tmp_path_factory, tp):
-    # One KV head: every rank holds a copy of it, bias included (reference §8 row 4).
+    # One KV head: every rank holds a copy of it, bias included (models/convert_utils.py dup_kv_weight).
     path = hf_dir(tmp_path_factory, "qwen2-bias-tied", "float32", num_key_value_heads=1)
     engine = load_engine(tmp_path_factory, path, tp, 1, dtype="auto")
     assert engine.dims.kv_heads_per_rank == 1

@@ -1,5 +1,5 @@
 """Planner figures against values computed here from the reference formulas
-(trtllm-checkpoint-and-build.md §7): Llama-3-8B at TP1, Llama-3-70B at TP4 x PP2,
+(TensorRT-LLM docs/source/legacy/reference/memory.md): Llama-3-8B at TP1, Llama-3-70B at TP4 x PP2,
 the byte cost of each weight format, KV duplication, and the verdict."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def spec_for(tmp_path: Path, config_dir: Path, **sections):
 
 
 def layer_linear_params(m: dict, t: int) -> int:
-    """qkv + dense + fc + gate + proj parameters of one layer on one of t ranks (§2.1, §3.2)."""
+    """qkv + dense + fc + gate + proj parameters of one layer on one of t ranks."""
     nkv_r = max(1, m["nkv"] // t)
     qkv = (m["nh"] // t + 2 * nkv_r) * m["hd"] * m["H"]
     dense = m["H"] * m["nh"] * m["hd"] // t
@@ -93,7 +93,7 @@ def test_format_bytes_per_linear():
     assert mem.linear_bytes(out, inp, QuantFormat("awq", group_size=g), 2) == n * (0.5 + 2 / g) + inp * 2
     assert mem.linear_bytes(out, inp, QuantFormat("awq", group_size=64), 2) > mem.linear_bytes(
         out, inp, QuantFormat("awq", group_size=128), 2)
-    # Weight-only checkpoints are written unquantized; trtllm-build quantizes (§2.2 option a).
+    # Weight-only checkpoints are written unquantized; trtllm-build quantizes.
     assert mem.linear_bytes(out, inp, QuantFormat("int8_wo"), 2, stored=True) == 2 * n
 
 

@@ -1,5 +1,5 @@
 """AWQ and SmoothQuant on synthetic activations with outlier channels (the
-cpu-feasibility §4 recipe): the searches must beat plain round-to-nearest."""
+the AWQ and SmoothQuant papers' recipes): the searches must beat plain round-to-nearest."""
 
 from __future__ import annotations
 

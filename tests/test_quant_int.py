@@ -1,5 +1,5 @@
 """Round-to-nearest int8/int4, the ModelOpt int4 packing, FP8 and KV scales: bit-exact checks
-against small loop-written references of the format rules (reference §2.3, §2.6, §2.7)."""
+against small loop-written references of the format rules (TensorRT-LLM tensorrt_llm/quantization/layers.py, models/llama/convert.py)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_fp8_per_tensor_and_shared_scale():
 
 def test_kv_cache_scales():
     assert torch.allclose(kv_cache.kv_cache_scale(12.7, "int8"), torch.tensor([0.1]))
-    assert torch.equal(kv_cache.kv_cache_scale(12.7, "fp8"), torch.tensor([1.0]))       # clamped at 1 (§2.7)
+    assert torch.equal(kv_cache.kv_cache_scale(12.7, "fp8"), torch.tensor([1.0]))       # clamped at 1 (TensorRT-LLM models/llama/convert.py)
     assert torch.allclose(kv_cache.kv_cache_scale(896.0, "fp8"), torch.tensor([2.0]))
     x = torch.tensor([0.05, -12.7, 30.0])
     s = kv_cache.kv_cache_scale(12.7, "int8")

@@ -1,5 +1,5 @@
 """AutoAWQ (GEMM) and GPTQ packing: loop references written from the format
-facts (reference §4.1, §4.2), round trips, and the zero-point conversion."""
+facts (AutoAWQ GEMM and AutoGPTQ packing; TensorRT-LLM models/llama/convert.py), round trips, and the zero-point conversion."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def test_valid_recipes_pass():
 
 
 def test_per_group_padding_and_divisibility():
-    # I = 640 at g128 tp2: M = 256, the MLP dim is zero-padded to 768 (reference §3.5)
+    # I = 640 at g128 tp2: M = 256, the MLP dim is zero-padded to 768 (quantization/layers.py WeightOnlyGroupwiseQuantLinear padding)
     shape = ModelShape(256, 640, 4, 2, 64, 1024)
     assert check_recipe(Recipe(method="awq"), shape, tp=2).padded_intermediate == 768
     # attention dims are never padded

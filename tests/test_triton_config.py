@@ -1,8 +1,10 @@
 """Rendered model repository: every config.pbtxt parses as Triton's ModelConfig,
 carries no placeholder, and declares the TensorRT-LLM 1.2 tensors.
 
-The expected tables below are written from the reference (triton-trtllm-model-repo.md
-§3, the 1.2 templates), not from toolchain/triton/templates.py.
+The expected tables below are written by hand from TensorRT-LLM's 1.2 templates
+(triton_backend/all_models/inflight_batcher_llm/*/config.pbtxt), not from
+toolchain/triton/templates.py; test_upstream_triton_conformance.py holds the same
+configs against the templates parsed mechanically.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ PRE_OUT = {
     "REQUEST_DECODER_INPUT_LEN": ("INT32", [1]), "BAD_WORDS_IDS": ("INT32", [2, -1]),
     "STOP_WORDS_IDS": ("INT32", [2, -1]), "EMBEDDING_BIAS": ("FP32", [-1]), "REQUEST_OUTPUT_LEN": ("INT32", [-1]),
     "OUT_END_ID": ("INT32", [1]), "OUT_PAD_ID": ("INT32", [1]), "OUT_PROMPT_TABLE_EXTRA_IDS": ("UINT64", [-1]),
-    # multimodal outputs (names from §3.4; types/dims from the 1.2 template)
+    # multimodal outputs (names and types from the 1.2 template)
     "PIXEL_VALUES": ("FP16", [-1, -1, -1, -1]), "ASPECT_RATIO_IDS": ("INT64", [-1]),
     "ASPECT_RATIO_MASK": ("INT64", [-1, -1]), "CROSS_ATTENTION_MASK": ("INT64", [-1, -1, -1]),
     "IMAGE_SIZES": ("INT64", [-1, 2]), "IS_VIDEO_INPUT": ("BOOL", [1]), "ATTENTION_MASK": ("INT64", [-1]),
@@ -121,7 +123,7 @@ LLM_IN = {
     "retention_decode_duration_ms": _SCALAR, "context_phase_params": ("UINT8", [-1], False),
     "guided_decoding_guide_type": ("STRING", [1], False), "guided_decoding_guide": ("STRING", [1], False),
 }
-# Per-row scalars the backend reads as [B] (reshape []), per §3.3 and the 1.2 template.
+# Per-row scalars the backend reads as [B] (reshape []), per the 1.2 template.
 LLM_SCALARS = {"input_lengths", "request_output_len", "end_id", "pad_id", "beam_width", "temperature",
                "runtime_top_k", "runtime_top_p", "runtime_top_p_min", "runtime_top_p_decay",
                "runtime_top_p_reset_ids", "len_penalty", "early_stopping", "repetition_penalty", "min_tokens",
@@ -224,7 +226,7 @@ def test_ensemble_wiring(rendered):
     for t in ens.output:
         assert dtypes.get(t.name) == t.data_type, f"ensemble output {t.name} not produced with its type"
     pre, llm, post = ens.ensemble_scheduling.step
-    # routing named in §3.1
+    # routing of the ensemble template
     assert pre.input_map["QUERY"] == "text_input" and pre.input_map["REQUEST_OUTPUT_LEN"] == "max_tokens"
     assert llm.input_map["runtime_top_k"] == "top_k" and llm.input_map["len_penalty"] == "length_penalty"
     assert llm.input_map["streaming"] == "stream" and llm.input_map["end_id"] == pre.output_map["OUT_END_ID"]

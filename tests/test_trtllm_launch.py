@@ -1,4 +1,4 @@
-"""Target trtllm launch: the mpirun command per triton-trtllm-model-repo.md §4
+"""Target trtllm launch: the mpirun command of TensorRT-LLM triton_backend/scripts/launch_triton_server.py
 (leader mode, orchestrator for draft-target, hostfile), the container lines,
 `serve --print`, the refusal without mpirun, and start / readiness / stop of the
 process group against a stand-in mpirun."""
