@@ -93,12 +93,14 @@ def heldout_windows(tokenize, windows: int, seq_len: int) -> list[list[int]]:
 
 def engine_dir(ckpt: Path, out: Path, max_seq_len: int) -> Path:
     """A CPU engine directory over `ckpt` (what `toolchain build-engine` writes for target cpu)."""
+    from toolchain.engine.build import ENGINE_FORMAT_VERSION
+
     out.mkdir(parents=True, exist_ok=True)
     for f in ckpt.glob("rank*.safetensors"):
         os.link(f, out / f.name)
     build = {"max_batch_size": 1, "max_input_len": max_seq_len - 1, "max_seq_len": max_seq_len,
              "max_num_tokens": max_seq_len, "max_beam_width": 1}
-    cfg = {"version": "toolchain-cpu-1", "target": "cpu",
+    cfg = {"version": ENGINE_FORMAT_VERSION, "target": "cpu",
            "pretrained_config": json.loads((ckpt / "config.json").read_text()), "build_config": build}
     (out / "config.json").write_text(json.dumps(cfg))
     return out

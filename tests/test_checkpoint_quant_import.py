@@ -92,7 +92,9 @@ def test_import_round_trip(base, tmp_path, kind, tp):
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     got = engine.forward_logits(ids)
-    assert float((got - want).abs().max()) < 1e-3 * float(want.abs().max())
+    # The int4 kernel takes bf16 activations (about 1% off); a layout error (zero or scales
+    # transposed, groups misplaced) is off by the size of the logits themselves.
+    assert float((got - want).abs().max()) < 3e-2 * float(want.abs().max())
 
 
 def test_gptq_act_order_rejected_before_weights(base, tmp_path):

@@ -147,7 +147,7 @@ def test_cancel_running_and_queued(tmp_path_factory, hf_llama):
     col, gate = Collector(), threading.Event()
     with InflightBatcher(engine) as b:
         b.submit("a", PROMPTS[0], SamplingParams(max_new_tokens=150), col.callback("a", gate))
-        b.submit("b", PROMPTS[1], SamplingParams(max_new_tokens=150), col.callback("b"))  # waits: batch of 1
+        b.submit("b", PROMPTS[1], SamplingParams(max_new_tokens=100), col.callback("b"))  # waits: batch of 1
         assert col.first_token["a"].wait(TIMEOUT)
         b.cancel("b")
         b.cancel("a")
@@ -199,9 +199,9 @@ def test_limits_bound_each_step(tmp_path_factory, hf_llama, monkeypatch):
     steps = []
     real_step = engine.step
 
-    def recording_step(seqs):
-        steps.append([len(s.next_tokens()) for s in seqs])
-        return real_step(seqs)
+    def recording_step(batch):
+        steps.append([n for _, n in batch])
+        return real_step(batch)
 
     monkeypatch.setattr(engine, "step", recording_step)
     col = Collector()
@@ -218,10 +218,10 @@ def test_failures_stay_with_their_request(engine, batcher, monkeypatch, caplog):
     poison = 13
     real_forward = engine.model.forward
 
-    def forward(chunks):
+    def forward(chunks, kv):
         if any(poison in c.tokens for c in chunks):
             raise RuntimeError("injected failure")
-        return real_forward(chunks)
+        return real_forward(chunks, kv)
 
     monkeypatch.setattr(engine.model, "forward", forward)
     col, gate = Collector(), threading.Event()

@@ -7,21 +7,31 @@ import json
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from test_engine_cpu_util import _one_thread, engine_dir  # noqa: F401
 
 from toolchain.engine.cpu import CpuEngine
-from toolchain.engine.cpu.model import window_mask
+from toolchain.engine.cpu.model import _Group
 from toolchain.errors import ToolchainError
 
 
-@pytest.mark.parametrize("past,n,window", [(0, 6, 3), (5, 1, 3), (4, 3, 2), (0, 4, 10), (7, 2, 1)])
-def test_window_mask_matches_definition(past, n, window):
-    mask = window_mask(past, n, window)
-    for i in range(n):
-        for j in range(past + n):
+@pytest.mark.parametrize("window", [None, 1, 2, 3, 10])
+def test_attention_masks_match_definition(window):
+    """One padded group of requests with different cached lengths and new-token counts."""
+    rows = [(0, 6, 0), (6, 1, 5), (7, 3, 4), (10, 2, 7)]  # (first token, new tokens, cached before)
+    group = _Group([(first, n, past, torch.arange(past + n)) for first, n, past in rows])
+    mask = group.mask(window)[:, 0]
+    assert mask.shape == (4, 6, 9)
+    for b, (_, n, past) in enumerate(rows):
+        for i in range(group.q_len):
+            if i >= n:  # padding: one key, so softmax stays finite; the row is dropped
+                assert mask[b, i].tolist() == [True] + [False] * 8
+                continue
             q = past + i
-            assert bool(mask[i, j]) == (j <= q and q - j < window), (i, j)
+            for j in range(9):
+                assert bool(mask[b, i, j]) == (j <= q and (window is None or q - j < window)), (b, i, j)
+    assert group.tokens.tolist() == list(range(12))
 
 
 @pytest.fixture(scope="module")

@@ -32,18 +32,18 @@ def w():
     return torch.randn(192, 256, generator=torch.Generator().manual_seed(0)) * 0.05
 
 
-@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("rows", [1, 5, 40, 300])
 def test_int8_weight_only(w, rows):
     lin = qlinear.Int8WeightOnly(w)
     assert lin.weight.dtype == torch.int8
     x = torch.randn(rows, 256)
     ref = F.linear(x, lin.dequantized())
-    assert _rel(lin(x), ref) < (2e-2 if rows <= qlinear.DECODE_ROWS else 1e-5)
+    assert _rel(lin(x), ref) < 2e-2  # the kernel takes bf16 activations, at any row count
     q, s = quantize_per_channel(w, 8)
     assert torch.equal(lin.weight, q) and torch.equal(lin.scale, s)
 
 
-@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("rows", [1, 40, 300])
 def test_int4_awq_layout(w, rows):
     q, s = quantize_per_group(w, 128)
     prequant = torch.rand(256) + 0.5
@@ -51,7 +51,7 @@ def test_int4_awq_layout(w, rows):
     assert lin.weight.shape == (96, 256) and lin.weight.dtype == torch.int8
     x = torch.randn(rows, 256)
     ref = F.linear(x * prequant, dequantize_per_group(q, s, 128))
-    assert _rel(lin(x), ref) < (2e-2 if rows <= qlinear.DECODE_ROWS else 1e-5)
+    assert _rel(lin(x), ref) < 2e-2
 
 
 def test_int4_with_zero_point(w):
@@ -62,7 +62,7 @@ def test_int4_with_zero_point(w):
     ref = F.linear(x, dequantize_per_group(signed, scales, 64, zero=zero))
     assert _rel(lin(x), ref) < 2e-2
     x = torch.randn(30, 256)
-    assert _rel(lin(x), ref := F.linear(x, lin.dequantized())) < 1e-5 and ref.abs().max() > 0
+    assert _rel(lin(x), ref := F.linear(x, lin.dequantized())) < 2e-2 and ref.abs().max() > 0
 
 
 def test_int4_per_channel_weight_only(w):
@@ -118,13 +118,11 @@ def _engine_for(hf, tmp_path, recipe, tp=1):
 
 @pytest.mark.parametrize("kind, tol", [("int8", 5e-2), ("fp8", 1e-1)])
 def test_kv_cache_stored_quantized(hf_llama, tmp_path, kind, tol):
-    from toolchain.engine.cpu.model import KVCache
     from toolchain.quant.recipe import Recipe
 
     fp = _engine_for(hf_llama, tmp_path, Recipe())
     q = _engine_for(hf_llama, tmp_path, Recipe(kv_cache=kind), tp=2)
-    cache = KVCache(q.dims, 4)
-    assert cache.k[0][0].dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kind]
+    assert q.kv.k.dtype == q.kv.v.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kind]
     ids = list(range(3, 43))
     ref, got = fp.forward_logits(ids), q.forward_logits(ids)
     assert _rel(got, ref) < tol

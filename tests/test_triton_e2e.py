@@ -9,10 +9,8 @@ import threading
 
 import pytest
 
-from conftest import make_hf_llama, write_spec
-from toolchain.spec import load_spec
-from toolchain.workspace import Workspace
-from triton_helpers import make_tiny_tokenizer, stream, tensor, text_request, token_request
+from conftest import make_hf_llama
+from triton_helpers import deploy, make_tiny_tokenizer, stream, tensor, text_request, token_request
 
 pytest.importorskip("toolchain.engine.cpu")
 pytest.importorskip("toolchain.checkpoint.stage")
@@ -36,19 +34,7 @@ def hf_dir(tmp_path_factory):
 
 
 def _deploy(tmp_path_factory, hf_dir, streaming: bool):
-    from toolchain.checkpoint.stage import run_convert
-    from toolchain.engine.build import run_build
-    from toolchain.triton.repo import run_model_repo
-    from toolchain.triton.server import TritonServer
-
-    root = tmp_path_factory.mktemp("ws")
-    spec = load_spec(write_spec(root / "spec.yaml", hf_dir, limits=LIMITS,
-                                serving={"http_port": 0, "grpc_port": 0, "metrics_port": 0, "streaming": streaming}))
-    ws = Workspace(root)
-    run_convert(spec, ws)
-    run_build(spec, ws)
-    run_model_repo(spec, ws)
-    return spec, ws, TritonServer.from_spec(spec, ws.model_repo_dir(spec), log_path=root / "server.log")
+    return deploy(tmp_path_factory.mktemp("ws"), hf_dir, limits=LIMITS, serving={"streaming": streaming})
 
 
 @pytest.fixture(scope="module")

@@ -96,4 +96,6 @@ def test_cpu_target_is_unchanged(tmp_path):
     repo = ws.model_repo_dir(spec)
     assert not (repo / "tensorrt_llm_draft").exists()
     got = params(text_format.Parse((repo / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig()))
-    assert got["enable_kv_cache_reuse"] == "false" and "lora_cache_max_adapter_size" not in got
+    # The scheduler and KV-cache parameters come from the spec on both targets; the GPU-only ones stay out.
+    assert got["enable_kv_cache_reuse"] == "true" and got["enable_chunked_context"] == "false"
+    assert "lora_cache_max_adapter_size" not in got

@@ -30,6 +30,26 @@ def make_tiny_tokenizer(out: Path, vocab_size: int = 250) -> Path:
     return Path(out)
 
 
+def deploy(root: Path, hf_dir: Path, **sections):
+    """Convert, build and render `hf_dir` with a spec of `sections` under `root`; returns
+    (spec, workspace, an unstarted TritonServer on free ports)."""
+    from conftest import write_spec
+    from toolchain.checkpoint.stage import run_convert
+    from toolchain.engine.build import run_build
+    from toolchain.spec import load_spec
+    from toolchain.triton.repo import run_model_repo
+    from toolchain.triton.server import TritonServer
+    from toolchain.workspace import Workspace
+
+    sections["serving"] = {"http_port": 0, "grpc_port": 0, "metrics_port": 0, **sections.get("serving", {})}
+    spec = load_spec(write_spec(root / "spec.yaml", hf_dir, **sections))
+    ws = Workspace(root)
+    run_convert(spec, ws)
+    run_build(spec, ws)
+    run_model_repo(spec, ws)
+    return spec, ws, TritonServer.from_spec(spec, ws.model_repo_dir(spec), log_path=root / "server.log")
+
+
 def tensor(name: str, value, dtype: str, batch: bool = True):
     """A gRPC input from a Python value: one batch row `[1, ...]`, or the value's
     own shape with batch=False (models with max_batch_size 0)."""

@@ -101,12 +101,21 @@ class ServingSection(_Section):
     """Instances of preprocessing, postprocessing and the BLS."""
     max_queue_delay_microseconds: int = Field(0, ge=0)
     """Dynamic batcher delay in front of the models."""
-    kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0, le=1)
-    """Share of free GPU memory given to the KV cache (GPU target)."""
+    kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0, lt=1)
+    """Share of the memory left after the weights given to the KV cache: free GPU memory, or for target cpu the
+    host memory available (the executor refuses 1.0: calculateFreeMemBytes in kvCacheManager.cpp)."""
+    max_tokens_in_paged_kv_cache: int | None = Field(None, ge=1)
+    """Cap on the KV cache in tokens; with the fraction, the smaller limit wins (unset: the fraction alone)."""
+    batch_scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"
+    """guaranteed_no_evict admits a request only with blocks for its longest output; max_utilization admits on
+    current need and pauses the newest request when blocks run out (it resumes later, tokens kept)."""
+    max_queue_size: int = Field(0, ge=0)
+    """Requests that may wait for admission; more are refused with the executor's "queue is full" error (0: no bound)."""
     exclude_input_in_output: bool = True
     """Default for responses: return only generated tokens."""
-    engine_threads: int = Field(1, ge=1, le=256)
-    """torch threads of the CPU engine inside the server (target cpu); small models decode fastest on one."""
+    engine_threads: int = Field(1, ge=0, le=256)
+    """torch threads of the CPU engine inside the server (target cpu); 0 = every core this host gives the
+    process. Small models decode fastest on one; 100M+ parameter models gain from more."""
 
 
 class SharedPrefixSection(_Section):

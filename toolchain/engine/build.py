@@ -30,7 +30,7 @@ from toolchain.manifest import MANIFEST, Manifest, is_current
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
 
-ENGINE_FORMAT_VERSION = "toolchain-cpu-1"
+ENGINE_FORMAT_VERSION = "toolchain-cpu-2"  # 2: plugin_config.tokens_per_block
 
 
 def build_config(spec: DeploymentSpec) -> dict:
@@ -43,7 +43,9 @@ def build_config(spec: DeploymentSpec) -> dict:
         "max_num_tokens": lim.max_num_tokens,
         "max_beam_width": 1,
         "kv_cache_type": "PAGED",
-        "plugin_config": {"remove_input_padding": True, "paged_kv_cache": True, "use_paged_context_fmha": True},
+        "plugin_config": {"remove_input_padding": True, "paged_kv_cache": True,
+                          "use_paged_context_fmha": spec.build.use_paged_context_fmha,
+                          "tokens_per_block": spec.build.tokens_per_block},
     }
 
 
@@ -171,6 +173,8 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
     checkpoint_dir = workspace.checkpoint_dir(spec)
     final = workspace.engine_dir(spec)
     inputs = {"checkpoint": sha256_file(checkpoint_dir / MANIFEST), "target": spec.target}
+    if spec.target == "cpu":
+        inputs["format"] = ENGINE_FORMAT_VERSION
     binary = None
     if spec.target == "trtllm":
         # Found (and its version checked) first: without it nothing can be built, and

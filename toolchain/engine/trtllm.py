@@ -384,7 +384,7 @@ TRITON_DEFAULTS: dict[str, object] = {
 TRITON_UNSET = {
     "encoder_model_path": "encoder-decoder models only",
     "cross_kv_cache_fraction": "encoder-decoder models only",
-    "max_tokens_in_paged_kv_cache": "unset = bounded by kv_cache_free_gpu_mem_fraction",
+    "max_tokens_in_paged_kv_cache": "written when serving.max_tokens_in_paged_kv_cache is set",
     "sink_token_length": "attention sinks off",
     "participant_ids": "orchestrator mode without spawning only",
     "lora_prefetch_dir": "no adapters preloaded",
@@ -405,8 +405,6 @@ def triton_parameters(spec) -> dict[str, object]:
     params: dict[str, object] = dict(TRITON_DEFAULTS)
     params.update({
         "max_beam_width": b.max_beam_width,
-        "enable_kv_cache_reuse": b.kv_cache_reuse,
-        "enable_chunked_context": b.chunked_context,
         "num_nodes": -(-spec.parallelism.world_size // spec.gpu.per_node),
         "decoding_mode": DECODING_MODES.get(sp.mode, "beam_search" if b.max_beam_width > 1 else "top_k_top_p"),
     })

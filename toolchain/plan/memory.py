@@ -129,6 +129,18 @@ def kv_bytes_per_token(p: ArchParams, *, tp: int, stage_layer_count: int, kv_byt
     return 2 * stage_layer_count * kv_heads_per_rank(p, tp) * p.head_size * kv_bytes
 
 
+def kv_pool_tokens(free_bytes: int, fraction: float, bytes_per_token: int, tokens_per_block: int,
+                   max_tokens: int | None = None) -> int:
+    """Tokens a KV pool holds: whole blocks in `fraction` of the free memory, capped by
+    max_tokens rounded up to a block (TensorRT-LLM calculateMaxNumBlocks in kvCacheManager.cpp:
+    the smaller limit wins). The CPU engine sizes its pool with this same function."""
+    block_bytes = bytes_per_token * tokens_per_block
+    blocks = int(fraction * max(free_bytes, 0)) // block_bytes if block_bytes else 0
+    if max_tokens is not None:
+        blocks = min(blocks, -(-max_tokens // tokens_per_block))
+    return blocks * tokens_per_block
+
+
 def activation_bytes(p: ArchParams, *, tp: int, max_num_tokens: int, max_input_len: int,
                      context_fmha: bool = True, act_bytes: int = ACTIVATION_BYTES) -> int:
     """Estimate of one rank's activation memory, fixed at build time by the profile

@@ -150,7 +150,8 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
         free = device_bytes - weights - act - workspace - on_gpu
         kv_tok = mem.kv_bytes_per_token(p, tp=tp, stage_layer_count=len(layers), kv_bytes=kv_bytes)
         pool = int(fraction * free) if free > 0 else 0
-        capacity = pool // kv_tok // build.tokens_per_block * build.tokens_per_block if kv_tok else 0
+        capacity = mem.kv_pool_tokens(free, fraction, kv_tok, build.tokens_per_block,
+                                      spec.serving.max_tokens_in_paged_kv_cache)
         ranks.append(RankPlan(rank, tp_rank, pp_rank, (layers.start, layers.stop - 1), weights, stored, kv_tok, act,
                               workspace, on_gpu, device_bytes, free, pool, capacity))
 

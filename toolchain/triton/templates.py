@@ -38,6 +38,10 @@ class RepoOptions:
     exclude_input_in_output: bool
     toolchain_path: Path  # fallback sys.path entry for the CPU model (the stub ignores PYTHONPATH)
     engine_threads: int = 1  # torch threads of the CPU engine (target cpu)
+    max_tokens_in_paged_kv_cache: int | None = None
+    batch_scheduler_policy: str = "guaranteed_no_evict"
+    enable_kv_cache_reuse: bool = False
+    enable_chunked_context: bool = False
     # Resolved from generation_config.json (plan/eos.py): the preprocessing model's
     # default end_id, and the other EOS ids it always adds as stop words.
     end_id: int | None = None
@@ -76,12 +80,11 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
         "gpt_model_type": "inflight_fused_batching",
         "gpt_model_path": opts.engine_dir,
         "max_beam_width": 1,
-        "batch_scheduler_policy": "guaranteed_no_evict",
+        "batch_scheduler_policy": opts.batch_scheduler_policy,
         "kv_cache_free_gpu_mem_fraction": opts.kv_cache_free_gpu_mem_fraction,
-        # Reuse needs an engine built with paged context FMHA: off explicitly here (the
-        # C++ default is on); target trtllm takes both from the build section below.
-        "enable_kv_cache_reuse": False,
-        "enable_chunked_context": False,
+        # Written explicitly either way: the C++ default for reuse is on.
+        "enable_kv_cache_reuse": opts.enable_kv_cache_reuse,
+        "enable_chunked_context": opts.enable_chunked_context,
         "exclude_input_in_output": opts.exclude_input_in_output,
         "normalize_log_probs": True,
         "decoding_mode": "top_k_top_p",
@@ -94,6 +97,8 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
         "guided_decoding_backend": EMPTY,
         "xgrammar_tokenizer_info_path": EMPTY,
     }
+    if opts.max_tokens_in_paged_kv_cache is not None:
+        params["max_tokens_in_paged_kv_cache"] = opts.max_tokens_in_paged_kv_cache
     if opts.target == "trtllm":
         params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
         params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"

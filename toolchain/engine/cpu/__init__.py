@@ -5,8 +5,10 @@ rank{N}.safetensors), `generate` runs one request synchronously, and
 `InflightBatcher` serves many with inflight batching and streaming callbacks.
 """
 
-from toolchain.engine.cpu.batcher import InflightBatcher
+from toolchain.engine.cpu.batcher import InflightBatcher, QueueFull, RequestStats, SchedulerConfig
 from toolchain.engine.cpu.engine import CpuEngine
+from toolchain.engine.cpu.kv_cache import KvCacheConfig
 from toolchain.engine.cpu.sampling import SamplingParams
 
-__all__ = ["CpuEngine", "InflightBatcher", "SamplingParams"]
+__all__ = ["CpuEngine", "InflightBatcher", "KvCacheConfig", "QueueFull", "RequestStats", "SamplingParams",
+           "SchedulerConfig"]

@@ -1,24 +1,40 @@
-"""Inflight batching: requests join the running batch at the next engine step.
+"""Inflight batching over the paged KV cache, scheduled as TensorRT-LLM's executor does.
 
-One background thread loops: take cancellations and new arrivals, admit
-waiting requests in arrival order while the batch has room (max_batch_size)
-and the step's token budget allows (max_num_tokens: prompt tokens of the
-admitted plus one per decoding request), then run one `engine.step` over
-everyone: the admitted are prefilled and all the others decode one token,
-every linear as one matmul over the whole batch. New tokens go out through
-each request's callback right after the step (streaming).
+One background thread loops; each iteration:
 
-A failing request is finished with an error and the loop goes on: a bad
-request is rejected before admission; if a batched step fails, each request
-is retried alone so only the one that fails gets the error.
+1. takes arrivals and cancellations (a cancelled request's blocks go back to the
+   pool at once);
+2. capacity: under `max_utilization`, makes sure every running request has the
+   block its next token needs, pausing the last started request (lowest priority,
+   latest arrival) while blocks run short: its blocks are released (full ones stay
+   cached for reuse) and it goes back to the front of its priority in the queue,
+   keeping its tokens, to be re-prefilled when it resumes. Under
+   `guaranteed_no_evict` every running request holds a reservation for its
+   longest possible length, so nothing is ever paused;
+3. admits queued requests in order (priority, higher first; arrival among equals)
+   while the batch has room (`max_batch_size`), the step has tokens left
+   (`max_num_tokens`) and the pool has the blocks the policy asks for: the
+   context's blocks (after prefix reuse) for `max_utilization`, plus the
+   reservation to completion for `guaranteed_no_evict`. The first request that
+   does not fit stops admission (no overtaking);
+4. runs one `engine.step`: decoding requests one token each first, then context
+   chunks. With `enable_chunked_context` a context longer than the tokens left
+   is cut to a multiple of tokens_per_block and continues next step, so a long
+   prompt never stalls running decodes for more than one step's budget.
+
+New tokens go out through each request's callback right after the step. A
+failing request is finished with an error and the loop goes on: a bad request is
+rejected before admission; if a batched step fails, each request is retried
+alone so only the one that fails gets the error.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,6 +44,39 @@ from toolchain.engine.cpu.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 Callback = Callable[[list[int], bool, "str | None"], None]
+POLICIES = ("guaranteed_no_evict", "max_utilization")
+DEFAULT_PRIORITY = 0.5  # executor::Request::kDefaultPriority
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The executor settings the tensorrt_llm model parameters control."""
+
+    policy: str = "guaranteed_no_evict"  # batch_scheduler_policy
+    enable_chunked_context: bool = False
+    max_queue_size: int = 0  # requests waiting for admission; 0 = unbounded
+
+    def problem(self) -> str | None:
+        if self.policy not in POLICIES:
+            return f"batch_scheduler_policy {self.policy!r} (use {' or '.join(POLICIES)})"
+        if self.max_queue_size < 0:
+            return f"max_queue_size {self.max_queue_size} must be >= 0"
+        return None
+
+
+@dataclass
+class RequestStats:
+    """Filled in by the batcher for the perf-metrics outputs of one request."""
+
+    first_scheduled_ns: int = 0
+    kv_cache_reused_blocks: int = 0
+    kv_cache_alloc_new_blocks: int = 0
+    kv_cache_alloc_total_blocks: int = 0
+    paused: int = 0  # times it was paused (max_utilization)
 
 
 @dataclass
@@ -36,8 +85,17 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     callback: Callback
+    priority: float
+    order: int
+    stats: RequestStats
     seq: Sequence | None = None
+    counted: bool = True  # still counted against max_queue_size (until first admitted or dropped)
+    paused: bool = False  # back in the queue after a pause (max_utilization)
     submitted: float = field(default_factory=time.perf_counter)
+
+    @property
+    def rank(self) -> tuple[float, int]:
+        return (-self.priority, self.order)
 
 
 @dataclass
@@ -49,31 +107,40 @@ class BatcherStats:
     tokens: int = 0
     max_running: int = 0
     joined_running: int = 0  # admissions that happened while other requests were mid-generation
+    paused_total: int = 0  # pauses since start (max_utilization)
+    chunked_steps: int = 0  # steps that ran a context chunk short of its prompt's end
     # the last iteration
     active: int = 0                  # running + queued
     scheduled: int = 0               # in the batch
-    context: int = 0                 # of them prefilled in this step
-    context_tokens: int = 0          # their prompt tokens
+    context: int = 0                 # of them in the context phase
+    context_tokens: int = 0          # their context tokens this step
     generation: int = 0              # of them decoding
+    paused: int = 0                  # paused requests waiting to resume
     timestamp_us: int = 0            # when it ended (wall clock)
 
     def idle(self) -> None:
-        self.active = self.scheduled = self.context = self.context_tokens = self.generation = 0
+        self.active = self.scheduled = self.context = self.context_tokens = self.generation = self.paused = 0
 
 
 class InflightBatcher:
-    def __init__(self, engine: CpuEngine):
+    def __init__(self, engine: CpuEngine, config: SchedulerConfig | None = None):
         self.engine = engine
+        self.config = config or SchedulerConfig()
+        problem = self.config.problem()
+        if problem:
+            raise ValueError(problem)
         self.stats = BatcherStats()
         self._cv = threading.Condition()
-        self._waiting: deque[_Request] = deque()
+        self._arrivals: list[_Request] = []
         self._cancel: set = set()
-        self._known: set = set()  # ids of running requests (batcher thread only)
-        # Owned by the batcher thread alone: arrivals waiting for room, and the running batch.
-        self._queue: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self._waiting_count = 0  # submitted and not yet admitted (paused requests excluded), for max_queue_size
+        self._order = itertools.count()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # Owned by the batcher thread alone: queued requests and the running batch, both kept in rank order.
+        self._queue: list[_Request] = []
+        self._running: list[_Request] = []
+        self._known: set = set()  # ids of admitted requests
 
     # -- client side -------------------------------------------------------------
 
@@ -85,12 +152,24 @@ class InflightBatcher:
             self._thread.start()
         return self
 
-    def submit(self, request_id, prompt_ids: list[int], params: SamplingParams, callback: Callback) -> None:
-        """Queue a request; `callback(new_tokens, finished, error)` runs on the batcher thread."""
+    def submit(self, request_id, prompt_ids: list[int], params: SamplingParams, callback: Callback, *,
+               priority: float = DEFAULT_PRIORITY, stats: RequestStats | None = None) -> None:
+        """Queue a request; `callback(new_tokens, finished, error)` runs on the batcher thread.
+
+        Raises QueueFull when max_queue_size requests already wait (the executor's
+        refusal), ValueError for a priority outside [0, 1]."""
+        if not isinstance(priority, (int, float)) or not 0.0 <= priority <= 1.0:
+            raise ValueError(f"priority must be in [0, 1], got {priority!r}")
         with self._cv:
             if self._stopping:
                 raise RuntimeError("InflightBatcher is stopped")
-            self._waiting.append(_Request(request_id, prompt_ids, params, callback))
+            limit = self.config.max_queue_size
+            if limit and self._waiting_count >= limit:
+                # The executor's words (TensorRT-LLM cpp/tensorrt_llm/executor/executorImpl.cpp, enqueueRequests).
+                raise QueueFull(f"Maximum queue size of {limit} has been reached, please try again later")
+            self._waiting_count += 1
+            self._arrivals.append(_Request(request_id, prompt_ids, params, callback, float(priority),
+                                           next(self._order), stats or RequestStats()))
             self._cv.notify()
 
     def cancel(self, request_id) -> None:
@@ -105,12 +184,11 @@ class InflightBatcher:
             self._stopping = True
             self._cv.notify()
             thread = self._thread
-            never_started = thread is None
-            orphans = list(self._waiting) if never_started else []
-            if never_started:
-                self._waiting.clear()
+            orphans = list(self._arrivals) if thread is None else []
+            if thread is None:
+                self._arrivals.clear()
         for req in orphans:  # no loop will ever answer them
-            self._finish(req, "cancelled", "the engine is shutting down")
+            self._deliver(req, [], True, "the engine is shutting down")
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
@@ -133,115 +211,203 @@ class InflightBatcher:
                 self._finish(req, "cancelled", notify=False)
             return False
 
+    def _dequeued(self, req: _Request) -> None:
+        if req.counted:
+            req.counted = False
+            with self._cv:
+                self._waiting_count -= 1
+
     def _finish(self, req: _Request, reason: str, error: str | None = None, notify: bool = True) -> None:
-        if req.seq is not None and not req.seq.finished:
-            req.seq.finish(reason)
+        seq = req.seq
+        if seq is not None:
+            if not seq.finished:
+                seq.finish(reason)
+            self.engine.release(seq)  # the blocks go back at once
         if req in self._running:
             self._running.remove(req)
-        self._known.discard(req.request_id)
+            self._known.discard(req.request_id)
+        elif req in self._queue:
+            self._queue.remove(req)
+            self._dequeued(req)
         if notify:
             self._deliver(req, [], True, error)
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                if not (self._waiting or self._queue or self._running or self._stopping or self._cancel):
+                if not (self._arrivals or self._queue or self._running or self._stopping or self._cancel):
                     self.stats.idle()  # nothing in flight: the gauges read zero, not the last step
-                while not (self._waiting or self._queue or self._running or self._stopping or self._cancel):
+                while not (self._arrivals or self._queue or self._running or self._stopping or self._cancel):
                     self._cv.wait()
                 if self._stopping:
-                    pending = list(self._waiting) + list(self._running)
-                    self._waiting.clear()
+                    pending = self._arrivals + self._queue + self._running
+                    self._arrivals = []
                     break
                 cancel, self._cancel = self._cancel, set()
-                arrived = list(self._waiting)
-                self._waiting.clear()
-            self._queue.extend(arrived)
+                arrived, self._arrivals = self._arrivals, []
             try:
+                self._enqueue(arrived)
                 self._apply_cancels(cancel)
-                self._admit()
-                if self._running:
-                    self._step()
+                batch = self._schedule()
+                if batch:
+                    self._step(batch)
             except Exception as err:  # a bug in the loop itself: fail what is in flight, keep serving
                 log.exception("inflight batcher step failed")
                 for req in list(self._running):
                     self._finish(req, "error", f"internal engine error: {type(err).__name__}: {err}")
-        for req in pending + list(self._queue):
-            self._finish(req, "cancelled", "the engine is shutting down")
+        for req in pending:
+            if req.seq is not None:
+                self.engine.release(req.seq)
+            self._deliver(req, [], True, "the engine is shutting down")
 
-    def _apply_cancels(self, cancel: set) -> None:
-        if not cancel:
-            return
-        for req in [r for r in self._running if r.request_id in cancel]:
-            self._finish(req, "cancelled")
-        kept = deque()
-        for req in self._queue:
-            if req.request_id in cancel:
-                self._finish(req, "cancelled")
-            else:
-                kept.append(req)
-        self._queue = kept
-
-    def _admit(self) -> None:
-        """Move queued requests into the batch, in arrival order, within the step's limits."""
-        limits = self.engine.limits
-        budget = limits.max_num_tokens - len(self._running)
-        while self._queue and len(self._running) < limits.max_batch_size:
-            req = self._queue[0]
-            if req.request_id in self._known:
-                self._queue.popleft()
-                self._deliver(req, [], True, f"request id {req.request_id!r} is already in flight")
-                continue
+    def _enqueue(self, arrived: list[_Request]) -> None:
+        for req in arrived:
             try:
                 problem = self.engine.request_problem(req.prompt, req.params)
             except Exception as err:  # malformed input the checks did not foresee
                 problem = f"invalid request: {type(err).__name__}: {err}"
+            if problem is None and (req.request_id in self._known
+                                    or any(q.request_id == req.request_id for q in self._queue)):
+                problem = f"request id {req.request_id!r} is already in flight"
             if problem is not None:
-                self._queue.popleft()
+                self._dequeued(req)
                 self._deliver(req, [], True, problem)
                 continue
-            # Keep the token bound, except when nothing runs: a prompt longer than the budget must still go.
-            if len(req.prompt) > budget and self._running:
-                break
-            self._queue.popleft()
-            try:
-                req.seq = self.engine.start(req.prompt, req.params)
-            except Exception as err:  # e.g. out of memory for the KV cache
-                self._deliver(req, [], True, f"cannot start request: {err}")
-                continue
-            budget -= len(req.prompt)
-            if any(r.seq.prefilled for r in self._running):
-                self.stats.joined_running += 1
-            self._known.add(req.request_id)
-            self._running.append(req)
+            req.seq = self.engine.start(req.prompt, req.params)
+            bisect.insort(self._queue, req, key=lambda r: r.rank)
 
-    def _step(self) -> None:
-        batch = list(self._running)
-        prefill = [r for r in batch if not r.seq.prefilled]
+    def _apply_cancels(self, cancel: set) -> None:
+        if not cancel:
+            return
+        for req in [r for r in self._running + self._queue if r.request_id in cancel]:
+            self._finish(req, "cancelled")
+
+    # -- scheduling ------------------------------------------------------------------
+
+    def _pause(self, req: _Request) -> None:
+        """max_utilization: give a running request's blocks back; it resumes from the queue
+        with its tokens, re-prefilling them (reusing whatever blocks are still cached)."""
+        self.engine.release(req.seq)
+        self._running.remove(req)
+        self._known.discard(req.request_id)
+        req.paused = True
+        bisect.insort(self._queue, req, key=lambda r: r.rank)
+        req.stats.paused += 1
+        self.stats.paused_total += 1
+
+    def _make_room(self) -> set:
+        """max_utilization: every running request gets the block its next step needs; returns
+        the ids paused for it."""
+        engine, paused = self.engine, set()
+        while True:
+            need = sum(1 for r in self._running if not r.seq.in_context and engine.needs_block(r.seq, 1))
+            if need <= engine.kv.free_blocks or not self._running:
+                return paused
+            victim = self._running[-1]
+            paused.add(victim.request_id)
+            self._pause(victim)
+
+    def _chunk(self, seq: Sequence, budget: int, first_context: bool) -> int:
+        """Tokens of `seq`'s context to run this step within `budget`, 0 for none."""
+        pending = seq.pending
+        if pending <= budget:
+            return pending
+        if self.config.enable_chunked_context:
+            tpb = self.engine.kv.tokens_per_block
+            return budget // tpb * tpb
+        # Unchunked, a context larger than a whole step (a resumed request's prompt + output) could
+        # never fit: it runs as the step's only context rather than wait forever.
+        return pending if first_context and pending > self.engine.limits.max_num_tokens else 0
+
+    def _schedule(self) -> list[tuple[_Request, int]]:
+        engine, lim = self.engine, self.engine.limits
+        guaranteed = self.config.policy == "guaranteed_no_evict"
+        paused_now = set() if guaranteed else self._make_room()
+        batch: list[tuple[_Request, int]] = []
+        budget = lim.max_num_tokens
+        # Generation first, then contexts already under way (TensorRT-LLM's micro-batch order).
+        for req in self._running:
+            if not req.seq.in_context and budget > 0 and len(batch) < lim.max_batch_size:
+                batch.append((req, 1))
+                budget -= 1
+        for req in self._running:
+            if req.seq.in_context and len(batch) < lim.max_batch_size:
+                n = self._chunk(req.seq, budget, first_context=not any(r.seq.in_context for r, _ in batch))
+                if n:
+                    batch.append((req, n))
+                    budget -= n
+        # Admissions, in rank order, stopping at the first that does not fit.
+        if guaranteed:
+            free = engine.kv.free_blocks - sum(engine.blocks_to_finish(r.seq) for r in self._running)
+        else:
+            free = engine.kv.free_blocks - sum(1 for r in self._running
+                                               if not r.seq.in_context and engine.needs_block(r.seq, 1))
+        while self._queue and len(self._running) < lim.max_batch_size and len(batch) < lim.max_batch_size:
+            req = self._queue[0]
+            seq = req.seq
+            if req.request_id in paused_now:  # paused for room this very step
+                break
+            need = engine.blocks_to_add(seq) + (engine.blocks_to_finish(seq) if guaranteed else 0)
+            if need > free:
+                break
+            first_context = not any(r.seq.in_context for r, _ in batch)
+            context = len(seq.tokens) - engine.kv.match(seq.tokens) * engine.kv.tokens_per_block
+            if context > budget and not (self.config.enable_chunked_context and budget >= engine.kv.tokens_per_block
+                                         or first_context and context > lim.max_num_tokens):
+                break  # cannot start this step
+            self._queue.pop(0)
+            self._dequeued(req)
+            req.paused = False
+            engine.add(seq)
+            st, table = req.stats, seq.table
+            # Counted around each context allocation, as the backend's kvCacheMetrics are.
+            st.kv_cache_reused_blocks += table.reused
+            st.kv_cache_alloc_new_blocks += table.alloc_new
+            st.kv_cache_alloc_total_blocks += table.alloc_total
+            table.reused = table.alloc_new = table.alloc_total = 0
+            if not st.first_scheduled_ns:
+                st.first_scheduled_ns = time.time_ns()
+            free -= need
+            n = self._chunk(seq, budget, first_context)
+            if any(not r.seq.in_context for r in self._running):
+                self.stats.joined_running += 1
+            bisect.insort(self._running, req, key=lambda r: r.rank)
+            self._known.add(req.request_id)
+            if n:
+                batch.append((req, n))
+                budget -= n
+        return batch
+
+    def _step(self, batch: list[tuple[_Request, int]]) -> None:
+        items = [(r.seq, n) for r, n in batch]
+        context = [(r, n) for r, n in batch if r.seq.in_context]
         try:
-            emitted = self.engine.step([r.seq for r in batch])
+            emitted = self.engine.step(items)
         except Exception:
             log.exception("batched step failed; retrying its %d requests one by one", len(batch))
             emitted = []
-            for req in batch:
+            for seq, n in items:
                 try:
-                    emitted.extend(self.engine.step([req.seq]))
+                    emitted.extend(self.engine.step([(seq, n)]))
                 except Exception as err:
-                    req.seq.error = f"engine step failed: {type(err).__name__}: {err}"
-                    req.seq.finish("error")
+                    seq.error = f"engine step failed: {type(err).__name__}: {err}"
+                    seq.finish("error")
                     emitted.append([])
         st = self.stats
         st.steps += 1
         st.max_running = max(st.max_running, len(batch))
-        st.active = len(batch) + len(self._queue)
-        st.scheduled, st.context = len(batch), len(prefill)
-        st.context_tokens = sum(len(r.prompt) for r in prefill)
-        st.generation = len(batch) - len(prefill)
+        st.active = len(self._running) + len(self._queue)
+        st.scheduled, st.context = len(batch), len(context)
+        st.context_tokens = sum(n for _, n in context)
+        st.generation = len(batch) - len(context)
+        st.paused = sum(1 for r in self._queue if r.paused)
+        st.chunked_steps += any(r.seq.in_context for r, _ in context)
         st.timestamp_us = time.time_ns() // 1000
-        for req, tokens in zip(batch, emitted):
-            self.stats.tokens += len(tokens)
+        for (req, _), tokens in zip(batch, emitted):
+            st.tokens += len(tokens)
             seq = req.seq
             if seq.finished:
+                self.engine.release(seq)
                 self._running.remove(req)
                 self._known.discard(req.request_id)
                 self._deliver(req, tokens, True, seq.error)

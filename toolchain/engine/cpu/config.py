@@ -126,6 +126,7 @@ class BuildLimits:
     max_input_len: int
     max_seq_len: int
     max_num_tokens: int
+    tokens_per_block: int = 32  # plugin_config.tokens_per_block (TensorRT-LLM 1.2's default)
 
 
 def _need(cfg: dict, key: str, kind: type, origin: str) -> Any:
@@ -278,6 +279,11 @@ def parse_limits(build: Any, origin: str) -> BuildLimits:
     if build.get("max_beam_width", 1) != 1:
         raise ToolchainError(f"{origin}: max_beam_width {build['max_beam_width']} (the CPU engine only does 1)",
                              _REBUILD)
+    plugin = build.get("plugin_config") or {}
+    tpb = plugin.get("tokens_per_block", 32)
+    if not isinstance(tpb, int) or isinstance(tpb, bool) or tpb < 1 or tpb & (tpb - 1):
+        raise ToolchainError(f"{origin}: plugin_config.tokens_per_block must be a power of 2, got {tpb!r}", _REBUILD)
+    values["tokens_per_block"] = tpb
     if values["max_input_len"] > values["max_seq_len"]:
         raise ToolchainError(f"{origin}: max_input_len exceeds max_seq_len", _REBUILD)
     return BuildLimits(**values)

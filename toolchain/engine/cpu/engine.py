@@ -1,32 +1,36 @@
 """`CpuEngine`: load an engine directory and run requests over its rank shards.
 
-`generate` and the inflight batcher share the same two pieces: `start`
-(validate a request, give it a KV cache and a sampler) and `step` (one forward
-over any mix of prefilling and decoding requests, then one token each), so a
-request gets the same tokens alone or batched.
+`generate` and the inflight batcher share the same pieces: `start` (validate a
+request, give it a sampler), `add` (its context's KV blocks, reusing cached
+prefix blocks), `step` (one forward over any mix of context chunks and decoding
+requests, then one token each for those that reached their end) and `release`.
+A request gets the same tokens alone or batched.
 """
 
 from __future__ import annotations
 
 import numbers
+import os
+import threading
 from pathlib import Path
 
 import torch
 
 from toolchain.engine.cpu.config import BuildLimits, ModelDims, read_engine_config
-from toolchain.engine.cpu.model import Chunk, KVCache, Model
+from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager
+from toolchain.engine.cpu.model import Chunk, Model
 from toolchain.engine.cpu.sampling import Sampler, SamplingParams
 from toolchain.engine.cpu.weights import load_stages
 from toolchain.errors import ToolchainError
 
 
 class Sequence:
-    """One request in flight: its prompt, output so far, cache and sampler."""
+    """One request in flight: its prompt, output so far, KV blocks and sampler."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, cache: KVCache):
+    def __init__(self, prompt: list[int], params: SamplingParams):
         self.prompt = [int(t) for t in prompt]
         self.params = params
-        self.cache: KVCache | None = cache
+        self.table = BlockTable()
         self.sampler = Sampler(params)
         self.output: list[int] = []
         self.finished = False
@@ -34,15 +38,24 @@ class Sequence:
         self.error: str | None = None
 
     @property
-    def prefilled(self) -> bool:
-        return self.cache is not None and self.cache.length > 0
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
 
-    def next_tokens(self) -> list[int]:
-        return self.output[-1:] if self.prefilled else self.prompt
+    @property
+    def pending(self) -> int:
+        """Tokens whose K/V are not cached yet: the context (or what is left of it), else 1."""
+        return len(self.prompt) + len(self.output) - self.table.length
+
+    @property
+    def in_context(self) -> bool:
+        return self.table.length == 0 or self.pending > 1
+
+    @property
+    def has_blocks(self) -> bool:
+        return bool(self.table.blocks)
 
     def finish(self, reason: str) -> None:
         self.finished, self.reason = True, reason
-        self.cache = None  # free the KV memory as soon as the request ends
 
     def accept(self, logits: torch.Tensor) -> list[int]:
         """Sample the next token from `logits` [V]; returns the tokens to emit (empty on end_id)."""
@@ -59,26 +72,44 @@ class Sequence:
 
 
 class CpuEngine:
-    def __init__(self, config: dict, dims: ModelDims, limits: BuildLimits, model: Model):
+    def __init__(self, config: dict, dims: ModelDims, limits: BuildLimits, model: Model, kv: KvCacheManager):
         self.config = config
         self.dims = dims
         self.limits = limits
         self.model = model
+        self.kv = kv
+        # The pool and the tables are shared state: generate() on a caller's thread and the
+        # batcher's loop must not interleave their steps.
+        self.lock = threading.RLock()
+        if kv.capacity_tokens < limits.max_seq_len:
+            raise ToolchainError(
+                f"the KV cache holds {kv.capacity_tokens} tokens ({kv.num_blocks} blocks of {kv.tokens_per_block}), "
+                f"less than one max_seq_len ({limits.max_seq_len}) sequence",
+                "raise max_tokens_in_paged_kv_cache or kv_cache_free_gpu_mem_fraction, or lower max_seq_len")
 
     @classmethod
-    def load(cls, engine_dir: Path | str, *, num_threads: int | None = None) -> "CpuEngine":
+    def load(cls, engine_dir: Path | str, *, num_threads: int | None = None,
+             kv_cache: KvCacheConfig | None = None) -> "CpuEngine":
         """Load and validate an engine directory.
 
         `num_threads` sets torch's intra-op threads for the whole process (None
-        leaves them). Small models want 1: their matmuls are too small to split,
-        and a contended second OpenMP thread made decoding 50x slower on the
-        shared 2-core box.
+        leaves them, 0 takes every core the host gives the process). `kv_cache` sizes the block pool; by default its block size is
+        the engine's tokens_per_block and its budget 90% of the memory available
+        once the weights are loaded.
         """
+        if num_threads == 0:  # every core the host lets this process use
+            num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         engine_dir = Path(engine_dir)
         config, dims, limits = read_engine_config(engine_dir)
-        return cls(config, dims, limits, Model(dims, load_stages(engine_dir, dims)))
+        model = Model(dims, load_stages(engine_dir, dims))
+        if kv_cache is None:
+            kv_cache = KvCacheConfig(tokens_per_block=limits.tokens_per_block)
+        elif kv_cache.tokens_per_block != limits.tokens_per_block:
+            raise ToolchainError(f"tokens_per_block {kv_cache.tokens_per_block} differs from the engine's "
+                                 f"{limits.tokens_per_block}", "the block size is fixed when the engine is built")
+        return cls(config, dims, limits, model, KvCacheManager.create(dims, kv_cache))
 
     @property
     def vocab_size(self) -> int:
@@ -114,38 +145,83 @@ class CpuEngine:
         return None
 
     def start(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """A validated request, not yet holding any KV blocks."""
         problem = self.request_problem(prompt_ids, params)
         if problem is not None:
             raise ToolchainError(problem)  # the message names the limit and what would fit
-        # The last sampled token is never fed back, so prompt + max_new_tokens - 1 positions suffice.
-        capacity = len(prompt_ids) + params.max_new_tokens - 1
-        return Sequence(prompt_ids, params, KVCache(self.dims, capacity))
+        return Sequence(prompt_ids, params)
 
-    def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        """One forward for all `seqs` (prefill or decode each) and one sampled token each.
+    # -- KV blocks ---------------------------------------------------------------
 
-        Returns the tokens each sequence emits this step. Raises if the forward
-        fails; no cache has advanced then, so the caller may retry any subset.
-        """
-        with torch.no_grad():
-            logits = self.model.forward([Chunk(s.cache, s.next_tokens()) for s in seqs])
-        emitted = []
-        for s, row in zip(seqs, logits):
-            try:
-                emitted.append(s.accept(row))
-            except Exception as err:  # one request's sampling failure must not cost the others their step
-                s.finish("error")
-                s.error = f"sampling failed: {err}"
-                emitted.append([])
-        return emitted
+    def blocks_to_add(self, seq: Sequence) -> int:
+        """Free blocks `add` would take for `seq`'s context now (after prefix reuse)."""
+        return self.kv.blocks_to_add(seq.tokens)
+
+    def blocks_to_finish(self, seq: Sequence) -> int:
+        """Blocks `seq` needs beyond those it holds (or, before `add`, beyond its context's) to
+        reach its longest possible length: guaranteed_no_evict's reservation."""
+        longest = len(seq.prompt) + seq.params.max_new_tokens - 1  # the last token is never fed back
+        held = len(seq.table.blocks) if seq.has_blocks else self.kv.blocks_for(len(seq.tokens))
+        return max(0, self.kv.blocks_for(longest) - held)
+
+    def add(self, seq: Sequence) -> None:
+        """Blocks for the whole context (prompt, plus output when resuming a paused request)."""
+        with self.lock:
+            self.kv.add_sequence(seq.table, seq.tokens)
+
+    def release(self, seq: Sequence) -> None:
+        with self.lock:
+            self.kv.release(seq.table)
+
+    def needs_block(self, seq: Sequence, n: int) -> bool:
+        """Whether feeding `n` more tokens crosses into a block `seq` does not hold yet."""
+        return seq.table.length + n > len(seq.table.blocks) * self.kv.tokens_per_block
+
+    # -- one iteration -------------------------------------------------------------
+
+    def step(self, batch: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """One forward over `batch` (sequence, tokens to feed) and one sampled token for each
+        sequence whose fed tokens reach its end; returns the tokens each emits.
+
+        Raises if the forward fails; no table has advanced then, so the caller may
+        retry any subset."""
+        with self.lock:
+            chunks = []
+            for seq, n in batch:
+                start = seq.table.length
+                self.kv.reserve(seq.table, start + n)
+                chunks.append(Chunk(seq.table, seq.tokens[start:start + n], logits=n == seq.pending))
+            with torch.no_grad():
+                logits = self.model.forward(chunks, self.kv)
+            emitted = []
+            for (seq, n), row in zip(batch, logits):
+                tokens = seq.tokens
+                self.kv.commit(seq.table, tokens, seq.table.length + n)
+                if row is None:
+                    emitted.append([])
+                    continue
+                try:
+                    emitted.append(seq.accept(row))
+                except Exception as err:  # one request's sampling failure must not cost the others their step
+                    seq.finish("error")
+                    seq.error = f"sampling failed: {err}"
+                    emitted.append([])
+            return emitted
 
     # -- synchronous entry points ---------------------------------------------------
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         """New tokens only, for one request, run to completion."""
         seq = self.start(prompt_ids, params)
-        while not seq.finished:
-            self.step([seq])
+        with self.lock:
+            if self.blocks_to_add(seq) + self.blocks_to_finish(seq) > self.kv.free_blocks:
+                raise ToolchainError("the KV cache has no room for this request now", "retry later")
+            self.add(seq)
+            try:
+                while not seq.finished:
+                    self.step([(seq, seq.pending)])
+            finally:
+                self.release(seq)
         if seq.error is not None:
             raise RuntimeError(seq.error)
         return seq.output
@@ -157,6 +233,12 @@ class CpuEngine:
             raise ToolchainError(problem)
         if len(input_ids) > self.limits.max_seq_len:
             raise ToolchainError(f"{len(input_ids)} tokens exceed the engine's max_seq_len {self.limits.max_seq_len}")
-        cache = KVCache(self.dims, len(input_ids))
-        with torch.no_grad():
-            return self.model.forward([Chunk(cache, [int(t) for t in input_ids], all_logits=True)])[0]
+        ids = [int(t) for t in input_ids]
+        table = BlockTable()
+        with self.lock:
+            self.kv.add_sequence(table, ids, reuse=False)
+            try:
+                with torch.no_grad():
+                    return self.model.forward([Chunk(table, ids, all_logits=True)], self.kv)[0]
+            finally:
+                self.kv.release(table)

@@ -7,9 +7,12 @@ heads, MLP columns, lm_head vocab rows) stay per rank, row-parallel outputs
 sum them, and their bias is added once afterwards.
 
 One forward call runs a batch of `Chunk`s: each is a run of new tokens for one
-request (its whole prompt when prefilling, one token when decoding). Their
-tokens are concatenated so every linear is a single matmul over the batch;
-attention runs per request against that request's own KV cache.
+request (a prompt or a piece of it when in context, one token when decoding).
+Their tokens are concatenated so every linear is a single matmul over the
+batch. Attention is batched too: new keys and values are written into the
+paged pool (kv_cache.py) at each token's slot, then one scaled-dot-product call
+covers the decoding requests and one the context chunks, each reading its
+requests' keys through their block tables, padded and masked to the longest.
 """
 
 from __future__ import annotations
@@ -20,51 +23,68 @@ import torch
 import torch.nn.functional as F
 
 from toolchain.engine.cpu.config import ModelDims
+from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheManager
 from toolchain.engine.cpu.rope import Rotary, apply_rotary
 from toolchain.engine.cpu.weights import RankShard
-from toolchain.quant.kv_cache import dequantize_kv, quantize_kv, storage_dtype
-
-
-# kv_cache_quant_algo -> what the cache stores (TensorRT-LLM tensorrt_llm/quantization/quantize_by_modelopt.py):
-# x / scale as int8 or e4m3.
-KV_KINDS = {"INT8": "int8", "FP8": "fp8"}
-
-
-class KVCache:
-    """One request's keys and values: per global layer and TP rank, [kv_heads_per_rank, capacity, head].
-
-    With an INT8/FP8 KV cache the tensors hold the quantized values (int8 or
-    float8_e4m3fn) and are read back with the layer's kv_cache_scaling_factor."""
-
-    def __init__(self, d: ModelDims, capacity: int):
-        shape = (d.kv_heads_per_rank, capacity, d.head_size)
-        self.kind = KV_KINDS.get(d.kv_cache_quant_algo)
-        dtype = storage_dtype(self.kind) if self.kind else torch.float32
-        self.k = [[torch.empty(shape, dtype=dtype) for _ in range(d.tp)] for _ in range(d.num_layers)]
-        self.v = [[torch.empty(shape, dtype=dtype) for _ in range(d.tp)] for _ in range(d.num_layers)]
-        self.capacity = capacity
-        self.length = 0  # tokens already written (positions 0 .. length-1)
+from toolchain.quant.kv_cache import dequantize_kv, quantize_kv
 
 
 @dataclass
 class Chunk:
-    cache: KVCache
-    tokens: list[int]
-    all_logits: bool = False  # False: logits of the last token only (what sampling needs)
+    table: BlockTable
+    tokens: list[int]  # new tokens, written at positions table.length, table.length + 1, ...
+    logits: bool = True  # False: a context chunk short of the prompt's end, nothing to sample
+    all_logits: bool = False  # every position's logits (forward_logits), not only the last
+
+
+class _Group:
+    """Requests attended to in one call: their padded query rows, key slots and masks."""
+
+    def __init__(self, rows: list[tuple[int, int, int, torch.Tensor]]):
+        # rows: (index of the first new token in the batch, new tokens n, cached length before, key slots [past+n])
+        self.batch = len(rows)
+        self.q_len = max(n for _, n, _, _ in rows)
+        keys = max(past + n for _, n, past, _ in rows)
+        self.slots = torch.zeros(self.batch, keys, dtype=torch.int64)  # padding reads slot 0, masked out
+        q_index = torch.zeros(self.batch, self.q_len, dtype=torch.int64)
+        valid = torch.zeros(self.batch, self.q_len, dtype=torch.bool)
+        q_pos = torch.full((self.batch, self.q_len), -1, dtype=torch.int64)
+        for b, (first, n, past, slots) in enumerate(rows):
+            self.slots[b, : past + n] = slots
+            q_index[b, :n] = torch.arange(first, first + n)
+            valid[b, :n] = True
+            q_pos[b, :n] = torch.arange(past, past + n)
+        self.q_index = q_index.reshape(-1)
+        self.valid = valid.reshape(-1)
+        self.tokens = self.q_index[self.valid]
+        self._q_pos = q_pos[:, :, None]
+        self._key = torch.arange(keys)[None, None, :]
+        self._pad = ~valid
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, q_len, keys]: each query sees its request's keys up to its own position and
+        at most `window` of them, its own included (what TRT-LLM's max_attention_window and
+        HF's sliding_window both mean)."""
+        if window not in self._masks:
+            m = self._key <= self._q_pos  # only the request's own keys: slots past its length sit beyond q_pos
+            if window is not None:
+                m = m & (self._q_pos - self._key < window)
+            m[:, :, 0] |= self._pad  # a padded query row sees one key, so softmax stays finite
+            self._masks[window] = m.unsqueeze(1)
+        return self._masks[window]
+
+
+@dataclass
+class _Batch:
+    write: torch.Tensor  # pool slot of every new token
+    groups: list[_Group]  # decoding requests, then context chunks
+    kv: KvCacheManager
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     variance = x.pow(2).mean(-1, keepdim=True)
     return weight * (x * torch.rsqrt(variance + eps))
-
-
-def window_mask(past: int, n: int, window: int) -> torch.Tensor:
-    """[n, past + n] keys visible to the n new queries at positions past..past+n-1:
-    causal, and at most `window` of them, the query's own included (what
-    TRT-LLM's max_attention_window and HF's sliding_window both mean)."""
-    q = torch.arange(past, past + n)[:, None]
-    key = torch.arange(past + n)[None, :]
-    return (key <= q) & (q - key < window)
 
 
 class Model:
@@ -82,37 +102,47 @@ class Model:
 
     # -- the stages ---------------------------------------------------------
 
-    def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
-        """Run the chunks; returns per chunk logits [V] (last token) or [n, V] (all_logits)."""
+    def forward(self, chunks: list[Chunk], kv: KvCacheManager) -> list[torch.Tensor | None]:
+        """Run the chunks; per chunk logits [V] (last token), [n, V] (all_logits) or None
+        (logits=False). Writes their K/V into `kv` but leaves every table's length as it
+        was: the caller commits after sampling, so a failed step can be retried."""
+        rows, decode, context, write, positions, first = [], [], [], [], [], 0
         for c in chunks:
-            if c.cache.length + len(c.tokens) > c.cache.capacity:
-                raise RuntimeError(f"KV cache overflow: {c.cache.length}+{len(c.tokens)} > {c.cache.capacity}")
+            past, n = c.table.length, len(c.tokens)
+            if n == 0 or len(c.table.blocks) * kv.tokens_per_block < past + n:
+                raise RuntimeError(f"chunk of {n} tokens at {past} has no KV blocks reserved for it")
+            slots = kv.slots(c.table, 0, past + n)
+            write.append(slots[past:])
+            positions.append(torch.arange(past, past + n))
+            (decode if n == 1 else context).append((first, n, past, slots))
+            rows.append((first, first + n))
+            first += n
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
-        positions = torch.cat([torch.arange(c.cache.length, c.cache.length + len(c.tokens)) for c in chunks])
-        spans, start = [], 0
-        for c in chunks:
-            spans.append((start, start + len(c.tokens)))
-            start += len(c.tokens)
+        positions = torch.cat(positions)
+        batch = _Batch(torch.cat(write), [_Group(g) for g in (decode, context) if g], kv)
         cos, sin = self.rotary.tables(positions)
 
         x = self._embed(self.stages[0], ids)
         for pp_rank, shards in enumerate(self.stages):
             for local in range(len(shards[0].layers)):
                 layer = self.layer_offset[pp_rank] + local
-                x = self._attention_block(shards, local, layer, x, chunks, spans, cos, sin)
+                x = self._attention_block(shards, local, layer, x, batch, cos, sin)
                 x = self._mlp_block(shards, local, x)
 
-        rows = []
-        for c, (s, e) in zip(chunks, spans):
-            rows.extend(range(s, e) if c.all_logits else [e - 1])
-        logits = self._lm_head(self.stages[-1], x[rows])
-        for c in chunks:  # only now: a failed forward leaves every cache as it was
-            c.cache.length += len(c.tokens)
+        wanted = []
+        for c, (s, e) in zip(chunks, rows):
+            wanted.extend(range(s, e) if c.all_logits else [e - 1] if c.logits else [])
+        logits = self._lm_head(self.stages[-1], x[wanted]) if wanted else None
         out, at = [], 0
-        for c, (s, e) in zip(chunks, spans):
-            n = e - s if c.all_logits else 1
-            out.append(logits[at:at + n] if c.all_logits else logits[at])
-            at += n
+        for c, (s, e) in zip(chunks, rows):
+            if c.all_logits:
+                out.append(logits[at:at + e - s])
+                at += e - s
+            elif c.logits:
+                out.append(logits[at])
+                at += 1
+            else:
+                out.append(None)
         return out
 
     def _embed(self, shards: list[RankShard], ids: torch.Tensor) -> torch.Tensor:
@@ -139,7 +169,7 @@ class Model:
 
     # -- one decoder layer ------------------------------------------------------
 
-    def _attention_block(self, shards, local, layer, x, chunks, spans, cos, sin) -> torch.Tensor:
+    def _attention_block(self, shards, local, layer, x, batch, cos, sin) -> torch.Tensor:
         d = self.d
         h = rms_norm(x, shards[0].layers[local].input_norm, d.norm_epsilon)
         nq, nkv, hd = d.heads_per_rank, d.kv_heads_per_rank, d.head_size
@@ -153,38 +183,32 @@ class Model:
             if w.q_norm is not None:  # qk_layernorm (Qwen3): per-head RMSNorm before RoPE
                 q, k = rms_norm(q, w.q_norm, d.norm_epsilon), rms_norm(k, w.k_norm, d.norm_epsilon)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            attn = self._attend(q, k, v, chunks, spans, layer, s.tp_rank)
+            attn = self._attend(q, k, v, batch, layer, s.tp_rank)
             part = w.dense(attn, add_bias=False)
             total = part if total is None else total + part
         bias = shards[0].layers[local].dense.bias
         return x + (total + bias if bias is not None else total)
 
-    def _attend(self, q, k, v, chunks, spans, layer, tp_rank) -> torch.Tensor:
+    def _attend(self, q, k, v, batch: "_Batch", layer, tp_rank) -> torch.Tensor:
+        kv = batch.kv
+        k_pool, v_pool = kv.k[layer, tp_rank], kv.v[layer, tp_rank]
+        scale = self.kv_scales[(layer, tp_rank)] if kv.kind else None
+        if scale is None:
+            k_pool[batch.write] = k
+            v_pool[batch.write] = v
+        else:
+            k_pool[batch.write] = quantize_kv(k, scale, kv.kind)
+            v_pool[batch.write] = quantize_kv(v, scale, kv.kind)
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2])
         window = self.d.attention_window(layer)
-        for c, (s, e) in zip(chunks, spans):
-            n, past = e - s, c.cache.length
-            kc, vc = c.cache.k[layer][tp_rank], c.cache.v[layer][tp_rank]
-            kind = c.cache.kind
-            if kind is None:
-                kc[:, past:past + n] = k[s:e].transpose(0, 1)
-                vc[:, past:past + n] = v[s:e].transpose(0, 1)
-            else:
-                scale = self.kv_scales[(layer, tp_rank)]
-                kc[:, past:past + n] = quantize_kv(k[s:e].transpose(0, 1), scale, kind)
-                vc[:, past:past + n] = quantize_kv(v[s:e].transpose(0, 1), scale, kind)
-                kc, vc = dequantize_kv(kc[:, : past + n], scale), dequantize_kv(vc[:, : past + n], scale)
-            mask, causal = None, False
-            if window is not None and past + n > window:
-                mask = window_mask(past, n, window)
-            elif n > 1 and past == 0:
-                causal = True
-            elif n > 1:  # new tokens after a cached prefix: token i sees positions <= past + i
-                mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
-            o = F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1).unsqueeze(0), kc[:, : past + n].unsqueeze(0), vc[:, : past + n].unsqueeze(0),
-                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
-            out[s:e] = o[0].transpose(0, 1).reshape(n, -1)
+        for g in batch.groups:
+            keys, values = k_pool[g.slots], v_pool[g.slots]  # [B, S, kv_heads, head]
+            if scale is not None:
+                keys, values = dequantize_kv(keys, scale), dequantize_kv(values, scale)
+            query = q[g.q_index].view(g.batch, g.q_len, *q.shape[1:]).transpose(1, 2)
+            o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2),
+                                               attn_mask=g.mask(window), scale=self.scale, enable_gqa=True)
+            out[g.tokens] = o.transpose(1, 2).reshape(g.batch * g.q_len, -1)[g.valid]
         return out
 
     def _mlp_block(self, shards, local, x) -> torch.Tensor:

@@ -117,12 +117,13 @@ class _Group:
 
 
 class _Row:
-    def __init__(self, group, index, prompt, exclude_input, wants):
+    def __init__(self, group, index, prompt, exclude_input, wants, stats):
         self.group = group
         self.index = index
         self.prompt = prompt
         self.exclude_input = exclude_input
         self.wants = wants  # optional outputs requested per request flags
+        self.stats = stats  # filled by the batcher: first scheduled time, KV blocks
         self.tokens = []
         self.arrival_ns = time.time_ns()
         self.first_token_ns = 0
@@ -132,12 +133,13 @@ class _Metrics:
     """The TensorRT-LLM backend's `nv_trt_llm_*` gauges and `nv_llm_*_token_len` histograms
     (TensorRT-LLM triton_backend/inflight_batcher_llm/src/custom_metrics_reporter/), fed from the
     CPU engine's iteration stats, so dashboards and `toolchain bench`'s server cross-check read the
-    same families on CPU as on a GPU. The KV-cache block and runtime-memory families are not
-    exported: the CPU engine has no block pool."""
+    same families on CPU as on a GPU, the KV-cache block pool's included. The runtime-memory
+    family (cpu/gpu/pinned bytes of the TensorRT runtime) has no CPU counterpart and is not exported."""
 
     REQUEST = ("active", "max", "scheduled", "context", "waiting")
     BATCHER = ("total_context_tokens", "generation_requests", "micro_batch_id", "paused_requests")
     GENERAL = ("timestamp", "iteration_counter")
+    KV_BLOCKS = ("max", "free", "used", "tokens_per", "reused", "fraction")
     BUCKETS = [10, 50, 100, 500, 1000]
 
     @classmethod
@@ -166,6 +168,8 @@ class _Metrics:
         self.batcher = gauges("nv_trt_llm_inflight_batcher_metrics", "TRT LLM inflight_batcher-specific metrics",
                               "inflight_batcher_specific_metric", self.BATCHER)
         self.general = gauges("nv_trt_llm_general_metrics", "General TRT LLM metrics", "general_type", self.GENERAL)
+        self.kv = gauges("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics", "kv_cache_block_type",
+                         self.KV_BLOCKS)
         self.request["max"].set(max_batch)
         self.tokens = None
         if hasattr(fam, "HISTOGRAM"):
@@ -175,7 +179,7 @@ class _Metrics:
                 family = family_of(name, f"TRT LLM response metrics: {what} tokens per request", fam.HISTOGRAM)
                 self.tokens[what] = family.Metric(labels={**base, "response_metric_type": key}, buckets=self.BUCKETS)
 
-    def iteration(self, st):
+    def iteration(self, st, kv):
         r, b, g = self.request, self.batcher, self.general
         r["active"].set(st.active)
         r["scheduled"].set(st.scheduled)
@@ -183,6 +187,13 @@ class _Metrics:
         r["waiting"].set(max(0, st.active - st.scheduled))
         b["total_context_tokens"].set(st.context_tokens)
         b["generation_requests"].set(st.generation)
+        b["paused_requests"].set(st.paused)
+        # What WaitForStats reads from KvCacheStats; fraction = used / max.
+        used = kv.used_blocks
+        for key, value in (("max", kv.num_blocks), ("free", kv.free_blocks), ("used", used),
+                           ("tokens_per", kv.tokens_per_block), ("reused", kv.reused_total),
+                           ("fraction", used / kv.num_blocks if kv.num_blocks else 0.0)):
+            self.kv[key].set(value)
         g["timestamp"].set(st.timestamp_us)
         g["iteration_counter"].set(st.steps)
 
@@ -190,6 +201,12 @@ class _Metrics:
         if self.tokens is not None:
             self.tokens["input"].observe(prompt_tokens)
             self.tokens["output"].observe(output_tokens)
+
+
+def _engine_build_limits(engine_dir):
+    from toolchain.engine.cpu.config import read_engine_config
+
+    return read_engine_config(engine_dir)[2]
 
 
 class TritonPythonModel:
@@ -201,7 +218,8 @@ class TritonPythonModel:
         # toolchain that is not installed in the serving environment.
         if toolchain_path and toolchain_path not in sys.path:
             sys.path.append(toolchain_path)
-        from toolchain.engine.cpu import CpuEngine, InflightBatcher, SamplingParams
+        from toolchain.engine.cpu import (CpuEngine, InflightBatcher, KvCacheConfig, QueueFull, RequestStats,
+                                          SamplingParams, SchedulerConfig)
         from toolchain.triton import backend_params
 
         # Every parameter is read by the C++ backend's rules, so a config that fails to load on a
@@ -219,10 +237,29 @@ class TritonPythonModel:
         self.cancel_period_s = max(values["cancellation_check_period_ms"], 1) / 1000.0
         self.stats_period_s = max(values["stats_check_period_ms"], 1) / 1000.0
         self.SamplingParams = SamplingParams
+        self.RequestStats = RequestStats
+        self.QueueFull = QueueFull
         self.sampling_fields = set(inspect.signature(SamplingParams).parameters)
         threads = _param(config, "engine_threads")
-        self.engine = CpuEngine.load(engine_dir, num_threads=int(threads) if threads and threads.isdigit() else None)
-        self.batcher = InflightBatcher(self.engine)
+        engine_limits = _engine_build_limits(engine_dir)
+        kv_cache = KvCacheConfig(
+            tokens_per_block=engine_limits.tokens_per_block,
+            free_memory_fraction=(KvCacheConfig.free_memory_fraction if values["kv_cache_free_gpu_mem_fraction"] is None
+                                  else values["kv_cache_free_gpu_mem_fraction"]),
+            max_tokens=values["max_tokens_in_paged_kv_cache"],
+            enable_block_reuse=values["enable_kv_cache_reuse"])
+        scheduler = SchedulerConfig(
+            policy=values["batch_scheduler_policy"] or "guaranteed_no_evict",
+            enable_chunked_context=values["enable_chunked_context"],
+            # The C++ backend hands dynamic_batching's max_queue_size to the executor (maxQueueSize).
+            max_queue_size=int(config.get("dynamic_batching", {}).get("default_queue_policy", {})
+                               .get("max_queue_size", 0) or 0))
+        for problem in (kv_cache.problem(), scheduler.problem()):
+            if problem:
+                raise ValueError(f"tensorrt_llm: {problem}")
+        self.engine = CpuEngine.load(engine_dir, num_threads=int(threads) if threads and threads.isdigit() else None,
+                                     kv_cache=kv_cache)
+        self.batcher = InflightBatcher(self.engine, scheduler)
         self.batcher.start()
         self.metrics = _Metrics.create(args["model_name"], args.get("model_version", "1"),
                                        self.engine.limits.max_batch_size)
@@ -259,7 +296,7 @@ class TritonPythonModel:
     def _report_stats(self):
         while not self.stopping.wait(self.stats_period_s):
             try:
-                self.metrics.iteration(self.batcher.stats)
+                self.metrics.iteration(self.batcher.stats, self.engine.kv)
             except Exception as err:  # metrics are a side channel: never let them take the model down
                 print(f"tensorrt_llm: stats report failed: {err}", file=sys.stderr)
                 return
@@ -292,7 +329,9 @@ class TritonPythonModel:
         submissions = []
         for row in range(inputs.batch):
             length = inputs.scalar("input_lengths", row, inputs.ids.shape[1])
-            if length <= 0 or length > inputs.ids.shape[1]:
+            if length == 0:
+                raise ValueError("empty prompt: input_lengths is 0, at least one input token is required")
+            if length < 0 or length > inputs.ids.shape[1]:
                 raise ValueError(f"input_lengths {length} does not fit input_ids of width {inputs.ids.shape[1]}")
             prompt = [int(t) for t in inputs.ids[row, :length]]
             params = self._sampling(inputs, row)
@@ -300,15 +339,19 @@ class TritonPythonModel:
             wants = {flag for flag in ("return_num_input_tokens", "return_num_output_tokens", "return_perf_metrics")
                      if inputs.scalar(flag, row, False, bool)}
             rid = next(self.ids)
-            submissions.append((rid, _Row(group, row, prompt, exclude, wants), prompt, params))
+            submissions.append((rid, _Row(group, row, prompt, exclude, wants, self.RequestStats()), prompt, params))
         with self.lock:
             self.groups[id(group)] = group
             for rid, row, _, _ in submissions:
                 self.rows[rid] = row
                 group.pending.add(rid)
-        for rid, _, prompt, params in submissions:
+        for rid, row, prompt, params in submissions:
             try:
-                self.batcher.submit(rid, prompt, params, self._callback(rid))
+                # The 1.2 backend sets no executor priority: every request runs at the default.
+                self.batcher.submit(rid, prompt, params, self._callback(rid), stats=row.stats)
+            except self.QueueFull as err:
+                self._abort(group, error=f"tensorrt_llm: {err}")
+                return
             except Exception as err:
                 self._abort(group, error=f"tensorrt_llm: {err}")
                 return
@@ -333,7 +376,7 @@ class TritonPythonModel:
     def _sampling(self, inputs, row):
         max_new = inputs.scalar("request_output_len", row)
         if max_new is None or max_new <= 0:
-            raise ValueError("request_output_len must be > 0")
+            raise ValueError(f"request_output_len (the ensemble's max_tokens) must be > 0, got {max_new}")
         kwargs = {"max_new_tokens": max_new, "end_id": inputs.scalar("end_id", row, -1),
                   "pad_id": inputs.scalar("pad_id", row, None),
                   "stop_words": inputs.word_list("stop_words_list", row)}
@@ -398,11 +441,14 @@ class TritonPythonModel:
             out.append(pb_utils.Tensor("num_output_tokens", np.array([[len(row.tokens)]], np.int32)))
         if "return_perf_metrics" in row.wants:
             now = time.time_ns()
-            for name, value in (("arrival_time_ns", row.arrival_ns), ("first_scheduled_time_ns", row.arrival_ns),
+            st = row.stats
+            for name, value in (("arrival_time_ns", row.arrival_ns),
+                                ("first_scheduled_time_ns", st.first_scheduled_ns or row.arrival_ns),
                                 ("first_token_time_ns", row.first_token_ns or now), ("last_token_time_ns", now)):
                 out.append(pb_utils.Tensor(name, np.array([[value]], np.int64)))
-            for name in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
-                         "total_accepted_draft_tokens", "total_draft_tokens"):
+            for name in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"):
+                out.append(pb_utils.Tensor(name, np.array([[getattr(st, name)]], np.int32)))
+            for name in ("total_accepted_draft_tokens", "total_draft_tokens"):
                 out.append(pb_utils.Tensor(name, np.zeros((1, 1), np.int32)))
             out.append(pb_utils.Tensor("acceptance_rate", np.zeros((1, 1), np.float32)))
         return out

@@ -1,0 +1,102 @@
+"""The paged KV cache's bookkeeping, on its own: pool sizing (the planner's function),
+prefix matching by block hash, reference counts, LRU eviction, and the per-request
+block counts the backend reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from toolchain.engine.cpu.config import parse_dims
+from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager, kv_bytes_per_token
+from toolchain.errors import ToolchainError
+from toolchain.plan.memory import kv_pool_tokens
+
+TPB = 4
+DIMS = parse_dims({"architecture": "LlamaForCausalLM", "vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "hidden_act": "silu",
+                   "mapping": {"tp_size": 2, "pp_size": 1, "world_size": 2}}, "test")
+
+
+def manager(blocks: int = 8, reuse: bool = True) -> KvCacheManager:
+    return KvCacheManager(DIMS, blocks, TPB, reuse)
+
+
+def run(kv: KvCacheManager, tokens: list[int]) -> BlockTable:
+    """Add a sequence and mark all of `tokens` as computed (as a finished forward would)."""
+    table = BlockTable()
+    kv.add_sequence(table, tokens)
+    kv.commit(table, tokens, len(tokens))
+    return table
+
+
+def test_bytes_per_token_counts_every_layer_and_rank():
+    # 2 (K, V) x 2 layers x 2 ranks x 1 KV head per rank x 8 head size x 4 bytes
+    assert kv_bytes_per_token(DIMS) == 2 * 2 * 2 * 1 * 8 * 4 == manager().bytes_per_token
+
+
+def test_pool_size_is_the_smaller_limit_in_whole_blocks():
+    per_token = kv_bytes_per_token(DIMS)
+    free = 1000 * per_token
+    assert kv_pool_tokens(free, 0.5, per_token, TPB) == 500
+    assert kv_pool_tokens(free, 0.5, per_token, TPB, max_tokens=30) == 32  # rounded up to a block
+    assert kv_pool_tokens(free, 0.5, per_token, TPB, max_tokens=10_000) == 500
+    kv = KvCacheManager.create(DIMS, KvCacheConfig(tokens_per_block=TPB, free_memory_fraction=0.5), free_bytes=free)
+    assert kv.capacity_tokens == 500 and kv.free_blocks == 125
+    with pytest.raises(ToolchainError, match="must be in"):
+        KvCacheManager.create(DIMS, KvCacheConfig(tokens_per_block=TPB, free_memory_fraction=1.0), free_bytes=free)
+
+
+def test_prefix_blocks_are_reused_but_never_the_last_tokens_block():
+    kv = manager()
+    a = run(kv, list(range(10)))  # blocks [0-3] [4-7] [8-9]
+    assert (a.reused, a.alloc_total, a.alloc_new) == (0, 3, 3)
+    assert kv.match(list(range(8)) + [50, 51]) == 2
+    assert kv.match(list(range(8))) == 1  # the second block holds the prompt's last token: recomputed
+    assert kv.match([0, 1, 2, 99, 4, 5, 6, 7, 8]) == 0  # a difference in block 0 breaks the chain
+    b = BlockTable()
+    kv.add_sequence(b, list(range(8)) + [50, 51, 52])
+    assert b.blocks[:2] == a.blocks[:2] and b.length == 8
+    assert (b.reused, b.alloc_total) == (2, 1)
+    assert kv.used_blocks == 4  # 3 of a, 1 new of b: the two shared blocks count once
+
+
+def test_released_blocks_stay_matchable_and_shared_ones_survive_their_first_owner():
+    kv = manager()
+    a = run(kv, list(range(9)))
+    b = BlockTable()
+    kv.add_sequence(b, list(range(9)))
+    kv.release(a)
+    assert kv.used_blocks == 3  # b still holds the two shared blocks and its own third
+    kv.release(b)
+    assert kv.used_blocks == 0 and kv.free_blocks == 8
+    c = BlockTable()
+    kv.add_sequence(c, list(range(9)))
+    assert c.reused == 2 and c.alloc_new == 0  # its one fresh block was used before
+
+
+def test_least_recently_released_blocks_are_evicted_first():
+    kv = manager(blocks=6)
+    old = run(kv, [1] * 4 + [2] * 4 + [3])  # 3 blocks, 2 of them registered
+    new = run(kv, [7] * 4 + [8] * 4 + [9])
+    kv.release(old)
+    kv.release(new)
+    assert kv.match([1] * 4 + [2] * 4 + [3]) == 2 and kv.match([7] * 4 + [8] * 4 + [9]) == 2
+    # 6 free blocks: 2 never-registered go first, then the oldest release's cached blocks.
+    filler = BlockTable()
+    kv.add_sequence(filler, [60 + i for i in range(16)])
+    assert kv.match([7] * 4 + [8] * 4 + [9]) == 2, "the recently released prefix must survive"
+    assert kv.match([1] * 4 + [2] * 4 + [3]) == 0, "the least recently released prefix is evicted"
+
+
+def test_reuse_off_never_matches():
+    kv = manager(reuse=False)
+    run(kv, list(range(10)))
+    assert kv.match(list(range(10))) == 0
+
+
+def test_exhausted_pool_refuses_instead_of_overwriting():
+    kv = manager(blocks=2)
+    run(kv, list(range(8)))
+    with pytest.raises(RuntimeError, match="exhausted"):
+        kv.add_sequence(BlockTable(), [90, 91])
+    assert kv.blocks_to_add([90, 91]) == 1 and kv.free_blocks == 0
