@@ -174,87 +174,109 @@ def greedy(n: int) -> SamplingParams:
 # -- (a) throughput -------------------------------------------------------------------
 
 def bench_throughput(hf_dir: Path, eng: Path, quick: bool) -> dict:
+    """One stream and 4 against HF one at a time; 16 streams against HF's static batch and
+    transformers' continuous batching in interleaved rounds (best of 3 each), so drift in a
+    shared host's speed hits every contender alike."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     n_req, plen, new = (8, 16, 8) if quick else (16, 32, 48)
     prompts = prompts_of(n_req, plen, seed=2)
     engine = load(eng)
     engine.generate(prompts[0][:4], greedy(2))  # warm-up
-    out: dict = {"requests": n_req, "prompt_tokens": plen, "output_tokens": new}
-    total = n_req * new
-    got = {}
-    for c in (1, 4, 16):
-        run = Run(engine)
-        wall = run.run([(p, greedy(new)) for p in prompts], c)
-        out[f"engine_{c}_streams_tok_s"] = round(total / wall, 2)
-        got[c] = [run.tokens[i] for i in range(n_req)]
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     cfg = GenerationConfig(do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
                            pad_token_id=0)
+    out: dict = {"requests": n_req, "prompt_tokens": plen, "output_tokens": new}
+    total = n_req * new
+
+    def engine_round(concurrency):
+        run = Run(engine)
+        wall = run.run([(p, greedy(new)) for p in prompts], concurrency)
+        return wall, [run.tokens[i] for i in range(n_req)]
+
     with torch.no_grad():
         hf.generate(torch.tensor([prompts[0][:4]]), generation_config=GenerationConfig(
             do_sample=False, max_new_tokens=2, eos_token_id=None, pad_token_id=0))
         start = time.perf_counter()
         hf_tokens = [hf.generate(torch.tensor([p]), generation_config=cfg)[0, plen:].tolist() for p in prompts]
         out["hf_sequential_tok_s"] = round(total / (time.perf_counter() - start), 2)
-        start = time.perf_counter()
-        hf.generate(torch.tensor(prompts), generation_config=cfg)
-        out["hf_static_batch_16_tok_s"] = round(total / (time.perf_counter() - start), 2)
-    cb = hf_continuous_batching(hf, prompts, new, total)
-    cb_tokens = cb.pop("hf_continuous_batching_tokens", None)
-    out.update(cb)
-    if cb_tokens is not None:
-        out["transformers_cb_matches_hf_sequential"] = cb_tokens == hf_tokens
-    agree = sum(a == b for g, h in zip(got[16], hf_tokens) for a, b in zip(g, h))
+        for c in (1, 4):
+            out[f"engine_{c}_streams_tok_s"] = round(total / engine_round(c)[0], 2)
+        cb = ContinuousBatching(hf, prompts, new)
+        walls: dict[str, list[float]] = {"engine": [], "static": [], "cb": []}
+        try:
+            cb.round()  # warm-up
+            for _ in range(3):
+                wall, got = engine_round(16)
+                walls["engine"].append(wall)
+                start = time.perf_counter()
+                hf.generate(torch.tensor(prompts), generation_config=cfg)
+                walls["static"].append(time.perf_counter() - start)
+                if cb.error is None:
+                    walls["cb"].append(cb.round())
+        finally:
+            cb.stop()
+    out["engine_16_streams_tok_s"] = round(total / min(walls["engine"]), 2)
+    out["hf_static_batch_16_tok_s"] = round(total / min(walls["static"]), 2)
+    out["hf_continuous_batching_tok_s"] = round(total / min(walls["cb"]), 2) if walls["cb"] else None
+    if cb.error is not None:
+        out["hf_continuous_batching_error"] = cb.error
+    else:
+        out["transformers_cb_matches_hf_sequential"] = cb.tokens == hf_tokens
+    out["rounds_s"] = {k: [round(w, 2) for w in v] for k, v in walls.items()}
+    agree = sum(a == b for g, h in zip(got, hf_tokens) for a, b in zip(g, h))
     out["greedy_token_agreement_with_hf"] = round(agree / total, 4)
     out["speedup_16_streams_vs_hf_sequential"] = round(out["engine_16_streams_tok_s"] / out["hf_sequential_tok_s"], 2)
     out["speedup_16_streams_vs_hf_static_batch"] = round(
         out["engine_16_streams_tok_s"] / out["hf_static_batch_16_tok_s"], 2)
-    cb = out.get("hf_continuous_batching_tok_s")
-    out["ratio_16_streams_vs_transformers_cb"] = round(out["engine_16_streams_tok_s"] / cb, 2) if cb else None
+    cb_rate = out["hf_continuous_batching_tok_s"]
+    out["ratio_16_streams_vs_transformers_cb"] = round(out["engine_16_streams_tok_s"] / cb_rate, 2) if cb_rate else None
     return out
 
 
-def hf_continuous_batching(hf, prompts, new: int, total: int) -> dict:
-    """transformers' continuous batching manager over the same requests, all added at once; timed
-    from adding them to the last result on a started manager (its thread start and stop excluded),
-    best of two rounds after a warm-up round, prefix sharing off (the requests share nothing)."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+class ContinuousBatching:
+    """transformers' continuous batching manager, started once; a round adds every request at
+    once and waits for the last result (its thread start and stop are not timed). Prefix sharing
+    is off: the requests share nothing, and a repeated round must not be served from cache."""
 
-    try:
-        gen = GenerationConfig(do_sample=False, max_new_tokens=new, eos_token_id=-1, pad_token_id=0)
-        # Sized explicitly: by default it budgets 0.6 x host RAM and an attention mask to match.
-        cb = ContinuousBatchingConfig(page_size=TPB, num_blocks=4 * len(prompts), max_requests_per_batch=len(prompts),
-                                      max_batch_tokens=max(1024, sum(len(p) for p in prompts)),
-                                      allow_block_sharing=False, auto_switch_to_flash=False, use_cuda_graph=False,
-                                      use_async_batching=False)
-        manager = hf.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-        manager.start()
-        walls, tokens = [], []
+    def __init__(self, hf, prompts, new: int):
+        self.prompts, self.new, self.tokens, self.error, self.manager = prompts, new, None, None, None
         try:
-            for _ in range(3):
-                start = time.perf_counter()
-                ids = manager.add_requests(inputs=prompts, max_new_tokens=new)
-                results = {}
-                while len(results) < len(ids):
-                    res = manager.get_result(timeout=1)
-                    if res is None:
-                        if not manager.is_running():
-                            raise RuntimeError("the continuous batching thread died")
-                        continue
-                    if res.is_finished():
-                        results[res.request_id] = res
-                walls.append(time.perf_counter() - start)
-                tokens = [results[i].generated_tokens for i in ids]
-        finally:
-            manager.stop(block=True, timeout=10)
-            manager.destroy()
-        return {"hf_continuous_batching_tok_s": round(total / min(walls[1:]), 2),
-                "hf_continuous_batching_tokens": [list(t) for t in tokens]}
-    except Exception as err:  # the API moves between transformers releases
-        return {"hf_continuous_batching_tok_s": None,
-                "hf_continuous_batching_error": f"{type(err).__name__}: {err}"[:300]}
+            from transformers import GenerationConfig
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+            gen = GenerationConfig(do_sample=False, max_new_tokens=new, eos_token_id=-1, pad_token_id=0)
+            # Sized explicitly: by default it budgets 0.6 x host RAM and an attention mask to match.
+            cb = ContinuousBatchingConfig(page_size=TPB, num_blocks=4 * len(prompts),
+                                          max_requests_per_batch=len(prompts),
+                                          max_batch_tokens=max(1024, sum(len(p) for p in prompts)),
+                                          allow_block_sharing=False, auto_switch_to_flash=False,
+                                          use_cuda_graph=False, use_async_batching=False)
+            self.manager = hf.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+            self.manager.start()
+        except Exception as err:  # the API moves between transformers releases
+            self.error = f"{type(err).__name__}: {err}"[:300]
+
+    def round(self) -> float:
+        start = time.perf_counter()
+        ids = self.manager.add_requests(inputs=self.prompts, max_new_tokens=self.new)
+        results = {}
+        while len(results) < len(ids):
+            res = self.manager.get_result(timeout=1)
+            if res is None:
+                if not self.manager.is_running():
+                    raise RuntimeError("the continuous batching thread died")
+                continue
+            if res.is_finished():
+                results[res.request_id] = res
+        wall = time.perf_counter() - start
+        self.tokens = [list(results[i].generated_tokens) for i in ids]
+        return wall
+
+    def stop(self) -> None:
+        if self.manager is not None:
+            self.manager.stop(block=True, timeout=10)
+            self.manager.destroy()
 
 
 # -- (b) prefix reuse -----------------------------------------------------------------

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
 from conftest import write_spec
 from toolchain.engine.trtllm import TRITON_UNSET
+from toolchain.errors import ToolchainError
 from toolchain.spec import load_spec
 from toolchain.triton.repo import run_model_repo
 from toolchain.upstream import facts
@@ -99,3 +101,26 @@ def test_cpu_target_is_unchanged(tmp_path):
     # The scheduler and KV-cache parameters come from the spec on both targets; the GPU-only ones stay out.
     assert got["enable_kv_cache_reuse"] == "true" and got["enable_chunked_context"] == "false"
     assert "lora_cache_max_adapter_size" not in got
+
+
+def test_scheduler_and_kv_cache_settings_reach_the_tensorrt_llm_model(tmp_path):
+    """The executor knobs of the serving section, rendered as the C++ backend reads them: parameters,
+    and max_queue_size in dynamic_batching (model_instance_state.cc hands it to the executor)."""
+    serving = {"max_tokens_in_paged_kv_cache": 4096, "batch_scheduler_policy": "max_utilization",
+               "max_queue_size": 64, "kv_cache_free_gpu_mem_fraction": 0.85}
+    configs, _ = render(tmp_path, serving=serving, build={"chunked_context": True, "kv_cache_reuse": False})
+    model = configs["tensorrt_llm"]
+    got = params(model)
+    assert got["max_tokens_in_paged_kv_cache"] == "4096" and got["batch_scheduler_policy"] == "max_utilization"
+    assert got["kv_cache_free_gpu_mem_fraction"] == "0.85"
+    assert got["enable_chunked_context"] == "true" and got["enable_kv_cache_reuse"] == "false"
+    assert model.dynamic_batching.default_queue_policy.max_queue_size == 64
+
+
+def test_a_kv_fraction_of_one_is_refused_before_the_executor_refuses_it(tmp_path):
+    hf = tmp_path / "hf"
+    make_tiny_tokenizer(hf)
+    (hf / "config.json").write_text("{}")
+    # TensorRT-LLM's calculateFreeMemBytes: "freeMemFraction (1.0) must be smaller than 1.0f".
+    with pytest.raises(ToolchainError, match="kv_cache_free_gpu_mem_fraction"):
+        load_spec(write_spec(tmp_path / "spec.yaml", hf, serving={"kv_cache_free_gpu_mem_fraction": 1.0}))

@@ -54,6 +54,7 @@ class _Group:
             q_index[b, :n] = torch.arange(first, first + n)
             valid[b, :n] = True
             q_pos[b, :n] = torch.arange(past, past + n)
+        self.flat_slots = self.slots.reshape(-1)
         self.q_index = q_index.reshape(-1)
         self.valid = valid.reshape(-1)
         self.tokens = self.q_index[self.valid]
@@ -61,6 +62,12 @@ class _Group:
         self._key = torch.arange(keys)[None, None, :]
         self._pad = ~valid
         self._masks: dict[int | None, torch.Tensor] = {}
+        # One fresh context (nothing cached, no padding): plain causal attention, which SDPA runs
+        # with its fused kernel instead of materialising a mask (2x faster at 2k tokens).
+        self.fresh = self.batch == 1 and rows[0][2] == 0
+
+    def plain_causal(self, window: int | None) -> bool:
+        return self.fresh and (window is None or window >= self.q_len)
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, q_len, keys]: each query sees its request's keys up to its own position and
@@ -80,6 +87,11 @@ class _Batch:
     write: torch.Tensor  # pool slot of every new token
     groups: list[_Group]  # decoding requests, then context chunks
     kv: KvCacheManager
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor as raw bytes: torch's CPU index_copy_/index_select have no float8 kernels."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -193,21 +205,23 @@ class Model:
         kv = batch.kv
         k_pool, v_pool = kv.k[layer, tp_rank], kv.v[layer, tp_rank]
         scale = self.kv_scales[(layer, tp_rank)] if kv.kind else None
-        if scale is None:
-            k_pool[batch.write] = k
-            v_pool[batch.write] = v
-        else:
-            k_pool[batch.write] = quantize_kv(k, scale, kv.kind)
-            v_pool[batch.write] = quantize_kv(v, scale, kv.kind)
+        if scale is not None:
+            k, v = quantize_kv(k, scale, kv.kind), quantize_kv(v, scale, kv.kind)
+        _bytes(k_pool).index_copy_(0, batch.write, _bytes(k))
+        _bytes(v_pool).index_copy_(0, batch.write, _bytes(v))
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2])
         window = self.d.attention_window(layer)
         for g in batch.groups:
-            keys, values = k_pool[g.slots], v_pool[g.slots]  # [B, S, kv_heads, head]
+            shape = (g.batch, g.slots.shape[1], *k_pool.shape[1:])
+            keys = _bytes(k_pool).index_select(0, g.flat_slots).view(k_pool.dtype).view(shape)  # [B, S, heads, head]
+            values = _bytes(v_pool).index_select(0, g.flat_slots).view(v_pool.dtype).view(shape)
             if scale is not None:
                 keys, values = dequantize_kv(keys, scale), dequantize_kv(values, scale)
             query = q[g.q_index].view(g.batch, g.q_len, *q.shape[1:]).transpose(1, 2)
+            causal = g.plain_causal(window)
             o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2),
-                                               attn_mask=g.mask(window), scale=self.scale, enable_gqa=True)
+                                               attn_mask=None if causal else g.mask(window), is_causal=causal,
+                                               scale=self.scale, enable_gqa=True)
             out[g.tokens] = o.transpose(1, 2).reshape(g.batch * g.q_len, -1)[g.valid]
         return out
 
