@@ -155,3 +155,56 @@ def test_cancelling_a_thousand_streams_leaves_no_block_in_use(tmp_path_factory, 
         assert b.stats.max_running == 16
     assert all(col.final(i)[3] is None for i in range(1000))
     assert engine.kv.used_blocks == 0 and engine.kv.free_blocks == engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("kind, accepted", [("perfect", 4), ("half", 2), ("wrong", 0)])
+def test_draft_tokens_are_verified_in_the_context_step_and_never_change_greedy_output(
+        tmp_path_factory, hf_llama, kind, accepted):
+    """draft_input_ids as the TRT-LLM executor takes them (external draft tokens): verified with the
+    end of the context in one forward; the agreeing prefix plus one token comes out of that step,
+    the rejected tokens' KV is dropped, and decoding goes on from there."""
+    engine = make_engine(tmp_path_factory, hf_llama, max_draft_len=4)
+    p = prompt(3, 10)
+    want = engine.generate(p, greedy(12))
+    off_by_one = [(t + 1) % 240 + 1 for t in want]
+    draft = {"perfect": want[:4], "half": want[:2] + off_by_one[2:4], "wrong": off_by_one[:4]}[kind]
+    col, stats = Collector(), RequestStats()
+    with InflightBatcher(engine) as b:
+        b.submit("d", p, greedy(12), col.callback("d"), stats=stats, draft_tokens=draft)
+        col.wait()
+    assert col.tokens("d") == want
+    assert (stats.total_draft_tokens, stats.total_accepted_draft_tokens) == (4, accepted)
+    assert stats.acceptance_rate == accepted / 4
+    assert b.stats.steps == 12 - accepted  # the context step emitted accepted + 1 tokens
+    first = col.calls("d")[0][1]
+    assert first == want[:accepted + 1]  # streamed together, as one response
+
+
+def test_draft_tokens_need_an_engine_built_for_them(tmp_path_factory, hf_llama):
+    plain = make_engine(tmp_path_factory, hf_llama)
+    with pytest.raises(ToolchainError, match="built without speculative decoding"):
+        plain.start(prompt(1, 5), greedy(4), draft=[5, 6])
+    spec = make_engine(tmp_path_factory, hf_llama, max_draft_len=4)
+    with pytest.raises(ToolchainError, match="5 draft tokens exceed the engine's max_draft_len 4"):
+        spec.start(prompt(1, 5), greedy(8), draft=[5, 6, 7, 8, 9])
+    with pytest.raises(ToolchainError, match="draft_input_ids: token id 999"):
+        spec.start(prompt(1, 5), greedy(8), draft=[5, 999])
+
+
+def test_sampled_requests_with_a_draft_draw_exactly_what_they_draw_without(tmp_path_factory, hf_llama):
+    """Verification samples the target position by position from the request's own generator, so a
+    draft changes how many tokens a step yields, never which: per seed the tokens are identical (a
+    stronger property than matching the distribution)."""
+    engine = make_engine(tmp_path_factory, hf_llama, max_draft_len=4)
+    p = prompt(5, 8)
+    for seed in range(6):
+        params = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=20, seed=seed)
+        want = engine.generate(p, params)
+        # A draft guessed from another seed's run: some of it agrees, some does not.
+        draft = engine.generate(p, SamplingParams(max_new_tokens=4, temperature=1.0, top_k=20, seed=seed + 100))
+        col, stats = Collector(), RequestStats()
+        with InflightBatcher(engine) as b:
+            b.submit(seed, p, params, col.callback(seed), stats=stats, draft_tokens=draft)
+            col.wait()
+        assert col.tokens(seed) == want, seed
+        assert stats.total_accepted_draft_tokens == next((i for i, (a, w) in enumerate(zip(draft, want)) if a != w), 4)

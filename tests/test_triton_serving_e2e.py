@@ -191,3 +191,38 @@ def test_bad_input_is_a_triton_error_naming_it(served, model, inputs, names):
     assert got.errors and not got.responses
     assert names.lower() in str(got.errors[0]).lower(), str(got.errors[0])
     assert server.ready
+
+
+def test_draft_tokens_to_an_engine_without_speculation_are_a_triton_error(served):
+    _, _, server = served
+    got = stream(server.grpc_url, "tensorrt_llm", token_request([5, 6, 7], 4, draft_input_ids=([8, 9], "INT32")))
+    assert got.errors and "built without speculative decoding" in str(got.errors[0])
+
+
+def test_draft_input_ids_are_verified_with_the_backends_acceptance_outputs(tmp_path_factory, hf_dir):
+    """The tensorrt_llm request contract of draft-target decoding (what upstream's BLS sends the
+    target): draft_input_ids verified in the context step, acceptance figures with
+    return_perf_metrics, output unchanged. The engine is marked as built with max_draft_len 4,
+    as trtllm-build records it in config.json."""
+    import json
+
+    spec, ws, server = deploy_with(tmp_path_factory, hf_dir)
+    config_path = ws.engine_dir(spec) / "config.json"
+    config = json.loads(config_path.read_text())
+    config["build_config"]["max_draft_len"] = 4
+    config_path.write_text(json.dumps(config))
+    prompt = [(i * 17) % 200 + 3 for i in range(9)]
+    with server:
+        plain = stream(server.grpc_url, "tensorrt_llm", token_request(prompt, 8, end_id=([-1], "INT32")))
+        want = plain.tokens()
+        wrong = [(t + 1) % 240 + 3 for t in want]
+        for draft, accepted in ((want[:4], 4), (want[:1] + wrong[1:3], 1), (wrong[:3], 0)):
+            got = stream(server.grpc_url, "tensorrt_llm",
+                         token_request(prompt, 8, end_id=([-1], "INT32"), draft_input_ids=(draft, "INT32"),
+                                       return_perf_metrics=([True], "BOOL")))
+            assert not got.errors and got.tokens() == want
+            last = got.responses[-1]
+            assert int(last.as_numpy("total_draft_tokens").reshape(-1)[0]) == len(draft)
+            assert int(last.as_numpy("total_accepted_draft_tokens").reshape(-1)[0]) == accepted
+            assert abs(float(last.as_numpy("acceptance_rate").reshape(-1)[0]) - accepted / len(draft)) < 1e-6
+            assert len(got.responses[0].as_numpy("output_ids").reshape(-1)) == accepted + 1  # one step's tokens

@@ -77,6 +77,12 @@ class RequestStats:
     kv_cache_alloc_new_blocks: int = 0
     kv_cache_alloc_total_blocks: int = 0
     paused: int = 0  # times it was paused (max_utilization)
+    total_draft_tokens: int = 0  # draft_input_ids brought for verification
+    total_accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.total_accepted_draft_tokens / self.total_draft_tokens if self.total_draft_tokens else 0.0
 
 
 @dataclass
@@ -88,6 +94,7 @@ class _Request:
     priority: float
     order: int
     stats: RequestStats
+    draft: list[int] = field(default_factory=list)
     seq: Sequence | None = None
     counted: bool = True  # still counted against max_queue_size (until first admitted or dropped)
     paused: bool = False  # back in the queue after a pause (max_utilization)
@@ -153,8 +160,10 @@ class InflightBatcher:
         return self
 
     def submit(self, request_id, prompt_ids: list[int], params: SamplingParams, callback: Callback, *,
-               priority: float = DEFAULT_PRIORITY, stats: RequestStats | None = None) -> None:
+               priority: float = DEFAULT_PRIORITY, stats: RequestStats | None = None,
+               draft_tokens: list[int] | None = None) -> None:
         """Queue a request; `callback(new_tokens, finished, error)` runs on the batcher thread.
+        `draft_tokens` (draft_input_ids) are verified with the end of its context.
 
         Raises QueueFull when max_queue_size requests already wait (the executor's
         refusal), ValueError for a priority outside [0, 1]."""
@@ -169,7 +178,7 @@ class InflightBatcher:
                 raise QueueFull(f"Maximum queue size of {limit} has been reached, please try again later")
             self._waiting_count += 1
             self._arrivals.append(_Request(request_id, prompt_ids, params, callback, float(priority),
-                                           next(self._order), stats or RequestStats()))
+                                           next(self._order), stats or RequestStats(), list(draft_tokens or ())))
             self._cv.notify()
 
     def cancel(self, request_id) -> None:
@@ -263,7 +272,7 @@ class InflightBatcher:
     def _enqueue(self, arrived: list[_Request]) -> None:
         for req in arrived:
             try:
-                problem = self.engine.request_problem(req.prompt, req.params)
+                problem = self.engine.request_problem(req.prompt, req.params, req.draft)
             except Exception as err:  # malformed input the checks did not foresee
                 problem = f"invalid request: {type(err).__name__}: {err}"
             if problem is None and (req.request_id in self._known
@@ -273,7 +282,8 @@ class InflightBatcher:
                 self._dequeued(req)
                 self._deliver(req, [], True, problem)
                 continue
-            req.seq = self.engine.start(req.prompt, req.params)
+            req.seq = self.engine.start(req.prompt, req.params, req.draft)
+            req.stats.total_draft_tokens = len(req.draft)
             bisect.insort(self._queue, req, key=lambda r: r.rank)
 
     def _apply_cancels(self, cancel: set) -> None:
@@ -335,7 +345,7 @@ class InflightBatcher:
                 n = self._chunk(req.seq, budget, first_context=not any(r.seq.in_context for r, _ in batch))
                 if n:
                     batch.append((req, n))
-                    budget -= n
+                    budget -= self._tokens_of(req.seq, n)
         # Admissions, in rank order, stopping at the first that does not fit.
         if guaranteed:
             free = engine.kv.free_blocks - sum(engine.blocks_to_finish(r.seq) for r in self._running)
@@ -375,8 +385,13 @@ class InflightBatcher:
             self._known.add(req.request_id)
             if n:
                 batch.append((req, n))
-                budget -= n
+                budget -= self._tokens_of(seq, n)
         return batch
+
+    @staticmethod
+    def _tokens_of(seq: Sequence, n: int) -> int:
+        """Tokens a context chunk puts through the step: its draft rides on the last one."""
+        return n + (len(seq.draft) if n == seq.pending else 0)
 
     def _step(self, batch: list[tuple[_Request, int]]) -> None:
         items = [(r.seq, n) for r, n in batch]
@@ -406,6 +421,7 @@ class InflightBatcher:
         for (req, _), tokens in zip(batch, emitted):
             st.tokens += len(tokens)
             seq = req.seq
+            req.stats.total_accepted_draft_tokens = seq.accepted_draft
             if seq.finished:
                 self.engine.release(seq)
                 self._running.remove(req)

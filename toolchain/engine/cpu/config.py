@@ -127,6 +127,7 @@ class BuildLimits:
     max_seq_len: int
     max_num_tokens: int
     tokens_per_block: int = 32  # plugin_config.tokens_per_block (TensorRT-LLM 1.2's default)
+    max_draft_len: int = 0  # draft tokens a request may bring for verification (speculative decoding)
 
 
 def _need(cfg: dict, key: str, kind: type, origin: str) -> Any:
@@ -284,6 +285,11 @@ def parse_limits(build: Any, origin: str) -> BuildLimits:
     if not isinstance(tpb, int) or isinstance(tpb, bool) or tpb < 1 or tpb & (tpb - 1):
         raise ToolchainError(f"{origin}: plugin_config.tokens_per_block must be a power of 2, got {tpb!r}", _REBUILD)
     values["tokens_per_block"] = tpb
+    draft = build.get("max_draft_len", 0)
+    if not isinstance(draft, int) or isinstance(draft, bool) or draft < 0:
+        raise ToolchainError(f"{origin}: build_config.max_draft_len must be a non-negative integer, got {draft!r}",
+                             _REBUILD)
+    values["max_draft_len"] = draft
     if values["max_input_len"] > values["max_seq_len"]:
         raise ToolchainError(f"{origin}: max_input_len exceeds max_seq_len", _REBUILD)
     return BuildLimits(**values)

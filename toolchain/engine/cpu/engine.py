@@ -27,9 +27,12 @@ from toolchain.errors import ToolchainError
 class Sequence:
     """One request in flight: its prompt, output so far, KV blocks and sampler."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams):
+    def __init__(self, prompt: list[int], params: SamplingParams, draft: list[int] | None = None):
         self.prompt = [int(t) for t in prompt]
         self.params = params
+        # External draft tokens (draft_input_ids), verified with the end of the context.
+        self.draft = [int(t) for t in draft or ()]
+        self.accepted_draft = 0
         self.table = BlockTable()
         self.sampler = Sampler(params)
         self.output: list[int] = []
@@ -69,6 +72,19 @@ class Sequence:
         elif len(self.output) >= self.params.max_new_tokens:
             self.finish("length")
         return [token]
+
+    def verify(self, logits: torch.Tensor, draft: list[int]) -> list[int]:
+        """Draft tokens against the target's logits [len(draft) + 1, V], position by position:
+        sample the target's token; while it equals the draft's, the draft token is accepted and
+        the next position is tried. So every emitted token is the target's own choice given the
+        tokens before it: greedy output is unchanged, sampled output keeps its distribution."""
+        emitted = []
+        for i, row in enumerate(logits):
+            emitted += self.accept(row)
+            if self.finished or i == len(draft) or emitted[-1] != draft[i]:
+                break
+            self.accepted_draft += 1
+        return emitted
 
 
 class CpuEngine:
@@ -127,9 +143,11 @@ class CpuEngine:
                 return f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})"
         return None
 
-    def request_problem(self, prompt_ids, params: SamplingParams) -> str | None:
+    def request_problem(self, prompt_ids, params: SamplingParams, draft=()) -> str | None:
         """Why a request cannot run on this engine (TRT-LLM's limits), or None."""
         problem = self._ids_problem(prompt_ids)
+        if problem is None and len(draft):
+            problem = self._draft_problem(draft)
         if problem is None and not isinstance(params, SamplingParams):
             problem = f"sampling parameters must be SamplingParams, got {type(params).__name__}"
         if problem is None:
@@ -144,12 +162,22 @@ class CpuEngine:
                     f"max_seq_len {lim.max_seq_len}; ask for at most {lim.max_seq_len - n} new tokens")
         return None
 
-    def start(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def _draft_problem(self, draft) -> str | None:
+        limit = self.limits.max_draft_len
+        if limit == 0:
+            return ("draft_input_ids given, but the engine was built without speculative decoding "
+                    "(max_draft_len 0); set speculative.mode and max_draft_len and rebuild")
+        if len(draft) > limit:
+            return f"{len(draft)} draft tokens exceed the engine's max_draft_len {limit}"
+        problem = self._ids_problem(draft)
+        return None if problem is None else f"draft_input_ids: {problem}"
+
+    def start(self, prompt_ids: list[int], params: SamplingParams, draft=()) -> Sequence:
         """A validated request, not yet holding any KV blocks."""
-        problem = self.request_problem(prompt_ids, params)
+        problem = self.request_problem(prompt_ids, params, draft)
         if problem is not None:
             raise ToolchainError(problem)  # the message names the limit and what would fit
-        return Sequence(prompt_ids, params)
+        return Sequence(prompt_ids, params, list(draft))
 
     # -- KV blocks ---------------------------------------------------------------
 
@@ -160,7 +188,8 @@ class CpuEngine:
     def blocks_to_finish(self, seq: Sequence) -> int:
         """Blocks `seq` needs beyond those it holds (or, before `add`, beyond its context's) to
         reach its longest possible length: guaranteed_no_evict's reservation."""
-        longest = len(seq.prompt) + seq.params.max_new_tokens - 1  # the last token is never fed back
+        # The last token is never fed back; draft tokens are written before they are verified.
+        longest = len(seq.prompt) + max(seq.params.max_new_tokens - 1, len(seq.draft))
         held = len(seq.table.blocks) if seq.has_blocks else self.kv.blocks_for(len(seq.tokens))
         return max(0, self.kv.blocks_for(longest) - held)
 
@@ -186,26 +215,37 @@ class CpuEngine:
         Raises if the forward fails; no table has advanced then, so the caller may
         retry any subset."""
         with self.lock:
-            chunks = []
+            chunks, drafts = [], []
             for seq, n in batch:
                 start = seq.table.length
-                self.kv.reserve(seq.table, start + n)
-                chunks.append(Chunk(seq.table, seq.tokens[start:start + n], logits=n == seq.pending))
+                last = n == seq.pending
+                # The context's last chunk carries the draft tokens, verified in the same forward.
+                draft = seq.draft if last and seq.draft and seq.in_context else []
+                self.kv.reserve(seq.table, start + n + len(draft))
+                chunks.append(Chunk(seq.table, seq.tokens[start:start + n] + draft,
+                                    logits=1 + len(draft) if last else 0))
+                drafts.append(draft)
             with torch.no_grad():
                 logits = self.model.forward(chunks, self.kv)
             emitted = []
-            for (seq, n), row in zip(batch, logits):
-                tokens = seq.tokens
-                self.kv.commit(seq.table, tokens, seq.table.length + n)
-                if row is None:
-                    emitted.append([])
-                    continue
+            for (seq, n), rows, draft in zip(batch, logits, drafts):
+                length = seq.table.length + n
                 try:
-                    emitted.append(seq.accept(row))
+                    if rows is None:
+                        tokens = []
+                    elif draft:
+                        tokens = seq.verify(rows, draft)
+                        seq.draft = []
+                    else:
+                        tokens = seq.accept(rows[0])
                 except Exception as err:  # one request's sampling failure must not cost the others their step
                     seq.finish("error")
                     seq.error = f"sampling failed: {err}"
-                    emitted.append([])
+                    tokens = []
+                # Accepted draft tokens keep their K/V; a rejected one's are left beyond the length.
+                accepted = max(0, min(len(tokens) - 1, len(draft)))
+                self.kv.commit(seq.table, seq.tokens, length + accepted)
+                emitted.append(tokens)
             return emitted
 
     # -- synchronous entry points ---------------------------------------------------
@@ -239,6 +279,6 @@ class CpuEngine:
             self.kv.add_sequence(table, ids, reuse=False)
             try:
                 with torch.no_grad():
-                    return self.model.forward([Chunk(table, ids, all_logits=True)], self.kv)[0]
+                    return self.model.forward([Chunk(table, ids, logits=len(ids))], self.kv)[0]
             finally:
                 self.kv.release(table)

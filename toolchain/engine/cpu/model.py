@@ -33,8 +33,10 @@ from toolchain.quant.kv_cache import dequantize_kv, quantize_kv
 class Chunk:
     table: BlockTable
     tokens: list[int]  # new tokens, written at positions table.length, table.length + 1, ...
-    logits: bool = True  # False: a context chunk short of the prompt's end, nothing to sample
-    all_logits: bool = False  # every position's logits (forward_logits), not only the last
+    logits: int = 1
+    """Trailing positions whose logits are wanted: 1 to sample the next token, 1 + draft length to
+    verify draft tokens, len(tokens) for every position (forward_logits), 0 for a context chunk
+    short of the prompt's end."""
 
 
 class _Group:
@@ -115,8 +117,8 @@ class Model:
     # -- the stages ---------------------------------------------------------
 
     def forward(self, chunks: list[Chunk], kv: KvCacheManager) -> list[torch.Tensor | None]:
-        """Run the chunks; per chunk logits [V] (last token), [n, V] (all_logits) or None
-        (logits=False). Writes their K/V into `kv` but leaves every table's length as it
+        """Run the chunks; per chunk the logits of its last `logits` positions [logits, V], or None
+        for 0. Writes their K/V into `kv` but leaves every table's length as it
         was: the caller commits after sampling, so a failed step can be retried."""
         rows, decode, context, write, positions, first = [], [], [], [], [], 0
         for c in chunks:
@@ -143,18 +145,13 @@ class Model:
 
         wanted = []
         for c, (s, e) in zip(chunks, rows):
-            wanted.extend(range(s, e) if c.all_logits else [e - 1] if c.logits else [])
+            wanted.extend(range(e - min(c.logits, e - s), e))
         logits = self._lm_head(self.stages[-1], x[wanted]) if wanted else None
         out, at = [], 0
         for c, (s, e) in zip(chunks, rows):
-            if c.all_logits:
-                out.append(logits[at:at + e - s])
-                at += e - s
-            elif c.logits:
-                out.append(logits[at])
-                at += 1
-            else:
-                out.append(None)
+            n = min(c.logits, e - s)
+            out.append(logits[at:at + n] if n else None)
+            at += n
         return out
 
     def _embed(self, shards: list[RankShard], ids: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ SAMPLING = (
     ("runtime_top_p_decay", "top_p_decay", float, 1.0),
 )
 # Inputs whose mere presence asks for something the CPU engine does not do.
-UNSUPPORTED_INPUTS = ("encoder_input_features", "draft_input_ids", "draft_logits", "prompt_embedding_table",
+UNSUPPORTED_INPUTS = ("encoder_input_features", "draft_logits", "prompt_embedding_table",
                       "lora_task_id", "lora_weights", "lora_config", "cross_attention_mask", "context_phase_params",
                       "guided_decoding_guide_type", "guided_decoding_guide", "mrope_rotary_cos_sin")
 UNSUPPORTED_FLAGS = ("return_log_probs", "return_context_logits", "return_generation_logits")
@@ -88,6 +88,13 @@ class _Inputs:
         if flat.size % self.batch == 0:
             return cast(arr.reshape(self.batch, -1)[row, 0])
         return cast(flat[0])
+
+    def row(self, name, row):
+        """One row of an optional [B, N] token tensor as a list (empty when absent)."""
+        arr = self.get(name)
+        if arr is None or arr.size == 0:
+            return []
+        return [int(t) for t in arr.reshape(self.batch, -1)[row]]
 
     def word_list(self, name, row):
         """[B,2,N] TensorRT-LLM word list -> list of token-id lists for one row."""
@@ -338,17 +345,19 @@ class TritonPythonModel:
             exclude = inputs.scalar("exclude_input_in_output", row, self.default_exclude_input, bool)
             wants = {flag for flag in ("return_num_input_tokens", "return_num_output_tokens", "return_perf_metrics")
                      if inputs.scalar(flag, row, False, bool)}
+            draft = inputs.row("draft_input_ids", row)
             rid = next(self.ids)
-            submissions.append((rid, _Row(group, row, prompt, exclude, wants, self.RequestStats()), prompt, params))
+            submissions.append((rid, _Row(group, row, prompt, exclude, wants, self.RequestStats()), prompt, params,
+                                draft))
         with self.lock:
             self.groups[id(group)] = group
-            for rid, row, _, _ in submissions:
+            for rid, row, _, _, _ in submissions:
                 self.rows[rid] = row
                 group.pending.add(rid)
-        for rid, row, prompt, params in submissions:
+        for rid, row, prompt, params, draft in submissions:
             try:
                 # The 1.2 backend sets no executor priority: every request runs at the default.
-                self.batcher.submit(rid, prompt, params, self._callback(rid), stats=row.stats)
+                self.batcher.submit(rid, prompt, params, self._callback(rid), stats=row.stats, draft_tokens=draft)
             except self.QueueFull as err:
                 self._abort(group, error=f"tensorrt_llm: {err}")
                 return
@@ -449,8 +458,8 @@ class TritonPythonModel:
             for name in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"):
                 out.append(pb_utils.Tensor(name, np.array([[getattr(st, name)]], np.int32)))
             for name in ("total_accepted_draft_tokens", "total_draft_tokens"):
-                out.append(pb_utils.Tensor(name, np.zeros((1, 1), np.int32)))
-            out.append(pb_utils.Tensor("acceptance_rate", np.zeros((1, 1), np.float32)))
+                out.append(pb_utils.Tensor(name, np.array([[getattr(st, name)]], np.int32)))
+            out.append(pb_utils.Tensor("acceptance_rate", np.array([[st.acceptance_rate]], np.float32)))
         return out
 
     # ---- stop, cancellation, errors ---------------------------------------------------------------------------
