@@ -176,7 +176,7 @@ TRIGGERS = {
                                  {}, FAIL),
     "spec.draft-model": (merge(DRAFT, {"speculative": {"draft_model": None}}), {}, FAIL),
     "spec.draft-target-reuse": (merge(DRAFT, {"build": {"kv_cache_reuse": False}}), {}, FAIL),
-    "spec.draft-target-grpc-port": (merge(DRAFT, {"serving": {"grpc_port": 9001}}), {}, FAIL),
+    "spec.draft-target-grpc-port": (merge(DRAFT, {"serving": {"grpc_port": 9001}}), {}, WARN),
     "spec.draft-target-decoupled": (merge(DRAFT, {"serving": {"streaming": True}}), {}, FAIL),
     "spec.ngram-no-triton": ({"speculative": {"mode": "ngram", "max_draft_len": 4}}, {}, FAIL),
 }

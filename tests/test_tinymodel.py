@@ -97,3 +97,26 @@ def test_shipped_model_beats_uniform_on_heldout_code():
         logits = model(input_ids=ids).logits[:, :-1]
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
     assert math.exp(nll.item()) < model.config.vocab_size / 10
+
+
+def test_draft_of_shares_the_models_tokenizer(tmp_path):
+    out = tmp_path / "draft"
+    result = CliRunner().invoke(cli, ["tiny-model", str(out), "--quick", "--draft-of", str(TINY_TRAINED)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "tokenizer.json").read_text())["model"]["vocab"] == \
+        json.loads((TINY_TRAINED / "tokenizer.json").read_text())["model"]["vocab"]
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 4096
+    record = json.loads((out / "training.json").read_text())
+    assert record["draft_of"] == str(TINY_TRAINED) and f"--draft-of {TINY_TRAINED}" in record["command"]
+    with pytest.raises(ToolchainError, match="no tokenizer.json"):
+        build_tiny_model(tmp_path / "x", quick=True, draft_of=tmp_path, log=lambda _: None)
+
+
+def test_shipped_draft_speaks_the_targets_vocabulary():
+    draft = TINY_TRAINED.parent / "tiny-llama-draft"
+    tok, model = load_hf(draft)
+    target_tok, target = load_hf(TINY_TRAINED)
+    assert tok.get_vocab() == target_tok.get_vocab() and model.config.vocab_size == target.config.vocab_size
+    assert sum(p.numel() for p in model.parameters()) * 4 < sum(p.numel() for p in target.parameters())
+    size = sum(p.stat().st_size for p in draft.rglob("*") if p.is_file())
+    assert size <= 3_000_000

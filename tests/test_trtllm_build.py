@@ -191,9 +191,7 @@ def test_draft_target_builds_the_draft_too(tmp_path, hf_llama, hf_llama_tied, fa
     spec = trt_spec(tmp_path, hf_llama, speculative={"mode": "draft_target", "max_draft_len": 4,
                                                      "draft_model": str(hf_llama_tied)},
                     serving={"streaming": False})
-    # refused by default until the BLS speculates (spec.mode-runnable); the build itself is ready
-    assert build(tmp_path, spec) == 2 and "spec.mode-runnable" in capsys.readouterr().err
-    assert build(tmp_path, spec, "--skip-check", "spec.mode-runnable") == 0, capsys.readouterr().err
+    assert build(tmp_path, spec) == 0, capsys.readouterr().err
     target, draft = calls(fake_build)
     assert trtllm.validate(target)["--speculative_decoding_mode"] == "draft_tokens_external"
     assert trtllm.validate(target)["--max_draft_len"] == 4

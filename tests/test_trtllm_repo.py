@@ -88,7 +88,7 @@ def test_draft_target_adds_the_draft_model(tmp_path):
     assert params(configs["tensorrt_llm_bls"])["tensorrt_llm_draft_model_name"] == "tensorrt_llm_draft"
 
 
-def test_cpu_target_is_unchanged(tmp_path):
+def test_cpu_target_serves_the_draft_with_the_cpu_model(tmp_path):
     hf = tmp_path / "hf"
     make_tiny_tokenizer(hf)
     (hf / "config.json").write_text("{}")
@@ -96,7 +96,13 @@ def test_cpu_target_is_unchanged(tmp_path):
     ws = Workspace(tmp_path / "ws")
     run_model_repo(spec, ws)
     repo = ws.model_repo_dir(spec)
-    assert not (repo / "tensorrt_llm_draft").exists()
+    draft = text_format.Parse((repo / "tensorrt_llm_draft" / "config.pbtxt").read_text(), pb.ModelConfig())
+    assert draft.backend == "python" and "gpu_device_ids" not in params(draft)
+    assert params(draft)["gpt_model_path"] == str(ws.engine_dir(spec).resolve() / "draft" / "engine")
+    assert (repo / "tensorrt_llm_draft" / "1" / "model.py").read_bytes() == \
+        (repo / "tensorrt_llm" / "1" / "model.py").read_bytes()
+    bls = text_format.Parse((repo / "tensorrt_llm_bls" / "config.pbtxt").read_text(), pb.ModelConfig())
+    assert params(bls)["tensorrt_llm_draft_model_name"] == "tensorrt_llm_draft"
     got = params(text_format.Parse((repo / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig()))
     # The scheduler and KV-cache parameters come from the spec on both targets; the GPU-only ones stay out.
     assert got["enable_kv_cache_reuse"] == "true" and got["enable_chunked_context"] == "false"

@@ -72,6 +72,21 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def _write_cpu_engine(spec: DeploymentSpec, checkpoint_dir: Path, out: Path) -> dict:
+    outputs = _cpu_engine_dir(spec, checkpoint_dir, out, build_config(spec))
+    if spec.speculative.mode == "draft_target":
+        from toolchain.checkpoint.convert import convert_checkpoint
+
+        # The draft as upstream deploys it: its own engine at tp 1, same limits, no drafts of its own.
+        ckpt, engine = out / "draft" / "checkpoint", out / "draft" / "engine"
+        ckpt.mkdir(parents=True)
+        engine.mkdir()
+        convert_checkpoint(spec.speculative.draft_model, ckpt, tp=1, pp=1, dtype=spec.model.dtype, target="cpu")
+        outputs["draft"] = _cpu_engine_dir(spec, ckpt, engine, {**build_config(spec), "max_draft_len": 0})
+        shutil.rmtree(ckpt)  # the engine's rank file is a hard link (or copy) of the weights
+    return outputs
+
+
+def _cpu_engine_dir(spec: DeploymentSpec, checkpoint_dir: Path, out: Path, build: dict) -> dict:
     pretrained = json.loads((checkpoint_dir / "config.json").read_text())
     ranks = sorted(checkpoint_dir.glob("rank*.safetensors"))
     world = pretrained["mapping"]["world_size"]
@@ -81,7 +96,7 @@ def _write_cpu_engine(spec: DeploymentSpec, checkpoint_dir: Path, out: Path) -> 
     for rank_file in ranks:
         _link_or_copy(rank_file, out / rank_file.name)
     engine_config = {"version": ENGINE_FORMAT_VERSION, "target": "cpu",
-                     "pretrained_config": pretrained, "build_config": build_config(spec)}
+                     "pretrained_config": pretrained, "build_config": build}
     (out / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
     return {"ranks": len(ranks), "bytes": sum(p.stat().st_size for p in ranks),
             "warnings": _limit_warnings(spec, pretrained)}
@@ -183,8 +198,9 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
         # an engine from another TensorRT-LLM version must not count as current.
         binary = trtllm.find_trtllm_build(spec, trtllm.build_command(spec, checkpoint_dir, final))
         inputs["tensorrt_llm"] = trtllm.installed_version(Path(binary)) or "unknown"
-        if spec.speculative.mode == "draft_target" and spec.speculative.draft_model is not None:
-            inputs["draft_model"] = _config_hash(spec.speculative.draft_model)
+
+    if spec.speculative.mode == "draft_target" and spec.speculative.draft_model is not None:
+        inputs["draft_model"] = _config_hash(spec.speculative.draft_model)
     wanted = Manifest(stage="build-engine", spec_hash=spec.spec_hash(), inputs=inputs)
     if not force and is_current(final, wanted):
         return Manifest.read(final), True

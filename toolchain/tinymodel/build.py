@@ -15,7 +15,7 @@ from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir
 from toolchain.tinymodel.corpus import Corpus, load_corpus, read_text
 from toolchain.tinymodel.tokenizer import BOS, EOS, PAD, encode_documents, save_tokenizer, train_tokenizer
-from toolchain.tinymodel.train import (FULL, QUICK, Recipe, eval_windows, init_model, make_config, perplexity,
+from toolchain.tinymodel.train import (DRAFT, FULL, QUICK, Recipe, eval_windows, init_model, make_config, perplexity,
                                        train_model)
 
 RECORD = "training.json"
@@ -33,19 +33,21 @@ def check_out_dir(out_dir: Path) -> None:
 
 
 def build_tiny_model(out_dir: Path, *, seed: int = 0, steps: int | None = None, quick: bool = False,
-                     log: Callable[[str], None] = print) -> dict:
+                     draft_of: Path | None = None, log: Callable[[str], None] = print) -> dict:
     """Train the tiny Llama and write it to `out_dir` (atomically); return the
-    training record also saved as training.json."""
+    training record also saved as training.json. `draft_of`: train a smaller draft model
+    for speculative decoding with that model's tokenizer, so the two share a vocabulary."""
     out_dir = Path(out_dir)
     check_out_dir(out_dir)
-    recipe = QUICK if quick else FULL
+    tokenizer = load_tokenizer(Path(draft_of)) if draft_of is not None else None
+    recipe = QUICK if quick else DRAFT if draft_of is not None else FULL
     steps = steps if steps is not None else recipe.steps
     if steps < 1:
         raise ToolchainError(f"--steps must be at least 1, got {steps}")
 
     corpus = load_corpus(max_files=recipe.max_files)
     log(corpus.describe())
-    tok, train_stream, held_stream = prepare_data(corpus, recipe, log)
+    tok, train_stream, held_stream = prepare_data(corpus, recipe, log, tokenizer)
     model = init_model(make_config(recipe, tok.get_vocab_size(), *(tok.token_to_id(t) for t in (BOS, EOS, PAD))),
                        seed)
     log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
@@ -58,7 +60,9 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, steps: int | None = None, 
     round_to_fp16(model)
 
     record = {
-        "seed": seed, "steps": steps, "quick": quick, "command": reproduce_command(out_dir, seed, steps, quick),
+        "seed": seed, "steps": steps, "quick": quick,
+        "command": reproduce_command(out_dir, seed, steps, quick, draft_of),
+        "draft_of": str(draft_of) if draft_of is not None else None,
         "corpus": corpus.describe(), "train_files": len(corpus.train), "heldout_files": len(corpus.heldout),
         "train_tokens": len(train_stream), "heldout_tokens": len(held_stream),
         "batch_size": recipe.batch_size, "seq_len": recipe.seq_len, "lr": recipe.lr,
@@ -91,11 +95,27 @@ def environment() -> dict:
             "machine": platform.machine(), "weights_dtype": "float16"}
 
 
-def prepare_data(corpus: Corpus, recipe: Recipe, log: Callable[[str], None]):
+def load_tokenizer(model_dir: Path):
+    """The tokenizer of a model written by this command (for its draft)."""
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ToolchainError(f"--draft-of {model_dir}: no tokenizer.json there",
+                             "point it at a model written by `toolchain tiny-model` (e.g. models/tiny-llama)")
+    tok = Tokenizer.from_file(str(path))
+    missing = [t for t in (BOS, EOS, PAD) if tok.token_to_id(t) is None]
+    if missing:
+        raise ToolchainError(f"--draft-of {model_dir}: its tokenizer lacks {', '.join(missing)}",
+                             "point it at a model written by `toolchain tiny-model`")
+    return tok
+
+
+def prepare_data(corpus: Corpus, recipe: Recipe, log: Callable[[str], None], tokenizer=None):
     started = time.perf_counter()
     train_texts = [read_text(p) for p in corpus.train]
     held_texts = [read_text(p) for p in corpus.heldout]
-    tok = train_tokenizer(train_texts, recipe.vocab_size)
+    tok = tokenizer if tokenizer is not None else train_tokenizer(train_texts, recipe.vocab_size)
     train_stream = torch.tensor(encode_documents(tok, train_texts), dtype=torch.long)
     held_stream = torch.tensor(encode_documents(tok, held_texts), dtype=torch.long)
     log(f"tokenizer: {tok.get_vocab_size()} tokens; {len(train_stream):,} training and {len(held_stream):,} "
@@ -139,15 +159,19 @@ def make_readable(out: Path) -> None:
         path.chmod(0o644)
 
 
-def reproduce_command(out_dir: Path, seed: int, steps: int, quick: bool) -> str:
-    return f"toolchain tiny-model {out_dir} --seed {seed} --steps {steps}" + (" --quick" if quick else "")
+def reproduce_command(out_dir: Path, seed: int, steps: int, quick: bool, draft_of: Path | None = None) -> str:
+    return (f"toolchain tiny-model {out_dir} --seed {seed} --steps {steps}" + (" --quick" if quick else "")
+            + (f" --draft-of {draft_of}" if draft_of is not None else ""))
 
 
 def model_card(record: dict) -> str:
     purpose = ("A `--quick` smoke-test build: far too little training to be useful." if record["quick"] else
+               f"The draft model of {record['draft_of']} for draft-target speculative decoding: the same corpus, "
+               "training and tokenizer, half the width and half the depth." if record.get("draft_of") else
                "It is the project's default model: small enough to commit, trained enough that its output "
                "looks like Python.")
-    return f"""# tiny-llama
+    title = "tiny-llama-draft" if record.get("draft_of") else "tiny-llama"
+    return f"""# {title}
 
 A {record['steps']}-step, from-scratch Llama (grouped-query attention: 4 query heads, 2 KV heads,
 tied embeddings, fp16 weights) trained on CPU by `toolchain tiny-model`.

@@ -42,6 +42,9 @@ class Recipe:
 # ~4.2 M parameters: 8.4 MB in fp16, so the shipped directory stays under 9 MB.
 FULL = Recipe(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
               seq_len=256, batch_size=16, steps=320, warmup_steps=30, eval_windows=48, log_every=10)
+# ~0.9 M parameters (1.8 MB in fp16): a draft for FULL, trained the same way with FULL's tokenizer.
+DRAFT = Recipe(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+               seq_len=256, batch_size=16, steps=320, warmup_steps=30, eval_windows=48, log_every=10)
 QUICK = Recipe(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                seq_len=64, batch_size=4, steps=6, warmup_steps=2, eval_windows=4, log_every=2, max_files=40)
 

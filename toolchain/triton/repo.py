@@ -38,12 +38,13 @@ _RENDERER_SOURCES = ("config.py", "tensors.py", "templates.py", "repo.py")
 
 
 def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
-    """Target trtllm: backend parameters from the build/speculative sections, and the draft engine."""
-    if spec.target != "trtllm":
-        return {}
-    from toolchain.engine.trtllm import triton_parameters
+    """Backend parameters from the build/speculative sections (target trtllm), and the draft engine
+    (draft_target, both targets)."""
+    out: dict = {}
+    if spec.target == "trtllm":
+        from toolchain.engine.trtllm import triton_parameters
 
-    out = {"trtllm_parameters": tuple(sorted(triton_parameters(spec).items()))}
+        out["trtllm_parameters"] = tuple(sorted(triton_parameters(spec).items()))
     if spec.speculative.mode == "draft_target":
         out["draft_engine_dir"] = Path(workspace.engine_dir(spec)).resolve() / "draft" / "engine"
         out["draft_kv_cache_free_gpu_mem_fraction"] = spec.speculative.draft_kv_cache_free_gpu_mem_fraction
@@ -172,7 +173,7 @@ def render_repository(models: dict[str, ModelConfig], out: Path, target: str, he
     `python_models` (an upstream inflight_batcher_llm tree), preprocessing, postprocessing and
     tensorrt_llm_bls run NVIDIA's own model.py and helpers; only their configs are rendered."""
     check_ensemble(models["ensemble"], models)
-    ours = PYTHON_MODELS + (("tensorrt_llm",) if target == "cpu" else ())
+    ours = PYTHON_MODELS + (("tensorrt_llm", "tensorrt_llm_draft") if target == "cpu" else ())
     for name, model in models.items():
         version_dir = Path(out) / name / "1"
         version_dir.mkdir(parents=True)
@@ -183,7 +184,9 @@ def render_repository(models: dict[str, ModelConfig], out: Path, target: str, he
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src, dest)
         elif name in ours:
-            shutil.copyfile(backend_models.source(name), version_dir / "model.py")
+            # The draft is served by the same CPU model as the target, on its own engine.
+            source = "tensorrt_llm" if name == "tensorrt_llm_draft" else name
+            shutil.copyfile(backend_models.source(source), version_dir / "model.py")
 
 
 def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = False,

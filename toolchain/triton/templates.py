@@ -155,15 +155,20 @@ def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
             parameters={"accumulate_tokens": False, "tensorrt_llm_model_name": "tensorrt_llm",
                         "tensorrt_llm_draft_model_name": EMPTY, "multimodal_encoders_name": EMPTY}),
     }
-    if opts.target == "trtllm" and opts.draft_engine_dir is not None:
+    if opts.draft_engine_dir is not None:
         # Draft-target (TensorRT-LLM examples/draft_target_model/README.md): a copy of tensorrt_llm
         # on the draft engine, driven by the BLS.
         params = tensorrt_llm_parameters(opts) | {
-            "gpt_model_path": opts.draft_engine_dir, "gpu_device_ids": "0",
+            "gpt_model_path": opts.draft_engine_dir,
             "kv_cache_free_gpu_mem_fraction": opts.draft_kv_cache_free_gpu_mem_fraction}
+        if opts.target == "trtllm":
+            params["gpu_device_ids"] = "0"
         models["tensorrt_llm_draft"] = ModelConfig(
             "tensorrt_llm_draft", mbs, _tensors(TENSORRT_LLM_INPUTS, opts), _tensors(TENSORRT_LLM_OUTPUTS, opts),
-            backend="tensorrtllm", instance_group=[InstanceGroup(1, "KIND_CPU")], dynamic_batching=_batching(opts),
+            backend="tensorrtllm" if opts.target == "trtllm" else "python",
+            instance_group=[InstanceGroup(1, "KIND_CPU")], dynamic_batching=_batching(opts),
             decoupled=opts.decoupled, parameters=params)
         models["tensorrt_llm_bls"].parameters["tensorrt_llm_draft_model_name"] = "tensorrt_llm_draft"
+    # The BLS assembles speculative responses itself: it needs tensorrt_llm's default for them.
+    models["tensorrt_llm_bls"].parameters["exclude_input_in_output"] = opts.exclude_input_in_output
     return models

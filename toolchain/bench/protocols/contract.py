@@ -73,7 +73,8 @@ def detect(model: str, url: str, meta: dict, config: dict, *, streaming: bool) -
 
 
 def request_tensors(c: Contract, *, text: str | None, ids: list[int] | None, max_tokens: int, streaming: bool,
-                    ignore_eos: bool, exclude_input: bool | None) -> list[tuple[str, str, np.ndarray]]:
+                    ignore_eos: bool, exclude_input: bool | None,
+                    num_draft_tokens: int = 0) -> list[tuple[str, str, np.ndarray]]:
     """[(name, Triton datatype, array with the batch dim)] for one request."""
     def i32(v):
         return np.array([[v]], np.int32)
@@ -99,6 +100,8 @@ def request_tensors(c: Contract, *, text: str | None, ids: list[int] | None, max
             out.append(("exclude_input_in_output", "BOOL", flag(exclude_input)))
         if c.server_counts:
             out.append(("return_num_output_tokens", "BOOL", flag(True)))
+        if num_draft_tokens and "num_draft_tokens" in c.inputs:  # the BLS's draft-target loop
+            out.append(("num_draft_tokens", "INT32", i32(num_draft_tokens)))
     if ignore_eos:
         # end_id -1 matches no token and min_tokens = max_tokens stops other stop rules: OSL is exact.
         if "end_id" in c.inputs:

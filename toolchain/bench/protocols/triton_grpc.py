@@ -57,12 +57,13 @@ class TritonGrpc:
     chat = False
 
     def __init__(self, url: str, model: str, *, streaming: bool = True, ignore_eos: bool = True,
-                 exclude_input: bool | None = True, keep_text: bool = False, **_):
+                 exclude_input: bool | None = True, keep_text: bool = False, num_draft_tokens: int = 0, **_):
         self.url = url.strip().removeprefix("grpc://")
         if ":" not in self.url:
             raise ToolchainError(f"bad gRPC URL '{url}'", "pass --url host:port, e.g. 127.0.0.1:8001")
         self.model, self.streaming, self.ignore_eos, self.exclude_input = model, streaming, ignore_eos, exclude_input
         self.keep_text = keep_text
+        self.num_draft_tokens = num_draft_tokens
         self.contract: Contract | None = None
         self._channel = None
         self._idle: list = []
@@ -110,7 +111,8 @@ class TritonGrpc:
     def inputs_sent(self) -> list[str]:
         c = self.contract
         probe = request_tensors(c, text="x", ids=[1], max_tokens=2, streaming=self.streaming,
-                                ignore_eos=self.ignore_eos, exclude_input=self.exclude_input)
+                                ignore_eos=self.ignore_eos, exclude_input=self.exclude_input,
+                                num_draft_tokens=self.num_draft_tokens)
         return [name for name, _, _ in probe]
 
     # ---- run -----------------------------------------------------------------------------------------------
@@ -142,7 +144,7 @@ class TritonGrpc:
         pb = self._pb
         tensors = request_tensors(self.contract, text=prompt.text, ids=prompt.ids, max_tokens=turn.max_tokens,
                                   streaming=self.streaming, ignore_eos=self.ignore_eos,
-                                  exclude_input=self.exclude_input)
+                                  exclude_input=self.exclude_input, num_draft_tokens=self.num_draft_tokens)
         req = pb.ModelInferRequest(model_name=self.model, id=rec.request_id, outputs=self._outputs)
         for name, dtype, arr in tensors:
             req.inputs.append(pb.ModelInferRequest.InferInputTensor(name=name, datatype=dtype, shape=arr.shape))

@@ -25,11 +25,12 @@ class TritonHttp(HttpClient):
     chat = False
 
     def __init__(self, url: str, model: str, *, streaming: bool = True, ignore_eos: bool = True,
-                 exclude_input: bool | None = True, keep_text: bool = False, **_):
+                 exclude_input: bool | None = True, keep_text: bool = False, num_draft_tokens: int = 0, **_):
         super().__init__()
         self.url = normalize_http_url(url)
         self.model, self.streaming, self.ignore_eos, self.exclude_input = model, streaming, ignore_eos, exclude_input
         self.keep_text = keep_text
+        self.num_draft_tokens = num_draft_tokens
         self.contract: Contract | None = None
 
     @property
@@ -65,7 +66,8 @@ class TritonHttp(HttpClient):
 
     def _body(self, rec, text, ids, max_tokens: int, priority: int) -> dict:
         tensors = request_tensors(self.contract, text=text, ids=ids, max_tokens=max_tokens, streaming=self.streaming,
-                                  ignore_eos=self.ignore_eos, exclude_input=self.exclude_input)
+                                  ignore_eos=self.ignore_eos, exclude_input=self.exclude_input,
+                                num_draft_tokens=self.num_draft_tokens)
         body = {}
         for name, dtype, arr in tensors:
             if dtype == "BYTES":

@@ -7,8 +7,15 @@ model is decoupled) -> postprocessing for every chunk; each chunk goes back as
 separate flag-only final response. In decoupled mode each request runs on its
 own thread, so one instance serves many requests at once, as the in-flight
 batcher below it expects; a client cancellation is forwarded to tensorrt_llm
-as a `stop` request for the same request id. Copied into
-<repo>/tensorrt_llm_bls/1/model.py.
+as a `stop` request for the same request id.
+
+With `num_draft_tokens` > 0 and a draft model (`tensorrt_llm_draft_model_name`) it runs
+draft-target speculative decoding as upstream's BLS does (TensorRT-LLM
+triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/lib/decode.py,
+Decoder._spec_generate): the draft model proposes up to k tokens for the sequence so
+far, the target verifies them as `draft_input_ids` with request_output_len k + 1, and the
+loop goes on until max_tokens, an end or a stop word; one response carries the text.
+Copied into <repo>/tensorrt_llm_bls/1/model.py.
 """
 
 import json
@@ -56,8 +63,10 @@ FORWARDED = ("cum_log_probs", "output_log_probs", "context_logits", "generation_
              "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
              "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens",
              "num_output_tokens")
-UNSUPPORTED = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input", "num_draft_tokens",
-               "use_draft_logits")
+UNSUPPORTED = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
+# Request inputs that do not go to the models of a speculative step as they are.
+SPEC_OWN = ("input_ids", "input_lengths", "request_output_len", "streaming", "exclude_input_in_output",
+            "min_tokens", "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens")
 
 
 def _param(config, key):
@@ -81,6 +90,20 @@ class _Cancelled(Exception):
     pass
 
 
+def _word_lists(arr):
+    """A [1, 2, N] TensorRT-LLM word list (tokens, end offsets padded with -1) as token lists."""
+    if arr is None or arr.size == 0:
+        return []
+    arr = arr.reshape(-1, 2, arr.shape[-1])[0]
+    words, start = [], 0
+    for end in arr[1]:
+        if end < 0:
+            break
+        words.append([int(t) for t in arr[0, start:end]])
+        start = int(end)
+    return words
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -88,6 +111,11 @@ class TritonPythonModel:
         accumulate = _param(config, "accumulate_tokens")
         self.accumulate = accumulate is not None and accumulate.strip().lower() in ("1", "true", "t", "yes", "y")
         self.llm_model = _param(config, "tensorrt_llm_model_name") or "tensorrt_llm"
+        self.draft_model = _param(config, "tensorrt_llm_draft_model_name")
+        # What tensorrt_llm returns when a request does not say (its exclude_input_in_output), for
+        # speculative responses, which the BLS assembles itself.
+        exclude = _param(config, "exclude_input_in_output")
+        self.exclude_input = exclude is not None and exclude.strip().lower() in ("1", "true", "t", "yes", "y")
         if _param(config, "multimodal_encoders_name"):
             raise ValueError("tensorrt_llm_bls: multimodal_encoders_name is set, but this BLS serves text only; "
                              "leave it empty")
@@ -156,6 +184,11 @@ class TritonPythonModel:
             if value is not None:
                 # Inputs declared with reshape [] arrive as [B]; the LLM model wants [B,1].
                 llm_inputs[target] = value.reshape(batch, 1) if value.ndim == 1 else value
+        num_draft = _input(request, "num_draft_tokens")
+        num_draft = int(num_draft.reshape(-1)[0]) if num_draft is not None and num_draft.size else 0
+        if num_draft > 0:
+            yield self._speculate(request, llm_inputs, num_draft, sender)
+            return
         llm_id = f"bls-{uuid.uuid4().hex}"
         llm_request = pb_utils.InferenceRequest(
             model_name=self.llm_model, request_id=llm_id,
@@ -187,6 +220,99 @@ class TritonPythonModel:
                 if value is not None:
                     outputs.append(pb_utils.Tensor(name, value))
             yield outputs
+
+    # ---- draft-target speculative decoding ----------------------------------------------------------------------
+    def _speculate(self, request, llm_inputs, num_draft, sender):
+        """Output tensors of the one response of a speculative request."""
+        if not self.draft_model:
+            raise ValueError("num_draft_tokens needs a draft model, and this deployment has none "
+                             "(speculative.mode draft_target renders tensorrt_llm_draft)")
+        use_logits = _input(request, "use_draft_logits")
+        if use_logits is not None and bool(use_logits.reshape(-1)[0]):
+            raise ValueError("use_draft_logits is not supported by this deployment: draft tokens are verified "
+                             "by the target's own choice; leave it false")
+        # The checks of upstream's Request.validate and Decoder.decode.
+        if self._stream_requested(request):
+            raise ValueError("streaming is not supported with speculative decoding")
+        context_logits = _input(request, "return_context_logits")
+        if context_logits is not None and bool(context_logits.reshape(-1)[0]):
+            raise ValueError("context logits are not supported with speculative decoding")
+        if llm_inputs["input_ids"].shape[0] > 1:
+            raise ValueError("speculative decoding is not supported with batch size > 1")
+        length = int(llm_inputs["input_lengths"].reshape(-1)[0])
+        prompt = [int(t) for t in llm_inputs["input_ids"].reshape(-1)[:length]]
+        output_len = int(llm_inputs["request_output_len"].reshape(-1)[0])
+        common = {k: v for k, v in llm_inputs.items() if k not in SPEC_OWN}
+        stop_words = _word_lists(llm_inputs.get("stop_words_list"))
+        tokens, drafted, accepted = list(prompt), 0, 0
+        while True:
+            if sender is not None and sender.is_cancelled():
+                raise _Cancelled()
+            k = min(num_draft, len(prompt) + output_len - len(tokens) - 1)
+            draft = []
+            if k > 0:
+                draft, _ = self._call(self.draft_model, common, tokens, k, min_tokens=k)
+            new, stats = self._call(self.llm_model, common, tokens, len(draft) + 1, draft=draft)
+            drafted += int(stats.get("total_draft_tokens", len(draft)))
+            accepted += int(stats.get("total_accepted_draft_tokens", 0))
+            tokens += new
+            if len(tokens) >= len(prompt) + output_len:
+                break
+            if len(new) < len(draft) + 1:  # the target ended (end_id) before its k + 1 tokens
+                break
+            if any(tokens[-len(w):] == w for w in stop_words if w):
+                break
+        exclude = _input(request, "exclude_input_in_output")
+        exclude = self.exclude_input if exclude is None else bool(exclude.reshape(-1)[0])
+        out_tokens = tokens[len(prompt):] if exclude else tokens
+        text = self._postprocess(np.array(out_tokens, np.int32).reshape(1, 1, -1),
+                                 np.array([[len(out_tokens)]], np.int32))
+        outputs = [pb_utils.Tensor("text_output", text)]
+        for flag, name, count in (("return_num_input_tokens", "num_input_tokens", len(prompt)),
+                                  ("return_num_output_tokens", "num_output_tokens", len(tokens) - len(prompt))):
+            value = _input(request, flag)
+            if value is not None and bool(value.reshape(-1)[0]):
+                outputs.append(pb_utils.Tensor(name, np.array([[count]], np.int32)))
+        perf = _input(request, "return_perf_metrics")
+        if perf is not None and bool(perf.reshape(-1)[0]):
+            outputs += [pb_utils.Tensor("total_draft_tokens", np.array([[drafted]], np.int32)),
+                        pb_utils.Tensor("total_accepted_draft_tokens", np.array([[accepted]], np.int32)),
+                        pb_utils.Tensor("acceptance_rate",
+                                        np.array([[accepted / drafted if drafted else 0.0]], np.float32))]
+        return outputs
+
+    def _call(self, model, common, tokens, output_len, *, draft=(), min_tokens=None):
+        """One non-streaming request to `model` for the sequence `tokens`: its new tokens, and the
+        draft statistics it reports."""
+        inputs = dict(common)
+        inputs.update(input_ids=np.array([tokens], np.int32), input_lengths=np.array([[len(tokens)]], np.int32),
+                      request_output_len=np.array([[output_len]], np.int32),
+                      exclude_input_in_output=np.array([[True]], bool), streaming=np.array([[False]], bool),
+                      return_perf_metrics=np.array([[True]], bool))
+        if min_tokens:
+            inputs["min_tokens"] = np.array([[min_tokens]], np.int32)
+        if draft:
+            inputs["draft_input_ids"] = np.array([list(draft)], np.int32)
+        request = pb_utils.InferenceRequest(
+            model_name=model, request_id=f"bls-{uuid.uuid4().hex}",
+            inputs=[pb_utils.Tensor(k, np.asarray(v)) for k, v in inputs.items()],
+            requested_output_names=["output_ids", "sequence_length", "total_draft_tokens",
+                                    "total_accepted_draft_tokens"])
+        responses = request.exec(decoupled=True) if self.decoupled else [request.exec()]
+        new, stats = [], {}
+        for response in responses:
+            if response.has_error():
+                raise RuntimeError(f"{model}: {response.error().message()}")
+            ids = _output(response, "output_ids")
+            if ids is None:
+                continue
+            count = int(_output(response, "sequence_length").reshape(-1)[0])
+            new += [int(t) for t in ids.reshape(-1)[:count]]
+            for name in ("total_draft_tokens", "total_accepted_draft_tokens"):
+                value = _output(response, name)
+                if value is not None:
+                    stats[name] = int(value.reshape(-1)[0])
+        return new, stats
 
     def _preprocess(self, request):
         inputs = []

@@ -1,0 +1,101 @@
+"""Draft-target speculative decoding on CPU through the real tritonserver: the BLS runs
+upstream's draft -> target loop over tensorrt_llm_draft and tensorrt_llm, and its text is the
+text of plain decoding, token for token, with the acceptance figures reported."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_hf_llama
+from triton_helpers import deploy, make_tiny_tokenizer, stream, text_request
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+LIMITS = {"max_batch_size": 4, "max_input_len": 32, "max_seq_len": 96, "max_num_tokens": 128}
+PROMPTS = ["w10 w20 w30 w40 w50", "w7 w8 w9", "w100 w3 w77 w12 w13 w14"]
+
+
+@pytest.fixture(scope="module", params=["same-model", "other-model"])
+def served(request, tmp_path_factory):
+    """The target, and as its draft either the target itself (every draft token agrees) or another
+    random model with the same vocabulary (few do)."""
+    target = tmp_path_factory.mktemp("target")
+    make_hf_llama(target)
+    make_tiny_tokenizer(target)
+    draft = target
+    if request.param == "other-model":
+        draft = tmp_path_factory.mktemp("draft")
+        make_hf_llama(draft, seed=7)
+    spec, ws, server = deploy(tmp_path_factory.mktemp("ws"), target, limits=LIMITS, build={"tokens_per_block": 16},
+                              serving={"streaming": False},
+                              speculative={"mode": "draft_target", "max_draft_len": 4, "draft_model": str(draft)})
+    with server:
+        yield request.param, server
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_speculative_text_equals_plain_decoding(served, prompt):
+    kind, server = served
+    plain = stream(server.grpc_url, "tensorrt_llm_bls", text_request(prompt, 20, stream=False))
+    spec = stream(server.grpc_url, "tensorrt_llm_bls",
+                  text_request(prompt, 20, stream=False, num_draft_tokens=([4], "INT32"),
+                               return_perf_metrics=([True], "BOOL")))
+    assert not plain.errors and not spec.errors, (plain.errors, spec.errors)
+    assert spec.texts() == plain.texts() and plain.texts()[0].strip()
+    last = spec.responses[-1]
+    drafted = int(last.as_numpy("total_draft_tokens").reshape(-1)[0])
+    accepted = int(last.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
+    rate = float(last.as_numpy("acceptance_rate").reshape(-1)[0])
+    assert drafted > 0 and 0 <= accepted <= drafted and abs(rate - accepted / drafted) < 1e-6
+    if kind == "same-model":
+        assert accepted == drafted  # the draft is the target: it is never wrong
+
+
+def test_speculation_refuses_what_upstream_refuses(served):
+    _, server = served
+    bad = stream(server.grpc_url, "tensorrt_llm_bls",
+                 text_request(PROMPTS[0], 8, stream=False, num_draft_tokens=([4], "INT32"),
+                              return_context_logits=([True], "BOOL")))
+    assert bad.errors and "context logits are not supported with speculative decoding" in str(bad.errors[0])
+    logits = stream(server.grpc_url, "tensorrt_llm_bls",
+                    text_request(PROMPTS[0], 8, stream=False, num_draft_tokens=([4], "INT32"),
+                                 use_draft_logits=([True], "BOOL")))
+    assert logits.errors and "use_draft_logits" in str(logits.errors[0])
+
+
+def test_shipped_draft_target_spec_deploys_and_speculates(tmp_path, capsys):
+    """`toolchain deploy build/tiny-llama-draft-target.yaml`: the trained tiny Llama verified against
+    its shipped draft (models/tiny-llama-draft), benched through the BLS, which speculates."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from toolchain.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    root = tmp_path / "ws"
+    argv = ["--root", str(root), "deploy", str(repo / "build" / "tiny-llama-draft-target.yaml")]
+    for item in ("serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
+                 "validation.workload.num_requests=6", "validation.workload.warmup_requests=1"):
+        argv += ["--set", item]
+    assert main(argv) == 0, capsys.readouterr().err
+    report = json.loads((root / "reports" / "tiny-llama-draft-target" / "report.json").read_text())
+    assert report["num_requests"] == 6 and report["slo"]["passed"] is True
+
+    # The same deployment, asked directly: the draft (same corpus and tokenizer) is often right.
+    spec = yaml.safe_load((repo / "build" / "tiny-llama-draft-target.yaml").read_text())
+    models = repo / "models"
+    (tmp_path / "direct").mkdir()
+    _, _, server = deploy(tmp_path / "direct", models / "tiny-llama", limits=spec["limits"],
+                               parallelism=spec["parallelism"], build=spec["build"],
+                               serving={"streaming": False, "kv_cache_free_gpu_mem_fraction": 0.85},
+                               speculative={**spec["speculative"], "draft_model": str(models / "tiny-llama-draft")})
+    with server:
+        prompt = "import os\n\nclass Path"
+        plain = stream(server.grpc_url, "tensorrt_llm_bls", text_request(prompt, 24, stream=False))
+        fast = stream(server.grpc_url, "tensorrt_llm_bls",
+                      text_request(prompt, 24, stream=False, num_draft_tokens=([4], "INT32"),
+                                   return_perf_metrics=([True], "BOOL")))
+    assert not plain.errors and not fast.errors and fast.texts() == plain.texts()
+    assert float(fast.responses[-1].as_numpy("acceptance_rate").reshape(-1)[0]) > 0.3
