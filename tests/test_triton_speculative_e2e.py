@@ -99,3 +99,42 @@ def test_shipped_draft_target_spec_deploys_and_speculates(tmp_path, capsys):
                                    return_perf_metrics=([True], "BOOL")))
     assert not plain.errors and not fast.errors and fast.texts() == plain.texts()
     assert float(fast.responses[-1].as_numpy("acceptance_rate").reshape(-1)[0]) > 0.3
+
+
+def test_ngram_drafts_from_the_sequence_itself_and_change_nothing(tmp_path_factory):
+    """speculative.mode ngram: no draft model; the BLS looks the sequence's last tokens up earlier in
+    it (prompt lookup) and sends what followed as draft_input_ids. A prompt that repeats itself
+    gives drafts at once; the text is plain decoding's."""
+    target = tmp_path_factory.mktemp("ngram-target")
+    make_hf_llama(target)
+    make_tiny_tokenizer(target)
+    spec, ws, server = deploy(tmp_path_factory.mktemp("ws"), target, limits=LIMITS, build={"tokens_per_block": 16},
+                              serving={"streaming": False},
+                              speculative={"mode": "ngram", "max_draft_len": 4, "ngram_size": 2})
+    prompt = " ".join(["w5 w6 w7 w8 w9"] * 3) + " w5 w6"
+    with server:
+        plain = stream(server.grpc_url, "tensorrt_llm_bls", text_request(prompt, 20, stream=False))
+        fast = stream(server.grpc_url, "tensorrt_llm_bls",
+                      text_request(prompt, 20, stream=False, num_draft_tokens=([4], "INT32"),
+                                   return_perf_metrics=([True], "BOOL")))
+    assert not plain.errors and not fast.errors and fast.texts() == plain.texts()
+    drafted = int(fast.responses[-1].as_numpy("total_draft_tokens").reshape(-1)[0])
+    assert drafted >= 4  # the first lookup alone finds "w7 w8 w9 w5"
+
+
+def test_prompt_lookup_finds_the_latest_earlier_occurrence():
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    # The BLS imports Triton's stub module; its pure helpers need none of it.
+    sys.modules.setdefault("triton_python_backend_utils", types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1))
+    path = Path(__file__).resolve().parents[1] / "toolchain" / "triton" / "backend_models" / "tensorrt_llm_bls.py"
+    spec = importlib.util.spec_from_file_location("bls_under_test", path)
+    bls = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bls)
+    assert bls._lookup([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 2, 3) == [4, 5, 1]  # the latest "1 2", not the first
+    assert bls._lookup([1, 2, 3, 9, 7, 2], 3, 2) == [3, 9]  # falls back to the 1-gram "2"
+    assert bls._lookup([1, 2, 3], 3, 2) == []
+    assert bls._lookup([4, 5, 4], 2, 4) == [5, 4]  # what is there, up to k

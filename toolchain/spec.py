@@ -337,6 +337,9 @@ class SpeculativeSection(_Section):
     """draft_target: HF checkpoint of the draft model (same tokenizer); converted and built at tp 1 next to the target."""
     draft_kv_cache_free_gpu_mem_fraction: float = Field(0.1, gt=0, lt=1)
     """draft_target: share of free GPU memory for the draft's KV cache; with the target's share it must stay below 1."""
+    ngram_size: int = Field(3, ge=1, le=32)
+    """ngram: longest suffix of the sequence looked up earlier in it for a draft (prompt lookup's
+    max_matching_ngram_size); shorter suffixes are tried down to 1."""
     lookahead_window_size: int = Field(0, ge=0)
     """lookahead: window size W (Triton lookahead_window_size)."""
     lookahead_ngram_size: int = Field(0, ge=0)

@@ -109,9 +109,9 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
     transport = make_transport(wl.protocol, url=target, model=wl.endpoint, streaming=wl.streaming,
                                ignore_eos=wl.ignore_eos, exclude_input=spec.serving.exclude_input_in_output,
                                keep_text=wl.multi_turn.turns > 1 or wl.prompts_file is not None,
-                               # A draft-target deployment speculates through the BLS when asked to.
+                               # A draft-target or n-gram deployment speculates through the BLS when asked to.
                                num_draft_tokens=spec.speculative.max_draft_len
-                               if spec.speculative.mode == "draft_target" else 0)
+                               if spec.speculative.mode in ("draft_target", "ngram") else 0)
     transport.prepare()
     metrics_url = metrics_url if metrics_url is not None else (
         default_metrics_url(spec) if wl.protocol.startswith("triton") else None)

@@ -150,20 +150,24 @@ def _draft_port(ctx: Context):
 
 
 @check("spec.draft-target-decoupled", SERVING,
-       "draft-target through the BLS cannot stream (tensorrt_llm_bls/1/lib/decode.py)")
+       "speculation through the BLS cannot stream (tensorrt_llm_bls/1/lib/decode.py)")
 def _draft_stream(ctx: Context):
-    if ctx.spec.speculative.mode != "draft_target":
+    mode = ctx.spec.speculative.mode
+    if mode not in ("draft_target", "ngram"):
         return PASS, "not draft-target"
     if ctx.spec.serving.streaming:
-        return FAIL, ("draft-target runs through the BLS, which neither streams nor accepts decoupled models; "
-                      "set serving.streaming=false")
+        return FAIL, (f"speculative.mode={mode} runs through the BLS, which neither streams nor accepts decoupled "
+                      "models; set serving.streaming=false")
     return PASS, "not decoupled"
 
 
 @check("spec.ngram-no-triton", SERVING,
-       "n-gram speculation has no Triton engine-backend path (TensorRT-LLM examples/ngram/README.md)")
+       "n-gram drafts come from the toolchain's BLS; the 1.2 engine backend has no n-gram mode "
+       "(TensorRT-LLM examples/ngram/README.md)")
 def _ngram(ctx: Context):
     if ctx.spec.speculative.mode != "ngram":
         return PASS, "not n-gram"
-    return FAIL, ("speculative.mode=ngram has no documented Triton path in the TensorRT-LLM 1.2 engine backend; "
-                  "use lookahead (draft-free) or draft_target")
+    # The target takes external draft tokens (draft_tokens_external); the toolchain's BLS makes them by
+    # prompt lookup. NVIDIA's BLS (model-repo --python-models) only knows a draft model.
+    return WARN, ("speculative.mode=ngram: the toolchain's BLS drafts by prompt lookup and the engine verifies "
+                  "them as external draft tokens; upstream's BLS (model-repo --python-models) does not draft n-grams")

@@ -45,6 +45,8 @@ def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
         from toolchain.engine.trtllm import triton_parameters
 
         out["trtllm_parameters"] = tuple(sorted(triton_parameters(spec).items()))
+    if spec.speculative.mode == "ngram":
+        out["draft_ngram_size"] = spec.speculative.ngram_size
     if spec.speculative.mode == "draft_target":
         out["draft_engine_dir"] = Path(workspace.engine_dir(spec)).resolve() / "draft" / "engine"
         out["draft_kv_cache_free_gpu_mem_fraction"] = spec.speculative.draft_kv_cache_free_gpu_mem_fraction

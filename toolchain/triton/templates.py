@@ -55,6 +55,7 @@ class RepoOptions:
     trtllm_parameters: tuple[tuple[str, object], ...] = ()
     draft_engine_dir: Path | None = None
     draft_kv_cache_free_gpu_mem_fraction: float = 0.1
+    draft_ngram_size: int = 0  # speculative.mode ngram: the BLS drafts by prompt lookup (0: off)
 
 
 def _tensors(rows, opts: RepoOptions) -> list[Tensor]:
@@ -169,6 +170,8 @@ def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
             instance_group=[InstanceGroup(1, "KIND_CPU")], dynamic_batching=_batching(opts),
             decoupled=opts.decoupled, parameters=params)
         models["tensorrt_llm_bls"].parameters["tensorrt_llm_draft_model_name"] = "tensorrt_llm_draft"
+    if opts.draft_ngram_size:
+        models["tensorrt_llm_bls"].parameters["draft_ngram_size"] = opts.draft_ngram_size
     # The BLS assembles speculative responses itself: it needs tensorrt_llm's default for them.
     models["tensorrt_llm_bls"].parameters["exclude_input_in_output"] = opts.exclude_input_in_output
     return models

@@ -10,7 +10,8 @@ batcher below it expects; a client cancellation is forwarded to tensorrt_llm
 as a `stop` request for the same request id.
 
 With `num_draft_tokens` > 0 and a draft model (`tensorrt_llm_draft_model_name`) it runs
-draft-target speculative decoding as upstream's BLS does (TensorRT-LLM
+draft-target speculative decoding as upstream's BLS does (with `draft_ngram_size` instead, the
+drafts come from prompt lookup in the sequence itself) (TensorRT-LLM
 triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/lib/decode.py,
 Decoder._spec_generate): the draft model proposes up to k tokens for the sequence so
 far, the target verifies them as `draft_input_ids` with request_output_len k + 1, and the
@@ -90,6 +91,17 @@ class _Cancelled(Exception):
     pass
 
 
+def _lookup(tokens, ngram_size, k):
+    """Prompt lookup: the k tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens, trying n = ngram_size down to 1; [] when none recurs."""
+    for n in range(min(ngram_size, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tail:
+                return tokens[start + n:start + n + k]
+    return []
+
+
 def _word_lists(arr):
     """A [1, 2, N] TensorRT-LLM word list (tokens, end offsets padded with -1) as token lists."""
     if arr is None or arr.size == 0:
@@ -112,6 +124,9 @@ class TritonPythonModel:
         self.accumulate = accumulate is not None and accumulate.strip().lower() in ("1", "true", "t", "yes", "y")
         self.llm_model = _param(config, "tensorrt_llm_model_name") or "tensorrt_llm"
         self.draft_model = _param(config, "tensorrt_llm_draft_model_name")
+        # speculative.mode ngram: drafts by prompt lookup instead of a draft model.
+        ngram = _param(config, "draft_ngram_size")
+        self.ngram_size = int(ngram) if ngram and ngram.isdigit() else 0
         # What tensorrt_llm returns when a request does not say (its exclude_input_in_output), for
         # speculative responses, which the BLS assembles itself.
         exclude = _param(config, "exclude_input_in_output")
@@ -224,9 +239,9 @@ class TritonPythonModel:
     # ---- draft-target speculative decoding ----------------------------------------------------------------------
     def _speculate(self, request, llm_inputs, num_draft, sender):
         """Output tensors of the one response of a speculative request."""
-        if not self.draft_model:
-            raise ValueError("num_draft_tokens needs a draft model, and this deployment has none "
-                             "(speculative.mode draft_target renders tensorrt_llm_draft)")
+        if not self.draft_model and not self.ngram_size:
+            raise ValueError("num_draft_tokens needs a draft model or n-gram drafting, and this deployment has "
+                             "neither (speculative.mode draft_target or ngram)")
         use_logits = _input(request, "use_draft_logits")
         if use_logits is not None and bool(use_logits.reshape(-1)[0]):
             raise ValueError("use_draft_logits is not supported by this deployment: draft tokens are verified "
@@ -249,16 +264,20 @@ class TritonPythonModel:
             if sender is not None and sender.is_cancelled():
                 raise _Cancelled()
             k = min(num_draft, len(prompt) + output_len - len(tokens) - 1)
-            draft = []
-            if k > 0:
+            draft, step = [], 1
+            if k > 0 and self.draft_model:
                 draft, _ = self._call(self.draft_model, common, tokens, k, min_tokens=k)
-            new, stats = self._call(self.llm_model, common, tokens, len(draft) + 1, draft=draft)
+            elif k > 0:
+                draft = _lookup(tokens, self.ngram_size, k)
+                if not draft:  # nothing to look up: decode k + 1 plain tokens instead of one
+                    step = k + 1
+            new, stats = self._call(self.llm_model, common, tokens, max(step, len(draft) + 1), draft=draft)
             drafted += int(stats.get("total_draft_tokens", len(draft)))
             accepted += int(stats.get("total_accepted_draft_tokens", 0))
             tokens += new
             if len(tokens) >= len(prompt) + output_len:
                 break
-            if len(new) < len(draft) + 1:  # the target ended (end_id) before its k + 1 tokens
+            if len(new) < max(step, len(draft) + 1):  # the target ended (end_id) before all its tokens
                 break
             if any(tokens[-len(w):] == w for w in stop_words if w):
                 break
