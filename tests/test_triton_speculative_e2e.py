@@ -138,3 +138,21 @@ def test_prompt_lookup_finds_the_latest_earlier_occurrence():
     assert bls._lookup([1, 2, 3, 9, 7, 2], 3, 2) == [3, 9]  # falls back to the 1-gram "2"
     assert bls._lookup([1, 2, 3], 3, 2) == []
     assert bls._lookup([4, 5, 4], 2, 4) == [5, 4]  # what is there, up to k
+
+
+def test_stop_words_and_min_tokens_end_where_plain_decoding_ends(served):
+    """A stop word that straddles two speculative steps (the target sees only its own step's
+    output) still ends the text where plain decoding ends it; min_tokens counts the whole output."""
+    _, server = served
+    prompt = PROMPTS[0]
+    plain = stream(server.grpc_url, "tensorrt_llm_bls", text_request(prompt, 20, stream=False))
+    words = plain.texts()[0].split()
+    # With 4 draft tokens a step yields at most 5: the words at 5 and 6 straddle a step boundary
+    # whenever every draft token is accepted, and often otherwise.
+    stop = f"{words[4]} {words[5]}"
+    for extra in ({"stop_words": ([stop], "BYTES")}, {"min_tokens": ([9], "INT32")}):
+        want = stream(server.grpc_url, "tensorrt_llm_bls", text_request(prompt, 20, stream=False, **extra))
+        got = stream(server.grpc_url, "tensorrt_llm_bls",
+                     text_request(prompt, 20, stream=False, num_draft_tokens=([4], "INT32"), **extra))
+        assert not want.errors and not got.errors and got.texts() == want.texts(), extra
+    assert len(want.texts()[0].split()) >= 9

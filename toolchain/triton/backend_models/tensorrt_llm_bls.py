@@ -102,6 +102,15 @@ def _lookup(tokens, ngram_size, k):
     return []
 
 
+def _stop_end(tokens, start, prompt_len, stop_words):
+    """Length of `tokens` up to the end of the first stop word that ends at or after `start` and lies
+    within the output (as the engine matches them), or None."""
+    for end in range(max(start, prompt_len) + 1, len(tokens) + 1):
+        if any(end - len(w) >= prompt_len and tokens[end - len(w):end] == w for w in stop_words):
+            return end
+    return None
+
+
 def _word_lists(arr):
     """A [1, 2, N] TensorRT-LLM word list (tokens, end offsets padded with -1) as token lists."""
     if arr is None or arr.size == 0:
@@ -258,7 +267,9 @@ class TritonPythonModel:
         prompt = [int(t) for t in llm_inputs["input_ids"].reshape(-1)[:length]]
         output_len = int(llm_inputs["request_output_len"].reshape(-1)[0])
         common = {k: v for k, v in llm_inputs.items() if k not in SPEC_OWN}
-        stop_words = _word_lists(llm_inputs.get("stop_words_list"))
+        stop_words = [w for w in _word_lists(llm_inputs.get("stop_words_list")) if w]
+        min_tokens = llm_inputs.get("min_tokens")
+        min_tokens = int(min_tokens.reshape(-1)[0]) if min_tokens is not None and min_tokens.size else 0
         tokens, drafted, accepted = list(prompt), 0, 0
         while True:
             if sender is not None and sender.is_cancelled():
@@ -271,15 +282,22 @@ class TritonPythonModel:
                 draft = _lookup(tokens, self.ngram_size, k)
                 if not draft:  # nothing to look up: decode k + 1 plain tokens instead of one
                     step = k + 1
-            new, stats = self._call(self.llm_model, common, tokens, max(step, len(draft) + 1), draft=draft)
+            want = max(step, len(draft) + 1)
+            # The request's min_tokens, counted over the whole output: what is still owed in this step.
+            owed = min(want, max(0, min_tokens - (len(tokens) - len(prompt))))
+            new, stats = self._call(self.llm_model, common, tokens, want, draft=draft, min_tokens=owed)
             drafted += int(stats.get("total_draft_tokens", len(draft)))
             accepted += int(stats.get("total_accepted_draft_tokens", 0))
+            start = len(tokens)
             tokens += new
+            # A stop word may straddle two steps, which the target cannot see: end where plain decoding would.
+            end = _stop_end(tokens, start, len(prompt), stop_words)
+            if end is not None:
+                del tokens[end:]
+                break
             if len(tokens) >= len(prompt) + output_len:
                 break
-            if len(new) < max(step, len(draft) + 1):  # the target ended (end_id) before all its tokens
-                break
-            if any(tokens[-len(w):] == w for w in stop_words if w):
+            if len(new) < want:  # the target ended (end_id) before all its tokens
                 break
         exclude = _input(request, "exclude_input_in_output")
         exclude = self.exclude_input if exclude is None else bool(exclude.reshape(-1)[0])
