@@ -82,6 +82,9 @@ def test_shipped_draft_target_spec_deploys_and_speculates(tmp_path, capsys):
     assert main(argv) == 0, capsys.readouterr().err
     report = json.loads((root / "reports" / "tiny-llama-draft-target" / "report.json").read_text())
     assert report["num_requests"] == 6 and report["slo"]["passed"] is True
+    spec = report["speculation"]  # the bench asked for the BLS's acceptance figures
+    assert spec["requests"] == 6 and 0 < spec["accepted_draft_tokens"] <= spec["draft_tokens"]
+    assert abs(spec["acceptance_rate"] - spec["accepted_draft_tokens"] / spec["draft_tokens"]) < 1e-9
 
     # The same deployment, asked directly: the draft (same corpus and tokenizer) is often right.
     spec = yaml.safe_load((repo / "build" / "tiny-llama-draft-target.yaml").read_text())

@@ -162,6 +162,7 @@ def compute(records: list[RequestRecord], slo=None, *, by_class: bool = True) ->
         "e2e_sched_ms": stats(p["e2e_sched"] for p in per),
         "isl": stats(r.isl for r in good),
         "osl": stats(p["osl"] for p in per),
+        **_speculation(good),
         "token_count_check": {
             "requests_with_both": len(both),
             "mismatches": sum(1 for r in both if r.server_osl != r.client_osl),
@@ -178,6 +179,20 @@ def compute(records: list[RequestRecord], slo=None, *, by_class: bool = True) ->
 
 _CLASS_KEYS = ("num_requests", "errors", "cancelled", "requests_per_s", "output_tokens_per_s", "goodput_fraction",
                "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "send_lag_ms", "osl")
+
+
+def _speculation(good: list[RequestRecord]) -> dict:
+    """Draft tokens proposed and accepted, as the server reported them per request (speculative
+    deployments only): the acceptance rate over all of them, and its spread over requests."""
+    spec = [r for r in good if r.draft_tokens]
+    if not spec:
+        return {}
+    drafted = sum(r.draft_tokens for r in spec)
+    accepted = sum(r.accepted_draft_tokens or 0 for r in spec)
+    return {"speculation": {"requests": len(spec), "draft_tokens": drafted, "accepted_draft_tokens": accepted,
+                            "acceptance_rate": accepted / drafted,
+                            "acceptance_rate_per_request": stats((r.accepted_draft_tokens or 0) / r.draft_tokens
+                                                                 for r in spec)}}
 
 
 def _class_view(m: dict) -> dict:

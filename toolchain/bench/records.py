@@ -55,6 +55,10 @@ class RequestRecord:
     """Output tokens as the server reported them in total (OpenAI usage, final num_output_tokens)."""
     client_osl: int | None = None
     """The tokenizer's estimate of the same output, kept next to the server figure."""
+    draft_tokens: int | None = None
+    """Speculative decoding: draft tokens proposed over the request (total_draft_tokens), if reported."""
+    accepted_draft_tokens: int | None = None
+    """Of them, accepted by the target (total_accepted_draft_tokens)."""
 
     @property
     def ok(self) -> bool:

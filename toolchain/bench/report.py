@@ -26,7 +26,8 @@ FEW_SAMPLES = 100
 CSV_COLUMNS = ("index", "request_id", "level", "class", "session", "turn", "warmup", "isl", "max_tokens", "osl",
                "server_osl", "client_osl", "responses", "token_source", "t_sched_ms", "t_send_ms", "t_first_resp_ms",
                "t_first_tok_ms", "t_last_tok_ms", "t_final_ms", "send_lag_ms", "ttft_ms", "ttfr_ms", "ttst_ms",
-               "tpot_ms", "e2e_ms", "e2e_final_ms", "ttft_sched_ms", "cancelled", "timed_out", "error")
+               "tpot_ms", "e2e_ms", "e2e_final_ms", "ttft_sched_ms", "draft_tokens", "accepted_draft_tokens",
+               "cancelled", "timed_out", "error")
 
 
 def level_notes(metrics: dict, token_source: str, osl_mismatches: int, open_loop: bool = True) -> list[str]:
@@ -107,6 +108,8 @@ def csv_rows(records: list[RequestRecord], anchor_ns: int):
             "t_last_tok_ms": _rel(rec.t_last_tok, anchor_ns), "t_final_ms": _rel(rec.t_final, anchor_ns),
             **{f"{k}_ms": _round(per[k]) for k in ("send_lag", "ttft", "ttfr", "ttst", "tpot", "e2e", "e2e_final",
                                                    "ttft_sched")},
+            "draft_tokens": "" if rec.draft_tokens is None else rec.draft_tokens,
+            "accepted_draft_tokens": "" if rec.accepted_draft_tokens is None else rec.accepted_draft_tokens,
             "cancelled": int(rec.cancelled), "timed_out": int(rec.timed_out), "error": rec.error or "",
         }
 
@@ -164,6 +167,10 @@ def print_level(level: dict, console=None, title: str = "") -> None:
     for name, c in (level.get("per_class") or {}).items():
         console.print(f"  class {name}: {c['num_requests']} ok, TTFT p99 {_fmt(c['ttft_ms']['p99'])} ms, "
                       f"TPOT p99 {_fmt(c['tpot_ms']['p99'])} ms, E2E p99 {_fmt(c['e2e_ms']['p99'])} ms")
+    spec = level.get("speculation")
+    if spec:
+        console.print(f"speculation: {spec['accepted_draft_tokens']} of {spec['draft_tokens']} draft tokens accepted "
+                      f"(acceptance {_fmt(100 * spec['acceptance_rate'], 0)} %, over {spec['requests']} requests)")
     for reason, count in level.get("error_reasons", {}).items():
         console.print(f"[red]{count} x {reason}[/red]")
     srv = level.get("server") or {}

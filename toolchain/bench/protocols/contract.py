@@ -102,6 +102,8 @@ def request_tensors(c: Contract, *, text: str | None, ids: list[int] | None, max
             out.append(("return_num_output_tokens", "BOOL", flag(True)))
         if num_draft_tokens and "num_draft_tokens" in c.inputs:  # the BLS's draft-target loop
             out.append(("num_draft_tokens", "INT32", i32(num_draft_tokens)))
+            if "return_perf_metrics" in c.inputs:  # for the acceptance figures
+                out.append(("return_perf_metrics", "BOOL", flag(True)))
     if ignore_eos:
         # end_id -1 matches no token and min_tokens = max_tokens stops other stop rules: OSL is exact.
         if "end_id" in c.inputs:
@@ -113,10 +115,22 @@ def request_tensors(c: Contract, *, text: str | None, ids: list[int] | None, max
     return out
 
 
-def requested_outputs(c: Contract) -> list[str]:
+DRAFT_OUTPUTS = ("total_draft_tokens", "total_accepted_draft_tokens")
+
+
+def requested_outputs(c: Contract, speculative: bool = False) -> list[str]:
     if c.kind == TOKEN_IDS:
         return ["output_ids", "sequence_length"]  # the backend insists on both
-    return ["text_output", "num_output_tokens"] if c.server_counts else ["text_output"]
+    out = ["text_output", "num_output_tokens"] if c.server_counts else ["text_output"]
+    return out + [n for n in DRAFT_OUTPUTS if n in c.outputs] if speculative else out
+
+
+def record_drafts(rec, values: dict) -> None:
+    """Keep a response's draft-token totals (the last response of a request holds the request's)."""
+    if "total_draft_tokens" in values:
+        rec.draft_tokens = int(values["total_draft_tokens"])
+    if "total_accepted_draft_tokens" in values:
+        rec.accepted_draft_tokens = int(values["total_accepted_draft_tokens"])
 
 
 def ready_or_raise(model: str, url: str, index: list[dict], hint_field: str = "validation.workload.endpoint") -> None:

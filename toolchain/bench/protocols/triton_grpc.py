@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from toolchain.bench.protocols import Reply, Stream, short
-from toolchain.bench.protocols.contract import (TOKEN_IDS, Contract, detect, ready_or_raise, request_tensors,
+from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, TOKEN_IDS, Contract, record_drafts, detect, ready_or_raise, request_tensors,
                                                 requested_outputs)
 from toolchain.errors import ToolchainError
 
@@ -130,7 +130,7 @@ class TritonGrpc:
         self._stream = self._channel.stream_stream(_STREAM_METHOD)
         self._idle = []  # streams with nothing in flight, the most recently used last
         self._outputs = [service_pb2.ModelInferRequest.InferRequestedOutputTensor(name=n)
-                         for n in requested_outputs(self.contract)]
+                         for n in requested_outputs(self.contract, speculative=bool(self.num_draft_tokens))]
 
     async def close(self) -> None:
         for call in self._idle:
@@ -227,6 +227,7 @@ class TritonGrpc:
             ids = ids[ids >= 0]  # beams are padded with -1
             return st.counted(t, int(ids.size), ids=ids.tolist())
         text = _strings(raw["text_output"]) if "text_output" in raw else None
+        record_drafts(st.rec, {n: np.frombuffer(raw[n], np.int32)[0] for n in DRAFT_OUTPUTS if n in raw})
         if "num_output_tokens" in raw:
             total = int(np.frombuffer(raw["num_output_tokens"], np.int32)[0])
             n, st.cumulative = max(0, total - st.cumulative), max(total, st.cumulative)

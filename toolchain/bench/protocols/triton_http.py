@@ -16,7 +16,8 @@ import time
 import numpy as np
 
 from toolchain.bench.protocols import Reply, Stream, short
-from toolchain.bench.protocols.contract import TOKEN_IDS, Contract, detect, ready_or_raise, request_tensors
+from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, TOKEN_IDS, Contract, detect, ready_or_raise,
+                                                record_drafts, request_tensors)
 from toolchain.bench.protocols.sse import HttpClient, error_text, get_json, normalize_http_url
 from toolchain.errors import ToolchainError
 
@@ -126,6 +127,7 @@ class TritonHttp(HttpClient):
             ids = np.asarray(obj.get("output_ids", []), np.int64).ravel()
             ids = ids[ids >= 0]
             return st.counted(t, int(ids.size), ids=ids.tolist())
+        record_drafts(st.rec, {n: np.asarray(obj[n]).ravel()[0] for n in DRAFT_OUTPUTS if n in obj})
         text = obj.get("text_output")
         if isinstance(text, list):
             text = "".join(map(str, text))
