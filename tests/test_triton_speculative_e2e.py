@@ -125,14 +125,15 @@ def test_ngram_drafts_from_the_sequence_itself_and_change_nothing(tmp_path_facto
     assert drafted >= 4  # the first lookup alone finds "w7 w8 w9 w5"
 
 
-def test_prompt_lookup_finds_the_latest_earlier_occurrence():
+def test_prompt_lookup_finds_the_latest_earlier_occurrence(monkeypatch):
     import importlib.util
     import sys
     import types
     from pathlib import Path
 
-    # The BLS imports Triton's stub module; its pure helpers need none of it.
-    sys.modules.setdefault("triton_python_backend_utils", types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1))
+    # The BLS imports Triton's stub module at load; its pure helpers use none of it.
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils",
+                        types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1))
     path = Path(__file__).resolve().parents[1] / "toolchain" / "triton" / "backend_models" / "tensorrt_llm_bls.py"
     spec = importlib.util.spec_from_file_location("bls_under_test", path)
     bls = importlib.util.module_from_spec(spec)
