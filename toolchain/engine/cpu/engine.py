@@ -9,6 +9,7 @@ A request gets the same tokens alone or batched.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 import threading
@@ -109,9 +110,10 @@ class CpuEngine:
         """Load and validate an engine directory.
 
         `num_threads` sets torch's intra-op threads for the whole process (None
-        leaves them, 0 takes every core the host gives the process). `kv_cache` sizes the block pool; by default its block size is
-        the engine's tokens_per_block and its budget 90% of the memory available
-        once the weights are loaded.
+        leaves them, 0 takes every core the host gives the process). `kv_cache`
+        sizes the block pool; by default its block size is the engine's
+        tokens_per_block and its budget 90% of the memory available once the
+        weights are loaded.
         """
         if num_threads == 0:  # every core the host lets this process use
             num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -120,8 +122,9 @@ class CpuEngine:
         engine_dir = Path(engine_dir)
         config, dims, limits = read_engine_config(engine_dir)
         model = Model(dims, load_stages(engine_dir, dims))
-        if kv_cache is None:
-            kv_cache = KvCacheConfig(tokens_per_block=limits.tokens_per_block)
+        kv_cache = kv_cache or KvCacheConfig()
+        if kv_cache.tokens_per_block is None:
+            kv_cache = dataclasses.replace(kv_cache, tokens_per_block=limits.tokens_per_block)
         elif kv_cache.tokens_per_block != limits.tokens_per_block:
             raise ToolchainError(f"tokens_per_block {kv_cache.tokens_per_block} differs from the engine's "
                                  f"{limits.tokens_per_block}", "the block size is fixed when the engine is built")

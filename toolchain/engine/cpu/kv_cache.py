@@ -47,7 +47,8 @@ DEFAULT_FREE_MEMORY_FRACTION = 0.9  # KvCacheConfig::kDefaultGpuMemFraction
 class KvCacheConfig:
     """The executor's KvCacheConfig, as the tensorrt_llm model parameters set it."""
 
-    tokens_per_block: int = 32
+    tokens_per_block: int | None = None
+    """Block size; None takes the engine's (plugin_config.tokens_per_block), the only one it can run."""
     free_memory_fraction: float = DEFAULT_FREE_MEMORY_FRACTION
     """kv_cache_free_gpu_mem_fraction: share of the host memory available after loading the weights."""
     max_tokens: int | None = None
@@ -56,7 +57,8 @@ class KvCacheConfig:
     """enable_kv_cache_reuse."""
 
     def problem(self) -> str | None:
-        if self.tokens_per_block < 1 or self.tokens_per_block & (self.tokens_per_block - 1):
+        tpb = self.tokens_per_block
+        if tpb is not None and (tpb < 1 or tpb & (tpb - 1)):
             return f"tokens_per_block {self.tokens_per_block} must be a power of 2"
         if not 0 < self.free_memory_fraction < 1:
             return f"kv_cache_free_gpu_mem_fraction {self.free_memory_fraction} must be in (0, 1)"
@@ -126,7 +128,8 @@ class KvCacheManager:
 
     @classmethod
     def create(cls, d: ModelDims, config: KvCacheConfig, *, free_bytes: int | None = None) -> "KvCacheManager":
-        problem = config.problem()
+        problem = config.problem() or (None if config.tokens_per_block is not None else
+                                       "tokens_per_block is not set (CpuEngine.load takes the engine's)")
         if problem:
             raise ToolchainError(f"KV cache: {problem}")
         free = available_memory_bytes() if free_bytes is None else free_bytes

@@ -210,12 +210,6 @@ class _Metrics:
             self.tokens["output"].observe(output_tokens)
 
 
-def _engine_build_limits(engine_dir):
-    from toolchain.engine.cpu.config import read_engine_config
-
-    return read_engine_config(engine_dir)[2]
-
-
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -248,9 +242,7 @@ class TritonPythonModel:
         self.QueueFull = QueueFull
         self.sampling_fields = set(inspect.signature(SamplingParams).parameters)
         threads = _param(config, "engine_threads")
-        engine_limits = _engine_build_limits(engine_dir)
-        kv_cache = KvCacheConfig(
-            tokens_per_block=engine_limits.tokens_per_block,
+        kv_cache = KvCacheConfig(  # the block size is the engine's
             free_memory_fraction=(KvCacheConfig.free_memory_fraction if values["kv_cache_free_gpu_mem_fraction"] is None
                                   else values["kv_cache_free_gpu_mem_fraction"]),
             max_tokens=values["max_tokens_in_paged_kv_cache"],
