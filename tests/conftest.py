@@ -43,6 +43,16 @@ def hf_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_llama_words(tmp_path_factory) -> Path:
+    """hf_llama's model with a WordLevel tokenizer (token i is the word `w<i>`), for tests that send text."""
+    from triton_helpers import make_tiny_tokenizer
+
+    out = make_hf_llama(tmp_path_factory.mktemp("hf-llama-words"))
+    make_tiny_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def hf_llama_tied(tmp_path_factory) -> Path:
     return make_hf_llama(tmp_path_factory.mktemp("hf-llama-tied"), tie_word_embeddings=True, seed=1)
 

@@ -9,8 +9,7 @@ import threading
 
 import pytest
 
-from conftest import make_hf_llama
-from triton_helpers import deploy, make_tiny_tokenizer, stream, tensor, text_request, token_request
+from triton_helpers import deploy, stream, tensor, text_request, token_request
 
 pytest.importorskip("toolchain.engine.cpu")
 pytest.importorskip("toolchain.checkpoint.stage")
@@ -25,21 +24,13 @@ def _words(ids) -> str:
     return " ".join(f"w{i}" for i in ids)
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf-llama-tok")
-    make_hf_llama(out)
-    make_tiny_tokenizer(out)
-    return out
-
-
-def _deploy(tmp_path_factory, hf_dir, streaming: bool):
-    return deploy(tmp_path_factory.mktemp("ws"), hf_dir, limits=LIMITS, serving={"streaming": streaming})
+def _deploy(tmp_path_factory, hf_llama_words, streaming: bool):
+    return deploy(tmp_path_factory.mktemp("ws"), hf_llama_words, limits=LIMITS, serving={"streaming": streaming})
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, hf_dir):
-    spec, ws, server = _deploy(tmp_path_factory, hf_dir, streaming=True)
+def served(tmp_path_factory, hf_llama_words):
+    spec, ws, server = _deploy(tmp_path_factory, hf_llama_words, streaming=True)
     with server:
         yield spec, ws, server
 
@@ -176,8 +167,8 @@ def test_client_cancellation_leaves_the_server_healthy(served, engine):
     assert not after.errors and after.texts() == [_words(want)]
 
 
-def test_not_decoupled_serves_whole_responses_and_rejects_streaming(tmp_path_factory, hf_dir):
-    spec, ws, server = _deploy(tmp_path_factory, hf_dir, streaming=False)
+def test_not_decoupled_serves_whole_responses_and_rejects_streaming(tmp_path_factory, hf_llama_words):
+    spec, ws, server = _deploy(tmp_path_factory, hf_llama_words, streaming=False)
     with server:
         whole = stream(server.grpc_url, "ensemble", text_request(_words(PROMPT), 4, stream=False))
         assert not whole.errors and len(whole.texts()) == 1
@@ -229,13 +220,13 @@ def test_cli_serve_prints_endpoints_and_stops_on_sigterm(served, engine):
     ("tensorrt_llm", "gpt_model_type", "static_batching", "gpt_model_type"),
     ("preprocessing", "multimodal_model_path", None, "multimodal_model_path"),
 ])
-def test_a_config_the_gpu_backend_refuses_fails_to_load(tmp_path_factory, hf_dir, model, key, value, message):
+def test_a_config_the_gpu_backend_refuses_fails_to_load(tmp_path_factory, hf_llama_words, model, key, value, message):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as pb
 
     from toolchain.errors import StageFailed
 
-    spec, ws, server = _deploy(tmp_path_factory, hf_dir, streaming=False)
+    spec, ws, server = _deploy(tmp_path_factory, hf_llama_words, streaming=False)
     path = ws.model_repo_dir(spec) / model / "config.pbtxt"
     cfg = text_format.Parse(path.read_text(), pb.ModelConfig())
     assert key in cfg.parameters

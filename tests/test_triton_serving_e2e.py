@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from conftest import make_hf_llama
-from triton_helpers import deploy, make_tiny_tokenizer, stream, text_request, token_request
+from triton_helpers import deploy, stream, text_request, token_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -20,22 +19,14 @@ LIMITS = {"max_batch_size": 8, "max_input_len": 64, "max_seq_len": 160, "max_num
 POOL_TOKENS = 1024
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf-llama-serving")
-    make_hf_llama(out)
-    make_tiny_tokenizer(out)
-    return out
-
-
-def deploy_with(tmp_path_factory, hf_dir, **serving):
-    return deploy(tmp_path_factory.mktemp("ws"), hf_dir, limits=LIMITS, build={"tokens_per_block": TPB},
+def deploy_with(tmp_path_factory, hf_llama_words, **serving):
+    return deploy(tmp_path_factory.mktemp("ws"), hf_llama_words, limits=LIMITS, build={"tokens_per_block": TPB},
                   serving={"max_tokens_in_paged_kv_cache": POOL_TOKENS, **serving})
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, hf_dir):
-    spec, ws, server = deploy_with(tmp_path_factory, hf_dir, max_queue_size=1200, batch_scheduler_policy="max_utilization")
+def served(tmp_path_factory, hf_llama_words):
+    spec, ws, server = deploy_with(tmp_path_factory, hf_llama_words, max_queue_size=1200, batch_scheduler_policy="max_utilization")
     with server:
         yield spec, ws, server
 
@@ -139,8 +130,8 @@ def test_a_thousand_cancelled_streams_leave_no_block_in_use(served):
     assert not after.errors and len(after.tokens()) == 3  # and the server still serves
 
 
-def test_a_full_queue_is_a_triton_error_naming_the_limit(tmp_path_factory, hf_dir):
-    spec, ws, server = deploy_with(tmp_path_factory, hf_dir, max_queue_size=2)
+def test_a_full_queue_is_a_triton_error_naming_the_limit(tmp_path_factory, hf_llama_words):
+    spec, ws, server = deploy_with(tmp_path_factory, hf_llama_words, max_queue_size=2)
     import tritonclient.grpc as grpcclient
 
     with server:
@@ -199,14 +190,14 @@ def test_draft_tokens_to_an_engine_without_speculation_are_a_triton_error(served
     assert got.errors and "built without speculative decoding" in str(got.errors[0])
 
 
-def test_draft_input_ids_are_verified_with_the_backends_acceptance_outputs(tmp_path_factory, hf_dir):
+def test_draft_input_ids_are_verified_with_the_backends_acceptance_outputs(tmp_path_factory, hf_llama_words):
     """The tensorrt_llm request contract of draft-target decoding (what upstream's BLS sends the
     target): draft_input_ids verified in the context step, acceptance figures with
     return_perf_metrics, output unchanged. The engine is marked as built with max_draft_len 4,
     as trtllm-build records it in config.json."""
     import json
 
-    spec, ws, server = deploy_with(tmp_path_factory, hf_dir)
+    spec, ws, server = deploy_with(tmp_path_factory, hf_llama_words)
     config_path = ws.engine_dir(spec) / "config.json"
     config = json.loads(config_path.read_text())
     config["build_config"]["max_draft_len"] = 4

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_hf_llama
-from triton_helpers import deploy, make_tiny_tokenizer, stream, text_request
+from triton_helpers import deploy, stream, text_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -16,13 +16,10 @@ PROMPTS = ["w10 w20 w30 w40 w50", "w7 w8 w9", "w100 w3 w77 w12 w13 w14"]
 
 
 @pytest.fixture(scope="module", params=["same-model", "other-model"])
-def served(request, tmp_path_factory):
+def served(request, tmp_path_factory, hf_llama_words):
     """The target, and as its draft either the target itself (every draft token agrees) or another
     random model with the same vocabulary (few do)."""
-    target = tmp_path_factory.mktemp("target")
-    make_hf_llama(target)
-    make_tiny_tokenizer(target)
-    draft = target
+    target = draft = hf_llama_words
     if request.param == "other-model":
         draft = tmp_path_factory.mktemp("draft")
         make_hf_llama(draft, seed=7)
@@ -104,14 +101,11 @@ def test_shipped_draft_target_spec_deploys_and_speculates(tmp_path, capsys):
     assert float(fast.responses[-1].as_numpy("acceptance_rate").reshape(-1)[0]) > 0.3
 
 
-def test_ngram_drafts_from_the_sequence_itself_and_change_nothing(tmp_path_factory):
+def test_ngram_drafts_from_the_sequence_itself_and_change_nothing(tmp_path_factory, hf_llama_words):
     """speculative.mode ngram: no draft model; the BLS looks the sequence's last tokens up earlier in
     it (prompt lookup) and sends what followed as draft_input_ids. A prompt that repeats itself
     gives drafts at once; the text is plain decoding's."""
-    target = tmp_path_factory.mktemp("ngram-target")
-    make_hf_llama(target)
-    make_tiny_tokenizer(target)
-    spec, ws, server = deploy(tmp_path_factory.mktemp("ws"), target, limits=LIMITS, build={"tokens_per_block": 16},
+    spec, ws, server = deploy(tmp_path_factory.mktemp("ws"), hf_llama_words, limits=LIMITS, build={"tokens_per_block": 16},
                               serving={"streaming": False},
                               speculative={"mode": "ngram", "max_draft_len": 4, "ngram_size": 2})
     prompt = " ".join(["w5 w6 w7 w8 w9"] * 3) + " w5 w6"
