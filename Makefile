@@ -12,7 +12,7 @@ PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
 # those warnings but keep pip's exit status.
 QUIET_PIP := 2>&1 | { grep -v '^WARNING: Location' || true; }; test $${PIPESTATUS[0]} -eq 0
 
-.PHONY: help setup demo test build-engine convert model-repo serve perf bench deploy tiny-model clean
+.PHONY: help setup demo test build-engine convert model-repo serve perf bench deploy tiny-model medusa-heads clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -55,6 +55,9 @@ perf: setup ## SLO tests against a deployment (PERF_ARGS="--server host:port"; d
 
 tiny-model: setup ## Retrain the embedded default model into models/tiny-llama
 	$(TOOLCHAIN) tiny-model models/tiny-llama
+
+medusa-heads: setup ## Train Medusa heads for the embedded default into models/tiny-llama-medusa (not shipped)
+	$(TOOLCHAIN) medusa-heads models/tiny-llama models/tiny-llama-medusa
 
 clean: ## Remove generated engines, model repositories and reports
 	rm -rf engines/*/ model_repo/*/ model_repo/*.manifest.json reports/

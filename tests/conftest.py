@@ -136,3 +136,34 @@ def hf_llama32(tmp_path_factory) -> Path:
             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     return make_hf_model("LlamaForCausalLM", tmp_path_factory.mktemp("hf-llama32"), seed=14,
                          tie_word_embeddings=True, rope_parameters=rope)
+
+
+MEDUSA_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def write_medusa_heads(out: Path, hf_dir: Path, *, num_heads=3, num_layers=1, choices=MEDUSA_TREE, seed=0,
+                       scale=0.02) -> Path:
+    """Heads in Medusa's layout for the model at hf_dir: small random residual layers and each
+    head's lm_head a copy of the model's (so the heads' guesses are plausible tokens)."""
+    from safetensors.torch import load_file, save_file
+
+    from toolchain.upstream import facts
+
+    names = facts("medusa")["names"]
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    weights = load_file(next(hf_dir.glob("*.safetensors")))
+    lm = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()
+    g = torch.Generator().manual_seed(seed)
+    h = cfg["hidden_size"]
+    state = {}
+    for i in range(num_heads):
+        for layer in range(num_layers):
+            state[names["hf_linear"].format(h=i, l=layer, part="weight")] = torch.randn(h, h, generator=g) * scale
+            state[names["hf_linear"].format(h=i, l=layer, part="bias")] = torch.randn(h, generator=g) * scale
+        state[names["hf_lm_head"].format(h=i, L=num_layers)] = lm.clone()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "medusa_lm_head.safetensors"))
+    (out / "config.json").write_text(json.dumps({"medusa_num_heads": num_heads, "medusa_num_layers": num_layers,
+                                                 "medusa_choices": choices}))
+    return out

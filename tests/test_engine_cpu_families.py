@@ -20,7 +20,7 @@ from toolchain.errors import ToolchainError
 def test_attention_masks_match_definition(window):
     """One padded group of requests with different cached lengths and new-token counts."""
     rows = [(0, 6, 0), (6, 1, 5), (7, 3, 4), (10, 2, 7)]  # (first token, new tokens, cached before)
-    group = _Group([(first, n, past, torch.arange(past + n)) for first, n, past in rows])
+    group = _Group([(first, n, past, torch.arange(past + n), None) for first, n, past in rows])
     mask = group.mask(window)[:, 0]
     assert mask.shape == (4, 6, 9)
     for b, (_, n, past) in enumerate(rows):
@@ -32,6 +32,24 @@ def test_attention_masks_match_definition(window):
             for j in range(9):
                 assert bool(mask[b, i, j]) == (j <= q and (window is None or q - j < window)), (b, i, j)
     assert group.tokens.tolist() == list(range(12))
+
+
+def test_tree_rows_see_the_cache_and_their_ancestors_only():
+    """A Medusa-style chunk: root, two children of the root, a grandchild under the second."""
+    from toolchain.engine.cpu.model import tree_tables
+
+    parents = [-1, 0, 0, 2]
+    depth, anc = tree_tables(parents)
+    assert depth.tolist() == [0, 1, 1, 2]
+    past = 3
+    group = _Group([(0, 4, past, torch.arange(past + 4), anc), (4, 2, 1, torch.arange(3), None)])
+    mask = group.mask(None)[:, 0]
+    sees = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 2, 3}}
+    for i, own in sees.items():
+        assert mask[0, i].tolist() == [True] * past + [j in own for j in range(4)], i
+    assert mask[1, 1].tolist()[:3] == [True, True, True]  # the plain row keeps its causal mask
+    with pytest.raises(ValueError, match="parents must come first"):
+        tree_tables([-1, 2, 0])
 
 
 @pytest.fixture(scope="module")

@@ -180,6 +180,23 @@ def test_draft_tokens_are_verified_in_the_context_step_and_never_change_greedy_o
     assert first == want[:accepted + 1]  # streamed together, as one response
 
 
+def test_a_draft_is_verified_when_reused_blocks_cover_all_but_the_last_token(tmp_path_factory, hf_llama):
+    """The BLS's loop sends each step's whole sequence again: when cached blocks hold all of it but
+    the last token, that one token is the context's last chunk and still carries the draft."""
+    engine = make_engine(tmp_path_factory, hf_llama, max_draft_len=4)
+    p = prompt(5, 2 * TPB + 1)
+    want = engine.generate(p, greedy(6))
+    engine.generate(p, greedy(1))  # leaves the prompt's full blocks cached
+    seq = engine.start(p, greedy(5), draft=want[:4])
+    engine.add(seq)
+    try:
+        assert seq.pending == 1  # every block but the last token's came from the cache
+        emitted = engine.step([(seq, seq.pending)])[0]
+    finally:
+        engine.release(seq)
+    assert emitted == want[:5] and seq.accepted_draft == 4
+
+
 def test_draft_tokens_need_an_engine_built_for_them(tmp_path_factory, hf_llama):
     plain = make_engine(tmp_path_factory, hf_llama)
     with pytest.raises(ToolchainError, match="built without speculative decoding"):

@@ -57,18 +57,22 @@ def test_example_quantization_reaches_the_plan(tmp_path, capsys):
 
 
 def test_draft_target_example_plans_and_headless_modes_are_refused(tmp_path, capsys):
-    """Draft-target runs through the BLS's draft -> target loop, so its example plans; Medusa and
-    EAGLE have no head-carrying checkpoint: plan fails with one line naming the mode."""
+    """Draft-target runs through the BLS's draft -> target loop, so its example plans; EAGLE has
+    no head-carrying checkpoint and Medusa without heads has nothing to draft with: plan fails
+    with one line naming what is missing. Lookahead runs on GPU engines only."""
     spec = REPO / "build" / "qwen2.5-7b-draft-target.yaml"
     assert plan(tmp_path, spec, "--json") == 0
     report = json.loads(capsys.readouterr().out)
     assert report["failed_checks"] == []
     assert {c["id"]: c["status"] for c in report["checks"]}["spec.mode-runnable"] == "pass"
-    for mode in ("medusa", "eagle"):
+    for mode, check in (("medusa", "spec.medusa-heads"), ("eagle", "spec.mode-runnable")):
         assert plan(tmp_path, REPO / "build" / "llama3-8b-awq-h100.yaml", "--set", f"speculative.mode={mode}",
                     "--set", "speculative.max_draft_len=4", "--json") == 1
         failed = json.loads(capsys.readouterr().out)["failed_checks"]
-        assert "spec.mode-runnable" in failed, (mode, failed)
+        assert check in failed, (mode, failed)
+    assert plan(tmp_path, REPO / "build" / "tiny-llama.yaml", "--set", "speculative.mode=lookahead",
+                "--set", "speculative.max_draft_len=4", "--json") == 1
+    assert "spec.mode-runnable" in json.loads(capsys.readouterr().out)["failed_checks"]
     assert plan(tmp_path, REPO / "build" / "llama3-8b-awq-h100.yaml", "--set", "speculative.mode=lookahead",
                 "--set", "speculative.max_draft_len=4", "--json") in (0, 1)
     assert "spec.mode-runnable" not in json.loads(capsys.readouterr().out)["failed_checks"]

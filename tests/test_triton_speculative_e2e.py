@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_hf_llama
-from triton_helpers import deploy, stream, text_request
+from triton_helpers import deploy, stream, text_request, token_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -154,3 +154,35 @@ def test_stop_words_and_min_tokens_end_where_plain_decoding_ends(served):
                      text_request(prompt, 20, stream=False, num_draft_tokens=([4], "INT32"), **extra))
         assert not want.errors and not got.errors and got.texts() == want.texts(), extra
     assert len(want.texts()[0].split()) >= 9
+
+
+def test_medusa_serves_plain_decoding_through_tritonserver(tmp_path_factory, hf_llama_words):
+    """Medusa runs inside the tensorrt_llm model (decoding_mode medusa, medusa_choices from the
+    heads): streamed and whole responses carry plain decoding's tokens, with the acceptance
+    figures."""
+    from conftest import MEDUSA_TREE, write_medusa_heads
+    from toolchain.draft_tree import choices_text
+    from toolchain.engine.cpu.engine import CpuEngine
+    from toolchain.engine.cpu.sampling import SamplingParams
+
+    heads = write_medusa_heads(tmp_path_factory.mktemp("heads"), hf_llama_words)
+    plain_spec, plain_ws, _ = deploy(tmp_path_factory.mktemp("plain"), hf_llama_words, limits=LIMITS,
+                                     build={"tokens_per_block": 16})
+    plain = CpuEngine.load(plain_ws.engine_dir(plain_spec))
+    spec, ws, server = deploy(tmp_path_factory.mktemp("medusa"), hf_llama_words, limits=LIMITS,
+                              build={"tokens_per_block": 16}, speculative={"mode": "medusa", "heads": str(heads)})
+    config = (ws.model_repo_dir(spec) / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert '"medusa"' in config and choices_text(MEDUSA_TREE) in config
+    prompt = [0, 12, 13, 14, 15, 16]
+    want = plain.generate(prompt, SamplingParams(max_new_tokens=24))
+    with server:
+        for streaming in (True, False):
+            got = stream(server.grpc_url, "tensorrt_llm",
+                         token_request(prompt, 24, stream=streaming, end_id=([-1], "INT32"),
+                                       return_perf_metrics=([True], "BOOL")))
+            assert not got.errors, got.errors
+            assert got.tokens() == want
+            last = got.responses[-1]
+            drafted = int(last.as_numpy("total_draft_tokens").reshape(-1)[0])
+            accepted = int(last.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
+            assert drafted > 0 and 0 <= accepted <= drafted

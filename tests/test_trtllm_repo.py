@@ -66,9 +66,9 @@ def test_build_and_speculative_sections_reach_the_parameters(tmp_path):
     assert got["decoding_mode"] == "lookahead"
     assert (got["lookahead_window_size"], got["lookahead_ngram_size"], got["lookahead_verification_set_size"]) == \
         ("7", "7", "7")
-    configs, _ = render(tmp_path / "me", speculative={"mode": "medusa", "choices": "{0, 0}, {0, 1}"})
+    configs, _ = render(tmp_path / "me", speculative={"mode": "medusa", "choices": "{0}, {0, 0}, {0, 1}"})
     got = params(configs["tensorrt_llm"])
-    assert got["decoding_mode"] == "medusa" and got["medusa_choices"] == "{0, 0}, {0, 1}"
+    assert got["decoding_mode"] == "medusa" and got["medusa_choices"] == "{0}, {0, 0}, {0, 1}"
     configs, _ = render(tmp_path / "bw", build={"max_beam_width": 4})
     assert params(configs["tensorrt_llm"])["decoding_mode"] == "beam_search"
     assert params(configs["tensorrt_llm"])["max_beam_width"] == "4"

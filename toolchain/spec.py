@@ -335,6 +335,9 @@ class SpeculativeSection(_Section):
     """Most draft tokens per step (trtllm-build --max_draft_len); medusa/eagle: 0 takes it from the checkpoint."""
     draft_model: Path | None = None
     """draft_target: HF checkpoint of the draft model (same tokenizer); converted and built at tp 1 next to the target."""
+    heads: Path | None = None
+    """medusa: directory of trained Medusa heads (medusa_lm_head.safetensors + config.json, as
+    `toolchain medusa-heads` writes); convert adds them to a MedusaForCausalLM checkpoint."""
     draft_kv_cache_free_gpu_mem_fraction: float = Field(0.1, gt=0, lt=1)
     """draft_target: share of free GPU memory for the draft's KV cache; with the target's share it must stay below 1."""
     ngram_size: int = Field(3, ge=1, le=32)
@@ -430,6 +433,7 @@ def _resolve_paths(spec: DeploymentSpec, base: Path) -> None:
     spec.model.tokenizer = resolve(spec.model.tokenizer)
     spec.gpu.hostfile = resolve(spec.gpu.hostfile)
     spec.speculative.draft_model = resolve(spec.speculative.draft_model)
+    spec.speculative.heads = resolve(spec.speculative.heads)
     if spec.build.trtllm_build is not None and "/" in str(spec.build.trtllm_build):
         spec.build.trtllm_build = resolve(spec.build.trtllm_build)
     calib = spec.quantization.calibration

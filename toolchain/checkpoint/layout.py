@@ -79,6 +79,8 @@ class Plan:
     quant: Any = None
     """The `checkpoint.quantize.Quantizer` of a quantized conversion (None: every tensor unquantized, as
     tensorrt_llm/models/llama/convert.py writes it)."""
+    medusa: Any = None
+    """The `checkpoint.medusa.MedusaHeads` added to a MedusaForCausalLM checkpoint, or None."""
 
     def rank_bytes(self, rank: int) -> int:
         return sum(t.nbytes for t in self.ranks[rank])

@@ -17,6 +17,7 @@ from typing import Callable
 from toolchain.checkpoint.convert import calibrate, plan_any, plan_checkpoint
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.checkpoint.layout import Plan
+from toolchain.checkpoint.medusa import attach_heads
 from toolchain.checkpoint.writer import write_plan
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir, sha256_file
@@ -40,7 +41,14 @@ def convert_settings(spec: DeploymentSpec) -> dict:
             "tp": spec.parallelism.tp, "pp": spec.parallelism.pp,
             "use_parallel_embedding": spec.parallelism.parallel_embedding,
             "embedding_sharding_dim": spec.parallelism.embedding_sharding_dim,
-            "quantization": _quant_settings(spec)}
+            "quantization": _quant_settings(spec), **_medusa_settings(spec)}
+
+
+def _medusa_settings(spec: DeploymentSpec) -> dict:
+    sp = spec.speculative
+    if sp.mode != "medusa":
+        return {}
+    return {"medusa": {"heads": str(sp.heads), "choices": sp.choices, "max_draft_len": sp.max_draft_len}}
 
 
 def _quant_settings(spec: DeploymentSpec) -> dict | None:
@@ -106,7 +114,13 @@ def _plan_options(spec: DeploymentSpec) -> dict:
 def plan_convert(spec: DeploymentSpec) -> Plan:
     """What `run_convert` would write (per rank names, shapes, bytes); reads no
     weights, and needs none: a directory with config.json alone is planned from it."""
-    return plan_any(spec.model.checkpoint, **_plan_options(spec))
+    return _with_heads(plan_any(spec.model.checkpoint, **_plan_options(spec)), spec)
+
+
+def _with_heads(plan: Plan, spec: DeploymentSpec) -> Plan:
+    if spec.speculative.mode == "medusa":
+        attach_heads(plan, spec)
+    return plan
 
 
 def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
@@ -118,8 +132,11 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
     ckpt = HFCheckpoint(spec.model.checkpoint)
     with ckpt:
         # Planning validates config, parallelism, names and headers before any write.
-        plan = plan_checkpoint(ckpt.directory, **_plan_options(spec), ckpt=ckpt)
+        plan = _with_heads(plan_checkpoint(ckpt.directory, **_plan_options(spec), ckpt=ckpt), spec)
         inputs = {p.name: input_hash(p) for p in ckpt.input_files}
+        if plan.medusa is not None:
+            for name in ("medusa_lm_head.safetensors", "config.json"):
+                inputs[f"medusa_heads/{name}"] = input_hash(plan.medusa.directory / name)
         if plan.quant is not None and plan.quant.recipe.needs_calibration \
                 and plan.quant.recipe.calibration_dataset != "builtin":
             inputs["calibration"] = input_hash(Path(plan.quant.recipe.calibration_dataset))

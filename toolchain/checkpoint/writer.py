@@ -98,6 +98,10 @@ def write_plan(plan: Plan, ckpt: HFCheckpoint, out_dir: Path) -> dict[str, int]:
                 stage = rank // plan.options.tp
                 for local, (name, _, _) in enumerate(quant.kv_planned(stage)):
                     w.write(name, quant.kv_scale(stage, local))
+        if plan.medusa is not None:
+            from toolchain.checkpoint.medusa import write_heads
+
+            write_heads(plan.medusa, writers, plan.options.dtype, plan.options.tp)
         for w in writers:
             w.close()
     except BaseException:

@@ -21,6 +21,7 @@ COMMANDS = {
     "archs": "archs",
     "plan": "plan",
     "tiny-model": "tiny_model",
+    "medusa-heads": "medusa_heads",
     "convert": "convert",
     "build-engine": "build_engine",
     "model-repo": "model_repo",

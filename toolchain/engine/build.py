@@ -95,6 +95,9 @@ def _cpu_engine_dir(spec: DeploymentSpec, checkpoint_dir: Path, out: Path, build
                              "rerun `toolchain convert --force`")
     for rank_file in ranks:
         _link_or_copy(rank_file, out / rank_file.name)
+    if pretrained.get("max_draft_len") and not build["max_draft_len"]:
+        # trtllm-build takes max_draft_len 0 from a Medusa/EAGLE checkpoint (tensorrt_llm/commands/build.py).
+        build = {**build, "max_draft_len": pretrained["max_draft_len"]}
     engine_config = {"version": ENGINE_FORMAT_VERSION, "target": "cpu",
                      "pretrained_config": pretrained, "build_config": build}
     (out / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")

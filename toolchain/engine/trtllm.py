@@ -388,7 +388,7 @@ TRITON_UNSET = {
     "sink_token_length": "attention sinks off",
     "participant_ids": "orchestrator mode without spawning only",
     "lora_prefetch_dir": "no adapters preloaded",
-    "medusa_choices": "written when speculative.choices is set (else the backend's mc_sim_7b_63)",
+    "medusa_choices": "written for speculative.mode medusa: speculative.choices, else the tree recorded with the heads",
     "eagle_choices": "written when speculative.choices is set (else the backend's mc_sim_7b_63)",
     "lookahead_window_size": "written for speculative.mode lookahead",
     "lookahead_ngram_size": "written for speculative.mode lookahead",
@@ -411,8 +411,13 @@ def triton_parameters(spec) -> dict[str, object]:
     if sp.mode == "lookahead":
         params.update(lookahead_window_size=sp.lookahead_window_size, lookahead_ngram_size=sp.lookahead_ngram_size,
                       lookahead_verification_set_size=sp.lookahead_verification_set_size)
-    if sp.mode in ("medusa", "eagle") and sp.choices:
-        params[f"{sp.mode}_choices"] = sp.choices
+    if sp.mode == "medusa":
+        from toolchain.checkpoint.medusa import medusa_tree
+        from toolchain.draft_tree import choices_text
+
+        params["medusa_choices"] = choices_text(medusa_tree(spec))
+    if sp.mode == "eagle" and sp.choices:
+        params["eagle_choices"] = sp.choices
     if sp.mode == "draft_target":
         params["gpu_device_ids"] = ",".join(str(g) for g in range(spec.parallelism.world_size))
     return params

@@ -17,14 +17,15 @@ def lookahead_draft_len(w: int, n: int, g: int) -> int:
     return (0 if n == 1 else n - 2) + (w - 1 + g) * (n - 1)
 
 
-# Modes whose deployment would load but not speculate. Medusa and EAGLE need
-# MedusaForCausalLM / EagleForCausalLM checkpoints carrying the draft heads,
-# which no converter here writes yet; draft-target needs the BLS to run the
-# draft -> target loop (tensorrtllm_backend all_models/inflight_batcher_llm/
-# tensorrt_llm_bls/1/lib/decode.py, Decoder._spec_generate), which ours does not.
+# Modes whose deployment would load but not speculate: EAGLE needs an
+# EagleForCausalLM checkpoint carrying its draft layers, which no converter here
+# writes yet; lookahead is decoded inside TensorRT-LLM's C++ runtime, which the
+# CPU engine does not reproduce.
 NOT_YET = {
-    "medusa": "no converter writes a MedusaForCausalLM checkpoint with its Medusa heads",
     "eagle": "no converter writes an EagleForCausalLM checkpoint with its EAGLE draft layers",
+}
+NOT_ON_CPU = {
+    "lookahead": "the CPU engine has no lookahead decoding (TensorRT-LLM runs it in its C++ runtime)",
 }
 
 
@@ -34,7 +35,42 @@ def _mode_runnable(ctx: Context):
     if mode in NOT_YET:
         return FAIL, (f"speculative.mode={mode} is not supported yet: {NOT_YET[mode]}; "
                       "set speculative.mode none (or lookahead on target trtllm)")
+    if mode in NOT_ON_CPU and not ctx.trtllm:
+        return FAIL, (f"speculative.mode={mode} cannot run on target cpu: {NOT_ON_CPU[mode]}; "
+                      "use target trtllm, or speculative.mode ngram on cpu")
     return (PASS, f"{mode} runs end to end") if mode != "none" else OFF
+
+
+@check("spec.medusa-heads", ENGINE + SERVING,
+       "Medusa needs heads matching the target and a draft tree they can fill "
+       "(TensorRT-LLM tensorrt_llm/models/medusa/, examples/medusa/README.md)")
+def _medusa(ctx: Context):
+    sp = ctx.spec.speculative
+    if sp.mode != "medusa":
+        return PASS, "not Medusa"
+    from toolchain.checkpoint.medusa import medusa_tree, read_heads
+    from toolchain.errors import ToolchainError
+
+    if ctx.spec.parallelism.pp > 1:
+        return FAIL, (f"Medusa with parallelism.pp={ctx.spec.parallelism.pp} is not supported; set parallelism.pp "
+                      "to 1 (use tp for more GPUs)")
+    if sp.heads is None:
+        return FAIL, ("speculative.mode=medusa needs speculative.heads; train them with "
+                      "`toolchain medusa-heads MODEL_DIR OUT_DIR`")
+    params = ctx.model.params if ctx.model is not None else None
+    try:
+        heads = read_heads(sp.heads, hidden_size=params.hidden_size if params else None,
+                           vocab_size=params.vocab_size if params else None)
+        tree = medusa_tree(ctx.spec, heads)
+    except ToolchainError as err:
+        return FAIL, str(err)
+    limit = sp.max_draft_len or len(tree)
+    if len(tree) > limit:
+        return FAIL, (f"the Medusa tree has {len(tree)} nodes but speculative.max_draft_len is {limit}; set it to "
+                      f"{len(tree)} (or 0 to take the tree's size)")
+    depth = max(len(p) for p in tree)
+    return PASS, (f"{heads.num_heads} heads for hidden size {heads.hidden_size}; tree of {len(tree)} nodes, "
+                  f"{depth} deep")
 
 
 @check("spec.draft-len", ENGINE, "a draft length is needed and must stay below max_seq_len")

@@ -47,6 +47,12 @@ def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
         out["trtllm_parameters"] = tuple(sorted(triton_parameters(spec).items()))
     if spec.speculative.mode == "ngram":
         out["draft_ngram_size"] = spec.speculative.ngram_size
+    if spec.speculative.mode == "medusa":
+        from toolchain.checkpoint.medusa import medusa_tree
+        from toolchain.draft_tree import choices_text
+
+        out["decoding_mode"] = "medusa"
+        out["medusa_choices"] = choices_text(medusa_tree(spec))
     if spec.speculative.mode == "draft_target":
         out["draft_engine_dir"] = Path(workspace.engine_dir(spec)).resolve() / "draft" / "engine"
         out["draft_kv_cache_free_gpu_mem_fraction"] = spec.speculative.draft_kv_cache_free_gpu_mem_fraction

@@ -56,6 +56,8 @@ class RepoOptions:
     draft_engine_dir: Path | None = None
     draft_kv_cache_free_gpu_mem_fraction: float = 0.1
     draft_ngram_size: int = 0  # speculative.mode ngram: the BLS drafts by prompt lookup (0: off)
+    decoding_mode: str = "top_k_top_p"  # target cpu: "medusa" for a Medusa engine
+    medusa_choices: str | None = None  # target cpu, Medusa: the draft tree ("{0}, {0, 0}, {1}")
 
 
 def _tensors(rows, opts: RepoOptions) -> list[Tensor]:
@@ -88,7 +90,7 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
         "enable_chunked_context": opts.enable_chunked_context,
         "exclude_input_in_output": opts.exclude_input_in_output,
         "normalize_log_probs": True,
-        "decoding_mode": "top_k_top_p",
+        "decoding_mode": opts.decoding_mode,
         "cancellation_check_period_ms": 100,
         "stats_check_period_ms": 100,
         # Read without a fallback by the C++ backend (getGuidedDecodingConfigFromParams in
@@ -100,6 +102,8 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
     }
     if opts.max_tokens_in_paged_kv_cache is not None:
         params["max_tokens_in_paged_kv_cache"] = opts.max_tokens_in_paged_kv_cache
+    if opts.medusa_choices:
+        params["medusa_choices"] = opts.medusa_choices
     if opts.target == "trtllm":
         params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
         params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"

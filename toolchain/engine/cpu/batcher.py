@@ -339,7 +339,7 @@ class InflightBatcher:
         for req in self._running:
             if not req.seq.in_context and budget > 0 and len(batch) < lim.max_batch_size:
                 batch.append((req, 1))
-                budget -= 1
+                budget -= self._tokens_of(req.seq, 1)
         for req in self._running:
             if req.seq.in_context and len(batch) < lim.max_batch_size:
                 n = self._chunk(req.seq, budget, first_context=not any(r.seq.in_context for r, _ in batch))
@@ -390,8 +390,9 @@ class InflightBatcher:
 
     @staticmethod
     def _tokens_of(seq: Sequence, n: int) -> int:
-        """Tokens a context chunk puts through the step: its draft rides on the last one."""
-        return n + (len(seq.draft) if n == seq.pending else 0)
+        """Tokens a chunk puts through the step: drafts ride on a context's last chunk, a Medusa
+        tree on a generation step."""
+        return n + len(seq.riders(n))
 
     def _step(self, batch: list[tuple[_Request, int]]) -> None:
         items = [(r.seq, n) for r, n in batch]
@@ -422,6 +423,7 @@ class InflightBatcher:
             st.tokens += len(tokens)
             seq = req.seq
             req.stats.total_accepted_draft_tokens = seq.accepted_draft
+            req.stats.total_draft_tokens = seq.drafted
             if seq.finished:
                 self.engine.release(seq)
                 self._running.remove(req)

@@ -21,7 +21,10 @@ from toolchain.errors import ToolchainError
 # (MODEL_MAP in TensorRT-LLM tensorrt_llm/models/__init__.py). "QWenForCausalLM" is what
 # modelopt's exporter writes.
 QWEN_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "QWenForCausalLM"}
-ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", *QWEN_ARCHITECTURES}
+# MedusaForCausalLM is the Llama (or, by model_type, Qwen) decoder plus Medusa heads
+# (tensorrt_llm/models/medusa/model.py).
+MEDUSA = "MedusaForCausalLM"
+ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", MEDUSA, *QWEN_ARCHITECTURES}
 ROPE_TYPES = {None, "none", "linear", "llama3"}
 UNQUANTIZED = {None, "NO_QUANT"}
 # quant_algo values the CPU engine runs as stored (engine/cpu/qlinear.py), and KV-cache formats.
@@ -68,6 +71,9 @@ class ModelDims:
     pre_quant_scale: bool = False
     exclude_modules: tuple[str, ...] = DEFAULT_EXCLUDE
     """fnmatch globs of unquantized modules; a list in config.json replaces the default (QuantConfig)."""
+    medusa_heads: int = 0
+    """MedusaForCausalLM: number of heads (num_medusa_heads); 0 for any other architecture."""
+    medusa_layers: int = 1
 
     @property
     def per_group(self) -> bool:
@@ -209,7 +215,7 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         rotary_scaling=_rope_scaling(cfg.get("rotary_scaling"), origin),
         attn_bias=bool(cfg.get("attn_bias", False)),
         # TRT-LLM's Qwen attention has biased q/k/v but an unbiased output projection.
-        dense_bias=bool(cfg.get("attn_bias", False)) and arch not in QWEN_ARCHITECTURES,
+        dense_bias=bool(cfg.get("attn_bias", False)) and not _qwen_decoder(arch, cfg),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         use_parallel_embedding=bool(cfg.get("use_parallel_embedding", False)),
         embedding_sharding_dim=int(cfg.get("embedding_sharding_dim", 0)),
@@ -224,9 +230,25 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         has_zero_point=bool(quant.get("has_zero_point", False)),
         pre_quant_scale=bool(quant.get("pre_quant_scale", False)),
         exclude_modules=tuple(quant["exclude_modules"]) if quant.get("exclude_modules") else DEFAULT_EXCLUDE,
+        **_medusa_dims(arch, cfg, origin),
     )
     _check_dims(dims, origin)
     return dims
+
+
+def _qwen_decoder(arch: str, cfg: dict) -> bool:
+    # MedusaConfig picks the Qwen decoder when model_type names qwen (tensorrt_llm/models/medusa/config.py).
+    return arch in QWEN_ARCHITECTURES or (arch == MEDUSA and "qwen" in str(cfg.get("model_type", "")).lower())
+
+
+def _medusa_dims(arch: str, cfg: dict, origin: str) -> dict:
+    if arch != MEDUSA:
+        return {}
+    heads, layers = cfg.get("num_medusa_heads"), cfg.get("num_medusa_layers", 1)
+    if not isinstance(heads, int) or heads < 1 or not isinstance(layers, int) or layers < 1:
+        raise ToolchainError(f"{origin}: a MedusaForCausalLM config needs num_medusa_heads >= 1 and "
+                             f"num_medusa_layers >= 1, got {heads!r} and {layers!r}", _REBUILD)
+    return {"medusa_heads": heads, "medusa_layers": layers}
 
 
 def _check_dims(d: ModelDims, origin: str) -> None:
@@ -235,6 +257,8 @@ def _check_dims(d: ModelDims, origin: str) -> None:
         problems.append(f"hidden_act '{d.hidden_act}' (only silu is supported)")
     if d.num_heads % d.tp:
         problems.append(f"num_attention_heads {d.num_heads} not divisible by tp {d.tp}")
+    if d.medusa_heads and d.pp > 1:
+        problems.append(f"Medusa heads with pp_size {d.pp} (the CPU engine runs Medusa at pp 1)")
     if d.num_kv_heads % d.tp and d.tp % d.num_kv_heads:
         problems.append(f"num_key_value_heads {d.num_kv_heads} and tp {d.tp} do not divide one another")
     if d.num_heads % d.num_kv_heads:

@@ -34,6 +34,8 @@ class Sequence:
         # External draft tokens (draft_input_ids), verified with the end of the context.
         self.draft = [int(t) for t in draft or ()]
         self.accepted_draft = 0
+        self.drafted = len(self.draft)  # draft tokens offered for verification (total_draft_tokens)
+        self.tree: list[int] = []  # Medusa: the draft tree's tokens for the next step, in the tree's node order
         self.table = BlockTable()
         self.sampler = Sampler(params)
         self.output: list[int] = []
@@ -53,6 +55,16 @@ class Sequence:
     @property
     def in_context(self) -> bool:
         return self.table.length == 0 or self.pending > 1
+
+    def riders(self, n: int) -> list[int]:
+        """Draft tokens fed with `n` pending tokens: external drafts ride on the chunk that reaches
+        the end of the context (a single token when reused blocks cover the rest), a Medusa tree
+        on each generation step."""
+        if n != self.pending:
+            return []
+        if self.draft:
+            return self.draft
+        return [] if self.in_context else self.tree
 
     @property
     def has_blocks(self) -> bool:
@@ -88,13 +100,84 @@ class Sequence:
         return emitted
 
 
+class MedusaTree:
+    """The static draft tree of Medusa decoding (medusa_choices): node i is a path of candidate
+    indices, its token head d's path[d]-th most likely token at depth d + 1. Nodes are kept
+    parents first; chunk index 0 is the root (the last emitted token), node i sits at i + 1."""
+
+    def __init__(self, paths: list[list[int]], heads: int):
+        self.paths = sorted((list(p) for p in paths), key=lambda p: (len(p), p))
+        index = {tuple(p): i + 1 for i, p in enumerate(self.paths)}
+        self.parents = [index.get(tuple(p[:-1]), 0) for p in self.paths]
+        self.depth = max(len(p) for p in self.paths)
+        self.top_k = [1 + max((p[d] for p in self.paths if len(p) > d), default=0) for d in range(self.depth)]
+        self.children: dict[int, list[int]] = {}
+        for i, parent in enumerate(self.parents, start=1):
+            self.children.setdefault(parent, []).append(i)
+        self.heads = heads
+
+    @classmethod
+    def create(cls, choices, dims: ModelDims, limits: BuildLimits) -> "MedusaTree":
+        if not choices:
+            raise ToolchainError("a Medusa engine needs its draft tree (medusa_choices)",
+                                 "set speculative.choices, or use heads written by `toolchain medusa-heads`")
+        paths = [list(p) for p in choices]
+        seen = {tuple(p) for p in paths}
+        for p in paths:
+            if not p or any(not isinstance(i, int) or i < 0 for i in p):
+                raise ToolchainError(f"medusa_choices: path {p} must be non-empty indices >= 0")
+            if len(p) > dims.medusa_heads:
+                raise ToolchainError(f"medusa_choices: path {p} is {len(p)} deep but the engine has "
+                                     f"{dims.medusa_heads} Medusa heads", "use a tree no deeper than the heads")
+            if len(p) > 1 and tuple(p[:-1]) not in seen:
+                raise ToolchainError(f"medusa_choices: path {p} has no parent {p[:-1]} in the tree")
+            if p[-1] >= dims.vocab_size:
+                raise ToolchainError(f"medusa_choices: index {p[-1]} is beyond the vocabulary")
+        if len(seen) != len(paths):
+            raise ToolchainError("medusa_choices: a path appears twice")
+        if len(paths) > limits.max_draft_len:
+            raise ToolchainError(f"medusa_choices has {len(paths)} nodes, more than the engine's max_draft_len "
+                                 f"{limits.max_draft_len}", "use a smaller tree or rebuild with a larger max_draft_len")
+        return cls(paths, dims.medusa_heads)
+
+    def propose(self, head_logits: torch.Tensor) -> list[int]:
+        """The tree's tokens from the heads' logits [heads, 1, V] at the last accepted position."""
+        top = [head_logits[d, 0].topk(k).indices.tolist() for d, k in enumerate(self.top_k)]
+        return [top[len(p) - 1][p[-1]] for p in self.paths]
+
+    def verify(self, seq: "Sequence", rows: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Walk the tree from the root: the target samples its token at a node; if a child holds
+        that token the child is accepted and the walk goes on. Every emitted token is the
+        target's own choice given the tokens before it, as with external drafts. Returns the
+        emitted tokens and the accepted nodes' chunk indices."""
+        tree, node, emitted, path = seq.tree, 0, [], []
+        while True:
+            emitted += seq.accept(rows[node])
+            if seq.finished:
+                break
+            child = next((c for c in self.children.get(node, ()) if tree[c - 1] == emitted[-1]), None)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        seq.accepted_draft += len(path)
+        seq.drafted += self.depth  # the most a step can accept: rates compare with draft-target's
+        seq.tree = []
+        return emitted, path
+
+
 class CpuEngine:
-    def __init__(self, config: dict, dims: ModelDims, limits: BuildLimits, model: Model, kv: KvCacheManager):
+    def __init__(self, config: dict, dims: ModelDims, limits: BuildLimits, model: Model, kv: KvCacheManager,
+                 medusa_choices: list[list[int]] | None = None):
         self.config = config
         self.dims = dims
         self.limits = limits
         self.model = model
         self.kv = kv
+        self.medusa = MedusaTree.create(medusa_choices, dims, limits) if dims.medusa_heads else None
+        if medusa_choices is not None and not dims.medusa_heads:
+            raise ToolchainError("medusa_choices given for an engine without Medusa heads",
+                                 "build a MedusaForCausalLM engine (speculative.mode medusa) or drop the choices")
         # The pool and the tables are shared state: generate() on a caller's thread and the
         # batcher's loop must not interleave their steps.
         self.lock = threading.RLock()
@@ -106,7 +189,7 @@ class CpuEngine:
 
     @classmethod
     def load(cls, engine_dir: Path | str, *, num_threads: int | None = None,
-             kv_cache: KvCacheConfig | None = None) -> "CpuEngine":
+             kv_cache: KvCacheConfig | None = None, medusa_choices: list[list[int]] | None = None) -> "CpuEngine":
         """Load and validate an engine directory.
 
         `num_threads` sets torch's intra-op threads for the whole process (None
@@ -128,7 +211,7 @@ class CpuEngine:
         elif kv_cache.tokens_per_block != limits.tokens_per_block:
             raise ToolchainError(f"tokens_per_block {kv_cache.tokens_per_block} differs from the engine's "
                                  f"{limits.tokens_per_block}", "the block size is fixed when the engine is built")
-        return cls(config, dims, limits, model, KvCacheManager.create(dims, kv_cache))
+        return cls(config, dims, limits, model, KvCacheManager.create(dims, kv_cache), medusa_choices)
 
     @property
     def vocab_size(self) -> int:
@@ -167,6 +250,8 @@ class CpuEngine:
 
     def _draft_problem(self, draft) -> str | None:
         limit = self.limits.max_draft_len
+        if self.medusa is not None:
+            return "draft_input_ids given to a Medusa engine, which drafts with its own heads; send none"
         if limit == 0:
             return ("draft_input_ids given, but the engine was built without speculative decoding "
                     "(max_draft_len 0); set speculative.mode and max_draft_len and rebuild")
@@ -193,6 +278,8 @@ class CpuEngine:
         reach its longest possible length: guaranteed_no_evict's reservation."""
         # The last token is never fed back; draft tokens are written before they are verified.
         longest = len(seq.prompt) + max(seq.params.max_new_tokens - 1, len(seq.draft))
+        if self.medusa is not None:  # the last step's tree is written beyond the last fed token
+            longest = len(seq.prompt) + seq.params.max_new_tokens - 1 + len(self.medusa.parents)
         held = len(seq.table.blocks) if seq.has_blocks else self.kv.blocks_for(len(seq.tokens))
         return max(0, self.kv.blocks_for(longest) - held)
 
@@ -206,8 +293,9 @@ class CpuEngine:
             self.kv.release(seq.table)
 
     def needs_block(self, seq: Sequence, n: int) -> bool:
-        """Whether feeding `n` more tokens crosses into a block `seq` does not hold yet."""
-        return seq.table.length + n > len(seq.table.blocks) * self.kv.tokens_per_block
+        """Whether feeding `n` more tokens (and the draft riding on them) crosses into a block
+        `seq` does not hold yet."""
+        return seq.table.length + n + len(seq.riders(n)) > len(seq.table.blocks) * self.kv.tokens_per_block
 
     # -- one iteration -------------------------------------------------------------
 
@@ -222,31 +310,45 @@ class CpuEngine:
             for seq, n in batch:
                 start = seq.table.length
                 last = n == seq.pending
-                # The context's last chunk carries the draft tokens, verified in the same forward.
-                draft = seq.draft if last and seq.draft and seq.in_context else []
+                draft = seq.riders(n)
+                tree = bool(draft) and self.medusa is not None and not seq.in_context
                 self.kv.reserve(seq.table, start + n + len(draft))
                 chunks.append(Chunk(seq.table, seq.tokens[start:start + n] + draft,
-                                    logits=1 + len(draft) if last else 0))
+                                    logits=n + len(draft) if tree else 1 + len(draft) if last else 0,
+                                    parents=[-1, *self.medusa.parents] if tree else None,
+                                    want_hidden=self.medusa is not None and last))
                 drafts.append(draft)
             with torch.no_grad():
                 logits = self.model.forward(chunks, self.kv)
             emitted = []
-            for (seq, n), rows, draft in zip(batch, logits, drafts):
+            for (seq, n), rows, draft, chunk in zip(batch, logits, drafts, chunks):
                 length = seq.table.length + n
+                path = []
                 try:
                     if rows is None:
                         tokens = []
+                    elif chunk.parents is not None:
+                        tokens, path = self.medusa.verify(seq, rows)
                     elif draft:
                         tokens = seq.verify(rows, draft)
                         seq.draft = []
                     else:
                         tokens = seq.accept(rows[0])
+                    if self.medusa is not None and rows is not None and not seq.finished:
+                        with torch.no_grad():
+                            hidden = chunk.hidden[path[-1] if path else 0 if chunk.parents is not None else -1]
+                            seq.tree = self.medusa.propose(self.model.medusa_logits(hidden[None]))
                 except Exception as err:  # one request's sampling failure must not cost the others their step
                     seq.finish("error")
                     seq.error = f"sampling failed: {err}"
                     tokens = []
-                # Accepted draft tokens keep their K/V; a rejected one's are left beyond the length.
-                accepted = max(0, min(len(tokens) - 1, len(draft)))
+                if path:
+                    # Accepted tree nodes move to the positions after the root; the rest stay beyond the length.
+                    self.kv.move(seq.table, [length + node - 1 for node in path], range(length, length + len(path)))
+                    accepted = len(path)
+                else:
+                    # Accepted draft tokens keep their K/V; a rejected one's are left beyond the length.
+                    accepted = max(0, min(len(tokens) - 1, len(draft))) if chunk.parents is None else 0
                 self.kv.commit(seq.table, seq.tokens, length + accepted)
                 emitted.append(tokens)
             return emitted

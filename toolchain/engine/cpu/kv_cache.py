@@ -268,3 +268,15 @@ class KvCacheManager:
         pos = torch.arange(start, stop)
         blocks = torch.tensor(table.blocks, dtype=torch.int64)
         return blocks[pos // tpb] * tpb + pos % tpb
+
+    def move(self, table: BlockTable, src, dst) -> None:
+        """Copy the K/V at positions `src` of `table` to positions `dst` (a verified draft tree's
+        accepted nodes into sequence order), every layer and rank at once."""
+        tpb = self.tokens_per_block
+        blocks = torch.tensor(table.blocks, dtype=torch.int64)
+        src, dst = torch.as_tensor(list(src), dtype=torch.int64), torch.as_tensor(list(dst), dtype=torch.int64)
+        s, d = blocks[src // tpb] * tpb + src % tpb, blocks[dst // tpb] * tpb + dst % tpb
+        for pool in (self.k, self.v):
+            # float8 has no CPU indexing kernels; its bytes move the same.
+            raw = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
+            raw[:, :, d] = raw[:, :, s]

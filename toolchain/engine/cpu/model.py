@@ -37,21 +37,44 @@ class Chunk:
     """Trailing positions whose logits are wanted: 1 to sample the next token, 1 + draft length to
     verify draft tokens, len(tokens) for every position (forward_logits), 0 for a context chunk
     short of the prompt's end."""
+    parents: list[int] | None = None
+    """A draft tree (Medusa): the chunk index of each token's parent, -1 for the first. Each token
+    sits at the position of its depth and attends to the cache and its own ancestors only."""
+    want_hidden: bool = False
+    hidden: torch.Tensor | None = None
+    """With want_hidden, forward sets the final-normed hidden states of the logits rows (Medusa heads' input)."""
+
+
+def tree_tables(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth of each node and the ancestor-or-self matrix [n, n] of a tree given by parent
+    indices (each parent before its child)."""
+    n = len(parents)
+    depth = torch.zeros(n, dtype=torch.int64)
+    anc = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            if not 0 <= p < i:
+                raise ValueError(f"tree node {i} has parent {p}; parents must come first")
+            depth[i] = depth[p] + 1
+            anc[i] |= anc[p]
+    return depth, anc
 
 
 class _Group:
     """Requests attended to in one call: their padded query rows, key slots and masks."""
 
-    def __init__(self, rows: list[tuple[int, int, int, torch.Tensor]]):
-        # rows: (index of the first new token in the batch, new tokens n, cached length before, key slots [past+n])
+    def __init__(self, rows: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]):
+        # rows: (index of the first new token in the batch, new tokens n, cached length before, key slots [past+n],
+        # ancestor matrix of a draft tree or None)
         self.batch = len(rows)
-        self.q_len = max(n for _, n, _, _ in rows)
-        keys = max(past + n for _, n, past, _ in rows)
+        self.q_len = max(r[1] for r in rows)
+        keys = max(r[2] + r[1] for r in rows)
+        self._trees = [(b, n, past, anc) for b, (_, n, past, _, anc) in enumerate(rows) if anc is not None]
         self.slots = torch.zeros(self.batch, keys, dtype=torch.int64)  # padding reads slot 0, masked out
         q_index = torch.zeros(self.batch, self.q_len, dtype=torch.int64)
         valid = torch.zeros(self.batch, self.q_len, dtype=torch.bool)
         q_pos = torch.full((self.batch, self.q_len), -1, dtype=torch.int64)
-        for b, (first, n, past, slots) in enumerate(rows):
+        for b, (first, n, past, slots, _) in enumerate(rows):
             self.slots[b, : past + n] = slots
             q_index[b, :n] = torch.arange(first, first + n)
             valid[b, :n] = True
@@ -79,6 +102,8 @@ class _Group:
             m = self._key <= self._q_pos  # only the request's own keys: slots past its length sit beyond q_pos
             if window is not None:
                 m = m & (self._q_pos - self._key < window)
+            for b, n, past, anc in self._trees:  # a tree node sees the cache and its ancestors
+                m[b, :n, past:past + n] = anc
             m[:, :, 0] |= self._pad  # a padded query row sees one key, so softmax stays finite
             self._masks[window] = m.unsqueeze(1)
         return self._masks[window]
@@ -127,8 +152,13 @@ class Model:
                 raise RuntimeError(f"chunk of {n} tokens at {past} has no KV blocks reserved for it")
             slots = kv.slots(c.table, 0, past + n)
             write.append(slots[past:])
-            positions.append(torch.arange(past, past + n))
-            (decode if n == 1 else context).append((first, n, past, slots))
+            anc = None
+            if c.parents is not None:
+                depth, anc = tree_tables(c.parents)
+                positions.append(past + depth)
+            else:
+                positions.append(torch.arange(past, past + n))
+            (decode if n == 1 else context).append((first, n, past, slots, anc))
             rows.append((first, first + n))
             first += n
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
@@ -146,13 +176,30 @@ class Model:
         wanted = []
         for c, (s, e) in zip(chunks, rows):
             wanted.extend(range(e - min(c.logits, e - s), e))
-        logits = self._lm_head(self.stages[-1], x[wanted]) if wanted else None
+        last = self.stages[-1]
+        h = rms_norm(x[wanted], last[0].final_norm, self.d.norm_epsilon) if wanted else None
+        logits = self._lm_head(last, h) if wanted else None
         out, at = [], 0
         for c, (s, e) in zip(chunks, rows):
             n = min(c.logits, e - s)
             out.append(logits[at:at + n] if n else None)
+            if c.want_hidden:
+                c.hidden = h[at:at + n] if n else None
             at += n
         return out
+
+    def medusa_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Each Medusa head's logits [heads, rows, V] from final-normed hidden states [rows, H]:
+        residual SiLU layers, then the head's own lm_head, every linear column-parallel with its
+        output gathered (tensorrt_llm/models/medusa/model.py, MedusaLayer and MedusaHead)."""
+        shards = self.stages[-1]
+        out = []
+        for i in range(self.d.medusa_heads):
+            x = h
+            for layer in range(self.d.medusa_layers):
+                x = x + F.silu(torch.cat([s.medusa[i][0][layer](x) for s in shards], dim=-1))
+            out.append(torch.cat([s.medusa[i][1](x) for s in shards], dim=-1)[:, : self.d.vocab_size])
+        return torch.stack(out)
 
     def _embed(self, shards: list[RankShard], ids: torch.Tensor) -> torch.Tensor:
         d = self.d
@@ -171,8 +218,7 @@ class Model:
             out = part if out is None else out + part
         return out
 
-    def _lm_head(self, shards: list[RankShard], x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, shards[0].final_norm, self.d.norm_epsilon)
+    def _lm_head(self, shards: list[RankShard], h: torch.Tensor) -> torch.Tensor:
         # Column-parallel over the padded vocab: concatenate the slices, drop the padding.
         return torch.cat([s.lm_head(h) for s in shards], dim=-1)[:, : self.d.vocab_size]
 

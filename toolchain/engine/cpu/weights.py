@@ -21,6 +21,7 @@ from toolchain.engine.cpu.config import ModelDims
 from toolchain.engine.cpu.linear import Linear, make_linear
 from toolchain.engine.cpu.qlinear import stored_tensors
 from toolchain.errors import ToolchainError
+from toolchain.upstream import facts as upstream_facts
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class RankShard:
     embedding: torch.Tensor | None = None   # first stage only
     final_norm: torch.Tensor | None = None  # last stage only
     lm_head: Linear | None = None           # last stage only: rows [Vp/T), padded vocab slice
+    medusa: list[tuple[list[Linear], Linear]] | None = None
+    """MedusaForCausalLM, last stage: per head its residual layers (column slices) and lm_head slice."""
 
 
 def _layer(i: int) -> str:
@@ -100,7 +103,22 @@ def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tupl
     if pp_rank == d.pp - 1:
         out[FINAL_NORM] = ((H,), "float")
         out[f"{LM_HEAD}.weight"] = ((d.padded_vocab // T, H), "float")
+        for h in range(d.medusa_heads):
+            for layer in range(d.medusa_layers):
+                name = medusa_linear(h, layer)
+                out.update(stored_tensors(name, H // T, H, True, d.linear_format(name), group=d.group_size,
+                                          zero=d.has_zero_point, prequant=d.pre_quant_scale))
+            out[f"{medusa_lm_head(h)}.weight"] = ((d.padded_vocab // T, H), "float")
     return out
+
+
+def medusa_linear(h: int, layer: int) -> str:
+    """Module name of Medusa head h's residual layer (upstream facts: tensorrt_llm/models/medusa/model.py)."""
+    return upstream_facts("medusa")["names"]["trt_linear"].format(h=h, l=layer, part="").rstrip(".")
+
+
+def medusa_lm_head(h: int) -> str:
+    return upstream_facts("medusa")["names"]["trt_lm_head"].format(h=h).removesuffix(".weight")
 
 
 def _linears(d: ModelDims, qkv_out: int):
@@ -214,6 +232,10 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
         shard.final_norm = t[FINAL_NORM]
         # lm_head stays unquantized in every format the engine reads (config checks exclude_modules).
         shard.lm_head = make_linear(t, LM_HEAD, False, None)
+        if d.medusa_heads:
+            shard.medusa = [([make_linear(t, medusa_linear(h, layer), True, d.linear_format(medusa_linear(h, layer)),
+                                          group=d.group_size) for layer in range(d.medusa_layers)],
+                             make_linear(t, medusa_lm_head(h), False, None)) for h in range(d.medusa_heads)]
     return shard
 
 

@@ -256,8 +256,12 @@ class TritonPythonModel:
         for problem in (kv_cache.problem(), scheduler.problem()):
             if problem:
                 raise ValueError(f"tensorrt_llm: {problem}")
+        medusa = values.get("decoding_mode") == "medusa"
         self.engine = CpuEngine.load(engine_dir, num_threads=int(threads) if threads and threads.isdigit() else None,
-                                     kv_cache=kv_cache)
+                                     kv_cache=kv_cache, medusa_choices=values.get("medusa_choices") if medusa else None)
+        if self.engine.dims.medusa_heads and not medusa:
+            raise ValueError(f"tensorrt_llm: the engine at {engine_dir} has Medusa heads but decoding_mode is "
+                             f"{values.get('decoding_mode')}; set decoding_mode medusa and medusa_choices")
         self.batcher = InflightBatcher(self.engine, scheduler)
         self.batcher.start()
         self.metrics = _Metrics.create(args["model_name"], args.get("model_version", "1"),
@@ -285,9 +289,9 @@ class TritonPythonModel:
         if values["max_beam_width"] != 1:
             raise ValueError(f"tensorrt_llm: max_beam_width {values['max_beam_width']} (the CPU engine only does 1)")
         mode = values.get("decoding_mode")
-        if mode not in (None, "top_k", "top_p", "top_k_top_p"):
+        if mode not in (None, "top_k", "top_p", "top_k_top_p", "medusa"):
             raise ValueError(f"tensorrt_llm: decoding_mode {mode} is not supported by the CPU engine "
-                             "(top_k, top_p or top_k_top_p)")
+                             "(top_k, top_p, top_k_top_p or medusa)")
         if not backend_params.is_unset(values["guided_decoding_backend"], "guided_decoding_backend"):
             raise ValueError("tensorrt_llm: guided decoding is not supported by the CPU engine; "
                              "leave guided_decoding_backend empty")
