@@ -147,3 +147,25 @@ def test_slo_names_parse():
     assert M.parse_slo_name("e2e_p50_ms") == ("e2e", "p50")
     with pytest.raises(ValueError):
         M.parse_slo_name("ttft_max")
+
+
+def test_server_speculation_is_the_levels_delta_of_the_models_gauges():
+    """Medusa speculates inside tensorrt_llm: the bench reads what happened during a level from
+    toolchain_spec_decode_metrics, before and after."""
+    from toolchain.bench.servermetrics import delta, parse
+
+    def scrape_text(draft, accepted, steps):
+        labels = 'model="tensorrt_llm",version="1",spec_decode_metric="{}"'
+        return "\n".join([
+            "# TYPE toolchain_spec_decode_metrics gauge",
+            f"toolchain_spec_decode_metrics{{{labels.format('total_draft_tokens')}}} {draft}",
+            f"toolchain_spec_decode_metrics{{{labels.format('total_accepted_draft_tokens')}}} {accepted}",
+            f"toolchain_spec_decode_metrics{{{labels.format('draft_steps')}}} {steps}",
+            f"toolchain_spec_decode_metrics{{{labels.format('acceptance_rate')}}} 0.5",
+            'nv_inference_request_success{model="ensemble",version="1"} 3'])
+
+    before, after = parse(scrape_text(40, 10, 10)), parse(scrape_text(100, 40, 25))
+    spec = delta(before, after, "ensemble")["speculation"]
+    assert spec["draft_tokens"] == 60 and spec["accepted_draft_tokens"] == 30 and spec["steps"] == 15
+    assert spec["acceptance_rate"] == 0.5 and spec["accepted_per_step"] == 2.0
+    assert "speculation" not in delta(before, before, "ensemble")  # nothing drafted during the level

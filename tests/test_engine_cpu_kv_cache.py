@@ -88,6 +88,17 @@ def test_least_recently_released_blocks_are_evicted_first():
     assert kv.match([1] * 4 + [2] * 4 + [3]) == 0, "the least recently released prefix is evicted"
 
 
+def test_forgetting_cached_blocks_leaves_held_ones_matchable():
+    kv = manager(blocks=6)
+    held = run(kv, [1] * 4 + [2] * 4 + [3])
+    released = run(kv, [7] * 4 + [8] * 4 + [9])
+    kv.release(released)
+    assert kv.forget_cached() == 2
+    assert kv.match([7] * 4 + [8] * 4 + [9]) == 0 and kv.match([1] * 4 + [2] * 4 + [3]) == 2
+    assert kv.free_blocks == 3 and kv.forget_cached() == 0
+    kv.release(held)
+
+
 def test_reuse_off_never_matches():
     kv = manager(reuse=False)
     run(kv, list(range(10)))

@@ -221,3 +221,25 @@ def test_medusa_heads_command_trains_heads_the_converter_reads(tmp_path):
     other.mkdir()
     (other / "keep.txt").write_text("x")
     assert main(["medusa-heads", str(target), str(other), "--quick"]) == 2
+
+
+def test_the_memory_plan_counts_the_heads_on_every_rank(tmp_path, hf_llama_words, heads):
+    """The heads' bytes per rank (column slices, lm_head padded), as convert writes them."""
+    from toolchain.plan.preflight import build_context
+
+    with_heads = build_context(medusa_spec(tmp_path / "m", hf_llama_words, heads, tp=2)).memory
+    plain = build_context(load_spec(write_spec(tmp_path / "p.yaml", hf_llama_words, parallelism={"tp": 2},
+                                               limits={"max_batch_size": 4, "max_input_len": 32,
+                                                       "max_seq_len": 128, "max_num_tokens": 256},
+                                               build={"tokens_per_block": 16}))).memory
+    spec = medusa_spec(tmp_path / "m2", hf_llama_words, heads, tp=2)
+    ws = Workspace(tmp_path / "m2")
+    run_convert(spec, ws)
+    written = 0
+    with safe_open(str(ws.checkpoint_dir(spec) / "rank1.safetensors"), "pt") as fh:
+        for k in fh.keys():
+            if k.startswith("medusa_heads"):
+                t = fh.get_tensor(k)
+                written += t.numel() * t.element_size()
+    for a, b in zip(with_heads.ranks, plain.ranks):
+        assert a.weights_bytes - b.weights_bytes == written

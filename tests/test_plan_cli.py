@@ -131,3 +131,25 @@ def test_trtllm_spec_without_gpu_reports_weights_but_fails(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert rc == 1 and report["failed_checks"] == ["gpu.known"]
     assert report["ranks"][0]["weights_bytes"] > 0 and report["ranks"][0]["kv_tokens_capacity"] is None
+
+
+def test_a_draft_with_another_tokenizer_is_refused_before_conversion(tmp_path, capsys):
+    """Same vocabulary size, two tokens swapped: the draft's ids would mean other text."""
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(REPO / "models" / "tiny-llama-draft", draft)
+    tok = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(tok))
+    spec = REPO / "build" / "tiny-llama-draft-target.yaml"
+    assert plan(tmp_path, spec, "--json") == 0
+    capsys.readouterr()
+    assert plan(tmp_path, spec, "--set", f"speculative.draft_model={draft}", "--json") == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["failed_checks"] == ["spec.draft-model"]
+    detail = next(c for c in report["checks"] if c["id"] == "spec.draft-model")
+    assert "tokenizer differs" in detail["message"]
+    assert f"{a!r} is {vocab[b]} in the target, {vocab[a]} in the draft" in detail["message"]

@@ -175,6 +175,7 @@ def test_medusa_serves_plain_decoding_through_tritonserver(tmp_path_factory, hf_
     assert '"medusa"' in config and choices_text(MEDUSA_TREE) in config
     prompt = [0, 12, 13, 14, 15, 16]
     want = plain.generate(prompt, SamplingParams(max_new_tokens=24))
+    totals = [0, 0]
     with server:
         for streaming in (True, False):
             got = stream(server.grpc_url, "tensorrt_llm",
@@ -186,3 +187,20 @@ def test_medusa_serves_plain_decoding_through_tritonserver(tmp_path_factory, hf_
             drafted = int(last.as_numpy("total_draft_tokens").reshape(-1)[0])
             accepted = int(last.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
             assert drafted > 0 and 0 <= accepted <= drafted
+            totals[0] += drafted
+            totals[1] += accepted
+        # The model's Prometheus gauges add up both requests (they refresh every stats period).
+        import time
+
+        from toolchain.bench.servermetrics import scrape
+
+        deadline, got = time.monotonic() + 10, {}
+        while time.monotonic() < deadline:
+            metrics = scrape(server.metrics_url) or {}
+            got = {dict(labels)["spec_decode_metric"]: value for (name, labels), value in metrics.items()
+                   if name == "toolchain_spec_decode_metrics" and dict(labels).get("model") == "tensorrt_llm"}
+            if got.get("total_draft_tokens") == totals[0]:
+                break
+            time.sleep(0.2)
+        assert (got["total_draft_tokens"], got["total_accepted_draft_tokens"]) == tuple(totals), got
+        assert got["draft_steps"] > 0 and abs(got["acceptance_rate"] - totals[1] / totals[0]) < 1e-6

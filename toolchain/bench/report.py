@@ -177,6 +177,11 @@ def print_level(level: dict, console=None, title: str = "") -> None:
     if srv.get("available"):
         console.print(f"[dim]server: {_num(srv.get('server_requests_success'))} requests succeeded, "
                       f"{_num(srv.get('server_requests_failure'))} failed on '{srv.get('endpoint_model')}'[/dim]")
+        sspec = srv.get("speculation")
+        if sspec and not spec:
+            console.print(f"speculation (server): {sspec['accepted_draft_tokens']} of {sspec['draft_tokens']} draft "
+                          f"tokens accepted (acceptance {_fmt(100 * sspec['acceptance_rate'], 0)} %, "
+                          f"{_fmt(sspec['accepted_per_step'])} accepted per step)")
 
 
 def _num(v) -> str:

@@ -81,4 +81,27 @@ def delta(before: dict | None, after: dict | None, model: str) -> dict:
         tokens = trt.get("nv_llm_output_token_len_sum")
         if tokens is not None:
             out["server_output_tokens"] = tokens
+    spec = _speculation(before, after)
+    if spec:
+        out["speculation"] = spec
     return out
+
+
+SPEC_FAMILY = "toolchain_spec_decode_metrics"
+
+
+def _speculation(before: dict, after: dict) -> dict | None:
+    """Draft tokens verified and accepted during the level, from the CPU tensorrt_llm model's
+    toolchain_spec_decode_metrics (Medusa decodes inside the model, so no client sees them)."""
+    totals: dict[str, float] = {}
+    for (name, labels), value in after.items():
+        if name == SPEC_FAMILY:
+            key = dict(labels).get("spec_decode_metric")
+            if key in ("total_draft_tokens", "total_accepted_draft_tokens", "draft_steps"):
+                totals[key] = totals.get(key, 0.0) + value - before.get((name, labels), 0.0)
+    drafted = totals.get("total_draft_tokens", 0.0)
+    if not drafted:
+        return None
+    accepted, steps = totals.get("total_accepted_draft_tokens", 0.0), totals.get("draft_steps", 0.0)
+    return {"draft_tokens": int(drafted), "accepted_draft_tokens": int(accepted), "steps": int(steps),
+            "acceptance_rate": accepted / drafted, "accepted_per_step": accepted / steps if steps else None}

@@ -156,7 +156,53 @@ def _draft_model(ctx: Context):
     if ctx.model is not None and dp.vocab_size > ctx.model.params.vocab_size:
         return FAIL, (f"draft vocab_size {dp.vocab_size} exceeds the target's {ctx.model.params.vocab_size}: "
                       "the draft must share the target's tokenizer")
+    mismatch = tokenizer_mismatch(ctx.spec.model.tokenizer_dir, sp.draft_model)
+    if mismatch:
+        return FAIL, (f"the draft's tokenizer differs from the target's ({mismatch}): draft token ids would mean "
+                      "other text; use a draft trained with the target's tokenizer")
     return PASS, f"draft {dp.architecture} with {dp.num_hidden_layers} layers at {sp.draft_model}"
+
+
+def _vocabulary(directory) -> dict | None:
+    """token -> id of a tokenizer.json (model vocab plus added tokens), or None without one."""
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        tok = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = (tok.get("model") or {}).get("vocab")
+    if isinstance(vocab, list):  # unigram: [[piece, score], ...]
+        vocab = {entry[0]: i for i, entry in enumerate(vocab) if entry}
+    if not isinstance(vocab, dict):
+        return None
+    out = dict(vocab)
+    for entry in tok.get("added_tokens") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("content"), str):
+            out[entry["content"]] = entry.get("id")
+    return out
+
+
+def tokenizer_mismatch(target_dir, draft_dir) -> str | None:
+    """The first token the two tokenizers map differently ("'x' is 5 in the target, 7 in the
+    draft"), or None when they agree or either has no tokenizer.json to compare."""
+    target, draft = _vocabulary(target_dir), _vocabulary(draft_dir)
+    if target is None or draft is None:
+        return None
+    for token, tid in target.items():
+        if draft.get(token, tid) != tid:
+            return f"{token!r} is {tid} in the target, {draft[token]} in the draft"
+    extra = sorted(set(draft) - set(target))
+    if extra:
+        return f"{extra[0]!r} (id {draft[extra[0]]}) is only in the draft's vocabulary"
+    missing = sorted(set(target) - set(draft))
+    if missing:
+        return f"{missing[0]!r} (id {target[missing[0]]}) is missing from the draft's vocabulary"
+    return None
 
 
 @check("spec.draft-target-reuse", ENGINE,

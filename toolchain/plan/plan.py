@@ -130,6 +130,7 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
                                             max_input_len=lim.max_input_len, context_fmha=build.context_fmha)
         draft_kv = mem.kv_bytes_per_token(dp, tp=1, stage_layer_count=dp.num_hidden_layers, kv_bytes=ddt)
 
+    heads = medusa_rank_bytes(spec, p, dt_bytes)
     ranks: list[RankPlan] = []
     for rank in range(tp * pp):
         pp_rank, tp_rank = divmod(rank, tp)
@@ -137,8 +138,8 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
         common = dict(tp=tp, pp_rank=pp_rank, pp=pp, quant=quant, dt_bytes=dt_bytes,
                       parallel_embedding=par.parallel_embedding, embedding_sharding_dim=par.embedding_sharding_dim,
                       qkv_bias=model.qkv_bias, dense_bias=model.dense_bias)
-        weights = mem.rank_weights(p, **common).total
-        stored = mem.rank_weights(p, stored=True, **common).total
+        weights = mem.rank_weights(p, **common).total + heads
+        stored = mem.rank_weights(p, stored=True, **common).total + heads
         act = mem.activation_bytes(p, tp=tp, max_num_tokens=lim.max_num_tokens, max_input_len=lim.max_input_len,
                                    context_fmha=build.context_fmha, act_bytes=act_width)
         if pp_rank == pp - 1:
@@ -164,6 +165,25 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
     if suggest and not plan.fits:
         plan.suggestions = suggestions(spec, model, quant, device, draft)
     return plan
+
+
+def medusa_rank_bytes(spec, p, dt_bytes: int) -> int:
+    """Medusa heads on each rank (kept unquantized, column-split over tp); 0 without readable heads,
+    which the spec.medusa-heads check reports."""
+    sp = spec.speculative
+    if sp.mode != "medusa" or sp.heads is None:
+        return 0
+    from toolchain.checkpoint.medusa import read_heads
+    from toolchain.checkpoint.sharding import padded_vocab
+    from toolchain.errors import ToolchainError
+
+    try:
+        heads = read_heads(sp.heads)
+    except ToolchainError:
+        return 0
+    tp, h = spec.parallelism.tp, heads.hidden_size
+    per_head = heads.num_layers * (h * h + h) // tp + padded_vocab(p.vocab_size, tp) // tp * h
+    return heads.num_heads * per_head * dt_bytes
 
 
 def layout_ok(params, tp: int, pp: int) -> bool:

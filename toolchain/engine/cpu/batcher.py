@@ -98,6 +98,7 @@ class _Request:
     seq: Sequence | None = None
     counted: bool = True  # still counted against max_queue_size (until first admitted or dropped)
     paused: bool = False  # back in the queue after a pause (max_utilization)
+    speculation: tuple[int, int] = (0, 0)  # (drafted, accepted) already added to the batcher's totals
     submitted: float = field(default_factory=time.perf_counter)
 
     @property
@@ -116,6 +117,10 @@ class BatcherStats:
     joined_running: int = 0  # admissions that happened while other requests were mid-generation
     paused_total: int = 0  # pauses since start (max_utilization)
     chunked_steps: int = 0  # steps that ran a context chunk short of its prompt's end
+    # speculative decoding since start: draft tokens verified, accepted, and the request-steps that verified some
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    draft_steps: int = 0
     # the last iteration
     active: int = 0                  # running + queued
     scheduled: int = 0               # in the batch
@@ -422,6 +427,12 @@ class InflightBatcher:
         for (req, _), tokens in zip(batch, emitted):
             st.tokens += len(tokens)
             seq = req.seq
+            drafted, accepted = seq.drafted - req.speculation[0], seq.accepted_draft - req.speculation[1]
+            if drafted > 0 or accepted > 0:
+                st.draft_tokens += drafted
+                st.accepted_draft_tokens += accepted
+                st.draft_steps += drafted > 0
+                req.speculation = (seq.drafted, seq.accepted_draft)
             req.stats.total_accepted_draft_tokens = seq.accepted_draft
             req.stats.total_draft_tokens = seq.drafted
             if seq.finished:

@@ -262,6 +262,18 @@ class KvCacheManager:
                 self._clean.append(index)
         table.blocks, table.keys, table.length = [], [], 0
 
+    def forget_cached(self) -> int:
+        """Drop every free block's registration, so no later request reuses it (a cold cache for
+        side-by-side measurements); returns how many were dropped. Held blocks are untouched."""
+        dropped = list(self._cached)
+        for index in dropped:
+            block = self._blocks[index]
+            self._by_key.pop(block.key, None)
+            block.key = None
+            self._clean.append(index)
+        self._cached.clear()
+        return len(dropped)
+
     def slots(self, table: BlockTable, start: int, stop: int) -> torch.Tensor:
         """Pool slot of each position in [start, stop)."""
         tpb = self.tokens_per_block

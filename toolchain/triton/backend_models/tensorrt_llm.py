@@ -147,6 +147,8 @@ class _Metrics:
     BATCHER = ("total_context_tokens", "generation_requests", "micro_batch_id", "paused_requests")
     GENERAL = ("timestamp", "iteration_counter")
     KV_BLOCKS = ("max", "free", "used", "tokens_per", "reused", "fraction")
+    SPEC = ("total_draft_tokens", "total_accepted_draft_tokens", "draft_steps", "acceptance_rate",
+            "accepted_per_step")
     BUCKETS = [10, 50, 100, 500, 1000]
 
     @classmethod
@@ -177,6 +179,11 @@ class _Metrics:
         self.general = gauges("nv_trt_llm_general_metrics", "General TRT LLM metrics", "general_type", self.GENERAL)
         self.kv = gauges("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics", "kv_cache_block_type",
                          self.KV_BLOCKS)
+        # TensorRT-LLM 1.2's backend exports no speculative-decoding family; this one is the toolchain's,
+        # named for the executor's per-request perf metrics (totals since start).
+        self.spec = gauges("toolchain_spec_decode_metrics", "Speculative decoding since start: draft tokens "
+                           "verified and accepted, verification steps, acceptance rate, accepted tokens per step",
+                           "spec_decode_metric", self.SPEC)
         self.request["max"].set(max_batch)
         self.tokens = None
         if hasattr(fam, "HISTOGRAM"):
@@ -203,6 +210,12 @@ class _Metrics:
             self.kv[key].set(value)
         g["timestamp"].set(st.timestamp_us)
         g["iteration_counter"].set(st.steps)
+        for key, value in (("total_draft_tokens", st.draft_tokens), ("total_accepted_draft_tokens",
+                                                                      st.accepted_draft_tokens),
+                           ("draft_steps", st.draft_steps),
+                           ("acceptance_rate", st.accepted_draft_tokens / st.draft_tokens if st.draft_tokens else 0.0),
+                           ("accepted_per_step", st.accepted_draft_tokens / st.draft_steps if st.draft_steps else 0.0)):
+            self.spec[key].set(value)
 
     def request_done(self, prompt_tokens, output_tokens):
         if self.tokens is not None:
