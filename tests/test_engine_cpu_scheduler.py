@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 from test_engine_cpu_batcher import TIMEOUT, Collector
 from test_engine_cpu_util import _one_thread, engine_dir  # noqa: F401
 
@@ -195,6 +196,41 @@ def test_a_draft_is_verified_when_reused_blocks_cover_all_but_the_last_token(tmp
     finally:
         engine.release(seq)
     assert emitted == want[:5] and seq.accepted_draft == 4
+
+
+def test_draft_logits_are_judged_by_trtllm_probability_rule(tmp_path_factory, hf_llama):
+    """With draft_logits a position is rejected when any token's target probability is below
+    threshold x draft probability (TensorRT-LLM acceptDraftTokensByLogitsKernel); an accepted
+    position emits the draft token, a rejected one samples max(p - q, 0) renormalised."""
+    engine = make_engine(tmp_path_factory, hf_llama, max_draft_len=4)
+    p = prompt(7, 9)
+    want = engine.generate(p, greedy(8))
+    vocab = engine.vocab_size
+
+    def run(draft, logits, threshold=None, n=5):
+        seq = engine.start(p, greedy(n), draft, logits, threshold)
+        engine.add(seq)
+        try:
+            emitted = engine.step([(seq, seq.pending)])[0]
+        finally:
+            engine.release(seq)
+        return emitted, seq.accepted_draft
+
+    # The target's own distributions as the draft's: p == q, never below u * q (random u <= 1).
+    own = engine.forward_logits(p + want[:3])[-4:]
+    assert run(want[:4], own) == (want[:5], 4)
+    # Threshold 0 accepts anything, even tokens the target would never pick: upstream's rule is not lossless.
+    wrong = [(t + 1) % 240 + 1 for t in want[:4]]
+    flat = torch.zeros(4, vocab)
+    emitted, accepted = run(wrong, flat, threshold=0.0)
+    assert accepted == 4 and emitted[:4] == wrong
+    # A huge threshold rejects the first position; the draft's mass (all on its token) is taken out of
+    # p, so greedy picks the target's own best token unless that was the draft's.
+    peaked = torch.full((4, vocab), -30.0)
+    peaked[torch.arange(4), torch.tensor(wrong)] = 30.0
+    assert run(wrong, peaked, threshold=1e9) == ([want[0]], 0)
+    with pytest.raises(ToolchainError, match=rf"draft_logits must be \[4 draft tokens, {vocab} vocab\]"):
+        engine.start(p, greedy(5), wrong, torch.zeros(3, vocab))
 
 
 def test_draft_tokens_need_an_engine_built_for_them(tmp_path_factory, hf_llama):

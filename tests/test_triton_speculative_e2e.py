@@ -204,3 +204,24 @@ def test_medusa_serves_plain_decoding_through_tritonserver(tmp_path_factory, hf_
             time.sleep(0.2)
         assert (got["total_draft_tokens"], got["total_accepted_draft_tokens"]) == tuple(totals), got
         assert got["draft_steps"] > 0 and abs(got["acceptance_rate"] - totals[1] / totals[0]) < 1e-6
+
+
+def test_tensorrt_llm_takes_draft_logits_with_an_acceptance_threshold(served):
+    """draft_logits and draft_acceptance_threshold reach the CPU engine as the C++ backend passes
+    them (ExternalDraftTokensConfig): threshold 0 accepts every draft token."""
+    import numpy as np
+
+    _, server = served
+    prompt, draft = [0, 10, 20, 30], [5, 6, 7]
+    logits = np.zeros((len(draft), 250), np.float32)  # one request's [k, vocab]
+    got = stream(server.grpc_url, "tensorrt_llm",
+                 token_request(prompt, 4, stream=False, end_id=([-1], "INT32"), draft_input_ids=(draft, "INT32"),
+                               draft_logits=(logits, "FP32"), draft_acceptance_threshold=([0.0], "FP32"),
+                               return_perf_metrics=([True], "BOOL")))
+    assert not got.errors, got.errors
+    assert got.tokens()[:3] == draft
+    assert int(got.responses[-1].as_numpy("total_accepted_draft_tokens").reshape(-1)[0]) == 3
+    bad = stream(server.grpc_url, "tensorrt_llm",
+                 token_request(prompt, 4, stream=False, draft_input_ids=(draft, "INT32"),
+                               draft_logits=(logits[:2], "FP32")))
+    assert bad.errors and "draft_logits must be [3 draft tokens" in str(bad.errors[0])

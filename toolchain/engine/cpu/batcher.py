@@ -95,6 +95,8 @@ class _Request:
     order: int
     stats: RequestStats
     draft: list[int] = field(default_factory=list)
+    draft_logits: object = None
+    draft_threshold: float | None = None
     seq: Sequence | None = None
     counted: bool = True  # still counted against max_queue_size (until first admitted or dropped)
     paused: bool = False  # back in the queue after a pause (max_utilization)
@@ -166,9 +168,11 @@ class InflightBatcher:
 
     def submit(self, request_id, prompt_ids: list[int], params: SamplingParams, callback: Callback, *,
                priority: float = DEFAULT_PRIORITY, stats: RequestStats | None = None,
-               draft_tokens: list[int] | None = None) -> None:
+               draft_tokens: list[int] | None = None, draft_logits=None,
+               draft_acceptance_threshold: float | None = None) -> None:
         """Queue a request; `callback(new_tokens, finished, error)` runs on the batcher thread.
-        `draft_tokens` (draft_input_ids) are verified with the end of its context.
+        `draft_tokens` (draft_input_ids) are verified with the end of its context, by token
+        equality or, with `draft_logits`, by TensorRT-LLM's probability rule.
 
         Raises QueueFull when max_queue_size requests already wait (the executor's
         refusal), ValueError for a priority outside [0, 1]."""
@@ -183,7 +187,8 @@ class InflightBatcher:
                 raise QueueFull(f"Maximum queue size of {limit} has been reached, please try again later")
             self._waiting_count += 1
             self._arrivals.append(_Request(request_id, prompt_ids, params, callback, float(priority),
-                                           next(self._order), stats or RequestStats(), list(draft_tokens or ())))
+                                           next(self._order), stats or RequestStats(), list(draft_tokens or ()),
+                                           draft_logits=draft_logits, draft_threshold=draft_acceptance_threshold))
             self._cv.notify()
 
     def cancel(self, request_id) -> None:
@@ -277,7 +282,7 @@ class InflightBatcher:
     def _enqueue(self, arrived: list[_Request]) -> None:
         for req in arrived:
             try:
-                problem = self.engine.request_problem(req.prompt, req.params, req.draft)
+                problem = self.engine.request_problem(req.prompt, req.params, req.draft, req.draft_logits)
             except Exception as err:  # malformed input the checks did not foresee
                 problem = f"invalid request: {type(err).__name__}: {err}"
             if problem is None and (req.request_id in self._known
@@ -287,7 +292,7 @@ class InflightBatcher:
                 self._dequeued(req)
                 self._deliver(req, [], True, problem)
                 continue
-            req.seq = self.engine.start(req.prompt, req.params, req.draft)
+            req.seq = self.engine.start(req.prompt, req.params, req.draft, req.draft_logits, req.draft_threshold)
             req.stats.total_draft_tokens = len(req.draft)
             bisect.insort(self._queue, req, key=lambda r: r.rank)
 

@@ -28,11 +28,15 @@ from toolchain.errors import ToolchainError
 class Sequence:
     """One request in flight: its prompt, output so far, KV blocks and sampler."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, draft: list[int] | None = None):
+    def __init__(self, prompt: list[int], params: SamplingParams, draft: list[int] | None = None,
+                 draft_probs: torch.Tensor | None = None, acceptance_threshold: float | None = None):
         self.prompt = [int(t) for t in prompt]
         self.params = params
-        # External draft tokens (draft_input_ids), verified with the end of the context.
+        # External draft tokens (draft_input_ids), verified with the end of the context; with
+        # draft_logits, by TensorRT-LLM's probability rule instead of token equality.
         self.draft = [int(t) for t in draft or ()]
+        self.draft_probs = draft_probs
+        self.acceptance_threshold = acceptance_threshold
         self.accepted_draft = 0
         self.drafted = len(self.draft)  # draft tokens offered for verification (total_draft_tokens)
         self.tree: list[int] = []  # Medusa: the draft tree's tokens for the next step, in the tree's node order
@@ -75,7 +79,10 @@ class Sequence:
 
     def accept(self, logits: torch.Tensor) -> list[int]:
         """Sample the next token from `logits` [V]; returns the tokens to emit (empty on end_id)."""
-        token = self.sampler.pick(logits, len(self.output))
+        return self.take(self.sampler.pick(logits, len(self.output)))
+
+    def take(self, token: int) -> list[int]:
+        """Append `token` unless it ends the request; returns the tokens to emit."""
         if self.sampler.is_end(token):
             self.finish("end_id")
             return []
@@ -91,12 +98,42 @@ class Sequence:
         sample the target's token; while it equals the draft's, the draft token is accepted and
         the next position is tried. So every emitted token is the target's own choice given the
         tokens before it: greedy output is unchanged, sampled output keeps its distribution."""
+        if self.draft_probs is not None:
+            return self._verify_by_logits(logits, draft)
         emitted = []
         for i, row in enumerate(logits):
             emitted += self.accept(row)
             if self.finished or i == len(draft) or emitted[-1] != draft[i]:
                 break
             self.accepted_draft += 1
+        return emitted
+
+    def _verify_by_logits(self, logits: torch.Tensor, draft: list[int]) -> list[int]:
+        """draft_logits as TensorRT-LLM judges them (acceptDraftTokensByLogitsKernel and
+        correctAcceptedStatesAndLogits in cpp/tensorrt_llm/kernels/speculativeDecoding/
+        externalDraftTokensKernels.cu): position i is rejected
+        when any token's target probability p[v] falls below t * q[v] (t = draft_acceptance_threshold,
+        or a fresh uniform draw per token without one); an accepted position emits the draft token.
+        At the first rejection the target samples from max(p - q, 0), renormalised, written back as
+        logits log(c / (1 - c)) the way the kernel does. Not lossless, as upstream's rule is not."""
+        emitted = []
+        for i, row in enumerate(logits):
+            if i == len(draft):
+                emitted += self.accept(row)
+                break
+            p, q = torch.softmax(row.float(), -1), self.draft_probs[i]
+            t = (self.acceptance_threshold if self.acceptance_threshold is not None
+                 else torch.rand(p.shape, generator=self.sampler.generator))
+            if not bool((p < t * q).any()):
+                emitted += self.take(draft[i])
+                if self.finished:
+                    break
+                self.accepted_draft += 1
+                continue
+            c = (p - q).clamp(min=0)
+            c = c / c.sum().clamp(min=1e-6)
+            emitted += self.accept(torch.log(c / (1 - c)))
+            break
         return emitted
 
 
@@ -229,11 +266,16 @@ class CpuEngine:
                 return f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})"
         return None
 
-    def request_problem(self, prompt_ids, params: SamplingParams, draft=()) -> str | None:
+    def request_problem(self, prompt_ids, params: SamplingParams, draft=(), draft_logits=None) -> str | None:
         """Why a request cannot run on this engine (TRT-LLM's limits), or None."""
         problem = self._ids_problem(prompt_ids)
         if problem is None and len(draft):
             problem = self._draft_problem(draft)
+        if problem is None and draft_logits is not None:
+            shape = tuple(getattr(draft_logits, "shape", ()))
+            if shape != (len(draft), self.vocab_size):
+                problem = (f"draft_logits must be [{len(draft)} draft tokens, {self.vocab_size} vocab], "
+                           f"got {list(shape)}")
         if problem is None and not isinstance(params, SamplingParams):
             problem = f"sampling parameters must be SamplingParams, got {type(params).__name__}"
         if problem is None:
@@ -260,12 +302,17 @@ class CpuEngine:
         problem = self._ids_problem(draft)
         return None if problem is None else f"draft_input_ids: {problem}"
 
-    def start(self, prompt_ids: list[int], params: SamplingParams, draft=()) -> Sequence:
-        """A validated request, not yet holding any KV blocks."""
-        problem = self.request_problem(prompt_ids, params, draft)
+    def start(self, prompt_ids: list[int], params: SamplingParams, draft=(), draft_logits=None,
+              acceptance_threshold: float | None = None) -> Sequence:
+        """A validated request, not yet holding any KV blocks. `draft_logits` [len(draft), V] make
+        the draft judged by probabilities (TensorRT-LLM's rule) instead of token equality."""
+        problem = self.request_problem(prompt_ids, params, draft, draft_logits)
         if problem is not None:
             raise ToolchainError(problem)  # the message names the limit and what would fit
-        return Sequence(prompt_ids, params, list(draft))
+        probs = None
+        if draft_logits is not None:
+            probs = torch.softmax(torch.as_tensor(draft_logits, dtype=torch.float32), -1)
+        return Sequence(prompt_ids, params, list(draft), probs, acceptance_threshold)
 
     # -- KV blocks ---------------------------------------------------------------
 

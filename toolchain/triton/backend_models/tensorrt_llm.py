@@ -49,7 +49,7 @@ SAMPLING = (
     ("runtime_top_p_decay", "top_p_decay", float, 1.0),
 )
 # Inputs whose mere presence asks for something the CPU engine does not do.
-UNSUPPORTED_INPUTS = ("encoder_input_features", "draft_logits", "prompt_embedding_table",
+UNSUPPORTED_INPUTS = ("encoder_input_features", "prompt_embedding_table",
                       "lora_task_id", "lora_weights", "lora_config", "cross_attention_mask", "context_phase_params",
                       "guided_decoding_guide_type", "guided_decoding_guide", "mrope_rotary_cos_sin")
 UNSUPPORTED_FLAGS = ("return_log_probs", "return_context_logits", "return_generation_logits")
@@ -355,18 +355,28 @@ class TritonPythonModel:
             wants = {flag for flag in ("return_num_input_tokens", "return_num_output_tokens", "return_perf_metrics")
                      if inputs.scalar(flag, row, False, bool)}
             draft = inputs.row("draft_input_ids", row)
+            logits = inputs.get("draft_logits")
+            if logits is not None and logits.size:
+                if not draft:
+                    raise ValueError("draft_logits given without draft_input_ids")
+                # [B, k, V] (or one request's [k, V]); the engine checks k and V against the draft and the vocab.
+                logits = logits.reshape(inputs.batch, -1, logits.shape[-1])[row] if logits.ndim > 2 else logits
+            else:
+                logits = None
+            threshold = inputs.scalar("draft_acceptance_threshold", row, None, float)
             rid = next(self.ids)
             submissions.append((rid, _Row(group, row, prompt, exclude, wants, self.RequestStats()), prompt, params,
-                                draft))
+                                (draft, logits, threshold)))
         with self.lock:
             self.groups[id(group)] = group
             for rid, row, _, _, _ in submissions:
                 self.rows[rid] = row
                 group.pending.add(rid)
-        for rid, row, prompt, params, draft in submissions:
+        for rid, row, prompt, params, (draft, logits, threshold) in submissions:
             try:
                 # The 1.2 backend sets no executor priority: every request runs at the default.
-                self.batcher.submit(rid, prompt, params, self._callback(rid), stats=row.stats, draft_tokens=draft)
+                self.batcher.submit(rid, prompt, params, self._callback(rid), stats=row.stats, draft_tokens=draft,
+                                    draft_logits=logits, draft_acceptance_threshold=threshold)
             except self.QueueFull as err:
                 self._abort(group, error=f"tensorrt_llm: {err}")
                 return
