@@ -131,7 +131,8 @@ class Sequence:
                 self.accepted_draft += 1
                 continue
             c = (p - q).clamp(min=0)
-            c = c / c.sum().clamp(min=1e-6)
+            # All corrected mass on one token would make its logit +inf (and sampled softmax NaN).
+            c = (c / c.sum().clamp(min=1e-6)).clamp(max=1 - 1e-6)
             emitted += self.accept(torch.log(c / (1 - c)))
             break
         return emitted
