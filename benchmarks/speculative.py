@@ -157,21 +157,17 @@ def lookup(tokens: list[int], ngram: int, k: int) -> list[int]:
     return []
 
 
-def speculate(target: CpuEngine, prompt: list[int], n: int, propose, k_max: int, trace: Trace) -> list[int]:
+def speculate(target: CpuEngine, prompt: list[int], n: int, propose, k_max: int, trace: Trace,
+              plain_on_miss: bool = False) -> list[int]:
     """The BLS's draft -> target loop over engine requests, each step a request over the whole
     sequence with the draft as draft_input_ids and k + 1 tokens asked for."""
     tokens = list(prompt)
     while len(tokens) < len(prompt) + n:
         k = min(k_max, len(prompt) + n - len(tokens) - 1)
         draft = propose(tokens, k) if k > 0 else []
-        want = len(draft) + 1 if draft else (k + 1 if propose is ngram_propose else 1)
-        seq = target.start(tokens, SamplingParams(max_new_tokens=want), draft)
-        target.add(seq)
-        try:
-            while not seq.finished:
-                target.step([(seq, seq.pending)])
-        finally:
-            target.release(seq)
+        # As the BLS: a lookup that finds nothing asks for k + 1 plain tokens, a draft model's empty draft for 1.
+        want = len(draft) + 1 if draft else (k + 1 if plain_on_miss else 1)
+        seq = drive(target, tokens, want, draft)
         tokens += seq.output
         trace.emitted(len(seq.output))
         trace.accepted, trace.drafted, trace.steps = (trace.accepted + seq.accepted_draft,
@@ -288,7 +284,7 @@ def main(argv=None) -> int:
                              tuned["draft_target"], trace)
 
         def ngram(p, n, trace):
-            return speculate(plain_engine, p, n, ngram_propose, tuned["ngram"], trace)
+            return speculate(plain_engine, p, n, ngram_propose, tuned["ngram"], trace, plain_on_miss=True)
 
         def set_tree(size):
             tree = build_tree(heads_cfg["heldout_topk_accuracy"], size)

@@ -115,19 +115,24 @@ def read_heads(directory: Path | str, *, hidden_size: int | None = None, vocab_s
     return heads
 
 
-def _rank_shape(src_shape: tuple[int, ...], is_lm_head: bool, tp: int) -> tuple[int, ...]:
-    rows = sharding.padded_vocab(src_shape[0], tp) if is_lm_head else src_shape[0]
-    if rows % tp:
-        raise ToolchainError(f"Medusa layer width {rows} does not split over tp {tp}", "choose a tp dividing hidden_size")
-    return (rows // tp, *src_shape[1:])
+def _slices(trt: str, t: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """The tp slices of one heads tensor: every linear is column-parallel, the lm_head also
+    padded to the padded vocabulary (the base lm_head's rule). Run on meta tensors to plan,
+    on the real ones to write, so the two cannot disagree."""
+    return sharding.split_vocab(t, tp) if trt.endswith("lm_head.weight") else sharding.split_column(t, tp)
 
 
 def plan_heads(heads: MedusaHeads, dtype: str, tp: int, world_size: int) -> list[list[PlannedTensor]]:
     """Per rank, the Medusa tensors it holds (every rank: pipeline parallelism is refused)."""
+    if heads.hidden_size % tp:
+        raise ToolchainError(f"Medusa layer width {heads.hidden_size} does not split over tp {tp}",
+                             "choose a tp dividing hidden_size")
     torch_dtype = TORCH_DTYPES[dtype]
-    per_rank = [PlannedTensor(trt, _rank_shape(heads.shapes[src], trt.endswith("lm_head.weight"), tp), torch_dtype)
-                for src, trt in heads.source_names()]
-    return [list(per_rank) for _ in range(world_size)]
+    per_tp = [[] for _ in range(tp)]
+    for src, trt in heads.source_names():
+        for r, piece in enumerate(_slices(trt, torch.empty(heads.shapes[src], device="meta"), tp)):
+            per_tp[r].append(PlannedTensor(trt, tuple(piece.shape), torch_dtype))
+    return [list(per_tp[rank % tp]) for rank in range(world_size)]
 
 
 def write_heads(heads: MedusaHeads, writers, dtype: str, tp: int) -> None:
@@ -137,10 +142,7 @@ def write_heads(heads: MedusaHeads, writers, dtype: str, tp: int) -> None:
     torch_dtype = TORCH_DTYPES[dtype]
     with safe_open(str(heads.directory / WEIGHTS), "pt") as fh:
         for src, trt in heads.source_names():
-            t = fh.get_tensor(src).to(torch_dtype)
-            if trt.endswith("lm_head.weight"):
-                t = sharding.pad_rows(t, sharding.padded_vocab(t.shape[0], tp))
-            pieces = torch.chunk(t, tp, dim=0)
+            pieces = _slices(trt, fh.get_tensor(src).to(torch_dtype), tp)
             for rank, w in enumerate(writers):
                 w.write(trt, pieces[rank % tp].contiguous())
 

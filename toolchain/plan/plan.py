@@ -130,7 +130,7 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
                                             max_input_len=lim.max_input_len, context_fmha=build.context_fmha)
         draft_kv = mem.kv_bytes_per_token(dp, tp=1, stage_layer_count=dp.num_hidden_layers, kv_bytes=ddt)
 
-    heads = medusa_rank_bytes(spec, p, dt_bytes)
+    heads = medusa_rank_bytes(spec, dt)
     ranks: list[RankPlan] = []
     for rank in range(tp * pp):
         pp_rank, tp_rank = divmod(rank, tp)
@@ -167,23 +167,20 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
     return plan
 
 
-def medusa_rank_bytes(spec, p, dt_bytes: int) -> int:
-    """Medusa heads on each rank (kept unquantized, column-split over tp); 0 without readable heads,
-    which the spec.medusa-heads check reports."""
+def medusa_rank_bytes(spec, dtype: str) -> int:
+    """Medusa heads on each rank, as convert plans them (kept unquantized in the checkpoint
+    dtype, column-split over tp); 0 without readable heads, which spec.medusa-heads reports."""
     sp = spec.speculative
     if sp.mode != "medusa" or sp.heads is None:
         return 0
-    from toolchain.checkpoint.medusa import read_heads
-    from toolchain.checkpoint.sharding import padded_vocab
+    from toolchain.checkpoint.medusa import plan_heads, read_heads
     from toolchain.errors import ToolchainError
 
     try:
         heads = read_heads(sp.heads)
     except ToolchainError:
         return 0
-    tp, h = spec.parallelism.tp, heads.hidden_size
-    per_head = heads.num_layers * (h * h + h) // tp + padded_vocab(p.vocab_size, tp) // tp * h
-    return heads.num_heads * per_head * dt_bytes
+    return sum(t.nbytes for t in plan_heads(heads, dtype, spec.parallelism.tp, 1)[0])
 
 
 def layout_ok(params, tp: int, pp: int) -> bool:
