@@ -167,3 +167,40 @@ def write_medusa_heads(out: Path, hf_dir: Path, *, num_heads=3, num_layers=1, ch
     (out / "config.json").write_text(json.dumps({"medusa_num_heads": num_heads, "medusa_num_layers": num_layers,
                                                  "medusa_choices": choices}))
     return out
+
+
+def write_eagle_draft(out: Path, hf_dir: Path, *, layers=1, with_embed=True, prefix="", seed=0) -> Path:
+    """An EAGLE-1 draft for the model at hf_dir in the layout EAGLE's trainer publishes (re-saved as
+    safetensors): fc [H, 2H] + bias, `layers.{l}.*` in HF Llama names without the first layer's
+    input_layernorm, optionally the shared embedding; small random weights."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = h // nh
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+
+    state = {"fc.weight": rnd(h, 2 * h), "fc.bias": rnd(h)}
+    for layer in range(layers):
+        p = f"{prefix}layers.{layer}."
+        state.update({p + "self_attn.q_proj.weight": rnd(nh * hd, h), p + "self_attn.k_proj.weight": rnd(nkv * hd, h),
+                      p + "self_attn.v_proj.weight": rnd(nkv * hd, h), p + "self_attn.o_proj.weight": rnd(h, nh * hd),
+                      p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+                      p + "mlp.down_proj.weight": rnd(h, inter), p + "post_attention_layernorm.weight": 1 + rnd(h)})
+        if layer > 0:
+            state[p + "input_layernorm.weight"] = 1 + rnd(h)
+    if with_embed:
+        state[prefix + "embed_tokens.weight"] = load_file(next(hf_dir.glob("*.safetensors")))[
+            "model.embed_tokens.weight"].clone()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"))
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "rms_norm_eps", "max_position_embeddings", "hidden_act")
+    config = {k: cfg[k] for k in keep if k in cfg}
+    config.update(architectures=["LlamaForCausalLM"], num_hidden_layers=layers, torch_dtype="float32")
+    (out / "config.json").write_text(json.dumps(config))
+    return out

@@ -57,15 +57,15 @@ def test_example_quantization_reaches_the_plan(tmp_path, capsys):
 
 
 def test_draft_target_example_plans_and_headless_modes_are_refused(tmp_path, capsys):
-    """Draft-target runs through the BLS's draft -> target loop, so its example plans; EAGLE has
-    no head-carrying checkpoint and Medusa without heads has nothing to draft with: plan fails
+    """Draft-target runs through the BLS's draft -> target loop, so its example plans; Medusa
+    without heads and EAGLE without a draft checkpoint have nothing to draft with: plan fails
     with one line naming what is missing. Lookahead runs on GPU engines only."""
     spec = REPO / "build" / "qwen2.5-7b-draft-target.yaml"
     assert plan(tmp_path, spec, "--json") == 0
     report = json.loads(capsys.readouterr().out)
     assert report["failed_checks"] == []
     assert {c["id"]: c["status"] for c in report["checks"]}["spec.mode-runnable"] == "pass"
-    for mode, check in (("medusa", "spec.medusa-heads"), ("eagle", "spec.mode-runnable")):
+    for mode, check in (("medusa", "spec.medusa-heads"), ("eagle", "spec.eagle-draft")):
         assert plan(tmp_path, REPO / "build" / "llama3-8b-awq-h100.yaml", "--set", f"speculative.mode={mode}",
                     "--set", "speculative.max_draft_len=4", "--json") == 1
         failed = json.loads(capsys.readouterr().out)["failed_checks"]

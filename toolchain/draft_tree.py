@@ -65,3 +65,23 @@ def tree_problem(choices: list[list[int]], num_heads: int | None = None) -> str 
         if num_heads is not None and len(path) > num_heads:
             return f"path {path} is {len(path)} deep but there are only {num_heads} heads"
     return None
+
+
+# The tree the backend falls back to when no medusa_choices / eagle_choices is set: Medusa's
+# mc_sim_7b_63 (63 nodes, 4 deep), which TensorRT-LLM's examples/eagle README names as the default.
+MC_SIM_7B_63 = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0], [0, 5], [0, 0, 1],
+    [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0], [0, 9], [8], [9], [1, 0, 0],
+    [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1], [0, 0, 6],
+    [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2],
+    [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1],
+    [1, 6], [0, 7, 0],
+]
+
+
+def non_leaves_per_level(choices: list[list[int]]) -> list[int]:
+    """How many nodes at each depth (1-based depth d at index d - 1) have children: EAGLE's
+    EagleNet at that level drafts from exactly those (max_non_leaves_per_layer bounds it)."""
+    parents = {tuple(p[:-1]) for p in choices if len(p) > 1}
+    depth = max((len(p) for p in choices), default=0)
+    return [sum(1 for p in parents if len(p) == d) for d in range(1, depth + 1)]

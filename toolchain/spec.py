@@ -337,7 +337,9 @@ class SpeculativeSection(_Section):
     """draft_target: HF checkpoint of the draft model (same tokenizer); converted and built at tp 1 next to the target."""
     heads: Path | None = None
     """medusa: directory of trained Medusa heads (medusa_lm_head.safetensors + config.json, as
-    `toolchain medusa-heads` writes); convert adds them to a MedusaForCausalLM checkpoint."""
+    `toolchain medusa-heads` writes); convert adds them to a MedusaForCausalLM checkpoint.
+    eagle: the EAGLE-1 draft (config.json + safetensors with fc.* and layers.*); convert writes
+    an EagleForCausalLM checkpoint with one EagleNet per tree level."""
     draft_kv_cache_free_gpu_mem_fraction: float = Field(0.1, gt=0, lt=1)
     """draft_target: share of free GPU memory for the draft's KV cache; with the target's share it must stay below 1."""
     ngram_size: int = Field(3, ge=1, le=32)

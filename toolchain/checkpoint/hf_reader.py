@@ -80,6 +80,19 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
+def read_json_object(path: Path, where: str, missing_hint: str) -> dict:
+    """A side directory's config.json (heads, drafts) as a dict, or one clear error."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ToolchainError(f"{where} has no {Path(path).name}", missing_hint) from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ToolchainError(f"{where}/{Path(path).name} is not JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ToolchainError(f"{where}/{Path(path).name} must hold a JSON object")
+    return data
+
+
 class HFCheckpoint:
     """config.json plus a name -> TensorInfo index over the safetensors shards."""
 

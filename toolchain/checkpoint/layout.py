@@ -81,6 +81,8 @@ class Plan:
     tensorrt_llm/models/llama/convert.py writes it)."""
     medusa: Any = None
     """The `checkpoint.medusa.MedusaHeads` added to a MedusaForCausalLM checkpoint, or None."""
+    eagle: Any = None
+    """(`checkpoint.eagle.EagleDraft`, `EagleShape`) added to an EagleForCausalLM checkpoint, or None."""
 
     def rank_bytes(self, rank: int) -> int:
         return sum(t.nbytes for t in self.ranks[rank])

@@ -14,13 +14,13 @@ Only safetensors are read: a pickled `medusa_lm_head.pt` would run code on load.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from toolchain.checkpoint import sharding
+from toolchain.checkpoint.hf_reader import read_json_object
 from toolchain.checkpoint.layout import TORCH_DTYPES, PlannedTensor
 from toolchain.checkpoint.quantize import ALWAYS_EXCLUDED
 from toolchain.errors import ToolchainError
@@ -77,12 +77,7 @@ def read_heads(directory: Path | str, *, hidden_size: int | None = None, vocab_s
             raise ToolchainError(f"{where} holds only {PICKLED}, a pickle that would run code when loaded",
                                  f"convert it to {WEIGHTS} (safetensors.torch.save_file(torch.load(...)))")
         raise ToolchainError(f"{where} has no {WEIGHTS}", "train heads with `toolchain medusa-heads TARGET OUT`")
-    try:
-        config = json.loads((d / "config.json").read_text())
-    except FileNotFoundError:
-        raise ToolchainError(f"{where} has no config.json", "it must give medusa_num_heads and medusa_num_layers") from None
-    except json.JSONDecodeError as err:
-        raise ToolchainError(f"{where}/config.json is not JSON: {err}") from None
+    config = read_json_object(d / "config.json", where, "it must give medusa_num_heads and medusa_num_layers")
     keys = _upstream()["hf_config_keys"]
     # Medusa's trainer writes medusa_num_heads; TensorRT-LLM's MedusaConfig reads num_medusa_heads.
     num_heads = config.get(keys["num_heads_trainer"], config.get(keys["num_heads"]))

@@ -17,6 +17,7 @@ from typing import Callable
 from toolchain.checkpoint.convert import calibrate, plan_any, plan_checkpoint
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.checkpoint.layout import Plan
+from toolchain.checkpoint.eagle import attach_draft
 from toolchain.checkpoint.medusa import attach_heads
 from toolchain.checkpoint.writer import write_plan
 from toolchain.errors import ToolchainError
@@ -41,11 +42,14 @@ def convert_settings(spec: DeploymentSpec) -> dict:
             "tp": spec.parallelism.tp, "pp": spec.parallelism.pp,
             "use_parallel_embedding": spec.parallelism.parallel_embedding,
             "embedding_sharding_dim": spec.parallelism.embedding_sharding_dim,
-            "quantization": _quant_settings(spec), **_medusa_settings(spec)}
+            "quantization": _quant_settings(spec), **_speculative_settings(spec)}
 
 
-def _medusa_settings(spec: DeploymentSpec) -> dict:
+def _speculative_settings(spec: DeploymentSpec) -> dict:
+    """Medusa heads or an EAGLE draft change the checkpoint; other modes do not."""
     sp = spec.speculative
+    if sp.mode == "eagle":
+        return {"eagle": {"draft": str(sp.heads), "choices": sp.choices, "max_draft_len": sp.max_draft_len}}
     if sp.mode != "medusa":
         return {}
     return {"medusa": {"heads": str(sp.heads), "choices": sp.choices, "max_draft_len": sp.max_draft_len}}
@@ -120,6 +124,8 @@ def plan_convert(spec: DeploymentSpec) -> Plan:
 def _with_heads(plan: Plan, spec: DeploymentSpec) -> Plan:
     if spec.speculative.mode == "medusa":
         attach_heads(plan, spec)
+    elif spec.speculative.mode == "eagle":
+        attach_draft(plan, spec)
     return plan
 
 
@@ -137,6 +143,10 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
         if plan.medusa is not None:
             for name in ("medusa_lm_head.safetensors", "config.json"):
                 inputs[f"medusa_heads/{name}"] = input_hash(plan.medusa.directory / name)
+        if plan.eagle is not None:
+            draft_dir = plan.eagle[0].directory
+            for path in sorted(p for p in draft_dir.iterdir() if p.name == "config.json" or p.suffix == ".safetensors"):
+                inputs[f"eagle_draft/{path.name}"] = input_hash(path)
         if plan.quant is not None and plan.quant.recipe.needs_calibration \
                 and plan.quant.recipe.calibration_dataset != "builtin":
             inputs["calibration"] = input_hash(Path(plan.quant.recipe.calibration_dataset))

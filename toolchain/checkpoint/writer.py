@@ -102,6 +102,10 @@ def write_plan(plan: Plan, ckpt: HFCheckpoint, out_dir: Path) -> dict[str, int]:
             from toolchain.checkpoint.medusa import write_heads
 
             write_heads(plan.medusa, writers, plan.options.dtype, plan.options.tp)
+        if plan.eagle is not None:
+            from toolchain.checkpoint.eagle import write_draft
+
+            write_draft(*plan.eagle, ckpt, writers, plan.options)
         for w in writers:
             w.close()
     except BaseException:

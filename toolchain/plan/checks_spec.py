@@ -17,15 +17,13 @@ def lookahead_draft_len(w: int, n: int, g: int) -> int:
     return (0 if n == 1 else n - 2) + (w - 1 + g) * (n - 1)
 
 
-# Modes whose deployment would load but not speculate: EAGLE needs an
-# EagleForCausalLM checkpoint carrying its draft layers, which no converter here
-# writes yet; lookahead is decoded inside TensorRT-LLM's C++ runtime, which the
-# CPU engine does not reproduce.
-NOT_YET = {
-    "eagle": "no converter writes an EagleForCausalLM checkpoint with its EAGLE draft layers",
-}
+# Modes whose deployment would load but not speculate on the CPU engine: lookahead
+# is decoded inside TensorRT-LLM's C++ runtime, and EAGLE's draft networks run inside
+# the TensorRT engine (the CPU engine has no EagleNet); both convert and build for GPUs.
+NOT_YET: dict[str, str] = {}
 NOT_ON_CPU = {
     "lookahead": "the CPU engine has no lookahead decoding (TensorRT-LLM runs it in its C++ runtime)",
+    "eagle": "the CPU engine does not run EAGLE's draft networks (TensorRT-LLM runs them inside the engine)",
 }
 
 
@@ -37,7 +35,7 @@ def _mode_runnable(ctx: Context):
                       "set speculative.mode none (or lookahead on target trtllm)")
     if mode in NOT_ON_CPU and not ctx.trtllm:
         return FAIL, (f"speculative.mode={mode} cannot run on target cpu: {NOT_ON_CPU[mode]}; "
-                      "use target trtllm, or speculative.mode ngram on cpu")
+                      "use target trtllm, or speculative.mode ngram or medusa on cpu")
     return (PASS, f"{mode} runs end to end") if mode != "none" else OFF
 
 
@@ -71,6 +69,39 @@ def _medusa(ctx: Context):
     depth = max(len(p) for p in tree)
     return PASS, (f"{heads.num_heads} heads for hidden size {heads.hidden_size}; tree of {len(tree)} nodes, "
                   f"{depth} deep")
+
+
+@check("spec.eagle-draft", ENGINE,
+       "EAGLE needs a draft fitting the target, a Llama target, no quantization and a tree it can fill "
+       "(TensorRT-LLM tensorrt_llm/models/eagle/, examples/eagle/README.md)")
+def _eagle_draft(ctx: Context):
+    sp = ctx.spec.speculative
+    if sp.mode != "eagle":
+        return PASS, "not EAGLE"
+    from toolchain.archs.llama import FAMILY as LLAMA
+    from toolchain.checkpoint.eagle import eagle_shape, eagle_tree, read_draft
+    from toolchain.errors import ToolchainError
+
+    if sp.heads is None:
+        return FAIL, ("speculative.mode=eagle needs speculative.heads: the EAGLE draft checkpoint directory "
+                      "(config.json + safetensors with fc.* and layers.*)")
+    if ctx.spec.quantization.method != "none" or ctx.spec.quantization.kv_cache != "none":
+        return FAIL, "EAGLE conversion writes an unquantized checkpoint; set quantization.method and kv_cache to none"
+    try:
+        tree = eagle_tree(ctx.spec)
+        shape = eagle_shape(ctx.spec, tree)
+        if ctx.model is not None:
+            if ctx.model.params.architecture not in LLAMA.architectures:
+                return FAIL, (f"EAGLE needs a Llama target ({ctx.model.params.architecture} given): TensorRT-LLM's "
+                              "EagleForCausalLM extends LLaMAForCausalLM; use speculative.mode medusa")
+            draft = read_draft(sp.heads, ctx.model.params)
+            layers = f"a {draft.params.num_hidden_layers}-layer draft, "
+        else:
+            layers = ""
+    except ToolchainError as err:
+        return FAIL, str(err)
+    return PASS, (f"{layers}{shape.num_eagle_layers} EagleNets for a tree of {len(tree)} nodes "
+                  f"(max_draft_len {shape.max_draft_len}, max_non_leaves_per_layer {shape.max_non_leaves_per_layer})")
 
 
 @check("spec.draft-len", ENGINE, "a draft length is needed and must stay below max_seq_len")

@@ -130,7 +130,7 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
                                             max_input_len=lim.max_input_len, context_fmha=build.context_fmha)
         draft_kv = mem.kv_bytes_per_token(dp, tp=1, stage_layer_count=dp.num_hidden_layers, kv_bytes=ddt)
 
-    heads = medusa_rank_bytes(spec, dt)
+    heads = heads_rank_bytes(spec, p, dt)
     ranks: list[RankPlan] = []
     for rank in range(tp * pp):
         pp_rank, tp_rank = divmod(rank, tp)
@@ -167,20 +167,30 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
     return plan
 
 
-def medusa_rank_bytes(spec, dtype: str) -> int:
-    """Medusa heads on each rank, as convert plans them (kept unquantized in the checkpoint
-    dtype, column-split over tp); 0 without readable heads, which spec.medusa-heads reports."""
+def heads_rank_bytes(spec, params, dtype: str) -> int:
+    """Medusa heads or EAGLE draft networks on each rank, as convert plans them (kept
+    unquantized in the checkpoint dtype); 0 without a readable heads directory, which
+    spec.medusa-heads / spec.eagle-draft report."""
     sp = spec.speculative
-    if sp.mode != "medusa" or sp.heads is None:
+    if sp.mode not in ("medusa", "eagle") or sp.heads is None:
         return 0
-    from toolchain.checkpoint.medusa import plan_heads, read_heads
     from toolchain.errors import ToolchainError
 
     try:
-        heads = read_heads(sp.heads)
+        if sp.mode == "medusa":
+            from toolchain.checkpoint.medusa import plan_heads, read_heads
+
+            return sum(t.nbytes for t in plan_heads(read_heads(sp.heads), dtype, spec.parallelism.tp, 1)[0])
+        from toolchain.checkpoint.eagle import eagle_shape, eagle_tree, plan_draft, read_draft
+        from toolchain.checkpoint.layout import Options
+
+        opts = Options(tp=spec.parallelism.tp, pp=1, dtype=dtype,
+                       use_parallel_embedding=spec.parallelism.parallel_embedding,
+                       embedding_sharding_dim=spec.parallelism.embedding_sharding_dim)
+        draft = read_draft(sp.heads, params)
+        return sum(t.nbytes for t in plan_draft(draft, eagle_shape(spec, eagle_tree(spec)), opts)[0])
     except ToolchainError:
         return 0
-    return sum(t.nbytes for t in plan_heads(heads, dtype, spec.parallelism.tp, 1)[0])
 
 
 def layout_ok(params, tp: int, pp: int) -> bool:
