@@ -93,7 +93,7 @@ def test_forgetting_cached_blocks_leaves_held_ones_matchable():
     held = run(kv, [1] * 4 + [2] * 4 + [3])
     released = run(kv, [7] * 4 + [8] * 4 + [9])
     kv.release(released)
-    assert kv.forget_cached() == 2
+    assert kv.forget_cached() == 3  # its two full blocks and its partly filled last one
     assert kv.match([7] * 4 + [8] * 4 + [9]) == 0 and kv.match([1] * 4 + [2] * 4 + [3]) == 2
     assert kv.free_blocks == 3 and kv.forget_cached() == 0
     kv.release(held)
@@ -111,3 +111,50 @@ def test_exhausted_pool_refuses_instead_of_overwriting():
     with pytest.raises(RuntimeError, match="exhausted"):
         kv.add_sequence(BlockTable(), [90, 91])
     assert kv.blocks_to_add([90, 91]) == 1 and kv.free_blocks == 0
+
+
+def _fill(kv: KvCacheManager, table: BlockTable, start: int, stop: int) -> None:
+    """Write recognisable K/V (the position's token value) into table's positions [start, stop)."""
+    slots = kv.slots(table, start, stop)
+    for i, slot in enumerate(slots.tolist()):
+        kv.k[:, :, slot] = float(start + i + 1)
+        kv.v[:, :, slot] = -float(start + i + 1)
+
+
+def test_partial_reuse_copies_the_shared_leading_tokens_of_a_block():
+    """TensorRT-LLM's enable_partial_reuse / copy_on_partial_reuse (both default on): after the full
+    blocks, the longest run of tokens a registered block shares with the request is copied into a
+    fresh block; the source block stays as it was."""
+    kv = manager(blocks=8)
+    first = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # two full blocks and a tail of two
+    table = BlockTable()
+    kv.add_sequence(table, first)
+    _fill(kv, table, 0, len(first))
+    kv.commit(table, first, len(first))
+    source_tail = table.blocks[2]
+    kv.release(table)
+    # The same sequence plus new tokens (the BLS's next step): only the new ones are computed.
+    again = first + [11, 12]
+    assert kv.match(again) == 2 and kv.matched_tokens(again) == 10
+    t2 = BlockTable()
+    kv.add_sequence(t2, again)
+    assert t2.length == 10 and t2.blocks[2] != source_tail and t2.reused == 2
+    assert kv.k[0, 0, kv.slots(t2, 8, 10), 0, 0].tolist() == [9.0, 10.0]
+    assert kv.v[0, 0, kv.slots(t2, 8, 10), 0, 0].tolist() == [-9.0, -10.0]
+    kv.release(t2)
+    # A full block shares only its first tokens with this request: those two are taken.
+    diverging = [1, 2, 3, 4, 5, 6, 99, 98, 97]
+    assert kv.matched_tokens(diverging) == 6
+    # Never the prompt's last token, even when a registered tail holds it.
+    assert kv.matched_tokens(first[:9]) == 8
+    assert kv.matched_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9, 10]) == 9
+    # forget_cached drops the partial registrations too.
+    kv.forget_cached()
+    assert kv.matched_tokens(again) == 0
+
+
+def test_partial_reuse_is_off_with_block_reuse():
+    kv = manager(reuse=False)
+    table = run(kv, [1, 2, 3, 4, 5, 6])
+    kv.release(table)
+    assert kv.matched_tokens([1, 2, 3, 4, 5, 6, 7]) == 0

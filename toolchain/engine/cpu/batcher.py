@@ -371,7 +371,7 @@ class InflightBatcher:
             if need > free:
                 break
             first_context = not any(r.seq.in_context for r, _ in batch)
-            context = len(seq.tokens) - engine.kv.match(seq.tokens) * engine.kv.tokens_per_block
+            context = len(seq.tokens) - engine.kv.matched_tokens(seq.tokens)
             if context > budget and not (self.config.enable_chunked_context and budget >= engine.kv.tokens_per_block
                                          or first_context and context > lim.max_num_tokens):
                 break  # cannot start this step

@@ -58,7 +58,9 @@ class Sequence:
 
     @property
     def in_context(self) -> bool:
-        return self.table.length == 0 or self.pending > 1
+        """In the context phase: prompt tokens left to compute, or none left (all but the last
+        reused from the cache) but no token sampled yet, which the context step does."""
+        return self.pending > 1 or not self.output
 
     def riders(self, n: int) -> list[int]:
         """Draft tokens fed with `n` pending tokens: external drafts ride on the chunk that reaches

@@ -12,9 +12,16 @@ Mirrors TensorRT-LLM's KV cache manager (cpp/tensorrt_llm/batch_manager/kvCacheM
 * With block reuse, every block a request fills is registered under a hash of
   its tokens and of everything before it. A later request whose prompt starts
   with the same tokens takes those blocks instead of computing them (never the
-  block holding the prompt's last token: its logits are needed). Released
+  position of the prompt's last token: its logits are needed). Released
   blocks keep their contents and hash until the pool needs them; the least
   recently released goes first.
+* Partial reuse (KvCacheConfig enable_partial_reuse and copy_on_partial_reuse,
+  both on by default in TensorRT-LLM): a released request's last, partly filled
+  block is registered too, and after the full-block chain a request takes the
+  longest run of leading tokens any registered block after the same prefix shares
+  with it, copied into a fresh block (so the source stays intact). A request
+  that resends its own sequence plus a few tokens, as the BLS's draft -> target
+  loop does every step, computes only the new tokens.
 * Per request it counts what the backend reports with `return_perf_metrics`:
   blocks matched by prefix (reused), blocks taken from the pool for its context
   (total) and of those the ones that had never held data (new).
@@ -87,13 +94,15 @@ def available_memory_bytes() -> int:
 
 
 class _Block:
-    __slots__ = ("index", "refs", "key", "used")
+    __slots__ = ("index", "refs", "key", "used", "parent", "tokens")
 
     def __init__(self, index: int):
         self.index = index
         self.refs = 0
         self.key = None  # reuse hash while the block's contents are registered
         self.used = False  # has ever held data (TRT-LLM counts "new" blocks by this)
+        self.parent = None  # while registered: the hash of everything before the block
+        self.tokens: tuple = ()  # while registered: the tokens it holds (fewer than a block if partial)
 
 
 class BlockTable:
@@ -103,6 +112,7 @@ class BlockTable:
         self.blocks: list[int] = []
         self.keys: list[int] = []  # reuse hash of each full block, in order
         self.length = 0  # tokens whose K/V are in the cache
+        self.tail: tuple = ()  # tokens of the last, partly filled block (registered on release)
         self.reused = 0
         self.alloc_total = 0
         self.alloc_new = 0
@@ -124,6 +134,7 @@ class KvCacheManager:
         self._clean = list(range(num_blocks - 1, -1, -1))
         self._cached: OrderedDict[int, None] = OrderedDict()  # free but registered, least recently freed first
         self._by_key: dict[int, int] = {}  # reuse hash -> block index
+        self._children: dict[int, dict[int, None]] = {}  # parent hash -> registered blocks after it (partial reuse)
         self.reused_total = 0  # blocks matched by prefix since start (the `reused` gauge)
 
     @classmethod
@@ -171,7 +182,7 @@ class KvCacheManager:
         return keys
 
     def match(self, tokens: list[int]) -> int:
-        """Blocks of `tokens` the cache already holds (never the one with the last token)."""
+        """Full blocks of `tokens` the cache already holds (never the one with the last token)."""
         if not self.enable_block_reuse:
             return 0
         found = 0
@@ -181,10 +192,35 @@ class KvCacheManager:
             found += 1
         return found
 
+    def _partial(self, tokens: list[int], full: int) -> tuple[int, int] | None:
+        """(block, n): the registered block after the first `full` blocks sharing the longest
+        run of leading tokens (n >= 1) with the rest of `tokens`, the last token excluded."""
+        tpb = self.tokens_per_block
+        want = tokens[full * tpb:min((full + 1) * tpb, len(tokens) - 1)]
+        if not want:
+            return None
+        parent = self._chain(tokens, full)[-1] if full else 0
+        best = None
+        for index in self._children.get(parent, ()):
+            have = self._blocks[index].tokens
+            n = 0
+            while n < len(want) and n < len(have) and have[n] == want[n]:
+                n += 1
+            if n and (best is None or n > best[1]):
+                best = (index, n)
+        return best
+
+    def matched_tokens(self, tokens: list[int]) -> int:
+        """Tokens of `tokens` a new request would take from the cache (full blocks, then a partial one)."""
+        full = self.match(tokens)
+        part = self._partial(tokens, full) if self.enable_block_reuse else None
+        return full * self.tokens_per_block + (part[1] if part else 0)
+
     def add_sequence(self, table: BlockTable, tokens: list[int], *, reuse: bool = True) -> None:
         """Give a request its context: matched blocks by prefix, fresh ones for the rest of
         `tokens`. Raises if the pool cannot supply them (callers check `blocks_to_add` first)."""
         matched = self.match(tokens) if reuse else 0
+        part = self._partial(tokens, matched) if reuse and self.enable_block_reuse else None
         keys = self._chain(tokens, matched)
         needed = self.blocks_for(len(tokens)) - matched
         if needed > self.free_blocks - self._cached_among(keys):
@@ -199,8 +235,22 @@ class KvCacheManager:
         table.length = matched * self.tokens_per_block
         table.reused = matched
         self.reused_total += matched
-        for _ in range(needed):
+        for i in range(needed):
             self._append_block(table, count=True)
+            if i == 0 and part is not None:
+                # Copy before any later allocation could evict the source (when the fresh block is
+                # the source itself, evicted just now, its contents are already in place).
+                src, n = part
+                self._copy_slots(src, table.blocks[-1], n)
+                table.length += n
+
+    def _copy_slots(self, src: int, dst: int, n: int) -> None:
+        if src == dst:
+            return
+        tpb = self.tokens_per_block
+        for pool in (self.k, self.v):
+            raw = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
+            raw[:, :, dst * tpb:dst * tpb + n] = raw[:, :, src * tpb:src * tpb + n]
 
     def _cached_among(self, keys: list[int]) -> int:
         return sum(1 for k in keys if self._blocks[self._by_key[k]].refs == 0)
@@ -216,8 +266,7 @@ class KvCacheManager:
             index = self._clean.pop()
         elif self._cached:
             index, _ = self._cached.popitem(last=False)  # evict the least recently released
-            del self._by_key[self._blocks[index].key]
-            self._blocks[index].key = None
+            self._unregister(self._blocks[index])
         else:
             raise RuntimeError("KV cache exhausted: no free block")
         block = self._blocks[index]
@@ -227,6 +276,20 @@ class KvCacheManager:
         block.used = True
         block.refs = 1
         table.blocks.append(index)
+
+    def _register(self, block: _Block, key: int, parent: int, tokens: tuple) -> None:
+        block.key, block.parent, block.tokens = key, parent, tokens
+        self._by_key[key] = block.index
+        self._children.setdefault(parent, {})[block.index] = None
+
+    def _unregister(self, block: _Block) -> None:
+        self._by_key.pop(block.key, None)
+        siblings = self._children.get(block.parent)
+        if siblings is not None:
+            siblings.pop(block.index, None)
+            if not siblings:
+                del self._children[block.parent]
+        block.key, block.parent, block.tokens = None, None, ()
 
     def reserve(self, table: BlockTable, length: int) -> None:
         """Make room for `length` tokens in total (decode growth)."""
@@ -238,19 +301,30 @@ class KvCacheManager:
         table.length = length
         if not self.enable_block_reuse:
             return
-        full = length // self.tokens_per_block
+        tpb = self.tokens_per_block
+        full = length // tpb
+        table.tail = tuple(tokens[full * tpb:length])
         if full <= len(table.keys):
             return
         start_key = table.keys[-1] if table.keys else 0
         for b, key in enumerate(self._chain(tokens, full, start_key, len(table.keys)), start=len(table.keys)):
+            parent = table.keys[-1] if table.keys else 0
             table.keys.append(key)
             block = self._blocks[table.blocks[b]]
             if block.key is None and key not in self._by_key:
-                block.key = key
-                self._by_key[key] = block.index
+                self._register(block, key, parent, tuple(tokens[b * tpb:(b + 1) * tpb]))
 
     def release(self, table: BlockTable) -> None:
-        """Return a request's blocks; registered ones stay matchable until evicted."""
+        """Return a request's blocks; registered ones stay matchable until evicted, the last
+        partly filled one included (partial reuse)."""
+        full = len(table.keys)
+        if self.enable_block_reuse and table.tail and full < len(table.blocks) \
+                and table.length == full * self.tokens_per_block + len(table.tail):
+            parent = table.keys[-1] if table.keys else 0
+            key = hash((parent, table.tail))
+            block = self._blocks[table.blocks[full]]
+            if block.key is None and block.refs == 1 and key not in self._by_key:
+                self._register(block, key, parent, table.tail)
         for index in reversed(table.blocks):  # tail first: the prefix stays cached longest
             block = self._blocks[index]
             block.refs -= 1
@@ -260,16 +334,14 @@ class KvCacheManager:
                 self._cached[index] = None
             else:
                 self._clean.append(index)
-        table.blocks, table.keys, table.length = [], [], 0
+        table.blocks, table.keys, table.length, table.tail = [], [], 0, ()
 
     def forget_cached(self) -> int:
         """Drop every free block's registration, so no later request reuses it (a cold cache for
         side-by-side measurements); returns how many were dropped. Held blocks are untouched."""
         dropped = list(self._cached)
         for index in dropped:
-            block = self._blocks[index]
-            self._by_key.pop(block.key, None)
-            block.key = None
+            self._unregister(self._blocks[index])
             self._clean.append(index)
         self._cached.clear()
         return len(dropped)
