@@ -66,6 +66,8 @@ class EagleDraft:
     params: ArchParams
     groups: list[Group] = field(default_factory=list)
     """Draft tensors grouped as they are sharded (q/k/v of a layer together), named relative to the drafter."""
+    metas: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Data-less tensor of each source, from the headers read once (planning shards these)."""
     embedding_from_target: bool = False
     """The draft stores no embed_tokens: the target's embedding is copied into every net."""
 
@@ -93,6 +95,7 @@ def read_draft(directory: Path | str, target: ArchParams) -> EagleDraft:
     draft = EagleDraft(d, params)
     with HFCheckpoint(d) as ckpt:
         draft.groups, draft.embedding_from_target = _groups(ckpt, params, where)
+        draft.metas = {s: ckpt.meta(s) for g in draft.groups for s in g.sources}
     return draft
 
 
@@ -130,7 +133,7 @@ def _groups(ckpt: HFCheckpoint, params: ArchParams, where: str) -> tuple[list[Gr
         group.sources += (full,)
     for key, group in groups.items():
         if key[0] == "qkv":
-            parts = {table.match(s.removeprefix("model.")).row.part: s for s in group.sources}
+            parts = {found[s.removeprefix("model.")][1].row.part: s for s in group.sources}
             group.sources = (parts["q"], parts["k"], parts["v"])
     return list(groups.values()), EMBED not in found
 
@@ -201,10 +204,7 @@ def _shard(group: Group, tensor_of, draft: EagleDraft, options: Options) -> dict
 
 def plan_draft(draft: EagleDraft, shape: EagleShape, options: Options) -> list[list[PlannedTensor]]:
     """Per rank, the EagleNet tensors it holds: every net a full copy (upstream duplicates them)."""
-    metas = {}
-    with HFCheckpoint(draft.directory) as ckpt:
-        for g in draft.groups:
-            metas.update({s: ckpt.meta(s) for s in g.sources})
+    metas = draft.metas
     v, h = draft.params.vocab_size, draft.params.hidden_size
     target_meta = torch.empty((v, h), device="meta")
     per_rank: list[list[PlannedTensor]] = [[] for _ in range(options.world_size)]
@@ -248,24 +248,30 @@ def eagle_config(config: dict, draft: EagleDraft, shape: EagleShape, options: Op
     return out
 
 
-def attach_draft(plan, spec) -> EagleDraft:
-    """Add the spec's EAGLE draft to a conversion plan: EagleNet tensors on every rank and
-    the EagleForCausalLM config. Refused before any write: pp > 1, a quantized base, a
-    non-Llama target, a draft that does not fit the target or the tree."""
+def refuse_unsupported(spec, architecture: str | None, prequantized: bool) -> None:
+    """What an EAGLE conversion cannot take (plan and convert share it): no draft directory,
+    pp > 1, quantization (asked for, or a pre-quantized target), a non-Llama target."""
     sp = spec.speculative
     if sp.heads is None:
         raise ToolchainError("speculative.mode=eagle needs speculative.heads (the EAGLE draft checkpoint directory)",
                              "set speculative.heads to a directory with the draft's config.json and safetensors")
-    if plan.options.pp > 1:
-        raise ToolchainError(f"EAGLE with parallelism.pp={plan.options.pp} is not supported",
+    if spec.parallelism.pp > 1:
+        raise ToolchainError(f"EAGLE with parallelism.pp={spec.parallelism.pp} is not supported",
                              "set parallelism.pp to 1 (use tp for more GPUs)")
-    if plan.family.name != "llama":
-        raise ToolchainError(f"EAGLE needs a Llama target ({plan.params.architecture} given): TensorRT-LLM's "
-                             "EagleForCausalLM extends LLaMAForCausalLM", "use a Llama model, or speculative.mode medusa")
-    if plan.quant is not None:
+    if prequantized or spec.quantization.method != "none" or spec.quantization.kv_cache != "none":
         raise ToolchainError("EAGLE conversion writes an unquantized checkpoint",
                              "set quantization.method none (and kv_cache none) for speculative.mode eagle")
-    draft = read_draft(sp.heads, plan.params)
+    if architecture is not None and architecture not in LLAMA.architectures:
+        raise ToolchainError(f"EAGLE needs a Llama target ({architecture} given): TensorRT-LLM's "
+                             "EagleForCausalLM extends LLaMAForCausalLM", "use a Llama model, or speculative.mode medusa")
+
+
+def attach_draft(plan, spec) -> EagleDraft:
+    """Add the spec's EAGLE draft to a conversion plan: EagleNet tensors on every rank and
+    the EagleForCausalLM config. Refused before any write: what `refuse_unsupported` names,
+    a draft that does not fit the target or the tree."""
+    refuse_unsupported(spec, plan.params.architecture, prequantized=plan.quant is not None)
+    draft = read_draft(spec.speculative.heads, plan.params)
     shape = eagle_shape(spec, eagle_tree(spec))
     try:
         sharding.check_parallelism(draft.params, plan.options.world_size, 1,

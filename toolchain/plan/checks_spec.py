@@ -78,26 +78,17 @@ def _eagle_draft(ctx: Context):
     sp = ctx.spec.speculative
     if sp.mode != "eagle":
         return PASS, "not EAGLE"
-    from toolchain.archs.llama import FAMILY as LLAMA
-    from toolchain.checkpoint.eagle import eagle_shape, eagle_tree, read_draft
+    from toolchain.checkpoint.eagle import eagle_shape, eagle_tree, read_draft, refuse_unsupported
     from toolchain.errors import ToolchainError
 
-    if sp.heads is None:
-        return FAIL, ("speculative.mode=eagle needs speculative.heads: the EAGLE draft checkpoint directory "
-                      "(config.json + safetensors with fc.* and layers.*)")
-    if ctx.spec.quantization.method != "none" or ctx.spec.quantization.kv_cache != "none":
-        return FAIL, "EAGLE conversion writes an unquantized checkpoint; set quantization.method and kv_cache to none"
+    model = ctx.model
+    params = model.params if model is not None else None
     try:
+        refuse_unsupported(ctx.spec, params.architecture if params else None,
+                           prequantized=model is not None and model.hf_config.get("quantization_config") is not None)
         tree = eagle_tree(ctx.spec)
         shape = eagle_shape(ctx.spec, tree)
-        if ctx.model is not None:
-            if ctx.model.params.architecture not in LLAMA.architectures:
-                return FAIL, (f"EAGLE needs a Llama target ({ctx.model.params.architecture} given): TensorRT-LLM's "
-                              "EagleForCausalLM extends LLaMAForCausalLM; use speculative.mode medusa")
-            draft = read_draft(sp.heads, ctx.model.params)
-            layers = f"a {draft.params.num_hidden_layers}-layer draft, "
-        else:
-            layers = ""
+        layers = f"a {read_draft(sp.heads, params).params.num_hidden_layers}-layer draft, " if params else ""
     except ToolchainError as err:
         return FAIL, str(err)
     return PASS, (f"{layers}{shape.num_eagle_layers} EagleNets for a tree of {len(tree)} nodes "

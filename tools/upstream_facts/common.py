@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from typing import Any
 
 from tools.upstream_facts.source import Source
@@ -30,3 +31,31 @@ def verify_quotes(entries: list[dict[str, Any]], sources: dict[str, Source]) -> 
         if not hits:
             raise SystemExit(f"{entry['path']}: quote not found: {quote!r}")
         entry["line"] = min(hits, key=lambda n: abs(n - int(entry.get("line") or 0)))
+
+
+def classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
+    """Every class of a parsed module, by name."""
+    return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+
+
+def init_of(cls: ast.ClassDef) -> ast.FunctionDef:
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+
+
+def self_calls(cls: ast.ClassDef) -> dict[str, ast.Call]:
+    """`self.<name> = <Call>` in __init__: a module's submodules, by attribute name (the
+    checkpoint names its parameters by these attribute paths)."""
+    out = {}
+    for node in ast.walk(init_of(cls)):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute)
+                and isinstance(node.targets[0].value, ast.Name) and node.targets[0].value.id == "self"
+                and isinstance(node.value, ast.Call)):
+            out[node.targets[0].attr] = node.value
+    return out
+
+
+def keyword_defaults(cls: ast.ClassDef, where: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """__init__'s keyword-only parameters with defaults: name -> default, `where` and line."""
+    init = init_of(cls)
+    return {a.arg: {"default": ast.literal_eval(d), **where, "line": a.lineno}
+            for a, d in zip(init.args.kwonlyargs, init.args.kw_defaults) if d is not None}

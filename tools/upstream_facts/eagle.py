@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 
-from tools.upstream_facts.common import document, verify_quotes
+from tools.upstream_facts.common import classes, document, keyword_defaults, self_calls, verify_quotes
 
 SOURCES = {"trtllm": "0c8de69a1ca6213eebb20a51873890ff128666c2"}
 MODEL, LLAMA, CONFIG, WEIGHT = ("tensorrt_llm/models/eagle/model.py", "tensorrt_llm/models/llama/model.py",
@@ -38,46 +38,25 @@ RULES = [
 ]
 
 
-def _classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
-    return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
-
-
-def _init(cls: ast.ClassDef) -> ast.FunctionDef:
-    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-
-
-def _attributes(cls: ast.ClassDef) -> dict[str, str]:
-    """self.<name> = <Call> in __init__ -> the callee's source text."""
-    out = {}
-    for node in ast.walk(_init(cls)):
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute)
-                and isinstance(node.targets[0].value, ast.Name) and node.targets[0].value.id == "self"
-                and isinstance(node.value, ast.Call)):
-            out[node.targets[0].attr] = ast.unparse(node.value)
-    return out
-
-
-def _attr_calling(attrs: dict[str, str], callee: str) -> str:
-    return next(a for a, src in attrs.items() if src.startswith(callee + "(") or f"{callee}(" in src)
+def _attr_calling(attrs: dict[str, ast.Call], callee: str) -> str:
+    """The attribute whose constructor call is (or contains) a call of `callee`."""
+    return next(a for a, call in attrs.items() if f"{callee}(" in ast.unparse(call))
 
 
 def extract(sources, previous=None):
     src = sources["trtllm"]
-    model = _classes(ast.parse(src.read(MODEL)))
-    llama = _classes(ast.parse(src.read(LLAMA)))
-    net, causal = _attributes(model["EagleNet"]), _attributes(model["EagleForCausalLM"])
-    drafter_model = _attributes(llama["LLaMAModel"])
+    model = classes(ast.parse(src.read(MODEL)))
+    llama = classes(ast.parse(src.read(LLAMA)))
+    net, causal = self_calls(model["EagleNet"]), self_calls(model["EagleForCausalLM"])
+    drafter_model = self_calls(llama["LLaMAModel"])
     nets_attr = _attr_calling(causal, "EagleNet")
     drafter_attr = _attr_calling(net, "LLaMAModel")
     lm_attr = _attr_calling(net, "ColumnLinear")
     fc_attr = _attr_calling(drafter_model, "ColumnLinear")
     embed_attr = _attr_calling(drafter_model, "Embedding")
     layers_attr = _attr_calling(drafter_model, "DecoderLayerList")
-    cfg = _classes(ast.parse(src.read(CONFIG)))["EagleConfig"]
-    init = _init(cfg)
-    where = {"source": "trtllm", "path": CONFIG, "commit": src.commit_of(CONFIG)}
-    config_params = {a.arg: {"default": ast.literal_eval(d), **where, "line": a.lineno}
-                     for a, d in zip(init.args.kwonlyargs, init.args.kw_defaults) if d is not None}
+    config_params = keyword_defaults(classes(ast.parse(src.read(CONFIG)))["EagleConfig"],
+                                     {"source": "trtllm", "path": CONFIG, "commit": src.commit_of(CONFIG)})
     rules = [dict(r, source="trtllm", commit=src.commit_of(r["path"]), line=0) for r in RULES]
     verify_quotes(rules, sources)
     drafter = f"{nets_attr}.{{i}}.{drafter_attr}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 
-from tools.upstream_facts.common import document, verify_quotes
+from tools.upstream_facts.common import classes, document, keyword_defaults, self_calls, verify_quotes
 
 SOURCES = {"trtllm": "0c8de69a1ca6213eebb20a51873890ff128666c2"}
 MODEL, CONFIG, WEIGHT = ("tensorrt_llm/models/medusa/model.py", "tensorrt_llm/models/medusa/config.py",
@@ -27,29 +27,14 @@ RULES = [
 ]
 
 
-def _classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
-    return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
-
-
-def _attributes(cls: ast.ClassDef) -> dict[str, ast.Call]:
-    """self.<name> = <Call> assignments in __init__."""
-    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-    out = {}
-    for node in ast.walk(init):
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute)
-                and isinstance(node.value, ast.Call)):
-            out[node.targets[0].attr] = node.value
-    return out
-
-
 def _callee(call: ast.Call) -> str:
     return ast.unparse(call.func)
 
 
 def extract(sources, previous=None):
     src = sources["trtllm"]
-    classes = _classes(ast.parse(src.read(MODEL)))
-    layer, head, generic = (_attributes(classes[n]) for n in ("MedusaLayer", "MedusaHead", "GenericMedusaForCausalLM"))
+    model = classes(ast.parse(src.read(MODEL)))
+    layer, head, generic = (self_calls(model[n]) for n in ("MedusaLayer", "MedusaHead", "GenericMedusaForCausalLM"))
     # The names follow the module tree: GenericMedusaForCausalLM.medusa_heads[h] (MedusaHead)
     # .medusa_layers[l] (MedusaLayer).linear, and MedusaHead.lm_head.
     heads_attr = next(a for a, c in generic.items() if _callee(c) == "ModuleList" and "MedusaHead" in ast.unparse(c))
@@ -57,11 +42,8 @@ def extract(sources, previous=None):
     linear_attr = next(a for a, c in layer.items() if _callee(c) == "ColumnLinear")
     lm_attr = next(a for a, c in head.items() if _callee(c) == "ColumnLinear")
     lm_bias = next((ast.literal_eval(k.value) for k in head[lm_attr].keywords if k.arg == "bias"), None)
-    cfg_cls = _classes(ast.parse(src.read(CONFIG)))["MedusaConfig"]
-    init = next(n for n in cfg_cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-    cfg_where = {"source": "trtllm", "path": CONFIG, "commit": src.commit_of(CONFIG)}
-    config_params = {a.arg: {"default": ast.literal_eval(d), **cfg_where, "line": a.lineno}
-                     for a, d in zip(init.args.kwonlyargs, init.args.kw_defaults) if d is not None}
+    config_params = keyword_defaults(classes(ast.parse(src.read(CONFIG)))["MedusaConfig"],
+                                     {"source": "trtllm", "path": CONFIG, "commit": src.commit_of(CONFIG)})
     rules = [dict(r, source="trtllm", commit=src.commit_of(r["path"]), line=0) for r in RULES]
     verify_quotes(rules, sources)
     facts = {

@@ -173,11 +173,16 @@ class KvCacheManager:
 
     # -- per request ------------------------------------------------------------
 
+    @staticmethod
+    def _key(parent: int, tokens: tuple) -> int:
+        """A block's reuse hash: its tokens (fewer than a block for a partial one) after its parent's."""
+        return hash((parent, tokens))
+
     def _chain(self, tokens: list[int], count: int, start_key: int = 0, start: int = 0) -> list[int]:
         keys, key = [], start_key
         tpb = self.tokens_per_block
         for b in range(start, count):
-            key = hash((key, tuple(tokens[b * tpb:(b + 1) * tpb])))
+            key = self._key(key, tuple(tokens[b * tpb:(b + 1) * tpb]))
             keys.append(key)
         return keys
 
@@ -192,14 +197,18 @@ class KvCacheManager:
             found += 1
         return found
 
-    def _partial(self, tokens: list[int], full: int) -> tuple[int, int] | None:
-        """(block, n): the registered block after the first `full` blocks sharing the longest
-        run of leading tokens (n >= 1) with the rest of `tokens`, the last token excluded."""
+    def _partial(self, tokens: list[int], keys: list[int]) -> tuple[int, int] | None:
+        """(block, n): the registered block after the matched full blocks (their hashes `keys`)
+        sharing the longest run of leading tokens (n >= 1) with the rest of `tokens`, the last
+        token excluded."""
+        if not self.enable_block_reuse:
+            return None
         tpb = self.tokens_per_block
+        full = len(keys)
         want = tokens[full * tpb:min((full + 1) * tpb, len(tokens) - 1)]
         if not want:
             return None
-        parent = self._chain(tokens, full)[-1] if full else 0
+        parent = keys[-1] if keys else 0
         best = None
         for index in self._children.get(parent, ()):
             have = self._blocks[index].tokens
@@ -213,15 +222,15 @@ class KvCacheManager:
     def matched_tokens(self, tokens: list[int]) -> int:
         """Tokens of `tokens` a new request would take from the cache (full blocks, then a partial one)."""
         full = self.match(tokens)
-        part = self._partial(tokens, full) if self.enable_block_reuse else None
+        part = self._partial(tokens, self._chain(tokens, full))
         return full * self.tokens_per_block + (part[1] if part else 0)
 
     def add_sequence(self, table: BlockTable, tokens: list[int], *, reuse: bool = True) -> None:
         """Give a request its context: matched blocks by prefix, fresh ones for the rest of
         `tokens`. Raises if the pool cannot supply them (callers check `blocks_to_add` first)."""
         matched = self.match(tokens) if reuse else 0
-        part = self._partial(tokens, matched) if reuse and self.enable_block_reuse else None
         keys = self._chain(tokens, matched)
+        part = self._partial(tokens, keys) if reuse else None
         needed = self.blocks_for(len(tokens)) - matched
         if needed > self.free_blocks - self._cached_among(keys):
             raise RuntimeError(f"KV cache exhausted: {needed} blocks needed, {self.free_blocks} free")
@@ -245,12 +254,17 @@ class KvCacheManager:
                 table.length += n
 
     def _copy_slots(self, src: int, dst: int, n: int) -> None:
-        if src == dst:
-            return
-        tpb = self.tokens_per_block
+        """The first `n` token slots of block `src` into block `dst`."""
+        if src != dst:
+            tpb = self.tokens_per_block
+            self._copy_pool(torch.arange(src * tpb, src * tpb + n), torch.arange(dst * tpb, dst * tpb + n))
+
+    def _copy_pool(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """K/V at pool slots `src` into slots `dst`, every layer and rank at once."""
         for pool in (self.k, self.v):
+            # float8 has no CPU indexing kernels; its bytes move the same.
             raw = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
-            raw[:, :, dst * tpb:dst * tpb + n] = raw[:, :, src * tpb:src * tpb + n]
+            raw[:, :, dst] = raw[:, :, src]
 
     def _cached_among(self, keys: list[int]) -> int:
         return sum(1 for k in keys if self._blocks[self._by_key[k]].refs == 0)
@@ -321,7 +335,7 @@ class KvCacheManager:
         if self.enable_block_reuse and table.tail and full < len(table.blocks) \
                 and table.length == full * self.tokens_per_block + len(table.tail):
             parent = table.keys[-1] if table.keys else 0
-            key = hash((parent, table.tail))
+            key = self._key(parent, table.tail)
             block = self._blocks[table.blocks[full]]
             if block.key is None and block.refs == 1 and key not in self._by_key:
                 self._register(block, key, parent, table.tail)
@@ -359,8 +373,4 @@ class KvCacheManager:
         tpb = self.tokens_per_block
         blocks = torch.tensor(table.blocks, dtype=torch.int64)
         src, dst = torch.as_tensor(list(src), dtype=torch.int64), torch.as_tensor(list(dst), dtype=torch.int64)
-        s, d = blocks[src // tpb] * tpb + src % tpb, blocks[dst // tpb] * tpb + dst % tpb
-        for pool in (self.k, self.v):
-            # float8 has no CPU indexing kernels; its bytes move the same.
-            raw = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
-            raw[:, :, d] = raw[:, :, s]
+        self._copy_pool(blocks[src // tpb] * tpb + src % tpb, blocks[dst // tpb] * tpb + dst % tpb)
