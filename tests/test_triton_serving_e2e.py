@@ -131,31 +131,51 @@ def test_a_thousand_cancelled_streams_leave_no_block_in_use(served):
 
 
 def test_a_full_queue_is_a_triton_error_naming_the_limit(tmp_path_factory, hf_llama_words):
-    spec, ws, server = deploy_with(tmp_path_factory, hf_llama_words, max_queue_size=2)
+    # Long generations (500 tokens, the model's 512 positions) so the first eight are still
+    # running while the rest arrive, however fast the host is.
+    long = {**LIMITS, "max_seq_len": 512}
+    spec, ws, server = deploy(tmp_path_factory.mktemp("ws"), hf_llama_words, limits=long, build={"tokens_per_block": TPB},
+                              serving={"max_tokens_in_paged_kv_cache": 8 * 512, "max_queue_size": 2})
     import tritonclient.grpc as grpcclient
 
     with server:
         client = grpcclient.InferenceServerClient(server.grpc_url)
         got: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: got.put((result, error)))
+        errors, finals, started = [], 0, set()
+
+        def take(timeout=120):
+            nonlocal finals
+            result, error = got.get(timeout=timeout)
+            if error is not None:
+                errors.append(str(error))
+                return
+            response = result.get_response()
+            started.add(response.id)
+            if response.parameters["triton_final_response"].bool_param:
+                finals += 1
+
+        def send(i):
+            client.async_stream_infer("tensorrt_llm", token_request([3 + i, 4, 5], 500, end_id=([-1], "INT32")),
+                                      request_id=f"q{i}", enable_empty_final_response=True)
+
         try:
-            # Sent one by one, so Triton's own queue (also max_queue_size, "Exceeds maximum queue size")
-            # drains into the model each time: 8 run (max_batch_size), 2 wait in the executor, the rest are refused.
-            for i in range(14):
-                client.async_stream_infer("tensorrt_llm", token_request([3 + i, 4, 5], 150, end_id=([-1], "INT32")),
-                                          request_id=f"q{i}", enable_empty_final_response=True)
+            # Each of the first eight (max_batch_size) is streaming before the next is sent. The
+            # next six go one by one too, so Triton's own queue (also max_queue_size, "Exceeds maximum
+            # queue size") drains into the model each time: 2 wait in the executor, the rest are refused.
+            for i in range(8):
+                send(i)
+                while f"q{i}" not in started and not errors:
+                    take()
+            for i in range(8, 14):
+                send(i)
                 time.sleep(0.05)
-            errors, finals = [], 0
             while finals + len(errors) < 14:
-                result, error = got.get(timeout=120)
-                if error is not None:
-                    errors.append(str(error))
-                elif result.get_response().parameters["triton_final_response"].bool_param:
-                    finals += 1
+                take()
         finally:
             client.stop_stream()
             client.close()
-        assert errors and finals >= 8
+        assert errors and finals >= 8, (errors, finals)
         executor = [e for e in errors if "Maximum queue size of 2 has been reached, please try again later" in e]
         assert executor and all(e in executor or "Exceeds maximum queue size" in e for e in errors)
 
