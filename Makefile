@@ -12,7 +12,7 @@ PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
 # those warnings but keep pip's exit status.
 QUIET_PIP := 2>&1 | { grep -v '^WARNING: Location' || true; }; test $${PIPESTATUS[0]} -eq 0
 
-.PHONY: help setup demo test build-engine convert model-repo serve perf bench deploy tiny-model medusa-heads clean
+.PHONY: help setup aiperf demo test build-engine convert model-repo serve perf bench deploy tiny-model medusa-heads clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -28,10 +28,21 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## Create .venv and install the project (quick when nothing changed)
 
+# AIPerf (genai-perf's successor) in its own venv, so its dependencies never meet the project's;
+# the tests profile the OpenAI server with it and benchmarks/harness_accuracy.py compares it.
+AIPERF_VENV := benchmarks/.venv/aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.setup-stamp
+$(AIPERF_STAMP):
+	@test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --quiet --disable-pip-version-check "aiperf==0.13.0" $(QUIET_PIP)
+	@touch $(AIPERF_STAMP)
+
+aiperf: $(AIPERF_STAMP) ## Install AIPerf 0.13 into benchmarks/.venv/aiperf
+
 demo: setup ## The whole pipeline on CPU: convert, build, model repo, serve, bench
 	$(TOOLCHAIN) deploy $(SPEC)
 
-test: setup ## Run the test suite (tests needing a live deployment are skipped)
+test: setup aiperf ## Run the test suite (tests needing a live deployment are skipped)
 	$(VENV)/bin/pytest -q -m "not perf" $(PYTEST_ARGS)
 
 convert: setup ## HF checkpoint -> TensorRT-LLM checkpoint

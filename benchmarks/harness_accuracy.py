@@ -1,4 +1,4 @@
-"""How accurate is `toolchain bench`, and how fast can it send? Same mocks, measured by it and by genai-perf.
+"""How accurate is `toolchain bench`, and how fast can it send? Same mocks, measured by it, genai-perf and AIPerf.
 
 Mocks with known timing (toolchain.bench.mock): a decoupled Triton Python model
 (served by the real tritonserver from nvidia-pytriton) and an aiohttp
@@ -26,11 +26,19 @@ genai-perf 0.0.16 + perf_analyzer 2.51 (the binary that tritonclient[all]==2.51.
 wheel ships) are installed into benchmarks/.venv/genai-perf; if that fails, its keys
 are null with a reason.
 
+AIPerf 0.13.0 (genai-perf's successor) is installed into benchmarks/.venv/aiperf the
+same way (`aiperf_reason` says why its keys are null if it cannot be). It speaks
+OpenAI HTTP only, so it runs against the OpenAI mock (chat and completions), with
+the word tokenizer this script writes. Naming: AIPerf's "ITL" is the per-request
+(request latency - TTFT) / (OSL - 1), what this harness, TensorRT-LLM and vLLM call
+TPOT, so it is compared with the mock's 10 ms as `tpot_ms`; AIPerf's per-chunk gaps
+("inter chunk latency", ICL) are what this harness calls itl_ms.
+
 Send rate: open-loop Poisson levels against the OpenAI mock (plain asyncio
 sleeps, 4 tokens of 2 ms) until the mean send lag exceeds 1 ms or the achieved
 rate falls 5 % short: `max_rate_req_s_at_1ms_lag`.
 
-    python benchmarks/harness_accuracy.py [--json PATH] [--quick]
+    python benchmarks/harness_accuracy.py [--json PATH] [--quick] [--no-genai-perf] [--no-aiperf]
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ TTFT_MS, STEP_MS, ISL, OSL = 40.0, 10.0, 128, 32
 FLOOR_PROBE_MS = 20.0
 GP_VENV = REPO / "benchmarks" / ".venv" / "genai-perf"
 GP_PACKAGES = ["genai-perf==0.0.16", "tritonclient[all]==2.51.0", "nvidia-cuda-runtime-cu12"]
+AP_VENV = REPO / "benchmarks" / ".venv" / "aiperf"
+AP_PACKAGES = ["aiperf==0.13.0"]
 
 
 # ---- genai-perf ------------------------------------------------------------------------------------------------
@@ -107,6 +117,73 @@ def genai_perf(env: dict, args: list[str], out: Path) -> dict | None:
     return pick
 
 
+# ---- AIPerf ----------------------------------------------------------------------------------------------------
+def aiperf_env() -> tuple[dict | None, str | None]:
+    """(environment to run aiperf with, None) or (None, why it is unavailable)."""
+    exe = AP_VENV / "bin" / "aiperf"
+    if not exe.exists():
+        print("installing aiperf into", AP_VENV, file=sys.stderr)
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(AP_VENV)], check=True)
+            subprocess.run([str(AP_VENV / "bin" / "python"), "-m", "pip", "install", "-q",
+                            "--disable-pip-version-check", *AP_PACKAGES],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1800)
+        except (subprocess.SubprocessError, OSError) as err:
+            return None, f"could not install {' '.join(AP_PACKAGES)}: {err}"
+    # No HF_HUB_OFFLINE here: in aiperf 0.13.0 offline mode sends every --tokenizer, a local directory
+    # too, through huggingface_hub.snapshot_download(local_files_only=True), which rejects a path
+    # (common/tokenizer.py, Tokenizer._resolve_local_snapshot). Online, an absolute path is taken as
+    # local (resolve_alias) and loaded with AutoTokenizer without a Hub call.
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(PATH=f"{AP_VENV / 'bin'}:{os.environ['PATH']}", HF_HUB_DISABLE_TELEMETRY="1")
+    probe = subprocess.run([str(exe), "--version"], env=env, capture_output=True, text=True)
+    if probe.returncode != 0:
+        return None, f"aiperf does not start: {(probe.stderr or probe.stdout).strip()[:200]}"
+    return env, None
+
+
+def aiperf_args(url: str, endpoint_type: str, tok: Path, n: int) -> list[str]:
+    """`aiperf profile` flags for the same workload as the harness's runs: ISL 128 and OSL 32 fixed,
+    concurrency 2, n measured + 4 warm-up requests, streamed."""
+    return ["-m", "mock", "--endpoint-type", endpoint_type, "--streaming", "-u", url, "--tokenizer", str(tok),
+            "--isl", str(ISL), "--isl-stddev", "0", "--osl", str(OSL), "--osl-stddev", "0",
+            # a fixed OSL: max tokens, never an early EOS. The mock reads max_tokens only, and chat sends
+            # max_completion_tokens unless told otherwise (the completions endpoint always sends max_tokens).
+            "--extra-inputs", "ignore_eos:true", "--use-legacy-max-tokens",
+            "--concurrency", "2", "--request-count", str(n), "--warmup-request-count", "4", "--random-seed", "1",
+            "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry"]
+
+
+def aiperf(env: dict, args: list[str], out: Path, n: int) -> dict | None:
+    cmd = ["aiperf", "profile", *args, "--artifact-dir", str(out)]
+    print("$", " ".join(cmd), file=sys.stderr)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    export = out / "profile_export_aiperf.json"  # the profiling phase only; warm-up is under "warmup_metrics"
+    if proc.returncode != 0 or not export.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        print(f"aiperf failed: {' | '.join(tail)}", file=sys.stderr)
+        return None
+    data = json.loads(export.read_text())
+
+    def p50(key):
+        block = data.get(key) or {}
+        value = block.get("p50", block.get("avg"))
+        if value is not None and block.get("unit") == "ns":
+            value /= 1e6
+        return value
+
+    errors = (data.get("error_request_count") or {}).get("avg") or 0
+    completed = (data.get("request_count") or {}).get("avg")
+    if errors or completed != n:
+        print(f"aiperf: {completed} of {n} requests counted, {errors} errors: {data.get('error_summary')}",
+              file=sys.stderr)
+    return {"ttft": p50("time_to_first_token"),
+            "itl": p50("inter_token_latency"),  # AIPerf's ITL: per request (latency - TTFT) / (OSL - 1)
+            "icl": p50("inter_chunk_latency"),  # AIPerf's ICL: every gap between content chunks, pooled
+            "ttst": p50("time_to_second_token"), "e2e": p50("request_latency"),
+            "osl": p50("output_sequence_length"), "requests": completed, "errors": errors}
+
+
 # ---- this harness ----------------------------------------------------------------------------------------------
 def spec_for(root: Path, tok: Path, name: str, **workload):
     wl = {"num_requests": 40, "warmup_requests": 4, "concurrency": 2, "input_tokens": ISL, "output_tokens": OSL,
@@ -122,8 +199,9 @@ def harness(root, tok, name, url, **workload) -> dict:
     r = run_bench(spec_for(root, tok, name, **workload), url=url, out_dir=root / "out" / name, plots=False,
                   metrics_url="")
     return {"ttft": r["ttft_ms"]["p50"], "ttfr": r["ttfr_ms"]["p50"], "tpot": r["tpot_ms"]["p50"],
-            "e2e": r["e2e_ms"]["p50"], "errors": r["errors"], "send_lag_mean": r["send_lag_ms"]["mean"],
-            "achieved_rate": r["achieved_send_rate"], "requests_per_s": r["requests_per_s"]}
+            "itl": r["itl_ms"]["p50"], "e2e": r["e2e_ms"]["p50"], "errors": r["errors"],
+            "send_lag_mean": r["send_lag_ms"]["mean"], "achieved_rate": r["achieved_send_rate"],
+            "requests_per_s": r["requests_per_s"]}
 
 
 def wait_http(url: str, timeout_s: float = 30) -> None:
@@ -222,11 +300,13 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--quick", action="store_true", help="fewer requests and rate levels")
     ap.add_argument("--no-genai-perf", action="store_true")
+    ap.add_argument("--no-aiperf", action="store_true")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="harness-accuracy-"))
     tok = make_word_tokenizer(root / "tok")
     n = 20 if args.quick else 40
     gp_env, gp_reason = (None, "skipped (--no-genai-perf)") if args.no_genai_perf else genai_perf_env()
+    ap_env, ap_reason = (None, "skipped (--no-aiperf)") if args.no_aiperf else aiperf_env()
     scenarios, results = [], {}
 
     # -- Triton: max_batch_size 0 and dims [1], the shapes genai-perf's tensorrtllm backend sends
@@ -246,7 +326,7 @@ def main() -> int:
                                         "--output-tokens-stddev", "0", "--concurrency", "2", "--request-count",
                                         str(n), "--warmup-request-count", "4", "--random-seed", "1"],
                                root / "gp" / name)
-            results[f"triton-{name}"] = {"harness": h, "genai_perf": g}
+            results[f"triton-{name}"] = {"harness": h, "genai_perf": g, "aiperf": None}
             scenarios.append(f"triton-{name}")
 
     # -- OpenAI: the floor probe, then chat with a role-only first chunk and completions with 4-token chunks
@@ -269,7 +349,11 @@ def main() -> int:
                                         str(ISL), "--output-tokens-mean", str(OSL), "--output-tokens-stddev", "0",
                                         "--concurrency", "2", "--request-count", str(n), "--warmup-request-count",
                                         "4", "--random-seed", "1"], root / "gp" / f"openai-{name}")
-            results[f"openai-{name}"] = {"harness": h, "genai_perf": g}
+            a = None
+            if ap_env:
+                a = aiperf(ap_env, aiperf_args(f"http://127.0.0.1:{port}", ep, tok, n), root / "ap" / f"openai-{name}",
+                           n)
+            results[f"openai-{name}"] = {"harness": h, "genai_perf": g, "aiperf": a}
             scenarios.append(f"openai-{name}")
     finally:
         proc.kill()
@@ -279,14 +363,23 @@ def main() -> int:
     for sc in scenarios:
         floor = triton_floor if sc.startswith("triton") else openai_floor
         row = {"transport_floor_ms": round(floor, 3)}
-        for tool in ("harness", "genai_perf"):
+        for tool in ("harness", "genai_perf", "aiperf"):
             m = results[sc][tool]
             if m is None:
                 continue
-            row[tool] = {"ttft_ms": m["ttft"], "tpot_ms": m["tpot"],
+            tpot = m["itl"] if tool == "aiperf" else m["tpot"]  # AIPerf's "ITL" is a TPOT
+            row[tool] = {"ttft_ms": m["ttft"], "tpot_ms": tpot,
                          "ttft_error_pct": pct(m["ttft"], TTFT_MS + floor),
                          "ttft_error_pct_vs_mock": pct(m["ttft"], TTFT_MS),
-                         "tpot_error_pct": pct(m["tpot"], STEP_MS)}
+                         "tpot_error_pct": pct(tpot, STEP_MS)}
+            if tool == "harness":
+                row[tool]["itl_ms"] = m["itl"]  # p50 gap between token-bearing responses
+            if tool == "aiperf":
+                row[tool].update({
+                    "aiperf_itl_ms_per_request_tpot": m["itl"],  # = tpot_ms: AIPerf's inter_token_latency p50
+                    "aiperf_icl_ms_chunk_gap": m["icl"],  # AIPerf's inter_chunk_latency p50 (~ harness itl_ms)
+                    "icl_error_pct": pct(m["icl"], STEP_MS),
+                    "osl": m["osl"], "requests": m["requests"], "errors": m["errors"]})
         table[sc] = row
 
     def worst(tool, key):
@@ -322,6 +415,11 @@ def main() -> int:
         "genai_perf_tpot_error_pct": worst("genai_perf", "tpot_error_pct"),
         "genai_perf_ttft_error_pct_vs_mock": worst("genai_perf", "ttft_error_pct_vs_mock"),
         "genai_perf_reason": gp_reason,
+        # AIPerf: OpenAI scenarios only; its tpot is its "ITL" (see the docstring)
+        "aiperf_ttft_error_pct": worst("aiperf", "ttft_error_pct"),
+        "aiperf_tpot_error_pct": worst("aiperf", "tpot_error_pct"),
+        "aiperf_ttft_error_pct_vs_mock": worst("aiperf", "ttft_error_pct_vs_mock"),
+        "aiperf_reason": ap_reason,
         # the probes' floors, and the harness's time to a token-less response sent at once (for comparison)
         "transport_floor_ms": {
             "triton": {"probe": round(triton_floor, 3),

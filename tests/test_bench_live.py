@@ -104,7 +104,7 @@ MOCK_MODEL = textwrap.dedent(f"""
             sender.send(flags=FINAL)
 """)
 
-# The LLM-API flavour's tensors (a different contract the bench must refuse).
+# Triton's LLM-API model contract: every streamed text_output is the whole text so far.
 LLMAPI_CONFIG = """
 name: "llmapi"
 backend: "python"
@@ -113,16 +113,40 @@ model_transaction_policy { decoupled: true }
 input [
   { name: "text_input" data_type: TYPE_STRING dims: [ -1 ] },
   { name: "sampling_param_max_tokens" data_type: TYPE_INT32 dims: [ 1 ] optional: true },
+  { name: "sampling_param_exclude_input_from_output" data_type: TYPE_BOOL dims: [ 1 ] optional: true },
   { name: "streaming" data_type: TYPE_BOOL dims: [ 1 ] optional: true }
 ]
 output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
 instance_group [ { count: 1 kind: KIND_CPU } ]
 """
-NOOP_MODEL = """
-class TritonPythonModel:
-    def execute(self, requests):
-        return None
-"""
+LLMAPI_MODEL = textwrap.dedent(f"""
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    WORDS = {MOCK_WORDS!r}
+    FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+    def _scalar(request, name):
+        t = pb_utils.get_input_tensor_by_name(request, name)
+        return None if t is None else t.as_numpy().ravel()[0]
+
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            for request in requests:
+                sender = request.get_response_sender()
+                if not _scalar(request, "streaming") or not _scalar(request, "sampling_param_exclude_input_from_output"):
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                        "streaming and sampling_param_exclude_input_from_output must be true")), flags=FINAL)
+                    continue
+                n, text = int(_scalar(request, "sampling_param_max_tokens")), ""
+                for k in range(n):
+                    text += " " + WORDS[k % len(WORDS)]
+                    out = pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[out]), flags=FINAL if k == n - 1 else 0)
+            return None
+""")
 
 REPORT_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "output_tokens_per_s", "requests_per_s", "num_requests",
                "errors", "window_s", "goodput_req_per_s", "token_count_source", "workload", "slo")
@@ -146,7 +170,7 @@ def served(tmp_path_factory):
                       flag_only_final=True)
     (repo / "llmapi" / "1").mkdir(parents=True)
     (repo / "llmapi" / "config.pbtxt").write_text(LLMAPI_CONFIG)
-    (repo / "llmapi" / "1" / "model.py").write_text(NOOP_MODEL)
+    (repo / "llmapi" / "1" / "model.py").write_text(LLMAPI_MODEL)
     with TritonServer(repo, "127.0.0.1", 0, 0, 0, log_path=root / "server.log") as server:
         yield server, tok, root
 
@@ -304,14 +328,18 @@ def test_http_generate_stream_and_multi_token_chunks(served):
     assert g["levels"][0]["server"]["available"] is False
 
 
-def test_llmapi_contract_is_refused_in_one_line(served):
+def test_llmapi_contract_keeps_only_the_new_part_of_each_cumulative_text(served):
+    """Triton's llmapi model streams the LLM API's cumulative output.text: counting every response's
+    text as new would count 1 + 2 + ... + n tokens instead of n."""
     from toolchain.bench.run import run_bench
 
     server, tok, root = served
-    spec = load_spec(spec_file(root, tok, "llmapi", endpoint="llmapi"))
-    with pytest.raises(ToolchainError, match="LLM-API contract") as err:
-        run_bench(spec, server.urls["grpc"], root / "out-llmapi")
-    assert "\n" not in str(err.value)
+    spec = load_spec(spec_file(root, tok, "llmapi", endpoint="llmapi", num_requests=4, output_tokens=6))
+    g = run_bench(spec, server.urls["grpc"], root / "out-llmapi", metrics_url="")
+    assert g["errors"] == 0 and g["num_requests"] == 4
+    with open(root / "out-llmapi" / "requests.csv") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["warmup"] in ("False", "0", "")]
+    assert [int(r["osl"]) for r in rows] == [6] * 4
 
 
 def test_cli_rate_sweep_writes_table_json_csv_and_plots(served, capsys):

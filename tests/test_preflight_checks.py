@@ -181,6 +181,11 @@ TRIGGERS = {
     "spec.draft-target-grpc-port": (merge(DRAFT, {"serving": {"grpc_port": 9001}}), {}, WARN),
     "spec.draft-target-decoupled": (merge(DRAFT, {"serving": {"streaming": True}}), {}, FAIL),
     "spec.ngram-no-triton": ({"speculative": {"mode": "ngram", "max_draft_len": 4}}, {}, WARN),
+    "llmapi.speculative": ({"target": "llmapi", "speculative": {"mode": "medusa", "max_draft_len": 4}}, {}, FAIL),
+    "llmapi.quantization": ({"target": "llmapi", "quantization": {"method": "smoothquant"}}, {}, FAIL),
+    "llmapi.options": ({"target": "llmapi", "llmapi": {"options": {"max_num_tokenz": 64}}}, {}, FAIL),
+    "llmapi.num-tokens-vs-input": ({"target": "llmapi", "limits": {"max_input_len": 8192, "max_seq_len": 8192 + 512,
+                                                                   "max_num_tokens": 4096}}, {}, WARN),
 }
 
 

@@ -38,6 +38,8 @@ def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = No
     timings: dict[str, float] = {}
     with _timed("convert", progress, timings):
         run_convert(spec, workspace)
+    if spec.llmapi_path:
+        return _deploy_llmapi(spec, workspace, out_dir or workspace.report_dir(spec), progress, timings)
     with _timed("build-engine", progress, timings):
         run_build(spec, workspace, converted=True)
     with _timed("model-repo", progress, timings):
@@ -57,5 +59,63 @@ def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = No
     finally:
         with _timed("stop", progress, timings):
             server.stop()
+    report["stage_seconds"] = timings
+    return report
+
+
+def _with_workload(spec: DeploymentSpec, **values) -> DeploymentSpec:
+    v = spec.validation
+    workload = v.workload.model_copy(update=values)
+    return spec.model_copy(update={"validation": v.model_copy(update={"workload": workload})})
+
+
+def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, progress: Progress,
+                   timings: dict) -> dict:
+    """The LLM-API path on this host (target llmapi-cpu): Triton's llmapi model, then the OpenAI
+    server on the same LLM() arguments, each benched; the Triton report is the main one and the
+    OpenAI server's is written to <out>/openai and summarised under `openai`."""
+    from toolchain.bench.run import run_bench
+    from toolchain.errors import ToolchainError
+    from toolchain.llmapi.launch import serve_config_path, served_model_name
+    from toolchain.llmapi.stage import served_model_dir
+    from toolchain.openai.server import OpenAIServer
+    from toolchain.triton.repo import run_model_repo
+    from toolchain.triton.server import TritonServer
+
+    if spec.target != "llmapi-cpu":
+        raise ToolchainError("deploy runs the LLM-API path on this host with target llmapi-cpu",
+                             "on a GPU host run `toolchain model-repo` and the lines `toolchain serve --print` shows")
+    with _timed("model-repo", progress, timings):
+        run_model_repo(spec, workspace)
+    serving = spec.serving
+    repo = workspace.model_repo_dir(spec)
+    with _timed("serve", progress, timings):
+        server = TritonServer(repo, host=serving.host, http_port=serving.http_port, grpc_port=serving.grpc_port,
+                              metrics_port=serving.metrics_port, binary=serving.tritonserver)
+        server.start(timeout=serving.startup_timeout_s)
+    try:
+        with _timed("bench", progress, timings):
+            triton_spec = _with_workload(spec, protocol="triton-grpc", endpoint="tensorrt_llm")
+            report = run_bench(triton_spec, out_dir=out_dir, url=server.grpc_url, metrics_url=server.metrics_url)
+    finally:
+        with _timed("stop", progress, timings):
+            server.stop()
+    name = served_model_name(spec)
+    with _timed("serve-openai", progress, timings):
+        openai = OpenAIServer(None, None, name, serving.host, spec.llmapi.openai_port,
+                              model=served_model_dir(spec, workspace), config=serve_config_path(spec, workspace),
+                              log_path=repo.parent / f"{spec.name}.openai.log")
+        openai.start(timeout=serving.startup_timeout_s)
+    try:
+        with _timed("bench-openai", progress, timings):
+            protocol = "openai-chat" if spec.validation.workload.protocol == "openai-chat" else "openai-completions"
+            openai_spec = _with_workload(spec, protocol=protocol, endpoint=name)
+            second = run_bench(openai_spec, out_dir=out_dir / "openai", url=openai.url, metrics_url="")
+    finally:
+        with _timed("stop-openai", progress, timings):
+            openai.stop()
+    report["openai"] = {"protocol": protocol, "report": str(out_dir / "openai" / "report.json"),
+                        **{k: second.get(k) for k in ("ttft_ms", "tpot_ms", "e2e_ms", "output_tokens_per_s",
+                                                      "num_requests", "errors", "slo")}}
     report["stage_seconds"] = timings
     return report

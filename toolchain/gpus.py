@@ -79,7 +79,7 @@ def host_memory_bytes() -> int:
 
 
 def resolve(spec) -> Gpu | None:
-    """The device `spec` plans against: the named/described GPU; for target cpu
+    """The device `spec` plans against: the named/described GPU; for the CPU targets
     without one, this host's RAM; None when a trtllm spec names no GPU."""
     g = spec.gpu
     if g.name:
@@ -87,6 +87,6 @@ def resolve(spec) -> Gpu | None:
         return Gpu(base.name, g.memory_gib or base.memory_gib, g.sm or base.sm)
     if g.memory_gib:
         return Gpu(f"{g.memory_gib:g} GiB GPU", g.memory_gib, g.sm)
-    if spec.target == "cpu":
+    if spec.on_cpu:
         return Gpu("host RAM", host_memory_bytes() / GIB, None, kind="host")
     return None

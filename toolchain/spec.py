@@ -355,11 +355,26 @@ class SpeculativeSection(_Section):
     """medusa/eagle: draft tree as "{0, 0, 0}, {0, 1}" (Triton medusa_choices / eagle_choices); default the backend's."""
 
 
+class LlmApiSection(_Section):
+    options: dict[str, Any] = Field(default_factory=dict)
+    """More LLM-API arguments for targets llmapi/llmapi-cpu, merged into model.yaml and the trtllm-serve
+    config over the ones the spec derives (e.g. {cuda_graph_config: {max_batch_size: 8}}); every key is
+    checked against the pinned release's TorchLlmArgs."""
+    cancellation_check_period_ms: int = Field(100, ge=1)
+    """How often Triton's llmapi model polls for cancelled requests (triton_config)."""
+    openai_port: int = Field(8080, ge=0, le=65535)
+    """Port of the OpenAI-compatible server (trtllm-serve on a GPU host; the CPU server for llmapi-cpu); 0 picks a free one."""
+    served_model_name: str | None = None
+    """The `model` name the OpenAI server answers to; default: the spec's name."""
+
+
 class DeploymentSpec(_Section):
     name: str = Field("model", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     """Deployment name: output directories are engines/<name>, model_repo/<name>, reports/<name>."""
-    target: Literal["cpu", "trtllm"] = "cpu"
-    """`cpu`: the CPU engine under the Triton Python backend; `trtllm`: trtllm-build engines and the tensorrtllm backend."""
+    target: Literal["cpu", "trtllm", "llmapi", "llmapi-cpu"] = "cpu"
+    """`trtllm`: trtllm-build engines and the tensorrtllm backend (TensorRT-LLM 1.2.1); `cpu`: the same repository
+    with the CPU engine standing in for the engine; `llmapi`: the LLM-API path (PyTorch backend, no engine build:
+    Triton's llmapi model and trtllm-serve); `llmapi-cpu`: that path's repository and OpenAI server on the CPU engine."""
     model: ModelSection = Field(default_factory=ModelSection)
     """Source checkpoint and dtype."""
     parallelism: ParallelismSection = Field(default_factory=ParallelismSection)
@@ -378,9 +393,21 @@ class DeploymentSpec(_Section):
     """Speculative decoding."""
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
     """Weight, activation and KV-cache quantization applied by convert."""
+    llmapi: LlmApiSection = Field(default_factory=LlmApiSection)
+    """The LLM-API path (targets llmapi and llmapi-cpu)."""
 
     source: Path | None = Field(None, exclude=True)
     """The file this spec was loaded from (set by the loader)."""
+
+    @property
+    def llmapi_path(self) -> bool:
+        """The LLM-API path (no engine): targets llmapi and llmapi-cpu."""
+        return self.target in ("llmapi", "llmapi-cpu")
+
+    @property
+    def on_cpu(self) -> bool:
+        """Served by the CPU engine on this host: targets cpu and llmapi-cpu."""
+        return self.target in ("cpu", "llmapi-cpu")
 
     def spec_hash(self) -> str:
         """Stable hash of every field (paths as resolved), for manifests."""

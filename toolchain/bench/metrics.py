@@ -38,6 +38,20 @@ from toolchain.bench import slo as S
 from toolchain.bench.records import RequestRecord
 
 NS_PER_MS = 1e6
+
+# What the peers call each reported quantity, so a report read next to AIPerf's, vLLM's or
+# trtllm-serve's numbers is not misread: AIPerf's "ITL" is a per-request TPOT, and per-chunk
+# gaps are its "ICL" (aiperf 0.13 aiperf/metrics/types/inter_token_latency_metric.py,
+# inter_chunk_latency_metric.py; vllm/benchmarks/serve.py; tensorrt_llm/metrics/collector.py).
+METRIC_NAMES = {
+    "ttft_ms": {"means": "send -> first token-bearing response", "trtllm_serve": "trtllm_time_to_first_token_seconds",
+                "aiperf": "time_to_first_token (TTFT)", "vllm": "ttft", "genai_perf": "time_to_first_token"},
+    "tpot_ms": {"means": "per request: (last token - first token) / (OSL - tokens in the first response)",
+                "trtllm_serve": "trtllm_time_per_output_token_seconds", "aiperf": "inter_token_latency (ITL)",
+                "vllm": "tpot", "genai_perf": "inter_token_latency"},
+    "itl_ms": {"means": "every gap between consecutive token-bearing responses (inter-chunk latency)",
+               "trtllm_serve": None, "aiperf": "inter_chunk_latency (ICL)", "vllm": "itl", "genai_perf": None},
+}
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "p99_9": 99.9}
 PERCENTILE_METHOD = "linear"
 WINDOW_DEFINITION = "first measured t_send .. last measured t_last_tok"

@@ -207,6 +207,7 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
         "prompt_corpus": str(wl.prompts_file) if wl.prompts_file else PROMPT_CORPUS,
         "isl_definition": "prompt tokens without special tokens (the server may add BOS); chat: message contents "
                           "joined, chat template not counted",
+        "metric_names": M.METRIC_NAMES,
         "inputs_sent": sorted(transport.inputs_sent),
         "slo_thresholds": [t.name for t in thresholds],
     }

@@ -8,18 +8,23 @@ only then is data read and written.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from toolchain.archs import load_params
+from toolchain.archs.common import NameTable
 from toolchain.archs.params import ArchParams
 from toolchain.checkpoint import sharding
 from toolchain.checkpoint.config import build_config
 from toolchain.checkpoint.config_only import ConfigOnlyCheckpoint, has_weights
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.checkpoint.layout import TORCH_DTYPES, Options, Plan, build_plan
-from toolchain.checkpoint.quantize import Quantizer, virtualize_prequantized
+from toolchain.checkpoint.hf_quant import read_hf_quant_format
+from toolchain.checkpoint.quantize import Quantizer, virtualize_modelopt, virtualize_prequantized
 from toolchain.checkpoint.writer import write_plan
 from toolchain.errors import ToolchainError
 from toolchain.quant.recipe import ModelShape, Recipe, check_recipe, is_excluded, parse_prequantized
@@ -60,12 +65,29 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     sharding.check_parallelism(params, tp, pp, use_parallel_embedding=use_parallel_embedding,
                                embedding_sharding_dim=embedding_sharding_dim)
     recipe = recipe or Recipe()
-    prequantized = parse_prequantized(ckpt.config.get("quantization_config"), str(ckpt.config_path))
+    config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
+    qc = ckpt.config.get("quantization_config")
+    fmt = None
+    if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "modelopt":
+        # A ModelOpt Hugging Face-format export (the LLM-API path's pre-quantized checkpoint): imported
+        # as stored, under the recipe it was quantized with (parse_prequantized knows AutoAWQ/GPTQ only).
+        fmt = read_hf_quant_format(ckpt.directory)
+        recipe = stored_recipe(fmt, recipe, ckpt, config_only)
+        fmt = {**fmt, "group_size": recipe.group_size}  # config.json alone may not say; the shapes did
+        prequantized = None
+    else:
+        prequantized = parse_prequantized(qc, str(ckpt.config_path))
     shape = ModelShape(params.hidden_size, params.intermediate_size, params.num_attention_heads,
                        params.num_key_value_heads, params.head_size, params.max_position_embeddings)
     layout_plan = check_recipe(recipe, shape, tp=tp, target=target, prequantized=prequantized,
                                gpu_name=(gpu or (None, None))[0], gpu_sm=(gpu or (None, None))[1])
     raw = virtualize_prequantized(ckpt, prequantized.kind) if prequantized is not None else {}
+    kv_sources: dict[int, tuple[str, str]] = {}
+    if fmt is not None:
+        stored_dtype = TORCH_DTYPES.get(params.dtype or "float16", torch.float16)
+        raw, excluded, kv_sources = virtualize_modelopt(ckpt, NameTable(family, params), fmt, stored_dtype,
+                                                        config_only=config_only)
+        recipe = dataclasses.replace(recipe, exclude_modules=tuple(excluded))
     resolved = resolve_dtype(dtype, params, ckpt, target)
     opts = Options(tp=tp, pp=pp, dtype=resolved, use_parallel_embedding=use_parallel_embedding,
                    embedding_sharding_dim=embedding_sharding_dim)
@@ -79,17 +101,50 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
         # (recipe.per_group_multiple).
         raise ToolchainError(f"intermediate_size {params.intermediate_size} is padded to "
                              f"{layout_plan.padded_intermediate} for per-group int4 at tp {tp}, which needs every "
-                             "MLP linear quantized", "remove the mlp modules from quantization.exclude_modules, "
+                             "MLP linear quantized",
+                             "use another parallelism.tp, or re-export the checkpoint with every MLP linear quantized"
+                             if recipe.stored else "remove the mlp modules from quantization.exclude_modules, "
                              "or use quantization.group_size 64 or another parallelism.tp")
     quant = None
     if recipe.active or prequantized is not None:
         quant = Quantizer(recipe, params.num_attention_heads, params.num_key_value_heads, tp,
                           sharding.pp_layers(params.num_hidden_layers, pp), layout_plan, params.intermediate_size,
-                          TORCH_DTYPES[resolved], prequantized, raw=raw)
+                          TORCH_DTYPES[resolved], prequantized, raw=raw, kv_sources=kv_sources)
         config["quantization"] = quant.config()
     plan = build_plan(family, params, ckpt, opts, config, quant=quant)
-    plan.config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
+    plan.config_only = config_only
     return plan
+
+
+STORED_METHODS = {"FP8": "fp8", "W4A16_AWQ": "awq", None: "none"}
+
+
+def stored_recipe(fmt: dict, requested: Recipe, ckpt: HFCheckpoint, config_only: bool = False) -> Recipe:
+    """The recipe a ModelOpt HF-format checkpoint (`fmt`: read_hf_quant_format) was quantized with,
+    marked stored so its tensors are read, not computed. The spec's own recipe may not ask for more:
+    nothing can be calibrated on (or quantized again from) already-quantized weights."""
+    algo, kv = fmt["quant_algo"], fmt["kv_cache_quant_algo"]
+    what = f"ModelOpt {algo or 'FP8 KV cache'}"
+    if requested.method != "none":
+        raise ToolchainError(f"the checkpoint is already quantized ({what}); quantization.method "
+                             f"'{requested.method}' would quantize it twice",
+                             "set quantization.method none to import it as stored")
+    if requested.kv_cache == "fp8" and kv != "FP8":
+        raise ToolchainError(f"quantization.kv_cache fp8: the pre-quantized ({what}) checkpoint carries no FP8 "
+                             "KV-cache scales (k_scale / v_scale) and cannot be calibrated",
+                             "set quantization.kv_cache none, or export the checkpoint with kv cache fp8")
+    if requested.kv_cache not in ("none", "fp8"):
+        raise ToolchainError(f"quantization.kv_cache {requested.kv_cache} needs calibration, which cannot run a "
+                             f"pre-quantized ({what}) checkpoint", "set quantization.kv_cache none for this checkpoint")
+    group = fmt["group_size"]
+    if algo == "W4A16_AWQ" and group is None and not config_only:
+        # config.json alone does not say; the stored shapes do: (out/2, in) weight, (out, in/g) scales.
+        w = next((i for i in ckpt.tensors.values() if i.dtype == torch.uint8), None)
+        s = ckpt.tensors.get(w.name.removesuffix("weight") + "weight_scale") if w is not None else None
+        if s is not None and len(s.shape) == 2 and s.shape[1]:
+            group = w.shape[1] // s.shape[1]
+    return Recipe(method=STORED_METHODS[algo], group_size=group or 128, kv_cache="fp8" if kv == "FP8" else "none",
+                  stored=True)
 
 
 def plan_any(hf_dir: Path | str, **options) -> Plan:

@@ -32,18 +32,25 @@ Formats written (`quant_algo`):
 - W8A8_SQ_PER_CHANNEL: int8 weight, per-channel and static activation scales, prequant.
 - FP8: e4m3 weight, per-tensor weight and activation scales; q/k/v and fc/gate share them.
 
+ModelOpt Hugging Face-format checkpoints (FP8, W4A16_AWQ; toolchain/checkpoint/hf_quant.py) are
+imported as stored: `virtualize_modelopt` shows the planner the fp model they encode, and the
+quantizer reads each group's stored components instead of computing them (recipe.stored), then
+pads, splits and writes them exactly as it does what it computes.
+
 Scale dtypes follow NVIDIA's exporter (the golden layouts): float32 scales,
 prequant vectors in the model dtype.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 
 import torch
 
-from toolchain.archs.common import Shard
+from toolchain.archs.common import NameTable, Shard, trt_name
 from toolchain.checkpoint import sharding
+from toolchain.checkpoint.hf_quant import COMPANIONS, engine_kv_scale, fuse_group, stored_linear
 from toolchain.checkpoint.hf_reader import HFCheckpoint, TensorInfo
 from toolchain.checkpoint.layout import Group, prepare, stage_ranks
 from toolchain.errors import ToolchainError
@@ -51,7 +58,7 @@ from toolchain.quant import awq as awq_q
 from toolchain.quant import fp8 as fp8_q
 from toolchain.quant import prequantized as pre_q
 from toolchain.quant import smoothquant as sq_q
-from toolchain.quant.int_quant import pack_int4
+from toolchain.quant.int_quant import pack_int4, unpack_int4
 from toolchain.quant.kv_cache import kv_cache_scale
 from toolchain.quant.recipe import LayoutPlan, Prequantized, Recipe, is_excluded
 
@@ -94,6 +101,13 @@ class Quantizer:
     prequantized: Prequantized | None = None
     stats: list | None = None   # calibration LayerStats per global layer, set before writing
     raw: dict[str, TensorInfo] = field(default_factory=dict)  # imports: the packed tensors behind the virtual weights
+    kv_sources: dict[int, tuple[str, str]] = field(default_factory=dict)
+    """ModelOpt imports with an FP8 KV cache: global layer -> its stored (k_scale, v_scale) names in `raw`."""
+
+    @property
+    def imports(self) -> bool:
+        """The quantized tensors are read from the checkpoint, not computed from fp weights."""
+        return self.prequantized is not None or self.recipe.stored
 
     # -- what is written ------------------------------------------------------------------
 
@@ -173,8 +187,12 @@ class Quantizer:
             return []
         return [(KV_NAME.format(layer=i), (1,), F32) for i in range(len(self.layers_per_stage[stage]))]
 
-    def kv_scale(self, stage: int, local: int) -> torch.Tensor:
-        return kv_cache_scale(self.stats[self.global_layer(stage, local)].qkv_amax, self.recipe.kv_cache)
+    def kv_scale(self, stage: int, local: int, ckpt: HFCheckpoint | None = None) -> torch.Tensor:
+        layer = self.global_layer(stage, local)
+        if self.recipe.stored:
+            k, v = (ckpt.read(self.raw[n]) for n in self.kv_sources[layer])
+            return engine_kv_scale(k, v)
+        return kv_cache_scale(self.stats[layer].qkv_amax, self.recipe.kv_cache)
 
     # -- computing ------------------------------------------------------------------------
 
@@ -183,6 +201,8 @@ class Quantizer:
         """Per output (qkv: one with q, k, v; merged fc/gate: two), its full, unsplit components."""
         if self.fmt == "int4_zero":
             return [self._imported(p, load) for p in prefixes]
+        if self.recipe.stored:
+            return self._stored(prefixes, load)
         flat = [w for ws in weights for w in ws]
         slot = LINEARS[module]
         st = self.stats[layer].inputs[slot]
@@ -244,6 +264,27 @@ class Quantizer:
             ws.append(signed), ss.append(scales), zs.append(zero)
         return [Component("weight", "weight", ws, I8), Component("weights_scaling_factor", "out_groups", ss, F32),
                 Component("zero", "out_groups", zs, self.dtype)]
+
+    def _stored(self, prefixes: list[list[str]], load) -> list[list[Component]]:
+        """ModelOpt HF-format tensors of one shared-input group -> per output, the components the
+        engine path computes, as stored: FP8 parts brought to the group's one weight and activation
+        scale (the fused GEMM has one), AWQ's one prequant vector (ones where the exporter folded it
+        into the norm). The int4 weight is unpacked because `finish` packs after the split."""
+        algo = self.quant_algo
+        flat = [p for ps in prefixes for p in ps]
+        parts = [stored_linear(load, self.raw.__contains__, p, algo) for p in flat]
+        fused = fuse_group(parts, algo, self.raw[flat[0] + ".weight"].shape[1], self.dtype)
+        if algo == "FP8":
+            comps = [[Component("weight", "weight", [f["weight"]], fp8_q.FP8_DTYPE),
+                      Component("weights_scaling_factor", "scalar", [f["weights_scaling_factor"]], F32),
+                      Component("activation_scaling_factor", "scalar", [f["activation_scaling_factor"]], F32)]
+                     for f in fused]
+        else:
+            comps = [[Component("weight", "weight", [unpack_int4(f["weight"])], I8),
+                      Component("weights_scaling_factor", "out_groups", [f["weights_scaling_factor"]], F32),
+                      Component("prequant_scaling_factor", "in_vec", [f["prequant_scaling_factor"]], self.dtype)]
+                     for f in fused]
+        return self._regroup(comps, [len(ps) for ps in prefixes])
 
     def pad(self, module: str, comps: list[Component]) -> list[Component]:
         """Zero-pad per-group MLP components to the padded intermediate size
@@ -333,7 +374,7 @@ class Quantizer:
         per_output = [list(group.sources)] if o0.row.shard is Shard.QKV else [[s] for s in group.sources]
         prefixes = [[s[: -len(".weight")] for s in srcs] for srcs in per_output]
         weights = None
-        if self.fmt != "int4_zero":
+        if not self.imports:
             rows = [o0.row] if o0.row.shard is Shard.QKV else [o.row for o in group.outputs]
             weights = [[prepare(ckpt.load(s), row, torch.float32, s) for s in srcs]
                        for row, srcs in zip(rows, per_output)]
@@ -366,3 +407,96 @@ def virtualize_prequantized(ckpt: HFCheckpoint, kind: str) -> dict[str, TensorIn
             virtual[name] = info
     ckpt._tensors = virtual
     return raw
+
+
+def virtualize_modelopt(ckpt: HFCheckpoint, table: NameTable, fmt: dict, dtype: torch.dtype, *,
+                        config_only: bool = False
+                        ) -> tuple[dict[str, TensorInfo], list[str], dict[int, tuple[str, str]]]:
+    """Present a ModelOpt HF-format checkpoint (`fmt`: hf_quant.read_hf_quant_format) to the planner
+    as the fp model it encodes: each stored-quantized linear's `weight` becomes a virtual (out, in)
+    `weight` in `dtype` the name tables match; its scales and the KV-cache scales are hidden.
+    Returns (every stored tensor, the TensorRT-LLM linear modules kept unquantized, global layer ->
+    (k_scale, v_scale) names). From headers only; `config_only` (no weights yet, dry runs) takes the
+    quantized linears from the format's exclude_modules instead."""
+    algo, where = fmt["quant_algo"], ckpt.directory
+    storage = {"FP8": fp8_q.FP8_DTYPE, "W4A16_AWQ": torch.uint8}.get(algo)
+    raw = dict(ckpt.tensors)
+    virtual: dict[str, TensorInfo] = {}
+    # (global layer, input slot) -> {HF linear prefix: stored quantized}; modules sharing an input
+    # must agree (one fused GEMM, or one norm the AWQ prequant vector was folded into).
+    groups: dict[tuple[int, str], dict[str, bool]] = {}
+    modules: dict[tuple[int, str], str] = {}
+    for name, info in raw.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in COMPANIONS:
+            continue
+        m = table.match(name)
+        lin = linear_of(trt_name(m.row, m.layer)) if m is not None and m.row.trt is not None else None
+        quantized = info.dtype in (torch.uint8, fp8_q.FP8_DTYPE)
+        if quantized and (lin is None or leaf != "weight"):
+            raise ToolchainError(f"{where}: {name} is stored quantized ({info.dtype}) but the engine keeps it "
+                                 "unquantized", "re-export the checkpoint with that module in exclude_modules")
+        if lin is not None and leaf == "weight":
+            if config_only:
+                quantized = algo is not None and not any(fnmatch.fnmatchcase(prefix, p)
+                                                         for p in fmt["exclude_modules"])
+            elif quantized and info.dtype != storage:
+                raise ToolchainError(f"{where}: {name} is stored as {info.dtype}, which is not quant_algo {algo}",
+                                     "the weights and hf_quant_config.json come from different exports")
+            groups.setdefault((m.layer, LINEARS[lin[1]]), {})[prefix] = quantized
+            modules[(m.layer, lin[1])] = lin[0]
+            if quantized and not config_only:
+                if m.row.transform is not None:
+                    raise ToolchainError(f"{where}: {name} is stored quantized but its rows need the "
+                                         f"{m.row.transform} transform", "convert the unquantized model instead")
+                info = _virtual_weight(raw, name, info, algo, fmt, dtype, where)
+        virtual[name] = info
+    excluded: set[tuple[int, str]] = set()
+    for (layer, slot), members in groups.items():
+        if len(set(members.values())) > 1:
+            raise ToolchainError(f"{where}: only part of {', '.join(sorted(members))} is stored quantized",
+                                 "linears sharing one input must all be quantized or none; re-export the checkpoint")
+        if not any(members.values()):
+            excluded.add((layer, slot))
+    names = [modules[key] for key in sorted(modules, key=lambda k: (k[0], list(LINEARS).index(k[1])))
+             if (key[0], LINEARS[key[1]]) in excluded]
+    kv: dict[int, tuple[str, str]] = {}
+    if fmt["kv_cache_quant_algo"] == "FP8":
+        # The exporter names them after the k and v projections: <k_proj>.k_scale, <v_proj>.v_scale.
+        rows = {r.part: r for r in table.rows if r.shard is Shard.QKV and r.hf.endswith(".weight")}
+        for layer in range(table.params.num_hidden_layers):
+            pair = tuple(rows[part].hf.replace("{layer}", str(layer)).removesuffix("weight") + f"{part}_scale"
+                         for part in ("k", "v"))
+            for name in pair:
+                if name not in raw and not config_only:
+                    raise ToolchainError(f"{where}: declares an FP8 KV cache but has no {name}",
+                                         "re-export the checkpoint with its KV-cache scales")
+            kv[layer] = pair
+    ckpt._tensors = virtual
+    return raw, names, kv
+
+
+def _virtual_weight(raw: dict[str, TensorInfo], name: str, info: TensorInfo, algo: str, fmt: dict,
+                    dtype: torch.dtype, where) -> TensorInfo:
+    """The fp (out, in) weight a stored FP8 / packed int4 one encodes, after checking its scales
+    are there with the shapes the format gives them (so a broken export fails before any read)."""
+    prefix = name.removesuffix(".weight")
+    rows, cols = info.shape
+    out = rows * 2 if algo == "W4A16_AWQ" else rows
+    if algo == "FP8":
+        wanted = {"weight_scale": (), "input_scale": ()}
+    else:
+        g = fmt["group_size"]
+        if not g or cols % g:
+            raise ToolchainError(f"{where}: {name} has {cols} input channels, not whole groups of {g}",
+                                 "the weights and hf_quant_config.json come from different exports")
+        wanted = {"weight_scale": (out, cols // g)}
+    for leaf, shape in wanted.items():
+        got = raw.get(f"{prefix}.{leaf}")
+        if got is None:
+            raise ToolchainError(f"{where}: {prefix} is stored quantized but has no {leaf}",
+                                 "the checkpoint is incomplete; re-export it")
+        if tuple(got.shape) != shape and not (shape == () and tuple(got.shape) == (1,)):  # scalars: () or (1,)
+            raise ToolchainError(f"{where}: {prefix}.{leaf} has shape {list(got.shape)}, the format gives "
+                                 f"{list(shape)}", "the checkpoint is not a ModelOpt export this converter reads")
+    return TensorInfo(name, info.file, (out, cols), dtype, -1)

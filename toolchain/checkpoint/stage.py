@@ -133,6 +133,10 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                 echo: Callable[[str], None] | None = None) -> Manifest:
     """Convert spec.model.checkpoint into workspace.checkpoint_dir(spec); reuse
     a current output unless `force`. Returns the manifest of what is there."""
+    if spec.llmapi_path:  # no TensorRT-LLM checkpoint on the LLM-API path
+        from toolchain.llmapi.stage import run_convert_llmapi
+
+        return run_convert_llmapi(spec, workspace, force=force, echo=echo)
     say = echo or (lambda _msg: None)
     final = workspace.checkpoint_dir(spec)
     ckpt = HFCheckpoint(spec.model.checkpoint)
@@ -140,6 +144,9 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
         # Planning validates config, parallelism, names and headers before any write.
         plan = _with_heads(plan_checkpoint(ckpt.directory, **_plan_options(spec), ckpt=ckpt), spec)
         inputs = {p.name: input_hash(p) for p in ckpt.input_files}
+        hf_quant = ckpt.directory / "hf_quant_config.json"
+        if hf_quant.is_file():  # a ModelOpt HF-format export: its format (algo, group size, exclusions) is read here
+            inputs[hf_quant.name] = input_hash(hf_quant)
         if plan.medusa is not None:
             for name in ("medusa_lm_head.safetensors", "config.json"):
                 inputs[f"medusa_heads/{name}"] = input_hash(plan.medusa.directory / name)

@@ -97,7 +97,7 @@ def write_plan(plan: Plan, ckpt: HFCheckpoint, out_dir: Path) -> dict[str, int]:
             for rank, w in enumerate(writers):
                 stage = rank // plan.options.tp
                 for local, (name, _, _) in enumerate(quant.kv_planned(stage)):
-                    w.write(name, quant.kv_scale(stage, local))
+                    w.write(name, quant.kv_scale(stage, local, ckpt))
         if plan.medusa is not None:
             from toolchain.checkpoint.medusa import write_heads
 

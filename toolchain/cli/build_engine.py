@@ -20,6 +20,11 @@ def command(ctx: Context, spec, force: bool, dry_run: bool) -> None:
     from toolchain.engine.build import planned_commands, run_build
 
     ws = ctx.workspace
+    if spec.llmapi_path:
+        click.echo(f"target {spec.target}: no engine to build (the PyTorch backend loads "
+                   f"{'the converted' if spec.quantization.method != 'none' else 'the'} checkpoint when it starts); "
+                   "next: `toolchain model-repo`")
+        return
     if dry_run:
         if spec.target == "trtllm":
             for cmd in planned_commands(spec, ws):

@@ -57,12 +57,21 @@ def command(ctx: Context, spec: DeploymentSpec, force: bool, dry_run: bool, summ
 
     if summary and not dry_run:
         raise click.UsageError("--summary only applies with --dry-run")
+    if dry_run and spec.llmapi_path:
+        raise click.UsageError(f"--dry-run plans a TensorRT-LLM checkpoint; target {spec.target} has none "
+                               "(`toolchain plan` shows its memory per rank)")
     if dry_run:
         _print_plan(plan_convert(spec), summary=summary)
         return
     start = time.time()
     manifest = run_convert(spec, ctx.workspace, force=force, echo=click.echo)
     out = ctx.workspace.checkpoint_dir(spec)
+    if spec.llmapi_path:
+        o = manifest.outputs
+        what = (f"a Hugging Face-format {o.get('format')} checkpoint in {out}" if o.get("quantized", True)
+                else f"the checkpoint as it is ({o['model_dir']})")
+        click.echo(f"LLM-API path: serving {what}")
+        return
     if manifest.created >= start:
         o = manifest.outputs
         click.echo(f"wrote {out}: {o['world_size']} rank(s) (tp {o['tp']} x pp {o['pp']}), {o['dtype']}, "

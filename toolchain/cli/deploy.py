@@ -38,6 +38,16 @@ def command(ctx: Context, spec, out_dir: Path | None) -> None:
         with atomic_file(target) as fh:
             json.dump(saved, fh, indent=2)
             fh.write("\n")
+    openai = report.get("openai")
+    if openai:
+        def p50(key):
+            value = (openai.get(key) or {}).get("p50")
+            return "-" if value is None else f"{value:.1f} ms"
+
+        click.echo(f"OpenAI server ({openai['protocol']}): TTFT p50 {p50('ttft_ms')}, TPOT p50 {p50('tpot_ms')}, "
+                   f"{openai.get('num_requests')} requests, {openai.get('errors')} errors; report: {openai['report']}")
     click.echo(f"deploy finished in {time.perf_counter() - start:.1f}s; report: {target}")
-    if not report.get("slo", {}).get("passed", True):
-        raise StageFailed("SLO missed; see the report above", str(target))
+    missed = [what for what, r in (("Triton", report), ("OpenAI server", openai or {}))
+              if not r.get("slo", {}).get("passed", True)]
+    if missed:
+        raise StageFailed(f"SLO missed ({' and '.join(missed)}); see the report above", str(target))

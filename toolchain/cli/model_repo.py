@@ -15,7 +15,8 @@ from toolchain.spec import DeploymentSpec
 @click.option("--force", is_flag=True, help="Re-render even when the repository is up to date.")
 @click.option("--python-models", "python_models", metavar="DIR", default=None,
               help="Use preprocessing, postprocessing and tensorrt_llm_bls model.py (and helpers) from "
-                   "tensorrtllm_backend's all_models/inflight_batcher_llm tree DIR instead of the toolchain's.")
+                   "tensorrtllm_backend's all_models/inflight_batcher_llm tree DIR instead of the toolchain's; "
+                   "target llmapi: TensorRT-LLM's triton_backend/all_models/llmapi (its model.py and helpers.py).")
 @spec_command
 def command(ctx: Context, spec: DeploymentSpec, force: bool, python_models: str | None) -> None:
     """Render model_repo/<name> for SPEC: ensemble, preprocessing, tensorrt_llm, postprocessing and
@@ -28,6 +29,11 @@ def command(ctx: Context, spec: DeploymentSpec, force: bool, python_models: str 
     out = manifest.outputs
     state = f"rendered in {manifest.seconds:.2f}s" if manifest.created >= start else "up to date, reused"
     mode = "decoupled (streaming)" if out.get("decoupled") else "not decoupled"
+    if spec.llmapi_path:
+        click.echo(f"model repository {ws.model_repo_dir(spec)}: {state} (Triton's llmapi model, target "
+                   f"{spec.target}, {mode}; model.yaml serves {out.get('model_dir')})")
+        click.echo(f"python model: {out.get('python_model')}")
+        return
     click.echo(f"model repository {ws.model_repo_dir(spec)}: {state} "
                f"({len(out.get('models', []))} models, target {out.get('target')}, "
                f"tensorrt_llm backend {out.get('backend')}, {mode})")

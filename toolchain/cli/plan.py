@@ -14,6 +14,11 @@ from toolchain.errors import StageFailed, ToolchainError
 
 def _commands(spec, ws) -> dict:
     """trtllm-build and launch lines as build-engine and serve would run them."""
+    if spec.llmapi_path:
+        from toolchain.llmapi.launch import planned_launch
+
+        return {"build_commands": [], "build_note": "none on the LLM-API path (the PyTorch backend loads the "
+                "checkpoint at start)", **planned_launch(spec, ws)}
     if spec.target != "trtllm":
         from toolchain.triton.server import TritonServer
 

@@ -3,12 +3,18 @@
 Target cpu: one tritonserver (the nvidia-pytriton wheel's, or one on PATH).
 Target trtllm: one tritonserver per rank under mpirun (toolchain/triton/launch.py);
 `--print` also prints the container and Kubernetes lines for the NGC image.
+Target llmapi: nothing runs here (it needs a GPU host with TensorRT-LLM 1.2.1); `--print` shows the
+trtllm-serve and Triton lines (toolchain/llmapi/launch.py) and `--manifests DIR` writes the Slurm
+and Kubernetes manifests (toolchain/llmapi/manifests.py).
+Target llmapi-cpu: one tritonserver on the llmapi repository, as target cpu (there is no engine).
 """
 
 from __future__ import annotations
 
+import shlex
 import signal
 import time
+from pathlib import Path
 
 import click
 
@@ -35,7 +41,34 @@ def _print_trtllm(spec: DeploymentSpec, ws) -> None:
         click.echo("# several hosts: run the container on each host of gpu.hostfile with ssh between them")
 
 
-def _run_until_stopped(server, timeout: float, describe: str) -> None:
+def _print_llmapi(spec: DeploymentSpec, ws, manifests_dir) -> None:
+    from toolchain.llmapi import launch
+
+    lines = launch.gpu_launch_lines(spec, ws)
+    click.echo(f"# OpenAI server (trtllm-serve):\n{lines['trtllm_serve']}")
+    click.echo(f"# Triton (upstream's launcher, from a TensorRT-LLM 1.2.1 checkout):\n{lines['triton']}")
+    if launch.multi_node(spec):
+        click.echo(f"# {launch.world_size(spec)} ranks over {launch.node_count(spec)} hosts, under Slurm:")
+        click.echo(lines["trtllm_serve_multi_node"])
+        click.echo(lines["triton_multi_node"])
+    if manifests_dir is not None:
+        from toolchain.llmapi.manifests import write_manifests
+
+        for path in write_manifests(spec, ws, manifests_dir):
+            click.echo(f"# wrote {path}")
+    elif launch.multi_node(spec):
+        click.echo("# Slurm batch scripts and a Kubernetes LeaderWorkerSet: add --manifests DIR")
+
+
+def _print_llmapi_cpu(spec: DeploymentSpec, ws, server) -> None:
+    from toolchain.llmapi.launch import openai_cpu_command
+
+    click.echo(server.command_line())
+    click.echo(f"# OpenAI server on the same LLM() arguments:\n{shlex.join(openai_cpu_command(spec, ws))}")
+
+
+def _run_until_stopped(server, timeout: float, describe: str,
+                       models: str = "ensemble and tensorrt_llm_bls (text), tensorrt_llm (token ids)") -> None:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM ends the server like Ctrl-C
     try:
         server.start(timeout=timeout)
@@ -43,7 +76,7 @@ def _run_until_stopped(server, timeout: float, describe: str) -> None:
         click.echo(f"  HTTP     {server.urls['http']}")
         click.echo(f"  gRPC     {server.urls['grpc']}")
         click.echo(f"  metrics  {server.urls['metrics']}")
-        click.echo("  models   ensemble and tensorrt_llm_bls (text), tensorrt_llm (token ids)")
+        click.echo(f"  models   {models}")
         click.echo(f"  log      {server.log_path}")
         click.echo("Ctrl-C to stop")
         while server.running:
@@ -62,8 +95,12 @@ def _run_until_stopped(server, timeout: float, describe: str) -> None:
               help="Print the launch command (target trtllm: mpirun, container and Kubernetes lines) and exit.")
 @click.option("--timeout", type=float, default=None, metavar="SECONDS",
               help="Readiness timeout (default: serving.startup_timeout_s).")
+@click.option("--manifests", "manifests_dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
+              help="Target llmapi: write Slurm batch scripts and a Kubernetes LeaderWorkerSet + Service to DIR "
+                   "(implies --print).")
 @spec_command
-def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float | None) -> None:
+def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float | None,
+            manifests_dir: Path | None) -> None:
     """Serve model_repo/<name> for SPEC with tritonserver (one per rank under mpirun for
     target trtllm), print the endpoints, and stop cleanly on Ctrl-C or SIGTERM."""
     from toolchain.manifest import is_current
@@ -71,11 +108,31 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
 
     ws = ctx.workspace
     repo = ws.model_repo_dir(spec)
+    if manifests_dir is not None and spec.target != "llmapi":
+        raise ToolchainError(f"--manifests is for target llmapi, not {spec.target}",
+                             "set target: llmapi, or drop --manifests")
     if spec.target == "trtllm" and print_only:
         _print_trtllm(spec, ws)
         return
+    if spec.target == "llmapi":
+        if not (print_only or manifests_dir is not None):
+            raise ToolchainError("target llmapi serves on a GPU host with TensorRT-LLM 1.2.1, not from here",
+                                 "run `toolchain serve SPEC --print` and start its lines on that host")
+        _print_llmapi(spec, ws, manifests_dir)
+        return
     if not (repo / "manifest.json").is_file():
         raise ToolchainError(f"no model repository at {repo}", "run `toolchain model-repo SPEC` first")
+    if spec.target == "llmapi-cpu":
+        from toolchain.triton.server import TritonServer
+
+        # The LLM-API path has no engine: the repository's model.yaml points LLM() at the checkpoint.
+        server = TritonServer.from_spec(spec, repo, log_path=repo.parent / f"{spec.name}.tritonserver.log")
+        if print_only:
+            _print_llmapi_cpu(spec, ws, server)
+            return
+        _run_until_stopped(server, timeout or spec.serving.startup_timeout_s,
+                           f"{server.binary.source}: {server.binary.path}", models="tensorrt_llm (LLM API)")
+        return
     if not (ws.engine_dir(spec) / "config.json").is_file():
         raise ToolchainError(f"no engine at {ws.engine_dir(spec)}", "run `toolchain build-engine SPEC` first")
     log = repo.parent / f"{spec.name}.tritonserver.log"

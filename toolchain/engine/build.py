@@ -184,6 +184,9 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
               converted: bool = False) -> tuple[Manifest, bool]:
     """Build the engine for `spec`; returns (manifest, reused). Converts first
     unless the caller just did (`converted`, as `deploy` does)."""
+    if spec.llmapi_path:
+        raise ToolchainError(f"target {spec.target} has no engine to build: the PyTorch backend loads the checkpoint "
+                             "when the server starts", "run `toolchain model-repo SPEC` next")
     if not converted:
         # Imported here: the converter pulls in torch, which `plan` (a build-command
         # preview that must answer in well under two seconds) never needs.

@@ -15,7 +15,7 @@ from toolchain.archs.params import trained_positions
 from toolchain.plan import memory as mem
 from toolchain.plan.model import read_json
 from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
-from toolchain.plan.preflight import ENGINE, FAIL, PASS, SKIP, WARN, Context, check, this_host_memory_bytes
+from toolchain.plan.preflight import ENGINE, ENGINE_PATH, FAIL, PASS, SKIP, WARN, Context, check, this_host_memory_bytes
 
 NEEDS_TRTLLM = (SKIP, "applies to target trtllm")
 NO_MODEL = "model config not readable here; the stage reports why"
@@ -36,7 +36,7 @@ def _input_vs_seq(ctx: Context):
 
 
 @check("limits.num-tokens-vs-input", ENGINE,
-       "without chunked context max_num_tokens caps a prompt (TensorRT-LLM issue #2702)")
+       "without chunked context max_num_tokens caps a prompt (TensorRT-LLM issue #2702)", paths=ENGINE_PATH)
 def _num_tokens_vs_input(ctx: Context):
     if not ctx.trtllm:
         return NEEDS_TRTLLM
@@ -51,7 +51,7 @@ def _num_tokens_vs_input(ctx: Context):
 
 
 @check("limits.num-tokens-vs-block", ENGINE,
-       "with context FMHA max_num_tokens must hold one KV block (TensorRT-LLM _common.py)")
+       "with context FMHA max_num_tokens must hold one KV block (TensorRT-LLM _common.py)", paths=ENGINE_PATH)
 def _num_tokens_vs_block(ctx: Context):
     if not ctx.trtllm:
         return NEEDS_TRTLLM
@@ -77,7 +77,7 @@ def _seq_vs_positions(ctx: Context):
 
 # ---- KV cache (TensorRT-LLM kv-cache-reuse.md, builder.py; tensorrtllm_backend model_config.md) ---------------------
 @check("kv.paged-context-fmha", ENGINE,
-       "KV reuse and chunked context need paged context FMHA (TensorRT-LLM kv-cache-reuse.md)")
+       "KV reuse and chunked context need paged context FMHA (TensorRT-LLM kv-cache-reuse.md)", paths=ENGINE_PATH)
 def _paged_context_fmha(ctx: Context):
     if not ctx.trtllm:
         return NEEDS_TRTLLM
@@ -91,7 +91,7 @@ def _paged_context_fmha(ctx: Context):
 
 
 @check("kv.int8-disables-paged-fmha", ENGINE,
-       "an INT8 KV cache turns paged context FMHA off (TensorRT-LLM builder.py)")
+       "an INT8 KV cache turns paged context FMHA off (TensorRT-LLM builder.py)", paths=ENGINE_PATH)
 def _int8_kv(ctx: Context):
     if not ctx.trtllm:
         return NEEDS_TRTLLM
@@ -143,7 +143,7 @@ def _memory_fits(ctx: Context):
 
 
 @check("build.host-ram", ENGINE,
-       "parallel builds hold two rank checkpoints each in host RAM (TensorRT-LLM build.py --workers)")
+       "parallel builds hold two rank checkpoints each in host RAM (TensorRT-LLM build.py --workers)", paths=ENGINE_PATH)
 def _host_ram(ctx: Context):
     if not ctx.trtllm:
         return NEEDS_TRTLLM
@@ -161,7 +161,7 @@ def _host_ram(ctx: Context):
 
 
 @check("build.multiple-profiles", ENGINE,
-       "multiple_profiles and opt_num_tokens exclude each other (TensorRT-LLM build.py)")
+       "multiple_profiles and opt_num_tokens exclude each other (TensorRT-LLM build.py)", paths=ENGINE_PATH)
 def _multiple_profiles(ctx: Context):
     b = ctx.spec.build
     if b.multiple_profiles and b.opt_num_tokens is not None:
@@ -180,13 +180,13 @@ def _rope(ctx: Context, check_id: str):
     return PASS, f"rope type {scaling['type']}" if scaling else "no rope scaling"
 
 
-@check("rope.unknown-type", ENGINE, "TensorRT-LLM 1.2 rejects unknown rope types (functional.py RotaryScalingType)")
+@check("rope.unknown-type", ENGINE, "TensorRT-LLM 1.2 rejects unknown rope types (functional.py RotaryScalingType)", paths=ENGINE_PATH)
 def _rope_type(ctx: Context):
     return _rope(ctx, "rope.unknown-type")
 
 
 @check("rope.missing-keys", ENGINE,
-       "llama3/yarn/linear/dynamic scaling needs its keys (TensorRT-LLM layers/attention.py)")
+       "llama3/yarn/linear/dynamic scaling needs its keys (TensorRT-LLM layers/attention.py)", paths=ENGINE_PATH)
 def _rope_keys(ctx: Context):
     return _rope(ctx, "rope.missing-keys")
 
@@ -250,7 +250,7 @@ def _group_size(ctx: Context):
     return PASS, f"group size {q.group_size}"
 
 
-@check("quant.group-padding", ENGINE, "AWQ dims must be multiples of max(64, g) x tp (TensorRT-LLM issue #648)")
+@check("quant.group-padding", ENGINE, "AWQ dims must be multiples of max(64, g) x tp (TensorRT-LLM issue #648)", paths=ENGINE_PATH)
 def _group_padding(ctx: Context):
     q, p, tp = ctx.quant, _model(ctx), ctx.spec.parallelism.tp
     if not q.per_group or p is None:
@@ -277,7 +277,7 @@ def _group_padding(ctx: Context):
 
 
 @check("quant.weight-only-padding", ENGINE,
-       "weight-only dims must be multiples of 64 x tp (TensorRT-LLM quantization/layers.py)")
+       "weight-only dims must be multiples of 64 x tp (TensorRT-LLM quantization/layers.py)", paths=ENGINE_PATH)
 def _weight_only_padding(ctx: Context):
     q, p, tp = ctx.quant, _model(ctx), ctx.spec.parallelism.tp
     if p is None:
@@ -292,7 +292,7 @@ def _weight_only_padding(ctx: Context):
 
 
 @check("quant.lm-head-excluded", ("build-engine",), "lm_head (and for weight-only the embedding) stay unquantized "
-       "in the checkpoint's exclude_modules (TensorRT-LLM modeling_utils.py QuantConfig)")
+       "in the checkpoint's exclude_modules (TensorRT-LLM modeling_utils.py QuantConfig)", paths=ENGINE_PATH)
 def _lm_head_excluded(ctx: Context):
     if ctx.quant.method == "none":
         return PASS, "no weight quantization"
@@ -328,7 +328,7 @@ def _fp8_sm(ctx: Context):
 
 
 @check("quant.blackwell-int-formats", ENGINE,
-       "SM 100-119 rejects int8/int4 weight formats and INT8 KV (TensorRT-LLM builder.py)")
+       "SM 100-119 rejects int8/int4 weight formats and INT8 KV (TensorRT-LLM builder.py)", paths=ENGINE_PATH)
 def _blackwell(ctx: Context):
     q, dev = ctx.quant, ctx.device
     if dev is None or dev.sm is None or not 100 <= dev.sm < 120:

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from toolchain.netutil import port_in_use
-from toolchain.plan.preflight import FAIL, PASS, SERVING, SKIP, WARN, Context, check
+from toolchain.plan.preflight import ENGINE_PATH, FAIL, PASS, SERVING, SKIP, WARN, Context, check
 from toolchain.plan.versions import TENSORRT_VERSION, TRITON_IMAGE, TRTLLM_VERSION, in_line, tensorrt_of
 
 NOT_BUILT = (SKIP, "no engine built yet")
@@ -43,7 +43,7 @@ def _eos_resolved(ctx: Context):
 
 
 @check("eos.tokenizer-default", SERVING,
-       "the tokenizer's eos_token (preprocessing's end_id) must end a turn (preprocessing/1/model.py)")
+       "the tokenizer's eos_token (preprocessing's end_id) must end a turn (preprocessing/1/model.py)", paths=ENGINE_PATH)
 def _eos_default(ctx: Context):
     e, tok = ctx.eos, ctx.tokenizer
     if e is None or tok is None:
@@ -86,7 +86,7 @@ def _engine(ctx: Context, owner: bool = False):
 
 
 @check("triton.engine-dir", SERVING,
-       "the engine dir must hold config.json and one engine per rank (tensorrtllm_backend issue #61)")
+       "the engine dir must hold config.json and one engine per rank (tensorrtllm_backend issue #61)", paths=ENGINE_PATH)
 def _engine_dir(ctx: Context):
     cfg, early = _engine(ctx, owner=True)
     if cfg is None:
@@ -101,7 +101,7 @@ def _engine_dir(ctx: Context):
 
 
 @check("triton.engine-version", SERVING,
-       "engines load only in the TensorRT-LLM that built them (tensorrtllm_backend issue #531)")
+       "engines load only in the TensorRT-LLM that built them (tensorrtllm_backend issue #531)", paths=ENGINE_PATH)
 def _engine_version(ctx: Context):
     if not ctx.trtllm:
         return SKIP, "applies to target trtllm"
@@ -119,7 +119,7 @@ def _engine_version(ctx: Context):
 
 
 @check("triton.world-size", SERVING,
-       "MPI world size must equal the engine's tp x pp (tensorrtllm_backend README.md, Leader Mode)")
+       "MPI world size must equal the engine's tp x pp (tensorrtllm_backend README.md, Leader Mode)", paths=ENGINE_PATH)
 def _world_size(ctx: Context):
     cfg, early = _engine(ctx)
     if cfg is None:
@@ -133,7 +133,7 @@ def _world_size(ctx: Context):
 
 
 @check("triton.batch-size", SERVING,
-       "Triton's max_batch_size and beam width within the engine's (tensorrtllm_backend docs/model_config.md)")
+       "Triton's max_batch_size and beam width within the engine's (tensorrtllm_backend docs/model_config.md)", paths=ENGINE_PATH)
 def _batch_size(ctx: Context):
     cfg, early = _engine(ctx)
     if cfg is None:
@@ -149,7 +149,7 @@ def _batch_size(ctx: Context):
 
 
 @check("triton.kv-fraction", SERVING,
-       "KV fractions of models sharing a GPU must sum below 1 (tensorrtllm_backend docs/llama_multi_instance.md)")
+       "KV fractions of models sharing a GPU must sum below 1 (tensorrtllm_backend docs/llama_multi_instance.md)", paths=ENGINE_PATH)
 def _kv_fraction(ctx: Context):
     target = ctx.spec.serving.kv_cache_free_gpu_mem_fraction
     if ctx.spec.speculative.mode != "draft_target":
@@ -161,7 +161,7 @@ def _kv_fraction(ctx: Context):
     return PASS, f"target {target} + draft {draft} < 1"
 
 
-@check("triton.placeholders", SERVING, "no unfilled ${...} may reach tritonserver (tensorrtllm_backend issue #250)")
+@check("triton.placeholders", SERVING, "no unfilled ${...} may reach tritonserver (tensorrtllm_backend issue #250)", paths=ENGINE_PATH)
 def _placeholders(ctx: Context):
     if not ctx.artefacts:
         return SKIP, "the repository is rendered by this run"
@@ -178,7 +178,7 @@ def _placeholders(ctx: Context):
 
 # ---- launch (launch_triton_server.py; tensorrtllm_backend README.md) ------------------------------------------------
 @check("launch.multi-node", SERVING,
-       "ranks beyond one host need a hostfile (tensorrtllm_backend README.md, Leader Mode)")
+       "ranks beyond one host need a hostfile (tensorrtllm_backend README.md, Leader Mode)", paths=ENGINE_PATH)
 def _multi_node(ctx: Context):
     world, g = ctx.spec.parallelism.world_size, ctx.spec.gpu
     if g.hostfile is not None and not Path(g.hostfile).is_file():
@@ -198,7 +198,7 @@ def _tritonserver(ctx: Context) -> Path | None:
 
 
 @check("triton.backend-present", ("serve",),
-       "the tritonserver must ship the tensorrtllm backend (TensorRT-LLM PR #15907)")
+       "the tritonserver must ship the tensorrtllm backend (TensorRT-LLM PR #15907)", paths=ENGINE_PATH)
 def _backend_present(ctx: Context):
     if not ctx.trtllm:
         return PASS, "target cpu runs the Python backend"

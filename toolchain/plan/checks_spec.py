@@ -6,7 +6,7 @@ all_models/inflight_batcher_llm/tensorrt_llm_bls, tensorrtllm_backend issues #71
 
 from __future__ import annotations
 
-from toolchain.plan.preflight import ENGINE, FAIL, PASS, SERVING, WARN, Context, check
+from toolchain.plan.preflight import ENGINE, ENGINE_PATH, FAIL, PASS, SERVING, WARN, Context, check
 
 OFF = (PASS, "no speculative decoding")
 
@@ -27,7 +27,7 @@ NOT_ON_CPU = {
 }
 
 
-@check("spec.mode-runnable", ENGINE + SERVING, "the speculative mode must speculate once deployed")
+@check("spec.mode-runnable", ENGINE + SERVING, "the speculative mode must speculate once deployed", paths=ENGINE_PATH)
 def _mode_runnable(ctx: Context):
     mode = ctx.spec.speculative.mode
     if mode in NOT_YET:
@@ -41,7 +41,7 @@ def _mode_runnable(ctx: Context):
 
 @check("spec.medusa-heads", ENGINE + SERVING,
        "Medusa needs heads matching the target and a draft tree they can fill "
-       "(TensorRT-LLM tensorrt_llm/models/medusa/, examples/medusa/README.md)")
+       "(TensorRT-LLM tensorrt_llm/models/medusa/, examples/medusa/README.md)", paths=ENGINE_PATH)
 def _medusa(ctx: Context):
     sp = ctx.spec.speculative
     if sp.mode != "medusa":
@@ -73,7 +73,7 @@ def _medusa(ctx: Context):
 
 @check("spec.eagle-draft", ENGINE,
        "EAGLE needs a draft fitting the target, a Llama target, no quantization and a tree it can fill "
-       "(TensorRT-LLM tensorrt_llm/models/eagle/, examples/eagle/README.md)")
+       "(TensorRT-LLM tensorrt_llm/models/eagle/, examples/eagle/README.md)", paths=ENGINE_PATH)
 def _eagle_draft(ctx: Context):
     sp = ctx.spec.speculative
     if sp.mode != "eagle":
@@ -95,7 +95,7 @@ def _eagle_draft(ctx: Context):
                   f"(max_draft_len {shape.max_draft_len}, max_non_leaves_per_layer {shape.max_non_leaves_per_layer})")
 
 
-@check("spec.draft-len", ENGINE, "a draft length is needed and must stay below max_seq_len")
+@check("spec.draft-len", ENGINE, "a draft length is needed and must stay below max_seq_len", paths=ENGINE_PATH)
 def _draft_len(ctx: Context):
     sp, lim = ctx.spec.speculative, ctx.spec.limits
     if sp.mode == "none":
@@ -109,7 +109,7 @@ def _draft_len(ctx: Context):
 
 
 @check("spec.gather-context-logits", ENGINE,
-       "gather_context_logits with max_draft_len > 0 is an error (TensorRT-LLM build.py)")
+       "gather_context_logits with max_draft_len > 0 is an error (TensorRT-LLM build.py)", paths=ENGINE_PATH)
 def _gather(ctx: Context):
     if ctx.spec.speculative.mode == "none":
         return OFF
@@ -119,7 +119,7 @@ def _gather(ctx: Context):
 
 
 @check("spec.beam-search", ENGINE,
-       "beam search is not supported with speculative decoding (TensorRT-LLM speculative-decoding.md)")
+       "beam search is not supported with speculative decoding (TensorRT-LLM speculative-decoding.md)", paths=ENGINE_PATH)
 def _beam(ctx: Context):
     if ctx.spec.speculative.mode == "none":
         return OFF
@@ -130,7 +130,7 @@ def _beam(ctx: Context):
 
 
 @check("spec.eagle-limits", ENGINE,
-       "EAGLE needs pp 1, max_batch_size <= 512, max_draft_len <= 256 (TensorRT-LLM builder.py)")
+       "EAGLE needs pp 1, max_batch_size <= 512, max_draft_len <= 256 (TensorRT-LLM builder.py)", paths=ENGINE_PATH)
 def _eagle(ctx: Context):
     sp = ctx.spec.speculative
     if sp.mode != "eagle":
@@ -148,7 +148,7 @@ def _eagle(ctx: Context):
 
 
 @check("spec.lookahead-draft-len", ENGINE + SERVING,
-       "lookahead needs W, N, G and max_draft_len >= D (TensorRT-LLM lookahead README)")
+       "lookahead needs W, N, G and max_draft_len >= D (TensorRT-LLM lookahead README)", paths=ENGINE_PATH)
 def _lookahead(ctx: Context):
     sp = ctx.spec.speculative
     if sp.mode != "lookahead":
@@ -228,7 +228,7 @@ def tokenizer_mismatch(target_dir, draft_dir) -> str | None:
 
 
 @check("spec.draft-target-reuse", ENGINE,
-       "draft-target needs KV-cache reuse and paged context FMHA (TensorRT-LLM draft_target_model README)")
+       "draft-target needs KV-cache reuse and paged context FMHA (TensorRT-LLM draft_target_model README)", paths=ENGINE_PATH)
 def _draft_reuse(ctx: Context):
     if ctx.spec.speculative.mode not in ("draft_target", "ngram"):
         return PASS, "not draft-target"
@@ -240,7 +240,7 @@ def _draft_reuse(ctx: Context):
 
 
 @check("spec.draft-target-grpc-port", SERVING,
-       "upstream's BLS reaches the models' configs through localhost:8001 (tensorrt_llm_bls/1/model.py)")
+       "upstream's BLS reaches the models' configs through localhost:8001 (tensorrt_llm_bls/1/model.py)", paths=ENGINE_PATH)
 def _draft_port(ctx: Context):
     if ctx.spec.speculative.mode != "draft_target":
         return PASS, "not draft-target"
@@ -254,7 +254,7 @@ def _draft_port(ctx: Context):
 
 
 @check("spec.draft-target-decoupled", SERVING,
-       "speculation through the BLS cannot stream (tensorrt_llm_bls/1/lib/decode.py)")
+       "speculation through the BLS cannot stream (tensorrt_llm_bls/1/lib/decode.py)", paths=ENGINE_PATH)
 def _draft_stream(ctx: Context):
     mode = ctx.spec.speculative.mode
     if mode not in ("draft_target", "ngram"):
@@ -267,7 +267,7 @@ def _draft_stream(ctx: Context):
 
 @check("spec.ngram-no-triton", SERVING,
        "n-gram drafts come from the toolchain's BLS; the 1.2 engine backend has no n-gram mode "
-       "(TensorRT-LLM examples/ngram/README.md)")
+       "(TensorRT-LLM examples/ngram/README.md)", paths=ENGINE_PATH)
 def _ngram(ctx: Context):
     if ctx.spec.speculative.mode != "ngram":
         return PASS, "not n-gram"

@@ -188,7 +188,7 @@ def kv_dtype(spec, params: ArchParams, quant: QuantFormat) -> str:
     if quant.kv_cache != "none":
         return quant.kv_cache
     # The CPU engine computes in float32 and keeps its cache so (engine/cpu/kv_cache.py).
-    return "float32" if spec.target == "cpu" else weight_dtype(spec, params)
+    return "float32" if spec.on_cpu else weight_dtype(spec, params)
 
 
 def kv_dtype_bytes(name: str) -> int:

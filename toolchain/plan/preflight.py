@@ -23,6 +23,9 @@ PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 ENGINE = ("convert", "build-engine")
 SERVING = ("model-repo", "serve")
 GUARDED = ("convert", "build-engine", "model-repo", "serve", "deploy")
+# The two flows a spec can take: engines (targets trtllm, cpu) or the LLM API (llmapi, llmapi-cpu).
+ENGINE_PATH, LLMAPI_PATH = ("engine",), ("llmapi",)
+BOTH_PATHS = ENGINE_PATH + LLMAPI_PATH
 # Stages that read artefacts of earlier stages without rebuilding them; deploy
 # rebuilds first, so a stale engine there is not a finding.
 _ARTEFACT_STAGES = ("plan", "model-repo", "serve")
@@ -45,17 +48,20 @@ class Check:
     """Stages it guards; () = only `toolchain plan` (the stage enforces the rule itself)."""
     doc: str
     fn: Callable[["Context"], tuple[str, str]]
+    paths: tuple[str, ...] = BOTH_PATHS
+    """The flows it applies to: an engine-only rule (trtllm-build, the tensorrtllm backend) is no finding
+    on the LLM-API path, and the reverse."""
 
 
 REGISTRY: dict[str, Check] = {}
 
 
-def check(check_id: str, stages: tuple[str, ...], doc: str):
+def check(check_id: str, stages: tuple[str, ...], doc: str, paths: tuple[str, ...] = BOTH_PATHS):
     """Register a check function under a stable id."""
     def register(fn):
         if check_id in REGISTRY:
             raise ValueError(f"check id {check_id} registered twice")
-        REGISTRY[check_id] = Check(check_id, tuple(stages), doc, fn)
+        REGISTRY[check_id] = Check(check_id, tuple(stages), doc, fn, tuple(paths))
         return fn
     return register
 
@@ -131,7 +137,7 @@ def build_context(spec, stage: str = "plan", workspace=None, quant: QuantFormat 
 
 def _load_checks() -> None:
     # Importing registers them; kept out of module import to avoid a cycle.
-    from toolchain.plan import checks_engine, checks_serving, checks_spec  # noqa: F401
+    from toolchain.plan import checks_engine, checks_llmapi, checks_serving, checks_spec  # noqa: F401
 
 
 def applies(chk: Check, stage: str) -> bool:
@@ -155,8 +161,9 @@ def run_checks(ctx: Context, skip: tuple[str, ...] | list[str] = ()) -> list[Che
     """Run every check that applies to ctx.stage, in registration order."""
     check_skip_ids(skip)
     results = []
+    path = LLMAPI_PATH[0] if ctx.spec.llmapi_path else ENGINE_PATH[0]
     for chk in REGISTRY.values():
-        if not applies(chk, ctx.stage):
+        if not applies(chk, ctx.stage) or path not in chk.paths:
             continue
         if chk.id in skip:
             results.append(CheckResult(chk.id, SKIP, "skipped by --skip-check"))

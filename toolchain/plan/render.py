@@ -94,12 +94,18 @@ def render_text(report: dict) -> str:
         e = report["eos"]
         out.append(f"end ids: end_id {e['end_id']}, stop ids {e['stop_ids']}, pad_id {e['pad_id']} ({e['source']})")
     out.append("")
-    out.append("build:" if report.get("build_commands") else "build: toolchain build-engine (target cpu, no trtllm-build)")
+    if report.get("build_note"):
+        out.append(f"build: {report['build_note']}")
+    else:
+        out.append("build:" if report.get("build_commands") else "build: toolchain build-engine (target cpu, no trtllm-build)")
     for cmd in report.get("build_commands", []):
         out.append(f"  {cmd}")
     if report.get("launch_command"):
         out.append("launch:")
         out.append(f"  {report['launch_command']}")
+    if report.get("openai_command"):
+        out.append("OpenAI server:")
+        out.append(f"  {report['openai_command']}")
     out.append("")
     out.append("checks:")
     width = max((len(c["id"]) for c in report["checks"]), default=0)

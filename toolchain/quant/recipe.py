@@ -43,6 +43,9 @@ class Recipe:
     search: bool = True
     """AWQ's scale and clip search / SmoothQuant's smoothing. Off gives the
     round-to-nearest and plain-W8A8 baselines in the same layouts (benchmarks)."""
+    stored: bool = False
+    """The source checkpoint already holds this format (a ModelOpt Hugging Face-format import):
+    its tensors are read as stored, so nothing is computed and nothing calibrated."""
 
     @property
     def quant_algo(self) -> str | None:
@@ -54,7 +57,7 @@ class Recipe:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method in ("awq", "smoothquant", "fp8") or self.kv_cache != "none"
+        return not self.stored and (self.method in ("awq", "smoothquant", "fp8") or self.kv_cache != "none")
 
     @property
     def active(self) -> bool:
@@ -229,10 +232,14 @@ def check_recipe(recipe: Recipe, shape: ModelShape, *, tp: int, target: str = "c
                                  "TensorRT-LLM's per-group int4 supports 64 and 128 only; re-quantize with one")
         padded = _check_per_group(shape, pre.group_size, tp, "a checkpoint quantized with group size")
     if recipe.group_size not in GROUP_SIZES:
+        if recipe.stored:  # the checkpoint's own group size, not a spec field
+            raise ToolchainError(f"the checkpoint is quantized with group_size {recipe.group_size}",
+                                 "TensorRT-LLM's per-group int4 supports 64 and 128 only; re-export with one")
         raise ToolchainError(f"quantization.group_size {recipe.group_size} is not supported",
                              "TensorRT-LLM's per-group int4 implements 64 and 128 only (issue #988); use one of them")
     if recipe.method == "awq":
-        padded = _check_per_group(shape, recipe.group_size, tp, "quantization.group_size")
+        padded = _check_per_group(shape, recipe.group_size, tp, "a checkpoint quantized with group size"
+                                  if recipe.stored else "quantization.group_size")
     if recipe.method in ("int8_wo", "int4_wo") and target == "trtllm":
         m = 64 * tp
         for what, dim in (("hidden_size", shape.hidden_size), ("intermediate_size", shape.intermediate_size)):

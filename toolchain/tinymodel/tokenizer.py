@@ -23,6 +23,12 @@ SPECIAL_TOKENS = (BOS, EOS, PAD)  # ids 0, 1, 2 in this order
 # model never saw followed by a name, and greedy output degenerates.
 CODE_SPLIT = r"\n[ \t]*|\w+ ?|[^\s\w]+ ?|\s+"
 
+# A base model trained on source files has no dialogue format: a chat request's messages
+# become one document, each message's content on its own lines, which is what the model
+# continues. It lets OpenAI chat clients (and AIPerf's chat endpoint) talk to it.
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}{% endif %}")
+
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
@@ -64,4 +70,5 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None
     config_path = Path(out_dir) / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -53,3 +53,34 @@ def stop_group(proc: subprocess.Popen, wait_s: float) -> int:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     return proc.wait() if rc is None else rc
+
+
+class GroupServer:
+    """Stop, liveness and `with` support of a server that runs as one process group: the
+    subclass sets `process` (the Popen), `_log_fh` (its open log) and `stop_wait_s()`, and
+    defines `start()`."""
+
+    process: subprocess.Popen | None = None
+    _log_fh: IO[bytes] | None = None
+
+    def stop_wait_s(self) -> float:
+        raise NotImplementedError
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM the process group, wait (bounded), then SIGKILL it. Returns the exit code."""
+        proc, self.process = self.process, None
+        rc = stop_group(proc, self.stop_wait_s() if timeout is None else timeout) if proc is not None else None
+        if self._log_fh is not None:
+            self._log_fh.close()
+            self._log_fh = None
+        return rc
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def __enter__(self):
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -200,7 +200,12 @@ def render_repository(models: dict[str, ModelConfig], out: Path, target: str, he
 def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                    python_models: Path | str | None = None) -> Manifest:
     """Render `workspace.model_repo_dir(spec)`; reuse it when its manifest is current.
-    `python_models`: an upstream inflight_batcher_llm tree whose Python models to use."""
+    `python_models`: an upstream inflight_batcher_llm tree whose Python models to use (the
+    LLM-API path: upstream's llmapi model directory)."""
+    if spec.llmapi_path:
+        from toolchain.llmapi.repo import run_model_repo_llmapi
+
+        return run_model_repo_llmapi(spec, workspace, force=force, python_models=python_models)
     started = time.monotonic()
     repo_dir = workspace.model_repo_dir(spec)
     upstream = upstream_python_models(python_models) if python_models is not None else None

@@ -34,7 +34,7 @@ def _port_error(kind: str, host: str, port: int) -> ToolchainError:
                           f"stop whatever listens there or pass --set {_PORT_FIELDS[kind]}=<free port> (0 picks one)")
 
 
-class TritonServer:
+class TritonServer(procgroup.GroupServer):
     """One tritonserver process serving `repo_dir`. Use as a context manager or
     call `start()` / `stop()`."""
 
@@ -165,26 +165,8 @@ class TritonServer:
     def failure_cause(self, default: str = "see the log") -> str:
         return diagnose_log(self.log_text(), self.host, self.ports) or default
 
-    def stop(self, timeout: float | None = None) -> int | None:
-        """SIGTERM the process group, wait (bounded), then SIGKILL it. Returns the exit code."""
-        proc, self.process = self.process, None
-        rc = None
-        if proc is not None:
-            rc = procgroup.stop_group(proc, self.exit_timeout_s + 5 if timeout is None else timeout)
-        if self._log_fh is not None:
-            self._log_fh.close()
-            self._log_fh = None
-        return rc
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def __enter__(self) -> "TritonServer":
-        return self.start() if self.process is None else self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def stop_wait_s(self) -> float:
+        return self.exit_timeout_s + 5  # tritonserver's own exit timeout, then a margin
 
 
 def is_ready(url: str) -> bool:

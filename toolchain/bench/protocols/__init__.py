@@ -35,7 +35,7 @@ class Reply:
 class Stream:
     """Per-request bookkeeping shared by the transports: stamps, counts, cancellation."""
 
-    __slots__ = ("rec", "cancel_after", "tokens", "keep_text", "parts", "ids", "cumulative")
+    __slots__ = ("rec", "cancel_after", "tokens", "keep_text", "parts", "ids", "cumulative", "whole")
 
     def __init__(self, rec: RequestRecord, cancel_after: int | None, keep_text: bool):
         self.rec, self.cancel_after, self.keep_text = rec, cancel_after, keep_text
@@ -43,6 +43,13 @@ class Stream:
         self.parts: list[str] = []
         self.ids: list[int] = []
         self.cumulative = 0  # last cumulative server count seen (num_output_tokens)
+        self.whole = ""  # the last cumulative text seen (the LLM API's output.text)
+
+    def new_text(self, whole: str) -> str:
+        """The part of a cumulative text not seen before."""
+        new = whole[len(self.whole):] if whole.startswith(self.whole) else whole
+        self.whole = whole
+        return new
 
     def text(self, t_ns: int, text: str) -> bool:
         """A text chunk whose tokens the tokenizer counts later. Returns True to cancel now."""

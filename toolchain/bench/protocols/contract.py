@@ -6,8 +6,12 @@
 - token ids: the `tensorrt_llm` contract (`input_ids`, `input_lengths`,
   `request_output_len` -> `output_ids`): exact counts, and the bench sends token
   ids it made with the deployment tokenizer.
-- the LLM-API flavour (`sampling_param_*` inputs) and anything else are
-  refused with one line naming what the model declares.
+- llmapi: Triton's LLM-API model (`text_input`, `sampling_param_max_tokens`,
+  `streaming` -> `text_output`), where every streamed `text_output` is the whole
+  text so far (the LLM API's cumulative `output.text`): the transport keeps the
+  new part. Its contract has no end_id or min_tokens, so ignore_eos cannot be
+  forced there; token counts come from the tokenizer.
+- anything else is refused with one line naming what the model declares.
 
 Optional inputs are sent only when the model declares them.
 """
@@ -20,7 +24,7 @@ import numpy as np
 
 from toolchain.errors import ToolchainError
 
-TEXT, TOKEN_IDS = "text", "token-ids"
+TEXT, TOKEN_IDS, LLMAPI = "text", "token-ids", "llmapi"
 
 
 @dataclass
@@ -49,12 +53,8 @@ def detect(model: str, url: str, meta: dict, config: dict, *, streaming: bool) -
         kind = TOKEN_IDS
     elif {"text_input", "max_tokens"} <= inputs and "text_output" in outputs:
         kind = TEXT
-    elif any(i.startswith("sampling_param_") for i in inputs):
-        raise ToolchainError(
-            f"model '{model}' on {url} has the TensorRT-LLM LLM-API contract (sampling_param_* inputs), "
-            "not the ensemble/BLS text contract or the tensorrt_llm token-id contract",
-            "bench it through an OpenAI-compatible frontend (protocol openai-completions) or deploy the "
-            "inflight-batching repository")
+    elif {"text_input", "sampling_param_max_tokens"} <= inputs and "text_output" in outputs:
+        kind = LLMAPI
     else:
         shown = ", ".join(sorted(inputs)[:8]) or "none"
         raise ToolchainError(
@@ -62,7 +62,7 @@ def detect(model: str, url: str, meta: dict, config: dict, *, streaming: bool) -
             f"nor the token-id contract (input_ids, input_lengths, request_output_len -> output_ids); "
             f"its inputs: {shown}",
             "set validation.workload.endpoint to ensemble, tensorrt_llm_bls or tensorrt_llm")
-    stream_input = "stream" if kind == TEXT else "streaming"
+    stream_input = "stream" if kind == TEXT else "streaming"  # token ids and llmapi call it streaming
     if streaming and stream_input not in inputs:
         raise ToolchainError(f"model '{model}' on {url} has no '{stream_input}' input, so it cannot stream tokens",
                              "set validation.workload.streaming: false")
@@ -83,7 +83,17 @@ def request_tensors(c: Contract, *, text: str | None, ids: list[int] | None, max
         return np.array([[v]], np.bool_)
 
     out = []
-    if c.kind == TOKEN_IDS:
+    if c.kind == LLMAPI:
+        out += [("text_input", "BYTES", np.array([[text.encode("utf-8")]], np.object_)),
+                ("sampling_param_max_tokens", "INT32", i32(max_tokens))]
+        if "streaming" in c.inputs:
+            out.append(("streaming", "BOOL", flag(streaming)))
+        # Upstream's helpers default it to False, which would put the prompt in text_output.
+        if "sampling_param_exclude_input_from_output" in c.inputs:
+            out.append(("sampling_param_exclude_input_from_output", "BOOL", flag(True)))
+        if num_draft_tokens and "sampling_param_return_perf_metrics" in c.inputs:
+            out.append(("sampling_param_return_perf_metrics", "BOOL", flag(True)))
+    elif c.kind == TOKEN_IDS:
         out += [("input_ids", "INT32", np.asarray([ids], np.int32)), ("input_lengths", "INT32", i32(len(ids))),
                 ("request_output_len", "INT32", i32(max_tokens))]
         if "streaming" in c.inputs:

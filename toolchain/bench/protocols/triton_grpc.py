@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from toolchain.bench.protocols import Reply, Stream, short
-from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, TOKEN_IDS, Contract, record_drafts, detect, ready_or_raise, request_tensors,
+from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, LLMAPI, TOKEN_IDS, Contract, record_drafts, detect, ready_or_raise, request_tensors,
                                                 requested_outputs)
 from toolchain.errors import ToolchainError
 
@@ -227,6 +227,8 @@ class TritonGrpc:
             ids = ids[ids >= 0]  # beams are padded with -1
             return st.counted(t, int(ids.size), ids=ids.tolist())
         text = _strings(raw["text_output"]) if "text_output" in raw else None
+        if text is not None and self.contract.kind == LLMAPI:
+            text = st.new_text(text)
         record_drafts(st.rec, {n: np.frombuffer(raw[n], np.int32)[0] for n in DRAFT_OUTPUTS if n in raw})
         if "num_output_tokens" in raw:
             total = int(np.frombuffer(raw["num_output_tokens"], np.int32)[0])

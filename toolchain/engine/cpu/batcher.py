@@ -79,6 +79,7 @@ class RequestStats:
     paused: int = 0  # times it was paused (max_utilization)
     total_draft_tokens: int = 0  # draft_input_ids brought for verification
     total_accepted_draft_tokens: int = 0
+    finish_reason: str | None = None  # the sequence's: "length", "end_id", "stop_word", "cancelled", "error"
 
     @property
     def acceptance_rate(self) -> float:
@@ -242,6 +243,7 @@ class InflightBatcher:
             if not seq.finished:
                 seq.finish(reason)
             self.engine.release(seq)  # the blocks go back at once
+        req.stats.finish_reason = seq.reason if seq is not None else reason
         if req in self._running:
             self._running.remove(req)
             self._known.discard(req.request_id)
@@ -441,6 +443,7 @@ class InflightBatcher:
             req.stats.total_accepted_draft_tokens = seq.accepted_draft
             req.stats.total_draft_tokens = seq.drafted
             if seq.finished:
+                req.stats.finish_reason = seq.reason
                 self.engine.release(seq)
                 self._running.remove(req)
                 self._known.discard(req.request_id)

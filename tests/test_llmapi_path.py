@@ -1,0 +1,288 @@
+"""The LLM-API path's spec -> LLM() arguments, its plan checks, the Triton llmapi repository it
+renders, and the CPU stand-in for tensorrt_llm.LLM, each held against the facts read from
+TensorRT-LLM's own source (toolchain/upstream/facts/llmapi.json)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from conftest import write_spec
+from toolchain import upstream
+from toolchain.errors import ToolchainError
+from toolchain.spec import load_spec
+from toolchain.workspace import Workspace
+
+FACTS = upstream.facts("llmapi")
+
+
+def llmapi_spec(tmp_path, checkpoint, target="llmapi-cpu", **sections):
+    sections.setdefault("limits", {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128,
+                                   "max_num_tokens": 256})
+    sections.setdefault("serving", {"http_port": 0, "grpc_port": 0, "metrics_port": 0})
+    return load_spec(write_spec(tmp_path / "spec.yaml", checkpoint, target=target, **sections))
+
+
+def all_keys(args: dict) -> list[str]:
+    out = []
+    for key, value in args.items():
+        out.append(key)
+        if isinstance(value, dict) and key in ("kv_cache_config", "scheduler_config"):
+            out += [f"{key}.{sub}" for sub in value]
+    return out
+
+
+# ---- spec -> LLM() arguments ---------------------------------------------------------------------------------
+def test_every_argument_the_spec_derives_is_a_field_of_the_pinned_release(tmp_path, hf_llama):
+    from toolchain.llmapi.args import llm_args, llm_args_problem
+
+    spec = llmapi_spec(tmp_path, hf_llama, target="llmapi", quantization={"kv_cache": "fp8"},
+                       serving={"max_tokens_in_paged_kv_cache": 4096, "batch_scheduler_policy": "max_utilization"},
+                       speculative={"mode": "ngram", "max_draft_len": 4, "ngram_size": 3})
+    args = llm_args(spec, hf_llama)
+    fields = {"": FACTS["llm_args"]["fields"], "kv_cache_config": FACTS["kv_cache_config"]["fields"],
+              "scheduler_config": FACTS["scheduler_config"]["fields"]}
+    for key in all_keys(args):
+        section, _, name = key.rpartition(".")
+        assert name in fields[section], key
+    assert FACTS["llm_args"]["extra_forbidden"]  # why an unknown key must never reach a GPU host
+    assert args["tensor_parallel_size"] == 1 and args["max_num_tokens"] == 256
+    assert args["kv_cache_config"] == {"free_gpu_memory_fraction": 0.9, "enable_block_reuse": True,
+                                       "tokens_per_block": 32, "max_tokens": 4096, "dtype": "fp8"}
+    policies = FACTS["scheduler_config"]["policies"]["CapacitySchedulerPolicy"]["members"]
+    assert args["scheduler_config"]["capacity_scheduler_policy"] == "MAX_UTILIZATION" in policies
+    spec_cfg = args["speculative_config"]
+    ngram = FACTS["speculative"]["types"]["NGram"]
+    assert spec_cfg["decoding_type"] == "NGram" and "pytorch" in ngram["supports_backend"]["allows"]
+    assert set(spec_cfg) - {"decoding_type"} <= set(ngram["fields"]) | set(FACTS["speculative"]["base_fields"])
+    assert llm_args_problem(args) is None
+
+
+def test_draft_target_maps_onto_the_draft_target_decoding_config(tmp_path, hf_llama, hf_llama_tied):
+    from toolchain.llmapi.args import llm_args, llm_args_problem
+
+    spec = llmapi_spec(tmp_path, hf_llama, target="llmapi",
+                       speculative={"mode": "draft_target", "max_draft_len": 5, "draft_model": str(hf_llama_tied)})
+    cfg = llm_args(spec, hf_llama)["speculative_config"]
+    assert cfg == {"decoding_type": "DraftTarget", "max_draft_len": 5, "speculative_model_dir": str(hf_llama_tied)}
+    assert "speculative_model_dir" in FACTS["speculative"]["base_fields"]
+    assert FACTS["speculative"]["types"]["DraftTarget"]["supports_backend"]["allows"] == ["pytorch"]
+    assert llm_args_problem(llm_args(spec, hf_llama)) is None
+
+
+def test_engine_only_modes_are_the_ones_upstream_keeps_off_the_pytorch_backend():
+    from toolchain.llmapi.args import DECODING_TYPES, ENGINE_ONLY_MODES
+
+    types = FACTS["speculative"]["types"]
+    for name in ("Medusa", "Lookahead"):
+        assert "pytorch" in types[name]["supports_backend"]["excludes"], name
+    assert {"medusa", "lookahead"} <= set(ENGINE_ONLY_MODES)
+    for mode, kind in DECODING_TYPES.items():
+        assert "pytorch" in types[kind]["supports_backend"]["allows"], mode
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"tensor_paralel_size": 2}, "did you mean 'tensor_parallel_size'"),
+    ({"kv_cache_config": {"enable_partial_reus": True}}, "kv_cache_config.enable_partial_reus"),
+    ({"tensor_parallel_size": 2}, "derived from parallelism.tp"),
+    ({"kv_cache_config": {"free_gpu_memory_fraction": 0.5}}, "serving.kv_cache_free_gpu_mem_fraction"),
+])
+def test_bad_llmapi_options_fail_the_plan_in_one_line(tmp_path, hf_llama, options, fragment):
+    from toolchain.plan.preflight import build_context, run_checks
+
+    spec = llmapi_spec(tmp_path, hf_llama, llmapi={"options": options})
+    results = {r.id: r for r in run_checks(build_context(spec, "plan", Workspace(tmp_path)))}
+    assert results["llmapi.options"].status == "fail" and fragment in results["llmapi.options"].message
+    assert "\n" not in results["llmapi.options"].message
+
+
+def test_known_options_pass_and_reach_model_yaml(tmp_path, hf_llama):
+    from toolchain.llmapi.args import llm_args, options_problem
+
+    options = {"kv_cache_config": {"enable_partial_reuse": False}, "cuda_graph_config": {"max_batch_size": 4},
+               "stream_interval": 2}
+    spec = llmapi_spec(tmp_path, hf_llama, llmapi={"options": options})
+    assert options_problem(spec) is None
+    args = llm_args(spec, hf_llama)
+    assert args["kv_cache_config"]["enable_partial_reuse"] is False and args["kv_cache_config"]["tokens_per_block"] == 32
+    assert args["cuda_graph_config"] == {"max_batch_size": 4} and args["stream_interval"] == 2
+
+
+@pytest.mark.parametrize("target, sections, check, fragment", [
+    ("llmapi", {"speculative": {"mode": "medusa", "max_draft_len": 4}}, "llmapi.speculative", "engine"),
+    ("llmapi", {"speculative": {"mode": "lookahead"}}, "llmapi.speculative", "engine runtime"),
+    ("llmapi", {"quantization": {"method": "smoothquant"}}, "llmapi.quantization", "PyTorch backend"),
+    ("llmapi", {"quantization": {"method": "int4_wo"}}, "llmapi.quantization", "awq"),
+    ("llmapi", {"quantization": {"kv_cache": "int8"}}, "llmapi.quantization", "fp8"),
+    ("llmapi-cpu", {"speculative": {"mode": "ngram", "max_draft_len": 4}}, "llmapi.speculative", "CPU stand-in"),
+])
+def test_what_the_pytorch_backend_cannot_run_is_refused_at_plan_time(tmp_path, hf_llama, target, sections, check,
+                                                                     fragment):
+    from toolchain.plan.preflight import build_context, run_checks
+
+    spec = llmapi_spec(tmp_path, hf_llama, target=target, gpu={"name": "H100 80GB"} if target == "llmapi" else {},
+                       **sections)
+    results = {r.id: r for r in run_checks(build_context(spec, "plan", Workspace(tmp_path)))}
+    assert results[check].status == "fail" and fragment in results[check].message, results[check]
+    # Engine-only rules are no finding on this path.
+    assert not {"spec.mode-runnable", "triton.engine-dir", "build.multiple-profiles"} & set(results)
+
+
+# ---- the Triton llmapi repository --------------------------------------------------------------------------
+def test_repository_has_upstreams_tensors_and_model_yaml_from_the_spec(tmp_path, hf_llama):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    from toolchain.checkpoint.stage import run_convert
+    from toolchain.triton.repo import run_model_repo
+
+    spec = llmapi_spec(tmp_path, hf_llama, parallelism={"tp": 2})
+    ws = Workspace(tmp_path)
+    assert run_convert(spec, ws).outputs["model_dir"] == str(hf_llama.resolve())  # served as it is
+    run_model_repo(spec, ws)
+    repo = ws.model_repo_dir(spec)
+    assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == ["tensorrt_llm"]
+    cfg = text_format.Parse((repo / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig())
+    tm = FACTS["triton_model"]
+    got_inputs = {i.name: (pb.DataType.Name(i.data_type), list(i.dims), i.optional) for i in cfg.input}
+    assert got_inputs == {n: (e["data_type"], e["dims"], e["optional"]) for n, e in tm["inputs"].items()}
+    assert {o.name for o in cfg.output} == set(tm["outputs"])
+    assert cfg.backend == tm["backend"] == "python"
+    data = yaml.safe_load((repo / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    triton = data.pop("triton_config")
+    # Written in config.pbtxt too: the launcher's --disable-auto-complete-config skips auto_complete_config.
+    assert cfg.max_batch_size == triton["max_batch_size"] == 0
+    assert cfg.model_transaction_policy.decoupled is triton["decoupled"] is True
+    rules = FACTS["triton_model_code"]["rules"]
+    assert rules["triton_config_decoupled_required"]["value"]["key"] in triton
+    assert rules["triton_config_max_batch_size_required"]["value"]["key"] in triton
+    assert data["model"] == str(hf_llama.resolve()) and data["tensor_parallel_size"] == 2
+    assert set(all_keys(data)) <= set(FACTS["llm_args"]["fields"]) | {
+        f"{s}.{k}" for s in ("kv_cache_config", "scheduler_config") for k in FACTS[s]["fields"]}
+    serve = yaml.safe_load((repo / "trtllm-serve.yaml").read_text())
+    assert serve == {k: v for k, v in data.items() if k != "model"}
+
+
+def test_target_llmapi_needs_upstreams_model_py_and_copies_it(tmp_path, hf_llama):
+    from toolchain.triton.repo import run_model_repo
+
+    spec = llmapi_spec(tmp_path, hf_llama, target="llmapi")
+    ws = Workspace(tmp_path)
+    with pytest.raises(ToolchainError, match="--python-models"):
+        run_model_repo(spec, ws)
+    upstream_dir = tmp_path / "llmapi" / "tensorrt_llm" / "1"
+    upstream_dir.mkdir(parents=True)
+    (upstream_dir / "model.py").write_text("# upstream model\n")
+    (upstream_dir / "helpers.py").write_text("# upstream helpers\n")
+    run_model_repo(spec, ws, python_models=tmp_path / "llmapi")
+    version = ws.model_repo_dir(spec) / "tensorrt_llm" / "1"
+    assert (version / "model.py").read_text() == "# upstream model\n"
+    assert (version / "helpers.py").read_text() == "# upstream helpers\n"
+
+
+def test_build_engine_is_a_clear_no_op_on_this_path(tmp_path, hf_llama, capsys):
+    from toolchain.cli import main as cli_main
+    from toolchain.engine.build import run_build
+
+    spec = llmapi_spec(tmp_path, hf_llama)
+    with pytest.raises(ToolchainError, match="no engine to build"):
+        run_build(spec, Workspace(tmp_path), converted=True)
+    assert cli_main(["--root", str(tmp_path), "build-engine", str(spec.source)]) == 0
+    assert "no engine to build" in capsys.readouterr().out
+
+
+# ---- the CPU stand-in for tensorrt_llm.LLM -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cpu_llm(hf_llama_words):
+    from toolchain.llmapi.cpu_llm import CpuLLM
+
+    llm = CpuLLM(model=str(hf_llama_words), backend="pytorch", tensor_parallel_size=2, max_batch_size=4,
+                 max_seq_len=128, max_num_tokens=256, kv_cache_config={"free_gpu_memory_fraction": 0.5,
+                                                                       "max_tokens": 2048})
+    yield llm
+    llm.shutdown()
+
+
+def run(llm, prompt, streaming=False, **sampling):
+    import threading
+
+    from toolchain.llmapi.cpu_llm import SamplingParams
+
+    seen, done = [], threading.Event()
+
+    def on_output(out):
+        c = out.outputs[0]
+        seen.append((c.text, c.text_diff, out.finished, list(c.token_ids)))
+        if out.finished:
+            done.set()
+
+    llm.generate_async(prompt, SamplingParams.from_kwargs(sampling), streaming, on_output=on_output)
+    assert done.wait(60)
+    return seen
+
+
+@pytest.mark.slow
+def test_greedy_text_equals_the_engine_paths_cpu_engine(cpu_llm, hf_llama_words, tmp_path):
+    from toolchain.engine.cpu import CpuEngine, SamplingParams
+
+    prompt = "w5 w6 w7 w8"
+    ids = cpu_llm.encode(prompt)
+    want = cpu_llm.engine.generate(ids, SamplingParams(max_new_tokens=10, end_id=-1))
+    seen = run(cpu_llm, prompt, max_tokens=10, ignore_eos=True, top_k=1)
+    assert seen[-1][0] == cpu_llm.tokenizer.decode(want, skip_special_tokens=True)
+    assert isinstance(cpu_llm.engine, CpuEngine) and cpu_llm.spec.parallelism.tp == 2
+
+
+@pytest.mark.slow
+def test_streamed_text_is_cumulative_and_text_diff_is_the_new_part(cpu_llm):
+    seen = run(cpu_llm, "w9 w10 w11", streaming=True, max_tokens=6, ignore_eos=True)
+    texts = [t for t, _, _, _ in seen]
+    assert len(seen) == 6 and seen[-1][2] and not any(s[2] for s in seen[:-1])
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(5))
+    assert "".join(s[1] for s in seen) == texts[-1]
+
+
+@pytest.mark.slow
+def test_defaults_and_options_follow_the_llm_apis_sampling_params(cpu_llm):
+    # max_tokens defaults to 32; exclude_input_from_output=False puts the prompt's tokens in the output.
+    assert len(run(cpu_llm, "w20 w21", ignore_eos=True)[-1][3]) == 32
+    echoed = run(cpu_llm, "w20 w21", max_tokens=3, ignore_eos=True, exclude_input_from_output=False)[-1]
+    prompt = cpu_llm.encode("w20 w21")
+    assert echoed[3][:len(prompt)] == prompt and len(echoed[3]) == len(prompt) + 3 and echoed[0].startswith("w20 w21")
+
+
+@pytest.mark.slow
+def test_a_stop_string_ends_generation_and_is_left_out(cpu_llm):
+    full = run(cpu_llm, "w30 w31", max_tokens=8, ignore_eos=True)[-1][3]
+    words = [cpu_llm.tokenizer.decode([t]) for t in full]
+    cut = next(i for i in range(2, 8) if full[i] > 2)  # an ordinary word, not a special token
+    seen = run(cpu_llm, "w30 w31", max_tokens=8, ignore_eos=True, stop=[words[cut]])
+    first = full.index(full[cut])
+    assert seen[-1][3] == full[:first]
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"tensor_parallel_size": 2, "not_a_field": 1}, "unknown LLM-API argument 'not_a_field'"),
+    ({"backend": "tensorrt"}, "backend 'tensorrt'"),
+    ({"scheduler_config": {"capacity_scheduler_policy": "STATIC_BATCH"}}, "STATIC_BATCH"),
+    ({"speculative_config": {"decoding_type": "Medusa", "max_draft_len": 4}}, "speculative_config"),
+])
+def test_the_stand_in_refuses_what_the_real_llm_refuses_or_cannot_run(hf_llama_words, kwargs, fragment):
+    from toolchain.llmapi.cpu_llm import CpuLLM, LlmArgsError
+
+    with pytest.raises(LlmArgsError, match=fragment):
+        CpuLLM(model=str(hf_llama_words), **kwargs)
+
+
+@pytest.mark.parametrize("sampling, fragment", [
+    ({"best_of": 2}, "Greedy decoding in the LLM API does not allow multiple returns"),
+    ({"n": 2, "best_of": 1}, "best_of (1) cannot be less than n (2)"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"no_such_field": 1}, "no_such_field"),
+])
+def test_sampling_params_the_llm_api_refuses(sampling, fragment):
+    from toolchain.llmapi.cpu_llm import LlmArgsError, SamplingParams
+
+    with pytest.raises(LlmArgsError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        SamplingParams.from_kwargs(sampling)

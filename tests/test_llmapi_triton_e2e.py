@@ -1,0 +1,206 @@
+"""Target llmapi-cpu served for real: Triton's llmapi request contract on tritonserver with the
+CPU stand-in for tensorrt_llm.LLM, the OpenAI server started from the same LLM() arguments, and
+`toolchain deploy` of the shipped example spec."""
+
+from __future__ import annotations
+
+import json
+import queue
+import urllib.request
+
+import numpy as np
+import pytest
+
+from conftest import REPO, write_spec
+from toolchain.spec import load_spec
+from toolchain.workspace import Workspace
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def llmapi_inputs(prompt: str, **values) -> list:
+    """One request of the llmapi contract (max_batch_size 0: the declared dims are the whole shape)."""
+    import tritonclient.grpc as grpcclient
+
+    kinds = {bool: ("BOOL", np.bool_), int: ("INT32", np.int32), float: ("FP32", np.float32)}
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
+    out = [text]
+    for name, value in values.items():
+        if isinstance(value, list):  # sampling_param_stop: strings
+            t = grpcclient.InferInput(name, [len(value)], "BYTES")
+            t.set_data_from_numpy(np.array([v.encode() for v in value], dtype=object))
+        else:
+            dtype, np_type = kinds[type(value)]
+            t = grpcclient.InferInput(name, [1], dtype)
+            t.set_data_from_numpy(np.array([value], dtype=np_type))
+        out.append(t)
+    return out
+
+
+def collect(url: str, inputs: list, request_id: str = "r1", timeout: float = 60.0):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    responses, errors = [], []
+    try:
+        client.async_stream_infer("tensorrt_llm", inputs, request_id=request_id, enable_empty_final_response=True)
+        while True:
+            result, error = got.get(timeout=timeout)
+            if error is not None:
+                errors.append(str(error))
+                break
+            responses.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    return responses, errors
+
+
+def texts(responses) -> list[str]:
+    return [r.as_numpy("text_output")[0].decode() for r in responses if r.as_numpy("text_output") is not None]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, hf_llama_words):
+    from toolchain.checkpoint.stage import run_convert
+    from toolchain.triton.repo import run_model_repo
+    from toolchain.triton.server import TritonServer
+
+    root = tmp_path_factory.mktemp("llmapi-e2e")
+    spec = load_spec(write_spec(root / "spec.yaml", hf_llama_words, target="llmapi-cpu", parallelism={"tp": 2},
+                                limits={"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128,
+                                        "max_num_tokens": 256},
+                                serving={"http_port": 0, "grpc_port": 0, "metrics_port": 0,
+                                         "max_tokens_in_paged_kv_cache": 2048}))
+    ws = Workspace(root)
+    run_convert(spec, ws)
+    run_model_repo(spec, ws)
+    with TritonServer.from_spec(spec, ws.model_repo_dir(spec), log_path=root / "server.log") as server:
+        yield spec, ws, server
+
+
+def test_streaming_responses_carry_the_whole_text_so_far(served):
+    _, _, server = served
+    responses, errors = collect(server.grpc_url, llmapi_inputs(
+        "w5 w6 w7", streaming=True, sampling_param_max_tokens=6, sampling_param_exclude_input_from_output=True,
+        return_finish_reason=True))
+    assert not errors
+    got = texts(responses)
+    assert len(got) == 6 and all(got[i + 1].startswith(got[i]) for i in range(5))
+    assert responses[-1].as_numpy("finish_reason")[0] == b"length"
+
+    single, errors = collect(server.grpc_url, llmapi_inputs(
+        "w5 w6 w7", sampling_param_max_tokens=6, sampling_param_exclude_input_from_output=True))
+    assert not errors and texts(single) == [got[-1]]  # not streaming: one response, the same text
+
+
+def test_upstreams_default_puts_the_prompt_in_text_output(served):
+    """helpers.py defaults sampling_param_exclude_input_from_output to False (the LLM API's own
+    default is True): the prompt's tokens come back in front of the generated ones."""
+    _, _, server = served
+    responses, errors = collect(server.grpc_url, llmapi_inputs("w5 w6 w7", sampling_param_max_tokens=2,
+                                                               sampling_param_top_k=1))
+    assert not errors and texts(responses)[0].startswith("w5 w6 w7 ")
+
+
+def test_perf_metrics_outputs_come_with_return_perf_metrics(served):
+    _, _, server = served
+    responses, errors = collect(server.grpc_url, llmapi_inputs(
+        "w40 w41 w42", sampling_param_max_tokens=3, sampling_param_return_perf_metrics=True,
+        sampling_param_exclude_input_from_output=True))
+    assert not errors
+    last = responses[-1]
+    times = [int(last.as_numpy(n)[0]) for n in ("arrival_time_ns", "first_scheduled_time_ns",
+                                                "first_token_time_ns", "last_token_time_ns")]
+    assert times == sorted(times) and times[0] > 0
+    assert int(last.as_numpy("kv_cache_alloc_total_blocks")[0]) >= 1
+
+
+def test_stop_with_the_request_id_ends_an_inflight_request(served):
+    """As upstream's handle_stop_request: the stop request is answered "Request cancelled by client"
+    and the stopped request ends early with a normal final response."""
+    import tritonclient.grpc as grpcclient
+
+    _, _, server = served
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        client.async_stream_infer("tensorrt_llm", llmapi_inputs(
+            "w50 w51", streaming=True, sampling_param_max_tokens=120, sampling_param_exclude_input_from_output=True,
+            return_finish_reason=True), request_id="long", enable_empty_final_response=True)
+        first, error = got.get(timeout=60)
+        assert error is None
+        _, stop_errors = collect(server.grpc_url, llmapi_inputs("", stop=True), request_id="long")
+        responses = [first]
+        while not responses[-1].get_response().parameters["triton_final_response"].bool_param:
+            result, error = got.get(timeout=60)
+            assert error is None, error
+            responses.append(result)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert stop_errors and "Request cancelled by client" in stop_errors[0]
+    assert len(texts(responses)) < 120 and responses[-1].as_numpy("finish_reason")[0] == b"cancelled"
+
+
+@pytest.mark.parametrize("inputs, fragment", [
+    (lambda: llmapi_inputs("w5", streaming=True, sampling_param_max_tokens=0), "max_tokens"),
+    (lambda: llmapi_inputs("w5", sampling_param_max_tokens=2, sampling_param_best_of=2), "Greedy decoding"),
+    (lambda: llmapi_inputs("w5 " * 70, sampling_param_max_tokens=2), "max_input_len"),
+])
+def test_bad_requests_get_one_error_and_the_server_keeps_serving(served, inputs, fragment):
+    _, _, server = served
+    _, errors = collect(server.grpc_url, inputs())
+    assert errors and fragment in errors[0]
+    after, errors = collect(server.grpc_url, llmapi_inputs("w5 w6", sampling_param_max_tokens=2))
+    assert not errors and texts(after)
+
+
+def test_the_openai_server_runs_the_same_llm_arguments(served):
+    from toolchain.llmapi.launch import serve_config_path
+    from toolchain.llmapi.stage import served_model_dir
+    from toolchain.openai.server import OpenAIServer
+
+    spec, ws, server = served
+    triton, errors = collect(server.grpc_url, llmapi_inputs(
+        "w60 w61 w62", sampling_param_max_tokens=5, sampling_param_top_k=1,
+        sampling_param_exclude_input_from_output=True))
+    assert not errors
+    with OpenAIServer(None, None, "tiny", model=served_model_dir(spec, ws), config=serve_config_path(spec, ws)) as api:
+        body = json.dumps({"model": "tiny", "prompt": "w60 w61 w62", "max_tokens": 5, "top_k": 1}).encode()
+        req = urllib.request.Request(f"{api.url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            answer = json.loads(resp.read())
+    assert answer["choices"][0]["text"].strip() == texts(triton)[-1].strip()
+
+
+def test_an_unknown_key_in_the_serve_config_stops_the_openai_server_at_start(tmp_path, hf_llama_words):
+    from toolchain.errors import ToolchainError
+    from toolchain.openai.server import OpenAIServer
+
+    config = tmp_path / "bad.yaml"
+    config.write_text("max_num_tokenz: 128\n")
+    with pytest.raises(ToolchainError, match="max_num_tokenz"):
+        OpenAIServer(None, None, "tiny", model=hf_llama_words, config=config).start(timeout=120)
+
+
+def test_deploy_of_the_shipped_llmapi_spec_serves_both_and_writes_both_reports(tmp_path):
+    from toolchain.cli import main as cli_main
+
+    spec = REPO / "build" / "tiny-llama-llmapi.yaml"
+    overrides = ["serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0", "llmapi.openai_port=0",
+                 "validation.workload.num_requests=8", "validation.workload.warmup_requests=1"]
+    args = ["--root", str(tmp_path), "deploy", str(spec)] + [a for o in overrides for a in ("--set", o)]
+    assert cli_main(args) == 0
+    reports = tmp_path / "reports" / "tiny-llama-llmapi"
+    triton = json.loads((reports / "report.json").read_text())
+    openai = json.loads((reports / "openai" / "report.json").read_text())
+    assert triton["errors"] == 0 and triton["num_requests"] == 8 and triton["ttft_ms"]["p50"] > 0
+    assert openai["errors"] == 0 and openai["num_requests"] == 8 and openai["ttft_ms"]["p50"] > 0
+    assert triton["protocol"] == "triton-grpc" and triton["transport"]["contract"] == "llmapi"

@@ -1,0 +1,486 @@
+"""Pre-quantized Hugging Face checkpoints for the LLM-API (PyTorch backend) path, and back.
+
+TensorRT-LLM's PyTorch backend loads the unified HF format of NVIDIA ModelOpt's
+`export_hf_checkpoint` (facts from nvidia-modelopt 0.47.0, modelopt/torch/export/
+unified_export_hf.py, quant_utils.py, convert_hf_config.py; layouts checked against
+/work/shared/reference/layouts-hf):
+
+- HF module names kept, nothing fused or sharded; unquantized tensors in the model dtype.
+- FP8: `weight` e4m3 (out, in) = W / s, scalar float32 `weight_scale` s = amax(W) / 448 per
+  module (the HF export does not unify q/k/v or gate/up scales; TensorRT-LLM's fused loader
+  re-quantizes them to the max, tensorrt_llm/_torch/modules/linear.py FP8QDQLinearMethod),
+  scalar float32 `input_scale` = amax(x) / 448.
+- W4A16_AWQ: `weight` uint8 (out/2, in), byte [j, k] = row 2j low nibble | row 2j+1 high
+  nibble, signed 4-bit two's complement, no zero point (`pack_int4_in_uint8`); float32
+  `weight_scale` (out, in/g) = amax / 7; `pre_quant_scale` (in,) in the model dtype. Linears
+  sharing a norm's output (q/k/v, gate/up) share one pre_quant_scale, which the exporter folds
+  into that norm's weight and drops (`fuse_prequant_layernorm`); o_proj and down_proj keep theirs.
+- FP8 KV cache: scalar float32 `self_attn.k_proj.k_scale` / `self_attn.v_proj.v_scale`
+  = amax / 448, not clamped (the clamp to >= 1 is the TensorRT-LLM-checkpoint exporter's).
+- hf_quant_config.json {producer, quantization{quant_algo, kv_cache_quant_algo, [group_size,
+  has_zero_point, pre_quant_scale], exclude_modules}}; config.json gains `quantization_config`
+  {config_groups (FP8 only), ignore, quant_algo, kv_cache_scheme (FP8 KV), producer,
+  quant_method: "modelopt"}.
+
+The math is the engine path's (toolchain.quant: the AWQ search, FP8 scales, KV scales from
+the same calibration statistics), so only the layout differs; `hf_quantized_to_engine_tensors`
+maps such a directory back onto the engine checkpoint the CPU engine runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors.torch import save_file
+
+from toolchain import __version__
+from toolchain.archs import load_params
+from toolchain.archs.common import NameTable, Shard, trt_name
+from toolchain.checkpoint.hf_reader import HFCheckpoint
+from toolchain.errors import ToolchainError
+from toolchain.quant import awq as awq_q
+from toolchain.quant import fp8 as fp8_q
+from toolchain.quant.int_quant import pack_int4
+from toolchain.quant.recipe import Recipe, is_excluded, per_group_multiple
+
+PRODUCER = {"name": "trtllm-toolchain", "version": __version__}
+ALWAYS_IGNORED = ["lm_head", "model.embed_tokens"]
+ENGINE_EXCLUDED = ["lm_head", "transformer.vocab_embedding"]
+# (calibration slot, HF linears sharing that input, the norm producing it or None)
+GROUPS = (("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
+          ("dense", ("self_attn.o_proj",), None),
+          ("mlp", ("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
+          ("proj", ("mlp.down_proj",), None))
+COMPANIONS = ("weight_scale", "input_scale", "pre_quant_scale", "k_scale", "v_scale")
+ALGO = {"fp8": "FP8", "awq": "W4A16_AWQ"}
+FORMAT_NAME = {"FP8": "fp8", "W4A16_AWQ": "int4_awq", None: "kv_fp8"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+MAX_SHARD_BYTES = 10 * 10 ** 9  # the exporter's default max_shard_size "10GB"
+HINT = ("for the LLM-API path use quantization.method awq or fp8 with kv_cache none or fp8; "
+        "the engine path takes the others")
+
+
+def hf_quant_problem(quantization) -> str | None:
+    """Why the PyTorch backend cannot load this spec `quantization` section pre-quantized in the
+    HF format, or None. Pure: reads `.method` and `.kv_cache` only, so the planner can call it."""
+    method, kv = quantization.method, quantization.kv_cache
+    if method in ("int8_wo", "int4_wo"):
+        # Round-to-nearest weight-only has no pre-quantized HF layout in ModelOpt's exporter that
+        # the backend reads as such (W8A16 exports fp weights; W4A16 per channel does not exist).
+        return (f"quantization.method {method} has no pre-quantized Hugging Face format the PyTorch backend "
+                "loads; use awq (int4 per group) or fp8")
+    if method == "smoothquant":
+        # tensorrt_llm/_torch/modules/linear.py get_quant_method has no W8A8_SQ_PER_CHANNEL branch:
+        # the backend raises "unsupported quant mode" for it.
+        return ("quantization.method smoothquant (W8A8_SQ_PER_CHANNEL) does not load on the PyTorch backend; "
+                "use fp8 or awq")
+    if kv == "int8":
+        return "quantization.kv_cache int8 has no Hugging Face export the PyTorch backend loads; use fp8 or none"
+    if method == "none" and kv == "none":
+        return "quantization.method none and kv_cache none: nothing to pre-quantize; the backend loads the model as is"
+    if method not in ("fp8", "awq", "none") or kv not in ("fp8", "none"):
+        return (f"quantization.method {method} / kv_cache {kv} is not exported to the Hugging Face format; "
+                "use fp8 or awq")
+    return None
+
+
+def recipe_of_section(q) -> Recipe:
+    """The spec's QuantizationSection as the quantizers' recipe (same fields as the engine path)."""
+    c = q.calibration
+    return Recipe(method=q.method, group_size=q.group_size, alpha=q.alpha, kv_cache=q.kv_cache,
+                  rounding=q.rounding, exclude_modules=tuple(q.exclude_modules), calibration_dataset=c.dataset,
+                  calibration_samples=c.samples, calibration_seq_len=c.seq_len)
+
+
+# -- configs ----------------------------------------------------------------------------
+
+def quant_configs(algo: str | None, kv: str | None, group: int, excluded: list[str]) -> tuple[dict, dict]:
+    """(hf_quant_config.json, config.json `quantization_config`) as the exporter writes them."""
+    q: dict = {"quant_algo": algo, "kv_cache_quant_algo": kv}
+    if algo == "W4A16_AWQ":
+        q.update(group_size=group, has_zero_point=False, pre_quant_scale=True)
+    if algo is not None:
+        q["exclude_modules"] = sorted(ALWAYS_IGNORED + excluded)
+    else:  # KV cache only: no quantized layer, so the per-layer table stays and no exclude list is summarised
+        q["quantized_layers"] = {}
+    hf_quant = {"producer": dict(PRODUCER), "quantization": q}
+    qc: dict = {}
+    if algo == "FP8":
+        fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+        qc["config_groups"] = {"group_0": {"input_activations": dict(fp8), "weights": dict(fp8), "targets": ["Linear"]}}
+    qc["ignore"] = q.get("exclude_modules", [])
+    if algo:
+        qc["quant_algo"] = algo
+    if kv == "FP8":
+        qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    qc["producer"] = dict(PRODUCER)
+    qc["quant_method"] = "modelopt"
+    return hf_quant, qc
+
+
+def _export_dtype(requested: str, params) -> torch.dtype:
+    """fp16/bf16 only: the backend's quantized kernels take those activations. "auto" keeps a bf16
+    model bf16 and turns fp32/fp16 into fp16, as the engine path's trtllm target does."""
+    if requested == "auto":
+        return torch.bfloat16 if params.dtype == "bfloat16" else torch.float16
+    if requested in ("float16", "bfloat16"):
+        return getattr(torch, requested)
+    raise ToolchainError(f"dtype {requested} cannot be exported pre-quantized",
+                         "use model.dtype auto, float16 or bfloat16")
+
+
+# -- export -----------------------------------------------------------------------------
+
+def _calibration(hf_dir: Path, recipe: Recipe, calibration, tokenizer_dir, vocab: int):
+    from toolchain.quant.calibration import calibration_tokens, collect_stats, hf_tokenizer
+
+    seqs = calibration
+    if seqs is None:
+        tokenize = hf_tokenizer(Path(tokenizer_dir or hf_dir))
+        seqs = calibration_tokens(tokenize, recipe.calibration_dataset, recipe.calibration_samples,
+                                  recipe.calibration_seq_len)
+    if any(int(s.max()) >= vocab or int(s.min()) < 0 for s in seqs):
+        raise ToolchainError(f"calibration tokens fall outside the model's vocabulary [0, {vocab})",
+                             "set model.tokenizer to the model's own tokenizer")
+    return collect_stats(hf_dir, seqs, covariance=recipe.method == "awq")
+
+
+def _check_groups(params, group: int) -> None:
+    ins = {"hidden_size": params.hidden_size, "num_attention_heads x head_size":
+           params.num_attention_heads * params.head_size, "intermediate_size": params.intermediate_size}
+    for what, dim in ins.items():
+        if dim % group:
+            # The exporter rejects it too (_validate_int4_block_size): a partial group has no scale.
+            raise ToolchainError(f"awq: {what} ({dim}) is not a multiple of quantization.group_size {group}",
+                                 "use quantization.group_size 64, or quantization.method fp8")
+
+
+def _module_excluded(table: NameTable, prefix: str, patterns) -> bool:
+    """Spec exclude_modules are globs of TensorRT-LLM module names (as on the engine path)."""
+    m = table.match(prefix + ".weight")
+    return m is not None and is_excluded(trt_name(m.row, m.layer).removesuffix(".weight"), patterns)
+
+
+def _quantize_group(recipe: Recipe, ws: list[torch.Tensor], st, dtype) -> list[dict[str, torch.Tensor]]:
+    """HF tensors (leaf -> tensor) per linear of one shared-input group; AWQ's shared prequant
+    vector comes back as float32 under "_prequant" for the caller to fold or keep."""
+    if recipe.method == "fp8":
+        a_scale = fp8_q.fp8_scale(st.amax.max()).reshape(())
+        out = []
+        for w in ws:
+            q, s = fp8_q.quantize_fp8_weight(w)
+            out.append({"weight": q, "weight_scale": s.reshape(()), "input_scale": a_scale.clone()})
+        return out
+    lins, _ = awq_q.quantize_awq(ws, st.absmean, st.cov, recipe.group_size, search=recipe.search,
+                                 clip=recipe.search, rounding=recipe.rounding if recipe.search else "nearest")
+    # The project packs into int8 (the engine checkpoint's dtype); the HF format stores the same bytes as uint8.
+    return [{"weight": pack_int4(l.weight).view(torch.uint8), "weight_scale": l.weights_scaling_factor.float(),
+             "_prequant": l.prequant_scaling_factor.float()} for l in lins]
+
+
+def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, dtype: str = "auto", *,
+                        calibration: list[torch.Tensor] | None = None,
+                        tokenizer_dir: Path | str | None = None) -> dict:
+    """Write a pre-quantized HF checkpoint of `hf_dir` into `out_dir` (existing; the caller makes
+    it temporary): config.json, hf_quant_config.json, model.safetensors (shards past 10 GB),
+    generation and tokenizer files. `calibration` gives token sequences instead of the section's
+    dataset. Returns {format, quant_algo, kv_cache_quant_algo, tensors, bytes, files}."""
+    problem = hf_quant_problem(quantization)
+    if problem is not None:
+        raise ToolchainError(problem, HINT)
+    hf_dir, out = Path(hf_dir), Path(out_dir)
+    recipe = quantization if isinstance(quantization, Recipe) else recipe_of_section(quantization)
+    with HFCheckpoint(hf_dir) as ckpt:
+        family, params = load_params(ckpt.config, str(ckpt.config_path))
+        table = NameTable(family, params)
+        unmatched = [n for n in ckpt.names() if table.match(n) is None]
+        if unmatched:
+            raise table.unmatched_error(unmatched, str(hf_dir))
+        if any(i.dtype not in (torch.float32, torch.float16, torch.bfloat16) for i in ckpt.tensors.values()):
+            raise ToolchainError(f"{hf_dir} is already quantized", "export from the unquantized model")
+        target = _export_dtype(dtype, params)
+        if recipe.method == "awq":
+            _check_groups(params, recipe.group_size)
+        stats = _calibration(hf_dir, recipe, calibration, tokenizer_dir, params.vocab_size)
+        tensors, excluded = _quantized_tensors(ckpt, table, params, recipe, stats, target)
+    algo, kv = ALGO.get(recipe.method), ("FP8" if recipe.kv_cache == "fp8" else None)
+    hf_quant, qc = quant_configs(algo, kv, recipe.group_size, excluded)
+    files = _write_safetensors(tensors, out)
+    config = dict(ckpt.config)
+    for key in ("dtype", "torch_dtype"):
+        if key in config or key == "torch_dtype" and "dtype" not in config:
+            config[key] = str(target).removeprefix("torch.")
+    config["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(config, indent=4) + "\n")
+    (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4) + "\n")
+    files += ["config.json", "hf_quant_config.json"] + _copy_side_files(hf_dir, out, config)
+    return {"format": FORMAT_NAME[algo], "quant_algo": algo, "kv_cache_quant_algo": kv, "tensors": len(tensors),
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "files": sorted(files)}
+
+
+def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, recipe: Recipe, stats,
+                       dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """name -> tensor of the whole export, and the HF linears kept unquantized by exclude_modules."""
+    out: dict[str, torch.Tensor] = {}
+    for name in ckpt.names():
+        if table.match(name).row.shard is not Shard.DROP:
+            out[name] = ckpt.load(name).to(dtype)
+    excluded: list[str] = []
+    for layer in range(params.num_hidden_layers):
+        base = f"model.layers.{layer}"
+        if recipe.kv_cache == "fp8":
+            # One amax over the q/k/v outputs (the project's calibration) for both k and v: never
+            # below the exporter's separate k and v amaxes, so the cache cannot overflow.
+            scale = torch.tensor(stats[layer].qkv_amax / fp8_q.FP8_MAX, dtype=torch.float32)
+            out[f"{base}.self_attn.k_proj.k_scale"], out[f"{base}.self_attn.v_proj.v_scale"] = scale, scale.clone()
+        if recipe.method == "none":
+            continue
+        for slot, members, norm in GROUPS:
+            prefixes = [f"{base}.{m}" for m in members]
+            skip = [_module_excluded(table, p, recipe.exclude_modules) for p in prefixes]
+            if all(skip):
+                excluded += prefixes
+                continue
+            if any(skip):
+                # The backend fuses these into one GEMM with one format: a partial exclusion cannot load.
+                raise ToolchainError(f"quantization.exclude_modules keeps only part of {', '.join(prefixes)} "
+                                     "unquantized", "exclude all linears sharing one input, or none of them")
+            ws = [ckpt.load(p + ".weight").float() for p in prefixes]
+            for p, parts in zip(prefixes, _quantize_group(recipe, ws, stats[layer].inputs[slot], dtype)):
+                prequant = parts.pop("_prequant", None)
+                if prequant is not None and norm is None:
+                    parts["pre_quant_scale"] = prequant.to(dtype)
+                out.update({f"{p}.{leaf}": t for leaf, t in parts.items()})
+            if recipe.method == "awq" and norm is not None:
+                # norm(x)·g·p = norm(x)·(g·p): folding the shared vector p into the norm's gain g is exact
+                # up to the model-dtype rounding of g·p, and the backend's fused qkv / gate_up loaders
+                # read no pre_quant_scale (linear.py W4A16_AWQ_LinearMethod).
+                g = ckpt.load(f"{base}.{norm}.weight").float()
+                out[f"{base}.{norm}.weight"] = (g * prequant).to(dtype)
+    return out, excluded
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path) -> list[str]:
+    """model.safetensors, or transformers-style shards and index past MAX_SHARD_BYTES."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > MAX_SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name], size = t, size + n
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(names, shards):
+        save_file(shard, str(out / fname), metadata=meta)
+        weight_map.update({n: fname for n in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names + ["model.safetensors.index.json"]
+
+
+def _copy_side_files(hf_dir: Path, out: Path, config: dict) -> list[str]:
+    """Tokenizer files as they are; generation_config.json copied, or derived from the config as
+    transformers' save_pretrained would write it (the exporter's file list always has one)."""
+    copied = []
+    for name in TOKENIZER_FILES + ("generation_config.json",):
+        if (hf_dir / name).is_file():
+            shutil.copy2(hf_dir / name, out / name)
+            copied.append(name)
+    if "generation_config.json" not in copied:
+        gen = {"_from_model_config": True, **{k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                                              if config.get(k) is not None}}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        copied.append("generation_config.json")
+    return copied
+
+
+# -- reading it back --------------------------------------------------------------------
+
+def read_hf_quant_format(directory: Path | str) -> dict:
+    """{quant_algo, kv_cache_quant_algo, group_size, exclude_modules} of an exported directory:
+    hf_quant_config.json, else config.json's ModelOpt `quantization_config`."""
+    directory = Path(directory)
+    path = directory / "hf_quant_config.json"
+    if path.is_file():
+        q = json.loads(path.read_text()).get("quantization", {})
+        kv, ignore = q.get("kv_cache_quant_algo"), q.get("exclude_modules") or []
+    else:
+        q = json.loads((directory / "config.json").read_text()).get("quantization_config") or {}
+        if q.get("quant_method") != "modelopt":
+            raise ToolchainError(f"{directory} holds no ModelOpt-format quantization config",
+                                 "export it with toolchain.checkpoint.hf_quant.export_hf_quantized")
+        scheme = q.get("kv_cache_scheme")
+        kv = "FP8" if isinstance(scheme, dict) and scheme.get("type") == "float" else scheme
+        ignore = q.get("ignore") or []
+    algo = q.get("quant_algo")
+    if algo not in (None, "FP8", "W4A16_AWQ") or q.get("has_zero_point"):
+        zero = " with zero points" if q.get("has_zero_point") else ""
+        raise ToolchainError(f"{directory}: ModelOpt quant_algo {algo}{zero} cannot be imported",
+                             "only FP8 and W4A16_AWQ (no zero point) checkpoints can; convert the unquantized "
+                             "model and set quantization.method instead")
+    if kv not in (None, "FP8"):
+        raise ToolchainError(f"{directory}: ModelOpt kv_cache_quant_algo {kv} cannot be imported",
+                             "only an FP8 KV cache (k_scale / v_scale) can; re-export with kv cache fp8 or none")
+    return {"quant_algo": algo, "kv_cache_quant_algo": kv, "group_size": q.get("group_size"),
+            "exclude_modules": list(ignore)}
+
+
+def stored_linear(load, has, prefix: str, algo: str) -> dict[str, torch.Tensor]:
+    """One quantized HF linear's stored tensors under the engine checkpoint's suffixes, in the forms
+    the CPU engine runs (toolchain/engine/cpu/qlinear.py): FP8 `weight` e4m3 (out, in),
+    `weights_scaling_factor` / `activation_scaling_factor` (1,); AWQ `weight` int8 (out/2, in)
+    (the same bytes), `weights_scaling_factor` float32 (out, in/g) and `prequant_scaling_factor`
+    (in,) when the module kept one (else it was folded into the norm). `load(name)` reads a tensor,
+    `has(name)` says whether it is stored."""
+    if algo == "W4A16_AWQ":
+        t = {"weight": load(prefix + ".weight").view(torch.int8),
+             "weights_scaling_factor": load(prefix + ".weight_scale").float()}
+        if has(prefix + ".pre_quant_scale"):
+            t["prequant_scaling_factor"] = load(prefix + ".pre_quant_scale")
+        return t
+    return {"weight": load(prefix + ".weight"),
+            "weights_scaling_factor": load(prefix + ".weight_scale").float().reshape(1),
+            "activation_scaling_factor": load(prefix + ".input_scale").float().reshape(1)}
+
+
+def read_hf_quantized(directory: Path | str) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """Per quantized HF linear (`model.layers.N.self_attn.q_proj`, ...): its stored tensors as
+    `stored_linear` gives them."""
+    with HFCheckpoint(directory) as ckpt:
+        for name, info in ckpt.tensors.items():
+            prefix, _, leaf = name.rpartition(".")
+            if leaf != "weight" or info.dtype not in (torch.uint8, fp8_q.FP8_DTYPE):
+                continue
+            yield prefix, stored_linear(ckpt.load, ckpt.has, prefix,
+                                        "W4A16_AWQ" if info.dtype == torch.uint8 else "FP8")
+
+
+def engine_kv_scale(k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """The engine checkpoint's one FP8 KV-cache scale per layer from the HF format's k and v scales:
+    their max (one cache scale covers both), clamped to >= 1 as the engine path writes it."""
+    return torch.maximum(torch.maximum(k_scale, v_scale), torch.tensor(1.0)).float().reshape(1)
+
+
+def fuse_group(parts: list[dict[str, torch.Tensor]], algo: str, in_f: int, dtype: torch.dtype) -> list[dict]:
+    """One shared-input group's linears as the engine stores them: FP8 weights re-quantized to the
+    group's largest weight scale (the fused FP8Linear has one; TensorRT-LLM's PyTorch loader does the
+    same, and a part already at that scale keeps its bytes) and one activation scale; AWQ gets one
+    prequant vector, ones where the exporter folded it into the norm."""
+    if algo == "FP8":
+        s = torch.stack([p["weights_scaling_factor"] for p in parts]).max().reshape(1)
+        a = torch.stack([p["activation_scaling_factor"] for p in parts]).max().reshape(1)
+        return [{"weight": p["weight"] if torch.equal(p["weights_scaling_factor"], s)
+                 else fp8_q.to_fp8(fp8_q.from_fp8(p["weight"], p["weights_scaling_factor"]), s),
+                 "weights_scaling_factor": s.clone(), "activation_scaling_factor": a.clone()} for p in parts]
+    pre = [p.get("prequant_scaling_factor") for p in parts]
+    if any(v is None for v in pre) and any(v is not None for v in pre) or \
+            any(v is not None and not torch.equal(v, pre[0]) for v in pre):
+        raise ToolchainError("linears sharing one input carry different pre_quant_scale vectors",
+                             "the engine's fused GEMM takes one; re-export the checkpoint")
+    shared = pre[0].to(dtype) if pre[0] is not None else torch.ones(in_f, dtype=dtype)
+    return [{"weight": p["weight"], "weights_scaling_factor": p["weights_scaling_factor"],
+             "prequant_scaling_factor": shared.clone()} for p in parts]  # own storage: saved separately
+
+
+def _pad_mlp(t: dict[str, torch.Tensor], rows: bool, extra: int, group: int) -> dict[str, torch.Tensor]:
+    """Per-group int4 MLP widened by `extra` channels the way the engine path pads it (zero weights,
+    unit scales and prequant; TensorRT-LLM WeightOnlyGroupwiseQuantLinear)."""
+    w, s = t["weight"], t["weights_scaling_factor"]
+    if rows:  # fc / gate: more output rows
+        t["weight"] = torch.cat([w, w.new_zeros(extra // 2, w.shape[1])])
+        t["weights_scaling_factor"] = torch.cat([s, s.new_ones(extra, s.shape[1])])
+    else:     # proj: more input columns
+        t["weight"] = torch.cat([w, w.new_zeros(w.shape[0], extra)], dim=1)
+        t["weights_scaling_factor"] = torch.cat([s, s.new_ones(s.shape[0], extra // group)], dim=1)
+        p = t["prequant_scaling_factor"]
+        t["prequant_scaling_factor"] = torch.cat([p, p.new_ones(extra)])
+    return t
+
+
+def hf_quantized_to_engine_tensors(directory: Path | str) -> tuple[dict[str, torch.Tensor], dict]:
+    """An exported HF-format checkpoint as one full (tp 1, pp 1) engine checkpoint: (name -> tensor,
+    config.json with its `quantization`), the layout `toolchain.checkpoint.convert` writes for the
+    same model and method, so the sharding rules can split it and the CPU engine can run it."""
+    from toolchain.checkpoint.config import build_config
+
+    directory = Path(directory)
+    fmt = read_hf_quant_format(directory)
+    algo = fmt["quant_algo"]
+    quantized = dict(read_hf_quantized(directory))
+    with HFCheckpoint(directory) as ckpt:
+        family, params = load_params(ckpt.config, str(ckpt.config_path))
+        table = NameTable(family, params)
+        dtype = getattr(torch, params.dtype or "float16")
+        out: dict[str, torch.Tensor] = {}
+        qkv_parts: dict[str, dict[str, torch.Tensor]] = {}
+        for name in ckpt.names():
+            prefix, _, leaf = name.rpartition(".")
+            if (prefix in quantized and leaf == "weight") or leaf in COMPANIONS:  # biases go through the table
+                continue
+            m = table.match(name)
+            if m is None:
+                raise table.unmatched_error([name], str(directory))
+            if m.row.shard is Shard.DROP:
+                continue
+            if m.row.shard is Shard.QKV:
+                qkv_parts.setdefault(trt_name(m.row, m.layer), {})[m.row.part] = ckpt.load(name)
+            else:
+                out[trt_name(m.row, m.layer)] = ckpt.load(name)
+        if "lm_head.weight" not in out:  # tied: the engine checkpoint always writes lm_head
+            out["lm_head.weight"] = out["transformer.vocab_embedding.weight"].clone()
+        excluded = list(ENGINE_EXCLUDED)
+        group = fmt["group_size"]
+        if algo == "W4A16_AWQ" and group is None:  # config.json alone does not say: the shapes do
+            w = next(iter(quantized.values()))
+            group = w["weight"].shape[1] // w["weights_scaling_factor"].shape[1]
+        multiple = per_group_multiple(group or 128, 1)
+        padded = -(-params.intermediate_size // multiple) * multiple
+        for layer in range(params.num_hidden_layers):
+            base = f"model.layers.{layer}"
+            if fmt["kv_cache_quant_algo"] == "FP8":
+                k, v = (ckpt.load(f"{base}.self_attn.{n}") for n in ("k_proj.k_scale", "v_proj.v_scale"))
+                out[f"transformer.layers.{layer}.attention.kv_cache_scaling_factor"] = engine_kv_scale(k, v)
+            for _slot, members, _norm in GROUPS:
+                prefixes = [f"{base}.{mm}" for mm in members]
+                matches = [table.match(p + ".weight") for p in prefixes]
+                trt = [trt_name(mt.row, mt.layer).removesuffix(".weight") for mt in matches]
+                if not any(p in quantized for p in prefixes):  # kept fp: its tensors went through the table above
+                    excluded += sorted(set(trt))
+                    continue
+                if not all(p in quantized for p in prefixes):
+                    raise ToolchainError(f"{directory}: only part of {', '.join(prefixes)} is quantized",
+                                         "the engine fuses them into one GEMM; re-export the checkpoint")
+                in_f = ckpt.info(prefixes[0] + ".weight").shape[1]
+                fused = fuse_group([quantized[p] for p in prefixes], algo, in_f, dtype)
+                if algo == "W4A16_AWQ" and padded != params.intermediate_size and members[0].startswith("mlp."):
+                    fused = [_pad_mlp(f, mm != "mlp.down_proj", padded - params.intermediate_size, group)
+                             for f, mm in zip(fused, members)]
+                if matches[0].row.shard is Shard.QKV:  # q, k, v rows stacked into one module
+                    rows = ("weight", "weights_scaling_factor") if algo == "W4A16_AWQ" else ("weight",)
+                    out.update({f"{trt[0]}.{s}": torch.cat([f[s] for f in fused]) if s in rows else fused[0][s]
+                                for s in fused[0]})
+                else:
+                    out.update({f"{t}.{s}": v for t, f in zip(trt, fused) for s, v in f.items()})
+        for name, parts in qkv_parts.items():
+            out[name] = torch.cat([parts[p] for p in ("q", "k", "v")])
+    config = build_config(family, params, dtype=str(dtype).removeprefix("torch."), tp=1, pp=1)
+    q: dict = {"quant_algo": algo, "kv_cache_quant_algo": fmt["kv_cache_quant_algo"]}
+    if algo is not None:
+        q["exclude_modules"] = excluded
+    if algo == "W4A16_AWQ":
+        q.update(group_size=group, has_zero_point=False, pre_quant_scale=True)
+    config["quantization"] = q
+    return out, config

@@ -1,0 +1,187 @@
+"""The spec as `tensorrt_llm.LLM()` keyword arguments (PyTorch backend, TensorRT-LLM 1.2.1).
+
+One mapping serves Triton's `model.yaml` (plus its `triton_config`), the
+`trtllm-serve --extra_llm_api_options` file and the CPU stand-in. Every key is checked against
+the pinned release's own argument names (`upstream/facts/llmapi.json`, read from
+tensorrt_llm/llmapi/llm_args.py): `TorchLlmArgs` forbids unknown keys, so a typo
+in `llmapi.options` would otherwise surface only when the server starts on a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from toolchain import upstream
+from toolchain.spec import DeploymentSpec
+
+POLICY = {"guaranteed_no_evict": "GUARANTEED_NO_EVICT", "max_utilization": "MAX_UTILIZATION"}
+# Speculative modes of the spec -> the LLM API's decoding_type; the rest exist only on the engine path.
+DECODING_TYPES = {"draft_target": "DraftTarget", "ngram": "NGram"}
+ENGINE_ONLY_MODES = {
+    "medusa": "Medusa heads run only in TensorRT engines (the PyTorch backend has no Medusa)",
+    "lookahead": "lookahead decoding runs only in the engine runtime",
+    "eagle": "EAGLE-1/2 drafts run only in TensorRT engines; the PyTorch backend runs EAGLE-3 checkpoints",
+}
+# Spec sections each derived top-level key comes from, for the error naming what to set instead.
+DERIVED_FROM = {
+    "model": "model.checkpoint", "tokenizer": "model.tokenizer", "dtype": "model.dtype", "backend": "target",
+    "tensor_parallel_size": "parallelism.tp", "pipeline_parallel_size": "parallelism.pp",
+    "max_batch_size": "limits.max_batch_size", "max_input_len": "limits.max_input_len",
+    "max_seq_len": "limits.max_seq_len", "max_num_tokens": "limits.max_num_tokens",
+    "enable_chunked_prefill": "build.chunked_context", "speculative_config": "speculative",
+    "kv_cache_config.free_gpu_memory_fraction": "serving.kv_cache_free_gpu_mem_fraction",
+    "kv_cache_config.max_tokens": "serving.max_tokens_in_paged_kv_cache",
+    "kv_cache_config.enable_block_reuse": "build.kv_cache_reuse",
+    "kv_cache_config.tokens_per_block": "build.tokens_per_block",
+    "kv_cache_config.dtype": "quantization.kv_cache",
+    "scheduler_config.capacity_scheduler_policy": "serving.batch_scheduler_policy",
+}
+# Nested sections whose own field names are known from the facts.
+SECTIONS = {"kv_cache_config": "kv_cache_config", "scheduler_config": "scheduler_config",
+            "cuda_graph_config": "cuda_graph_config"}
+
+
+def _facts() -> dict:
+    return upstream.facts("llmapi")
+
+
+def _fields(name: str) -> dict[str, Any]:
+    """Field name -> fact of a class recorded in the facts (llm_args, kv_cache_config, ...)."""
+    return (_facts().get(name) or {}).get("fields") or {}
+
+
+def known_args() -> dict[str, Any]:
+    return _fields("llm_args")
+
+
+def speculative_config(spec: DeploymentSpec) -> dict | None:
+    sp = spec.speculative
+    if sp.mode == "none":
+        return None
+    if sp.mode not in DECODING_TYPES:
+        return None  # refused by the llmapi.speculative check
+    out: dict[str, Any] = {"decoding_type": DECODING_TYPES[sp.mode], "max_draft_len": sp.max_draft_len}
+    if sp.mode == "draft_target":
+        out["speculative_model_dir"] = str(sp.draft_model) if sp.draft_model else None
+    else:
+        out["max_matching_ngram_size"] = sp.ngram_size
+    return out
+
+
+def llm_args(spec: DeploymentSpec, model_dir: Path | str) -> dict[str, Any]:
+    """LLM() keyword arguments for `spec`, serving the checkpoint in `model_dir`."""
+    lim, s, b = spec.limits, spec.serving, spec.build
+    kv: dict[str, Any] = {"free_gpu_memory_fraction": s.kv_cache_free_gpu_mem_fraction,
+                          "enable_block_reuse": b.kv_cache_reuse, "tokens_per_block": b.tokens_per_block}
+    if s.max_tokens_in_paged_kv_cache is not None:
+        kv["max_tokens"] = s.max_tokens_in_paged_kv_cache
+    if spec.quantization.kv_cache == "fp8":
+        kv["dtype"] = "fp8"
+    args: dict[str, Any] = {"model": str(model_dir), "backend": "pytorch"}
+    if spec.model.tokenizer is not None:
+        args["tokenizer"] = str(spec.model.tokenizer)
+    if spec.model.dtype != "auto":
+        args["dtype"] = spec.model.dtype
+    args.update({
+        "tensor_parallel_size": spec.parallelism.tp, "pipeline_parallel_size": spec.parallelism.pp,
+        "max_batch_size": lim.max_batch_size, "max_input_len": lim.max_input_len, "max_seq_len": lim.max_seq_len,
+        "max_num_tokens": lim.max_num_tokens, "enable_chunked_prefill": b.chunked_context,
+        "kv_cache_config": kv,
+        "scheduler_config": {"capacity_scheduler_policy": POLICY[s.batch_scheduler_policy]},
+    })
+    spec_cfg = speculative_config(spec)
+    if spec_cfg is not None:
+        args["speculative_config"] = spec_cfg
+    return merge(args, spec.llmapi.options)
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def triton_config(spec: DeploymentSpec) -> dict[str, Any]:
+    """model.yaml's triton_config: batching happens inside the executor, so Triton's is 0."""
+    return {"max_batch_size": 0, "decoupled": spec.serving.streaming,
+            "cancellation_check_period_ms": spec.llmapi.cancellation_check_period_ms}
+
+
+def model_yaml(spec: DeploymentSpec, model_dir: Path | str) -> dict[str, Any]:
+    return {**llm_args(spec, model_dir), "triton_config": triton_config(spec)}
+
+
+def serve_config(spec: DeploymentSpec) -> dict[str, Any]:
+    """The `trtllm-serve MODEL --extra_llm_api_options FILE` YAML: the same arguments, MODEL given on the command line."""
+    return {k: v for k, v in llm_args(spec, "").items() if k != "model"}
+
+
+def _paths(data: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        out.append(path)
+        if isinstance(value, dict) and key in SECTIONS and not prefix:
+            out += _paths(value, f"{key}.")
+    return out
+
+
+def options_problem(spec: DeploymentSpec) -> str | None:
+    """A key of llmapi.options that the spec already derives, or that the release does not know."""
+    for path in _paths(spec.llmapi.options):
+        if path in DERIVED_FROM:
+            return (f"llmapi.options.{path} is derived from {DERIVED_FROM[path]}; set that instead, so the plan and "
+                    "every stage see the same value")
+    return llm_args_problem(spec.llmapi.options, partial=True)
+
+
+def llm_args_problem(args: dict[str, Any], partial: bool = False) -> str | None:
+    """Why TorchLlmArgs would refuse `args` (an unknown key, a bad section, a bad decoding type), or None.
+    `partial`: `args` are extra options, so `model` need not be there."""
+    facts = _facts()
+    known = known_args()
+    release = "TorchLlmArgs of the TensorRT-LLM 1.2 line"
+    if not partial and not args.get("model"):
+        return "LLM() needs `model` (a Hugging Face checkpoint directory)"
+    for key, value in args.items():
+        if known and key not in known:
+            close = _closest(key, known)
+            return f"unknown LLM-API argument '{key}' ({release} has no such field{close})"
+        section = SECTIONS.get(key)
+        fields = _fields(section) if section else {}
+        if section and isinstance(value, dict) and fields:
+            for sub in value:
+                if sub not in fields:
+                    return f"unknown key '{key}.{sub}' ({release}: {key} has no such field{_closest(sub, fields)})"
+        elif section and value is not None and not isinstance(value, dict):
+            return f"{key} must be a mapping, got {type(value).__name__}"
+    spec_cfg = args.get("speculative_config")
+    if spec_cfg is not None:
+        return _speculative_problem(spec_cfg, facts.get("speculative", {}).get("types", {}))
+    return None
+
+
+def _speculative_problem(cfg: Any, types: dict) -> str | None:
+    if not isinstance(cfg, dict):
+        return f"speculative_config must be a mapping with decoding_type, got {type(cfg).__name__}"
+    kind = cfg.get("decoding_type")
+    if types and kind not in types:
+        return f"speculative_config.decoding_type {kind!r} is not one of {', '.join(sorted(types))}"
+    fields = (types.get(kind) or {}).get("fields") or {}
+    base = set(upstream.facts("llmapi").get("speculative", {}).get("base_fields", {}))
+    for key in cfg:
+        if fields and key != "decoding_type" and key not in fields and key not in base:
+            return f"speculative_config ({kind}) has no field '{key}'{_closest(key, fields)}"
+    return None
+
+
+def _closest(name: str, choices) -> str:
+    import difflib
+
+    match = difflib.get_close_matches(name, list(choices), n=1)
+    return f"; did you mean '{match[0]}'?" if match else ""

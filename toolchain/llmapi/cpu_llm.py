@@ -1,0 +1,418 @@
+"""`CpuLLM`: the CPU stand-in for `tensorrt_llm.LLM` (PyTorch backend, TensorRT-LLM 1.2.1).
+
+Constructed from the same keyword arguments (the keys of Triton's `model.yaml`
+or of a `trtllm-serve --extra_llm_api_options` file) and refusing what `TorchLlmArgs` refuses:
+an unknown key, a missing `model`, a backend other than pytorch. Like the
+PyTorch backend it loads the Hugging Face checkpoint named by `model` and shards
+it at load time: here by running this toolchain's own convert and CPU build
+into a private directory, so the CPU engine executes every TP/PP rank's shard.
+Arguments that only tune GPU execution (CUDA graphs, attention backends, ...)
+are accepted and have no effect here; arguments that change what is computed
+and that the CPU engine cannot honour are refused, never ignored.
+
+`generate_async` mirrors `LLM.generate_async`: a prompt (text or token ids),
+`SamplingParams` under the LLM API's names and defaults (`max_tokens` 32,
+`exclude_input_from_output` True, stop strings as stop words), and
+`RequestOutput`s whose `outputs[0].text` is cumulative, as the LLM API's is
+(`text_diff` gives the new part).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from toolchain.errors import ToolchainError
+
+# LLM-API scheduler policies the CPU batcher implements (capacity_scheduler_policy).
+POLICIES = {"GUARANTEED_NO_EVICT": "guaranteed_no_evict", "MAX_UTILIZATION": "max_utilization"}
+
+
+class LlmArgsError(ValueError):
+    """An argument `TorchLlmArgs` (or this host) refuses; the message names the key."""
+
+
+@dataclass
+class SamplingParams:
+    """The LLM API's `SamplingParams` fields this stand-in reads, with the LLM API's defaults
+    (tensorrt_llm/sampling_params.py). Others are refused by `from_kwargs` when not neutral."""
+
+    max_tokens: int = 32
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    min_tokens: int | None = None
+    end_id: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    exclude_input_from_output: bool = True
+    return_perf_metrics: bool = False
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: int | None = None
+
+    # Fields whose non-neutral value asks for something the CPU engine does not compute.
+    _NEUTRAL = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
+                "logprobs": (None, 0), "use_beam_search": (False,)}
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> "SamplingParams":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise LlmArgsError(f"SamplingParams has no field {unknown[0]!r} on the CPU engine")
+        params = cls(**{k: v for k, v in kwargs.items() if v is not None or k in ("stop",)})
+        params.validate()
+        return params
+
+    @property
+    def greedy(self) -> bool:
+        # The LLM API's rule (SamplingParams._greedy_decoding).
+        return not self.use_beam_search and self.top_k in (None, 1) and self.top_p in (None, 0.0)
+
+    def validate(self) -> None:
+        best_of = self.best_of or self.n
+        if best_of < self.n:
+            raise LlmArgsError(f"best_of ({best_of}) cannot be less than n ({self.n})")
+        if best_of > 1 and self.greedy:
+            raise LlmArgsError("Greedy decoding in the LLM API does not allow multiple returns. Please set to "
+                               f"best_of=1, got best_of={best_of}.")
+        if best_of > 1 or self.n > 1:
+            raise LlmArgsError(f"n={self.n}, best_of={best_of}: the CPU engine returns one sequence per request")
+        for name, neutral in self._NEUTRAL.items():
+            if getattr(self, name) not in neutral:
+                raise LlmArgsError(f"{name}={getattr(self, name)!r} is not supported by the CPU engine")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise LlmArgsError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [str(s) for s in self.stop]
+
+
+@dataclass
+class KvCacheMetrics:
+    num_reused_blocks: int = 0
+    num_missed_blocks: int = 0
+    num_new_allocated_blocks: int = 0
+    num_total_allocated_blocks: int = 0
+    kv_cache_hit_rate: float = 0.0
+
+
+@dataclass
+class RequestPerfMetrics:
+    """The LLM API's per-request perf metrics (RequestOutput.outputs[0].request_perf_metrics)."""
+
+    arrival_time_ns: int = 0
+    first_scheduled_time_ns: int = 0
+    first_token_time_ns: int = 0
+    last_token_time_ns: int = 0
+    kv_cache_metrics: KvCacheMetrics = field(default_factory=KvCacheMetrics)
+    acceptance_rate: float = 0.0
+    total_accepted_draft_tokens: int = 0
+    total_draft_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "cancelled"
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+    request_perf_metrics: RequestPerfMetrics | None = None
+    _last_text_len: int = 0
+
+    @property
+    def text_diff(self) -> str:
+        return self.text[self._last_text_len:]
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    error: str | None = None
+
+
+class RequestHandle:
+    """What `generate_async` returns: `abort()` cancels the request (its last output says "cancelled")."""
+
+    def __init__(self, llm: "CpuLLM", request_id: int):
+        self._llm, self.request_id = llm, request_id
+
+    def abort(self) -> None:
+        self._llm._batcher.cancel(self.request_id)
+
+
+def _int(args: dict, key: str, default: int | None) -> int | None:
+    value = args.get(key, default)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise LlmArgsError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _section(args: dict, key: str) -> dict:
+    value = args.get(key) or {}
+    if not isinstance(value, dict):
+        raise LlmArgsError(f"{key} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def validate_llm_args(args: dict[str, Any]) -> Path:
+    """Refuse what TorchLlmArgs refuses; returns the model directory."""
+    from toolchain.llmapi.args import llm_args_problem
+
+    problem = llm_args_problem(args)
+    if problem:
+        raise LlmArgsError(problem)
+    model_dir = Path(str(args["model"])).expanduser()
+    if not (model_dir / "config.json").is_file():
+        raise LlmArgsError(f"model {str(args['model'])!r} is not a Hugging Face checkpoint directory (no config.json)")
+    return model_dir
+
+
+def engine_spec(args: dict[str, Any]):
+    """The CPU engine these LLM() arguments ask for, as a target-cpu spec of the same limits."""
+    from toolchain.spec import DeploymentSpec
+
+    model_dir = validate_llm_args(args)
+    backend = args.get("backend")
+    if backend not in (None, "pytorch"):
+        raise LlmArgsError(f"backend {backend!r}: the LLM-API path runs the PyTorch backend; set backend: pytorch")
+    kv = _section(args, "kv_cache_config")
+    if kv.get("dtype", "auto") == "fp8" and not _has_fp8_kv_scales(model_dir):
+        # The scales come from the checkpoint (as on the PyTorch backend); the CPU engine cannot calibrate them.
+        raise LlmArgsError(f"kv_cache_config.dtype 'fp8' needs a checkpoint carrying FP8 KV-cache scales (k_scale / "
+                           f"v_scale), which {model_dir} lacks; export it with quantization.kv_cache fp8, or use auto")
+    if kv.get("dtype", "auto") not in ("auto", None, "fp8"):
+        raise LlmArgsError(f"kv_cache_config.dtype {kv['dtype']!r} is not supported on the CPU engine yet; use auto")
+    if args.get("speculative_config"):
+        raise LlmArgsError("speculative_config is not supported on the CPU engine yet (target llmapi-cpu); "
+                           "remove it, or deploy with target llmapi on a GPU host")
+    sched = _section(args, "scheduler_config")
+    policy = sched.get("capacity_scheduler_policy", "GUARANTEED_NO_EVICT")
+    if policy not in POLICIES:
+        raise LlmArgsError(f"scheduler_config.capacity_scheduler_policy {policy!r} is not supported on the CPU "
+                           f"engine; use {' or '.join(POLICIES)}")
+    max_seq = _int(args, "max_seq_len", None) or _positions(model_dir)
+    max_input = _int(args, "max_input_len", None) or max_seq - 1
+    try:
+        return DeploymentSpec.model_validate({
+            "name": "llm", "target": "cpu",
+            "model": {"checkpoint": str(model_dir.resolve()),
+                      "tokenizer": str(Path(args.get("tokenizer") or model_dir).expanduser().resolve()),
+                      "dtype": args.get("dtype") or "auto"},
+            "parallelism": {"tp": _int(args, "tensor_parallel_size", 1), "pp": _int(args, "pipeline_parallel_size", 1)},
+            "limits": {"max_batch_size": _int(args, "max_batch_size", 2048), "max_input_len": max_input,
+                       "max_seq_len": max_seq, "max_num_tokens": _int(args, "max_num_tokens", 8192)},
+            "build": {"tokens_per_block": _int(kv, "tokens_per_block", 32),
+                      "kv_cache_reuse": bool(kv.get("enable_block_reuse", True)),
+                      "chunked_context": bool(args.get("enable_chunked_prefill", False))},
+            "serving": {"kv_cache_free_gpu_mem_fraction": kv.get("free_gpu_memory_fraction", 0.9),
+                        "max_tokens_in_paged_kv_cache": kv.get("max_tokens"),
+                        "batch_scheduler_policy": POLICIES[policy]},
+        })
+    except Exception as err:  # pydantic's message names the field
+        raise LlmArgsError(f"LLM arguments the CPU engine cannot run: {str(err).splitlines()[0]}") from None
+
+
+def _has_fp8_kv_scales(model_dir: Path) -> bool:
+    """Whether `model_dir` is a ModelOpt HF-format export with an FP8 KV cache (per-layer k/v scales)."""
+    from toolchain.checkpoint.hf_quant import read_hf_quant_format
+
+    try:
+        return read_hf_quant_format(model_dir)["kv_cache_quant_algo"] == "FP8"
+    except (ToolchainError, ValueError, OSError):  # not that format: load_engine says why if it matters
+        return False
+
+
+def _positions(model_dir: Path) -> int:
+    import json
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or 2048)
+
+
+def load_engine(args: dict[str, Any], work_dir: Path, num_threads: int | None = None):
+    """(CpuEngine, SchedulerConfig, spec) for LLM() arguments: the checkpoint converted and
+    sharded by this toolchain's own stages into `work_dir`, as the PyTorch backend shards at load."""
+    from toolchain.checkpoint.stage import run_convert
+    from toolchain.engine.build import run_build
+    from toolchain.engine.cpu import CpuEngine, KvCacheConfig, SchedulerConfig
+    from toolchain.workspace import Workspace
+
+    spec = engine_spec(args)
+    ws = Workspace(Path(work_dir))
+    try:
+        run_convert(spec, ws)
+        run_build(spec, ws, converted=True)
+    except ToolchainError as err:
+        raise LlmArgsError(f"cannot load {spec.model.checkpoint}: {err}") from None
+    s = spec.serving
+    engine = CpuEngine.load(ws.engine_dir(spec), num_threads=num_threads, kv_cache=KvCacheConfig(
+        free_memory_fraction=s.kv_cache_free_gpu_mem_fraction, max_tokens=s.max_tokens_in_paged_kv_cache,
+        enable_block_reuse=spec.build.kv_cache_reuse))
+    scheduler = SchedulerConfig(policy=s.batch_scheduler_policy, enable_chunked_context=spec.build.chunked_context)
+    return engine, scheduler, spec
+
+
+class CpuLLM:
+    """tensorrt_llm.LLM's constructor and generate_async on the CPU engine."""
+
+    def __init__(self, model: str | Path | None = None, *, work_dir: Path | None = None,
+                 num_threads: int | None = None, **kwargs: Any):
+        from transformers import AutoTokenizer
+
+        from toolchain.engine.cpu import InflightBatcher
+
+        self.args = dict(kwargs, model=model)
+        self._tmp = None
+        if work_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="cpu-llm-")
+            work_dir = Path(self._tmp.name)
+        try:
+            self.engine, scheduler, self.spec = load_engine(self.args, Path(work_dir), num_threads)
+        except BaseException:
+            self._drop_tmp()
+            raise
+        self._batcher = InflightBatcher(self.engine, scheduler).start()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.spec.model.tokenizer_dir))
+        self._ids = itertools.count(1)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+    def _engine_params(self, sp: SamplingParams):
+        from toolchain.engine.cpu import SamplingParams as EngineParams
+
+        end_id = sp.end_id if sp.end_id is not None else self.tokenizer.eos_token_id
+        stop_words = [[int(t)] for t in sp.stop_token_ids or ()]
+        stop_words += [self.encode(s, add_special_tokens=False) for s in sp.stop_strings()]
+        if any(not w for w in stop_words):
+            raise LlmArgsError("a stop string encodes to no tokens; remove the empty stop string")
+        return EngineParams(max_new_tokens=sp.max_tokens, temperature=1.0 if sp.temperature is None else sp.temperature,
+                            top_k=sp.top_k or 0, top_p=sp.top_p or 0.0, seed=sp.seed, min_tokens=sp.min_tokens or 0,
+                            end_id=-1 if sp.ignore_eos or end_id is None else int(end_id), stop_words=stop_words)
+
+    def generate_async(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                       streaming: bool = False, on_output: Callable[[RequestOutput], None] | None = None
+                       ) -> RequestHandle:
+        """Queue one request. `on_output` gets the request's RequestOutput (the same object, updated)
+        after each step that produced text when streaming, and once finished in any case; raises
+        LlmArgsError for a request this engine refuses (the LLM API raises for the same)."""
+        from toolchain.engine.cpu import RequestStats
+
+        sp = sampling_params or SamplingParams()
+        sp.validate()
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.encode(prompt, sp.add_special_tokens) if isinstance(prompt, str) else [int(t) for t in prompt]
+        params = self._engine_params(sp)
+        problem = self.engine.request_problem(ids, params)
+        if problem:
+            raise LlmArgsError(problem)
+        rid = next(self._ids)
+        stats = RequestStats()
+        perf = RequestPerfMetrics(arrival_time_ns=time.time_ns()) if sp.return_perf_metrics else None
+        out = RequestOutput(rid, text, ids, [CompletionOutput(request_perf_metrics=perf)])
+        generated: list[int] = []
+
+        def callback(new_tokens, finished, error=None):
+            new_tokens = [int(t) for t in new_tokens or ()]
+            if perf is not None and new_tokens and not perf.first_token_time_ns:
+                perf.first_token_time_ns = time.time_ns()
+            generated.extend(new_tokens)
+            if not finished and not (streaming and new_tokens):
+                return
+            self._update(out, sp, ids, generated, stats, finished, error)
+            if on_output is not None:
+                on_output(out)
+
+        self._batcher.submit(rid, ids, params, callback, stats=stats)
+        return RequestHandle(self, rid)
+
+    def _update(self, out: RequestOutput, sp: SamplingParams, prompt: list[int], generated: list[int], stats,
+                finished: bool, error: str | None) -> None:
+        c = out.outputs[0]
+        tokens = list(generated)
+        if finished:
+            c.finish_reason, c.stop_reason = self._reason(sp, stats.finish_reason, tokens)
+            if isinstance(c.stop_reason, str) and not sp.include_stop_str_in_output:
+                # The LLM API drops the stop string's tokens from the output.
+                tokens = tokens[:len(tokens) - len(self.encode(c.stop_reason, add_special_tokens=False))]
+        c.token_ids = tokens if sp.exclude_input_from_output else prompt + tokens
+        c._last_text_len = len(c.text)
+        c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=sp.skip_special_tokens)
+        out.finished, out.error = finished, error
+        perf = c.request_perf_metrics
+        if perf is not None:
+            perf.first_scheduled_time_ns = stats.first_scheduled_ns or perf.arrival_time_ns
+            perf.last_token_time_ns = time.time_ns()
+            reused, total = stats.kv_cache_reused_blocks, stats.kv_cache_alloc_total_blocks
+            missed = max(total - reused, 0)
+            perf.kv_cache_metrics = KvCacheMetrics(reused, missed, stats.kv_cache_alloc_new_blocks, total,
+                                                   reused / (reused + missed) if reused + missed else 0.0)
+            perf.total_draft_tokens = stats.total_draft_tokens
+            perf.total_accepted_draft_tokens = stats.total_accepted_draft_tokens
+            perf.acceptance_rate = stats.acceptance_rate
+
+    def _reason(self, sp: SamplingParams, engine_reason: str | None, tokens: list[int]):
+        """(finish_reason, stop_reason) under the LLM API's names."""
+        if engine_reason == "stop_word":
+            for token in sp.stop_token_ids or ():
+                if tokens and tokens[-1] == token:
+                    return "stop", int(token)
+            for text in sp.stop_strings():
+                word = self.encode(text, add_special_tokens=False)
+                if word and tokens[-len(word):] == word:
+                    return "stop", text
+            return "stop", None
+        if engine_reason == "end_id":
+            return "stop", None
+        if engine_reason in ("cancelled", "error"):
+            return "cancelled", None
+        return "length", None
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    @property
+    def stats(self):
+        return self._batcher.stats
+
+    def shutdown(self) -> None:
+        batcher, self._batcher = getattr(self, "_batcher", None), None
+        if batcher is not None:
+            batcher.stop()
+        self._drop_tmp()
+
+    def _drop_tmp(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "CpuLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

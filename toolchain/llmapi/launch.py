@@ -1,0 +1,210 @@
+"""Launch lines of the LLM-API path.
+
+Target llmapi (a GPU host with TensorRT-LLM 1.2.1):
+
+* `trtllm-serve MODEL --host H --port P --extra_llm_api_options FILE`: the OpenAI server; FILE
+  (model_repo/<name>/trtllm-serve.yaml) holds the same LLM() arguments as model.yaml.
+* Triton: upstream's launcher (`launch_triton_server.py`) on the rendered repository. On this path
+  one tritonserver process runs `LLM()`, which starts its own worker per TP/PP rank, so on one host
+  the launcher runs with world size 1.
+* Several hosts (tp x pp above gpu.per_node): one Slurm task per GPU under
+  `srun --mpi=pmix`, each running `trtllm-llmapi-launch` in front of the server. That wrapper runs
+  the server on rank 0 and an MPI worker on every other rank, which is how LLM() finds GPUs on
+  other hosts (upstream's launcher puts the same prefix in front of tritonserver: fact
+  rules.llmapi_launch_prefix).
+
+Target llmapi-cpu: the tritonserver this host runs and the CPU OpenAI server.
+
+Every launcher flag is looked up in the facts read from upstream (facts/llmapi.json launch_flags)
+before it is emitted. trtllm-serve's own options are not in the fact file yet; the few used here
+are listed in TRTLLM_SERVE_OPTIONS with where they were read.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from pathlib import Path
+
+from toolchain import upstream
+from toolchain.spec import DeploymentSpec
+from toolchain.workspace import Workspace
+
+SERVE_CONFIG = "trtllm-serve.yaml"
+LAUNCHER = "triton_backend/scripts/launch_triton_server.py"  # in a TensorRT-LLM 1.2.1 checkout
+LLMAPI_LAUNCH = "trtllm-llmapi-launch"  # tensorrt_llm/llmapi/trtllm-llmapi-launch, on PATH in the image
+TRTLLM_SERVE = "trtllm-serve"
+# Where a server in a job or a pod binds: it is reached from other hosts (clients, the kubelet's probe).
+ALL_INTERFACES = "0.0.0.0"
+
+# trtllm-serve options emitted here, as declared by click in tensorrt_llm/commands/serve.py
+# (NVIDIA/TensorRT-LLM, stored version 00209af149e7774406881a37283dce303571eb11). To move into
+# facts/llmapi.json once the fact extractor reads serve.py.
+TRTLLM_SERVE_OPTIONS = {
+    "--host": 'click.option("--host", type=str, default="localhost")',
+    "--port": 'click.option("--port", type=int, default=8000)',
+    # The LLM() argument YAML. Later releases add `--config` as an alias of the same option
+    # (dest extra_llm_api_options, NVIDIA/TensorRT-LLM#9104); --extra_llm_api_options is the
+    # name every 1.x release has, so it is the one emitted.
+    "--extra_llm_api_options": 'click.option("--config", "--extra_llm_api_options", "extra_llm_api_options", type=str)',
+}
+
+# tritonserver arguments that upstream's launcher gives rank 0 (launch_triton_server.py get_cmd);
+# the multi-host Triton line runs tritonserver directly, so it repeats them.
+_SHM_PREFIX = "--backend-config=python,shm-region-prefix-name=prefix0_"
+
+
+def launch_flag(name: str) -> str:
+    """`name` if upstream's launcher declares it (facts launch_flags); a LookupError otherwise,
+    which is a bug here, not a user error."""
+    if name not in upstream.facts("llmapi")["launch_flags"]:
+        raise LookupError(f"launch_triton_server.py has no flag {name} (facts/llmapi.json launch_flags)")
+    return name
+
+
+def serve_option(name: str) -> str:
+    if name not in TRTLLM_SERVE_OPTIONS:
+        raise LookupError(f"trtllm-serve option {name} was not verified upstream (TRTLLM_SERVE_OPTIONS)")
+    return name
+
+
+def serve_config_path(spec: DeploymentSpec, workspace: Workspace) -> Path:
+    """Where model-repo writes the trtllm-serve config: beside the Triton models (tritonserver
+    ignores plain files at the repository root)."""
+    return workspace.model_repo_dir(spec) / SERVE_CONFIG
+
+
+def served_model_name(spec: DeploymentSpec) -> str:
+    return spec.llmapi.served_model_name or spec.name
+
+
+# -- ranks and hosts -----------------------------------------------------------------------------------------
+
+
+def world_size(spec: DeploymentSpec) -> int:
+    """GPUs one model instance spans: LLM() runs one rank per tensor x pipeline shard."""
+    return spec.parallelism.world_size
+
+
+def node_count(spec: DeploymentSpec) -> int:
+    return math.ceil(world_size(spec) / spec.gpu.per_node)
+
+
+def tasks_per_node(spec: DeploymentSpec) -> int:
+    """Ranks placed on each host: the world spread evenly (the last host may hold fewer)."""
+    return math.ceil(world_size(spec) / node_count(spec))
+
+
+def multi_node(spec: DeploymentSpec) -> bool:
+    return world_size(spec) > spec.gpu.per_node
+
+
+# -- command lines -------------------------------------------------------------------------------------------
+
+
+def trtllm_serve_command(spec: DeploymentSpec, workspace: Workspace, host: str | None = None) -> list[str]:
+    """trtllm-serve on the served checkpoint with the rendered LLM() arguments (no prefix)."""
+    from toolchain.llmapi.stage import served_model_dir
+
+    return [TRTLLM_SERVE, str(served_model_dir(spec, workspace)),
+            serve_option("--host"), host or spec.serving.host,
+            serve_option("--port"), str(spec.llmapi.openai_port),
+            serve_option("--extra_llm_api_options"), str(serve_config_path(spec, workspace))]
+
+
+def triton_launch_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
+    """Upstream's launcher, one host. World size 1: LLM() inside the one tritonserver spawns the
+    TP/PP workers itself; a launcher world size above 1 would start that many servers."""
+    s = spec.serving
+    return ["python3", LAUNCHER, f"{launch_flag('--model_repo')}={workspace.model_repo_dir(spec)}",
+            f"{launch_flag('--world_size')}=1", f"{launch_flag('--http_port')}={s.http_port}",
+            f"{launch_flag('--grpc_port')}={s.grpc_port}", f"{launch_flag('--metrics_port')}={s.metrics_port}"]
+
+
+def tritonserver_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
+    """The tritonserver argument list upstream's launcher builds for rank 0 (get_cmd): the repository,
+    the ports, no auto-complete (the rendered config is the whole truth), its own shared-memory prefix."""
+    s = spec.serving
+    binary = upstream.facts("llmapi")["launch_flags"][launch_flag("--tritonserver")]["default"]
+    return [binary, f"--model-repository={workspace.model_repo_dir(spec)}", f"--grpc-port={s.grpc_port}",
+            f"--http-port={s.http_port}", f"--metrics-port={s.metrics_port}", "--disable-auto-complete-config",
+            _SHM_PREFIX]
+
+
+def pyxis_image(image: str) -> str:
+    """An image reference as pyxis' --container-image takes it: enroot's `REGISTRY#IMAGE[:TAG]`
+    form (a plain `nvcr.io/...` would be looked up on Docker Hub)."""
+    first, _, rest = image.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        return f"{first}#{rest}"
+    return image
+
+
+def container_mounts(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
+    """Host paths the server reads, mounted at the same place so the absolute paths in model.yaml and
+    trtllm-serve.yaml hold inside the container (on several hosts: a shared filesystem)."""
+    from toolchain.llmapi.stage import served_model_dir
+
+    paths = {served_model_dir(spec, workspace), Path(workspace.model_repo_dir(spec)).resolve()}
+    if spec.model.tokenizer is not None:
+        paths.add(Path(spec.model.tokenizer).resolve())
+    return sorted(str(p) for p in paths)
+
+
+def srun_command(spec: DeploymentSpec, workspace: Workspace, *, container: bool = True) -> list[str]:
+    """srun with one task per rank over the hosts the world needs (PMIx, so trtllm-llmapi-launch
+    and mpi4py see one MPI world), in the pinned image through pyxis when `container`."""
+    from toolchain.plan.versions import TRITON_IMAGE
+
+    argv = ["srun", "--mpi=pmix", f"--nodes={node_count(spec)}", f"--ntasks={world_size(spec)}",
+            f"--ntasks-per-node={tasks_per_node(spec)}"]
+    if container:
+        mounts = ",".join(f"{p}:{p}" for p in container_mounts(spec, workspace))
+        argv += [f"--container-image={pyxis_image(TRITON_IMAGE)}", f"--container-mounts={mounts}"]
+    return argv
+
+
+def multi_node_serve_command(spec: DeploymentSpec, workspace: Workspace, *, container: bool = True) -> list[str]:
+    """trtllm-serve across hosts: every rank runs trtllm-llmapi-launch, which serves on rank 0."""
+    return [*srun_command(spec, workspace, container=container), LLMAPI_LAUNCH,
+            *trtllm_serve_command(spec, workspace, host=ALL_INTERFACES)]
+
+
+def multi_node_triton_command(spec: DeploymentSpec, workspace: Workspace, *, container: bool = True) -> list[str]:
+    """tritonserver across hosts, as upstream's launcher does with --trtllm_llmapi_launch (the prefix
+    right before tritonserver, rules.llmapi_launch_prefix), but under srun instead of mpirun."""
+    return [*srun_command(spec, workspace, container=container), LLMAPI_LAUNCH,
+            *tritonserver_command(spec, workspace)]
+
+
+def gpu_launch_lines(spec: DeploymentSpec, workspace: Workspace) -> dict[str, str]:
+    """The lines `toolchain serve --print` shows for target llmapi: trtllm-serve and Triton, plus the
+    srun forms when the world spans several hosts."""
+    lines = {"trtllm_serve": shlex.join(trtllm_serve_command(spec, workspace)),
+             "triton": shlex.join(triton_launch_command(spec, workspace))}
+    if multi_node(spec):
+        lines["trtllm_serve_multi_node"] = shlex.join(multi_node_serve_command(spec, workspace))
+        lines["triton_multi_node"] = shlex.join(multi_node_triton_command(spec, workspace))
+    return lines
+
+
+def openai_cpu_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
+    from toolchain.llmapi.stage import served_model_dir
+
+    return ["python", "-m", "toolchain.openai", str(served_model_dir(spec, workspace)),
+            "--config", str(serve_config_path(spec, workspace)), "--served-model-name", served_model_name(spec),
+            "--host", spec.serving.host, "--port", str(spec.llmapi.openai_port)]
+
+
+def planned_launch(spec: DeploymentSpec, workspace: Workspace) -> dict:
+    """The launch lines `toolchain plan` prints."""
+    if spec.target == "llmapi":
+        triton = (multi_node_triton_command if multi_node(spec) else triton_launch_command)(spec, workspace)
+        serve = (multi_node_serve_command if multi_node(spec) else trtllm_serve_command)(spec, workspace)
+    else:
+        from toolchain.triton.server import TritonServer
+
+        triton = TritonServer.from_spec(spec, workspace.model_repo_dir(spec)).command_line()
+        triton = shlex.split(triton) if isinstance(triton, str) else triton
+        serve = openai_cpu_command(spec, workspace)
+    return {"launch_command": shlex.join(triton), "openai_command": shlex.join(serve)}

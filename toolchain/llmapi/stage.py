@@ -1,0 +1,91 @@
+"""The convert stage of the LLM-API path: what the PyTorch backend is pointed at.
+
+There is no engine and no TensorRT-LLM checkpoint on this path. Unquantized,
+the Hugging Face checkpoint is served as it is: convert checks that it can be
+split as the spec asks and records it. Quantized, convert writes the Hugging
+Face-format checkpoint the PyTorch backend loads pre-quantized (ModelOpt's
+`export_hf_checkpoint` layout) into engines/<name>/checkpoint. Either way the
+stage's manifest names the directory (`outputs.model_dir`) that model.yaml and
+the trtllm-serve config pass as `model`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from toolchain.errors import ToolchainError
+from toolchain.fsutil import atomic_dir
+from toolchain.manifest import Manifest, is_current
+from toolchain.spec import DeploymentSpec
+from toolchain.workspace import Workspace
+
+STAGE = "convert"
+FORMAT_VERSION = 1  # bump when what this stage writes changes for the same inputs
+
+
+def quantized(spec: DeploymentSpec) -> bool:
+    q = spec.quantization
+    return q.method != "none" or q.kv_cache != "none"
+
+
+def _settings(spec: DeploymentSpec) -> dict:
+    return {"path": "llmapi", "format": FORMAT_VERSION, "target": spec.target, "dtype": spec.model.dtype,
+            "quantization": spec.quantization.model_dump(mode="json") if quantized(spec) else None}
+
+
+def _check_layout(spec: DeploymentSpec) -> None:
+    """The split the PyTorch backend does at load time must exist (heads, KV heads, MLP, layers)."""
+    from toolchain.plan.model import load_model
+    from toolchain.plan.plan import layout_ok
+
+    params = load_model(spec.model.checkpoint).params
+    tp, pp = spec.parallelism.tp, spec.parallelism.pp
+    if not layout_ok(params, tp, pp):
+        raise ToolchainError(f"tp={tp} x pp={pp} cannot split {spec.model.checkpoint} "
+                             f"({params.num_attention_heads} heads, {params.num_key_value_heads} KV heads, "
+                             f"{params.num_hidden_layers} layers)", "`toolchain plan` names a split that works")
+
+
+def served_model_dir(spec: DeploymentSpec, workspace: Workspace) -> Path:
+    """The directory passed as `model` to LLM(): the converted one when quantized, else the source."""
+    if quantized(spec):
+        return Path(workspace.checkpoint_dir(spec)).resolve()
+    return Path(spec.model.checkpoint).resolve()
+
+
+def run_convert_llmapi(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
+                       echo: Callable[[str], None] | None = None) -> Manifest:
+    from toolchain.checkpoint.stage import input_hash
+
+    say = echo or (lambda _msg: None)
+    source = Path(spec.model.checkpoint)
+    if not (source / "config.json").is_file():
+        raise ToolchainError(f"no config.json in {source}", "set model.checkpoint to a Hugging Face checkpoint directory")
+    _check_layout(spec)
+    inputs = {p.name: input_hash(p) for p in sorted(source.iterdir())
+              if p.is_file() and (p.suffix in (".json", ".safetensors") or p.name.endswith(".model"))}
+    blob = json.dumps(_settings(spec), sort_keys=True, separators=(",", ":"))
+    wanted = Manifest(stage=STAGE, spec_hash=hashlib.sha256(blob.encode()).hexdigest(), inputs=inputs)
+    final = workspace.checkpoint_dir(spec)
+    if not force and is_current(final, wanted):
+        say(f"{final} is current; reusing it (--force rebuilds)")
+        return Manifest.read(final)
+    start = time.monotonic()
+    with atomic_dir(final) as tmp:
+        if quantized(spec):
+            from toolchain.checkpoint.hf_quant import export_hf_quantized
+
+            say(f"quantizing {source} ({spec.quantization.method}, KV {spec.quantization.kv_cache}) "
+                "into the Hugging Face format")
+            wanted.outputs = export_hf_quantized(source, tmp, spec.quantization, spec.model.dtype,
+                                                 tokenizer_dir=spec.model.tokenizer_dir)
+        else:
+            wanted.outputs = {"format": "hf", "quantized": False}
+        wanted.outputs["model_dir"] = str(served_model_dir(spec, workspace))
+        wanted.seconds = round(time.monotonic() - start, 3)
+        wanted.write(tmp)
+    return wanted

@@ -1,0 +1,131 @@
+"""`python -m toolchain.openai`: serve an engine directory over the OpenAI API with uvicorn.
+
+The scheduler and KV-cache options are the Triton CPU model's parameters under
+their trtllm-serve-style names; --max-batch-size and --max-num-tokens may only
+lower what the engine was built with (the runtime limits of the executor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from toolchain.errors import ToolchainError
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="python -m toolchain.openai", description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", type=Path,
+                   help="LLM-API path, as trtllm-serve takes it: a Hugging Face checkpoint directory (with --config)")
+    p.add_argument("--config", type=Path, help="YAML of LLM() arguments (what trtllm-serve takes as --extra_llm_api_options), with MODEL")
+    p.add_argument("--engine-dir", type=Path, help="engine path: engine directory (config.json + rank files)")
+    p.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer directory (with --engine-dir)")
+    p.add_argument("--served-model-name", required=True, help="the model name clients send and /v1/models lists")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--chat-template", type=Path, help="a Jinja chat template file replacing the tokenizer's")
+    p.add_argument("--max-batch-size", type=int, help="runtime batch limit (at most the engine's)")
+    p.add_argument("--max-num-tokens", type=int, help="runtime tokens-per-step limit (at most the engine's)")
+    p.add_argument("--batch-scheduler-policy", default="guaranteed_no_evict",
+                   choices=("guaranteed_no_evict", "max_utilization"))
+    p.add_argument("--enable-chunked-context", action="store_true")
+    p.add_argument("--max-queue-size", type=int, default=0, help="requests waiting for admission; 0 = unbounded")
+    p.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, help="share of free host memory for the KV pool")
+    p.add_argument("--max-tokens-in-paged-kv-cache", type=int, help="cap on the KV pool in tokens")
+    p.add_argument("--disable-kv-cache-reuse", action="store_true")
+    p.add_argument("--engine-threads", type=int, help="torch intra-op threads (0 = every core)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    return p.parse_args(argv)
+
+
+def _limits(engine, args) -> None:
+    """Apply runtime limits no larger than the built ones."""
+    changes = {}
+    for flag, key in (("max_batch_size", "max_batch_size"), ("max_num_tokens", "max_num_tokens")):
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        built = getattr(engine.limits, key)
+        if not 1 <= value <= built:
+            raise ToolchainError(f"--{flag.replace('_', '-')} {value} must be between 1 and the engine's {key} {built}",
+                                 "rebuild the engine for a larger limit")
+        changes[key] = value
+    if changes:
+        engine.limits = dataclasses.replace(engine.limits, **changes)
+
+
+def _llm_app(args):
+    """MODEL --config FILE: the CPU engine LLM() would run for those arguments (toolchain.llmapi)."""
+    import tempfile
+
+    import yaml
+
+    from toolchain.llmapi.cpu_llm import LlmArgsError, load_engine
+    from toolchain.openai.app import create_app
+
+    try:
+        data = yaml.safe_load(args.config.read_text()) if args.config else {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ToolchainError(f"cannot read --config {args.config}: {err}") from None
+    if not isinstance(data, dict):
+        raise ToolchainError(f"--config {args.config} must hold a mapping of LLM() arguments")
+    work = tempfile.TemporaryDirectory(prefix="openai-cpu-llm-")
+    try:
+        engine, scheduler, spec = load_engine({**data, "model": str(args.model)}, Path(work.name), args.engine_threads)
+    except LlmArgsError as err:
+        work.cleanup()
+        raise ToolchainError(str(err)) from None
+    template = args.chat_template.read_text() if args.chat_template else None
+    app = create_app(engine, spec.model.tokenizer_dir, args.served_model_name, scheduler=scheduler,
+                     chat_template=template)
+    app.state.work_dir = work  # the engine's rank files live as long as the app
+    return app
+
+
+def build_app(args):
+    from toolchain.engine.cpu import CpuEngine, KvCacheConfig, SchedulerConfig
+    from toolchain.openai.app import create_app
+
+    if (args.model is None) == (args.engine_dir is None):
+        raise ToolchainError("give either MODEL (with --config) or --engine-dir (with --tokenizer)",
+                             "MODEL --config FILE serves the LLM-API path; --engine-dir serves a built engine")
+    if args.model is not None:
+        return _llm_app(args)
+    if args.tokenizer is None:
+        raise ToolchainError("--engine-dir needs --tokenizer", "pass the Hugging Face tokenizer directory")
+    if not (args.engine_dir / "config.json").is_file():
+        raise ToolchainError(f"no engine at {args.engine_dir} (config.json missing)", "run `toolchain build-engine`")
+    kv = KvCacheConfig(max_tokens=args.max_tokens_in_paged_kv_cache, enable_block_reuse=not args.disable_kv_cache_reuse,
+                       **({} if args.kv_cache_free_gpu_mem_fraction is None
+                          else {"free_memory_fraction": args.kv_cache_free_gpu_mem_fraction}))
+    scheduler = SchedulerConfig(policy=args.batch_scheduler_policy, enable_chunked_context=args.enable_chunked_context,
+                                max_queue_size=args.max_queue_size)
+    for problem in (kv.problem(), scheduler.problem()):
+        if problem:
+            raise ToolchainError(problem)
+    template = args.chat_template.read_text() if args.chat_template else None
+    engine = CpuEngine.load(args.engine_dir, num_threads=args.engine_threads, kv_cache=kv)
+    _limits(engine, args)
+    return create_app(engine, args.tokenizer, args.served_model_name, scheduler=scheduler, chat_template=template)
+
+
+def main(argv=None) -> int:
+    import uvicorn
+
+    args = _args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = build_app(args)
+    except (ToolchainError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    # timeout_keep_alive 5 s as trtllm-serve sets it.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

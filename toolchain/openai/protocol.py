@@ -1,0 +1,257 @@
+"""Request bodies and error bodies of the OpenAI-compatible server, with
+trtllm-serve's field names (TensorRT-LLM 1.2 `tensorrt_llm/serve/openai_protocol.py`).
+
+As upstream, unknown fields are refused (extra="forbid"), so a client that asks
+for something this server would silently ignore gets a 400 instead. Fields the
+CPU engine cannot honour are accepted only at their neutral value;
+`unsupported()` names the first one that is not.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from http import HTTPStatus
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+TokenIds = list[StrictInt]  # "5" or true must not pass as a token id
+
+
+class ApiError(Exception):
+    """An error answered as trtllm-serve's ErrorResponse body."""
+
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, err_type: str = "BadRequestError"):
+        super().__init__(message)
+        self.message, self.status, self.err_type = message, status, err_type
+
+    def body(self) -> dict:
+        return error_body(self.message, self.err_type, self.status)
+
+
+def error_body(message: str, err_type: str = "BadRequestError", status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> dict:
+    # ErrorResponse: object, message, type, param, code (the HTTP status as an int).
+    return {"object": "error", "message": message, "type": err_type, "param": None, "code": int(status)}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class StreamOptions(_Body):
+    include_usage: Optional[bool] = True  # upstream's default once stream_options is sent
+    continuous_usage_stats: Optional[bool] = False
+
+
+class _Sampling(_Body):
+    """Fields shared by both endpoints, in upstream's names and defaults."""
+
+    model: str
+    frequency_penalty: Optional[float] = 0.0
+    presence_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    n: int = 1
+    best_of: Optional[int] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = Field(default_factory=list)
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    user: Optional[str] = None
+    # trtllm-serve's sampling extensions that the CPU engine implements (or accepts at their neutral value)
+    use_beam_search: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    priority: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+
+    def stop_strings(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stop if s]
+
+    def unsupported(self) -> str | None:
+        """The first requested feature the CPU engine does not have, as a one-line reason."""
+        if self.n != 1:
+            return f"n={self.n} is not supported: this server returns one choice per request; send n=1"
+        if self.best_of not in (None, 1):
+            return f"best_of={self.best_of} is not supported; send best_of=1 or omit it"
+        if self.use_beam_search:
+            return "use_beam_search is not supported by the CPU engine"
+        for name in ("frequency_penalty", "presence_penalty", "min_p"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                return f"{name} is not supported by the CPU engine; send 0 or omit it"
+        if self.repetition_penalty != 1.0:
+            return "repetition_penalty is not supported by the CPU engine; send 1.0 or omit it"
+        if self.logit_bias:
+            return "logit_bias is not supported by the CPU engine"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options can only be sent with stream=true"  # upstream refuses it as well
+        return None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, TokenIds, list[str], list[TokenIds]]
+    echo: Optional[bool] = False
+    logprobs: Optional[int] = None
+    max_tokens: Optional[int] = None
+    suffix: Optional[str] = None
+    add_special_tokens: bool = True
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo=true is not supported; send echo=false"
+        if self.logprobs is not None:
+            return "logprobs is not supported by the CPU engine; omit it"
+        if self.suffix:
+            return "suffix is not supported"
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            return "a list of prompts is not supported: send one prompt (a string or a list of token ids) per request"
+        return super().unsupported()
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_calls, ...) go to the chat template as they came.
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Union[str, list[TextPart], None] = None
+
+    def for_template(self) -> dict:
+        data = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            kinds = {p.type for p in self.content} - {"text"}
+            if kinds:
+                raise ApiError(f"content part type {sorted(kinds)[0]!r} is not supported: this server takes text only")
+            data["content"] = "".join(p.text or "" for p in self.content)
+        return data
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = 0
+    max_completion_tokens: Optional[int] = Field(default=None, validation_alias="max_tokens")
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the chat template adds what the model needs
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[str, dict]] = "none"
+    response_format: Optional[dict] = None
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.max_completion_tokens
+
+    def unsupported(self) -> str | None:
+        if self.logprobs or self.top_logprobs:
+            return "logprobs is not supported by the CPU engine; omit it"
+        if not self.messages:
+            return "messages is empty: send at least one message"
+        if self.tools and self.tool_choice not in (None, "none"):
+            return "tool calling is not supported by this server"
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            return "response_format other than text (guided decoding) is not supported by the CPU engine"
+        return super().unsupported()
+
+
+# -- responses -------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def model_list(name: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                        "owned_by": "tensorrt_llm"}]}
+
+
+class Envelope:
+    """The fixed part of one response's bodies: id, object, created, model."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def final(self, text: str, finish_reason: str | None, stop_reason, prompt_tokens: int, completion_tokens: int) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason, "stop_reason": stop_reason}
+            body = self._base("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": stop_reason}
+            body = self._base("text_completion")
+        return {**body, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, stop_reason=None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text or ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body = self._base("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            body = self._base("text_completion")
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return {**body, "choices": [choice]}
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def _loc(loc) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or "body"
+
+
+UNION_FIELDS = {"prompt": "a string or a list of token ids", "stop": "a string or a list of strings",
+                "content": "a string or a list of text parts"}
+
+
+def validation_message(errors: list[dict]) -> str:
+    """FastAPI's validation errors as one line: `field: problem; field: problem`. A field of
+    several accepted shapes (a union) fails once per shape; it is named once, with the shapes."""
+    out, seen = [], set()
+    for err in errors:
+        loc = [p for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            line = f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}"
+        elif err.get("type") == "missing" and not loc:
+            line = "the request needs a JSON body"
+        elif any(p in UNION_FIELDS and i + 1 < len(loc) and isinstance(loc[i + 1], str) for i, p in enumerate(loc)):
+            # A union branch tag (`str`, `list[int]`) follows the field: say which shapes it takes.
+            i = next(i for i, p in enumerate(loc) if p in UNION_FIELDS and i + 1 < len(loc) and isinstance(loc[i + 1], str))
+            where = ".".join(str(p) for p in loc[:i + 1])
+            line = f"{where} must be {UNION_FIELDS[loc[i]]}"
+        else:
+            line = f"{_loc(err.get('loc', ()))}: {err.get('msg')}"
+        if line not in seen:
+            seen.add(line)
+            out.append(line)
+    more = f" (and {len(out) - 3} more)" if len(out) > 3 else ""
+    return "; ".join(out[:3]) + more

@@ -1,0 +1,197 @@
+"""The generating side of the OpenAI server: the CPU engine's `InflightBatcher`
+seen from asyncio.
+
+`EngineService.submit` queues one request on the batcher and returns a
+`Generation` whose `events()` yields the batcher's callbacks on the event loop
+(the callback runs on the batcher thread and hands over with
+`call_soon_threadsafe`). `cancel` finishes a request early; the batcher gives
+its KV blocks back at once. After every step the batcher records one iteration
+stats entry in the executor's JSON shape (what trtllm-serve's `/metrics`
+returns), kept in a bounded queue that `/metrics` drains, as the executor's
+iteration stats queue is drained by `getLatestIterationStats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Callable
+
+from toolchain.engine.cpu import CpuEngine, InflightBatcher, QueueFull, RequestStats, SamplingParams, SchedulerConfig
+
+ITER_STATS_MAX = 1000  # ExecutorConfig iterStatsMaxIterations default
+
+
+class StatsBatcher(InflightBatcher):
+    """The inflight batcher, plus one iteration-stats record per step.
+
+    Hooks the batcher's `_step` because the batcher has no public per-iteration
+    hook yet; everything read here is what the step itself maintains."""
+
+    def __init__(self, engine: CpuEngine, config: SchedulerConfig | None = None,
+                 on_iteration: Callable[[dict], None] | None = None):
+        super().__init__(engine, config)
+        self.records: collections.deque = collections.deque(maxlen=ITER_STATS_MAX)
+        self.records_lock = threading.Lock()
+        self.on_iteration = on_iteration
+        # Cumulative over the server's life, as the executor's KV cache manager counts them.
+        self.kv_alloc_total = self.kv_alloc_new = self.kv_reused = 0
+
+    def _step(self, batch) -> None:
+        for req, _ in batch:  # blocks counted at each (re)admission, once
+            st = req.stats
+            now = (st.kv_cache_alloc_total_blocks, st.kv_cache_alloc_new_blocks, st.kv_cache_reused_blocks)
+            seen = getattr(req, "_counted_kv", (0, 0, 0))
+            self.kv_alloc_total += now[0] - seen[0]
+            self.kv_alloc_new += now[1] - seen[1]
+            self.kv_reused += now[2] - seen[2]
+            req._counted_kv = now
+        tokens_before = self.stats.tokens
+        t0 = time.perf_counter()
+        super()._step(batch)
+        latency_ms = (time.perf_counter() - t0) * 1000.0
+        completed = sum(1 for req, _ in batch if req.seq.finished)
+        record = self._record(batch, latency_ms, completed, self.stats.tokens - tokens_before)
+        with self.records_lock:
+            self.records.append(record)
+        if self.on_iteration is not None:
+            self.on_iteration(record)
+
+    def _record(self, batch, latency_ms: float, completed: int, tokens: int) -> dict:
+        st, kv, lim = self.stats, self.engine.kv, self.engine.limits
+        missed = self.kv_alloc_total  # context blocks not found in the cache
+        looked_up = self.kv_reused + missed
+        return {
+            "timestamp": datetime.now().strftime("%m-%d-%Y %H:%M:%S.%f"),
+            "iter": st.steps - 1,
+            "iterLatencyMS": latency_ms,
+            "numActiveRequests": len(self._running),
+            "numQueuedRequests": len(self._queue),
+            "numCompletedRequests": completed,
+            "maxNumActiveRequests": lim.max_batch_size,
+            "maxBatchSizeStatic": lim.max_batch_size,
+            "maxBatchSizeRuntime": lim.max_batch_size,
+            "maxNumTokensStatic": lim.max_num_tokens,
+            "maxNumTokensRuntime": lim.max_num_tokens,
+            "gpuMemUsage": 0,  # nothing runs on a GPU
+            "pinnedMemUsage": 0,
+            "kvCacheStats": {
+                "maxNumBlocks": kv.num_blocks,
+                "freeNumBlocks": kv.free_blocks,
+                "usedNumBlocks": kv.used_blocks,
+                "tokensPerBlock": kv.tokens_per_block,
+                "allocTotalBlocks": self.kv_alloc_total,
+                "allocNewBlocks": self.kv_alloc_new,
+                "reusedBlocks": self.kv_reused,
+                "missedBlocks": missed,
+                "cacheHitRate": self.kv_reused / looked_up if looked_up else 0.0,
+            },
+            "inflightBatchingStats": {
+                "numScheduledRequests": st.scheduled,
+                "numContextRequests": st.context,
+                "numGenRequests": st.generation,
+                "numPausedRequests": st.paused,
+                "numCtxTokens": st.context_tokens,
+                "microBatchId": 0,
+                "avgNumDecodedTokensPerIter": tokens / len(batch) if batch else 0.0,
+            },
+        }
+
+    def drain(self) -> list[dict]:
+        with self.records_lock:
+            out = list(self.records)
+            self.records.clear()
+        return out
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+
+@dataclass
+class Generation:
+    """One request in flight, as the HTTP handler sees it."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    stats: RequestStats = field(default_factory=RequestStats)
+    arrival_ns: int = field(default_factory=time.time_ns)
+    first_token_ns: int = 0
+    last_token_ns: int = 0
+    output: list[int] = field(default_factory=list)
+    done: bool = False
+    cancelled: bool = False  # by us: client gone or a stop string matched
+    error: str | None = None
+
+    def callback(self, tokens, finished, error=None) -> None:
+        # Batcher thread. Raises RuntimeError once the loop is closed; the batcher then cancels the request.
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ([int(t) for t in tokens or ()], finished, error))
+
+    async def events(self):
+        """(new tokens, finished) until the request ends; raises RuntimeError on an engine error."""
+        while not self.done:
+            tokens, finished, error = await self.queue.get()
+            if tokens:
+                now = time.time_ns()
+                self.first_token_ns = self.first_token_ns or now
+                self.last_token_ns = now
+                self.output += tokens
+            if finished:
+                self.done = True
+                if error:
+                    self.error = error
+                    raise RuntimeError(error)
+            yield tokens, finished
+
+    def finish_reason(self, stop_ids: list[int]) -> str:
+        """OpenAI's reason for the engine's: "length" at max_new_tokens, else "stop" (end_id or a
+        stop word). Read from RequestStats where the batcher records it; otherwise told apart as
+        `Sequence.take` decides: a stop word first, then max_new_tokens, anything shorter is end_id."""
+        engine_reason = getattr(self.stats, "finish_reason", None)
+        if engine_reason in ("length", "end_id", "stop_word"):
+            return "length" if engine_reason == "length" else "stop"
+        if self.output and any(self.output[-1:] == w for w in ([i] for i in stop_ids)):
+            return "stop"
+        return "length" if len(self.output) >= self.params.max_new_tokens else "stop"
+
+
+class EngineService:
+    def __init__(self, engine: CpuEngine, scheduler: SchedulerConfig | None = None,
+                 on_iteration: Callable[[dict], None] | None = None):
+        self.engine = engine
+        self.batcher = StatsBatcher(engine, scheduler, on_iteration)
+        self._ids = itertools.count(1)
+        self.inflight: dict[int, Generation] = {}
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    def stop(self) -> None:
+        self.batcher.stop()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, priority: float | None = None) -> Generation:
+        """Raises QueueFull when the queue bound is reached."""
+        gen = Generation(next(self._ids), prompt_ids, params, asyncio.get_running_loop())
+        kwargs = {} if priority is None else {"priority": priority}
+        self.inflight[gen.request_id] = gen
+        try:
+            self.batcher.submit(gen.request_id, prompt_ids, params, gen.callback, stats=gen.stats, **kwargs)
+        except (QueueFull, ValueError, RuntimeError):
+            self.inflight.pop(gen.request_id, None)
+            raise
+        return gen
+
+    def release(self, gen: Generation) -> None:
+        """The handler is done with `gen`: cancel it in the batcher if it still runs."""
+        self.inflight.pop(gen.request_id, None)
+        if not gen.done:
+            gen.cancelled = True
+            self.batcher.cancel(gen.request_id)

@@ -1,0 +1,71 @@
+"""Checks of the LLM-API path (targets llmapi and llmapi-cpu): what the PyTorch backend of
+TensorRT-LLM 1.2.1 refuses or does not have (tensorrt_llm/llmapi/llm_args.py, the facts in
+upstream/facts/llmapi.json), caught before anything is written."""
+
+from __future__ import annotations
+
+from toolchain.plan.preflight import ENGINE, FAIL, LLMAPI_PATH, PASS, SERVING, WARN, Context, check
+
+BOTH = ENGINE + SERVING
+
+
+@check("llmapi.speculative", BOTH,
+       "Medusa, lookahead and EAGLE-1/2 exist only on the engine path (TensorRT-LLM speculative-decoding docs)",
+       paths=LLMAPI_PATH)
+def _speculative(ctx: Context):
+    from toolchain.llmapi.args import DECODING_TYPES, ENGINE_ONLY_MODES
+
+    sp, target = ctx.spec.speculative, ctx.spec.target
+    if sp.mode == "none":
+        return PASS, "no speculative decoding"
+    if sp.mode in ENGINE_ONLY_MODES:
+        return FAIL, (f"speculative.mode={sp.mode} cannot run on target {target}: {ENGINE_ONLY_MODES[sp.mode]}; "
+                      "use target trtllm, or speculative.mode draft_target or ngram")
+    if target == "llmapi-cpu":
+        return FAIL, (f"speculative.mode={sp.mode} is not run by the CPU stand-in of the LLM API yet; use "
+                      "target cpu (the engine path runs it through the BLS) or target llmapi on a GPU host")
+    if sp.mode == "draft_target" and sp.draft_model is None:
+        return FAIL, "speculative.mode=draft_target needs speculative.draft_model (an HF checkpoint directory)"
+    if sp.max_draft_len < 1:
+        return FAIL, f"speculative.mode={sp.mode} needs speculative.max_draft_len >= 1"
+    return PASS, f"speculative_config decoding_type {DECODING_TYPES[sp.mode]}"
+
+
+@check("llmapi.quantization", ENGINE,
+       "the PyTorch backend loads pre-quantized Hugging Face-format checkpoints of some formats only "
+       "(TensorRT-LLM docs/source/features/quantization.md)", paths=LLMAPI_PATH)
+def _quantization(ctx: Context):
+    from toolchain.checkpoint.hf_quant import hf_quant_problem
+
+    q = ctx.spec.quantization
+    if q.method == "none" and q.kv_cache == "none":
+        return PASS, "unquantized: the checkpoint is served as it is"
+    problem = hf_quant_problem(q)
+    if problem:
+        return FAIL, problem
+    # target llmapi-cpu runs it too: the CPU stand-in imports that checkpoint as stored.
+    return PASS, f"convert writes a Hugging Face-format {q.method}/{q.kv_cache} checkpoint"
+
+
+@check("llmapi.options", BOTH, "every llmapi.options key must be an LLM-API argument of the pinned release "
+       "(TorchLlmArgs forbids unknown keys)", paths=LLMAPI_PATH)
+def _options(ctx: Context):
+    from toolchain.llmapi.args import options_problem
+
+    problem = options_problem(ctx.spec)
+    if problem:
+        return FAIL, problem + "; fix llmapi.options in the spec"
+    n = len(ctx.spec.llmapi.options)
+    return PASS, f"{n} extra LLM-API option(s), all known" if n else "no extra LLM-API options"
+
+
+@check("llmapi.num-tokens-vs-input", ENGINE,
+       "without chunked prefill max_num_tokens caps a prompt (TensorRT-LLM llmapi/llm.py _check_arguments)",
+       paths=LLMAPI_PATH)
+def _num_tokens(ctx: Context):
+    lim = ctx.spec.limits
+    if lim.max_num_tokens >= lim.max_input_len or ctx.spec.build.chunked_context:
+        return PASS, f"prompts up to max_input_len {lim.max_input_len} fit"
+    return WARN, (f"limits.max_num_tokens ({lim.max_num_tokens}) is below limits.max_input_len "
+                  f"({lim.max_input_len}) and chunked prefill is off: longer prompts are refused; raise "
+                  "max_num_tokens or set build.chunked_context=true (enable_chunked_prefill)")
