@@ -78,7 +78,8 @@ def test_engine_only_modes_are_the_ones_upstream_keeps_off_the_pytorch_backend()
         assert "pytorch" in types[name]["supports_backend"]["excludes"], name
     assert {"medusa", "lookahead"} <= set(ENGINE_ONLY_MODES)
     for mode, kind in DECODING_TYPES.items():
-        assert "pytorch" in types[kind]["supports_backend"]["allows"], mode
+        allows = types[kind]["supports_backend"]["allows"]
+        assert allows == "all" or "pytorch" in allows, mode
 
 
 @pytest.mark.parametrize("options, fragment", [
@@ -286,3 +287,30 @@ def test_sampling_params_the_llm_api_refuses(sampling, fragment):
 
     with pytest.raises(LlmArgsError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         SamplingParams.from_kwargs(sampling)
+
+
+def test_eagle3_and_mtp_map_onto_the_pytorch_backends_decoding_configs(tmp_path, hf_llama, hf_llama_tied):
+    from toolchain.llmapi.args import llm_args, llm_args_problem
+    from toolchain.plan.preflight import build_context, run_checks
+
+    spec = llmapi_spec(tmp_path, hf_llama, target="llmapi",
+                       speculative={"mode": "eagle3", "max_draft_len": 3, "draft_model": str(hf_llama_tied)})
+    args = llm_args(spec, hf_llama)
+    assert args["speculative_config"] == {"decoding_type": "Eagle", "max_draft_len": 3,
+                                          "speculative_model_dir": str(hf_llama_tied)}
+    assert llm_args_problem(args) is None and FACTS["speculative"]["types"]["Eagle"]["fields"]["eagle3_one_model"]
+    mtp = llmapi_spec(tmp_path, hf_llama, target="llmapi", speculative={"mode": "mtp"})
+    assert llm_args(mtp, hf_llama)["speculative_config"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 1}
+    assert "num_nextn_predict_layers" in FACTS["speculative"]["types"]["MTP"]["fields"]
+    results = {r.id: r for r in run_checks(build_context(mtp, "plan", Workspace(tmp_path)))}
+    assert results["llmapi.speculative"].status == "fail" and "no multi-token" not in results["llmapi.speculative"].message
+    assert "multi-token prediction layers" in results["llmapi.speculative"].message  # a Llama has none
+
+
+def test_engine_path_refuses_the_llmapi_only_modes(tmp_path, hf_llama, hf_llama_tied):
+    from toolchain.plan.preflight import build_context, run_checks
+
+    spec = load_spec(write_spec(tmp_path / "e.yaml", hf_llama, target="trtllm", gpu={"name": "H100 80GB"},
+                                speculative={"mode": "eagle3", "max_draft_len": 3, "draft_model": str(hf_llama_tied)}))
+    results = {r.id: r for r in run_checks(build_context(spec, "plan", Workspace(tmp_path)))}
+    assert results["spec.mode-runnable"].status == "fail" and "target llmapi" in results["spec.mode-runnable"].message

@@ -329,12 +329,15 @@ class BuildSection(_Section):
 
 
 class SpeculativeSection(_Section):
-    mode: Literal["none", "draft_target", "medusa", "eagle", "lookahead", "ngram"] = "none"
-    """Speculative decoding: a separate draft model, Medusa heads, EAGLE, lookahead, n-gram prompt lookup, or none."""
+    mode: Literal["none", "draft_target", "medusa", "eagle", "lookahead", "ngram", "eagle3", "mtp"] = "none"
+    """Speculative decoding: a separate draft model, Medusa heads, EAGLE-1, lookahead, n-gram prompt lookup, or none;
+    on the LLM-API path also eagle3 (an EAGLE-3 draft in draft_model) and mtp (the model's own multi-token
+    prediction layers, where its config has them)."""
     max_draft_len: int = Field(0, ge=0, le=1024)
     """Most draft tokens per step (trtllm-build --max_draft_len); medusa/eagle: 0 takes it from the checkpoint."""
     draft_model: Path | None = None
-    """draft_target: HF checkpoint of the draft model (same tokenizer); converted and built at tp 1 next to the target."""
+    """draft_target: HF checkpoint of the draft model (same tokenizer); converted and built at tp 1 next to the target.
+    eagle3: the EAGLE-3 draft checkpoint (speculative_model_dir)."""
     heads: Path | None = None
     """medusa: directory of trained Medusa heads (medusa_lm_head.safetensors + config.json, as
     `toolchain medusa-heads` writes); convert adds them to a MedusaForCausalLM checkpoint.

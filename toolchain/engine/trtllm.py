@@ -219,6 +219,9 @@ def build_flags(spec, *, draft: bool = False) -> list[tuple[str, object]]:
     if b.gather_context_logits and not draft:
         flags.append(("--gather_context_logits", True))
     if sp.mode != "none" and not draft:
+        if sp.mode not in SPEC_MODES:  # eagle3, mtp: the spec.mode-runnable check names the target to use
+            raise ToolchainError(f"speculative.mode={sp.mode} has no trtllm-build mode (LLM-API path only)",
+                                 "use target llmapi")
         flags.append(("--speculative_decoding_mode", SPEC_MODES[sp.mode]))
         if sp.max_draft_len:
             flags.append(("--max_draft_len", sp.max_draft_len))

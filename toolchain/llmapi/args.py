@@ -17,7 +17,7 @@ from toolchain.spec import DeploymentSpec
 
 POLICY = {"guaranteed_no_evict": "GUARANTEED_NO_EVICT", "max_utilization": "MAX_UTILIZATION"}
 # Speculative modes of the spec -> the LLM API's decoding_type; the rest exist only on the engine path.
-DECODING_TYPES = {"draft_target": "DraftTarget", "ngram": "NGram"}
+DECODING_TYPES = {"draft_target": "DraftTarget", "ngram": "NGram", "eagle3": "Eagle", "mtp": "MTP"}
 ENGINE_ONLY_MODES = {
     "medusa": "Medusa heads run only in TensorRT engines (the PyTorch backend has no Medusa)",
     "lookahead": "lookahead decoding runs only in the engine runtime",
@@ -61,8 +61,13 @@ def speculative_config(spec: DeploymentSpec) -> dict | None:
         return None
     if sp.mode not in DECODING_TYPES:
         return None  # refused by the llmapi.speculative check
-    out: dict[str, Any] = {"decoding_type": DECODING_TYPES[sp.mode], "max_draft_len": sp.max_draft_len}
-    if sp.mode == "draft_target":
+    kind = DECODING_TYPES[sp.mode]
+    if sp.mode == "mtp":
+        # The model's own MTP modules draft; their count is the draft length (MTPDecodingConfig).
+        return {"decoding_type": kind, "num_nextn_predict_layers": sp.max_draft_len or 1}
+    out: dict[str, Any] = {"decoding_type": kind, "max_draft_len": sp.max_draft_len}
+    if sp.mode in ("draft_target", "eagle3"):
+        # EAGLE-3 is the Eagle decoding type with a separate draft checkpoint (eagle3_one_model by default).
         out["speculative_model_dir"] = str(sp.draft_model) if sp.draft_model else None
     else:
         out["max_matching_ngram_size"] = sp.ngram_size

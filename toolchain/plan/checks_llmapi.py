@@ -24,8 +24,16 @@ def _speculative(ctx: Context):
     if target == "llmapi-cpu":
         return FAIL, (f"speculative.mode={sp.mode} is not run by the CPU stand-in of the LLM API yet; use "
                       "target cpu (the engine path runs it through the BLS) or target llmapi on a GPU host")
-    if sp.mode == "draft_target" and sp.draft_model is None:
-        return FAIL, "speculative.mode=draft_target needs speculative.draft_model (an HF checkpoint directory)"
+    if sp.mode in ("draft_target", "eagle3") and sp.draft_model is None:
+        what = "an HF checkpoint directory" if sp.mode == "draft_target" else "the EAGLE-3 draft checkpoint"
+        return FAIL, f"speculative.mode={sp.mode} needs speculative.draft_model ({what})"
+    if sp.mode == "mtp":
+        layers = _mtp_layers(ctx)
+        if not layers:
+            return FAIL, ("speculative.mode=mtp needs a model with multi-token prediction layers "
+                          "(num_nextn_predict_layers in config.json, as DeepSeek-V3 has); this one has none: "
+                          "use draft_target, eagle3 or ngram")
+        return PASS, f"speculative_config decoding_type MTP over the model's {layers} MTP layer(s)"
     if sp.max_draft_len < 1:
         return FAIL, f"speculative.mode={sp.mode} needs speculative.max_draft_len >= 1"
     return PASS, f"speculative_config decoding_type {DECODING_TYPES[sp.mode]}"
@@ -69,3 +77,8 @@ def _num_tokens(ctx: Context):
     return WARN, (f"limits.max_num_tokens ({lim.max_num_tokens}) is below limits.max_input_len "
                   f"({lim.max_input_len}) and chunked prefill is off: longer prompts are refused; raise "
                   "max_num_tokens or set build.chunked_context=true (enable_chunked_prefill)")
+
+
+def _mtp_layers(ctx: Context) -> int:
+    config = ctx.model.hf_config if ctx.model is not None else {}
+    return int(config.get("num_nextn_predict_layers") or 0)

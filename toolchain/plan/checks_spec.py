@@ -21,6 +21,11 @@ def lookahead_draft_len(w: int, n: int, g: int) -> int:
 # is decoded inside TensorRT-LLM's C++ runtime, and EAGLE's draft networks run inside
 # the TensorRT engine (the CPU engine has no EagleNet); both convert and build for GPUs.
 NOT_YET: dict[str, str] = {}
+# Modes only the LLM-API path has: TensorRT-LLM 1.2 engines draft with EAGLE-1/2, not EAGLE-3, and have no MTP.
+LLMAPI_ONLY = {
+    "eagle3": "EAGLE-3 drafts run on the PyTorch backend only (speculative_config decoding_type Eagle)",
+    "mtp": "multi-token prediction runs on the PyTorch backend only (MTPDecodingConfig)",
+}
 NOT_ON_CPU = {
     "lookahead": "the CPU engine has no lookahead decoding (TensorRT-LLM runs it in its C++ runtime)",
     "eagle": "the CPU engine does not run EAGLE's draft networks (TensorRT-LLM runs them inside the engine)",
@@ -33,6 +38,9 @@ def _mode_runnable(ctx: Context):
     if mode in NOT_YET:
         return FAIL, (f"speculative.mode={mode} is not supported yet: {NOT_YET[mode]}; "
                       "set speculative.mode none (or lookahead on target trtllm)")
+    if mode in LLMAPI_ONLY:
+        return FAIL, (f"speculative.mode={mode} cannot run on target {ctx.spec.target}: {LLMAPI_ONLY[mode]}; "
+                      "use target llmapi")
     if mode in NOT_ON_CPU and not ctx.trtllm:
         return FAIL, (f"speculative.mode={mode} cannot run on target cpu: {NOT_ON_CPU[mode]}; "
                       "use target trtllm, or speculative.mode ngram or medusa on cpu")
