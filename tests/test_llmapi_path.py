@@ -314,3 +314,22 @@ def test_engine_path_refuses_the_llmapi_only_modes(tmp_path, hf_llama, hf_llama_
                                 speculative={"mode": "eagle3", "max_draft_len": 3, "draft_model": str(hf_llama_tied)}))
     results = {r.id: r for r in run_checks(build_context(spec, "plan", Workspace(tmp_path)))}
     assert results["spec.mode-runnable"].status == "fail" and "target llmapi" in results["spec.mode-runnable"].message
+
+
+@pytest.mark.parametrize("installed, status", [(None, "fail"), ("1.1.0", "fail"), ("1.2.1", "pass"), ("1.2.0rc8", "pass")])
+def test_serving_target_llmapi_needs_the_pinned_tensorrt_llm(tmp_path, hf_llama, monkeypatch, installed, status):
+    """Read from the environment's installed distributions, as importlib.metadata finds them."""
+    import sys
+
+    from toolchain.plan.preflight import build_context, run_checks
+
+    site = tmp_path / "site"
+    site.mkdir()
+    if installed:
+        dist = site / f"tensorrt_llm-{installed}.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tensorrt_llm\nVersion: {installed}\n")
+    monkeypatch.setattr(sys, "path", [str(site)] + [p for p in sys.path if "site-packages" not in p])
+    spec = llmapi_spec(tmp_path, hf_llama, target="llmapi")
+    result = {r.id: r for r in run_checks(build_context(spec, "serve", Workspace(tmp_path)))}["llmapi.runtime-version"]
+    assert result.status == status, result.message

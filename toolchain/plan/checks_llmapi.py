@@ -4,7 +4,7 @@ upstream/facts/llmapi.json), caught before anything is written."""
 
 from __future__ import annotations
 
-from toolchain.plan.preflight import ENGINE, FAIL, LLMAPI_PATH, PASS, SERVING, WARN, Context, check
+from toolchain.plan.preflight import ENGINE, FAIL, LLMAPI_PATH, PASS, SERVING, SKIP, WARN, Context, check
 
 BOTH = ENGINE + SERVING
 
@@ -82,3 +82,25 @@ def _num_tokens(ctx: Context):
 def _mtp_layers(ctx: Context) -> int:
     config = ctx.model.hf_config if ctx.model is not None else {}
     return int(config.get("num_nextn_predict_layers") or 0)
+
+
+@check("llmapi.runtime-version", ("serve",),
+       "the LLM() arguments and the llmapi model are those of the pinned TensorRT-LLM release", paths=LLMAPI_PATH)
+def _runtime_version(ctx: Context):
+    from importlib import metadata
+
+    from toolchain.plan.versions import TRITON_IMAGE, TRTLLM_VERSION, in_line
+
+    if ctx.spec.target != "llmapi":
+        return PASS, "the CPU stand-in needs no TensorRT-LLM"
+    if ctx.stage == "plan":
+        return SKIP, "checked on the serving host when serve starts"
+    try:
+        found = metadata.version("tensorrt_llm")
+    except metadata.PackageNotFoundError:
+        return FAIL, (f"TensorRT-LLM is not installed in this environment: serve target llmapi inside the "
+                      f"{TRITON_IMAGE} image (TensorRT-LLM {TRTLLM_VERSION})")
+    if not in_line(found):
+        return FAIL, (f"TensorRT-LLM {found} is installed, the spec's arguments are checked against "
+                      f"{TRTLLM_VERSION}: use the {TRITON_IMAGE} image")
+    return PASS, f"TensorRT-LLM {found}"
