@@ -153,3 +153,20 @@ def test_a_draft_with_another_tokenizer_is_refused_before_conversion(tmp_path, c
     detail = next(c for c in report["checks"] if c["id"] == "spec.draft-model")
     assert "tokenizer differs" in detail["message"]
     assert f"{a!r} is {vocab[b]} in the target, {vocab[a]} in the draft" in detail["message"]
+
+
+def test_llmapi_example_plans_with_its_launch_lines_and_no_build(tmp_path, capsys):
+    from toolchain.upstream import facts
+
+    assert plan(tmp_path, REPO / "build" / "llama3-8b-llmapi-h100.yaml", "--json") == 0, capsys.readouterr().err
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] is True and report["ok"] is True and report["failed_checks"] == []
+    assert (report["weight_format"], report["kv_cache_dtype"]) == ("FP8", "fp8")
+    assert report["build_commands"] == [] and "LLM-API" in report["build_note"]
+    launcher = shlex.split(report["launch_command"])
+    flags = facts("llmapi")["launch_flags"]
+    assert launcher[1].endswith("launch_triton_server.py") and all(a.split("=")[0] in flags for a in launcher[2:])
+    serve = shlex.split(report["openai_command"])
+    assert serve[0] == "trtllm-serve" and serve[serve.index("--port") + 1] == "8080"
+    ids = {c["id"] for c in report["checks"]}
+    assert {"llmapi.options", "llmapi.quantization", "llmapi.speculative"} <= ids and "build.host-ram" not in ids

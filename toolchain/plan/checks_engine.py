@@ -345,5 +345,5 @@ def _gpu_known(ctx: Context):
     if ctx.device is not None:
         sm = f", SM {ctx.device.sm}" if ctx.device.sm else ""
         return PASS, f"{ctx.device.name}: {ctx.device.memory_gib:.1f} GiB{sm}"
-    return FAIL, ("target trtllm names no GPU, so the memory fit cannot be checked; set gpu.name "
+    return FAIL, (f"target {ctx.spec.target} names no GPU, so the memory fit cannot be checked; set gpu.name "
                   "(e.g. 'H100 80GB') or gpu.memory_gib and gpu.sm")
