@@ -85,7 +85,7 @@ def test_trtllm_serve_line(two_nodes):
     argv = shlex.split(launch.gpu_launch_lines(spec, ws)["trtllm_serve"])
     assert argv[:2] == ["trtllm-serve", str(served_model_dir(spec, ws))]
     opts = _options(argv, 2)
-    assert set(opts) <= set(launch.TRTLLM_SERVE_OPTIONS)  # only options read from upstream's serve.py
+    assert set(opts) <= set(launch.serve_options())  # only options read from upstream's serve.py
     assert opts == {"--host": spec.serving.host, "--port": "9090",
                     "--extra_llm_api_options": str(ws.model_repo_dir(spec) / "trtllm-serve.yaml")}
 
@@ -108,7 +108,7 @@ def test_unknown_launcher_flag_is_a_bug_not_a_line():
     with pytest.raises(LookupError):
         launch.launch_flag("--no-such-flag")
     with pytest.raises(LookupError):
-        launch.serve_option("--tp_size")  # not verified upstream, so never emitted
+        launch.serve_option("--no-such-option")  # not declared upstream, so never emitted
 
 
 def test_multi_node_lines(two_nodes):
@@ -302,8 +302,13 @@ def test_cli_print_and_manifests(two_nodes, tmp_path, capsys):
 
 def test_cli_llmapi_refuses_to_run_here_and_manifests_need_llmapi(two_nodes, tmp_path, capsys):
     spec, ws = two_nodes
+    # Here no TensorRT-LLM is installed: the serve preflight names the image to serve in.
     assert main(["--root", str(ws.root), "serve", str(spec.source)]) == 2
-    assert "GPU host" in capsys.readouterr().err
+    assert "llmapi.runtime-version" in capsys.readouterr().err
+    # With it (skipped here), a multi-host spec is refused naming the manifests.
+    assert main(["--root", str(ws.root), "serve", str(spec.source), "--skip-check", "llmapi.runtime-version",
+                 "--skip-check", "serve.ports-free"]) == 2
+    assert "--manifests DIR" in capsys.readouterr().err
     cpu = _spec(tmp_path, spec.model.checkpoint, name="cpu-model", target="llmapi-cpu")
     assert main(["--root", str(ws.root), "serve", str(cpu.source), "--print", "--manifests", str(tmp_path / "m")]) == 2
     assert "--manifests is for target llmapi" in capsys.readouterr().err

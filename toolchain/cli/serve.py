@@ -3,10 +3,11 @@
 Target cpu: one tritonserver (the nvidia-pytriton wheel's, or one on PATH).
 Target trtllm: one tritonserver per rank under mpirun (toolchain/triton/launch.py);
 `--print` also prints the container and Kubernetes lines for the NGC image.
-Target llmapi: nothing runs here (it needs a GPU host with TensorRT-LLM 1.2.1); `--print` shows the
-trtllm-serve and Triton lines (toolchain/llmapi/launch.py) and `--manifests DIR` writes the Slurm
-and Kubernetes manifests (toolchain/llmapi/manifests.py).
-Target llmapi-cpu: one tritonserver on the llmapi repository, as target cpu (there is no engine).
+Target llmapi (a GPU host with TensorRT-LLM 1.2.1, checked by llmapi.runtime-version): one tritonserver on
+the llmapi repository; `--print` shows the trtllm-serve and Triton launcher lines (toolchain/llmapi/launch.py)
+and `--manifests DIR` writes the Slurm and Kubernetes manifests for multi-host deployments
+(toolchain/llmapi/manifests.py).
+Target llmapi-cpu: the same on this host, with the CPU stand-in for LLM() (there is no engine).
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def _print_llmapi(spec: DeploymentSpec, ws, manifests_dir) -> None:
             click.echo(f"# wrote {path}")
     elif launch.multi_node(spec):
         click.echo("# Slurm batch scripts and a Kubernetes LeaderWorkerSet: add --manifests DIR")
+
+
+def _multi_node(spec: DeploymentSpec) -> bool:
+    from toolchain.llmapi.launch import multi_node
+
+    return multi_node(spec)
 
 
 def _print_llmapi_cpu(spec: DeploymentSpec, ws, server) -> None:
@@ -114,18 +121,22 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
     if spec.target == "trtllm" and print_only:
         _print_trtllm(spec, ws)
         return
-    if spec.target == "llmapi":
-        if not (print_only or manifests_dir is not None):
-            raise ToolchainError("target llmapi serves on a GPU host with TensorRT-LLM 1.2.1, not from here",
-                                 "run `toolchain serve SPEC --print` and start its lines on that host")
+    if spec.target == "llmapi" and (print_only or manifests_dir is not None):
         _print_llmapi(spec, ws, manifests_dir)
         return
+    if spec.target == "llmapi" and _multi_node(spec):
+        from toolchain.llmapi.launch import node_count
+
+        raise ToolchainError(f"tp x pp spans {node_count(spec)} hosts: one `serve` cannot start them",
+                             "write the Slurm or Kubernetes manifests with `toolchain serve SPEC --manifests DIR`")
     if not (repo / "manifest.json").is_file():
         raise ToolchainError(f"no model repository at {repo}", "run `toolchain model-repo SPEC` first")
-    if spec.target == "llmapi-cpu":
+    if spec.llmapi_path:
         from toolchain.triton.server import TritonServer
 
         # The LLM-API path has no engine: the repository's model.yaml points LLM() at the checkpoint.
+        # One tritonserver (the container's, on a GPU host; llmapi.runtime-version checked TensorRT-LLM)
+        # runs LLM(), which starts its own worker per rank, as upstream's launcher does at world size 1.
         server = TritonServer.from_spec(spec, repo, log_path=repo.parent / f"{spec.name}.tritonserver.log")
         if print_only:
             _print_llmapi_cpu(spec, ws, server)

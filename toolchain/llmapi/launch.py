@@ -16,8 +16,7 @@ Target llmapi (a GPU host with TensorRT-LLM 1.2.1):
 Target llmapi-cpu: the tritonserver this host runs and the CPU OpenAI server.
 
 Every launcher flag is looked up in the facts read from upstream (facts/llmapi.json launch_flags)
-before it is emitted. trtllm-serve's own options are not in the fact file yet; the few used here
-are listed in TRTLLM_SERVE_OPTIONS with where they were read.
+before it is emitted, and every trtllm-serve option in trtllm_serve.options.
 """
 
 from __future__ import annotations
@@ -37,17 +36,12 @@ TRTLLM_SERVE = "trtllm-serve"
 # Where a server in a job or a pod binds: it is reached from other hosts (clients, the kubelet's probe).
 ALL_INTERFACES = "0.0.0.0"
 
-# trtllm-serve options emitted here, as declared by click in tensorrt_llm/commands/serve.py
-# (NVIDIA/TensorRT-LLM, stored version 00209af149e7774406881a37283dce303571eb11). To move into
-# facts/llmapi.json once the fact extractor reads serve.py.
-TRTLLM_SERVE_OPTIONS = {
-    "--host": 'click.option("--host", type=str, default="localhost")',
-    "--port": 'click.option("--port", type=int, default=8000)',
-    # The LLM() argument YAML. Later releases add `--config` as an alias of the same option
-    # (dest extra_llm_api_options, NVIDIA/TensorRT-LLM#9104); --extra_llm_api_options is the
-    # name every 1.x release has, so it is the one emitted.
-    "--extra_llm_api_options": 'click.option("--config", "--extra_llm_api_options", "extra_llm_api_options", type=str)',
-}
+# The LLM() argument YAML option. Upstream's 1.2-line serve.py declares it as
+# click.option("--config", "--extra_llm_api_options", "extra_llm_api_options"): --config is the newer
+# alias (NVIDIA/TensorRT-LLM#9104); --extra_llm_api_options is the name every 1.x release has, so it
+# is the one emitted.
+SERVE_CONFIG_OPTION = "--extra_llm_api_options"
+
 
 # tritonserver arguments that upstream's launcher gives rank 0 (launch_triton_server.py get_cmd);
 # the multi-host Triton line runs tritonserver directly, so it repeats them.
@@ -62,9 +56,20 @@ def launch_flag(name: str) -> str:
     return name
 
 
+def serve_options() -> dict[str, dict]:
+    """Every name trtllm-serve's `serve` command accepts (aliases included) -> its upstream entry
+    (facts/llmapi.json trtllm_serve.options, read from tensorrt_llm/commands/serve.py)."""
+    out = {}
+    for name, entry in upstream.facts("llmapi")["trtllm_serve"]["options"].items():
+        for n in (name, *entry["aliases"]):
+            out[n] = entry
+    return out
+
+
 def serve_option(name: str) -> str:
-    if name not in TRTLLM_SERVE_OPTIONS:
-        raise LookupError(f"trtllm-serve option {name} was not verified upstream (TRTLLM_SERVE_OPTIONS)")
+    """`name` if upstream's trtllm-serve declares it; a LookupError otherwise, which is a bug here."""
+    if name not in serve_options():
+        raise LookupError(f"trtllm-serve has no option {name} (facts/llmapi.json trtllm_serve.options)")
     return name
 
 
@@ -109,7 +114,7 @@ def trtllm_serve_command(spec: DeploymentSpec, workspace: Workspace, host: str |
     return [TRTLLM_SERVE, str(served_model_dir(spec, workspace)),
             serve_option("--host"), host or spec.serving.host,
             serve_option("--port"), str(spec.llmapi.openai_port),
-            serve_option("--extra_llm_api_options"), str(serve_config_path(spec, workspace))]
+            serve_option(SERVE_CONFIG_OPTION), str(serve_config_path(spec, workspace))]
 
 
 def triton_launch_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:

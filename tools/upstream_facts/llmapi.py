@@ -5,12 +5,26 @@ map and each speculative config's fields and backend support, every LLM() argume
 status, and the KvCacheConfig / SchedulerConfig / CudaGraphConfig fields; the llmapi
 Triton model's config.pbtxt (inputs, outputs, backend), its model.yaml (the LLM() keys
 and triton_config) and what its model.py / helpers.py do with them (curated, quoted);
-and the argparse flags of triton_backend/scripts/launch_triton_server.py.
+and the argparse flags of triton_backend/scripts/launch_triton_server.py. And trtllm-serve
+(`trtllm_serve`): the `serve` click command's options (tensorrt_llm/commands/serve.py), the
+HTTP routes OpenAIServer registers (tensorrt_llm/serve/openai_server.py) and the Prometheus
+families of MetricsCollector (tensorrt_llm/metrics/collector.py).
 
 The files are gathered one by one into a plain directory whose `.commits.json`
 names the commit each came from (no stored copy is at release 1.2.1 itself).
 llm_args.py is a whole stored version of the 1.1/1.2 line whose commit the index
 does not report: its `.commits.json` entry says so instead of naming a commit.
+
+Some excerpts are upstream's file from its first line up to what is read, not the whole
+file (PARTIAL: path -> the last part kept), so every line number is upstream's and the
+kept part parses on its own: serve.py through the `serve` command (00209af1, the stored
+version with `--config` as alias of --extra_llm_api_options), openai_server.py through
+register_mm_encoder_routes (e7f7345e, the only NVIDIA/TensorRT-LLM version the index
+names a commit for). collector.py is whole: the stored version with the `trtllm_` prefix
+and only the 1.2 families (request latencies, success counter, two KV-cache gauges),
+read_file id 46484645625, a copy in another repository whose commit the index does not
+report; NVIDIA/TensorRT-LLM's own stored versions are the 1.1 one without a prefix and a
+2026 one with some sixty families.
 """
 
 from __future__ import annotations
@@ -31,7 +45,13 @@ YAML = "triton_backend/all_models/llmapi/tensorrt_llm/1/model.yaml"
 LAUNCH = "triton_backend/scripts/launch_triton_server.py"
 MODEL_PY = "triton_backend/all_models/llmapi/tensorrt_llm/1/model.py"
 HELPERS = "triton_backend/all_models/llmapi/tensorrt_llm/1/helpers.py"
-FILES = (ARGS, PBTXT, YAML, LAUNCH, MODEL_PY, HELPERS)
+SERVE = "tensorrt_llm/commands/serve.py"
+OPENAI_SERVER = "tensorrt_llm/serve/openai_server.py"
+COLLECTOR = "tensorrt_llm/metrics/collector.py"
+FILES = (ARGS, PBTXT, YAML, LAUNCH, MODEL_PY, HELPERS, SERVE, OPENAI_SERVER, COLLECTOR)
+# Excerpts that stop before upstream's end: the last definition kept. Checked on every run,
+# so a re-gathered excerpt that stops elsewhere (or an extractor that reads past it) fails.
+PARTIAL = {SERVE: "def serve(", OPENAI_SERVER: "def register_mm_encoder_routes(self):"}
 RULES = [
     {"rule": "decoding_type_key", "path": ARGS, "quote": 'decoding_type = data.get("decoding_type")'},
     {"rule": "unknown_decoding_type", "path": ARGS, "quote": 'raise ValueError(f"Invalid decoding type: {decoding_type}")'},
@@ -430,6 +450,144 @@ def _response_outputs(src) -> dict:
     return dict(sorted(out.items(), key=lambda kv: kv[1]["line"]))
 
 
+def _check_partial(src) -> dict:
+    """Each partial excerpt still ends in the definition named in PARTIAL: path -> the
+    number of upstream lines it holds (recorded in the facts, so a reader knows where
+    the excerpt stops)."""
+    out = {}
+    for path, last in PARTIAL.items():
+        text = src.read(path)
+        tree = ast.parse(text)  # a kept part that does not parse was cut mid-statement
+        ends = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        tail = max(ends, key=lambda n: (n.end_lineno, n.lineno))  # innermost of those ending last
+        if last not in text.splitlines()[tail.lineno - 1]:
+            raise SystemExit(f"{path}: excerpt should end with {last!r}, ends with {tail.name}")
+        out[path] = len(text.splitlines())
+    return out
+
+
+def _click_options(src) -> dict:
+    """The `serve` click command's options: each @click.option's names (the first is the
+    key, the rest `aliases`), its dest (a bare name among the arguments, else click's rule:
+    the first --name, dashes to underscores), is_flag/multiple, type and default."""
+    tree = ast.parse(src.read(SERVE))
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "serve")
+    out = {}
+    for deco in fn.decorator_list:
+        if not (isinstance(deco, ast.Call) and ast.unparse(deco.func) == "click.option"):
+            continue
+        names = [ast.literal_eval(a) for a in deco.args]
+        flags = [n for n in names if n.startswith("-")]
+        bare = [n for n in names if not n.startswith("-")]
+        # click: a bare name wins, else the first "--" name (dashes to underscores).
+        long_names = [n for n in flags if n.startswith("--")] or flags
+        dest = bare[0] if bare else long_names[0].lstrip("-").replace("-", "_")
+        kw = {k.arg: k.value for k in deco.keywords}
+        entry: dict = {"aliases": flags[1:], "dest": dest}
+        for key in ("is_flag", "multiple"):
+            known, value = _literal(kw.get(key))
+            if known:
+                entry[key] = value
+        if "type" in kw:
+            entry["type"] = ast.unparse(kw["type"])
+        known, default = _literal(kw.get("default"))
+        if known:
+            entry["default"] = default
+        elif "default" in kw:
+            entry["default_expr"] = ast.unparse(kw["default"])
+        out[flags[0]] = {**entry, **_where(src, SERVE, deco.lineno)}
+    # Decorators apply bottom-up but --help lists them top-down: keep the source order.
+    return dict(sorted(out.items(), key=lambda kv: kv[1]["line"]))
+
+
+def _routes(src) -> dict:
+    """OpenAIServer.register_routes: path -> {method: handler} from each add_api_route(path,
+    handler, methods=[...]); a Mount (the Prometheus app) is kept as `mount` with the
+    condition it is registered under (`when`), answering every method at that prefix."""
+    tree = ast.parse(src.read(OPENAI_SERVER))
+    server = classes(tree)["OpenAIServer"]
+    out: dict = {}
+
+    def walk(body: list[ast.stmt], when: str | None):
+        for node in body:
+            if isinstance(node, ast.If):  # a conditional registration: its test is kept
+                walk(node.body, ast.unparse(node.test))
+            else:
+                calls(node, when)
+
+    def calls(node: ast.stmt, when: str | None):
+        for call in ast.walk(node):
+            if not isinstance(call, ast.Call):
+                continue
+            name = ast.unparse(call.func)
+            if name == "self.app.add_api_route":
+                path = ast.literal_eval(call.args[0])
+                methods = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "methods"))
+                handler = ast.unparse(call.args[1])
+                for method in methods:
+                    out.setdefault(path, {"methods": {}})["methods"][method] = {
+                        "handler": handler, **({"when": when} if when else {}), **_where(src, OPENAI_SERVER, call.lineno)}
+            elif name.startswith("self.") and name.split(".")[-1] in methods_of:
+                walk(methods_of[name.split(".")[-1]].body, when)  # e.g. self.mount_metrics()
+            elif name == "Mount":
+                path = ast.literal_eval(call.args[0])
+                out[path] = {"mount": ast.unparse(call.args[1]), "methods": "any",
+                             **({"when": when} if when else {}), **_where(src, OPENAI_SERVER, call.lineno)}
+
+    # Only the LLM server's routes: register_mm_encoder_routes is the multimodal-encoder role's.
+    methods_of = {n.name: n for n in server.body if isinstance(n, ast.FunctionDef)
+                  and n.name not in ("register_routes", "register_mm_encoder_routes")}
+    walk(next(n for n in server.body if isinstance(n, ast.FunctionDef) and n.name == "register_routes").body, None)
+    return out
+
+
+def _metrics(src) -> dict:
+    """MetricsCollector's Prometheus families: the prefix and, per family (the full name as
+    given to prometheus_client: a Counter's given name may already end in _total), its
+    kind and label names: the labels OpenAIServer constructs the collector with (model_name,
+    engine_type), plus finished_reason where the family uses labels_with_finished_reason."""
+    server_tree = ast.parse(src.read(OPENAI_SERVER))
+    made = next(n for n in ast.walk(server_tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "MetricsCollector")
+    server_labels = list(ast.literal_eval(made.args[0]))
+    tree = ast.parse(src.read(COLLECTOR))
+    cls = classes(tree)["MetricsCollector"]
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    prefix_node = next(n for n in ast.walk(init) if isinstance(n, ast.Assign)
+                       and ast.unparse(n.targets[0]) == "self.metric_prefix")
+    prefix = ast.literal_eval(prefix_node.value)
+    # Class constants such as labelname_finish_reason = "finished_reason".
+    extra = {ast.unparse(n.targets[0]): ast.literal_eval(n.value)
+             for n in cls.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)}
+    kinds = {"Counter": "counter", "Histogram": "histogram", "Gauge": "gauge", "Summary": "summary"}
+    families = {}
+    for call in ast.walk(init):
+        if not (isinstance(call, ast.Call) and ast.unparse(call.func) in kinds):
+            continue
+        kw = {k.arg: k.value for k in call.keywords}
+        # name=self.metric_prefix + "x": resolve the prefix; anything else must be a literal.
+        name_node = kw["name"]
+        if (isinstance(name_node, ast.BinOp) and ast.unparse(name_node.left) == "self.metric_prefix"):
+            name = prefix + ast.literal_eval(name_node.right)
+        else:
+            name = ast.literal_eval(name_node)
+        labels = list(server_labels)
+        if "labels_with_finished_reason" in ast.unparse(kw.get("labelnames", ast.Constant(""))):
+            labels.append(extra["labelname_finish_reason"])
+        entry = {"kind": kinds[ast.unparse(call.func)], "labels": labels,
+                 "documentation": ast.literal_eval(kw["documentation"])}
+        if "buckets" in kw:
+            entry["buckets"] = ast.literal_eval(kw["buckets"])
+        families[name] = {**entry, **_where(src, COLLECTOR, call.lineno)}
+    return {"prefix": {"value": prefix, **_where(src, COLLECTOR, prefix_node.lineno)},
+            "server_labels": {"labels": server_labels, **_where(src, OPENAI_SERVER, made.lineno)},
+            "families": dict(sorted(families.items(), key=lambda kv: kv[1]["line"]))}
+
+
+def _trtllm_serve(src) -> dict:
+    return {"options": _click_options(src), "routes": _routes(src), "metrics": _metrics(src),
+            "excerpt_lines": _check_partial(src)}
+
+
 def _triton_model_code(src) -> dict:
     entries = [dict(e, source="trtllm", commit=src.commit_of(e["path"]), line=0) for e in MODEL_CODE]
     verify_quotes(entries, {"trtllm": src})
@@ -457,6 +615,7 @@ def extract(sources, previous=None):
         "model_yaml": _model_yaml(src),
         "triton_model_code": _triton_model_code(src),
         "launch_flags": _launch_flags(src),
+        "trtllm_serve": _trtllm_serve(src),
         "rules": {r["rule"]: r for r in rules},
     }
     about = ("TensorRT-LLM's LLM-API path on Triton. From llm_args.py: speculative_config's decoding_type -> class "
@@ -465,7 +624,11 @@ def extract(sources, previous=None):
              "default_factory or required, status) and whether extra keys are forbidden; kv_cache_config, "
              "scheduler_config (with its policy enums) and cuda_graph_config fields. From the llmapi Triton model: "
              "config.pbtxt, model.yaml, and what model.py/helpers.py do with them (triton_model_code). And "
-             "launch_triton_server.py's flags. Each file's commit is under sources.trtllm.files; none is stored at "
+             "launch_triton_server.py's flags. trtllm_serve: the `serve` click options of commands/serve.py, the "
+             "routes OpenAIServer.register_routes adds (path -> method -> handler; /prometheus/metrics is a Mount "
+             "registered only with return_perf_metrics), and MetricsCollector's Prometheus families (full names, "
+             "kind, labels); serve.py and openai_server.py are kept up to the definitions read (excerpt_lines). "
+             "Each file's commit is under sources.trtllm.files; none is stored at "
              "release 1.2.1, and llm_args.py is a stored version whose commit the index does not report.")
     doc = document(about, sources, facts)
     doc["sources"]["trtllm"]["files"] = {path: src.commit_of(path) for path in FILES}
