@@ -42,7 +42,8 @@ aiperf: $(AIPERF_STAMP) ## Install AIPerf 0.13 into benchmarks/.venv/aiperf
 demo: setup ## The whole pipeline on CPU: convert, build, model repo, serve, bench
 	$(TOOLCHAIN) deploy $(SPEC)
 
-test: setup aiperf ## Run the test suite (tests needing a live deployment are skipped)
+test: setup aiperf ## Lint, then run the test suite (tests needing a live deployment are skipped)
+	$(VENV)/bin/ruff check toolchain tools benchmarks/*.py
 	$(VENV)/bin/pytest -q -m "not perf" $(PYTEST_ARGS)
 
 convert: setup ## HF checkpoint -> TensorRT-LLM checkpoint

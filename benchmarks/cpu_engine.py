@@ -224,7 +224,7 @@ def bench_throughput(hf_dir: Path, eng: Path, quick: bool) -> dict:
     else:
         out["transformers_cb_matches_hf_sequential"] = cb.tokens == hf_tokens
     out["rounds_s"] = {k: [round(w, 2) for w in v] for k, v in walls.items()}
-    agree = sum(a == b for g, h in zip(got, hf_tokens) for a, b in zip(g, h))
+    agree = sum(a == b for g, h in zip(got, hf_tokens, strict=False) for a, b in zip(g, h, strict=False))
     out["greedy_token_agreement_with_hf"] = round(agree / total, 4)
     out["speedup_16_streams_vs_hf_sequential"] = round(out["engine_16_streams_tok_s"] / out["hf_sequential_tok_s"], 2)
     out["speedup_16_streams_vs_hf_static_batch"] = round(
@@ -394,7 +394,7 @@ def bench_chunked(hf_dir: Path, root: Path, quick: bool) -> dict:
                 done.acquire()
         start = min(run.sent["long0"], run.sent["long1"])
         end = max(run.times[f"long{j}"][0] for j in range(2))
-        itl = [b - a for i in range(decodes) for a, b in zip(run.times[i], run.times[i][1:]) if start <= b <= end]
+        itl = [b - a for i in range(decodes) for a, b in zip(run.times[i], run.times[i][1:], strict=False) if start <= b <= end]
         itl.sort()
         key = "on" if chunked else "off"
         out[f"itl_p99_ms_chunked_{key}"] = round(itl[min(len(itl) - 1, int(0.99 * len(itl)))] * 1000, 1)

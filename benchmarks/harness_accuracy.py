@@ -212,7 +212,7 @@ def wait_http(url: str, timeout_s: float = 30) -> None:
             return
         except OSError:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not come up")
+                raise RuntimeError(f"{url} did not come up") from None
             time.sleep(0.1)
 
 

@@ -257,7 +257,7 @@ def _window_kl(ref: torch.Tensor, logp: torch.Tensor) -> float:
 
 def _kl(logps: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     """Mean KL per token of a peer's saved log-probabilities against the fp16 row's."""
-    kl = sum(_window_kl(ref, logp) for logp, ref in zip(logps, reference))
+    kl = sum(_window_kl(ref, logp) for logp, ref in zip(logps, reference, strict=False))
     return round(kl / sum(ref.shape[0] for ref in reference), 6)
 
 

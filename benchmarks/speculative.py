@@ -195,7 +195,7 @@ def measure(label: str, prompts: list[list[int]], n: int, run, engines: list[Cpu
     total = sum(t.e2e_s for t in traces)
     tokens = sum(len(o) for o in outputs)
     decode_s = sum(t.e2e_s - t.first_s for t in traces)
-    decode_tokens = sum(len(o) - t.first_tokens for o, t in zip(outputs, traces))
+    decode_tokens = sum(len(o) - t.first_tokens for o, t in zip(outputs, traces, strict=False))
     accepted, drafted, steps = (sum(getattr(t, k) for t in traces) for k in ("accepted", "drafted", "steps"))
     return {"label": label, "outputs": outputs, "seconds": round(total, 3), "tokens": tokens,
             "tokens_per_s": round(tokens / total, 2), "decode_seconds": round(decode_s, 3),

@@ -320,6 +320,12 @@ parameters {
     string_value: "/models/tok"
   }
 }
+parameters {
+  key: "trust_remote_code"
+  value {
+    string_value: "false"
+  }
+}
 backend: "python"
 """
 

@@ -97,7 +97,9 @@ def test_serve_print_and_refusal_without_mpirun(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("mpirun --allow-run-as-root -n 1 ") and out[0].count(" : ") == 7
     assert out[1] == "# in a container:" and out[2].startswith("docker run") and TRITON_IMAGE in out[2]
-    assert out[3] == "# on Kubernetes:" and out[4].startswith("kubectl run llama3-70b-sq-tp4pp2")
+    # serving.host 0.0.0.0: the admin key goes into a Secret first (test_exposure.py covers the lines).
+    assert out[3] == "# on Kubernetes:" and "kubectl create secret generic llama3-70b-sq-tp4pp2-admin-key" in out[4]
+    assert out[5].startswith("kubectl run llama3-70b-sq-tp4pp2")
     # Not printing: the repository and a 1.2 engine exist, but this host has no mpirun.
     monkeypatch.setenv("PATH", "/nonexistent")
     repo, engine = root / "model_repo" / "llama3-70b-sq-tp4pp2", root / "engines" / "llama3-70b-sq-tp4pp2" / "engine"
@@ -158,10 +160,12 @@ def test_launch_waits_for_rank_0_and_stops_the_group(tmp_path, monkeypatch, mode
 
 def test_leader_mode_matches_upstreams_launcher(tmp_path):
     """Each rank runs what TensorRT-LLM's triton_backend/scripts/launch_triton_server.py
-    (get_cmd, facts/launch.json) runs, with our ports. Two deliberate differences:
-    rank 0 also binds its addresses, and ranks > 0 switch their endpoints off instead
-    of repeating rank 0's ports (they never serve: the backend's leader mode keeps
-    them in the executor loop)."""
+    (get_cmd, facts/launch.json) runs, with our ports. Three deliberate differences:
+    rank 0 also binds its addresses (metrics on loopback, host 0.0.0.0 not being
+    loopback) and puts its administrative APIs behind the key, and ranks > 0 switch
+    their endpoints off instead of repeating rank 0's ports (they never serve: the
+    backend's leader mode keeps them in the executor loop)."""
+    from toolchain.triton.exposure import PLACEHOLDER, restriction_args
     from toolchain.upstream import facts
 
     up = facts("launch")
@@ -178,6 +182,7 @@ def test_leader_mode_matches_upstreams_launcher(tmp_path):
         want = {a for a in theirs if i == 0 or not a.startswith(ports)}
         assert want <= set(mine), (i, sorted(want - set(mine)))
         extra = set(mine) - set(theirs)
-        allowed = ({f"--{k}-address=0.0.0.0" for k in ("http", "grpc", "metrics")} if i == 0 else
+        allowed = ({"--http-address=0.0.0.0", "--grpc-address=0.0.0.0", "--metrics-address=127.0.0.1",
+                    *restriction_args(PLACEHOLDER)} if i == 0 else
                    {"--allow-http=false", "--allow-grpc=false", "--allow-metrics=false"})
         assert extra <= allowed, (i, sorted(extra - allowed))

@@ -32,9 +32,11 @@ def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = No
     from toolchain.bench.run import run_bench
     from toolchain.checkpoint.stage import run_convert
     from toolchain.engine.build import run_build
+    from toolchain.triton import exposure
     from toolchain.triton.repo import run_model_repo
-    from toolchain.triton.server import TritonServer
 
+    if exposure.restricted(spec.serving):
+        exposure.read_admin_key(spec.serving)  # a missing key fails now, not after convert and build
     timings: dict[str, float] = {}
     with _timed("convert", progress, timings):
         run_convert(spec, workspace)
@@ -46,9 +48,7 @@ def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = No
         run_model_repo(spec, workspace)
     serving = spec.serving
     with _timed("serve", progress, timings):
-        server = TritonServer(workspace.model_repo_dir(spec), host=serving.host, http_port=serving.http_port,
-                              grpc_port=serving.grpc_port, metrics_port=serving.metrics_port,
-                              binary=serving.tritonserver)
+        server = _triton_server(spec, workspace.model_repo_dir(spec), progress)
         server.start(timeout=serving.startup_timeout_s)
     try:
         with _timed("bench", progress, timings):
@@ -61,6 +61,19 @@ def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = No
             server.stop()
     report["stage_seconds"] = timings
     return report
+
+
+def _triton_server(spec: DeploymentSpec, repo: Path, progress: Progress):
+    """The server serve would start (admin APIs keyed off loopback, metrics on loopback), with
+    serve's one-line warning."""
+    from toolchain.triton import exposure
+    from toolchain.triton.server import TritonServer
+
+    server = TritonServer.from_spec(spec, repo)  # reads the key: a missing one fails before start
+    warning = exposure.warning(spec.serving)
+    if warning:
+        progress("serve", warning)
+    return server
 
 
 def _with_workload(spec: DeploymentSpec, **values) -> DeploymentSpec:
@@ -80,7 +93,6 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     from toolchain.llmapi.stage import served_model_dir
     from toolchain.openai.server import OpenAIServer
     from toolchain.triton.repo import run_model_repo
-    from toolchain.triton.server import TritonServer
 
     if spec.target != "llmapi-cpu":
         raise ToolchainError("deploy runs the LLM-API path on this host with target llmapi-cpu",
@@ -90,8 +102,7 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     serving = spec.serving
     repo = workspace.model_repo_dir(spec)
     with _timed("serve", progress, timings):
-        server = TritonServer(repo, host=serving.host, http_port=serving.http_port, grpc_port=serving.grpc_port,
-                              metrics_port=serving.metrics_port, binary=serving.tritonserver)
+        server = _triton_server(spec, repo, progress)
         server.start(timeout=serving.startup_timeout_s)
     try:
         with _timed("bench", progress, timings):

@@ -32,12 +32,15 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     # tritonserver running as a service account), so open it up like mkdir.
     os.chmod(tmp, 0o777 & ~_umask())
     old = None
-    if final.exists():
+    if final.exists() or final.is_symlink():
         old = final.parent / f".{final.name}.old-{os.getpid()}"
         os.rename(final, old)
     os.rename(tmp, final)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_symlink():
+            old.unlink()  # a link that stood at `final` is dropped, never what it points to
+        else:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

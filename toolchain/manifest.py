@@ -58,6 +58,19 @@ class Manifest:
             return None
 
 
+def content_hash(directory: Path) -> str:
+    """sha256 of a stage's manifest without its time fields (`created`, `seconds`): what the next
+    stage records as its input, so a rerun that rebuilt the same output leaves the next stage current
+    (and its manifest byte-identical). "missing" when there is no readable manifest."""
+    import hashlib
+
+    have = Manifest.read(directory)
+    if have is None:
+        return "missing"
+    data = {k: v for k, v in asdict(have).items() if k not in ("created", "seconds")}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
 def is_current(directory: Path, wanted: Manifest) -> bool:
     """True when `directory` holds a complete output built from the same key."""
     have = Manifest.read(directory)

@@ -30,6 +30,10 @@ class ModelSection(_Section):
     """Tokenizer directory; defaults to the checkpoint directory."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     """Weight dtype of the TensorRT-LLM checkpoint; `auto` takes HF `torch_dtype` (fp32 becomes fp16 as upstream does, except on target cpu)."""
+    trust_remote_code: bool = False
+    """Let Hugging Face run Python code shipped in the tokenizer or model directory (`auto_map`) when loading it;
+    off by default, so a downloaded directory cannot run code: a tokenizer that needs its own code is refused with
+    an error saying to set this. Also the LLM() `trust_remote_code` argument on the LLM-API path."""
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -91,6 +95,13 @@ class ServingSection(_Section):
     """gRPC port (0 picks a free one)."""
     metrics_port: int = Field(8002, ge=0, le=65535)
     """Prometheus metrics port (0 picks a free one)."""
+    metrics_host: str | None = None
+    """Address the metrics endpoint binds to; unset: `host` when that is loopback, else 127.0.0.1."""
+    admin_key_file: Path | None = None
+    """File holding the key for Triton's administrative APIs (model repository, shared memory, statistics, trace,
+    logging), sent as header `admin-key`. They need it whenever `host` is not loopback, or whenever this is set."""
+    admin_key_env: str = Field("TRITON_ADMIN_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Environment variable holding that key when admin_key_file is unset."""
     streaming: bool = True
     """Deploy decoupled models so clients can stream tokens."""
     tritonserver: Path | None = None
@@ -474,6 +485,7 @@ def _resolve_paths(spec: DeploymentSpec, base: Path) -> None:
     spec.validation.workload.prompts_file = resolve(spec.validation.workload.prompts_file)
     if spec.serving.tritonserver is not None and "/" in str(spec.serving.tritonserver):
         spec.serving.tritonserver = resolve(spec.serving.tritonserver)
+    spec.serving.admin_key_file = resolve(spec.serving.admin_key_file)
 
 
 def spec_from_dict(data: dict[str, Any], base: Path, origin: str = "<spec>") -> DeploymentSpec:

@@ -3,13 +3,21 @@
 Outputs are generated under a root directory (the current directory unless
 `--root` says otherwise): engines/<name>/checkpoint, engines/<name>/engine,
 model_repo/<name> and reports/<name>.
+
+Every path handed out stays inside the root: the spec's name cannot hold a
+separator or `..` (its pattern in spec.py), and a symlink on the way (engines/,
+model_repo/, reports/ themselves or <name> below them) that leads outside the
+root is refused before any stage writes, because a stage replaces its output
+directory wholesale and would otherwise write, or delete, somewhere else.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolchain.errors import ToolchainError
 from toolchain.spec import DeploymentSpec
 
 
@@ -18,18 +26,47 @@ class Workspace:
     root: Path
 
     def engine_root(self, spec: DeploymentSpec) -> Path:
-        return self.root / "engines" / spec.name
+        return self._inside(self.root / "engines" / spec.name)
 
     def checkpoint_dir(self, spec: DeploymentSpec) -> Path:
         """The TensorRT-LLM checkpoint written by `convert`."""
-        return self.engine_root(spec) / "checkpoint"
+        return self._inside(self.engine_root(spec) / "checkpoint")
 
     def engine_dir(self, spec: DeploymentSpec) -> Path:
         """The engine written by `build-engine` (trtllm-build output or the CPU engine)."""
-        return self.engine_root(spec) / "engine"
+        return self._inside(self.engine_root(spec) / "engine")
 
     def model_repo_dir(self, spec: DeploymentSpec) -> Path:
-        return self.root / "model_repo" / spec.name
+        return self._inside(self.root / "model_repo" / spec.name)
 
     def report_dir(self, spec: DeploymentSpec) -> Path:
-        return self.root / "reports" / spec.name
+        return self._inside(self.root / "reports" / spec.name)
+
+    def _inside(self, path: Path) -> Path:
+        """`path` itself, once it is known to resolve inside the root (existing symlinks followed;
+        the parts not there yet are taken as written, and the spec name pattern keeps `..` out)."""
+        root = Path(os.path.realpath(self.root))
+        real = Path(os.path.realpath(path))
+        if real == root or root in real.parents:
+            return path
+        link = _first_link(self.root, path)
+        where = f"{link} is a symlink to {os.readlink(link)}" if link else f"{path} resolves to {real}"
+        raise ToolchainError(f"{where}, outside the workspace root {root}; refusing to write there",
+                             "remove the link, or pass --root to put the workspace where the outputs should go")
+
+
+def _first_link(root: Path, path: Path) -> Path | None:
+    """The first component of `path` below `root` that resolves outside the root (a symlink, as
+    its parent resolves inside), for the error; None when there is none to name."""
+    real_root = Path(os.path.realpath(root))
+    current = Path(root)
+    try:
+        parts = Path(path).relative_to(root).parts
+    except ValueError:
+        return None
+    for part in parts:
+        current = current / part
+        real = Path(os.path.realpath(current))
+        if real != real_root and real_root not in real.parents:
+            return current if current.is_symlink() else None
+    return None

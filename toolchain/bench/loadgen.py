@@ -142,7 +142,7 @@ class Runner:
             firsts.append((rec, prompt, self.transport.build(rec, prompt, s.turns[0], s.priority)))
         tasks = set()
         t0 = time.perf_counter_ns() + int(START_LEAD_S * 1e9)
-        for i, (s, off) in enumerate(zip(sessions, offsets_s)):
+        for i, (s, off) in enumerate(zip(sessions, offsets_s, strict=False)):
             if self.aborted:
                 for rec, _, _ in firsts[i:]:
                     rec.error = f"not sent: {self.aborted}"

@@ -83,7 +83,7 @@ def request_metrics(rec: RequestRecord) -> dict:
         "e2e_sched": _ms(rec.t_last_tok - t_sched) if toks and t_sched is not None else None,
         "osl": osl,
         # (gap ms, tokens in the later response) for each consecutive pair
-        "itl": [(_ms(b.t_ns - a.t_ns), b.n_tok) for a, b in zip(toks, toks[1:])],
+        "itl": [(_ms(b.t_ns - a.t_ns), b.n_tok) for a, b in zip(toks, toks[1:], strict=False)],
     }
 
 
@@ -93,7 +93,7 @@ def stats(values: Iterable[float]) -> dict:
     if a.size == 0:
         return {**{k: None for k in PERCENTILES}, "mean": None, "stdev": None, "min": None, "max": None, "n": 0}
     pct = np.percentile(a, list(PERCENTILES.values()), method=PERCENTILE_METHOD)
-    out = {k: float(v) for k, v in zip(PERCENTILES, pct)}
+    out = {k: float(v) for k, v in zip(PERCENTILES, pct, strict=False)}
     out.update(mean=float(a.mean()), stdev=float(a.std(ddof=0)), min=float(a.min()), max=float(a.max()), n=int(a.size))
     return out
 
@@ -221,7 +221,7 @@ def itl_by_position(records: list[RequestRecord], max_positions: int = 512) -> d
         if r.warmup or not r.ok:
             continue
         toks = r.token_responses()
-        for k, (a, b) in enumerate(zip(toks, toks[1:max_positions + 1])):
+        for k, (a, b) in enumerate(zip(toks, toks[1:max_positions + 1], strict=False)):
             if len(buckets) <= k:
                 buckets.append([])
             buckets[k].append((b.t_ns - a.t_ns) / NS_PER_MS)

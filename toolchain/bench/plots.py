@@ -93,7 +93,7 @@ def _per_level_values(records, level: int, key: str) -> np.ndarray:
 
 def _cdf(plt, report, levels, records):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, key, title in zip(axes, ("ttft", "tpot", "e2e"), ("TTFT", "TPOT", "E2E")):
+    for ax, key, title in zip(axes, ("ttft", "tpot", "e2e"), ("TTFT", "TPOT", "E2E"), strict=False):
         for lv in levels:
             v = _per_level_values(records, lv["level"], key)
             if v.size:

@@ -52,7 +52,12 @@ def default_url(spec: DeploymentSpec, protocol: str) -> str:
 
 def default_metrics_url(spec: DeploymentSpec) -> str | None:
     s = spec.serving
-    return None if s.metrics_port == 0 else f"http://{_loopback(s.host)}:{s.metrics_port}/metrics"
+    from toolchain.triton.exposure import metrics_host
+
+    # Off loopback serve keeps metrics on 127.0.0.1 unless serving.metrics_host says otherwise.
+    host = _loopback(metrics_host(s))
+    host = f"[{host}]" if ":" in host else host
+    return None if s.metrics_port == 0 else f"http://{host}:{s.metrics_port}/metrics"
 
 
 def normalize_url(url: str) -> str:
@@ -116,7 +121,7 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
     metrics_url = metrics_url if metrics_url is not None else (
         default_metrics_url(spec) if wl.protocol.startswith("triton") else None)
     tokenizer_dir = Path(tokenizer_dir or spec.model.tokenizer_dir)
-    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir, spec.model.trust_remote_code)
     counter = TokenCounter(tokenizer)
     plan = Plan(wl, tokenizer, max_input=max_len, max_seq=spec.limits.max_seq_len,
                 token_ids=transport.token_ids, chat=transport.chat)

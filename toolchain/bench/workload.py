@@ -33,16 +33,18 @@ class Prompt:
     """Token count of `text` with the deployment tokenizer (no special tokens)."""
 
 
-def load_tokenizer(tokenizer_dir: Path):
+def load_tokenizer(tokenizer_dir: Path, trust_remote_code: bool = False):
     """The deployment's tokenizer, from a local directory only."""
-    from transformers import AutoTokenizer
+    from toolchain.remote_code import auto_tokenizer
 
     tokenizer_dir = Path(tokenizer_dir)
     if not tokenizer_dir.is_dir():
         raise ToolchainError(f"tokenizer directory not found: {tokenizer_dir}",
                              "set model.tokenizer (or model.checkpoint) to a directory holding tokenizer files")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        tokenizer = auto_tokenizer(tokenizer_dir, trust_remote_code=trust_remote_code, local_files_only=True)
+    except ToolchainError:
+        raise
     except Exception as err:  # transformers raises many types for a bad directory
         raise ToolchainError(f"cannot load a tokenizer from {tokenizer_dir}: {err}",
                              "point model.tokenizer at a directory with tokenizer.json or tokenizer_config.json") from None

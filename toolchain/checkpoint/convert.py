@@ -157,7 +157,8 @@ def plan_any(hf_dir: Path | str, **options) -> Plan:
 
 
 def calibrate(plan: Plan, hf_dir: Path | str, *, tokenizer_dir: Path | str | None = None,
-              calibration: list | None = None, echo: Callable[[str], None] | None = None) -> None:
+              calibration: list | None = None, echo: Callable[[str], None] | None = None,
+              trust_remote_code: bool = False) -> None:
     """Collect the activation statistics the plan's quantizer needs (runs the HF
     model layer by layer; only after every check has passed). `calibration`
     gives token sequences directly instead of the recipe's dataset."""
@@ -169,7 +170,7 @@ def calibrate(plan: Plan, hf_dir: Path | str, *, tokenizer_dir: Path | str | Non
     r = quant.recipe
     seqs = calibration
     if seqs is None:
-        tokenize = hf_tokenizer(Path(tokenizer_dir or hf_dir))
+        tokenize = hf_tokenizer(Path(tokenizer_dir or hf_dir), trust_remote_code)
         seqs = calibration_tokens(tokenize, r.calibration_dataset, r.calibration_samples, r.calibration_seq_len)
     vocab = plan.params.vocab_size
     if any(int(s.max()) >= vocab or int(s.min()) < 0 for s in seqs):

@@ -29,7 +29,7 @@ from toolchain.archs.llama import FAMILY as LLAMA
 from toolchain.archs.params import ArchParams, normalize_params
 from toolchain.checkpoint import sharding
 from toolchain.checkpoint.config import build_config
-from toolchain.checkpoint.hf_reader import HFCheckpoint, read_json_object
+from toolchain.checkpoint.hf_reader import HFCheckpoint, read_json_object, refuse_pickles
 from toolchain.checkpoint.layout import TORCH_DTYPES, Group, Options, Output, PlannedTensor, prepare, shard_group
 from toolchain.draft_tree import MC_SIM_7B_63, non_leaves_per_level, parse_choices, tree_problem
 from toolchain.errors import ToolchainError
@@ -79,10 +79,7 @@ def read_draft(directory: Path | str, target: ArchParams) -> EagleDraft:
     if not d.is_dir():
         raise ToolchainError(f"{where} is not a directory", "point speculative.heads at the EAGLE draft checkpoint")
     if not any(d.glob("*.safetensors")):
-        pickled = sorted(p.name for pattern in ("*.bin", "*.pt") for p in d.glob(pattern))
-        if pickled:
-            raise ToolchainError(f"{where} holds only {pickled[0]}, a pickle that would run code when loaded",
-                                 "re-save it as safetensors (safetensors.torch.save_file(torch.load(...)))")
+        refuse_pickles(d, where)  # upstream's converter would torch.load pytorch_model.bin
         raise ToolchainError(f"{where} has no *.safetensors weights", "add the EAGLE draft's weights")
     cfg = read_json_object(d / "config.json", where, "it must describe the draft layer (a Llama config)")
     params = normalize_params({**cfg, "architectures": ["LlamaForCausalLM"]}, DRAFTER, f"{where}/config.json")

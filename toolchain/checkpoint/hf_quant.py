@@ -179,8 +179,8 @@ def _quantize_group(recipe: Recipe, ws: list[torch.Tensor], st, dtype) -> list[d
     lins, _ = awq_q.quantize_awq(ws, st.absmean, st.cov, recipe.group_size, search=recipe.search,
                                  clip=recipe.search, rounding=recipe.rounding if recipe.search else "nearest")
     # The project packs into int8 (the engine checkpoint's dtype); the HF format stores the same bytes as uint8.
-    return [{"weight": pack_int4(l.weight).view(torch.uint8), "weight_scale": l.weights_scaling_factor.float(),
-             "_prequant": l.prequant_scaling_factor.float()} for l in lins]
+    return [{"weight": pack_int4(lin.weight).view(torch.uint8), "weight_scale": lin.weights_scaling_factor.float(),
+             "_prequant": lin.prequant_scaling_factor.float()} for lin in lins]
 
 
 def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, dtype: str = "auto", *,
@@ -251,7 +251,7 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, recipe: Rec
                 raise ToolchainError(f"quantization.exclude_modules keeps only part of {', '.join(prefixes)} "
                                      "unquantized", "exclude all linears sharing one input, or none of them")
             ws = [ckpt.load(p + ".weight").float() for p in prefixes]
-            for p, parts in zip(prefixes, _quantize_group(recipe, ws, stats[layer].inputs[slot], dtype)):
+            for p, parts in zip(prefixes, _quantize_group(recipe, ws, stats[layer].inputs[slot], dtype), strict=False):
                 prequant = parts.pop("_prequant", None)
                 if prequant is not None and norm is None:
                     parts["pre_quant_scale"] = prequant.to(dtype)
@@ -282,7 +282,7 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path) -> list[str]
         return ["model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
-    for fname, shard in zip(names, shards):
+    for fname, shard in zip(names, shards, strict=False):
         save_file(shard, str(out / fname), metadata=meta)
         weight_map.update({n: fname for n in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -467,13 +467,13 @@ def hf_quantized_to_engine_tensors(directory: Path | str) -> tuple[dict[str, tor
                 fused = fuse_group([quantized[p] for p in prefixes], algo, in_f, dtype)
                 if algo == "W4A16_AWQ" and padded != params.intermediate_size and members[0].startswith("mlp."):
                     fused = [_pad_mlp(f, mm != "mlp.down_proj", padded - params.intermediate_size, group)
-                             for f, mm in zip(fused, members)]
+                             for f, mm in zip(fused, members, strict=False)]
                 if matches[0].row.shard is Shard.QKV:  # q, k, v rows stacked into one module
                     rows = ("weight", "weights_scaling_factor") if algo == "W4A16_AWQ" else ("weight",)
                     out.update({f"{trt[0]}.{s}": torch.cat([f[s] for f in fused]) if s in rows else fused[0][s]
                                 for s in fused[0]})
                 else:
-                    out.update({f"{t}.{s}": v for t, f in zip(trt, fused) for s, v in f.items()})
+                    out.update({f"{t}.{s}": v for t, f in zip(trt, fused, strict=False) for s, v in f.items()})
         for name, parts in qkv_parts.items():
             out[name] = torch.cat([parts[p] for p in ("q", "k", "v")])
     config = build_config(family, params, dtype=str(dtype).removeprefix("torch."), tp=1, pp=1)

@@ -19,6 +19,53 @@ from toolchain.errors import ToolchainError
 
 INDEX = "model.safetensors.index.json"
 
+# The safetensors format's own bound on the JSON header (MAX_HEADER_SIZE in the safetensors crate,
+# src/tensor.rs): checked before the header is read, so a file claiming a huge header costs no memory.
+MAX_HEADER_SIZE = 100_000_000
+
+# Weight files that are pickles (torch.save / PyTorch Lightning): unpickling runs whatever code the file
+# names, so they are never loaded; a directory holding only these is refused, naming a converter.
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
+CONVERT_HINT = ("convert it where you trust it: transformers' model.save_pretrained(DIR, safe_serialization=True), "
+                "or safetensors.torch.save_file(state_dict, 'model.safetensors')")
+
+
+def pickled_weights(directory: Path) -> list[str]:
+    """Names of pickle-format weight files in `directory` (sorted), for the refusal message."""
+    return sorted({p.name for pattern in PICKLE_PATTERNS for p in Path(directory).glob(pattern) if p.is_file()})
+
+
+def refuse_pickles(directory: Path, where: str, what: str = "*.safetensors weights") -> None:
+    """Raise the one-line refusal when `directory` holds pickled weights instead of `what`."""
+    pickled = pickled_weights(directory)
+    if pickled:
+        raise ToolchainError(f"{where} has no {what}, only {pickled[0]}, a pickle that could run code when loaded; "
+                             "weights are read from safetensors only", CONVERT_HINT)
+
+
+def header_length(path: Path, fh, size: int) -> int:
+    """The header length of the safetensors file open as `fh`, refused (ValueError) when it exceeds
+    the format's limit or the file: checked before any of the header is read."""
+    raw = fh.read(8)
+    if len(raw) < 8:
+        raise ValueError("shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", raw)
+    if n > MAX_HEADER_SIZE:
+        raise ValueError(f"header length {n} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes")
+    if n > size - 8:
+        raise ValueError(f"header length {n} exceeds the file size {size}")
+    return n
+
+
+def check_header(path: Path, hint: str = "re-download or re-save the file") -> None:
+    """Refuse a safetensors file whose header length lies (over the limit or past the end of the file),
+    reading 8 bytes: for files handed to safe_open, so the error names the file in one line."""
+    try:
+        with open(path, "rb") as fh:
+            header_length(path, fh, os.fstat(fh.fileno()).st_size)
+    except ValueError as err:
+        raise ToolchainError(f"cannot read {path}: corrupt safetensors header: {err}", hint) from None
+
 # safetensors dtype codes -> torch dtypes (the ones a HF LLM checkpoint carries).
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -40,15 +87,10 @@ class TensorInfo:
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse one safetensors header and check the file holds all the data it
     announces (a truncated download fails here, naming the file)."""
-    size = path.stat().st_size
     try:
         with open(path, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) < 8:
-                raise ValueError("shorter than the 8-byte header length")
-            (n,) = struct.unpack("<Q", raw)
-            if n > size - 8:
-                raise ValueError(f"header length {n} exceeds the file size {size}")
+            size = os.fstat(fh.fileno()).st_size
+            n = header_length(path, fh, size)
             header = json.loads(fh.read(n))
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
@@ -58,10 +100,16 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             if name == "__metadata__":
                 continue
             begin, end = info["data_offsets"]
+            # Offsets index into the data after the header: a negative or non-integer one would point
+            # back into the header (or anywhere), so only whole offsets in order are taken.
+            if not (type(begin) is int and type(end) is int and 0 <= begin <= end):
+                raise ValueError(f"tensor {name} has bad data_offsets {info['data_offsets']!r}")
             dtype = ST_DTYPES.get(info["dtype"])
             if dtype is None:
                 raise ValueError(f"tensor {name} has unsupported dtype {info['dtype']}")
             shape = tuple(int(d) for d in info["shape"])
+            if any(d < 0 for d in shape):
+                raise ValueError(f"tensor {name} has a negative dimension in {list(shape)}")
             numel = 1
             for d in shape:
                 numel *= d
@@ -69,7 +117,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 raise ValueError(f"tensor {name} spans {end - begin} bytes, its shape needs {numel * dtype.itemsize}")
             data_end = max(data_end, end)
             tensors[name] = TensorInfo(name, path, shape, dtype, 8 + n + begin)
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as err:
+        # RecursionError: a header of deeply nested JSON; still a corrupt file, named in one line.
         raise ToolchainError(f"corrupt safetensors file {path}: {err}",
                              "re-download or re-save the checkpoint") from None
     if 8 + n + data_end > size:
@@ -145,6 +194,13 @@ class HFCheckpoint:
                 self._weight_map = dict(weight_map)
             except (ValueError, KeyError, TypeError) as err:
                 raise ToolchainError(f"malformed {index}: {err}") from None
+            # Shards are plain file names beside the index: one naming a path ("../x", "/abs") would
+            # read a file outside the checkpoint directory.
+            odd = [n for n in self._weight_map.values()
+                   if not isinstance(n, str) or Path(n).name != n or n in ("", ".", "..")]
+            if odd:
+                raise ToolchainError(f"{index} names shard {odd[0]!r}, not a file name in {self.directory}",
+                                     "the index must list the shard files beside it")
             names = sorted(set(self._weight_map.values()))
             missing = [n for n in names if not (self.directory / n).is_file()]
             if missing:
@@ -154,10 +210,9 @@ class HFCheckpoint:
         self._weight_map = None
         files = sorted(self.directory.glob("*.safetensors"))
         if not files:
-            other = sorted(p.name for pattern in ("*.bin", "*.pt") for p in self.directory.glob(pattern))
-            hint = (f"found {other[0]}; re-save the model with safe_serialization=True" if other
-                    else "add the model.safetensors weights to the directory")
-            raise ToolchainError(f"no *.safetensors weights in {self.directory}", hint)
+            refuse_pickles(self.directory, str(self.directory))
+            raise ToolchainError(f"no *.safetensors weights in {self.directory}",
+                                 "add the model.safetensors weights to the directory")
         return files
 
     def _check_index(self) -> None:

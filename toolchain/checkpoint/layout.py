@@ -147,7 +147,7 @@ def shard_group(group: Group, tensors: dict[str, torch.Tensor], params: ArchPara
                                                   dim=opts.embedding_sharding_dim)
             else:
                 raise ValueError(f"no shard rule {shard} for {o.name}")
-        for rank, piece in zip(stage_ranks(o.stage, tp), pieces):
+        for rank, piece in zip(stage_ranks(o.stage, tp), pieces, strict=False):
             out.setdefault(rank, []).append((o.name, piece))
     return out
 
@@ -268,4 +268,4 @@ def _per_output(group: Group) -> list[Group]:
     """A merged group (fc and gate read together) as one group per output; others unchanged."""
     if len(group.outputs) == 1 or group.outputs[0].row.shard is Shard.QKV:
         return [group]
-    return [Group(sources=(s,), outputs=[o]) for s, o in zip(group.sources, group.outputs)]
+    return [Group(sources=(s,), outputs=[o]) for s, o in zip(group.sources, group.outputs, strict=False)]

@@ -20,14 +20,13 @@ from pathlib import Path
 import torch
 
 from toolchain.checkpoint import sharding
-from toolchain.checkpoint.hf_reader import read_json_object
+from toolchain.checkpoint.hf_reader import read_header, read_json_object, refuse_pickles
 from toolchain.checkpoint.layout import TORCH_DTYPES, PlannedTensor
 from toolchain.checkpoint.quantize import ALWAYS_EXCLUDED
 from toolchain.errors import ToolchainError
 from toolchain.upstream import facts
 
 WEIGHTS = "medusa_lm_head.safetensors"
-PICKLED = "medusa_lm_head.pt"
 
 
 def _upstream() -> dict:
@@ -64,8 +63,6 @@ class MedusaHeads:
 
 def read_heads(directory: Path | str, *, hidden_size: int | None = None, vocab_size: int | None = None) -> MedusaHeads:
     """Open and check a heads directory against the target's hidden and vocab sizes; reads headers only."""
-    from safetensors import safe_open
-
     d = Path(directory)
     where = f"speculative.heads {d}"
     if not d.is_dir():
@@ -73,9 +70,7 @@ def read_heads(directory: Path | str, *, hidden_size: int | None = None, vocab_s
                              "embedded default, `make medusa-heads`")
     weights = d / WEIGHTS
     if not weights.is_file():
-        if (d / PICKLED).is_file():
-            raise ToolchainError(f"{where} holds only {PICKLED}, a pickle that would run code when loaded",
-                                 f"convert it to {WEIGHTS} (safetensors.torch.save_file(torch.load(...)))")
+        refuse_pickles(d, where, WEIGHTS)  # medusa_lm_head.pt, as Medusa's trainer saves it, and the like
         raise ToolchainError(f"{where} has no {WEIGHTS}", "train heads with `toolchain medusa-heads TARGET OUT`")
     config = read_json_object(d / "config.json", where, "it must give medusa_num_heads and medusa_num_layers")
     keys = _upstream()["hf_config_keys"]
@@ -85,8 +80,9 @@ def read_heads(directory: Path | str, *, hidden_size: int | None = None, vocab_s
     if not isinstance(num_heads, int) or num_heads < 1 or not isinstance(num_layers, int) or num_layers < 1:
         raise ToolchainError(f"{where}/config.json needs {keys['num_heads_trainer']} >= 1 and {keys['num_layers']} >= 1",
                              "write the heads with `toolchain medusa-heads`")
-    with safe_open(str(weights), "pt") as fh:
-        shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+    # The project's bounded header reader, not safe_open: a lying or huge header fails here in one line
+    # naming the file, before write_heads opens it for the data.
+    shapes = {name: info.shape for name, info in read_header(weights).items()}
     heads = MedusaHeads(d, num_heads, num_layers, 0, 0, config.get("medusa_choices"))
     missing = [k for k, _ in heads.source_names() if k not in shapes]
     if missing:

@@ -211,17 +211,17 @@ class Quantizer:
             lins, _ = awq_q.quantize_awq(flat, st.absmean, st.cov, g, search=self.recipe.search,
                                          clip=self.recipe.search,
                                          rounding=self.recipe.rounding if self.recipe.search else "nearest")
-            comps = [[Component("weight", "weight", [l.weight], I8),
-                      Component("weights_scaling_factor", "out_groups", [l.weights_scaling_factor], F32),
-                      Component("prequant_scaling_factor", "in_vec", [l.prequant_scaling_factor], self.dtype)]
-                     for l in lins]
+            comps = [[Component("weight", "weight", [lin.weight], I8),
+                      Component("weights_scaling_factor", "out_groups", [lin.weights_scaling_factor], F32),
+                      Component("prequant_scaling_factor", "in_vec", [lin.prequant_scaling_factor], self.dtype)]
+                     for lin in lins]
         elif self.fmt == "sq":
             lins = sq_q.quantize_sq(flat, st.amax, self.recipe.alpha if self.recipe.search else None)
-            comps = [[Component("weight", "weight", [l.weight], I8),
-                      Component("weights_scaling_factor", "out_vec", [l.weights_scaling_factor], F32),
-                      Component("activation_scaling_factor", "scalar", [l.activation_scaling_factor], F32),
-                      Component("prequant_scaling_factor", "in_vec", [l.prequant_scaling_factor], self.dtype)]
-                     for l in lins]
+            comps = [[Component("weight", "weight", [lin.weight], I8),
+                      Component("weights_scaling_factor", "out_vec", [lin.weights_scaling_factor], F32),
+                      Component("activation_scaling_factor", "scalar", [lin.activation_scaling_factor], F32),
+                      Component("prequant_scaling_factor", "in_vec", [lin.prequant_scaling_factor], self.dtype)]
+                     for lin in lins]
         else:
             # q/k/v must share one weight scale (FP8Linear); fc and gate preferably do, and here they do.
             qs, wscale = fp8_q.quantize_fp8_shared(flat)
@@ -377,13 +377,13 @@ class Quantizer:
         if not self.imports:
             rows = [o0.row] if o0.row.shard is Shard.QKV else [o.row for o in group.outputs]
             weights = [[prepare(ckpt.load(s), row, torch.float32, s) for s in srcs]
-                       for row, srcs in zip(rows, per_output)]
+                       for row, srcs in zip(rows, per_output, strict=False)]
         comps = self.components(module, layer, weights, prefixes, lambda n: ckpt.read(self.raw[n]))
         result: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        for o, cs in zip(group.outputs, comps):
+        for o, cs in zip(group.outputs, comps, strict=False):
             prefix, mod, _ = linear_of(o.name)
             for comp in self.pad(mod, cs):
-                for rank, piece in zip(stage_ranks(o.stage, self.tp), self.split(comp, o.row.shard)):
+                for rank, piece in zip(stage_ranks(o.stage, self.tp), self.split(comp, o.row.shard), strict=False):
                     result.setdefault(rank, []).append((f"{prefix}.{comp.suffix}", self.finish(comp, piece)))
         return result
 

@@ -165,7 +165,8 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
         start = time.monotonic()
         try:
             with atomic_dir(final) as tmp:
-                calibrate(plan, ckpt.directory, tokenizer_dir=spec.model.tokenizer_dir, echo=say)
+                calibrate(plan, ckpt.directory, tokenizer_dir=spec.model.tokenizer_dir, echo=say,
+                          trust_remote_code=spec.model.trust_remote_code)
                 files = write_plan(plan, ckpt, tmp)
                 (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
                 wanted.outputs = _outputs(plan, files)

@@ -8,6 +8,9 @@ the llmapi repository; `--print` shows the trtllm-serve and Triton launcher line
 and `--manifests DIR` writes the Slurm and Kubernetes manifests for multi-host deployments
 (toolchain/llmapi/manifests.py).
 Target llmapi-cpu: the same on this host, with the CPU stand-in for LLM() (there is no engine).
+
+Off loopback (serving.host), Triton's administrative APIs need a key (toolchain/triton/exposure.py):
+serve reads it before starting, warns in one line, and the printed lines refer to the key, never hold it.
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ def _print_trtllm(spec: DeploymentSpec, ws) -> None:
     mounts = [ws.engine_root(spec), repo, spec.model.tokenizer_dir]
     lines = container_commands(spec, launch, mounts)
     click.echo(f"# in a container:\n{lines['docker']}")
-    click.echo(f"# on Kubernetes:\n{lines['kubernetes']}")
+    click.echo("# on Kubernetes:")
+    if "kubernetes_secret" in lines:
+        click.echo(lines["kubernetes_secret"])
+    click.echo(lines["kubernetes"])
     if spec.gpu.hostfile is not None:
         click.echo("# several hosts: run the container on each host of gpu.hostfile with ssh between them")
 
@@ -69,8 +75,9 @@ def _multi_node(spec: DeploymentSpec) -> bool:
 
 def _print_llmapi_cpu(spec: DeploymentSpec, ws, server) -> None:
     from toolchain.llmapi.launch import openai_cpu_command
+    from toolchain.triton import exposure
 
-    click.echo(server.command_line())
+    click.echo(server.command_line(exposure.shell_reference(spec.serving)))
     click.echo(f"# OpenAI server on the same LLM() arguments:\n{shlex.join(openai_cpu_command(spec, ws))}")
 
 
@@ -111,6 +118,7 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
     """Serve model_repo/<name> for SPEC with tritonserver (one per rank under mpirun for
     target trtllm), print the endpoints, and stop cleanly on Ctrl-C or SIGTERM."""
     from toolchain.manifest import is_current
+    from toolchain.triton import exposure
     from toolchain.triton.repo import wanted_manifest
 
     ws = ctx.workspace
@@ -118,6 +126,9 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
     if manifests_dir is not None and spec.target != "llmapi":
         raise ToolchainError(f"--manifests is for target llmapi, not {spec.target}",
                              "set target: llmapi, or drop --manifests")
+    warning = exposure.warning(spec.serving)
+    if warning and not (spec.target == "llmapi" and (print_only or manifests_dir is not None)):
+        click.echo(warning, err=True)
     if spec.target == "trtllm" and print_only:
         _print_trtllm(spec, ws)
         return
@@ -137,7 +148,8 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
         # The LLM-API path has no engine: the repository's model.yaml points LLM() at the checkpoint.
         # One tritonserver (the container's, on a GPU host; llmapi.runtime-version checked TensorRT-LLM)
         # runs LLM(), which starts its own worker per rank, as upstream's launcher does at world size 1.
-        server = TritonServer.from_spec(spec, repo, log_path=repo.parent / f"{spec.name}.tritonserver.log")
+        server = TritonServer.from_spec(spec, repo, log_path=repo.parent / f"{spec.name}.tritonserver.log",
+                                        read_key=not print_only)
         if print_only:
             _print_llmapi_cpu(spec, ws, server)
             return
@@ -156,9 +168,9 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
     else:
         from toolchain.triton.server import TritonServer
 
-        server = TritonServer.from_spec(spec, repo, log_path=log)
+        server = TritonServer.from_spec(spec, repo, log_path=log, read_key=not print_only)
         if print_only:
-            click.echo(server.command_line())
+            click.echo(server.command_line(exposure.shell_reference(spec.serving)))
             return
         describe = f"{server.binary.source}: {server.binary.path}"
     if not is_current(repo, wanted_manifest(spec, ws)):

@@ -26,7 +26,7 @@ from toolchain.archs.params import trained_positions
 from toolchain.engine import trtllm
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir, sha256_file
-from toolchain.manifest import MANIFEST, Manifest, is_current
+from toolchain.manifest import MANIFEST, Manifest, content_hash, is_current
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
 
@@ -195,7 +195,7 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
         run_convert(spec, workspace, force=False)  # the engine's input; its manifest is hashed below
     checkpoint_dir = workspace.checkpoint_dir(spec)
     final = workspace.engine_dir(spec)
-    inputs = {"checkpoint": sha256_file(checkpoint_dir / MANIFEST), "target": spec.target}
+    inputs = {"checkpoint": content_hash(checkpoint_dir), "target": spec.target}
     if spec.target == "cpu":
         inputs["format"] = ENGINE_FORMAT_VERSION
     binary = None

@@ -58,10 +58,10 @@ def engine_for_eval(spec: DeploymentSpec, workspace: Workspace) -> Iterator[Path
 
 
 def _tokenizer(spec: DeploymentSpec):
-    from transformers import AutoTokenizer
+    from toolchain.remote_code import auto_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(spec.model.tokenizer_dir)
+        return auto_tokenizer(spec.model.tokenizer_dir, trust_remote_code=spec.model.trust_remote_code)
     except (OSError, ValueError) as err:
         raise ToolchainError(f"cannot load a tokenizer from {spec.model.tokenizer_dir}: {str(err).splitlines()[0]}",
                              "set model.tokenizer to a directory with tokenizer.json / tokenizer_config.json") from None
@@ -76,7 +76,10 @@ def _reference(spec: DeploymentSpec) -> Callable[[list[int]], torch.Tensor]:
     hf_logging.disable_progress_bar()
     try:
         # float32 whatever the stored dtype: the reference is the HF weights, computed exactly.
-        model = AutoModelForCausalLM.from_pretrained(spec.model.checkpoint, dtype=torch.float32).eval()
+        # safetensors only (a pytorch_model.bin is a pickle that runs code when loaded); the model's own
+        # code only when the spec trusts it.
+        model = AutoModelForCausalLM.from_pretrained(spec.model.checkpoint, dtype=torch.float32, use_safetensors=True,
+                                                     trust_remote_code=spec.model.trust_remote_code).eval()
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()

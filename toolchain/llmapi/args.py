@@ -26,6 +26,7 @@ ENGINE_ONLY_MODES = {
 # Spec sections each derived top-level key comes from, for the error naming what to set instead.
 DERIVED_FROM = {
     "model": "model.checkpoint", "tokenizer": "model.tokenizer", "dtype": "model.dtype", "backend": "target",
+    "trust_remote_code": "model.trust_remote_code",
     "tensor_parallel_size": "parallelism.tp", "pipeline_parallel_size": "parallelism.pp",
     "max_batch_size": "limits.max_batch_size", "max_input_len": "limits.max_input_len",
     "max_seq_len": "limits.max_seq_len", "max_num_tokens": "limits.max_num_tokens",
@@ -88,6 +89,8 @@ def llm_args(spec: DeploymentSpec, model_dir: Path | str) -> dict[str, Any]:
         args["tokenizer"] = str(spec.model.tokenizer)
     if spec.model.dtype != "auto":
         args["dtype"] = spec.model.dtype
+    # Always written, False unless the spec opts in: the model's own code never runs by default.
+    args["trust_remote_code"] = spec.model.trust_remote_code
     args.update({
         "tensor_parallel_size": spec.parallelism.tp, "pipeline_parallel_size": spec.parallelism.pp,
         "max_batch_size": lim.max_batch_size, "max_input_len": lim.max_input_len, "max_seq_len": lim.max_seq_len,

@@ -223,7 +223,9 @@ def engine_spec(args: dict[str, Any]):
             "name": "llm", "target": "cpu",
             "model": {"checkpoint": str(model_dir.resolve()),
                       "tokenizer": str(Path(args.get("tokenizer") or model_dir).expanduser().resolve()),
-                      "dtype": args.get("dtype") or "auto"},
+                      "dtype": args.get("dtype") or "auto",
+                      # LLM()'s own argument (BaseLlmArgs.trust_remote_code, default False).
+                      "trust_remote_code": args.get("trust_remote_code", False)},
             "parallelism": {"tp": _int(args, "tensor_parallel_size", 1), "pp": _int(args, "pipeline_parallel_size", 1)},
             "limits": {"max_batch_size": _int(args, "max_batch_size", 2048), "max_input_len": max_input,
                        "max_seq_len": max_seq, "max_num_tokens": _int(args, "max_num_tokens", 8192)},
@@ -283,9 +285,8 @@ class CpuLLM:
 
     def __init__(self, model: str | Path | None = None, *, work_dir: Path | None = None,
                  num_threads: int | None = None, **kwargs: Any):
-        from transformers import AutoTokenizer
-
         from toolchain.engine.cpu import InflightBatcher
+        from toolchain.remote_code import auto_tokenizer
 
         self.args = dict(kwargs, model=model)
         self._tmp = None
@@ -294,11 +295,13 @@ class CpuLLM:
             work_dir = Path(self._tmp.name)
         try:
             self.engine, scheduler, self.spec = load_engine(self.args, Path(work_dir), num_threads)
+            # Before the batcher starts: a tokenizer refused here (remote code) leaves no thread behind.
+            self.tokenizer = auto_tokenizer(self.spec.model.tokenizer_dir,
+                                            trust_remote_code=self.spec.model.trust_remote_code)
         except BaseException:
             self._drop_tmp()
             raise
         self._batcher = InflightBatcher(self.engine, scheduler).start()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.spec.model.tokenizer_dir))
         self._ids = itertools.count(1)
 
     # ---- requests -------------------------------------------------------------------------------------------

@@ -37,6 +37,9 @@ def _args(argv):
     p.add_argument("--max-tokens-in-paged-kv-cache", type=int, help="cap on the KV pool in tokens")
     p.add_argument("--disable-kv-cache-reuse", action="store_true")
     p.add_argument("--engine-threads", type=int, help="torch intra-op threads (0 = every core)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="engine path: let the tokenizer directory's own Python code run (off: such a tokenizer is "
+                        "refused); the LLM-API path takes trust_remote_code from --config")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p.parse_args(argv)
 
@@ -80,7 +83,7 @@ def _llm_app(args):
         raise ToolchainError(str(err)) from None
     template = args.chat_template.read_text() if args.chat_template else None
     app = create_app(engine, spec.model.tokenizer_dir, args.served_model_name, scheduler=scheduler,
-                     chat_template=template)
+                     chat_template=template, trust_remote_code=spec.model.trust_remote_code)
     app.state.work_dir = work  # the engine's rank files live as long as the app
     return app
 
@@ -109,7 +112,8 @@ def build_app(args):
     template = args.chat_template.read_text() if args.chat_template else None
     engine = CpuEngine.load(args.engine_dir, num_threads=args.engine_threads, kv_cache=kv)
     _limits(engine, args)
-    return create_app(engine, args.tokenizer, args.served_model_name, scheduler=scheduler, chat_template=template)
+    return create_app(engine, args.tokenizer, args.served_model_name, scheduler=scheduler, chat_template=template,
+                      trust_remote_code=args.trust_remote_code)
 
 
 def main(argv=None) -> int:

@@ -170,7 +170,7 @@ class OpenAIFrontend:
             return StreamingResponse(self._stream(gen, req, env, watcher), media_type="text/event-stream")
         try:
             text, reason, stop_reason = [], None, None
-            async for piece, reason, stop_reason in self._pieces(gen, req):
+            async for piece, reason, stop_reason in self._pieces(gen, req):  # noqa: B007 - the last ones are kept
                 text.append(piece)
         except RuntimeError as err:
             return _error(f"generation failed: {err}", HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
@@ -234,11 +234,12 @@ class OpenAIFrontend:
 
 def create_app(engine: CpuEngine, tokenizer: TextCodec | Path | str, served_model_name: str, *,
                scheduler: SchedulerConfig | None = None, chat_template: str | None = None,
-               engine_type: str = "cpu") -> FastAPI:
+               engine_type: str = "cpu", trust_remote_code: bool = False) -> FastAPI:
     """A FastAPI app serving `engine` under `served_model_name`. `tokenizer` is the Hugging Face
     tokenizer directory (or a loaded TextCodec); `chat_template` (Jinja text) replaces the
-    tokenizer's own. The batcher starts with the app's lifespan and stops with it."""
-    codec = tokenizer if isinstance(tokenizer, TextCodec) else TextCodec(tokenizer, chat_template)
+    tokenizer's own; `trust_remote_code` lets a tokenizer directory's own code run. The batcher starts
+    with the app's lifespan and stops with it."""
+    codec = tokenizer if isinstance(tokenizer, TextCodec) else TextCodec(tokenizer, chat_template, trust_remote_code)
     if chat_template is not None:
         codec.chat_template = chat_template
     front = OpenAIFrontend(engine, codec, served_model_name, scheduler, engine_type)

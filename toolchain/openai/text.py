@@ -27,14 +27,14 @@ def _read_json(path: Path) -> dict | None:
 
 
 class TextCodec:
-    def __init__(self, tokenizer_dir: Path | str, chat_template: str | None = None):
-        from transformers import AutoTokenizer
+    def __init__(self, tokenizer_dir: Path | str, chat_template: str | None = None, trust_remote_code: bool = False):
+        from toolchain.remote_code import auto_tokenizer
 
         self.directory = Path(tokenizer_dir)
         if not self.directory.is_dir():
             raise ToolchainError(f"tokenizer directory {self.directory} does not exist",
                                  "pass the Hugging Face model directory that holds tokenizer.json")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.directory))
+        self.tokenizer = auto_tokenizer(self.directory, trust_remote_code=trust_remote_code)
         self.chat_template = chat_template  # the server's override of the tokenizer's own
         eos = resolve(_read_json(self.directory / "config.json") or {},
                       _read_json(self.directory / "generation_config.json"), read_tokenizer(self.directory))

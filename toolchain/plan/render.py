@@ -84,7 +84,7 @@ def render_text(report: dict) -> str:
                      f"{r['kv_tokens_capacity']:,}" if r["kv_tokens_capacity"] is not None else "?"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     for row in rows:
-        out.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip())
+        out.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=False)).rstrip())
     out.append("* estimates: activations of the build profile plus logits buffers; CUDA context and workspaces")
     if report["concurrency"] is not None:
         out.append(f"longest sequence ({report['sequence_tokens']} KV tokens): {report['concurrency']} fit at once "

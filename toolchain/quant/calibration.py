@@ -101,10 +101,10 @@ def calibration_tokens(tokenize: Callable[[str], list[int]], dataset: str, sampl
     return seqs
 
 
-def hf_tokenizer(tokenizer_dir: Path) -> Callable[[str], list[int]]:
-    from transformers import AutoTokenizer
+def hf_tokenizer(tokenizer_dir: Path, trust_remote_code: bool = False) -> Callable[[str], list[int]]:
+    from toolchain.remote_code import auto_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok = auto_tokenizer(tokenizer_dir, trust_remote_code=trust_remote_code)
     tok.model_max_length = 1 << 62  # whole files are tokenized and cut into windows here: no length warning
     return lambda text: tok(text, add_special_tokens=False)["input_ids"]
 
@@ -173,18 +173,21 @@ def collect_stats(hf_dir: Path, sequences: list[torch.Tensor], *, covariance: bo
     "dense", "mlp", "proj"), from running the HF model layer by layer over
     `sequences`. Lazily: a layer is calibrated when its statistics are first
     asked for (see StatsStream)."""
-    from transformers import AutoConfig
+    from toolchain.remote_code import auto_config
 
-    layers = AutoConfig.from_pretrained(str(hf_dir)).num_hidden_layers
+    # Never the model's own code: only registered architectures are converted, and transformers has their classes.
+    layers = auto_config(hf_dir, trust_remote_code=False).num_hidden_layers
     return StatsStream(_layer_stats(Path(hf_dir), sequences, covariance, progress), layers)
 
 
 def _layer_stats(hf_dir: Path, sequences: list[torch.Tensor], covariance: bool,
                  progress: Callable[[str], None] | None) -> Iterator[LayerStats]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from toolchain.remote_code import auto_config
 
     hf_dir = Path(hf_dir)
-    config = AutoConfig.from_pretrained(str(hf_dir))
+    config = auto_config(hf_dir, trust_remote_code=False)  # as in collect_stats: built-in classes only
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     weights = _Weights(hf_dir)
@@ -210,7 +213,7 @@ def _layer_stats(hf_dir: Path, sequences: list[torch.Tensor], covariance: bool,
             st.qkv_amax = max(st.qkv_amax, float(out.detach().abs().max()))
         hooks += [layer.get_submodule(n).register_forward_hook(kv_hook) for n in KV_OUTPUTS]
         with torch.no_grad():
-            hidden = [layer(h, position_embeddings=pe, attention_mask=None) for h, pe in zip(hidden, rope)]
+            hidden = [layer(h, position_embeddings=pe, attention_mask=None) for h, pe in zip(hidden, rope, strict=False)]
         for h in hooks:
             h.remove()
         layer.to("meta")  # free the layer's weights before the next one loads

@@ -131,7 +131,9 @@ def train_medusa_heads(target_dir: Path, out_dir: Path, *, recipe: HeadsRecipe =
         raise ToolchainError(f"{out_dir} is not empty and was not written by `toolchain medusa-heads`",
                              "pass an empty or new directory")
     tok = load_tokenizer(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    # safetensors weights and transformers' own classes only: the target is a user-given directory.
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, use_safetensors=True,
+                                                 trust_remote_code=False)
     model.eval().requires_grad_(False)
     cfg = model.config
     if tok.get_vocab_size() != cfg.vocab_size:
@@ -155,7 +157,7 @@ def train_medusa_heads(target_dir: Path, out_dir: Path, *, recipe: HeadsRecipe =
         hidden, choices = target_view(model, sample_batch(train_stream, recipe.batch_size, recipe.seq_len, gen))
         losses = head_loss(heads, hidden, choices)
         # Later heads are harder and less often reached; Medusa weighs head h by 0.8^h.
-        loss = sum(0.8 ** h * l for h, l in enumerate(losses))
+        loss = sum(0.8 ** h * part for h, part in enumerate(losses))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

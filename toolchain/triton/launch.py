@@ -10,6 +10,11 @@ Rank 0 serves HTTP/gRPC/metrics; ranks > 0 load only the TensorRT-LLM model(s)
 off. Draft-target needs two TensorRT-LLM models in one server, which only the
 orchestrator mode allows: one tritonserver with TRTLLM_ORCHESTRATOR=1 that
 spawns the executor workers itself. Several hosts come from gpu.hostfile.
+
+Off loopback, rank 0's administrative APIs are restricted and its metrics bind
+to loopback (toolchain/triton/exposure.py). The printed lines refer to the key
+(`"$VAR"` or `"$(cat FILE)"` expanded by a shell inside the container, a
+Kubernetes Secret through `$(VAR)`), never hold it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.plan.versions import TRITON_IMAGE, TRTLLM_VERSION
-from toolchain.triton import procgroup
+from toolchain.triton import exposure, procgroup
 from toolchain.triton.server import diagnose_log, free_port, is_ready
 
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
@@ -42,18 +47,29 @@ class LaunchCommand:
     env: dict[str, str] = field(default_factory=dict)
     world_size: int = 1
     mode: str = "leader"
+    key_reference: str | None = None  # shell word standing for exposure.PLACEHOLDER in printed lines
+
+    @property
+    def restricted(self) -> bool:
+        return any(exposure.PLACEHOLDER in a for a in self.argv)
 
     def shell(self) -> str:
+        """The line to run on the serving host; the admin key (if any) as a shell reference."""
         prefix = [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
-        return " ".join(prefix + [shlex.join(self.argv)])
+        line = " ".join(prefix + [shlex.join(self.argv)])
+        return line.replace(exposure.PLACEHOLDER, self.key_reference or "<admin-key>")
 
 
-def _rank_args(i: int, spec, repo: Path, tritonserver: str, ports: dict[str, int]) -> list[str]:
+def _rank_args(i: int, spec, repo: Path, tritonserver: str, ports: dict[str, int], admin_key: str | None) -> list[str]:
     args = [tritonserver, f"--model-repository={repo}", "--disable-auto-complete-config",
             f"--backend-config=python,shm-region-prefix-name=prefix{i}_"]
     if i == 0:
+        s = spec.serving
+        hosts = {"http": s.host, "grpc": s.host, "metrics": exposure.metrics_host(s)}
         for kind in ("http", "grpc", "metrics"):
-            args += [f"--{kind}-address={spec.serving.host}", f"--{kind}-port={ports[kind]}"]
+            args += [f"--{kind}-address={hosts[kind]}", f"--{kind}-port={ports[kind]}"]
+        if exposure.restricted(s):
+            args += exposure.restriction_args(admin_key or exposure.PLACEHOLDER)
         return args
     args += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in trtllm_models(spec)),
              "--allow-http=false", "--allow-grpc=false", "--allow-metrics=false"]
@@ -61,8 +77,9 @@ def _rank_args(i: int, spec, repo: Path, tritonserver: str, ports: dict[str, int
 
 
 def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSERVER, mpirun: str = "mpirun",
-                   ports: dict[str, int] | None = None) -> LaunchCommand:
-    """The mpirun command line serving `repo_dir` for a target-trtllm spec."""
+                   ports: dict[str, int] | None = None, admin_key: str | None = None) -> LaunchCommand:
+    """The mpirun command line serving `repo_dir` for a target-trtllm spec. Where the administrative
+    APIs are restricted, the argv holds `admin_key`, or exposure.PLACEHOLDER without one (printing)."""
     s = spec.serving
     ports = ports or {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
     repo = Path(repo_dir)
@@ -74,21 +91,34 @@ def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSE
         # Orchestrator with spawned workers: one server process, every GPU's CUDA pool off
         # (launch_triton_server.py --multi-model).
         gpus = [f"--cuda-memory-pool-byte-size={g}:0" for g in range(world)]
-        rank0 = _rank_args(0, spec, repo, tritonserver, ports)
+        rank0 = _rank_args(0, spec, repo, tritonserver, ports, admin_key)
         argv = head + ["-n", "1", *rank0, "--pinned-memory-pool-byte-size=0", "--enable-peer-access=false", *gpus]
-        return LaunchCommand(argv, {"TRTLLM_ORCHESTRATOR": "1"}, 1, "orchestrator")
+        return LaunchCommand(argv, {"TRTLLM_ORCHESTRATOR": "1"}, 1, "orchestrator", exposure.shell_reference(s))
     argv = list(head)
     for i in range(world):
-        argv += ([":"] if i else []) + ["-n", "1", *_rank_args(i, spec, repo, tritonserver, ports)]
-    return LaunchCommand(argv, {}, world, "leader")
+        argv += ([":"] if i else []) + ["-n", "1", *_rank_args(i, spec, repo, tritonserver, ports, admin_key)]
+    return LaunchCommand(argv, {}, world, "leader", exposure.shell_reference(s))
+
+
+# Where the key file is mounted, read-only, inside the container.
+CONTAINER_KEY_FILE = "/run/secrets/triton-admin-key"
 
 
 def container_commands(spec, launch: LaunchCommand, mounts: list[Path]) -> dict[str, str]:
     """A `docker run` and a `kubectl run` line that start `launch` in the NGC image
     matching TensorRT-LLM 1.2. Paths are mounted at the same place, so the absolute
-    engine and tokenizer paths in the rendered configs hold inside the container."""
+    engine and tokenizer paths in the rendered configs hold inside the container.
+
+    With the administrative APIs restricted (`launch` built without a key), the key
+    reaches the container off the command line: docker gets `-e VAR` (the value
+    copied from docker's own environment) or the key file mounted read-only, and a
+    shell inside the container expands the reference into tritonserver's argv;
+    Kubernetes reads it from a Secret (`kubernetes_secret`, the line creating it)
+    and expands `$(VAR)` in the container command itself."""
     s = spec.serving
-    published = [p for p in (s.http_port, s.grpc_port, s.metrics_port) if p]
+    # Metrics kept on loopback inside the container are unreachable through a published port.
+    metrics_private = exposure.is_loopback(exposure.metrics_host(s)) and not exposure.is_loopback(s.host)
+    published = [p for p in (s.http_port, s.grpc_port, None if metrics_private else s.metrics_port) if p]
     docker = ["docker", "run", "--rm", "--gpus", "all", "--ipc=host", "--shm-size=2g", "--ulimit", "memlock=-1",
               "--ulimit", "stack=67108864"]
     for port in published:
@@ -98,11 +128,28 @@ def container_commands(spec, launch: LaunchCommand, mounts: list[Path]) -> dict[
     unique = sorted({str(Path(m)) for m in mounts})
     for m in unique:
         docker += ["-v", f"{m}:{m}"]
-    docker += [TRITON_IMAGE, *launch.argv]
+    command = list(launch.argv)
     name = spec.name.lower().replace("_", "-").replace(".", "-")
+    env = [{"name": k, "value": v} for k, v in launch.env.items()]
+    out = {}
+    if launch.restricted:
+        if s.admin_key_file is not None:
+            docker += ["-v", f"{s.admin_key_file}:{CONTAINER_KEY_FILE}:ro"]
+            reference = exposure.shell_reference(s, CONTAINER_KEY_FILE)
+        else:
+            docker += ["-e", s.admin_key_env]
+            reference = exposure.shell_reference(s)
+        command = ["sh", "-c", "exec " + shlex.join(launch.argv).replace(exposure.PLACEHOLDER, reference)]
+        secret = f"{name}-admin-key"
+        env.append({"name": s.admin_key_env, "valueFrom": {"secretKeyRef": {"name": secret, "key": "admin-key"}}})
+        out["kubernetes_secret"] = (f"printf %s {exposure.shell_reference(s)} | kubectl create secret generic "
+                                    f"{secret} --from-file=admin-key=/dev/stdin")
+    docker += [TRITON_IMAGE, *command]
     container = {
-        "name": name, "image": TRITON_IMAGE, "command": launch.argv,
-        "env": [{"name": k, "value": v} for k, v in launch.env.items()],
+        "name": name, "image": TRITON_IMAGE,
+        # Kubernetes expands $(VAR) in a container's command from its env (here: the Secret).
+        "command": [a.replace(exposure.PLACEHOLDER, f"$({s.admin_key_env})") for a in launch.argv],
+        "env": env,
         "ports": [{"containerPort": p} for p in published],
         "resources": {"limits": {"nvidia.com/gpu": min(launch.world_size if launch.mode == "leader"
                                                        else spec.parallelism.world_size, spec.gpu.per_node)}},
@@ -114,7 +161,7 @@ def container_commands(spec, launch: LaunchCommand, mounts: list[Path]) -> dict[
                           + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
     kubectl = ["kubectl", "run", name, f"--image={TRITON_IMAGE}", "--restart=Never",
                f"--overrides={json.dumps(overrides, separators=(',', ':'))}"]
-    return {"docker": shlex.join(docker), "kubernetes": shlex.join(kubectl)}
+    return {"docker": shlex.join(docker), "kubernetes": shlex.join(kubectl), **out}
 
 
 def find_tools(spec, repo_dir: Path) -> tuple[str, str]:
@@ -150,9 +197,13 @@ class TritonLaunch:
         self.mpirun, self.tritonserver = mpirun, tritonserver
         s = spec.serving
         self.ports = {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
+        # Read before start so a missing key is a one-line error; only ever passed to the process.
+        self.admin_key = exposure.read_admin_key(s) if exposure.restricted(s) else None
         host = _first_host(spec.gpu.hostfile) or s.host
         # A server bound to every interface is reached on loopback.
         self.host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+        metrics = exposure.metrics_host(s)
+        self.metrics_host = "127.0.0.1" if metrics in ("0.0.0.0", "", "::") else metrics
         self.process: subprocess.Popen | None = None
         self.started_s: float | None = None
         self._log = None
@@ -160,8 +211,9 @@ class TritonLaunch:
     @property
     def urls(self) -> dict[str, str]:
         h = f"[{self.host}]" if ":" in self.host else self.host
+        m = f"[{self.metrics_host}]" if ":" in self.metrics_host else self.metrics_host
         return {"http": f"http://{h}:{self.ports['http']}", "grpc": f"{h}:{self.ports['grpc']}",
-                "metrics": f"http://{h}:{self.ports['metrics']}/metrics"}
+                "metrics": f"http://{m}:{self.ports['metrics']}/metrics"}
 
     @property
     def running(self) -> bool:
@@ -169,7 +221,7 @@ class TritonLaunch:
 
     def command(self) -> LaunchCommand:
         return launch_command(self.spec, self.repo_dir, tritonserver=self.tritonserver, mpirun=self.mpirun,
-                              ports=self.ports)
+                              ports=self.ports, admin_key=self.admin_key)
 
     def start(self, timeout: float) -> "TritonLaunch":
         for kind, port in self.ports.items():

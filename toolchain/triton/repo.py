@@ -24,7 +24,7 @@ from pathlib import Path
 import toolchain
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir, sha256_file
-from toolchain.manifest import MANIFEST, Manifest, is_current
+from toolchain.manifest import MANIFEST, Manifest, content_hash, is_current
 from toolchain.spec import DeploymentSpec
 from toolchain.triton import backend_models
 from toolchain.triton.config import ModelConfig, check_ensemble
@@ -95,6 +95,7 @@ def repo_options(spec: DeploymentSpec, workspace: Workspace) -> RepoOptions:
         exclude_input_in_output=s.exclude_input_in_output,
         toolchain_path=Path(toolchain.__file__).resolve().parent.parent,
         engine_threads=s.engine_threads,
+        trust_remote_code=spec.model.trust_remote_code,
         **_end_ids(spec),
         **_trtllm_options(spec, workspace),
     )
@@ -135,7 +136,7 @@ def wanted_manifest(spec: DeploymentSpec, workspace: Workspace, python_models: P
     opts = repo_options(spec, workspace)
     engine_manifest = opts.engine_dir / MANIFEST
     inputs = {
-        "engine_manifest": sha256_file(engine_manifest) if engine_manifest.is_file() else "missing",
+        "engine_manifest": content_hash(opts.engine_dir) if engine_manifest.is_file() else "missing",
         "renderer": _renderer_hash(),
     }
     if python_models is not None:  # a changed upstream model.py re-renders

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.netutil import free_port, port_in_use  # noqa: F401  (free_port is re-exported)
-from toolchain.triton import procgroup
+from toolchain.triton import exposure, procgroup
 from toolchain.triton.runtime import ServerBinary, backend_dir, resolve_binary, server_env
 
 _PORT_FIELDS = {"http": "serving.http_port", "grpc": "serving.grpc_port", "metrics": "serving.metrics_port"}
@@ -40,9 +40,14 @@ class TritonServer(procgroup.GroupServer):
 
     def __init__(self, repo_dir: Path | str, host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0,
                  metrics_port: int = 0, binary: Path | str | None = None, *, log_path: Path | str | None = None,
-                 exit_timeout_s: int = 10, extra_args: tuple[str, ...] = ()):
+                 exit_timeout_s: int = 10, extra_args: tuple[str, ...] = (), metrics_host: str | None = None,
+                 admin_key: str | None = None):
+        """`admin_key` puts the administrative APIs behind that key (exposure.RESTRICTED_APIS);
+        `metrics_host` defaults to `host`."""
         self.repo_dir = Path(repo_dir).resolve()
         self.host = host
+        self.hosts = {"http": host, "grpc": host, "metrics": metrics_host or host}
+        self.admin_key = admin_key
         self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
         self.binary: ServerBinary = resolve_binary(binary)
         self.exit_timeout_s = exit_timeout_s
@@ -53,21 +58,30 @@ class TritonServer(procgroup.GroupServer):
         self.process: subprocess.Popen | None = None
         self.started_s: float | None = None  # seconds from spawn to ready
         self._log_fh = None
+        self._stubs: dict[str, int] = {}
 
     @classmethod
-    def from_spec(cls, spec, repo_dir: Path | str, **kwargs) -> "TritonServer":
+    def from_spec(cls, spec, repo_dir: Path | str, *, read_key: bool = True, **kwargs) -> "TritonServer":
+        """The server `spec.serving` describes; off loopback its administrative APIs take the key from
+        serving.admin_key_file or $serving.admin_key_env, read here so a missing key fails before start.
+        `read_key=False` (only printing the command) leaves the placeholder in its place."""
         s = spec.serving
-        return cls(repo_dir, s.host, s.http_port, s.grpc_port, s.metrics_port, s.tritonserver, **kwargs)
+        key = None
+        if exposure.restricted(s):
+            key = exposure.read_admin_key(s) if read_key else exposure.PLACEHOLDER
+        return cls(repo_dir, s.host, s.http_port, s.grpc_port, s.metrics_port, s.tritonserver,
+                   metrics_host=exposure.metrics_host(s), admin_key=key, **kwargs)
 
     # ---- addresses -------------------------------------------------------------------------------------------
-    def _url_host(self) -> str:
-        return f"[{self.host}]" if ":" in self.host else self.host
+    def _url_host(self, kind: str = "http") -> str:
+        host = self.hosts[kind]
+        return f"[{host}]" if ":" in host else host
 
     @property
     def urls(self) -> dict[str, str]:
-        h = self._url_host()
-        return {"http": f"http://{h}:{self.ports['http']}", "grpc": f"{h}:{self.ports['grpc']}",
-                "metrics": f"http://{h}:{self.ports['metrics']}/metrics"}
+        return {"http": f"http://{self._url_host('http')}:{self.ports['http']}",
+                "grpc": f"{self._url_host('grpc')}:{self.ports['grpc']}",
+                "metrics": f"http://{self._url_host('metrics')}:{self.ports['metrics']}/metrics"}
 
     @property
     def http_url(self) -> str:
@@ -84,17 +98,34 @@ class TritonServer(procgroup.GroupServer):
 
     @property
     def ready(self) -> bool:
-        """Started, still running and answering /v2/health/ready."""
-        return self.running and is_ready(f"{self.http_url}/v2/health/ready")
+        """Started, still running, answering /v2/health/ready and no Python-backend stub dead.
+
+        tritonserver 2.51 keeps answering ready (server and model) after a model's
+        triton_python_backend_stub dies, and never ends the requests that were in flight on it."""
+        return self.running and is_ready(f"{self.http_url}/v2/health/ready") and not self.dead_stubs()
+
+    def stub_pids(self) -> dict[str, int]:
+        """Model instance name (e.g. tensorrt_llm_0_0) -> pid of its live triton_python_backend_stub."""
+        return python_stubs(self.process.pid) if self.running else {}
+
+    def dead_stubs(self) -> list[str]:
+        """Instances whose stub, alive when the server became ready, is gone (killed, crashed)."""
+        if not self._stubs:
+            return []
+        alive = self.stub_pids()
+        return sorted(name for name, pid in self._stubs.items() if alive.get(name) != pid)
 
     # ---- command ----------------------------------------------------------------------------------------------
-    def command(self) -> list[str]:
-        """The command line (ports still 0 stay 0 until `start()` picks them)."""
+    def command(self, reveal_key: bool = False) -> list[str]:
+        """The command line (ports still 0 stay 0 until `start()` picks them). The admin key is in
+        it only with `reveal_key` (for the process itself); otherwise exposure.PLACEHOLDER stands for it."""
         cmd = [str(self.binary.path), f"--model-repository={self.repo_dir}"]
         if self.binary.needs_backend_dir:
             cmd.append(f"--backend-directory={backend_dir(self.binary)}")
         for kind in ("http", "grpc", "metrics"):
-            cmd += [f"--{kind}-address={self.host}", f"--{kind}-port={self.ports[kind]}"]
+            cmd += [f"--{kind}-address={self.hosts[kind]}", f"--{kind}-port={self.ports[kind]}"]
+        if self.admin_key is not None:
+            cmd += exposure.restriction_args(self.admin_key if reveal_key else exposure.PLACEHOLDER)
         cmd += [
             f"--exit-timeout-secs={self.exit_timeout_s}",
             "--disable-auto-complete-config",  # the rendered configs are the whole truth
@@ -103,8 +134,11 @@ class TritonServer(procgroup.GroupServer):
         ]
         return cmd + list(self.extra_args)
 
-    def command_line(self) -> str:
-        return shlex.join(self.command())
+    def command_line(self, key_reference: str | None = None) -> str:
+        """The command line for printing: the key (if any) as `key_reference`, a shell word
+        such as '"$TRITON_ADMIN_KEY"', never the secret itself."""
+        line = shlex.join(self.command())
+        return line.replace(exposure.PLACEHOLDER, key_reference or "<admin-key>")
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def _preflight(self) -> None:
@@ -112,31 +146,35 @@ class TritonServer(procgroup.GroupServer):
             raise ToolchainError(f"model repository not found: {self.repo_dir}",
                                  "run `toolchain model-repo SPEC` first")
         for kind, port in self.ports.items():
-            if port and port_in_use(self.host, port):
-                raise _port_error(kind, self.host, port)
+            if port and port_in_use(self.hosts[kind], port):
+                raise _port_error(kind, self.hosts[kind], port)
         for kind, port in self.ports.items():
             if not port:
                 taken = {p for p in self.ports.values() if p}
                 while port in taken or not port:
-                    port = free_port(self.host)
+                    port = free_port(self.hosts[kind])
                 self.ports[kind] = port
 
     def start(self, timeout: float = 180.0) -> "TritonServer":
         if self.process is not None:
             raise RuntimeError("server already started")
+        if self.admin_key == exposure.PLACEHOLDER:
+            raise RuntimeError("built with read_key=False: for printing only")
         self._preflight()
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
         t0 = time.monotonic()
-        self.process, self._log_fh = procgroup.spawn(self.command(), server_env(self.binary), self.log_path)
+        self.process, self._log_fh = procgroup.spawn(self.command(reveal_key=True), server_env(self.binary),
+                                                     self.log_path)
         try:
             self._wait_ready(timeout)
         except BaseException:
             self.stop()
             raise
         self.started_s = time.monotonic() - t0
+        self._stubs = self.stub_pids()
         return self
 
     def _wait_ready(self, timeout: float) -> None:
@@ -145,7 +183,8 @@ class TritonServer(procgroup.GroupServer):
         def exited(rc: int) -> Exception:
             in_use = _SOCKET_IN_USE.search(self.log_text())
             if in_use:  # lost a race for a port after the preflight check
-                return _port_error(in_use.group("kind").lower(), self.host, int(in_use.group("port")))
+                kind = in_use.group("kind").lower()
+                return _port_error(kind, self.hosts[kind], int(in_use.group("port")))
             return StageFailed(f"tritonserver exited during start-up (exit code {rc}): {self.failure_cause()}",
                                f"full log: {self.log_path}")
 
@@ -167,6 +206,32 @@ class TritonServer(procgroup.GroupServer):
 
     def stop_wait_s(self) -> float:
         return self.exit_timeout_s + 5  # tritonserver's own exit timeout, then a margin
+
+
+def python_stubs(server_pid: int) -> dict[str, int]:
+    """Instance name -> pid of each triton_python_backend_stub child of `server_pid` (Linux /proc;
+    empty elsewhere). The stub's argv names the instance (e.g. `tensorrt_llm_0_0`) after the
+    shared-memory sizes, parent pid and library path."""
+    out: dict[str, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+            if int(stat[stat.rindex(b")") + 2:].split()[1]) != server_pid:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if argv and argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 8:
+            out[argv[8].decode(errors="replace")] = int(entry)
+    return out
 
 
 def is_ready(url: str) -> bool:

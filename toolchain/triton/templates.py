@@ -58,6 +58,8 @@ class RepoOptions:
     draft_ngram_size: int = 0  # speculative.mode ngram: the BLS drafts by prompt lookup (0: off)
     decoding_mode: str = "top_k_top_p"  # target cpu: "medusa" for a Medusa engine
     medusa_choices: str | None = None  # target cpu, Medusa: the draft tree ("{0}, {0, 0}, {1}")
+    # model.trust_remote_code: pre/postprocessing pass it to AutoTokenizer (upstream's hard-code True).
+    trust_remote_code: bool = False
 
 
 def _tensors(rows, opts: RepoOptions) -> list[Tensor]:
@@ -120,7 +122,8 @@ def _preprocessing_parameters(opts: RepoOptions) -> dict[str, object]:
     # for max_num_images and hf_model_path (the Qwen2-VL / LLaVA processors' path).
     params: dict[str, object] = {"tokenizer_dir": opts.tokenizer_dir, "add_special_tokens": True,
                                  "gpt_model_path": opts.engine_dir, "multimodal_model_path": EMPTY,
-                                 "max_num_images": EMPTY, "hf_model_path": EMPTY}
+                                 "max_num_images": EMPTY, "hf_model_path": EMPTY,
+                                 "trust_remote_code": opts.trust_remote_code}
     if opts.end_id is not None:
         params["end_id"] = opts.end_id
     if opts.stop_ids:
@@ -152,7 +155,8 @@ def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
         "postprocessing": ModelConfig(
             "postprocessing", mbs, _tensors(POSTPROCESSING_INPUTS, opts), _tensors(POSTPROCESSING_OUTPUTS, opts),
             backend="python", instance_group=cpu, dynamic_batching=DynamicBatching(),
-            parameters={"tokenizer_dir": opts.tokenizer_dir, "skip_special_tokens": True}),
+            parameters={"tokenizer_dir": opts.tokenizer_dir, "skip_special_tokens": True,
+                        "trust_remote_code": opts.trust_remote_code}),
         "tensorrt_llm_bls": ModelConfig(
             "tensorrt_llm_bls", mbs, _tensors(BLS_INPUTS, opts), _tensors(TEXT_OUTPUTS, opts), backend="python",
             instance_group=cpu, decoupled=opts.decoupled,

@@ -39,7 +39,7 @@ def extract(sources, previous=None):
     pretrained = _class(tree, "PretrainedConfig")
     init = next(n for n in pretrained.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     args = init.args
-    defaults = dict(zip([a.arg for a in args.kwonlyargs], args.kw_defaults))
+    defaults = dict(zip([a.arg for a in args.kwonlyargs], args.kw_defaults, strict=False))
     params = {a.arg: {"type": ast.unparse(a.annotation) if a.annotation else None,
                       "required": defaults[a.arg] is None,
                       "default": ast.unparse(defaults[a.arg]) if defaults[a.arg] is not None else None,

@@ -58,4 +58,4 @@ def keyword_defaults(cls: ast.ClassDef, where: dict[str, Any]) -> dict[str, dict
     """__init__'s keyword-only parameters with defaults: name -> default, `where` and line."""
     init = init_of(cls)
     return {a.arg: {"default": ast.literal_eval(d), **where, "line": a.lineno}
-            for a, d in zip(init.args.kwonlyargs, init.args.kw_defaults) if d is not None}
+            for a, d in zip(init.args.kwonlyargs, init.args.kw_defaults, strict=False) if d is not None}

@@ -192,7 +192,7 @@ def _extra_policy(found: dict, name: str, src) -> dict:
                                 "via": "class Config", **_where(src, ARGS, n.lineno)}
             if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
                     and node.targets[0].id == "model_config" and isinstance(node.value, ast.Dict)):
-                for k, v in zip(node.value.keys, node.value.values):
+                for k, v in zip(node.value.keys, node.value.values, strict=False):
                     if k is not None and ast.literal_eval(k) == "extra":
                         return {"extra": ast.literal_eval(v), "declared_in": cls_name,
                                 "via": "model_config", **_where(src, ARGS, k.lineno)}
@@ -248,7 +248,7 @@ def _speculative(found: dict, enums: dict, src) -> dict:
     table = next(n.value for n in ast.walk(from_dict) if isinstance(n, ast.Assign)
                  and ast.unparse(n.targets[0]) == "config_classes")
     types = {}
-    for key, value in zip(table.keys, table.values):
+    for key, value in zip(table.keys, table.values, strict=False):
         cls = found.get(value.id)
         if cls is None:  # not defined in the stored file
             types[ast.literal_eval(key)] = {"class": value.id, "fields": None, **_where(src, ARGS, key.lineno)}
@@ -278,7 +278,7 @@ def _extra_dict_conversions(tree: ast.Module, src) -> dict:
                   and isinstance(n.comparators[0], ast.List))
     return {ast.literal_eval(k): {"class": ast.unparse(v), "via": "from_dict" if ast.literal_eval(k) in manual
                                   else "constructor", **_where(src, ARGS, k.lineno)}
-            for k, v in zip(table.keys, table.values)}
+            for k, v in zip(table.keys, table.values, strict=False)}
 
 
 def _llm_args(src) -> dict:
@@ -421,7 +421,7 @@ def _request_params(src, fn_name: str, args_name: str, prefix: str) -> dict:
     names = _assigned(fn, args_name)
     defaults_node = _assigned(fn, "default_values")
     defaults = {ast.literal_eval(k): (ast.literal_eval(v), k.lineno)
-                for k, v in zip(defaults_node.keys, defaults_node.values)}
+                for k, v in zip(defaults_node.keys, defaults_node.values, strict=False)}
     out = {}
     for elt in names.elts:
         arg = ast.literal_eval(elt)
@@ -444,7 +444,7 @@ def _response_outputs(src) -> dict:
                 and isinstance(call.args[0], ast.Constant)):
             out.setdefault(call.args[0].value, _where(src, MODEL_PY, call.lineno))
     fields = _assigned(fn, "output_fields")
-    for key, value in zip(fields.keys, fields.values):
+    for key, value in zip(fields.keys, fields.values, strict=False):
         name = ast.literal_eval(value.elts[0])
         out[name] = {**out.get(name, {}), "when": ast.literal_eval(key), **_where(src, MODEL_PY, key.lineno)}
     return dict(sorted(out.items(), key=lambda kv: kv[1]["line"]))

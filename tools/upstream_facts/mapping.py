@@ -27,8 +27,8 @@ def extract(sources, previous=None):
     init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     where = {"source": "trtllm", "path": PATH, "commit": src.commit_of(PATH)}
     positional = init.args.args[1:]  # without self
-    defaults = dict(zip([a.arg for a in positional][-len(init.args.defaults):], init.args.defaults))
-    defaults.update({a.arg: d for a, d in zip(init.args.kwonlyargs, init.args.kw_defaults)})
+    defaults = dict(zip([a.arg for a in positional][-len(init.args.defaults):], init.args.defaults, strict=False))
+    defaults.update({a.arg: d for a, d in zip(init.args.kwonlyargs, init.args.kw_defaults, strict=False)})
     params = {a.arg: {"default": ast.literal_eval(defaults[a.arg]) if defaults.get(a.arg) is not None else None,
                       **where, "line": a.lineno}
               for a in [*positional, *init.args.kwonlyargs]}

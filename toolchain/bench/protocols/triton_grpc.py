@@ -217,7 +217,7 @@ class TritonGrpc:
         return st.reply()
     def _handle(self, st: Stream, t: int, resp, token_ids: bool) -> bool:
         names = [o.name for o in resp.outputs]
-        raw = dict(zip(names, resp.raw_output_contents))
+        raw = dict(zip(names, resp.raw_output_contents, strict=False))
         if token_ids:
             if "output_ids" not in raw:
                 if "triton_final_response" in resp.parameters and resp.parameters["triton_final_response"].bool_param:

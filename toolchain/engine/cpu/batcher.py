@@ -431,7 +431,7 @@ class InflightBatcher:
         st.paused = sum(1 for r in self._queue if r.paused)
         st.chunked_steps += any(r.seq.in_context for r, _ in context)
         st.timestamp_us = time.time_ns() // 1000
-        for (req, _), tokens in zip(batch, emitted):
+        for (req, _), tokens in zip(batch, emitted, strict=False):
             st.tokens += len(tokens)
             seq = req.seq
             drafted, accepted = seq.drafted - req.speculation[0], seq.accepted_draft - req.speculation[1]

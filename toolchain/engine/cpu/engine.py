@@ -371,7 +371,7 @@ class CpuEngine:
             with torch.no_grad():
                 logits = self.model.forward(chunks, self.kv)
             emitted = []
-            for (seq, n), rows, draft, chunk in zip(batch, logits, drafts, chunks):
+            for (seq, n), rows, draft, chunk in zip(batch, logits, drafts, chunks, strict=False):
                 length = seq.table.length + n
                 path = []
                 try:

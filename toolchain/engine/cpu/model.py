@@ -174,13 +174,13 @@ class Model:
                 x = self._mlp_block(shards, local, x)
 
         wanted = []
-        for c, (s, e) in zip(chunks, rows):
+        for c, (s, e) in zip(chunks, rows, strict=False):
             wanted.extend(range(e - min(c.logits, e - s), e))
         last = self.stages[-1]
         h = rms_norm(x[wanted], last[0].final_norm, self.d.norm_epsilon) if wanted else None
         logits = self._lm_head(last, h) if wanted else None
         out, at = [], 0
-        for c, (s, e) in zip(chunks, rows):
+        for c, (s, e) in zip(chunks, rows, strict=False):
             n = min(c.logits, e - s)
             out.append(logits[at:at + n] if n else None)
             if c.want_hidden:

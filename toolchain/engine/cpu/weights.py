@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from toolchain.checkpoint.hf_reader import check_header
 from toolchain.engine.cpu.config import ModelDims
 from toolchain.engine.cpu.linear import Linear, make_linear
 from toolchain.engine.cpu.qlinear import stored_tensors
@@ -155,6 +156,9 @@ KINDS = {"float": (torch.float32, torch.float16, torch.bfloat16), "int8": (torch
 
 def _read_rank(path: Path, wanted: dict[str, tuple[tuple[int, ...], str]]) -> tuple[dict[str, torch.Tensor], list[str]]:
     tensors, extra = {}, []
+    # 8 bytes read first: a header length over the safetensors limit or past the end of the file
+    # is refused in one line naming the file (safe_open bounds it too, with a message naming neither).
+    check_header(path, "rebuild the engine with `--force`")
     try:
         fh = safe_open(str(path), framework="pt")
     except Exception as err:  # safetensors raises its own error type for a bad header
@@ -211,7 +215,7 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
     for i in range(len(d.stage_layers(pp_rank))):
         p, g = _layer(i), _global(d, pp_rank, i)
 
-        def linear(name: str, bias: bool) -> Linear:
+        def linear(name: str, bias: bool, p=p, g=g) -> Linear:
             return make_linear(t, f"{p}.{name}", bias, d.linear_format(f"{g}.{name}"), group=d.group_size)
 
         layers.append(LayerShard(
@@ -259,7 +263,7 @@ def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
             pairs = [(FINAL_NORM, first.final_norm, other.final_norm)]
             if not d.use_parallel_embedding:  # sharded embeddings differ by design
                 pairs.append((EMBEDDING, first.embedding, other.embedding))
-            for i, (a, b) in enumerate(zip(first.layers, other.layers)):
+            for i, (a, b) in enumerate(zip(first.layers, other.layers, strict=False)):
                 p = _layer(i)
                 pairs += [(f"{p}.input_layernorm.weight", a.input_norm, b.input_norm),
                           (f"{p}.post_layernorm.weight", a.post_norm, b.post_norm),

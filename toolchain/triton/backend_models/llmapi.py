@@ -49,7 +49,7 @@ def _read_yaml():
         with open(path) as fh:
             data = yaml.safe_load(fh)
     except (OSError, yaml.YAMLError) as err:
-        raise pb_utils.TritonModelException(f"cannot read the LLM arguments in {path}: {err}")
+        raise pb_utils.TritonModelException(f"cannot read the LLM arguments in {path}: {err}") from None
     if not isinstance(data, dict) or not isinstance(data.get("triton_config"), dict):
         raise pb_utils.TritonModelException(f"{path} must be a mapping with a triton_config section")
     return data
@@ -98,7 +98,7 @@ class TritonPythonModel:
         try:
             self.llm = CpuLLM(num_threads=int(threads) if threads else None, **data)
         except LlmArgsError as err:
-            raise pb_utils.TritonModelException(f"tensorrt_llm: {err}")
+            raise pb_utils.TritonModelException(f"tensorrt_llm: {err}") from None
         self.SamplingParams, self.LlmArgsError = SamplingParams, LlmArgsError
         self.lock = threading.Lock()
         self.inflight = {}  # id(_Request) -> _Request

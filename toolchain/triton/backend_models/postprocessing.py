@@ -20,6 +20,19 @@ def _param(config, key):
     return value
 
 
+def _load_tokenizer(auto_tokenizer, tokenizer_dir, trust_remote_code):
+    """As preprocessing's: code from the tokenizer directory runs only when the `trust_remote_code`
+    parameter (model.trust_remote_code) says so, passed explicitly so transformers never prompts."""
+    try:
+        return auto_tokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        if "trust_remote_code" in str(err):
+            raise ValueError(f"the tokenizer in {tokenizer_dir} needs Python code from that directory (auto_map) to "
+                             "load, and remote code is not run by default (set model.trust_remote_code: true in the "
+                             "spec if you trust that code)") from None
+        raise
+
+
 class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
@@ -30,7 +43,8 @@ class TritonPythonModel:
             raise ValueError(f"postprocessing: tokenizer_dir {tokenizer_dir!r} is not a directory")
         skip = _param(config, "skip_special_tokens")
         self.skip_special_tokens = True if skip is None else skip.strip().lower() in ("1", "true", "t", "yes", "y")
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        trust = (_param(config, "trust_remote_code") or "").strip().lower() in ("1", "true", "t", "yes", "y")
+        self.tokenizer = _load_tokenizer(AutoTokenizer, tokenizer_dir, trust)
 
     def execute(self, requests):
         responses = []

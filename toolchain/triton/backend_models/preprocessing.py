@@ -29,6 +29,21 @@ def _flag(text, default):
     return text.strip().lower() in ("1", "true", "t", "yes", "y")
 
 
+def _load_tokenizer(auto_tokenizer, tokenizer_dir, trust_remote_code):
+    """The tokenizer, running code from its directory only when the `trust_remote_code` parameter
+    (the spec's model.trust_remote_code) says so. Passed explicitly: left unset, transformers would
+    prompt on a terminal. This file runs inside Triton's stub, without the toolchain package, hence the copy
+    of toolchain.remote_code's message."""
+    try:
+        return auto_tokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        if "trust_remote_code" in str(err):
+            raise ValueError(f"the tokenizer in {tokenizer_dir} needs Python code from that directory (auto_map) to "
+                             "load, and remote code is not run by default (set model.trust_remote_code: true in the "
+                             "spec if you trust that code)") from None
+        raise
+
+
 def _input(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
@@ -56,7 +71,7 @@ class TritonPythonModel:
             # A missing directory would otherwise be taken for a Hub id and downloaded.
             raise ValueError(f"preprocessing: tokenizer_dir {tokenizer_dir!r} is not a directory")
         self.add_special_tokens = _flag(_param(config, "add_special_tokens"), True)
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.tokenizer = _load_tokenizer(AutoTokenizer, tokenizer_dir, _flag(_param(config, "trust_remote_code"), False))
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id
         self.end_id = -1 if eos is None else int(eos)
@@ -153,7 +168,7 @@ class TritonPythonModel:
         width = max(1, max(len(r) for r in flat))
         out = np.zeros((batch, 2, width), np.int32)
         out[:, 1, :] = -1
-        for i, (ids, ends) in enumerate(zip(flat, offsets)):
+        for i, (ids, ends) in enumerate(zip(flat, offsets, strict=False)):
             out[i, 0, :len(ids)] = ids
             out[i, 1, :len(ends)] = ends
         return out
@@ -162,10 +177,10 @@ class TritonPythonModel:
         if words is None or weights is None:
             return np.empty((batch, 0), np.float32)
         bias = np.zeros((batch, self.vocab_size), np.float32)
-        for i, (row_words, row_weights) in enumerate(zip(words.reshape(batch, -1), weights.reshape(batch, -1))):
+        for i, (row_words, row_weights) in enumerate(zip(words.reshape(batch, -1), weights.reshape(batch, -1), strict=False)):
             if len(row_words) != len(row_weights):
                 raise ValueError("EMBEDDING_BIAS_WORDS and EMBEDDING_BIAS_WEIGHTS differ in length")
-            for word, weight in zip(row_words, row_weights):
+            for word, weight in zip(row_words, row_weights, strict=False):
                 for token in self.tokenizer.encode(_text(word), add_special_tokens=False):
                     bias[i, token] += weight
         return bias
