@@ -44,6 +44,7 @@ demo: setup ## The whole pipeline on CPU: convert, build, model repo, serve, ben
 
 test: setup aiperf ## Lint, then run the test suite (tests needing a live deployment are skipped)
 	$(VENV)/bin/ruff check toolchain tools benchmarks/*.py
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q -m "not perf" $(PYTEST_ARGS)
 
 convert: setup ## HF checkpoint -> TensorRT-LLM checkpoint

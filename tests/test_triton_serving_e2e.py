@@ -192,6 +192,8 @@ BAD_INPUTS = [
     ("ensemble", lambda: text_request("", 4), "prompt"),
     ("ensemble", lambda: text_request(b"w5 \xff\xfe w6", 4), "UTF-8"),
     ("ensemble", lambda: text_request("w5 w6", 0), "max_tokens"),
+    # A megabyte of text is refused before it is tokenized (it could never fit max_input_len).
+    ("ensemble", lambda: text_request("w5 " * 400_000, 4), "cannot fit the engine's max_input_len"),
 ]
 
 

@@ -12,7 +12,7 @@ def build_tree(accuracy: list[list[float]], size: int) -> list[list[int]]:
     """The `size` paths with the highest estimated chance of acceptance (the product of the
     per-head accuracies along the path, Medusa's sparse-tree rule), grown best-first from the
     root so every node's parent is in the tree. Sorted by depth, then path."""
-    frontier = [(-accuracy[0][r], (r,)) for r in range(len(accuracy[0]))]
+    frontier: list[tuple[float, tuple[int, ...]]] = [(-accuracy[0][r], (r,)) for r in range(len(accuracy[0]))]
     heapq.heapify(frontier)
     chosen: list[tuple[int, ...]] = []
     while frontier and len(chosen) < size:

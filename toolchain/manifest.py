@@ -12,6 +12,7 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from toolchain import __version__
 from toolchain.fsutil import atomic_file
@@ -35,7 +36,7 @@ class Manifest:
     spec_hash: str
     inputs: dict[str, str]
     tools: dict[str, str] = field(default_factory=tool_versions)
-    outputs: dict[str, object] = field(default_factory=dict)
+    outputs: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     seconds: float = 0.0
 
@@ -61,17 +62,26 @@ class Manifest:
 def content_hash(directory: Path) -> str:
     """sha256 of a stage's manifest without its time fields (`created`, `seconds`): what the next
     stage records as its input, so a rerun that rebuilt the same output leaves the next stage current
-    (and its manifest byte-identical). "missing" when there is no readable manifest."""
+    (and its manifest byte-identical). An unreadable manifest hashes as its bytes; "missing" when
+    there is none."""
     import hashlib
 
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return "missing"
     have = Manifest.read(directory)
     if have is None:
-        return "missing"
+        return hashlib.sha256(path.read_bytes()).hexdigest()
     data = {k: v for k, v in asdict(have).items() if k not in ("created", "seconds")}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
+def current_manifest(directory: Path, wanted: Manifest) -> Manifest | None:
+    """The manifest `directory` holds when it is a complete output built from the same key, else None."""
+    have = Manifest.read(directory)
+    return have if have is not None and have.key() == wanted.key() else None
+
+
 def is_current(directory: Path, wanted: Manifest) -> bool:
     """True when `directory` holds a complete output built from the same key."""
-    have = Manifest.read(directory)
-    return have is not None and have.key() == wanted.key()
+    return current_manifest(directory, wanted) is not None

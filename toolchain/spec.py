@@ -466,13 +466,14 @@ def _format_validation_error(err: ValidationError, origin: str) -> str:
 
 
 def _resolve_paths(spec: DeploymentSpec, base: Path) -> None:
-    def resolve(p: Path | None) -> Path | None:
-        if p is None:
-            return None
+    def resolve_path(p: Path) -> Path:
         p = Path(p).expanduser()
         return p if p.is_absolute() else (base / p).resolve()
 
-    spec.model.checkpoint = resolve(spec.model.checkpoint)
+    def resolve(p: Path | None) -> Path | None:
+        return None if p is None else resolve_path(p)
+
+    spec.model.checkpoint = resolve_path(spec.model.checkpoint)
     spec.model.tokenizer = resolve(spec.model.tokenizer)
     spec.gpu.hostfile = resolve(spec.gpu.hostfile)
     spec.speculative.draft_model = resolve(spec.speculative.draft_model)

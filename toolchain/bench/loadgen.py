@@ -28,7 +28,7 @@ import asyncio
 import gc
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from toolchain.bench.datasets import Plan, Session
 from toolchain.bench.records import RequestRecord
@@ -86,7 +86,7 @@ class Runner:
 
     async def _session(self, s: Session, level: int, t_sched: int | None, warm: bool = False, first=None) -> None:
         """t_sched None (closed loop): due as soon as the request is built, so building it is not send lag."""
-        history = []
+        history: list[Any] = []
         for k, turn in enumerate(s.turns):
             if self.aborted:
                 return

@@ -17,7 +17,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from toolchain import __version__
 from toolchain.bench import metrics as M
@@ -149,7 +149,7 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
         ok = [r for r in recs if r.ok]
         mism = sum(1 for r in ok if r.osl != r.max_tokens) if wl.ignore_eos else 0
         src = token_count_source(recs)
-        load = {"mode": wl.mode, "value": value, "sessions": n_sessions, "duration_s": wl.duration_s}
+        load: dict[str, Any] = {"mode": wl.mode, "value": value, "sessions": n_sessions, "duration_s": wl.duration_s}
         if wl.mode == "rate":
             load.update(arrival=wl.arrival, burstiness=wl.burstiness)
         level = {"level": i, "load": load, **m, "token_count_source": src, "osl_mismatches": mism,

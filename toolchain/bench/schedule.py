@@ -36,6 +36,7 @@ def arrivals(rate: float, *, count: int | None = None, duration_s: float | None 
         g = gaps(count, rate, arrival, burstiness, seed)
         return [0.0, *np.cumsum(g[:-1]).tolist()][:count]
     # Draw in blocks until the horizon is passed; the same seed gives the same prefix.
+    assert duration_s is not None  # checked above
     n = max(16, int(rate * duration_s * 1.5) + 16)
     while True:
         g = gaps(n, rate, arrival, burstiness, seed)

@@ -112,6 +112,7 @@ class PromptFactory:
                 if best is None or abs(got - n_tokens) < abs(best.isl - n_tokens):
                     best = Prompt(text, got)
                 length += n_tokens - got
+        assert best is not None  # the loop ran at least once
         return best
 
 

@@ -141,7 +141,7 @@ def stored_recipe(fmt: dict, requested: Recipe, ckpt: HFCheckpoint, config_only:
         # config.json alone does not say; the stored shapes do: (out/2, in) weight, (out, in/g) scales.
         w = next((i for i in ckpt.tensors.values() if i.dtype == torch.uint8), None)
         s = ckpt.tensors.get(w.name.removesuffix("weight") + "weight_scale") if w is not None else None
-        if s is not None and len(s.shape) == 2 and s.shape[1]:
+        if w is not None and s is not None and len(s.shape) == 2 and s.shape[1]:
             group = w.shape[1] // s.shape[1]
     return Recipe(method=STORED_METHODS[algo], group_size=group or 128, kv_cache="fp8" if kv == "FP8" else "none",
                   stored=True)

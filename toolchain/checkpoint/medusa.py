@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -119,7 +120,7 @@ def plan_heads(heads: MedusaHeads, dtype: str, tp: int, world_size: int) -> list
         raise ToolchainError(f"Medusa layer width {heads.hidden_size} does not split over tp {tp}",
                              "choose a tp dividing hidden_size")
     torch_dtype = TORCH_DTYPES[dtype]
-    per_tp = [[] for _ in range(tp)]
+    per_tp: list[list[Any]] = [[] for _ in range(tp)]
     for src, trt in heads.source_names():
         for r, piece in enumerate(_slices(trt, torch.empty(heads.shapes[src], device="meta"), tp)):
             per_tp[r].append(PlannedTensor(trt, tuple(piece.shape), torch_dtype))
@@ -161,6 +162,7 @@ def medusa_tree(spec, heads: MedusaHeads | None = None) -> list[list[int]]:
     from toolchain.draft_tree import parse_choices, tree_problem
 
     sp = spec.speculative
+    tree: list[list[int]] | None
     if sp.choices:
         try:
             tree = parse_choices(sp.choices)

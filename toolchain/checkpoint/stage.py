@@ -23,7 +23,7 @@ from toolchain.checkpoint.writer import write_plan
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir, sha256_file
 from toolchain.gpus import lookup
-from toolchain.manifest import Manifest, is_current
+from toolchain.manifest import Manifest, current_manifest
 from toolchain.quant.recipe import Recipe
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
@@ -158,9 +158,9 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                 and plan.quant.recipe.calibration_dataset != "builtin":
             inputs["calibration"] = input_hash(Path(plan.quant.recipe.calibration_dataset))
         wanted = Manifest(stage="convert", spec_hash=convert_hash(spec), inputs=inputs)
-        if not force and is_current(final, wanted):
+        if not force and (have := current_manifest(final, wanted)) is not None:
             say(f"checkpoint {final} is current (same settings and inputs); reusing it (--force rebuilds)")
-            return Manifest.read(final)
+            return have
         created = _missing_dirs(final.parent, workspace.root)
         start = time.monotonic()
         try:

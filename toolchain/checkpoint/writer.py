@@ -105,7 +105,8 @@ def write_plan(plan: Plan, ckpt: HFCheckpoint, out_dir: Path) -> dict[str, int]:
         if plan.eagle is not None:
             from toolchain.checkpoint.eagle import write_draft
 
-            write_draft(*plan.eagle, ckpt, writers, plan.options)
+            draft, shape = plan.eagle
+            write_draft(draft, shape, ckpt, writers, plan.options)
         for w in writers:
             w.close()
     except BaseException:

@@ -53,7 +53,7 @@ def spec_command(func):
     @functools.wraps(func)
     def wrapper(ctx: Context, spec_path: Path, overrides: tuple[str, ...], skip_checks: tuple[str, ...], **kwargs):
         spec = load_spec(spec_path, overrides)
-        stage = click.get_current_context().info_name
+        stage = click.get_current_context().info_name or func.__name__
         dry = any(kwargs.get(flag) for flag in _DRY_FLAGS)
         if stage == "plan":
             return func(ctx, spec, skip_checks=skip_checks, **kwargs)

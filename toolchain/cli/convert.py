@@ -10,7 +10,7 @@ from toolchain.cli._common import Context, spec_command
 from toolchain.spec import DeploymentSpec
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

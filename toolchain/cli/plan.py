@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from typing import Any
 
 import click
 
@@ -27,7 +28,7 @@ def _commands(spec, ws) -> dict:
     from toolchain.engine.build import planned_commands
     from toolchain.triton.launch import launch_command
 
-    out = {"build_commands": [], "build_errors": []}
+    out: dict[str, Any] = {"build_commands": [], "build_errors": []}
     try:
         out["build_commands"] = [shlex.join(cmd) for cmd in planned_commands(spec, ws)]
     except ToolchainError as err:  # a flag combination the table refuses: the checks say which

@@ -19,6 +19,7 @@ import shlex
 import signal
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import click
 
@@ -93,7 +94,15 @@ def _run_until_stopped(server, timeout: float, describe: str,
         click.echo(f"  models   {models}")
         click.echo(f"  log      {server.log_path}")
         click.echo("Ctrl-C to stop")
+        # tritonserver 2.51 neither restarts a Python-backend stub that died nor stops reporting ready,
+        # and requests in flight on it never end: a dead stub ends the serve, in one line.
+        dead_stubs: Callable[[], list[str]] = getattr(server, "dead_stubs", lambda: [])
         while server.running:
+            dead = dead_stubs()
+            if dead:
+                raise StageFailed(f"model instance {', '.join(dead)} died (its Python-backend stub is gone); "
+                                  "tritonserver would keep requests on it waiting forever",
+                                  f"restart `toolchain serve`; the log: {server.log_path}")
             time.sleep(0.5)
         raise StageFailed(f"tritonserver exited unexpectedly: {server.failure_cause()}", f"full log: {server.log_path}")
     except KeyboardInterrupt:
@@ -142,6 +151,7 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
                              "write the Slurm or Kubernetes manifests with `toolchain serve SPEC --manifests DIR`")
     if not (repo / "manifest.json").is_file():
         raise ToolchainError(f"no model repository at {repo}", "run `toolchain model-repo SPEC` first")
+    server: Any  # a TritonServer or, for target trtllm, a TritonLaunch: both start(), stop() and urls
     if spec.llmapi_path:
         from toolchain.triton.server import TritonServer
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from toolchain.archs.params import trained_positions
 from toolchain.engine import trtllm
 from toolchain.errors import ToolchainError
-from toolchain.fsutil import atomic_dir, sha256_file
-from toolchain.manifest import MANIFEST, Manifest, content_hash, is_current
+from toolchain.fsutil import atomic_dir
+from toolchain.manifest import Manifest, current_manifest, content_hash
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
 
@@ -208,8 +208,8 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
     if spec.speculative.mode == "draft_target" and spec.speculative.draft_model is not None:
         inputs["draft_model"] = _config_hash(spec.speculative.draft_model)
     wanted = Manifest(stage="build-engine", spec_hash=spec.spec_hash(), inputs=inputs)
-    if not force and is_current(final, wanted):
-        return Manifest.read(final), True
+    if not force and (have := current_manifest(final, wanted)) is not None:
+        return have, True
     start = time.perf_counter()
     with atomic_dir(final) as out:
         if spec.target == "cpu":

@@ -131,7 +131,7 @@ def _matches(value: object, pattern: str) -> bool:
     if pattern == ANY:
         return True
     if pattern in (">0", ">1"):
-        return int(value) > int(pattern[1])
+        return int(value) > int(pattern[1])  # type: ignore[call-overload]  # a parsed flag: int or numeric str
     return str(value) == pattern
 
 

@@ -404,7 +404,8 @@ class CpuLLM:
         return self._batcher.stats
 
     def shutdown(self) -> None:
-        batcher, self._batcher = getattr(self, "_batcher", None), None
+        # None once shut down (the attribute is absent when start-up failed before the batcher).
+        batcher, self._batcher = getattr(self, "_batcher", None), None  # type: ignore[assignment]
         if batcher is not None:
             batcher.stop()
         self._drop_tmp()

@@ -209,7 +209,7 @@ def planned_launch(spec: DeploymentSpec, workspace: Workspace) -> dict:
     else:
         from toolchain.triton.server import TritonServer
 
-        triton = TritonServer.from_spec(spec, workspace.model_repo_dir(spec)).command_line()
-        triton = shlex.split(triton) if isinstance(triton, str) else triton
+        line = TritonServer.from_spec(spec, workspace.model_repo_dir(spec)).command_line()
+        triton = shlex.split(line) if isinstance(line, str) else line
         serve = openai_cpu_command(spec, workspace)
     return {"launch_command": shlex.join(triton), "openai_command": shlex.join(serve)}

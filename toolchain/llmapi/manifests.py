@@ -91,7 +91,8 @@ def slurm_script(spec: DeploymentSpec, workspace: Workspace, server: str = "trtl
 def _wrap(argv: list[str]) -> str:
     """One shell command, one argument group per line, for a readable script."""
     parts = [shlex.quote(a) for a in argv]
-    lines, current = [], []
+    lines: list[str] = []
+    current: list[str] = []
     for part in parts:
         if part.startswith("-") and current and len(" ".join(current)) > 60:
             lines.append(" ".join(current))

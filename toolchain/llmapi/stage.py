@@ -19,7 +19,7 @@ from typing import Callable
 
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir
-from toolchain.manifest import Manifest, is_current
+from toolchain.manifest import Manifest, current_manifest
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
 
@@ -71,9 +71,9 @@ def run_convert_llmapi(spec: DeploymentSpec, workspace: Workspace, force: bool =
     blob = json.dumps(_settings(spec), sort_keys=True, separators=(",", ":"))
     wanted = Manifest(stage=STAGE, spec_hash=hashlib.sha256(blob.encode()).hexdigest(), inputs=inputs)
     final = workspace.checkpoint_dir(spec)
-    if not force and is_current(final, wanted):
+    if not force and (have := current_manifest(final, wanted)) is not None:
         say(f"{final} is current; reusing it (--force rebuilds)")
-        return Manifest.read(final)
+        return have
     start = time.monotonic()
     with atomic_dir(final) as tmp:
         if quantized(spec):

@@ -257,7 +257,7 @@ def create_app(engine: CpuEngine, tokenizer: TextCodec | Path | str, served_mode
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request, exc: RequestValidationError):
-        return _error(validation_message(exc.errors()))
+        return _error(validation_message(list(exc.errors())))
 
     @app.exception_handler(ApiError)
     async def _api_error(_request, exc: ApiError):

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Callable
+from typing import Any, Callable
 
 from toolchain.engine.cpu import CpuEngine, InflightBatcher, QueueFull, RequestStats, SamplingParams, SchedulerConfig
 
@@ -180,7 +180,7 @@ class EngineService:
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: float | None = None) -> Generation:
         """Raises QueueFull when the queue bound is reached."""
         gen = Generation(next(self._ids), prompt_ids, params, asyncio.get_running_loop())
-        kwargs = {} if priority is None else {"priority": priority}
+        kwargs: dict[str, Any] = {} if priority is None else {"priority": priority}
         self.inflight[gen.request_id] = gen
         try:
             self.batcher.submit(gen.request_id, prompt_ids, params, gen.callback, stats=gen.stats, **kwargs)

@@ -116,7 +116,7 @@ def _one_sequence(ctx: Context):
         return FAIL, (f"the KV cache holds {m.kv_tokens_capacity} tokens per rank, less than one sequence of "
                       f"{m.sequence_tokens}; lower limits.max_seq_len, quantize the KV cache, or raise "
                       "serving.kv_cache_free_gpu_mem_fraction")
-    if m.draft_kv_tokens_capacity is not None and m.draft_kv_tokens_capacity < m.draft_sequence_tokens:
+    if m.draft_kv_tokens_capacity is not None and m.draft_kv_tokens_capacity < (m.draft_sequence_tokens or 0):
         return FAIL, (f"the draft model's KV cache holds {m.draft_kv_tokens_capacity} tokens, less than one "
                       f"sequence of {m.draft_sequence_tokens}; raise speculative.draft_kv_cache_free_gpu_mem_fraction")
     return PASS, f"{m.kv_tokens_capacity} KV tokens per rank hold {m.concurrency} full sequences"

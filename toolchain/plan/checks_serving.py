@@ -80,7 +80,7 @@ def _engine(ctx: Context, owner: bool = False):
     if "_unreadable" in cfg or not isinstance(cfg.get("build_config"), dict):
         if not owner:
             return None, (SKIP, "see triton.engine-dir")
-        return None, (FAIL, f"{ctx.engine_dir() / 'config.json'} is not an engine config (no build_config); "
+        return None, (FAIL, f"{ctx.engine_dir() or ''}/config.json is not an engine config (no build_config); "
                             "rerun `toolchain build-engine --force`")
     return cfg, None
 
@@ -92,7 +92,8 @@ def _engine_dir(ctx: Context):
     if cfg is None:
         return early
     pattern = "rank*.engine" if ctx.trtllm else "rank*.safetensors"
-    ranks = sorted(ctx.engine_dir().glob(pattern))
+    engine_dir = ctx.engine_dir()
+    ranks = sorted(engine_dir.glob(pattern)) if engine_dir is not None else []
     want = ctx.spec.parallelism.world_size
     if len(ranks) != want:
         return FAIL, (f"{ctx.engine_dir()} holds {len(ranks)} {pattern} file(s), tp x pp needs {want}; "
@@ -163,7 +164,7 @@ def _kv_fraction(ctx: Context):
 
 @check("triton.placeholders", SERVING, "no unfilled ${...} may reach tritonserver (tensorrtllm_backend issue #250)", paths=ENGINE_PATH)
 def _placeholders(ctx: Context):
-    if not ctx.artefacts:
+    if not ctx.artefacts or ctx.workspace is None:
         return SKIP, "the repository is rendered by this run"
     repo = Path(ctx.workspace.model_repo_dir(ctx.spec))
     configs = sorted(repo.glob("*/config.pbtxt"))
@@ -193,8 +194,8 @@ def _multi_node(ctx: Context):
 def _tritonserver(ctx: Context) -> Path | None:
     explicit = ctx.spec.serving.tritonserver
     found = str(explicit) if explicit else (shutil.which("tritonserver") or DEFAULT_TRITONSERVER)
-    found = shutil.which(found) if "/" not in found else found
-    return Path(found) if found and Path(found).is_file() else None
+    resolved = shutil.which(found) if "/" not in found else found
+    return Path(resolved) if resolved and Path(resolved).is_file() else None
 
 
 @check("triton.backend-present", ("serve",),

@@ -96,7 +96,8 @@ def _eagle_draft(ctx: Context):
                            prequantized=model is not None and model.hf_config.get("quantization_config") is not None)
         tree = eagle_tree(ctx.spec)
         shape = eagle_shape(ctx.spec, tree)
-        layers = f"a {read_draft(sp.heads, params).params.num_hidden_layers}-layer draft, " if params else ""
+        layers = f"a {read_draft(sp.heads, params).params.num_hidden_layers}-layer draft, " if (
+            params and sp.heads is not None) else ""
     except ToolchainError as err:
         return FAIL, str(err)
     return PASS, (f"{layers}{shape.num_eagle_layers} EagleNets for a tree of {len(tree)} nodes "

@@ -67,8 +67,9 @@ def read_tokenizer(directory: Path) -> TokenizerInfo | None:
     try:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         for key, entry in (cfg.get("added_tokens_decoder") or {}).items():
-            if str(key).isdigit() and _token_text(entry):
-                info.names[int(key)] = _token_text(entry)
+            text = _token_text(entry)
+            if str(key).isdigit() and text:
+                info.names[int(key)] = text
         info.eos_token = _token_text(cfg.get("eos_token"))
         info.pad_token = _token_text(cfg.get("pad_token"))
         if tok_path.is_file():

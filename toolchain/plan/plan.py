@@ -67,7 +67,7 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        draft_ok = self.draft_kv_tokens_capacity is None or self.draft_kv_tokens_capacity >= self.draft_sequence_tokens
+        draft_ok = self.draft_kv_tokens_capacity is None or self.draft_kv_tokens_capacity >= (self.draft_sequence_tokens or 0)
         return self.weights_fit and self.concurrency >= 1 and draft_ok
 
     def tightest(self) -> RankPlan:

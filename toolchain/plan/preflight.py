@@ -11,13 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from toolchain.errors import ToolchainError
 from toolchain.plan import eos as eos_mod
 from toolchain import gpus
 from toolchain.plan.model import ModelInfo, QuantFormat, load_model, quant_format, read_json
 from toolchain.plan.plan import DraftModel, MemoryPlan, layout_ok, plan_memory
+
+if TYPE_CHECKING:
+    from toolchain.spec import DeploymentSpec
+    from toolchain.workspace import Workspace
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 ENGINE = ("convert", "build-engine")
@@ -70,9 +74,9 @@ def check(check_id: str, stages: tuple[str, ...], doc: str, paths: tuple[str, ..
 class Context:
     """Everything a check reads, computed once."""
 
-    spec: object
+    spec: DeploymentSpec
     stage: str
-    workspace: object | None
+    workspace: Workspace | None
     quant: QuantFormat
     device: gpus.Gpu | None
     model: ModelInfo | None = None
@@ -97,10 +101,11 @@ class Context:
 
     def engine_config(self) -> dict | None:
         """The built engine's config.json when artefacts are checked at this stage and one exists."""
-        if not self.artefacts:
+        engine_dir = self.engine_dir()
+        if not self.artefacts or engine_dir is None:
             return None
         if self._engine_config is None:
-            path = self.engine_dir() / "config.json"
+            path = engine_dir / "config.json"
             try:
                 self._engine_config = read_json(path) if path.is_file() else None
             except ToolchainError:

@@ -79,7 +79,8 @@ def calibration_tokens(tokenize: Callable[[str], list[int]], dataset: str, sampl
     Built-in: the training files' text in a fixed spread-out order, cut into
     full `seq_len` windows. A prompts file: each prompt truncated to `seq_len`."""
     if dataset != BUILTIN:
-        seqs = [torch.tensor(tokenize(p)[:seq_len], dtype=torch.int64) for p in read_prompts(Path(dataset))]
+        seqs: list[torch.Tensor] = [torch.tensor(tokenize(p)[:seq_len], dtype=torch.int64)
+                                    for p in read_prompts(Path(dataset))]
         seqs = [s for s in seqs if s.numel() > 0][:samples]
         if not seqs:
             raise ToolchainError(f"quantization.calibration.dataset {dataset}: no prompt has any tokens",
@@ -88,7 +89,7 @@ def calibration_tokens(tokenize: Callable[[str], list[int]], dataset: str, sampl
     files = builtin_files()
     # A prime stride visits files from all over the library, not one package.
     order = [files[(i * 37) % len(files)] for i in range(len(files))]
-    seqs: list[torch.Tensor] = []
+    seqs = []
     for path in order:
         ids = tokenize(path.read_text(encoding="utf-8", errors="replace"))
         for start in range(0, len(ids) - seq_len + 1, seq_len):

@@ -25,6 +25,7 @@ import shlex
 import shutil
 import subprocess
 import time
+from typing import IO, Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,8 +131,8 @@ def container_commands(spec, launch: LaunchCommand, mounts: list[Path]) -> dict[
         docker += ["-v", f"{m}:{m}"]
     command = list(launch.argv)
     name = spec.name.lower().replace("_", "-").replace(".", "-")
-    env = [{"name": k, "value": v} for k, v in launch.env.items()]
-    out = {}
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in launch.env.items()]
+    out: dict[str, Any] = {}
     if launch.restricted:
         if s.admin_key_file is not None:
             docker += ["-v", f"{s.admin_key_file}:{CONTAINER_KEY_FILE}:ro"]
@@ -206,7 +207,7 @@ class TritonLaunch:
         self.metrics_host = "127.0.0.1" if metrics in ("0.0.0.0", "", "::") else metrics
         self.process: subprocess.Popen | None = None
         self.started_s: float | None = None
-        self._log = None
+        self._log: IO[bytes] | None = None
 
     @property
     def urls(self) -> dict[str, str]:
@@ -242,6 +243,7 @@ class TritonLaunch:
 
     def _wait_ready(self, timeout: float) -> None:
         url = f"{self.urls['http']}/v2/health/ready"
+        assert self.process is not None, "start() spawns the process first"
         procgroup.wait_ready(
             self.process, lambda: is_ready(url), timeout,
             exited=lambda rc: StageFailed(f"mpirun exited during start-up (exit code {rc}): {self.failure_cause()}",

@@ -24,7 +24,7 @@ from pathlib import Path
 import toolchain
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir, sha256_file
-from toolchain.manifest import MANIFEST, Manifest, content_hash, is_current
+from toolchain.manifest import MANIFEST, Manifest, current_manifest, content_hash
 from toolchain.spec import DeploymentSpec
 from toolchain.triton import backend_models
 from toolchain.triton.config import ModelConfig, check_ensemble
@@ -211,8 +211,8 @@ def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = Fal
     repo_dir = workspace.model_repo_dir(spec)
     upstream = upstream_python_models(python_models) if python_models is not None else None
     manifest = wanted_manifest(spec, workspace, upstream)
-    if not force and is_current(repo_dir, manifest):
-        return Manifest.read(repo_dir)
+    if not force and (have := current_manifest(repo_dir, manifest)) is not None:
+        return have
     opts = repo_options(spec, workspace)
     models = build_models(opts)
     source = spec.source or "<spec>"

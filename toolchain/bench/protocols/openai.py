@@ -31,7 +31,7 @@ class OpenAI(HttpClient):
         self.model, self.chat, self.streaming, self.ignore_eos = model, chat, streaming, ignore_eos
         self.keep_text = keep_text
         self.path = "/v1/chat/completions" if chat else "/v1/completions"
-        self.contract = None
+        self.contract: str | None = None
 
     def describe(self) -> dict:
         return {"protocol": "openai-chat" if self.chat else "openai-completions", "url": self.url + self.path,

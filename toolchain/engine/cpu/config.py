@@ -90,7 +90,7 @@ class ModelDims:
 
     def linear_format(self, module: str) -> str | None:
         """How `module` (global TensorRT-LLM name) is stored: None for fp, else a qlinear format."""
-        if self.quant_algo in UNQUANTIZED or any(fnmatch.fnmatchcase(module, p) for p in self.exclude_modules):
+        if self.quant_algo is None or self.quant_algo in UNQUANTIZED or any(fnmatch.fnmatchcase(module, p) for p in self.exclude_modules):
             return None
         return QUANT_FORMATS[self.quant_algo]
     """runtime_defaults.max_attention_window: per-layer windows, repeated over the layers; None = full."""

@@ -87,6 +87,20 @@ class TritonPythonModel:
             self.end_id = int(end_id)
         stops = _param(config, "stop_token_ids") or ""
         self.stop_ids = [int(t) for t in stops.split(",") if t.strip().lstrip("-").isdigit()]
+        self.max_chars = self._max_prompt_chars(_param(config, "gpt_model_path"))
+
+    def _max_prompt_chars(self, engine_dir):
+        """The longest text that could still fit the engine's max_input_len: that many tokens of the
+        vocabulary's longest piece. Longer text is refused before tokenizing it, which for a
+        megabyte-sized prompt would hold this (single) instance, and every request behind it, for seconds."""
+        try:
+            with open(os.path.join(engine_dir or "", "config.json")) as fh:
+                max_input_len = int(json.load(fh)["build_config"]["max_input_len"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # no engine to read (yet): the tensorrt_llm model still refuses long prompts
+        pieces = self.tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
+        longest = max((len(self.tokenizer.convert_tokens_to_string([p])) for p in pieces if p), default=1)
+        return max_input_len * max(longest, 1)
 
     def execute(self, requests):
         responses = []
@@ -139,8 +153,12 @@ class TritonPythonModel:
         return outputs
 
     def _encode(self, texts, pad_id):
-        rows = [self.tokenizer.encode(_text(row.reshape(-1)[0]), add_special_tokens=self.add_special_tokens)
-                for row in texts]
+        texts = [_text(row.reshape(-1)[0]) for row in texts]
+        for text in texts:
+            if self.max_chars is not None and len(text) > self.max_chars:
+                raise ValueError(f"prompt of {len(text)} characters cannot fit the engine's max_input_len (at most "
+                                 f"{self.max_chars} characters with this tokenizer); shorten it")
+        rows = [self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens) for text in texts]
         width = max(1, max(len(r) for r in rows))
         ids = np.empty((len(rows), width), np.int32)
         for i, row in enumerate(rows):
