@@ -173,8 +173,9 @@ class TritonServer(procgroup.GroupServer):
         except BaseException:
             self.stop()
             raise
-        self.started_s = time.monotonic() - t0
+        # The stubs first: once started_s is set, dead_stubs() knows every instance that was up.
         self._stubs = self.stub_pids()
+        self.started_s = time.monotonic() - t0
         return self
 
     def _wait_ready(self, timeout: float) -> None:
