@@ -308,17 +308,23 @@ class CpuLLM:
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
-    def _engine_params(self, sp: SamplingParams):
+    def _stops(self, sp: SamplingParams) -> list[tuple[int | str, list[int]]]:
+        """(stop_reason, its token ids) per stop token id, then per stop string, tokenized once per
+        request (as the LLM API's SamplingParams._get_stop_reasons_and_words pairs them)."""
+        stops: list[tuple[int | str, list[int]]] = [(int(t), [int(t)]) for t in sp.stop_token_ids or ()]
+        stops += [(text, self.encode(text, add_special_tokens=False)) for text in sp.stop_strings()]
+        if any(not word for _, word in stops):
+            raise LlmArgsError("a stop string encodes to no tokens; remove the empty stop string")
+        return stops
+
+    def _engine_params(self, sp: SamplingParams, stops: list[tuple[int | str, list[int]]]):
         from toolchain.engine.cpu import SamplingParams as EngineParams
 
         end_id = sp.end_id if sp.end_id is not None else self.tokenizer.eos_token_id
-        stop_words = [[int(t)] for t in sp.stop_token_ids or ()]
-        stop_words += [self.encode(s, add_special_tokens=False) for s in sp.stop_strings()]
-        if any(not w for w in stop_words):
-            raise LlmArgsError("a stop string encodes to no tokens; remove the empty stop string")
         return EngineParams(max_new_tokens=sp.max_tokens, temperature=1.0 if sp.temperature is None else sp.temperature,
                             top_k=sp.top_k or 0, top_p=sp.top_p or 0.0, seed=sp.seed, min_tokens=sp.min_tokens or 0,
-                            end_id=-1 if sp.ignore_eos or end_id is None else int(end_id), stop_words=stop_words)
+                            end_id=-1 if sp.ignore_eos or end_id is None else int(end_id),
+                            stop_words=[word for _, word in stops])
 
     def generate_async(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                        streaming: bool = False, on_output: Callable[[RequestOutput], None] | None = None
@@ -332,7 +338,8 @@ class CpuLLM:
         sp.validate()
         text = prompt if isinstance(prompt, str) else None
         ids = self.encode(prompt, sp.add_special_tokens) if isinstance(prompt, str) else [int(t) for t in prompt]
-        params = self._engine_params(sp)
+        stops = self._stops(sp)
+        params = self._engine_params(sp, stops)
         problem = self.engine.request_problem(ids, params)
         if problem:
             raise LlmArgsError(problem)
@@ -349,7 +356,7 @@ class CpuLLM:
             generated.extend(new_tokens)
             if not finished and not (streaming and new_tokens):
                 return
-            self._update(out, sp, ids, generated, stats, finished, error)
+            self._update(out, sp, ids, generated, stats, finished, error, stops)
             if on_output is not None:
                 on_output(out)
 
@@ -357,14 +364,14 @@ class CpuLLM:
         return RequestHandle(self, rid)
 
     def _update(self, out: RequestOutput, sp: SamplingParams, prompt: list[int], generated: list[int], stats,
-                finished: bool, error: str | None) -> None:
+                finished: bool, error: str | None, stops: list[tuple[int | str, list[int]]]) -> None:
         c = out.outputs[0]
         tokens = list(generated)
         if finished:
-            c.finish_reason, c.stop_reason = self._reason(sp, stats.finish_reason, tokens)
+            c.finish_reason, c.stop_reason, word = self._reason(stats.finish_reason, tokens, stops)
             if isinstance(c.stop_reason, str) and not sp.include_stop_str_in_output:
                 # The LLM API drops the stop string's tokens from the output.
-                tokens = tokens[:len(tokens) - len(self.encode(c.stop_reason, add_special_tokens=False))]
+                tokens = tokens[:len(tokens) - len(word)]
         c.token_ids = tokens if sp.exclude_input_from_output else prompt + tokens
         c._last_text_len = len(c.text)
         c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=sp.skip_special_tokens)
@@ -381,22 +388,19 @@ class CpuLLM:
             perf.total_accepted_draft_tokens = stats.total_accepted_draft_tokens
             perf.acceptance_rate = stats.acceptance_rate
 
-    def _reason(self, sp: SamplingParams, engine_reason: str | None, tokens: list[int]):
-        """(finish_reason, stop_reason) under the LLM API's names."""
+    @staticmethod
+    def _reason(engine_reason: str | None, tokens: list[int], stops: list[tuple[int | str, list[int]]]):
+        """(finish_reason, stop_reason, the stop's token ids) under the LLM API's names."""
         if engine_reason == "stop_word":
-            for token in sp.stop_token_ids or ():
-                if tokens and tokens[-1] == token:
-                    return "stop", int(token)
-            for text in sp.stop_strings():
-                word = self.encode(text, add_special_tokens=False)
-                if word and tokens[-len(word):] == word:
-                    return "stop", text
-            return "stop", None
+            for reason, word in stops:  # stop token ids first, then stop strings
+                if tokens[-len(word):] == word:
+                    return "stop", reason, word
+            return "stop", None, []
         if engine_reason == "end_id":
-            return "stop", None
+            return "stop", None, []
         if engine_reason in ("cancelled", "error"):
-            return "cancelled", None
-        return "length", None
+            return "cancelled", None, []
+        return "length", None, []
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     @property
