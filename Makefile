@@ -39,6 +39,21 @@ $(AIPERF_STAMP):
 
 aiperf: $(AIPERF_STAMP) ## Install AIPerf 0.13 into benchmarks/.venv/aiperf
 
+# NVIDIA Dynamo 1.6.1 (OpenAI frontend, KV-aware router, Python runtime) in the project's venv, for
+# `toolchain dynamo` on CPU and its tests. `pip install ai-dynamo` fails here: it pins aisimulate==0.13.0, a stub
+# that downloads from a host not reachable at install time. So: ai-dynamo-runtime with its dependencies, ai-dynamo
+# without its own, then the rest of ai-dynamo's listed dependencies (the `dynamo` extra, aisimulate left out).
+DYNAMO_STAMP := $(VENV)/.dynamo-stamp
+$(DYNAMO_STAMP): $(STAMP)
+	$(PIP) "ai-dynamo-runtime==1.6.1" $(QUIET_PIP)
+	$(PIP) --no-deps "ai-dynamo==1.6.1" $(QUIET_PIP)
+	$(PIP) -e ".[dynamo]" $(QUIET_PIP)
+	@touch $(DYNAMO_STAMP)
+
+.PHONY: dynamo
+dynamo: $(DYNAMO_STAMP) ## Install NVIDIA Dynamo 1.6.1 (frontend, router, runtime) into .venv
+test: dynamo
+
 demo: setup ## The whole pipeline on CPU: convert, build, model repo, serve, bench
 	$(TOOLCHAIN) deploy $(SPEC)
 

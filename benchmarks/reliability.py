@@ -11,6 +11,14 @@ Five parts, each against what the server itself says (readiness, /metrics, its l
 - (d) crash safety: kill -9 of `toolchain convert`, `build-engine` and `model-repo` at random points;
   the final directory is never a partial one and the rerun is byte-identical to an uninterrupted run;
 - (e) a dying model instance: the tensorrt_llm stub killed with requests in flight, and during load.
+  The figures (`dying_instance.hung_requests`, `time_to_detect_s`) are those of the path users run,
+  `toolchain serve` (a subprocess): it watches for dead stubs and on one stops tritonserver, which ends
+  every in-flight request (the connection closes), prints one line naming the instance and exits non-zero;
+  no tritonserver, stub or /dev/shm region of it may be left. The same kill under a bare TritonServer
+  object, with nothing watching it, is kept for information only (`hung_requests_bare_tritonserver`,
+  the section's `bare_tritonserver`): tritonserver 2.51 never ends the requests in flight on a dead
+  Python-backend stub, nor restarts it, nor stops answering ready, so there every request hangs; that is
+  the server's behaviour the serve loop exists to contain, not a figure of the deployment.
 
     python benchmarks/reliability.py [--json PATH] [--quick] [--soak-s S] [--parts abcde]
 """
@@ -939,44 +947,83 @@ def _close(client) -> None:
         pass
 
 
-def part_e(server, n_inflight: int = 6) -> dict:
-    import tritonclient.grpc as grpcclient
+class Inflight:
+    """`n` streaming tensorrt_llm requests of 400 tokens on one gRPC stream, each seen streaming before
+    `started()` returns; `poll()` records which ended (final response or error) and when, from `t0`."""
 
-    from triton_helpers import token_request
+    def __init__(self, grpc_url: str, n: int):
+        import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    got: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: got.put((result, error)))
-    ended: dict[str, float] = {}
-    errors: dict[str, str] = {}
-    started = set()
-    for i in range(n_inflight):
-        client.async_stream_infer("tensorrt_llm", token_request([5 + i, 6, 7], 400, end_id=([-1], "INT32")),
-                                  request_id=f"k{i}", enable_empty_final_response=True)
-    deadline = time.monotonic() + 30
-    while len(started) < n_inflight and time.monotonic() < deadline:
+        from triton_helpers import token_request
+
+        self.n = n
+        self.client = grpcclient.InferenceServerClient(grpc_url)
+        self.got: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.got.put((result, error)))
+        self.ended: dict[str, float] = {}
+        self.errors: dict[str, str] = {}
+        self.started: set = set()
+        self.t0 = time.monotonic()
+        for i in range(n):
+            self.client.async_stream_infer("tensorrt_llm", token_request([5 + i, 6, 7], 400, end_id=([-1], "INT32")),
+                                           request_id=f"k{i}", enable_empty_final_response=True)
+
+    def wait_started(self, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while len(self.started) < self.n and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                result, error = self.got.get(timeout=1)
+                if result is not None:
+                    self.started.add(result.get_response().id)
+        return len(self.started)
+
+    def poll(self, wait: float = 0.05) -> None:
         with contextlib.suppress(queue.Empty):
-            result, error = got.get(timeout=1)
-            if result is not None:
-                started.add(result.get_response().id)
-    pid = stub_pids(server.process.pid)["tensorrt_llm"]
-    t_kill = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    detect = {"server_not_ready": None, "model_not_ready": None, "toolchain_ready_false": None}
-    bound = 30.0
-    while time.monotonic() - t_kill < bound and (len(ended) < n_inflight or None in detect.values()):
-        with contextlib.suppress(queue.Empty):
-            result, error = got.get(timeout=0.05)
+            result, error = self.got.get(timeout=wait)
             if error is not None:
                 # an error without a request id ends the stream for every request on it
                 rid = getattr(error, "request_id", None) or ""
                 msg = str(error)
-                targets = [rid] if rid else [f"k{i}" for i in range(n_inflight)]
+                targets = [rid] if rid else [f"k{i}" for i in range(self.n)]
                 for r in targets:
-                    ended.setdefault(r, time.monotonic() - t_kill)
-                    errors.setdefault(r, msg[:200])
+                    self.ended.setdefault(r, time.monotonic() - self.t0)
+                    self.errors.setdefault(r, msg[:200])
             elif result.get_response().parameters["triton_final_response"].bool_param:
-                ended.setdefault(result.get_response().id, time.monotonic() - t_kill)
+                self.ended.setdefault(result.get_response().id, time.monotonic() - self.t0)
+
+    @property
+    def all_ended(self) -> bool:
+        return len(self.ended) >= self.n
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """True if closing hung. tritonclient's stop_stream waits for the server to end the stream, which
+        it never does while a request on it is unanswered: closed from a daemon thread, with cancellation."""
+        closer = threading.Thread(target=_close, args=(self.client,), daemon=True)
+        closer.start()
+        closer.join(timeout)
+        return closer.is_alive()
+
+    def report(self) -> dict:
+        return {"inflight_requests": self.n, "streaming_before_kill": len(self.started),
+                "requests_ended": len(self.ended), "hung_requests": self.n - len(self.ended),
+                "requests_ended_s": {k: round(v, 3) for k, v in sorted(self.ended.items())},
+                "all_ended_s": round(max(self.ended.values()), 3) if self.all_ended else None,
+                "errors": sorted(set(self.errors.values()))[:3]}
+
+
+def part_e(server, n_inflight: int = 6) -> dict:
+    """The stub killed under a bare TritonServer object (no `toolchain serve` watching it)."""
+    from triton_helpers import token_request
+
+    inflight = Inflight(server.grpc_url, n_inflight)
+    inflight.wait_started()
+    pid = stub_pids(server.process.pid)["tensorrt_llm"]
+    inflight.t0 = t_kill = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    detect = {"server_not_ready": None, "model_not_ready": None, "toolchain_ready_false": None}
+    bound = 30.0
+    while time.monotonic() - t_kill < bound and (not inflight.all_ended or None in detect.values()):
+        inflight.poll()
         now = time.monotonic() - t_kill
         if detect["server_not_ready"] is None and http_get(f"{server.http_url}/v2/health/ready", 0.5) != 200:
             detect["server_not_ready"] = round(now, 3)
@@ -985,12 +1032,7 @@ def part_e(server, n_inflight: int = 6) -> dict:
             detect["model_not_ready"] = round(now, 3)
         if detect["toolchain_ready_false"] is None and not server.ready:  # TritonServer.ready: also dead stubs
             detect["toolchain_ready_false"] = round(now, 3)
-    # tritonclient's stop_stream waits for the server to end the stream, which it never does while a
-    # request on it is unanswered: close it from a daemon thread with cancellation, bounded.
-    closer = threading.Thread(target=_close, args=(client,), daemon=True)
-    closer.start()
-    closer.join(10)
-    stream_close_hung = closer.is_alive()
+    stream_close_hung = inflight.close()
     new_pid = stub_pids(server.process.pid).get("tensorrt_llm") if server.process.poll() is None else None
     # does a new request after the death get an answer (an error or tokens) in bounded time?
     after = Grpc(server.grpc_url).stream("tensorrt_llm", token_request([5, 6, 7], 3, end_id=([-1], "INT32")),
@@ -998,10 +1040,8 @@ def part_e(server, n_inflight: int = 6) -> dict:
     times = [t for t in detect.values() if t is not None]
     log_hits = [line[:200] for line in server.log_text().splitlines() if LOG_DEATH.search(line)]
     return {
-        "inflight_requests": n_inflight, "streaming_before_kill": len(started),
-        "hung_requests": n_inflight - len(ended),
-        "requests_ended_s": {k: round(v, 3) for k, v in sorted(ended.items())},
-        "errors": sorted(set(errors.values()))[:3],
+        **inflight.report(),
+        "bound_s": bound,
         "time_to_detect_s": min(times) if times else None,
         "detected_by": detect,
         "client_stream_close_hung": stream_close_hung,
@@ -1013,6 +1053,158 @@ def part_e(server, n_inflight: int = 6) -> dict:
         "server_alive": server.process.poll() is None,
         "log_lines": log_hits[:4],
     }
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _status(int(entry.name)).get("PPid") == str(pid):
+            out.append(int(entry.name))
+    return out
+
+
+def _argv0(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    except OSError:
+        return b""
+
+
+def _running(pid: int, argv0_suffix: bytes) -> bool:
+    """`pid` is still that process (its argv[0] ends with the suffix) and not a zombie."""
+    return _status(pid).get("State", "Z").split()[0] not in ("Z", "X") and _argv0(pid).endswith(argv0_suffix)
+
+
+def _shm_names() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def _pump(stream, sink: queue.Queue) -> None:
+    for line in iter(stream.readline, ""):
+        sink.put(line.rstrip("\n"))
+    sink.put(None)
+
+
+def part_e_serve(ws_root: Path, n_inflight: int = 6, bound_s: float = 60.0, start_timeout_s: float = 240.0) -> dict:
+    """The path users run: `toolchain serve build/tiny-llama.yaml` (a subprocess, on the workspace `deploy()`
+    built) with `n_inflight` streams in flight over gRPC when the tensorrt_llm stub is SIGKILLed. serve must
+    see the dead stub, stop tritonserver (which ends every request on it: the connection closes), print one
+    line naming the instance and exit non-zero, leaving no tritonserver, stub or /dev/shm region behind."""
+    from toolchain.triton.server import python_stubs
+
+    exe = str(Path(sys.executable).parent / "toolchain")
+    argv = [exe, "--root", str(ws_root), "serve", str(SPEC), "--set", "serving.http_port=0",
+            "--set", "serving.grpc_port=0", "--set", "serving.metrics_port=0"]
+    shm_before = _shm_names()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    out_q: queue.Queue = queue.Queue()
+    err_q: queue.Queue = queue.Queue()
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, out_q), daemon=True),
+             threading.Thread(target=_pump, args=(proc.stderr, err_q), daemon=True)]
+    for th in pumps:
+        th.start()
+    stdout: list[str] = []
+    urls: dict[str, str] = {}
+    stubs: dict[str, int] = {}
+    result: dict = {"command": " ".join(argv[1:])}
+    t_start = time.monotonic()
+    deadline = t_start + start_timeout_s
+    while time.monotonic() < deadline and "Ctrl-C to stop" not in stdout:
+        try:
+            line = out_q.get(timeout=0.5)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        if line is None:
+            break
+        stdout.append(line)
+        m = re.match(r"\s+(HTTP|gRPC|metrics)\s+(\S+)$", line)
+        if m:
+            urls[m.group(1)] = m.group(2)
+    triton = None
+    until = time.monotonic() + 5
+    while triton is None and time.monotonic() < until and proc.poll() is None:
+        triton = next((c for c in _children(proc.pid) if _argv0(c).endswith(b"/tritonserver")), None)
+        time.sleep(0.05 if triton is None else 0)
+    inflight = None
+    try:
+        if "Ctrl-C to stop" not in stdout or triton is None or "gRPC" not in urls:
+            raise RuntimeError(f"serve did not come up in {start_timeout_s:.0f} s (rc {proc.poll()}): "
+                               f"{stdout[-3:]} {list(err_q.queue)[-3:]}")
+        result["serve_up_s"] = round(time.monotonic() - t_start, 1)
+        stubs = python_stubs(triton)  # instance -> pid, every model's
+        inflight = Inflight(urls["gRPC"], n_inflight)
+        inflight.wait_started()
+        victim = stubs["tensorrt_llm_0_0"]
+        inflight.t0 = t_kill = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        detect = {"server_not_ready": None, "serve_exited": None}
+        while time.monotonic() - t_kill < bound_s and (not inflight.all_ended or None in detect.values()):
+            inflight.poll()
+            now = round(time.monotonic() - t_kill, 3)
+            if detect["server_not_ready"] is None and http_get(f"{urls['HTTP']}/v2/health/ready", 0.5) != 200:
+                detect["server_not_ready"] = now
+            if detect["serve_exited"] is None and proc.poll() is not None:
+                detect["serve_exited"] = now
+        result.update(inflight.report())
+        times = [t for t in detect.values() if t is not None]
+        result.update({"bound_s": bound_s, "time_to_detect_s": min(times) if times else None,
+                       "detected_by": detect, "client_stream_close_hung": inflight.close()})
+    except Exception as err:
+        result["failure"] = str(err)[:500]
+        if inflight is not None:
+            result.update(inflight.report())
+            inflight.close()
+        else:
+            result["hung_requests"] = n_inflight
+        stubs = python_stubs(triton) if triton else {}
+    finally:
+        if proc.poll() is None:  # serve did not end by itself: stop it (and what it started), but count it
+            result["serve_stopped_by_benchmark"] = True
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                for pid in [triton, *stubs.values(), proc.pid]:
+                    with contextlib.suppress(ProcessLookupError, TypeError):
+                        os.kill(pid, signal.SIGKILL)
+                proc.wait()
+    for th in pumps:
+        th.join(5)
+    stdout += [x for x in list(out_q.queue) if x is not None]
+    stderr = [x for x in list(err_q.queue) if x is not None]
+    err_lines = [x for x in stderr if x.strip()]
+    last = err_lines[-1] if err_lines else ""
+    # what is left: the server and the stubs (given a moment to be reaped), and the server's /dev/shm regions
+    watched = {"tritonserver": (triton, b"/tritonserver"),
+               **{name: (pid, b"triton_python_backend_stub") for name, pid in stubs.items()}}
+    deadline = time.monotonic() + 5
+    while True:
+        left = sorted(name for name, (pid, argv0) in watched.items() if pid and _running(pid, argv0))
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    prefix = f"tc{proc.pid}_"
+    shm_new = sorted(_shm_names() - shm_before)
+    result.update({
+        "serve_exit_code": proc.returncode,
+        "stderr_last_line": last[:400],
+        "stderr_lines": len(err_lines),
+        "one_line_naming_instance": bool(last.startswith("error: ") and "tensorrt_llm_0_0" in last
+                                         and "died" in last and not any("Traceback" in x for x in stderr)),
+        "stdout_tail": stdout[-2:],
+        "processes_left": left,
+        "shm_regions_left": [n for n in shm_new if n.startswith(prefix)],
+        "shm_prefix": prefix,
+    })
+    result.setdefault("serve_stopped_by_benchmark", False)
+    return result
 
 
 def part_e_load(spec, ws, tmp: Path) -> dict:
@@ -1098,6 +1290,17 @@ def main(argv=None) -> int:
                 log("(e) kill the tensorrt_llm stub during load")
                 out["dying_instance_during_load"] = part_e_load(spec, ws, tmp)
                 log(json.dumps(out["dying_instance_during_load"], indent=1))
+                log("(e) `toolchain serve`: kill the tensorrt_llm stub with requests in flight")
+                served = part_e_serve(tmp / "ws")
+                log(json.dumps(served, indent=1))
+                # the figures of the path users run are the section's; the bare server's are kept apart
+                bare = out.get("dying_instance", {})
+                out["dying_instance"] = {
+                    **served,
+                    "hung_requests_bare_tritonserver": bare.get("hung_requests"),
+                    "time_to_detect_s_bare_tritonserver": bare.get("time_to_detect_s"),
+                    "bare_tritonserver": bare,
+                }
         if "d" in args.parts:
             log(f"(d) {n_kills} kills per stage")
             out["crash_safety"] = part_d(n_kills, tmp)
@@ -1111,7 +1314,8 @@ def main(argv=None) -> int:
                          ("rss_growth_pct", "soak"), ("ttft_p99_drift_pct", "soak"), ("errors", "soak"),
                          ("kills", "crash_safety"), ("rerun_mismatches", "crash_safety"),
                          ("partial_outputs_used", "crash_safety"), ("hung_requests", "dying_instance"),
-                         ("time_to_detect_s", "dying_instance")):
+                         ("time_to_detect_s", "dying_instance"), ("serve_exit_code", "dying_instance"),
+                         ("hung_requests_bare_tritonserver", "dying_instance")):
         if section in out:
             flat[f"{section}.{key}"] = out[section].get(key)
     out["summary"] = flat

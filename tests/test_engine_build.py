@@ -68,3 +68,21 @@ def test_dry_run_prints_trtllm_build_flags(tmp_path, hf_llama, capsys):
     spec = load_spec(spec_path)
     assert argv == trtllm.build_command(spec, tmp_path / "ws" / "engines" / "test-model" / "checkpoint",
                                         tmp_path / "ws" / "engines" / "test-model" / "engine")
+
+
+def test_cpu_draft_gathers_generation_logits_with_use_draft_logits(tmp_path, hf_llama, capsys):
+    """As trtllm-build --gather_generation_logits records it: the tensorrt_llm model returns the
+    draft's generation logits (for the BLS's draft_logits) only from such an engine."""
+    spec = write_spec(tmp_path / "s.yaml", hf_llama, serving={"streaming": False},
+                      speculative={"mode": "draft_target", "max_draft_len": 4, "draft_model": str(hf_llama)})
+    engine = tmp_path / "ws" / "engines" / "test-model" / "engine"
+
+    def build_config(path):
+        return json.loads((path / "config.json").read_text())["build_config"]
+
+    assert _build(tmp_path, spec) == 0, capsys.readouterr().err
+    assert build_config(engine / "draft" / "engine")["gather_generation_logits"] is False
+    assert _build(tmp_path, spec, "--set", "speculative.use_draft_logits=true") == 0, capsys.readouterr().err
+    draft = build_config(engine / "draft" / "engine")
+    assert draft["gather_generation_logits"] is True and draft["max_draft_len"] == 0
+    assert not build_config(engine).get("gather_generation_logits")  # the target's logits stay ungathered

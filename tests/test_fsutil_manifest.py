@@ -21,6 +21,26 @@ def test_atomic_dir_replaces_only_on_success(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+def test_what_a_killed_run_left_is_swept_but_a_live_writer_is_not(tmp_path):
+    """kill -9 mid-stage leaves `.NAME.tmp-PID-*` (and maybe `.NAME.old-PID`); the next run of the
+    stage removes them once PID is gone, and keeps those of a process still running."""
+    import os
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    dead_tmp, dead_old = tmp_path / f".out.tmp-{gone}-abc", tmp_path / f".out.old-{gone}"
+    live_tmp, other = tmp_path / f".out.tmp-{os.getpid()}-xyz", tmp_path / f".outer.tmp-{gone}-abc"
+    for d in (dead_tmp, dead_old, live_tmp, other):
+        (d / "half").mkdir(parents=True)
+    with atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "done").write_text("1")
+    assert not dead_tmp.exists() and not dead_old.exists()
+    assert live_tmp.exists() and other.exists()  # a live writer, and another output's leftovers
+    assert (tmp_path / "out" / "done").read_text() == "1"
+
+
 def test_atomic_file_gets_the_umask_mode_not_mkstemps_0600(tmp_path):
     import os
 

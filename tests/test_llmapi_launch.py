@@ -104,6 +104,29 @@ def test_triton_launcher_line_uses_only_upstream_flags(two_nodes):
         str(s.http_port), str(s.grpc_port), str(s.metrics_port))
 
 
+def test_off_loopback_the_triton_lines_keep_the_restriction(tmp_path, hf_llama):
+    """Upstream's launcher forwards no tritonserver options, so off loopback the single-host line is
+    the command it runs (mpirun -n 1 tritonserver ...) with the bind addresses and the administrative
+    APIs behind the key; the key is a shell reference in every printed line and script, never a value."""
+    from toolchain.triton.exposure import PLACEHOLDER, restriction_args
+
+    spec = _spec(tmp_path, hf_llama, parallelism={"tp": 8, "pp": 2}, gpu={"per_node": 8},
+                 serving={"host": "0.0.0.0"})
+    ws = Workspace(tmp_path / "ws")
+    lines = launch.gpu_launch_lines(spec, ws)
+    reference = '"${TRITON_ADMIN_KEY:?set TRITON_ADMIN_KEY to the admin key}"'
+    for key in ("triton", "triton_multi_node"):
+        assert PLACEHOLDER not in lines[key] and lines[key].count(reference) == 2
+        argv = shlex.split(lines[key].replace(reference, "KEY"))
+        assert {"--http-address=0.0.0.0", "--grpc-address=0.0.0.0", "--metrics-address=127.0.0.1",
+                *restriction_args("KEY")} <= set(argv)
+    assert shlex.split(lines["triton"])[:5] == ["mpirun", "--allow-run-as-root", "-n", "1",
+                                                LAUNCH_FLAGS["--tritonserver"]["default"]]
+    script = manifests.slurm_script(spec, ws, "triton")
+    assert PLACEHOLDER not in script and script.count(reference) == 2
+    assert PLACEHOLDER not in launch.planned_launch(spec, ws)["launch_command"]
+
+
 def test_unknown_launcher_flag_is_a_bug_not_a_line():
     with pytest.raises(LookupError):
         launch.launch_flag("--no-such-flag")

@@ -13,7 +13,7 @@ import yaml
 from toolchain.plan import memory as mem
 from toolchain.gpus import GIB, lookup
 from toolchain.plan.model import QuantFormat, load_model
-from toolchain.plan.plan import plan_memory
+from toolchain.plan.plan import DraftModel, plan_memory
 from toolchain.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,6 +104,23 @@ def test_embedding_and_lm_head_stay_16_bit_under_awq(tmp_path):
                     for o, i in [(6144, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)])
     expected = m["L"] * per_layer + 2 * m["V"] * m["H"] * 2 + (2 * m["L"] + 1) * m["H"] * 2
     assert p.ranks[0].weights_bytes == int(expected)
+
+
+def test_draft_logits_add_the_draft_engines_step_cache(tmp_path):
+    """use_draft_logits builds the draft with gather_generation_logits: its executor keeps 8 steps of
+    fp32 logits for every sequence plus their transpose, 8 x (batch + 1) x V x 4 bytes
+    (runtimeBuffers.cpp), on rank 0's GPU next to the draft."""
+    cfg = CONFIGS / "llama-3-8b-instruct"
+    draft = DraftModel(load_model(cfg))
+
+    def draft_bytes(**extra):
+        spec = spec_for(tmp_path, cfg, limits={"max_batch_size": 16},
+                        speculative={"mode": "draft_target", "max_draft_len": 4, "draft_model": str(cfg), **extra})
+        p = plan_memory(spec, load_model(cfg), QuantFormat(), lookup(spec.gpu.name), draft)
+        assert p.ranks[0].draft_bytes > 0
+        return p.ranks[0].draft_bytes
+
+    assert draft_bytes(use_draft_logits=True) - draft_bytes() == 8 * 17 * L3_8B["V"] * 4
 
 
 def test_stage_layers_follow_tensor_split():

@@ -160,6 +160,9 @@ TRIGGERS = {
     "triton.kv-fraction": (merge(DRAFT, {"serving": {"kv_cache_free_gpu_mem_fraction": 0.95}}), {}, FAIL),
     "triton.placeholders": ({}, {"setup": "repo-placeholder", "stage": "serve"}, FAIL),
     "launch.multi-node": ({"parallelism": {"tp": 8, "pp": 2}}, {}, FAIL),
+    # 32 CPU rank processes: more than any test host's cores.
+    "launch.cpu-ranks": ({"target": "cpu", "parallelism": {"tp": 32}, "serving": {"launch": "mpirun"}},
+                         {"stage": "serve"}, FAIL),
     "triton.backend-present": ({}, {"setup": fake_tritonserver, "stage": "serve"}, FAIL),
     "serve.ports-free": ({}, {"setup": busy_port, "stage": "serve"}, FAIL),
     "serve.shm-size": ({"serving": {"instance_count": 1_000_000}}, {"stage": "serve"}, FAIL),

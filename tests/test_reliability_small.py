@@ -1,7 +1,8 @@
 """Small-scale reliability checks against the embedded default deployment (benchmarks/reliability.py
 runs them at scale): hostile requests leave the server answering valid ones correctly, cancelled
-streams leave no KV block in use, a killed `toolchain convert` reruns byte-identical, and a dead
-tensorrt_llm stub makes TritonServer.ready false."""
+streams leave no KV block in use, a killed `toolchain convert` reruns byte-identical, a dead
+tensorrt_llm stub makes TritonServer.ready false, and `toolchain serve` ends the requests in flight on
+it, exits non-zero in one line and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -46,6 +47,16 @@ def test_a_killed_convert_reruns_byte_identical(tmp_path, monkeypatch):
     monkeypatch.setattr(R, "STAGES", ("convert",))
     got = R.part_d(3, tmp_path, seed=5)
     assert got["kills"] == 3 and got["rerun_mismatches"] == 0 and got["partial_outputs_used"] == 0, got
+    assert got["leftover_tmp_dirs"] == 0, got  # the reruns swept what the killed runs left
+
+
+def test_a_stub_killed_while_loading_fails_the_start_fast(tmp_path):
+    """tritonserver would wait out the whole start timeout for a model whose stub died; start() fails
+    within the grace instead, naming the instance, and leaves nothing behind."""
+    spec, ws, server = R.deploy(tmp_path)
+    got = R.part_e_load(spec, ws, tmp_path)
+    assert got["killed_stub"] and not got["start_hung"], got
+    assert "tensorrt_llm_0_0 died during start-up" in got["outcome"] and got["start_s"] < 30, got
 
 
 def test_a_dead_tensorrt_llm_stub_makes_ready_false(tmp_path):
@@ -83,3 +94,16 @@ def test_serve_ends_in_one_line_when_a_model_stub_dies(tmp_path):
         _run_until_stopped(server, 120, "test")  # SIGTERM handler: main thread only
     killer.join(5)
     assert "\n" not in str(err.value) and not server.running
+
+
+def test_toolchain_serve_ends_requests_in_flight_on_a_dead_stub(tmp_path):
+    """The path users run, a `toolchain serve` subprocess: the tensorrt_llm stub killed with streams in
+    flight ends every one of them with an error in bounded time; serve exits 1 with one line naming the
+    instance and leaves no tritonserver, stub or /dev/shm region of its server behind."""
+    R.deploy(tmp_path)
+    got = R.part_e_serve(tmp_path, n_inflight=2, bound_s=45)
+    assert "failure" not in got and got["streaming_before_kill"] == 2, got
+    assert got["hung_requests"] == 0 and got["all_ended_s"] < 45 and got["errors"], got
+    assert got["serve_exit_code"] == 1 and got["one_line_naming_instance"], got
+    assert not got["serve_stopped_by_benchmark"], got
+    assert got["processes_left"] == [] and got["shm_regions_left"] == [], got

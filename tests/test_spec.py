@@ -69,6 +69,9 @@ def test_overrides_are_typed_and_validated(tmp_path):
     ("parallelism: {tp: 4, pp: 2, gpus: 4}\n", "8 ranks but only 4 GPUs"),
     ("target: tpu\n", "invalid 'target'"),
     ("name: 'bad name/'\n", "invalid 'name'"),
+    ("speculative: {mode: ngram, max_draft_len: 4, use_draft_logits: true}\n", "use_draft_logits needs mode draft_target"),
+    ("target: llmapi-cpu\nspeculative: {mode: draft_target, max_draft_len: 4, draft_model: /d, use_draft_logits: true}\n",
+     "use_draft_logits builds a draft engine for the BLS"),
 ])
 def test_invalid_specs_give_one_line(tmp_path, text, fragment):
     with pytest.raises(ToolchainError) as err:

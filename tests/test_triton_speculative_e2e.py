@@ -57,7 +57,12 @@ def test_speculation_refuses_what_upstream_refuses(served):
     logits = stream(server.grpc_url, "tensorrt_llm_bls",
                     text_request(PROMPTS[0], 8, stream=False, num_draft_tokens=([4], "INT32"),
                                  use_draft_logits=([True], "BOOL")))
-    assert logits.errors and "use_draft_logits" in str(logits.errors[0])
+    # Without speculative.use_draft_logits the draft engine is built without gather_generation_logits and
+    # cannot return them: the executor's refusal, named by the draft model (test_triton_draft_logits.py
+    # deploys with the field and speculates).
+    assert len(logits.errors) == 1 and "tensorrt_llm_draft" in str(logits.errors[0])
+    assert "gather_generation_logits must be enabled" in str(logits.errors[0])
+    assert "speculative.use_draft_logits" in str(logits.errors[0])  # the spec field that builds it
 
 
 def test_shipped_draft_target_spec_deploys_and_speculates(tmp_path, capsys):

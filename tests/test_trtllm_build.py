@@ -203,6 +203,28 @@ def test_draft_target_builds_the_draft_too(tmp_path, hf_llama, hf_llama_tied, fa
     assert manifest["outputs"]["draft"]["ranks"] == 1
 
 
+def test_use_draft_logits_builds_the_draft_with_gather_generation_logits(tmp_path, hf_llama, hf_llama_tied,
+                                                                        fake_build, capsys):
+    spec = trt_spec(tmp_path, hf_llama, speculative={"mode": "draft_target", "max_draft_len": 4,
+                                                     "draft_model": str(hf_llama_tied), "use_draft_logits": True},
+                    serving={"streaming": False})
+    assert build(tmp_path, spec) == 0, capsys.readouterr().err
+    target, draft = calls(fake_build)
+    assert trtllm.validate(draft)["--gather_generation_logits"] is True  # upstream's DTM README: the draft only
+    assert "--gather_generation_logits" not in target
+    loaded = load_spec(spec)
+    assert ("--gather_generation_logits", True) in trtllm.build_flags(loaded, draft=True)
+    off = load_spec(spec, ["speculative.use_draft_logits=false"])
+    assert ("--gather_generation_logits", True) not in trtllm.build_flags(off, draft=True)
+    # The post-build check reads it back from the draft engine's build_config.
+    engine = tmp_path / "ws" / "engines" / "test-model" / "engine" / "draft" / "engine"
+    config = json.loads((engine / "config.json").read_text())
+    assert config["build_config"]["gather_generation_logits"] is True
+    config["build_config"]["gather_generation_logits"] = False
+    (engine / "config.json").write_text(json.dumps(config))
+    assert trtllm.check_engine(loaded, engine, draft=True) == ["build_config.gather_generation_logits False != True"]
+
+
 def test_dry_run_prints_even_when_a_check_fails(tmp_path, hf_llama, capsys, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     spec = trt_spec(tmp_path, hf_llama, build={"multiple_profiles": False, "kv_cache_reuse": True,

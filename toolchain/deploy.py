@@ -67,9 +67,14 @@ def _triton_server(spec: DeploymentSpec, repo: Path, progress: Progress):
     """The server serve would start (admin APIs keyed off loopback, metrics on loopback), with
     serve's one-line warning."""
     from toolchain.triton import exposure
+    from toolchain.triton.launch import TritonLaunch
     from toolchain.triton.server import TritonServer
 
-    server = TritonServer.from_spec(spec, repo)  # reads the key: a missing one fails before start
+    server: TritonServer | TritonLaunch
+    if spec.rank_processes:  # one tritonserver per rank under mpirun
+        server = TritonLaunch.cpu(spec, repo, repo.parent / f"{spec.name}.tritonserver.log")
+    else:
+        server = TritonServer.from_spec(spec, repo)  # reads the key: a missing one fails before start
     warning = exposure.warning(spec.serving)
     if warning:
         progress("serve", warning)

@@ -22,7 +22,8 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     `final` with it, on any error remove it and leave `final` untouched."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    _sweep_stale(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     try:
         yield tmp
     except BaseException:
@@ -41,6 +42,46 @@ def atomic_dir(final: Path) -> Iterator[Path]:
             old.unlink()  # a link that stood at `final` is dropped, never what it points to
         else:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _sweep_stale(final: Path) -> None:
+    """Remove what a killed run left beside `final`: its temporary (`.NAME.tmp-PID-*`) and displaced
+    (`.NAME.old-PID`) directories, once the process that made them is gone (a live one may be writing)."""
+    for leftover in final.parent.glob(f".{final.name}.*"):
+        kind, _, tail = leftover.name[len(final.name) + 2:].partition("-")
+        pid = tail.split("-")[0]
+        if kind in ("tmp", "old") and pid.isdigit() and leftover.is_dir() and not leftover.is_symlink() \
+                and not _alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def write_dir(out_dir: Path | str, texts: dict[str, str], *, option: str, executable: tuple[str, ...] = ()) -> list[Path]:
+    """Replace `out_dir` as a whole, atomically, with one file per entry of `texts` (names ending in
+    `executable` made runnable); refused when it is a file or holds files it would not write, as it
+    then is not a directory a previous run wrote. `option` names the flag that chose it."""
+    from toolchain.errors import ToolchainError
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ToolchainError(f"{option} {out} is a file", "give a directory (it is created or replaced)")
+    if out.is_dir() and any(p.name not in texts for p in out.iterdir()):
+        raise ToolchainError(f"{option} {out} holds other files", "give a new directory or one this command wrote")
+    with atomic_dir(out) as tmp:
+        for name, text in texts.items():
+            (tmp / name).write_text(text)
+            if executable and name.endswith(executable):
+                (tmp / name).chmod(0o755)
+    return [out / name for name in texts]
 
 
 @contextlib.contextmanager

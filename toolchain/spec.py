@@ -127,6 +127,12 @@ class ServingSection(_Section):
     engine_threads: int = Field(1, ge=0, le=256)
     """torch threads of the CPU engine inside the server (target cpu); 0 = every core this host gives the
     process. Small models decode fastest on one; 100M+ parameter models gain from more."""
+    launch: Literal["single", "mpirun"] | None = None
+    """How the engine's tp x pp ranks run. `mpirun`: one tritonserver per rank under mpirun, TensorRT-LLM's
+    leader mode (for target cpu the ranks compute together over gloo); `single`: one tritonserver whose CPU
+    engine runs every rank's shard in one process. Unset: mpirun for target trtllm, single for target cpu."""
+    oversubscribe: bool = False
+    """Let mpirun start more CPU ranks than this host has cores (--oversubscribe; target cpu with launch mpirun)."""
 
 
 class SharedPrefixSection(_Section):
@@ -356,6 +362,9 @@ class SpeculativeSection(_Section):
     an EagleForCausalLM checkpoint with one EagleNet per tree level."""
     draft_kv_cache_free_gpu_mem_fraction: float = Field(0.1, gt=0, lt=1)
     """draft_target: share of free GPU memory for the draft's KV cache; with the target's share it must stay below 1."""
+    use_draft_logits: bool = False
+    """draft_target only: build the draft with --gather_generation_logits so the BLS may compare logits, not only
+    tokens (upstream's use_draft_logits; requests still choose with the `use_draft_logits` input)."""
     ngram_size: int = Field(3, ge=1, le=32)
     """ngram: longest suffix of the sequence looked up earlier in it for a draft (prompt lookup's
     max_matching_ngram_size); shorter suffixes are tried down to 1."""
@@ -367,6 +376,16 @@ class SpeculativeSection(_Section):
     """lookahead: verification set size G (Triton lookahead_verification_set_size)."""
     choices: str | None = None
     """medusa/eagle: draft tree as "{0, 0, 0}, {0, 1}" (Triton medusa_choices / eagle_choices); default the backend's."""
+
+    @model_validator(mode="after")
+    def _draft_logits_need_a_draft(self) -> "SpeculativeSection":
+        # Only draft_target's separate draft engine has logits for the BLS to send: the other modes draft
+        # without a model (ngram, lookahead), inside the target engine (medusa, eagle) or without the BLS
+        # (eagle3, mtp), so the flag would build nothing.
+        if self.use_draft_logits and self.mode != "draft_target":
+            raise ValueError(f"use_draft_logits needs mode draft_target (a draft engine's logits), not {self.mode}; "
+                             "remove speculative.use_draft_logits")
+        return self
 
 
 class LlmApiSection(_Section):
@@ -380,6 +399,36 @@ class LlmApiSection(_Section):
     """Port of the OpenAI-compatible server (trtllm-serve on a GPU host; the CPU server for llmapi-cpu); 0 picks a free one."""
     served_model_name: str | None = None
     """The `model` name the OpenAI server answers to; default: the spec's name."""
+
+
+class DynamoSection(_Section):
+    """NVIDIA Dynamo (`toolchain dynamo`): an OpenAI frontend with a router in front of several engine workers."""
+
+    workers: int = Field(2, ge=1, le=64)
+    """Aggregated workers behind the router: replicas of `python3 -m dynamo.trtllm` (target llmapi, each tp x pp
+    GPUs) or CPU-engine processes on this host (target llmapi-cpu)."""
+    router: Literal["kv", "round-robin", "random", "least-loaded"] = "kv"
+    """The frontend's --router-mode: kv sends each request to the worker whose cached KV blocks cover most of its
+    prompt (the workers publish KV-block events; needs build.kv_cache_reuse); the others ignore the caches."""
+    disaggregated: bool = False
+    """Target llmapi: separate prefill and decode workers (dynamo.trtllm --disaggregation-mode prefill|decode,
+    the KV cache sent from one to the other); prefill_workers and decode_workers count them instead of workers."""
+    prefill_workers: int = Field(1, ge=1, le=64)
+    """Prefill workers when disaggregated."""
+    decode_workers: int = Field(1, ge=1, le=64)
+    """Decode workers when disaggregated."""
+    http_port: int = Field(8000, ge=0, le=65535)
+    """Port of the frontend's OpenAI endpoint (Dynamo's default 8000); 0 picks a free one (target llmapi-cpu)."""
+    namespace: str = Field("dynamo", pattern=r"^[a-z0-9][a-z0-9-]*$")
+    """Dynamo namespace the workers register in and the frontend discovers (--namespace; Dynamo's default)."""
+    migration_limit: int = Field(3, ge=0, le=16)
+    """The frontend's --migration-limit: how often a request whose worker died or disconnected moves on to another
+    worker, carrying its tokens so far (0: such a request fails with an error)."""
+    image: str | None = None
+    """Container image of the Kubernetes manifest; default nvcr.io/nvidia/ai-dynamo/tensorrtllm-runtime:<the pinned
+    Dynamo release>."""
+    startup_timeout_s: float = Field(180.0, gt=0)
+    """Seconds `toolchain dynamo` waits for the frontend to list the model with every worker registered (CPU)."""
 
 
 class DeploymentSpec(_Section):
@@ -409,6 +458,8 @@ class DeploymentSpec(_Section):
     """Weight, activation and KV-cache quantization applied by convert."""
     llmapi: LlmApiSection = Field(default_factory=LlmApiSection)
     """The LLM-API path (targets llmapi and llmapi-cpu)."""
+    dynamo: DynamoSection = Field(default_factory=DynamoSection)
+    """NVIDIA Dynamo deployments of the LLM-API path (`toolchain dynamo`)."""
 
     source: Path | None = Field(None, exclude=True)
     """The file this spec was loaded from (set by the loader)."""
@@ -422,6 +473,32 @@ class DeploymentSpec(_Section):
     def on_cpu(self) -> bool:
         """Served by the CPU engine on this host: targets cpu and llmapi-cpu."""
         return self.target in ("cpu", "llmapi-cpu")
+
+    @property
+    def rank_processes(self) -> bool:
+        """Target cpu with serving.launch mpirun: one tritonserver per rank, as on GPUs."""
+        return self.target == "cpu" and self.serving.launch == "mpirun"
+
+    @model_validator(mode="after")
+    def _launch_fits_target(self) -> "DeploymentSpec":
+        if self.llmapi_path and self.speculative.use_draft_logits:
+            raise ValueError(f"speculative.use_draft_logits builds a draft engine for the BLS; target {self.target} "
+                             "has neither (LLM() runs the draft itself): remove it")
+        launch = self.serving.launch
+        if launch is None:
+            return self
+        if self.llmapi_path:
+            raise ValueError(f"serving.launch applies to the engine targets (cpu, trtllm), not {self.target}: "
+                             "LLM() starts its own rank workers; remove serving.launch")
+        if self.target == "trtllm" and launch == "single":
+            raise ValueError("target trtllm always runs its ranks under mpirun (TensorRT-LLM's leader or "
+                             "orchestrator mode); remove serving.launch or set it to mpirun")
+        mode = self.speculative.mode
+        if self.target == "cpu" and launch == "mpirun" and mode in ("draft_target", "medusa", "eagle"):
+            raise ValueError(f"speculative.mode {mode} is not run across CPU rank processes (draft_target needs "
+                             "the orchestrator mode; Medusa/EAGLE trees run in one process): set serving.launch "
+                             "single")
+        return self
 
     def spec_hash(self) -> str:
         """Stable hash of every field (paths as resolved), for manifests."""

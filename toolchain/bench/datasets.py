@@ -75,7 +75,8 @@ class Plan:
         self.prefixes: list[str] = []
         self.users: list[list[str]] = []
         if sp.num_prefixes and self.file_entries is None:
-            factory = PromptFactory(tokenizer, seed=_seed(wl.seed, "prefix"))
+            factory = PromptFactory(tokenizer)
+            factory.rng = random.Random(_seed(wl.seed, "prefix"))  # a str seed, as in sessions()
             self.prefixes = [factory.make(min(sp.prefix_tokens, max_input - 1)).text for _ in range(sp.num_prefixes)]
             user_len = max(1, min(wl.input_tokens, max_input - sp.prefix_tokens - 1))
             self.users = [[factory.make(user_len).text for _ in range(sp.users_per_prefix)]
@@ -139,8 +140,10 @@ class Plan:
             s.system = self.prefixes[p]
             s.turns.append(Turn(text=self.users[p][rng.randrange(len(self.users[p]))]))
             for _ in range(wl.multi_turn.turns - 1):
+                assert factory is not None  # _needs_factory(): later turns are synthetic
                 s.turns.append(Turn(text=factory.make(self._len(isl_mean, rng)).text))
         else:
+            assert factory is not None  # _needs_factory(): no file, no prefixes
             for _ in range(wl.multi_turn.turns):
                 s.turns.append(Turn(text=factory.make(self._len(isl_mean, rng)).text))
         for turn in s.turns:
@@ -149,6 +152,7 @@ class Plan:
             if wl.cancel_fraction and rng.random() < wl.cancel_fraction and turn.max_tokens >= 2:
                 turn.cancel_after = rng.randint(1, turn.max_tokens - 1)
             if self.token_ids and turn.ids is None:
+                assert turn.text is not None  # every turn made above has its text
                 turn.ids = self._encode(turn.text)
         if self.token_ids and s.system:
             s.system_ids = self._encode(s.system + HISTORY_JOIN)
@@ -178,6 +182,7 @@ class Plan:
             ids = list(s.system_ids or [])
             for t, _, reply_ids in history:
                 ids += t.ids + reply_ids
+            assert turn.ids is not None  # _session() encodes every turn when token_ids is set
             ids += turn.ids
             return Prompt(None, None, ids, len(ids))
         if self.chat:
@@ -187,11 +192,11 @@ class Plan:
             msgs += turn.messages or [{"role": "user", "content": turn.text}]
             # ISL as genai-perf counts chat: message contents joined (the chat template is not counted).
             joined = HISTORY_JOIN.join(m["content"] for m in msgs)
-            isl = count_tokens(self.tok, joined) if (s.system or history or turn.messages) else None
-            return Prompt(None, msgs, None, isl if isl is not None else count_tokens(self.tok, turn.text))
+            return Prompt(None, msgs, None, count_tokens(self.tok, joined))
         parts = [s.system] if s.system else []
         for t, reply, _ in history:
             parts += [t.text, reply]
+        assert turn.text is not None  # every turn _session() makes has its text
         parts.append(turn.text)
         text = HISTORY_JOIN.join(parts)
         return Prompt(text, None, None, count_tokens(self.tok, text))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Iterable
+from typing import Final, Iterable
 
 import numpy as np
 
@@ -53,7 +53,7 @@ METRIC_NAMES = {
                "trtllm_serve": None, "aiperf": "inter_chunk_latency (ICL)", "vllm": "itl", "genai_perf": None},
 }
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "p99_9": 99.9}
-PERCENTILE_METHOD = "linear"
+PERCENTILE_METHOD: Final = "linear"
 WINDOW_DEFINITION = "first measured t_send .. last measured t_last_tok"
 
 # SLO thresholds are named <metric>_p<NN>_ms (spec.validation.slo); the metric
@@ -65,30 +65,35 @@ def _ms(delta_ns: int | None) -> float | None:
     return None if delta_ns is None else delta_ns / NS_PER_MS
 
 
+def _span(start_ns: int | None, end_ns: int | None) -> float | None:
+    """end - start in ms; None where either end is missing."""
+    return None if start_ns is None or end_ns is None else (end_ns - start_ns) / NS_PER_MS
+
+
 def request_metrics(rec: RequestRecord) -> dict:
     """Per-request latencies in ms (None where undefined) and the ITL gaps."""
     toks = rec.token_responses()
     osl = rec.osl
     t_send, t_sched = rec.t_send, rec.t_sched
     return {
-        "ttft": _ms(rec.t_first_tok - t_send) if toks and t_send is not None else None,
-        "ttfr": _ms(rec.t_first_resp - t_send) if rec.responses and t_send is not None else None,
-        "e2e": _ms(rec.t_last_tok - t_send) if toks and t_send is not None else None,
-        "e2e_final": _ms(rec.t_final - t_send) if rec.t_final is not None and t_send is not None else None,
-        "tpot": _ms(rec.t_last_tok - rec.t_first_tok) / (osl - toks[0].n_tok)
+        "ttft": _span(t_send, rec.t_first_tok),
+        "ttfr": _span(t_send, rec.t_first_resp),
+        "e2e": _span(t_send, rec.t_last_tok),
+        "e2e_final": _span(t_send, rec.t_final),
+        "tpot": (toks[-1].t_ns - toks[0].t_ns) / NS_PER_MS / (osl - toks[0].n_tok)
         if toks and osl > toks[0].n_tok and len(toks) > 1 else None,
         "ttst": _ms(toks[1].t_ns - toks[0].t_ns) if len(toks) > 1 else None,
         "send_lag": _ms(rec.send_lag_ns),
-        "ttft_sched": _ms(rec.t_first_tok - t_sched) if toks and t_sched is not None else None,
-        "e2e_sched": _ms(rec.t_last_tok - t_sched) if toks and t_sched is not None else None,
+        "ttft_sched": _span(t_sched, rec.t_first_tok),
+        "e2e_sched": _span(t_sched, rec.t_last_tok),
         "osl": osl,
         # (gap ms, tokens in the later response) for each consecutive pair
         "itl": [(_ms(b.t_ns - a.t_ns), b.n_tok) for a, b in zip(toks, toks[1:], strict=False)],
     }
 
 
-def stats(values: Iterable[float]) -> dict:
-    """p50/p90/p95/p99/p99.9 (numpy linear), mean, stdev (population), min, max, n."""
+def stats(values: Iterable[float | None]) -> dict:
+    """p50/p90/p95/p99/p99.9 (numpy linear), mean, stdev (population), min, max, n; None values are skipped."""
     a = np.asarray([v for v in values if v is not None], dtype=float)
     if a.size == 0:
         return {**{k: None for k in PERCENTILES}, "mean": None, "stdev": None, "min": None, "max": None, "n": 0}
@@ -133,9 +138,9 @@ def compute(records: list[RequestRecord], slo=None, *, by_class: bool = True) ->
     per = [request_metrics(r) for r in good]
 
     sends = [r.t_send for r in measured if r.t_send is not None]
-    ends = [r.t_last_tok for r in good]
+    ends = [t for r in good if (t := r.t_last_tok) is not None]  # all of them: good ones have tokens
     start, end = (min(sends), max(ends)) if sends and ends else (None, None)
-    window_s = (end - start) / 1e9 if start is not None and end > start else None
+    window_s = (end - start) / 1e9 if start is not None and end is not None and end > start else None
 
     def rate(count: float) -> float | None:
         return count / window_s if window_s else None
@@ -145,7 +150,8 @@ def compute(records: list[RequestRecord], slo=None, *, by_class: bool = True) ->
     gaps = [g for p in per for g in p["itl"]]
     reasons = Counter(_error_text(r) for r in failed)
     send_span = (max(sends) - min(sends)) / 1e9 if len(sends) > 1 else None
-    both = [r for r in good if r.server_osl is not None and r.client_osl is not None]
+    # (server count, tokenizer count) where a request has both
+    both = [(s, c) for r in good if (s := r.server_osl) is not None and (c := r.client_osl) is not None]
     out = {
         "num_requests": len(good),
         "sent": len(sends),
@@ -179,9 +185,9 @@ def compute(records: list[RequestRecord], slo=None, *, by_class: bool = True) ->
         **_speculation(good),
         "token_count_check": {
             "requests_with_both": len(both),
-            "mismatches": sum(1 for r in both if r.server_osl != r.client_osl),
-            "server_total": sum(r.server_osl for r in both),
-            "client_total": sum(r.client_osl for r in both),
+            "mismatches": sum(1 for s, c in both if s != c),
+            "server_total": sum(s for s, _ in both),
+            "client_total": sum(c for _, c in both),
         },
     }
     classes = sorted({r.cls for r in measured})
@@ -198,15 +204,15 @@ _CLASS_KEYS = ("num_requests", "errors", "cancelled", "requests_per_s", "output_
 def _speculation(good: list[RequestRecord]) -> dict:
     """Draft tokens proposed and accepted, as the server reported them per request (speculative
     deployments only): the acceptance rate over all of them, and its spread over requests."""
-    spec = [r for r in good if r.draft_tokens]
+    # (drafted, accepted) for each request that reported drafts
+    spec = [(d, r.accepted_draft_tokens or 0) for r in good if (d := r.draft_tokens)]
     if not spec:
         return {}
-    drafted = sum(r.draft_tokens for r in spec)
-    accepted = sum(r.accepted_draft_tokens or 0 for r in spec)
+    drafted = sum(d for d, _ in spec)
+    accepted = sum(a for _, a in spec)
     return {"speculation": {"requests": len(spec), "draft_tokens": drafted, "accepted_draft_tokens": accepted,
                             "acceptance_rate": accepted / drafted,
-                            "acceptance_rate_per_request": stats((r.accepted_draft_tokens or 0) / r.draft_tokens
-                                                                 for r in spec)}}
+                            "acceptance_rate_per_request": stats(a / d for d, a in spec)}}
 
 
 def _class_view(m: dict) -> dict:

@@ -165,8 +165,9 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
         try:
             if wl.warmup_requests:
                 first = loads[0] if wl.mode == "concurrency" else 4
-                n = plan.sessions_for(wl.warmup_requests)
-                await runner.closed_loop(plan.sessions("warmup", n), max(1, min(int(first), n)), -1, warm=True)
+                n_warm = plan.sessions_for(wl.warmup_requests)
+                await runner.closed_loop(plan.sessions("warmup", n_warm), max(1, min(int(first), n_warm)), -1,
+                                         warm=True)
                 counter.fill([r for r in runner.records if r.warmup])
             for i, value in enumerate(loads):
                 if runner.aborted:

@@ -39,10 +39,11 @@ class ConfigOnlyCheckpoint(HFCheckpoint):
             row = match.row
             if row.tied_from and params.tie_word_embeddings:
                 continue  # a tied HF checkpoint stores no lm_head; the planner derives it
-            if row.transform is not None or row.shape is None:
-                # Pre-transform shapes cannot be inferred from the table's post-transform ones.
+            # Pre-transform shapes cannot be inferred from the table's post-transform ones.
+            shape = expected_shape(row, params) if row.transform is None else None
+            if shape is None:  # a transformed row, or one without a shape
                 raise ValueError(f"{family.name}: row {row.hf} cannot be planned from config.json alone")
-            tensors[name] = TensorInfo(name, self.config_path, expected_shape(row, params), dtype)
+            tensors[name] = TensorInfo(name, self.config_path, shape, dtype)
         self._tensors = tensors
         self._files = []
         self._weight_map = None

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from toolchain.archs.common import Family, NameTable, Row, Shard, Stage
+from toolchain.archs.common import Family, NameTable, Row, Shard, Stage, trt_name
 from toolchain.archs.llama import FAMILY as LLAMA
 from toolchain.archs.params import ArchParams, normalize_params
 from toolchain.checkpoint import sharding
@@ -125,8 +125,7 @@ def _groups(ckpt: HFCheckpoint, params: ArchParams, where: str) -> tuple[list[Gr
         key = ("qkv", m.layer) if m.row.shard is Shard.QKV else ("one", short)
         group = groups.setdefault(key, Group(sources=()))
         if not group.outputs:
-            name = m.row.trt.replace("{layer}", str(m.layer)) if m.layer is not None else m.row.trt
-            group.outputs.append(Output(m.row, name, 0))
+            group.outputs.append(Output(m.row, trt_name(m.row, m.layer), 0))
         group.sources += (full,)
     for key, group in groups.items():
         if key[0] == "qkv":
@@ -175,7 +174,8 @@ def _sources(draft: EagleDraft, target_lm: str) -> list[tuple[Group, str]]:
     out = [(g, g.outputs[0].name) for g in draft.groups]
     if draft.embedding_from_target:
         row = next(r for r in DRAFTER.rows if r.hf == EMBED)
-        out.append((Group(sources=("target:model.embed_tokens.weight",), outputs=[Output(row, row.trt, 0)]), row.trt))
+        name = trt_name(row, None)
+        out.append((Group(sources=("target:model.embed_tokens.weight",), outputs=[Output(row, name, 0)]), name))
     lm_row = Row(target_lm, "lm_head.weight", Shard.VOCAB, stage=Stage.LAST)
     out.append((Group(sources=(f"target:{target_lm}",), outputs=[Output(lm_row, "lm_head.weight", 0)]), "lm_head"))
     return out

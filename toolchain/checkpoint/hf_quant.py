@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 
 from toolchain import __version__
 from toolchain.archs import load_params
-from toolchain.archs.common import NameTable, Shard, trt_name
+from toolchain.archs.common import Match, NameTable, Shard, trt_name
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.errors import ToolchainError
 from toolchain.quant import awq as awq_q
@@ -228,7 +228,7 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, recipe: Rec
     """name -> tensor of the whole export, and the HF linears kept unquantized by exclude_modules."""
     out: dict[str, torch.Tensor] = {}
     for name in ckpt.names():
-        if table.match(name).row.shard is not Shard.DROP:
+        if _match(table, name, str(ckpt.directory)).row.shard is not Shard.DROP:
             out[name] = ckpt.load(name).to(dtype)
     excluded: list[str] = []
     for layer in range(params.num_hidden_layers):
@@ -260,9 +260,17 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, recipe: Rec
                 # norm(x)·g·p = norm(x)·(g·p): folding the shared vector p into the norm's gain g is exact
                 # up to the model-dtype rounding of g·p, and the backend's fused qkv / gate_up loaders
                 # read no pre_quant_scale (linear.py W4A16_AWQ_LinearMethod).
+                assert prequant is not None  # _quantize_group gives every AWQ linear the group's vector
                 g = ckpt.load(f"{base}.{norm}.weight").float()
                 out[f"{base}.{norm}.weight"] = (g * prequant).to(dtype)
     return out, excluded
+
+
+def _match(table: NameTable, name: str, where: str) -> Match:
+    m = table.match(name)
+    if m is None:
+        raise table.unmatched_error([name], where)
+    return m
 
 
 def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path) -> list[str]:
@@ -386,11 +394,11 @@ def fuse_group(parts: list[dict[str, torch.Tensor]], algo: str, in_f: int, dtype
                  else fp8_q.to_fp8(fp8_q.from_fp8(p["weight"], p["weights_scaling_factor"]), s),
                  "weights_scaling_factor": s.clone(), "activation_scaling_factor": a.clone()} for p in parts]
     pre = [p.get("prequant_scaling_factor") for p in parts]
-    if any(v is None for v in pre) and any(v is not None for v in pre) or \
-            any(v is not None and not torch.equal(v, pre[0]) for v in pre):
+    given = [v for v in pre if v is not None]
+    if given and (len(given) < len(pre) or any(not torch.equal(v, given[0]) for v in given)):
         raise ToolchainError("linears sharing one input carry different pre_quant_scale vectors",
                              "the engine's fused GEMM takes one; re-export the checkpoint")
-    shared = pre[0].to(dtype) if pre[0] is not None else torch.ones(in_f, dtype=dtype)
+    shared = given[0].to(dtype) if given else torch.ones(in_f, dtype=dtype)
     return [{"weight": p["weight"], "weights_scaling_factor": p["weights_scaling_factor"],
              "prequant_scaling_factor": shared.clone()} for p in parts]  # own storage: saved separately
 
@@ -430,12 +438,11 @@ def hf_quantized_to_engine_tensors(directory: Path | str) -> tuple[dict[str, tor
             prefix, _, leaf = name.rpartition(".")
             if (prefix in quantized and leaf == "weight") or leaf in COMPANIONS:  # biases go through the table
                 continue
-            m = table.match(name)
-            if m is None:
-                raise table.unmatched_error([name], str(directory))
+            m = _match(table, name, str(directory))
             if m.row.shard is Shard.DROP:
                 continue
             if m.row.shard is Shard.QKV:
+                assert m.row.part is not None  # Family checks that every QKV row names its part
                 qkv_parts.setdefault(trt_name(m.row, m.layer), {})[m.row.part] = ckpt.load(name)
             else:
                 out[trt_name(m.row, m.layer)] = ckpt.load(name)
@@ -455,7 +462,7 @@ def hf_quantized_to_engine_tensors(directory: Path | str) -> tuple[dict[str, tor
                 out[f"transformer.layers.{layer}.attention.kv_cache_scaling_factor"] = engine_kv_scale(k, v)
             for _slot, members, _norm in GROUPS:
                 prefixes = [f"{base}.{mm}" for mm in members]
-                matches = [table.match(p + ".weight") for p in prefixes]
+                matches = [_match(table, p + ".weight", str(directory)) for p in prefixes]
                 trt = [trt_name(mt.row, mt.layer).removesuffix(".weight") for mt in matches]
                 if not any(p in quantized for p in prefixes):  # kept fp: its tensors went through the table above
                     excluded += sorted(set(trt))

@@ -160,9 +160,10 @@ class HFCheckpoint:
             raise ToolchainError(f"malformed {self.config_path}: {err}") from None
         if not isinstance(self.config, dict):
             raise ToolchainError(f"{self.config_path} must hold a JSON object")
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, int] = {}  # open file descriptors
         self._files: list[Path] | None = None
         self._tensors: dict[str, TensorInfo] | None = None
+        self._weight_map: dict[str, str] | None = None  # the index's name -> shard file, when there is one
 
     @property
     def files(self) -> list[Path]:
@@ -183,7 +184,7 @@ class HFCheckpoint:
                                              f"remove stray safetensors files from {self.directory}")
                     tensors[name] = info
             self._tensors = tensors
-            self._check_index()
+            self._check_index(tensors)
         return self._tensors
 
     def _shard_files(self) -> list[Path]:
@@ -215,11 +216,11 @@ class HFCheckpoint:
                                  "add the model.safetensors weights to the directory")
         return files
 
-    def _check_index(self) -> None:
+    def _check_index(self, tensors: dict[str, TensorInfo]) -> None:
         if self._weight_map is None:
             return
         for name, fname in self._weight_map.items():
-            info = self._tensors.get(name)
+            info = tensors.get(name)
             if info is None or info.file.name != fname:
                 raise ToolchainError(f"{INDEX} puts {name} in {fname} but that file does not hold it",
                                      "the index and the shards come from different downloads")

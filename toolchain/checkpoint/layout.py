@@ -154,6 +154,8 @@ def shard_group(group: Group, tensors: dict[str, torch.Tensor], params: ArchPara
 
 def _stage_of(row: Row, layer: int | None, layer_stage: dict[int, tuple[int, int]], pp: int) -> tuple[int, int | None]:
     if row.placement is Stage.LAYER:
+        if layer is None:  # NameTable gives every per-layer row its layer number
+            raise ValueError(f"per-layer row {row.hf} matched without a layer number")
         return layer_stage[layer]
     return (0 if row.placement is Stage.FIRST else pp - 1), None
 
@@ -206,6 +208,7 @@ def build_groups(family: Family, params: ArchParams, ckpt: HFCheckpoint,
                                  "the checkpoint is incomplete or does not match its config.json")
         _check_shape(name, m.row, present[name].shape, params)
         stage, local = _stage_of(m.row, m.layer, layer_stage, opts.pp)
+        key: tuple  # the group's key in `groups` and `order`
         if m.row.shard is Shard.QKV:
             key = ("qkv", m.row.trt, m.layer)
         else:

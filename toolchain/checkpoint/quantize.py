@@ -170,6 +170,7 @@ class Quantizer:
         out, inp = self.padded_shape(name, shape)
         prefix = name[: -len(".weight")]
         g = self.group_size
+        items: list[tuple[str, tuple[int, ...], torch.dtype]]
         if self.fmt in ("awq", "int4_zero"):
             items = [("weight", (out // 2, inp), I8), ("weights_scaling_factor", (out, inp // g), F32)]
             items.append(("zero", (inp // g, out), self.dtype) if self.fmt == "int4_zero"
@@ -190,22 +191,33 @@ class Quantizer:
     def kv_scale(self, stage: int, local: int, ckpt: HFCheckpoint | None = None) -> torch.Tensor:
         layer = self.global_layer(stage, local)
         if self.recipe.stored:
+            if ckpt is None:
+                raise ValueError("a stored import's KV-cache scales are read from its checkpoint: pass ckpt")
             k, v = (ckpt.read(self.raw[n]) for n in self.kv_sources[layer])
             return engine_kv_scale(k, v)
-        return kv_cache_scale(self.stats[layer].qkv_amax, self.recipe.kv_cache)
+        return kv_cache_scale(self._stats(layer).qkv_amax, self.recipe.kv_cache)
+
+    def _stats(self, layer: int):
+        """The calibration LayerStats of a global layer."""
+        if self.stats is None:  # the converter sets them after calibrating, before writing
+            raise RuntimeError("Quantizer.stats is not set: calibrate before computing quantized tensors")
+        return self.stats[layer]
 
     # -- computing ------------------------------------------------------------------------
 
-    def components(self, module: str, layer: int, weights: list[list[torch.Tensor]],
+    def components(self, module: str, layer: int, weights: list[list[torch.Tensor]] | None,
                    prefixes: list[list[str]], load) -> list[list[Component]]:
-        """Per output (qkv: one with q, k, v; merged fc/gate: two), its full, unsplit components."""
-        if self.fmt == "int4_zero":
-            return [self._imported(p, load) for p in prefixes]
+        """Per output (qkv: one with q, k, v; merged fc/gate: two), its full, unsplit components.
+        `weights` (the fp sources) may be None for imports, which read their stored tensors."""
+        if self.prequantized is not None:  # fmt int4_zero
+            return [self._imported(self.prequantized, p, load) for p in prefixes]
         if self.recipe.stored:
             return self._stored(prefixes, load)
+        if weights is None:
+            raise ValueError(f"quantizing {module} of layer {layer} needs its fp weights")
         flat = [w for ws in weights for w in ws]
         slot = LINEARS[module]
-        st = self.stats[layer].inputs[slot]
+        st = self._stats(layer).inputs[slot]
         g = self.group_size
         if self.fmt == "awq":
             lins, _ = awq_q.quantize_awq(flat, st.absmean, st.cov, g, search=self.recipe.search,
@@ -216,12 +228,12 @@ class Quantizer:
                       Component("prequant_scaling_factor", "in_vec", [lin.prequant_scaling_factor], self.dtype)]
                      for lin in lins]
         elif self.fmt == "sq":
-            lins = sq_q.quantize_sq(flat, st.amax, self.recipe.alpha if self.recipe.search else None)
+            sq_lins = sq_q.quantize_sq(flat, st.amax, self.recipe.alpha if self.recipe.search else None)
             comps = [[Component("weight", "weight", [lin.weight], I8),
                       Component("weights_scaling_factor", "out_vec", [lin.weights_scaling_factor], F32),
                       Component("activation_scaling_factor", "scalar", [lin.activation_scaling_factor], F32),
                       Component("prequant_scaling_factor", "in_vec", [lin.prequant_scaling_factor], self.dtype)]
-                     for lin in lins]
+                     for lin in sq_lins]
         else:
             # q/k/v must share one weight scale (FP8Linear); fc and gate preferably do, and here they do.
             qs, wscale = fp8_q.quantize_fp8_shared(flat)
@@ -246,12 +258,12 @@ class Quantizer:
             at += n
         return out
 
-    def _imported(self, prefixes: list[str], load) -> list[Component]:
+    def _imported(self, pq: Prequantized, prefixes: list[str], load) -> list[Component]:
         """AutoAWQ/GPTQ tensors of one output's sources -> signed int4 + scales + zero, losslessly."""
         ws, ss, zs = [], [], []
         g = self.group_size
         for p in prefixes:
-            if self.prequantized.kind == "awq":
+            if pq.kind == "awq":
                 q, z, s = pre_q.unpack_awq_gemm(load(p + ".qweight"), load(p + ".qzeros"), load(p + ".scales"))
             else:
                 g_idx = load(p + ".g_idx") if p + ".g_idx" in self.raw else None
@@ -261,7 +273,9 @@ class Quantizer:
                 except ValueError as err:
                     raise ToolchainError(f"{p}: {err}", "re-quantize the model with desc_act false") from None
             signed, scales, zero = pre_q.to_signed_with_zero(q, z, s)
-            ws.append(signed), ss.append(scales), zs.append(zero)
+            ws.append(signed)
+            ss.append(scales)
+            zs.append(zero)
         return [Component("weight", "weight", ws, I8), Component("weights_scaling_factor", "out_groups", ss, F32),
                 Component("zero", "out_groups", zs, self.dtype)]
 
@@ -271,6 +285,8 @@ class Quantizer:
         scale (the fused GEMM has one), AWQ's one prequant vector (ones where the exporter folded it
         into the norm). The int4 weight is unpacked because `finish` packs after the split."""
         algo = self.quant_algo
+        if algo is None:  # fmt is None then: no linear is quantized, so none comes here
+            raise ValueError("a stored import without a quant_algo has no quantized linears")
         flat = [p for ps in prefixes for p in ps]
         parts = [stored_linear(load, self.raw.__contains__, p, algo) for p in flat]
         fused = fuse_group(parts, algo, self.raw[flat[0] + ".weight"].shape[1], self.dtype)
@@ -358,7 +374,7 @@ class Quantizer:
                 out.append(g)
         return out
 
-    def plan_group(self, group: Group, fp_shapes: dict[str, tuple[int, ...]]) -> dict[int, list]:
+    def plan_group(self, group: Group, fp_shapes: dict[tuple[int, str], tuple[int, ...]]) -> dict[int, list]:
         """rank -> [(name, shape, dtype)] for a quantized group, from its outputs' fp per-rank shapes."""
         out: dict[int, list] = {}
         for o in group.outputs:
@@ -369,7 +385,7 @@ class Quantizer:
     def write_group(self, group: Group, ckpt: HFCheckpoint) -> dict[int, list[tuple[str, torch.Tensor]]]:
         """rank -> [(name, tensor)] for a quantized group: quantize whole, split each component."""
         o0 = group.outputs[0]
-        _, module, local = linear_of(o0.name)
+        _, module, local = _linear(o0.name)
         layer = self.global_layer(o0.stage, local)
         per_output = [list(group.sources)] if o0.row.shard is Shard.QKV else [[s] for s in group.sources]
         prefixes = [[s[: -len(".weight")] for s in srcs] for srcs in per_output]
@@ -381,11 +397,19 @@ class Quantizer:
         comps = self.components(module, layer, weights, prefixes, lambda n: ckpt.read(self.raw[n]))
         result: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for o, cs in zip(group.outputs, comps, strict=False):
-            prefix, mod, _ = linear_of(o.name)
+            prefix, mod, _ = _linear(o.name)
             for comp in self.pad(mod, cs):
                 for rank, piece in zip(stage_ranks(o.stage, self.tp), self.split(comp, o.row.shard), strict=False):
                     result.setdefault(rank, []).append((f"{prefix}.{comp.suffix}", self.finish(comp, piece)))
         return result
+
+
+def _linear(name: str) -> tuple[str, str, int]:
+    """linear_of for a name that must be a quantized linear (a group the quantizer handles)."""
+    lin = linear_of(name)
+    if lin is None:
+        raise ValueError(f"{name} is not a linear the quantizer handles")
+    return lin
 
 
 def virtualize_prequantized(ckpt: HFCheckpoint, kind: str) -> dict[str, TensorInfo]:
@@ -436,15 +460,16 @@ def virtualize_modelopt(ckpt: HFCheckpoint, table: NameTable, fmt: dict, dtype: 
         if quantized and (lin is None or leaf != "weight"):
             raise ToolchainError(f"{where}: {name} is stored quantized ({info.dtype}) but the engine keeps it "
                                  "unquantized", "re-export the checkpoint with that module in exclude_modules")
-        if lin is not None and leaf == "weight":
+        if m is not None and lin is not None and leaf == "weight":  # (lin implies m)
             if config_only:
                 quantized = algo is not None and not any(fnmatch.fnmatchcase(prefix, p)
                                                          for p in fmt["exclude_modules"])
             elif quantized and info.dtype != storage:
                 raise ToolchainError(f"{where}: {name} is stored as {info.dtype}, which is not quant_algo {algo}",
                                      "the weights and hf_quant_config.json come from different exports")
-            groups.setdefault((m.layer, LINEARS[lin[1]]), {})[prefix] = quantized
-            modules[(m.layer, lin[1])] = lin[0]
+            layer = lin[2]  # the global layer: trt_name was given m.layer
+            groups.setdefault((layer, LINEARS[lin[1]]), {})[prefix] = quantized
+            modules[(layer, lin[1])] = lin[0]
             if quantized and not config_only:
                 if m.row.transform is not None:
                     raise ToolchainError(f"{where}: {name} is stored quantized but its rows need the "
@@ -465,8 +490,9 @@ def virtualize_modelopt(ckpt: HFCheckpoint, table: NameTable, fmt: dict, dtype: 
         # The exporter names them after the k and v projections: <k_proj>.k_scale, <v_proj>.v_scale.
         rows = {r.part: r for r in table.rows if r.shard is Shard.QKV and r.hf.endswith(".weight")}
         for layer in range(table.params.num_hidden_layers):
-            pair = tuple(rows[part].hf.replace("{layer}", str(layer)).removesuffix("weight") + f"{part}_scale"
-                         for part in ("k", "v"))
+            k_scale, v_scale = (rows[part].hf.replace("{layer}", str(layer)).removesuffix("weight") + f"{part}_scale"
+                                for part in ("k", "v"))
+            pair = (k_scale, v_scale)
             for name in pair:
                 if name not in raw and not config_only:
                     raise ToolchainError(f"{where}: declares an FP8 KV cache but has no {name}",
@@ -483,6 +509,7 @@ def _virtual_weight(raw: dict[str, TensorInfo], name: str, info: TensorInfo, alg
     prefix = name.removesuffix(".weight")
     rows, cols = info.shape
     out = rows * 2 if algo == "W4A16_AWQ" else rows
+    wanted: dict[str, tuple[int, ...]]  # leaf -> shape
     if algo == "FP8":
         wanted = {"weight_scale": (), "input_scale": ()}
     else:

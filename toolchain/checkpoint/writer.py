@@ -60,7 +60,7 @@ class RankFileWriter:
                              f"planned {planned.shape} {planned.dtype}")
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         self._fh.seek(self._data_start + self._offsets[name])
-        self._fh.write(memoryview(data))
+        self._fh.write(data.data)  # the array's buffer as a memoryview: no copy
         self._written.add(name)
 
     def close(self) -> None:

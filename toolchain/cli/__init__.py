@@ -29,6 +29,7 @@ COMMANDS = {
     "bench": "bench",
     "deploy": "deploy",
     "eval": "eval",
+    "dynamo": "dynamo",
 }
 
 

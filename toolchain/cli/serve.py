@@ -15,6 +15,7 @@ serve reads it before starting, warns in one line, and the printed lines refer t
 
 from __future__ import annotations
 
+import re
 import shlex
 import signal
 import time
@@ -51,10 +52,13 @@ def _print_trtllm(spec: DeploymentSpec, ws) -> None:
 
 def _print_llmapi(spec: DeploymentSpec, ws, manifests_dir) -> None:
     from toolchain.llmapi import launch
+    from toolchain.triton import exposure
 
     lines = launch.gpu_launch_lines(spec, ws)
     click.echo(f"# OpenAI server (trtllm-serve):\n{lines['trtllm_serve']}")
-    click.echo(f"# Triton (upstream's launcher, from a TensorRT-LLM 1.2.1 checkout):\n{lines['triton']}")
+    how = ("the command upstream's launcher runs, with the bind addresses and the administrative APIs behind "
+           "the key" if exposure.restricted(spec.serving) else "upstream's launcher, from a TensorRT-LLM 1.2.1 checkout")
+    click.echo(f"# Triton ({how}):\n{lines['triton']}")
     if launch.multi_node(spec):
         click.echo(f"# {launch.world_size(spec)} ranks over {launch.node_count(spec)} hosts, under Slurm:")
         click.echo(lines["trtllm_serve_multi_node"])
@@ -82,9 +86,30 @@ def _print_llmapi_cpu(spec: DeploymentSpec, ws, server) -> None:
     click.echo(f"# OpenAI server on the same LLM() arguments:\n{shlex.join(openai_cpu_command(spec, ws))}")
 
 
+def _pid_running(pid: int) -> bool:
+    """`pid` exists and is not a zombie (Linux /proc; False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
+    except (OSError, ValueError):
+        return False
+
+
+def _exit_status(rc: int | None) -> str:
+    if rc is None:
+        return "exit code unknown"
+    return f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+
+
+DEAD_STUB_STOP_S = 3.0
+_ABORT = re.compile(r"terminate called after throwing an instance of '([^']+)'")
+
+
 def _run_until_stopped(server, timeout: float, describe: str,
                        models: str = "ensemble and tensorrt_llm_bls (text), tensorrt_llm (token ids)") -> None:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM ends the server like Ctrl-C
+    stop_timeout: float | None = None  # the server's own bounded shutdown
     try:
         server.start(timeout=timeout)
         click.echo(f"tritonserver ready in {server.started_s:.1f}s ({describe})")
@@ -95,21 +120,39 @@ def _run_until_stopped(server, timeout: float, describe: str,
         click.echo(f"  log      {server.log_path}")
         click.echo("Ctrl-C to stop")
         # tritonserver 2.51 neither restarts a Python-backend stub that died nor stops reporting ready,
-        # and requests in flight on it never end: a dead stub ends the serve, in one line.
+        # and requests in flight on it never end: a dead stub ends the serve, in one line. Stopping the
+        # server closes its connections, which ends every request in flight with an error.
         dead_stubs: Callable[[], list[str]] = getattr(server, "dead_stubs", lambda: [])
-        while server.running:
+        stubs: dict[str, int] = getattr(server, "stub_pids", dict)()
+        while True:
+            # Which stubs are gone, looked at before running's poll() reaps the server: the stubs of a
+            # server that died outlive it briefly, the one whose death took the server down does not.
+            gone = sorted(name for name, pid in stubs.items() if not _pid_running(pid))
+            if not server.running:
+                break
             dead = dead_stubs()
             if dead:
+                # The dead instance never unloads: waiting out tritonserver's exit timeout would only
+                # keep the requests in flight waiting longer.
+                stop_timeout = DEAD_STUB_STOP_S
+                click.echo(f"model instance {', '.join(dead)} died: stopping tritonserver ...")
                 raise StageFailed(f"model instance {', '.join(dead)} died (its Python-backend stub is gone); "
                                   "tritonserver would keep requests on it waiting forever",
                                   f"restart `toolchain serve`; the log: {server.log_path}")
             time.sleep(0.5)
+        rc = server.process.returncode if server.process is not None else None
+        if gone and len(gone) < len(stubs):  # the server went down with (after) a model instance
+            abort = _ABORT.search(server.log_text()) if hasattr(server, "log_text") else None
+            raise StageFailed(f"model instance {', '.join(gone)} died (its Python-backend stub is gone) and "
+                              f"tritonserver exited with it ({_exit_status(rc)}"
+                              f"{': uncaught ' + abort.group(1) if abort else ''})",
+                              f"restart `toolchain serve`; the log: {server.log_path}")
         raise StageFailed(f"tritonserver exited unexpectedly: {server.failure_cause()}", f"full log: {server.log_path}")
     except KeyboardInterrupt:
         click.echo("stopping tritonserver ...")
     finally:
         signal.signal(signal.SIGTERM, previous)
-        rc = server.stop()
+        rc = server.stop(stop_timeout)
     click.echo(f"tritonserver stopped (exit code {rc})")
 
 
@@ -175,6 +218,15 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
         mpirun, binary = find_tools(spec, repo)
         server = TritonLaunch(spec, repo, log, mpirun, binary)
         describe = f"{spec.parallelism.world_size} rank(s) under {mpirun}, {binary}"
+    elif spec.rank_processes:
+        from toolchain.triton.launch import TritonLaunch
+
+        server = TritonLaunch.cpu(spec, repo, log)
+        if print_only:
+            click.echo(server.command().shell())
+            return
+        describe = (f"{spec.parallelism.world_size} CPU rank process(es) under {server.mpirun}, "
+                    f"{server.tritonserver}")
     else:
         from toolchain.triton.server import TritonServer
 

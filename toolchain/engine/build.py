@@ -76,12 +76,16 @@ def _write_cpu_engine(spec: DeploymentSpec, checkpoint_dir: Path, out: Path) -> 
     if spec.speculative.mode == "draft_target":
         from toolchain.checkpoint.convert import convert_checkpoint
 
-        # The draft as upstream deploys it: its own engine at tp 1, same limits, no drafts of its own.
+        # The draft as upstream deploys it: its own engine at tp 1, same limits, no drafts of its own, and
+        # generation logits gathered as trtllm-build --gather_generation_logits records them when the BLS
+        # may send them on (the tensorrt_llm model refuses return_generation_logits otherwise).
         ckpt, engine = out / "draft" / "checkpoint", out / "draft" / "engine"
         ckpt.mkdir(parents=True)
         engine.mkdir()
-        convert_checkpoint(spec.speculative.draft_model, ckpt, tp=1, pp=1, dtype=spec.model.dtype, target="cpu")
-        outputs["draft"] = _cpu_engine_dir(spec, ckpt, engine, {**build_config(spec), "max_draft_len": 0})
+        convert_checkpoint(_draft_model(spec), ckpt, tp=1, pp=1, dtype=spec.model.dtype, target="cpu")
+        draft = {**build_config(spec), "max_draft_len": 0,
+                 "gather_generation_logits": spec.speculative.use_draft_logits}
+        outputs["draft"] = _cpu_engine_dir(spec, ckpt, engine, draft)
         shutil.rmtree(ckpt)  # the engine's rank file is a hard link (or copy) of the weights
     return outputs
 
@@ -165,12 +169,20 @@ def _build_draft(spec: DeploymentSpec, binary: str, out: Path, final: Path) -> d
 
     ckpt = out / "draft" / "checkpoint"
     ckpt.mkdir(parents=True)
-    convert_checkpoint(spec.speculative.draft_model, ckpt, tp=1, pp=1, dtype=spec.model.dtype, target="trtllm")
+    convert_checkpoint(_draft_model(spec), ckpt, tp=1, pp=1, dtype=spec.model.dtype, target="trtllm")
     engine = out / "draft" / "engine"
     engine.mkdir()
     result = _trtllm_build(spec, binary, ckpt, engine, final / "draft" / "engine", draft=True)
     shutil.rmtree(ckpt)  # the engine holds the weights now
     return result
+
+
+def _draft_model(spec: DeploymentSpec) -> Path:
+    draft = spec.speculative.draft_model
+    if draft is None:  # `toolchain plan` checks this, but build may run without it
+        raise ToolchainError("speculative.mode draft_target needs speculative.draft_model",
+                             "set speculative.draft_model to the draft's HF checkpoint directory")
+    return draft
 
 
 def _run_trtllm_build(spec: DeploymentSpec, checkpoint_dir: Path, out: Path, final: Path, binary: str) -> dict:
@@ -215,6 +227,7 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
         if spec.target == "cpu":
             wanted.outputs = _write_cpu_engine(spec, checkpoint_dir, out)
         else:
+            assert binary is not None  # found above: the target is trtllm
             wanted.outputs = _run_trtllm_build(spec, checkpoint_dir, out, final, binary)
         wanted.seconds = round(time.perf_counter() - start, 3)
         wanted.write(out)

@@ -218,6 +218,11 @@ def build_flags(spec, *, draft: bool = False) -> list[tuple[str, object]]:
         flags.append(("--reduce_fusion", "enable"))
     if b.gather_context_logits and not draft:
         flags.append(("--gather_context_logits", True))
+    if draft and sp.use_draft_logits:
+        # The executor returns the draft's generation logits, which the BLS sends on as draft_logits, only
+        # from an engine built with the flag (TensorRT-LLM examples/draft_target_model/README.md). 1.2's
+        # trtllm-build calls it deprecated, but still writes it into build_config, which the runtime reads.
+        flags.append(("--gather_generation_logits", True))
     if sp.mode != "none" and not draft:
         if sp.mode not in SPEC_MODES:  # eagle3, mtp: the spec.mode-runnable check names the target to use
             raise ToolchainError(f"speculative.mode={sp.mode} has no trtllm-build mode (LLM-API path only)",
@@ -360,6 +365,9 @@ def check_engine(spec, engine_dir: Path, *, draft: bool = False) -> list[str]:
         problems.append(f"plugin_config.use_paged_context_fmha {plugin['use_paged_context_fmha']} != {paged}")
     if "tokens_per_block" in plugin and plugin["tokens_per_block"] != b.tokens_per_block:
         problems.append(f"plugin_config.tokens_per_block {plugin['tokens_per_block']} != {b.tokens_per_block}")
+    gather = draft and sp.use_draft_logits
+    if "gather_generation_logits" in bc and bool(bc["gather_generation_logits"]) != gather:
+        problems.append(f"build_config.gather_generation_logits {bc['gather_generation_logits']} != {gather}")
     quant = (pre.get("quantization") or {})
     if not draft and getattr(spec, "quantization", None) is not None:
         q = quant_format(spec)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from toolchain import upstream
 from toolchain.spec import DeploymentSpec
+from toolchain.triton import exposure
 from toolchain.workspace import Workspace
 
 SERVE_CONFIG = "trtllm-serve.yaml"
@@ -119,8 +120,14 @@ def trtllm_serve_command(spec: DeploymentSpec, workspace: Workspace, host: str |
 
 def triton_launch_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
     """Upstream's launcher, one host. World size 1: LLM() inside the one tritonserver spawns the
-    TP/PP workers itself; a launcher world size above 1 would start that many servers."""
+    TP/PP workers itself; a launcher world size above 1 would start that many servers.
+
+    Off loopback the launcher cannot pass the address and restricted-API options (it forwards no
+    tritonserver arguments), so the line is the command it would run for world size 1
+    (`mpirun --allow-run-as-root -n 1 <tritonserver ...>`, get_cmd) with them added."""
     s = spec.serving
+    if exposure.restricted(s):
+        return ["mpirun", "--allow-run-as-root", "-n", "1", *tritonserver_command(spec, workspace)]
     return ["python3", LAUNCHER, f"{launch_flag('--model_repo')}={workspace.model_repo_dir(spec)}",
             f"{launch_flag('--world_size')}=1", f"{launch_flag('--http_port')}={s.http_port}",
             f"{launch_flag('--grpc_port')}={s.grpc_port}", f"{launch_flag('--metrics_port')}={s.metrics_port}"]
@@ -128,12 +135,23 @@ def triton_launch_command(spec: DeploymentSpec, workspace: Workspace) -> list[st
 
 def tritonserver_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
     """The tritonserver argument list upstream's launcher builds for rank 0 (get_cmd): the repository,
-    the ports, no auto-complete (the rendered config is the whole truth), its own shared-memory prefix."""
+    the ports, no auto-complete (the rendered config is the whole truth), its own shared-memory prefix.
+    Off loopback also the bind addresses (metrics on loopback unless asked) and the administrative APIs
+    behind the key, exposure.PLACEHOLDER standing for it until the line is printed."""
     s = spec.serving
     binary = upstream.facts("llmapi")["launch_flags"][launch_flag("--tritonserver")]["default"]
-    return [binary, f"--model-repository={workspace.model_repo_dir(spec)}", f"--grpc-port={s.grpc_port}",
+    argv = [binary, f"--model-repository={workspace.model_repo_dir(spec)}", f"--grpc-port={s.grpc_port}",
             f"--http-port={s.http_port}", f"--metrics-port={s.metrics_port}", "--disable-auto-complete-config",
             _SHM_PREFIX]
+    if exposure.restricted(s):
+        argv += [f"--http-address={s.host}", f"--grpc-address={s.host}",
+                 f"--metrics-address={exposure.metrics_host(s)}", *exposure.restriction_args(exposure.PLACEHOLDER)]
+    return argv
+
+
+def printable(spec: DeploymentSpec, argv: list[str]) -> str:
+    """A command line to print: the admin key (if any) as a shell reference, never the secret."""
+    return shlex.join(argv).replace(exposure.PLACEHOLDER, exposure.shell_reference(spec.serving))
 
 
 def pyxis_image(image: str) -> str:
@@ -186,10 +204,10 @@ def gpu_launch_lines(spec: DeploymentSpec, workspace: Workspace) -> dict[str, st
     """The lines `toolchain serve --print` shows for target llmapi: trtllm-serve and Triton, plus the
     srun forms when the world spans several hosts."""
     lines = {"trtllm_serve": shlex.join(trtllm_serve_command(spec, workspace)),
-             "triton": shlex.join(triton_launch_command(spec, workspace))}
+             "triton": printable(spec, triton_launch_command(spec, workspace))}
     if multi_node(spec):
         lines["trtllm_serve_multi_node"] = shlex.join(multi_node_serve_command(spec, workspace))
-        lines["triton_multi_node"] = shlex.join(multi_node_triton_command(spec, workspace))
+        lines["triton_multi_node"] = printable(spec, multi_node_triton_command(spec, workspace))
     return lines
 
 
@@ -212,4 +230,4 @@ def planned_launch(spec: DeploymentSpec, workspace: Workspace) -> dict:
         line = TritonServer.from_spec(spec, workspace.model_repo_dir(spec)).command_line()
         triton = shlex.split(line) if isinstance(line, str) else line
         serve = openai_cpu_command(spec, workspace)
-    return {"launch_command": shlex.join(triton), "openai_command": shlex.join(serve)}
+    return {"launch_command": printable(spec, triton), "openai_command": shlex.join(serve)}

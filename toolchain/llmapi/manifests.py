@@ -30,6 +30,7 @@ import yaml
 from toolchain.errors import ToolchainError
 from toolchain.llmapi import launch
 from toolchain.spec import DeploymentSpec
+from toolchain.triton import exposure
 from toolchain.workspace import Workspace
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
@@ -82,7 +83,8 @@ def slurm_script(spec: DeploymentSpec, workspace: Workspace, server: str = "trtl
         f"# Serves {what}.",
         "# The model, tokenizer and model_repo paths must be on a filesystem every host mounts.",
         "set -euo pipefail",
-        _wrap(line),
+        # Off loopback the key comes from the job's environment or file, never the script.
+        _wrap(line).replace(exposure.PLACEHOLDER, exposure.shell_reference(spec.serving)),
         "",
     ]
     return "\n".join(out)
@@ -238,17 +240,6 @@ def manifests(spec: DeploymentSpec, workspace: Workspace) -> dict[str, str]:
 
 def write_manifests(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | str) -> list[Path]:
     """Write every manifest into `out_dir` (replaced as a whole, atomically); the paths written."""
-    from toolchain.fsutil import atomic_dir
+    from toolchain.fsutil import write_dir
 
-    texts = manifests(spec, workspace)
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ToolchainError(f"--manifests {out} is a file", "give a directory (it is created or replaced)")
-    if out.is_dir() and any(p.name not in texts for p in out.iterdir()):
-        raise ToolchainError(f"--manifests {out} holds other files", "give a new directory or one this command wrote")
-    with atomic_dir(out) as tmp:
-        for name, text in texts.items():
-            (tmp / name).write_text(text)
-            if name.endswith(".sbatch"):
-                (tmp / name).chmod(0o755)
-    return [out / name for name in texts]
+    return write_dir(out_dir, manifests(spec, workspace), option="--manifests", executable=(".sbatch",))

@@ -31,8 +31,10 @@ class OpenAIServer(procgroup.GroupServer):
         # Either a built engine (engine path) or MODEL + --config, as trtllm-serve takes them (LLM-API path).
         if model is not None:
             self.source = [str(Path(model).resolve())] + (["--config", str(Path(config).resolve())] if config else [])
-        else:
+        elif engine_dir is not None and tokenizer_dir is not None:
             self.source = ["--engine-dir", str(Path(engine_dir).resolve()), "--tokenizer", str(Path(tokenizer_dir).resolve())]
+        else:
+            raise ValueError("OpenAIServer needs engine_dir and tokenizer_dir, or model")
         self.served_model_name = served_model_name
         self.host, self.port = host, port
         self.log_path = Path(log_path) if log_path else None

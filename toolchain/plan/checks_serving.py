@@ -191,6 +191,27 @@ def _multi_node(ctx: Context):
     return PASS, f"{world} rank(s) on {nodes} host(s)"
 
 
+@check("launch.cpu-ranks", ("serve",),
+       "serving.launch mpirun on CPU: one tritonserver per rank under mpirun needs mpirun and a slot (core) per rank "
+       "(Open MPI 5 defaults its slots to the host's cores)")
+def _cpu_ranks(ctx: Context):
+    from toolchain.errors import ToolchainError
+    from toolchain.triton.launch import cpu_mpirun, physical_cores
+
+    spec = ctx.spec
+    if not spec.rank_processes:
+        return SKIP, "ranks run in one process (serving.launch single)" if spec.target == "cpu" else "not target cpu"
+    try:
+        mpirun = cpu_mpirun()
+    except ToolchainError as err:
+        return FAIL, f"{err.message}; {err.hint}"
+    world, cores = spec.parallelism.world_size, physical_cores()
+    if world > cores and not spec.serving.oversubscribe:
+        return FAIL, (f"{world} ranks but {cores} core(s), mpirun's slots here: lower tp x pp or set "
+                      "serving.oversubscribe: true")
+    return PASS, f"{world} rank process(es) under {mpirun} on {cores} core(s)"
+
+
 def _tritonserver(ctx: Context) -> Path | None:
     explicit = ctx.spec.serving.tritonserver
     found = str(explicit) if explicit else (shutil.which("tritonserver") or DEFAULT_TRITONSERVER)

@@ -166,6 +166,21 @@ def logits_bytes(p: ArchParams, *, tp: int, max_batch_size: int, beam: int, max_
     return total
 
 
+# Steps of generation logits the executor keeps on the GPU before copying them to the request's
+# host buffer (TensorRT-LLM cpp/include/tensorrt_llm/batch_manager/runtimeBuffers.h,
+# GenerationLogitsCache::kCACHE_LENGTH).
+GENERATION_LOGITS_STEPS = 8
+
+
+def generation_logits_bytes(p: ArchParams, *, tp: int, max_batch_size: int, beam: int) -> int:
+    """fp32 buffers an engine built with --gather_generation_logits adds on its last stage:
+    8 x (max_batch_size + 1) x beam x padded vocab x 4 bytes, the step cache [8, batch x beam, V]
+    and its transpose [beam, 8, V] (runtimeBuffers.cpp, RuntimeBuffers::create); each request's
+    [beam, max_new_tokens, V] copy sits in pinned host memory, not on the GPU."""
+    per_row = padded_vocab(p, tp) // tp * 4
+    return GENERATION_LOGITS_STEPS * (max_batch_size + 1) * beam * per_row
+
+
 def sequence_tokens(max_seq_len: int, draft_len: int, tokens_per_block: int, window: int | None = None) -> int:
     """KV tokens one full-length sequence occupies: paged allocation rounds up to
     whole blocks, speculative decoding adds the draft as head-room (tensorrt_llm/builder.py

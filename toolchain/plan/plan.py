@@ -112,6 +112,11 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
     kv_bytes = kv_dtype_bytes(kv_name)
     gpu = device.kind == "gpu"
     device_bytes = device.memory_bytes if gpu else device.memory_bytes // (tp * pp)  # the CPU engine shares RAM
+    cap = spec.serving.max_tokens_in_paged_kv_cache
+    if cap is None and not gpu:  # the CPU engine's own default (engine/cpu/kv_cache.py)
+        from toolchain.engine.cpu.kv_cache import cpu_default_max_tokens
+
+        cap = cpu_default_max_tokens(lim.max_batch_size, lim.max_seq_len)
     fraction = spec.serving.kv_cache_free_gpu_mem_fraction
     spec_mode = spec.speculative.mode
     draft_len = spec.speculative.max_draft_len if spec_mode != "none" else 0
@@ -128,6 +133,8 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
         draft_bytes = mem.rank_weights(dp, tp=1, pp_rank=0, pp=1, quant=QuantFormat(), dt_bytes=ddt).total
         draft_bytes += mem.activation_bytes(dp, tp=1, max_num_tokens=lim.max_num_tokens,
                                             max_input_len=lim.max_input_len, context_fmha=build.context_fmha)
+        if spec.speculative.use_draft_logits:  # the draft engine gathers generation logits for the BLS
+            draft_bytes += mem.generation_logits_bytes(dp, tp=1, max_batch_size=lim.max_batch_size, beam=1)
         draft_kv = mem.kv_bytes_per_token(dp, tp=1, stage_layer_count=dp.num_hidden_layers, kv_bytes=ddt)
 
     heads = heads_rank_bytes(spec, p, dt)
@@ -151,8 +158,7 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
         free = device_bytes - weights - act - workspace - on_gpu
         kv_tok = mem.kv_bytes_per_token(p, tp=tp, stage_layer_count=len(layers), kv_bytes=kv_bytes)
         pool = int(fraction * free) if free > 0 else 0
-        capacity = mem.kv_pool_tokens(free, fraction, kv_tok, build.tokens_per_block,
-                                      spec.serving.max_tokens_in_paged_kv_cache)
+        capacity = mem.kv_pool_tokens(free, fraction, kv_tok, build.tokens_per_block, cap)
         ranks.append(RankPlan(rank, tp_rank, pp_rank, (layers.start, layers.stop - 1), weights, stored, kv_tok, act,
                               workspace, on_gpu, device_bytes, free, pool, capacity))
 

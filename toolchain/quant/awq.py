@@ -92,6 +92,8 @@ def search_scales(weights: list[torch.Tensor], x_absmean: torch.Tensor, cov: tor
             loss = float(output_error(dq - w, cov))
             if best is None or loss < best.loss:
                 best = AwqSearch(s, alpha, duo, loss, rtn)
+    if best is None:
+        raise ValueError(f"n_grid must be >= 0, got {n_grid}")
     return best
 
 
@@ -140,7 +142,7 @@ def quantize_awq(weights: list[torch.Tensor], x_absmean: torch.Tensor, cov: torc
         ws = w.float() * s[None, :]
         amax = search_clip(ws, cov_s, group_size) if clip else None
         q, scales = quantize_per_group(ws, group_size, bits=4, amax=amax)
-        if rounding == "gptq":
+        if u is not None:  # rounding == "gptq"
             q = gptq_round(ws, scales, u, group_size, order=order)
         out.append(AwqLinear(q, scales, 1.0 / s))
     return out, found

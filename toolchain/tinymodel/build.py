@@ -47,7 +47,7 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, steps: int | None = None, 
 
     corpus = load_corpus(max_files=recipe.max_files)
     log(corpus.describe())
-    tok, train_stream, held_stream = prepare_data(corpus, recipe, log, tokenizer)
+    tok, train_stream, held_stream = prepare_data(corpus, recipe.vocab_size, log, tokenizer)
     model = init_model(make_config(recipe, tok.get_vocab_size(), *(tok.token_to_id(t) for t in (BOS, EOS, PAD))),
                        seed)
     log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
@@ -111,11 +111,12 @@ def load_tokenizer(model_dir: Path):
     return tok
 
 
-def prepare_data(corpus: Corpus, recipe: Recipe, log: Callable[[str], None], tokenizer=None):
+def prepare_data(corpus: Corpus, vocab_size: int, log: Callable[[str], None], tokenizer=None):
+    """Tokenized training and held-out streams; the tokenizer is trained to `vocab_size` unless given."""
     started = time.perf_counter()
     train_texts = [read_text(p) for p in corpus.train]
     held_texts = [read_text(p) for p in corpus.heldout]
-    tok = tokenizer if tokenizer is not None else train_tokenizer(train_texts, recipe.vocab_size)
+    tok = tokenizer if tokenizer is not None else train_tokenizer(train_texts, vocab_size)
     train_stream = torch.tensor(encode_documents(tok, train_texts), dtype=torch.long)
     held_stream = torch.tensor(encode_documents(tok, held_texts), dtype=torch.long)
     log(f"tokenizer: {tok.get_vocab_size()} tokens; {len(train_stream):,} training and {len(held_stream):,} "

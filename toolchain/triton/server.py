@@ -10,6 +10,7 @@ first error line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -26,6 +27,7 @@ from toolchain.netutil import free_port, port_in_use  # noqa: F401  (free_port i
 from toolchain.triton import exposure, procgroup
 from toolchain.triton.runtime import ServerBinary, backend_dir, resolve_binary, server_env
 
+STUB_GRACE_S = 3.0  # a stub gone during start-up: how long the server may take to report it itself
 _PORT_FIELDS = {"http": "serving.http_port", "grpc": "serving.grpc_port", "metrics": "serving.metrics_port"}
 
 
@@ -34,7 +36,28 @@ def _port_error(kind: str, host: str, port: int) -> ToolchainError:
                           f"stop whatever listens there or pass --set {_PORT_FIELDS[kind]}=<free port> (0 picks one)")
 
 
-class TritonServer(procgroup.GroupServer):
+class Endpoints:
+    """The URL accessors of a server whose `urls` maps http, grpc and metrics to its addresses."""
+
+    @property
+    def urls(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    @property
+    def http_url(self) -> str:
+        return self.urls["http"]
+
+    @property
+    def grpc_url(self) -> str:
+        """host:port, as tritonclient.grpc.InferenceServerClient takes it."""
+        return self.urls["grpc"]
+
+    @property
+    def metrics_url(self) -> str:
+        return self.urls["metrics"]
+
+
+class TritonServer(procgroup.GroupServer, Endpoints):
     """One tritonserver process serving `repo_dir`. Use as a context manager or
     call `start()` / `stop()`."""
 
@@ -83,18 +106,6 @@ class TritonServer(procgroup.GroupServer):
                 "grpc": f"{self._url_host('grpc')}:{self.ports['grpc']}",
                 "metrics": f"http://{self._url_host('metrics')}:{self.ports['metrics']}/metrics"}
 
-    @property
-    def http_url(self) -> str:
-        return self.urls["http"]
-
-    @property
-    def grpc_url(self) -> str:
-        """host:port, as tritonclient.grpc.InferenceServerClient takes it."""
-        return self.urls["grpc"]
-
-    @property
-    def metrics_url(self) -> str:
-        return self.urls["metrics"]
 
     @property
     def ready(self) -> bool:
@@ -106,7 +117,7 @@ class TritonServer(procgroup.GroupServer):
 
     def stub_pids(self) -> dict[str, int]:
         """Model instance name (e.g. tensorrt_llm_0_0) -> pid of its live triton_python_backend_stub."""
-        return python_stubs(self.process.pid) if self.running else {}
+        return python_stubs(self.process.pid) if self.process is not None and self.running else {}
 
     def dead_stubs(self) -> list[str]:
         """Instances whose stub, alive when the server became ready, is gone (killed, crashed)."""
@@ -194,7 +205,33 @@ class TritonServer(procgroup.GroupServer):
             return StageFailed(f"tritonserver not ready after {timeout:.0f} s" + (f": {cause}" if cause else ""),
                                f"raise serving.startup_timeout_s or read {self.log_path}")
 
-        procgroup.wait_ready(self.process, lambda: is_ready(url), timeout, exited, timed_out, poll_s=0.1)
+        process = self.process
+        if process is None:
+            raise RuntimeError("start() spawns the process first")
+        seen: dict[str, int] = {}
+        gone_since: list[float] = []
+
+        def ready() -> bool:
+            # A stub killed while its model loads leaves tritonserver waiting out the whole timeout; a
+            # model whose initialize() failed ends its stub too, but then the server exits within a
+            # moment and its own message is the better one, so a vanished stub gets a short grace.
+            alive = python_stubs(process.pid)
+            for name, pid in alive.items():
+                seen.setdefault(name, pid)
+            gone = sorted(name for name, pid in seen.items() if alive.get(name) != pid)
+            if gone and not gone_since:
+                gone_since.append(time.monotonic())
+            if gone and time.monotonic() - gone_since[0] > STUB_GRACE_S and process.poll() is None:
+                # A model that failed to load takes the others' stubs down while the server still
+                # unloads them: its log line is then the cause.
+                cause = self.failure_cause(default="")
+                raise StageFailed(f"model instance {', '.join(gone)} died during start-up (its Python-backend stub "
+                                  "is gone)" + (f": {cause}" if cause else
+                                                "; tritonserver would wait for it until the timeout"),
+                                  f"full log: {self.log_path}")
+            return is_ready(url)
+
+        procgroup.wait_ready(process, ready, timeout, exited, timed_out, poll_s=0.1)
 
     def log_text(self) -> str:
         try:
@@ -207,6 +244,16 @@ class TritonServer(procgroup.GroupServer):
 
     def stop_wait_s(self) -> float:
         return self.exit_timeout_s + 5  # tritonserver's own exit timeout, then a margin
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """Stop the process group, then remove the /dev/shm regions left under this server's own prefix:
+        tritonserver unlinks a stub's region when its model unloads, which a model whose stub died never
+        does, and a server killed or aborted unloads nothing."""
+        rc = super().stop(timeout)
+        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            with contextlib.suppress(OSError):
+                region.unlink()
+        return rc
 
 
 def python_stubs(server_pid: int) -> dict[str, int]:
@@ -253,7 +300,8 @@ _PROTO_ERROR = re.compile(r"Error parsing text-format inference\.ModelConfig: (?
 _SOCKET_IN_USE = re.compile(
     r"failed to start (?P<kind>HTTP|GRPC|Metrics) service: .*Socket '[^']*:(?P<port>\d+)' already in use", re.I)
 # Logged as errors on every CPU-only start; never the cause of a failure.
-_HARMLESS = ("CudaDriverHelper has not been initialized", "Failed to initialize NVML", "DCGM")
+_HARMLESS = ("CudaDriverHelper has not been initialized", "Failed to initialize NVML", "DCGM",
+             "CUDA driver version is insufficient")
 
 
 def _first_line(msg: str) -> str:

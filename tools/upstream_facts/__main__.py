@@ -7,6 +7,7 @@ Sources (the checkouts are never committed):
            the C++ backend and templates are read at tag v0.19.0, the container at r26.04
   trtllm   NVIDIA/TensorRT-LLM at the 1.2 line: a directory holding the files each fact
            module names (the repository is too large to clone whole), with @COMMIT
+  dynamo_wheel, dynamo   NVIDIA Dynamo 1.6.1 (see dynamo.py)
 
 Each module in this package with an `extract(sources)` function writes one fact file.
 Modules marked CURATED hold hand-read entries (each with path, line and a `quote`
@@ -27,6 +28,9 @@ from pathlib import Path
 from tools.upstream_facts.source import Source
 
 REPOSITORIES = {"backend": "triton-inference-server/tensorrtllm_backend", "trtllm": "NVIDIA/TensorRT-LLM"}
+# NVIDIA Dynamo: the installed 1.6.1 wheels (site-packages@1.6.1) and files of the GitHub repository gathered
+# one by one (DIR@main with .commits.json).
+REPOSITORIES.update({"dynamo_wheel": "pypi:ai-dynamo", "dynamo": "ai-dynamo/dynamo"})
 FACTS_DIR = Path(__file__).resolve().parents[2] / "toolchain" / "upstream" / "facts"
 
 

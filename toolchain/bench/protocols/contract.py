@@ -72,6 +72,13 @@ def detect(model: str, url: str, meta: dict, config: dict, *, streaming: bool) -
     return Contract(model, kind, inputs, outputs, decoupled, batched=int(config.get("max_batch_size", 0) or 0) > 0)
 
 
+def prepared(c: Contract | None) -> Contract:
+    """The contract a transport's prepare() detected; requests cannot be built before it ran."""
+    if c is None:
+        raise RuntimeError("the transport's prepare() has not run: the model's tensor contract is unknown")
+    return c
+
+
 def request_tensors(c: Contract, *, text: str | None, ids: list[int] | None, max_tokens: int, streaming: bool,
                     ignore_eos: bool, exclude_input: bool | None,
                     num_draft_tokens: int = 0) -> list[tuple[str, str, np.ndarray]]:
@@ -84,7 +91,7 @@ def request_tensors(c: Contract, *, text: str | None, ids: list[int] | None, max
 
     out = []
     if c.kind == LLMAPI:
-        out += [("text_input", "BYTES", np.array([[text.encode("utf-8")]], np.object_)),
+        out += [("text_input", "BYTES", _text_input(c, text)),
                 ("sampling_param_max_tokens", "INT32", i32(max_tokens))]
         if "streaming" in c.inputs:
             out.append(("streaming", "BOOL", flag(streaming)))
@@ -94,6 +101,8 @@ def request_tensors(c: Contract, *, text: str | None, ids: list[int] | None, max
         if num_draft_tokens and "sampling_param_return_perf_metrics" in c.inputs:
             out.append(("sampling_param_return_perf_metrics", "BOOL", flag(True)))
     elif c.kind == TOKEN_IDS:
+        if ids is None:  # Plan(token_ids=transport.token_ids) makes them
+            raise ValueError(f"model '{c.model}' takes the prompt as token ids, and it came as text")
         out += [("input_ids", "INT32", np.asarray([ids], np.int32)), ("input_lengths", "INT32", i32(len(ids))),
                 ("request_output_len", "INT32", i32(max_tokens))]
         if "streaming" in c.inputs:
@@ -102,7 +111,7 @@ def request_tensors(c: Contract, *, text: str | None, ids: list[int] | None, max
         if "exclude_input_in_output" in c.inputs:
             out.append(("exclude_input_in_output", "BOOL", flag(True)))
     else:
-        out += [("text_input", "BYTES", np.array([[text.encode("utf-8")]], np.object_)),
+        out += [("text_input", "BYTES", _text_input(c, text)),
                 ("max_tokens", "INT32", i32(max_tokens))]
         if "stream" in c.inputs:
             out.append(("stream", "BOOL", flag(streaming)))
@@ -123,6 +132,12 @@ def request_tensors(c: Contract, *, text: str | None, ids: list[int] | None, max
     if not c.batched:  # max_batch_size 0: the declared dims are the whole shape
         out = [(n, d, a.reshape(a.shape[1:])) for n, d, a in out]
     return out
+
+
+def _text_input(c: Contract, text: str | None) -> np.ndarray:
+    if text is None:  # Plan(token_ids=transport.token_ids) makes a text prompt for a text contract
+        raise ValueError(f"model '{c.model}' takes the prompt as text, and it came as token ids")
+    return np.array([[text.encode("utf-8")]], np.object_)
 
 
 DRAFT_OUTPUTS = ("total_draft_tokens", "total_accepted_draft_tokens")

@@ -43,7 +43,8 @@ class _Connection:
 
 class Http1Response:
     def __init__(self, pool: "Http1Pool", conn: _Connection, status: int, headers: dict[str, str], version: str):
-        self._pool, self._conn = pool, conn
+        self._pool = pool
+        self._conn: _Connection | None = conn  # None once closed
         self.status, self.headers = status, headers
         encoding = headers.get("transfer-encoding", "").lower()
         self._chunked = "chunked" in encoding
@@ -56,6 +57,8 @@ class Http1Response:
 
     async def _pieces(self) -> AsyncIterator[bytes]:
         """The body as it arrives: chunk payloads, or reads of a Content-Length / until-close body."""
+        if self._conn is None:
+            raise Http1Error("response body read after the response was closed")
         r = self._conn.reader
         if self._chunked:
             while True:

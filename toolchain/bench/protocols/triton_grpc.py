@@ -31,8 +31,8 @@ import time
 import numpy as np
 
 from toolchain.bench.protocols import Reply, Stream, short
-from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, LLMAPI, TOKEN_IDS, Contract, record_drafts, detect, ready_or_raise, request_tensors,
-                                                requested_outputs)
+from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, LLMAPI, TOKEN_IDS, Contract, detect, prepared,
+                                                ready_or_raise, record_drafts, request_tensors, requested_outputs)
 from toolchain.errors import ToolchainError
 
 _STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -74,7 +74,7 @@ class TritonGrpc:
         return self.contract is not None and self.contract.kind == TOKEN_IDS
 
     def describe(self) -> dict:
-        c = self.contract
+        c = prepared(self.contract)
         return {"protocol": "triton-grpc", "url": self.url, "model": self.model, "contract": c.kind,
                 "decoupled": c.decoupled, "server_token_counts": c.server_counts,
                 "outputs_requested": requested_outputs(c)}
@@ -109,8 +109,7 @@ class TritonGrpc:
 
     @property
     def inputs_sent(self) -> list[str]:
-        c = self.contract
-        probe = request_tensors(c, text="x", ids=[1], max_tokens=2, streaming=self.streaming,
+        probe = request_tensors(prepared(self.contract), text="x", ids=[1], max_tokens=2, streaming=self.streaming,
                                 ignore_eos=self.ignore_eos, exclude_input=self.exclude_input,
                                 num_draft_tokens=self.num_draft_tokens)
         return [name for name, _, _ in probe]
@@ -124,13 +123,13 @@ class TritonGrpc:
         self._parse = service_pb2.ModelStreamInferResponse.FromString
         self._eof = grpc.aio.EOF
         # Large messages: long prompts as token ids; no keepalive pings to disturb timing.
-        self._channel = grpc.aio.insecure_channel(self.url, options=[
+        self._channel = channel = grpc.aio.insecure_channel(self.url, options=[
             ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
         # No (de)serializers: build() hands over bytes, and responses are parsed after they are stamped.
-        self._stream = self._channel.stream_stream(_STREAM_METHOD)
+        self._stream = channel.stream_stream(_STREAM_METHOD)
         self._idle = []  # streams with nothing in flight, the most recently used last
         self._outputs = [service_pb2.ModelInferRequest.InferRequestedOutputTensor(name=n)
-                         for n in requested_outputs(self.contract, speculative=bool(self.num_draft_tokens))]
+                         for n in requested_outputs(prepared(self.contract), speculative=bool(self.num_draft_tokens))]
 
     async def close(self) -> None:
         for call in self._idle:
@@ -142,7 +141,7 @@ class TritonGrpc:
 
     def build(self, rec, prompt, turn, priority: int) -> bytes:
         pb = self._pb
-        tensors = request_tensors(self.contract, text=prompt.text, ids=prompt.ids, max_tokens=turn.max_tokens,
+        tensors = request_tensors(prepared(self.contract), text=prompt.text, ids=prompt.ids, max_tokens=turn.max_tokens,
                                   streaming=self.streaming, ignore_eos=self.ignore_eos,
                                   exclude_input=self.exclude_input, num_draft_tokens=self.num_draft_tokens)
         req = pb.ModelInferRequest(model_name=self.model, id=rec.request_id, outputs=self._outputs)
@@ -165,9 +164,10 @@ class TritonGrpc:
     async def run(self, rec, prompt, turn, priority: int = 0, request=None) -> Reply:
         req = request if request is not None else self.build(rec, prompt, turn, priority)
         st = Stream(rec, turn.cancel_after, self.keep_text)
-        token_ids = self.contract.kind == TOKEN_IDS
+        c = prepared(self.contract)
+        token_ids = c.kind == TOKEN_IDS
         parse, eof = self._parse, self._eof
-        if self.contract.server_counts:
+        if c.server_counts:
             rec.token_source = "server"
         call, reused = self._take()
         free = False  # True once the final response arrived: the stream can take the next request
@@ -212,7 +212,7 @@ class TritonGrpc:
                 self._idle.append(call)
             else:
                 call.cancel()
-        if self.contract.server_counts and rec.error is None:
+        if c.server_counts and rec.error is None:
             rec.server_osl = st.tokens if token_ids else st.cumulative
         return st.reply()
     def _handle(self, st: Stream, t: int, resp, token_ids: bool) -> bool:
@@ -227,7 +227,7 @@ class TritonGrpc:
             ids = ids[ids >= 0]  # beams are padded with -1
             return st.counted(t, int(ids.size), ids=ids.tolist())
         text = _strings(raw["text_output"]) if "text_output" in raw else None
-        if text is not None and self.contract.kind == LLMAPI:
+        if text is not None and prepared(self.contract).kind == LLMAPI:
             text = st.new_text(text)
         record_drafts(st.rec, {n: np.frombuffer(raw[n], np.int32)[0] for n in DRAFT_OUTPUTS if n in raw})
         if "num_output_tokens" in raw:

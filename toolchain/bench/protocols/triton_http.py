@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from toolchain.bench.protocols import Reply, Stream, short
-from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, TOKEN_IDS, Contract, detect, ready_or_raise,
-                                                record_drafts, request_tensors)
+from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, TOKEN_IDS, Contract, detect, prepared,
+                                                ready_or_raise, record_drafts, request_tensors)
 from toolchain.bench.protocols.sse import HttpClient, error_text, get_json, normalize_http_url
 from toolchain.errors import ToolchainError
 
@@ -39,7 +39,7 @@ class TritonHttp(HttpClient):
         return self.contract is not None and self.contract.kind == TOKEN_IDS
 
     def describe(self) -> dict:
-        c = self.contract
+        c = prepared(self.contract)
         return {"protocol": "triton-http", "url": self.url, "model": self.model, "contract": c.kind,
                 "decoupled": c.decoupled, "server_token_counts": c.server_counts, "endpoint": self._endpoint}
 
@@ -66,9 +66,9 @@ class TritonHttp(HttpClient):
         return list(self._body(None, "x", [1], 2, 0))
 
     def _body(self, rec, text, ids, max_tokens: int, priority: int) -> dict:
-        tensors = request_tensors(self.contract, text=text, ids=ids, max_tokens=max_tokens, streaming=self.streaming,
-                                  ignore_eos=self.ignore_eos, exclude_input=self.exclude_input,
-                                num_draft_tokens=self.num_draft_tokens)
+        tensors = request_tensors(prepared(self.contract), text=text, ids=ids, max_tokens=max_tokens,
+                                  streaming=self.streaming, ignore_eos=self.ignore_eos,
+                                  exclude_input=self.exclude_input, num_draft_tokens=self.num_draft_tokens)
         body = {}
         for name, dtype, arr in tensors:
             if dtype == "BYTES":
@@ -89,8 +89,9 @@ class TritonHttp(HttpClient):
     async def run(self, rec, prompt, turn, priority: int = 0, request=None) -> Reply:
         data = request if request is not None else self.build(rec, prompt, turn, priority)
         st = Stream(rec, turn.cancel_after, self.keep_text)
-        token_ids = self.contract.kind == TOKEN_IDS
-        if self.contract.server_counts:
+        c = prepared(self.contract)
+        token_ids = c.kind == TOKEN_IDS
+        if c.server_counts:
             rec.token_source = "server"
         path = f"/v2/models/{self.model}/{self._endpoint}"
         rec.t_send = time.perf_counter_ns()
@@ -118,7 +119,7 @@ class TritonHttp(HttpClient):
             raise
         except Exception as err:
             rec.error = f"HTTP {short(err)}"
-        if self.contract.server_counts and rec.error is None:
+        if c.server_counts and rec.error is None:
             rec.server_osl = st.tokens if token_ids else st.cumulative
         return st.reply()
 

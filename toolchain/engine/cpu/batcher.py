@@ -98,7 +98,8 @@ class _Request:
     draft: list[int] = field(default_factory=list)
     draft_logits: object = None
     draft_threshold: float | None = None
-    seq: Sequence | None = None
+    logits: list | None = None  # return_generation_logits: the engine extends it with each step's rows
+    sequence: Sequence | None = None  # the engine's, from _enqueue on: every queued or running request has one
     counted: bool = True  # still counted against max_queue_size (until first admitted or dropped)
     paused: bool = False  # back in the queue after a pause (max_utilization)
     speculation: tuple[int, int] = (0, 0)  # (drafted, accepted) already added to the batcher's totals
@@ -107,6 +108,13 @@ class _Request:
     @property
     def rank(self) -> tuple[float, int]:
         return (-self.priority, self.order)
+
+    @property
+    def seq(self) -> Sequence:
+        """The sequence of a queued or running request."""
+        if self.sequence is None:
+            raise RuntimeError(f"request {self.request_id!r} has no sequence: it was never enqueued")
+        return self.sequence
 
 
 @dataclass
@@ -170,10 +178,12 @@ class InflightBatcher:
     def submit(self, request_id, prompt_ids: list[int], params: SamplingParams, callback: Callback, *,
                priority: float = DEFAULT_PRIORITY, stats: RequestStats | None = None,
                draft_tokens: list[int] | None = None, draft_logits=None,
-               draft_acceptance_threshold: float | None = None) -> None:
+               draft_acceptance_threshold: float | None = None, generation_logits: list | None = None) -> None:
         """Queue a request; `callback(new_tokens, finished, error)` runs on the batcher thread.
         `draft_tokens` (draft_input_ids) are verified with the end of its context, by token
-        equality or, with `draft_logits`, by TensorRT-LLM's probability rule.
+        equality or, with `draft_logits`, by TensorRT-LLM's probability rule. `generation_logits`
+        (return_generation_logits), a list the caller owns, receives the logits rows [n, V] of
+        each step's n new tokens before the callback hears of them; None keeps none.
 
         Raises QueueFull when max_queue_size requests already wait (the executor's
         refusal), ValueError for a priority outside [0, 1]."""
@@ -189,7 +199,8 @@ class InflightBatcher:
             self._waiting_count += 1
             self._arrivals.append(_Request(request_id, prompt_ids, params, callback, float(priority),
                                            next(self._order), stats or RequestStats(), list(draft_tokens or ()),
-                                           draft_logits=draft_logits, draft_threshold=draft_acceptance_threshold))
+                                           draft_logits=draft_logits, draft_threshold=draft_acceptance_threshold,
+                                           logits=generation_logits))
             self._cv.notify()
 
     def cancel(self, request_id) -> None:
@@ -238,7 +249,7 @@ class InflightBatcher:
                 self._waiting_count -= 1
 
     def _finish(self, req: _Request, reason: str, error: str | None = None, notify: bool = True) -> None:
-        seq = req.seq
+        seq = req.sequence
         if seq is not None:
             if not seq.finished:
                 seq.finish(reason)
@@ -277,8 +288,8 @@ class InflightBatcher:
                 for req in list(self._running):
                     self._finish(req, "error", f"internal engine error: {type(err).__name__}: {err}")
         for req in pending:
-            if req.seq is not None:
-                self.engine.release(req.seq)
+            if req.sequence is not None:
+                self.engine.release(req.sequence)
             self._deliver(req, [], True, "the engine is shutting down")
 
     def _enqueue(self, arrived: list[_Request]) -> None:
@@ -294,7 +305,8 @@ class InflightBatcher:
                 self._dequeued(req)
                 self._deliver(req, [], True, problem)
                 continue
-            req.seq = self.engine.start(req.prompt, req.params, req.draft, req.draft_logits, req.draft_threshold)
+            req.sequence = self.engine.start(req.prompt, req.params, req.draft, req.draft_logits, req.draft_threshold)
+            req.sequence.generation_logits = req.logits
             req.stats.total_draft_tokens = len(req.draft)
             bisect.insort(self._queue, req, key=lambda r: r.rank)
 
@@ -320,7 +332,8 @@ class InflightBatcher:
     def _make_room(self) -> set:
         """max_utilization: every running request gets the block its next step needs; returns
         the ids paused for it."""
-        engine, paused = self.engine, set()
+        engine = self.engine
+        paused: set = set()  # request ids
         while True:
             need = sum(1 for r in self._running if not r.seq.in_context and engine.needs_block(r.seq, 1))
             if need <= engine.kv.free_blocks or not self._running:

@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from toolchain.engine.cpu.config import BuildLimits, ModelDims, read_engine_config
-from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager
+from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager, cpu_default_max_tokens
 from toolchain.engine.cpu.model import Chunk, Model
 from toolchain.engine.cpu.sampling import Sampler, SamplingParams
-from toolchain.engine.cpu.weights import load_stages
+from toolchain.engine.cpu.ranks import Comm, LeaderModel, num_blocks
+from toolchain.engine.cpu.weights import load_own_stage, load_stages
 from toolchain.errors import ToolchainError
 
 
@@ -40,6 +41,9 @@ class Sequence:
         self.accepted_draft = 0
         self.drafted = len(self.draft)  # draft tokens offered for verification (total_draft_tokens)
         self.tree: list[int] = []  # Medusa: the draft tree's tokens for the next step, in the tree's node order
+        # return_generation_logits: a list the caller owns, extended each step with the logits rows
+        # [n, V] its n emitted tokens were chosen from; None (the default) keeps nothing.
+        self.generation_logits: list[torch.Tensor] | None = None
         self.table = BlockTable()
         self.sampler = Sampler(params)
         self.output: list[int] = []
@@ -119,11 +123,14 @@ class Sequence:
         At the first rejection the target samples from max(p - q, 0), renormalised, written back as
         logits log(c / (1 - c)) the way the kernel does. Not lossless, as upstream's rule is not."""
         emitted = []
+        draft_probs = self.draft_probs
+        if draft_probs is None:
+            raise RuntimeError("verification by draft logits without the draft's logits")
         for i, row in enumerate(logits):
             if i == len(draft):
                 emitted += self.accept(row)
                 break
-            p, q = torch.softmax(row.float(), -1), self.draft_probs[i]
+            p, q = torch.softmax(row.float(), -1), draft_probs[i]
             t = (self.acceptance_threshold if self.acceptance_threshold is not None
                  else torch.rand(p.shape, generator=self.sampler.generator))
             if not bool((p < t * q).any()):
@@ -138,6 +145,14 @@ class Sequence:
             emitted += self.accept(torch.log(c / (1 - c)))
             break
         return emitted
+
+
+def _emitted_rows(rows: torch.Tensor, path: list[int], tree: bool, n: int) -> torch.Tensor:
+    """The logits rows the `n` emitted tokens of a step were chosen from: the first n (plain and
+    draft verification emit position by position), or the root and the accepted tree nodes. The
+    forward's own logits, not the draft-corrected ones a rejection samples from."""
+    index = [0, *path][:n] if tree else list(range(n))
+    return rows[index].float()  # advanced indexing copies: the step's logits tensor is not kept alive
 
 
 class MedusaTree:
@@ -207,8 +222,8 @@ class MedusaTree:
 
 
 class CpuEngine:
-    def __init__(self, config: dict, dims: ModelDims, limits: BuildLimits, model: Model, kv: KvCacheManager,
-                 medusa_choices: list[list[int]] | None = None):
+    def __init__(self, config: dict, dims: ModelDims, limits: BuildLimits, model: Model | LeaderModel,
+                 kv: KvCacheManager, medusa_choices: list[list[int]] | None = None):
         self.config = config
         self.dims = dims
         self.limits = limits
@@ -229,14 +244,17 @@ class CpuEngine:
 
     @classmethod
     def load(cls, engine_dir: Path | str, *, num_threads: int | None = None,
-             kv_cache: KvCacheConfig | None = None, medusa_choices: list[list[int]] | None = None) -> "CpuEngine":
+             kv_cache: KvCacheConfig | None = None, medusa_choices: list[list[int]] | None = None,
+             comm: Comm | None = None) -> "CpuEngine":
         """Load and validate an engine directory.
 
         `num_threads` sets torch's intra-op threads for the whole process (None
         leaves them, 0 takes every core the host gives the process). `kv_cache`
         sizes the block pool; by default its block size is the engine's
         tokens_per_block and its budget 90% of the memory available once the
-        weights are loaded.
+        weights are loaded, capped (when kv_cache.max_tokens is unset) at
+        CPU_POOL_BATCHES full batches of max_seq_len (kv_cache.py says why). With `comm` this process is rank 0 of rank processes
+        (ranks.py): it loads its own shard and leads the others through each step.
         """
         if num_threads == 0:  # every core the host lets this process use
             num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -244,14 +262,30 @@ class CpuEngine:
             torch.set_num_threads(num_threads)
         engine_dir = Path(engine_dir)
         config, dims, limits = read_engine_config(engine_dir)
-        model = Model(dims, load_stages(engine_dir, dims))
+        if comm is not None and dims.medusa_heads:
+            raise ToolchainError("Medusa heads are not run across rank processes",
+                                 "serve this engine in one process (serving.launch: single)")
+        model = Model(dims, load_own_stage(engine_dir, dims, comm.rank) if comm else load_stages(engine_dir, dims),
+                      comm)
         kv_cache = kv_cache or KvCacheConfig()
+        if kv_cache.max_tokens is None:
+            kv_cache = dataclasses.replace(kv_cache, max_tokens=cpu_default_max_tokens(limits.max_batch_size,
+                                                                                       limits.max_seq_len))
         if kv_cache.tokens_per_block is None:
             kv_cache = dataclasses.replace(kv_cache, tokens_per_block=limits.tokens_per_block)
         elif kv_cache.tokens_per_block != limits.tokens_per_block:
             raise ToolchainError(f"tokens_per_block {kv_cache.tokens_per_block} differs from the engine's "
                                  f"{limits.tokens_per_block}", "the block size is fixed when the engine is built")
-        return cls(config, dims, limits, model, KvCacheManager.create(dims, kv_cache), medusa_choices)
+        kv = KvCacheManager.create(dims, kv_cache)
+        if comm is None:
+            return cls(config, dims, limits, model, kv, medusa_choices)
+        num_blocks(comm, kv)
+        return cls(config, dims, limits, LeaderModel(model, comm, kv), kv, medusa_choices)
+
+    def close(self) -> None:
+        """Release the rank processes this engine leads, if any (they leave their step loop)."""
+        if isinstance(self.model, LeaderModel):
+            self.model.close()
 
     @property
     def vocab_size(self) -> int:
@@ -265,7 +299,7 @@ class CpuEngine:
         if len(ids) == 0:
             return "empty prompt: at least one input token is required"
         for t in ids:  # numpy / torch integer scalars are fine; bools and floats are not
-            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= int(t) < self.vocab_size:
                 return f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})"
         return None
 
@@ -357,37 +391,41 @@ class CpuEngine:
         retry any subset."""
         with self.lock:
             chunks, drafts = [], []
+            medusa = self.medusa
             for seq, n in batch:
                 start = seq.table.length
                 last = n == seq.pending
                 draft = seq.riders(n)
-                tree = bool(draft) and self.medusa is not None and not seq.in_context
+                tree = medusa.parents if draft and medusa is not None and not seq.in_context else None
                 self.kv.reserve(seq.table, start + n + len(draft))
                 chunks.append(Chunk(seq.table, seq.tokens[start:start + n] + draft,
-                                    logits=n + len(draft) if tree else 1 + len(draft) if last else 0,
-                                    parents=[-1, *self.medusa.parents] if tree else None,
-                                    want_hidden=self.medusa is not None and last))
+                                    logits=n + len(draft) if tree is not None else 1 + len(draft) if last else 0,
+                                    parents=[-1, *tree] if tree is not None else None,
+                                    want_hidden=medusa is not None and last))
                 drafts.append(draft)
             with torch.no_grad():
                 logits = self.model.forward(chunks, self.kv)
             emitted = []
             for (seq, n), rows, draft, chunk in zip(batch, logits, drafts, chunks, strict=False):
                 length = seq.table.length + n
-                path = []
+                path: list[int] = []
+                tokens: list[int] = []
                 try:
                     if rows is None:
                         tokens = []
-                    elif chunk.parents is not None:
-                        tokens, path = self.medusa.verify(seq, rows)
+                    elif chunk.parents is not None and medusa is not None:
+                        tokens, path = medusa.verify(seq, rows)
                     elif draft:
                         tokens = seq.verify(rows, draft)
                         seq.draft = []
                     else:
                         tokens = seq.accept(rows[0])
-                    if self.medusa is not None and rows is not None and not seq.finished:
+                    if seq.generation_logits is not None and tokens and rows is not None:
+                        seq.generation_logits.append(_emitted_rows(rows, path, chunk.parents is not None, len(tokens)))
+                    if medusa is not None and rows is not None and not seq.finished and chunk.hidden is not None:
                         with torch.no_grad():
                             hidden = chunk.hidden[path[-1] if path else 0 if chunk.parents is not None else -1]
-                            seq.tree = self.medusa.propose(self.model.medusa_logits(hidden[None]))
+                            seq.tree = medusa.propose(self.model.medusa_logits(hidden[None]))
                 except Exception as err:  # one request's sampling failure must not cost the others their step
                     seq.finish("error")
                     seq.error = f"sampling failed: {err}"
@@ -434,6 +472,9 @@ class CpuEngine:
             self.kv.add_sequence(table, ids, reuse=False)
             try:
                 with torch.no_grad():
-                    return self.model.forward([Chunk(table, ids, logits=len(ids))], self.kv)[0]
+                    logits = self.model.forward([Chunk(table, ids, logits=len(ids))], self.kv)[0]
+                if logits is None:
+                    raise RuntimeError("the forward pass returned no logits")
+                return logits
             finally:
                 self.kv.release(table)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -74,9 +75,21 @@ class KvCacheConfig:
         return None
 
 
+# An unset max_tokens_in_paged_kv_cache on the CPU engine: room for this many full batches of max_seq_len.
+# On a GPU the executor allocates its fraction of free memory up front; here the pool's memory is
+# committed as blocks are first used, and with block reuse every new prompt takes a never-used block
+# before a cached one is evicted, so an uncapped pool (a fraction of all host memory) would grow the
+# server's RSS with every distinct prompt until it held most of the host.
+CPU_POOL_BATCHES = 2
+
+
+def cpu_default_max_tokens(max_batch_size: int, max_seq_len: int) -> int:
+    return CPU_POOL_BATCHES * max_batch_size * max_seq_len
+
+
 def kv_bytes_per_token(d: ModelDims) -> int:
     """Bytes one token's keys and values take over all layers and TP ranks of this engine."""
-    kind = KV_KINDS.get(d.kv_cache_quant_algo)
+    kind = KV_KINDS.get(d.kv_cache_quant_algo or "")
     width = 1 if kind else 4  # the CPU engine keeps an unquantized cache in float32
     return 2 * d.num_layers * d.tp * d.kv_heads_per_rank * d.head_size * width
 
@@ -99,16 +112,16 @@ class _Block:
     def __init__(self, index: int):
         self.index = index
         self.refs = 0
-        self.key = None  # reuse hash while the block's contents are registered
+        self.key: int | None = None  # reuse hash while the block's contents are registered
         self.used = False  # has ever held data (TRT-LLM counts "new" blocks by this)
-        self.parent = None  # while registered: the hash of everything before the block
+        self.parent: int | None = None  # while registered: the hash of everything before the block
         self.tokens: tuple = ()  # while registered: the tokens it holds (fewer than a block if partial)
 
 
 class BlockTable:
     """One request's blocks, the tokens written through them, and its allocation counts."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.blocks: list[int] = []
         self.keys: list[int] = []  # reuse hash of each full block, in order
         self.length = 0  # tokens whose K/V are in the cache
@@ -118,13 +131,23 @@ class BlockTable:
         self.alloc_new = 0
 
 
+class BlockEvents(Protocol):
+    """Told when a block becomes matchable by its hash (stored) and when it stops being so (removed), as
+    TensorRT-LLM's KV cache event manager reports them; a Dynamo worker relays them to the KV router
+    (toolchain/dynamo/kv_events.py). Called on the batcher thread, inside the step."""
+
+    def stored(self, key: int, parent: int, tokens: tuple) -> None: ...
+
+    def removed(self, key: int, tokens: tuple) -> None: ...
+
+
 class KvCacheManager:
     def __init__(self, d: ModelDims, num_blocks: int, tokens_per_block: int, enable_block_reuse: bool):
         self.d = d
         self.tokens_per_block = tokens_per_block
         self.num_blocks = num_blocks
         self.enable_block_reuse = enable_block_reuse
-        self.kind = KV_KINDS.get(d.kv_cache_quant_algo)
+        self.kind = KV_KINDS.get(d.kv_cache_quant_algo or "")
         dtype = storage_dtype(self.kind) if self.kind else torch.float32
         shape = (d.num_layers, d.tp, num_blocks * tokens_per_block, d.kv_heads_per_rank, d.head_size)
         self.k = torch.empty(shape, dtype=dtype)
@@ -136,17 +159,21 @@ class KvCacheManager:
         self._by_key: dict[int, int] = {}  # reuse hash -> block index
         self._children: dict[int, dict[int, None]] = {}  # parent hash -> registered blocks after it (partial reuse)
         self.reused_total = 0  # blocks matched by prefix since start (the `reused` gauge)
+        # KV-block events: None unless a listener is attached, so a plain engine pays one attribute test per
+        # registration and nothing else.
+        self.events: BlockEvents | None = None
+        self.copy_log: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
     def create(cls, d: ModelDims, config: KvCacheConfig, *, free_bytes: int | None = None) -> "KvCacheManager":
-        problem = config.problem() or (None if config.tokens_per_block is not None else
+        tpb = config.tokens_per_block
+        problem = config.problem() or (None if tpb is not None else
                                        "tokens_per_block is not set (CpuEngine.load takes the engine's)")
-        if problem:
+        if problem or tpb is None:
             raise ToolchainError(f"KV cache: {problem}")
         free = available_memory_bytes() if free_bytes is None else free_bytes
-        tokens = kv_pool_tokens(free, config.free_memory_fraction, kv_bytes_per_token(d), config.tokens_per_block,
-                                config.max_tokens)
-        return cls(d, tokens // config.tokens_per_block, config.tokens_per_block, config.enable_block_reuse)
+        tokens = kv_pool_tokens(free, config.free_memory_fraction, kv_bytes_per_token(d), tpb, config.max_tokens)
+        return cls(d, tokens // tpb, tpb, config.enable_block_reuse)
 
     # -- pool state -------------------------------------------------------------
 
@@ -257,10 +284,12 @@ class KvCacheManager:
         """The first `n` token slots of block `src` into block `dst`."""
         if src != dst:
             tpb = self.tokens_per_block
-            self._copy_pool(torch.arange(src * tpb, src * tpb + n), torch.arange(dst * tpb, dst * tpb + n))
+            self.copy_pool(torch.arange(src * tpb, src * tpb + n), torch.arange(dst * tpb, dst * tpb + n))
 
-    def _copy_pool(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def copy_pool(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """K/V at pool slots `src` into slots `dst`, every layer and rank at once."""
+        if self.copy_log is not None:  # rank processes (ranks.py): the other ranks' pools copy the same
+            self.copy_log.append((src, dst))
         for pool in (self.k, self.v):
             # float8 has no CPU indexing kernels; its bytes move the same.
             raw = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
@@ -295,11 +324,16 @@ class KvCacheManager:
         block.key, block.parent, block.tokens = key, parent, tokens
         self._by_key[key] = block.index
         self._children.setdefault(parent, {})[block.index] = None
+        if self.events is not None:
+            self.events.stored(key, parent, tokens)
 
     def _unregister(self, block: _Block) -> None:
-        self._by_key.pop(block.key, None)
-        siblings = self._children.get(block.parent)
-        if siblings is not None:
+        if self.events is not None and block.key is not None:
+            self.events.removed(block.key, block.tokens)
+        if block.key is not None:
+            self._by_key.pop(block.key, None)
+        siblings = self._children.get(block.parent) if block.parent is not None else None
+        if siblings is not None and block.parent is not None:
             siblings.pop(block.index, None)
             if not siblings:
                 del self._children[block.parent]
@@ -373,4 +407,4 @@ class KvCacheManager:
         tpb = self.tokens_per_block
         blocks = torch.tensor(table.blocks, dtype=torch.int64)
         src, dst = torch.as_tensor(list(src), dtype=torch.int64), torch.as_tensor(list(dst), dtype=torch.int64)
-        self._copy_pool(blocks[src // tpb] * tpb + src % tpb, blocks[dst // tpb] * tpb + dst % tpb)
+        self.copy_pool(blocks[src // tpb] * tpb + src % tpb, blocks[dst // tpb] * tpb + dst % tpb)

@@ -4,7 +4,9 @@ Pipeline stages run in order; within a stage every TP rank's shard computes
 its part one after another in this process: column-parallel pieces (q/k/v
 heads, MLP columns, lm_head vocab rows) stay per rank, row-parallel outputs
 (attention dense, MLP proj) are summed across ranks as the all-reduce would
-sum them, and their bias is added once afterwards.
+sum them, and their bias is added once afterwards. With `comm` (ranks.py) this
+process holds one rank's shard only, and the sums, gathers and the hand-over
+between stages go to the other rank processes instead.
 
 One forward call runs a batch of `Chunk`s: each is a run of new tokens for one
 request (a prompt or a piece of it when in context, one token when decoding).
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from toolchain.engine.cpu.config import ModelDims
 from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheManager
+from toolchain.engine.cpu.ranks import Comm
 from toolchain.engine.cpu.rope import Rotary, apply_rotary
 from toolchain.engine.cpu.weights import RankShard
 from toolchain.quant.kv_cache import dequantize_kv, quantize_kv
@@ -127,9 +130,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Model:
-    def __init__(self, d: ModelDims, stages: list[list[RankShard]]):
+    def __init__(self, d: ModelDims, stages: list[list[RankShard]], comm: Comm | None = None):
+        """`stages[p]`: the shards of pipeline stage p this process holds, TP ranks in order; empty for
+        a stage other rank processes hold (with `comm`)."""
         self.d = d
         self.stages = stages
+        self.comm = comm
         self.rotary = Rotary(d.head_size, d.rotary_base, d.rotary_scaling)
         self.scale = d.head_size ** -0.5
         # Global index of each stage's first layer: caches are indexed globally.
@@ -145,7 +151,12 @@ class Model:
         """Run the chunks; per chunk the logits of its last `logits` positions [logits, V], or None
         for 0. Writes their K/V into `kv` but leaves every table's length as it
         was: the caller commits after sampling, so a failed step can be retried."""
-        rows, decode, context, write, positions, first = [], [], [], [], [], 0
+        rows: list[tuple[int, int]] = []
+        decode: list[tuple] = []
+        context: list[tuple] = []
+        write: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        first = 0
         for c in chunks:
             past, n = c.table.length, len(c.tokens)
             if n == 0 or len(c.table.blocks) * kv.tokens_per_block < past + n:
@@ -162,31 +173,57 @@ class Model:
             rows.append((first, first + n))
             first += n
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
-        positions = torch.cat(positions)
         batch = _Batch(torch.cat(write), [_Group(g) for g in (decode, context) if g], kv)
-        cos, sin = self.rotary.tables(positions)
+        cos, sin = self.rotary.tables(torch.cat(positions))
 
-        x = self._embed(self.stages[0], ids)
+        x: torch.Tensor | None = None
         for pp_rank, shards in enumerate(self.stages):
+            if not shards:
+                continue
+            if pp_rank == 0:
+                x = self._embed(shards, ids)
+            elif x is None:  # this rank process starts at a later stage
+                x = self._comm.recv_hidden(len(ids), self.d.hidden_size)
             for local in range(len(shards[0].layers)):
                 layer = self.layer_offset[pp_rank] + local
                 x = self._attention_block(shards, local, layer, x, batch, cos, sin)
                 x = self._mlp_block(shards, local, x)
+            if pp_rank + 1 < len(self.stages) and not self.stages[pp_rank + 1]:
+                self._comm.send_hidden(x)
 
-        wanted = []
+        wanted: list[int] = []
         for c, (s, e) in zip(chunks, rows, strict=False):
             wanted.extend(range(e - min(c.logits, e - s), e))
         last = self.stages[-1]
-        h = rms_norm(x[wanted], last[0].final_norm, self.d.norm_epsilon) if wanted else None
-        logits = self._lm_head(last, h) if wanted else None
-        out, at = [], 0
+        h = logits = None
+        if wanted and last and x is not None:
+            h = rms_norm(x[wanted], last[0].part("final_norm"), self.d.norm_epsilon)
+            logits = self._lm_head(last, h)
+        if self.comm is not None:
+            logits = self.comm.logits_to_leader(logits, len(wanted), self.d.vocab_size)
+        if logits is None:  # no logits wanted, or a rank process that ends before the last stage
+            return [None] * len(chunks)
+        out: list[torch.Tensor | None] = []
+        at = 0
         for c, (s, e) in zip(chunks, rows, strict=False):
             n = min(c.logits, e - s)
             out.append(logits[at:at + n] if n else None)
             if c.want_hidden:
-                c.hidden = h[at:at + n] if n else None
+                c.hidden = h[at:at + n] if n and h is not None else None
             at += n
         return out
+
+    @property
+    def _comm(self) -> Comm:
+        if self.comm is None:
+            raise RuntimeError("a pipeline stage is missing from this process and no rank group holds it")
+        return self.comm
+
+    def _tp_sum(self, total: torch.Tensor) -> torch.Tensor:
+        return total if self.comm is None else self.comm.tp_sum(total)
+
+    def _tp_cat(self, part: torch.Tensor) -> torch.Tensor:
+        return part if self.comm is None else self.comm.tp_cat(part)
 
     def medusa_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Each Medusa head's logits [heads, rows, V] from final-normed hidden states [rows, H]:
@@ -197,30 +234,30 @@ class Model:
         for i in range(self.d.medusa_heads):
             x = h
             for layer in range(self.d.medusa_layers):
-                x = x + F.silu(torch.cat([s.medusa[i][0][layer](x) for s in shards], dim=-1))
-            out.append(torch.cat([s.medusa[i][1](x) for s in shards], dim=-1)[:, : self.d.vocab_size])
+                x = x + F.silu(torch.cat([s.part("medusa")[i][0][layer](x) for s in shards], dim=-1))
+            out.append(torch.cat([s.part("medusa")[i][1](x) for s in shards], dim=-1)[:, : self.d.vocab_size])
         return torch.stack(out)
 
     def _embed(self, shards: list[RankShard], ids: torch.Tensor) -> torch.Tensor:
         d = self.d
         if not d.use_parallel_embedding:
-            return shards[0].embedding[ids]  # full copy on each rank (replicas checked at load)
+            return shards[0].part("embedding")[ids]  # full copy on each rank (replicas checked at load)
         if d.embedding_sharding_dim == 1:
             # Hidden dim split: each rank looks up its columns; the all-gather concatenates them.
-            return torch.cat([s.embedding[ids] for s in shards], dim=-1)
+            return self._tp_cat(torch.cat([s.part("embedding")[ids] for s in shards], dim=-1))
         # Vocab dim split: each rank answers for its rows, zeros elsewhere; the all-reduce sums.
         rows = d.padded_vocab // d.tp
-        out = None
-        for s in shards:
+        out = torch.zeros(0)
+        for i, s in enumerate(shards):
             local = ids - s.tp_rank * rows
             mine = (local >= 0) & (local < rows)
-            part = s.embedding[local.clamp(0, rows - 1)] * mine.unsqueeze(-1)
-            out = part if out is None else out + part
-        return out
+            part = s.part("embedding")[local.clamp(0, rows - 1)] * mine.unsqueeze(-1)
+            out = part if i == 0 else out + part
+        return self._tp_sum(out)
 
     def _lm_head(self, shards: list[RankShard], h: torch.Tensor) -> torch.Tensor:
         # Column-parallel over the padded vocab: concatenate the slices, drop the padding.
-        return torch.cat([s.lm_head(h) for s in shards], dim=-1)[:, : self.d.vocab_size]
+        return self._tp_cat(torch.cat([s.part("lm_head")(h) for s in shards], dim=-1))[:, : self.d.vocab_size]
 
     # -- one decoder layer ------------------------------------------------------
 
@@ -228,8 +265,8 @@ class Model:
         d = self.d
         h = rms_norm(x, shards[0].layers[local].input_norm, d.norm_epsilon)
         nq, nkv, hd = d.heads_per_rank, d.kv_heads_per_rank, d.head_size
-        total = None
-        for s in shards:
+        total = torch.zeros(0)
+        for i, s in enumerate(shards):
             w = s.layers[local]
             qkv = w.qkv(h)
             q = qkv[:, : nq * hd].view(-1, nq, hd)
@@ -240,7 +277,8 @@ class Model:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             attn = self._attend(q, k, v, batch, layer, s.tp_rank)
             part = w.dense(attn, add_bias=False)
-            total = part if total is None else total + part
+            total = part if i == 0 else total + part
+        total = self._tp_sum(total)
         bias = shards[0].layers[local].dense.bias
         return x + (total + bias if bias is not None else total)
 
@@ -248,7 +286,7 @@ class Model:
         kv = batch.kv
         k_pool, v_pool = kv.k[layer, tp_rank], kv.v[layer, tp_rank]
         scale = self.kv_scales[(layer, tp_rank)] if kv.kind else None
-        if scale is not None:
+        if scale is not None and kv.kind is not None:
             k, v = quantize_kv(k, scale, kv.kind), quantize_kv(v, scale, kv.kind)
         _bytes(k_pool).index_copy_(0, batch.write, _bytes(k))
         _bytes(v_pool).index_copy_(0, batch.write, _bytes(v))
@@ -270,10 +308,11 @@ class Model:
 
     def _mlp_block(self, shards, local, x) -> torch.Tensor:
         h = rms_norm(x, shards[0].layers[local].post_norm, self.d.norm_epsilon)
-        total = None
-        for s in shards:
+        total = torch.zeros(0)
+        for i, s in enumerate(shards):
             w = s.layers[local]
             part = w.proj(F.silu(w.fc(h)) * w.gate(h), add_bias=False)
-            total = part if total is None else total + part
+            total = part if i == 0 else total + part
+        total = self._tp_sum(total)
         bias = shards[0].layers[local].proj.bias
         return x + (total + bias if bias is not None else total)

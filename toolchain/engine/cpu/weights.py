@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -58,6 +59,13 @@ class RankShard:
     lm_head: Linear | None = None           # last stage only: rows [Vp/T), padded vocab slice
     medusa: list[tuple[list[Linear], Linear]] | None = None
     """MedusaForCausalLM, last stage: per head its residual layers (column slices) and lm_head slice."""
+
+    def part(self, name: str) -> Any:
+        """A piece only some stages hold (embedding, final_norm, lm_head, medusa); an error elsewhere."""
+        value = getattr(self, name)
+        if value is None:
+            raise RuntimeError(f"rank {self.rank} (pipeline stage {self.pp_rank}) holds no {name}")
+        return value
 
 
 def _layer(i: int) -> str:
@@ -250,6 +258,13 @@ def load_stages(engine_dir: Path, d: ModelDims) -> list[list[RankShard]]:
     return stages
 
 
+def load_own_stage(engine_dir: Path, d: ModelDims, rank: int) -> list[list[RankShard]]:
+    """One rank process's view (ranks.py): its own shard in its stage, every other stage empty."""
+    stages: list[list[RankShard]] = [[] for _ in range(d.pp)]
+    stages[rank // d.tp] = [load_rank(engine_dir, d, rank)]
+    return stages
+
+
 def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
     """Tensors every TP rank holds in full must be identical across the ranks of a stage.
 
@@ -260,18 +275,19 @@ def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
     for shards in stages:
         first = shards[0]
         for other in shards[1:]:
-            pairs = [(FINAL_NORM, first.final_norm, other.final_norm)]
+            pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = [
+                (FINAL_NORM, first.final_norm, other.final_norm)]
             if not d.use_parallel_embedding:  # sharded embeddings differ by design
                 pairs.append((EMBEDDING, first.embedding, other.embedding))
-            for i, (a, b) in enumerate(zip(first.layers, other.layers, strict=False)):
+            for i, (la, lb) in enumerate(zip(first.layers, other.layers, strict=False)):
                 p = _layer(i)
-                pairs += [(f"{p}.input_layernorm.weight", a.input_norm, b.input_norm),
-                          (f"{p}.post_layernorm.weight", a.post_norm, b.post_norm),
-                          (f"{p}.attention.q_layernorm.weight", a.q_norm, b.q_norm),
-                          (f"{p}.attention.k_layernorm.weight", a.k_norm, b.k_norm),
-                          (f"{p}.attention.kv_cache_scaling_factor", a.kv_scale, b.kv_scale),
-                          (f"{p}.attention.dense.bias", a.dense.bias, b.dense.bias),
-                          (f"{p}.mlp.proj.bias", a.proj.bias, b.proj.bias)]
+                pairs += [(f"{p}.input_layernorm.weight", la.input_norm, lb.input_norm),
+                          (f"{p}.post_layernorm.weight", la.post_norm, lb.post_norm),
+                          (f"{p}.attention.q_layernorm.weight", la.q_norm, lb.q_norm),
+                          (f"{p}.attention.k_layernorm.weight", la.k_norm, lb.k_norm),
+                          (f"{p}.attention.kv_cache_scaling_factor", la.kv_scale, lb.kv_scale),
+                          (f"{p}.attention.dense.bias", la.dense.bias, lb.dense.bias),
+                          (f"{p}.mlp.proj.bias", la.proj.bias, lb.proj.bias)]
             for name, a, b in pairs:
                 if a is not None and b is not None and not torch.equal(a, b):
                     raise ToolchainError(

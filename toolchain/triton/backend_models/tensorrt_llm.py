@@ -52,7 +52,7 @@ SAMPLING = (
 UNSUPPORTED_INPUTS = ("encoder_input_features", "prompt_embedding_table",
                       "lora_task_id", "lora_weights", "lora_config", "cross_attention_mask", "context_phase_params",
                       "guided_decoding_guide_type", "guided_decoding_guide", "mrope_rotary_cos_sin")
-UNSUPPORTED_FLAGS = ("return_log_probs", "return_context_logits", "return_generation_logits")
+UNSUPPORTED_FLAGS = ("return_log_probs", "return_context_logits")
 
 
 def _param(config, key):
@@ -124,13 +124,17 @@ class _Group:
 
 
 class _Row:
-    def __init__(self, group, index, prompt, exclude_input, wants, stats):
+    def __init__(self, group, index, prompt, exclude_input, wants, stats, max_new=0, drafted=0):
         self.group = group
         self.index = index
         self.prompt = prompt
         self.exclude_input = exclude_input
         self.wants = wants  # optional outputs requested per request flags
         self.stats = stats  # filled by the batcher: first scheduled time, KV blocks
+        self.max_new = max_new  # request_output_len
+        self.drafted = drafted  # draft_input_ids it brought
+        # return_generation_logits: the engine appends each step's rows [n, V] here (batcher thread).
+        self.logits = [] if "return_generation_logits" in wants else None
         self.tokens = []
         self.arrival_ns = time.time_ns()
         self.first_token_ns = 0
@@ -270,8 +274,13 @@ class TritonPythonModel:
             if problem:
                 raise ValueError(f"tensorrt_llm: {problem}")
         medusa = values.get("decoding_mode") == "medusa"
-        self.engine = CpuEngine.load(engine_dir, num_threads=int(threads) if threads and threads.isdigit() else None,
-                                     kv_cache=kv_cache, medusa_choices=values.get("medusa_choices") if medusa else None)
+        num_threads = int(threads) if threads and threads.isdigit() else None
+        self.worker = None
+        comm = self._join_ranks(engine_dir, num_threads)
+        if comm is not None and not comm.leader:
+            return
+        self.engine = CpuEngine.load(engine_dir, num_threads=num_threads, kv_cache=kv_cache,
+                                     medusa_choices=values.get("medusa_choices") if medusa else None, comm=comm)
         if self.engine.dims.medusa_heads and not medusa:
             raise ValueError(f"tensorrt_llm: the engine at {engine_dir} has Medusa heads but decoding_mode is "
                              f"{values.get('decoding_mode')}; set decoding_mode medusa and medusa_choices")
@@ -288,6 +297,41 @@ class TritonPythonModel:
         self.watcher.start()
         if self.metrics is not None:
             threading.Thread(target=self._report_stats, name="tensorrt_llm-stats", daemon=True).start()
+
+    def _join_ranks(self, engine_dir, num_threads):
+        """Under mpirun (serving.launch mpirun): join the other ranks' processes. Rank 0 goes on to
+        lead them as TensorRT-LLM's leader does; any other rank loads its own shard and follows the
+        leader's steps on a thread, taking no requests. None when this server runs every rank."""
+        from toolchain.engine.cpu import ranks
+        from toolchain.errors import ToolchainError
+
+        world = ranks.launched_world()
+        if world is None:
+            return None
+        rank, size = world
+        addr = os.environ.get(ranks.ADDR_ENV)
+        if not addr:
+            raise ValueError(f"tensorrt_llm: started as rank {rank} of {size} by mpirun but {ranks.ADDR_ENV} is "
+                             "unset; start the ranks with `toolchain serve` (serving.launch mpirun)")
+        import torch
+
+        from toolchain.engine.cpu.config import read_engine_config
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        try:
+            _, dims, _ = read_engine_config(engine_dir)
+            comm = ranks.Comm(rank, size, dims.tp, dims.pp, addr)
+            if comm.leader:
+                return comm
+            model, kv = ranks.load_worker(engine_dir, comm)
+        except ToolchainError as err:
+            raise ValueError(f"tensorrt_llm: rank {rank}: {err}") from None
+        self.comm = comm
+        self.worker = threading.Thread(target=ranks.worker_loop, args=(model, comm, kv), name=f"rank{rank}-steps",
+                                       daemon=True)
+        self.worker.start()
+        return comm
 
     @staticmethod
     def _refuse_unsupported(values):
@@ -319,6 +363,11 @@ class TritonPythonModel:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def execute(self, requests):
+        if self.worker is not None:  # rank > 0: the leader (rank 0) takes every request
+            for request in requests:
+                self._send(request.get_response_sender(), error="tensorrt_llm: this is a rank other than 0; "
+                                                                "send requests to rank 0's server")
+            return None
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -352,8 +401,8 @@ class TritonPythonModel:
             prompt = [int(t) for t in inputs.ids[row, :length]]
             params = self._sampling(inputs, row)
             exclude = inputs.scalar("exclude_input_in_output", row, self.default_exclude_input, bool)
-            wants = {flag for flag in ("return_num_input_tokens", "return_num_output_tokens", "return_perf_metrics")
-                     if inputs.scalar(flag, row, False, bool)}
+            wants = {flag for flag in ("return_num_input_tokens", "return_num_output_tokens", "return_perf_metrics",
+                                       "return_generation_logits") if inputs.scalar(flag, row, False, bool)}
             draft = inputs.row("draft_input_ids", row)
             logits = inputs.get("draft_logits")
             if logits is not None and logits.size:
@@ -365,7 +414,8 @@ class TritonPythonModel:
                 logits = None
             threshold = inputs.scalar("draft_acceptance_threshold", row, None, float)
             rid = next(self.ids)
-            submissions.append((rid, _Row(group, row, prompt, exclude, wants, self.RequestStats()), prompt, params,
+            submissions.append((rid, _Row(group, row, prompt, exclude, wants, self.RequestStats(), params.max_new_tokens,
+                                          len(draft)), prompt, params,
                                 (draft, logits, threshold)))
         with self.lock:
             self.groups[id(group)] = group
@@ -376,7 +426,8 @@ class TritonPythonModel:
             try:
                 # The 1.2 backend sets no executor priority: every request runs at the default.
                 self.batcher.submit(rid, prompt, params, self._callback(rid), stats=row.stats, draft_tokens=draft,
-                                    draft_logits=logits, draft_acceptance_threshold=threshold)
+                                    draft_logits=logits, draft_acceptance_threshold=threshold,
+                                    generation_logits=row.logits)
             except self.QueueFull as err:
                 self._abort(group, error=f"tensorrt_llm: {err}")
                 return
@@ -391,6 +442,8 @@ class TritonPythonModel:
         for name in UNSUPPORTED_FLAGS:
             if inputs.scalar(name, 0, False, bool):
                 raise ValueError(f"{name}=true is not supported by the CPU engine")
+        if any(inputs.scalar("return_generation_logits", r, False, bool) for r in range(inputs.batch)):
+            self._check_gathers_generation_logits()
         for name in ("beam_width", "num_return_sequences"):
             if inputs.scalar(name, 0, 1) > 1:
                 raise ValueError(f"{name} > 1 is not supported by the CPU engine")
@@ -400,6 +453,20 @@ class TritonPythonModel:
         if "bad_words" not in self.sampling_fields and any(
                 inputs.word_list("bad_words_list", r) for r in range(inputs.batch)):
             raise ValueError("bad_words_list is not supported by the CPU engine")
+
+    def _check_gathers_generation_logits(self):
+        """The executor returns generation logits only from an engine built with
+        --gather_generation_logits (build_config.gather_generation_logits, read by
+        cpp/tensorrt_llm/runtime/gptJsonConfig.cpp, default false) or an ExecutorConfig that sets
+        them, which the Triton backend never does (getExecutorConfigFromParams in
+        triton_backend/inflight_batcher_llm/src/model_instance_state.cc); otherwise enqueueing
+        fails with executorImpl.cpp's words, quoted here."""
+        build = self.engine.config.get("build_config") or {}
+        if not build.get("gather_generation_logits", False):
+            raise ValueError("To return generation logits, gather_generation_logits must be enabled in "
+                             "ExecutorConfig: this engine was built without --gather_generation_logits "
+                             "(its build_config); rebuild it with the flag (for a draft_target draft: "
+                             "set speculative.use_draft_logits true)")
 
     def _sampling(self, inputs, row):
         max_new = inputs.scalar("request_output_len", row)
@@ -479,7 +546,27 @@ class TritonPythonModel:
             for name in ("total_accepted_draft_tokens", "total_draft_tokens"):
                 out.append(pb_utils.Tensor(name, np.array([[getattr(st, name)]], np.int32)))
             out.append(pb_utils.Tensor("acceptance_rate", np.array([[st.acceptance_rate]], np.float32)))
+        if row.logits is not None:
+            out.append(pb_utils.Tensor("generation_logits", self._generation_logits(row)))
         return out
+
+    def _generation_logits(self, row):
+        """generation_logits as the C++ backend shapes them (fillTritonResponse prepends 1 to the
+        executor's tensor, which LlmRequest::createResult slices from the buffer that
+        allocGenerationLogitsHost sizes, cpp/include/tensorrt_llm/batch_manager/llmRequest.h):
+        streaming, each response the rows of its new tokens as [1, tokens, beam, vocab];
+        otherwise [1, beam, request_output_len, vocab], the buffer whole, its rows past an early
+        end left unwritten (zeros here), or with k draft tokens [1, 1, k + 1, vocab]
+        (allocTargetModelAcceptedTokenLogitsHost), the rows past the accepted ones unwritten."""
+        vocab = self.engine.vocab_size
+        rows = np.concatenate([r.numpy() for r in row.logits]) if row.logits else np.zeros((0, vocab), np.float32)
+        if row.group.streaming:
+            row.logits.clear()  # sent; the next response carries the next tokens' rows
+            return rows[None, :, None]
+        size = row.drafted + 1 if row.drafted else row.max_new
+        if len(rows) < size:
+            rows = np.concatenate([rows, np.zeros((size - len(rows), vocab), np.float32)])
+        return rows[None, None]
 
     # ---- stop, cancellation, errors ---------------------------------------------------------------------------
     def _stop(self, triton_id):
@@ -545,9 +632,16 @@ class TritonPythonModel:
             print(f"tensorrt_llm: could not send a response: {err}", file=sys.stderr)
 
     def finalize(self):
+        if self.worker is not None:
+            # Rank 0's unload sends the stop; a rank whose leader is already gone leaves without it.
+            self.worker.join(timeout=5)
+            if not self.worker.is_alive():
+                self.comm.close()
+            return
         self.stopping.set()
         try:
             self.batcher.stop()
+            self.engine.close()
         finally:
             with self.lock:
                 groups = list(self.groups.values())

@@ -15,7 +15,10 @@ drafts come from prompt lookup in the sequence itself) (TensorRT-LLM
 triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/lib/decode.py,
 Decoder._spec_generate): the draft model proposes up to k tokens for the sequence so
 far, the target verifies them as `draft_input_ids` with request_output_len k + 1, and the
-loop goes on until max_tokens, an end or a stop word; one response carries the text.
+loop goes on until max_tokens, an end or a stop word; one response carries the text. With
+`use_draft_logits` the draft also returns its generation logits, which go to the target as
+`draft_logits` (triton_decoder.py, _get_llm_tensors_from_request), so the target judges the draft
+by probabilities (TensorRT-LLM's acceptDraftTokensByLogitsKernel) instead of its own choice.
 Copied into <repo>/tensorrt_llm_bls/1/model.py.
 """
 
@@ -67,7 +70,8 @@ FORWARDED = ("cum_log_probs", "output_log_probs", "context_logits", "generation_
 UNSUPPORTED = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
 # Request inputs that do not go to the models of a speculative step as they are.
 SPEC_OWN = ("input_ids", "input_lengths", "request_output_len", "streaming", "exclude_input_in_output",
-            "min_tokens", "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens")
+            "min_tokens", "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens",
+            "return_context_logits", "return_generation_logits")
 
 
 def _param(config, key):
@@ -192,6 +196,11 @@ class TritonPythonModel:
             print(f"tensorrt_llm_bls: could not send a response: {err}", file=sys.stderr)
 
     @staticmethod
+    def _flag(request, name):
+        value = _input(request, name)
+        return value is not None and value.size > 0 and bool(value.reshape(-1)[0])
+
+    @staticmethod
     def _stream_requested(request):
         stream = _input(request, "stream")
         return stream is not None and bool(stream.reshape(-1)[0])
@@ -251,16 +260,19 @@ class TritonPythonModel:
         if not self.draft_model and not self.ngram_size:
             raise ValueError("num_draft_tokens needs a draft model or n-gram drafting, and this deployment has "
                              "neither (speculative.mode draft_target or ngram)")
-        use_logits = _input(request, "use_draft_logits")
-        if use_logits is not None and bool(use_logits.reshape(-1)[0]):
-            raise ValueError("use_draft_logits is not supported by this deployment: draft tokens are verified "
-                             "by the target's own choice; leave it false")
+        use_logits = self._flag(request, "use_draft_logits")
+        if use_logits and not self.draft_model:
+            raise ValueError("use_draft_logits needs a draft model (speculative.mode draft_target): n-gram drafts "
+                             "come without logits; leave it false")
         # The checks of upstream's Request.validate and Decoder.decode.
         if self._stream_requested(request):
             raise ValueError("streaming is not supported with speculative decoding")
-        context_logits = _input(request, "return_context_logits")
-        if context_logits is not None and bool(context_logits.reshape(-1)[0]):
+        if self._flag(request, "return_context_logits"):
             raise ValueError("context logits are not supported with speculative decoding")
+        # Upstream asks neither model for them and answers without (docs/model_config.md: "not supported
+        # when using speculative decoding"); refused here rather than dropped.
+        if self._flag(request, "return_generation_logits"):
+            raise ValueError("generation logits are not supported with speculative decoding")
         if llm_inputs["input_ids"].shape[0] > 1:
             raise ValueError("speculative decoding is not supported with batch size > 1")
         length = int(llm_inputs["input_lengths"].reshape(-1)[0])
@@ -275,9 +287,10 @@ class TritonPythonModel:
             if sender is not None and sender.is_cancelled():
                 raise _Cancelled()
             k = min(num_draft, len(prompt) + output_len - len(tokens) - 1)
-            draft, step = [], 1
+            draft, step, draft_logits = [], 1, None
             if k > 0 and self.draft_model:
-                draft, _ = self._call(self.draft_model, common, tokens, k, min_tokens=k)
+                draft, _, draft_logits = self._call(self.draft_model, common, tokens, k, min_tokens=k,
+                                                    want_logits=use_logits)
             elif k > 0:
                 draft = _lookup(tokens, self.ngram_size, k)
                 if not draft:  # nothing to look up: decode k + 1 plain tokens instead of one
@@ -285,7 +298,8 @@ class TritonPythonModel:
             want = max(step, len(draft) + 1)
             # The request's min_tokens, counted over the whole output: what is still owed in this step.
             owed = min(want, max(0, min_tokens - (len(tokens) - len(prompt))))
-            new, stats = self._call(self.llm_model, common, tokens, want, draft=draft, min_tokens=owed)
+            new, stats, _ = self._call(self.llm_model, common, tokens, want, draft=draft, draft_logits=draft_logits,
+                                       min_tokens=owed)
             drafted += int(stats.get("total_draft_tokens", len(draft)))
             accepted += int(stats.get("total_accepted_draft_tokens", 0))
             start = len(tokens)
@@ -318,25 +332,31 @@ class TritonPythonModel:
                                         np.array([[accepted / drafted if drafted else 0.0]], np.float32))]
         return outputs
 
-    def _call(self, model, common, tokens, output_len, *, draft=(), min_tokens=None):
-        """One non-streaming request to `model` for the sequence `tokens`: its new tokens, and the
-        draft statistics it reports."""
+    def _call(self, model, common, tokens, output_len, *, draft=(), draft_logits=None, min_tokens=None,
+              want_logits=False):
+        """One non-streaming request to `model` for the sequence `tokens`: its new tokens, the
+        draft statistics it reports, and with `want_logits` the generation logits of the new
+        tokens [n, vocab] (else None). As upstream's _get_llm_tensors_from_request, only a draft
+        request asks for generation logits (use_draft_logits) and none asks for context logits."""
         inputs = dict(common)
         inputs.update(input_ids=np.array([tokens], np.int32), input_lengths=np.array([[len(tokens)]], np.int32),
                       request_output_len=np.array([[output_len]], np.int32),
                       exclude_input_in_output=np.array([[True]], bool), streaming=np.array([[False]], bool),
-                      return_perf_metrics=np.array([[True]], bool))
+                      return_perf_metrics=np.array([[True]], bool), return_context_logits=np.array([[False]], bool),
+                      return_generation_logits=np.array([[want_logits]], bool))
         if min_tokens:
             inputs["min_tokens"] = np.array([[min_tokens]], np.int32)
         if draft:
             inputs["draft_input_ids"] = np.array([list(draft)], np.int32)
+            if draft_logits is not None:
+                inputs["draft_logits"] = np.ascontiguousarray(draft_logits[None], np.float32)  # [1, k, vocab]
+        outputs = ["output_ids", "sequence_length", "total_draft_tokens", "total_accepted_draft_tokens"]
         request = pb_utils.InferenceRequest(
             model_name=model, request_id=f"bls-{uuid.uuid4().hex}",
             inputs=[pb_utils.Tensor(k, np.asarray(v)) for k, v in inputs.items()],
-            requested_output_names=["output_ids", "sequence_length", "total_draft_tokens",
-                                    "total_accepted_draft_tokens"])
+            requested_output_names=outputs + (["generation_logits"] if want_logits else []))
         responses = request.exec(decoupled=True) if self.decoupled else [request.exec()]
-        new, stats = [], {}
+        new, stats, logits = [], {}, []
         for response in responses:
             if response.has_error():
                 raise RuntimeError(f"{model}: {response.error().message()}")
@@ -349,7 +369,18 @@ class TritonPythonModel:
                 value = _output(response, name)
                 if value is not None:
                     stats[name] = int(value.reshape(-1)[0])
-        return new, stats
+            value = _output(response, "generation_logits") if want_logits else None
+            if value is not None:
+                # [1, beam, request_output_len, vocab]; rows past an early end are unwritten on a GPU, so
+                # the first `count` are this response's tokens' (upstream takes the last len(draft), the same
+                # rows when the draft made all k, which min_tokens k asks of it).
+                logits.append(value.reshape(-1, value.shape[-1])[:count])
+        if not want_logits:
+            return new, stats, None
+        rows = np.concatenate(logits) if logits else np.zeros((0, 0), np.float32)
+        if len(rows) < len(new):
+            raise RuntimeError(f"{model} returned generation_logits for {len(rows)} of its {len(new)} tokens")
+        return new, stats, rows
 
     def _preprocess(self, request):
         inputs = []

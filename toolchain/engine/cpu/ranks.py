@@ -1,0 +1,282 @@
+"""The CPU engine's ranks as separate processes, computing together as TensorRT-LLM's leader mode does.
+
+Under `mpirun` (serving.launch: mpirun) every rank is its own tritonserver and its `tensorrt_llm`
+model loads only its own shard: rank = pp_rank * tp + tp_rank, TensorRT-LLM's Mapping. The ranks meet
+in torch.distributed over gloo (TCP; the launcher passes the rendezvous address in TOOLCHAIN_RANKS_ADDR)
+and run the same `Model.forward`, which calls this module where a single process would loop over the
+shards: the row-parallel sums and column-parallel gathers inside a pipeline stage, the hidden states
+from one stage to the next, and the logits from the last stage back to the leader.
+
+Rank 0 is the leader, as in TensorRT-LLM: it alone receives requests and owns the scheduler, the KV
+block tables and sampling. Before each forward it broadcasts the step (each chunk's tokens, block
+table and length, plus the K/V copies the block manager made since the previous step, so every rank's
+pool holds the same blocks); the other ranks loop on those broadcasts. Sums are gathered and added in
+rank order, the order of the single-process loop, so greedy output is the same token for token.
+
+A rank that dies breaks the group for good (collectives cannot be re-formed without every rank): the
+survivors' next collective fails, their in-flight requests end with an error naming the lost peer, and
+the model process exits so the launcher sees a dead instance and stops every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheManager
+from toolchain.errors import ToolchainError
+
+ADDR_ENV = "TOOLCHAIN_RANKS_ADDR"  # host:port of rank 0's rendezvous store, set by the launcher
+# A collective waits at most this long; the leader's keep-alive (below) keeps idle workers inside it.
+OP_TIMEOUT = datetime.timedelta(minutes=10)
+KEEPALIVE_S = 30.0
+ABORT_GRACE_S = 1.0  # after a lost rank: time for the error responses to leave before the process exits
+
+
+def launched_world() -> tuple[int, int] | None:
+    """(rank, world size) when this process descends from an mpirun rank of a job with more than one
+    rank (Open MPI's variables, inherited by tritonserver's Python stubs); None otherwise."""
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE")
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK")
+    if size is None or rank is None or int(size) <= 1:
+        return None
+    return int(rank), int(size)
+
+
+class RankLost(RuntimeError):
+    """A collective failed: a peer rank is gone and the group cannot compute any more."""
+
+
+@dataclass
+class _Step:
+    chunks: list[tuple[list[int], int, list[int], int, list[int] | None]]
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Comm:
+    """This rank's place in the group and the collectives the forward pass needs."""
+
+    def __init__(self, rank: int, world: int, tp: int, pp: int, addr: str):
+        if world != tp * pp:
+            raise ToolchainError(f"mpirun started {world} ranks but the engine is tp {tp} x pp {pp} = {tp * pp}",
+                                 "launch one rank per engine rank (toolchain serve does), or rebuild the engine")
+        self.rank, self.world, self.tp, self.pp = rank, world, tp, pp
+        self.pp_rank, self.tp_rank = divmod(rank, tp)
+        self.lost: str | None = None
+        self._lock = threading.Lock()  # the leader's step broadcasts and keep-alives never interleave
+        self._last_sent = time.monotonic()
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank, world_size=world,
+                                    timeout=OP_TIMEOUT)
+            # Every rank creates every stage's TP group, in the same order, as new_group requires.
+            groups = [dist.new_group([p * tp + t for t in range(tp)]) for p in range(pp)] if tp > 1 else []
+        except Exception as err:
+            raise ToolchainError(f"rank {rank} of {world} could not join the other ranks at {addr}: {err}",
+                                 "check that every rank was started by the same mpirun") from None
+        self.tp_group = groups[self.pp_rank] if groups else None
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def _guard(self, what: str, op, *args, **kwargs):
+        if self.lost is not None:
+            raise RankLost(self.lost)
+        try:
+            return op(*args, **kwargs)
+        except Exception as err:
+            self.lost = f"rank {self.rank}: {what} failed, a peer rank is gone ({_first_sentence(err)})"
+            raise RankLost(self.lost) from None
+
+    # -- inside a stage -------------------------------------------------------------------------------
+
+    def _gather(self, part: torch.Tensor, what: str) -> list[torch.Tensor]:
+        part = part.contiguous()
+        parts = [torch.empty_like(part) for _ in range(self.tp)]
+        self._guard(what, dist.all_gather, parts, part, group=self.tp_group)
+        return parts
+
+    def tp_sum(self, part: torch.Tensor) -> torch.Tensor:
+        """The all-reduce of a row-parallel output, added in rank order like the single-process loop."""
+        if self.tp == 1:
+            return part
+        parts = self._gather(part, "all-reduce")
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        return total
+
+    def tp_cat(self, part: torch.Tensor) -> torch.Tensor:
+        """The all-gather of a column-parallel output along its last dimension."""
+        return part if self.tp == 1 else torch.cat(self._gather(part, "all-gather"), dim=-1)
+
+    # -- between stages -------------------------------------------------------------------------------
+
+    def send_hidden(self, x: torch.Tensor) -> None:
+        self._guard("send to the next stage", dist.send, x.contiguous(), dst=self.rank + self.tp)
+
+    def recv_hidden(self, rows: int, width: int) -> torch.Tensor:
+        x = torch.empty(rows, width)
+        self._guard("receive from the previous stage", dist.recv, x, src=self.rank - self.tp)
+        return x
+
+    def logits_to_leader(self, logits: torch.Tensor | None, rows: int, width: int) -> torch.Tensor | None:
+        """The last stage's logits at the leader: the last stage's first TP rank sends them when the
+        leader sits in an earlier stage. Returns them on the leader and on last-stage ranks."""
+        sender = (self.pp - 1) * self.tp
+        if self.pp == 1 or rows == 0:
+            return logits
+        if self.rank == sender and logits is not None:
+            self._guard("send logits to rank 0", dist.send, logits.contiguous(), dst=0)
+        elif self.leader:
+            logits = torch.empty(rows, width)
+            self._guard(f"receive logits from rank {sender}", dist.recv, logits, src=sender)
+        return logits
+
+    # -- the step broadcast ---------------------------------------------------------------------------
+
+    def _broadcast(self, message: Any) -> Any:
+        box = [message]
+        self._guard("step broadcast", dist.broadcast_object_list, box, src=0)
+        return box[0]
+
+    def send_step(self, message: Any) -> None:
+        with self._lock:
+            self._broadcast(message)
+            self._last_sent = time.monotonic()
+
+    def keepalive(self, stop: threading.Event) -> None:
+        """Leader: a no-op step whenever the group has been idle for KEEPALIVE_S, so idle workers'
+        waits stay inside OP_TIMEOUT and a dead worker is noticed while no request runs."""
+        while not stop.wait(KEEPALIVE_S / 3):
+            if time.monotonic() - self._last_sent >= KEEPALIVE_S:
+                try:
+                    self.send_step(("noop",))
+                except RankLost:
+                    abort_soon(self.lost or "a peer rank is gone")
+                    return
+
+    def close(self) -> None:
+        """Leave the group; the leader first tells the workers to leave their loop (best effort: some
+        may already be gone). Without it gloo's threads meet the interpreter's exit and abort it."""
+        if self.leader and self.lost is None:
+            try:
+                self.send_step(("stop",))
+            except RankLost:
+                pass
+        if self.lost is None and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _first_sentence(err: Exception) -> str:
+    """gloo's message without its source location and advice: "Connection closed by peer [addr]:port"."""
+    text = str(err).split("\n")[0]
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # "[.../gloo/transport/tcp/pair.cc:553] "
+    return text.split(". ")[0].rstrip(".") or type(err).__name__
+
+
+def abort_soon(reason: str) -> None:
+    """Exit this process shortly, as MPI_Abort would end a TensorRT-LLM rank: the group is broken and
+    the launcher, seeing the instance gone, stops every rank and reports it."""
+    print(f"tensorrt_llm: {reason}; this rank exits", file=sys.stderr, flush=True)
+    threading.Timer(ABORT_GRACE_S, os._exit, args=(1,)).start()
+
+
+def num_blocks(comm: Comm, kv: KvCacheManager | None) -> int:
+    """The leader's KV pool size at every rank (slots in the steps index into the same pool shape)."""
+    return comm._broadcast(kv.num_blocks if comm.leader and kv is not None else None)
+
+
+class LeaderModel:
+    """The leader's model: broadcasts each step, then runs its own part of it."""
+
+    def __init__(self, model, comm: Comm, kv: KvCacheManager):
+        self.model, self.comm, self.d = model, comm, model.d
+        kv.copy_log = []  # K/V copies since the last step, replayed by the workers
+        self.copies_sent = 0
+        self._stop = threading.Event()
+        threading.Thread(target=comm.keepalive, args=(self._stop,), name="ranks-keepalive", daemon=True).start()
+
+    def forward(self, chunks, kv: KvCacheManager):
+        if any(c.parents is not None or c.want_hidden for c in chunks):
+            raise RuntimeError("Medusa trees are not run across rank processes")
+        copies, kv.copy_log = kv.copy_log or [], []
+        self.copies_sent += len(copies)
+        step = _Step([(list(c.table.blocks), c.table.length, list(c.tokens), c.logits, None) for c in chunks],
+                     copies)
+        with self.comm._lock:  # the broadcast and the forward's collectives as one unit against keep-alives
+            try:
+                self.comm._broadcast(("step", step))
+                self.comm._last_sent = time.monotonic()
+                return self.model.forward(chunks, kv)
+            except RankLost:
+                abort_soon(self.comm.lost or "a peer rank is gone")
+                raise
+
+    def medusa_logits(self, h: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("Medusa trees are not run across rank processes")
+
+    def close(self) -> None:
+        self._stop.set()
+        self.comm.close()
+
+
+def worker_loop(model, comm: Comm, kv: KvCacheManager) -> None:
+    """A rank other than 0: run each step the leader broadcasts until it says stop."""
+    from toolchain.engine.cpu.model import Chunk
+
+    while True:
+        try:
+            message = comm._broadcast(None)
+        except RankLost:
+            abort_soon(comm.lost or "lost the leader")
+            return
+        if message[0] == "stop":
+            return
+        if message[0] != "step":
+            continue
+        step: _Step = message[1]
+        for src, dst in step.copies:
+            kv.copy_pool(src, dst)
+        chunks = []
+        for blocks, length, tokens, logits, parents in step.chunks:
+            table = BlockTable()
+            table.blocks, table.length = blocks, length
+            chunks.append(Chunk(table, tokens, logits=logits, parents=parents))
+        try:
+            with torch.no_grad():
+                model.forward(chunks, kv)
+        except RankLost:
+            abort_soon(comm.lost or "a peer rank is gone")
+            return
+        except Exception as err:
+            # The leader hit the same check on the same step (the input is identical), so the group
+            # is still in step; say it here too and carry on.
+            print(f"tensorrt_llm: rank {comm.rank}: step failed: {type(err).__name__}: {err}", file=sys.stderr)
+
+
+def load_worker(engine_dir, comm: Comm):
+    """A rank other than 0: its own shard and a pool the size of the leader's, ready for worker_loop."""
+    from toolchain.engine.cpu.config import read_engine_config
+    from toolchain.engine.cpu.model import Model
+    from toolchain.engine.cpu.weights import load_own_stage
+
+    _, dims, limits = read_engine_config(engine_dir)
+    model = Model(dims, load_own_stage(engine_dir, dims, comm.rank), comm)
+    return model, KvCacheManager(dims, num_blocks(comm, None), limits.tokens_per_block, enable_block_reuse=False)
+
+
+def run_worker(engine_dir, comm: Comm) -> None:
+    """A rank other than 0, start to end: follow the leader's steps until it stops."""
+    model, kv = load_worker(engine_dir, comm)
+    worker_loop(model, comm, kv)
+    comm.close()
