@@ -102,7 +102,11 @@ def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSE
     s = spec.serving
     ports = ports or {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
     repo = Path(repo_dir)
-    head = [mpirun, "--allow-run-as-root"] + (["--oversubscribe"] if spec.target == "cpu" and s.oversubscribe else [])
+    head = [mpirun, "--allow-run-as-root"]
+    if spec.target == "cpu":
+        # Open MPI binds each rank to one core; a CPU rank's server, stubs and gloo threads then share
+        # it, and a point-to-point exchange between two ranks measured 1.2 ms bound against 0.14 ms not.
+        head += ["--bind-to", "none"] + (["--oversubscribe"] if s.oversubscribe else [])
     if spec.gpu.hostfile is not None:
         head += ["--hostfile", str(spec.gpu.hostfile)]
     world = spec.parallelism.world_size

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import re
 import sys
 import threading
@@ -74,15 +75,14 @@ class Comm:
         self.lost: str | None = None
         self._lock = threading.Lock()  # the leader's step broadcasts and keep-alives never interleave
         self._last_sent = time.monotonic()
+        # The ranks of this one's pipeline stage, in TP order.
+        self.stage_ranks = [self.pp_rank * tp + t for t in range(tp)]
         try:
             dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank, world_size=world,
                                     timeout=OP_TIMEOUT)
-            # Every rank creates every stage's TP group, in the same order, as new_group requires.
-            groups = [dist.new_group([p * tp + t for t in range(tp)]) for p in range(pp)] if tp > 1 else []
         except Exception as err:
             raise ToolchainError(f"rank {rank} of {world} could not join the other ranks at {addr}: {err}",
                                  "check that every rank was started by the same mpirun") from None
-        self.tp_group = groups[self.pp_rank] if groups else None
 
     @property
     def leader(self) -> bool:
@@ -100,9 +100,25 @@ class Comm:
     # -- inside a stage -------------------------------------------------------------------------------
 
     def _gather(self, part: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """Every stage rank's `part`, in TP order. Point-to-point rather than gloo's all_gather: each
+        message between two ranks costs one loopback send, where gloo's collectives measured 0.5-1 ms
+        on this host against 0.14 ms for an exchange of sends (benchmarks/README.md, distributed.py)."""
         part = part.contiguous()
-        parts = [torch.empty_like(part) for _ in range(self.tp)]
-        self._guard(what, dist.all_gather, parts, part, group=self.tp_group)
+        return self._guard(what, self._exchange, part)
+
+    def _exchange(self, part: torch.Tensor) -> list[torch.Tensor]:
+        sends = [dist.isend(part, dst=r) for r in self.stage_ranks if r != self.rank]
+        parts = []
+        for r in self.stage_ranks:
+            if r == self.rank:
+                parts.append(part)
+            else:
+                got = torch.empty_like(part)
+                dist.recv(got, src=r)
+                parts.append(got)
+        for send in sends:
+            if send is not None:
+                send.wait()
         return parts
 
     def tp_sum(self, part: torch.Tensor) -> torch.Tensor:
@@ -145,9 +161,27 @@ class Comm:
     # -- the step broadcast ---------------------------------------------------------------------------
 
     def _broadcast(self, message: Any) -> Any:
-        box = [message]
-        self._guard("step broadcast", dist.broadcast_object_list, box, src=0)
-        return box[0]
+        """The leader's `message` at every rank (the leader passes it, the others None): its pickled
+        length, then its bytes, sent to each rank point-to-point (see _gather)."""
+        return self._guard("step broadcast", self._send_to_all if self.leader else self._recv_from_leader, message)
+
+    def _send_to_all(self, message: Any) -> Any:
+        payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        sends = [dist.isend(t, dst=r) for r in range(1, self.world) for t in (size, payload)]
+        for send in sends:
+            if send is not None:
+                send.wait()
+        return message
+
+    def _recv_from_leader(self, _: Any) -> Any:
+        # Pickle is safe here only because the bytes come from rank 0 over the group's own connections,
+        # set up at a rendezvous on 127.0.0.1 by the launcher.
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src=0)
+        payload = torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.recv(payload, src=0)
+        return pickle.loads(payload.numpy().tobytes())
 
     def send_step(self, message: Any) -> None:
         with self._lock:
