@@ -21,13 +21,12 @@ the model process exits so the launcher sees a dead instance and stops every ran
 from __future__ import annotations
 
 import datetime
+import json
 import os
-import pickle
 import re
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,12 +54,6 @@ def launched_world() -> tuple[int, int] | None:
 
 class RankLost(RuntimeError):
     """A collective failed: a peer rank is gone and the group cannot compute any more."""
-
-
-@dataclass
-class _Step:
-    chunks: list[tuple[list[int], int, list[int], int, list[int] | None]]
-    copies: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Comm:
@@ -161,12 +154,12 @@ class Comm:
     # -- the step broadcast ---------------------------------------------------------------------------
 
     def _broadcast(self, message: Any) -> Any:
-        """The leader's `message` at every rank (the leader passes it, the others None): its pickled
-        length, then its bytes, sent to each rank point-to-point (see _gather)."""
+        """The leader's `message` (JSON: lists, numbers, strings) at every rank (the leader passes it, the
+        others None): its length, then its bytes, sent to each rank point-to-point (see _gather)."""
         return self._guard("step broadcast", self._send_to_all if self.leader else self._recv_from_leader, message)
 
     def _send_to_all(self, message: Any) -> Any:
-        payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        payload = torch.frombuffer(bytearray(json.dumps(message).encode()), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         sends = [dist.isend(t, dst=r) for r in range(1, self.world) for t in (size, payload)]
         for send in sends:
@@ -175,13 +168,11 @@ class Comm:
         return message
 
     def _recv_from_leader(self, _: Any) -> Any:
-        # Pickle is safe here only because the bytes come from rank 0 over the group's own connections,
-        # set up at a rendezvous on 127.0.0.1 by the launcher.
         size = torch.empty(1, dtype=torch.int64)
         dist.recv(size, src=0)
         payload = torch.empty(int(size[0]), dtype=torch.uint8)
         dist.recv(payload, src=0)
-        return pickle.loads(payload.numpy().tobytes())
+        return json.loads(payload.numpy().tobytes())
 
     def send_step(self, message: Any) -> None:
         with self._lock:
@@ -194,7 +185,7 @@ class Comm:
         while not stop.wait(KEEPALIVE_S / 3):
             if time.monotonic() - self._last_sent >= KEEPALIVE_S:
                 try:
-                    self.send_step(("noop",))
+                    self.send_step({"kind": "noop"})
                 except RankLost:
                     abort_soon(self.lost or "a peer rank is gone")
                     return
@@ -204,7 +195,7 @@ class Comm:
         may already be gone). Without it gloo's threads meet the interpreter's exit and abort it."""
         if self.leader and self.lost is None:
             try:
-                self.send_step(("stop",))
+                self.send_step({"kind": "stop"})
             except RankLost:
                 pass
         if self.lost is None and dist.is_initialized():
@@ -245,11 +236,12 @@ class LeaderModel:
             raise RuntimeError("Medusa trees are not run across rank processes")
         copies, kv.copy_log = kv.copy_log or [], []
         self.copies_sent += len(copies)
-        step = _Step([(list(c.table.blocks), c.table.length, list(c.tokens), c.logits, None) for c in chunks],
-                     copies)
+        step = {"kind": "step",
+                "chunks": [[list(c.table.blocks), c.table.length, list(c.tokens), c.logits] for c in chunks],
+                "copies": [[src.tolist(), dst.tolist()] for src, dst in copies]}
         with self.comm._lock:  # the broadcast and the forward's collectives as one unit against keep-alives
             try:
-                self.comm._broadcast(("step", step))
+                self.comm._broadcast(step)
                 self.comm._last_sent = time.monotonic()
                 return self.model.forward(chunks, kv)
             except RankLost:
@@ -274,18 +266,17 @@ def worker_loop(model, comm: Comm, kv: KvCacheManager) -> None:
         except RankLost:
             abort_soon(comm.lost or "lost the leader")
             return
-        if message[0] == "stop":
+        if message["kind"] == "stop":
             return
-        if message[0] != "step":
+        if message["kind"] != "step":
             continue
-        step: _Step = message[1]
-        for src, dst in step.copies:
-            kv.copy_pool(src, dst)
+        for src, dst in message["copies"]:
+            kv.copy_pool(torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
         chunks = []
-        for blocks, length, tokens, logits, parents in step.chunks:
+        for blocks, length, tokens, logits in message["chunks"]:
             table = BlockTable()
             table.blocks, table.length = blocks, length
-            chunks.append(Chunk(table, tokens, logits=logits, parents=parents))
+            chunks.append(Chunk(table, tokens, logits=logits))
         try:
             with torch.no_grad():
                 model.forward(chunks, kv)
