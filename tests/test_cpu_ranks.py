@@ -256,3 +256,25 @@ def test_launch_modes_a_target_cannot_run_are_refused(tmp_path, hf_llama, sectio
 
     with pytest.raises(ToolchainError, match=message):
         load_spec(write_spec(tmp_path / "spec.yaml", hf_llama, **sections))
+
+
+@needs_mpirun
+def test_shipped_ranks_spec_deploys_through_two_ranks(tmp_path, capsys):
+    """`toolchain deploy build/tiny-llama-ranks.yaml`: the embedded default, its two TP ranks as two
+    tritonserver processes under mpirun, benched and stopped with nothing left behind."""
+    from toolchain.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    root = tmp_path / "ws"
+    argv = ["--root", str(root), "deploy", str(repo / "build" / "tiny-llama-ranks.yaml")]
+    # Latency SLOs depend on the host's load (deploy fails on a missed one): loosened here.
+    for item in ("serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
+                 "validation.workload.num_requests=6", "validation.workload.warmup_requests=1",
+                 "validation.slo.ttft_p99_ms=60000", "validation.slo.tpot_p99_ms=60000"):
+        argv += ["--set", item]
+    assert main(argv) == 0, capsys.readouterr().err
+    report = json.loads((root / "reports" / "tiny-llama-ranks" / "report.json").read_text())
+    assert report["num_requests"] == 6 and report["errors"] == 0 and report["slo"]["passed"] is True
+    log = (root / "model_repo" / "tiny-llama-ranks.tritonserver.log").read_text()
+    assert "successfully loaded 'tensorrt_llm'" in log
+    assert not _processes_of(str(root / "model_repo"))
