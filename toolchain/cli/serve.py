@@ -26,6 +26,7 @@ import click
 
 from toolchain.cli._common import Context, spec_command
 from toolchain.errors import StageFailed, ToolchainError
+from toolchain.triton import procgroup
 from toolchain.spec import DeploymentSpec
 
 
@@ -86,16 +87,6 @@ def _print_llmapi_cpu(spec: DeploymentSpec, ws, server) -> None:
     click.echo(f"# OpenAI server on the same LLM() arguments:\n{shlex.join(openai_cpu_command(spec, ws))}")
 
 
-def _pid_running(pid: int) -> bool:
-    """`pid` exists and is not a zombie (Linux /proc; False elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-        return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
-    except (OSError, ValueError):
-        return False
-
-
 def _exit_status(rc: int | None) -> str:
     if rc is None:
         return "exit code unknown"
@@ -127,7 +118,7 @@ def _run_until_stopped(server, timeout: float, describe: str,
         while True:
             # Which stubs are gone, looked at before running's poll() reaps the server: the stubs of a
             # server that died outlive it briefly, the one whose death took the server down does not.
-            gone = sorted(name for name, pid in stubs.items() if not _pid_running(pid))
+            gone = sorted(name for name, pid in stubs.items() if not procgroup.pid_running(pid))
             if not server.running:
                 break
             dead = dead_stubs()

@@ -270,15 +270,6 @@ def rank_pids(mpirun_pid: int) -> dict[int, int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-        return stat[stat.rindex(b")") + 2:][:1] != b"Z"
-    except (OSError, ValueError):
-        return False
-
-
 class TritonLaunch(Endpoints):
     """The mpirun process group serving an engine repository, one tritonserver per rank; the same
     surface as TritonServer (start, stop, running, ready, urls, dead_stubs, failure_cause, log_path).
@@ -396,7 +387,7 @@ class TritonLaunch(Endpoints):
     def dead_stubs(self) -> list[str]:
         """Instances (named with their rank) whose stub or whole rank is gone since start: tritonserver
         keeps a dead stub's requests waiting, and a rank group cannot compute without every member."""
-        dead = [f"tritonserver (rank {r})" for r, pid in sorted(self._ranks.items()) if not _alive(pid)]
+        dead = [f"tritonserver (rank {r})" for r, pid in sorted(self._ranks.items()) if not procgroup.pid_running(pid)]
         live = {r: python_stubs(pid) for r, pid in self._ranks.items()}
         dead += [name for name, (rank, stub) in sorted(self._stubs.items()) if stub not in live[rank].values()]
         return dead

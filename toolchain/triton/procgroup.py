@@ -17,6 +17,16 @@ from pathlib import Path
 from typing import IO, Callable
 
 
+def pid_running(pid: int) -> bool:
+    """`pid` exists and is neither a zombie nor dead (Linux /proc; False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
+    except (OSError, ValueError):
+        return False
+
+
 def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> tuple[subprocess.Popen, IO[bytes]]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
