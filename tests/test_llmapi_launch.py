@@ -240,7 +240,7 @@ def test_slurm_script(two_nodes, server, binary):
 def test_leader_worker_set(two_nodes):
     spec, ws = two_nodes
     texts = manifests.manifests(spec, ws)
-    assert set(texts) == set(manifests.FILES.values())
+    assert set(texts) == set(manifests.FILES.values()) - {"deployment.yaml"}
     lws = yaml.safe_load(texts["leaderworkerset.yaml"])
     assert (lws["apiVersion"], lws["kind"]) == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
     template = lws["spec"]["leaderWorkerTemplate"]
@@ -248,24 +248,22 @@ def test_leader_worker_set(two_nodes):
     assert template["restartPolicy"] == "RecreateGroupOnPodRestart"
     (leader,) = template["leaderTemplate"]["spec"]["containers"]
     (worker,) = template["workerTemplate"]["spec"]["containers"]
+    assert worker["image"] == TRITON_IMAGE and leader["image"] != TRITON_IMAGE  # Dockerfile.leader's
     for container in (leader, worker):
-        assert container["image"] == TRITON_IMAGE
         assert container["resources"]["limits"] == {"nvidia.com/gpu": 8}
         mounted = {m["mountPath"] for m in container["volumeMounts"]}
-        assert {str(served_model_dir(spec, ws)), str(ws.model_repo_dir(spec)), "/dev/shm", "/root/.ssh"} <= mounted
+        assert {str(served_model_dir(spec, ws)), str(ws.model_repo_dir(spec)), "/dev/shm"} <= mounted
     probe = leader["readinessProbe"]["httpGet"]
     assert probe == {"path": "/health", "port": 9090}
     assert leader["ports"] == [{"name": "openai", "containerPort": 9090}]
     script = leader["command"][2]
     last = shlex.split(script.splitlines()[-1])
-    assert last[:4] == ["exec", "mpirun", "--allow-run-as-root", "-n"] and last[4] == "16"
+    assert last[:3] == ["exec", "mpirun", "--allow-run-as-root"] and last[last.index("-n") + 1] == "16"
     i = last.index("trtllm-llmapi-launch")
     assert last[i + 1:] == launch.trtllm_serve_command(spec, ws, host="0.0.0.0")
     if shutil.which("bash"):
         subprocess.run(["bash", "-n"], input=script, text=True, check=True)
-    assert "sshd" in worker["command"][2]
-    secret = next(v for v in template["workerTemplate"]["spec"]["volumes"] if v["name"] == "ssh")
-    assert secret["secret"]["secretName"] == "lws-model-ssh"
+    assert "sshd" not in " ".join(worker["command"]) and "kubectl exec" in script
 
     svc = yaml.safe_load(texts["service.yaml"])
     assert (svc["apiVersion"], svc["kind"]) == ("v1", "Service")
@@ -274,14 +272,18 @@ def test_leader_worker_set(two_nodes):
     assert svc["spec"]["ports"][0]["port"] == svc["spec"]["ports"][0]["targetPort"] == 9090
 
 
-def test_leader_worker_set_single_node(tmp_path, hf_llama):
+def test_single_node_is_a_deployment(tmp_path, hf_llama):
     spec = _spec(tmp_path, hf_llama, parallelism={"tp": 4}, gpu={"per_node": 8})
-    lws = manifests.leader_worker_set(spec, Workspace(tmp_path))
-    template = lws["spec"]["leaderWorkerTemplate"]
-    assert template["size"] == 1
-    leader = template["leaderTemplate"]["spec"]["containers"][0]
-    assert "--mca" not in leader["command"][2]  # no ssh between pods with one pod
-    assert all(v["name"] != "ssh" for v in template["leaderTemplate"]["spec"]["volumes"])
+    ws = Workspace(tmp_path)
+    texts = manifests.manifests(spec, ws)
+    assert "leaderworkerset.yaml" not in texts and "rbac.yaml" not in texts
+    deploy = yaml.safe_load(texts["deployment.yaml"])
+    (server,) = deploy["spec"]["template"]["spec"]["containers"]
+    # LLM() starts a worker per GPU itself on one host: trtllm-serve alone, no mpirun.
+    assert server["command"] == launch.trtllm_serve_command(spec, ws, host="0.0.0.0")
+    assert server["resources"]["limits"] == {"nvidia.com/gpu": 4}
+    svc = yaml.safe_load(texts["service.yaml"])
+    assert svc["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
 
 
 def test_k8s_name(tmp_path, hf_llama):
@@ -316,7 +318,7 @@ def test_cli_print_and_manifests(two_nodes, tmp_path, capsys):
     rc = main(["--root", str(ws.root), "serve", str(spec.source), "--print", "--manifests", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
-    lines = [line for line in printed.splitlines() if not line.startswith("#")]
+    lines = [line for line in printed.splitlines() if not line.startswith(("#", "docker run"))]
     expected = launch.gpu_launch_lines(spec, ws)
     assert lines == [expected["trtllm_serve"], expected["triton"], expected["trtllm_serve_multi_node"],
                      expected["triton_multi_node"]]
@@ -334,4 +336,4 @@ def test_cli_llmapi_refuses_to_run_here_and_manifests_need_llmapi(two_nodes, tmp
     assert "--manifests DIR" in capsys.readouterr().err
     cpu = _spec(tmp_path, spec.model.checkpoint, name="cpu-model", target="llmapi-cpu")
     assert main(["--root", str(ws.root), "serve", str(cpu.source), "--print", "--manifests", str(tmp_path / "m")]) == 2
-    assert "--manifests is for target llmapi" in capsys.readouterr().err
+    assert "--manifests is for the GPU targets trtllm and llmapi, not llmapi-cpu" in capsys.readouterr().err

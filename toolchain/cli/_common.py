@@ -11,9 +11,10 @@ import click
 from toolchain.spec import load_spec
 from toolchain.workspace import Workspace
 
-# Keyword arguments that make a command only print what it would do: checks
-# then report instead of refusing, so a dry run always shows its commands.
-_DRY_FLAGS = ("dry_run", "print_only")
+# Keyword arguments that make a command only print (or write out) what it would do: checks
+# then report instead of refusing, so a dry run always shows its commands. Writing manifests
+# for GPU hosts is printing: TensorRT-LLM need not be on the host that writes them.
+_DRY_FLAGS = ("dry_run", "print_only", "manifests_dir")
 
 
 class Context:

@@ -2,11 +2,12 @@
 
 Target cpu: one tritonserver (the nvidia-pytriton wheel's, or one on PATH).
 Target trtllm: one tritonserver per rank under mpirun (toolchain/triton/launch.py);
-`--print` also prints the container and Kubernetes lines for the NGC image.
+`--print` also prints the container and Kubernetes lines for the NGC image, and `--manifests DIR` writes
+the Slurm and Kubernetes manifests (toolchain/triton/manifests.py).
 Target llmapi (a GPU host with TensorRT-LLM 1.2.1, checked by llmapi.runtime-version): one tritonserver on
 the llmapi repository; `--print` shows the trtllm-serve and Triton launcher lines (toolchain/llmapi/launch.py)
-and `--manifests DIR` writes the Slurm and Kubernetes manifests for multi-host deployments
-(toolchain/llmapi/manifests.py).
+and their `docker run` lines, and `--manifests DIR` writes the Slurm and Kubernetes manifests
+(toolchain/llmapi/manifests.py). Writing manifests is printing: the preflight checks only warn.
 Target llmapi-cpu: the same on this host, with the CPU stand-in for LLM() (there is no engine).
 
 Off loopback (serving.host), Triton's administrative APIs need a key (toolchain/triton/exposure.py):
@@ -34,14 +35,28 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _print_trtllm(spec: DeploymentSpec, ws) -> None:
-    from toolchain.triton.launch import container_commands, launch_command
+def _write_manifests(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> None:
+    """--manifests DIR: the Slurm and Kubernetes manifests of the spec's path, written atomically."""
+    from toolchain.triton import cluster
 
-    repo = ws.model_repo_dir(spec)
-    launch = launch_command(spec, repo)
+    if manifests_dir is None:
+        click.echo("# Slurm batch script, Kubernetes Deployment or LeaderWorkerSet with a Service: add --manifests DIR")
+        return
+    if spec.target == "trtllm":
+        from toolchain.triton.manifests import manifests
+    else:
+        from toolchain.llmapi.manifests import manifests
+    for path in cluster.write(manifests_dir, manifests(spec, ws)):
+        click.echo(f"# wrote {path}")
+
+
+def _print_trtllm(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> None:
+    from toolchain.triton.launch import container_commands, launch_command
+    from toolchain.triton.manifests import mounts
+
+    launch = launch_command(spec, ws.model_repo_dir(spec))
     click.echo(launch.shell())
-    mounts = [ws.engine_root(spec), repo, spec.model.tokenizer_dir]
-    lines = container_commands(spec, launch, mounts)
+    lines = container_commands(spec, launch, mounts(spec, ws))
     click.echo(f"# in a container:\n{lines['docker']}")
     click.echo("# on Kubernetes:")
     if "kubernetes_secret" in lines:
@@ -49,28 +64,33 @@ def _print_trtllm(spec: DeploymentSpec, ws) -> None:
     click.echo(lines["kubernetes"])
     if spec.gpu.hostfile is not None:
         click.echo("# several hosts: run the container on each host of gpu.hostfile with ssh between them")
+    _write_manifests(spec, ws, manifests_dir)
 
 
-def _print_llmapi(spec: DeploymentSpec, ws, manifests_dir) -> None:
+def _print_llmapi(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> None:
     from toolchain.llmapi import launch
     from toolchain.triton import exposure
+    from toolchain.triton.launch import docker_command
 
     lines = launch.gpu_launch_lines(spec, ws)
     click.echo(f"# OpenAI server (trtllm-serve):\n{lines['trtllm_serve']}")
     how = ("the command upstream's launcher runs, with the bind addresses and the administrative APIs behind "
            "the key" if exposure.restricted(spec.serving) else "upstream's launcher, from a TensorRT-LLM 1.2.1 checkout")
     click.echo(f"# Triton ({how}):\n{lines['triton']}")
+    mounts = launch.container_mounts(spec, ws)
+    s = spec.serving
+    serve = launch.trtllm_serve_command(spec, ws, host=launch.ALL_INTERFACES)
+    click.echo(f"# in a container, the OpenAI server:\n{docker_command(spec, serve, mounts, [spec.llmapi.openai_port])}")
+    triton = ["mpirun", "--allow-run-as-root", "-n", "1", *launch.tritonserver_command(spec, ws)]
+    # Restricted, metrics stay on loopback inside the container unless serving.metrics_host says otherwise.
+    private = exposure.restricted(s) and exposure.is_loopback(exposure.metrics_host(s))
+    ports = [s.http_port, s.grpc_port] + ([] if private else [s.metrics_port])
+    click.echo(f"# in a container, Triton:\n{docker_command(spec, triton, mounts, ports)}")
     if launch.multi_node(spec):
         click.echo(f"# {launch.world_size(spec)} ranks over {launch.node_count(spec)} hosts, under Slurm:")
         click.echo(lines["trtllm_serve_multi_node"])
         click.echo(lines["triton_multi_node"])
-    if manifests_dir is not None:
-        from toolchain.llmapi.manifests import write_manifests
-
-        for path in write_manifests(spec, ws, manifests_dir):
-            click.echo(f"# wrote {path}")
-    elif launch.multi_node(spec):
-        click.echo("# Slurm batch scripts and a Kubernetes LeaderWorkerSet: add --manifests DIR")
+    _write_manifests(spec, ws, manifests_dir)
 
 
 def _multi_node(spec: DeploymentSpec) -> bool:
@@ -153,8 +173,8 @@ def _run_until_stopped(server, timeout: float, describe: str,
 @click.option("--timeout", type=float, default=None, metavar="SECONDS",
               help="Readiness timeout (default: serving.startup_timeout_s).")
 @click.option("--manifests", "manifests_dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
-              help="Target llmapi: write Slurm batch scripts and a Kubernetes LeaderWorkerSet + Service to DIR "
-                   "(implies --print).")
+              help="Targets trtllm and llmapi: write a Slurm batch script and a Kubernetes Deployment (one host) "
+                   "or LeaderWorkerSet (several) with a Service and probes to DIR (implies --print).")
 @spec_command
 def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float | None,
             manifests_dir: Path | None) -> None:
@@ -166,14 +186,14 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
 
     ws = ctx.workspace
     repo = ws.model_repo_dir(spec)
-    if manifests_dir is not None and spec.target != "llmapi":
-        raise ToolchainError(f"--manifests is for target llmapi, not {spec.target}",
-                             "set target: llmapi, or drop --manifests")
+    if manifests_dir is not None and spec.target not in ("trtllm", "llmapi"):
+        raise ToolchainError(f"--manifests is for the GPU targets trtllm and llmapi, not {spec.target}",
+                             "set target: trtllm or llmapi, or drop --manifests")
     warning = exposure.warning(spec.serving)
     if warning and not (spec.target == "llmapi" and (print_only or manifests_dir is not None)):
         click.echo(warning, err=True)
-    if spec.target == "trtllm" and print_only:
-        _print_trtllm(spec, ws)
+    if spec.target == "trtllm" and (print_only or manifests_dir is not None):
+        _print_trtllm(spec, ws, manifests_dir)
         return
     if spec.target == "llmapi" and (print_only or manifests_dir is not None):
         _print_llmapi(spec, ws, manifests_dir)

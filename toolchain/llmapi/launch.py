@@ -21,21 +21,21 @@ before it is emitted, and every trtllm-serve option in trtllm_serve.options.
 
 from __future__ import annotations
 
-import math
 import shlex
 from pathlib import Path
 
 from toolchain import upstream
 from toolchain.spec import DeploymentSpec
-from toolchain.triton import exposure
+from toolchain.triton import cluster, exposure
+from toolchain.triton.cluster import ALL_INTERFACES, multi_node, node_count, pyxis_image, tasks_per_node, world_size
 from toolchain.workspace import Workspace
+
+__all__ = ["ALL_INTERFACES", "multi_node", "node_count", "pyxis_image", "tasks_per_node", "world_size"]
 
 SERVE_CONFIG = "trtllm-serve.yaml"
 LAUNCHER = "triton_backend/scripts/launch_triton_server.py"  # in a TensorRT-LLM 1.2.1 checkout
 LLMAPI_LAUNCH = "trtllm-llmapi-launch"  # tensorrt_llm/llmapi/trtllm-llmapi-launch, on PATH in the image
 TRTLLM_SERVE = "trtllm-serve"
-# Where a server in a job or a pod binds: it is reached from other hosts (clients, the kubelet's probe).
-ALL_INTERFACES = "0.0.0.0"
 
 # The LLM() argument YAML option. Upstream's 1.2-line serve.py declares it as
 # click.option("--config", "--extra_llm_api_options", "extra_llm_api_options"): --config is the newer
@@ -82,27 +82,6 @@ def serve_config_path(spec: DeploymentSpec, workspace: Workspace) -> Path:
 
 def served_model_name(spec: DeploymentSpec) -> str:
     return spec.llmapi.served_model_name or spec.name
-
-
-# -- ranks and hosts -----------------------------------------------------------------------------------------
-
-
-def world_size(spec: DeploymentSpec) -> int:
-    """GPUs one model instance spans: LLM() runs one rank per tensor x pipeline shard."""
-    return spec.parallelism.world_size
-
-
-def node_count(spec: DeploymentSpec) -> int:
-    return math.ceil(world_size(spec) / spec.gpu.per_node)
-
-
-def tasks_per_node(spec: DeploymentSpec) -> int:
-    """Ranks placed on each host: the world spread evenly (the last host may hold fewer)."""
-    return math.ceil(world_size(spec) / node_count(spec))
-
-
-def multi_node(spec: DeploymentSpec) -> bool:
-    return world_size(spec) > spec.gpu.per_node
 
 
 # -- command lines -------------------------------------------------------------------------------------------
@@ -154,15 +133,6 @@ def printable(spec: DeploymentSpec, argv: list[str]) -> str:
     return shlex.join(argv).replace(exposure.PLACEHOLDER, exposure.shell_reference(spec.serving))
 
 
-def pyxis_image(image: str) -> str:
-    """An image reference as pyxis' --container-image takes it: enroot's `REGISTRY#IMAGE[:TAG]`
-    form (a plain `nvcr.io/...` would be looked up on Docker Hub)."""
-    first, _, rest = image.partition("/")
-    if rest and ("." in first or ":" in first or first == "localhost"):
-        return f"{first}#{rest}"
-    return image
-
-
 def container_mounts(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
     """Host paths the server reads, mounted at the same place so the absolute paths in model.yaml and
     trtllm-serve.yaml hold inside the container (on several hosts: a shared filesystem)."""
@@ -177,14 +147,7 @@ def container_mounts(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
 def srun_command(spec: DeploymentSpec, workspace: Workspace, *, container: bool = True) -> list[str]:
     """srun with one task per rank over the hosts the world needs (PMIx, so trtllm-llmapi-launch
     and mpi4py see one MPI world), in the pinned image through pyxis when `container`."""
-    from toolchain.plan.versions import TRITON_IMAGE
-
-    argv = ["srun", "--mpi=pmix", f"--nodes={node_count(spec)}", f"--ntasks={world_size(spec)}",
-            f"--ntasks-per-node={tasks_per_node(spec)}"]
-    if container:
-        mounts = ",".join(f"{p}:{p}" for p in container_mounts(spec, workspace))
-        argv += [f"--container-image={pyxis_image(TRITON_IMAGE)}", f"--container-mounts={mounts}"]
-    return argv
+    return cluster.srun_command(spec, container_mounts(spec, workspace), container=container)
 
 
 def multi_node_serve_command(spec: DeploymentSpec, workspace: Workspace, *, container: bool = True) -> list[str]:

@@ -1,60 +1,46 @@
-"""Ready-to-use manifests for target llmapi: a Slurm batch script and a Kubernetes LeaderWorkerSet.
+"""Ready-to-use manifests for target llmapi: Slurm batch scripts and Kubernetes objects.
 
-Pure functions of (spec, workspace) returning text; `write_manifests` puts them in a directory.
-Both run one rank per GPU over ceil(tp x pp / gpu.per_node) hosts in the pinned Triton trtllm
-image (plan/versions.py TRITON_IMAGE, which carries TensorRT-LLM 1.2.1, trtllm-serve and
-trtllm-llmapi-launch), with `trtllm-llmapi-launch` in front of the server: rank 0 serves, the other
-ranks are the MPI workers LLM() drives (tensorrt_llm/llmapi/trtllm-llmapi-launch).
+Pure functions of (spec, workspace) returning text; `write_manifests` puts them in a directory. The
+documents themselves (hosts, GPUs per host, probes, the LeaderWorkerSet and its rsh agent) come from
+triton/cluster.py, shared with the engine path. Every rank runs in the pinned Triton trtllm image
+(plan/versions.py TRITON_IMAGE, which carries TensorRT-LLM 1.2.1, trtllm-serve and
+trtllm-llmapi-launch).
 
-Slurm: `#SBATCH --nodes/--ntasks/--ntasks-per-node/--gpus-per-node`, then `srun --mpi=pmix` with
-pyxis' `--container-image` and `--container-mounts` (the flags upstream's multi-node trtllm-serve
-example uses; pyxis takes the image as enroot's `REGISTRY#IMAGE:TAG`).
+Slurm: `srun --mpi=pmix` with pyxis' `--container-image` and `--container-mounts` (the flags
+upstream's multi-node trtllm-serve example, examples/llm-api/llm_mgmn_trtllm_serve.sh, uses), every
+task running `trtllm-llmapi-launch` in front of the server: rank 0 serves, the other ranks are the
+MPI workers LLM() drives (tensorrt_llm/llmapi/trtllm-llmapi-launch).
 
-Kubernetes: a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1; fields as in the LWS project's own
-examples, kubernetes-sigs/lws docs/examples/tensorrt-llm/lws.yaml and vllm/GPU/lws.yaml) with one pod
-per host (leaderWorkerTemplate.size = hosts), each limited to gpu.per_node GPUs. There is no Slurm
-to start the ranks, so the leader starts them with mpirun over ssh (Open MPI's usual launcher) on
-the pod addresses LWS gives the group (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE), and each worker pod
-runs sshd; the ssh key comes from a Secret the cluster admin creates. A Service selects the leader
-pod for the OpenAI port; the leader's readiness probe is trtllm-serve's /health.
+Kubernetes: trtllm-serve (the OpenAI API) on one host is a Deployment whose container runs it, LLM()
+starting a worker per GPU itself; on several hosts, the LeaderWorkerSet's leader runs it under mpirun
+with trtllm-llmapi-launch in front, one rank per GPU over the pods. Probes: trtllm-serve's /health,
+which answers once LLM() is up.
 """
 
 from __future__ import annotations
 
-import re
 import shlex
 from pathlib import Path
-
-import yaml
 
 from toolchain.errors import ToolchainError
 from toolchain.llmapi import launch
 from toolchain.spec import DeploymentSpec
-from toolchain.triton import exposure
+from toolchain.triton import cluster, exposure
+from toolchain.triton.cluster import k8s_name
 from toolchain.workspace import Workspace
 
-LWS_API = "leaderworkerset.x-k8s.io/v1"
-LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"  # set by the LWS controller on every pod of the set
-SSH_PORT = 2222  # not 22: the image runs as root and a host-network setup may already use 22
-SSH_SECRET_SUFFIX = "-ssh"
-FILES = {"slurm": "trtllm-serve.sbatch", "slurm_triton": "triton.sbatch", "lws": "leaderworkerset.yaml",
-         "service": "service.yaml"}
+__all__ = ["FILES", "k8s_name", "manifests", "write_manifests"]
+
+FILES = {"slurm": "trtllm-serve.sbatch", "slurm_triton": "triton.sbatch", "deployment": "deployment.yaml",
+         "lws": "leaderworkerset.yaml", "service": "service.yaml", "rbac": "rbac.yaml",
+         "dockerfile": cluster.LEADER_DOCKERFILE}
+HEALTH = "/health"  # trtllm-serve's health route (tensorrt_llm/serve/openai_server.py)
 
 
 def _require_gpu_target(spec: DeploymentSpec) -> None:
     if spec.target != "llmapi":
         raise ToolchainError(f"Slurm and Kubernetes manifests are for target llmapi (GPU hosts), not {spec.target}",
                              "set target: llmapi (the CPU stand-in runs on this host with `toolchain serve`)")
-
-
-def k8s_name(spec: DeploymentSpec) -> str:
-    """spec.name as a DNS-1035 label (LWS pods are `<name>-<group>[-<index>]`, under 63 characters)."""
-    name = re.sub(r"[^a-z0-9-]+", "-", spec.name.lower()).strip("-")
-    name = re.sub(r"^[^a-z]+", "", name)[:40].rstrip("-")
-    if not name:
-        raise ToolchainError(f"deployment name {spec.name!r} has no letters for a Kubernetes name",
-                             "give the spec a name starting with a letter")
-    return name
 
 
 # -- Slurm ---------------------------------------------------------------------------------------------------
@@ -64,182 +50,66 @@ def slurm_script(spec: DeploymentSpec, workspace: Workspace, server: str = "trtl
     """An sbatch script serving the spec across its hosts: `server` is "trtllm-serve" or "triton"."""
     _require_gpu_target(spec)
     if server == "trtllm-serve":
-        line = launch.multi_node_serve_command(spec, workspace)
+        argv = launch.multi_node_serve_command(spec, workspace)
         what = f"trtllm-serve (OpenAI API on port {spec.llmapi.openai_port} of the first host)"
     elif server == "triton":
-        line = launch.multi_node_triton_command(spec, workspace)
+        argv = launch.multi_node_triton_command(spec, workspace)
         s = spec.serving
         what = f"tritonserver (HTTP {s.http_port}, gRPC {s.grpc_port}, metrics {s.metrics_port} on the first host)"
     else:
         raise ValueError(f"unknown server {server!r}")
-    directives = [("job-name", f"{spec.name}-{server}"), ("nodes", launch.node_count(spec)),
-                  ("ntasks", launch.world_size(spec)), ("ntasks-per-node", launch.tasks_per_node(spec)),
-                  ("gpus-per-node", spec.gpu.per_node)]
-    out = ["#!/bin/bash"] + [f"#SBATCH --{key}={value}" for key, value in directives]
-    out += [
-        f"# Generated by `toolchain serve --manifests` from {spec.source or '<spec>'} (deployment '{spec.name}').",
-        f"# tp {spec.parallelism.tp} x pp {spec.parallelism.pp} = {launch.world_size(spec)} ranks, one per GPU, "
-        f"over {launch.node_count(spec)} host(s) of {spec.gpu.per_node} GPUs.",
-        f"# Serves {what}.",
-        "# The model, tokenizer and model_repo paths must be on a filesystem every host mounts.",
-        "set -euo pipefail",
-        # Off loopback the key comes from the job's environment or file, never the script.
-        _wrap(line).replace(exposure.PLACEHOLDER, exposure.shell_reference(spec.serving)),
-        "",
-    ]
-    return "\n".join(out)
-
-
-def _wrap(argv: list[str]) -> str:
-    """One shell command, one argument group per line, for a readable script."""
-    parts = [shlex.quote(a) for a in argv]
-    lines: list[str] = []
-    current: list[str] = []
-    for part in parts:
-        if part.startswith("-") and current and len(" ".join(current)) > 60:
-            lines.append(" ".join(current))
-            current = []
-        current.append(part)
-    lines.append(" ".join(current))
-    return " \\\n    ".join(lines)
+    # Off loopback the key comes from the job's environment or file, never the script.
+    ref = exposure.shell_reference(spec.serving)
+    return cluster.sbatch(spec, server, what, [shlex.quote(a).replace(exposure.PLACEHOLDER, ref) for a in argv])
 
 
 # -- Kubernetes ----------------------------------------------------------------------------------------------
 
 
-def _volumes(spec: DeploymentSpec, workspace: Workspace, name: str, with_ssh: bool) -> tuple[list, list]:
-    mounts = launch.container_mounts(spec, workspace)
-    volumes = [{"name": f"data{i}", "hostPath": {"path": m}} for i, m in enumerate(mounts)]
-    volume_mounts = [{"name": f"data{i}", "mountPath": m, "readOnly": True} for i, m in enumerate(mounts)]
-    # NCCL and the Python backend need more /dev/shm than a container's 64 MiB default.
-    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
-    volume_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    if with_ssh:
-        volumes.append({"name": "ssh", "secret": {"secretName": name + SSH_SECRET_SUFFIX, "defaultMode": 0o600}})
-        volume_mounts.append({"name": "ssh", "mountPath": "/root/.ssh", "readOnly": True})
-    return volumes, volume_mounts
-
-
-def leader_command(spec: DeploymentSpec, workspace: Workspace) -> str:
-    """The leader's shell script: the group's pod addresses as an Open MPI host list, then mpirun
-    with one rank per GPU running trtllm-llmapi-launch trtllm-serve."""
-    per = launch.tasks_per_node(spec)
-    serve = shlex.join([launch.LLMAPI_LAUNCH, *launch.trtllm_serve_command(spec, workspace,
-                                                                            host=launch.ALL_INTERFACES)])
-    mpirun = ["mpirun", "--allow-run-as-root", "-n", str(launch.world_size(spec)), "-H", '"$hosts"']
-    if launch.node_count(spec) > 1:
-        mpirun += ["--mca", "plm_rsh_args", shlex.quote(f"-p {SSH_PORT}")]
-    # Worker pods are <leader pod>-<index> under the leader's subdomain (LWS' default Shared policy).
-    return "\n".join([
-        "set -eu",
-        f'hosts="${{LWS_LEADER_ADDRESS}}:{per}"',
-        "i=1",
-        'while [ "$i" -lt "${LWS_GROUP_SIZE}" ]; do',
-        f'  hosts="$hosts,${{LWS_LEADER_ADDRESS%%.*}}-$i.${{LWS_LEADER_ADDRESS#*.}}:{per}"',
-        "  i=$((i + 1))",
-        "done",
-        "exec " + " ".join(mpirun) + " " + serve,
-    ])
-
-
-def leader_worker_set(spec: DeploymentSpec, workspace: Workspace) -> dict:
+def server_container(spec: DeploymentSpec, workspace: Workspace) -> dict:
+    """The container serving the OpenAI port: trtllm-serve itself on one host, the leader's mpirun
+    (cluster.leader_script) on several."""
     from toolchain.plan.versions import TRITON_IMAGE
 
     _require_gpu_target(spec)
-    name = k8s_name(spec)
-    nodes = launch.node_count(spec)
     port = spec.llmapi.openai_port
-    gpus = {"nvidia.com/gpu": spec.gpu.per_node}
-    volumes, mounts = _volumes(spec, workspace, name, with_ssh=nodes > 1)
-    leader = {
-        "name": "leader", "image": TRITON_IMAGE, "command": ["/bin/bash", "-c", leader_command(spec, workspace)],
-        "ports": [{"name": "openai", "containerPort": port}],
-        "resources": {"limits": dict(gpus)},
-        # Ready once the model is loaded: trtllm-serve answers /health only after LLM() is up.
-        "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 10,
-                           "failureThreshold": 3},
-        "startupProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 10,
-                         "failureThreshold": max(1, int(spec.serving.startup_timeout_s // 10))},
-        "volumeMounts": mounts,
-    }
-    template_meta = {"labels": {"role": "leader"}}
-    lws_spec: dict = {
-        "replicas": 1,
-        "leaderWorkerTemplate": {
-            "size": nodes,
-            # A lost rank breaks the MPI world: restart the whole group, not one pod.
-            "restartPolicy": "RecreateGroupOnPodRestart",
-            "leaderTemplate": {"metadata": template_meta,
-                               "spec": {"containers": [leader], "volumes": volumes}},
-        },
-    }
-    if nodes > 1:
-        worker = {
-            "name": "worker", "image": TRITON_IMAGE,
-            "command": ["/bin/bash", "-c", f"mkdir -p /run/sshd && exec /usr/sbin/sshd -D -p {SSH_PORT}"],
-            "ports": [{"name": "ssh", "containerPort": SSH_PORT}],
-            "resources": {"limits": dict(gpus)},
-            "volumeMounts": mounts,
-        }
-        lws_spec["leaderWorkerTemplate"]["workerTemplate"] = {
-            "metadata": {"labels": {"role": "worker"}},
-            "spec": {"containers": [worker], "volumes": volumes}}
+    _, mounts = cluster.volumes(launch.container_mounts(spec, workspace))
+    serve = launch.trtllm_serve_command(spec, workspace, host=cluster.ALL_INTERFACES)
+    extra = cluster.probes(spec, port, HEALTH, HEALTH)
+    if not cluster.multi_node(spec):
+        return cluster.container("trtllm-serve", TRITON_IMAGE, serve, gpus=cluster.world_size(spec), mounts=mounts,
+                                 ports={"openai": port}, extra=extra)
+    tail = shlex.join(["-n", str(cluster.world_size(spec)), launch.LLMAPI_LAUNCH, *serve])
+    return cluster.container("leader", cluster.leader_image(), ["/bin/bash", "-c", cluster.leader_script(spec, tail)],
+                             gpus=cluster.tasks_per_node(spec), mounts=mounts, ports={"openai": port}, extra=extra)
+
+
+def kubernetes(spec: DeploymentSpec, workspace: Workspace) -> dict[str, str]:
+    server = server_container(spec, workspace)
+    vols, mounts = cluster.volumes(launch.container_mounts(spec, workspace))
+    note = (f"{cluster.world_size(spec)} rank(s) over {cluster.node_count(spec)} pod(s) of "
+            f"{cluster.tasks_per_node(spec)} GPU(s); the model, tokenizer and model_repo paths must exist on "
+            "every node (hostPath).")
+    texts: dict[str, str] = {}
+    if not cluster.multi_node(spec):
+        texts[FILES["deployment"]] = cluster.to_yaml([cluster.deployment(spec, server, vols)], spec, note)
     else:
-        # size 1: the leader alone; LWS still wants a worker template.
-        lws_spec["leaderWorkerTemplate"]["workerTemplate"] = {
-            "spec": {"containers": [dict(leader, name="worker")], "volumes": volumes}}
-    return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": {"name": name}, "spec": lws_spec}
-
-
-def service(spec: DeploymentSpec) -> dict:
-    """The OpenAI port of the leader pod (the only one serving)."""
-    _require_gpu_target(spec)
-    name = k8s_name(spec)
-    port = spec.llmapi.openai_port
-    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{name}-openai"},
-            "spec": {"selector": {LWS_NAME_LABEL: name, "role": "leader"},
-                     "ports": [{"name": "openai", "port": port, "targetPort": port, "protocol": "TCP"}]}}
-
-
-class _Dumper(yaml.SafeDumper):
-    """Plain YAML for people and kubectl: no anchors for the lists the two templates share, and
-    multi-line scripts as literal blocks."""
-
-    def ignore_aliases(self, data) -> bool:
-        return True
-
-
-def _str(dumper: yaml.SafeDumper, value: str):
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
-
-
-_Dumper.add_representer(str, _str)
-
-
-def _yaml(doc: dict, spec: DeploymentSpec, note: str) -> str:
-    head = (f"# Generated by `toolchain serve --manifests` from {spec.source or '<spec>'} "
-            f"(deployment '{spec.name}').\n# {note}\n")
-    return head + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=120)
+        lws = cluster.leader_worker_set(spec, server, vols, mounts)
+        texts[FILES["lws"]] = cluster.to_yaml([lws], spec, note + f"\nThe leader's image: see {cluster.LEADER_DOCKERFILE}.")
+        texts[FILES["rbac"]] = cluster.to_yaml(cluster.rbac(spec), spec, "What the leader's kubectl may do.")
+        texts[FILES["dockerfile"]] = cluster.leader_dockerfile()
+    service = cluster.service(spec, {"openai": spec.llmapi.openai_port})
+    texts[FILES["service"]] = cluster.to_yaml([service], spec, "The OpenAI port of the serving pod.")
+    return texts
 
 
 def manifests(spec: DeploymentSpec, workspace: Workspace) -> dict[str, str]:
     """File name -> text of every manifest."""
-    nodes = launch.node_count(spec)
-    note = (f"{launch.world_size(spec)} ranks over {nodes} pod(s) of {spec.gpu.per_node} GPUs; the model, tokenizer "
-            "and model_repo paths must exist on every node (hostPath).")
-    if nodes > 1:
-        note += (f"\n# Needs Secret {k8s_name(spec)}{SSH_SECRET_SUFFIX} (id_rsa, authorized_keys, config) for mpirun's "
-                 "ssh between the pods.")
-    return {
-        FILES["slurm"]: slurm_script(spec, workspace, "trtllm-serve"),
-        FILES["slurm_triton"]: slurm_script(spec, workspace, "triton"),
-        FILES["lws"]: _yaml(leader_worker_set(spec, workspace), spec, note),
-        FILES["service"]: _yaml(service(spec), spec, "Routes the OpenAI port to the LeaderWorkerSet's leader pod."),
-    }
+    return {FILES["slurm"]: slurm_script(spec, workspace, "trtllm-serve"),
+            FILES["slurm_triton"]: slurm_script(spec, workspace, "triton"),
+            **kubernetes(spec, workspace)}
 
 
 def write_manifests(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | str) -> list[Path]:
     """Write every manifest into `out_dir` (replaced as a whole, atomically); the paths written."""
-    from toolchain.fsutil import write_dir
-
-    return write_dir(out_dir, manifests(spec, workspace), option="--manifests", executable=(".sbatch",))
+    return cluster.write(out_dir, manifests(spec, workspace))

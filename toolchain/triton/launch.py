@@ -46,7 +46,7 @@ from pathlib import Path
 
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.plan.versions import TRITON_IMAGE, TRTLLM_VERSION
-from toolchain.triton import exposure, procgroup
+from toolchain.triton import cluster, exposure, procgroup
 from toolchain.triton.server import Endpoints, diagnose_log, free_port, is_ready, port_in_use, python_stubs
 
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
@@ -128,55 +128,57 @@ def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSE
 CONTAINER_KEY_FILE = "/run/secrets/triton-admin-key"
 
 
-def container_commands(spec, launch: LaunchCommand, mounts: list[Path]) -> dict[str, str]:
-    """A `docker run` and a `kubectl run` line that start `launch` in the NGC image
-    matching TensorRT-LLM 1.2. Paths are mounted at the same place, so the absolute
-    engine and tokenizer paths in the rendered configs hold inside the container.
-
-    With the administrative APIs restricted (`launch` built without a key), the key
-    reaches the container off the command line: docker gets `-e VAR` (the value
-    copied from docker's own environment) or the key file mounted read-only, and a
-    shell inside the container expands the reference into tritonserver's argv;
-    Kubernetes reads it from a Secret (`kubernetes_secret`, the line creating it)
-    and expands `$(VAR)` in the container command itself."""
+def docker_command(spec, argv: list[str], mounts: list, ports: list[int], env: dict[str, str] | None = None) -> str:
+    """A `docker run` line starting `argv` in the NGC image matching TensorRT-LLM 1.2, `mounts` at the
+    same place (so the absolute paths in the rendered configs hold inside the container), `ports`
+    published. Where argv holds exposure.PLACEHOLDER (the admin APIs restricted), the key reaches the
+    container off the command line: `-e VAR` (copied from docker's own environment) or the key file
+    mounted read-only, expanded into the argv by a shell inside the container."""
     s = spec.serving
-    # Metrics kept on loopback inside the container are unreachable through a published port.
-    metrics_private = exposure.is_loopback(exposure.metrics_host(s)) and not exposure.is_loopback(s.host)
-    published = [p for p in (s.http_port, s.grpc_port, None if metrics_private else s.metrics_port) if p]
     docker = ["docker", "run", "--rm", "--gpus", "all", "--ipc=host", "--shm-size=2g", "--ulimit", "memlock=-1",
               "--ulimit", "stack=67108864"]
-    for port in published:
+    for port in ports:
         docker += ["-p", f"{port}:{port}"]
-    for key, value in launch.env.items():
+    for key, value in (env or {}).items():
         docker += ["-e", f"{key}={value}"]
-    unique = sorted({str(Path(m)) for m in mounts})
-    for m in unique:
+    for m in sorted({str(Path(m)) for m in mounts}):
         docker += ["-v", f"{m}:{m}"]
-    command = list(launch.argv)
-    name = spec.name.lower().replace("_", "-").replace(".", "-")
-    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in launch.env.items()]
-    out: dict[str, Any] = {}
-    if launch.restricted:
+    command = list(argv)
+    if any(exposure.PLACEHOLDER in a for a in argv):
         if s.admin_key_file is not None:
             docker += ["-v", f"{s.admin_key_file}:{CONTAINER_KEY_FILE}:ro"]
             reference = exposure.shell_reference(s, CONTAINER_KEY_FILE)
         else:
             docker += ["-e", s.admin_key_env]
             reference = exposure.shell_reference(s)
-        command = ["sh", "-c", "exec " + shlex.join(launch.argv).replace(exposure.PLACEHOLDER, reference)]
-        secret = f"{name}-admin-key"
-        env.append({"name": s.admin_key_env, "valueFrom": {"secretKeyRef": {"name": secret, "key": "admin-key"}}})
-        out["kubernetes_secret"] = (f"printf %s {exposure.shell_reference(s)} | kubectl create secret generic "
-                                    f"{secret} --from-file=admin-key=/dev/stdin")
-    docker += [TRITON_IMAGE, *command]
+        command = ["sh", "-c", "exec " + shlex.join(argv).replace(exposure.PLACEHOLDER, reference)]
+    return shlex.join([*docker, TRITON_IMAGE, *command])
+
+
+def container_commands(spec, launch: LaunchCommand, mounts: list) -> dict[str, str]:
+    """A `docker run` (docker_command) and a `kubectl run` line that start `launch` in the NGC image
+    matching TensorRT-LLM 1.2. With the administrative APIs restricted (`launch` built without a
+    key), Kubernetes reads the key from a Secret (`kubernetes_secret`, the line creating it) and
+    expands `$(VAR)` in the container command itself. `toolchain serve --manifests` writes the
+    Deployment or LeaderWorkerSet with a Service and probes (triton/manifests.py)."""
+    s = spec.serving
+    # Metrics kept on loopback inside the container are unreachable through a published port.
+    metrics_private = exposure.is_loopback(exposure.metrics_host(s)) and not exposure.is_loopback(s.host)
+    published = [p for p in (s.http_port, s.grpc_port, None if metrics_private else s.metrics_port) if p]
+    unique = sorted({str(Path(m)) for m in mounts})
+    name = cluster.k8s_name(spec)
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in launch.env.items()]
+    out: dict[str, Any] = {}
+    if launch.restricted:
+        env += cluster.key_env(spec)
+        out["kubernetes_secret"] = cluster.secret_line(spec)
     container = {
         "name": name, "image": TRITON_IMAGE,
-        # Kubernetes expands $(VAR) in a container's command from its env (here: the Secret).
-        "command": [a.replace(exposure.PLACEHOLDER, f"$({s.admin_key_env})") for a in launch.argv],
+        "command": cluster.k8s_command(launch.argv, spec),
         "env": env,
         "ports": [{"containerPort": p} for p in published],
-        "resources": {"limits": {"nvidia.com/gpu": min(launch.world_size if launch.mode == "leader"
-                                                       else spec.parallelism.world_size, spec.gpu.per_node)}},
+        "resources": {"limits": {cluster.GPU_RESOURCE: min(launch.world_size if launch.mode == "leader"
+                                                           else spec.parallelism.world_size, spec.gpu.per_node)}},
         "volumeMounts": [{"name": f"v{i}", "mountPath": m} for i, m in enumerate(unique)]
                         + [{"name": "dshm", "mountPath": "/dev/shm"}],
     }
@@ -185,7 +187,8 @@ def container_commands(spec, launch: LaunchCommand, mounts: list[Path]) -> dict[
                           + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
     kubectl = ["kubectl", "run", name, f"--image={TRITON_IMAGE}", "--restart=Never",
                f"--overrides={json.dumps(overrides, separators=(',', ':'))}"]
-    return {"docker": shlex.join(docker), "kubernetes": shlex.join(kubectl), **out}
+    docker = docker_command(spec, launch.argv, mounts, published, launch.env)
+    return {"docker": docker, "kubernetes": shlex.join(kubectl), **out}
 
 
 def find_tools(spec, repo_dir: Path) -> tuple[str, str]:

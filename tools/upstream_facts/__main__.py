@@ -8,6 +8,7 @@ Sources (the checkouts are never committed):
   trtllm   NVIDIA/TensorRT-LLM at the 1.2 line: a directory holding the files each fact
            module names (the repository is too large to clone whole), with @COMMIT
   dynamo_wheel, dynamo   NVIDIA Dynamo 1.6.1 (see dynamo.py)
+  lws      kubernetes-sigs/lws, a git directory; the v1 API and the TensorRT-LLM example at v0.10.0
 
 Each module in this package with an `extract(sources)` function writes one fact file.
 Modules marked CURATED hold hand-read entries (each with path, line and a `quote`
@@ -31,6 +32,8 @@ REPOSITORIES = {"backend": "triton-inference-server/tensorrtllm_backend", "trtll
 # NVIDIA Dynamo: the installed 1.6.1 wheels (site-packages@1.6.1) and files of the GitHub repository gathered
 # one by one (DIR@main with .commits.json).
 REPOSITORIES.update({"dynamo_wheel": "pypi:ai-dynamo", "dynamo": "ai-dynamo/dynamo"})
+# LeaderWorkerSet: a git directory at a release tag (lws.py).
+REPOSITORIES["lws"] = "kubernetes-sigs/lws"
 FACTS_DIR = Path(__file__).resolve().parents[2] / "toolchain" / "upstream" / "facts"
 
 
