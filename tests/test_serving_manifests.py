@@ -336,3 +336,29 @@ def test_manifests_refuse_cpu_targets_and_spanning_orchestrator(tmp_path, capsys
     launch = launch_command(cluster.for_cluster(spec), Path("/repo"))
     assert launch.mode == "leader" and "--hostfile" not in launch.argv
     assert math.ceil(spec.parallelism.world_size / 4) == cluster.node_count(spec) == 2
+
+
+def test_draft_target_runs_its_orchestrator_line_on_one_host(tmp_path, capsys):
+    """Draft-target is one orchestrator process (TRTLLM_ORCHESTRATOR=1): the Slurm task and the pod run
+    the printed line itself; spanning hosts is refused in one line."""
+    spec_path = REPO / "build" / "qwen2.5-7b-draft-target.yaml"
+    root, out = tmp_path / "ws", tmp_path / "m"
+    assert _serve(root, spec_path, "--print") == 0
+    printed = capsys.readouterr().out.splitlines()[0]
+    assert printed.startswith("TRTLLM_ORCHESTRATOR=1 mpirun ")
+    argv = shlex.split(printed.replace('"${TRITON_ADMIN_KEY:?set TRITON_ADMIN_KEY to the admin key}"', "KEY"))[1:]
+    assert _serve(root, spec_path, "--manifests", str(out)) == 0
+    capsys.readouterr()
+    server = _container(_docs(out)["Deployment"])
+    assert [a.replace("$(TRITON_ADMIN_KEY)", "KEY") for a in server["command"]] == argv
+    assert {"name": "TRTLLM_ORCHESTRATOR", "value": "1"} in server["env"]
+    directives, srun = _sbatch((out / "triton.sbatch").read_text())
+    assert (directives["nodes"], directives["ntasks"]) == ("1", "1")
+    i = srun.index("env")
+    assert srun[i + 1] == "TRTLLM_ORCHESTRATOR=1" and [a.replace(
+        "${TRITON_ADMIN_KEY:?set TRITON_ADMIN_KEY to the admin key}", "KEY") for a in srun[i + 2:]] == argv
+    sets = ["--set", "parallelism.tp=8", "--set", "parallelism.gpus=8", "--set", "gpu.per_node=4"]
+    assert _serve(root, spec_path, "--manifests", str(tmp_path / "m2"), *sets) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: draft-target runs one orchestrator process, which cannot span 2 hosts")
+    assert not (tmp_path / "m2").exists()
