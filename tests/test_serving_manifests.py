@@ -279,6 +279,7 @@ def test_engine_lws_starts_ranks_over_kubectl_exec(tmp_path, capsys):
     assert leader["resources"]["limits"] == worker["resources"]["limits"] == {"nvidia.com/gpu": 4}
     script = leader["command"][2]
     _bash_n(script)
+    assert "$$" not in script  # Kubernetes would collapse it to "$" in a container command
     agent = re.search(r"<<'AGENT'\n(.*?)\nAGENT\n", script, re.S).group(1)
     _bash_n(agent, "sh")
     assert 'kubectl exec "$pod" -c worker --' in agent and worker["name"] == "worker"

@@ -9,8 +9,9 @@ Kubernetes: one host is a Deployment (Recreate: a rolling update would need a se
 several are a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1, field names in facts/lws.json, read
 from kubernetes-sigs/lws at v0.10.0) whose leader pod starts every rank with mpirun. Open MPI
 reaches the worker pods through an rsh agent that runs `kubectl exec`, as the LWS project's own
-TensorRT-LLM example does (docs/examples/tensorrt-llm: `-mca plm_rsh_agent kubessh`, kubectl added
-to the image, a Role allowing pods/exec); no sshd, no keys. The stock NGC image has no kubectl, so
+TensorRT-LLM example does (kubernetes-sigs/lws v0.10.0, 2161f38ff333f9e24d3c44adef7cd5d9787cac00,
+docs/examples/tensorrt-llm: build/server.py passes `-mca plm_rsh_agent kubessh`, build/Dockerfile adds
+kubectl to the image, rbac.yaml allows pods/exec; facts/lws.json `example`); no sshd, no keys. The stock NGC image has no kubectl, so
 the leader runs an image built from the shipped Dockerfile.leader (the pinned image plus kubectl);
 the worker pods run the stock image and only wait. A Service selects the serving pod; startup,
 readiness and liveness probes use the server's own health endpoints.

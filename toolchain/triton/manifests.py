@@ -6,8 +6,9 @@ Every rank runs the tritonserver arguments of `toolchain serve --print`'s mpirun
 
 * Slurm: `srun --mpi=pmix` with one task per rank in the pinned image, each task running its own
   segment of that line (rank 0 serves; the others load only the TensorRT-LLM models), the shared-memory
-  prefix numbered by $SLURM_PROCID, as tensorrtllm_backend's README runs tritonserver under Slurm
-  (`shm-region-prefix-name=prefix${SLURM_PROCID}_`). Orchestrator mode (draft-target) is one task
+  prefix numbered by $SLURM_PROCID, as triton-inference-server/tensorrtllm_backend's README.md
+  (39ba55a745266bbc50cf19af0f5dfcad1c939c12, "Launch the backend within Slurm based clusters") runs
+  tritonserver under `srun --mpi=pmix` (`shm-region-prefix-name=prefix${SLURM_PROCID}_`). Orchestrator mode (draft-target) is one task
   running the line itself.
 * Kubernetes, one host: the container command is the line. Several hosts: the LeaderWorkerSet's leader
   runs the line with the pods as mpirun's hosts (cluster.leader_script).
