@@ -186,7 +186,8 @@ def _multi_node(ctx: Context):
         return FAIL, f"gpu.hostfile {g.hostfile} does not exist"
     if world > g.per_node and g.hostfile is None:
         return FAIL, (f"tp x pp = {world} ranks exceed gpu.per_node {g.per_node}; list the hosts in gpu.hostfile "
-                      "(or raise gpu.per_node if one host has that many GPUs)")
+                      "(or raise gpu.per_node if one host has that many GPUs), or let Slurm or Kubernetes place "
+                      "the ranks: `toolchain serve SPEC --manifests DIR`")
     nodes = -(-world // g.per_node)
     return PASS, f"{world} rank(s) on {nodes} host(s)"
 
