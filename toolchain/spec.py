@@ -533,6 +533,12 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> list[tuple[str, str]]
     return pairs
 
 
+def apply_overrides(data: dict, items: list[str] | tuple[str, ...], origin: str) -> None:
+    """Apply `--set a.b=value` items to the raw mapping `data`, before validation."""
+    for key, value in parse_overrides(items):
+        _set_path(data, key, value, origin)
+
+
 def _format_validation_error(err: ValidationError, origin: str) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"]) or "<top level>"
@@ -588,8 +594,7 @@ def load_spec(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> 
         raise ToolchainError(f"malformed YAML in {path}{where}: {getattr(err, 'problem', err)}") from None
     if not isinstance(data, dict):
         raise ToolchainError(f"{path} must hold a mapping of sections (name, model, parallelism, ...)")
-    for key, value in parse_overrides(overrides):
-        _set_path(data, key, value, str(path))
+    apply_overrides(data, overrides, str(path))
     spec = spec_from_dict(data, path.parent.resolve(), str(path))
     spec.source = path.resolve()
     return spec

@@ -16,12 +16,20 @@ import json
 from pathlib import Path
 
 from toolchain.bench import metrics as M
+from toolchain.bench.deployment import title as deployment_title
 from toolchain.bench.records import RequestRecord
 from toolchain.fsutil import atomic_file
 
 LATENCY_KEYS = ("ttft_ms", "ttfr_ms", "ttst_ms", "tpot_ms", "itl_ms", "itl_per_token_ms", "e2e_ms", "e2e_final_ms",
                 "send_lag_ms", "ttft_sched_ms", "e2e_sched_ms")
 FEW_SAMPLES = 100
+# Rows the table drops when their figures are those of another row: ttfr is ttft when the first response
+# carries a token, e2e_final is e2e when the final flag rides on the last token, itl_per_token is itl
+# when every response carries one token. report.json keeps them all.
+SAME_AS = {"ttfr_ms": "ttft_ms", "e2e_final_ms": "e2e_ms", "itl_per_token_ms": "itl_ms"}
+# Schedule figures only mean something open loop: closed loop sends the moment a slot frees.
+SCHEDULE_KEYS = ("send_lag_ms", "ttft_sched_ms", "e2e_sched_ms")
+_STATS = ("mean", "p50", "p90", "p95", "p99", "min", "max")
 
 CSV_COLUMNS = ("index", "request_id", "level", "class", "session", "turn", "warmup", "isl", "max_tokens", "osl",
                "server_osl", "client_osl", "responses", "token_source", "t_sched_ms", "t_send_ms", "t_first_resp_ms",
@@ -43,8 +51,14 @@ def level_notes(metrics: dict, token_source: str, osl_mismatches: int, open_loop
         notes.append(f"{osl_mismatches} requests produced a token count other than max_tokens")
     check = metrics.get("token_count_check", {})
     if check.get("mismatches"):
+        used = {"server": "OSL, TPOT and throughput use the server's counts",
+                "server-total": "OSL and throughput use the server's totals (per-chunk splits are the tokenizer's)",
+                }.get(token_source, f"the figures use the {token_source} counts")
         notes.append(f"server and tokenizer token counts differ for {check['mismatches']} of "
-                     f"{check['requests_with_both']} requests ({check['server_total']} vs {check['client_total']})")
+                     f"{check['requests_with_both']} requests ({check['server_total']} vs {check['client_total']} "
+                     f"tokens): {used}; the tokenizer re-encodes the streamed text, which need not give back the "
+                     "generated ids (tokens merged or split at chunk joins, EOS and other special tokens that "
+                     "decode to no text)")
     lag = metrics["send_lag_ms"]
     if open_loop and lag["n"] and lag["mean"] is not None and lag["mean"] > 1.0:
         notes.append(f"mean send lag {lag['mean']:.2f} ms: the client fell behind its schedule; trust the "
@@ -141,6 +155,23 @@ def _console():
     return Console(width=max(110, shutil.get_terminal_size((110, 24)).columns))
 
 
+def table_keys(level: dict) -> tuple[list[str], list[str]]:
+    """The latency rows a level's table shows, and 'ttfr = ttft' for each row left out as a copy of another;
+    rows without samples, and the schedule rows of a closed-loop level, are left out too."""
+    closed = level["load"]["mode"] == "concurrency"
+    keys, same = [], []
+    for key in LATENCY_KEYS:
+        s = level.get(key)
+        if not s or not s["n"] or closed and key in SCHEDULE_KEYS:
+            continue
+        twin = level.get(SAME_AS.get(key, ""))
+        if twin and all(twin[c] == s[c] for c in (*_STATS, "n")):
+            same.append(f"{key.removesuffix('_ms')} = {SAME_AS[key].removesuffix('_ms')}")
+            continue
+        keys.append(key)
+    return keys, same
+
+
 def print_level(level: dict, console=None, title: str = "") -> None:
     from rich.table import Table
 
@@ -150,13 +181,13 @@ def print_level(level: dict, console=None, title: str = "") -> None:
     table.add_column("metric (ms)", no_wrap=True)
     for col in ("mean", "p50", "p90", "p95", "p99", "min", "max", "n"):
         table.add_column(col, justify="right", no_wrap=True)
-    for key in LATENCY_KEYS:
-        s = level.get(key)
-        if not s or not s["n"]:
-            continue
-        table.add_row(key.removesuffix("_ms"), *(_fmt(s[c]) for c in ("mean", "p50", "p90", "p95", "p99", "min", "max")),
-                      str(s["n"]))
+    keys, same = table_keys(level)
+    for key in keys:
+        s = level[key]
+        table.add_row(key.removesuffix("_ms"), *(_fmt(s[c]) for c in _STATS), str(s["n"]))
     console.print(table)
+    if same:
+        console.print(f"[dim]not shown, equal to another row: {', '.join(same)}[/dim]")
     gf = level["goodput_fraction"]
     console.print(
         f"requests {level['num_requests']} ok, {level['errors']} failed, {level['cancelled']} cancelled, "
@@ -199,6 +230,8 @@ def print_summary(report: dict, console=None) -> None:
                 ("TTFT p50", "ttft_p50_ms"), ("TTFT p99", "ttft_p99_ms"), ("TPOT p50", "tpot_p50_ms"),
                 ("TPOT p99", "tpot_p99_ms"), ("ITL p99", "itl_p99_ms"), ("E2E p99", "e2e_p99_ms"),
                 ("lag mean", "send_lag_mean_ms"), ("err", "errors"), ("SLO", "slo_passed")]
+        if all(r["mode"] == "concurrency" for r in rows):  # no schedule to lag behind
+            cols.remove(("lag mean", "send_lag_mean_ms"))
         for head, _ in cols:
             t.add_column(head, justify="right")
         for r in rows:
@@ -206,6 +239,9 @@ def print_summary(report: dict, console=None) -> None:
                         (f"{r[k]:g}" if k in ("load", "errors") else _fmt(r[k])) for _, k in cols))
         console.print(t)
         console.print(f"highest load meeting the SLOs: {_num(report['sweep']['max_load_meeting_slo'])}")
+    deployed = deployment_title(report.get("deployment"))
+    if deployed:
+        console.print(f"deployment: {deployed}")
     slo = report["slo"]
     for name, check in slo.items():
         if not isinstance(check, dict):

@@ -24,6 +24,7 @@ from toolchain.bench import metrics as M
 from toolchain.bench import schedule, servermetrics
 from toolchain.bench import slo as S
 from toolchain.bench.datasets import Plan
+from toolchain.bench.deployment import describe
 from toolchain.bench.loadgen import Runner
 from toolchain.bench.protocols import make_transport
 from toolchain.bench.report import build_report, level_notes, write_outputs
@@ -219,7 +220,7 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
     }
     run = {
         "tool": f"toolchain bench {__version__}",
-        "deployment": spec.name,
+        "deployment": describe(spec),
         "model": wl.endpoint,
         "url": transport.url,
         "protocol": wl.protocol,

@@ -18,6 +18,8 @@ from toolchain.errors import ToolchainError
 
 # command name -> module under toolchain.cli holding a Click command `command`
 COMMANDS = {
+    "init": "init",
+    "schema": "schema",
     "archs": "archs",
     "plan": "plan",
     "tiny-model": "tiny_model",

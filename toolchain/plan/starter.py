@@ -1,0 +1,135 @@
+"""A starting spec for a Hugging Face model directory (`toolchain init`).
+
+The spec names the model, the target, the GPU and the weight format the user
+chose; limits come from the model's context length; tensor parallelism is the
+smallest size the planner says fits. Before anything is written the spec is
+planned exactly as `toolchain plan` would plan it, so a written spec plans
+clean or nothing is written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, get_args
+
+import yaml
+
+from toolchain import gpus
+from toolchain.errors import ToolchainError
+from toolchain.fsutil import atomic_file
+from toolchain.spec import DeploymentSpec, QuantizationSection, spec_from_dict
+
+TARGETS: tuple[str, ...] = get_args(DeploymentSpec.model_fields["target"].annotation)
+QUANT_METHODS: tuple[str, ...] = get_args(QuantizationSection.model_fields["method"].annotation)
+GPU_TARGETS = ("trtllm", "llmapi")
+# Tensor-parallel sizes tried, smallest first, up to one node of `gpu.per_node` (8 by default).
+TP_SIZES = (1, 2, 4, 8)
+# Starting limits: the CPU engine on a small host wants short sequences; a GPU engine gets the
+# model's context up to 8k tokens, with half of it for the prompt.
+CPU_LIMITS = {"max_batch_size": 8, "max_seq_len": 1024, "max_num_tokens": 2048}
+GPU_LIMITS = {"max_batch_size": 32, "max_seq_len": 8192, "max_num_tokens": 8192}
+
+
+def default_name(source: str) -> str:
+    """A valid spec name from a directory or hub id: 'Qwen/Qwen2.5-0.5B-Instruct' -> 'qwen2.5-0.5b-instruct'."""
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(source.rstrip("/")).name).lower().lstrip("._-")
+    return base or "model"
+
+
+def _choice(kind: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ToolchainError(f"unknown {kind} '{value}'", f"use one of {', '.join(choices)}")
+    return value
+
+
+def resolve_options(target: str | None, gpu: str | None, quant: str) -> tuple[str, str | None, str]:
+    """Validated (target, canonical GPU name, quant method); every refusal names the valid choices."""
+    gpu_name = None
+    if gpu:
+        try:
+            gpu_name = gpus.lookup(gpu).name
+        except ToolchainError:
+            raise ToolchainError(f"unknown --gpu '{gpu}'", f"use one of {', '.join(g.name for g in gpus.GPUS)}, "
+                                 "or pass the nearest and correct it with gpu.memory_gib and gpu.sm") from None
+    target = _choice("--target", target or ("trtllm" if gpu_name else "cpu"), TARGETS)
+    quant = _choice("--quant", quant, QUANT_METHODS)
+    table = ", ".join(g.name for g in gpus.GPUS)
+    if target in GPU_TARGETS and gpu_name is None:
+        raise ToolchainError(f"target {target} runs on GPUs: the plan needs to know which",
+                             f"pass --gpu with one of {table}")
+    if target not in GPU_TARGETS and gpu_name is not None:
+        raise ToolchainError(f"--gpu applies to targets {', '.join(GPU_TARGETS)}; target {target} runs on this "
+                             "host's CPU and plans against its RAM", "drop --gpu, or pass --target trtllm")
+    return target, gpu_name, quant
+
+
+def _limits(hf_config: dict, on_cpu: bool) -> dict[str, int]:
+    base = CPU_LIMITS if on_cpu else GPU_LIMITS
+    context = hf_config.get("max_position_embeddings") or base["max_seq_len"]
+    seq = max(2, min(int(context), base["max_seq_len"]))
+    return {"max_batch_size": base["max_batch_size"], "max_input_len": seq // 2, "max_seq_len": seq,
+            "max_num_tokens": base["max_num_tokens"]}
+
+
+def spec_data(checkpoint: Path, spec_path: Path, *, name: str, target: str, gpu: str | None, quant: str,
+              hf_config: dict) -> dict[str, Any]:
+    on_cpu = target not in GPU_TARGETS
+    # Relative to the spec file (as load_spec resolves it), so the spec moves with its model.
+    rel = os.path.relpath(checkpoint.resolve(), spec_path.parent.resolve())
+    data: dict[str, Any] = {
+        "name": name, "target": target,
+        # The CPU engine computes in float32 (fp16 matmuls are slow on CPUs); GPUs take the HF dtype.
+        "model": {"checkpoint": rel, "dtype": "float32" if on_cpu else "auto"},
+        "parallelism": {"tp": 1, "pp": 1},
+        "limits": _limits(hf_config, on_cpu),
+    }
+    if gpu:
+        data["gpu"] = {"name": gpu}
+    if quant != "none":
+        data["quantization"] = {"method": quant}
+    return data
+
+
+def _plan(data: dict, spec_path: Path):
+    """The `toolchain plan` report of the spec `data` would be at `spec_path`."""
+    from toolchain.plan.preflight import build_context, run_checks
+    from toolchain.plan.render import report_dict
+
+    spec = spec_from_dict(data, spec_path.parent.resolve(), str(spec_path))
+    context = build_context(spec, "plan")
+    return report_dict(context, run_checks(context))
+
+
+def fit_parallelism(data: dict, spec_path: Path, source: str, sizes: tuple[int, ...] = TP_SIZES) -> dict:
+    """`data` with the smallest tensor-parallel size of `sizes` whose plan passes; refuses when none does,
+    with what the plan said at the largest."""
+    report = None
+    for tp in sizes:
+        data["parallelism"]["tp"] = tp
+        report = _plan(data, spec_path)
+        if report["ok"]:
+            return data
+    assert report is not None
+    failed = [f"{c['id']}: {c['message']}" for c in report["checks"] if c["id"] in report["failed_checks"]]
+    raise ToolchainError(f"no starting spec for {source} passes the plan at tp up to {data['parallelism']['tp']}: "
+                         + ("; ".join(failed) or report["verdict"]),
+                         "try another --quant or --gpu, or --set the fields named")
+
+
+def render(data: dict, source: str, architecture: str) -> str:
+    head = (f"# Starting spec written by `toolchain init` from {source} ({architecture}).\n"
+            "# It passed `toolchain plan` when written; every field and its default: docs/spec-reference.md\n"
+            "# (`toolchain schema` prints the JSON Schema for editors).\n")
+    return head + yaml.safe_dump(data, sort_keys=False)
+
+
+def refuse_existing(path: Path, force: bool, alternative: str) -> None:
+    if path.exists() and not force:
+        raise ToolchainError(f"{path} already exists", f"pass --force to overwrite it, {alternative}")
+
+
+def write_spec(path: Path, text: str) -> None:
+    with atomic_file(path) as fh:
+        fh.write(text)
