@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import write_spec
+from test_trtllm_build import calls, fake_build  # noqa: F401  (fake_build: the fake trtllm-build 1.2.1 on PATH)
 from toolchain.cli import main
 
 FREE_PORTS = {"http_port": 0, "grpc_port": 0, "metrics_port": 0}
@@ -63,6 +64,26 @@ def test_engine_path_takes_the_weights_convert_read(tmp_path, hf_llama_words, ca
     # The stages stay current: a second run reuses the engine rather than rebuilding it.
     rc, out, _ = _toolchain(root, "build-engine", spec, capsys=capsys)
     assert rc == 0 and "up to date, reused" in out, out
+
+
+def test_gpu_target_sequence_as_the_readme_runs_it(tmp_path, hf_llama_words, fake_build, capsys):  # noqa: F811
+    """target trtllm, as on the GPU host: trtllm-build reads the converted checkpoint, and the printed launch
+    lines mount the directory convert read (the tokenizer), not the config-only one."""
+    root = tmp_path / "ws"
+    planned = _config_only(hf_llama_words, tmp_path / "planned")
+    spec = write_spec(tmp_path / "spec.yaml", planned, name="gpuhost", target="trtllm", limits=LIMITS,
+                      build={"mpi": "never"}, gpu={"name": "H100 80GB"})
+    assert _toolchain(root, "convert", spec, "--set", f"model.checkpoint={hf_llama_words}")[0] == 0
+    capsys.readouterr()
+    for stage in ("build-engine", "model-repo"):
+        rc, _, err = _toolchain(root, stage, spec, capsys=capsys)
+        assert rc == 0, (stage, err)
+    [argv] = calls(fake_build)
+    assert argv[argv.index("--checkpoint_dir") + 1] == str(root / "engines/gpuhost/checkpoint")
+    rc, out, err = _toolchain(root, "serve", spec, "--print", capsys=capsys)
+    assert rc == 0, err
+    docker = next(line for line in out.splitlines() if line.startswith("docker run"))
+    assert f"-v {hf_llama_words.resolve()}:" in docker and f"-v {planned}:" not in docker
 
 
 @pytest.mark.e2e
