@@ -47,6 +47,9 @@ def printed_lines(capsys, root: Path, spec_path: Path) -> list[str]:
     out = _plan_lines(_run(capsys, root, "plan", spec_path))
     if spec.target == "trtllm":
         out += _run(capsys, root, "build-engine", spec_path, "--dry-run")
+        # The mpirun form of the build (one log per rank), whether or not mpirun is on this machine's PATH.
+        out += _plan_lines(_run(capsys, root, "plan", spec_path, "--set", "build.mpi=always"))
+        out += _run(capsys, root, "build-engine", spec_path, "--dry-run", "--set", "build.mpi=always")
     if spec.target in ("trtllm", "llmapi"):  # the GPU host's (on CPU, serve --print needs the rendered repository)
         out += _run(capsys, root, "serve", spec_path, "--print")
     if spec.target in ("llmapi", "llmapi-cpu"):
