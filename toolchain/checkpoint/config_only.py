@@ -15,14 +15,9 @@ import torch
 
 from toolchain.archs import load_params
 from toolchain.archs.common import NameTable, expected_shape
-from toolchain.checkpoint.hf_reader import INDEX, HFCheckpoint, TensorInfo
+from toolchain.checkpoint.hf_reader import HFCheckpoint, TensorInfo
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def has_weights(directory: Path | str) -> bool:
-    directory = Path(directory)
-    return (directory / INDEX).is_file() or any(directory.glob("*.safetensors"))
 
 
 class ConfigOnlyCheckpoint(HFCheckpoint):

@@ -20,7 +20,8 @@ from toolchain.archs.common import NameTable
 from toolchain.archs.params import ArchParams
 from toolchain.checkpoint import sharding
 from toolchain.checkpoint.config import build_config
-from toolchain.checkpoint.config_only import ConfigOnlyCheckpoint, has_weights
+from toolchain.checkpoint.config_only import ConfigOnlyCheckpoint
+from toolchain.weights_source import has_weights
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.checkpoint.layout import TORCH_DTYPES, Options, Plan, build_plan
 from toolchain.checkpoint.hf_quant import read_hf_quant_format

@@ -17,7 +17,7 @@ import torch
 
 from toolchain.errors import ToolchainError
 
-INDEX = "model.safetensors.index.json"
+from toolchain.weights_source import INDEX  # noqa: F401  (re-exported: the readers name it from here)
 
 # The safetensors format's own bound on the JSON header (MAX_HEADER_SIZE in the safetensors crate,
 # src/tensor.rs): checked before the header is read, so a file claiming a huge header costs no memory.
@@ -213,7 +213,8 @@ class HFCheckpoint:
         if not files:
             refuse_pickles(self.directory, str(self.directory))
             raise ToolchainError(f"no *.safetensors weights in {self.directory}",
-                                 "add the model.safetensors weights to the directory")
+                                 "add the model.safetensors weights to the directory, or convert from where they are "
+                                 "(`toolchain convert SPEC --set model.checkpoint=DIR`): later stages use what convert read")
         return files
 
     def _check_index(self, tensors: dict[str, TensorInfo]) -> None:

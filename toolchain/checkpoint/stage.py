@@ -26,6 +26,7 @@ from toolchain.gpus import lookup
 from toolchain.manifest import Manifest, current_manifest
 from toolchain.quant.recipe import Recipe
 from toolchain.spec import DeploymentSpec
+from toolchain.weights_source import source_record
 from toolchain.workspace import Workspace
 
 # Bump when the converter's output changes for the same inputs, so old
@@ -169,7 +170,7 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                           trust_remote_code=spec.model.trust_remote_code)
                 files = write_plan(plan, ckpt, tmp)
                 (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-                wanted.outputs = _outputs(plan, files)
+                wanted.outputs = {**_outputs(plan, files), "source": source_record(spec)}
                 wanted.seconds = round(time.monotonic() - start, 3)
                 wanted.write(tmp)
         except BaseException:

@@ -9,12 +9,17 @@ from pathlib import Path
 import click
 
 from toolchain.spec import load_spec
+from toolchain.weights_source import with_converted_source
 from toolchain.workspace import Workspace
 
 # Keyword arguments that make a command only print (or write out) what it would do: checks
 # then report instead of refusing, so a dry run always shows its commands. Writing manifests
 # for GPU hosts is printing: TensorRT-LLM need not be on the host that writes them.
 _DRY_FLAGS = ("dry_run", "print_only", "manifests_dir")
+# Stages that read the spec's model.checkpoint as written: `plan` plans from it (config.json is
+# enough) and `convert` converts it. Every later stage takes the weights `convert` recorded when
+# the spec's own directory holds none (toolchain/weights_source.py).
+_READS_OWN_CHECKPOINT = ("plan", "convert")
 
 
 class Context:
@@ -58,6 +63,10 @@ def spec_command(func):
         dry = any(kwargs.get(flag) for flag in _DRY_FLAGS)
         if stage == "plan":
             return func(ctx, spec, skip_checks=skip_checks, **kwargs)
+        if stage not in _READS_OWN_CHECKPOINT:
+            spec, note = with_converted_source(spec, ctx.workspace)
+            if note:
+                click.echo(f"note: {note}", err=True)
         preflight(ctx, spec, stage, skip_checks, dry)
         return func(ctx, spec, **kwargs)
 

@@ -8,7 +8,6 @@ writes the DynamoGraphDeployment and its ConfigMap.
 
 from __future__ import annotations
 
-import shlex
 import signal
 import time
 from pathlib import Path
@@ -103,11 +102,12 @@ def command(ctx: Context, spec: DeploymentSpec, workers: int | None, router: str
 
     deployment = DynamoDeployment(spec, ws, log_dir=ws.report_dir(spec) / "dynamo")
     if print_only:
-        env = {k: v for k, v in deployment.base_env(Path("$TMP")).items() if k.startswith("DYN_")}
-        click.echo("# environment: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))
-        click.echo(shlex.join(deployment.frontend_argv()) + " &")
-        for i in range(deployment.workers):
-            argv = deployment.worker_argv(Path("$TMP/engine"), Path("$TMP/engine-args.yaml"))
-            click.echo(f"DYN_SYSTEM_PORT=<port {i}> {shlex.join(argv)} &")
+        from toolchain.dynamo.launcher import DIR_VAR
+
+        click.echo(f"# Dynamo on this host as `toolchain dynamo` starts it ({deployment.workers} worker(s), router "
+                   f"{deployment.router}); paste into bash. Ports are free now; stop with: "
+                   f'kill %1 ... %{deployment.workers + 1}; rm -rf "${DIR_VAR}"')
+        for line in deployment.shell_lines():
+            click.echo(line)
         return
     _serve(deployment, timeout)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -40,6 +41,8 @@ from toolchain.workspace import Workspace
 
 HOST = "127.0.0.1"
 STOP_WAIT_S = 10.0
+# The shell variable naming the private directory in `shell_lines` (what start's temporary directory is).
+DIR_VAR = "DYNAMO_DIR"
 
 
 def runtime_env(name: str) -> str:
@@ -111,9 +114,10 @@ class DynamoDeployment:
         kv["free_gpu_memory_fraction"] = round(kv.get("free_gpu_memory_fraction", 0.9) / self.workers, 6)
         return {**args, "kv_cache_config": kv}
 
-    def frontend_argv(self) -> list[str]:
+    def frontend_argv(self, http_port: int | None = None) -> list[str]:
         f = flags.frontend
-        argv = [self.python, "-m", "dynamo.frontend", f("--http-host"), HOST, f("--http-port"), str(self.http_port),
+        port = self.http_port if http_port is None else http_port
+        argv = [self.python, "-m", "dynamo.frontend", f("--http-host"), HOST, f("--http-port"), str(port),
                 f("--router-mode"), self.router, f("--namespace"), self.spec.dynamo.namespace,
                 f("--discovery-backend"), "file", f("--request-plane"), "tcp", f("--event-plane"), "zmq",
                 f("--migration-limit"), str(self.spec.dynamo.migration_limit)]
@@ -129,18 +133,46 @@ class DynamoDeployment:
                 "--namespace", self.spec.dynamo.namespace, "--engine-threads", str(self.engine_threads),
                 "--work-dir", str(work_dir), "--kv-events" if self.kv_events else "--no-kv-events"]
 
-    def base_env(self, tmp: Path) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "NATS_", "ETCD_"))}
+    def own_env(self, tmp: Path) -> dict[str, str]:
+        """The variables the launcher sets for every process, over the inherited environment."""
         root = str(Path(__file__).resolve().parents[2])  # the children import this very toolchain
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        env.update({
+        return {
+            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
             _flag_env("--discovery-backend"): "file", runtime_env("DYN_FILE_KV"): str(tmp / "discovery"),
             _flag_env("--request-plane"): "tcp", _flag_env("--event-plane"): "zmq",
             runtime_env("DYN_TCP_RPC_HOST"): HOST, runtime_env("DYN_TCP_RESPONSE_STREAM_HOST"): HOST,
             runtime_env("DYN_EVENT_PLANE_HOST"): HOST, runtime_env("DYN_SYSTEM_HOST"): HOST,
             "HOME": str(tmp / "home"), "HF_HUB_OFFLINE": "1",
-        })
-        return env
+        }
+
+    def base_env(self, tmp: Path) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "NATS_", "ETCD_"))}
+        return {**env, **self.own_env(tmp)}
+
+    @staticmethod
+    def worker_env(port: int) -> dict[str, str]:
+        """A worker's own system server (health, /engine/stats) on `port`."""
+        return {runtime_env("DYN_SYSTEM_PORT"): str(port), runtime_env("DYN_SYSTEM_ENABLED"): "true"}
+
+    def shell_lines(self) -> list[str]:
+        """What `start` runs, as lines to paste into bash on this host: a private directory (shell variable
+        DIR_VAR) in place of start's temporary one, the engine-args YAML written there (as JSON, which YAML
+        reads), concrete ports (the frontend's from the spec, or one free now; each worker's system port free
+        now), and each worker converting into its own work directory (start converts once, before the workers)."""
+        tmp = Path("$" + DIR_VAR)
+        config = tmp / "engine-args.yaml"
+        http_port = self.http_port or free_port(HOST)
+        frontend = self.frontend_argv(http_port)
+        env = _shell_assignments(self.own_env(tmp))
+        lines = [f'{DIR_VAR}="$(mktemp -d)" && mkdir "${DIR_VAR}/home"',
+                 f"printf '%s\\n' {shlex.quote(json.dumps(self.engine_args()))} > {_shell_word(str(config))}",
+                 f"{env} {_shell_join(frontend)} &"]
+        ports: list[int] = []
+        for i in range(self.workers):
+            ports.append(system_port(exclude=ports + [http_port]))
+            argv = self.worker_argv(tmp / f"engine-{i}", config)
+            lines.append(f"{env} {_shell_assignments(self.worker_env(ports[-1]))} {_shell_join(argv)} &")
+        return lines
 
     # -- start / stop ----------------------------------------------------------------------------------------
 
@@ -179,7 +211,7 @@ class DynamoDeployment:
         self.frontend = _Proc("frontend", self.frontend_argv(), env, logs / "frontend.log")
         for i in range(self.workers):
             port = system_port()
-            wenv = dict(env, **{runtime_env("DYN_SYSTEM_PORT"): str(port), runtime_env("DYN_SYSTEM_ENABLED"): "true"})
+            wenv = dict(env, **self.worker_env(port))
             self.worker_procs.append(_Proc(f"worker{i}", self.worker_argv(work_dir, config), wenv,
                                            logs / f"worker{i}.log", system_port=port))
         for proc in [self.frontend, *self.worker_procs]:
@@ -276,14 +308,15 @@ class DynamoDeployment:
         self.stop()
 
 
-def system_port(tries: int = 200) -> int:
+def system_port(tries: int = 200, exclude: list[int] | tuple[int, ...] = ()) -> int:
     """A free port for a worker's system server: Dynamo 1.6.1 parses DYN_SYSTEM_PORT as a signed 16-bit value
-    ("expected i16"), so it must be below 32768, where the kernel's ephemeral range (free_port's) is not."""
+    ("expected i16"), so it must be below 32768, where the kernel's ephemeral range (free_port's) is not.
+    `exclude`: ports already handed out but not bound yet."""
     import random
 
     for _ in range(tries):
         port = random.randint(20000, 32767)
-        if not port_in_use(HOST, port):
+        if port not in exclude and not port_in_use(HOST, port):
             return port
     raise StageFailed("no free port below 32768 for a Dynamo worker's system server")
 
@@ -308,3 +341,21 @@ def failure_cause(log: Path) -> str:
         if line.startswith("error:") or "Error" in line or " ERROR " in line:
             return line[-300:]
     return lines[-1][-300:] if lines else "no output; see the log"
+
+
+def _shell_word(value: str) -> str:
+    """`value` quoted for bash; a path below $DIR_VAR in double quotes, so that the variable expands."""
+    head = "$" + DIR_VAR
+    if value == head or value.startswith(head + "/"):
+        rest = value[len(head):]
+        if not rest or shlex.quote(rest) == rest:  # nothing in it that double quotes would still expand
+            return f'"{value}"'
+    return shlex.quote(value)
+
+
+def _shell_join(argv: list[str]) -> str:
+    return " ".join(_shell_word(arg) for arg in argv)
+
+
+def _shell_assignments(env: dict[str, str]) -> str:
+    return " ".join(f"{key}={_shell_word(value)}" for key, value in sorted(env.items()))

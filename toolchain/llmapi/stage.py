@@ -21,6 +21,7 @@ from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir
 from toolchain.manifest import Manifest, current_manifest
 from toolchain.spec import DeploymentSpec
+from toolchain.weights_source import source_record
 from toolchain.workspace import Workspace
 
 STAGE = "convert"
@@ -86,6 +87,7 @@ def run_convert_llmapi(spec: DeploymentSpec, workspace: Workspace, force: bool =
         else:
             wanted.outputs = {"format": "hf", "quantized": False}
         wanted.outputs["model_dir"] = str(served_model_dir(spec, workspace))
+        wanted.outputs["source"] = source_record(spec)
         wanted.seconds = round(time.monotonic() - start, 3)
         wanted.write(tmp)
     return wanted
