@@ -25,7 +25,8 @@ UP = upstream.facts("dynamo")
 
 
 def gpu_spec(*overrides: str):
-    return load_spec(SPEC, ["target=llmapi", "parallelism.tp=2", *overrides])
+    # The shipped spec's port (8090) is for this host; the operator serves the frontend on 8000.
+    return load_spec(SPEC, ["target=llmapi", "parallelism.tp=2", "dynamo.http_port=8000", *overrides])
 
 
 @pytest.fixture
@@ -134,7 +135,7 @@ def test_rendered_commands_parse_with_dynamos_own_parsers(ws, monkeypatch):
         FrontendArgGroup().add_arguments(front)
         argv = render.frontend_command(spec)
         parsed = front.parse_args(argv[3:])
-        assert (parsed.router_mode, parsed.http_port, parsed.discovery_backend) == ("kv", 8090, "file")
+        assert (parsed.router_mode, parsed.http_port, parsed.discovery_backend) == ("kv", spec.dynamo.http_port, "file")
         worker = argparse.ArgumentParser(exit_on_error=False)
         DynamoRuntimeArgGroup().add_arguments(worker)
         DynamoTrtllmArgGroup().add_arguments(worker)
@@ -229,6 +230,19 @@ def test_bad_combinations_fail_in_one_line(overrides, needle):
     with pytest.raises(ToolchainError) as err:
         checks.check(spec)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_graph_deployment_refuses_a_port_the_operator_does_not_serve(ws):
+    """The operator runs the frontend on its fixed port 8000 (container port, DYN_HTTP_PORT, Service, probes):
+    a DynamoGraphDeployment for another dynamo.http_port is refused, not rendered as if it were honoured."""
+    assert manifests.graph_deployment(gpu_spec(), ws)["spec"]["services"]["Frontend"]
+    for port in (9000, 8090, 0):
+        with pytest.raises(ToolchainError) as err:
+            manifests.graph_deployment(gpu_spec(f"dynamo.http_port={port}"), ws)
+        assert f"dynamo.http_port {port}" in str(err.value) and "8000" in err.value.hint and "\n" not in str(err.value)
+    # The shell lines for GPU hosts honour it (--http-port).
+    argv = render.frontend_command(gpu_spec("dynamo.http_port=9000"))
+    assert argv[argv.index("--http-port") + 1] == "9000"
 
 
 def test_missing_dynamo_is_one_line_naming_make_dynamo(monkeypatch, capsys):
