@@ -16,6 +16,7 @@ import yaml
 from toolchain import upstream
 from toolchain.dynamo import checks, install, manifests, render
 from toolchain.errors import ToolchainError
+from toolchain.llmapi.args import serve_config
 from toolchain.spec import load_spec
 from toolchain.workspace import Workspace
 
@@ -199,7 +200,6 @@ def test_graph_deployment_is_laid_out_as_dynamos_examples(ws):
 
 
 def test_manifests_are_written_atomically_and_the_config_map_holds_the_llmapi_yaml(ws, tmp_path):
-    from toolchain.llmapi.args import serve_config
 
     spec = gpu_spec()
     out = tmp_path / "k8s"
@@ -224,6 +224,8 @@ def test_manifests_are_written_atomically_and_the_config_map_holds_the_llmapi_ya
     (("dynamo.disaggregated=true",), "KV-cache transfer"),
     (("target=llmapi", "parallelism.tp=8", "gpu.per_node=4"), "spans hosts"),
     (("llmapi.options={tensor_parallel_size: 2}",), "parallelism.tp"),
+    # A beta argument of 1.2.1 may differ in the TensorRT-LLM Dynamo 1.6.1 runs (1.3.0rc29).
+    (("target=llmapi", "llmapi.options={cuda_graph_config: {max_batch_size: 8}}"), "1.3.0rc29"),
 ])
 def test_bad_combinations_fail_in_one_line(overrides, needle):
     spec = load_spec(SPEC, list(overrides))
@@ -243,6 +245,20 @@ def test_graph_deployment_refuses_a_port_the_operator_does_not_serve(ws):
     # The shell lines for GPU hosts honour it (--http-port).
     argv = render.frontend_command(gpu_spec("dynamo.http_port=9000"))
     assert argv[argv.index("--http-port") + 1] == "9000"
+
+
+def test_engine_args_for_the_release_dynamo_runs_keep_committed_and_dynamo_set_keys():
+    """Dynamo 1.6.1 runs TensorRT-LLM 1.3.0rc29: the YAML keeps committed LLM() arguments and the keys Dynamo's worker
+    and its disaggregated configs set themselves, on target llmapi only (llmapi-cpu runs the CPU stand-in)."""
+    llm = upstream.facts("llmapi")["llm_args"]["fields"]
+    for overrides in ((), ("dynamo.disaggregated=true",), ("llmapi.options={kv_cache_config: {enable_partial_reuse: "
+                                                          "false}, enable_attention_dp: false}",)):
+        assert checks.runtime_release_problem(gpu_spec(*overrides)) is None
+    # The defaults the toolchain writes include non-committed keys only where Dynamo sets them itself.
+    derived = serve_config(gpu_spec())
+    assert {k for k in derived if llm[k].get("status")} <= checks.DYNAMO_WORKER_KEYS
+    cpu = load_spec(SPEC, ["llmapi.options={cuda_graph_config: {max_batch_size: 8}}"])
+    assert cpu.target == "llmapi-cpu" and checks.problems(cpu) == []
 
 
 def test_missing_dynamo_is_one_line_naming_make_dynamo(monkeypatch, capsys):
