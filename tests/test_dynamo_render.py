@@ -200,7 +200,6 @@ def test_graph_deployment_is_laid_out_as_dynamos_examples(ws):
 
 
 def test_manifests_are_written_atomically_and_the_config_map_holds_the_llmapi_yaml(ws, tmp_path):
-
     spec = gpu_spec()
     out = tmp_path / "k8s"
     paths = manifests.write_manifests(spec, ws, out)
