@@ -16,6 +16,7 @@ import yaml
 from toolchain import upstream
 from toolchain.dynamo import checks, install, manifests, render
 from toolchain.errors import ToolchainError
+from toolchain.llmapi.args import serve_config
 from toolchain.spec import load_spec
 from toolchain.workspace import Workspace
 
@@ -25,7 +26,8 @@ UP = upstream.facts("dynamo")
 
 
 def gpu_spec(*overrides: str):
-    return load_spec(SPEC, ["target=llmapi", "parallelism.tp=2", *overrides])
+    # The shipped spec's port (8090) is for this host; the operator serves the frontend on 8000.
+    return load_spec(SPEC, ["target=llmapi", "parallelism.tp=2", "dynamo.http_port=8000", *overrides])
 
 
 @pytest.fixture
@@ -134,7 +136,7 @@ def test_rendered_commands_parse_with_dynamos_own_parsers(ws, monkeypatch):
         FrontendArgGroup().add_arguments(front)
         argv = render.frontend_command(spec)
         parsed = front.parse_args(argv[3:])
-        assert (parsed.router_mode, parsed.http_port, parsed.discovery_backend) == ("kv", 8090, "file")
+        assert (parsed.router_mode, parsed.http_port, parsed.discovery_backend) == ("kv", spec.dynamo.http_port, "file")
         worker = argparse.ArgumentParser(exit_on_error=False)
         DynamoRuntimeArgGroup().add_arguments(worker)
         DynamoTrtllmArgGroup().add_arguments(worker)
@@ -198,8 +200,6 @@ def test_graph_deployment_is_laid_out_as_dynamos_examples(ws):
 
 
 def test_manifests_are_written_atomically_and_the_config_map_holds_the_llmapi_yaml(ws, tmp_path):
-    from toolchain.llmapi.args import serve_config
-
     spec = gpu_spec()
     out = tmp_path / "k8s"
     paths = manifests.write_manifests(spec, ws, out)
@@ -223,12 +223,41 @@ def test_manifests_are_written_atomically_and_the_config_map_holds_the_llmapi_ya
     (("dynamo.disaggregated=true",), "KV-cache transfer"),
     (("target=llmapi", "parallelism.tp=8", "gpu.per_node=4"), "spans hosts"),
     (("llmapi.options={tensor_parallel_size: 2}",), "parallelism.tp"),
+    # A beta argument of 1.2.1 may differ in the TensorRT-LLM Dynamo 1.6.1 runs (1.3.0rc29).
+    (("target=llmapi", "llmapi.options={cuda_graph_config: {max_batch_size: 8}}"), "1.3.0rc29"),
 ])
 def test_bad_combinations_fail_in_one_line(overrides, needle):
     spec = load_spec(SPEC, list(overrides))
     with pytest.raises(ToolchainError) as err:
         checks.check(spec)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_graph_deployment_refuses_a_port_the_operator_does_not_serve(ws):
+    """The operator runs the frontend on its fixed port 8000 (container port, DYN_HTTP_PORT, Service, probes):
+    a DynamoGraphDeployment for another dynamo.http_port is refused, not rendered as if it were honoured."""
+    assert manifests.graph_deployment(gpu_spec(), ws)["spec"]["services"]["Frontend"]
+    for port in (9000, 8090, 0):
+        with pytest.raises(ToolchainError) as err:
+            manifests.graph_deployment(gpu_spec(f"dynamo.http_port={port}"), ws)
+        assert f"dynamo.http_port {port}" in str(err.value) and "8000" in err.value.hint and "\n" not in str(err.value)
+    # The shell lines for GPU hosts honour it (--http-port).
+    argv = render.frontend_command(gpu_spec("dynamo.http_port=9000"))
+    assert argv[argv.index("--http-port") + 1] == "9000"
+
+
+def test_engine_args_for_the_release_dynamo_runs_keep_committed_and_dynamo_set_keys():
+    """Dynamo 1.6.1 runs TensorRT-LLM 1.3.0rc29: the YAML keeps committed LLM() arguments and the keys Dynamo's worker
+    and its disaggregated configs set themselves, on target llmapi only (llmapi-cpu runs the CPU stand-in)."""
+    llm = upstream.facts("llmapi")["llm_args"]["fields"]
+    for overrides in ((), ("dynamo.disaggregated=true",), ("llmapi.options={kv_cache_config: {enable_partial_reuse: "
+                                                          "false}, enable_attention_dp: false}",)):
+        assert checks.runtime_release_problem(gpu_spec(*overrides)) is None
+    # The defaults the toolchain writes include non-committed keys only where Dynamo sets them itself.
+    derived = serve_config(gpu_spec())
+    assert {k for k in derived if llm[k].get("status")} <= checks.DYNAMO_WORKER_KEYS
+    cpu = load_spec(SPEC, ["llmapi.options={cuda_graph_config: {max_batch_size: 8}}"])
+    assert cpu.target == "llmapi-cpu" and checks.problems(cpu) == []
 
 
 def test_missing_dynamo_is_one_line_naming_make_dynamo(monkeypatch, capsys):

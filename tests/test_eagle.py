@@ -28,9 +28,9 @@ NAMES = UP["names"]
 TREE = "{0}, {1}, {0, 0}, {0, 1}, {0, 0, 0}"  # 5 nodes, 3 levels
 
 
-def eagle_spec(root: Path, hf_dir: Path, draft: Path, *, target="trtllm", tp=1, pp=1, choices=TREE, **extra):
+def eagle_spec(root: Path, hf_dir: Path, draft: Path | None, *, target="trtllm", tp=1, pp=1, choices=TREE, **extra):
     root.mkdir(parents=True, exist_ok=True)
-    spec = {"mode": "eagle", "heads": str(draft), **({"choices": choices} if choices else {}),
+    spec = {"mode": "eagle", **({"heads": str(draft)} if draft else {}), **({"choices": choices} if choices else {}),
             **extra.pop("speculative", {})}
     return load_spec(write_spec(root / "spec.yaml", hf_dir, target=target, parallelism={"tp": tp, "pp": pp},
                                 speculative=spec, **extra))
@@ -202,3 +202,19 @@ def test_gpu_build_and_repository_carry_the_eagle_settings(tmp_path, hf_llama_wo
     pbtxt = next(Path(ws).glob("model_repo/*/tensorrt_llm/config.pbtxt")).read_text()
     assert 'key: "decoding_mode"' in pbtxt and 'string_value: "eagle"' in pbtxt
     assert f'string_value: "{TREE}"' in pbtxt
+
+
+def test_model_repo_and_serve_refuse_eagle_without_a_draft(tmp_path, hf_llama_words, capsys):
+    """As Medusa without heads: no repository saying decoding_mode eagle for an engine that has no
+    EagleNets (the backend would fall back to its 63-node default tree); one line naming the fix."""
+    from toolchain.cli import main
+
+    spec = eagle_spec(tmp_path, hf_llama_words, None, choices=None,
+                      serving={"http_port": 0, "grpc_port": 0, "metrics_port": 0})
+    assert spec.speculative.heads is None
+    ws = str(tmp_path / "ws")
+    for argv in (["model-repo", str(spec.source)], ["serve", str(spec.source)]):
+        assert main(["--root", ws, *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "spec.eagle-draft" in err and "set speculative.heads" in err, err
+    assert not (tmp_path / "ws" / "model_repo").exists()

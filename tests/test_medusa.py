@@ -95,6 +95,24 @@ def test_converted_checkpoint_has_upstream_names_config_and_tp_slices(tmp_path, 
         assert not full_lm[vocab:].any()  # vocab padding rows are zero
 
 
+@pytest.mark.parametrize("base", ["hf_llama_words", "hf_qwen2", "hf_mistral"])
+def test_config_names_the_base_model_type_medusa_picks_its_class_from(tmp_path, request, base):
+    """MedusaForCausalLm builds on QWen when model_type names qwen and on LLaMA otherwise
+    (facts medusa.json, rules base_from_model_type / config_from_model_type): the checkpoint
+    carries the base's Hugging Face model_type, and a Qwen2 base its qwen_type, as
+    examples/medusa/convert_checkpoint.py writes them."""
+    from toolchain.checkpoint.stage import plan_convert
+
+    hf_dir = request.getfixturevalue(base)
+    spec = medusa_spec(tmp_path, hf_dir, write_heads(tmp_path / "heads", hf_dir))
+    cfg = plan_convert(spec).config
+    hf_type = json.loads((hf_dir / "config.json").read_text())["model_type"]
+    assert cfg[facts("medusa")["config_keys"]["model_type"]] == hf_type
+    assert ("qwen" in cfg["model_type"]) == (base == "hf_qwen2")
+    if base == "hf_qwen2":
+        assert cfg["qwen_type"] == "qwen2"
+
+
 def test_quantized_base_keeps_the_heads_unquantized(tmp_path, hf_llama_words, heads):
     spec = medusa_spec(tmp_path, hf_llama_words, heads, quantization={"method": "int8_wo"})
     ws = Workspace(tmp_path)

@@ -200,6 +200,40 @@ def test_cpu_llm_runs_the_import_with_tp2_greedy_equal_to_tp1(export, tmp_path, 
     assert float((logits[2] - logits[1]).abs().max()) < 1e-2 * float(logits[1].abs().max())
 
 
+def test_cpu_llm_quantizes_an_fp8_kv_cache_with_unit_scales_as_the_pytorch_backend(export, tmp_path, monkeypatch):
+    """TensorRT-LLM 1.2.1's PyTorch backend keeps kv_cache_scaling_factor at 1.0 for an FP8 KV cache; the
+    checkpoint's calibrated k_scale / v_scale load only with TRTLLM_LOAD_KV_SCALES=1, and then only an NVFP4
+    KV cache uses them. The CPU stand-in of LLM() does the same, so its output predicts the GPU's."""
+    from toolchain.llmapi.cpu_llm import CpuLLM
+    from toolchain.workspace import Workspace
+
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _src, exported = export("llama", "fp8_kv")
+    # Activations past FP8's range (amax > 448) calibrate scales above 1; the tiny model's stay at 1.
+    hf = shutil.copytree(exported, tmp_path / "hf")
+    for f in hf.glob("*.safetensors"):
+        state = load_file(str(f))
+        save_file({n: torch.full_like(t, 3.0) if n.endswith(("k_scale", "v_scale")) else t for n, t in state.items()},
+                  str(f), metadata={"format": "pt"})
+    kv = {"free_gpu_memory_fraction": 0.5, "max_tokens": 1024, "dtype": "fp8"}
+    for env in (None, "1"):
+        if env is None:
+            monkeypatch.delenv("TRTLLM_LOAD_KV_SCALES", raising=False)
+        else:
+            monkeypatch.setenv("TRTLLM_LOAD_KV_SCALES", env)
+        work = tmp_path / f"env-{env}"
+        with CpuLLM(model=str(hf), backend="pytorch", max_batch_size=2, max_seq_len=64, max_num_tokens=128,
+                    kv_cache_config=kv, work_dir=work) as llm:
+            calibrated = rank_tensors(Workspace(work).checkpoint_dir(llm.spec), 0)
+            stored = [float(t) for n, t in calibrated.items() if n.endswith("attention.kv_cache_scaling_factor")]
+            assert stored == [3.0] * LAYERS  # the engine path's checkpoint keeps the calibrated scales
+            used = llm.engine.model.kv_scales
+            assert len(used) == LAYERS and all(float(s) == 1.0 for s in used.values())
+
+
 # -- refusals ------------------------------------------------------------------------------------
 
 def test_quantizing_an_imported_checkpoint_again_is_refused(export, tmp_path):

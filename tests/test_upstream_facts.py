@@ -64,6 +64,27 @@ def test_every_entry_names_repository_commit_path_and_line(name):
     assert upstream.cite(name, entries[0]).count("@") == 1
 
 
+@pytest.mark.parametrize("name", [n for n in FILES if any(
+    s["repository"] == "NVIDIA/TensorRT-LLM" for s in upstream.load(n)["sources"].values())])
+def test_tensorrt_llm_facts_say_whether_they_were_read_at_the_pinned_release(name):
+    """Every file read from TensorRT-LLM names the release the toolchain pins and whether the facts were read at it;
+    where not (the code index holds no 1.2.1 file), each entry's own commit is what it was read from."""
+    from toolchain.plan.versions import TRTLLM_VERSION
+
+    for src in upstream.load(name)["sources"].values():
+        if src["repository"] != "NVIDIA/TensorRT-LLM":
+            continue
+        pinned = src["pinned_release"]
+        assert pinned["version"] == TRTLLM_VERSION and isinstance(pinned["held_by_code_index"], bool)
+        assert pinned["held_by_code_index"] or (TRTLLM_VERSION in pinned["note"] and src.get("version") != TRTLLM_VERSION)
+        if pinned["held_by_code_index"]:
+            assert src.get("version") == TRTLLM_VERSION, src
+        # The note names the TensorRT-LLM commit the Triton containers of that release pin (containers.json).
+        pins = {r["tensorrt_llm_submodule"]["commit"] for r in upstream.facts("containers")["releases"].values()
+                if r["tensorrt_llm"] == TRTLLM_VERSION}
+        assert pins and all(commit in pinned["note"] for commit in pins), pins
+
+
 def test_fact_files_are_stable_json():
     """Written by tools.upstream_facts with a fixed layout, so a regeneration diff is readable."""
     for name in FILES:

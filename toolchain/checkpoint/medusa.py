@@ -139,12 +139,20 @@ def write_heads(heads: MedusaHeads, writers, dtype: str, tp: int) -> None:
                 w.write(trt, pieces[rank % tp].contiguous())
 
 
-def medusa_config(config: dict, heads: MedusaHeads, max_draft_len: int) -> dict:
+def medusa_config(config: dict, heads: MedusaHeads, max_draft_len: int, model_type: str) -> dict:
     """The base checkpoint's config as a MedusaForCausalLM one. A quantized base keeps the heads
-    unquantized, as upstream's ModelOpt path does (exclude_modules gains '*medusa_heads*')."""
+    unquantized, as upstream's ModelOpt path does (exclude_modules gains '*medusa_heads*').
+
+    `model_type` is the base's Hugging Face model_type: MedusaConfig and MedusaForCausalLm pick
+    QWen's config and model when it names qwen and LLaMA's otherwise, so without it a Qwen2 base
+    would build as LLaMA (no qkv bias). examples/medusa/convert_checkpoint.py writes it, and
+    qwen_type for qwen2, which the base Qwen config already holds (facts medusa.json, rules)."""
     keys = _upstream()["config_keys"]
     out = dict(config)
     out["architecture"] = _upstream()["architecture"]
+    out[keys["model_type"]] = model_type
+    if "qwen" in model_type and "qwen_type" not in out:
+        out["qwen_type"] = model_type
     out[keys["num_heads"]] = heads.num_heads
     out[keys["num_layers"]] = heads.num_layers
     out[keys["max_draft_len"]] = max_draft_len
@@ -198,6 +206,6 @@ def attach_heads(plan, spec) -> MedusaHeads:
                              f"set speculative.max_draft_len to {len(tree)} (or 0 to take the tree's size)")
     for rank, extra in enumerate(plan_heads(heads, plan.options.dtype, plan.options.tp, plan.options.world_size)):
         plan.ranks[rank].extend(extra)
-    plan.config = medusa_config(plan.config, heads, max_draft_len)
+    plan.config = medusa_config(plan.config, heads, max_draft_len, plan.family.name)
     plan.medusa = heads
     return heads

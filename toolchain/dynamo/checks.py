@@ -2,9 +2,49 @@
 
 from __future__ import annotations
 
+from toolchain import upstream
 from toolchain.dynamo import flags
 from toolchain.errors import ToolchainError
+from toolchain.llmapi.args import SECTIONS, known_args, options_problem, serve_config
 from toolchain.spec import DeploymentSpec
+
+# The keys Dynamo's disaggregated engine configs set beyond an aggregated one, per role (facts dynamo.json
+# examples engine_prefill / engine_decode).
+DISAGG_KEYS = ("cache_transceiver_config", "disable_overlap_scheduler")
+
+
+# Dynamo 1.6.1 runs TensorRT-LLM 1.3.0rc29 (facts dynamo.json release.trtllm_extra_pin), while the engine-args YAML is
+# checked against the 1.2 line's llm_args.py (facts llmapi.json); the code index holds no llm_args.py at v1.3.0rc29.
+# A key passes for 1.3.0rc29 when upstream promises it does not change or Dynamo 1.6.1 itself relies on it:
+# - a committed LLM() argument (no `status` in 1.2's llm_args.py): upstream's API policy keeps committed arguments
+#   consistent across releases, changing only prototype / beta / deprecated ones (NVIDIA/TensorRT-LLM
+#   docs/source/developer-guide/api-change.md, "API Types and Stability Guarantees");
+# - a key Dynamo 1.6.1's worker passes to LLM() itself (the ai-dynamo 1.6.1 wheel, dynamo/trtllm/workers/llm_worker.py,
+#   the arg_map it merges --extra-engine-args over);
+# - the disaggregation keys Dynamo's own prefill/decode engine configs set (DISAGG_KEYS).
+DYNAMO_WORKER_KEYS = frozenset({
+    "model", "scheduler_config", "tensor_parallel_size", "pipeline_parallel_size", "moe_expert_parallel_size",
+    "enable_attention_dp", "backend", "kv_cache_config", "gpus_per_node", "max_num_tokens", "max_seq_len",
+    "max_beam_width", "max_batch_size", "return_perf_metrics", "enable_iter_perf_stats", "kv_connector_config",
+    "load_format"})
+
+
+def runtime_release_problem(spec: DeploymentSpec) -> str | None:
+    """An engine-args key (target llmapi) that may differ in the TensorRT-LLM release Dynamo runs, or None."""
+    facts = upstream.facts("llmapi")
+    runtime = upstream.facts("dynamo")["release"]["trtllm_extra_pin"].split("==")[-1]
+    for key, value in serve_config(spec).items():
+        paths = [(key, (known_args().get(key) or {}).get("status"))]
+        if key in SECTIONS and isinstance(value, dict):
+            fields = facts[SECTIONS[key]].get("fields", {})
+            paths += [(f"{key}.{sub}", (fields.get(sub) or {}).get("status")) for sub in value]
+        for path, status in paths:
+            if status is None or path in DYNAMO_WORKER_KEYS or path in DISAGG_KEYS:
+                continue
+            return (f"llmapi.options.{path} is a {status} LLM-API argument in TensorRT-LLM 1.2.1, which upstream may "
+                    f"change between releases, and Dynamo runs TensorRT-LLM {runtime}; remove it for `toolchain "
+                    "dynamo` on target llmapi (trtllm-serve and Triton on 1.2.1 keep it)")
+    return None
 
 
 def problems(spec: DeploymentSpec) -> list[str]:
@@ -25,11 +65,13 @@ def problems(spec: DeploymentSpec) -> list[str]:
         out.append(f"one worker of tp x pp = {spec.parallelism.world_size} GPUs spans hosts (gpu.per_node "
                    f"{spec.gpu.per_node}); Dynamo's multinode workers are not rendered yet: keep tp x pp within a host")
     if spec.llmapi_path:
-        from toolchain.llmapi.args import options_problem
-
         why = options_problem(spec)
         if why:
             out.append(why)
+        elif spec.target == "llmapi":
+            why = runtime_release_problem(spec)
+            if why:
+                out.append(why)
     return out
 
 

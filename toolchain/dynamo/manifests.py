@@ -36,6 +36,11 @@ CONFIG_DIR = "/config"
 ENGINE_ARGS = "engine-args.yaml"
 FILES = {"graph": "dynamographdeployment.yaml", "config": "engine-args-configmap.yaml"}
 SERVICE_NAMES = {"agg": "TRTLLMWorker", "prefill": "TRTLLMPrefillWorker", "decode": "TRTLLMDecodeWorker"}
+# The operator fixes the frontend's port: container port "http" = DynamoServicePort 8000, DYN_HTTP_PORT and
+# DYNAMO_PORT set to it, probes and the frontend Service on it (ai-dynamo/dynamo@1aaffae0822996eff407ccf8eb1c43823e7c5713
+# deploy/operator/internal/dynamo/component_frontend.go; DynamoServicePort in deploy/operator/internal/consts/consts.go
+# @d195d280e13e5532510a1004ad8d8d06f2f8266a). Another dynamo.http_port cannot be honoured in the cluster.
+OPERATOR_HTTP_PORT = 8000
 
 
 def _env(flag: str, value: str) -> dict[str, str]:
@@ -68,6 +73,11 @@ def graph_deployment(spec: DeploymentSpec, workspace: Workspace) -> dict[str, An
         raise ToolchainError(f"the DynamoGraphDeployment is for target llmapi (GPU nodes), not {spec.target}",
                              "set target: llmapi (target llmapi-cpu serves on this host with `toolchain dynamo`)")
     check(spec)
+    if spec.dynamo.http_port != OPERATOR_HTTP_PORT:
+        raise ToolchainError(f"dynamo.http_port {spec.dynamo.http_port}: the Dynamo operator serves the frontend on "
+                             f"port {OPERATOR_HTTP_PORT} (its container port, Service and probes), whatever the "
+                             "graph says", f"set dynamo.http_port: {OPERATOR_HTTP_PORT} for --manifests, and reach "
+                             f"another port with `kubectl port-forward` to the frontend Service's {OPERATOR_HTTP_PORT}")
     image = spec.dynamo.image or IMAGE
     d = spec.dynamo
     frontend_env = [_env("--router-mode", d.router), _env("--migration-limit", str(d.migration_limit))]

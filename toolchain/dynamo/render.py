@@ -27,12 +27,10 @@ from typing import Any
 
 from toolchain import upstream
 from toolchain.dynamo import flags
-from toolchain.dynamo.checks import check
+from toolchain.dynamo.checks import DISAGG_KEYS, check
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
 
-# The keys Dynamo's disaggregated engine configs set beyond an aggregated one, per role.
-DISAGG_KEYS = ("cache_transceiver_config", "disable_overlap_scheduler")
 # dynamo.trtllm's components per role (dynamo/trtllm/args.py _default_endpoint): prefill workers register
 # under their own component, which is how the frontend tells the two tiers apart.
 COMPONENTS = {"agg": "backend", "decode": "backend", "prefill": "prefill"}

@@ -273,9 +273,17 @@ def load_engine(args: dict[str, Any], work_dir: Path, num_threads: int | None = 
     except ToolchainError as err:
         raise LlmArgsError(f"cannot load {spec.model.checkpoint}: {err}") from None
     s = spec.serving
+    # TensorRT-LLM 1.2.1's PyTorch backend quantizes an FP8 KV cache with scale 1.0: TrtllmAttention
+    # sets kv_cache_scaling_factor to [1.0] (tensorrt_llm/_torch/attention_backend/trtllm.py), and the
+    # checkpoint's calibrated k_scale / v_scale reach qkv_proj.kv_scales only with TRTLLM_LOAD_KV_SCALES=1
+    # (tensorrt_llm/_torch/modules/linear.py, FP8QDQLinearMethod: default "0" in the 1.2-era version the
+    # code index holds, "1" in later ones), and attention passes those to the kernel for an NVFP4 KV cache
+    # only (_torch/modules/attention.py, has_fp4_kv_cache). So the CPU stand-in ignores them too, whatever
+    # that variable says: a CPU evaluation then predicts the GPU's output, not the engine path's (which
+    # applies them as kv_cache_scaling_factor).
     engine = CpuEngine.load(ws.engine_dir(spec), num_threads=num_threads, kv_cache=KvCacheConfig(
         free_memory_fraction=s.kv_cache_free_gpu_mem_fraction, max_tokens=s.max_tokens_in_paged_kv_cache,
-        enable_block_reuse=spec.build.kv_cache_reuse))
+        enable_block_reuse=spec.build.kv_cache_reuse), unit_kv_scales=True)
     scheduler = SchedulerConfig(policy=s.batch_scheduler_policy, enable_chunked_context=spec.build.chunked_context)
     return engine, scheduler, spec
 

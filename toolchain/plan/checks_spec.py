@@ -79,7 +79,9 @@ def _medusa(ctx: Context):
                   f"{depth} deep")
 
 
-@check("spec.eagle-draft", ENGINE,
+# At model-repo and serve too: without a draft the repository would still say decoding_mode eagle and,
+# with no eagle_choices, the backend would fall back to its 63-node default tree (as spec.medusa-heads).
+@check("spec.eagle-draft", ENGINE + SERVING,
        "EAGLE needs a draft fitting the target, a Llama target, no quantization and a tree it can fill "
        "(TensorRT-LLM tensorrt_llm/models/eagle/, examples/eagle/README.md)", paths=ENGINE_PATH)
 def _eagle_draft(ctx: Context):

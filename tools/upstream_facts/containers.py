@@ -4,7 +4,9 @@ tensorrtllm_backend keeps one `rYY.MM` branch per Triton release; its
 dockerfile/Dockerfile.triton.trt_llm_backend pins the TensorRT-LLM branch it
 builds (`TENSORRTLLM_REPO_TAG`) and, from r25.09 on, the version
 (`TENSORRTLLM_VER`). Engines deserialize only in the TensorRT-LLM that built
-them, so the serving image is chosen from this table, not from memory.
+them, so the serving image is chosen from this table, not from memory. Each
+branch also pins its `tensorrt_llm` submodule (the repository in .gitmodules):
+the TensorRT-LLM source commit that release names.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ def _args(text: str) -> dict[str, dict]:
     return found
 
 
+def _submodule(src) -> dict | None:
+    commit = src.gitlink("tensorrt_llm")
+    if commit is None:
+        return None
+    m = re.search(r"url\s*=\s*(\S+)", src.read(".gitmodules"))
+    url = m.group(1) if m else None
+    repository = re.sub(r"^https://github\.com/|\.git$", "", url) if url else None
+    return {"repository": repository, "commit": commit, "path": ".gitmodules"}
+
+
 def extract(sources, previous=None):
     backend = sources["backend"]
     releases = {}
@@ -46,6 +58,7 @@ def extract(sources, previous=None):
             "tensorrt_llm_branch": args.get("TENSORRTLLM_REPO_TAG", {}).get("value"),
             "tensorrt": args.get("TRT_VER", {}).get("value"),
             "base_image": args.get("BASE_IMAGE", {}).get("value"),
+            "tensorrt_llm_submodule": _submodule(src),
             "source": "backend", "ref": branch, "commit": src.commit, "path": DOCKERFILE,
             "line": args["TENSORRTLLM_VER"]["line"],
         }

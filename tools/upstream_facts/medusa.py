@@ -15,6 +15,7 @@ from tools.upstream_facts.common import classes, document, keyword_defaults, sel
 SOURCES = {"trtllm": "0c8de69a1ca6213eebb20a51873890ff128666c2"}
 MODEL, CONFIG, WEIGHT = ("tensorrt_llm/models/medusa/model.py", "tensorrt_llm/models/medusa/config.py",
                          "tensorrt_llm/models/medusa/weight.py")
+CONVERT = "examples/medusa/convert_checkpoint.py"
 RULES = [
     {"rule": "architecture", "path": CONFIG, "quote": 'return cls(architecture="MedusaForCausalLM",'},
     {"rule": "hf_num_heads", "path": CONFIG, "quote": "'num_medusa_heads', None)"},
@@ -24,6 +25,14 @@ RULES = [
     {"rule": "hf_lm_head", "path": WEIGHT, "quote": 'lm = state_dict[f"{h}.{trt_llm_medusa.num_medusa_layers}.weight"]'},
     {"rule": "lm_head_padded", "path": MODEL, "quote": "vocab_size_padded = pad_vocab_size(self.vocab_size,"},
     {"rule": "column_parallel", "path": MODEL, "quote": "self.linear = ColumnLinear(hidden_size,"},
+    # The base model class and config follow the checkpoint's model_type (QWen's when it names qwen,
+    # else LLaMA's); the example converter writes model_type, and qwen_type for qwen2.
+    {"rule": "base_from_model_type", "path": MODEL,
+     "quote": '"model_type") and "qwen" in config.model_type else LLaMAForCausalLM'},
+    {"rule": "config_from_model_type", "path": CONFIG,
+     "quote": "generic_medusa_config = QWenConfig if 'qwen' in model_type else LLaMAConfig"},
+    {"rule": "model_type_written", "path": CONVERT, "quote": "'model_type': args.model_type,"},
+    {"rule": "qwen_type_written", "path": CONVERT, "quote": "config['qwen_type'] = args.model_type"},
 ]
 
 
@@ -50,7 +59,7 @@ def extract(sources, previous=None):
         "architecture": "MedusaForCausalLM",
         "config_params": config_params,
         "config_keys": {"num_heads": "num_medusa_heads", "num_layers": "num_medusa_layers",
-                        "max_draft_len": "max_draft_len"},
+                        "max_draft_len": "max_draft_len", "model_type": "model_type"},
         # The heads directory's config.json: MedusaConfig.from_hugging_face reads num_medusa_heads,
         # Medusa's own trainer and examples/medusa/convert_checkpoint.py medusa_num_heads.
         "hf_config_keys": {"num_heads": "num_medusa_heads", "num_heads_trainer": "medusa_num_heads",

@@ -13,6 +13,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+# The TensorRT-LLM release the toolchain targets, and why no fact is read at it: what a reader of a fact file needs
+# to weigh the commits the entries name (checked 2026-12 with the code index and tensorrtllm_backend's history).
+PINNED_TRTLLM_RELEASE = {
+    "version": "1.2.1",
+    "held_by_code_index": False,
+    "note": ("The code index stores no NVIDIA/TensorRT-LLM file at release 1.2.1: its tensorrt_llm/version.py "
+             "versions say 1.0.0rc4 and 1.2.0rc2, and no stored file names 1.2.1. Triton's 26.04 container "
+             "(tensorrtllm_backend r26.04, built from TensorRT-LLM's release/1.2.1 branch) pins the tensorrt_llm "
+             "submodule at triton-inference-server/TensorRT-LLM 2fdb9e66302b15db9a9b5e71d3ac45d5921ea45d (before "
+             "it 376f7e1bd8ed543f75014309e3fd4b237e9b0e73; r26.05 to r26.07 at "
+             "ca88df0a400515b8206a19eb30cd047eb7661035, facts containers.json), commits the index does not store "
+             "either. So every "
+             "fact names the commit of the stored file it was read from, and `version` (where present) is the "
+             "version file gathered with them; no fact here is read at 1.2.1 itself."),
+}
+
+
 @dataclass(frozen=True)
 class Source:
     name: str
@@ -46,6 +63,12 @@ class Source:
                                   capture_output=True, text=True, check=True).stdout
         return (self.root / path).read_text()
 
+    def gitlink(self, path: str) -> str | None:
+        """The commit a git source's submodule at `path` points to, or None where there is none."""
+        out = subprocess.run(["git", "--git-dir", str(_git_dir(self.root)), "ls-tree", self.commit, path],
+                             capture_output=True, text=True, check=True).stdout.split()
+        return out[2] if len(out) >= 3 and out[1] == "commit" else None
+
     def branches(self, pattern: str) -> list[str]:
         """Branch names of a git source matching the regular expression `pattern`, in order."""
         out = subprocess.run(["git", "--git-dir", str(_git_dir(self.root)), "for-each-ref", "--format=%(refname:short)",
@@ -72,6 +95,8 @@ class Source:
                 out["version"] = m.group(1)
         except (OSError, subprocess.CalledProcessError):
             pass
+        if self.repository == "NVIDIA/TensorRT-LLM":
+            out["pinned_release"] = dict(PINNED_TRTLLM_RELEASE)
         return out
 
 

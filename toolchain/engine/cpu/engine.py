@@ -245,7 +245,7 @@ class CpuEngine:
     @classmethod
     def load(cls, engine_dir: Path | str, *, num_threads: int | None = None,
              kv_cache: KvCacheConfig | None = None, medusa_choices: list[list[int]] | None = None,
-             comm: Comm | None = None) -> "CpuEngine":
+             comm: Comm | None = None, unit_kv_scales: bool = False) -> "CpuEngine":
         """Load and validate an engine directory.
 
         `num_threads` sets torch's intra-op threads for the whole process (None
@@ -254,7 +254,8 @@ class CpuEngine:
         tokens_per_block and its budget 90% of the memory available once the
         weights are loaded, capped (when kv_cache.max_tokens is unset) at
         CPU_POOL_BATCHES full batches of max_seq_len (kv_cache.py says why). With `comm` this process is rank 0 of rank processes
-        (ranks.py): it loads its own shard and leads the others through each step.
+        (ranks.py): it loads its own shard and leads the others through each step. `unit_kv_scales`
+        quantizes an INT8/FP8 KV cache with scale 1.0 instead of the checkpoint's (Model.use_unit_kv_scales).
         """
         if num_threads == 0:  # every core the host lets this process use
             num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -267,6 +268,8 @@ class CpuEngine:
                                  "serve this engine in one process (serving.launch: single)")
         model = Model(dims, load_own_stage(engine_dir, dims, comm.rank) if comm else load_stages(engine_dir, dims),
                       comm)
+        if unit_kv_scales:
+            model.use_unit_kv_scales()
         kv_cache = kv_cache or KvCacheConfig()
         if kv_cache.max_tokens is None:
             kv_cache = dataclasses.replace(kv_cache, max_tokens=cpu_default_max_tokens(limits.max_batch_size,

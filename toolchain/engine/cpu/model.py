@@ -145,6 +145,11 @@ class Model:
                           for p, shards in enumerate(stages) for s in shards
                           for i, layer in enumerate(s.layers) if layer.kv_scale is not None}
 
+    def use_unit_kv_scales(self) -> None:
+        """Quantize the KV cache with scale 1.0 instead of the checkpoint's calibrated ones: what
+        TensorRT-LLM's PyTorch backend does with an FP8 KV cache (see toolchain/llmapi/cpu_llm.py)."""
+        self.kv_scales = {key: torch.ones_like(scale) for key, scale in self.kv_scales.items()}
+
     # -- the stages ---------------------------------------------------------
 
     def forward(self, chunks: list[Chunk], kv: KvCacheManager) -> list[torch.Tensor | None]:
