@@ -306,11 +306,14 @@ class BuildSection(_Section):
     trtllm_build: Path | None = None
     """trtllm-build executable (target trtllm); default: `trtllm-build` on PATH."""
     workers: int = Field(0, ge=0, le=64)
-    """Ranks built in parallel (trtllm-build --workers); 0 = one per rank, bounded by host RAM (two rank checkpoints per worker)."""
+    """Ranks built in parallel (trtllm-build --workers); 0 = one per rank, bounded by build.host_memory_gib (two rank
+    checkpoints per worker), 1 when that is unset."""
     mpi: Literal["auto", "always", "never"] = "auto"
-    """Build one rank per MPI process with one log per rank; `auto` does so when tp x pp > 1 and mpirun is on PATH."""
+    """Build one rank per MPI process with one log per rank; `auto` does so when tp x pp > 1 (the printed line always;
+    build-engine on a host without mpirun falls back to one process with --workers)."""
     host_memory_gib: float | None = Field(None, gt=0)
-    """RAM of the build host in GiB, for the --workers bound; default: this machine's."""
+    """RAM of the build host in GiB, for the --workers bound and the build.host-ram check; unset: --workers 1
+    (trtllm-build's default) and the check only warns, whatever machine plans."""
     gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "disable"] = "auto"
     """--gemm_plugin: `auto` (model dtype) suits fp16/bf16 models and the unquantized GEMMs (lm_head) of quantized ones."""
     context_fmha: bool = True
