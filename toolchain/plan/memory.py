@@ -48,7 +48,7 @@ def padded_vocab(p: ArchParams, tp: int) -> int:
 def mlp_width(p: ArchParams, tp: int, quant: QuantFormat | None = None) -> int:
     """The intermediate size the checkpoint holds: per-group int4 pads it with zero channels to a
     multiple of max(64, g) x tp, as trtllm-build's WeightOnlyGroupwiseQuantLinear/RowLinear pad
-    their in/out features (TensorRT-LLM tensorrt_llm/quantization/layers.py) and convert does."""
+    their in/out features (TensorRT-LLM tensorrt_llm/quantization/layers.py at 2340c776) and convert does."""
     if quant is None or not quant.per_group:
         return p.intermediate_size
     m = per_group_multiple(quant.group_size, tp)
