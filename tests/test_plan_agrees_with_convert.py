@@ -223,7 +223,15 @@ def test_gpu_host_lines_do_not_depend_on_this_machine(tmp_path, capsys, monkeypa
     assert seen[0][1][0] == "warn" and "build.host_memory_gib" in seen[0][1][1]
 
 
-def test_readme_70b_build_line_is_what_plan_prints(tmp_path, capsys):
+@pytest.mark.parametrize("with_mpirun", [False, True])
+def test_readme_70b_build_line_is_what_plan_prints(tmp_path, capsys, monkeypatch, with_mpirun):
+    """On a laptop with or without mpirun (make demo installs one for the CPU ranks)."""
+    if with_mpirun:
+        fake = tmp_path / "bin"
+        fake.mkdir()
+        (fake / "mpirun").write_text("#!/bin/sh\nexit 0\n")
+        (fake / "mpirun").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
     readme = (REPO / "README.md").read_text()
     block = readme[readme.index("$ toolchain plan build/llama3-70b-tp4pp2.yaml"):]
     line = block.split("\nbuild:\n", 1)[1].splitlines()[0].strip()

@@ -46,7 +46,8 @@ class ParallelismSection(_Section):
     pp: int = Field(1, ge=1, le=64)
     """Pipeline-parallel size: the decoder layers are split into this many stages."""
     gpus: int | None = Field(None, ge=1)
-    """GPUs available to the deployment; when given, tp x pp must not exceed it."""
+    """GPUs available to the deployment; unset, tp x pp. When given, tp x pp must not exceed it (plan suggests no
+    larger tp)."""
     parallel_embedding: bool = False
     """Shard the input embedding over the TP ranks (TRT-LLM `use_parallel_embedding`)."""
     embedding_sharding_dim: Literal[0, 1] = 0

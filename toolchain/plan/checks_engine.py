@@ -295,11 +295,12 @@ def _group_padding(ctx: Context):
     if ctx.spec.llmapi_path:
         check_pytorch_per_group(shape, q.group_size, tp)  # a ToolchainError is this check's FAIL
         return PASS, f"every per-rank input width splits into whole groups of {q.group_size}"
+    field = "a checkpoint quantized with group size" if q.stored else "quantization.group_size"
     try:  # the converter's own rule, so plan and convert agree
-        padded = check_per_group(shape, q.group_size, tp, "quantization.group_size")
+        padded = check_per_group(shape, q.group_size, tp, field)
     except ToolchainError as err:
         good = [f"tp {t}" for t in (1, 2, 4, 8) if t != tp and _tp_ok(p, t) and _per_group_ok(shape, q.group_size, t)]
-        if q.group_size == 128 and _per_group_ok(shape, 64, tp):
+        if q.group_size == 128 and not q.stored and _per_group_ok(shape, 64, tp):
             good.append("quantization.group_size=64")
         return FAIL, f"{err.message}; use {' or '.join(good) or 'another quantization.method'}"
     if padded != p.intermediate_size:
@@ -373,7 +374,8 @@ def _blackwell(ctx: Context):
     q, dev = ctx.quant, ctx.device
     if dev is None or dev.sm is None or not 100 <= dev.sm < 120:
         return PASS, "not a Blackwell GPU"
-    bad = ([f"quantization.method={q.method}"] if q.integer else []) + \
+    weights = f"the checkpoint's stored {q.stored.upper()} int4" if q.stored else f"quantization.method={q.method}"
+    bad = ([weights] if q.integer else []) + \
           (["quantization.kv_cache=int8"] if q.kv_cache == "int8" else [])
     if bad:
         return FAIL, f"SM {dev.sm} (Blackwell) cannot build {' and '.join(bad)}; use fp8 (or NVFP4) instead"
