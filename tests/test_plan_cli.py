@@ -36,6 +36,9 @@ def test_examples_plan_as_json(tmp_path, capsys, name):
     assert report["build_commands"]
     for line in report["build_commands"]:
         argv = shlex.split(line)
+        if report["parallelism"]["world_size"] > 1:  # one MPI process per rank, whatever this PATH holds
+            assert argv[:2] == ["mpirun", "--allow-run-as-root"]
+            argv = argv[argv.index("trtllm-build"):]
         assert argv[0] == "trtllm-build"
         trtllm.validate(argv[1:])  # every flag and value from the 1.2 table
     assert report["launch_command"].split()[0] in ("mpirun", "TRTLLM_ORCHESTRATOR=1")
@@ -82,7 +85,8 @@ def test_text_output_has_table_commands_and_checks(tmp_path, capsys):
     assert plan(tmp_path, REPO / "build" / "llama3-70b-sq-tp4pp2.yaml") == 0
     out = capsys.readouterr().out
     assert "rank  tp  pp  layers" in out and "KV B/token" in out and "estimates" in out
-    assert "\n  trtllm-build --checkpoint_dir" in out and "--use_paged_context_fmha disable" in out
+    assert "\n  mpirun --allow-run-as-root -n 8 bash -c " in out and " trtllm-build --checkpoint_dir" in out
+    assert "--use_paged_context_fmha disable" in out
     assert "\nlaunch:\n  mpirun --allow-run-as-root" in out and out.count(" : -n 1 ") == 7
     assert "PASS  kv.int8-disables-paged-fmha" in out and "verdict: fits" in out
 

@@ -140,7 +140,9 @@ TRIGGERS = {
     "arch.supported": ({"model": {"checkpoint": str(CONFIGS / "mistral-7b-instruct-v0.3")}},
                        {"setup": "unregister-mistral"}, WARN),
     "quant.group-size": ({}, {"quant": QuantFormat("awq", group_size=32)}, FAIL),
-    "quant.group-padding": ({"parallelism": {"tp": 4}}, {"quant": QuantFormat("awq"), "setup": use_config(LLAMA2_7B)},
+    # an MLP that is not whole groups of 128 (padding would split a group): convert refuses it too
+    "quant.group-padding": ({"parallelism": {"tp": 4}},
+                            {"quant": QuantFormat("awq"), "setup": use_config({**LLAMA2_7B, "intermediate_size": 11000})},
                             FAIL),
     "quant.weight-only-padding": ({"parallelism": {"tp": 8}},
                                   {"quant": QuantFormat("int8_wo"), "setup": use_config(LLAMA2_7B)}, FAIL),

@@ -53,7 +53,8 @@ def fake_module() -> dict:
 
 
 def test_build_runs_trtllm_build_with_the_table_flags(tmp_path, hf_llama, fake_build, capsys):
-    spec = trt_spec(tmp_path, hf_llama, parallelism={"tp": 2},
+    # --workers one per rank as build.host_memory_gib allows (unset: 1, whatever this machine has)
+    spec = trt_spec(tmp_path, hf_llama, parallelism={"tp": 2}, build={"host_memory_gib": 64},
                     limits={"max_batch_size": 4, "max_input_len": 100, "max_seq_len": 200, "max_num_tokens": 300})
     assert build(tmp_path, spec) == 0, capsys.readouterr().err
     engine = tmp_path / "ws" / "engines" / "test-model" / "engine"

@@ -46,7 +46,8 @@ class ParallelismSection(_Section):
     pp: int = Field(1, ge=1, le=64)
     """Pipeline-parallel size: the decoder layers are split into this many stages."""
     gpus: int | None = Field(None, ge=1)
-    """GPUs available to the deployment; when given, tp x pp must not exceed it."""
+    """GPUs available to the deployment; unset, tp x pp. When given, tp x pp must not exceed it (plan suggests no
+    larger tp)."""
     parallel_embedding: bool = False
     """Shard the input embedding over the TP ranks (TRT-LLM `use_parallel_embedding`)."""
     embedding_sharding_dim: Literal[0, 1] = 0
@@ -306,11 +307,14 @@ class BuildSection(_Section):
     trtllm_build: Path | None = None
     """trtllm-build executable (target trtllm); default: `trtllm-build` on PATH."""
     workers: int = Field(0, ge=0, le=64)
-    """Ranks built in parallel (trtllm-build --workers); 0 = one per rank, bounded by host RAM (two rank checkpoints per worker)."""
+    """Ranks built in parallel (trtllm-build --workers); 0 = one per rank, bounded by build.host_memory_gib (two rank
+    checkpoints per worker), 1 when that is unset."""
     mpi: Literal["auto", "always", "never"] = "auto"
-    """Build one rank per MPI process with one log per rank; `auto` does so when tp x pp > 1 and mpirun is on PATH."""
+    """Build one rank per MPI process with one log per rank; `auto` does so when tp x pp > 1 (the printed line always;
+    build-engine on a host without mpirun falls back to one process with --workers)."""
     host_memory_gib: float | None = Field(None, gt=0)
-    """RAM of the build host in GiB, for the --workers bound; default: this machine's."""
+    """RAM of the build host in GiB, for the --workers bound and the build.host-ram check; unset: --workers 1
+    (trtllm-build's default) and the check only warns, whatever machine plans."""
     gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "disable"] = "auto"
     """--gemm_plugin: `auto` (model dtype) suits fp16/bf16 models and the unquantized GEMMs (lm_head) of quantized ones."""
     context_fmha: bool = True

@@ -181,6 +181,18 @@ def normalize_dtype(value: Any, origin: str = "config.json") -> str | None:
     return DTYPES[name]
 
 
+def engine_dtype(requested: str, source: str | None, target: str) -> str:
+    """The dtype convert writes and the planner plans. TensorRT-LLM's `infer_dtype`
+    (tensorrt_llm/models/convert_utils.py, called by LLaMAConfig.from_hugging_face and the other
+    model configs) resolves only "auto": the checkpoint's torch_dtype, float16 when it has none,
+    and float32 narrowed to float16 for GPU engines; an explicit dtype is kept as given. Target
+    cpu keeps float32 (fp16 matmuls on a CPU are slow and lossy for no gain)."""
+    if requested != "auto":
+        return requested
+    dtype = source or "float16"
+    return "float16" if dtype == "float32" and target == "trtllm" else dtype
+
+
 def normalize_params(cfg: dict, family: Any, origin: str = "config.json") -> ArchParams:
     """ArchParams for `cfg`, an HF config.json dict of `family`."""
     defaults = dict(family.defaults)

@@ -17,7 +17,7 @@ import torch
 
 from toolchain.archs import load_params
 from toolchain.archs.common import NameTable
-from toolchain.archs.params import ArchParams
+from toolchain.archs.params import ArchParams, engine_dtype
 from toolchain.checkpoint import sharding
 from toolchain.checkpoint.config import build_config
 from toolchain.checkpoint.config_only import ConfigOnlyCheckpoint
@@ -35,24 +35,19 @@ TARGETS = ("cpu", "trtllm")
 
 
 def resolve_dtype(requested: str, params: ArchParams, ckpt: HFCheckpoint, target: str) -> str:
-    """The checkpoint dtype. "auto" takes the HF dtype; fp32 becomes fp16 on the
-    trtllm target as the upstream converters do (TensorRT-LLM LLaMAConfig.from_hugging_face,
-    tensorrt_llm/models/llama/config.py), but stays fp32 on cpu
-    where fp16 matmuls are slow and lossy for no gain."""
+    """The checkpoint dtype, by the one rule the planner uses too (archs.params.engine_dtype)."""
     if requested not in DTYPE_CHOICES:
         raise ToolchainError(f"unknown dtype '{requested}'", f"use one of {', '.join(DTYPE_CHOICES)}")
     if target not in TARGETS:
         raise ToolchainError(f"unknown target '{target}'", f"use one of {', '.join(TARGETS)}")
-    if requested != "auto":
-        return requested
     hf = params.dtype
-    if hf is None:
+    if requested == "auto" and hf is None:
         # config.json without dtype/torch_dtype: the embedding's stored dtype is the truth.
         stored = ckpt.tensors.get("model.embed_tokens.weight")
         hf = str(stored.dtype).removeprefix("torch.") if stored is not None else "float32"
         if hf not in ("float32", "float16", "bfloat16"):
             hf = "float32"
-    return "float16" if hf == "float32" and target == "trtllm" else hf
+    return engine_dtype(requested, hf, target)
 
 
 def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto", target: str = "cpu",

@@ -118,7 +118,7 @@ def planned_commands(spec: DeploymentSpec, workspace: Workspace) -> list[list[st
         jobs.append((True, engine / "draft" / "checkpoint", engine / "draft" / "engine", 1))
     out = []
     for draft, ckpt, dest, world in jobs:
-        mpi = trtllm.use_mpi(spec, world)
+        mpi = trtllm.planned_mpi(spec, world)
         cmd = trtllm.build_command(spec, ckpt, dest, str(spec.build.trtllm_build or "trtllm-build"), draft=draft,
                                    workers=1 if mpi else None)
         out.append(trtllm.mpi_command(cmd, world, dest / "logs", spec.gpu.hostfile) if mpi else cmd)

@@ -236,16 +236,20 @@ def build_flags(spec, *, draft: bool = False) -> list[tuple[str, object]]:
 
 
 def default_workers(spec) -> int:
-    """--workers: one per rank, bounded by host RAM (each worker holds a rank's weights:
-    TensorRT-LLM tensorrt_llm/commands/build.py, parallel_build)."""
+    """--workers: build.workers, else one per rank bounded by build.host_memory_gib (each worker
+    holds a rank's weights: TensorRT-LLM tensorrt_llm/commands/build.py, parallel_build); with
+    host_memory_gib unset, trtllm-build's own default of 1, never this machine's RAM, so that the
+    printed line is the same on every host."""
     from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
-    from toolchain.plan.preflight import this_host_memory_bytes
 
+    gib = spec.build.host_memory_gib
+    if spec.build.workers or not gib:
+        return spec.build.workers or 1
     try:
         sizes = checkpoint_bytes_per_rank(spec)
     except ToolchainError:  # config unreadable: convert reports it
-        return spec.build.workers or spec.parallelism.world_size
-    return build_workers(spec, sizes, this_host_memory_bytes(spec))[0]
+        return 1
+    return build_workers(spec, sizes, int(gib * 1024**3))[0]
 
 
 def build_command(spec, checkpoint_dir: Path, output_dir: Path, binary: str = "trtllm-build", *,
@@ -269,16 +273,26 @@ def build_command(spec, checkpoint_dir: Path, output_dir: Path, binary: str = "t
 
 def mpi_command(cmd: list[str], world: int, log_dir: Path, hostfile: Path | None = None) -> list[str]:
     """Run `cmd` as `world` MPI processes (trtllm-build then builds rank == MPI rank
-    in each) with one log file per rank."""
+    in each) with one log file per rank. Each rank creates the log directory first, so the
+    line runs as printed on a fresh GPU host (and on every node of a multi-node build)."""
     rank = "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-${PMIX_RANK:-0}}}"
-    script = f'exec "$0" "$@" > {shlex.quote(str(log_dir))}/rank{rank}.log 2>&1'
+    logs = shlex.quote(str(log_dir))
+    script = f'mkdir -p {logs} && exec "$0" "$@" > {logs}/rank{rank}.log 2>&1'
     host = ["--hostfile", str(hostfile)] if hostfile else []
     return ["mpirun", "--allow-run-as-root", *host, "-n", str(world), "bash", "-c", script, *cmd]
 
 
-def use_mpi(spec, world: int) -> bool:
+def planned_mpi(spec, world: int) -> bool:
+    """Whether the printed build line runs one rank per MPI process: `auto` means every multi-rank
+    build, whatever this machine's PATH holds (the Triton trtllm image ships mpirun)."""
     mode = spec.build.mpi
-    return mode == "always" or (mode == "auto" and world > 1 and shutil.which("mpirun") is not None)
+    return mode == "always" or (mode == "auto" and world > 1)
+
+
+def use_mpi(spec, world: int) -> bool:
+    """Whether build-engine runs the MPI form here: as planned, except that `auto` on a host
+    without mpirun builds the ranks in one trtllm-build process (--workers) instead."""
+    return planned_mpi(spec, world) and (spec.build.mpi == "always" or shutil.which("mpirun") is not None)
 
 
 # ---- finding trtllm-build and its version -------------------------------------------------------------------------
@@ -328,7 +342,7 @@ def check_engine(spec, engine_dir: Path, *, draft: bool = False) -> list[str]:
     """What in `engine_dir`/config.json disagrees with the spec (empty when nothing)."""
     import json
 
-    from toolchain.plan.model import quant_format
+    from toolchain.plan.model import quant_format, read_json
 
     path = Path(engine_dir) / "config.json"
     try:
@@ -370,7 +384,7 @@ def check_engine(spec, engine_dir: Path, *, draft: bool = False) -> list[str]:
         problems.append(f"build_config.gather_generation_logits {bc['gather_generation_logits']} != {gather}")
     quant = (pre.get("quantization") or {})
     if not draft and getattr(spec, "quantization", None) is not None:
-        q = quant_format(spec)
+        q = quant_format(spec, read_json(Path(spec.model.checkpoint) / "config.json"))  # stored int4 too
         kv = {"none": None, "int8": "INT8", "fp8": "FP8"}[q.kv_cache]
         if quant.get("quant_algo") != q.quant_algo:
             problems.append(f"quantization.quant_algo {quant.get('quant_algo')} != {q.quant_algo}")

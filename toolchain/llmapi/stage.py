@@ -40,15 +40,22 @@ def _settings(spec: DeploymentSpec) -> dict:
 
 def _check_layout(spec: DeploymentSpec) -> None:
     """The split the PyTorch backend does at load time must exist (heads, KV heads, MLP, layers)."""
-    from toolchain.plan.model import load_model
+    from toolchain.plan.model import load_model, quant_format
     from toolchain.plan.plan import layout_ok
+    from toolchain.quant.recipe import ModelShape, check_pytorch_per_group
 
-    params = load_model(spec.model.checkpoint).params
+    model = load_model(spec.model.checkpoint)
+    params = model.params
     tp, pp = spec.parallelism.tp, spec.parallelism.pp
     if not layout_ok(params, tp, pp):
         raise ToolchainError(f"tp={tp} x pp={pp} cannot split {spec.model.checkpoint} "
                              f"({params.num_attention_heads} heads, {params.num_key_value_heads} KV heads, "
                              f"{params.num_hidden_layers} layers)", "`toolchain plan` names a split that works")
+    quant = quant_format(spec, model.hf_config)
+    if quant.per_group:  # written here or stored so: the PyTorch backend splits it as it loads
+        check_pytorch_per_group(ModelShape(params.hidden_size, params.intermediate_size, params.num_attention_heads,
+                                           params.num_key_value_heads, params.head_size,
+                                           params.max_position_embeddings), quant.group_size, tp)
 
 
 def served_model_dir(spec: DeploymentSpec, workspace: Workspace) -> Path:

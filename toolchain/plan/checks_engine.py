@@ -12,10 +12,13 @@ from __future__ import annotations
 import fnmatch
 
 from toolchain.archs.params import trained_positions
+from toolchain.errors import ToolchainError
+from toolchain.engine.trtllm import default_workers, planned_mpi
 from toolchain.plan import memory as mem
 from toolchain.plan.model import read_json
-from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
-from toolchain.plan.preflight import ENGINE, ENGINE_PATH, FAIL, PASS, SKIP, WARN, Context, check, this_host_memory_bytes
+from toolchain.plan.plan import checkpoint_bytes_per_rank
+from toolchain.quant.recipe import ModelShape, check_per_group, check_pytorch_per_group, per_group_multiple
+from toolchain.plan.preflight import ENGINE, ENGINE_PATH, FAIL, PASS, SKIP, WARN, Context, check
 
 NEEDS_TRTLLM = (SKIP, "applies to target trtllm")
 NO_MODEL = "model config not readable here; the stage reports why"
@@ -105,6 +108,18 @@ def _int8_kv(ctx: Context):
     return PASS, "INT8 KV cache with paged context FMHA, reuse and chunked context off"
 
 
+def _kv_quant_advice(ctx: Context) -> str:
+    """"set quantization.kv_cache=X, " where a smaller KV dtype exists for this spec, else ""."""
+    if ctx.quant.kv_cache != "none":
+        return ""  # int8 and fp8 both store one byte: nothing smaller to offer
+    dev = ctx.device
+    if ctx.spec.on_cpu or dev is None or dev.kind != "gpu":
+        kv = "int8"
+    else:
+        kv = "fp8" if (dev.sm or 0) >= 89 else "int8"
+    return f"set quantization.kv_cache={kv}, "
+
+
 @check("kv.one-sequence", ENGINE, "the KV cache must hold one full sequence (tensorrtllm_backend model_config.md)")
 def _one_sequence(ctx: Context):
     m = ctx.memory
@@ -114,7 +129,7 @@ def _one_sequence(ctx: Context):
         return SKIP, "weights do not fit (see memory.fits)"
     if m.concurrency < 1:
         return FAIL, (f"the KV cache holds {m.kv_tokens_capacity} tokens per rank, less than one sequence of "
-                      f"{m.sequence_tokens}; lower limits.max_seq_len, quantize the KV cache, or raise "
+                      f"{m.sequence_tokens}; lower limits.max_seq_len, {_kv_quant_advice(ctx)}raise "
                       "serving.kv_cache_free_gpu_mem_fraction")
     if m.draft_kv_tokens_capacity is not None and m.draft_kv_tokens_capacity < (m.draft_sequence_tokens or 0):
         return FAIL, (f"the draft model's KV cache holds {m.draft_kv_tokens_capacity} tokens, less than one "
@@ -130,7 +145,8 @@ def _batch_concurrency(ctx: Context):
     if m.concurrency < ctx.spec.limits.max_batch_size:
         return WARN, (f"only {m.concurrency} sequences of {m.sequence_tokens} tokens fit in the KV cache at once, "
                       f"below limits.max_batch_size {ctx.spec.limits.max_batch_size}: requests wait under "
-                      "guaranteed_no_evict (quantize the KV cache or lower max_batch_size to match)")
+                      f"guaranteed_no_evict ({_kv_quant_advice(ctx)}lower limits.max_batch_size to "
+                      f"{max(m.concurrency, 1)} to match)")
     return PASS, f"{m.concurrency} full-length sequences fit (max_batch_size {ctx.spec.limits.max_batch_size})"
 
 
@@ -149,15 +165,26 @@ def _host_ram(ctx: Context):
         return NEEDS_TRTLLM
     if ctx.model is None:
         return SKIP, NO_MODEL
-    host = this_host_memory_bytes(ctx.spec)
-    workers, per = build_workers(ctx.spec, checkpoint_bytes_per_rank(ctx.spec, ctx.quant), host)
-    need, gib = workers * per, mem.GIB
-    if need > host:
-        fix = ("lower build.workers" if workers > 1 else
-               "build on a host with more RAM (build.host_memory_gib says how much it has)")
-        return FAIL, (f"{workers} build worker(s) need about {need / gib:.1f} GiB of host RAM "
-                      f"({per / gib:.1f} GiB each), the build host has {host / gib:.1f} GiB; {fix}")
-    return PASS, f"--workers {workers}: about {need / gib:.1f} GiB of {host / gib:.1f} GiB host RAM"
+    spec, gib = ctx.spec, mem.GIB
+    sizes = checkpoint_bytes_per_rank(spec, ctx.quant)
+    per = 2 * max(sizes)
+    world = spec.parallelism.world_size
+    # Under mpirun every rank on a host builds at once; otherwise --workers of them do.
+    mpi = planned_mpi(spec, world)
+    at_once = min(world, spec.gpu.per_node) if mpi else min(default_workers(spec), world)
+    how = f"{at_once} rank process(es) under mpirun" if mpi else f"--workers {at_once}"
+    need = at_once * per
+    host = spec.build.host_memory_gib
+    if not host:
+        return WARN, (f"{how} need about {need / gib:.1f} GiB of host RAM ({per / gib:.1f} GiB each); "
+                      "set build.host_memory_gib to the build host's RAM to check it (unset, nothing here "
+                      "reads this machine's)")
+    if need > host * gib:
+        fix = ("set build.mpi=never and lower build.workers" if mpi else "lower build.workers" if at_once > 1
+               else "build on a host with more RAM (build.host_memory_gib says how much it has)")
+        return FAIL, (f"{how} need about {need / gib:.1f} GiB of host RAM ({per / gib:.1f} GiB each), "
+                      f"the build host has {host:.1f} GiB; {fix}")
+    return PASS, f"{how}: about {need / gib:.1f} GiB of {host:.1f} GiB host RAM"
 
 
 @check("build.multiple-profiles", ENGINE,
@@ -250,30 +277,44 @@ def _group_size(ctx: Context):
     return PASS, f"group size {q.group_size}"
 
 
-@check("quant.group-padding", ENGINE, "AWQ dims must be multiples of max(64, g) x tp (TensorRT-LLM issue #648)", paths=ENGINE_PATH)
+def _shape(p) -> ModelShape:
+    return ModelShape(p.hidden_size, p.intermediate_size, p.num_attention_heads, p.num_key_value_heads,
+                      p.head_size, p.max_position_embeddings)
+
+
+@check("quant.group-padding", ENGINE,
+       "per-group int4: trtllm-build pads every dim to max(64, g) x tp (TensorRT-LLM quantization/layers.py, "
+       "WeightOnlyGroupwiseQuantLinear), the PyTorch backend pads nothing (_torch/modules/linear.py)")
 def _group_padding(ctx: Context):
     q, p, tp = ctx.quant, _model(ctx), ctx.spec.parallelism.tp
     if not q.per_group or p is None:
         return (PASS, "no per-group format") if p is not None else (SKIP, NO_MODEL)
     if q.group_size not in (64, 128):
         return SKIP, "see quant.group-size"
+    shape = _shape(p)
+    if ctx.spec.llmapi_path:
+        check_pytorch_per_group(shape, q.group_size, tp)  # a ToolchainError is this check's FAIL
+        return PASS, f"every per-rank input width splits into whole groups of {q.group_size}"
+    field = "a checkpoint quantized with group size" if q.stored else "quantization.group_size"
+    try:  # the converter's own rule, so plan and convert agree
+        padded = check_per_group(shape, q.group_size, tp, field)
+    except ToolchainError as err:
+        good = [f"tp {t}" for t in (1, 2, 4, 8) if t != tp and _tp_ok(p, t) and _per_group_ok(shape, q.group_size, t)]
+        if q.group_size == 128 and not q.stored and _per_group_ok(shape, 64, tp):
+            good.append("quantization.group_size=64")
+        return FAIL, f"{err.message}; use {' or '.join(good) or 'another quantization.method'}"
+    if padded != p.intermediate_size:
+        return PASS, (f"intermediate_size {p.intermediate_size} is zero-padded to {padded} ({padded // tp} per rank), "
+                      "as trtllm-build pads it (harmless: zero channels add nothing)")
+    return PASS, f"every linear dim is a multiple of {per_group_multiple(q.group_size, tp)}"
 
-    def bad(t: int, g: int) -> list[str]:
-        m = max(64, g) * t
-        dims = _full_dims(p)
-        out = [f"{n} {d}" for n, d in dims.items() if d % m]
-        out += [f"{n}/tp {d // t}" for n, d in dims.items() if (d // t) % g]
-        return out
 
-    problems = bad(tp, q.group_size)
-    if not problems:
-        return PASS, f"every linear dim is a multiple of {max(64, q.group_size) * tp}"
-    alternatives = [f"tp {t}" for t in (1, 2, 4, 8) if t != tp and _tp_ok(p, t) and not bad(t, q.group_size)]
-    if q.group_size == 128 and not bad(tp, 64):
-        alternatives.append("quantization.group_size=64")
-    return FAIL, (f"AWQ g{q.group_size} at tp {tp} needs dims that are multiples of {max(64, q.group_size) * tp}: "
-                  f"{', '.join(problems)} are not (trtllm-build fails on the shape); "
-                  f"use {' or '.join(alternatives) or 'another format'}")
+def _per_group_ok(shape: ModelShape, group: int, tp: int) -> bool:
+    try:
+        check_per_group(shape, group, tp, "quantization.group_size")
+    except ToolchainError:
+        return False
+    return True
 
 
 @check("quant.weight-only-padding", ENGINE,
@@ -333,7 +374,8 @@ def _blackwell(ctx: Context):
     q, dev = ctx.quant, ctx.device
     if dev is None or dev.sm is None or not 100 <= dev.sm < 120:
         return PASS, "not a Blackwell GPU"
-    bad = ([f"quantization.method={q.method}"] if q.integer else []) + \
+    weights = f"the checkpoint's stored {q.stored.upper()} int4" if q.stored else f"quantization.method={q.method}"
+    bad = ([weights] if q.integer else []) + \
           (["quantization.kv_cache=int8"] if q.kv_cache == "int8" else [])
     if bad:
         return FAIL, f"SM {dev.sm} (Blackwell) cannot build {' and '.join(bad)}; use fp8 (or NVFP4) instead"

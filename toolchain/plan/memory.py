@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from toolchain.archs.params import ArchParams
 from toolchain.plan.model import QuantFormat
+from toolchain.quant.recipe import per_group_multiple
 
 GIB = 1024**3
 # CUDA context, cuBLAS/NCCL workspaces and runtime buffers per GPU: a few hundred
@@ -44,12 +45,22 @@ def padded_vocab(p: ArchParams, tp: int) -> int:
     return math.ceil(p.vocab_size / tp) * tp
 
 
-def linear_shapes(p: ArchParams, tp: int) -> list[tuple[str, int, int]]:
+def mlp_width(p: ArchParams, tp: int, quant: QuantFormat | None = None) -> int:
+    """The intermediate size the checkpoint holds: per-group int4 pads it with zero channels to a
+    multiple of max(64, g) x tp, as trtllm-build's WeightOnlyGroupwiseQuantLinear/RowLinear pad
+    their in/out features (TensorRT-LLM tensorrt_llm/quantization/layers.py at 2340c776) and convert does."""
+    if quant is None or not quant.per_group:
+        return p.intermediate_size
+    m = per_group_multiple(quant.group_size, tp)
+    return -(-p.intermediate_size // m) * m
+
+
+def linear_shapes(p: ArchParams, tp: int, quant: QuantFormat | None = None) -> list[tuple[str, int, int]]:
     """(name, out, in) of one decoder layer's linears on one rank."""
     hd, h = p.head_size, p.hidden_size
     q_r = p.num_attention_heads // tp * hd
     kv_r = kv_heads_per_rank(p, tp) * hd
-    i_r = p.intermediate_size // tp
+    i_r = mlp_width(p, tp, quant) // tp
     return [("qkv", q_r + 2 * kv_r, h), ("dense", h, q_r), ("fc", i_r, h), ("gate", i_r, h), ("proj", h, i_r)]
 
 
@@ -66,7 +77,12 @@ def linear_bytes(out: int, inp: int, quant: QuantFormat, dt_bytes: int, stored: 
     if m == "int4_wo":
         return n / 2 + out * 2
     if m == "awq":
-        return n * (0.5 + 2 / quant.group_size) + inp * 2  # packed int4, fp16 group scales, prequant
+        # Packed int4 and one scale per group: float32 as convert writes them, the model dtype once
+        # trtllm-build has loaded them (WeightOnlyGroupwiseQuantLinear, quantization/layers.py). Then
+        # zero points per group for an imported AutoAWQ/GPTQ checkpoint, else AWQ's prequant vector.
+        groups = n / quant.group_size
+        extra = groups * dt_bytes if quant.stored else inp * dt_bytes
+        return n / 2 + groups * (4 if stored else 2) + extra
     if m == "smoothquant":
         return n + out * 4 + 4 + inp * dt_bytes  # int8, f32 per-channel and activation scale, prequant
     if m == "fp8":
@@ -92,7 +108,7 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantF
     """Weight bytes of one rank (its TP slice of its PP stage)."""
     n_layers = len(stage_layers(p.num_hidden_layers, pp)[pp_rank])
     h, v = p.hidden_size, p.vocab_size
-    per_layer = sum(linear_bytes(o, i, quant, dt_bytes, stored) for _, o, i in linear_shapes(p, tp))
+    per_layer = sum(linear_bytes(o, i, quant, dt_bytes, stored) for _, o, i in linear_shapes(p, tp, quant))
     if qkv_bias:
         per_layer += linear_shapes(p, tp)[0][1] * dt_bytes
     if dense_bias:

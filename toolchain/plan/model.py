@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolchain.archs import family_for_config, get_family, load_params
-from toolchain.archs.params import ROPE_REQUIRED_KEYS, ROPE_TYPES, ArchParams, normalize_params
+from toolchain.archs.params import ROPE_REQUIRED_KEYS, ROPE_TYPES, ArchParams, engine_dtype, normalize_params
 from toolchain.errors import ToolchainError
 
 # TensorRT-LLM maps these onto its Llama implementation (Qwen2 adds q/k/v biases,
@@ -40,6 +40,9 @@ class QuantFormat:
     group_size: int = 128
     exclude_modules: tuple[str, ...] | None = None
     """None: TensorRT-LLM's default exclusion list (lm_head, embeddings, ...) applies."""
+    stored: str | None = None
+    """"awq" or "gptq": the checkpoint itself is int4 (AutoAWQ/GPTQ `quantization_config`), which convert
+    imports as stored: W4A16 per group with zero points and no prequant scale (checkpoint/quantize.py)."""
 
     @property
     def quant_algo(self) -> str | None:
@@ -62,14 +65,31 @@ class QuantFormat:
         algo = self.quant_algo or "no weight quantization"
         if self.per_group:
             algo += f" g{self.group_size}"
+        if self.stored:
+            algo += f" (stored {self.stored.upper()} int4 with zero points, imported as is)"
         return algo
 
 
-def quant_format(spec) -> QuantFormat:
-    """Read the spec's `quantization` section defensively: older specs have none."""
+def stored_int4(hf_config: dict | None) -> tuple[str, int] | None:
+    """(kind, group size) of an AutoAWQ or GPTQ checkpoint (its `quantization_config`), else None;
+    convert refuses what it cannot import (quant.recipe.parse_prequantized), so plan only reads it."""
+    qc = (hf_config or {}).get("quantization_config")
+    if not isinstance(qc, dict):
+        return None
+    kind = str(qc.get("quant_method", "")).lower()
+    if kind not in ("awq", "gptq"):
+        return None
+    return kind, int(qc.get("group_size", qc.get("q_group_size", 128)) or 128)
+
+
+def quant_format(spec, hf_config: dict | None = None) -> QuantFormat:
+    """Read the spec's `quantization` section defensively: older specs have none. With the model's
+    config.json (`hf_config`), a checkpoint stored as AutoAWQ/GPTQ int4 under `method: none` plans at
+    the format convert imports it in, not as the float model it was quantized from."""
     q = getattr(spec, "quantization", None)
+    pre = stored_int4(hf_config)
     if q is None:
-        return QuantFormat()
+        return QuantFormat("awq", group_size=pre[1], stored=pre[0]) if pre else QuantFormat()
 
     def text(name: str, default: str) -> str:
         value = getattr(q, name, default)
@@ -82,6 +102,8 @@ def quant_format(spec) -> QuantFormat:
     if kv not in KV_DTYPES:
         raise ToolchainError(f"quantization.kv_cache '{kv}' is not planned", f"use one of {', '.join(KV_DTYPES)}")
     excl = getattr(q, "exclude_modules", None)
+    if pre is not None and method == "none":
+        return QuantFormat("awq", kv, pre[1], tuple(excl) if excl is not None else None, stored=pre[0])
     return QuantFormat(method, kv, int(getattr(q, "group_size", None) or 128),
                        tuple(excl) if excl is not None else None)
 
@@ -173,15 +195,8 @@ def load_model(config_dir: Path) -> ModelInfo:
 
 
 def weight_dtype(spec, params: ArchParams) -> str:
-    """The dtype unquantized weights have in the engine."""
-    dtype = spec.model.dtype
-    if dtype == "auto":
-        dtype = params.dtype or "float16"
-    # Upstream converters map fp32 to fp16 for GPU engines (TensorRT-LLM infer_dtype, called by
-    # LLaMAConfig.from_hugging_face in tensorrt_llm/models/llama/config.py).
-    if spec.target == "trtllm" and dtype == "float32":
-        dtype = "float16"
-    return dtype
+    """The dtype unquantized weights have in the engine: convert's own rule (engine_dtype)."""
+    return engine_dtype(spec.model.dtype, params.dtype, spec.target)
 
 
 def kv_dtype(spec, params: ArchParams, quant: QuantFormat) -> str:

@@ -7,6 +7,7 @@ tensor parallelism, a smaller format, shorter sequences) by planning them too.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from toolchain.plan import memory as mem
@@ -217,29 +218,32 @@ def _fits(spec, model, quant, device, draft) -> bool:
 
 
 def suggestions(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: DraftModel | None) -> list[str]:
-    """The smallest change along each axis that makes the plan fit, as `--set` overrides."""
+    """The smallest change along each axis that makes the plan fit, as `--set` overrides that the
+    spec accepts as printed: tp within the declared parallelism.gpus (else one node's gpu.per_node),
+    no other format for a checkpoint stored quantized, another GPU only when gpu.name alone names it."""
     p = model.params
     out: list[str] = []
     tp, pp = spec.parallelism.tp, spec.parallelism.pp
-    limit = max(spec.gpu.per_node, spec.parallelism.gpus or 0)
+    limit = spec.parallelism.gpus or spec.gpu.per_node
     for t in (2, 4, 8, 16, 32, 64):
         if t > tp and t * pp <= limit and layout_ok(p, t, pp) \
-                and _fits(_with(spec, "parallelism", tp=t, gpus=None), model, quant, device, draft):
+                and _fits(_with(spec, "parallelism", tp=t), model, quant, device, draft):
             out.append(f"parallelism.tp={t}")
             break
     sm = device.sm or 0
     gpu = device.kind == "gpu"  # the CPU engine's formats are its own business
-    formats = [] if not gpu else (["fp8"] if 89 <= sm < 100 else []) + ([] if sm >= 100 else ["int8_wo", "awq"])
+    formats = [] if not gpu or quant.stored else \
+        (["fp8"] if 89 <= sm < 100 else []) + ([] if sm >= 100 else ["int8_wo", "awq"])
     order = ["none", "int8_wo", "fp8", "smoothquant", "int4_wo", "awq"]
     for method in formats:
         if order.index(method) > order.index(quant.method) and \
-                _fits(spec, model, QuantFormat(method, quant.kv_cache, quant.group_size, quant.exclude_modules),
+                _fits(spec, model, dataclasses.replace(quant, method=method),
                       device, draft):
             out.append(f"quantization.method={method}")
             break
-    if quant.kv_cache == "none" and gpu:
+    if quant.kv_cache == "none" and gpu and not quant.stored:  # a stored checkpoint cannot be calibrated
         kv = "fp8" if sm >= 89 else "int8"
-        if _fits(spec, model, QuantFormat(quant.method, kv, quant.group_size, quant.exclude_modules), device, draft):
+        if _fits(spec, model, dataclasses.replace(quant, kv_cache=kv), device, draft):
             out.append(f"quantization.kv_cache={kv}")
     lim = spec.limits
     best = None
@@ -252,7 +256,8 @@ def suggestions(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
             high = mid - 1
     if best is not None:
         out.append(f"limits.max_seq_len={best}")
-    bigger = [g for g in GPUS if gpu and g.memory_gib > device.memory_gib and (g.sm or 0) >= sm]
+    named = spec.gpu.memory_gib is None and spec.gpu.sm is None
+    bigger = [g for g in GPUS if gpu and named and g.memory_gib > device.memory_gib and (g.sm or 0) >= sm]
     for g in sorted(bigger, key=lambda g: g.memory_gib):
         if _fits(_with(spec, "gpu", name=g.name, memory_gib=None, sm=None), model, quant, g, draft):
             out.append(f"gpu.name='{g.name}'")
@@ -276,7 +281,7 @@ def checkpoint_bytes_per_rank(spec, quant: QuantFormat | None = None) -> list[in
     from toolchain.plan.model import load_model, quant_format
 
     model = load_model(spec.model.checkpoint)
-    quant = quant or quant_format(spec)
+    quant = quant or quant_format(spec, model.hf_config)
     p, tp, pp = model.params, spec.parallelism.tp, spec.parallelism.pp
     dt_bytes = DTYPE_BYTES[weight_dtype(spec, p)]
     return [mem.rank_weights(p, tp=tp, pp_rank=r // tp, pp=pp, quant=quant, dt_bytes=dt_bytes, stored=True,

@@ -124,6 +124,8 @@ def build_context(spec, stage: str = "plan", workspace=None, quant: QuantFormat 
         if stage == "plan":
             raise
         ctx.model_error = str(err)
+    if quant is None and ctx.model is not None:  # a checkpoint stored quantized plans in its own format
+        ctx.quant = quant_format(spec, ctx.model.hf_config)
     sp = spec.speculative
     if sp.mode == "draft_target" and sp.draft_model is not None:
         try:
@@ -197,9 +199,3 @@ def run_preflight(spec, stage: str, workspace=None, skip: tuple[str, ...] | list
         raise PreflightFailed(f"preflight check {first.id} failed: {first.message}{more}",
                               f"fix the spec, or pass --skip-check {first.id} to {stage} anyway")
     return results
-
-
-def this_host_memory_bytes(spec) -> int:
-    gib = spec.build.host_memory_gib
-    return int(gib * gpus.GIB) if gib else gpus.host_memory_bytes()
-

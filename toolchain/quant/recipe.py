@@ -120,7 +120,7 @@ def per_group_multiple(group_size: int, tp: int) -> int:
     return max(64, group_size) * tp
 
 
-def _check_per_group(shape: ModelShape, group: int, tp: int, field_name: str) -> int:
+def check_per_group(shape: ModelShape, group: int, tp: int, field_name: str) -> int:
     """Divisibility for per-group int4; returns the padded intermediate size."""
     m = per_group_multiple(group, tp)
     nkv_r = max(1, shape.num_key_value_heads // tp)
@@ -147,6 +147,37 @@ def _check_per_group(shape: ModelShape, group: int, tp: int, field_name: str) ->
         raise ToolchainError("per-group int4 packs two rows per byte: every per-rank output width must be even",
                              "use another parallelism.tp")
     return padded
+
+
+def pytorch_per_group_problems(shape: ModelShape, group: int, tp: int) -> list[str]:
+    """What the LLM-API path's PyTorch backend refuses for per-group int4 at `tp`: it pads nothing, and
+    W4A16_AWQ_LinearMethod.create_weights raises unless each rank's in_features is a multiple of the
+    group size (TensorRT-LLM tensorrt_llm/_torch/modules/linear.py at 00bbf71e; a row-parallel
+    linear's in_features are split by tp). Empty when the split loads."""
+    dims = (("hidden_size", shape.hidden_size),
+            ("attention width per rank", shape.num_attention_heads * shape.head_size // tp),
+            ("intermediate_size per rank", shape.intermediate_size // tp))
+    return [f"{what} {dim}" for what, dim in dims if dim % group]
+
+
+def check_pytorch_per_group(shape: ModelShape, group: int, tp: int) -> None:
+    """Refuse, in one line with a fix that works for the model, a per-group int4 split the PyTorch
+    backend cannot load (pytorch_per_group_problems)."""
+    problems = pytorch_per_group_problems(shape, group, tp)
+    if not problems:
+        return
+    tps = [t for t in (2, 4, 8, 16) if t != tp and shape.num_attention_heads % t == 0
+           and shape.intermediate_size % t == 0 and not pytorch_per_group_problems(shape, group, t)]
+    m = group * tp
+    padded = -(-shape.intermediate_size // m) * m
+    fixes = [f"parallelism.tp {' or '.join(map(str, tps))}"] if tps else []
+    fixes.append("target trtllm (trtllm-build pads the MLP to whole groups per rank)")
+    if shape.intermediate_size % m and not problems[:-1]:
+        fixes.append(f"a checkpoint whose MLP is zero-padded to intermediate_size {padded} (as Qwen's own "
+                     "Qwen2.5-72B-Instruct-AWQ pads 29568 to 29696)")
+    raise ToolchainError(f"per-group int4 (group {group}) at tp {tp} on the LLM-API path: {', '.join(problems)} "
+                         f"not a multiple of the group size, and the PyTorch backend does not pad",
+                         "use " + ", or ".join(fixes))
 
 
 def _check_gpu(recipe: Recipe, gpu_name: str | None, sm: int | None, pre: Prequantized | None) -> None:
@@ -230,7 +261,7 @@ def check_recipe(recipe: Recipe, shape: ModelShape, *, tp: int, target: str = "c
         if pre.group_size not in GROUP_SIZES:
             raise ToolchainError(f"{pre.kind} checkpoint has group_size {pre.group_size}",
                                  "TensorRT-LLM's per-group int4 supports 64 and 128 only; re-quantize with one")
-        padded = _check_per_group(shape, pre.group_size, tp, "a checkpoint quantized with group size")
+        padded = check_per_group(shape, pre.group_size, tp, "a checkpoint quantized with group size")
     if recipe.group_size not in GROUP_SIZES:
         if recipe.stored:  # the checkpoint's own group size, not a spec field
             raise ToolchainError(f"the checkpoint is quantized with group_size {recipe.group_size}",
@@ -238,7 +269,7 @@ def check_recipe(recipe: Recipe, shape: ModelShape, *, tp: int, target: str = "c
         raise ToolchainError(f"quantization.group_size {recipe.group_size} is not supported",
                              "TensorRT-LLM's per-group int4 implements 64 and 128 only (issue #988); use one of them")
     if recipe.method == "awq":
-        padded = _check_per_group(shape, recipe.group_size, tp, "a checkpoint quantized with group size"
+        padded = check_per_group(shape, recipe.group_size, tp, "a checkpoint quantized with group size"
                                   if recipe.stored else "quantization.group_size")
     if recipe.method in ("int8_wo", "int4_wo") and target == "trtllm":
         m = 64 * tp
