@@ -139,6 +139,8 @@ class Run:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        for region in Path("/dev/shm").glob(f"tc{self.proc.pid}_*"):  # a failed run leaves no debris either
+            region.unlink(missing_ok=True)
 
 
 def _stopped_mid_run(argv: list[str], tmp: Path, ready: str | Callable[[Run], bool], sig: int, *, shm: bool,
