@@ -18,13 +18,27 @@ help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
 	@echo "  SPEC=$(SPEC) selects the deployment spec"
 
+# torch: the CPU build, 2.13.0+cpu, which only PyTorch's CPU index (TORCH_INDEX) or a local wheel serves. PyPI's
+# torch==2.13.0 for Linux x86_64 is the CUDA 13 build: a 527 MB wheel that pulls cuda-toolkit 13.0.3, cuDNN 9.20,
+# NCCL 2.29.7, NVSHMEM 3.4.5, cuSPARSELt 0.8.1 and triton 3.7.1, several GB that this CPU-only toolchain never uses
+# (checked with pip's resolver against PyPI, 2026-12-02). The +cpu pin makes pip fail rather than fall back to it.
+# Where TORCH_INDEX's host does not resolve (offline, or a mirror in pip's config), pip's own sources are used.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_HOST := $(shell echo '$(TORCH_INDEX)' | sed -nE 's|^https?://([^/:]+).*|\1|p')
+
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python >= 3.10 is required (set PYTHON=...)")'
+	@echo "==> creating $(VENV) with $(PYTHON)"
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	# torch is pinned to the CPU build: an unpinned torch pulls a multi-GB CUDA build.
-	$(PIP) "torch==2.13.0" "numpy<2" $(QUIET_PIP)
-	$(PIP) -e ".[test]" $(QUIET_PIP)
+	@echo "==> installing torch 2.13.0+cpu (the CPU build, a 190 MB wheel) and numpy<2 ..."
+	@if [ -n "$(TORCH_HOST)" ] && ! getent hosts "$(TORCH_HOST)" >/dev/null; then \
+	  echo "    $(TORCH_HOST) does not resolve: torch from pip's configured sources only"; idx=""; \
+	else idx="$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))"; fi; \
+	$(PIP) $$idx "torch==2.13.0+cpu" "numpy<2" $(QUIET_PIP)
+	@echo "==> installing trtllm-toolchain and its dependencies (tritonserver from nvidia-pytriton, transformers, ...) ..."
+	@$(PIP) -e ".[test]" $(QUIET_PIP)
 	@touch $(STAMP)
+	@echo "==> setup done: $(VENV)"
 
 setup: $(STAMP) ## Create .venv and install the project (quick when nothing changed)
 
@@ -33,8 +47,9 @@ setup: $(STAMP) ## Create .venv and install the project (quick when nothing chan
 AIPERF_VENV := benchmarks/.venv/aiperf
 AIPERF_STAMP := $(AIPERF_VENV)/.setup-stamp
 $(AIPERF_STAMP):
+	@echo "==> installing AIPerf 0.13.0 into $(AIPERF_VENV) ..."
 	@test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
-	$(AIPERF_VENV)/bin/pip install --quiet --disable-pip-version-check "aiperf==0.13.0" $(QUIET_PIP)
+	@$(AIPERF_VENV)/bin/pip install --quiet --disable-pip-version-check "aiperf==0.13.0" $(QUIET_PIP)
 	@touch $(AIPERF_STAMP)
 
 aiperf: $(AIPERF_STAMP) ## Install AIPerf 0.13 into benchmarks/.venv/aiperf
@@ -45,16 +60,21 @@ aiperf: $(AIPERF_STAMP) ## Install AIPerf 0.13 into benchmarks/.venv/aiperf
 # without its own, then the rest of ai-dynamo's listed dependencies (the `dynamo` extra, aisimulate left out).
 DYNAMO_STAMP := $(VENV)/.dynamo-stamp
 $(DYNAMO_STAMP): $(STAMP)
-	$(PIP) "ai-dynamo-runtime==1.6.1" $(QUIET_PIP)
-	$(PIP) --no-deps "ai-dynamo==1.6.1" $(QUIET_PIP)
-	$(PIP) -e ".[dynamo]" $(QUIET_PIP)
+	@echo "==> installing NVIDIA Dynamo 1.6.1: ai-dynamo-runtime ..."
+	@$(PIP) "ai-dynamo-runtime==1.6.1" $(QUIET_PIP)
+	@echo "==> installing NVIDIA Dynamo 1.6.1: ai-dynamo (without aisimulate) and its other dependencies ..."
+	@$(PIP) --no-deps "ai-dynamo==1.6.1" $(QUIET_PIP)
+	@$(PIP) -e ".[dynamo]" $(QUIET_PIP)
 	@touch $(DYNAMO_STAMP)
 
 .PHONY: dynamo
 dynamo: $(DYNAMO_STAMP) ## Install NVIDIA Dynamo 1.6.1 (frontend, router, runtime) into .venv
 test: dynamo
 
-demo: setup ## The whole pipeline on CPU: convert, build, model repo, serve, bench
+demo: deploy ## The whole pipeline on CPU: convert, build, model repo, serve, bench
+
+deploy: setup ## Every stage for SPEC, then serve, bench and stop (toolchain deploy SPEC)
+	@echo "==> deploying $(SPEC): convert, build-engine, model-repo, serve, bench ..."
 	$(TOOLCHAIN) deploy $(SPEC)
 
 test: setup aiperf ## Lint, then run the test suite (tests needing a live deployment are skipped)

@@ -47,10 +47,10 @@ def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = No
     with _timed("model-repo", progress, timings):
         run_model_repo(spec, workspace)
     serving = spec.serving
-    with _timed("serve", progress, timings):
-        server = _triton_server(spec, workspace.model_repo_dir(spec), progress)
-        server.start(timeout=serving.startup_timeout_s)
-    try:
+    server = _triton_server(spec, workspace.model_repo_dir(spec), progress)
+    try:  # from the start: a stop signal may arrive the moment start() returns
+        with _timed("serve", progress, timings):
+            server.start(timeout=serving.startup_timeout_s)
         with _timed("bench", progress, timings):
             # The bench reaches the server it just started, whatever ports were picked.
             url = server.http_url if spec.validation.workload.protocol == "triton-http" else server.grpc_url
@@ -106,10 +106,10 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
         run_model_repo(spec, workspace)
     serving = spec.serving
     repo = workspace.model_repo_dir(spec)
-    with _timed("serve", progress, timings):
-        server = _triton_server(spec, repo, progress)
-        server.start(timeout=serving.startup_timeout_s)
+    server = _triton_server(spec, repo, progress)
     try:
+        with _timed("serve", progress, timings):
+            server.start(timeout=serving.startup_timeout_s)
         with _timed("bench", progress, timings):
             triton_spec = _with_workload(spec, protocol="triton-grpc", endpoint="tensorrt_llm")
             report = run_bench(triton_spec, out_dir=out_dir, url=server.grpc_url, metrics_url=server.metrics_url)
@@ -117,12 +117,12 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
         with _timed("stop", progress, timings):
             server.stop()
     name = served_model_name(spec)
-    with _timed("serve-openai", progress, timings):
-        openai = OpenAIServer(None, None, name, serving.host, spec.llmapi.openai_port,
-                              model=served_model_dir(spec, workspace), config=serve_config_path(spec, workspace),
-                              log_path=repo.parent / f"{spec.name}.openai.log")
-        openai.start(timeout=serving.startup_timeout_s)
+    openai = OpenAIServer(None, None, name, serving.host, spec.llmapi.openai_port,
+                          model=served_model_dir(spec, workspace), config=serve_config_path(spec, workspace),
+                          log_path=repo.parent / f"{spec.name}.openai.log")
     try:
+        with _timed("serve-openai", progress, timings):
+            openai.start(timeout=serving.startup_timeout_s)
         with _timed("bench-openai", progress, timings):
             protocol = "openai-chat" if spec.validation.workload.protocol == "openai-chat" else "openai-completions"
             openai_spec = _with_workload(spec, protocol=protocol, endpoint=name)

@@ -50,6 +50,7 @@ def deployment(pytestconfig, perf_spec, tmp_path_factory):
         return
     from toolchain.checkpoint.stage import run_convert
     from toolchain.engine.build import run_build
+    from toolchain.stopsignals import stop_on_signals
     from toolchain.triton.repo import run_model_repo
     from toolchain.triton.server import TritonServer
     from toolchain.workspace import Workspace
@@ -59,6 +60,8 @@ def deployment(pytestconfig, perf_spec, tmp_path_factory):
     run_build(perf_spec, ws)
     run_model_repo(perf_spec, ws)
     s = perf_spec.serving
-    with TritonServer(ws.model_repo_dir(perf_spec), s.host, 0, 0, 0, s.tritonserver,
-                      log_path=ws.report_dir(perf_spec) / "tritonserver.log") as srv:
+    # pytest dies on SIGTERM and SIGHUP without tearing fixtures down: the server would outlive the run. Under
+    # the guard every stop signal interrupts the session like Ctrl-C, and the teardown stops the server.
+    with stop_on_signals(), TritonServer(ws.model_repo_dir(perf_spec), s.host, 0, 0, 0, s.tritonserver,
+                                         log_path=ws.report_dir(perf_spec) / "tritonserver.log") as srv:
         yield {"grpc": srv.grpc_url, "metrics": srv.metrics_url}

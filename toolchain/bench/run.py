@@ -32,6 +32,7 @@ from toolchain.bench.tokens import TokenCounter, token_count_source
 from toolchain.bench.workload import PROMPT_CORPUS, load_tokenizer
 from toolchain.errors import ToolchainError
 from toolchain.spec import DeploymentSpec
+from toolchain.stopsignals import Stopped
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 
@@ -189,9 +190,12 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
             await transport.close()
 
     aborted = None
+    stopped: Stopped | None = None
     try:
         asyncio.run(main())
         aborted = runner.aborted
+    except Stopped as err:  # a stop signal to a command that started the server: report, then stop it
+        aborted, stopped = str(err), err
     except KeyboardInterrupt:
         aborted = "interrupted by the user"
     finally:
@@ -236,6 +240,8 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
     report = build_report(levels, run=run, workload=workload, notes=[])
     out_dir = Path(out_dir)
     write_outputs(out_dir, report, records, anchor_ns)
+    if stopped is not None:
+        raise stopped
     if plots and levels:
         from toolchain.bench.plots import write_plots
 

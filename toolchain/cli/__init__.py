@@ -15,6 +15,7 @@ import click
 from toolchain import __version__
 from toolchain.cli._common import Context
 from toolchain.errors import ToolchainError
+from toolchain.stopsignals import Stopped
 
 # command name -> module under toolchain.cli holding a Click command `command`
 COMMANDS = {
@@ -63,12 +64,18 @@ def main(argv: list[str] | None = None) -> int:
             raise
         click.echo(f"error: {err}", err=True)
         return err.exit_code
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as err:
+        if isinstance(err.__cause__, Stopped):  # click turns a KeyboardInterrupt into Abort
+            click.echo(f"{err.__cause__}: everything it started is stopped", err=True)
+            return err.__cause__.exit_code
         click.echo("aborted", err=True)
         return 130
     except click.ClickException as err:
         err.show()
         return 2
+    except Stopped as err:
+        click.echo(f"{err}: everything it started is stopped", err=True)
+        return err.exit_code
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         return 130

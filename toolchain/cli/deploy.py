@@ -11,6 +11,7 @@ import click
 from toolchain.cli._common import Context, spec_command
 from toolchain.errors import StageFailed
 from toolchain.fsutil import atomic_file
+from toolchain.stopsignals import stop_on_signals
 
 
 @click.command()
@@ -28,7 +29,8 @@ def command(ctx: Context, spec, out_dir: Path | None) -> None:
 
     from toolchain.bench.report import print_report
 
-    report = deploy(spec, ctx.workspace, out_dir, progress)
+    with stop_on_signals():  # SIGTERM, SIGINT, SIGHUP: the servers deploy started stop before it exits
+        report = deploy(spec, ctx.workspace, out_dir, progress)
     print_report(report)
     target = (out_dir or ctx.workspace.report_dir(spec)) / "report.json"
     # The stage timings belong in the saved report too.

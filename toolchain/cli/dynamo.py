@@ -8,7 +8,6 @@ writes the DynamoGraphDeployment and its ConfigMap.
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
@@ -17,12 +16,9 @@ import click
 from toolchain.cli._common import Context, spec_command
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.spec import DeploymentSpec
+from toolchain.stopsignals import stop_on_signals
 
 ROUTERS = ("kv", "round-robin", "random", "least-loaded")
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def _print_gpu(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> None:
@@ -45,31 +41,30 @@ def _print_gpu(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> None:
 
 
 def _serve(deployment, timeout: float | None) -> None:
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        deployment.start(timeout)
-        click.echo(f"Dynamo ready in {deployment.started_s:.1f}s: frontend (router {deployment.router}) + "
-                   f"{deployment.workers} CPU-engine worker(s)")
-        click.echo(f"  OpenAI   {deployment.url}/v1 (model {deployment.model_name})")
-        for name, log in deployment.logs().items():
-            click.echo(f"  log      {name}: {log}")
-        click.echo("Ctrl-C to stop")
-        reported: set[str] = set()
-        while deployment.running:
-            dead = [w for w in deployment.dead_workers() if w not in reported]
-            if dead:
-                reported.update(dead)
-                click.echo(f"warning: {', '.join(dead)} exited; the router sends requests to the other worker(s)",
-                           err=True)
-            if len(reported) == deployment.workers:
-                raise StageFailed("every Dynamo worker has exited", "restart `toolchain dynamo`; logs above")
-            time.sleep(0.5)
-        raise StageFailed("the Dynamo frontend exited unexpectedly", f"log: {deployment.logs().get('frontend')}")
-    except KeyboardInterrupt:
-        click.echo("stopping Dynamo ...")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        deployment.stop()
+    with stop_on_signals():  # SIGTERM and SIGHUP end it like Ctrl-C
+        try:
+            deployment.start(timeout)
+            click.echo(f"Dynamo ready in {deployment.started_s:.1f}s: frontend (router {deployment.router}) + "
+                       f"{deployment.workers} CPU-engine worker(s)")
+            click.echo(f"  OpenAI   {deployment.url}/v1 (model {deployment.model_name})")
+            for name, log in deployment.logs().items():
+                click.echo(f"  log      {name}: {log}")
+            click.echo("Ctrl-C to stop")
+            reported: set[str] = set()
+            while deployment.running:
+                dead = [w for w in deployment.dead_workers() if w not in reported]
+                if dead:
+                    reported.update(dead)
+                    click.echo(f"warning: {', '.join(dead)} exited; the router sends requests to the other worker(s)",
+                               err=True)
+                if len(reported) == deployment.workers:
+                    raise StageFailed("every Dynamo worker has exited", "restart `toolchain dynamo`; logs above")
+                time.sleep(0.5)
+            raise StageFailed("the Dynamo frontend exited unexpectedly", f"log: {deployment.logs().get('frontend')}")
+        except KeyboardInterrupt:
+            click.echo("stopping Dynamo ...")
+        finally:
+            deployment.stop()
     click.echo("Dynamo stopped")
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -29,10 +28,7 @@ from toolchain.cli._common import Context, spec_command
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.triton import procgroup
 from toolchain.spec import DeploymentSpec
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+from toolchain.stopsignals import stop_on_signals
 
 
 def _write_manifests(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> None:
@@ -119,51 +115,51 @@ _ABORT = re.compile(r"terminate called after throwing an instance of '([^']+)'")
 
 def _run_until_stopped(server, timeout: float, describe: str,
                        models: str = "ensemble and tensorrt_llm_bls (text), tensorrt_llm (token ids)") -> None:
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM ends the server like Ctrl-C
     stop_timeout: float | None = None  # the server's own bounded shutdown
-    try:
-        server.start(timeout=timeout)
-        click.echo(f"tritonserver ready in {server.started_s:.1f}s ({describe})")
-        click.echo(f"  HTTP     {server.urls['http']}")
-        click.echo(f"  gRPC     {server.urls['grpc']}")
-        click.echo(f"  metrics  {server.urls['metrics']}")
-        click.echo(f"  models   {models}")
-        click.echo(f"  log      {server.log_path}")
-        click.echo("Ctrl-C to stop")
-        # tritonserver 2.51 neither restarts a Python-backend stub that died nor stops reporting ready,
-        # and requests in flight on it never end: a dead stub ends the serve, in one line. Stopping the
-        # server closes its connections, which ends every request in flight with an error.
-        dead_stubs: Callable[[], list[str]] = getattr(server, "dead_stubs", lambda: [])
-        stubs: dict[str, int] = getattr(server, "stub_pids", dict)()
-        while True:
-            # Which stubs are gone, looked at before running's poll() reaps the server: the stubs of a
-            # server that died outlive it briefly, the one whose death took the server down does not.
-            gone = sorted(name for name, pid in stubs.items() if not procgroup.pid_running(pid))
-            if not server.running:
-                break
-            dead = dead_stubs()
-            if dead:
-                # The dead instance never unloads: waiting out tritonserver's exit timeout would only
-                # keep the requests in flight waiting longer.
-                stop_timeout = DEAD_STUB_STOP_S
-                click.echo(f"model instance {', '.join(dead)} died: stopping tritonserver ...")
-                raise StageFailed(f"model instance {', '.join(dead)} died (its Python-backend stub is gone); "
-                                  "tritonserver would keep requests on it waiting forever",
+    # SIGTERM and SIGHUP end the server like Ctrl-C (stopsignals.py)
+    with stop_on_signals():
+        try:
+            server.start(timeout=timeout)
+            click.echo(f"tritonserver ready in {server.started_s:.1f}s ({describe})")
+            click.echo(f"  HTTP     {server.urls['http']}")
+            click.echo(f"  gRPC     {server.urls['grpc']}")
+            click.echo(f"  metrics  {server.urls['metrics']}")
+            click.echo(f"  models   {models}")
+            click.echo(f"  log      {server.log_path}")
+            click.echo("Ctrl-C to stop")
+            # tritonserver 2.51 neither restarts a Python-backend stub that died nor stops reporting ready,
+            # and requests in flight on it never end: a dead stub ends the serve, in one line. Stopping the
+            # server closes its connections, which ends every request in flight with an error.
+            dead_stubs: Callable[[], list[str]] = getattr(server, "dead_stubs", lambda: [])
+            stubs: dict[str, int] = getattr(server, "stub_pids", dict)()
+            while True:
+                # Which stubs are gone, looked at before running's poll() reaps the server: the stubs of a
+                # server that died outlive it briefly, the one whose death took the server down does not.
+                gone = sorted(name for name, pid in stubs.items() if not procgroup.pid_running(pid))
+                if not server.running:
+                    break
+                dead = dead_stubs()
+                if dead:
+                    # The dead instance never unloads: waiting out tritonserver's exit timeout would only
+                    # keep the requests in flight waiting longer.
+                    stop_timeout = DEAD_STUB_STOP_S
+                    click.echo(f"model instance {', '.join(dead)} died: stopping tritonserver ...")
+                    raise StageFailed(f"model instance {', '.join(dead)} died (its Python-backend stub is gone); "
+                                      "tritonserver would keep requests on it waiting forever",
+                                      f"restart `toolchain serve`; the log: {server.log_path}")
+                time.sleep(0.5)
+            rc = server.process.returncode if server.process is not None else None
+            if gone and len(gone) < len(stubs):  # the server went down with (after) a model instance
+                abort = _ABORT.search(server.log_text()) if hasattr(server, "log_text") else None
+                raise StageFailed(f"model instance {', '.join(gone)} died (its Python-backend stub is gone) and "
+                                  f"tritonserver exited with it ({_exit_status(rc)}"
+                                  f"{': uncaught ' + abort.group(1) if abort else ''})",
                                   f"restart `toolchain serve`; the log: {server.log_path}")
-            time.sleep(0.5)
-        rc = server.process.returncode if server.process is not None else None
-        if gone and len(gone) < len(stubs):  # the server went down with (after) a model instance
-            abort = _ABORT.search(server.log_text()) if hasattr(server, "log_text") else None
-            raise StageFailed(f"model instance {', '.join(gone)} died (its Python-backend stub is gone) and "
-                              f"tritonserver exited with it ({_exit_status(rc)}"
-                              f"{': uncaught ' + abort.group(1) if abort else ''})",
-                              f"restart `toolchain serve`; the log: {server.log_path}")
-        raise StageFailed(f"tritonserver exited unexpectedly: {server.failure_cause()}", f"full log: {server.log_path}")
-    except KeyboardInterrupt:
-        click.echo("stopping tritonserver ...")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        rc = server.stop(stop_timeout)
+            raise StageFailed(f"tritonserver exited unexpectedly: {server.failure_cause()}", f"full log: {server.log_path}")
+        except KeyboardInterrupt:
+            click.echo("stopping tritonserver ...")
+        finally:
+            rc = server.stop(stop_timeout)
     click.echo(f"tritonserver stopped (exit code {rc})")
 
 

@@ -3,8 +3,8 @@
 No etcd and no NATS: file discovery in a private directory, the TCP request plane, the ZMQ event plane, every
 address on loopback (the DYN_* variables the runtime reads, each looked up in the facts). Each process runs in its
 own process group with its own log; the frontend and the workers find each other through the discovery directory.
-Dynamo caches model cards under $HOME/.cache/dynamo, so HOME points into the same private directory: `stop`
-removes it and leaves nothing behind.
+Dynamo caches model cards under $HOME/.cache/dynamo and writes temporary files, so HOME and TMPDIR point into the
+same private directory: `stop` removes it and leaves nothing behind.
 
 Ready once the frontend lists the model and its /health shows every worker's instance registered. The checkpoint
 is converted and sharded once, before the workers start (the same stages CpuLLM runs), so the workers reuse it.
@@ -143,6 +143,9 @@ class DynamoDeployment:
             runtime_env("DYN_TCP_RPC_HOST"): HOST, runtime_env("DYN_TCP_RESPONSE_STREAM_HOST"): HOST,
             runtime_env("DYN_EVENT_PLANE_HOST"): HOST, runtime_env("DYN_SYSTEM_HOST"): HOST,
             "HOME": str(tmp / "home"), "HF_HUB_OFFLINE": "1",
+            # dynamo.runtime.logging writes a logging config to a NamedTemporaryFile(delete=False) in every
+            # process (ai-dynamo 1.6.1, dynamo/runtime/logging.py): kept in the private directory, it goes too.
+            "TMPDIR": str(tmp / "tmp"),
         }
 
     def base_env(self, tmp: Path) -> dict[str, str]:
@@ -164,7 +167,7 @@ class DynamoDeployment:
         http_port = self.http_port or free_port(HOST)
         frontend = self.frontend_argv(http_port)
         env = _shell_assignments(self.own_env(tmp))
-        lines = [f'{DIR_VAR}="$(mktemp -d)" && mkdir "${DIR_VAR}/home"',
+        lines = [f'{DIR_VAR}="$(mktemp -d)" && mkdir "${DIR_VAR}/home" "${DIR_VAR}/tmp"',
                  f"printf '%s\\n' {shlex.quote(json.dumps(self.engine_args()))} > {_shell_word(str(config))}",
                  f"{env} {_shell_join(frontend)} &"]
         ports: list[int] = []
@@ -200,6 +203,7 @@ class DynamoDeployment:
         assert self.tmp is not None
         tmp = self.tmp
         (tmp / "home").mkdir()
+        (tmp / "tmp").mkdir()
         logs = self.log_dir or tmp / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         config = tmp / "engine-args.yaml"

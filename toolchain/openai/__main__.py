@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from toolchain.errors import ToolchainError
+from toolchain.stopsignals import Stopped, stop_on_signals
 
 
 def _args(argv):
@@ -122,12 +123,27 @@ def main(argv=None) -> int:
     args = _args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app = build_app(args)
+        with stop_on_signals():  # loading: a stop signal ends it here (the work directory goes at exit)
+            app = build_app(args)
     except (ToolchainError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Stopped as err:
+        return err.exit_code
     # timeout_keep_alive 5 s as trtllm-serve sets it.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_keep_alive=5))
+    work = getattr(app.state, "work_dir", None)
+    try:
+        # uvicorn shuts down gracefully on SIGINT and SIGTERM, then re-raises the signal, which would end the
+        # process before the engine's work directory is removed; SIGHUP it does not handle at all.
+        with stop_on_signals(on_signal=lambda signum: server.handle_exit(signum, None)):
+            server.run()
+    except Stopped as err:
+        return err.exit_code
+    finally:
+        if work is not None:
+            work.cleanup()
     return 0
 
 

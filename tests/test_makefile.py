@@ -1,0 +1,65 @@
+"""The Makefile a newcomer runs first: every declared target has a rule, and setup says what it is installing
+(it takes minutes, and pip runs quiet). Run for real, with pip replaced by `echo` and a venv without pip."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MAKEFILE = REPO / "Makefile"
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")
+
+
+def _make(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "--no-print-directory", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_every_phony_target_has_a_rule():
+    text = MAKEFILE.read_text()
+    phony = {name for line in re.findall(r"^\.PHONY:(.*)$", text, re.M) for name in line.split()}
+    rules = {name for line in re.findall(r"^([A-Za-z][\w .-]*?)\s*::?(?!=)", text, re.M) for name in line.split()}
+    assert phony and not phony - rules, f"declared .PHONY without a rule: {sorted(phony - rules)}"
+
+
+@pytest.fixture
+def bare_venv(tmp_path) -> Path:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    return venv
+
+
+def test_setup_prints_a_line_before_each_install_step(bare_venv):
+    run = _make("-B", "setup", f"VENV={bare_venv}", "PIP=echo PIP")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    installs = [i for i, line in enumerate(lines) if line.startswith("PIP ")]
+    assert len(installs) == 2, run.stdout
+    for i in installs:  # each pip run follows a progress line naming what it installs
+        step = next(line for line in reversed(lines[:i]) if line.startswith("==> "))
+        assert "installing" in step and lines.index(step) > max([j for j in installs if j < i], default=-1), \
+            run.stdout
+    torch = next(line for line in lines if "torch" in line and line.startswith("PIP "))
+    assert "torch==2.13.0+cpu" in torch.split()  # the CPU build, never PyPI's CUDA build of 2.13.0
+
+
+def test_setup_takes_torch_from_the_cpu_index_when_its_host_resolves(bare_venv):
+    # localhost always resolves; an unresolvable host falls back to pip's configured sources, saying so.
+    run = _make("-B", "setup", f"VENV={bare_venv}", "PIP=echo PIP", "TORCH_INDEX=http://localhost/whl/cpu")
+    assert "PIP --extra-index-url http://localhost/whl/cpu torch==2.13.0+cpu" in run.stdout, run.stdout
+    run = _make("-B", "setup", f"VENV={bare_venv}", "PIP=echo PIP", "TORCH_INDEX=https://nowhere.invalid/whl/cpu")
+    assert "nowhere.invalid does not resolve" in run.stdout and "PIP torch==2.13.0+cpu" in run.stdout, run.stdout
+
+
+def test_make_deploy_deploys_the_spec(bare_venv):
+    (bare_venv / ".setup-stamp").touch()
+    run = _make("-n", "-o", str(bare_venv / ".setup-stamp"), "deploy", f"VENV={bare_venv}", "SPEC=build/x.yaml")
+    assert run.returncode == 0, run.stderr
+    assert f"{bare_venv}/bin/toolchain deploy build/x.yaml" in run.stdout, run.stdout
