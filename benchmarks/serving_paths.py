@@ -5,23 +5,26 @@ engine: Triton's `tensorrt_llm` llmapi model over gRPC streaming, and the
 OpenAI-compatible server (`python -m toolchain.openai`, what trtllm-serve is
 here) over SSE `/v1/completions`, both started as `toolchain deploy` starts
 them. Both servers are up for the whole run and the load alternates between
-them level by level (Triton, then OpenAI, at concurrency 1, then 8), so drift
-in what else runs on the host hits both alike. The load is this toolchain's
-bench harness (toolchain.bench.run_bench) with the same prompts, seed and
-token counts (ignore_eos: exactly --output-tokens each) on both.
+them in short rounds (at concurrency 1, then 8: --rounds rounds, each a run
+on either path, the order swapped every round), so drift in what else runs on
+the host hits both alike. The load is this toolchain's bench harness
+(toolchain.bench.run_bench) with the same prompts, seed and token counts
+(ignore_eos: exactly --output-tokens each) on both.
 
-Keys: per path and concurrency TTFT / TPOT / E2E p50 and output tokens/s, and
+Keys: per path and concurrency the median over rounds of each round's TTFT /
+TPOT / E2E p50 (and p90) and output tokens/s, and
 `openai_vs_triton_ttft_p50_ratio` / `openai_vs_triton_tpot_p50_ratio` (the
 worse of the two concurrencies; per-concurrency ones are suffixed `_c1`,
 `_c8`); target <= 1.15 each.
 
-    python benchmarks/serving_paths.py [--json PATH] [--requests N] [--quick]
+    python benchmarks/serving_paths.py [--json PATH] [--requests N] [--rounds R] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -78,6 +81,16 @@ def _level(report: dict) -> dict[str, Any]:
     return out
 
 
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"rounds": len(runs), "num_requests": sum(r["num_requests"] or 0 for r in runs),
+                           "errors": sum(r["errors"] or 0 for r in runs)}
+    for key in runs[0]:
+        values = [r[key] for r in runs if r[key] is not None]
+        if key not in out:
+            out[key] = statistics.median(values) if values else None
+    return out
+
+
 def _ratio(a, b) -> float | None:
     return round(a / b, 3) if a and b else None
 
@@ -86,6 +99,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="write the results here too")
     ap.add_argument("--requests", type=int, default=48, help="measured requests per path and concurrency")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating runs the requests are split into")
     ap.add_argument("--input-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="16 requests per level")
@@ -94,7 +108,8 @@ def main(argv=None) -> int:
     from toolchain.llmapi.launch import served_model_name
 
     requests = 16 if args.quick else args.requests
-    out: dict[str, Any] = {"spec": str(SPEC.relative_to(REPO)), "requests_per_level": requests,
+    rounds = max(1, min(args.rounds, requests))
+    out: dict[str, Any] = {"spec": str(SPEC.relative_to(REPO)), "requests_per_level": requests, "rounds": rounds,
                            "input_tokens": args.input_tokens, "output_tokens": args.output_tokens, "paths": {}}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="serving-paths-") as d:
@@ -106,13 +121,19 @@ def main(argv=None) -> int:
             paths = {"triton": ("triton-grpc", "tensorrt_llm", triton.grpc_url),
                      "openai": ("openai-completions", served_model_name(spec), openai.url)}
             for c in CONCURRENCIES:
-                for name, (protocol, endpoint, url) in paths.items():
-                    s = _spec(requests, c, args.input_tokens, args.output_tokens, protocol, endpoint)
-                    report = run_bench(s, url=url, metrics_url="", out_dir=root / f"bench-{name}-c{c}", plots=False,
-                                       request_timeout_s=120)
-                    figures = _level(report)
-                    out["paths"].setdefault(name, {})[f"c{c}"] = figures
-                    log(f"{name} c{c}: {json.dumps(figures)}")
+                runs: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
+                for r in range(rounds):
+                    names = list(paths) if r % 2 == 0 else list(reversed(paths))
+                    for name in names:
+                        protocol, endpoint, url = paths[name]
+                        s = _spec(max(c, requests // rounds), c, args.input_tokens, args.output_tokens, protocol,
+                                  endpoint)
+                        report = run_bench(s, url=url, metrics_url="", out_dir=root / f"bench-{name}-c{c}-{r}",
+                                           plots=False, request_timeout_s=120)
+                        runs[name].append(_level(report))
+                        log(f"{name} c{c} round {r}: {json.dumps(runs[name][-1])}")
+                for name in paths:
+                    out["paths"].setdefault(name, {})[f"c{c}"] = _median(runs[name])
     worst: dict[str, float | None] = {}
     for metric in ("ttft", "tpot"):
         ratios = []

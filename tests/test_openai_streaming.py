@@ -108,3 +108,36 @@ def test_one_loop_wakeup_per_engine_step(hf_llama, tmp_path_factory):
     tokens = len(prompts) * n_tokens
     assert steps >= n_tokens
     assert wakeups <= steps + len(prompts), f"{wakeups} loop wake-ups for {steps} steps ({tokens} tokens)"
+
+
+def test_the_engine_waits_for_the_loop_to_read_each_step(hf_llama, tmp_path_factory):
+    """A reader slower than the engine's steps: the batcher lets the loop answer each step before it runs
+    the next (the two share the GIL), so the engine never runs ahead of the stream."""
+    import time
+
+    from toolchain.openai.service import EngineService
+
+    engine = load_engine(tmp_path_factory, hf_llama)
+    service = EngineService(engine)
+    n_tokens = 24
+
+    async def run():
+        gen = service.submit([1, 5, 9, 33], SamplingParams(max_new_tokens=n_tokens, temperature=0.0, end_id=-1))
+        seen = []  # (steps the batcher had run, tokens read) at each read
+        async for _tokens, _ in gen.events():
+            seen.append((service.batcher.stats.steps, len(gen.output)))
+            time.sleep(0.002)  # the loop busy for several of this engine's steps
+        return seen
+
+    service.start()
+    try:
+        seen = asyncio.run(run())
+    finally:
+        service.stop()
+    assert seen[-1][1] == n_tokens
+    # Each step read on its own (not several piled up while the reader was busy) ...
+    assert len(seen) >= n_tokens - 3, f"{n_tokens} tokens came in {len(seen)} reads: {seen}"
+    # ... and steps the engine had run beyond the tokens the reader had seen (one token a step), at its worst; a few
+    # are allowed for a loop the host did not schedule within TURN_WAIT_S.
+    ahead = max(steps - read for steps, read in seen)
+    assert ahead <= 3, f"the engine ran {ahead} steps ahead of the reader: {seen}"
