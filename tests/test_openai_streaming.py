@@ -141,3 +141,19 @@ def test_the_engine_waits_for_the_loop_to_read_each_step(hf_llama, tmp_path_fact
     # are allowed for a loop the host did not schedule within TURN_WAIT_S.
     ahead = max(steps - read for steps, read in seen)
     assert ahead <= 3, f"the engine ran {ahead} steps ahead of the reader: {seen}"
+
+
+def test_response_ids_take_no_system_call(monkeypatch):
+    """The id of each response is drawn without os.urandom, a system call that lets go of the GIL mid-request
+    (for the engine thread to take); it keeps upstream's shape, cmpl-/chatcmpl- and 32 hex digits."""
+    import os
+    import re
+
+    from toolchain.openai.protocol import Envelope
+
+    calls = []
+    real = os.urandom
+    monkeypatch.setattr(os, "urandom", lambda n: calls.append(n) or real(n))
+    ids = {Envelope(chat, "m").id for chat in (False, True) * 50}
+    assert calls == []
+    assert len(ids) == 100 and all(re.fullmatch(r"(cmpl|chatcmpl)-[0-9a-f]{32}", i) for i in ids)
