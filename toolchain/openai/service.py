@@ -20,7 +20,7 @@ import collections
 import itertools
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable
@@ -58,21 +58,19 @@ class StatsBatcher(InflightBatcher):
             self.kv_alloc_new += now[1] - seen[1]
             self.kv_reused += now[2] - seen[2]
             req._counted_kv = now
-        tokens_before = self.stats.tokens
-        t0 = time.perf_counter()
-        handoff = self.handoff
-        if handoff is None:
+        # The step's record is kept before its tokens go out (the handoff wakes the loop when this block ends):
+        # a client that has its answer finds the step in /metrics and the Prometheus gauges.
+        with nullcontext() if self.handoff is None else self.handoff.step():
+            tokens_before = self.stats.tokens
+            t0 = time.perf_counter()
             super()._step(batch)
-        else:
-            with handoff.step():
-                super()._step(batch)
-        latency_ms = (time.perf_counter() - t0) * 1000.0
-        completed = sum(1 for req, _ in batch if req.seq.finished)
-        record = self._record(batch, latency_ms, completed, self.stats.tokens - tokens_before)
-        with self.records_lock:
-            self.records.append(record)
-        if self.on_iteration is not None:
-            self.on_iteration(record)
+            latency_ms = (time.perf_counter() - t0) * 1000.0
+            completed = sum(1 for req, _ in batch if req.seq.finished)
+            record = self._record(batch, latency_ms, completed, self.stats.tokens - tokens_before)
+            with self.records_lock:
+                self.records.append(record)
+            if self.on_iteration is not None:
+                self.on_iteration(record)
 
     def _record(self, batch, latency_ms: float, completed: int, tokens: int) -> dict:
         st, kv, lim = self.stats, self.engine.kv, self.engine.limits
