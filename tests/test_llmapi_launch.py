@@ -337,3 +337,18 @@ def test_cli_llmapi_refuses_to_run_here_and_manifests_need_llmapi(two_nodes, tmp
     cpu = _spec(tmp_path, spec.model.checkpoint, name="cpu-model", target="llmapi-cpu")
     assert main(["--root", str(ws.root), "serve", str(cpu.source), "--print", "--manifests", str(tmp_path / "m")]) == 2
     assert "--manifests is for the GPU targets trtllm and llmapi, not llmapi-cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_cpu_openai_server_steps_the_engine_with_tritons_threads(tmp_path, hf_llama, threads):
+    """llmapi-cpu: the OpenAI server's engine gets serving.engine_threads torch threads, as Triton's llmapi
+    model does (its config.pbtxt parameter), not torch's default of every core; in the printed line and in
+    the server deploy starts."""
+    from toolchain.deploy import openai_server
+    from toolchain.llmapi.repo import model_config
+
+    spec = _spec(tmp_path, hf_llama, target="llmapi-cpu", serving={"engine_threads": threads})
+    ws = Workspace(tmp_path / "ws")
+    assert model_config(spec).parameters["engine_threads"] == str(threads)
+    for argv in (launch.openai_cpu_command(spec, ws), openai_server(spec, ws, tmp_path / "log").command()):
+        assert argv[argv.index("--engine-threads") + 1] == str(threads)

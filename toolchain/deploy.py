@@ -87,6 +87,17 @@ def _with_workload(spec: DeploymentSpec, **values) -> DeploymentSpec:
     return spec.model_copy(update={"validation": v.model_copy(update={"workload": workload})})
 
 
+def openai_server(spec: DeploymentSpec, workspace: Workspace, log_path: Path):
+    """The OpenAI server on the LLM() arguments of the llmapi-cpu deployment (not started)."""
+    from toolchain.llmapi.launch import openai_engine_args, serve_config_path, served_model_name
+    from toolchain.llmapi.stage import served_model_dir
+    from toolchain.openai.server import OpenAIServer
+
+    return OpenAIServer(None, None, served_model_name(spec), spec.serving.host, spec.llmapi.openai_port,
+                        model=served_model_dir(spec, workspace), config=serve_config_path(spec, workspace),
+                        log_path=log_path, extra_args=openai_engine_args(spec))
+
+
 def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, progress: Progress,
                    timings: dict) -> dict:
     """The LLM-API path on this host (target llmapi-cpu): Triton's llmapi model, then the OpenAI
@@ -94,9 +105,7 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     OpenAI server's is written to <out>/openai and summarised under `openai`."""
     from toolchain.bench.run import run_bench
     from toolchain.errors import ToolchainError
-    from toolchain.llmapi.launch import serve_config_path, served_model_name
-    from toolchain.llmapi.stage import served_model_dir
-    from toolchain.openai.server import OpenAIServer
+    from toolchain.llmapi.launch import served_model_name
     from toolchain.triton.repo import run_model_repo
 
     if spec.target != "llmapi-cpu":
@@ -117,9 +126,7 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
         with _timed("stop", progress, timings):
             server.stop()
     name = served_model_name(spec)
-    openai = OpenAIServer(None, None, name, serving.host, spec.llmapi.openai_port,
-                          model=served_model_dir(spec, workspace), config=serve_config_path(spec, workspace),
-                          log_path=repo.parent / f"{spec.name}.openai.log")
+    openai = openai_server(spec, workspace, repo.parent / f"{spec.name}.openai.log")
     try:
         with _timed("serve-openai", progress, timings):
             openai.start(timeout=serving.startup_timeout_s)

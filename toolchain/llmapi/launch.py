@@ -174,12 +174,19 @@ def gpu_launch_lines(spec: DeploymentSpec, workspace: Workspace) -> dict[str, st
     return lines
 
 
+def openai_engine_args(spec: DeploymentSpec) -> tuple[str, ...]:
+    """The OpenAI server's engine flags: the CPU engine stepped with the torch threads Triton's llmapi
+    model gets (serving.engine_threads, a config.pbtxt parameter there), not torch's default of every core,
+    which on a small host also takes the core the server's event loop needs."""
+    return ("--engine-threads", str(spec.serving.engine_threads))
+
+
 def openai_cpu_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
     from toolchain.llmapi.stage import served_model_dir
 
     return ["python", "-m", "toolchain.openai", str(served_model_dir(spec, workspace)),
             "--config", str(serve_config_path(spec, workspace)), "--served-model-name", served_model_name(spec),
-            "--host", spec.serving.host, "--port", str(spec.llmapi.openai_port)]
+            "--host", spec.serving.host, "--port", str(spec.llmapi.openai_port), *openai_engine_args(spec)]
 
 
 def planned_launch(spec: DeploymentSpec, workspace: Workspace) -> dict:

@@ -162,9 +162,8 @@ class OpenAIFrontend:
     # -- responses --------------------------------------------------------------------------
 
     async def respond(self, req, raw: Request) -> Response:
+        env = Envelope(isinstance(req, ChatCompletionRequest), self.model)
         gen = self._start(req)
-        chat = isinstance(req, ChatCompletionRequest)
-        env = Envelope(chat, self.model)
         watcher = asyncio.create_task(self._watch(raw, gen))
         if req.stream:
             return StreamingResponse(self._stream(gen, req, env, watcher), media_type="text/event-stream")

@@ -2,10 +2,12 @@
 seen from asyncio.
 
 `EngineService.submit` queues one request on the batcher and returns a
-`Generation` whose `events()` yields the batcher's callbacks on the event loop
-(the callback runs on the batcher thread and hands over with
-`call_soon_threadsafe`). `cancel` finishes a request early; the batcher gives
-its KV blocks back at once. After every step the batcher records one iteration
+`Generation` whose `events()` yields the batcher's callbacks on the event loop.
+The callbacks run on the batcher thread; a `Handoff` carries them over, waking
+the loop once per engine step for every request that step advanced (not once
+per request), so the loop answers a step's tokens in one pass and the engine
+thread is not interrupted mid-step by the loop taking the GIL for each one.
+`cancel` finishes a request early; the batcher gives its KV blocks back at once. After every step the batcher records one iteration
 stats entry in the executor's JSON shape (what trtllm-serve's `/metrics`
 returns), kept in a bounded queue that `/metrics` drains, as the executor's
 iteration stats queue is drained by `getLatestIterationStats`.
@@ -18,6 +20,7 @@ import collections
 import itertools
 import threading
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable
@@ -25,6 +28,9 @@ from typing import Any, Callable
 from toolchain.engine.cpu import CpuEngine, InflightBatcher, QueueFull, RequestStats, SamplingParams, SchedulerConfig
 
 ITER_STATS_MAX = 1000  # ExecutorConfig iterStatsMaxIterations default
+# Longest the batcher waits, after a step, for the loop to have answered that step's tokens (a stuck loop
+# must never stop the engine).
+TURN_WAIT_S = 0.01
 
 
 class StatsBatcher(InflightBatcher):
@@ -39,6 +45,7 @@ class StatsBatcher(InflightBatcher):
         self.records: collections.deque = collections.deque(maxlen=ITER_STATS_MAX)
         self.records_lock = threading.Lock()
         self.on_iteration = on_iteration
+        self.handoff: Handoff | None = None  # the loop the callbacks of a step are handed to at once
         # Cumulative over the server's life, as the executor's KV cache manager counts them.
         self.kv_alloc_total = self.kv_alloc_new = self.kv_reused = 0
 
@@ -51,16 +58,19 @@ class StatsBatcher(InflightBatcher):
             self.kv_alloc_new += now[1] - seen[1]
             self.kv_reused += now[2] - seen[2]
             req._counted_kv = now
-        tokens_before = self.stats.tokens
-        t0 = time.perf_counter()
-        super()._step(batch)
-        latency_ms = (time.perf_counter() - t0) * 1000.0
-        completed = sum(1 for req, _ in batch if req.seq.finished)
-        record = self._record(batch, latency_ms, completed, self.stats.tokens - tokens_before)
-        with self.records_lock:
-            self.records.append(record)
-        if self.on_iteration is not None:
-            self.on_iteration(record)
+        # The step's record is kept before its tokens go out (the handoff wakes the loop when this block ends):
+        # a client that has its answer finds the step in /metrics and the Prometheus gauges.
+        with nullcontext() if self.handoff is None else self.handoff.step():
+            tokens_before = self.stats.tokens
+            t0 = time.perf_counter()
+            super()._step(batch)
+            latency_ms = (time.perf_counter() - t0) * 1000.0
+            completed = sum(1 for req, _ in batch if req.seq.finished)
+            record = self._record(batch, latency_ms, completed, self.stats.tokens - tokens_before)
+            with self.records_lock:
+                self.records.append(record)
+            if self.on_iteration is not None:
+                self.on_iteration(record)
 
     def _record(self, batch, latency_ms: float, completed: int, tokens: int) -> dict:
         st, kv, lim = self.stats, self.engine.kv, self.engine.limits
@@ -113,6 +123,71 @@ class StatsBatcher(InflightBatcher):
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
 
+class Handoff:
+    """Callbacks from the batcher thread to one event loop. Each `put` is queued; the loop is woken
+    with one `call_soon_threadsafe` for all of them: at once outside a step, at the end of the step
+    inside one (`step()`), so a step over N requests costs the loop one wake-up, not N. After a step
+    the batcher lets the loop take its turn (the readers it woke have each run) before the next
+    step starts, waiting at most TURN_WAIT_S."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[Generation, tuple]] = []
+        self._held = False  # the batcher is inside a step: wake the loop at its end
+        self._scheduled = False  # a dispatch is queued on the loop and has not run yet
+        self._answered = threading.Event()
+
+    def put(self, gen: "Generation", item: tuple) -> None:
+        """Batcher thread. Raises RuntimeError once the loop is closed (the batcher then cancels the request)."""
+        if self.loop.is_closed():
+            raise RuntimeError("the event loop is closed")
+        with self._lock:
+            self._items.append((gen, item))
+            if self._held or self._scheduled:
+                return
+            self._scheduled = True
+        self._wake()
+
+    @contextmanager
+    def step(self):
+        with self._lock:
+            self._held = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held = False
+                wake = bool(self._items) and not self._scheduled
+                self._scheduled = self._scheduled or wake
+            if wake:
+                self._answered.clear()
+                self._wake()
+                # The loop's turn: the engine thread and the event loop share one GIL, and a loop that
+                # answers a step's tokens while the next step runs takes the GIL from it between every
+                # torch call; on a busy host each of those handoffs waits for a CPU (the batcher's run-
+                # queue wait per token fell from 3.2 to 0.55 ms with this, benchmarks/README.md).
+                self._answered.wait(TURN_WAIT_S)
+
+    def _wake(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._dispatch)
+        except RuntimeError:  # closed under us: nobody is left to read these
+            with self._lock:
+                self._items.clear()
+                self._scheduled = False
+            raise
+
+    def _dispatch(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        for gen, item in items:
+            gen.arrive(item)
+        # After the readers this woke have each run their turn (they were queued first).
+        self.loop.call_soon(self._answered.set)
+
+
 @dataclass
 class Generation:
     """One request in flight, as the HTTP handler sees it."""
@@ -120,8 +195,7 @@ class Generation:
     request_id: int
     prompt_ids: list[int]
     params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    handoff: Handoff
     stats: RequestStats = field(default_factory=RequestStats)
     arrival_ns: int = field(default_factory=time.time_ns)
     first_token_ns: int = 0
@@ -130,15 +204,38 @@ class Generation:
     done: bool = False
     cancelled: bool = False  # by us: client gone or a stop string matched
     error: str | None = None
+    pending: collections.deque = field(default_factory=collections.deque)  # arrived, not yet read by events()
+    waiter: asyncio.Future | None = None
 
     def callback(self, tokens, finished, error=None) -> None:
         # Batcher thread. Raises RuntimeError once the loop is closed; the batcher then cancels the request.
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ([int(t) for t in tokens or ()], finished, error))
+        self.handoff.put(self, ([int(t) for t in tokens or ()], finished, error))
+
+    def arrive(self, item: tuple) -> None:
+        """Event loop: one callback's (tokens, finished, error)."""
+        self.pending.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def _take(self) -> tuple[list[int], bool, str | None]:
+        """Everything that arrived since the last read, as one event: a reader that fell behind gets
+        the tokens of several steps together rather than one stale step at a time."""
+        tokens, finished, error = self.pending.popleft()
+        while self.pending and not finished:
+            more, finished, error = self.pending.popleft()
+            tokens = tokens + more
+        return tokens, finished, error
 
     async def events(self):
         """(new tokens, finished) until the request ends; raises RuntimeError on an engine error."""
         while not self.done:
-            tokens, finished, error = await self.queue.get()
+            if not self.pending:
+                self.waiter = self.handoff.loop.create_future()
+                try:
+                    await self.waiter
+                finally:
+                    self.waiter = None
+            tokens, finished, error = self._take()
             if tokens:
                 now = time.time_ns()
                 self.first_token_ns = self.first_token_ns or now
@@ -171,6 +268,13 @@ class EngineService:
         self._ids = itertools.count(1)
         self.inflight: dict[int, Generation] = {}
 
+    def _handoff(self) -> Handoff:
+        loop = asyncio.get_running_loop()
+        handoff = self.batcher.handoff
+        if handoff is None or handoff.loop is not loop:
+            handoff = self.batcher.handoff = Handoff(loop)
+        return handoff
+
     def start(self) -> None:
         self.batcher.start()
 
@@ -179,7 +283,7 @@ class EngineService:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: float | None = None) -> Generation:
         """Raises QueueFull when the queue bound is reached."""
-        gen = Generation(next(self._ids), prompt_ids, params, asyncio.get_running_loop())
+        gen = Generation(next(self._ids), prompt_ids, params, self._handoff())
         kwargs: dict[str, Any] = {} if priority is None else {"priority": priority}
         self.inflight[gen.request_id] = gen
         try:

@@ -51,6 +51,18 @@ class TextCodec:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self, skip_special_tokens: bool = True):
+        """(step, state) decoding one token at a time in the Rust tokenizer (tokenizers' DecodeStream
+        keeps its own prefix / read offsets), or None where that text could differ from `decode`'s:
+        a slow tokenizer, or one whose decode cleans up tokenization spaces afterwards."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            return None
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        return lambda token_id: stream.step(backend, token_id)
+
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, template: str | None = None,
                     kwargs: dict | None = None) -> str:
         template = template or self.chat_template
@@ -67,9 +79,11 @@ class TextCodec:
 
 class Detokenizer:
     """Text of a growing token list, piece by piece, so that streamed pieces
-    concatenate to the text of the whole list. Decoding restarts a few tokens back
-    (`prefix`) because a token's text can depend on its neighbours (leading
-    spaces, byte-fallback pieces); a piece that ends in an incomplete UTF-8
+    concatenate to the text of the whole list. Each new token is decoded once, in
+    the tokenizer's own incremental decoder where the codec has one
+    (`decode_stream`); otherwise decoding restarts a few tokens back (`prefix`)
+    because a token's text can depend on its neighbours (leading spaces,
+    byte-fallback pieces). Either way a piece that ends in an incomplete UTF-8
     character is held back until the next token completes it."""
 
     def __init__(self, codec: TextCodec, skip_special_tokens: bool = True):
@@ -78,9 +92,14 @@ class Detokenizer:
         self.prefix = 0  # decoding restarts here
         self.read = 0  # text up to here has been returned
         self.text = ""  # everything returned so far
+        self.step = codec.decode_stream(skip_special_tokens)
 
     def push(self, new_ids: list[int]) -> str:
         self.ids += new_ids
+        if self.step is not None:
+            piece = "".join(filter(None, map(self.step, new_ids)))
+            self.text += piece
+            return piece
         before = self.codec.decode(self.ids[self.prefix:self.read], self.skip)
         now = self.codec.decode(self.ids[self.prefix:], self.skip)
         if now.endswith("\ufffd") or not now.startswith(before):
