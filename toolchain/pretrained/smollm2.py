@@ -102,8 +102,9 @@ def _write_checkpoint(gguf: Path, out: Path) -> None:
     cfg["architectures"] = ["LlamaForCausalLM"]
     cfg["dtype"] = "float32"
     cfg["rms_norm_eps"] = float(f"{cfg['rms_norm_eps']:.6g}")  # GGUF stores 1e-5 as float32 (9.9999997e-06)
-    # transformers 5 writes rope_parameters only; older readers (a GPU host's transformers 4.x under
-    # TensorRT-LLM 1.2.1) read rope_theta at the top level.
+    # transformers 5 writes rope_parameters only; a GPU host's TensorRT-LLM reads the checkpoint with
+    # transformers 4.57.1 (NVIDIA/TensorRT-LLM requirements.txt, stored version at commit 000867d9b1ad, pins
+    # transformers==4.57.1), whose LlamaConfig takes rope_theta at the top level and ignores rope_parameters.
     cfg["rope_theta"] = cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
     (out / "config.json").write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
     gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
