@@ -127,6 +127,16 @@ def test_the_engine_path_deploys_through_triton_at_tp3(model, tmp_path):
     for rank in range(3):  # 3 query heads and 1 KV head of 64 per rank: (3 + 1 + 1) * 64 fused qkv rows
         with safe_open(str(ckpt / f"rank{rank}.safetensors"), "pt") as f:
             assert tuple(f.get_slice("transformer.layers.0.attention.qkv.weight").get_shape()) == (320, 576)
+    # The three shards the server ran, asked a question: a layout mistake would answer gibberish.
+    from toolchain.engine.cpu import CpuEngine, SamplingParams
+    from toolchain.remote_code import auto_tokenizer
+
+    tok = auto_tokenizer(model)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, tokenize=False)
+    engine = CpuEngine.load(tmp_path / "engines" / "smollm2-135m" / "engine")
+    out = engine.generate(tok(prompt, add_special_tokens=False)["input_ids"], SamplingParams(max_new_tokens=10, top_k=1))
+    assert "Paris" in tok.decode(out), tok.decode(out)
 
 
 @pytest.mark.e2e
