@@ -59,9 +59,10 @@ PEER_JOBS = [("modelopt", "INT4_AWQ"), ("modelopt", "INT8_SMOOTHQUANT"), ("llmco
 OUTLIER_CHANNELS, OUTLIER_FACTOR = 4, 50.0
 SMOLLM2 = REPO / "models" / "smollm2-135m-instruct"
 # On English: each model's methods, and the peer jobs run on it.
-ENGLISH_RUNS = [("tiny", TINY, ("fp16", "rtn:int4_g128", "awq"), []),
-                ("smollm2-135m", SMOLLM2, ("fp16", "rtn:int4_g128", "awq", "rtn:w8a8", "smoothquant", "fp8"),
-                 [("modelopt", "INT4_AWQ")])]
+ENGLISH_RUNS = [("tiny", TINY, ("fp16", "rtn:int4_g128", "awq", "rtn:int4_g64", "awq:g64"), []),
+                # hidden 576 is not a multiple of 128: TensorRT-LLM's per-group int4 needs group 64 here
+                ("smollm2-135m", SMOLLM2, ("fp16", "rtn:int4_g64", "awq:g64", "rtn:w8a8", "smoothquant", "fp8"),
+                 [("modelopt", "INT4_AWQ@g64")])]
 
 
 def make_outlier_model(src: Path, dst: Path, seed: int = 0) -> Path:
@@ -215,6 +216,9 @@ def methods(only: tuple[str, ...] | None = None):
 
     table = [("fp16", Recipe()), ("int8_wo", Recipe(method="int8_wo")), ("int4_wo", Recipe(method="int4_wo")),
             ("rtn:int4_g128", Recipe(method="awq", search=False)), ("awq", Recipe(method="awq")),
+            # group 64: for hidden sizes TensorRT-LLM's per-group int4 cannot take at 128 (SmolLM2-135M: 576)
+            ("rtn:int4_g64", Recipe(method="awq", search=False, group_size=64)),
+            ("awq:g64", Recipe(method="awq", group_size=64)),
             ("awq:nearest", Recipe(method="awq", rounding="nearest")),
             ("rtn:w8a8", Recipe(method="smoothquant", search=False)), ("smoothquant", Recipe(method="smoothquant")),
             ("fp8", Recipe(method="fp8")), ("fp16+kv_int8", Recipe(kv_cache="int8")),

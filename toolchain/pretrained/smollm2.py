@@ -141,10 +141,11 @@ def _write_provenance(out: Path, gguf: Path, digest: str, seconds: float) -> Non
     import transformers
 
     meta = importlib.metadata.metadata(DISTRIBUTION)
+    license_ = (meta.get_all("License-Expression") or meta.get_all("License") or ["not stated in the wheel"])[0]
     prov = {
         "model": UPSTREAM,
         "source": {"package": DISTRIBUTION, "version": VERSION, "file": GGUF_NAME,
-                   "license": meta.get("License") or meta.get("License-Expression") or "Apache-2.0"},
+                   "license": license_},
         "gguf_sha256": digest,
         "gguf_tensor_types": _tensor_types(gguf),
         "caveat": CAVEAT,
