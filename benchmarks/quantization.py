@@ -5,7 +5,19 @@ function-preserving variant (4 random channels of every decoder RMSNorm x 50,
 the matching input columns of the q/k/v or gate/up weights / 50: the fp32
 output is unchanged, but the linears now see the few huge input channels real
 LLMs have, which is what AWQ (arXiv:2306.00978) and SmoothQuant
-(arXiv:2211.10438) exist for), plus any `--model DIR`.
+(arXiv:2211.10438) exist for), plus any `--model DIR`; all on held-out
+standard-library Python.
+
+Then a real pretrained model on real English: `smollm2-135m`
+(models/smollm2-135m-instruct, built by `make smollm2`; its weights were
+dequantized from a Q4_1 GGUF, so its linears start on a 4-bit grid) with fp16,
+RTN, AWQ, SmoothQuant, FP8 and nvidia-modelopt's INT4_AWQ export, beside the
+tiny model on the same text. The text is the IDLE user guide CPython ships in
+its standard library (idlelib/help.html, tags stripped): English prose written
+by people, present wherever the toolchain runs (no package to add, nothing to
+download), and outside the tiny model's training corpus (it read .py files
+only). Perplexities across the two models are per token of different
+tokenizers, so `bits_per_byte` is printed beside them for a fair comparison.
 
 Per row: held-out perplexity run by the CPU engine over the converted
 checkpoint, checkpoint bytes, convert seconds (calibration included) and
@@ -17,7 +29,7 @@ llmcompressor AWQ) run in their own virtual environments under
 benchmarks/.venv-peers, created here; each reports perplexity of its own
 fake-quantized model on the same tokens, or null with the reason.
 
-    python benchmarks/quantization.py [--json PATH] [--model DIR] [--no-peers]
+    python benchmarks/quantization.py [--json PATH] [--model DIR] [--no-peers] [--english-only | --no-english]
 """
 
 from __future__ import annotations
@@ -45,6 +57,12 @@ PEER_INSTALL = {"modelopt": ["torch==2.13.0", "numpy<2", "nvidia-modelopt[hf]==0
 PEER_JOBS = [("modelopt", "INT4_AWQ"), ("modelopt", "INT8_SMOOTHQUANT"), ("llmcompressor", "AWQ"),
              ("llmcompressor", "AWQ+GPTQ")]
 OUTLIER_CHANNELS, OUTLIER_FACTOR = 4, 50.0
+SMOLLM2 = REPO / "models" / "smollm2-135m-instruct"
+# On English: each model's methods, and the peer jobs run on it.
+ENGLISH_RUNS = [("tiny", TINY, ("fp16", "rtn:int4_g128", "awq", "rtn:int4_g64", "awq:g64"), []),
+                # hidden 576 is not a multiple of 128: TensorRT-LLM's per-group int4 needs group 64 here
+                ("smollm2-135m", SMOLLM2, ("fp16", "rtn:int4_g64", "awq:g64", "rtn:w8a8", "smoothquant", "fp8"),
+                 [("modelopt", "INT4_AWQ@g64")])]
 
 
 def make_outlier_model(src: Path, dst: Path, seed: int = 0) -> Path:
@@ -89,6 +107,55 @@ def heldout_windows(tokenize, windows: int, seq_len: int) -> list[list[int]]:
             if len(out) == windows:
                 return out
     return out
+
+
+def english_text() -> str:
+    """The IDLE user guide shipped in CPython's standard library, as plain text."""
+    import sysconfig
+    from html.parser import HTMLParser
+
+    path = Path(sysconfig.get_paths()["stdlib"]) / "idlelib" / "help.html"
+    if not path.is_file():
+        sys.exit(f"error: {path} is missing: this Python ships without idlelib (Debian/Ubuntu: apt install "
+                 "idle-python3.X), or skip the English rows with --no-english")
+
+    class Text(HTMLParser):
+        """The page body (Sphinx's role="main" div, up to the navigation sidebar), one paragraph a line."""
+
+        def __init__(self):
+            super().__init__()
+            self.parts: list[str] = []
+            self.state, self.pre = "before", False
+
+        def handle_starttag(self, tag, attrs):
+            role = dict(attrs).get("role")
+            if role == "main" and self.state == "before":
+                self.state = "body"
+            elif role == "navigation" and self.state == "body":
+                self.state = "after"
+            self.pre |= tag == "pre"
+
+        def handle_endtag(self, tag):
+            self.pre &= tag != "pre"
+            if self.state == "body" and tag in ("p", "li", "dd", "dt", "pre", "h1", "h2", "h3", "div"):
+                self.parts.append("\n")
+
+        def handle_data(self, data):
+            if self.state == "body" and data != "\u00b6":  # ¶: Sphinx's header permalinks
+                squeezed = " ".join(data.split())
+                if data and not self.pre:  # keep one space where the markup had any
+                    squeezed = (" " if data[0].isspace() else "") + squeezed + (" " if data[-1].isspace() else "")
+                self.parts.append(data if self.pre else squeezed)
+
+    parser = Text()
+    parser.feed(path.read_text(encoding="utf-8"))
+    lines = (" ".join(line.split()) for line in "".join(parser.parts).splitlines())
+    return "\n".join(line for line in lines if line)
+
+
+def text_windows(tokenize, text: str, windows: int, seq_len: int) -> list[list[int]]:
+    ids = tokenize(text)
+    return [ids[s:s + seq_len] for s in range(0, len(ids) - seq_len + 1, seq_len)][:windows]
 
 
 def engine_dir(ckpt: Path, out: Path, max_seq_len: int) -> Path:
@@ -144,26 +211,30 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).glob("rank*.safetensors"))
 
 
-def methods():
+def methods(only: tuple[str, ...] | None = None):
     from toolchain.quant.recipe import Recipe
 
-    return [("fp16", Recipe()), ("int8_wo", Recipe(method="int8_wo")), ("int4_wo", Recipe(method="int4_wo")),
+    table = [("fp16", Recipe()), ("int8_wo", Recipe(method="int8_wo")), ("int4_wo", Recipe(method="int4_wo")),
             ("rtn:int4_g128", Recipe(method="awq", search=False)), ("awq", Recipe(method="awq")),
+            # group 64: for hidden sizes TensorRT-LLM's per-group int4 cannot take at 128 (SmolLM2-135M: 576)
+            ("rtn:int4_g64", Recipe(method="awq", search=False, group_size=64)),
+            ("awq:g64", Recipe(method="awq", group_size=64)),
             ("awq:nearest", Recipe(method="awq", rounding="nearest")),
             ("rtn:w8a8", Recipe(method="smoothquant", search=False)), ("smoothquant", Recipe(method="smoothquant")),
             ("fp8", Recipe(method="fp8")), ("fp16+kv_int8", Recipe(kv_cache="int8")),
             ("fp16+kv_fp8", Recipe(kv_cache="fp8"))]
+    return [m for m in table if only is None or m[0] in only]
 
 
 def our_rows(name: str, hf: Path, tokenizer: Path, windows, calib, work: Path, args,
-             reference: dict) -> list[dict]:
+             reference: dict, only: tuple[str, ...] | None = None, extra: dict | None = None) -> list[dict]:
     from dataclasses import replace
 
     from toolchain.checkpoint.convert import convert_checkpoint
     from toolchain.engine.cpu import CpuEngine
 
     rows = []
-    for method, recipe in methods():
+    for method, recipe in methods(only):
         recipe = replace(recipe, calibration_samples=args.calib_samples, calibration_seq_len=args.calib_seq_len)
         ckpt = work / f"{name}-{method.replace(':', '_')}"
         ckpt.mkdir()
@@ -179,8 +250,10 @@ def our_rows(name: str, hf: Path, tokenizer: Path, windows, calib, work: Path, a
                                 num_threads=1)
         scores, logps = engine_scores(engine, windows, reference.get(name))
         reference.setdefault(name, logps)  # the first row (fp16) is the reference of the others
-        row = {"model": name, "method": method, **scores, "bytes": dir_bytes(ckpt), "convert_s": round(convert_s, 2),
-               "decode_tokens_per_s": round(decode_rate(engine, windows[0][:32]), 1)}
+        row = {"model": name, "method": method, **scores, **(extra or {}), "bytes": dir_bytes(ckpt),
+               "convert_s": round(convert_s, 2), "decode_tokens_per_s": round(decode_rate(engine, windows[0][:32]), 1)}
+        if "text_bytes" in row:  # nats per token -> bits per byte of the same text, comparable across tokenizers
+            row["bits_per_byte"] = round(math.log2(row["perplexity"]) * row["text_tokens"] / row["text_bytes"], 4)
         rows.append(row)
         _print_row(row)
     return rows
@@ -214,9 +287,10 @@ def ensure_peer(tool: str) -> tuple[Path | None, str | None]:
     return python, None
 
 
-def peer_rows(name: str, hf: Path, calib, windows, work: Path, args, reference: dict) -> list[dict]:
+def peer_rows(name: str, hf: Path, calib, windows, work: Path, args, reference: dict,
+              jobs: list[tuple[str, str]] = PEER_JOBS) -> list[dict]:
     rows = []
-    for tool, method in PEER_JOBS:
+    for tool, method in jobs:
         label = f"peer:{tool}:{method}"
         python, reason = ensure_peer(tool)
         row = {"model": name, "method": label, "perplexity": None, "bytes": None, "convert_s": None,
@@ -275,6 +349,46 @@ def _run_on_cpu_engine(ckpt: Path, windows, work: Path, args, reference) -> dict
         return {"cpu_engine_error": f"{type(err).__name__}: {err}"[:300]}
 
 
+def english_rows(work: Path, args) -> list[dict]:
+    """Each model of ENGLISH_RUNS on the same English text, with bits per byte beside perplexity."""
+    from toolchain.quant.calibration import calibration_tokens, hf_tokenizer
+    from toolchain.remote_code import auto_tokenizer
+
+    if not (SMOLLM2 / "config.json").is_file():
+        return [{"model": "smollm2-135m", "method": None, "perplexity": None,
+                 "reason": f"{SMOLLM2} is not built: run make smollm2"}]
+    text, rows = english_text(), []
+    for name, hf, only, jobs in ENGLISH_RUNS:
+        tokenize, decode = hf_tokenizer(hf), auto_tokenizer(hf).decode
+        windows = text_windows(tokenize, text, args.english_windows, args.eval_seq_len)
+        extra = {"text": "cpython idlelib/help.html", "text_tokens": sum(len(w) - 1 for w in windows),
+                 "text_bytes": sum(len(decode(w[1:]).encode()) for w in windows)}
+        calib = [c.tolist() for c in calibration_tokens(tokenize, "builtin", args.calib_samples, args.calib_seq_len)]
+        label = f"{name}@english"
+        print(f"== {label}: {len(windows)} x {args.eval_seq_len} tokens of English", flush=True)
+        reference: dict = {}
+        rows += our_rows(label, hf, hf, windows, calib, work, args, reference, only=only, extra=extra)
+        if not args.no_peers and jobs:
+            peers = peer_rows(label, hf, calib, windows, work, args, reference, jobs=jobs)
+            for row in peers:
+                if row.get("perplexity"):
+                    row.update(extra, bits_per_byte=round(math.log2(row["perplexity"]) * extra["text_tokens"]
+                                                          / extra["text_bytes"], 4))
+            rows += peers
+    return rows
+
+
+def english_lines(rows: list[dict]) -> list[str]:
+    """One line per English row: the models side by side in bits per byte (tokenizers differ)."""
+    out = [f"{r['model']:<22} {r['method']:<26} ppl {r['perplexity']:.3f}  bits/byte {r['bits_per_byte']:.4f}"
+           + (f"  KL {r['kl_vs_fp16']:.5f}" if r.get("kl_vs_fp16") is not None else "")
+           for r in rows if r.get("bits_per_byte") is not None]
+    if out:
+        out.append("smollm2-135m's weights were dequantized from a Q4_1 GGUF: its linears start on a 4-bit grid, "
+                   "so its 4-bit rows measure re-quantization of an already 4-bit model")
+    return out
+
+
 def verdicts(rows: list[dict]) -> list[str]:
     """The issue's targets on tiny-outliers, as lines for the report (perplexity, and KL to fp16)."""
     get = {(r["model"], r["method"]): r for r in rows}
@@ -325,6 +439,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-seq-len", type=int, default=256)
     ap.add_argument("--calib-samples", type=int, default=32)
     ap.add_argument("--calib-seq-len", type=int, default=256)
+    ap.add_argument("--english-windows", type=int, default=16, help="windows of the English text per model")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--no-english", action="store_true", help="skip SmolLM2 and the tiny model on English text")
+    which.add_argument("--english-only", action="store_true", help="only the English rows")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -333,7 +451,8 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="quant-bench-") as tmp:
         work = Path(tmp)
-        models = [("tiny", TINY), ("tiny-outliers", make_outlier_model(TINY, work / "tiny-outliers"))]
+        models = [] if args.english_only else [("tiny", TINY),
+                                               ("tiny-outliers", make_outlier_model(TINY, work / "tiny-outliers"))]
         models += [(p.name, p.resolve()) for p in args.model]
         for name, hf in models:
             tokenize = hf_tokenizer(hf)
@@ -345,7 +464,9 @@ def main(argv=None) -> int:
             rows += our_rows(name, hf, hf, windows, calib, work, args, reference)
             if not args.no_peers:
                 rows += peer_rows(name, hf, calib, windows, work, args, reference)
-    lines = verdicts(rows)
+        if not args.no_english:
+            rows += english_rows(work, args)
+    lines = verdicts(rows) + english_lines(rows)
     for line in lines:
         print(line)
     if args.json:

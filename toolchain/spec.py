@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from toolchain.errors import ToolchainError
+from toolchain.pretrained import require_built
 
 
 class _Section(BaseModel):
@@ -601,4 +602,5 @@ def load_spec(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> 
     apply_overrides(data, overrides, str(path))
     spec = spec_from_dict(data, path.parent.resolve(), str(path))
     spec.source = path.resolve()
+    require_built(spec.model.checkpoint)
     return spec

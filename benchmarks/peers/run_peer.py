@@ -11,6 +11,7 @@ calibration and evaluation tokens as the toolchain.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -45,8 +46,15 @@ def run_modelopt(job, model) -> dict:
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
-    cfg = {"INT4_AWQ": mtq.INT4_AWQ_CFG, "INT8_SMOOTHQUANT": mtq.INT8_SMOOTHQUANT_CFG,
-           "FP8": mtq.FP8_DEFAULT_CFG, "INT8_DEFAULT": mtq.INT8_DEFAULT_CFG}[job["method"]]
+    # "INT4_AWQ@g64": modelopt's INT4_AWQ with 64-weight blocks (its default is 128), for models whose
+    # hidden size is not a multiple of 128 (SmolLM2-135M: 576).
+    method, _, group = job["method"].partition("@g")
+    cfg = copy.deepcopy({"INT4_AWQ": mtq.INT4_AWQ_CFG, "INT8_SMOOTHQUANT": mtq.INT8_SMOOTHQUANT_CFG,
+                         "FP8": mtq.FP8_DEFAULT_CFG, "INT8_DEFAULT": mtq.INT8_DEFAULT_CFG}[method])
+    if group:
+        for entry in cfg["quant_cfg"]:
+            if entry.get("quantizer_name") == "*weight_quantizer":
+                entry["cfg"]["block_sizes"][-1] = int(group)
 
     def loop(m):
         for ids in job["calib"]:

@@ -25,6 +25,7 @@ COMMANDS = {
     "plan": "plan",
     "tiny-model": "tiny_model",
     "medusa-heads": "medusa_heads",
+    "smollm2": "smollm2",
     "convert": "convert",
     "build-engine": "build_engine",
     "model-repo": "model_repo",
