@@ -371,3 +371,21 @@ def test_client_disconnect_cancels_and_frees_the_kv_blocks(server):
     assert total(after, "trtllm_request_success_total") - total(before, "trtllm_request_success_total") == 1
     assert total(after, "trtllm_generation_tokens_total") - total(before, "trtllm_generation_tokens_total") == 2
     assert total(after, "trtllm_kv_cache_utilization") == 0
+
+
+def test_the_readme_curl_examples_answer(server):
+    """README's completion and chat bodies, sent as printed (the model renamed to this server's), get choices
+    back; streamed ones end with [DONE]."""
+    from triton_helpers import readme_curls
+
+    examples = readme_curls(8080)
+    assert {path for path, _ in examples} >= {"v1/completions", "v1/chat/completions"}
+    for path, body in examples:
+        req = urllib.request.Request(f"{server.url}/{path}", data=json.dumps({**body, "model": MODEL}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            raw = resp.read().decode()
+        if body.get("stream"):
+            assert raw.rstrip().endswith("data: [DONE]"), raw[-300:]
+        else:
+            assert json.loads(raw)["choices"], raw[:300]

@@ -239,3 +239,21 @@ def test_a_config_the_gpu_backend_refuses_fails_to_load(tmp_path_factory, hf_lla
         with server:
             pass
     assert f"model '{model}' failed to load" in str(err.value) and message in str(err.value), str(err.value)
+
+
+def test_the_readme_curl_examples_answer(served):
+    """README's generate and generate_stream bodies, sent as they are printed, get text back."""
+    import json
+    import urllib.request
+
+    from triton_helpers import readme_curls
+
+    _, _, server = served
+    examples = readme_curls(8000)
+    assert {path for path, _ in examples} >= {"v2/models/ensemble/generate", "v2/models/ensemble/generate_stream"}
+    for path, body in examples:
+        req = urllib.request.Request(f"{server.http_url}/{path}", data=json.dumps(body).encode())
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            raw = resp.read().decode()
+        events = [json.loads(line[5:]) for line in raw.splitlines() if line.startswith("data:")] or [json.loads(raw)]
+        assert events and all("text_output" in e for e in events), raw[:500]

@@ -172,3 +172,23 @@ def write_echo_model(repo: Path, name: str = "echo", fail_with: str | None = Non
     init = f"raise RuntimeError({fail_with!r})" if fail_with else "pass"
     (model_dir / "1" / "model.py").write_text(ECHO_MODEL.format(init=init))
     return model_dir
+
+
+def readme_curls(port: int) -> list[tuple[str, dict]]:
+    """The `curl` examples of README.md's fenced blocks that talk to localhost:`port`, as (path, JSON body):
+    what a newcomer pastes first, so the tests send exactly these bodies to a live server."""
+    import json
+    import re
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            argv = shlex.split(command, comments=True)
+            if argv[:1] != ["curl"]:
+                continue
+            url = next(a for a in argv if a.startswith("localhost:"))
+            if url.startswith(f"localhost:{port}/"):
+                found.append((url.split("/", 1)[1], json.loads(argv[argv.index("-d") + 1])))
+    return found
