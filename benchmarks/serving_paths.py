@@ -98,8 +98,8 @@ def _ratio(a, b) -> float | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="write the results here too")
-    ap.add_argument("--requests", type=int, default=48, help="measured requests per path and concurrency")
-    ap.add_argument("--rounds", type=int, default=4, help="alternating runs the requests are split into")
+    ap.add_argument("--requests", type=int, default=144, help="measured requests per path and concurrency")
+    ap.add_argument("--rounds", type=int, default=6, help="alternating runs the requests are split into")
     ap.add_argument("--input-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="16 requests per level")
