@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from toolchain.cli import main
+from toolchain.errors import ToolchainError
 from toolchain.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +91,12 @@ def test_the_checks_catch_what_they_are_for():
 
 @pytest.mark.parametrize("spec_path", SPECS, ids=[p.stem for p in SPECS])
 def test_every_printed_line_parses_in_bash(spec_path, tmp_path, capsys):
-    sp = load_spec(spec_path).speculative
+    try:
+        sp = load_spec(spec_path).speculative
+    except ToolchainError as err:  # a model built at setup (make smollm2), absent outside `make test`
+        if "make smollm2" not in str(err):
+            raise
+        pytest.skip(str(err))
     if sp.mode in ("medusa", "eagle") and not (sp.heads and Path(sp.heads).is_dir()):
         pytest.skip(f"needs trained {sp.mode} weights in {sp.heads} (make medusa-heads)")
     lines = printed_lines(capsys, tmp_path, spec_path)
