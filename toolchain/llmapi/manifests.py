@@ -24,6 +24,7 @@ from pathlib import Path
 
 from toolchain.errors import ToolchainError
 from toolchain.llmapi import launch
+from toolchain.plan.versions import TRITON_IMAGE
 from toolchain.spec import DeploymentSpec
 from toolchain.triton import cluster, exposure
 from toolchain.triton.cluster import k8s_name
@@ -69,8 +70,6 @@ def slurm_script(spec: DeploymentSpec, workspace: Workspace, server: str = "trtl
 def server_container(spec: DeploymentSpec, workspace: Workspace) -> dict:
     """The container serving the OpenAI port: trtllm-serve itself on one host, the leader's mpirun
     (cluster.leader_script) on several."""
-    from toolchain.plan.versions import TRITON_IMAGE
-
     _require_gpu_target(spec)
     port = spec.llmapi.openai_port
     _, mounts = cluster.volumes(launch.container_mounts(spec, workspace))

@@ -32,6 +32,8 @@ import yaml
 
 from toolchain import upstream
 from toolchain.errors import ToolchainError
+from toolchain.fsutil import write_dir
+from toolchain.plan.versions import TRITON_IMAGE
 from toolchain.spec import DeploymentSpec
 from toolchain.triton import exposure
 
@@ -125,8 +127,6 @@ def srun_command(spec: DeploymentSpec, mounts: list[str], *, ntasks: int | None 
                  container: bool = True) -> list[str]:
     """srun over the hosts the world needs, one task per rank (PMIx, so the ranks see one MPI world),
     in the pinned image through pyxis when `container`, `mounts` at the same paths."""
-    from toolchain.plan.versions import TRITON_IMAGE
-
     tasks = world_size(spec) if ntasks is None else ntasks
     argv = ["srun", "--mpi=pmix", f"--nodes={node_count(spec) if ntasks is None else 1}", f"--ntasks={tasks}",
             f"--ntasks-per-node={tasks_per_node(spec) if ntasks is None else tasks}"]
@@ -260,8 +260,6 @@ def leader_image() -> str:
 def leader_worker_set(spec: DeploymentSpec, leader: dict, pod_volumes: list[dict], worker_mounts: list[dict]) -> dict:
     """One group of node_count pods: `leader` (its command from leader_script) starts every rank; the
     workers, in the stock image, wait for mpirun's `kubectl exec`."""
-    from toolchain.plan.versions import TRITON_IMAGE
-
     name = k8s_name(spec)
     worker = container("worker", TRITON_IMAGE, ["/bin/sh", "-c", "exec sleep infinity"], gpus=tasks_per_node(spec),
                        mounts=worker_mounts)
@@ -297,8 +295,6 @@ def rbac(spec: DeploymentSpec) -> list[dict]:
 
 def leader_dockerfile() -> str:
     """The leader's image: the pinned image plus kubectl (checked against its published sha256)."""
-    from toolchain.plan.versions import TRITON_IMAGE
-
     fetch = ("import sys, urllib.request as u; u.urlretrieve(sys.argv[1], '/usr/local/bin/kubectl'); "
              "u.urlretrieve(sys.argv[1] + '.sha256', '/tmp/kubectl.sha256')")
     return "\n".join([
@@ -371,6 +367,4 @@ def to_yaml(docs: list[dict], spec: DeploymentSpec, note: str) -> str:
 
 def write(out_dir: Path | str, texts: dict[str, str]) -> list[Path]:
     """Write every manifest into `out_dir` (replaced as a whole, atomically); the paths written."""
-    from toolchain.fsutil import write_dir
-
     return write_dir(out_dir, texts, option="--manifests", executable=(".sbatch",))

@@ -23,6 +23,7 @@ import shlex
 from pathlib import Path
 
 from toolchain.errors import ToolchainError
+from toolchain.plan.versions import TRITON_IMAGE
 from toolchain.spec import DeploymentSpec
 from toolchain.triton import cluster, exposure
 from toolchain.triton.launch import LaunchCommand, launch_command
@@ -104,8 +105,6 @@ def _ports(spec: DeploymentSpec) -> dict[str, int]:
 
 
 def kubernetes(spec: DeploymentSpec, workspace: Workspace) -> dict[str, str]:
-    from toolchain.plan.versions import TRITON_IMAGE
-
     launch = cluster_launch(spec, workspace)
     served = cluster.for_cluster(spec)
     vols, vol_mounts = cluster.volumes(mounts(spec, workspace))
