@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from toolchain.bench import slo as S
+from toolchain import slo as S
 from toolchain.cli import main as cli_main
 from toolchain.errors import ToolchainError
 from toolchain.spec import load_spec, spec_from_dict

@@ -6,7 +6,8 @@ import json
 import shutil
 
 from conftest import read_json, write_spec
-from toolchain.checkpoint.stage import input_hash, run_convert
+from toolchain.checkpoint.stage import run_convert
+from toolchain.fingerprint import input_hash
 from toolchain.cli import main
 from toolchain.manifest import Manifest
 from toolchain.spec import load_spec
@@ -52,7 +53,7 @@ def test_run_convert_writes_then_reuses_then_rebuilds(tmp_path, hf_llama):
 
 
 def test_input_hash_fingerprints_big_files(tmp_path, monkeypatch):
-    import toolchain.checkpoint.stage as stage
+    import toolchain.fingerprint as stage
 
     path = tmp_path / "w.bin"
     path.write_bytes(b"a" * 4096)

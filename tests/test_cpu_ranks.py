@@ -54,7 +54,8 @@ RANK_SCRIPT = """
 import json, os, sys
 from toolchain.engine.cpu import CpuEngine, KvCacheConfig, SamplingParams
 from toolchain.engine.cpu.config import read_engine_config
-from toolchain.engine.cpu.ranks import ADDR_ENV, Comm, launched_world, run_worker
+from toolchain.engine.cpu.comm import ADDR_ENV, Comm, launched_world
+from toolchain.engine.cpu.ranks import run_worker
 
 engine_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
 rank, world = launched_world()
@@ -94,7 +95,7 @@ def test_rank_processes_match_the_single_process_engine(tmp_path, hf_llama, tp, 
 
 
 def test_a_world_that_is_not_tp_times_pp_is_refused():
-    from toolchain.engine.cpu.ranks import Comm
+    from toolchain.engine.cpu.comm import Comm
     from toolchain.errors import ToolchainError
 
     with pytest.raises(ToolchainError, match=r"mpirun started 3 ranks but the engine is tp 2 x pp 1 = 2"):

@@ -18,7 +18,7 @@ from toolchain.checkpoint.stage import plan_convert, run_convert
 from toolchain.draft_tree import MC_SIM_7B_63, non_leaves_per_level
 from toolchain.errors import ToolchainError
 from toolchain.plan.plan import heads_rank_bytes
-from toolchain.plan.preflight import FAIL, PASS
+from toolchain.checks.preflight import FAIL, PASS
 from toolchain.spec import load_spec
 from toolchain.upstream import facts
 from toolchain.workspace import Workspace
@@ -161,7 +161,7 @@ def test_drafts_and_trees_that_do_not_fit_are_refused_before_any_write(tmp_path,
 
 
 def test_plan_checks_refuse_eagle_on_cpu_and_pass_a_fitting_gpu_spec(tmp_path, hf_llama):
-    from toolchain.plan.preflight import build_context, run_checks
+    from toolchain.checks.preflight import build_context, run_checks
 
     def checks(spec):
         return {r.id: r for r in run_checks(build_context(spec, "plan", Workspace(spec.source.parent)))}

@@ -18,7 +18,7 @@ from toolchain.cli import main
 from toolchain.errors import ToolchainError
 from toolchain.llmapi import launch, manifests
 from toolchain.llmapi.stage import served_model_dir
-from toolchain.plan.versions import TRITON_IMAGE
+from toolchain.versions import TRITON_IMAGE
 from toolchain.spec import load_spec
 from toolchain.workspace import Workspace
 

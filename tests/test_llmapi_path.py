@@ -89,7 +89,7 @@ def test_engine_only_modes_are_the_ones_upstream_keeps_off_the_pytorch_backend()
     ({"kv_cache_config": {"free_gpu_memory_fraction": 0.5}}, "serving.kv_cache_free_gpu_mem_fraction"),
 ])
 def test_bad_llmapi_options_fail_the_plan_in_one_line(tmp_path, hf_llama, options, fragment):
-    from toolchain.plan.preflight import build_context, run_checks
+    from toolchain.checks.preflight import build_context, run_checks
 
     spec = llmapi_spec(tmp_path, hf_llama, llmapi={"options": options})
     results = {r.id: r for r in run_checks(build_context(spec, "plan", Workspace(tmp_path)))}
@@ -119,7 +119,7 @@ def test_known_options_pass_and_reach_model_yaml(tmp_path, hf_llama):
 ])
 def test_what_the_pytorch_backend_cannot_run_is_refused_at_plan_time(tmp_path, hf_llama, target, sections, check,
                                                                      fragment):
-    from toolchain.plan.preflight import build_context, run_checks
+    from toolchain.checks.preflight import build_context, run_checks
 
     spec = llmapi_spec(tmp_path, hf_llama, target=target, gpu={"name": "H100 80GB"} if target == "llmapi" else {},
                        **sections)
@@ -291,7 +291,7 @@ def test_sampling_params_the_llm_api_refuses(sampling, fragment):
 
 def test_eagle3_and_mtp_map_onto_the_pytorch_backends_decoding_configs(tmp_path, hf_llama, hf_llama_tied):
     from toolchain.llmapi.args import llm_args, llm_args_problem
-    from toolchain.plan.preflight import build_context, run_checks
+    from toolchain.checks.preflight import build_context, run_checks
 
     spec = llmapi_spec(tmp_path, hf_llama, target="llmapi",
                        speculative={"mode": "eagle3", "max_draft_len": 3, "draft_model": str(hf_llama_tied)})
@@ -308,7 +308,7 @@ def test_eagle3_and_mtp_map_onto_the_pytorch_backends_decoding_configs(tmp_path,
 
 
 def test_engine_path_refuses_the_llmapi_only_modes(tmp_path, hf_llama, hf_llama_tied):
-    from toolchain.plan.preflight import build_context, run_checks
+    from toolchain.checks.preflight import build_context, run_checks
 
     spec = load_spec(write_spec(tmp_path / "e.yaml", hf_llama, target="trtllm", gpu={"name": "H100 80GB"},
                                 speculative={"mode": "eagle3", "max_draft_len": 3, "draft_model": str(hf_llama_tied)}))
@@ -321,7 +321,7 @@ def test_serving_target_llmapi_needs_the_pinned_tensorrt_llm(tmp_path, hf_llama,
     """Read from the environment's installed distributions, as importlib.metadata finds them."""
     import sys
 
-    from toolchain.plan.preflight import build_context, run_checks
+    from toolchain.checks.preflight import build_context, run_checks
 
     site = tmp_path / "site"
     site.mkdir()

@@ -243,7 +243,7 @@ def test_medusa_heads_command_trains_heads_the_converter_reads(tmp_path):
 
 def test_the_memory_plan_counts_the_heads_on_every_rank(tmp_path, hf_llama_words, heads):
     """The heads' bytes per rank (column slices, lm_head padded), as convert writes them."""
-    from toolchain.plan.preflight import build_context
+    from toolchain.checks.preflight import build_context
 
     with_heads = build_context(medusa_spec(tmp_path / "m", hf_llama_words, heads, tp=2)).memory
     plain = build_context(load_spec(write_spec(tmp_path / "p.yaml", hf_llama_words, parallelism={"tp": 2},

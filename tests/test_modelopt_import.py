@@ -308,7 +308,7 @@ def test_partly_quantized_shared_input_is_refused(export, tmp_path):
 
 def test_plan_check_lets_llmapi_cpu_run_quantized_specs(tmp_path, sources):
     from conftest import write_spec
-    from toolchain.plan.preflight import build_context, run_checks
+    from toolchain.checks.preflight import build_context, run_checks
     from toolchain.spec import load_spec
     from toolchain.workspace import Workspace
 

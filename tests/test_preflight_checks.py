@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from toolchain.plan.model import QuantFormat
-from toolchain.plan.preflight import FAIL, PASS, REGISTRY, WARN, build_context, run_checks
+from toolchain.checks.preflight import FAIL, PASS, REGISTRY, WARN, build_context, run_checks
 from toolchain.spec import LimitsSection, load_spec
 from toolchain.workspace import Workspace
 
@@ -258,10 +258,7 @@ def test_check_triggers(tmp_path, monkeypatch, check_id):
 
 
 def test_every_check_has_a_trigger_and_a_doc():
-    run_checks  # noqa: B018 - the import registers the checks
-    from toolchain.plan.preflight import _load_checks
-
-    _load_checks()
+    run_checks  # noqa: B018 - importing toolchain.checks.preflight registers every check
     assert set(REGISTRY) == set(TRIGGERS)
     assert all(c.doc for c in REGISTRY.values())
 
@@ -288,7 +285,7 @@ def test_eos_resolution_prefers_the_chat_terminator(tmp_path):
 
 
 def test_eos_resolution_without_tokenizer_and_for_qwen(tmp_path):
-    from toolchain.plan.eos import resolve
+    from toolchain.eos import resolve
 
     llama = json.loads((CONFIGS / "llama-3-8b-instruct" / "config.json").read_text())
     gen = json.loads((CONFIGS / "llama-3-8b-instruct" / "generation_config.json").read_text())
@@ -301,7 +298,7 @@ def test_eos_resolution_without_tokenizer_and_for_qwen(tmp_path):
 
 
 def test_lookahead_draft_len_formula():
-    from toolchain.plan.checks_spec import lookahead_draft_len
+    from toolchain.checks.speculative import lookahead_draft_len
 
     assert lookahead_draft_len(7, 7, 7) == 83  # the reference's example
     assert lookahead_draft_len(1, 1, 0) == 0
@@ -319,7 +316,7 @@ def test_engine_version_against_the_containers_table(tmp_path):
     """The serving image is the first Triton release whose Dockerfile builds
     TensorRT-LLM 1.2.1 (26.04; 25.12 ships 1.1.0). An engine from 1.2.0rc8 shares
     its TensorRT and only warns; one from 1.1.0 cannot load."""
-    from toolchain.plan import versions
+    from toolchain import versions
 
     assert versions.TRITON_CONTAINER == "26.04" and versions.container_for("1.1.0") == "25.12"
     assert versions.TRITON_IMAGE == "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"

@@ -21,7 +21,7 @@ from toolchain import upstream
 from toolchain.cli import main
 from toolchain.llmapi import launch as llmapi_launch
 from toolchain.plan.plan import checkpoint_bytes_per_rank
-from toolchain.plan.versions import TRITON_IMAGE
+from toolchain.versions import TRITON_IMAGE
 from toolchain.spec import load_spec
 from toolchain.triton import cluster
 from toolchain.triton.launch import launch_command

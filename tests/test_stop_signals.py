@@ -24,7 +24,7 @@ import pytest
 
 from conftest import TINY_TRAINED
 from toolchain.netutil import port_in_use
-from toolchain.triton.procgroup import pid_running
+from toolchain.procgroup import pid_running
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = "import sys; from toolchain.cli import main; sys.exit(main())"
@@ -184,7 +184,7 @@ GUARDED = """
 import sys, time
 from pathlib import Path
 from toolchain.stopsignals import Stopped, stop_on_signals
-from toolchain.triton import procgroup
+from toolchain import procgroup
 
 try:
     with stop_on_signals():

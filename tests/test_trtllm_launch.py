@@ -15,7 +15,7 @@ import pytest
 
 from conftest import write_spec
 from toolchain.cli import main
-from toolchain.plan.versions import TRITON_IMAGE
+from toolchain.versions import TRITON_IMAGE
 from toolchain.spec import load_spec
 from toolchain.triton.launch import TritonLaunch, container_commands, launch_command
 

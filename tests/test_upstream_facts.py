@@ -69,7 +69,7 @@ def test_every_entry_names_repository_commit_path_and_line(name):
 def test_tensorrt_llm_facts_say_whether_they_were_read_at_the_pinned_release(name):
     """Every file read from TensorRT-LLM names the release the toolchain pins and whether the facts were read at it;
     where not (the code index holds no 1.2.1 file), each entry's own commit is what it was read from."""
-    from toolchain.plan.versions import TRTLLM_VERSION
+    from toolchain.versions import TRTLLM_VERSION
 
     for src in upstream.load(name)["sources"].values():
         if src["repository"] != "NVIDIA/TensorRT-LLM":

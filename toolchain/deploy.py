@@ -13,6 +13,14 @@ from typing import Callable, Iterator
 
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
+from toolchain.engine.build import run_build
+from toolchain.triton import exposure
+from toolchain.triton.launch import TritonLaunch
+from toolchain.triton.server import TritonServer
+from toolchain.llmapi.launch import openai_engine_args, serve_config_path, served_model_name
+from toolchain.llmapi.stage import served_model_dir
+from toolchain.openai.server import OpenAIServer
+from toolchain.errors import ToolchainError
 
 Progress = Callable[[str, str], None]
 
@@ -31,8 +39,6 @@ def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = No
     """Run convert -> build-engine -> model-repo -> serve -> bench; return the report."""
     from toolchain.bench.run import run_bench
     from toolchain.checkpoint.stage import run_convert
-    from toolchain.engine.build import run_build
-    from toolchain.triton import exposure
     from toolchain.triton.repo import run_model_repo
 
     if exposure.restricted(spec.serving):
@@ -66,9 +72,6 @@ def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = No
 def _triton_server(spec: DeploymentSpec, repo: Path, progress: Progress):
     """The server serve would start (admin APIs keyed off loopback, metrics on loopback), with
     serve's one-line warning."""
-    from toolchain.triton import exposure
-    from toolchain.triton.launch import TritonLaunch
-    from toolchain.triton.server import TritonServer
 
     server: TritonServer | TritonLaunch
     if spec.rank_processes:  # one tritonserver per rank under mpirun
@@ -89,9 +92,6 @@ def _with_workload(spec: DeploymentSpec, **values) -> DeploymentSpec:
 
 def openai_server(spec: DeploymentSpec, workspace: Workspace, log_path: Path):
     """The OpenAI server on the LLM() arguments of the llmapi-cpu deployment (not started)."""
-    from toolchain.llmapi.launch import openai_engine_args, serve_config_path, served_model_name
-    from toolchain.llmapi.stage import served_model_dir
-    from toolchain.openai.server import OpenAIServer
 
     return OpenAIServer(None, None, served_model_name(spec), spec.serving.host, spec.llmapi.openai_port,
                         model=served_model_dir(spec, workspace), config=serve_config_path(spec, workspace),
@@ -104,8 +104,6 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     server on the same LLM() arguments, each benched; the Triton report is the main one and the
     OpenAI server's is written to <out>/openai and summarised under `openai`."""
     from toolchain.bench.run import run_bench
-    from toolchain.errors import ToolchainError
-    from toolchain.llmapi.launch import served_model_name
     from toolchain.triton.repo import run_model_repo
 
     if spec.target != "llmapi-cpu":

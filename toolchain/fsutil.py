@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
+from toolchain.errors import ToolchainError
+from toolchain.procgroup import pid_running
 
 
 @contextlib.contextmanager
@@ -51,25 +53,14 @@ def _sweep_stale(final: Path) -> None:
         kind, _, tail = leftover.name[len(final.name) + 2:].partition("-")
         pid = tail.split("-")[0]
         if kind in ("tmp", "old") and pid.isdigit() and leftover.is_dir() and not leftover.is_symlink() \
-                and not _alive(int(pid)):
+                and not pid_running(int(pid)):
             shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def write_dir(out_dir: Path | str, texts: dict[str, str], *, option: str, executable: tuple[str, ...] = ()) -> list[Path]:
     """Replace `out_dir` as a whole, atomically, with one file per entry of `texts` (names ending in
     `executable` made runnable); refused when it is a file or holds files it would not write, as it
     then is not a directory a previous run wrote. `option` names the flag that chose it."""
-    from toolchain.errors import ToolchainError
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():

@@ -9,13 +9,12 @@ docs/source/legacy/reference/precision.md).
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
 from toolchain.errors import ToolchainError
+from toolchain.host import GIB, host_memory_bytes
 
-GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -68,14 +67,6 @@ def lookup(name: str) -> Gpu:
         raise ToolchainError(f"unknown gpu.name '{name}'",
                              f"use one of {', '.join(g.name for g in GPUS)}, or set gpu.memory_gib and gpu.sm")
     return gpu
-
-
-def host_memory_bytes() -> int:
-    """Physical RAM of this machine."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 16 * GIB
 
 
 def resolve(spec) -> Gpu | None:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from toolchain.errors import ToolchainError
 from toolchain.pretrained import require_built
+from toolchain.slo import parse_slo
 
 
 class _Section(BaseModel):
@@ -244,7 +245,6 @@ class SloSection(_Section):
 
     @model_validator(mode="after")
     def _extra_parse(self) -> "SloSection":
-        from toolchain.bench.slo import parse_slo
 
         for text in self.extra:
             parse_slo(text)  # raises ValueError naming the string

@@ -35,7 +35,7 @@ QUANT_VARIANTS = [
     ["quantization.method=smoothquant"], ["quantization.method=fp8"],
     ["quantization.kv_cache=int8"], ["quantization.kv_cache=fp8"],
 ]
-TARGET_VARIANTS = [["target=trtllm", "gpu.name=H100 80GB"], ["target=llmapi-cpu"], ["target=llmapi"]]
+TARGET_VARIANTS = [["target=trtllm", "gpu.name=H100 80GB"], ["target=llmapi-cpu"], ["target=llmapi", "gpu.name=H100 80GB"]]
 
 
 def _run(root: Path, argv: list[str]) -> tuple[int, str]:
@@ -113,11 +113,14 @@ def _has_weights(spec: Path) -> bool:
     return any(ckpt.glob("*.safetensors"))
 
 
-def collect() -> dict:
+def collect(only: str | None = None) -> dict:
+    """Every digest, or those whose key holds `only`."""
     os.environ["PATH"] = f"{FAKE_BUILD}{os.pathsep}{os.environ['PATH']}"
     os.environ["PYTHONPATH"] = str(FAKE_BUILD / "site")  # the fake's tensorrt_llm 1.2.1 metadata
     runs: dict[str, dict] = {}
     for spec in sorted((REPO / "build").glob("*.yaml")):
+        if only and only not in spec.name:
+            continue
         print(f"digest {spec.name}", file=sys.stderr)
         runs[spec.name] = digest_spec(spec, [], _has_weights(spec))
     for target in [[]] + TARGET_VARIANTS:
@@ -126,6 +129,8 @@ def collect() -> dict:
             if not sets:
                 continue
             key = f"{TINY.name} " + " ".join(sets)
+            if only and only not in key:
+                continue
             print(f"digest {key}", file=sys.stderr)
             runs[key] = digest_spec(TINY, sets, full=True)
     return runs
@@ -152,12 +157,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the digest here")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    parser.add_argument("--only", metavar="TEXT", help="only the digests whose key holds TEXT")
     args = parser.parse_args()
     if args.compare:
         diff = compare(*(json.loads(p.read_text()) for p in args.compare))
         print("\n".join(diff) or "identical")
         return 1 if diff else 0
-    runs = collect()
+    runs = collect(args.only)
     text = json.dumps(runs, indent=1, sort_keys=True)
     if args.out:
         args.out.write_text(text)

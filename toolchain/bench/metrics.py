@@ -34,7 +34,7 @@ from typing import Final, Iterable
 
 import numpy as np
 
-from toolchain.bench import slo as S
+from toolchain import slo as S
 from toolchain.bench.records import RequestRecord
 
 NS_PER_MS = 1e6

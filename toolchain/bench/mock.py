@@ -22,6 +22,7 @@ import argparse
 import json
 import textwrap
 from pathlib import Path
+from toolchain.bench.workload import corpus_text
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
 
@@ -31,7 +32,6 @@ def make_word_tokenizer(out: Path, corpus: str | None = None) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from toolchain.bench.workload import corpus_text
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

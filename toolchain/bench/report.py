@@ -19,6 +19,8 @@ from toolchain.bench import metrics as M
 from toolchain.bench.deployment import title as deployment_title
 from toolchain.bench.records import RequestRecord
 from toolchain.fsutil import atomic_file
+from rich.console import Console
+from rich.table import Table
 
 LATENCY_KEYS = ("ttft_ms", "ttfr_ms", "ttst_ms", "tpot_ms", "itl_ms", "itl_per_token_ms", "e2e_ms", "e2e_final_ms",
                 "send_lag_ms", "ttft_sched_ms", "e2e_sched_ms")
@@ -150,7 +152,6 @@ def _console():
     would cut the metric names and figures."""
     import shutil
 
-    from rich.console import Console
 
     return Console(width=max(110, shutil.get_terminal_size((110, 24)).columns))
 
@@ -173,7 +174,6 @@ def table_keys(level: dict) -> tuple[list[str], list[str]]:
 
 
 def print_level(level: dict, console=None, title: str = "") -> None:
-    from rich.table import Table
 
     console = console or _console()
     load = level["load"]
@@ -220,7 +220,6 @@ def _num(v) -> str:
 
 
 def print_summary(report: dict, console=None) -> None:
-    from rich.table import Table
 
     console = console or _console()
     rows = report["sweep"]["levels"]

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from toolchain import __version__
 from toolchain.bench import metrics as M
 from toolchain.bench import schedule, servermetrics
-from toolchain.bench import slo as S
+from toolchain import slo as S
 from toolchain.bench.datasets import Plan
 from toolchain.bench.deployment import describe
 from toolchain.bench.loadgen import Runner
@@ -33,6 +33,7 @@ from toolchain.bench.workload import PROMPT_CORPUS, load_tokenizer
 from toolchain.errors import ToolchainError
 from toolchain.spec import DeploymentSpec
 from toolchain.stopsignals import Stopped
+from toolchain.triton.exposure import metrics_host
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 
@@ -54,7 +55,6 @@ def default_url(spec: DeploymentSpec, protocol: str) -> str:
 
 def default_metrics_url(spec: DeploymentSpec) -> str | None:
     s = spec.serving
-    from toolchain.triton.exposure import metrics_host
 
     # Off loopback serve keeps metrics on 127.0.0.1 unless serving.metrics_host says otherwise.
     host = _loopback(metrics_host(s))

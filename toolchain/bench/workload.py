@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolchain.errors import ToolchainError
+from toolchain.remote_code import auto_tokenizer
 
 CORPUS_FILES = ("pydoc_data/topics.py", "argparse.py", "textwrap.py", "difflib.py", "typing.py")
 PROMPT_CORPUS = "python stdlib pydoc_data/topics.py (language reference prose)"
@@ -35,7 +36,6 @@ class Prompt:
 
 def load_tokenizer(tokenizer_dir: Path, trust_remote_code: bool = False):
     """The deployment's tokenizer, from a local directory only."""
-    from toolchain.remote_code import auto_tokenizer
 
     tokenizer_dir = Path(tokenizer_dir)
     if not tokenizer_dir.is_dir():

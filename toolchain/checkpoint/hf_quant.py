@@ -46,6 +46,7 @@ from toolchain.quant import awq as awq_q
 from toolchain.quant import fp8 as fp8_q
 from toolchain.quant.int_quant import pack_int4
 from toolchain.quant.recipe import Recipe, is_excluded, per_group_multiple
+from toolchain.checkpoint.config import build_config
 
 PRODUCER = {"name": "trtllm-toolchain", "version": __version__}
 ALWAYS_IGNORED = ["lm_head", "model.embed_tokens"]
@@ -422,7 +423,6 @@ def hf_quantized_to_engine_tensors(directory: Path | str) -> tuple[dict[str, tor
     """An exported HF-format checkpoint as one full (tp 1, pp 1) engine checkpoint: (name -> tensor,
     config.json with its `quantization`), the layout `toolchain.checkpoint.convert` writes for the
     same model and method, so the sharding rules can split it and the CPU engine can run it."""
-    from toolchain.checkpoint.config import build_config
 
     directory = Path(directory)
     fmt = read_hf_quant_format(directory)

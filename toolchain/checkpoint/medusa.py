@@ -26,6 +26,7 @@ from toolchain.checkpoint.layout import TORCH_DTYPES, PlannedTensor
 from toolchain.checkpoint.quantize import ALWAYS_EXCLUDED
 from toolchain.errors import ToolchainError
 from toolchain.upstream import facts
+from toolchain.draft_tree import parse_choices, tree_problem
 
 WEIGHTS = "medusa_lm_head.safetensors"
 
@@ -167,7 +168,6 @@ def medusa_config(config: dict, heads: MedusaHeads, max_draft_len: int, model_ty
 
 def medusa_tree(spec, heads: MedusaHeads | None = None) -> list[list[int]]:
     """The spec's draft tree: speculative.choices, else the tree recorded with the heads."""
-    from toolchain.draft_tree import parse_choices, tree_problem
 
     sp = spec.speculative
     tree: list[list[int]] | None

@@ -21,20 +21,19 @@ from toolchain.checkpoint.eagle import attach_draft
 from toolchain.checkpoint.medusa import attach_heads
 from toolchain.checkpoint.writer import write_plan
 from toolchain.errors import ToolchainError
-from toolchain.fsutil import atomic_dir, sha256_file
+from toolchain.fingerprint import input_hash
+from toolchain.fsutil import atomic_dir
 from toolchain.gpus import lookup
 from toolchain.manifest import Manifest, current_manifest
 from toolchain.quant.recipe import Recipe
 from toolchain.spec import DeploymentSpec
 from toolchain.weights_source import source_record
 from toolchain.workspace import Workspace
+from toolchain.llmapi.stage import run_convert_llmapi
 
 # Bump when the converter's output changes for the same inputs, so old
 # checkpoints are rebuilt rather than reused.
 CONVERTER_VERSION = 1
-# Files above this are fingerprinted instead of fully hashed (see input_hash).
-FULL_HASH_LIMIT = 256 << 20
-EDGE = 1 << 20
 
 
 def convert_settings(spec: DeploymentSpec) -> dict:
@@ -87,22 +86,6 @@ def convert_hash(spec: DeploymentSpec) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def input_hash(path: Path) -> str:
-    """sha256 of a small file; for a big one, of its size, mtime and first and
-    last MiB. Hashing tens of GB on every run would cost minutes; a changed
-    download changes size or mtime, and an edit in place almost surely touches
-    the header (first MiB). `--force` covers the rest."""
-    st = path.stat()
-    if st.st_size <= FULL_HASH_LIMIT:
-        return "sha256:" + sha256_file(path)
-    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode())
-    with open(path, "rb") as fh:
-        h.update(fh.read(EDGE))
-        fh.seek(st.st_size - EDGE)
-        h.update(fh.read(EDGE))
-    return "fingerprint:" + h.hexdigest()
-
-
 def _outputs(plan: Plan, files: dict[str, int]) -> dict:
     return {"world_size": plan.options.world_size, "tp": plan.options.tp, "pp": plan.options.pp,
             "dtype": plan.options.dtype, "architecture": plan.config["architecture"],
@@ -135,7 +118,6 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
     """Convert spec.model.checkpoint into workspace.checkpoint_dir(spec); reuse
     a current output unless `force`. Returns the manifest of what is there."""
     if spec.llmapi_path:  # no TensorRT-LLM checkpoint on the LLM-API path
-        from toolchain.llmapi.stage import run_convert_llmapi
 
         return run_convert_llmapi(spec, workspace, force=force, echo=echo)
     say = echo or (lambda _msg: None)

@@ -11,6 +11,7 @@ import click
 from toolchain.spec import load_spec
 from toolchain.weights_source import with_converted_source
 from toolchain.workspace import Workspace
+from toolchain.checks.preflight import FAIL, GUARDED, check_skip_ids, run_preflight
 
 # Keyword arguments that make a command only print (or write out) what it would do: checks
 # then report instead of refusing, so a dry run always shows its commands. Writing manifests
@@ -32,10 +33,9 @@ pass_ctx = click.make_pass_decorator(Context)
 
 
 def preflight(ctx: Context, spec, stage: str, skip: tuple[str, ...], dry: bool) -> None:
-    """Run the checks guarding `stage` (toolchain.plan.preflight); a failure stops
+    """Run the checks guarding `stage` (toolchain.checks.preflight); a failure stops
     the stage unless skipped, and is only reported by dry runs. Passing checks
     and warnings stay quiet here: `toolchain plan` shows them."""
-    from toolchain.plan.preflight import FAIL, GUARDED, check_skip_ids, run_preflight
 
     if stage not in GUARDED:
         check_skip_ids(skip)

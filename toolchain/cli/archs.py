@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import click
+from toolchain.archs import supported
 
 
 @click.command()
 def command() -> None:
     """List supported Hugging Face architectures (config.json `architectures[0]`)."""
-    from toolchain.archs import supported
 
     for name in supported():
         click.echo(name)

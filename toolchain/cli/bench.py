@@ -8,6 +8,9 @@ import click
 
 from toolchain.cli._common import spec_command
 from toolchain.errors import StageFailed, ToolchainError
+from toolchain.slo import parse_slo
+from toolchain.slo import RATE_KEYS
+from rich.console import Console
 
 
 def default_url(spec) -> str:
@@ -56,10 +59,8 @@ def command(ctx, spec, url, protocol, model, mode, sweep, duration, out_dir, req
     """Measure TTFT, TPOT, ITL, E2E, send lag and throughput for every load level of
     validation.workload (override with the options or --set validation.workload.<field>=...);
     write report.json, requests.csv and plots; exit 1 when an SLO is missed or the run is incomplete."""
-    from rich.console import Console
 
     from toolchain.bench.report import print_level, print_summary
-    from toolchain.bench.slo import parse_slo
 
     wl = spec.validation.workload
     for field, value in (("protocol", protocol), ("endpoint", model), ("mode", mode), ("duration_s", duration)):
@@ -99,7 +100,6 @@ def missed_slos(slo: dict) -> str:
     def fmt(v) -> str:
         return "n/a" if v is None else f"{v:.6g}"
 
-    from toolchain.bench.slo import RATE_KEYS
 
     missed = [f"{name} {fmt(c['measured'])} {'<' if name in RATE_KEYS else '>'} {c['threshold']}"
               for name, c in slo.items() if isinstance(c, dict) and not c["passed"]]

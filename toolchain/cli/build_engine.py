@@ -7,6 +7,7 @@ import shlex
 import click
 
 from toolchain.cli._common import Context, spec_command
+from toolchain.engine.build import planned_commands, run_build
 
 
 @click.command()
@@ -17,7 +18,6 @@ from toolchain.cli._common import Context, spec_command
 def command(ctx: Context, spec, force: bool, dry_run: bool) -> None:
     """Build the engine for SPEC into engines/<name>/engine (reused when nothing changed).
     Target trtllm runs trtllm-build 1.2 (PATH or build.trtllm_build), one log per rank under mpirun."""
-    from toolchain.engine.build import planned_commands, run_build
 
     ws = ctx.workspace
     if spec.llmapi_path:

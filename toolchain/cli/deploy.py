@@ -12,6 +12,7 @@ from toolchain.cli._common import Context, spec_command
 from toolchain.errors import StageFailed
 from toolchain.fsutil import atomic_file
 from toolchain.stopsignals import stop_on_signals
+from toolchain.deploy import deploy
 
 
 @click.command()
@@ -20,7 +21,6 @@ from toolchain.stopsignals import stop_on_signals
 @spec_command
 def command(ctx: Context, spec, out_dir: Path | None) -> None:
     """Convert, build, render the Triton repository, serve, bench and stop."""
-    from toolchain.deploy import deploy
 
     start = time.perf_counter()
 

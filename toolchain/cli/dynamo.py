@@ -17,12 +17,16 @@ from toolchain.cli._common import Context, spec_command
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.spec import DeploymentSpec
 from toolchain.stopsignals import stop_on_signals
+from toolchain.dynamo import render
+from toolchain.dynamo.checks import check
+from toolchain.dynamo.launcher import DynamoDeployment
+from toolchain.dynamo.manifests import write_manifests
+from toolchain.dynamo.launcher import DIR_VAR
 
 ROUTERS = ("kv", "round-robin", "random", "least-loaded")
 
 
 def _print_gpu(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> None:
-    from toolchain.dynamo import render
 
     click.echo(f"# NVIDIA Dynamo on one GPU host ({render.gpus_needed(spec)} GPUs; file discovery, no etcd/NATS).")
     click.echo(f"# The workers read {ws.model_repo_dir(spec) / 'trtllm-serve.yaml'} (`toolchain model-repo SPEC`).")
@@ -32,7 +36,6 @@ def _print_gpu(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> None:
     for line in render.gpu_commands(spec, ws):
         click.echo(line)
     if manifests_dir is not None:
-        from toolchain.dynamo.manifests import write_manifests
 
         for path in write_manifests(spec, ws, manifests_dir):
             click.echo(f"# wrote {path}")
@@ -80,7 +83,6 @@ def _serve(deployment, timeout: float | None) -> None:
 def command(ctx: Context, spec: DeploymentSpec, workers: int | None, router: str | None, print_only: bool,
             manifests_dir: Path | None, timeout: float | None) -> None:
     """Serve SPEC's LLM-API path behind NVIDIA Dynamo: frontend + KV-aware router + engine workers."""
-    from toolchain.dynamo.checks import check
 
     if workers is not None:
         spec.dynamo.workers = workers
@@ -93,11 +95,9 @@ def command(ctx: Context, spec: DeploymentSpec, workers: int | None, router: str
     if spec.target == "llmapi":
         _print_gpu(spec, ws, manifests_dir)
         return
-    from toolchain.dynamo.launcher import DynamoDeployment
 
     deployment = DynamoDeployment(spec, ws, log_dir=ws.report_dir(spec) / "dynamo")
     if print_only:
-        from toolchain.dynamo.launcher import DIR_VAR
 
         click.echo(f"# Dynamo on this host as `toolchain dynamo` starts it ({deployment.workers} worker(s), router "
                    f"{deployment.router}); paste into bash. Ports are free now; stop with: "

@@ -8,6 +8,11 @@ import click
 
 from toolchain.cli._common import Context, pass_ctx
 from toolchain.errors import ToolchainError
+from toolchain import hub
+from toolchain.plan.model import load_model
+from toolchain.checks.starter import (TP_SIZES, default_name, fit_parallelism, refuse_existing, render,
+                                    resolve_options, spec_data, write_spec)
+from toolchain.spec import apply_overrides, parse_overrides, spec_from_dict
 
 
 @click.command()
@@ -31,11 +36,6 @@ def command(ctx: Context, source: str, gpu: str | None, quant: str, target: str 
     hub id such as Qwen/Qwen2.5-0.5B-Instruct, whose config and tokenizer files (no weights) are fetched into
     configs/<name> next to the spec. Tensor parallelism is the smallest size that fits; the spec is planned
     before it is written and is never written over without --force."""
-    from toolchain import hub
-    from toolchain.plan.model import load_model
-    from toolchain.plan.starter import (TP_SIZES, default_name, fit_parallelism, refuse_existing, render,
-                                        resolve_options, spec_data, write_spec)
-    from toolchain.spec import apply_overrides, parse_overrides, spec_from_dict
 
     target, gpu_name, quant = resolve_options(target, gpu, quant)
     name = name or default_name(source)

@@ -11,22 +11,24 @@ import click
 
 from toolchain.cli._common import Context, spec_command
 from toolchain.errors import StageFailed, ToolchainError
+from toolchain.engine.build import planned_commands
+from toolchain.triton.launch import launch_command
+from toolchain.checks.preflight import build_context, run_checks
+from toolchain.checks.render import render_text, report_dict
+from toolchain.llmapi.launch import planned_launch
+from toolchain.triton.server import TritonServer
 
 
 def _commands(spec, ws) -> dict:
     """trtllm-build and launch lines as build-engine and serve would run them."""
     if spec.llmapi_path:
-        from toolchain.llmapi.launch import planned_launch
 
         return {"build_commands": [], "build_note": "none on the LLM-API path (the PyTorch backend loads the "
                 "checkpoint at start)", **planned_launch(spec, ws)}
     if spec.target != "trtllm":
-        from toolchain.triton.server import TritonServer
 
         server = TritonServer.from_spec(spec, ws.model_repo_dir(spec))
         return {"build_commands": [], "launch_command": server.command_line()}
-    from toolchain.engine.build import planned_commands
-    from toolchain.triton.launch import launch_command
 
     out: dict[str, Any] = {"build_commands": [], "build_errors": []}
     try:
@@ -44,8 +46,6 @@ def command(ctx: Context, spec, skip_checks: tuple[str, ...], as_json: bool) -> 
     """Plan SPEC before building: weights, KV cache and activations per rank on the spec's GPU
     (`gpu.name`), the verdict, the trtllm-build and launch commands, and every preflight check.
     Exit 0 when it fits and no check fails, 1 otherwise, 2 on an invalid spec."""
-    from toolchain.plan.preflight import build_context, run_checks
-    from toolchain.plan.render import render_text, report_dict
 
     context = build_context(spec, "plan", ctx.workspace)
     report = report_dict(context, run_checks(context, skip_checks))

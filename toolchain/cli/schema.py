@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from toolchain.fsutil import atomic_file
+from toolchain.spec_reference import json_schema, markdown_reference
 
 
 @click.command()
@@ -18,7 +19,6 @@ def command(markdown: bool, out: Path | None) -> None:
     """Print the JSON Schema of a build/<name>.yaml spec (for an editor's YAML language server:
     `# yaml-language-server: $schema=spec.schema.json`), or with --markdown every field's type,
     default and description."""
-    from toolchain.spec_reference import json_schema, markdown_reference
 
     text = markdown_reference() if markdown else json.dumps(json_schema(), indent=2) + "\n"
     if out is None:

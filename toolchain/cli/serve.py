@@ -26,7 +26,7 @@ import click
 
 from toolchain.cli._common import Context, spec_command
 from toolchain.errors import StageFailed, ToolchainError
-from toolchain.triton import procgroup
+from toolchain import procgroup
 from toolchain.spec import DeploymentSpec
 from toolchain.stopsignals import stop_on_signals
 

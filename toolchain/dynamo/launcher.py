@@ -36,8 +36,14 @@ from toolchain.dynamo.worker import COMPONENT, ENDPOINT
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.netutil import free_port, port_in_use
 from toolchain.spec import DeploymentSpec
-from toolchain.triton import procgroup
+from toolchain import procgroup
 from toolchain.workspace import Workspace
+from toolchain.dynamo.checks import check
+from toolchain.llmapi.launch import served_model_name
+from toolchain.llmapi.args import serve_config
+from toolchain.llmapi.stage import served_model_dir
+from toolchain.dynamo.install import require
+from toolchain.llmapi.cpu_llm import LlmArgsError, load_engine
 
 HOST = "127.0.0.1"
 STOP_WAIT_S = 10.0
@@ -75,8 +81,6 @@ class DynamoDeployment:
     def __init__(self, spec: DeploymentSpec, workspace: Workspace, *, workers: int | None = None,
                  router: str | None = None, http_port: int | None = None, kv_events: bool = True,
                  engine_threads: int | None = None, log_dir: Path | str | None = None, python: str | None = None):
-        from toolchain.dynamo.checks import check
-        from toolchain.llmapi.launch import served_model_name
 
         if spec.target != "llmapi-cpu":
             raise ToolchainError(f"a Dynamo deployment runs on this host for target llmapi-cpu, not {spec.target}",
@@ -107,7 +111,6 @@ class DynamoDeployment:
     def engine_args(self) -> dict[str, Any]:
         """The LLM-API YAML each worker takes: the spec's trtllm-serve config, with the KV share split N ways
         (the workers share one host's memory; on GPUs each has its own)."""
-        from toolchain.llmapi.args import serve_config
 
         args = serve_config(self.spec)
         kv = dict(args.get("kv_cache_config") or {})
@@ -126,7 +129,6 @@ class DynamoDeployment:
         return argv
 
     def worker_argv(self, work_dir: Path, config: Path) -> list[str]:
-        from toolchain.llmapi.stage import served_model_dir
 
         return [self.python, "-m", "toolchain.dynamo.worker", str(served_model_dir(self.spec, self.workspace)),
                 "--config", str(config), "--served-model-name", self.model_name,
@@ -180,7 +182,6 @@ class DynamoDeployment:
     # -- start / stop ----------------------------------------------------------------------------------------
 
     def start(self, timeout: float | None = None) -> "DynamoDeployment":
-        from toolchain.dynamo.install import require
 
         if self.tmp is not None:
             raise RuntimeError("deployment already started")
@@ -225,8 +226,6 @@ class DynamoDeployment:
     def _prepare_engine(self, config: Path, work_dir: Path) -> None:
         """Convert and shard the checkpoint once (the workers then load it from `work_dir`), refusing in one line
         what the CPU engine cannot run before any process starts."""
-        from toolchain.llmapi.cpu_llm import LlmArgsError, load_engine
-        from toolchain.llmapi.stage import served_model_dir
 
         try:
             load_engine({**self.engine_args(), "model": str(served_model_dir(self.spec, self.workspace))}, work_dir, 1)

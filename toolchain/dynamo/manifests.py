@@ -29,6 +29,10 @@ from toolchain.dynamo.render import worker_groups
 from toolchain.errors import ToolchainError
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
+from toolchain.llmapi.manifests import k8s_name
+from toolchain.llmapi.launch import container_mounts
+from toolchain.llmapi.args import serve_config
+from toolchain.fsutil import write_dir
 
 API_VERSION = "nvidia.com/v1alpha1"
 IMAGE = f"nvcr.io/nvidia/ai-dynamo/tensorrtllm-runtime:{DYNAMO_VERSION}"  # the examples' image, at the pinned tag
@@ -49,13 +53,11 @@ def _env(flag: str, value: str) -> dict[str, str]:
 
 
 def config_map_name(spec: DeploymentSpec) -> str:
-    from toolchain.llmapi.manifests import k8s_name
 
     return f"{k8s_name(spec)}-engine-args"
 
 
 def _volumes(spec: DeploymentSpec, workspace: Workspace) -> tuple[list[dict], list[dict]]:
-    from toolchain.llmapi.launch import container_mounts
 
     volumes: list[dict] = [{"name": "engine-args", "configMap": {"name": config_map_name(spec)}}]
     mounts: list[dict] = [{"name": "engine-args", "mountPath": CONFIG_DIR, "readOnly": True}]
@@ -67,7 +69,6 @@ def _volumes(spec: DeploymentSpec, workspace: Workspace) -> tuple[list[dict], li
 
 
 def graph_deployment(spec: DeploymentSpec, workspace: Workspace) -> dict[str, Any]:
-    from toolchain.llmapi.manifests import k8s_name
 
     if spec.target != "llmapi":
         raise ToolchainError(f"the DynamoGraphDeployment is for target llmapi (GPU nodes), not {spec.target}",
@@ -107,7 +108,6 @@ def graph_deployment(spec: DeploymentSpec, workspace: Workspace) -> dict[str, An
 
 
 def config_map(spec: DeploymentSpec) -> dict[str, Any]:
-    from toolchain.llmapi.args import serve_config
 
     text = yaml.safe_dump(serve_config(spec), sort_keys=False)
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": config_map_name(spec)},
@@ -139,6 +139,5 @@ def manifests(spec: DeploymentSpec, workspace: Workspace) -> dict[str, str]:
 
 def write_manifests(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | str) -> list[Path]:
     """Write both files into `out_dir` (replaced as a whole, atomically); the paths written."""
-    from toolchain.fsutil import write_dir
 
     return write_dir(out_dir, manifests(spec, workspace), option="--manifests")

@@ -30,6 +30,9 @@ from toolchain.dynamo import flags
 from toolchain.dynamo.checks import DISAGG_KEYS, check
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
+from toolchain.llmapi.args import llm_args_problem
+from toolchain.llmapi.launch import serve_config_path, served_model_name
+from toolchain.llmapi.stage import served_model_dir
 
 # dynamo.trtllm's components per role (dynamo/trtllm/args.py _default_endpoint): prefill workers register
 # under their own component, which is how the frontend tells the two tiers apart.
@@ -50,7 +53,6 @@ class WorkerGroup:
 def role_overrides(role: str) -> dict[str, Any]:
     """What a prefill or decode worker sets over the aggregated YAML, taken from Dynamo's example engine configs;
     checked against the LLM() arguments of TensorRT-LLM 1.2.1."""
-    from toolchain.llmapi.args import llm_args_problem
 
     if role == "agg":
         return {}
@@ -81,8 +83,6 @@ def worker_command(spec: DeploymentSpec, workspace: Workspace, role: str, *, eng
                    model: str | None = None, planes: bool = True, namespace: bool = True) -> list[str]:
     """`python3 -m dynamo.trtllm` for `role` (agg, prefill, decode); `engine_args` and `model` replace the host
     paths (the Kubernetes manifest mounts them elsewhere)."""
-    from toolchain.llmapi.launch import serve_config_path, served_model_name
-    from toolchain.llmapi.stage import served_model_dir
 
     w = flags.worker
     argv = ["python3", "-m", "dynamo.trtllm", w("--model"), model or str(served_model_dir(spec, workspace)),

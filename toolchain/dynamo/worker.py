@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from toolchain.errors import ToolchainError
+from toolchain.dynamo.kv_events import KvEventRelay
+from toolchain.llmapi.cpu_llm import LlmArgsError, load_engine
+import yaml
 
 log = logging.getLogger("toolchain.dynamo.worker")
 COMPONENT = "backend"  # dynamo.trtllm's default component for aggregated workers (args.py DEFAULT_ENDPOINT_COMPONENT)
@@ -146,11 +149,8 @@ async def serve(args) -> int:
     from dynamo.llm import KvEventPublisher, ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
     from dynamo.runtime import DistributedRuntime
 
-    from toolchain.dynamo.kv_events import KvEventRelay
-    from toolchain.llmapi.cpu_llm import LlmArgsError, load_engine
     from toolchain.openai.service import EngineService
 
-    import yaml
 
     try:
         data = yaml.safe_load(args.config.read_text()) or {}

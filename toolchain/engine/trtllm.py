@@ -23,7 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolchain.errors import ToolchainError
-from toolchain.plan.versions import TRITON_IMAGE, TRTLLM_LINE, TRTLLM_VERSION, in_line
+from toolchain.versions import TRITON_IMAGE, TRTLLM_LINE, TRTLLM_VERSION, in_line
+from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
+from toolchain.plan.model import quant_format, read_json
+from toolchain.draft_tree import choices_text
 
 SUPPORTED_LINE = TRTLLM_LINE
 EN = ("enable", "disable")
@@ -240,7 +243,6 @@ def default_workers(spec) -> int:
     holds a rank's weights: TensorRT-LLM tensorrt_llm/commands/build.py, parallel_build); with
     host_memory_gib unset, trtllm-build's own default of 1, never this machine's RAM, so that the
     printed line is the same on every host."""
-    from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
 
     gib = spec.build.host_memory_gib
     if spec.build.workers or not gib:
@@ -342,7 +344,6 @@ def check_engine(spec, engine_dir: Path, *, draft: bool = False) -> list[str]:
     """What in `engine_dir`/config.json disagrees with the spec (empty when nothing)."""
     import json
 
-    from toolchain.plan.model import quant_format, read_json
 
     path = Path(engine_dir) / "config.json"
     try:
@@ -438,7 +439,6 @@ def triton_parameters(spec) -> dict[str, object]:
                       lookahead_verification_set_size=sp.lookahead_verification_set_size)
     if sp.mode == "medusa":
         from toolchain.checkpoint.medusa import medusa_tree
-        from toolchain.draft_tree import choices_text
 
         params["medusa_choices"] = choices_text(medusa_tree(spec))
     if sp.mode == "eagle" and sp.choices:

@@ -24,6 +24,9 @@ from toolchain.eval.metrics import evaluate
 from toolchain.eval.texts import STREAM_FACTOR, default_documents, file_documents, token_stream, token_windows
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
+from toolchain.engine.build import build_config
+from toolchain.remote_code import auto_tokenizer
+from toolchain.engine.build import run_build
 
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_WINDOW = 256
@@ -33,13 +36,11 @@ DEFAULT_WINDOW = 256
 def engine_for_eval(spec: DeploymentSpec, workspace: Workspace) -> Iterator[Path]:
     """A directory the CPU engine can load for `spec`, building what is missing."""
     if spec.target == "cpu":
-        from toolchain.engine.build import run_build
 
         run_build(spec, workspace)
         yield workspace.engine_dir(spec)
         return
     from toolchain.checkpoint.stage import run_convert
-    from toolchain.engine.build import build_config
 
     run_convert(spec, workspace)
     checkpoint = workspace.checkpoint_dir(spec)
@@ -58,7 +59,6 @@ def engine_for_eval(spec: DeploymentSpec, workspace: Workspace) -> Iterator[Path
 
 
 def _tokenizer(spec: DeploymentSpec):
-    from toolchain.remote_code import auto_tokenizer
 
     try:
         return auto_tokenizer(spec.model.tokenizer_dir, trust_remote_code=spec.model.trust_remote_code)

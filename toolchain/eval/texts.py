@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 from toolchain.errors import ToolchainError
+from toolchain.tinymodel.corpus import load_corpus, read_text
 
 
 def default_documents() -> tuple[str, list[str]]:
     """(description, texts) of the held-out split, in its fixed sorted order."""
-    from toolchain.tinymodel.corpus import load_corpus, read_text
 
     corpus = load_corpus()
     return (f"held-out split of the tiny-model corpus ({len(corpus.heldout)} files, every 20th "

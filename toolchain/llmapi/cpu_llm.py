@@ -28,6 +28,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from toolchain.errors import ToolchainError
+from toolchain.llmapi.args import llm_args_problem
+from toolchain.spec import DeploymentSpec
+from toolchain.engine.build import run_build
+from toolchain.workspace import Workspace
+from toolchain.remote_code import auto_tokenizer
 
 # LLM-API scheduler policies the CPU batcher implements (capacity_scheduler_policy).
 POLICIES = {"GUARANTEED_NO_EVICT": "guaranteed_no_evict", "MAX_UTILIZATION": "max_utilization"}
@@ -182,7 +187,6 @@ def _section(args: dict, key: str) -> dict:
 
 def validate_llm_args(args: dict[str, Any]) -> Path:
     """Refuse what TorchLlmArgs refuses; returns the model directory."""
-    from toolchain.llmapi.args import llm_args_problem
 
     problem = llm_args_problem(args)
     if problem:
@@ -195,7 +199,6 @@ def validate_llm_args(args: dict[str, Any]) -> Path:
 
 def engine_spec(args: dict[str, Any]):
     """The CPU engine these LLM() arguments ask for, as a target-cpu spec of the same limits."""
-    from toolchain.spec import DeploymentSpec
 
     model_dir = validate_llm_args(args)
     backend = args.get("backend")
@@ -261,9 +264,7 @@ def load_engine(args: dict[str, Any], work_dir: Path, num_threads: int | None = 
     """(CpuEngine, SchedulerConfig, spec) for LLM() arguments: the checkpoint converted and
     sharded by this toolchain's own stages into `work_dir`, as the PyTorch backend shards at load."""
     from toolchain.checkpoint.stage import run_convert
-    from toolchain.engine.build import run_build
     from toolchain.engine.cpu import CpuEngine, KvCacheConfig, SchedulerConfig
-    from toolchain.workspace import Workspace
 
     spec = engine_spec(args)
     ws = Workspace(Path(work_dir))
@@ -294,7 +295,6 @@ class CpuLLM:
     def __init__(self, model: str | Path | None = None, *, work_dir: Path | None = None,
                  num_threads: int | None = None, **kwargs: Any):
         from toolchain.engine.cpu import InflightBatcher
-        from toolchain.remote_code import auto_tokenizer
 
         self.args = dict(kwargs, model=model)
         self._tmp = None

@@ -29,6 +29,8 @@ from toolchain.spec import DeploymentSpec
 from toolchain.triton import cluster, exposure
 from toolchain.triton.cluster import ALL_INTERFACES, multi_node, node_count, pyxis_image, tasks_per_node, world_size
 from toolchain.workspace import Workspace
+from toolchain.llmapi.stage import served_model_dir
+from toolchain.triton.server import TritonServer
 
 __all__ = ["ALL_INTERFACES", "multi_node", "node_count", "pyxis_image", "tasks_per_node", "world_size"]
 
@@ -89,7 +91,6 @@ def served_model_name(spec: DeploymentSpec) -> str:
 
 def trtllm_serve_command(spec: DeploymentSpec, workspace: Workspace, host: str | None = None) -> list[str]:
     """trtllm-serve on the served checkpoint with the rendered LLM() arguments (no prefix)."""
-    from toolchain.llmapi.stage import served_model_dir
 
     return [TRTLLM_SERVE, str(served_model_dir(spec, workspace)),
             serve_option("--host"), host or spec.serving.host,
@@ -136,7 +137,6 @@ def printable(spec: DeploymentSpec, argv: list[str]) -> str:
 def container_mounts(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
     """Host paths the server reads, mounted at the same place so the absolute paths in model.yaml and
     trtllm-serve.yaml hold inside the container (on several hosts: a shared filesystem)."""
-    from toolchain.llmapi.stage import served_model_dir
 
     paths = {served_model_dir(spec, workspace), Path(workspace.model_repo_dir(spec)).resolve()}
     if spec.model.tokenizer is not None:
@@ -182,7 +182,6 @@ def openai_engine_args(spec: DeploymentSpec) -> tuple[str, ...]:
 
 
 def openai_cpu_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
-    from toolchain.llmapi.stage import served_model_dir
 
     return ["python", "-m", "toolchain.openai", str(served_model_dir(spec, workspace)),
             "--config", str(serve_config_path(spec, workspace)), "--served-model-name", served_model_name(spec),
@@ -195,7 +194,6 @@ def planned_launch(spec: DeploymentSpec, workspace: Workspace) -> dict:
         triton = (multi_node_triton_command if multi_node(spec) else triton_launch_command)(spec, workspace)
         serve = (multi_node_serve_command if multi_node(spec) else trtllm_serve_command)(spec, workspace)
     else:
-        from toolchain.triton.server import TritonServer
 
         line = TritonServer.from_spec(spec, workspace.model_repo_dir(spec)).command_line()
         triton = shlex.split(line) if isinstance(line, str) else line

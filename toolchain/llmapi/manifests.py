@@ -3,7 +3,7 @@
 Pure functions of (spec, workspace) returning text; `write_manifests` puts them in a directory. The
 documents themselves (hosts, GPUs per host, probes, the LeaderWorkerSet and its rsh agent) come from
 triton/cluster.py, shared with the engine path. Every rank runs in the pinned Triton trtllm image
-(plan/versions.py TRITON_IMAGE, which carries TensorRT-LLM 1.2.1, trtllm-serve and
+(versions.py TRITON_IMAGE, which carries TensorRT-LLM 1.2.1, trtllm-serve and
 trtllm-llmapi-launch).
 
 Slurm: `srun --mpi=pmix` with pyxis' `--container-image` and `--container-mounts` (the flags
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from toolchain.errors import ToolchainError
 from toolchain.llmapi import launch
-from toolchain.plan.versions import TRITON_IMAGE
+from toolchain.versions import TRITON_IMAGE
 from toolchain.spec import DeploymentSpec
 from toolchain.triton import cluster, exposure
 from toolchain.triton.cluster import k8s_name

@@ -35,9 +35,12 @@ from toolchain.llmapi.args import model_yaml, serve_config, triton_config
 from toolchain.llmapi.launch import SERVE_CONFIG
 from toolchain.manifest import Manifest, current_manifest
 from toolchain.spec import DeploymentSpec
-from toolchain.triton import backend_models
 from toolchain.triton.config import InstanceGroup, ModelConfig, Tensor
 from toolchain.workspace import Workspace
+from toolchain.llmapi.stage import served_model_dir
+
+# Triton's llmapi Python-backend model (triton_model.py), copied verbatim into the repository as 1/model.py.
+TRITON_MODEL = Path(__file__).with_name("triton_model.py")
 
 MODEL = "tensorrt_llm"
 UPSTREAM_FILES = ("model.py", "helpers.py")
@@ -77,7 +80,7 @@ def upstream_model_files(directory: Path | str) -> Path:
 
 def _renderer_hash(python_models: Path | None) -> str:
     h = hashlib.sha256()
-    paths = [Path(__file__), Path(__file__).with_name("args.py"), backend_models.HERE / "llmapi.py"]
+    paths = [Path(__file__), Path(__file__).with_name("args.py"), TRITON_MODEL]
     paths += [python_models / n for n in UPSTREAM_FILES] if python_models else []
     for path in paths:
         h.update(path.name.encode() + b"\0" + sha256_file(path).encode())
@@ -86,7 +89,6 @@ def _renderer_hash(python_models: Path | None) -> str:
 
 def run_model_repo_llmapi(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                           python_models: Path | str | None = None) -> Manifest:
-    from toolchain.llmapi.stage import served_model_dir
 
     started = time.monotonic()
     upstream_dir = upstream_model_files(python_models) if python_models is not None else None
@@ -117,7 +119,7 @@ def run_model_repo_llmapi(spec: DeploymentSpec, workspace: Workspace, force: boo
             for name in UPSTREAM_FILES:
                 shutil.copyfile(upstream_dir / name, version / name)
         else:
-            shutil.copyfile(backend_models.source("llmapi"), version / "model.py")
+            shutil.copyfile(TRITON_MODEL, version / "model.py")
         wanted.outputs = {"models": [MODEL], "target": spec.target, "decoupled": config.decoupled,
                           "model_dir": data["model"],
                           "python_model": str(upstream_dir) if upstream_dir else "toolchain (CPU stand-in)"}

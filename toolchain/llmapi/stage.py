@@ -18,11 +18,15 @@ from pathlib import Path
 from typing import Callable
 
 from toolchain.errors import ToolchainError
+from toolchain.fingerprint import input_hash
 from toolchain.fsutil import atomic_dir
 from toolchain.manifest import Manifest, current_manifest
 from toolchain.spec import DeploymentSpec
 from toolchain.weights_source import source_record
 from toolchain.workspace import Workspace
+from toolchain.plan.model import load_model, quant_format
+from toolchain.plan.plan import layout_ok
+from toolchain.quant.recipe import ModelShape, check_pytorch_per_group
 
 STAGE = "convert"
 FORMAT_VERSION = 1  # bump when what this stage writes changes for the same inputs
@@ -40,9 +44,6 @@ def _settings(spec: DeploymentSpec) -> dict:
 
 def _check_layout(spec: DeploymentSpec) -> None:
     """The split the PyTorch backend does at load time must exist (heads, KV heads, MLP, layers)."""
-    from toolchain.plan.model import load_model, quant_format
-    from toolchain.plan.plan import layout_ok
-    from toolchain.quant.recipe import ModelShape, check_pytorch_per_group
 
     model = load_model(spec.model.checkpoint)
     params = model.params
@@ -67,7 +68,6 @@ def served_model_dir(spec: DeploymentSpec, workspace: Workspace) -> Path:
 
 def run_convert_llmapi(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                        echo: Callable[[str], None] | None = None) -> Manifest:
-    from toolchain.checkpoint.stage import input_hash
 
     say = echo or (lambda _msg: None)
     source = Path(spec.model.checkpoint)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from toolchain.errors import ToolchainError
 from toolchain.stopsignals import Stopped, stop_on_signals
+from toolchain.llmapi.cpu_llm import LlmArgsError, load_engine
+import yaml
 
 
 def _args(argv):
@@ -65,9 +67,7 @@ def _llm_app(args):
     """MODEL --config FILE: the CPU engine LLM() would run for those arguments (toolchain.llmapi)."""
     import tempfile
 
-    import yaml
 
-    from toolchain.llmapi.cpu_llm import LlmArgsError, load_engine
     from toolchain.openai.app import create_app
 
     try:

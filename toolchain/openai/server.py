@@ -16,7 +16,7 @@ from pathlib import Path
 
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.netutil import free_port, port_in_use
-from toolchain.triton import procgroup
+from toolchain import procgroup
 from toolchain.triton.server import is_ready
 
 

@@ -4,7 +4,7 @@ tokenizer, its chat template, incremental detokenization and stop strings.
 The tokenizer is loaded as the Triton preprocessing/postprocessing models load
 it (`AutoTokenizer.from_pretrained` on a directory that must exist, so a typo
 is never taken for a Hub id), and the end id / extra stop ids are resolved from
-the same config files by `toolchain.plan.eos`, so the OpenAI server stops where
+the same config files by `toolchain.eos`, so the OpenAI server stops where
 the Triton deployment stops. Those Triton models cannot be imported outside
 Triton's Python stub, hence this small shared helper.
 """
@@ -16,7 +16,8 @@ from pathlib import Path
 
 from toolchain.errors import ToolchainError
 from toolchain.openai.protocol import ApiError
-from toolchain.plan.eos import read_tokenizer, resolve
+from toolchain.eos import read_tokenizer, resolve
+from toolchain.remote_code import auto_tokenizer
 
 
 def _read_json(path: Path) -> dict | None:
@@ -28,7 +29,6 @@ def _read_json(path: Path) -> dict | None:
 
 class TextCodec:
     def __init__(self, tokenizer_dir: Path | str, chat_template: str | None = None, trust_remote_code: bool = False):
-        from toolchain.remote_code import auto_tokenizer
 
         self.directory = Path(tokenizer_dir)
         if not self.directory.is_dir():

@@ -145,6 +145,18 @@ def kv_bytes_per_token(p: ArchParams, *, tp: int, stage_layer_count: int, kv_byt
     return 2 * stage_layer_count * kv_heads_per_rank(p, tp) * p.head_size * kv_bytes
 
 
+# An unset max_tokens_in_paged_kv_cache on the CPU engine: room for this many full batches of max_seq_len.
+# On a GPU the executor allocates its fraction of free memory up front; here the pool's memory is
+# committed as blocks are first used, and with block reuse every new prompt takes a never-used block
+# before a cached one is evicted, so an uncapped pool (a fraction of all host memory) would grow the
+# server's RSS with every distinct prompt until it held most of the host.
+CPU_POOL_BATCHES = 2
+
+
+def cpu_default_max_tokens(max_batch_size: int, max_seq_len: int) -> int:
+    return CPU_POOL_BATCHES * max_batch_size * max_seq_len
+
+
 def kv_pool_tokens(free_bytes: int, fraction: float, bytes_per_token: int, tokens_per_block: int,
                    max_tokens: int | None = None) -> int:
     """Tokens a KV pool holds: whole blocks in `fraction` of the free memory, capped by

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from toolchain.plan import memory as mem
 from toolchain.gpus import GIB, GPUS, Gpu
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, QuantFormat, kv_dtype, kv_dtype_bytes, weight_dtype
+from toolchain.errors import ToolchainError
+from toolchain.plan.model import load_model, quant_format
 
 
 @dataclass(frozen=True)
@@ -114,10 +116,8 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
     gpu = device.kind == "gpu"
     device_bytes = device.memory_bytes if gpu else device.memory_bytes // (tp * pp)  # the CPU engine shares RAM
     cap = spec.serving.max_tokens_in_paged_kv_cache
-    if cap is None and not gpu:  # the CPU engine's own default (engine/cpu/kv_cache.py)
-        from toolchain.engine.cpu.kv_cache import cpu_default_max_tokens
-
-        cap = cpu_default_max_tokens(lim.max_batch_size, lim.max_seq_len)
+    if cap is None and not gpu:  # the CPU engine's own default
+        cap = mem.cpu_default_max_tokens(lim.max_batch_size, lim.max_seq_len)
     fraction = spec.serving.kv_cache_free_gpu_mem_fraction
     spec_mode = spec.speculative.mode
     draft_len = spec.speculative.max_draft_len if spec_mode != "none" else 0
@@ -181,7 +181,6 @@ def heads_rank_bytes(spec, params, dtype: str) -> int:
     sp = spec.speculative
     if sp.mode not in ("medusa", "eagle") or sp.heads is None:
         return 0
-    from toolchain.errors import ToolchainError
 
     try:
         if sp.mode == "medusa":
@@ -278,7 +277,6 @@ def build_workers(spec, checkpoint_bytes: list[int], host_bytes: int) -> tuple[i
 
 def checkpoint_bytes_per_rank(spec, quant: QuantFormat | None = None) -> list[int]:
     """Size of each rank's checkpoint file, from config.json alone."""
-    from toolchain.plan.model import load_model, quant_format
 
     model = load_model(spec.model.checkpoint)
     quant = quant or quant_format(spec, model.hf_config)

@@ -29,6 +29,8 @@ import torch
 
 from toolchain.errors import ToolchainError
 from toolchain.quant.recipe import BUILTIN, check_calibration_file
+from toolchain.remote_code import auto_tokenizer
+from toolchain.remote_code import auto_config
 
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 HOLDOUT_EVERY = 20
@@ -103,7 +105,6 @@ def calibration_tokens(tokenize: Callable[[str], list[int]], dataset: str, sampl
 
 
 def hf_tokenizer(tokenizer_dir: Path, trust_remote_code: bool = False) -> Callable[[str], list[int]]:
-    from toolchain.remote_code import auto_tokenizer
 
     tok = auto_tokenizer(tokenizer_dir, trust_remote_code=trust_remote_code)
     tok.model_max_length = 1 << 62  # whole files are tokenized and cut into windows here: no length warning
@@ -174,7 +175,6 @@ def collect_stats(hf_dir: Path, sequences: list[torch.Tensor], *, covariance: bo
     "dense", "mlp", "proj"), from running the HF model layer by layer over
     `sequences`. Lazily: a layer is calibrated when its statistics are first
     asked for (see StatsStream)."""
-    from toolchain.remote_code import auto_config
 
     # Never the model's own code: only registered architectures are converted, and transformers has their classes.
     layers = auto_config(hf_dir, trust_remote_code=False).num_hidden_layers
@@ -185,7 +185,6 @@ def _layer_stats(hf_dir: Path, sequences: list[torch.Tensor], covariance: bool,
                  progress: Callable[[str], None] | None) -> Iterator[LayerStats]:
     from transformers import AutoModelForCausalLM
 
-    from toolchain.remote_code import auto_config
 
     hf_dir = Path(hf_dir)
     config = auto_config(hf_dir, trust_remote_code=False)  # as in collect_stats: built-in classes only

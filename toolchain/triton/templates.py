@@ -42,7 +42,7 @@ class RepoOptions:
     batch_scheduler_policy: str = "guaranteed_no_evict"
     enable_kv_cache_reuse: bool = False
     enable_chunked_context: bool = False
-    # Resolved from generation_config.json (plan/eos.py): the preprocessing model's
+    # Resolved from generation_config.json (toolchain/eos.py): the preprocessing model's
     # default end_id, and the other EOS ids it always adds as stop words.
     end_id: int | None = None
     stop_ids: tuple[int, ...] = ()

@@ -17,6 +17,7 @@ import urllib.request
 from typing import AsyncIterator
 
 from toolchain.errors import ToolchainError
+from toolchain.bench.protocols.http1 import Http1Pool
 
 
 def normalize_http_url(url: str) -> str:
@@ -68,7 +69,6 @@ class HttpClient:
         self.http = None
 
     async def open(self) -> None:
-        from toolchain.bench.protocols.http1 import Http1Pool
 
         self.http = Http1Pool(self.url)
 

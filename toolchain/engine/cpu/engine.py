@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 
 from toolchain.engine.cpu.config import BuildLimits, ModelDims, read_engine_config
-from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager, cpu_default_max_tokens
+from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager
+from toolchain.plan.memory import cpu_default_max_tokens
 from toolchain.engine.cpu.model import Chunk, Model
 from toolchain.engine.cpu.sampling import Sampler, SamplingParams
-from toolchain.engine.cpu.ranks import Comm, LeaderModel, num_blocks
+from toolchain.engine.cpu.comm import Comm, num_blocks
+from toolchain.engine.cpu.ranks import LeaderModel
 from toolchain.engine.cpu.weights import load_own_stage, load_stages
 from toolchain.errors import ToolchainError
 

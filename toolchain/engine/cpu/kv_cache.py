@@ -75,18 +75,6 @@ class KvCacheConfig:
         return None
 
 
-# An unset max_tokens_in_paged_kv_cache on the CPU engine: room for this many full batches of max_seq_len.
-# On a GPU the executor allocates its fraction of free memory up front; here the pool's memory is
-# committed as blocks are first used, and with block reuse every new prompt takes a never-used block
-# before a cached one is evicted, so an uncapped pool (a fraction of all host memory) would grow the
-# server's RSS with every distinct prompt until it held most of the host.
-CPU_POOL_BATCHES = 2
-
-
-def cpu_default_max_tokens(max_batch_size: int, max_seq_len: int) -> int:
-    return CPU_POOL_BATCHES * max_batch_size * max_seq_len
-
-
 def kv_bytes_per_token(d: ModelDims) -> int:
     """Bytes one token's keys and values take over all layers and TP ranks of this engine."""
     kind = KV_KINDS.get(d.kv_cache_quant_algo or "")

@@ -2,8 +2,8 @@
 
 One small class so a quantized kernel (int8/int4 weight-only, SmoothQuant,
 FP8) can replace the float path for a module without touching the model code:
-`make_linear` is the single place that decides which implementation a checkpoint
-module gets, from the module's stored format (`ModelDims.linear_format`).
+`qlinear.make_linear` is the single place that decides which implementation a
+checkpoint module gets, from the module's stored format (`ModelDims.linear_format`).
 """
 
 from __future__ import annotations
@@ -31,13 +31,3 @@ class Linear:
         bias = self.bias if add_bias else None
         return torch.nn.functional.linear(x, self.weight, bias)
 
-
-def make_linear(tensors: dict[str, torch.Tensor], prefix: str, bias: bool, fmt: str | None = None,
-                *, group: int = 128) -> Linear:
-    """Build the linear for `prefix` from a rank's tensors: fp (`fmt` None) or one of
-    the quantized formats of `qlinear` (fmt from `ModelDims.linear_format`)."""
-    if fmt is None:
-        return Linear(tensors[f"{prefix}.weight"], tensors[f"{prefix}.bias"] if bias else None)
-    from toolchain.engine.cpu.qlinear import build_linear  # qlinear builds on this module
-
-    return build_linear(tensors, prefix, bias, fmt, group=group)

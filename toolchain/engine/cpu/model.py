@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from toolchain.engine.cpu.config import ModelDims
 from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheManager
-from toolchain.engine.cpu.ranks import Comm
+from toolchain.engine.cpu.comm import Comm
 from toolchain.engine.cpu.rope import Rotary, apply_rotary
 from toolchain.engine.cpu.weights import RankShard
 from toolchain.quant.kv_cache import dequantize_kv, quantize_kv

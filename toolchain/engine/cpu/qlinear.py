@@ -190,3 +190,12 @@ def build_linear(t: dict[str, torch.Tensor], prefix: str, bias: bool, fmt: str |
         return SmoothQuantW8A8(w, t[f"{prefix}.weights_scaling_factor"], t[f"{prefix}.activation_scaling_factor"],
                                t[f"{prefix}.prequant_scaling_factor"], b)
     return Fp8PerTensor(w, t[f"{prefix}.weights_scaling_factor"], t[f"{prefix}.activation_scaling_factor"], b)
+
+
+def make_linear(tensors: dict[str, torch.Tensor], prefix: str, bias: bool, fmt: str | None = None,
+                *, group: int = 128) -> Linear:
+    """Build the linear for `prefix` from a rank's tensors: fp (`fmt` None) or one of the quantized
+    formats above (fmt from `ModelDims.linear_format`)."""
+    if fmt is None:
+        return Linear(tensors[f"{prefix}.weight"], tensors[f"{prefix}.bias"] if bias else None)
+    return build_linear(tensors, prefix, bias, fmt, group=group)

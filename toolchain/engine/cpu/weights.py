@@ -20,7 +20,8 @@ from safetensors import safe_open
 
 from toolchain.checkpoint.hf_reader import check_header
 from toolchain.engine.cpu.config import ModelDims
-from toolchain.engine.cpu.linear import Linear, make_linear
+from toolchain.engine.cpu.linear import Linear
+from toolchain.engine.cpu.qlinear import make_linear
 from toolchain.engine.cpu.qlinear import stored_tensors
 from toolchain.errors import ToolchainError
 from toolchain.upstream import facts as upstream_facts

@@ -6,7 +6,8 @@ all_models/inflight_batcher_llm/tensorrt_llm_bls, tensorrtllm_backend issues #71
 
 from __future__ import annotations
 
-from toolchain.plan.preflight import ENGINE, ENGINE_PATH, FAIL, PASS, SERVING, WARN, Context, check
+from toolchain.checks.registry import ENGINE, ENGINE_PATH, FAIL, PASS, SERVING, WARN, Context, check
+from toolchain.errors import ToolchainError
 
 OFF = (PASS, "no speculative decoding")
 
@@ -55,7 +56,6 @@ def _medusa(ctx: Context):
     if sp.mode != "medusa":
         return PASS, "not Medusa"
     from toolchain.checkpoint.medusa import medusa_tree, read_heads
-    from toolchain.errors import ToolchainError
 
     if ctx.spec.parallelism.pp > 1:
         return FAIL, (f"Medusa with parallelism.pp={ctx.spec.parallelism.pp} is not supported; set parallelism.pp "
@@ -89,7 +89,6 @@ def _eagle_draft(ctx: Context):
     if sp.mode != "eagle":
         return PASS, "not EAGLE"
     from toolchain.checkpoint.eagle import eagle_shape, eagle_tree, read_draft, refuse_unsupported
-    from toolchain.errors import ToolchainError
 
     model = ctx.model
     params = model.params if model is not None else None

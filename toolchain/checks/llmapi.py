@@ -4,7 +4,10 @@ upstream/facts/llmapi.json), caught before anything is written."""
 
 from __future__ import annotations
 
-from toolchain.plan.preflight import ENGINE, FAIL, LLMAPI_PATH, PASS, SERVING, SKIP, WARN, Context, check
+from toolchain.checks.registry import ENGINE, FAIL, LLMAPI_PATH, PASS, SERVING, SKIP, WARN, Context, check
+from toolchain.llmapi.args import DECODING_TYPES, ENGINE_ONLY_MODES
+from toolchain.llmapi.args import options_problem
+from toolchain.versions import TRITON_IMAGE, TRTLLM_VERSION, in_line
 
 BOTH = ENGINE + SERVING
 
@@ -13,7 +16,6 @@ BOTH = ENGINE + SERVING
        "Medusa, lookahead and EAGLE-1/2 exist only on the engine path (TensorRT-LLM speculative-decoding docs)",
        paths=LLMAPI_PATH)
 def _speculative(ctx: Context):
-    from toolchain.llmapi.args import DECODING_TYPES, ENGINE_ONLY_MODES
 
     sp, target = ctx.spec.speculative, ctx.spec.target
     if sp.mode == "none":
@@ -58,7 +60,6 @@ def _quantization(ctx: Context):
 @check("llmapi.options", BOTH, "every llmapi.options key must be an LLM-API argument of the pinned release "
        "(TorchLlmArgs forbids unknown keys)", paths=LLMAPI_PATH)
 def _options(ctx: Context):
-    from toolchain.llmapi.args import options_problem
 
     problem = options_problem(ctx.spec)
     if problem:
@@ -89,7 +90,6 @@ def _mtp_layers(ctx: Context) -> int:
 def _runtime_version(ctx: Context):
     from importlib import metadata
 
-    from toolchain.plan.versions import TRITON_IMAGE, TRTLLM_VERSION, in_line
 
     if ctx.spec.target != "llmapi":
         return PASS, "the CPU stand-in needs no TensorRT-LLM"

@@ -18,7 +18,7 @@ from toolchain.plan import memory as mem
 from toolchain.plan.model import read_json
 from toolchain.plan.plan import checkpoint_bytes_per_rank
 from toolchain.quant.recipe import ModelShape, check_per_group, check_pytorch_per_group, per_group_multiple
-from toolchain.plan.preflight import ENGINE, ENGINE_PATH, FAIL, PASS, SKIP, WARN, Context, check
+from toolchain.checks.registry import ENGINE, ENGINE_PATH, FAIL, PASS, SKIP, WARN, Context, check
 
 NEEDS_TRTLLM = (SKIP, "applies to target trtllm")
 NO_MODEL = "model config not readable here; the stage reports why"

@@ -16,8 +16,10 @@ import shutil
 from pathlib import Path
 
 from toolchain.netutil import port_in_use
-from toolchain.plan.preflight import ENGINE_PATH, FAIL, PASS, SERVING, SKIP, WARN, Context, check
-from toolchain.plan.versions import TENSORRT_VERSION, TRITON_IMAGE, TRTLLM_VERSION, in_line, tensorrt_of
+from toolchain.checks.registry import ENGINE_PATH, FAIL, PASS, SERVING, SKIP, WARN, Context, check
+from toolchain.versions import TENSORRT_VERSION, TRITON_IMAGE, TRTLLM_VERSION, in_line, tensorrt_of
+from toolchain.errors import ToolchainError
+from toolchain.host import cpu_mpirun, physical_cores
 
 NOT_BUILT = (SKIP, "no engine built yet")
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
@@ -196,8 +198,6 @@ def _multi_node(ctx: Context):
        "serving.launch mpirun on CPU: one tritonserver per rank under mpirun needs mpirun and a slot (core) per rank "
        "(Open MPI 5 defaults its slots to the host's cores)")
 def _cpu_ranks(ctx: Context):
-    from toolchain.errors import ToolchainError
-    from toolchain.triton.launch import cpu_mpirun, physical_cores
 
     spec = ctx.spec
     if not spec.rank_processes:

@@ -18,13 +18,22 @@ from typing import IO, Callable
 
 
 def pid_running(pid: int) -> bool:
-    """`pid` exists and is neither a zombie nor dead (Linux /proc; False elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-        return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
-    except (OSError, ValueError):
+    """`pid` exists and is neither a zombie nor dead: from /proc where there is one (Linux), else by
+    signal 0 (where a process of another user counts as running)."""
+    if Path("/proc/self/stat").exists():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                stat = fh.read()
+            return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
+        except (OSError, ValueError):
+            return False
+    try:  # pragma: no cover - hosts without /proc
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
+    except PermissionError:
+        return True
+    return True
 
 
 def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> tuple[subprocess.Popen, IO[bytes]]:

@@ -1,11 +1,7 @@
-"""Preflight checks: every known failure that can be caught before a stage starts.
-
-Each check has a stable id, the stages it guards and a function returning
-(status, message); the message names the fix. `toolchain plan` runs them all;
-`convert`, `build-engine`, `model-repo`, `serve` and `deploy` run the ones
-guarding them through `run_preflight` and refuse to start on a failure unless
-`--skip-check ID` names it. The check modules register themselves on import.
-"""
+"""The check registry: what a check is (a stable id, the stages it guards, the paths it applies to and a
+function of the `Context` returning (status, message) whose message names the fix), the `@check`
+decorator the check modules register with, and the `Context` every check reads, computed once.
+`toolchain.checks.preflight` imports every check module and runs them."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from toolchain.errors import ToolchainError
-from toolchain.plan import eos as eos_mod
+from toolchain import eos as eos_mod
 from toolchain import gpus
 from toolchain.plan.model import ModelInfo, QuantFormat, load_model, quant_format, read_json
 from toolchain.plan.plan import DraftModel, MemoryPlan, layout_ok, plan_memory
@@ -142,60 +138,9 @@ def build_context(spec, stage: str = "plan", workspace=None, quant: QuantFormat 
     return ctx
 
 
-def _load_checks() -> None:
-    # Importing registers them; kept out of module import to avoid a cycle.
-    from toolchain.plan import checks_engine, checks_llmapi, checks_serving, checks_spec  # noqa: F401
-
-
 def applies(chk: Check, stage: str) -> bool:
     if stage == "plan":
         return True
     if stage == "deploy":
         return bool(chk.stages)
     return stage in chk.stages
-
-
-def check_skip_ids(skip: tuple[str, ...] | list[str]) -> None:
-    """Refuse a --skip-check id no check has (a typo would silently skip nothing)."""
-    _load_checks()
-    unknown = [s for s in skip if s not in REGISTRY]
-    if unknown:
-        raise ToolchainError(f"unknown check id '{unknown[0]}' in --skip-check",
-                             "`toolchain plan SPEC` lists every check id")
-
-
-def run_checks(ctx: Context, skip: tuple[str, ...] | list[str] = ()) -> list[CheckResult]:
-    """Run every check that applies to ctx.stage, in registration order."""
-    check_skip_ids(skip)
-    results = []
-    path = LLMAPI_PATH[0] if ctx.spec.llmapi_path else ENGINE_PATH[0]
-    for chk in REGISTRY.values():
-        if not applies(chk, ctx.stage) or path not in chk.paths:
-            continue
-        if chk.id in skip:
-            results.append(CheckResult(chk.id, SKIP, "skipped by --skip-check"))
-            continue
-        try:
-            status, message = chk.fn(ctx)
-        except ToolchainError as err:
-            status, message = FAIL, str(err)
-        results.append(CheckResult(chk.id, status, message))
-    return results
-
-
-class PreflightFailed(ToolchainError):
-    """A stage refused to start because a preflight check failed."""
-
-
-def run_preflight(spec, stage: str, workspace=None, skip: tuple[str, ...] | list[str] = (),
-                  enforce: bool = True) -> list[CheckResult]:
-    """Run the checks guarding `stage`; raise PreflightFailed naming the failed
-    ids unless `enforce` is False (dry runs only report)."""
-    results = run_checks(build_context(spec, stage, workspace), skip)
-    failed = [r for r in results if r.status == FAIL]
-    if failed and enforce:
-        first = failed[0]
-        more = f" (and {len(failed) - 1} more: {', '.join(r.id for r in failed[1:])})" if len(failed) > 1 else ""
-        raise PreflightFailed(f"preflight check {first.id} failed: {first.message}{more}",
-                              f"fix the spec, or pass --skip-check {first.id} to {stage} anyway")
-    return results

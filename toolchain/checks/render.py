@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from toolchain.gpus import GIB, Gpu
 from toolchain.plan.plan import layout_ok, plan_memory
-from toolchain.plan.preflight import FAIL, Context, CheckResult
+from toolchain.checks.registry import FAIL, Context, CheckResult
 
 
 def _size(n: float) -> str:

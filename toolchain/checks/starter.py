@@ -20,6 +20,8 @@ from toolchain import gpus
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_file
 from toolchain.spec import DeploymentSpec, QuantizationSection, spec_from_dict
+from toolchain.checks.preflight import build_context, run_checks
+from toolchain.checks.render import report_dict
 
 TARGETS: tuple[str, ...] = get_args(DeploymentSpec.model_fields["target"].annotation)
 QUANT_METHODS: tuple[str, ...] = get_args(QuantizationSection.model_fields["method"].annotation)
@@ -94,8 +96,6 @@ def spec_data(checkpoint: Path, spec_path: Path, *, name: str, target: str, gpu:
 
 def _plan(data: dict, spec_path: Path):
     """The `toolchain plan` report of the spec `data` would be at `spec_path`."""
-    from toolchain.plan.preflight import build_context, run_checks
-    from toolchain.plan.render import report_dict
 
     spec = spec_from_dict(data, spec_path.parent.resolve(), str(spec_path))
     context = build_context(spec, "plan")

@@ -1,0 +1,238 @@
+"""The house's floors, as data, and an ast scan of toolchain/ that keeps them.
+
+A room is a top-level module or package of toolchain/ (a package's subpackages are the same room). A room may
+import a room on a lower floor, never one on its own floor or above; no two modules may import each other,
+however indirectly; and an import inside a function is for a heavy package only (a third-party one from
+HEAVY, or a toolchain module that imports one at its top), never to step around a cycle. docs/architecture.md
+draws the same floors; a new room gets its floor here and there.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "toolchain"
+
+# Top floor first. Rooms on one floor do not import each other.
+FLOORS: list[tuple[str, ...]] = [
+    ("cli",),
+    ("pipeline", "deploy"),
+    ("checks",),
+    ("dynamo",),
+    ("openai",),
+    ("llmapi",),
+    ("bench", "eval"),
+    ("triton",),
+    ("engine",),
+    ("plan",),
+    ("checkpoint",),
+    ("weights_source",),
+    ("workspace", "spec_reference"),
+    ("spec",),
+    ("quant", "archs", "tinymodel"),
+    ("pretrained", "hub", "manifest", "gpus", "targets", "speculative"),
+    ("remote_code", "fingerprint", "draft_tree", "netutil", "stopsignals", "slo", "eos", "versions", "host"),
+    ("fsutil", "upstream"),
+    ("procgroup",),
+    ("errors",),
+    ("__init__",),  # the package's face: its version string
+]
+FLOOR = {room: len(FLOORS) - i for i, rooms in enumerate(FLOORS) for room in rooms}
+
+# Third-party packages whose import costs seconds or pulls a runtime, or that only some installs have (aiohttp
+# and uvloop come with Dynamo); a function may import these, or a toolchain module that imports one of them at
+# its top, where its caller should not pay for it.
+HEAVY = {"aiohttp", "uvloop", "torch", "transformers", "tokenizers", "safetensors", "tritonclient", "matplotlib", "fastapi", "uvicorn",
+         "accelerate", "gguf", "modelopt", "pytriton", "dynamo", "aiperf", "triton_python_backend_utils",
+         "numpy", "grpc", "prometheus_client", "httptools", "jinja2", "huggingface_hub", "datasets"}
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # module importing
+    target: str  # module imported (a toolchain module, or a third-party top-level name)
+    line: int
+    local: bool  # inside a function
+    typing_only: bool  # under `if TYPE_CHECKING:`
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(name: str, known: dict[str, Path]) -> str:
+    """The module an import names: `toolchain.x.y` as a module, or its package when `y` is a name in it."""
+    while name not in known and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> list[Import]:
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[Import] = []
+
+    def visit(node: ast.AST, local: bool, typing_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            is_function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            guard = isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test)
+            targets: list[str] = []
+            if isinstance(child, ast.Import):
+                targets = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+                    for _ in range(child.level - 1):
+                        package = package.rsplit(".", 1)[0]
+                    base = f"{package}.{base}" if base else package
+                # `from toolchain.x import y`: y may be a module of its own.
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in child.names]
+            for target in targets:
+                if target.split(".")[0] == "toolchain":
+                    target = _resolve(target, known)
+                found.append(Import(name, target, child.lineno, local, typing_only))
+            visit(child, local or is_function, typing_only or guard)
+
+    visit(tree, False, False)
+    return found
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, list[Import]]:
+    known = modules()
+    return {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+def heavy_modules(graph: dict[str, list[Import]]) -> set[str]:
+    """Toolchain modules that import a HEAVY package at their top, directly or through another such module."""
+    heavy: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for name, imports in graph.items():
+            if name in heavy:
+                continue
+            for imp in imports:
+                if imp.local or imp.typing_only:
+                    continue
+                if imp.target.split(".")[0] in HEAVY or imp.target in heavy:
+                    heavy.add(name)
+                    changed = True
+                    break
+    return heavy
+
+
+def test_every_room_has_a_floor(graph):
+    missing = sorted({room(m) for m in graph} - set(FLOOR))
+    assert not missing, f"rooms without a floor: {missing}; add each to FLOORS here and to docs/architecture.md"
+
+
+def test_imports_point_down(graph):
+    upward = []
+    for name, imports in graph.items():
+        for imp in imports:
+            if not imp.target.startswith("toolchain") or imp.typing_only:
+                continue
+            a, b = room(name), room(imp.target)
+            if a != b and FLOOR.get(b, 0) >= FLOOR.get(a, 0):
+                upward.append(f"{name}:{imp.line} imports {imp.target} ({a} on floor {FLOOR.get(a)}, "
+                              f"{b} on floor {FLOOR.get(b)})")
+    assert not upward, "imports that do not point down:\n" + "\n".join(upward)
+
+
+# The Python-backend models are copied into each model repository as 1/model.py and run by Triton's stub,
+# which puts the toolchain on sys.path only in initialize(): their toolchain imports must stay in functions.
+PAYLOAD = ("toolchain.triton.backend_models.", "toolchain.llmapi.triton_model")
+
+
+def test_function_local_imports_are_for_heavy_packages_only(graph):
+    heavy = heavy_modules(graph)
+    dodges = []
+    for name, imports in graph.items():
+        if name.startswith(PAYLOAD):
+            continue
+        for imp in imports:
+            if not imp.local or imp.typing_only:
+                continue
+            top = imp.target.split(".")[0]
+            if top == "toolchain" and imp.target not in heavy:
+                dodges.append(f"{name}:{imp.line} imports {imp.target} inside a function")
+            elif top != "toolchain" and top not in HEAVY and top not in sys.stdlib_module_names:
+                dodges.append(f"{name}:{imp.line} imports {imp.target} inside a function (not in HEAVY)")
+    assert not dodges, ("function-local imports of light modules (import them at the top; a cycle is a "
+                        "module in the wrong room):\n" + "\n".join(dodges))
+
+
+def cycles(graph: dict[str, list[Import]]) -> list[list[str]]:
+    """Strongly connected groups of two or more modules (Tarjan), over every import but typing-only ones."""
+    edges = {n: sorted({i.target for i in imps if i.target in graph and i.target != n and not i.typing_only})
+             for n, imps in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    sys.setrecursionlimit(max(10000, sys.getrecursionlimit()))
+    for v in edges:
+        if v not in index:
+            strong(v)
+    return groups
+
+
+def test_no_import_cycles(graph):
+    found = cycles(graph)
+    assert not found, "modules that import each other:\n" + "\n".join(" <-> ".join(g) for g in found)
+
+
+def test_the_scan_catches_an_upward_import(graph, tmp_path):
+    """The scan itself: a low room importing a high one, and two modules importing each other, are found."""
+    fake = dict(graph)
+    fake["toolchain.errors"] = [*graph["toolchain.errors"], Import("toolchain.errors", "toolchain.cli", 1,
+                                                                   False, False)]
+    with pytest.raises(AssertionError, match="toolchain.errors:1 imports toolchain.cli"):
+        test_imports_point_down(fake)
+    fake["toolchain.cli"] = [*graph.get("toolchain.cli", []), Import("toolchain.cli", "toolchain.errors", 1,
+                                                                      False, False)]
+    assert any("toolchain.errors" in g and "toolchain.cli" in g for g in cycles(fake))
+    local = dict(graph)
+    local["toolchain.spec"] = [*graph["toolchain.spec"], Import("toolchain.spec", "toolchain.errors", 9, True,
+                                                                False)]
+    with pytest.raises(AssertionError, match="toolchain.spec:9 imports toolchain.errors inside a function"):
+        test_function_local_imports_are_for_heavy_packages_only(local)

@@ -1,0 +1,1 @@
+"""The checks wing: every preflight check, above the stages whose rules it reads."""
