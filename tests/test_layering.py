@@ -236,3 +236,51 @@ def test_the_scan_catches_an_upward_import(graph, tmp_path):
                                                                 False)]
     with pytest.raises(AssertionError, match="toolchain.spec:9 imports toolchain.errors inside a function"):
         test_function_local_imports_are_for_heavy_packages_only(local)
+
+
+# Where a spec's target may be compared: the spec itself, the targets table, the pipeline that chooses the path
+# and the CLI. Elsewhere a module reads the target's row (toolchain/targets.py) for what varies with it.
+TARGET_CHOOSERS = ("toolchain.spec", "toolchain.targets", "toolchain.pipeline", "toolchain.cli")
+TARGET_NAMES = {"target", "llmapi_path", "on_cpu", "trtllm"}
+MAX_TARGET_BRANCHING = 8
+
+
+def branches_on_target(tree: ast.AST) -> list[int]:
+    """Lines that decide on the target: `x.target` (or the path properties `llmapi_path`, `on_cpu`, a check
+    context's `trtllm`) in a comparison or in the test of an if, a conditional expression, a while, an assert
+    or a comprehension's filter. Naming the target in a message or a record is no branch."""
+    lines = []
+
+    def names_target(node: ast.AST) -> bool:
+        return any(isinstance(n, ast.Attribute) and n.attr in TARGET_NAMES for n in ast.walk(node))
+
+    for node in ast.walk(tree):
+        tests: list[ast.AST] = []
+        if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+            tests = [node.test]
+        elif isinstance(node, ast.comprehension):
+            tests = list(node.ifs)
+        elif isinstance(node, ast.Compare):
+            tests = [node]
+        lines += [t.lineno for t in tests if names_target(t)]
+    return sorted(set(lines))
+
+
+def target_branching(graph) -> dict[str, list[int]]:
+    found = {}
+    for name in graph:
+        if name.startswith(TARGET_CHOOSERS):
+            continue
+        path = modules()[name]
+        lines = branches_on_target(ast.parse(path.read_text()))
+        if lines:
+            found[name] = lines
+    return found
+
+
+def test_few_modules_branch_on_the_target(graph):
+    found = target_branching(graph)
+    listing = "\n".join(f"{name}: lines {lines}" for name, lines in sorted(found.items()))
+    assert len(found) <= MAX_TARGET_BRANCHING, (
+        f"{len(found)} modules outside {', '.join(TARGET_CHOOSERS)} branch on the target (at most "
+        f"{MAX_TARGET_BRANCHING}); read the target's row in toolchain/targets.py instead:\n{listing}")

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from toolchain.errors import ToolchainError
 from toolchain.pretrained import require_built
 from toolchain.slo import parse_slo
+from toolchain.targets import target_of
 
 
 class _Section(BaseModel):
@@ -472,12 +473,12 @@ class DeploymentSpec(_Section):
     @property
     def llmapi_path(self) -> bool:
         """The LLM-API path (no engine): targets llmapi and llmapi-cpu."""
-        return self.target in ("llmapi", "llmapi-cpu")
+        return target_of(self).llmapi_path
 
     @property
     def on_cpu(self) -> bool:
         """Served by the CPU engine on this host: targets cpu and llmapi-cpu."""
-        return self.target in ("cpu", "llmapi-cpu")
+        return target_of(self).on_cpu
 
     @property
     def rank_processes(self) -> bool:
