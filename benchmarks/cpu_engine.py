@@ -346,7 +346,7 @@ def rss_bytes() -> int:
 def bench_kv_accounting(hf_dir: Path, eng: Path, root: Path) -> dict:
     import yaml
 
-    from toolchain.plan.preflight import build_context
+    from toolchain.checks.preflight import build_context
     from toolchain.spec import load_spec
 
     max_tokens = 16384

@@ -10,22 +10,26 @@ runs on (GPUs elsewhere, or this host's CPU engine standing in for them), and ho
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 if TYPE_CHECKING:
     from toolchain.spec import DeploymentSpec
 
-ENGINE, LLMAPI = "engine", "llmapi"
-GPU, CPU = "gpu", "cpu"
+Path = Literal["engine", "llmapi"]
+Device = Literal["gpu", "cpu"]
+ENGINE: Final = "engine"
+LLMAPI: Final = "llmapi"
+GPU: Final = "gpu"
+CPU: Final = "cpu"
 
 
 @dataclass(frozen=True)
 class Target:
     name: str
-    path: Literal["engine", "llmapi"]
+    path: Path
     """engine: convert to a TensorRT-LLM checkpoint, build an engine, serve it with the tensorrtllm backend;
     llmapi: hand the HF checkpoint (or its HF-format quantized export) to `LLM()`, no engine build."""
-    device: Literal["gpu", "cpu"]
+    device: Device
     """gpu: the artefacts and commands are for a GPU host (TensorRT-LLM 1.2.1); cpu: the CPU engine runs them
     here, behind the same repository layout and endpoints."""
     launches: tuple[str, ...]
