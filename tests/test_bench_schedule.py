@@ -46,7 +46,7 @@ def test_levels_run_with_the_heap_frozen_out_of_the_collector():
 
     from toolchain.bench.datasets import Prompt, Session, Turn
     from toolchain.bench.loadgen import Runner
-    from toolchain.bench.protocols import Reply
+    from toolchain.bench.protocols.transport import Reply
 
     seen = []
 

@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 
-from toolchain.bench.protocols import Reply, Stream, short
+from toolchain.bench.protocols.transport import Reply, Stream, short
 from toolchain.bench.protocols.sse import HttpClient, error_text, get_json, normalize_http_url
 from toolchain.errors import ToolchainError
 

@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from toolchain.bench.protocols import Reply, Stream, short
+from toolchain.bench.protocols.transport import Reply, Stream, short
 from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, LLMAPI, TOKEN_IDS, Contract, detect, prepared,
                                                 ready_or_raise, record_drafts, request_tensors, requested_outputs)
 from toolchain.errors import ToolchainError

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from toolchain.bench.protocols import Reply, Stream, short
+from toolchain.bench.protocols.transport import Reply, Stream, short
 from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, TOKEN_IDS, Contract, detect, prepared,
                                                 ready_or_raise, record_drafts, request_tensors)
 from toolchain.bench.protocols.sse import HttpClient, error_text, get_json, normalize_http_url
