@@ -10,10 +10,7 @@ runs on (GPUs elsewhere, or this host's CPU engine standing in for them), and ho
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal
-
-if TYPE_CHECKING:
-    from toolchain.spec import DeploymentSpec
+from typing import Final, Literal, Protocol
 
 Path = Literal["engine", "llmapi"]
 Device = Literal["gpu", "cpu"]
@@ -67,7 +64,14 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
 )}
 
 
-def target_of(spec: DeploymentSpec) -> Target:
+class _NamesTarget(Protocol):
+    """A DeploymentSpec, as far as this table reads it (spec.py imports this module, not the reverse)."""
+
+    @property
+    def target(self) -> str: ...
+
+
+def target_of(spec: _NamesTarget) -> Target:
     """The row of `spec.target` (the spec's Literal admits only these names)."""
     return TARGETS[spec.target]
 
