@@ -11,7 +11,7 @@ weights are here, a real convert, build-engine (the fake trtllm-build 1.2.1 of t
 trtllm) and model-repo, each output file by its SHA-256. The tiny Llama is also run through every
 quantization method and KV-cache format on targets cpu, trtllm and llmapi-cpu. Manifests are left
 out (they record hashes of the settings each stage reads, which a refactor may rightly re-key), and
-the workspace root is written as <ROOT> wherever it is printed.
+the temporary directory holding the workspace is written as <TMP> wherever it is printed.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -38,8 +39,22 @@ QUANT_VARIANTS = [
 TARGET_VARIANTS = [["target=trtllm", "gpu.name=H100 80GB"], ["target=llmapi-cpu"], ["target=llmapi", "gpu.name=H100 80GB"]]
 
 
+# What differs from run to run by design: the temporary directories of atomic writes (pid and a random
+# suffix) and the Python backend's shared-memory prefix (pid and a random suffix).
+_VOLATILE = [(re.compile(r"\.([\w.-]+)\.(tmp|old)-\d+-\w+"), r".\1.\2-<PID>"),
+             (re.compile(r"shm-region-prefix-name=tc\d+_[0-9a-f]+_"), "shm-region-prefix-name=<SHM>")]
+
+
+def normalize(text: str, tmp: Path) -> str:
+    """`text` with the temporary directory as <TMP>, the checkout as <REPO> and the volatile names fixed."""
+    text = text.replace(str(tmp), "<TMP>").replace(str(REPO), "<REPO>")
+    for pattern, fixed in _VOLATILE:
+        text = pattern.sub(fixed, text)
+    return text
+
+
 def _run(root: Path, argv: list[str]) -> tuple[int, str]:
-    """(exit status, stdout + stderr with the root spelled <ROOT>) of one in-process CLI call."""
+    """(exit status, stdout + stderr with the temporary directory spelled <TMP>) of one in-process CLI call."""
     from toolchain.cli import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -48,17 +63,16 @@ def _run(root: Path, argv: list[str]) -> tuple[int, str]:
             rc = main(["--root", str(root), *argv])
         except SystemExit as exc:  # click's standalone mode
             rc = exc.code if isinstance(exc.code, int) else 1
-    text = (out.getvalue() + "\n--stderr--\n" + err.getvalue()).replace(str(root), "<ROOT>")
-    return rc, text.replace(str(REPO), "<REPO>")
+    return rc, normalize(out.getvalue() + "\n--stderr--\n" + err.getvalue(), root.parent)
 
 
 def _tree(path: Path, root: Path) -> dict[str, str]:
-    """SHA-256 of each file under `path` but manifests, with <ROOT> for the root in text files."""
+    """SHA-256 of each file under `path` but manifests, with <TMP> for the temporary directory in text files."""
     digests = {}
     for file in sorted(p for p in path.rglob("*") if p.is_file() and p.name != "manifest.json"):
         data = file.read_bytes()
         with contextlib.suppress(UnicodeDecodeError):
-            data = data.decode().replace(str(root), "<ROOT>").replace(str(REPO), "<REPO>").encode()
+            data = normalize(data.decode(), root.parent).encode()
         digests[str(file.relative_to(path))] = hashlib.sha256(data).hexdigest()
     return digests
 
@@ -92,7 +106,7 @@ def digest_spec(spec: Path, sets: list[str], full: bool) -> dict:
                 result[stage]["sha256"] = _digest_text(text)
                 break
         if record.is_file():
-            result["trtllm-build-calls"] = _digest_text(record.read_text().replace(str(root), "<ROOT>"))
+            result["trtllm-build-calls"] = _digest_text(normalize(record.read_text(), root.parent))
         for sub in ("engines", "model_repo"):
             if (root / sub).is_dir():
                 result[sub] = _tree(root / sub, root)
@@ -147,7 +161,10 @@ def compare(before: dict, after: dict) -> list[str]:
                 continue
             for part in sorted(set(a) | set(b)):
                 if a.get(part) != b.get(part):
-                    x, y = a.get(part) or {}, b.get(part) or {}
+                    x, y = a.get(part), b.get(part)
+                    if not (isinstance(x, dict) and isinstance(y, dict)):
+                        lines.append(f"{key}: {part} differs")
+                        continue
                     files = sorted(f for f in set(x) | set(y) if x.get(f) != y.get(f))
                     lines.append(f"{key}: {part} differs: {', '.join(files[:6])}")
     return lines
