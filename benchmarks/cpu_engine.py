@@ -91,7 +91,7 @@ def params_of(hf_dir: Path) -> int:
 def build_engine(hf_dir: Path, out: Path, *, method: str = "none", **limits) -> Path:
     """Convert and lay out an engine directory as `toolchain build-engine` does for target cpu."""
     from toolchain.checkpoint.convert import convert_checkpoint
-    from toolchain.engine.build import ENGINE_FORMAT_VERSION
+    from toolchain.engine.build import write_cpu_engine
     from toolchain.quant.recipe import Recipe
 
     ckpt, eng = out / "checkpoint", out / "engine"
@@ -102,16 +102,13 @@ def build_engine(hf_dir: Path, out: Path, *, method: str = "none", **limits) -> 
     if recipe is not None and recipe.needs_calibration:
         g = torch.Generator().manual_seed(1)
         calibration = [torch.randint(3, 1000, (64,), generator=g) for _ in range(4)]
-    pretrained = convert_checkpoint(hf_dir, ckpt, tp=1, pp=1, dtype="float32", target="cpu", recipe=recipe,
+    convert_checkpoint(hf_dir, ckpt, tp=1, pp=1, dtype="float32", target="cpu", recipe=recipe,
                                     calibration=calibration)
     build = {"max_batch_size": 32, "max_input_len": 2048, "max_seq_len": 2304, "max_num_tokens": 4096,
              "max_beam_width": 1, "kv_cache_type": "PAGED",
              "plugin_config": {"paged_kv_cache": True, "use_paged_context_fmha": True, "tokens_per_block": TPB},
              **limits}
-    (eng / "config.json").write_text(json.dumps({"version": ENGINE_FORMAT_VERSION, "target": "cpu",
-                                                 "pretrained_config": pretrained, "build_config": build}))
-    for f in ckpt.glob("rank*.safetensors"):
-        os.link(f, eng / f.name)
+    write_cpu_engine(ckpt, eng, build)
     return eng
 
 

@@ -160,16 +160,12 @@ def text_windows(tokenize, text: str, windows: int, seq_len: int) -> list[list[i
 
 def engine_dir(ckpt: Path, out: Path, max_seq_len: int) -> Path:
     """A CPU engine directory over `ckpt` (what `toolchain build-engine` writes for target cpu)."""
-    from toolchain.engine.build import ENGINE_FORMAT_VERSION
+    from toolchain.engine.build import write_cpu_engine
 
     out.mkdir(parents=True, exist_ok=True)
-    for f in ckpt.glob("rank*.safetensors"):
-        os.link(f, out / f.name)
     build = {"max_batch_size": 1, "max_input_len": max_seq_len - 1, "max_seq_len": max_seq_len,
              "max_num_tokens": max_seq_len, "max_beam_width": 1}
-    cfg = {"version": ENGINE_FORMAT_VERSION, "target": "cpu",
-           "pretrained_config": json.loads((ckpt / "config.json").read_text()), "build_config": build}
-    (out / "config.json").write_text(json.dumps(cfg))
+    write_cpu_engine(ckpt, out, build)
     return out
 
 

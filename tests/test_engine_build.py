@@ -44,6 +44,22 @@ def test_unchanged_is_reused_changed_is_rebuilt(tmp_path, hf_llama, capsys):
     assert sorted(p.name for p in engine.parent.iterdir()) == ["checkpoint", "engine"]
 
 
+def test_serving_slo_and_workload_changes_reuse_the_engine(tmp_path, hf_llama, capsys):
+    """The build's key is the settings it reads: a port, an SLO or a workload change reuses the engine."""
+    spec = write_spec(tmp_path / "s.yaml", hf_llama)
+    assert _build(tmp_path, spec) == 0
+    engine = tmp_path / "ws" / "engines" / "test-model" / "engine"
+    manifest = (engine / "manifest.json").read_text()
+    for change in ("serving.http_port=9100", "validation.slo.e2e_p99_ms=1234",
+                   "validation.workload.num_requests=7", "serving.max_queue_size=3"):
+        capsys.readouterr()
+        assert _build(tmp_path, spec, "--set", change) == 0, capsys.readouterr().err
+        assert "reused" in capsys.readouterr().out, change
+    assert (engine / "manifest.json").read_text() == manifest
+    assert _build(tmp_path, spec, "--set", "build.tokens_per_block=64") == 0
+    assert "built" in capsys.readouterr().out
+
+
 def test_max_seq_len_beyond_positions_warns_like_trtllm_build(tmp_path, hf_llama, capsys):
     spec = write_spec(tmp_path / "s.yaml", hf_llama, limits={"max_input_len": 100, "max_seq_len": 4096})
     assert _build(tmp_path, spec) == 0

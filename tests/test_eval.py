@@ -111,3 +111,13 @@ def test_eval_tokenizer_outside_vocabulary(tmp_path, capsys, hf_llama):
     rc = main(["--root", str(tmp_path / "root"), "eval", str(spec), "--max-tokens", "64", "--window", "32"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "outside the model's vocabulary [0, 250)" in err and len(err.splitlines()) == 1
+
+
+def test_eval_refuses_the_llmapi_path_in_one_line(tmp_path, capsys, hf_llama):
+    """The LLM-API path converts no TensorRT-LLM checkpoint: eval says so and names the engine-path spelling."""
+    spec = write_spec(tmp_path / "s.yaml", hf_llama, target="llmapi-cpu")
+    rc = main(["--root", str(tmp_path / "root"), "eval", str(spec), "--max-tokens", "64", "--window", "32"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "target llmapi-cpu" in err and "--set target=cpu" in err
+    assert not (tmp_path / "root" / "engines").exists()  # refused before converting anything

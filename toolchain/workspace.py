@@ -32,6 +32,10 @@ class Workspace:
         """The TensorRT-LLM checkpoint written by `convert`."""
         return self._inside(self.engine_root(spec) / "checkpoint")
 
+    def draft_checkpoint_dir(self, spec: DeploymentSpec) -> Path:
+        """draft_target: the draft model's TensorRT-LLM checkpoint (tp 1) written by `convert`."""
+        return self._inside(self.engine_root(spec) / "draft-checkpoint")
+
     def engine_dir(self, spec: DeploymentSpec) -> Path:
         """The engine written by `build-engine` (trtllm-build output or the CPU engine)."""
         return self._inside(self.engine_root(spec) / "engine")

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from toolchain.checkpoint.convert import calibrate, plan_any, plan_checkpoint
+from toolchain.checkpoint.convert import calibrate, convert_checkpoint, plan_any, plan_checkpoint
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.checkpoint.layout import Plan
 from toolchain.checkpoint.eagle import attach_draft
@@ -143,6 +143,7 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
         wanted = Manifest(stage="convert", spec_hash=convert_hash(spec), inputs=inputs)
         if not force and (have := current_manifest(final, wanted)) is not None:
             say(f"checkpoint {final} is current (same settings and inputs); reusing it (--force rebuilds)")
+            run_convert_draft(spec, workspace, force=force)
             return have
         created = _missing_dirs(final.parent, workspace.root)
         start = time.monotonic()
@@ -162,6 +163,45 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                 except OSError:
                     break
             raise
+    run_convert_draft(spec, workspace, force=force)
+    return wanted
+
+
+DRAFT_STAGE = "convert-draft"
+
+
+def draft_settings(spec: DeploymentSpec) -> dict:
+    """What the draft's checkpoint is converted with: the draft as upstream deploys it, its own
+    checkpoint at tp 1 in the target's dtype, unquantized."""
+    return {"converter": CONVERTER_VERSION, "target": spec.target, "dtype": spec.model.dtype, "tp": 1, "pp": 1}
+
+
+def run_convert_draft(spec: DeploymentSpec, workspace: Workspace, force: bool = False) -> Manifest | None:
+    """draft_target: convert speculative.draft_model into workspace.draft_checkpoint_dir(spec),
+    with its own manifest (settings and the draft's files), which build-engine records as its input;
+    reused while current. None for the other modes."""
+    if spec.speculative.mode != "draft_target":
+        return None
+    draft = spec.speculative.draft_model
+    if draft is None:  # `toolchain plan` checks this, but convert may run without it
+        raise ToolchainError("speculative.mode draft_target needs speculative.draft_model",
+                             "set speculative.draft_model to the draft's HF checkpoint directory")
+    final = workspace.draft_checkpoint_dir(spec)
+    blob = json.dumps(draft_settings(spec), sort_keys=True, separators=(",", ":"))
+    inputs = {p.name: input_hash(p) for p in sorted(Path(draft).glob("*"))
+              if p.is_file() and p.suffix in (".json", ".safetensors")}
+    wanted = Manifest(stage=DRAFT_STAGE, spec_hash=hashlib.sha256(blob.encode()).hexdigest(), inputs=inputs)
+    if not force and (have := current_manifest(final, wanted)) is not None:
+        return have
+    start = time.monotonic()
+    with atomic_dir(final) as tmp:
+        config = convert_checkpoint(draft, tmp, tp=1, pp=1, dtype=spec.model.dtype, target=spec.target)
+        files = {p.name: p.stat().st_size for p in sorted(tmp.glob("rank*.safetensors"))}
+        wanted.outputs = {"world_size": 1, "tp": 1, "pp": 1, "dtype": config["dtype"],
+                          "architecture": config["architecture"], "bytes": sum(files.values()), "files": files,
+                          "source": str(Path(draft).resolve())}
+        wanted.seconds = round(time.monotonic() - start, 3)
+        wanted.write(tmp)
     return wanted
 
 

@@ -3,17 +3,22 @@
 Target `cpu`: the "engine" is the converted checkpoint plus an engine
 `config.json` shaped like trtllm-build's output (`pretrained_config` +
 `build_config`), so the CPU engine reads exactly what a GPU engine directory
-describes. Target `trtllm`: runs a trtllm-build of the 1.2 line (found on PATH
-or at build.trtllm_build) with the flags of `engine/trtllm.py`, under mpirun
-with one log per rank when there are several ranks and mpirun is present,
-then checks the engine's config.json against the spec; draft_target also
-converts and builds the draft model into engine/draft/. Either way the output
-is written to a temporary directory, renamed into place when complete, and
-reused while its manifest (spec, checkpoint, TensorRT-LLM version) matches.
+describes; `write_cpu_engine` lays that directory out, for this stage, `eval`
+and the benchmarks alike. Target `trtllm`: runs a trtllm-build of the 1.2 line
+(found on PATH or at build.trtllm_build) with the flags of `engine/trtllm.py`,
+under mpirun with one log per rank when there are several ranks and mpirun is
+present, then checks the engine's config.json against the spec. draft_target
+also builds the draft model (converted by the convert stage into
+`Workspace.draft_checkpoint_dir`) into engine/draft/engine. Either way the
+output is written to a temporary directory, renamed into place when complete,
+and reused while its manifest matches: the build settings (`build_settings`,
+not the whole spec, so a changed SLO, port or workload reuses the engine), the
+checkpoints' manifests and the TensorRT-LLM version.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -71,26 +76,11 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def _write_cpu_engine(spec: DeploymentSpec, checkpoint_dir: Path, out: Path) -> dict:
-    outputs = _cpu_engine_dir(spec, checkpoint_dir, out, build_config(spec))
-    if spec.speculative.mode == "draft_target":
-        from toolchain.checkpoint.convert import convert_checkpoint
-
-        # The draft as upstream deploys it: its own engine at tp 1, same limits, no drafts of its own, and
-        # generation logits gathered as trtllm-build --gather_generation_logits records them when the BLS
-        # may send them on (the tensorrt_llm model refuses return_generation_logits otherwise).
-        ckpt, engine = out / "draft" / "checkpoint", out / "draft" / "engine"
-        ckpt.mkdir(parents=True)
-        engine.mkdir()
-        convert_checkpoint(_draft_model(spec), ckpt, tp=1, pp=1, dtype=spec.model.dtype, target="cpu")
-        draft = {**build_config(spec), "max_draft_len": 0,
-                 "gather_generation_logits": spec.speculative.use_draft_logits}
-        outputs["draft"] = _cpu_engine_dir(spec, ckpt, engine, draft)
-        shutil.rmtree(ckpt)  # the engine's rank file is a hard link (or copy) of the weights
-    return outputs
-
-
-def _cpu_engine_dir(spec: DeploymentSpec, checkpoint_dir: Path, out: Path, build: dict) -> dict:
+def write_cpu_engine(checkpoint_dir: Path, out: Path, build: dict, *, version: str = ENGINE_FORMAT_VERSION) -> dict:
+    """Lay out a CPU engine directory in `out` (existing, empty) over the TensorRT-LLM checkpoint in
+    `checkpoint_dir`: its rank files hard-linked (or copied) and an engine config.json with the
+    checkpoint's config as `pretrained_config` and `build` as `build_config`, as trtllm-build writes
+    them. Returns {"ranks", "bytes", "pretrained"}."""
     pretrained = json.loads((checkpoint_dir / "config.json").read_text())
     ranks = sorted(checkpoint_dir.glob("rank*.safetensors"))
     world = pretrained["mapping"]["world_size"]
@@ -99,14 +89,35 @@ def _cpu_engine_dir(spec: DeploymentSpec, checkpoint_dir: Path, out: Path, build
                              "rerun `toolchain convert --force`")
     for rank_file in ranks:
         _link_or_copy(rank_file, out / rank_file.name)
-    if pretrained.get("max_draft_len") and not build["max_draft_len"]:
+    if pretrained.get("max_draft_len") and not build.get("max_draft_len"):
         # trtllm-build takes max_draft_len 0 from a Medusa/EAGLE checkpoint (tensorrt_llm/commands/build.py).
         build = {**build, "max_draft_len": pretrained["max_draft_len"]}
-    engine_config = {"version": ENGINE_FORMAT_VERSION, "target": "cpu",
-                     "pretrained_config": pretrained, "build_config": build}
+    engine_config = {"version": version, "target": "cpu", "pretrained_config": pretrained, "build_config": build}
     (out / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
-    return {"ranks": len(ranks), "bytes": sum(p.stat().st_size for p in ranks),
-            "warnings": _limit_warnings(spec, pretrained)}
+    return {"ranks": len(ranks), "bytes": sum(p.stat().st_size for p in ranks), "pretrained": pretrained}
+
+
+def draft_build_config(spec: DeploymentSpec) -> dict:
+    """The draft as upstream deploys it: its own engine at tp 1, same limits, no drafts of its own, and
+    generation logits gathered as trtllm-build --gather_generation_logits records them when the BLS
+    may send them on (the tensorrt_llm model refuses return_generation_logits otherwise)."""
+    return {**build_config(spec), "max_draft_len": 0, "gather_generation_logits": spec.speculative.use_draft_logits}
+
+
+def _cpu_engine_outputs(spec: DeploymentSpec, checkpoint_dir: Path, out: Path, build: dict) -> dict:
+    written = write_cpu_engine(checkpoint_dir, out, build)
+    return {"ranks": written["ranks"], "bytes": written["bytes"],
+            "warnings": _limit_warnings(spec, written["pretrained"])}
+
+
+def _build_cpu(spec: DeploymentSpec, workspace: Workspace, out: Path) -> dict:
+    outputs = _cpu_engine_outputs(spec, workspace.checkpoint_dir(spec), out, build_config(spec))
+    if spec.speculative.mode == "draft_target":
+        engine = out / "draft" / "engine"
+        engine.mkdir(parents=True)
+        outputs["draft"] = _cpu_engine_outputs(spec, _draft_checkpoint(spec, workspace), engine,
+                                               draft_build_config(spec))
+    return outputs
 
 
 def planned_commands(spec: DeploymentSpec, workspace: Workspace) -> list[list[str]]:
@@ -115,7 +126,7 @@ def planned_commands(spec: DeploymentSpec, workspace: Workspace) -> list[list[st
     engine = workspace.engine_dir(spec)
     jobs = [(False, workspace.checkpoint_dir(spec), engine, spec.parallelism.world_size)]
     if spec.speculative.mode == "draft_target":
-        jobs.append((True, engine / "draft" / "checkpoint", engine / "draft" / "engine", 1))
+        jobs.append((True, workspace.draft_checkpoint_dir(spec), engine / "draft" / "engine", 1))
     out = []
     for draft, ckpt, dest, world in jobs:
         mpi = trtllm.planned_mpi(spec, world)
@@ -163,33 +174,44 @@ def _trtllm_build(spec: DeploymentSpec, binary: str, checkpoint_dir: Path, out: 
             "logs": sorted(p.name for p in logs.iterdir())}
 
 
-def _build_draft(spec: DeploymentSpec, binary: str, out: Path, final: Path) -> dict:
-    """draft_target: convert the draft model at tp 1 and build it into out/draft/engine."""
-    from toolchain.checkpoint.convert import convert_checkpoint
-
-    ckpt = out / "draft" / "checkpoint"
-    ckpt.mkdir(parents=True)
-    convert_checkpoint(_draft_model(spec), ckpt, tp=1, pp=1, dtype=spec.model.dtype, target="trtllm")
-    engine = out / "draft" / "engine"
-    engine.mkdir()
-    result = _trtllm_build(spec, binary, ckpt, engine, final / "draft" / "engine", draft=True)
-    shutil.rmtree(ckpt)  # the engine holds the weights now
-    return result
+def _draft_checkpoint(spec: DeploymentSpec, workspace: Workspace) -> Path:
+    """draft_target: the draft's checkpoint the convert stage wrote (tp 1)."""
+    ckpt = workspace.draft_checkpoint_dir(spec)
+    if not (ckpt / "config.json").is_file():
+        raise ToolchainError(f"no converted draft checkpoint at {ckpt}", f"run `toolchain convert {spec.source or 'SPEC'}`")
+    return ckpt
 
 
-def _draft_model(spec: DeploymentSpec) -> Path:
-    draft = spec.speculative.draft_model
-    if draft is None:  # `toolchain plan` checks this, but build may run without it
-        raise ToolchainError("speculative.mode draft_target needs speculative.draft_model",
-                             "set speculative.draft_model to the draft's HF checkpoint directory")
-    return draft
-
-
-def _run_trtllm_build(spec: DeploymentSpec, checkpoint_dir: Path, out: Path, final: Path, binary: str) -> dict:
-    outputs = _trtllm_build(spec, binary, checkpoint_dir, out, final)
+def _run_trtllm_build(spec: DeploymentSpec, workspace: Workspace, out: Path, final: Path, binary: str) -> dict:
+    outputs = _trtllm_build(spec, binary, workspace.checkpoint_dir(spec), out, final)
     if spec.speculative.mode == "draft_target":
-        outputs["draft"] = _build_draft(spec, binary, out, final)
+        # The draft at tp 1 into out/draft/engine, from the draft checkpoint convert wrote.
+        (out / "draft").mkdir()
+        outputs["draft"] = _trtllm_build(spec, binary, _draft_checkpoint(spec, workspace), out / "draft" / "engine",
+                                         final / "draft" / "engine", draft=True)
     return outputs
+
+
+def build_settings(spec: DeploymentSpec) -> dict:
+    """The spec fields the build reads, and only those: the engine's limits, the build section,
+    the parallelism, the dtype, the quantization and the speculative settings that reach the engine,
+    and for target trtllm the GPU section (MPI hosts and ranks per node). Serving, validation
+    (workload and SLO), ports and names are left out: changing them reuses the engine."""
+    sp = spec.speculative
+    settings = {"target": spec.target, "dtype": spec.model.dtype,
+                "parallelism": spec.parallelism.model_dump(mode="json"),
+                "limits": spec.limits.model_dump(mode="json"), "build": spec.build.model_dump(mode="json"),
+                "quantization": spec.quantization.model_dump(mode="json"),
+                "speculative": {"mode": sp.mode, "max_draft_len": sp.max_draft_len,
+                                "use_draft_logits": sp.use_draft_logits}}
+    if spec.target == "trtllm":
+        settings["gpu"] = spec.gpu.model_dump(mode="json")
+    return settings
+
+
+def build_hash(spec: DeploymentSpec) -> str:
+    blob = json.dumps(build_settings(spec), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
@@ -217,24 +239,19 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
         binary = trtllm.find_trtllm_build(spec, trtllm.build_command(spec, checkpoint_dir, final))
         inputs["tensorrt_llm"] = trtllm.installed_version(Path(binary)) or "unknown"
 
-    if spec.speculative.mode == "draft_target" and spec.speculative.draft_model is not None:
-        inputs["draft_model"] = _config_hash(spec.speculative.draft_model)
-    wanted = Manifest(stage="build-engine", spec_hash=spec.spec_hash(), inputs=inputs)
+    if spec.speculative.mode == "draft_target":
+        inputs["draft_checkpoint"] = content_hash(workspace.draft_checkpoint_dir(spec))
+    wanted = Manifest(stage="build-engine", spec_hash=build_hash(spec), inputs=inputs)
     if not force and (have := current_manifest(final, wanted)) is not None:
         return have, True
     start = time.perf_counter()
     with atomic_dir(final) as out:
         if spec.target == "cpu":
-            wanted.outputs = _write_cpu_engine(spec, checkpoint_dir, out)
+            wanted.outputs = _build_cpu(spec, workspace, out)
         else:
             assert binary is not None  # found above: the target is trtllm
-            wanted.outputs = _run_trtllm_build(spec, checkpoint_dir, out, final, binary)
+            wanted.outputs = _run_trtllm_build(spec, workspace, out, final, binary)
         wanted.seconds = round(time.perf_counter() - start, 3)
         wanted.write(out)
     return wanted, False
 
-
-def _config_hash(hf_dir: Path) -> str:
-    """Names, sizes and times of the draft model's files: a changed draft rebuilds."""
-    files = sorted(Path(hf_dir).glob("*.json")) + sorted(Path(hf_dir).glob("*.safetensors"))
-    return ",".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)

@@ -8,9 +8,6 @@ trtllm-build consumes) is evaluated through a CPU engine view of it.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import tempfile
 import time
 from contextlib import contextmanager
@@ -24,7 +21,7 @@ from toolchain.eval.metrics import evaluate
 from toolchain.eval.texts import STREAM_FACTOR, default_documents, file_documents, token_stream, token_windows
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
-from toolchain.engine.build import build_config
+from toolchain.engine.build import build_config, write_cpu_engine
 from toolchain.remote_code import auto_tokenizer
 from toolchain.engine.build import run_build
 
@@ -46,15 +43,7 @@ def engine_for_eval(spec: DeploymentSpec, workspace: Workspace) -> Iterator[Path
     checkpoint = workspace.checkpoint_dir(spec)
     with tempfile.TemporaryDirectory(prefix="toolchain-eval-") as tmp:
         view = Path(tmp)
-        pretrained = json.loads((checkpoint / "config.json").read_text())
-        (view / "config.json").write_text(json.dumps({"version": "eval-view", "target": "cpu",
-                                                      "pretrained_config": pretrained,
-                                                      "build_config": build_config(spec)}))
-        for rank_file in checkpoint.glob("rank*.safetensors"):
-            try:
-                os.link(rank_file, view / rank_file.name)
-            except OSError:
-                shutil.copy2(rank_file, view / rank_file.name)
+        write_cpu_engine(checkpoint, view, build_config(spec), version="eval-view")
         yield view
 
 
@@ -95,6 +84,12 @@ def run_eval(spec: DeploymentSpec, workspace: Workspace, *, text: Path | None = 
     from toolchain.engine.cpu import CpuEngine
 
     say = echo or (lambda _msg: None)
+    if spec.llmapi_path:
+        # The LLM-API path has no TensorRT-LLM checkpoint: its convert stage records the HF directory the
+        # PyTorch backend loads, which must not be read as a TensorRT-LLM config.
+        raise ToolchainError(f"toolchain eval runs the converted TensorRT-LLM checkpoint, and target {spec.target} "
+                             "(the LLM-API path) has none", "evaluate the same model on the engine path: "
+                             "`toolchain eval SPEC --set target=cpu`")
     if max_tokens < 2:
         raise ToolchainError(f"max_tokens {max_tokens} is too small", "use --max-tokens 2 or more")
     start = time.monotonic()
