@@ -27,6 +27,9 @@ import time
 import torch
 
 from toolchain.engine.cpu.comm import Comm, RankLost, abort_soon, num_blocks
+# The rendered tensorrt_llm model.py (copied verbatim into every repository, so it cannot change) reaches
+# the rendezvous through this module: ranks.launched_world() and ranks.ADDR_ENV, which moved to comm.py.
+from toolchain.engine.cpu.comm import ADDR_ENV, launched_world  # noqa: F401
 from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheManager
 from toolchain.engine.cpu.model import Chunk, Model
 
