@@ -66,12 +66,30 @@ def test_build_and_speculative_sections_reach_the_parameters(tmp_path):
     assert got["decoding_mode"] == "lookahead"
     assert (got["lookahead_window_size"], got["lookahead_ngram_size"], got["lookahead_verification_set_size"]) == \
         ("7", "7", "7")
-    configs, _ = render(tmp_path / "me", speculative={"mode": "medusa", "choices": "{0}, {0, 0}, {0, 1}"})
-    got = params(configs["tensorrt_llm"])
-    assert got["decoding_mode"] == "medusa" and got["medusa_choices"] == "{0}, {0, 0}, {0, 1}"
     configs, _ = render(tmp_path / "bw", build={"max_beam_width": 4})
     assert params(configs["tensorrt_llm"])["decoding_mode"] == "beam_search"
     assert params(configs["tensorrt_llm"])["max_beam_width"] == "4"
+
+
+def test_medusa_tree_is_the_one_convert_recorded(tmp_path, hf_llama_words):
+    """model-repo renders the Medusa tree from the converted checkpoint's manifest (the heads are not
+    read again), and without a converted checkpoint says in one line to convert first."""
+    from conftest import write_medusa_heads
+
+    from toolchain.checkpoint.stage import run_convert
+
+    heads = write_medusa_heads(tmp_path / "heads", hf_llama_words)
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", hf_llama_words, target="trtllm",
+                                speculative={"mode": "medusa", "heads": str(heads), "choices": "{0}, {0, 0}, {0, 1}"}))
+    ws = Workspace(tmp_path / "ws")
+    with pytest.raises(ToolchainError) as err:
+        run_model_repo(spec, ws)
+    assert "no Medusa draft tree recorded" in str(err.value) and "toolchain convert" in str(err.value)
+    run_convert(spec, ws)
+    run_model_repo(spec, ws)
+    cfg = text_format.Parse((ws.model_repo_dir(spec) / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig())
+    got = params(cfg)
+    assert got["decoding_mode"] == "medusa" and got["medusa_choices"] == "{0}, {0, 0}, {0, 1}"
 
 
 def test_draft_target_adds_the_draft_model(tmp_path):

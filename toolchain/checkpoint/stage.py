@@ -18,7 +18,8 @@ from toolchain.checkpoint.convert import calibrate, convert_checkpoint, plan_any
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.checkpoint.layout import Plan
 from toolchain.checkpoint.eagle import attach_draft
-from toolchain.checkpoint.medusa import attach_heads
+from toolchain.checkpoint.medusa import attach_heads, medusa_tree
+from toolchain.draft_tree import choices_text
 from toolchain.checkpoint.writer import write_plan
 from toolchain.errors import ToolchainError
 from toolchain.fingerprint import input_hash
@@ -86,10 +87,15 @@ def convert_hash(spec: DeploymentSpec) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _outputs(plan: Plan, files: dict[str, int]) -> dict:
-    return {"world_size": plan.options.world_size, "tp": plan.options.tp, "pp": plan.options.pp,
-            "dtype": plan.options.dtype, "architecture": plan.config["architecture"],
-            "bytes": sum(files.values()), "files": files, "dropped_hf_tensors": plan.dropped}
+def _outputs(spec: DeploymentSpec, plan: Plan, files: dict[str, int]) -> dict:
+    out = {"world_size": plan.options.world_size, "tp": plan.options.tp, "pp": plan.options.pp,
+           "dtype": plan.options.dtype, "architecture": plan.config["architecture"],
+           "bytes": sum(files.values()), "files": files, "dropped_hf_tensors": plan.dropped}
+    if plan.medusa is not None:
+        # The draft tree the heads were attached for (speculative.choices, else the one recorded with the
+        # heads), recorded so that model-repo renders it from here rather than reading the heads again.
+        out["medusa_choices"] = choices_text(medusa_tree(spec, plan.medusa))
+    return out
 
 
 def _plan_options(spec: DeploymentSpec) -> dict:
@@ -153,7 +159,7 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                           trust_remote_code=spec.model.trust_remote_code)
                 files = write_plan(plan, ckpt, tmp)
                 (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-                wanted.outputs = {**_outputs(plan, files), "source": source_record(spec)}
+                wanted.outputs = {**_outputs(spec, plan, files), "source": source_record(spec)}
                 wanted.seconds = round(time.monotonic() - start, 3)
                 wanted.write(tmp)
         except BaseException:

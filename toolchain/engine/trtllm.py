@@ -26,7 +26,6 @@ from toolchain.errors import ToolchainError
 from toolchain.versions import TRITON_IMAGE, TRTLLM_LINE, TRTLLM_VERSION, in_line
 from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
 from toolchain.plan.model import quant_format, read_json
-from toolchain.draft_tree import choices_text
 
 SUPPORTED_LINE = TRTLLM_LINE
 EN = ("enable", "disable")
@@ -425,8 +424,9 @@ TRITON_UNSET = {
 DECODING_MODES = {"medusa": "medusa", "eagle": "eagle", "lookahead": "lookahead"}
 
 
-def triton_parameters(spec) -> dict[str, object]:
-    """tensorrt_llm model parameters that come from the build and speculative sections."""
+def triton_parameters(spec, medusa_choices: str | None = None) -> dict[str, object]:
+    """tensorrt_llm model parameters that come from the build and speculative sections; for Medusa,
+    `medusa_choices` is the draft tree the convert stage recorded (Triton's syntax)."""
     b, sp = spec.build, spec.speculative
     params: dict[str, object] = dict(TRITON_DEFAULTS)
     params.update({
@@ -438,9 +438,10 @@ def triton_parameters(spec) -> dict[str, object]:
         params.update(lookahead_window_size=sp.lookahead_window_size, lookahead_ngram_size=sp.lookahead_ngram_size,
                       lookahead_verification_set_size=sp.lookahead_verification_set_size)
     if sp.mode == "medusa":
-        from toolchain.checkpoint.medusa import medusa_tree
-
-        params["medusa_choices"] = choices_text(medusa_tree(spec))
+        if medusa_choices is None:
+            raise ToolchainError("speculative.mode=medusa needs the draft tree convert recorded",
+                                 "run `toolchain convert SPEC` first")
+        params["medusa_choices"] = medusa_choices
     if sp.mode == "eagle" and sp.choices:
         params["eagle_choices"] = sp.choices
     if sp.mode == "draft_target":
