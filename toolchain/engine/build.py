@@ -194,19 +194,18 @@ def _run_trtllm_build(spec: DeploymentSpec, workspace: Workspace, out: Path, fin
 
 def build_settings(spec: DeploymentSpec) -> dict:
     """The spec fields the build reads, and only those: the engine's limits, the build section,
-    the parallelism, the dtype, the quantization and the speculative settings that reach the engine,
-    and for target trtllm the GPU section (MPI hosts and ranks per node). Serving, validation
-    (workload and SLO), ports and names are left out: changing them reuses the engine."""
+    the parallelism, the dtype, the quantization, the speculative settings that reach the engine, and
+    the MPI hosts and ranks per node trtllm-build runs under (gpu.hostfile, gpu.per_node). Serving,
+    validation (workload and SLO), ports and names are left out: changing them reuses the engine."""
     sp = spec.speculative
-    settings = {"target": spec.target, "dtype": spec.model.dtype,
-                "parallelism": spec.parallelism.model_dump(mode="json"),
-                "limits": spec.limits.model_dump(mode="json"), "build": spec.build.model_dump(mode="json"),
-                "quantization": spec.quantization.model_dump(mode="json"),
-                "speculative": {"mode": sp.mode, "max_draft_len": sp.max_draft_len,
-                                "use_draft_logits": sp.use_draft_logits}}
-    if spec.target == "trtllm":
-        settings["gpu"] = spec.gpu.model_dump(mode="json")
-    return settings
+    return {"target": spec.target, "dtype": spec.model.dtype,
+            "parallelism": spec.parallelism.model_dump(mode="json"),
+            "limits": spec.limits.model_dump(mode="json"), "build": spec.build.model_dump(mode="json"),
+            "quantization": spec.quantization.model_dump(mode="json"),
+            "speculative": {"mode": sp.mode, "max_draft_len": sp.max_draft_len,
+                            "use_draft_logits": sp.use_draft_logits},
+            "mpi_hosts": {"hostfile": str(spec.gpu.hostfile) if spec.gpu.hostfile else None,
+                          "per_node": spec.gpu.per_node}}
 
 
 def build_hash(spec: DeploymentSpec) -> str:
