@@ -102,3 +102,21 @@ def test_cpu_draft_gathers_generation_logits_with_use_draft_logits(tmp_path, hf_
     draft = build_config(engine / "draft" / "engine")
     assert draft["gather_generation_logits"] is True and draft["max_draft_len"] == 0
     assert not build_config(engine).get("gather_generation_logits")  # the target's logits stay ungathered
+
+
+def test_draft_converts_in_convert_and_build_only_builds(tmp_path, hf_llama, capsys):
+    """draft_target: convert writes the draft's checkpoint (tp 1) with its own manifest; build-engine
+    links its weights into engine/draft/engine and records that manifest as its input."""
+    spec = write_spec(tmp_path / "s.yaml", hf_llama, serving={"streaming": False},
+                      speculative={"mode": "draft_target", "max_draft_len": 4, "draft_model": str(hf_llama)})
+    root = tmp_path / "ws" / "engines" / "test-model"
+    assert main(["--root", str(tmp_path / "ws"), "convert", str(spec)]) == 0, capsys.readouterr().err
+    draft = json.loads((root / "draft-checkpoint" / "manifest.json").read_text())
+    assert draft["stage"] == "convert-draft" and draft["outputs"]["world_size"] == 1
+    assert not (root / "engine").exists()
+    assert _build(tmp_path, spec) == 0, capsys.readouterr().err
+    engine = json.loads((root / "engine" / "manifest.json").read_text())
+    assert engine["inputs"]["draft_checkpoint"] != "missing"
+    weights = (root / "draft-checkpoint" / "rank0.safetensors").read_bytes()
+    assert (root / "engine" / "draft" / "engine" / "rank0.safetensors").read_bytes() == weights
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint", "draft-checkpoint", "engine"]
