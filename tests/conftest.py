@@ -14,6 +14,37 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_TRAINED = REPO / "models" / "tiny-llama"
 
 
+# -- test tiers ------------------------------------------------------------------------
+# `make test-fast` runs `pytest -m "not server and not extras and not slow and not perf"` (the markers are
+# registered in pyproject.toml): the unit tests, which need only `make setup`. `make test` runs them all.
+# A test falls in its tier by what it uses: an `e2e` test starts tritonserver, so it is a `server` test too,
+# and a test that uses a fixture decorated below (directly or through other fixtures) gets that fixture's
+# marker at collection, so a new test on an existing server fixture needs no marker of its own.
+SERVER = "server"  # starts tritonserver, the OpenAI server, Dynamo, AIPerf or mpirun ranks
+EXTRAS = "extras"  # needs what `make test` installs beyond `make setup` (AIPerf, Dynamo, SmolLM2)
+
+
+def _tier(marker: str):
+    def decorate(fixture_function):
+        fixture_function.tier_markers = (*getattr(fixture_function, "tier_markers", ()), marker)
+        return fixture_function
+    return decorate
+
+
+starts_server = _tier(SERVER)  # under @pytest.fixture, on a fixture that starts a server
+needs_extras = _tier(EXTRAS)  # under @pytest.fixture, on a fixture that needs `make test`'s extra installs
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        fixturedefs = item._fixtureinfo.name2fixturedefs  # every fixture the test uses, transitively
+        wanted = {m for defs in fixturedefs.values() for d in defs for m in getattr(d.func, "tier_markers", ())}
+        if item.get_closest_marker("e2e"):
+            wanted.add(SERVER)
+        for marker in sorted(wanted - {m.name for m in item.iter_markers()}):
+            item.add_marker(marker)
+
+
 def make_hf_llama(out: Path, *, vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, seed=0,
                   dtype=torch.float32, **extra) -> Path:
