@@ -110,7 +110,7 @@ test: test-extras ## Lint, then the whole suite, servers included (tests needing
 # The developer's tier: the unit tests that start no server and need nothing beyond `make setup` (pyproject.toml
 # registers the markers; tests/conftest.py puts `server` and `extras` on the tests by the fixtures they use).
 FAST_TESTS := not server and not extras and not slow and not perf
-test-fast: setup ## Lint, then the unit tests: no servers, no slow tests, nothing beyond setup (~3 min)
+test-fast: setup ## Lint, then the unit tests only: no servers, no slow tests, nothing beyond setup
 	$(LINT)
 	$(VENV)/bin/pytest -q -m "$(FAST_TESTS)" $(PYTEST_ARGS)
 
