@@ -36,14 +36,15 @@ starts_server = _tier(SERVER)  # under @pytest.fixture, on a fixture that starts
 needs_extras = _tier(EXTRAS)  # under @pytest.fixture, on a fixture that needs `make test`'s extra installs
 
 
-# Unit tests that start no server but take seconds each, by node id (fnmatch): the AWQ scale search (each model's
-# first AWQ conversion in a process pays for it, so all of them), training a tiny model. Measured with
-# --durations on 2 cores (2026-12-03): 5 to 21 s each, about 100 s together, a third of the unit tests' time.
-# `make test` runs them; `make test-fast` leaves them out as `slow`.
+# Unit tests that start no server but take seconds each, by node id (fnmatch): the AWQ scale search and training a
+# tiny model. Measured with --durations on 2 cores (2026-12-03): 5 to 21 s each, about 100 s together, a third of
+# the unit tests' time. Every AWQ test of a module goes, not only the slow ones: test_hf_quant_export caches each
+# export for the module, so the first test to ask for one pays for it. `make test` runs them; `make test-fast`
+# leaves them out as `slow`.
 SLOW_UNIT_TESTS = (
     "tests/test_checkpoint_quant.py::*awq*",
     "tests/test_checkpoint_quant.py::test_kv_cache_scales_per_layer",
-    "tests/test_hf_quant_export.py::*int4_awq*",
+    "tests/test_hf_quant_export.py::*awq*",
     "tests/test_tinymodel.py::test_quick_run_is_a_loadable_gqa_llama",
     "tests/test_tinymodel.py::test_same_seed_gives_same_weights",
     "tests/test_tinymodel.py::test_draft_of_shares_the_models_tokenizer",
