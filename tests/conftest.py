@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
 
@@ -12,6 +13,54 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_TRAINED = REPO / "models" / "tiny-llama"
+
+
+# -- test tiers ------------------------------------------------------------------------
+# `make test-fast` runs `pytest -m "not server and not extras and not slow and not perf"` (the markers are
+# registered in pyproject.toml): the unit tests, which need only `make setup`. `make test` runs them all.
+# A test falls in its tier by what it uses: an `e2e` test starts tritonserver, so it is a `server` test too,
+# and a test that uses a fixture decorated below (directly or through other fixtures) gets that fixture's
+# marker at collection, so a new test on an existing server fixture needs no marker of its own.
+SERVER = "server"  # starts tritonserver, the OpenAI server, Dynamo, AIPerf or mpirun ranks
+EXTRAS = "extras"  # needs what `make test` installs beyond `make setup` (AIPerf, Dynamo, SmolLM2)
+
+
+def _tier(marker: str):
+    def decorate(fixture_function):
+        fixture_function.tier_markers = (*getattr(fixture_function, "tier_markers", ()), marker)
+        return fixture_function
+    return decorate
+
+
+starts_server = _tier(SERVER)  # under @pytest.fixture, on a fixture that starts a server
+needs_extras = _tier(EXTRAS)  # under @pytest.fixture, on a fixture that needs `make test`'s extra installs
+
+
+# Unit tests that start no server but take seconds each, by node id (fnmatch): the AWQ scale search and training a
+# tiny model. Measured with --durations on 2 cores (2026-12-03): 5 to 21 s each, about 100 s together, a third of
+# the unit tests' time. Every AWQ test of a module goes, not only the slow ones: test_hf_quant_export caches each
+# export for the module, so the first test to ask for one pays for it. `make test` runs them; `make test-fast`
+# leaves them out as `slow`.
+SLOW_UNIT_TESTS = (
+    "tests/test_checkpoint_quant.py::*awq*",
+    "tests/test_checkpoint_quant.py::test_kv_cache_scales_per_layer",
+    "tests/test_hf_quant_export.py::*awq*",
+    "tests/test_tinymodel.py::test_quick_run_is_a_loadable_gqa_llama",
+    "tests/test_tinymodel.py::test_same_seed_gives_same_weights",
+    "tests/test_tinymodel.py::test_draft_of_shares_the_models_tokenizer",
+)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        fixturedefs = item._fixtureinfo.name2fixturedefs  # every fixture the test uses, transitively
+        wanted = {m for defs in fixturedefs.values() for d in defs for m in getattr(d.func, "tier_markers", ())}
+        if item.get_closest_marker("e2e"):
+            wanted.add(SERVER)
+        if any(fnmatch.fnmatchcase(item.nodeid, pattern) for pattern in SLOW_UNIT_TESTS):
+            wanted.add("slow")
+        for marker in sorted(wanted - {m.name for m in item.iter_markers()}):
+            item.add_marker(marker)
 
 
 def make_hf_llama(out: Path, *, vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

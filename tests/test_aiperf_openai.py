@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import needs_extras, starts_server
+
 REPO = Path(__file__).resolve().parents[1]
 AIPERF = REPO / "benchmarks" / ".venv" / "aiperf" / "bin" / "aiperf"
 
@@ -30,6 +32,8 @@ REQUESTS = 8
 
 
 @pytest.fixture(scope="module")
+@starts_server
+@needs_extras
 def server(tmp_path_factory, hf_llama_words):
     """The OpenAI server on a CPU engine built from the tiny word-level Llama, its tokenizer given a
     chat template (for /v1/chat/completions); yields (server, tokenizer dir)."""

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import starts_server
 from test_bench_workload import MOCK_WORDS, make_word_tokenizer
 from toolchain.cli import main as cli_main
 from toolchain.errors import ToolchainError
@@ -154,6 +155,7 @@ STAT_KEYS = ("p50", "p90", "p95", "p99", "mean", "stdev", "min", "max", "n")
 
 
 @pytest.fixture(scope="module")
+@starts_server
 def served(tmp_path_factory):
     from toolchain.triton.server import TritonServer
 

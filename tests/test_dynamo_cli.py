@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("dynamo.frontend", reason="NVIDIA Dynamo is not installed (make dynamo)")
+pytestmark = [pytest.mark.server, pytest.mark.extras]
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "build" / "tiny-llama-dynamo.yaml"

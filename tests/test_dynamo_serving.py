@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import needs_extras, starts_server
+
 pytest.importorskip("dynamo.frontend", reason="NVIDIA Dynamo is not installed (make dynamo)")
 
 from toolchain.dynamo.install import problem  # noqa: E402
@@ -29,6 +31,8 @@ PREFIX = " ".join(f"item{i}" for i in range(40))  # > 2 blocks of 32 tokens
 
 
 @pytest.fixture(scope="module")
+@starts_server
+@needs_extras
 def deployment(tmp_path_factory):
     from toolchain.dynamo.launcher import DynamoDeployment
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import TINY_TRAINED
+from conftest import TINY_TRAINED, starts_server
 from toolchain.cli import main
 from toolchain.spec import load_spec
 from toolchain.workspace import Workspace
@@ -57,6 +57,7 @@ def _stream_text(client, model: str, prompt: str, stream: bool) -> str:
 
 
 @pytest.fixture(scope="module")
+@starts_server
 def served(tmp_path_factory):
     from toolchain.checkpoint.stage import run_convert
     from toolchain.engine.build import run_build

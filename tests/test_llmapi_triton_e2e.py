@@ -11,7 +11,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import REPO, write_spec
+from conftest import REPO, write_spec, starts_server
 from toolchain.spec import load_spec
 from toolchain.workspace import Workspace
 
@@ -66,6 +66,7 @@ def texts(responses) -> list[str]:
 
 
 @pytest.fixture(scope="module")
+@starts_server
 def served(tmp_path_factory, hf_llama_words):
     from toolchain.checkpoint.stage import run_convert
     from toolchain.triton.repo import run_model_repo

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import starts_server
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TPB = 16
@@ -62,6 +64,7 @@ def _server(engine_dir, tokenizer_dir, log_path):
 
 
 @pytest.fixture(scope="module")
+@starts_server
 def server(built, tmp_path_factory):
     engine_dir, _, chat_dir = built
     with _server(engine_dir, chat_dir, tmp_path_factory.mktemp("log") / "server.log") as srv:

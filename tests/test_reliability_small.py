@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import starts_server
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -21,6 +23,7 @@ import reliability as R  # noqa: E402
 
 
 @pytest.fixture(scope="module")
+@starts_server
 def served(tmp_path_factory):
     spec, ws, server = R.deploy(tmp_path_factory.mktemp("rel"))
     with server:

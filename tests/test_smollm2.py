@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, needs_extras
 from toolchain.cli import main as cli_main
 from toolchain.errors import ToolchainError
 from toolchain.spec import load_spec
@@ -26,6 +26,7 @@ PORTS_0 = ["serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0
 
 
 @pytest.fixture(scope="module")
+@needs_extras
 def model():
     if not (MODEL / "provenance.json").is_file():
         pytest.fail(f"{MODEL} is missing: `make test` builds it with `make smollm2`; run that first")

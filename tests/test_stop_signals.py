@@ -255,6 +255,7 @@ def test_a_stop_dropped_in_a_finalizer_is_raised_again():
 
 @needs_tiny
 @pytest.mark.slow
+@pytest.mark.server
 def test_deploy_stopped_by_sigterm_while_it_benches(tmp_path):
     argv = _cli(tmp_path, "deploy", str(REPO / "build" / "tiny-llama.yaml"), *FREE_PORTS,
                 "--set", "validation.workload.num_requests=5000")
@@ -265,6 +266,7 @@ def test_deploy_stopped_by_sigterm_while_it_benches(tmp_path):
 
 @needs_tiny
 @pytest.mark.slow
+@pytest.mark.server
 def test_deploy_llmapi_stopped_by_sighup_while_it_benches_the_openai_server(tmp_path):
     argv = _cli(tmp_path, "deploy", str(REPO / "build" / "tiny-llama-llmapi.yaml"), *FREE_PORTS,
                 "--set", "llmapi.openai_port=0", "--set", "validation.workload.duration_s=10")
@@ -274,6 +276,7 @@ def test_deploy_llmapi_stopped_by_sighup_while_it_benches_the_openai_server(tmp_
 
 @needs_tiny
 @pytest.mark.slow
+@pytest.mark.server
 def test_serve_stopped_by_sighup(tmp_path):
     spec = str(REPO / "build" / "tiny-llama.yaml")
     for stage in ("convert", "build-engine", "model-repo"):
@@ -286,6 +289,7 @@ def test_serve_stopped_by_sighup(tmp_path):
 
 @needs_tiny
 @pytest.mark.slow
+@pytest.mark.server
 def test_openai_server_stopped_by_sigterm_removes_its_work_directory(tmp_path):
     config = tmp_path / "llm.yaml"
     config.write_text("tensor_parallel_size: 1\n")
@@ -298,6 +302,7 @@ def test_openai_server_stopped_by_sigterm_removes_its_work_directory(tmp_path):
 
 @needs_tiny
 @pytest.mark.slow
+@pytest.mark.server
 def test_dynamo_stopped_by_sighup(tmp_path):
     pytest.importorskip("dynamo.frontend", reason="NVIDIA Dynamo is not installed (make dynamo)")
     argv = _cli(tmp_path, "dynamo", str(REPO / "build" / "tiny-llama-dynamo.yaml"), "--set", "dynamo.http_port=0",
@@ -308,6 +313,7 @@ def test_dynamo_stopped_by_sighup(tmp_path):
 
 @needs_tiny
 @pytest.mark.slow
+@pytest.mark.server
 def test_perf_run_that_started_its_own_server_stopped_by_sigterm(tmp_path):
     argv = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", "perf",
             str(REPO / "tests" / "perf"), "--spec", str(REPO / "build" / "tiny-llama.yaml"),

@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pytest
 
+from conftest import starts_server
 from triton_helpers import deploy, stream, text_request, token_request
 
 LIMITS = {"max_batch_size": 4, "max_input_len": 32, "max_seq_len": 96, "max_num_tokens": 128}
@@ -75,6 +76,7 @@ def test_engine_keeps_no_logits_unless_asked(engine):
 # ---- through tritonserver ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
+@starts_server
 def served(tmp_path_factory, hf_llama_words):
     """Draft-target with the target itself as draft (their logits agree); speculative.use_draft_logits
     builds only the draft engine with gather_generation_logits, as upstream's DTM guide builds it."""

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from conftest import starts_server
 from triton_helpers import deploy, stream, tensor, text_request, token_request
 
 pytest.importorskip("toolchain.engine.cpu")
@@ -29,6 +30,7 @@ def _deploy(tmp_path_factory, hf_llama_words, streaming: bool):
 
 
 @pytest.fixture(scope="module")
+@starts_server
 def served(tmp_path_factory, hf_llama_words):
     spec, ws, server = _deploy(tmp_path_factory, hf_llama_words, streaming=True)
     with server:

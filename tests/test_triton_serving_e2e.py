@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from conftest import starts_server
 from triton_helpers import deploy, stream, text_request, token_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -25,6 +26,7 @@ def deploy_with(tmp_path_factory, hf_llama_words, **serving):
 
 
 @pytest.fixture(scope="module")
+@starts_server
 def served(tmp_path_factory, hf_llama_words):
     spec, ws, server = deploy_with(tmp_path_factory, hf_llama_words, max_queue_size=1200, batch_scheduler_policy="max_utilization")
     with server:

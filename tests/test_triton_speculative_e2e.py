@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_hf_llama
+from conftest import make_hf_llama, starts_server
 from triton_helpers import deploy, stream, text_request, token_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -16,6 +16,7 @@ PROMPTS = ["w10 w20 w30 w40 w50", "w7 w8 w9", "w100 w3 w77 w12 w13 w14"]
 
 
 @pytest.fixture(scope="module", params=["same-model", "other-model"])
+@starts_server
 def served(request, tmp_path_factory, hf_llama_words):
     """The target, and as its draft either the target itself (every draft token agrees) or another
     random model with the same vocabulary (few do)."""
