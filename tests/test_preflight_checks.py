@@ -326,3 +326,16 @@ def test_engine_version_against_the_containers_table(tmp_path):
         sub.mkdir()
         result = run(sub, {}, setup=lambda t, d, v=version: engine_dir(t, version=v))["triton.engine-version"]
         assert result.status == expected, (version, result.message)
+
+
+def test_gpu_only_checks_are_listed_as_skipped_on_the_cpu_engine(tmp_path):
+    """A check registered for GPUs only (a rule of trtllm-build or the tensorrtllm backend) still appears on the
+    CPU engine's target, skipped with the name of the target it applies to; --skip-check takes precedence."""
+    gpu_only = [c.id for c in REGISTRY.values() if c.devices == ("gpu",)]
+    assert "limits.num-tokens-vs-input" in gpu_only and "triton.engine-version" in gpu_only
+    results = run(tmp_path, {"target": "cpu"})
+    assert {i: (results[i].status, results[i].message) for i in gpu_only} == \
+        {i: ("skip", "applies to target trtllm") for i in gpu_only}
+    spec = load_spec(REPO / "build" / "tiny-llama.yaml")
+    skipped = run_checks(build_context(spec, "plan", Workspace(tmp_path)), ["limits.num-tokens-vs-input"])
+    assert [r.message for r in skipped if r.id == "limits.num-tokens-vs-input"] == ["skipped by --skip-check"]

@@ -18,9 +18,8 @@ from toolchain.plan import memory as mem
 from toolchain.plan.model import read_json
 from toolchain.plan.plan import checkpoint_bytes_per_rank
 from toolchain.quant.recipe import ModelShape, check_per_group, check_pytorch_per_group, per_group_multiple
-from toolchain.checks.registry import ENGINE, ENGINE_PATH, FAIL, PASS, SKIP, WARN, Context, check
+from toolchain.checks.registry import ENGINE, ENGINE_PATH, FAIL, GPU_ONLY, PASS, SKIP, WARN, Context, check
 
-NEEDS_TRTLLM = (SKIP, "applies to target trtllm")
 NO_MODEL = "model config not readable here; the stage reports why"
 
 
@@ -39,10 +38,9 @@ def _input_vs_seq(ctx: Context):
 
 
 @check("limits.num-tokens-vs-input", ENGINE,
-       "without chunked context max_num_tokens caps a prompt (TensorRT-LLM issue #2702)", paths=ENGINE_PATH)
+       "without chunked context max_num_tokens caps a prompt (TensorRT-LLM issue #2702)", paths=ENGINE_PATH,
+       devices=GPU_ONLY)
 def _num_tokens_vs_input(ctx: Context):
-    if not ctx.trtllm:
-        return NEEDS_TRTLLM
     lim, b = ctx.spec.limits, ctx.spec.build
     chunked = b.chunked_context and b.use_paged_context_fmha and b.context_fmha
     if lim.max_num_tokens >= lim.max_input_len or chunked:
@@ -54,10 +52,9 @@ def _num_tokens_vs_input(ctx: Context):
 
 
 @check("limits.num-tokens-vs-block", ENGINE,
-       "with context FMHA max_num_tokens must hold one KV block (TensorRT-LLM _common.py)", paths=ENGINE_PATH)
+       "with context FMHA max_num_tokens must hold one KV block (TensorRT-LLM _common.py)", paths=ENGINE_PATH,
+       devices=GPU_ONLY)
 def _num_tokens_vs_block(ctx: Context):
-    if not ctx.trtllm:
-        return NEEDS_TRTLLM
     lim, b = ctx.spec.limits, ctx.spec.build
     if b.context_fmha and lim.max_num_tokens < b.tokens_per_block:
         return FAIL, (f"limits.max_num_tokens ({lim.max_num_tokens}) is below build.tokens_per_block "
@@ -80,10 +77,9 @@ def _seq_vs_positions(ctx: Context):
 
 # ---- KV cache (TensorRT-LLM kv-cache-reuse.md, builder.py; tensorrtllm_backend model_config.md) ---------------------
 @check("kv.paged-context-fmha", ENGINE,
-       "KV reuse and chunked context need paged context FMHA (TensorRT-LLM kv-cache-reuse.md)", paths=ENGINE_PATH)
+       "KV reuse and chunked context need paged context FMHA (TensorRT-LLM kv-cache-reuse.md)", paths=ENGINE_PATH,
+       devices=GPU_ONLY)
 def _paged_context_fmha(ctx: Context):
-    if not ctx.trtllm:
-        return NEEDS_TRTLLM
     b = ctx.spec.build
     wanted = [f for f in ("kv_cache_reuse", "chunked_context") if getattr(b, f)]
     if wanted and not (b.use_paged_context_fmha and b.context_fmha):
@@ -94,10 +90,9 @@ def _paged_context_fmha(ctx: Context):
 
 
 @check("kv.int8-disables-paged-fmha", ENGINE,
-       "an INT8 KV cache turns paged context FMHA off (TensorRT-LLM builder.py)", paths=ENGINE_PATH)
+       "an INT8 KV cache turns paged context FMHA off (TensorRT-LLM builder.py)", paths=ENGINE_PATH,
+       devices=GPU_ONLY)
 def _int8_kv(ctx: Context):
-    if not ctx.trtllm:
-        return NEEDS_TRTLLM
     if ctx.quant.kv_cache != "int8":
         return PASS, f"KV cache {ctx.quant.kv_cache if ctx.quant.kv_cache != 'none' else 'in the model dtype'}"
     b = ctx.spec.build
@@ -113,7 +108,7 @@ def _kv_quant_advice(ctx: Context) -> str:
     if ctx.quant.kv_cache != "none":
         return ""  # int8 and fp8 both store one byte: nothing smaller to offer
     dev = ctx.device
-    if ctx.spec.on_cpu or dev is None or dev.kind != "gpu":
+    if not ctx.row.on_gpu or dev is None or dev.kind != "gpu":
         kv = "int8"
     else:
         kv = "fp8" if (dev.sm or 0) >= 89 else "int8"
@@ -159,10 +154,9 @@ def _memory_fits(ctx: Context):
 
 
 @check("build.host-ram", ENGINE,
-       "parallel builds hold two rank checkpoints each in host RAM (TensorRT-LLM build.py --workers)", paths=ENGINE_PATH)
+       "parallel builds hold two rank checkpoints each in host RAM (TensorRT-LLM build.py --workers)", paths=ENGINE_PATH,
+       devices=GPU_ONLY)
 def _host_ram(ctx: Context):
-    if not ctx.trtllm:
-        return NEEDS_TRTLLM
     if ctx.model is None:
         return SKIP, NO_MODEL
     spec, gib = ctx.spec, mem.GIB
@@ -292,7 +286,7 @@ def _group_padding(ctx: Context):
     if q.group_size not in (64, 128):
         return SKIP, "see quant.group-size"
     shape = _shape(p)
-    if ctx.spec.llmapi_path:
+    if not ctx.row.builds_engine:
         check_pytorch_per_group(shape, q.group_size, tp)  # a ToolchainError is this check's FAIL
         return PASS, f"every per-rank input width splits into whole groups of {q.group_size}"
     field = "a checkpoint quantized with group size" if q.stored else "quantization.group_size"

@@ -91,7 +91,7 @@ def _runtime_version(ctx: Context):
     from importlib import metadata
 
 
-    if ctx.spec.target != "llmapi":
+    if not ctx.row.on_gpu:
         return PASS, "the CPU stand-in needs no TensorRT-LLM"
     if ctx.stage == "plan":
         return SKIP, "checked on the serving host when serve starts"

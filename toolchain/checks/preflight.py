@@ -9,8 +9,8 @@ order, which is the order `toolchain plan` lists them.
 from __future__ import annotations
 
 from toolchain.checks import engine, llmapi, serving, speculative  # noqa: F401  (registers the checks)
-from toolchain.checks.registry import (ENGINE_PATH, FAIL, GUARDED, LLMAPI_PATH, PASS, REGISTRY, SKIP, WARN,
-                                       CheckResult, Context, applies, build_context)
+from toolchain.checks.registry import (FAIL, GUARDED, PASS, REGISTRY, SKIP, WARN, CheckResult, Context, applies,
+                                       build_context)
 from toolchain.errors import ToolchainError
 
 __all__ = ["FAIL", "GUARDED", "PASS", "REGISTRY", "SKIP", "WARN", "CheckResult", "Context", "PreflightFailed",
@@ -26,15 +26,19 @@ def check_skip_ids(skip: tuple[str, ...] | list[str]) -> None:
 
 
 def run_checks(ctx: Context, skip: tuple[str, ...] | list[str] = ()) -> list[CheckResult]:
-    """Run every check that applies to ctx.stage, in registration order."""
+    """Run every check that applies to ctx.stage and the target's path, in registration order; one for
+    another device is listed as skipped, naming the target it applies to."""
     check_skip_ids(skip)
     results = []
-    path = LLMAPI_PATH[0] if ctx.spec.llmapi_path else ENGINE_PATH[0]
+    row = ctx.row
     for chk in REGISTRY.values():
-        if not applies(chk, ctx.stage) or path not in chk.paths:
+        if not applies(chk, ctx.stage) or row.path not in chk.paths:
             continue
         if chk.id in skip:
             results.append(CheckResult(chk.id, SKIP, "skipped by --skip-check"))
+            continue
+        if row.device not in chk.devices:
+            results.append(CheckResult(chk.id, SKIP, chk.device_skip(row.path)))
             continue
         try:
             status, message = chk.fn(ctx)

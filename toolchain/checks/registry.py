@@ -1,7 +1,9 @@
-"""The check registry: what a check is (a stable id, the stages it guards, the paths it applies to and a
-function of the `Context` returning (status, message) whose message names the fix), the `@check`
+"""The check registry: what a check is (a stable id, the stages it guards, the paths and devices it applies to
+and a function of the `Context` returning (status, message) whose message names the fix), the `@check`
 decorator the check modules register with, and the `Context` every check reads, computed once.
-`toolchain.checks.preflight` imports every check module and runs them."""
+`toolchain.checks.preflight` imports every check module and runs them. A check never compares target names:
+it declares the paths and devices it applies to, and reads the target's row (`ctx.row`, toolchain/targets.py)
+for the rest, so a new target is a row there and no check changes."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 from toolchain.errors import ToolchainError
 from toolchain import eos as eos_mod
-from toolchain import gpus
+from toolchain import gpus, targets
 from toolchain.plan.model import ModelInfo, QuantFormat, load_model, quant_format, read_json
 from toolchain.plan.plan import DraftModel, MemoryPlan, layout_ok, plan_memory
 
@@ -24,8 +26,11 @@ ENGINE = ("convert", "build-engine")
 SERVING = ("model-repo", "serve")
 GUARDED = ("convert", "build-engine", "model-repo", "serve", "deploy")
 # The two flows a spec can take: engines (targets trtllm, cpu) or the LLM API (llmapi, llmapi-cpu).
-ENGINE_PATH, LLMAPI_PATH = ("engine",), ("llmapi",)
+ENGINE_PATH, LLMAPI_PATH = (targets.ENGINE,), (targets.LLMAPI,)
 BOTH_PATHS = ENGINE_PATH + LLMAPI_PATH
+# The devices a target runs on: GPU hosts (TensorRT-LLM itself) or this host's CPU engine standing in for it.
+GPU_ONLY, CPU_ONLY = (targets.GPU,), (targets.CPU,)
+BOTH_DEVICES = GPU_ONLY + CPU_ONLY
 # Stages that read artefacts of earlier stages without rebuilding them; deploy
 # rebuilds first, so a stale engine there is not a finding.
 _ARTEFACT_STAGES = ("plan", "model-repo", "serve")
@@ -51,17 +56,25 @@ class Check:
     paths: tuple[str, ...] = BOTH_PATHS
     """The flows it applies to: an engine-only rule (trtllm-build, the tensorrtllm backend) is no finding
     on the LLM-API path, and the reverse."""
+    devices: tuple[str, ...] = BOTH_DEVICES
+    """The devices it applies to: a rule of TensorRT-LLM's own engine build or runtime says nothing about the
+    CPU engine standing in for it; on another device the check is listed as skipped (`device_skip`)."""
+
+    def device_skip(self, path: str) -> str:
+        """The skip message on a device the check does not apply to: the targets of `path` it applies to."""
+        return "applies to target " + " or ".join(targets.named(path, d) for d in self.devices)
 
 
 REGISTRY: dict[str, Check] = {}
 
 
-def check(check_id: str, stages: tuple[str, ...], doc: str, paths: tuple[str, ...] = BOTH_PATHS):
+def check(check_id: str, stages: tuple[str, ...], doc: str, paths: tuple[str, ...] = BOTH_PATHS,
+          devices: tuple[str, ...] = BOTH_DEVICES):
     """Register a check function under a stable id."""
     def register(fn):
         if check_id in REGISTRY:
             raise ValueError(f"check id {check_id} registered twice")
-        REGISTRY[check_id] = Check(check_id, tuple(stages), doc, fn, tuple(paths))
+        REGISTRY[check_id] = Check(check_id, tuple(stages), doc, fn, tuple(paths), tuple(devices))
         return fn
     return register
 
@@ -85,8 +98,16 @@ class Context:
     _engine_config: dict | None = field(default=None, repr=False)
 
     @property
+    def row(self) -> targets.Target:
+        """The spec's target's row (path, device, launches). Named `row`, not `target`, because
+        `ctx.spec.target` is the target's name."""
+        return targets.target_of(self.spec)
+
+    @property
     def trtllm(self) -> bool:
-        return self.spec.target == "trtllm"
+        """TensorRT-LLM engines on GPUs (the row of target trtllm), as toolchain/checks/speculative.py reads it; a
+        check that applies there only declares `paths=ENGINE_PATH, devices=GPU_ONLY` instead."""
+        return self.row.builds_engine and self.row.on_gpu
 
     @property
     def artefacts(self) -> bool:

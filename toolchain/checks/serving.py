@@ -16,10 +16,11 @@ import shutil
 from pathlib import Path
 
 from toolchain.netutil import port_in_use
-from toolchain.checks.registry import ENGINE_PATH, FAIL, PASS, SERVING, SKIP, WARN, Context, check
+from toolchain.checks.registry import ENGINE_PATH, FAIL, GPU_ONLY, PASS, SERVING, SKIP, WARN, Context, check
 from toolchain.versions import TENSORRT_VERSION, TRITON_IMAGE, TRTLLM_VERSION, in_line, tensorrt_of
 from toolchain.errors import ToolchainError
 from toolchain.host import cpu_mpirun, physical_cores
+from toolchain.targets import CPU, ENGINE, named, target_of
 
 NOT_BUILT = (SKIP, "no engine built yet")
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
@@ -93,7 +94,7 @@ def _engine_dir(ctx: Context):
     cfg, early = _engine(ctx, owner=True)
     if cfg is None:
         return early
-    pattern = "rank*.engine" if ctx.trtllm else "rank*.safetensors"
+    pattern = "rank*.engine" if ctx.row.on_gpu else "rank*.safetensors"  # the CPU engine writes safetensors
     engine_dir = ctx.engine_dir()
     ranks = sorted(engine_dir.glob(pattern)) if engine_dir is not None else []
     want = ctx.spec.parallelism.world_size
@@ -104,10 +105,9 @@ def _engine_dir(ctx: Context):
 
 
 @check("triton.engine-version", SERVING,
-       "engines load only in the TensorRT-LLM that built them (tensorrtllm_backend issue #531)", paths=ENGINE_PATH)
+       "engines load only in the TensorRT-LLM that built them (tensorrtllm_backend issue #531)", paths=ENGINE_PATH,
+       devices=GPU_ONLY)
 def _engine_version(ctx: Context):
-    if not ctx.trtllm:
-        return SKIP, "applies to target trtllm"
     cfg, early = _engine(ctx)
     if cfg is None:
         return early
@@ -142,7 +142,7 @@ def _batch_size(ctx: Context):
     if cfg is None:
         return early
     bc = cfg["build_config"]
-    mbs, beam = ctx.spec.limits.max_batch_size, ctx.spec.build.max_beam_width if ctx.trtllm else 1
+    mbs, beam = ctx.spec.limits.max_batch_size, ctx.spec.build.max_beam_width if ctx.row.on_gpu else 1
     if bc.get("max_batch_size", mbs) < mbs:
         return FAIL, (f"the engine was built for max_batch_size {bc['max_batch_size']}, the repository uses "
                       f"limits.max_batch_size {mbs}; rebuild the engine")
@@ -201,7 +201,8 @@ def _cpu_ranks(ctx: Context):
 
     spec = ctx.spec
     if not spec.rank_processes:
-        return SKIP, "ranks run in one process (serving.launch single)" if spec.target == "cpu" else "not target cpu"
+        return SKIP, ("ranks run in one process (serving.launch single)" if "single" in ctx.row.launches
+                      else f"not target {named(ENGINE, CPU)}")
     try:
         mpirun = cpu_mpirun()
     except ToolchainError as err:
@@ -223,8 +224,8 @@ def _tritonserver(ctx: Context) -> Path | None:
 @check("triton.backend-present", ("serve",),
        "the tritonserver must ship the tensorrtllm backend (TensorRT-LLM PR #15907)", paths=ENGINE_PATH)
 def _backend_present(ctx: Context):
-    if not ctx.trtllm:
-        return PASS, "target cpu runs the Python backend"
+    if not ctx.row.on_gpu:
+        return PASS, f"target {named(ENGINE, CPU)} runs the Python backend"
     if ctx.stage == "plan":
         return SKIP, "checked on the serving host when serve starts"
     binary = _tritonserver(ctx)
@@ -267,8 +268,9 @@ SHM_PATH = Path("/dev/shm")
 def shm_needed(spec) -> tuple[int, int]:
     """(Python model instances, bytes of /dev/shm they need at full batch): a region each, plus
     token tensors of a full batch (ids and lengths in, ids out, int32) in flight through every hop."""
-    s, lim = spec.serving, spec.limits
-    python_models = 3 + (1 if spec.target == "cpu" else 0)  # pre, post, BLS (+ the CPU tensorrt_llm)
+    s, lim, row = spec.serving, spec.limits, target_of(spec)
+    cpu_engine_model = row.builds_engine and not row.on_gpu  # the CPU engine's tensorrt_llm is a Python model too
+    python_models = 3 + (1 if cpu_engine_model else 0)  # pre, post, BLS (+ the CPU tensorrt_llm)
     instances = python_models * s.instance_count
     tokens = lim.max_batch_size * lim.max_seq_len * 4
     return instances, instances * SHM_REGION_BYTES + 4 * python_models * tokens

@@ -7,6 +7,7 @@ from toolchain.dynamo import flags
 from toolchain.errors import ToolchainError
 from toolchain.llmapi.args import SECTIONS, known_args, options_problem, serve_config
 from toolchain.spec import DeploymentSpec
+from toolchain.targets import CPU, GPU, LLMAPI, named, target_of
 
 # The keys Dynamo's disaggregated engine configs set beyond an aggregated one, per role (facts dynamo.json
 # examples engine_prefill / engine_decode).
@@ -48,30 +49,32 @@ def runtime_release_problem(spec: DeploymentSpec) -> str | None:
 
 
 def problems(spec: DeploymentSpec) -> list[str]:
-    d = spec.dynamo
+    """What Dynamo refuses in `spec`, in this order: the path, the router, then the LLM-API path on its device."""
+    d, row = spec.dynamo, target_of(spec)
     out = []
-    if not spec.llmapi_path:
-        out.append(f"Dynamo serves the LLM-API path; target {spec.target} is the engine path (set target: llmapi "
-                   "on a GPU host, llmapi-cpu on this one)")
+    if row.builds_engine:
+        out.append(f"Dynamo serves the LLM-API path; target {spec.target} is the engine path (set target: "
+                   f"{named(LLMAPI, GPU)} on a GPU host, {named(LLMAPI, CPU)} on this one)")
     if d.router not in flags.choices("frontend", "--router-mode"):
         out.append(f"dynamo.router {d.router!r} is not one of the frontend's --router-mode choices")
     if d.router == "kv" and not spec.build.kv_cache_reuse:
         out.append("dynamo.router kv routes by the workers' cached KV blocks, which build.kv_cache_reuse false turns "
                    "off (no block is ever stored); set build.kv_cache_reuse: true or dynamo.router: round-robin")
-    if d.disaggregated and spec.target == "llmapi-cpu":
+    if row.builds_engine:
+        return out
+    if d.disaggregated and not row.on_gpu:
         out.append("dynamo.disaggregated needs KV-cache transfer between prefill and decode workers, which the CPU "
-                   "engine does not have; set it on target llmapi (GPU hosts) or serve aggregated here")
-    if spec.target == "llmapi" and spec.parallelism.world_size > spec.gpu.per_node:
+                   f"engine does not have; set it on target {named(LLMAPI, GPU)} (GPU hosts) or serve aggregated here")
+    if row.on_gpu and spec.parallelism.world_size > spec.gpu.per_node:
         out.append(f"one worker of tp x pp = {spec.parallelism.world_size} GPUs spans hosts (gpu.per_node "
                    f"{spec.gpu.per_node}); Dynamo's multinode workers are not rendered yet: keep tp x pp within a host")
-    if spec.llmapi_path:
-        why = options_problem(spec)
+    why = options_problem(spec)
+    if why:
+        out.append(why)
+    elif row.on_gpu:  # the CPU stand-in runs the 1.2 line's arguments; Dynamo's GPU workers run another release
+        why = runtime_release_problem(spec)
         if why:
             out.append(why)
-        elif spec.target == "llmapi":
-            why = runtime_release_problem(spec)
-            if why:
-                out.append(why)
     return out
 
 

@@ -28,6 +28,7 @@ from toolchain.dynamo.checks import check
 from toolchain.dynamo.render import worker_groups
 from toolchain.errors import ToolchainError
 from toolchain.spec import DeploymentSpec
+from toolchain.targets import CPU, GPU, LLMAPI, named, target_of
 from toolchain.workspace import Workspace
 from toolchain.llmapi.manifests import k8s_name
 from toolchain.llmapi.launch import container_mounts
@@ -70,9 +71,11 @@ def _volumes(spec: DeploymentSpec, workspace: Workspace) -> tuple[list[dict], li
 
 def graph_deployment(spec: DeploymentSpec, workspace: Workspace) -> dict[str, Any]:
 
-    if spec.target != "llmapi":
-        raise ToolchainError(f"the DynamoGraphDeployment is for target llmapi (GPU nodes), not {spec.target}",
-                             "set target: llmapi (target llmapi-cpu serves on this host with `toolchain dynamo`)")
+    row = target_of(spec)
+    if (row.path, row.device) != (LLMAPI, GPU):
+        raise ToolchainError(f"the DynamoGraphDeployment is for target {named(LLMAPI, GPU)} (GPU nodes), not "
+                             f"{spec.target}", f"set target: {named(LLMAPI, GPU)} (target {named(LLMAPI, CPU)} "
+                             "serves on this host with `toolchain dynamo`)")
     check(spec)
     if spec.dynamo.http_port != OPERATOR_HTTP_PORT:
         raise ToolchainError(f"dynamo.http_port {spec.dynamo.http_port}: the Dynamo operator serves the frontend on "
