@@ -67,8 +67,7 @@ def texts(responses) -> list[str]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, hf_llama_words):
-    from toolchain.checkpoint.stage import run_convert
-    from toolchain.triton.repo import run_model_repo
+    from toolchain.pipeline import convert_for, model_repo_for
     from toolchain.triton.server import TritonServer
 
     root = tmp_path_factory.mktemp("llmapi-e2e")
@@ -78,8 +77,8 @@ def served(tmp_path_factory, hf_llama_words):
                                 serving={"http_port": 0, "grpc_port": 0, "metrics_port": 0,
                                          "max_tokens_in_paged_kv_cache": 2048}))
     ws = Workspace(root)
-    run_convert(spec, ws)
-    run_model_repo(spec, ws)
+    convert_for(spec)(spec, ws)
+    model_repo_for(spec)(spec, ws)
     with TritonServer.from_spec(spec, ws.model_repo_dir(spec), log_path=root / "server.log") as server:
         yield spec, ws, server
 
