@@ -203,3 +203,6 @@ def test_deploy_of_the_shipped_llmapi_spec_serves_both_and_writes_both_reports(t
     assert triton["errors"] == 0 and triton["num_requests"] == 8 and triton["ttft_ms"]["p50"] > 0
     assert openai["errors"] == 0 and openai["num_requests"] == 8 and openai["ttft_ms"]["p50"] > 0
     assert triton["protocol"] == "triton-grpc" and triton["transport"]["contract"] == "llmapi"
+    # The Triton report with deploy's timings; the OpenAI server's summary only in the returned report.
+    assert list(triton)[-1] == "stage_seconds" and "openai" not in triton and "stage_seconds" not in openai
+    assert {"serve-openai", "bench-openai", "stop-openai"} <= set(triton["stage_seconds"])
