@@ -57,16 +57,14 @@ def _spec(requests: int, concurrency: int, input_tokens: int, output_tokens: int
 
 def _servers(root: Path):
     """Triton (the llmapi repository) and the OpenAI server on the same LLM() arguments, as deploy starts them."""
-    from toolchain.checkpoint.stage import run_convert
-    from toolchain.deploy import _triton_server, openai_server
-    from toolchain.triton.repo import run_model_repo
+    from toolchain.pipeline import convert_for, model_repo_for, openai_server, server_for
     from toolchain.workspace import Workspace
 
     spec = _spec(1, 1, 64, 32, "triton-grpc", "tensorrt_llm")
     ws = Workspace(root)
-    run_convert(spec, ws)
-    run_model_repo(spec, ws)
-    triton = _triton_server(spec, ws.model_repo_dir(spec), lambda stage, msg: log(f"[{stage}] {msg}"))
+    convert_for(spec)(spec, ws)
+    model_repo_for(spec)(spec, ws)
+    triton = server_for(spec, ws)  # as deploy starts it
     openai = openai_server(spec, ws, root / "openai.log")
     return spec, triton, openai
 

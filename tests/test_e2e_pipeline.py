@@ -146,3 +146,4 @@ def test_deploy_command_writes_report(tmp_path, capsys):
     assert report["output_tokens_per_s"] > 0 and report["requests_per_s"] > 0
     assert report["slo"]["passed"] is True
     assert set(report["stage_seconds"]) >= {"convert", "build-engine", "model-repo", "serve", "bench"}
+    assert list(report)[-2:] == ["plots", "stage_seconds"]  # the bench's report, then deploy's timings

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "toolchain"
 # Top floor first. Rooms on one floor do not import each other.
 FLOORS: list[tuple[str, ...]] = [
     ("cli",),
-    ("pipeline", "deploy"),
+    ("pipeline",),
     ("checks",),
     ("dynamo",),
     ("openai",),
@@ -35,8 +35,9 @@ FLOORS: list[tuple[str, ...]] = [
     ("workspace", "spec_reference"),
     ("spec",),
     ("quant", "archs", "tinymodel"),
-    ("pretrained", "hub", "manifest", "gpus", "targets", "speculative"),
-    ("remote_code", "fingerprint", "draft_tree", "netutil", "stopsignals", "slo", "eos", "versions", "host"),
+    ("pretrained", "hub", "manifest", "gpus", "speculative"),
+    ("remote_code", "fingerprint", "draft_tree", "netutil", "stopsignals", "slo", "eos", "versions", "host",
+     "targets"),
     ("fsutil", "upstream"),
     ("procgroup",),
     ("errors",),

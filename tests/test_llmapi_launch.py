@@ -178,14 +178,14 @@ def test_pyxis_image():
 
 
 def test_model_repo_writes_serve_yaml_and_copies_upstream_files(two_nodes, tmp_path):
-    from toolchain.triton.repo import run_model_repo
+    from toolchain.llmapi.repo import run_model_repo_llmapi
 
     spec, ws = two_nodes
     upstream_dir = tmp_path / "llmapi" / "tensorrt_llm" / "1"
     upstream_dir.mkdir(parents=True)
     (upstream_dir / "model.py").write_text("# stands in for upstream's llmapi model.py\n")
     (upstream_dir / "helpers.py").write_text("# stands in for upstream's helpers.py\n")
-    run_model_repo(spec, ws, python_models=tmp_path / "llmapi")
+    run_model_repo_llmapi(spec, ws, python_models=tmp_path / "llmapi")
     argv = shlex.split(launch.gpu_launch_lines(spec, ws)["trtllm_serve"])
     config = Path(_options(argv, 2)["--extra_llm_api_options"])
     assert config.is_file()
@@ -344,7 +344,7 @@ def test_the_cpu_openai_server_steps_the_engine_with_tritons_threads(tmp_path, h
     """llmapi-cpu: the OpenAI server's engine gets serving.engine_threads torch threads, as Triton's llmapi
     model does (its config.pbtxt parameter), not torch's default of every core; in the printed line and in
     the server deploy starts."""
-    from toolchain.deploy import openai_server
+    from toolchain.pipeline import openai_server
     from toolchain.llmapi.repo import model_config
 
     spec = _spec(tmp_path, hf_llama, target="llmapi-cpu", serving={"engine_threads": threads})

@@ -134,13 +134,12 @@ def test_repository_has_upstreams_tensors_and_model_yaml_from_the_spec(tmp_path,
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as pb
 
-    from toolchain.checkpoint.stage import run_convert
-    from toolchain.triton.repo import run_model_repo
+    from toolchain.pipeline import convert_for, model_repo_for
 
     spec = llmapi_spec(tmp_path, hf_llama, parallelism={"tp": 2})
     ws = Workspace(tmp_path)
-    assert run_convert(spec, ws).outputs["model_dir"] == str(hf_llama.resolve())  # served as it is
-    run_model_repo(spec, ws)
+    assert convert_for(spec)(spec, ws).outputs["model_dir"] == str(hf_llama.resolve())  # served as it is
+    model_repo_for(spec)(spec, ws)
     repo = ws.model_repo_dir(spec)
     assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == ["tensorrt_llm"]
     cfg = text_format.Parse((repo / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig())
@@ -165,7 +164,7 @@ def test_repository_has_upstreams_tensors_and_model_yaml_from_the_spec(tmp_path,
 
 
 def test_target_llmapi_needs_upstreams_model_py_and_copies_it(tmp_path, hf_llama):
-    from toolchain.triton.repo import run_model_repo
+    from toolchain.llmapi.repo import run_model_repo_llmapi as run_model_repo
 
     spec = llmapi_spec(tmp_path, hf_llama, target="llmapi")
     ws = Workspace(tmp_path)

@@ -68,8 +68,7 @@ def texts(responses) -> list[str]:
 @pytest.fixture(scope="module")
 @starts_server
 def served(tmp_path_factory, hf_llama_words):
-    from toolchain.checkpoint.stage import run_convert
-    from toolchain.triton.repo import run_model_repo
+    from toolchain.pipeline import convert_for, model_repo_for
     from toolchain.triton.server import TritonServer
 
     root = tmp_path_factory.mktemp("llmapi-e2e")
@@ -79,8 +78,8 @@ def served(tmp_path_factory, hf_llama_words):
                                 serving={"http_port": 0, "grpc_port": 0, "metrics_port": 0,
                                          "max_tokens_in_paged_kv_cache": 2048}))
     ws = Workspace(root)
-    run_convert(spec, ws)
-    run_model_repo(spec, ws)
+    convert_for(spec)(spec, ws)
+    model_repo_for(spec)(spec, ws)
     with TritonServer.from_spec(spec, ws.model_repo_dir(spec), log_path=root / "server.log") as server:
         yield spec, ws, server
 
@@ -205,3 +204,6 @@ def test_deploy_of_the_shipped_llmapi_spec_serves_both_and_writes_both_reports(t
     assert triton["errors"] == 0 and triton["num_requests"] == 8 and triton["ttft_ms"]["p50"] > 0
     assert openai["errors"] == 0 and openai["num_requests"] == 8 and openai["ttft_ms"]["p50"] > 0
     assert triton["protocol"] == "triton-grpc" and triton["transport"]["contract"] == "llmapi"
+    # The Triton report with deploy's timings; the OpenAI server's summary only in the returned report.
+    assert list(triton)[-1] == "stage_seconds" and "openai" not in triton and "stage_seconds" not in openai
+    assert {"serve-openai", "bench-openai", "stop-openai"} <= set(triton["stage_seconds"])

@@ -143,16 +143,15 @@ def test_the_engine_path_deploys_through_triton_at_tp3(model, tmp_path):
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_chat_through_the_openai_server_knows_the_capital_of_france(model, tmp_path):
-    from toolchain.checkpoint.stage import run_convert
     from toolchain.llmapi.launch import serve_config_path, served_model_name
     from toolchain.llmapi.stage import served_model_dir
     from toolchain.openai.server import OpenAIServer
-    from toolchain.triton.repo import run_model_repo
+    from toolchain.pipeline import convert_for, model_repo_for
 
     spec = load_spec(LLMAPI_SPEC, PORTS_0 + ["llmapi.openai_port=0"])
     ws = Workspace(tmp_path)
-    run_convert(spec, ws)
-    run_model_repo(spec, ws)
+    convert_for(spec)(spec, ws)
+    model_repo_for(spec)(spec, ws)
     name = served_model_name(spec)
     with OpenAIServer(None, None, name, "127.0.0.1", 0, model=served_model_dir(spec, ws),
                       config=serve_config_path(spec, ws), log_path=tmp_path / "openai.log") as api:

@@ -8,6 +8,7 @@ whatever process group or parent it ended up with."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -262,6 +263,8 @@ def test_deploy_stopped_by_sigterm_while_it_benches(tmp_path):
     run = _stopped_mid_run(argv, tmp_path, r"\bbench\s+start", signal.SIGTERM, shm=True)
     assert run.rc == 128 + signal.SIGTERM, run.text  # type: ignore[attr-defined]
     assert "stopped by SIGTERM" in run.text
+    report = json.loads((tmp_path / "root" / "reports" / "tiny-llama" / "report.json").read_text())
+    assert report["complete"] is False  # what the bench measured before the stop is saved
 
 
 @needs_tiny
@@ -272,6 +275,9 @@ def test_deploy_llmapi_stopped_by_sighup_while_it_benches_the_openai_server(tmp_
                 "--set", "llmapi.openai_port=0", "--set", "validation.workload.duration_s=10")
     run = _stopped_mid_run(argv, tmp_path, r"\bbench-openai\s+start", signal.SIGHUP, shm=False)
     assert run.rc == 128 + signal.SIGHUP, run.text  # type: ignore[attr-defined]
+    reports = tmp_path / "root" / "reports" / "tiny-llama-llmapi"
+    assert json.loads((reports / "report.json").read_text())["complete"] is True  # Triton's bench had finished
+    assert json.loads((reports / "openai" / "report.json").read_text())["complete"] is False
 
 
 @needs_tiny

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from toolchain.errors import ToolchainError
 from toolchain.host import GIB, host_memory_bytes
+from toolchain.targets import CPU, target_of
 
 
 
@@ -78,6 +79,6 @@ def resolve(spec) -> Gpu | None:
         return Gpu(base.name, g.memory_gib or base.memory_gib, g.sm or base.sm)
     if g.memory_gib:
         return Gpu(f"{g.memory_gib:g} GiB GPU", g.memory_gib, g.sm)
-    if spec.on_cpu:
+    if target_of(spec).device == CPU:
         return Gpu("host RAM", host_memory_bytes() / GIB, None, kind="host")
     return None

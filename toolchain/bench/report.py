@@ -130,16 +130,27 @@ def csv_rows(records: list[RequestRecord], anchor_ns: int):
         }
 
 
-def write_outputs(out_dir: Path, report: dict, records: list[RequestRecord], anchor_ns: int) -> None:
+def write_outputs(out_dir: Path, report: dict, records: list[RequestRecord], anchor_ns: int,
+                  with_report: bool = True) -> None:
+    """requests.csv, then report.json unless the caller saves it itself (`deploy`, once its stage timings
+    are known: write_report)."""
     out_dir = Path(out_dir)
     with atomic_file(out_dir / "requests.csv", "w") as fh:
         writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(csv_rows(records, anchor_ns))
-    # report.json last: its presence means the CSV next to it belongs to the same run.
-    with atomic_file(out_dir / "report.json", "w") as fh:
+    if with_report:
+        write_report(out_dir, report)
+
+
+def write_report(out_dir: Path, report: dict) -> Path:
+    """out_dir/report.json, atomically. Written after requests.csv: its presence means the CSV next to it
+    belongs to the same run."""
+    path = Path(out_dir) / "report.json"
+    with atomic_file(path, "w") as fh:
         json.dump(report, fh, indent=2, sort_keys=False)
         fh.write("\n")
+    return path
 
 
 def _fmt(v, digits: int = 2) -> str:

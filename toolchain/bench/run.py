@@ -98,10 +98,12 @@ def levels_of(wl) -> list[float]:
 def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path | str = "reports",
               tokenizer_dir: Path | None = None, *, request_timeout_s: float | None = None, url: str | None = None,
               metrics_url: str | None = None, slo_extra: tuple[str, ...] = (), prometheus_port: int | None = None,
-              plots: bool = True, on_level: Callable[[dict], None] | None = None) -> dict:
+              plots: bool = True, on_level: Callable[[dict], None] | None = None, save_report: bool = True) -> dict:
     """Run spec.validation.workload; write out_dir/report.json, requests.csv and plots; return the report.
 
-    `grpc_url` (the walking skeleton's argument) is used for protocol triton-grpc when no `url` is given."""
+    `grpc_url` (the walking skeleton's argument) is used for protocol triton-grpc when no `url` is given.
+    `save_report=False` leaves report.json to the caller (deploy adds its stage timings and writes it once);
+    a run a stop signal cut short writes it here all the same, before the stop goes on."""
     wl = spec.validation.workload
     timeout_s = request_timeout_s or wl.request_timeout_s
     try:
@@ -239,12 +241,12 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
     }
     report = build_report(levels, run=run, workload=workload, notes=[])
     out_dir = Path(out_dir)
-    write_outputs(out_dir, report, records, anchor_ns)
-    if stopped is not None:
+    if stopped is not None:  # the partial report, saved before the stop goes on
+        write_outputs(out_dir, report, records, anchor_ns)
         raise stopped
     if plots and levels:
         from toolchain.bench.plots import write_plots
 
         report["plots"] = write_plots(out_dir, report, records)
-        write_outputs(out_dir, report, records, anchor_ns)
+    write_outputs(out_dir, report, records, anchor_ns, with_report=save_report)
     return report

@@ -29,8 +29,8 @@ from toolchain.manifest import Manifest, current_manifest
 from toolchain.quant.recipe import Recipe
 from toolchain.spec import DeploymentSpec
 from toolchain.weights_source import source_record
+from toolchain.targets import target_of
 from toolchain.workspace import Workspace
-from toolchain.llmapi.stage import run_convert_llmapi
 
 # Bump when the converter's output changes for the same inputs, so old
 # checkpoints are rebuilt rather than reused.
@@ -122,10 +122,11 @@ def _with_heads(plan: Plan, spec: DeploymentSpec) -> Plan:
 def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                 echo: Callable[[str], None] | None = None) -> Manifest:
     """Convert spec.model.checkpoint into workspace.checkpoint_dir(spec); reuse
-    a current output unless `force`. Returns the manifest of what is there."""
-    if spec.llmapi_path:  # no TensorRT-LLM checkpoint on the LLM-API path
-
-        return run_convert_llmapi(spec, workspace, force=force, echo=echo)
+    a current output unless `force`. Returns the manifest of what is there.
+    The engine path's convert; toolchain/pipeline.py gives each path its own."""
+    if not target_of(spec).builds_engine:
+        raise ToolchainError(f"target {spec.target} has no TensorRT-LLM checkpoint (the LLM-API path serves the "
+                             "HF checkpoint)", "run `toolchain convert SPEC`, which takes the spec's path")
     say = echo or (lambda _msg: None)
     final = workspace.checkpoint_dir(spec)
     ckpt = HFCheckpoint(spec.model.checkpoint)

@@ -7,6 +7,7 @@ import time
 import click
 
 from toolchain.cli._common import Context, spec_command
+from toolchain.pipeline import convert_for
 from toolchain.spec import DeploymentSpec
 
 
@@ -53,7 +54,7 @@ def _print_plan(plan, summary: bool = False) -> None:
 @click.option("--summary", is_flag=True, help="With --dry-run: one line per rank, no tensor list.")
 @spec_command
 def command(ctx: Context, spec: DeploymentSpec, force: bool, dry_run: bool, summary: bool) -> None:
-    from toolchain.checkpoint.stage import plan_convert, run_convert  # keep `toolchain --help` light
+    from toolchain.checkpoint.stage import plan_convert  # keep `toolchain --help` light
 
     if summary and not dry_run:
         raise click.UsageError("--summary only applies with --dry-run")
@@ -64,7 +65,7 @@ def command(ctx: Context, spec: DeploymentSpec, force: bool, dry_run: bool, summ
         _print_plan(plan_convert(spec), summary=summary)
         return
     start = time.time()
-    manifest = run_convert(spec, ctx.workspace, force=force, echo=click.echo)
+    manifest = convert_for(spec)(spec, ctx.workspace, force=force, echo=click.echo)
     out = ctx.workspace.checkpoint_dir(spec)
     if spec.llmapi_path:
         o = manifest.outputs

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -10,9 +9,8 @@ import click
 
 from toolchain.cli._common import Context, spec_command
 from toolchain.errors import StageFailed
-from toolchain.fsutil import atomic_file
 from toolchain.stopsignals import stop_on_signals
-from toolchain.deploy import deploy
+from toolchain.pipeline import deploy
 
 
 @click.command()
@@ -32,14 +30,7 @@ def command(ctx: Context, spec, out_dir: Path | None) -> None:
     with stop_on_signals():  # SIGTERM, SIGINT, SIGHUP: the servers deploy started stop before it exits
         report = deploy(spec, ctx.workspace, out_dir, progress)
     print_report(report)
-    target = (out_dir or ctx.workspace.report_dir(spec)) / "report.json"
-    # The stage timings belong in the saved report too.
-    if target.is_file():
-        saved = json.loads(target.read_text())
-        saved["stage_seconds"] = report["stage_seconds"]
-        with atomic_file(target) as fh:
-            json.dump(saved, fh, indent=2)
-            fh.write("\n")
+    target = (out_dir or ctx.workspace.report_dir(spec)) / "report.json"  # deploy saved it, stage timings too
     openai = report.get("openai")
     if openai:
         def p50(key):

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from toolchain.cli._common import Context, spec_command
+from toolchain.pipeline import model_repo_for
 from toolchain.spec import DeploymentSpec
 
 
@@ -21,11 +22,9 @@ from toolchain.spec import DeploymentSpec
 def command(ctx: Context, spec: DeploymentSpec, force: bool, python_models: str | None) -> None:
     """Render model_repo/<name> for SPEC: ensemble, preprocessing, tensorrt_llm, postprocessing and
     tensorrt_llm_bls, every config.pbtxt built through Triton's ModelConfig protobuf."""
-    from toolchain.triton.repo import run_model_repo  # keep `toolchain --help` light
-
     ws = ctx.workspace
     start = time.time()
-    manifest = run_model_repo(spec, ws, force=force, python_models=python_models)
+    manifest = model_repo_for(spec)(spec, ws, force=force, python_models=python_models)
     out = manifest.outputs
     state = f"rendered in {manifest.seconds:.2f}s" if manifest.created >= start else "up to date, reused"
     mode = "decoupled (streaming)" if out.get("decoupled") else "not decoupled"

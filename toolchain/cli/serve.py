@@ -17,90 +17,38 @@ serve reads it before starting, warns in one line, and the printed lines refer t
 from __future__ import annotations
 
 import re
-import shlex
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import click
 
+from toolchain import pipeline, procgroup
 from toolchain.cli._common import Context, spec_command
 from toolchain.errors import StageFailed, ToolchainError
-from toolchain import procgroup
+from toolchain.manifest import is_current
 from toolchain.spec import DeploymentSpec
 from toolchain.stopsignals import stop_on_signals
+from toolchain.triton import exposure
+from toolchain.triton.server import TritonServer
 
 
 def _write_manifests(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> None:
     """--manifests DIR: the Slurm and Kubernetes manifests of the spec's path, written atomically."""
-    from toolchain.triton import cluster
-
     if manifests_dir is None:
         click.echo("# Slurm batch script, Kubernetes Deployment or LeaderWorkerSet with a Service: add --manifests DIR")
         return
-    if spec.target == "trtllm":
-        from toolchain.triton.manifests import manifests
-    else:
-        from toolchain.llmapi.manifests import manifests
-    for path in cluster.write(manifests_dir, manifests(spec, ws)):
+    for path in pipeline.write_manifests(spec, ws, manifests_dir):
         click.echo(f"# wrote {path}")
 
 
-def _print_trtllm(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> None:
-    from toolchain.triton.launch import container_commands, launch_command
-    from toolchain.triton.manifests import mounts
-
-    launch = launch_command(spec, ws.model_repo_dir(spec))
-    click.echo(launch.shell())
-    lines = container_commands(spec, launch, mounts(spec, ws))
-    click.echo(f"# in a container:\n{lines['docker']}")
-    click.echo("# on Kubernetes:")
-    if "kubernetes_secret" in lines:
-        click.echo(lines["kubernetes_secret"])
-    click.echo(lines["kubernetes"])
-    if spec.gpu.hostfile is not None:
-        click.echo("# several hosts: run the container on each host of gpu.hostfile with ssh between them")
-    _write_manifests(spec, ws, manifests_dir)
-
-
-def _print_llmapi(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> None:
-    from toolchain.llmapi import launch
-    from toolchain.triton import exposure
-    from toolchain.triton.launch import docker_command
-
-    lines = launch.gpu_launch_lines(spec, ws)
-    click.echo(f"# OpenAI server (trtllm-serve):\n{lines['trtllm_serve']}")
-    how = ("the command upstream's launcher runs, with the bind addresses and the administrative APIs behind "
-           "the key" if exposure.restricted(spec.serving) else "upstream's launcher, from a TensorRT-LLM 1.2.1 checkout")
-    click.echo(f"# Triton ({how}):\n{lines['triton']}")
-    mounts = launch.container_mounts(spec, ws)
-    s = spec.serving
-    serve = launch.trtllm_serve_command(spec, ws, host=launch.ALL_INTERFACES)
-    click.echo(f"# in a container, the OpenAI server:\n{docker_command(spec, serve, mounts, [spec.llmapi.openai_port])}")
-    triton = ["mpirun", "--allow-run-as-root", "-n", "1", *launch.tritonserver_command(spec, ws)]
-    # Restricted, metrics stay on loopback inside the container unless serving.metrics_host says otherwise.
-    private = exposure.restricted(s) and exposure.is_loopback(exposure.metrics_host(s))
-    ports = [s.http_port, s.grpc_port] + ([] if private else [s.metrics_port])
-    click.echo(f"# in a container, Triton:\n{docker_command(spec, triton, mounts, ports)}")
-    if launch.multi_node(spec):
-        click.echo(f"# {launch.world_size(spec)} ranks over {launch.node_count(spec)} hosts, under Slurm:")
-        click.echo(lines["trtllm_serve_multi_node"])
-        click.echo(lines["triton_multi_node"])
-    _write_manifests(spec, ws, manifests_dir)
-
-
-def _multi_node(spec: DeploymentSpec) -> bool:
-    from toolchain.llmapi.launch import multi_node
-
-    return multi_node(spec)
-
-
-def _print_llmapi_cpu(spec: DeploymentSpec, ws, server) -> None:
-    from toolchain.llmapi.launch import openai_cpu_command
-    from toolchain.triton import exposure
-
-    click.echo(server.command_line(exposure.shell_reference(spec.serving)))
-    click.echo(f"# OpenAI server on the same LLM() arguments:\n{shlex.join(openai_cpu_command(spec, ws))}")
+def _describe(spec: DeploymentSpec, server: pipeline.Server) -> str:
+    """What serve's ready line says it started: the binary, and under mpirun how many ranks."""
+    if isinstance(server, TritonServer):
+        return f"{server.binary.source}: {server.binary.path}"
+    if spec.target == "trtllm":
+        return f"{spec.parallelism.world_size} rank(s) under {server.mpirun}, {server.tritonserver}"
+    return f"{spec.parallelism.world_size} CPU rank process(es) under {server.mpirun}, {server.tritonserver}"
 
 
 def _exit_status(rc: int | None) -> str:
@@ -176,9 +124,7 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
             manifests_dir: Path | None) -> None:
     """Serve model_repo/<name> for SPEC with tritonserver (one per rank under mpirun for
     target trtllm), print the endpoints, and stop cleanly on Ctrl-C or SIGTERM."""
-    from toolchain.manifest import is_current
-    from toolchain.triton import exposure
-    from toolchain.triton.repo import wanted_manifest
+    from toolchain.triton.repo import wanted_manifest  # the renderer imports the tokenizer's packages
 
     ws = ctx.workspace
     repo = ws.model_repo_dir(spec)
@@ -188,60 +134,34 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
     warning = exposure.warning(spec.serving)
     if warning and not (spec.target == "llmapi" and (print_only or manifests_dir is not None)):
         click.echo(warning, err=True)
-    if spec.target == "trtllm" and (print_only or manifests_dir is not None):
-        _print_trtllm(spec, ws, manifests_dir)
+    if spec.target in ("trtllm", "llmapi") and (print_only or manifests_dir is not None):
+        pipeline.print_gpu_launch(spec, ws, click.echo)
+        _write_manifests(spec, ws, manifests_dir)
         return
-    if spec.target == "llmapi" and (print_only or manifests_dir is not None):
-        _print_llmapi(spec, ws, manifests_dir)
-        return
-    if spec.target == "llmapi" and _multi_node(spec):
-        from toolchain.llmapi.launch import node_count
-
-        raise ToolchainError(f"tp x pp spans {node_count(spec)} hosts: one `serve` cannot start them",
+    if spec.target == "llmapi" and pipeline.multi_node(spec):
+        raise ToolchainError(f"tp x pp spans {pipeline.node_count(spec)} hosts: one `serve` cannot start them",
                              "write the Slurm or Kubernetes manifests with `toolchain serve SPEC --manifests DIR`")
     if not (repo / "manifest.json").is_file():
         raise ToolchainError(f"no model repository at {repo}", "run `toolchain model-repo SPEC` first")
-    server: Any  # a TritonServer or, for target trtllm, a TritonLaunch: both start(), stop() and urls
+    log = pipeline.server_log(spec, ws)
     if spec.llmapi_path:
-        from toolchain.triton.server import TritonServer
-
         # The LLM-API path has no engine: the repository's model.yaml points LLM() at the checkpoint.
         # One tritonserver (the container's, on a GPU host; llmapi.runtime-version checked TensorRT-LLM)
         # runs LLM(), which starts its own worker per rank, as upstream's launcher does at world size 1.
-        server = TritonServer.from_spec(spec, repo, log_path=repo.parent / f"{spec.name}.tritonserver.log",
-                                        read_key=not print_only)
+        server = pipeline.server_for(spec, ws, log_path=log, read_key=not print_only)
         if print_only:
-            _print_llmapi_cpu(spec, ws, server)
+            pipeline.print_local_launch(spec, ws, server, click.echo)
             return
-        _run_until_stopped(server, timeout or spec.serving.startup_timeout_s,
-                           f"{server.binary.source}: {server.binary.path}", models="tensorrt_llm (LLM API)")
+        _run_until_stopped(server, timeout or spec.serving.startup_timeout_s, _describe(spec, server),
+                           models="tensorrt_llm (LLM API)")
         return
     if not (ws.engine_dir(spec) / "config.json").is_file():
         raise ToolchainError(f"no engine at {ws.engine_dir(spec)}", "run `toolchain build-engine SPEC` first")
-    log = repo.parent / f"{spec.name}.tritonserver.log"
-    if spec.target == "trtllm":
-        from toolchain.triton.launch import TritonLaunch, find_tools
-
-        mpirun, binary = find_tools(spec, repo)
-        server = TritonLaunch(spec, repo, log, mpirun, binary)
-        describe = f"{spec.parallelism.world_size} rank(s) under {mpirun}, {binary}"
-    elif spec.rank_processes:
-        from toolchain.triton.launch import TritonLaunch
-
-        server = TritonLaunch.cpu(spec, repo, log)
-        if print_only:
-            click.echo(server.command().shell())
-            return
-        describe = (f"{spec.parallelism.world_size} CPU rank process(es) under {server.mpirun}, "
-                    f"{server.tritonserver}")
-    else:
-        from toolchain.triton.server import TritonServer
-
-        server = TritonServer.from_spec(spec, repo, log_path=log, read_key=not print_only)
-        if print_only:
-            click.echo(server.command_line(exposure.shell_reference(spec.serving)))
-            return
-        describe = f"{server.binary.source}: {server.binary.path}"
+    server = pipeline.server_for(spec, ws, log_path=log, read_key=not print_only)
+    if print_only:  # target cpu (target trtllm printed its GPU lines above)
+        pipeline.print_local_launch(spec, ws, server, click.echo)
+        return
+    describe = _describe(spec, server)
     if not is_current(repo, wanted_manifest(spec, ws)):
         click.echo("warning: the model repository was rendered from a different spec, engine or tokenizer; "
                    "run `toolchain model-repo SPEC` to refresh it", err=True)

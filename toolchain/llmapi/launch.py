@@ -26,6 +26,7 @@ from pathlib import Path
 
 from toolchain import upstream
 from toolchain.spec import DeploymentSpec
+from toolchain.targets import GPU, target_of
 from toolchain.triton import cluster, exposure
 from toolchain.triton.cluster import ALL_INTERFACES, multi_node, node_count, pyxis_image, tasks_per_node, world_size
 from toolchain.workspace import Workspace
@@ -190,11 +191,10 @@ def openai_cpu_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
 
 def planned_launch(spec: DeploymentSpec, workspace: Workspace) -> dict:
     """The launch lines `toolchain plan` prints."""
-    if spec.target == "llmapi":
+    if target_of(spec).device == GPU:
         triton = (multi_node_triton_command if multi_node(spec) else triton_launch_command)(spec, workspace)
         serve = (multi_node_serve_command if multi_node(spec) else trtllm_serve_command)(spec, workspace)
     else:
-
         line = TritonServer.from_spec(spec, workspace.model_repo_dir(spec)).command_line()
         triton = shlex.split(line) if isinstance(line, str) else line
         serve = openai_cpu_command(spec, workspace)

@@ -35,6 +35,7 @@ from toolchain.llmapi.args import model_yaml, serve_config, triton_config
 from toolchain.llmapi.launch import SERVE_CONFIG
 from toolchain.manifest import Manifest, current_manifest
 from toolchain.spec import DeploymentSpec
+from toolchain.targets import CPU, GPU, target_of
 from toolchain.triton.config import InstanceGroup, ModelConfig, Tensor
 from toolchain.workspace import Workspace
 from toolchain.llmapi.stage import served_model_dir
@@ -57,7 +58,7 @@ def model_config(spec: DeploymentSpec) -> ModelConfig:
 
     triton = triton_config(spec)
     params: dict[str, object] = {}
-    if spec.target == "llmapi-cpu":
+    if target_of(spec).device == CPU:  # the CPU stand-in for LLM() runs from this checkout
         params = {"toolchain_path": str(Path(toolchain.__file__).resolve().parent.parent),
                   "engine_threads": str(spec.serving.engine_threads)}
     return ModelConfig(
@@ -92,7 +93,7 @@ def run_model_repo_llmapi(spec: DeploymentSpec, workspace: Workspace, force: boo
 
     started = time.monotonic()
     upstream_dir = upstream_model_files(python_models) if python_models is not None else None
-    if spec.target == "llmapi" and upstream_dir is None:
+    if target_of(spec).device == GPU and upstream_dir is None:
         raise ToolchainError("target llmapi serves upstream's llmapi model.py, which this toolchain does not ship",
                              "pass --python-models DIR with TensorRT-LLM 1.2.1's triton_backend/all_models/llmapi "
                              "(a checkout, or /app/all_models/llmapi style copy from the trtllm container)")

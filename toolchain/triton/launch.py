@@ -47,6 +47,7 @@ from toolchain.host import cpu_mpirun, physical_cores
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.versions import TRITON_IMAGE, TRTLLM_VERSION
 from toolchain import procgroup
+from toolchain.targets import CPU, target_of
 from toolchain.triton import cluster, exposure
 from toolchain.triton.server import Endpoints, diagnose_log, free_port, is_ready, port_in_use, python_stubs
 from toolchain.triton.runtime import backend_dir, resolve_binary, server_env
@@ -105,7 +106,7 @@ def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSE
     ports = ports or {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
     repo = Path(repo_dir)
     head = [mpirun, "--allow-run-as-root"]
-    if spec.target == "cpu":
+    if target_of(spec).device == CPU:
         # Open MPI binds each rank to one core; a CPU rank's server, stubs and gloo threads then share
         # it, and a point-to-point exchange between two ranks measured 1.2 ms bound against 0.14 ms not.
         head += ["--bind-to", "none"] + (["--oversubscribe"] if s.oversubscribe else [])

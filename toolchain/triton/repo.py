@@ -26,6 +26,7 @@ from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir, sha256_file
 from toolchain.manifest import MANIFEST, Manifest, current_manifest, content_hash
 from toolchain.spec import DeploymentSpec
+from toolchain.targets import GPU, target_of
 from toolchain.triton import backend_models
 from toolchain.triton.config import ModelConfig, check_ensemble
 from toolchain.triton.templates import PYTHON_MODELS, RepoOptions, build_models
@@ -44,8 +45,7 @@ def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
     (draft_target, both targets)."""
     out: dict = {}
     medusa = recorded_medusa_choices(spec, workspace) if spec.speculative.mode == "medusa" else None
-    if spec.target == "trtllm":
-
+    if target_of(spec).device == GPU:  # the tensorrtllm backend's parameters
         out["trtllm_parameters"] = tuple(sorted(triton_parameters(spec, medusa_choices=medusa).items()))
     if spec.speculative.mode == "ngram":
         out["draft_ngram_size"] = spec.speculative.ngram_size
@@ -215,13 +215,12 @@ def render_repository(models: dict[str, ModelConfig], out: Path, target: str, he
 
 def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                    python_models: Path | str | None = None) -> Manifest:
-    """Render `workspace.model_repo_dir(spec)`; reuse it when its manifest is current.
-    `python_models`: an upstream inflight_batcher_llm tree whose Python models to use (the
-    LLM-API path: upstream's llmapi model directory)."""
-    if spec.llmapi_path:
-        from toolchain.llmapi.repo import run_model_repo_llmapi
-
-        return run_model_repo_llmapi(spec, workspace, force=force, python_models=python_models)
+    """Render `workspace.model_repo_dir(spec)` for the engine path (the LLM-API path's repository is
+    toolchain/llmapi/repo.py's; toolchain/pipeline.py picks); reuse it when its manifest is current.
+    `python_models`: an upstream inflight_batcher_llm tree whose Python models to use."""
+    if not target_of(spec).builds_engine:
+        raise ToolchainError(f"target {spec.target} takes the LLM-API path, which has its own model repository",
+                             "run `toolchain model-repo SPEC`, which takes the spec's path")
     started = time.monotonic()
     repo_dir = workspace.model_repo_dir(spec)
     upstream = upstream_python_models(python_models) if python_models is not None else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolchain.targets import GPU, TARGETS, target_of
 from toolchain.triton.config import (EMPTY, ConfigError, DynamicBatching, EnsembleStep, InstanceGroup, ModelConfig,
                                      Tensor)
 from toolchain.triton.tensors import (BLS_INPUTS, ENSEMBLE_INPUTS, ENSEMBLE_STEPS, POSTPROCESSING_INPUTS,
@@ -106,7 +107,7 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
         params["max_tokens_in_paged_kv_cache"] = opts.max_tokens_in_paged_kv_cache
     if opts.medusa_choices:
         params["medusa_choices"] = opts.medusa_choices
-    if opts.target == "trtllm":
+    if _gpu_backend(opts):
         params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
         params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
         params.update(dict(opts.trtllm_parameters))
@@ -114,6 +115,12 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
         params["toolchain_path"] = opts.toolchain_path
         params["engine_threads"] = opts.engine_threads
     return params
+
+
+def _gpu_backend(opts: RepoOptions) -> bool:
+    """The engine runs on the tensorrtllm backend (the target's device is a GPU), not in the CPU engine's
+    Python model."""
+    return target_of(opts).device == GPU
 
 
 def _preprocessing_parameters(opts: RepoOptions) -> dict[str, object]:
@@ -133,7 +140,8 @@ def _preprocessing_parameters(opts: RepoOptions) -> dict[str, object]:
 
 def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
     """The five model configs for `opts`, keyed by model name."""
-    if opts.target not in ("cpu", "trtllm"):
+    row = TARGETS.get(opts.target)
+    if row is None or not row.builds_engine:
         raise ConfigError(f"unknown target {opts.target!r}", "use target: cpu or target: trtllm")
     mbs = opts.max_batch_size
     cpu = [InstanceGroup(opts.instance_count, "KIND_CPU")]
@@ -147,7 +155,7 @@ def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
             parameters=_preprocessing_parameters(opts)),
         "tensorrt_llm": ModelConfig(
             "tensorrt_llm", mbs, _tensors(TENSORRT_LLM_INPUTS, opts), _tensors(TENSORRT_LLM_OUTPUTS, opts),
-            backend="tensorrtllm" if opts.target == "trtllm" else "python",
+            backend="tensorrtllm" if _gpu_backend(opts) else "python",
             # One instance: GPU placement is MPI's business, and on CPU one engine
             # owns the in-flight batch.
             instance_group=[InstanceGroup(1, "KIND_CPU")], dynamic_batching=_batching(opts),
@@ -170,11 +178,11 @@ def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
         params = tensorrt_llm_parameters(opts) | {
             "gpt_model_path": opts.draft_engine_dir,
             "kv_cache_free_gpu_mem_fraction": opts.draft_kv_cache_free_gpu_mem_fraction}
-        if opts.target == "trtllm":
+        if _gpu_backend(opts):
             params["gpu_device_ids"] = "0"
         models["tensorrt_llm_draft"] = ModelConfig(
             "tensorrt_llm_draft", mbs, _tensors(TENSORRT_LLM_INPUTS, opts), _tensors(TENSORRT_LLM_OUTPUTS, opts),
-            backend="tensorrtllm" if opts.target == "trtllm" else "python",
+            backend="tensorrtllm" if _gpu_backend(opts) else "python",
             instance_group=[InstanceGroup(1, "KIND_CPU")], dynamic_batching=_batching(opts),
             decoupled=opts.decoupled, parameters=params)
         models["tensorrt_llm_bls"].parameters["tensorrt_llm_draft_model_name"] = "tensorrt_llm_draft"

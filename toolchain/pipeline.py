@@ -1,0 +1,309 @@
+"""The one place that maps a spec to its path: which convert, which model repository, which server and
+which printed launch lines its target takes, and `deploy`, every stage in order, then serve, bench and stop.
+
+A spec's target names a row of toolchain/targets.py; the row's path (engine or llmapi) picks the stages
+here, so the stages themselves never switch to another path's. The CLI commands convert, model-repo, serve
+and deploy ask this module. Each stage keeps its own caching, so a second deploy with nothing changed goes
+straight to serving.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Protocol
+
+from toolchain.errors import ToolchainError
+from toolchain.manifest import Manifest
+from toolchain.spec import DeploymentSpec
+from toolchain.targets import target_of
+from toolchain.workspace import Workspace
+from toolchain.engine.build import run_build
+from toolchain.triton import cluster, exposure
+from toolchain.triton import manifests as triton_manifests
+from toolchain.triton.launch import TritonLaunch, container_commands, docker_command, find_tools, launch_command
+from toolchain.triton.server import TritonServer
+from toolchain.llmapi import launch as llmapi_launch
+from toolchain.llmapi import manifests as llmapi_manifests
+from toolchain.llmapi.launch import openai_engine_args, serve_config_path, served_model_name
+from toolchain.llmapi.stage import run_convert_llmapi, served_model_dir
+from toolchain.openai.server import OpenAIServer
+
+Progress = Callable[[str, str], None]
+Echo = Callable[[str], None]
+Server = TritonServer | TritonLaunch  # both start(), stop(), urls and log_path
+
+
+class Convert(Protocol):
+    def __call__(self, spec: DeploymentSpec, workspace: Workspace, force: bool = False,
+                 echo: Echo | None = None) -> Manifest: ...
+
+
+class ModelRepo(Protocol):
+    def __call__(self, spec: DeploymentSpec, workspace: Workspace, force: bool = False,
+                 python_models: Path | str | None = None) -> Manifest: ...
+
+
+# ---- the path table -----------------------------------------------------------------------------------------
+
+def convert_for(spec: DeploymentSpec) -> Convert:
+    """The convert stage of the spec's path: the TensorRT-LLM checkpoint (engine path), or the HF checkpoint
+    recorded as it is or exported pre-quantized (LLM-API path)."""
+    if target_of(spec).llmapi_path:
+        return run_convert_llmapi
+    from toolchain.checkpoint.stage import run_convert  # torch: `toolchain --help` and `plan` never need it
+
+    return run_convert
+
+
+def model_repo_for(spec: DeploymentSpec) -> ModelRepo:
+    """The model-repo stage of the spec's path: tensorrtllm_backend's five models (engine path), or Triton's
+    llmapi model (LLM-API path)."""
+    # Both renderers import heavy packages at their top (transformers' tokenizer, the Triton protobuf).
+    if target_of(spec).llmapi_path:
+        from toolchain.llmapi.repo import run_model_repo_llmapi
+
+        return run_model_repo_llmapi
+    from toolchain.triton.repo import run_model_repo
+
+    return run_model_repo
+
+
+def server_log(spec: DeploymentSpec, workspace: Workspace) -> Path:
+    """Where serve's tritonserver (every rank's, under mpirun) logs: next to the model repository."""
+    return workspace.model_repo_dir(spec).parent / f"{spec.name}.tritonserver.log"
+
+
+def server_for(spec: DeploymentSpec, workspace: Workspace, *, log_path: Path | None = None,
+               read_key: bool = True) -> Server:
+    """The Triton server the spec's target starts, not started. Target trtllm: one tritonserver per rank
+    under mpirun (TensorRT-LLM's leader mode, with this host's mpirun and tritonserver); target cpu with
+    serving.launch mpirun: the CPU ranks as processes under mpirun; otherwise one tritonserver (on the
+    LLM-API path LLM() starts its own worker per rank, as upstream's launcher does at world size 1).
+    Off loopback the admin key is read here, so a missing one fails before start; `read_key=False`
+    (printing) leaves its placeholder. A launch under mpirun always logs; the single server logs to
+    `log_path` when given."""
+    repo = workspace.model_repo_dir(spec)
+    if spec.target == "trtllm":
+        mpirun, binary = find_tools(spec, repo)
+        return TritonLaunch(spec, repo, log_path or server_log(spec, workspace), mpirun, binary)
+    if spec.rank_processes:
+        return TritonLaunch.cpu(spec, repo, log_path or server_log(spec, workspace))
+    return TritonServer.from_spec(spec, repo, log_path=log_path, read_key=read_key)
+
+
+def openai_server(spec: DeploymentSpec, workspace: Workspace, log_path: Path) -> OpenAIServer:
+    """The OpenAI server on the LLM() arguments of the llmapi-cpu deployment (not started)."""
+
+    return OpenAIServer(None, None, served_model_name(spec), spec.serving.host, spec.llmapi.openai_port,
+                        model=served_model_dir(spec, workspace), config=serve_config_path(spec, workspace),
+                        log_path=log_path, extra_args=openai_engine_args(spec))
+
+
+# ---- what `serve --print` and `--manifests` show ----------------------------------------------------------
+
+def print_gpu_launch(spec: DeploymentSpec, workspace: Workspace, echo: Echo) -> None:
+    """The launch lines of a GPU target (trtllm or llmapi) for a GPU host: the command, its `docker run`
+    and Kubernetes lines (engine path), or the trtllm-serve and Triton launcher lines with their containers
+    and, across hosts, their Slurm lines (LLM-API path)."""
+    if spec.target == "trtllm":
+        _print_trtllm(spec, workspace, echo)
+    elif spec.target == "llmapi":
+        _print_llmapi(spec, workspace, echo)
+    else:
+        raise ToolchainError(f"target {spec.target} runs on this host: it has no GPU launch lines",
+                             "set target: trtllm or llmapi")
+
+
+def _print_trtllm(spec: DeploymentSpec, ws: Workspace, echo: Echo) -> None:
+    launch = launch_command(spec, ws.model_repo_dir(spec))
+    echo(launch.shell())
+    lines = container_commands(spec, launch, triton_manifests.mounts(spec, ws))
+    echo(f"# in a container:\n{lines['docker']}")
+    echo("# on Kubernetes:")
+    if "kubernetes_secret" in lines:
+        echo(lines["kubernetes_secret"])
+    echo(lines["kubernetes"])
+    if spec.gpu.hostfile is not None:
+        echo("# several hosts: run the container on each host of gpu.hostfile with ssh between them")
+
+
+def _print_llmapi(spec: DeploymentSpec, ws: Workspace, echo: Echo) -> None:
+    launch = llmapi_launch
+    lines = launch.gpu_launch_lines(spec, ws)
+    echo(f"# OpenAI server (trtllm-serve):\n{lines['trtllm_serve']}")
+    how = ("the command upstream's launcher runs, with the bind addresses and the administrative APIs behind "
+           "the key" if exposure.restricted(spec.serving) else "upstream's launcher, from a TensorRT-LLM 1.2.1 checkout")
+    echo(f"# Triton ({how}):\n{lines['triton']}")
+    mounts = launch.container_mounts(spec, ws)
+    s = spec.serving
+    serve = launch.trtllm_serve_command(spec, ws, host=launch.ALL_INTERFACES)
+    echo(f"# in a container, the OpenAI server:\n{docker_command(spec, serve, mounts, [spec.llmapi.openai_port])}")
+    triton = ["mpirun", "--allow-run-as-root", "-n", "1", *launch.tritonserver_command(spec, ws)]
+    # Restricted, metrics stay on loopback inside the container unless serving.metrics_host says otherwise.
+    private = exposure.restricted(s) and exposure.is_loopback(exposure.metrics_host(s))
+    ports = [s.http_port, s.grpc_port] + ([] if private else [s.metrics_port])
+    echo(f"# in a container, Triton:\n{docker_command(spec, triton, mounts, ports)}")
+    if launch.multi_node(spec):
+        echo(f"# {launch.world_size(spec)} ranks over {launch.node_count(spec)} hosts, under Slurm:")
+        echo(lines["trtllm_serve_multi_node"])
+        echo(lines["triton_multi_node"])
+
+
+def print_local_launch(spec: DeploymentSpec, workspace: Workspace, server: Server, echo: Echo) -> None:
+    """The command line of `server` (server_for with read_key=False) that serve starts on this host, and on
+    the LLM-API path the OpenAI server's on the same LLM() arguments."""
+    if isinstance(server, TritonLaunch):
+        echo(server.command().shell())
+        return
+    echo(server.command_line(exposure.shell_reference(spec.serving)))
+    if target_of(spec).llmapi_path:
+        echo(f"# OpenAI server on the same LLM() arguments:\n"
+             f"{shlex.join(llmapi_launch.openai_cpu_command(spec, workspace))}")
+
+
+def write_manifests(spec: DeploymentSpec, workspace: Workspace, out_dir: Path) -> list[Path]:
+    """The Slurm and Kubernetes manifests of a GPU target's path, written atomically into `out_dir`."""
+    if spec.target == "trtllm":
+        texts = triton_manifests.manifests(spec, workspace)
+    else:
+        texts = llmapi_manifests.manifests(spec, workspace)
+    return cluster.write(out_dir, texts)
+
+
+def multi_node(spec: DeploymentSpec) -> bool:
+    """An LLM-API deployment whose tp x pp spans several hosts (one `serve` cannot start it)."""
+    return llmapi_launch.multi_node(spec)
+
+
+def node_count(spec: DeploymentSpec) -> int:
+    return llmapi_launch.node_count(spec)
+
+
+# ---- deploy -------------------------------------------------------------------------------------------------
+
+@contextmanager
+def _timed(name: str, progress: Progress, timings: dict) -> Iterator[None]:
+    progress(name, "start")
+    start = time.perf_counter()
+    yield
+    timings[name] = round(time.perf_counter() - start, 3)
+    progress(name, f"done in {timings[name]:.2f}s")
+
+
+def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = None,
+           progress: Progress = lambda stage, msg: None) -> dict:
+    """Run convert -> build-engine -> model-repo -> serve -> bench; write <out>/report.json once, with the
+    stage timings, and return the report."""
+    if exposure.restricted(spec.serving):
+        exposure.read_admin_key(spec.serving)  # a missing key fails now, not after convert and build
+    out = out_dir or workspace.report_dir(spec)
+    timings: dict[str, float] = {}
+    report: dict = {}  # the main bench's report, once it has one
+    with _timed("convert", progress, timings):
+        convert_for(spec)(spec, workspace)
+    try:
+        if target_of(spec).llmapi_path:
+            _deploy_llmapi(spec, workspace, out, progress, timings, report)
+        else:
+            _deploy_engine(spec, workspace, out, progress, timings, report)
+    except BaseException:
+        if report:  # what the bench measured stays on disk when a later step fails or is stopped
+            _save_report(out, report)
+        raise
+    report["stage_seconds"] = timings
+    _save_report(out, report)
+    return report
+
+
+def _save_report(out_dir: Path, report: dict) -> None:
+    """report.json: the bench's report and the stage timings; the OpenAI server's summary (`openai`) stays
+    in the returned report, its own report.json is under <out>/openai."""
+    from toolchain.bench.report import write_report  # numpy, matplotlib
+
+    write_report(out_dir, {k: v for k, v in report.items() if k != "openai"})
+
+
+def _deploy_server(spec: DeploymentSpec, workspace: Workspace, progress: Progress) -> Server:
+    """The server serve would start (admin APIs keyed off loopback, metrics on loopback), with serve's
+    one-line warning."""
+    server = server_for(spec, workspace)  # reads the key: a missing one fails before start
+    warning = exposure.warning(spec.serving)
+    if warning:
+        progress("serve", warning)
+    return server
+
+
+def _deploy_engine(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, progress: Progress,
+                   timings: dict, report: dict) -> None:
+    """The engine path: build the engine, render tensorrtllm_backend's repository, serve it and bench
+    (into `report`)."""
+    from toolchain.bench.run import run_bench  # numpy, the protocol clients
+
+    with _timed("build-engine", progress, timings):
+        run_build(spec, workspace, converted=True)
+    with _timed("model-repo", progress, timings):
+        model_repo_for(spec)(spec, workspace)
+    serving = spec.serving
+    server = _deploy_server(spec, workspace, progress)
+    try:  # from the start: a stop signal may arrive the moment start() returns
+        with _timed("serve", progress, timings):
+            server.start(timeout=serving.startup_timeout_s)
+        with _timed("bench", progress, timings):
+            # The bench reaches the server it just started, whatever ports were picked.
+            url = server.http_url if spec.validation.workload.protocol == "triton-http" else server.grpc_url
+            report.update(run_bench(spec, out_dir=out_dir, url=url, metrics_url=server.metrics_url,
+                                    save_report=False))
+    finally:
+        with _timed("stop", progress, timings):
+            server.stop()
+
+
+def _with_workload(spec: DeploymentSpec, **values) -> DeploymentSpec:
+    v = spec.validation
+    workload = v.workload.model_copy(update=values)
+    return spec.model_copy(update={"validation": v.model_copy(update={"workload": workload})})
+
+
+def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, progress: Progress,
+                   timings: dict, report: dict) -> None:
+    """The LLM-API path on this host (target llmapi-cpu): Triton's llmapi model, then the OpenAI
+    server on the same LLM() arguments, each benched; the Triton report is the main one and the
+    OpenAI server's is written to <out>/openai and summarised under `openai`."""
+    from toolchain.bench.run import run_bench  # numpy, the protocol clients
+
+    if spec.target != "llmapi-cpu":
+        raise ToolchainError("deploy runs the LLM-API path on this host with target llmapi-cpu",
+                             "on a GPU host run `toolchain model-repo` and the lines `toolchain serve --print` shows")
+    with _timed("model-repo", progress, timings):
+        model_repo_for(spec)(spec, workspace)
+    serving = spec.serving
+    repo = workspace.model_repo_dir(spec)
+    server = _deploy_server(spec, workspace, progress)
+    try:
+        with _timed("serve", progress, timings):
+            server.start(timeout=serving.startup_timeout_s)
+        with _timed("bench", progress, timings):
+            triton_spec = _with_workload(spec, protocol="triton-grpc", endpoint="tensorrt_llm")
+            report.update(run_bench(triton_spec, out_dir=out_dir, url=server.grpc_url,
+                                    metrics_url=server.metrics_url, save_report=False))
+    finally:
+        with _timed("stop", progress, timings):
+            server.stop()
+    name = served_model_name(spec)
+    openai = openai_server(spec, workspace, repo.parent / f"{spec.name}.openai.log")
+    try:
+        with _timed("serve-openai", progress, timings):
+            openai.start(timeout=serving.startup_timeout_s)
+        with _timed("bench-openai", progress, timings):
+            protocol = "openai-chat" if spec.validation.workload.protocol == "openai-chat" else "openai-completions"
+            openai_spec = _with_workload(spec, protocol=protocol, endpoint=name)
+            second = run_bench(openai_spec, out_dir=out_dir / "openai", url=openai.url, metrics_url="")
+    finally:
+        with _timed("stop-openai", progress, timings):
+            openai.stop()
+    report["openai"] = {"protocol": protocol, "report": str(out_dir / "openai" / "report.json"),
+                        **{k: second.get(k) for k in ("ttft_ms", "tpot_ms", "e2e_ms", "output_tokens_per_s",
+                                                      "num_requests", "errors", "slo")}}
