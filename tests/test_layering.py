@@ -35,7 +35,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("workspace", "spec_reference"),
     ("spec",),
     ("quant", "archs", "tinymodel"),
-    ("pretrained", "hub", "manifest", "gpus", "targets", "speculative"),
+    ("speculative",),  # reads the target rows
+    ("pretrained", "hub", "manifest", "gpus", "targets"),
     ("remote_code", "fingerprint", "draft_tree", "netutil", "stopsignals", "slo", "eos", "versions", "host"),
     ("fsutil", "upstream"),
     ("procgroup",),
