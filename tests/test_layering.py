@@ -35,9 +35,9 @@ FLOORS: list[tuple[str, ...]] = [
     ("workspace", "spec_reference"),
     ("spec",),
     ("quant", "archs", "tinymodel"),
-    ("speculative",),  # reads the target rows
-    ("pretrained", "hub", "manifest", "gpus", "targets"),
-    ("remote_code", "fingerprint", "draft_tree", "netutil", "stopsignals", "slo", "eos", "versions", "host"),
+    ("pretrained", "hub", "manifest", "gpus", "speculative"),
+    ("remote_code", "fingerprint", "draft_tree", "netutil", "stopsignals", "slo", "eos", "versions", "host",
+     "targets"),
     ("fsutil", "upstream"),
     ("procgroup",),
     ("errors",),
