@@ -71,15 +71,17 @@ def test_draft_target_maps_onto_the_draft_target_decoding_config(tmp_path, hf_ll
 
 
 def test_engine_only_modes_are_the_ones_upstream_keeps_off_the_pytorch_backend():
-    from toolchain.llmapi.args import DECODING_TYPES, ENGINE_ONLY_MODES
+    from toolchain.speculative import MODES
 
     types = FACTS["speculative"]["types"]
     for name in ("Medusa", "Lookahead"):
         assert "pytorch" in types[name]["supports_backend"]["excludes"], name
-    assert {"medusa", "lookahead"} <= set(ENGINE_ONLY_MODES)
-    for mode, kind in DECODING_TYPES.items():
-        allows = types[kind]["supports_backend"]["allows"]
-        assert allows == "all" or "pytorch" in allows, mode
+    engine_only = {m for m, row in MODES.items() if row.decoding_type is None and m != "none"}
+    assert {"medusa", "lookahead"} <= engine_only
+    for mode, row in MODES.items():
+        if row.decoding_type is not None:
+            allows = types[row.decoding_type]["supports_backend"]["allows"]
+            assert allows == "all" or "pytorch" in allows, mode
 
 
 @pytest.mark.parametrize("options, fragment", [

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from toolchain.errors import ToolchainError
 from toolchain.pretrained import require_built
 from toolchain.slo import parse_slo
+from toolchain.speculative import DRAFT_ENGINE, Mode, mode_of
 from toolchain.targets import target_of
 
 
@@ -352,7 +353,7 @@ class BuildSection(_Section):
 
 
 class SpeculativeSection(_Section):
-    mode: Literal["none", "draft_target", "medusa", "eagle", "lookahead", "ngram", "eagle3", "mtp"] = "none"
+    mode: Mode = "none"
     """Speculative decoding: a separate draft model, Medusa heads, EAGLE-1, lookahead, n-gram prompt lookup, or none;
     on the LLM-API path also eagle3 (an EAGLE-3 draft in draft_model) and mtp (the model's own multi-token
     prediction layers, where its config has them)."""
@@ -388,7 +389,7 @@ class SpeculativeSection(_Section):
         # Only draft_target's separate draft engine has logits for the BLS to send: the other modes draft
         # without a model (ngram, lookahead), inside the target engine (medusa, eagle) or without the BLS
         # (eagle3, mtp), so the flag would build nothing.
-        if self.use_draft_logits and self.mode != "draft_target":
+        if self.use_draft_logits and mode_of(self.mode).adds != DRAFT_ENGINE:
             raise ValueError(f"use_draft_logits needs mode draft_target (a draft engine's logits), not {self.mode}; "
                              "remove speculative.use_draft_logits")
         return self
@@ -500,7 +501,7 @@ class DeploymentSpec(_Section):
             raise ValueError("target trtllm always runs its ranks under mpirun (TensorRT-LLM's leader or "
                              "orchestrator mode); remove serving.launch or set it to mpirun")
         mode = self.speculative.mode
-        if self.target == "cpu" and launch == "mpirun" and mode in ("draft_target", "medusa", "eagle"):
+        if self.target == "cpu" and launch == "mpirun" and not mode_of(mode).cpu_ranks:
             raise ValueError(f"speculative.mode {mode} is not run across CPU rank processes (draft_target needs "
                              "the orchestrator mode; Medusa/EAGLE trees run in one process): set serving.launch "
                              "single")

@@ -5,8 +5,9 @@ upstream/facts/llmapi.json), caught before anything is written."""
 from __future__ import annotations
 
 from toolchain.checks.registry import ENGINE, FAIL, LLMAPI_PATH, PASS, SERVING, SKIP, WARN, Context, check
-from toolchain.llmapi.args import DECODING_TYPES, ENGINE_ONLY_MODES
 from toolchain.llmapi.args import options_problem
+from toolchain.speculative import mode_of, refusal
+from toolchain.targets import target_of
 from toolchain.versions import TRITON_IMAGE, TRTLLM_VERSION, in_line
 
 BOTH = ENGINE + SERVING
@@ -17,16 +18,14 @@ BOTH = ENGINE + SERVING
        paths=LLMAPI_PATH)
 def _speculative(ctx: Context):
 
-    sp, target = ctx.spec.speculative, ctx.spec.target
+    sp = ctx.spec.speculative
+    row = mode_of(sp.mode)
     if sp.mode == "none":
         return PASS, "no speculative decoding"
-    if sp.mode in ENGINE_ONLY_MODES:
-        return FAIL, (f"speculative.mode={sp.mode} cannot run on target {target}: {ENGINE_ONLY_MODES[sp.mode]}; "
-                      "use target trtllm, or speculative.mode draft_target or ngram")
-    if target == "llmapi-cpu":
-        return FAIL, (f"speculative.mode={sp.mode} is not run by the CPU stand-in of the LLM API yet; use "
-                      "target cpu (the engine path runs it through the BLS) or target llmapi on a GPU host")
-    if sp.mode in ("draft_target", "eagle3") and sp.draft_model is None:
+    refused = refusal(sp.mode, target_of(ctx.spec))
+    if refused:
+        return FAIL, refused
+    if row.draft == "draft_model" and sp.draft_model is None:
         what = "an HF checkpoint directory" if sp.mode == "draft_target" else "the EAGLE-3 draft checkpoint"
         return FAIL, f"speculative.mode={sp.mode} needs speculative.draft_model ({what})"
     if sp.mode == "mtp":
@@ -38,7 +37,7 @@ def _speculative(ctx: Context):
         return PASS, f"speculative_config decoding_type MTP over the model's {layers} MTP layer(s)"
     if sp.max_draft_len < 1:
         return FAIL, f"speculative.mode={sp.mode} needs speculative.max_draft_len >= 1"
-    return PASS, f"speculative_config decoding_type {DECODING_TYPES[sp.mode]}"
+    return PASS, f"speculative_config decoding_type {row.decoding_type}"
 
 
 @check("llmapi.quantization", ENGINE,

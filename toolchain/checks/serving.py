@@ -15,6 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
+from toolchain.speculative import DRAFT_ENGINE, mode_of
 from toolchain.netutil import port_in_use
 from toolchain.checks.registry import ENGINE_PATH, FAIL, GPU_ONLY, PASS, SERVING, SKIP, WARN, Context, check
 from toolchain.versions import TENSORRT_VERSION, TRITON_IMAGE, TRTLLM_VERSION, in_line, tensorrt_of
@@ -155,7 +156,7 @@ def _batch_size(ctx: Context):
        "KV fractions of models sharing a GPU must sum below 1 (tensorrtllm_backend docs/llama_multi_instance.md)", paths=ENGINE_PATH)
 def _kv_fraction(ctx: Context):
     target = ctx.spec.serving.kv_cache_free_gpu_mem_fraction
-    if ctx.spec.speculative.mode != "draft_target":
+    if mode_of(ctx.spec.speculative.mode).adds != DRAFT_ENGINE:
         return PASS, f"one TensorRT-LLM model per GPU, fraction {target}"
     draft = ctx.spec.speculative.draft_kv_cache_free_gpu_mem_fraction
     if target + draft >= 1:
@@ -232,8 +233,8 @@ def _backend_present(ctx: Context):
     if binary is None:
         return SKIP, "no tritonserver here; serve reports it"
     backend = binary.resolve().parent.parent / "backends" / "tensorrtllm"
-    need = ["libtriton_tensorrtllm.so"] + (["trtllmExecutorWorker"] if ctx.spec.speculative.mode == "draft_target"
-                                           else [])
+    need = ["libtriton_tensorrtllm.so"] + (["trtllmExecutorWorker"]
+                                           if mode_of(ctx.spec.speculative.mode).adds == DRAFT_ENGINE else [])
     missing = [n for n in need if not (backend / n).is_file()]
     if missing:
         return FAIL, (f"{binary} has no {backend / missing[0]}: serve target trtllm inside the "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from toolchain.checks.registry import ENGINE, ENGINE_PATH, FAIL, PASS, SERVING, WARN, Context, check
 from toolchain.errors import ToolchainError
+from toolchain.speculative import mode_of, refusal
+from toolchain.targets import target_of
 
 OFF = (PASS, "no speculative decoding")
 
@@ -18,33 +20,12 @@ def lookahead_draft_len(w: int, n: int, g: int) -> int:
     return (0 if n == 1 else n - 2) + (w - 1 + g) * (n - 1)
 
 
-# Modes whose deployment would load but not speculate on the CPU engine: lookahead
-# is decoded inside TensorRT-LLM's C++ runtime, and EAGLE's draft networks run inside
-# the TensorRT engine (the CPU engine has no EagleNet); both convert and build for GPUs.
-NOT_YET: dict[str, str] = {}
-# Modes only the LLM-API path has: TensorRT-LLM 1.2 engines draft with EAGLE-1/2, not EAGLE-3, and have no MTP.
-LLMAPI_ONLY = {
-    "eagle3": "EAGLE-3 drafts run on the PyTorch backend only (speculative_config decoding_type Eagle)",
-    "mtp": "multi-token prediction runs on the PyTorch backend only (MTPDecodingConfig)",
-}
-NOT_ON_CPU = {
-    "lookahead": "the CPU engine has no lookahead decoding (TensorRT-LLM runs it in its C++ runtime)",
-    "eagle": "the CPU engine does not run EAGLE's draft networks (TensorRT-LLM runs them inside the engine)",
-}
-
-
 @check("spec.mode-runnable", ENGINE + SERVING, "the speculative mode must speculate once deployed", paths=ENGINE_PATH)
 def _mode_runnable(ctx: Context):
     mode = ctx.spec.speculative.mode
-    if mode in NOT_YET:
-        return FAIL, (f"speculative.mode={mode} is not supported yet: {NOT_YET[mode]}; "
-                      "set speculative.mode none (or lookahead on target trtllm)")
-    if mode in LLMAPI_ONLY:
-        return FAIL, (f"speculative.mode={mode} cannot run on target {ctx.spec.target}: {LLMAPI_ONLY[mode]}; "
-                      "use target llmapi")
-    if mode in NOT_ON_CPU and not ctx.trtllm:
-        return FAIL, (f"speculative.mode={mode} cannot run on target cpu: {NOT_ON_CPU[mode]}; "
-                      "use target trtllm, or speculative.mode ngram or medusa on cpu")
+    refused = refusal(mode, target_of(ctx.spec))
+    if refused:
+        return FAIL, refused
     return (PASS, f"{mode} runs end to end") if mode != "none" else OFF
 
 
@@ -110,7 +91,7 @@ def _draft_len(ctx: Context):
     sp, lim = ctx.spec.speculative, ctx.spec.limits
     if sp.mode == "none":
         return OFF
-    if sp.mode in ("draft_target", "lookahead", "ngram") and sp.max_draft_len == 0:
+    if mode_of(sp.mode).needs_draft_len and sp.max_draft_len == 0:
         return FAIL, f"speculative.mode={sp.mode} needs speculative.max_draft_len > 0 (the draft tokens per step)"
     if sp.max_draft_len >= lim.max_seq_len:
         return FAIL, (f"speculative.max_draft_len ({sp.max_draft_len}) must be below limits.max_seq_len "
@@ -240,7 +221,7 @@ def tokenizer_mismatch(target_dir, draft_dir) -> str | None:
 @check("spec.draft-target-reuse", ENGINE,
        "draft-target needs KV-cache reuse and paged context FMHA (TensorRT-LLM draft_target_model README)", paths=ENGINE_PATH)
 def _draft_reuse(ctx: Context):
-    if ctx.spec.speculative.mode not in ("draft_target", "ngram"):
+    if not mode_of(ctx.spec.speculative.mode).external_drafts:
         return PASS, "not draft-target"
     b = ctx.spec.build
     if not (b.kv_cache_reuse and b.use_paged_context_fmha):
@@ -267,7 +248,7 @@ def _draft_port(ctx: Context):
        "speculation through the BLS cannot stream (tensorrt_llm_bls/1/lib/decode.py)", paths=ENGINE_PATH)
 def _draft_stream(ctx: Context):
     mode = ctx.spec.speculative.mode
-    if mode not in ("draft_target", "ngram"):
+    if not mode_of(mode).external_drafts:
         return PASS, "not draft-target"
     if ctx.spec.serving.streaming:
         return FAIL, (f"speculative.mode={mode} runs through the BLS, which neither streams nor accepts decoupled "

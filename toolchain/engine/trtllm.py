@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolchain.errors import ToolchainError
+from toolchain.speculative import mode_of
 from toolchain.versions import TRITON_IMAGE, TRTLLM_LINE, TRTLLM_VERSION, in_line
 from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
 from toolchain.plan.model import quant_format, read_json
@@ -117,8 +118,6 @@ REQUIRES: tuple[tuple[str, str, str, str, str], ...] = (
     ("--speculative_decoding_mode", "draft_tokens_external", "--use_paged_context_fmha", "enable",
      "draft-target relies on KV reuse"),
 )
-SPEC_MODES = {"draft_target": "draft_tokens_external", "ngram": "draft_tokens_external",
-              "lookahead": "lookahead_decoding", "medusa": "medusa", "eagle": "eagle"}
 
 
 class FlagError(ValueError):
@@ -226,10 +225,11 @@ def build_flags(spec, *, draft: bool = False) -> list[tuple[str, object]]:
         # trtllm-build calls it deprecated, but still writes it into build_config, which the runtime reads.
         flags.append(("--gather_generation_logits", True))
     if sp.mode != "none" and not draft:
-        if sp.mode not in SPEC_MODES:  # eagle3, mtp: the spec.mode-runnable check names the target to use
+        build_mode = mode_of(sp.mode).build_mode
+        if build_mode is None:  # eagle3, mtp: the spec.mode-runnable check names the target to use
             raise ToolchainError(f"speculative.mode={sp.mode} has no trtllm-build mode (LLM-API path only)",
                                  "use target llmapi")
-        flags.append(("--speculative_decoding_mode", SPEC_MODES[sp.mode]))
+        flags.append(("--speculative_decoding_mode", build_mode))
         if sp.max_draft_len:
             flags.append(("--max_draft_len", sp.max_draft_len))
     if b.log_level != "info":
@@ -421,7 +421,6 @@ TRITON_UNSET = {
     "gpu_device_ids": "written for draft_target (orchestrator); otherwise MPI ranks place the GPUs",
     "max_attention_window_size": "unset = the engine's max_seq_len, or the sliding window in its runtime_defaults",
 }
-DECODING_MODES = {"medusa": "medusa", "eagle": "eagle", "lookahead": "lookahead"}
 
 
 def triton_parameters(spec, medusa_choices: str | None = None) -> dict[str, object]:
@@ -432,7 +431,7 @@ def triton_parameters(spec, medusa_choices: str | None = None) -> dict[str, obje
     params.update({
         "max_beam_width": b.max_beam_width,
         "num_nodes": -(-spec.parallelism.world_size // spec.gpu.per_node),
-        "decoding_mode": DECODING_MODES.get(sp.mode, "beam_search" if b.max_beam_width > 1 else "top_k_top_p"),
+        "decoding_mode": mode_of(sp.mode).decoding_mode or ("beam_search" if b.max_beam_width > 1 else "top_k_top_p"),
     })
     if sp.mode == "lookahead":
         params.update(lookahead_window_size=sp.lookahead_window_size, lookahead_ngram_size=sp.lookahead_ngram_size,

@@ -14,15 +14,9 @@ from typing import Any
 
 from toolchain import upstream
 from toolchain.spec import DeploymentSpec
+from toolchain.speculative import mode_of
 
 POLICY = {"guaranteed_no_evict": "GUARANTEED_NO_EVICT", "max_utilization": "MAX_UTILIZATION"}
-# Speculative modes of the spec -> the LLM API's decoding_type; the rest exist only on the engine path.
-DECODING_TYPES = {"draft_target": "DraftTarget", "ngram": "NGram", "eagle3": "Eagle", "mtp": "MTP"}
-ENGINE_ONLY_MODES = {
-    "medusa": "Medusa heads run only in TensorRT engines (the PyTorch backend has no Medusa)",
-    "lookahead": "lookahead decoding runs only in the engine runtime",
-    "eagle": "EAGLE-1/2 drafts run only in TensorRT engines; the PyTorch backend runs EAGLE-3 checkpoints",
-}
 # Spec sections each derived top-level key comes from, for the error naming what to set instead.
 DERIVED_FROM = {
     "model": "model.checkpoint", "tokenizer": "model.tokenizer", "dtype": "model.dtype", "backend": "target",
@@ -60,14 +54,15 @@ def speculative_config(spec: DeploymentSpec) -> dict | None:
     sp = spec.speculative
     if sp.mode == "none":
         return None
-    if sp.mode not in DECODING_TYPES:
+    row = mode_of(sp.mode)
+    kind = row.decoding_type
+    if kind is None:
         return None  # refused by the llmapi.speculative check
-    kind = DECODING_TYPES[sp.mode]
     if sp.mode == "mtp":
         # The model's own MTP modules draft; their count is the draft length (MTPDecodingConfig).
         return {"decoding_type": kind, "num_nextn_predict_layers": sp.max_draft_len or 1}
     out: dict[str, Any] = {"decoding_type": kind, "max_draft_len": sp.max_draft_len}
-    if sp.mode in ("draft_target", "eagle3"):
+    if row.draft == "draft_model":
         # EAGLE-3 is the Eagle decoding type with a separate draft checkpoint (eagle3_one_model by default).
         out["speculative_model_dir"] = str(sp.draft_model) if sp.draft_model else None
     else:

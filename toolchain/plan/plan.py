@@ -15,6 +15,7 @@ from toolchain.gpus import GIB, GPUS, Gpu
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, QuantFormat, kv_dtype, kv_dtype_bytes, weight_dtype
 from toolchain.errors import ToolchainError
 from toolchain.plan.model import load_model, quant_format
+from toolchain.speculative import CHECKPOINT, mode_of
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def heads_rank_bytes(spec, params, dtype: str) -> int:
     unquantized in the checkpoint dtype); 0 without a readable heads directory, which
     spec.medusa-heads / spec.eagle-draft report."""
     sp = spec.speculative
-    if sp.mode not in ("medusa", "eagle") or sp.heads is None:
+    if mode_of(sp.mode).adds != CHECKPOINT or sp.heads is None:
         return 0
 
     try:

@@ -51,13 +51,15 @@ from toolchain.targets import CPU, target_of
 from toolchain.triton import cluster, exposure
 from toolchain.triton.server import Endpoints, diagnose_log, free_port, is_ready, port_in_use, python_stubs
 from toolchain.triton.runtime import backend_dir, resolve_binary, server_env
+from toolchain.speculative import DRAFT_ENGINE, mode_of
 
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
 
 
 def trtllm_models(spec) -> tuple[str, ...]:
     """The models backed by TensorRT-LLM engines, which every rank loads."""
-    return ("tensorrt_llm", "tensorrt_llm_draft") if spec.speculative.mode == "draft_target" else ("tensorrt_llm",)
+    return ("tensorrt_llm", "tensorrt_llm_draft") if mode_of(spec.speculative.mode).adds == DRAFT_ENGINE else (
+        "tensorrt_llm",)
 
 
 @dataclass
@@ -113,7 +115,7 @@ def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSE
     if spec.gpu.hostfile is not None:
         head += ["--hostfile", str(spec.gpu.hostfile)]
     world = spec.parallelism.world_size
-    if spec.speculative.mode == "draft_target":
+    if mode_of(spec.speculative.mode).adds == DRAFT_ENGINE:
         # Orchestrator with spawned workers: one server process, every GPU's CUDA pool off
         # (launch_triton_server.py --multi-model).
         gpus = [f"--cuda-memory-pool-byte-size={g}:0" for g in range(world)]
