@@ -51,7 +51,7 @@ import torch
 
 from toolchain.archs.common import NameTable, Shard, trt_name
 from toolchain.checkpoint import sharding
-from toolchain.checkpoint.hf_quant import COMPANIONS, engine_kv_scale, fuse_group, stored_linear
+from toolchain.checkpoint.hf_quant import COMPANIONS, HF_WEIGHT, engine_kv_scale, fuse_group, stored_linear
 from toolchain.checkpoint.hf_reader import HFCheckpoint, TensorInfo
 from toolchain.checkpoint.layout import Group, prepare, stage_ranks
 from toolchain.errors import ToolchainError
@@ -72,8 +72,6 @@ ALWAYS_EXCLUDED = ["lm_head", "transformer.vocab_embedding"]
 F32, I8 = torch.float32, torch.int8
 # formats.Tensor dtypes -> torch ("model": the checkpoint's float dtype, given per Quantizer).
 TORCH_STORAGE = {"int8": I8, "fp8": fp8_q.FP8_DTYPE, "float32": F32, "float16": torch.float16}
-# The dtype a ModelOpt HF export stores each format's weight in (formats.Format.hf_weight).
-HF_WEIGHT = {"uint8": torch.uint8, "fp8": fp8_q.FP8_DTYPE}
 KV_NAME = "transformer.layers.{layer}.attention.kv_cache_scaling_factor"
 
 
