@@ -61,7 +61,7 @@ COMPANIONS = ("weight_scale", "input_scale", "pre_quant_scale", "k_scale", "v_sc
 KV_ONLY_FORMAT = "kv_fp8"  # the export's `format` when only the KV cache is quantized
 # formats.Format.hf_weight -> torch, and the dtype of a stored weight -> the quant_algo it belongs to.
 HF_WEIGHT = {"uint8": torch.uint8, "fp8": fp8_q.FP8_DTYPE}
-STORED_ALGO = {HF_WEIGHT[f.hf_weight]: f.quant_algo for f in formats.HF_EXPORTS.values() if f.hf_weight}
+STORED_ALGO = {HF_WEIGHT[f.hf_weight]: f.quant_algo for f in formats.HF_EXPORTS.values() if f.hf_weight and f.quant_algo}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 MAX_SHARD_BYTES = 10 * 10 ** 9  # the exporter's default max_shard_size "10GB"

@@ -157,6 +157,7 @@ IMPORTED_INT4 = Format("imported_int4", AWQ.quant_algo, calibration=False, integ
 
 METHODS: dict[str, Format] = {f.name: f for f in (NONE, INT8_WO, INT4_WO, AWQ, SMOOTHQUANT, FP8)}
 """The spec's quantization.method values, in the spec's order."""
+ALL: tuple[Format, ...] = (*METHODS.values(), IMPORTED_INT4)
 BY_ALGO: dict[str | None, Format] = {f.quant_algo: f for f in METHODS.values()}
 """config.json quant_algo -> the method that writes it (an import reads as awq's row plus zero points)."""
 HF_EXPORTS: dict[str, Format] = {f.name: f for f in METHODS.values() if f.hf_name}
