@@ -51,12 +51,12 @@ def test_spec_rejects_bad_values_in_one_line(tmp_path, override, fragment):
 
 
 def test_rounding_reaches_the_recipe(tmp_path):
-    from toolchain.checkpoint.stage import recipe_of
+    from toolchain.quant.recipe import recipe_of
 
     path = tmp_path / "s.yaml"
     path.write_text("name: x\nquantization: {method: awq}\n")
-    assert recipe_of(load_spec(path)).rounding == "gptq"
-    assert recipe_of(load_spec(path, ["quantization.rounding=nearest"])).rounding == "nearest"
+    assert recipe_of(load_spec(path).quantization).rounding == "gptq"
+    assert recipe_of(load_spec(path, ["quantization.rounding=nearest"]).quantization).rounding == "nearest"
     _fails("quantization.rounding 'stochastic'", Recipe(method="awq", rounding="stochastic"))
 
 

@@ -28,6 +28,7 @@ from toolchain.checkpoint.hf_quant import read_hf_quant_format
 from toolchain.checkpoint.quantize import Quantizer, virtualize_modelopt, virtualize_prequantized
 from toolchain.checkpoint.writer import write_plan
 from toolchain.errors import ToolchainError
+from toolchain.quant import formats
 from toolchain.quant.recipe import ModelShape, Recipe, check_recipe, is_excluded, parse_prequantized
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
@@ -112,9 +113,6 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     return plan
 
 
-STORED_METHODS = {"FP8": "fp8", "W4A16_AWQ": "awq", None: "none"}
-
-
 def stored_recipe(fmt: dict, requested: Recipe, ckpt: HFCheckpoint, config_only: bool = False) -> Recipe:
     """The recipe a ModelOpt HF-format checkpoint (`fmt`: read_hf_quant_format) was quantized with,
     marked stored so its tensors are read, not computed. The spec's own recipe may not ask for more:
@@ -133,13 +131,14 @@ def stored_recipe(fmt: dict, requested: Recipe, ckpt: HFCheckpoint, config_only:
         raise ToolchainError(f"quantization.kv_cache {requested.kv_cache} needs calibration, which cannot run a "
                              f"pre-quantized ({what}) checkpoint", "set quantization.kv_cache none for this checkpoint")
     group = fmt["group_size"]
-    if algo == "W4A16_AWQ" and group is None and not config_only:
+    row = formats.BY_ALGO[algo]
+    if row.per_group and group is None and not config_only:
         # config.json alone does not say; the stored shapes do: (out/2, in) weight, (out, in/g) scales.
         w = next((i for i in ckpt.tensors.values() if i.dtype == torch.uint8), None)
         s = ckpt.tensors.get(w.name.removesuffix("weight") + "weight_scale") if w is not None else None
         if w is not None and s is not None and len(s.shape) == 2 and s.shape[1]:
             group = w.shape[1] // s.shape[1]
-    return Recipe(method=STORED_METHODS[algo], group_size=group or 128, kv_cache="fp8" if kv == "FP8" else "none",
+    return Recipe(method=row.name, group_size=group or 128, kv_cache=formats.KV_BY_ALGO[kv].name,
                   stored=True)
 
 

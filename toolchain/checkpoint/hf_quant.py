@@ -10,7 +10,7 @@ unified_export_hf.py, quant_utils.py, convert_hf_config.py; layouts checked agai
   module (the HF export does not unify q/k/v or gate/up scales; TensorRT-LLM's fused loader
   re-quantizes them to the max, tensorrt_llm/_torch/modules/linear.py FP8QDQLinearMethod),
   scalar float32 `input_scale` = amax(x) / 448.
-- W4A16_AWQ: `weight` uint8 (out/2, in), byte [j, k] = row 2j low nibble | row 2j+1 high
+- int4 AWQ: `weight` uint8 (out/2, in), byte [j, k] = row 2j low nibble | row 2j+1 high
   nibble, signed 4-bit two's complement, no zero point (`pack_int4_in_uint8`); float32
   `weight_scale` (out, in/g) = amax / 7; `pre_quant_scale` (in,) in the model dtype. Linears
   sharing a norm's output (q/k/v, gate/up) share one pre_quant_scale, which the exporter folds
@@ -43,9 +43,10 @@ from toolchain.archs.common import Match, NameTable, Shard, trt_name
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.errors import ToolchainError
 from toolchain.quant import awq as awq_q
+from toolchain.quant import formats
 from toolchain.quant import fp8 as fp8_q
 from toolchain.quant.int_quant import pack_int4
-from toolchain.quant.recipe import Recipe, is_excluded, per_group_multiple
+from toolchain.quant.recipe import Recipe, is_excluded, per_group_multiple, recipe_of
 from toolchain.checkpoint.config import build_config
 
 PRODUCER = {"name": "trtllm-toolchain", "version": __version__}
@@ -57,8 +58,10 @@ GROUPS = (("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), 
           ("mlp", ("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
           ("proj", ("mlp.down_proj",), None))
 COMPANIONS = ("weight_scale", "input_scale", "pre_quant_scale", "k_scale", "v_scale")
-ALGO = {"fp8": "FP8", "awq": "W4A16_AWQ"}
-FORMAT_NAME = {"FP8": "fp8", "W4A16_AWQ": "int4_awq", None: "kv_fp8"}
+KV_ONLY_FORMAT = "kv_fp8"  # the export's `format` when only the KV cache is quantized
+# formats.Format.hf_weight -> torch, and the dtype of a stored weight -> the quant_algo it belongs to.
+HF_WEIGHT = {"uint8": torch.uint8, "fp8": fp8_q.FP8_DTYPE}
+STORED_ALGO = {HF_WEIGHT[f.hf_weight]: f.quant_algo for f in formats.HF_EXPORTS.values() if f.hf_weight and f.quant_algo}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 MAX_SHARD_BYTES = 10 * 10 ** 9  # the exporter's default max_shard_size "10GB"
@@ -84,18 +87,10 @@ def hf_quant_problem(quantization) -> str | None:
         return "quantization.kv_cache int8 has no Hugging Face export the PyTorch backend loads; use fp8 or none"
     if method == "none" and kv == "none":
         return "quantization.method none and kv_cache none: nothing to pre-quantize; the backend loads the model as is"
-    if method not in ("fp8", "awq", "none") or kv not in ("fp8", "none"):
+    if (method != "none" and method not in formats.HF_EXPORTS) or kv not in ("fp8", "none"):
         return (f"quantization.method {method} / kv_cache {kv} is not exported to the Hugging Face format; "
                 "use fp8 or awq")
     return None
-
-
-def recipe_of_section(q) -> Recipe:
-    """The spec's QuantizationSection as the quantizers' recipe (same fields as the engine path)."""
-    c = q.calibration
-    return Recipe(method=q.method, group_size=q.group_size, alpha=q.alpha, kv_cache=q.kv_cache,
-                  rounding=q.rounding, exclude_modules=tuple(q.exclude_modules), calibration_dataset=c.dataset,
-                  calibration_samples=c.samples, calibration_seq_len=c.seq_len)
 
 
 # -- configs ----------------------------------------------------------------------------
@@ -103,7 +98,7 @@ def recipe_of_section(q) -> Recipe:
 def quant_configs(algo: str | None, kv: str | None, group: int, excluded: list[str]) -> tuple[dict, dict]:
     """(hf_quant_config.json, config.json `quantization_config`) as the exporter writes them."""
     q: dict = {"quant_algo": algo, "kv_cache_quant_algo": kv}
-    if algo == "W4A16_AWQ":
+    if formats.BY_ALGO[algo].per_group:
         q.update(group_size=group, has_zero_point=False, pre_quant_scale=True)
     if algo is not None:
         q["exclude_modules"] = sorted(ALWAYS_IGNORED + excluded)
@@ -195,7 +190,7 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
     if problem is not None:
         raise ToolchainError(problem, HINT)
     hf_dir, out = Path(hf_dir), Path(out_dir)
-    recipe = quantization if isinstance(quantization, Recipe) else recipe_of_section(quantization)
+    recipe = quantization if isinstance(quantization, Recipe) else recipe_of(quantization)
     with HFCheckpoint(hf_dir) as ckpt:
         family, params = load_params(ckpt.config, str(ckpt.config_path))
         table = NameTable(family, params)
@@ -209,7 +204,8 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
             _check_groups(params, recipe.group_size)
         stats = _calibration(hf_dir, recipe, calibration, tokenizer_dir, params.vocab_size)
         tensors, excluded = _quantized_tensors(ckpt, table, params, recipe, stats, target)
-    algo, kv = ALGO.get(recipe.method), ("FP8" if recipe.kv_cache == "fp8" else None)
+    row = formats.HF_EXPORTS.get(recipe.method)
+    algo, kv = (row.quant_algo if row else None), formats.KV_CACHE[recipe.kv_cache].quant_algo
     hf_quant, qc = quant_configs(algo, kv, recipe.group_size, excluded)
     files = _write_safetensors(tensors, out)
     config = dict(ckpt.config)
@@ -220,7 +216,7 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
     (out / "config.json").write_text(json.dumps(config, indent=4) + "\n")
     (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4) + "\n")
     files += ["config.json", "hf_quant_config.json"] + _copy_side_files(hf_dir, out, config)
-    return {"format": FORMAT_NAME[algo], "quant_algo": algo, "kv_cache_quant_algo": kv, "tensors": len(tensors),
+    return {"format": row.hf_name if row else KV_ONLY_FORMAT, "quant_algo": algo, "kv_cache_quant_algo": kv, "tensors": len(tensors),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "files": sorted(files)}
 
 
@@ -260,7 +256,7 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, recipe: Rec
             if recipe.method == "awq" and norm is not None:
                 # norm(x)·g·p = norm(x)·(g·p): folding the shared vector p into the norm's gain g is exact
                 # up to the model-dtype rounding of g·p, and the backend's fused qkv / gate_up loaders
-                # read no pre_quant_scale (linear.py W4A16_AWQ_LinearMethod).
+                # read no pre_quant_scale (linear.py, the int4 AWQ LinearMethod).
                 assert prequant is not None  # _quantize_group gives every AWQ linear the group's vector
                 g = ckpt.load(f"{base}.{norm}.weight").float()
                 out[f"{base}.{norm}.weight"] = (g * prequant).to(dtype)
@@ -335,11 +331,12 @@ def read_hf_quant_format(directory: Path | str) -> dict:
         kv = "FP8" if isinstance(scheme, dict) and scheme.get("type") == "float" else scheme
         ignore = q.get("ignore") or []
     algo = q.get("quant_algo")
-    if algo not in (None, "FP8", "W4A16_AWQ") or q.get("has_zero_point"):
+    importable = sorted(str(f.quant_algo) for f in formats.HF_EXPORTS.values())
+    if (algo is not None and algo not in importable) or q.get("has_zero_point"):
         zero = " with zero points" if q.get("has_zero_point") else ""
         raise ToolchainError(f"{directory}: ModelOpt quant_algo {algo}{zero} cannot be imported",
-                             "only FP8 and W4A16_AWQ (no zero point) checkpoints can; convert the unquantized "
-                             "model and set quantization.method instead")
+                             f"only {' and '.join(importable)} (no zero point) checkpoints can; convert the "
+                             "unquantized model and set quantization.method instead")
     if kv not in (None, "FP8"):
         raise ToolchainError(f"{directory}: ModelOpt kv_cache_quant_algo {kv} cannot be imported",
                              "only an FP8 KV cache (k_scale / v_scale) can; re-export with kv cache fp8 or none")
@@ -354,7 +351,7 @@ def stored_linear(load, has, prefix: str, algo: str) -> dict[str, torch.Tensor]:
     (the same bytes), `weights_scaling_factor` float32 (out, in/g) and `prequant_scaling_factor`
     (in,) when the module kept one (else it was folded into the norm). `load(name)` reads a tensor,
     `has(name)` says whether it is stored."""
-    if algo == "W4A16_AWQ":
+    if formats.BY_ALGO[algo].per_group:
         t = {"weight": load(prefix + ".weight").view(torch.int8),
              "weights_scaling_factor": load(prefix + ".weight_scale").float()}
         if has(prefix + ".pre_quant_scale"):
@@ -371,10 +368,9 @@ def read_hf_quantized(directory: Path | str) -> Iterator[tuple[str, dict[str, to
     with HFCheckpoint(directory) as ckpt:
         for name, info in ckpt.tensors.items():
             prefix, _, leaf = name.rpartition(".")
-            if leaf != "weight" or info.dtype not in (torch.uint8, fp8_q.FP8_DTYPE):
+            if leaf != "weight" or info.dtype not in STORED_ALGO:
                 continue
-            yield prefix, stored_linear(ckpt.load, ckpt.has, prefix,
-                                        "W4A16_AWQ" if info.dtype == torch.uint8 else "FP8")
+            yield prefix, stored_linear(ckpt.load, ckpt.has, prefix, STORED_ALGO[info.dtype])
 
 
 def engine_kv_scale(k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
@@ -388,7 +384,7 @@ def fuse_group(parts: list[dict[str, torch.Tensor]], algo: str, in_f: int, dtype
     group's largest weight scale (the fused FP8Linear has one; TensorRT-LLM's PyTorch loader does the
     same, and a part already at that scale keeps its bytes) and one activation scale; AWQ gets one
     prequant vector, ones where the exporter folded it into the norm."""
-    if algo == "FP8":
+    if not formats.BY_ALGO[algo].per_group:  # FP8: per-tensor scales
         s = torch.stack([p["weights_scaling_factor"] for p in parts]).max().reshape(1)
         a = torch.stack([p["activation_scaling_factor"] for p in parts]).max().reshape(1)
         return [{"weight": p["weight"] if torch.equal(p["weights_scaling_factor"], s)
@@ -427,6 +423,7 @@ def hf_quantized_to_engine_tensors(directory: Path | str) -> tuple[dict[str, tor
     directory = Path(directory)
     fmt = read_hf_quant_format(directory)
     algo = fmt["quant_algo"]
+    per_group = formats.BY_ALGO[algo].per_group
     quantized = dict(read_hf_quantized(directory))
     with HFCheckpoint(directory) as ckpt:
         family, params = load_params(ckpt.config, str(ckpt.config_path))
@@ -450,7 +447,7 @@ def hf_quantized_to_engine_tensors(directory: Path | str) -> tuple[dict[str, tor
             out["lm_head.weight"] = out["transformer.vocab_embedding.weight"].clone()
         excluded = list(ENGINE_EXCLUDED)
         group = fmt["group_size"]
-        if algo == "W4A16_AWQ" and group is None:  # config.json alone does not say: the shapes do
+        if per_group and group is None:  # config.json alone does not say: the shapes do
             w = next(iter(quantized.values()))
             group = w["weight"].shape[1] // w["weights_scaling_factor"].shape[1]
         multiple = per_group_multiple(group or 128, 1)
@@ -472,11 +469,11 @@ def hf_quantized_to_engine_tensors(directory: Path | str) -> tuple[dict[str, tor
                                          "the engine fuses them into one GEMM; re-export the checkpoint")
                 in_f = ckpt.info(prefixes[0] + ".weight").shape[1]
                 fused = fuse_group([quantized[p] for p in prefixes], algo, in_f, dtype)
-                if algo == "W4A16_AWQ" and padded != params.intermediate_size and members[0].startswith("mlp."):
+                if per_group and padded != params.intermediate_size and members[0].startswith("mlp."):
                     fused = [_pad_mlp(f, mm != "mlp.down_proj", padded - params.intermediate_size, group)
                              for f, mm in zip(fused, members, strict=False)]
                 if matches[0].row.shard is Shard.QKV:  # q, k, v rows stacked into one module
-                    rows = ("weight", "weights_scaling_factor") if algo == "W4A16_AWQ" else ("weight",)
+                    rows = ("weight", "weights_scaling_factor") if per_group else ("weight",)
                     out.update({f"{trt[0]}.{s}": torch.cat([f[s] for f in fused]) if s in rows else fused[0][s]
                                 for s in fused[0]})
                 else:
@@ -487,7 +484,7 @@ def hf_quantized_to_engine_tensors(directory: Path | str) -> tuple[dict[str, tor
     q: dict = {"quant_algo": algo, "kv_cache_quant_algo": fmt["kv_cache_quant_algo"]}
     if algo is not None:
         q["exclude_modules"] = excluded
-    if algo == "W4A16_AWQ":
+    if per_group:
         q.update(group_size=group, has_zero_point=False, pre_quant_scale=True)
     config["quantization"] = q
     return out, config

@@ -15,15 +15,16 @@ its layout:
 | `in_vec` (in,) | full copy | split |
 | `scalar` (1,) | full copy | full copy |
 
-Formats written (`quant_algo`):
+Formats written (`quant_algo`; each one's tensors, shapes and dtypes are its row's `stored` in
+toolchain/quant/formats.py, which `planned` and `components` follow):
 - W8A16 / W4A16: the fp weights as they are; trtllm-build quantizes them for
   the target GPU (preprocess_weights in tensorrt_llm/models/modeling_utils.py;
   the pre-quantized layout of `convert_checkpoint.py --use_weight_only` is
   interleaved per GPU architecture). The CPU engine quantizes them the same way
   at load.
-- W4A16_AWQ: packed int4 (out/2, in) int8, `weights_scaling_factor` (out, in/g),
+- awq (per-group int4): packed int4 (out/2, in) int8, `weights_scaling_factor` (out, in/g),
   `prequant_scaling_factor` (in,); imports of AutoAWQ/GPTQ add `zero` instead of the
-  prequant vector (lossless). trtllm-build's W4A16_AWQ preprocessing (TensorRT-LLM
+  prequant vector (lossless). trtllm-build's per-group int4 preprocessing (TensorRT-LLM
   tensorrt_llm/models/modeling_utils.py, preprocess_perlayer_weights) transposes the
   weight and `weights_scaling_factor` but leaves `zero` as stored, and the groupwise
   layers (tensorrt_llm/quantization/layers.py, WeightOnlyGroupwiseQuant*Linear) declare
@@ -32,7 +33,7 @@ Formats written (`quant_algo`):
 - W8A8_SQ_PER_CHANNEL: int8 weight, per-channel and static activation scales, prequant.
 - FP8: e4m3 weight, per-tensor weight and activation scales; q/k/v and fc/gate share them.
 
-ModelOpt Hugging Face-format checkpoints (FP8, W4A16_AWQ; toolchain/checkpoint/hf_quant.py) are
+ModelOpt Hugging Face-format checkpoints (FP8, per-group int4 AWQ; toolchain/checkpoint/hf_quant.py) are
 imported as stored: `virtualize_modelopt` shows the planner the fp model they encode, and the
 quantizer reads each group's stored components instead of computing them (recipe.stored), then
 pads, splits and writes them exactly as it does what it computes.
@@ -50,11 +51,12 @@ import torch
 
 from toolchain.archs.common import NameTable, Shard, trt_name
 from toolchain.checkpoint import sharding
-from toolchain.checkpoint.hf_quant import COMPANIONS, engine_kv_scale, fuse_group, stored_linear
+from toolchain.checkpoint.hf_quant import COMPANIONS, HF_WEIGHT, engine_kv_scale, fuse_group, stored_linear
 from toolchain.checkpoint.hf_reader import HFCheckpoint, TensorInfo
 from toolchain.checkpoint.layout import Group, prepare, stage_ranks
 from toolchain.errors import ToolchainError
 from toolchain.quant import awq as awq_q
+from toolchain.quant import formats
 from toolchain.quant import fp8 as fp8_q
 from toolchain.quant import prequantized as pre_q
 from toolchain.quant import smoothquant as sq_q
@@ -68,6 +70,8 @@ MLP_OUT = ("mlp.fc", "mlp.gate")    # their out dim is the intermediate size
 MLP_IN = ("mlp.proj",)              # its in dim is
 ALWAYS_EXCLUDED = ["lm_head", "transformer.vocab_embedding"]
 F32, I8 = torch.float32, torch.int8
+# formats.Tensor dtypes -> torch ("model": the checkpoint's float dtype, given per Quantizer).
+TORCH_STORAGE = {"int8": I8, "fp8": fp8_q.FP8_DTYPE, "float32": F32, "float16": torch.float16}
 KV_NAME = "transformer.layers.{layer}.attention.kv_cache_scaling_factor"
 
 
@@ -112,15 +116,24 @@ class Quantizer:
     # -- what is written ------------------------------------------------------------------
 
     @property
+    def format(self) -> formats.Format:
+        """The row of what is written: the recipe's method, or an imported AutoAWQ/GPTQ int4 checkpoint."""
+        return formats.weight_format(self.recipe.method, imported=self.prequantized is not None)
+
+    @property
     def fmt(self) -> str | None:
-        """The stored format of quantized linears; None when the weights stay fp (none, W8A16/W4A16 option a)."""
-        if self.prequantized is not None:
-            return "int4_zero"
-        return {"awq": "awq", "smoothquant": "sq", "fp8": "fp8"}.get(self.recipe.method)
+        """The row's name when linears are stored quantized; None when the weights stay fp (none,
+        W8A16/W4A16 option a)."""
+        row = self.format
+        return None if row.stored == formats.FP_WEIGHT else row.name
+
+    @property
+    def per_group(self) -> bool:
+        return self.format.per_group
 
     @property
     def quant_algo(self) -> str | None:
-        return "W4A16_AWQ" if self.prequantized is not None else self.recipe.quant_algo
+        return self.format.quant_algo
 
     @property
     def group_size(self) -> int:
@@ -136,7 +149,7 @@ class Quantizer:
         if algo is not None:
             q["exclude_modules"] = ALWAYS_EXCLUDED + [p for p in self.recipe.exclude_modules
                                                      if p not in ALWAYS_EXCLUDED]
-        if algo == "W4A16_AWQ":
+        if self.per_group:
             zero = self.prequantized is not None
             q.update(group_size=self.group_size, has_zero_point=zero, pre_quant_scale=not zero)
         return q
@@ -156,7 +169,7 @@ class Quantizer:
         """Per-group int4 MLP linears are zero-padded to the intermediate size the engine expects
         (WeightOnlyGroupwiseQuantLinear, tensorrt_llm/quantization/layers.py)."""
         lin = linear_of(name)
-        if lin is None or self.fmt not in ("awq", "int4_zero"):
+        if lin is None or not self.per_group:
             return shape
         local = self.layout.padded_intermediate // self.tp
         if lin[1] in MLP_OUT:
@@ -169,19 +182,17 @@ class Quantizer:
         """The tensors replacing fp weight `name` of per-rank `shape`."""
         out, inp = self.padded_shape(name, shape)
         prefix = name[: -len(".weight")]
-        g = self.group_size
-        items: list[tuple[str, tuple[int, ...], torch.dtype]]
-        if self.fmt in ("awq", "int4_zero"):
-            items = [("weight", (out // 2, inp), I8), ("weights_scaling_factor", (out, inp // g), F32)]
-            items.append(("zero", (inp // g, out), self.dtype) if self.fmt == "int4_zero"
-                         else ("prequant_scaling_factor", (inp,), self.dtype))
-        elif self.fmt == "sq":
-            items = [("weight", (out, inp), I8), ("weights_scaling_factor", (out,), F32),
-                     ("activation_scaling_factor", (1,), F32), ("prequant_scaling_factor", (inp,), self.dtype)]
-        else:
-            items = [("weight", (out, inp), fp8_q.FP8_DTYPE), ("weights_scaling_factor", (1,), F32),
-                     ("activation_scaling_factor", (1,), F32)]
-        return [(f"{prefix}.{s}", sh, dt) for s, sh, dt in items]
+        return [(f"{prefix}.{t.suffix}", t.dims(out, inp, self.group_size), self._torch_dtype(t.dtype))
+                for t in self.format.stored]
+
+    def _torch_dtype(self, kind: str) -> torch.dtype:
+        return self.dtype if kind == "model" else TORCH_STORAGE[kind]
+
+    def _components(self, values: dict[str, list[torch.Tensor]]) -> list[Component]:
+        """One output's components in the order, layouts and dtypes of its row's `stored` tensors;
+        `values`: suffix -> parts (one per source for row-carrying layouts)."""
+        return [Component(t.suffix, t.layout, values[t.suffix], self._torch_dtype(t.dtype))
+                for t in self.format.stored]
 
     def kv_planned(self, stage: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         if self.recipe.kv_cache == "none":
@@ -209,7 +220,7 @@ class Quantizer:
                    prefixes: list[list[str]], load) -> list[list[Component]]:
         """Per output (qkv: one with q, k, v; merged fc/gate: two), its full, unsplit components.
         `weights` (the fp sources) may be None for imports, which read their stored tensors."""
-        if self.prequantized is not None:  # fmt int4_zero
+        if self.prequantized is not None:  # fmt imported_int4
             return [self._imported(self.prequantized, p, load) for p in prefixes]
         if self.recipe.stored:
             return self._stored(prefixes, load)
@@ -223,24 +234,20 @@ class Quantizer:
             lins, _ = awq_q.quantize_awq(flat, st.absmean, st.cov, g, search=self.recipe.search,
                                          clip=self.recipe.search,
                                          rounding=self.recipe.rounding if self.recipe.search else "nearest")
-            comps = [[Component("weight", "weight", [lin.weight], I8),
-                      Component("weights_scaling_factor", "out_groups", [lin.weights_scaling_factor], F32),
-                      Component("prequant_scaling_factor", "in_vec", [lin.prequant_scaling_factor], self.dtype)]
-                     for lin in lins]
-        elif self.fmt == "sq":
+            comps = [self._components({"weight": [lin.weight], "weights_scaling_factor": [lin.weights_scaling_factor],
+                                       "prequant_scaling_factor": [lin.prequant_scaling_factor]}) for lin in lins]
+        elif self.fmt == "smoothquant":
             sq_lins = sq_q.quantize_sq(flat, st.amax, self.recipe.alpha if self.recipe.search else None)
-            comps = [[Component("weight", "weight", [lin.weight], I8),
-                      Component("weights_scaling_factor", "out_vec", [lin.weights_scaling_factor], F32),
-                      Component("activation_scaling_factor", "scalar", [lin.activation_scaling_factor], F32),
-                      Component("prequant_scaling_factor", "in_vec", [lin.prequant_scaling_factor], self.dtype)]
+            comps = [self._components({"weight": [lin.weight], "weights_scaling_factor": [lin.weights_scaling_factor],
+                                       "activation_scaling_factor": [lin.activation_scaling_factor],
+                                       "prequant_scaling_factor": [lin.prequant_scaling_factor]})
                      for lin in sq_lins]
         else:
             # q/k/v must share one weight scale (FP8Linear); fc and gate preferably do, and here they do.
             qs, wscale = fp8_q.quantize_fp8_shared(flat)
             ascale = fp8_q.fp8_scale(st.amax.max())
-            comps = [[Component("weight", "weight", [q], fp8_q.FP8_DTYPE),
-                      Component("weights_scaling_factor", "scalar", [wscale], F32),
-                      Component("activation_scaling_factor", "scalar", [ascale], F32)] for q in qs]
+            comps = [self._components({"weight": [q], "weights_scaling_factor": [wscale],
+                                       "activation_scaling_factor": [ascale]}) for q in qs]
         return self._regroup(comps, [len(ws) for ws in weights])
 
     @staticmethod
@@ -276,8 +283,7 @@ class Quantizer:
             ws.append(signed)
             ss.append(scales)
             zs.append(zero)
-        return [Component("weight", "weight", ws, I8), Component("weights_scaling_factor", "out_groups", ss, F32),
-                Component("zero", "out_groups", zs, self.dtype)]
+        return self._components({"weight": ws, "weights_scaling_factor": ss, "zero": zs})
 
     def _stored(self, prefixes: list[list[str]], load) -> list[list[Component]]:
         """ModelOpt HF-format tensors of one shared-input group -> per output, the components the
@@ -290,16 +296,9 @@ class Quantizer:
         flat = [p for ps in prefixes for p in ps]
         parts = [stored_linear(load, self.raw.__contains__, p, algo) for p in flat]
         fused = fuse_group(parts, algo, self.raw[flat[0] + ".weight"].shape[1], self.dtype)
-        if algo == "FP8":
-            comps = [[Component("weight", "weight", [f["weight"]], fp8_q.FP8_DTYPE),
-                      Component("weights_scaling_factor", "scalar", [f["weights_scaling_factor"]], F32),
-                      Component("activation_scaling_factor", "scalar", [f["activation_scaling_factor"]], F32)]
-                     for f in fused]
-        else:
-            comps = [[Component("weight", "weight", [unpack_int4(f["weight"])], I8),
-                      Component("weights_scaling_factor", "out_groups", [f["weights_scaling_factor"]], F32),
-                      Component("prequant_scaling_factor", "in_vec", [f["prequant_scaling_factor"]], self.dtype)]
-                     for f in fused]
+        # The int4 weight is unpacked here and packed again after the split (`finish`).
+        comps = [self._components({s: [unpack_int4(t) if s == "weight" and self.per_group else t]
+                                   for s, t in f.items()}) for f in fused]
         return self._regroup(comps, [len(ps) for ps in prefixes])
 
     def pad(self, module: str, comps: list[Component]) -> list[Component]:
@@ -307,7 +306,7 @@ class Quantizer:
         (WeightOnlyGroupwiseQuantLinear): zero weights, unit scales and prequant (so nothing
         divides by zero), zero zero-points."""
         target = self.layout.padded_intermediate
-        if self.fmt not in ("awq", "int4_zero") or target == self.intermediate or module not in MLP_OUT + MLP_IN:
+        if not self.per_group or target == self.intermediate or module not in MLP_OUT + MLP_IN:
             return comps
         g, out = self.group_size, []
         for c in comps:
@@ -345,7 +344,7 @@ class Quantizer:
         return sharding.split_row(t, tp)
 
     def finish(self, comp: Component, piece: torch.Tensor) -> torch.Tensor:
-        if comp.suffix == "weight" and self.fmt in ("awq", "int4_zero"):
+        if comp.suffix == "weight" and self.per_group:
             return pack_int4(piece.contiguous())
         if comp.suffix == "zero":  # split as (out, in/g) like the scales, stored as the layer declares it
             return piece.t().to(comp.dtype).contiguous()
@@ -360,7 +359,7 @@ class Quantizer:
         """fc (HF gate_proj) and gate (HF up_proj) share one input, so their shared
         parameters (AWQ scales, SmoothQuant smoothing and activation scale, FP8
         scales) need both weights: read them as one group, sources in output order."""
-        if self.fmt in (None, "int4_zero"):
+        if self.fmt is None or self.prequantized is not None:  # imports keep each linear's own tensors
             return groups
         out: list[Group] = []
         for g in groups:
@@ -443,7 +442,8 @@ def virtualize_modelopt(ckpt: HFCheckpoint, table: NameTable, fmt: dict, dtype: 
     (k_scale, v_scale) names). From headers only; `config_only` (no weights yet, dry runs) takes the
     quantized linears from the format's exclude_modules instead."""
     algo, where = fmt["quant_algo"], ckpt.directory
-    storage = {"FP8": fp8_q.FP8_DTYPE, "W4A16_AWQ": torch.uint8}.get(algo)
+    hf_weight = formats.BY_ALGO[algo].hf_weight
+    storage = HF_WEIGHT[hf_weight] if hf_weight else None
     raw = dict(ckpt.tensors)
     virtual: dict[str, TensorInfo] = {}
     # (global layer, input slot) -> {HF linear prefix: stored quantized}; modules sharing an input
@@ -456,7 +456,7 @@ def virtualize_modelopt(ckpt: HFCheckpoint, table: NameTable, fmt: dict, dtype: 
             continue
         m = table.match(name)
         lin = linear_of(trt_name(m.row, m.layer)) if m is not None and m.row.trt is not None else None
-        quantized = info.dtype in (torch.uint8, fp8_q.FP8_DTYPE)
+        quantized = info.dtype in HF_WEIGHT.values()
         if quantized and (lin is None or leaf != "weight"):
             raise ToolchainError(f"{where}: {name} is stored quantized ({info.dtype}) but the engine keeps it "
                                  "unquantized", "re-export the checkpoint with that module in exclude_modules")
@@ -508,9 +508,10 @@ def _virtual_weight(raw: dict[str, TensorInfo], name: str, info: TensorInfo, alg
     are there with the shapes the format gives them (so a broken export fails before any read)."""
     prefix = name.removesuffix(".weight")
     rows, cols = info.shape
-    out = rows * 2 if algo == "W4A16_AWQ" else rows
+    per_group = formats.BY_ALGO[algo].per_group
+    out = rows * 2 if per_group else rows  # two int4 rows per byte
     wanted: dict[str, tuple[int, ...]]  # leaf -> shape
-    if algo == "FP8":
+    if not per_group:  # FP8
         wanted = {"weight_scale": (), "input_scale": ()}
     else:
         g = fmt["group_size"]

@@ -26,7 +26,7 @@ from toolchain.fingerprint import input_hash
 from toolchain.fsutil import atomic_dir
 from toolchain.gpus import lookup
 from toolchain.manifest import Manifest, current_manifest
-from toolchain.quant.recipe import Recipe
+from toolchain.quant.recipe import recipe_of
 from toolchain.spec import DeploymentSpec
 from toolchain.weights_source import source_record
 from toolchain.targets import target_of
@@ -61,15 +61,6 @@ def _quant_settings(spec: DeploymentSpec) -> dict | None:
     return None if q is None else q.model_dump(mode="json")
 
 
-def recipe_of(spec: DeploymentSpec) -> Recipe:
-    """The spec's quantization section as the converter's recipe."""
-    q = spec.quantization
-    c = q.calibration
-    return Recipe(method=q.method, group_size=q.group_size, alpha=q.alpha, kv_cache=q.kv_cache, rounding=q.rounding,
-                  exclude_modules=tuple(q.exclude_modules), calibration_dataset=c.dataset,
-                  calibration_samples=c.samples, calibration_seq_len=c.seq_len)
-
-
 def target_gpu(spec: DeploymentSpec) -> tuple[str | None, int | None] | None:
     """(name, SM) of the GPU the spec names, for the format checks (FP8 needs SM 89+)."""
     gpu = spec.gpu
@@ -102,7 +93,7 @@ def _plan_options(spec: DeploymentSpec) -> dict:
     par = spec.parallelism
     return {"tp": par.tp, "pp": par.pp, "dtype": spec.model.dtype, "target": spec.target,
             "use_parallel_embedding": par.parallel_embedding, "embedding_sharding_dim": par.embedding_sharding_dim,
-            "recipe": recipe_of(spec), "gpu": target_gpu(spec)}
+            "recipe": recipe_of(spec.quantization), "gpu": target_gpu(spec)}
 
 
 def plan_convert(spec: DeploymentSpec) -> Plan:

@@ -17,6 +17,7 @@ from toolchain.engine.trtllm import default_workers, planned_mpi
 from toolchain.plan import memory as mem
 from toolchain.plan.model import read_json
 from toolchain.plan.plan import checkpoint_bytes_per_rank
+from toolchain.quant.formats import BLACKWELL, KV_CACHE
 from toolchain.quant.recipe import ModelShape, check_per_group, check_pytorch_per_group, per_group_multiple
 from toolchain.checks.registry import ENGINE, ENGINE_PATH, FAIL, GPU_ONLY, PASS, SKIP, WARN, Context, check
 
@@ -111,7 +112,7 @@ def _kv_quant_advice(ctx: Context) -> str:
     if not ctx.row.on_gpu or dev is None or dev.kind != "gpu":
         kv = "int8"
     else:
-        kv = "fp8" if (dev.sm or 0) >= 89 else "int8"
+        kv = "int8" if KV_CACHE["fp8"].refused_on(dev.sm or 0) else "fp8"
     return f"set quantization.kv_cache={kv}, "
 
 
@@ -350,14 +351,16 @@ def _lm_head_excluded(ctx: Context):
 @check("quant.fp8-needs-sm89", ENGINE, "FP8 weights and FP8 KV need SM 89 or newer (TensorRT-LLM precision.md)")
 def _fp8_sm(ctx: Context):
     q, dev = ctx.quant, ctx.device
-    fp8 = [f for f, on in (("quantization.method=fp8", q.method == "fp8"),
-                           ("quantization.kv_cache=fp8", q.kv_cache == "fp8")) if on]
+    # The formats with a minimum SM (quant/formats.py): FP8 weights and the FP8 KV cache.
+    fp8 = [(f"quantization.{field}={value}", row.min_sm) for field, value, row in
+           (("method", q.method, q.format), ("kv_cache", q.kv_cache, q.kv_format)) if row.min_sm is not None]
     if not fp8:
         return PASS, "no FP8"
     if dev is None or dev.sm is None:
         return SKIP, "no GPU named"
-    if dev.sm < 89:
-        return FAIL, (f"{' and '.join(fp8)} need SM 89+ (Ada/Hopper); the {dev.name} is SM {dev.sm}: "
+    old = [what for what, sm in fp8 if dev.sm < sm]
+    if old:
+        return FAIL, (f"{' and '.join(old)} need SM {fp8[0][1]}+ (Ada/Hopper); the {dev.name} is SM {dev.sm}: "
                       "use int8 formats or a newer GPU")
     return PASS, f"FP8 on SM {dev.sm}"
 
@@ -366,11 +369,11 @@ def _fp8_sm(ctx: Context):
        "SM 100-119 rejects int8/int4 weight formats and INT8 KV (TensorRT-LLM builder.py)", paths=ENGINE_PATH)
 def _blackwell(ctx: Context):
     q, dev = ctx.quant, ctx.device
-    if dev is None or dev.sm is None or not 100 <= dev.sm < 120:
+    if dev is None or dev.sm is None or dev.sm not in BLACKWELL:
         return PASS, "not a Blackwell GPU"
     weights = f"the checkpoint's stored {q.stored.upper()} int4" if q.stored else f"quantization.method={q.method}"
-    bad = ([weights] if q.integer else []) + \
-          (["quantization.kv_cache=int8"] if q.kv_cache == "int8" else [])
+    bad = [what for what, row in ((weights, q.format), (f"quantization.kv_cache={q.kv_cache}", q.kv_format))
+           if row.refused_on(dev.sm) == "blackwell"]
     if bad:
         return FAIL, f"SM {dev.sm} (Blackwell) cannot build {' and '.join(bad)}; use fp8 (or NVFP4) instead"
     return PASS, f"formats build on SM {dev.sm}"

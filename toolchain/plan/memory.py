@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from toolchain.archs.params import ArchParams
 from toolchain.plan.model import QuantFormat
+from toolchain.quant import formats
 from toolchain.quant.recipe import per_group_multiple
 
 GIB = 1024**3
@@ -65,29 +66,12 @@ def linear_shapes(p: ArchParams, tp: int, quant: QuantFormat | None = None) -> l
 
 
 def linear_bytes(out: int, inp: int, quant: QuantFormat, dt_bytes: int, stored: bool = False) -> float:
-    """Bytes of one linear weight and its scales (memory.md). `stored`: as written in the
-    checkpoint, where weight-only formats are still in the model dtype (trtllm-build
-    quantizes them: preprocess_weights in tensorrt_llm/models/modeling_utils.py)."""
-    n = out * inp
-    m = quant.method
-    if m == "none" or (stored and quant.weight_only):
-        return n * dt_bytes
-    if m == "int8_wo":
-        return n + out * 2
-    if m == "int4_wo":
-        return n / 2 + out * 2
-    if m == "awq":
-        # Packed int4 and one scale per group: float32 as convert writes them, the model dtype once
-        # trtllm-build has loaded them (WeightOnlyGroupwiseQuantLinear, quantization/layers.py). Then
-        # zero points per group for an imported AutoAWQ/GPTQ checkpoint, else AWQ's prequant vector.
-        groups = n / quant.group_size
-        extra = groups * dt_bytes if quant.stored else inp * dt_bytes
-        return n / 2 + groups * (4 if stored else 2) + extra
-    if m == "smoothquant":
-        return n + out * 4 + 4 + inp * dt_bytes  # int8, f32 per-channel and activation scale, prequant
-    if m == "fp8":
-        return n + 8  # fp8 weight, f32 weight and activation scalars
-    raise ValueError(f"unknown quantization method {m}")
+    """Bytes of one linear weight and its scales (memory.md), summed over the tensors its format's row
+    lists (quant/formats.py): `stored` as written in the checkpoint, where weight-only formats are
+    still in the model dtype (trtllm-build quantizes them: preprocess_weights in
+    tensorrt_llm/models/modeling_utils.py), else as the engine holds them."""
+    row = quant.format
+    return formats.tensor_bytes(row.stored if stored else row.built, out, inp, quant.group_size, dt_bytes)
 
 
 @dataclass(frozen=True)

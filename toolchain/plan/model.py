@@ -15,6 +15,7 @@ from pathlib import Path
 from toolchain.archs import family_for_config, get_family, load_params
 from toolchain.archs.params import ROPE_REQUIRED_KEYS, ROPE_TYPES, ArchParams, engine_dtype, normalize_params
 from toolchain.errors import ToolchainError
+from toolchain.quant import formats
 from toolchain.targets import CPU, target_of
 
 # TensorRT-LLM maps these onto its Llama implementation (Qwen2 adds q/k/v biases,
@@ -23,12 +24,8 @@ from toolchain.targets import CPU, target_of
 # registers them; the `arch.supported` check says whether convert can run.
 LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
-QUANT_METHODS = ("none", "int8_wo", "int4_wo", "awq", "smoothquant", "fp8")
-KV_DTYPES = ("none", "int8", "fp8")
-# spec quantization.method -> TensorRT-LLM QuantAlgo (tensorrt_llm/quantization/mode.py), as
-# ModelOpt exports them (tensorrt_llm/quantization/quantize_by_modelopt.py)
-QUANT_ALGO = {"none": None, "int8_wo": "W8A16", "int4_wo": "W4A16", "awq": "W4A16_AWQ",
-              "smoothquant": "W8A8_SQ_PER_CHANNEL", "fp8": "FP8"}
+QUANT_METHODS = tuple(formats.METHODS)
+KV_DTYPES = tuple(formats.KV_CACHE)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -46,21 +43,30 @@ class QuantFormat:
     imports as stored: W4A16 per group with zero points and no prequant scale (checkpoint/quantize.py)."""
 
     @property
+    def format(self) -> formats.Format:
+        """The weights' row (quant/formats.py): an imported checkpoint's own int4 format when stored."""
+        return formats.weight_format(self.method, imported=self.stored is not None)
+
+    @property
+    def kv_format(self) -> formats.KvFormat:
+        return formats.KV_CACHE[self.kv_cache]
+
+    @property
     def quant_algo(self) -> str | None:
-        return QUANT_ALGO[self.method]
+        return self.format.quant_algo
 
     @property
     def per_group(self) -> bool:
-        return self.method == "awq"
+        return self.format.per_group
 
     @property
     def weight_only(self) -> bool:
-        return self.method in ("int8_wo", "int4_wo")
+        return self.format.weight_only
 
     @property
     def integer(self) -> bool:
         """Formats Blackwell cannot build (TensorRT-LLM tensorrt_llm/builder.py, build)."""
-        return self.method in ("int8_wo", "int4_wo", "awq", "smoothquant")
+        return self.format.integer
 
     def describe(self) -> str:
         algo = self.quant_algo or "no weight quantization"
@@ -208,4 +214,5 @@ def kv_dtype(spec, params: ArchParams, quant: QuantFormat) -> str:
 
 
 def kv_dtype_bytes(name: str) -> int:
-    return 1 if name in ("int8", "fp8") else DTYPE_BYTES[name]
+    kv = formats.KV_CACHE.get(name)
+    return formats.STORAGE_BYTES[kv.storage] if kv is not None and kv.storage else DTYPE_BYTES[name]

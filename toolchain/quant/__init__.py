@@ -1,14 +1,17 @@
 """Quantization: pure tensor functions and the recipe checks.
 
+- `formats`: one row per format (QuantAlgo, GPUs, calibration, stored tensors, bytes); everything
+  else reads a format's facts there.
 - `int_quant`: symmetric round-to-nearest int8/int4 (per channel, per group) and
   ModelOpt's int4 packing.
-- `awq`: activation-aware scale and clipping search (W4A16_AWQ).
+- `awq`: activation-aware scale and clipping search (the awq format).
 - `smoothquant`: smoothing and the W8A8_SQ_PER_CHANNEL tensors.
 - `fp8`: per-tensor e4m3 weights and scales.
 - `kv_cache`: KV-cache INT8/FP8 scales and storage.
 - `prequantized`: AutoAWQ (GEMM) and GPTQ packing, unpacking and the zero-point conversion.
 - `calibration`: the calibration data and layer-by-layer activation statistics.
-- `recipe`: the spec-independent recipe and `check_recipe`, run before any weight is read.
+- `recipe`: the spec-independent recipe (`recipe_of` a spec section) and `check_recipe`, run before
+  any weight is read.
 
 Nothing here imports the rest of the project except `toolchain.errors`, so
 the checkpoint writer and the CPU engine can both build on it.

@@ -2,8 +2,8 @@
 
 Rounding error matters most in the input channels where activations are
 large. AWQ scales those weight columns up before quantizing (`W_s = W·diag(s)`)
-and the activation down by the same factor at run time, which the W4A16_AWQ
-layout stores as `prequant_scaling_factor = 1/s` (TensorRT-LLM
+and the activation down by the same factor at run time, which the awq
+format stores as `prequant_scaling_factor = 1/s` (TensorRT-LLM
 tensorrt_llm/quantization/layers.py, WeightOnlyGroupwiseQuantLinear; ModelOpt keeps
 it separate rather than folding it into the previous norm). Then, per group,
 it clips the quantization range when a slightly smaller amax lowers the

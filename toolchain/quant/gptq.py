@@ -5,7 +5,7 @@ a time and spreading each channel's rounding error over the channels not yet
 rounded, weighted by the calibration inputs' second moments `C = E[x xᵀ]`,
 lowers the same objective AWQ searches with, `tr(ΔW C ΔWᵀ)`. The per-group
 scales (AWQ's clipped ranges) are fixed beforehand, so the result is still a
-plain W4A16_AWQ tensor: only which integer each weight gets changes.
+plain awq tensor (quant/formats.py AWQ row): only which integer each weight gets changes.
 llmcompressor recipes chain its AWQ and GPTQ modifiers the same way.
 
 The update is the lazy-batch form of Frantar et al. (2022): within a block of

@@ -14,18 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolchain.errors import ToolchainError
+from toolchain.quant import formats
 
-METHODS = ("none", "int8_wo", "int4_wo", "awq", "smoothquant", "fp8")
-KV_KINDS = ("none", "int8", "fp8")
+METHODS = tuple(formats.METHODS)
+KV_KINDS = tuple(formats.KV_CACHE)
 ROUNDINGS = ("gptq", "nearest")
 GROUP_SIZES = (64, 128)  # the only per-group int4 sizes TensorRT-LLM implements (TensorRT-LLM issue #988)
 BUILTIN = "builtin"
-
-# quant_algo written to config.json per method (QuantAlgo, TensorRT-LLM tensorrt_llm/quantization/mode.py).
-QUANT_ALGO = {"none": None, "int8_wo": "W8A16", "int4_wo": "W4A16", "awq": "W4A16_AWQ",
-              "smoothquant": "W8A8_SQ_PER_CHANNEL", "fp8": "FP8"}
-KV_ALGO = {"none": None, "int8": "INT8", "fp8": "FP8"}
-INTEGER_METHODS = ("int8_wo", "int4_wo", "awq", "smoothquant")
 
 
 @dataclass(frozen=True)
@@ -48,16 +43,21 @@ class Recipe:
     its tensors are read as stored, so nothing is computed and nothing calibrated."""
 
     @property
+    def format(self) -> formats.Format:
+        """The weight format's row (quant/formats.py)."""
+        return formats.METHODS[self.method]
+
+    @property
     def quant_algo(self) -> str | None:
-        return QUANT_ALGO[self.method]
+        return self.format.quant_algo
 
     @property
     def kv_cache_quant_algo(self) -> str | None:
-        return KV_ALGO[self.kv_cache]
+        return formats.KV_CACHE[self.kv_cache].quant_algo
 
     @property
     def needs_calibration(self) -> bool:
-        return not self.stored and (self.method in ("awq", "smoothquant", "fp8") or self.kv_cache != "none")
+        return not self.stored and (self.format.calibration or formats.KV_CACHE[self.kv_cache].calibration)
 
     @property
     def active(self) -> bool:
@@ -95,6 +95,15 @@ class LayoutPlan:
     int4 layers are padded to (zero rows/columns; TensorRT-LLM tensorrt_llm/quantization/layers.py)."""
 
     padded_intermediate: int
+
+
+def recipe_of(q) -> Recipe:
+    """The spec's `quantization` section (QuantizationSection) as the quantizers' recipe; the engine
+    path (checkpoint/stage.py) and the HF export (checkpoint/hf_quant.py) both read it so."""
+    c = q.calibration
+    return Recipe(method=q.method, group_size=q.group_size, alpha=q.alpha, kv_cache=q.kv_cache, rounding=q.rounding,
+                  exclude_modules=tuple(q.exclude_modules), calibration_dataset=c.dataset,
+                  calibration_samples=c.samples, calibration_seq_len=c.seq_len)
 
 
 def parse_prequantized(qc: dict | None, origin: str) -> Prequantized | None:
@@ -151,7 +160,7 @@ def check_per_group(shape: ModelShape, group: int, tp: int, field_name: str) -> 
 
 def pytorch_per_group_problems(shape: ModelShape, group: int, tp: int) -> list[str]:
     """What the LLM-API path's PyTorch backend refuses for per-group int4 at `tp`: it pads nothing, and
-    W4A16_AWQ_LinearMethod.create_weights raises unless each rank's in_features is a multiple of the
+    the int4 AWQ linear method's create_weights raises unless each rank's in_features is a multiple of the
     group size (TensorRT-LLM tensorrt_llm/_torch/modules/linear.py at 00bbf71e; a row-parallel
     linear's in_features are split by tp). Empty when the split loads."""
     dims = (("hidden_size", shape.hidden_size),
@@ -181,22 +190,23 @@ def check_pytorch_per_group(shape: ModelShape, group: int, tp: int) -> None:
 
 
 def _check_gpu(recipe: Recipe, gpu_name: str | None, sm: int | None, pre: Prequantized | None) -> None:
+    """The formats' SM rules (Format.refused_on), as convert's refusal."""
     if sm is None:
         return
     name = gpu_name or f"SM{sm}"
-    fp8 = [f for f, used in (("quantization.method fp8", recipe.method == "fp8"),
-                             ("quantization.kv_cache fp8", recipe.kv_cache == "fp8")) if used]
-    if fp8 and sm < 89:
-        raise ToolchainError(f"{fp8[0]} needs an Ada or Hopper GPU (SM >= 89); {name} is SM{sm}",
+    weights = formats.weight_format(recipe.method, imported=pre is not None)
+    kv = formats.KV_CACHE[recipe.kv_cache]
+    parts = (("an imported int4 checkpoint" if pre is not None else "quantization.method " + recipe.method,
+              weights), ("quantization.kv_cache " + recipe.kv_cache, kv))
+    old = [(what, f.min_sm) for what, f in parts if f.refused_on(sm) == "too old"]
+    if old:
+        raise ToolchainError(f"{old[0][0]} needs an Ada or Hopper GPU (SM >= {old[0][1]}); {name} is SM{sm}",
                              "use quantization.method awq, int8_wo or smoothquant (and kv_cache int8) on this GPU")
-    if 100 <= sm < 120:
-        ints = [f for f, used in (("quantization.method " + recipe.method, recipe.method in INTEGER_METHODS),
-                                  ("an imported int4 checkpoint", pre is not None),
-                                  ("quantization.kv_cache int8", recipe.kv_cache == "int8")) if used]
-        if ints:
-            raise ToolchainError(f"{ints[0]} does not build on Blackwell ({name}, SM{sm}): TensorRT-LLM rejects "
-                                 "int8/int4 weight-only, SmoothQuant and INT8 KV there (tensorrt_llm/builder.py)",
-                                 "use quantization.method fp8 and kv_cache fp8")
+    ints = [what for what, f in parts if f.refused_on(sm) == "blackwell"]
+    if ints:
+        raise ToolchainError(f"{ints[0]} does not build on Blackwell ({name}, SM{sm}): TensorRT-LLM rejects "
+                             "int8/int4 weight-only, SmoothQuant and INT8 KV there (tensorrt_llm/builder.py)",
+                             "use quantization.method fp8 and kv_cache fp8")
 
 
 def check_calibration_file(dataset: str) -> Path:

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolchain.engine.cpu.qlinear import FORMATS as QUANT_FORMATS
 from toolchain.errors import ToolchainError
+from toolchain.quant import formats
+from toolchain.quant.recipe import GROUP_SIZES, per_group_multiple
 
 # Architectures whose TRT-LLM implementation is the Llama or Qwen decoder
 # (MODEL_MAP in TensorRT-LLM tensorrt_llm/models/__init__.py). "QWenForCausalLM" is what
@@ -27,9 +28,10 @@ MEDUSA = "MedusaForCausalLM"
 ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", MEDUSA, *QWEN_ARCHITECTURES}
 ROPE_TYPES = {None, "none", "linear", "llama3"}
 UNQUANTIZED = {None, "NO_QUANT"}
-# quant_algo values the CPU engine runs as stored (engine/cpu/qlinear.py), and KV-cache formats.
-QUANT_ALGOS = {"W8A16", "W4A16", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL", "FP8"}
-KV_ALGOS = {"INT8", "FP8"}
+# quant_algo values the CPU engine runs as stored (a row with a CPU kernel, engine/cpu/qlinear.py),
+# and KV-cache formats.
+QUANT_ALGOS = {f.quant_algo for f in formats.ALL if f.cpu_kernel and f.quant_algo}
+KV_ALGOS = tuple(k.quant_algo for k in formats.KV_CACHE.values() if k.quant_algo)
 # TensorRT-LLM's exclusion list when config.json gives none (QuantConfig in
 # tensorrt_llm/models/modeling_utils.py).
 DEFAULT_EXCLUDE = ("*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
@@ -76,8 +78,13 @@ class ModelDims:
     medusa_layers: int = 1
 
     @property
+    def format(self) -> formats.Format | None:
+        """The quant_algo's row (quant/formats.py); None when unquantized."""
+        return formats.BY_ALGO.get(self.quant_algo) if self.quant_algo not in UNQUANTIZED else None
+
+    @property
     def per_group(self) -> bool:
-        return self.quant_algo == "W4A16_AWQ"
+        return self.format is not None and self.format.per_group
 
     @property
     def mlp_width(self) -> int:
@@ -85,14 +92,14 @@ class ModelDims:
         tensorrt_llm/quantization/layers.py, WeightOnlyGroupwiseQuantLinear)."""
         if not self.per_group:
             return self.intermediate_size
-        m = max(64, self.group_size) * self.tp
+        m = per_group_multiple(self.group_size, self.tp)
         return -(-self.intermediate_size // m) * m
 
     def linear_format(self, module: str) -> str | None:
         """How `module` (global TensorRT-LLM name) is stored: None for fp, else a qlinear format."""
-        if self.quant_algo is None or self.quant_algo in UNQUANTIZED or any(fnmatch.fnmatchcase(module, p) for p in self.exclude_modules):
+        if self.format is None or any(fnmatch.fnmatchcase(module, p) for p in self.exclude_modules):
             return None
-        return QUANT_FORMATS[self.quant_algo]
+        return self.format.cpu_kernel
     """runtime_defaults.max_attention_window: per-layer windows, repeated over the layers; None = full."""
 
     def attention_window(self, layer: int) -> int | None:
@@ -278,13 +285,13 @@ def _check_dims(d: ModelDims, origin: str) -> None:
     if d.quant_algo not in UNQUANTIZED | QUANT_ALGOS:
         raise ToolchainError(f"{origin}: quant_algo {d.quant_algo} is not supported by the CPU engine",
                              f"supported: {', '.join(sorted(QUANT_ALGOS))}")
-    if d.kv_cache_quant_algo not in UNQUANTIZED | KV_ALGOS:
+    if d.kv_cache_quant_algo not in (*UNQUANTIZED, *KV_ALGOS):
         raise ToolchainError(f"{origin}: kv_cache_quant_algo {d.kv_cache_quant_algo} is not supported by the CPU "
-                             "engine", "supported: INT8, FP8")
-    if d.per_group and d.group_size not in (64, 128):
+                             "engine", f"supported: {', '.join(KV_ALGOS)}")
+    if d.per_group and d.group_size not in GROUP_SIZES:
         raise ToolchainError(f"{origin}: group_size {d.group_size} (TensorRT-LLM implements 64 and 128)", _REBUILD)
     kept = ("lm_head", "transformer.vocab_embedding")
-    if d.quant_algo in ("W8A16", "W4A16") and not all(
+    if d.format is not None and d.format.weight_only and not all(
             any(fnmatch.fnmatchcase(m, p) for p in d.exclude_modules) for m in kept):
         # The list replaces the default, so these modes would quantize the embedding (QuantConfig).
         raise ToolchainError(f"{origin}: quant_algo {d.quant_algo} with exclude_modules {list(d.exclude_modules)} "

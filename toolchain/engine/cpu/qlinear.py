@@ -1,11 +1,14 @@
 """Quantized linears: each checkpoint format run as stored, on torch's CPU kernels.
 
-| quant_algo | stored (TensorRT-LLM tensorrt_llm/quantization/layers.py) | run |
+Each format's stored tensors are its row's `stored` in toolchain/quant/formats.py; its kernel is
+the row's `cpu_kernel`:
+
+| kernel (quant_algo) | stored (TensorRT-LLM tensorrt_llm/quantization/layers.py) | run |
 |---|---|---|
-| W8A16 / W4A16 | fp weight (the build quantizes it: `preprocess_weights`) | quantized here at load, per channel amax/127 or amax/7, as trtllm-build does; `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` |
-| W4A16_AWQ (ModelOpt) | int8 (out/2, in) packed int4, scales (out, in/g), prequant (in,), zero (out, in/g) if has_zero_point | x·prequant, then `_weight_int4pack_mm_for_cpu` |
-| W8A8_SQ_PER_CHANNEL | int8 (out, in), per-channel scale, static activation scale, prequant | x·prequant quantized per tensor to int8, `torch._int_mm`, rescaled |
-| FP8 | e4m3 (out, in), per-tensor weight and activation scales | emulated: activation rounded through e4m3, weight dequantized, fp32 matmul |
+| int8_wo / int4_wo (W8A16 / W4A16) | fp weight (the build quantizes it: `preprocess_weights`) | quantized here at load, per channel amax/127 or amax/7, as trtllm-build does; `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` |
+| int4_group (awq, imported int4: ModelOpt) | int8 (out/2, in) packed int4, scales (out, in/g), prequant (in,), zero (out, in/g) if has_zero_point | x·prequant, then `_weight_int4pack_mm_for_cpu` |
+| sq (W8A8_SQ_PER_CHANNEL) | int8 (out, in), per-channel scale, static activation scale, prequant | x·prequant quantized per tensor to int8, `torch._int_mm`, rescaled |
+| fp8 (FP8) | e4m3 (out, in), per-tensor weight and activation scales | emulated: activation rounded through e4m3, weight dequantized, fp32 matmul |
 
 The packed integer kernels take bf16 activations (fp32 input is 40-100x
 slower) and run at every row count: measured on a 2-core host they beat the
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from toolchain.engine.cpu.linear import Linear
+from toolchain.quant import formats
 from toolchain.quant import fp8 as fp8q
 from toolchain.quant.int_quant import dequantize_per_group, pack_int4, quantize_per_channel, unpack_int4
 
@@ -55,7 +59,7 @@ class Int8WeightOnly(Linear):
 
 
 class Int4Grouped(Linear):
-    """Signed int4 per group: ModelOpt W4A16_AWQ (with prequant, or with zero for imports).
+    """Signed int4 per group: ModelOpt's AWQ format (with prequant, or with zero for imports).
 
     `weight` keeps the checkpoint's packed (out/2, in) int8 bytes; the kernel's
     own CPU-specific packing is derived from it at load."""
@@ -137,36 +141,27 @@ def _bias(y, bias, add):
 
 # -- what each format stores, and building the right Linear --------------------------------
 
-FORMATS = {"W8A16": "int8_wo", "W4A16": "int4_wo", "W4A16_AWQ": "int4_group",
-           "W8A8_SQ_PER_CHANNEL": "sq", "FP8": "fp8"}
+# formats.Tensor dtypes -> the dtype family the loader accepts.
+LOADER_KIND = {"int8": "int8", "fp8": "fp8", "float32": "float", "float16": "float", "model": "float"}
 
 
 def stored_tensors(prefix: str, out_f: int, in_f: int, bias: bool, fmt: str | None, *, group: int = 128,
                    zero: bool = False, prequant: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, kind) of one linear as the checkpoint stores it (TensorRT-LLM
-    tensorrt_llm/quantization/layers.py);
-    kind is "float", "int8" or "fp8" (the dtype family the loader accepts)."""
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-    if fmt in (None, "int8_wo", "int4_wo"):  # option (a): fp weights, quantized at load
-        out[f"{prefix}.weight"] = ((out_f, in_f), "float")
-    elif fmt == "int4_group":
-        out[f"{prefix}.weight"] = ((out_f // 2, in_f), "int8")
-        out[f"{prefix}.weights_scaling_factor"] = ((out_f, in_f // group), "float")
-        if prequant:
-            out[f"{prefix}.prequant_scaling_factor"] = ((in_f,), "float")
-        if zero:
-            out[f"{prefix}.zero"] = ((in_f // group, out_f), "float")  # as the TRT-LLM groupwise layer declares it
-    elif fmt == "sq":
-        out[f"{prefix}.weight"] = ((out_f, in_f), "int8")
-        out[f"{prefix}.weights_scaling_factor"] = ((out_f,), "float")
-        out[f"{prefix}.activation_scaling_factor"] = ((1,), "float")
-        out[f"{prefix}.prequant_scaling_factor"] = ((in_f,), "float")
-    elif fmt == "fp8":
-        out[f"{prefix}.weight"] = ((out_f, in_f), "fp8")
-        out[f"{prefix}.weights_scaling_factor"] = ((1,), "float")
-        out[f"{prefix}.activation_scaling_factor"] = ((1,), "float")
-    else:
+    """name -> (shape, kind) of one linear as the checkpoint stores it: the `stored` tensors of the
+    rows whose kernel is `fmt` (quant/formats.py); kind is "float", "int8" or "fp8" (the dtype family
+    the loader accepts). Where rows share a kernel (int4_group: awq's prequant vector, an import's
+    zero points), a tensor only some store is there when config.json says so (pre_quant_scale,
+    has_zero_point)."""
+    rows = [f for f in formats.ALL if f.cpu_kernel == fmt] if fmt is not None else [formats.NONE]
+    if not rows:
         raise ValueError(f"unknown linear format {fmt}")
+    tensors = {t.suffix: t for row in rows for t in row.stored}
+    flags = {"prequant_scaling_factor": prequant, "zero": zero}
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for t in tensors.values():
+        if len(rows) > 1 and not all(t in row.stored for row in rows) and not flags[t.suffix]:
+            continue
+        out[f"{prefix}.{t.suffix}"] = (t.dims(out_f, in_f, group), LOADER_KIND[t.dtype])
     if bias:
         out[f"{prefix}.bias"] = ((out_f,), "float")
     return out

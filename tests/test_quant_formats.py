@@ -1,0 +1,69 @@
+"""The quantization format table (toolchain/quant/formats.py): it names every spec method and KV-cache
+kind, its shapes and byte sizes are the ones TensorRT-LLM's layers declare, and its SM rules are the
+ones convert and the plan checks both enforce."""
+
+from typing import get_args
+
+import pytest
+
+from toolchain.errors import ToolchainError
+from toolchain.quant import formats
+from toolchain.quant.recipe import ModelShape, Prequantized, Recipe, check_recipe
+from toolchain.spec import QuantizationSection
+
+SHAPE = ModelShape(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                   head_size=64, max_position_embeddings=512)
+
+
+def test_rows_cover_the_spec():
+    fields = QuantizationSection.model_fields
+    assert tuple(formats.METHODS) == get_args(fields["method"].annotation)
+    assert tuple(formats.KV_CACHE) == get_args(fields["kv_cache"].annotation)
+    assert len({f.quant_algo for f in formats.METHODS.values()}) == len(formats.METHODS)
+
+
+def test_shapes_as_the_layers_declare_them():
+    # WeightOnlyGroupwiseQuantLinear (TensorRT-LLM tensorrt_llm/quantization/layers.py): packed int4
+    # (out/2, in), per-group scales (out, in/g), prequant (in,), zero points declared (in/g, out).
+    dims = {t.suffix: t.dims(8, 256, 128) for t in formats.AWQ.stored}
+    assert dims == {"weight": (4, 256), "weights_scaling_factor": (8, 2), "prequant_scaling_factor": (256,)}
+    assert {t.suffix: t.dims(8, 256, 128) for t in formats.IMPORTED_INT4.stored}["zero"] == (2, 8)
+    assert [t.suffix for t in formats.INT8_WO.stored] == ["weight"]  # trtllm-build quantizes it
+
+
+@pytest.mark.parametrize("row, stored, built", [
+    (formats.NONE, 2 * 4096, 2 * 4096),
+    (formats.INT8_WO, 2 * 4096, 4096 + 64 * 2),
+    (formats.INT4_WO, 2 * 4096, 2048 + 64 * 2),
+    (formats.AWQ, 2048 + 64 * 4 + 64 * 2, 2048 + 64 * 2 + 64 * 2),
+    (formats.IMPORTED_INT4, 2048 + 64 * 4 + 64 * 2, 2048 + 64 * 2 + 64 * 2),
+    (formats.SMOOTHQUANT, 4096 + 64 * 4 + 4 + 64 * 2, 4096 + 64 * 4 + 4 + 64 * 2),
+    (formats.FP8, 4096 + 8, 4096 + 8),
+])
+def test_bytes_derive_from_the_tensors(row, stored, built):
+    # A (64, 64) linear in a 2-byte model dtype with groups of 64.
+    assert formats.tensor_bytes(row.stored, 64, 64, 64, 2) == stored
+    assert formats.tensor_bytes(row.built, 64, 64, 64, 2) == built
+
+
+@pytest.mark.parametrize("sm", [75, 80, 89, 90, 100, 110, 120])
+@pytest.mark.parametrize("method", list(formats.METHODS))
+@pytest.mark.parametrize("kv", list(formats.KV_CACHE))
+def test_convert_refuses_what_the_rows_refuse(sm, method, kv):
+    refused = formats.METHODS[method].refused_on(sm) or formats.KV_CACHE[kv].refused_on(sm)
+    recipe = Recipe(method=method, kv_cache=kv, group_size=64)
+    if refused:
+        with pytest.raises(ToolchainError, match="Ada or Hopper" if refused == "too old" else "Blackwell"):
+            check_recipe(recipe, SHAPE, tp=1, gpu_sm=sm)
+    else:
+        check_recipe(recipe, SHAPE, tp=1, gpu_sm=sm)
+    assert (refused == "too old") == (sm < 89 and "fp8" in (method, kv))
+    assert (refused == "blackwell") == (100 <= sm < 120 and (method in ("int8_wo", "int4_wo", "awq", "smoothquant")
+                                                              or kv == "int8"))
+
+
+def test_imported_int4_is_refused_on_blackwell():
+    pre = Prequantized("gptq", 64, 4, True)
+    with pytest.raises(ToolchainError, match="an imported int4 checkpoint does not build on Blackwell"):
+        check_recipe(Recipe(), SHAPE, tp=1, prequantized=pre, gpu_sm=100)
+    check_recipe(Recipe(), SHAPE, tp=1, prequantized=pre, gpu_sm=90)
