@@ -20,7 +20,8 @@ from toolchain.errors import ToolchainError
 from toolchain.pretrained import require_built
 from toolchain.slo import parse_slo
 from toolchain.speculative import DRAFT_ENGINE, Mode, mode_of
-from toolchain.targets import target_of
+from toolchain.quant.formats import KvCacheKind, Method
+from toolchain.targets import TargetName, target_of
 
 
 class _Section(BaseModel):
@@ -270,7 +271,7 @@ class CalibrationSection(_Section):
 
 
 class QuantizationSection(_Section):
-    method: Literal["none", "int8_wo", "int4_wo", "awq", "smoothquant", "fp8"] = "none"
+    method: Method = "none"
     """Weight format: int8_wo/int4_wo (W8A16/W4A16, per channel), awq (W4A16_AWQ, calibrated int4 per group), smoothquant (W8A8_SQ_PER_CHANNEL), fp8 (per-tensor FP8, Ada/Hopper); none also imports AutoAWQ/GPTQ checkpoints as stored."""
     group_size: int = 128
     """Input channels per int4 scale for awq: 64 or 128 (the sizes TensorRT-LLM implements)."""
@@ -278,7 +279,7 @@ class QuantizationSection(_Section):
     """How awq rounds weights onto its searched per-group grid: gptq spreads each input channel's rounding error over the channels not yet rounded (same W4A16_AWQ layout, lower output error); nearest is classic AWQ."""
     alpha: float = Field(0.5, ge=0, le=1)
     """SmoothQuant migration strength: s = amax_x^alpha / amax_w^(1-alpha)."""
-    kv_cache: Literal["none", "int8", "fp8"] = "none"
+    kv_cache: KvCacheKind = "none"
     """KV-cache precision; int8 and fp8 use per-layer scales from calibration."""
     exclude_modules: list[str] = Field(default_factory=list)
     """fnmatch globs of TensorRT-LLM module names kept unquantized (e.g. "transformer.layers.0.*"); the embedding and lm_head always are."""
@@ -441,7 +442,7 @@ class DynamoSection(_Section):
 class DeploymentSpec(_Section):
     name: str = Field("model", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     """Deployment name: output directories are engines/<name>, model_repo/<name>, reports/<name>."""
-    target: Literal["cpu", "trtllm", "llmapi", "llmapi-cpu"] = "cpu"
+    target: TargetName = "cpu"
     """`trtllm`: trtllm-build engines and the tensorrtllm backend (TensorRT-LLM 1.2.1); `cpu`: the same repository
     with the CPU engine standing in for the engine; `llmapi`: the LLM-API path (PyTorch backend, no engine build:
     Triton's llmapi model and trtllm-serve); `llmapi-cpu`: that path's repository and OpenAI server on the CPU engine."""

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol
 
+# The spec's `target` values: a new target is its name here and its row below (tests/test_targets.py holds
+# the two together).
+TargetName = Literal["cpu", "trtllm", "llmapi", "llmapi-cpu"]
 Path = Literal["engine", "llmapi"]
 Device = Literal["gpu", "cpu"]
 ENGINE: Final = "engine"

@@ -21,6 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Literal
+
+# The spec's `quantization.method` and `quantization.kv_cache` values: a new method is its name here and
+# its row below (tests/test_quant_formats.py holds the two together).
+Method = Literal["none", "int8_wo", "int4_wo", "awq", "smoothquant", "fp8"]
+KvCacheKind = Literal["none", "int8", "fp8"]
 
 # SM 100-119 (Blackwell): trtllm-build rejects int8/int4 weight formats and an INT8 KV cache there
 # (TensorRT-LLM tensorrt_llm/builder.py, build).
