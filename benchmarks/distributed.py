@@ -39,6 +39,8 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from toolchain.bench.results import print_and_write  # noqa: E402
+
 SPEC = REPO / "build" / "tiny-llama-dynamo.yaml"
 RANKS_SPEC = REPO / "build" / "tiny-llama.yaml"
 
@@ -288,11 +290,7 @@ def main(argv=None) -> int:
                 continue
             out.update(PARTS[part](args, Path(d)))
     out["seconds"] = round(time.monotonic() - t0, 1)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    print_and_write(out, args.json, indent=1)
     return 0
 
 

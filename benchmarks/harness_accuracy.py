@@ -61,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from toolchain.bench.mock import make_word_tokenizer, write_triton_mock  # noqa: E402
+from toolchain.bench.results import print_and_write  # noqa: E402
 from toolchain.bench.run import run_bench  # noqa: E402
 from toolchain.spec import load_spec  # noqa: E402
 from toolchain.triton.server import TritonServer, free_port  # noqa: E402
@@ -431,11 +432,7 @@ def main() -> int:
         "scenarios": table,
         "targets": {"ttft_error_pct": 2, "tpot_error_pct": 2, "max_rate_req_s_at_1ms_lag": 200},
     }
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    print_and_write(out, args.json)
     shutil.rmtree(root, ignore_errors=True)
     return 0
 

@@ -48,6 +48,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from toolchain.bench.results import write_results  # noqa: E402
 from toolchain.engine.cpu import CpuEngine, KvCacheConfig, SamplingParams  # noqa: E402
 
 THREADS = 2
@@ -365,9 +366,7 @@ def main(argv=None) -> int:
               "target": f"models/tiny-llama widened: {4 + extra} layers ({extra} zero-output), MLP {width} wide "
                         "(zero-padded)"}
     print("\n" + json.dumps(summary, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_results(report, args.json)
     return 0
 
 
