@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from toolchain.bench.results import write_results
+
 DIMS = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 4,
         "vocab_size": 32000}
 SHARD_BYTES = 512 << 20
@@ -210,9 +212,7 @@ def main(argv=None) -> int:
         print(f"AWQ second moments: {awq_stats_bytes() / mib:.0f} MiB per layer, one layer alive at a time "
               f"(all {args.layers} layers: {awq_stats_bytes() * args.layers / mib:.0f} MiB)")
     print(f"convert {result['convert_s']}s vs plain copy {result['copy_s']}s ({result['convert_vs_copy']}x)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(result, args.json)
     return 0 if result["within_bound"] else 1
 
 

@@ -48,6 +48,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from toolchain.bench.results import print_and_write  # noqa: E402
 from toolchain.engine.cpu import (CpuEngine, InflightBatcher, KvCacheConfig, RequestStats,  # noqa: E402
                                   SamplingParams, SchedulerConfig)
 
@@ -463,10 +464,7 @@ def main(argv=None) -> int:
     summary = {k: v for part in results.values() if isinstance(part, dict) for k, v in part.items()
                if k in TARGETS}
     results["targets"] = {k: {"value": summary.get(k), "target": t} for k, t in TARGETS.items()}
-    print(json.dumps(results["targets"], indent=1))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
+    print_and_write(results, args.json, indent=1, printed=results["targets"])
     return 0
 
 

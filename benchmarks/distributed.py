@@ -39,6 +39,9 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from toolchain.bench.results import print_and_write  # noqa: E402
+from toolchain.triton.grpc_client import stream, token_request  # noqa: E402
+
 SPEC = REPO / "build" / "tiny-llama-dynamo.yaml"
 RANKS_SPEC = REPO / "build" / "tiny-llama.yaml"
 
@@ -151,8 +154,7 @@ def _mpi_model(tmp: Path, wide: bool) -> Path:
     src = REPO / "models" / "tiny-llama"
     if not wide:
         return src
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from speculative import widen_target
+    from speculative import widen_target  # a sibling script: this script's folder is on sys.path
 
     return widen_target(src, tmp / "wide-llama", extra_layers=6, intermediate=4096)
 
@@ -179,9 +181,6 @@ def _mpi_deploy(root: Path, checkpoint: Path, tp: int, launch: str):
 
 
 def _greedy_outputs(server, prompts: list[list[int]], n: int) -> list[list[int]]:
-    sys.path.insert(0, str(REPO / "tests"))
-    from triton_helpers import stream, token_request
-
     out = []
     for i, p in enumerate(prompts):
         got = stream(server.grpc_url, "tensorrt_llm", token_request(p, n, end_id=([-1], "INT32")), request_id=str(i))
@@ -288,11 +287,7 @@ def main(argv=None) -> int:
                 continue
             out.update(PARTS[part](args, Path(d)))
     out["seconds"] = round(time.monotonic() - t0, 1)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    print_and_write(out, args.json, indent=1)
     return 0
 
 

@@ -61,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from toolchain.bench.mock import make_word_tokenizer, write_triton_mock  # noqa: E402
+from toolchain.bench.results import print_and_write  # noqa: E402
 from toolchain.bench.run import run_bench  # noqa: E402
 from toolchain.spec import load_spec  # noqa: E402
 from toolchain.triton.server import TritonServer, free_port  # noqa: E402
@@ -295,21 +296,19 @@ def pct(measured, truth):
     return None if measured is None else round(abs(measured - truth) / truth * 100, 2)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--quick", action="store_true", help="fewer requests and rate levels")
     ap.add_argument("--no-genai-perf", action="store_true")
     ap.add_argument("--no-aiperf", action="store_true")
-    args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="harness-accuracy-"))
-    tok = make_word_tokenizer(root / "tok")
-    n = 20 if args.quick else 40
-    gp_env, gp_reason = (None, "skipped (--no-genai-perf)") if args.no_genai_perf else genai_perf_env()
-    ap_env, ap_reason = (None, "skipped (--no-aiperf)") if args.no_aiperf else aiperf_env()
-    scenarios, results = [], {}
+    return ap.parse_args()
 
-    # -- Triton: max_batch_size 0 and dims [1], the shapes genai-perf's tensorrtllm backend sends
+
+def triton_scenarios(root: Path, tok: Path, n: int, gp_env, results: dict, scenarios: list[str]) -> float:
+    """Triton mocks (max_batch_size 0 and dims [1], the shapes genai-perf's tensorrtllm backend sends) measured
+    by the harness and genai-perf into `results`; returns the transport floor the probe measured (ms)."""
     repo = root / "repo"
     for name, kw in (("plain", {}), ("empty_first", {"empty_ms": 0.0}), ("chunks4", {"tokens_per_response": 4}),
                      ("floor", {"ttft_ms": FLOOR_PROBE_MS})):
@@ -328,8 +327,12 @@ def main() -> int:
                                root / "gp" / name)
             results[f"triton-{name}"] = {"harness": h, "genai_perf": g, "aiperf": None}
             scenarios.append(f"triton-{name}")
+    return triton_floor
 
-    # -- OpenAI: the floor probe, then chat with a role-only first chunk and completions with 4-token chunks
+
+def openai_scenarios(root: Path, tok: Path, n: int, gp_env, ap_env, results: dict, scenarios: list[str]) -> float:
+    """The OpenAI mock: the floor probe, then chat with a role-only first chunk and completions with 4-token
+    chunks, measured by the harness, genai-perf and AIPerf into `results`; returns the probe's floor (ms)."""
     port = free_port("127.0.0.1")
     proc = openai_mock(port, "--ttft-ms", str(FLOOR_PROBE_MS), "--step-ms", str(STEP_MS))
     try:
@@ -357,8 +360,11 @@ def main() -> int:
             scenarios.append(f"openai-{name}")
     finally:
         proc.kill()
+    return openai_floor
 
-    # -- errors per scenario and tool
+
+def error_table(scenarios: list[str], results: dict, triton_floor: float, openai_floor: float) -> dict:
+    """Errors per scenario and tool against the mock's truth (with and without the transport floor)."""
     table = {}
     for sc in scenarios:
         floor = triton_floor if sc.startswith("triton") else openai_floor
@@ -381,20 +387,26 @@ def main() -> int:
                     "icl_error_pct": pct(m["icl"], STEP_MS),
                     "osl": m["osl"], "requests": m["requests"], "errors": m["errors"]})
         table[sc] = row
+    return table
 
-    def worst(tool, key):
-        vals = [table[sc][tool][key] for sc in scenarios if tool in table[sc] and table[sc][tool][key] is not None]
-        return max(vals) if vals else None
 
-    # -- send rate
+def worst(table: dict, tool: str, key: str) -> float | None:
+    """The largest `key` of `tool` over the scenarios it measured (None when it measured none)."""
+    vals = [table[sc][tool][key] for sc in table if tool in table[sc] and table[sc][tool][key] is not None]
+    return max(vals) if vals else None
+
+
+def send_rate(root: Path, tok: Path, quick: bool) -> tuple[int | None, list[dict]]:
+    """Rising open-loop rates against the OpenAI mock until the harness's send lag passes 1 ms or it falls
+    behind; returns the highest rate held and every level tried."""
     port = free_port("127.0.0.1")
     proc = openai_mock(port, "--ttft-ms", "10", "--step-ms", "2", "--coarse")
-    rates = [100, 200, 300, 400, 500, 600, 800] if not args.quick else [100, 200, 300]
+    rates = [100, 200, 300, 400, 500, 600, 800] if not quick else [100, 200, 300]
     held, rate_levels = None, []
     try:
         for rate in rates:
             h = harness(root, tok, f"rate-{rate}", f"http://127.0.0.1:{port}", protocol="openai-completions",
-                        endpoint="mock", mode="rate", rate=rate, duration_s=3.0 if not args.quick else 2.0,
+                        endpoint="mock", mode="rate", rate=rate, duration_s=3.0 if not quick else 2.0,
                         output_tokens=4, input_tokens=32, warmup_requests=20)
             ok = (h["errors"] == 0 and h["send_lag_mean"] is not None and h["send_lag_mean"] <= 1.0
                   and h["achieved_rate"] is not None and h["achieved_rate"] >= 0.95 * rate)
@@ -405,20 +417,36 @@ def main() -> int:
             held = rate
     finally:
         proc.kill()
+    return held, rate_levels
 
+
+def main() -> int:
+    """Every scenario measured by each harness, the error table, the send-rate ceiling; print and write them."""
+    args = parse_args()
+    root = Path(tempfile.mkdtemp(prefix="harness-accuracy-"))
+    tok = make_word_tokenizer(root / "tok")
+    n = 20 if args.quick else 40
+    gp_env, gp_reason = (None, "skipped (--no-genai-perf)") if args.no_genai_perf else genai_perf_env()
+    ap_env, ap_reason = (None, "skipped (--no-aiperf)") if args.no_aiperf else aiperf_env()
+    scenarios: list[str] = []
+    results: dict = {}
+    triton_floor = triton_scenarios(root, tok, n, gp_env, results, scenarios)
+    openai_floor = openai_scenarios(root, tok, n, gp_env, ap_env, results, scenarios)
+    table = error_table(scenarios, results, triton_floor, openai_floor)
+    held, rate_levels = send_rate(root, tok, args.quick)
     out = {
         "truth": {"ttft_ms": TTFT_MS, "tpot_ms": STEP_MS, "osl": OSL, "isl": ISL, "concurrency": 2, "requests": n},
-        "ttft_error_pct": worst("harness", "ttft_error_pct"),
-        "tpot_error_pct": worst("harness", "tpot_error_pct"),
-        "ttft_error_pct_vs_mock": worst("harness", "ttft_error_pct_vs_mock"),
-        "genai_perf_ttft_error_pct": worst("genai_perf", "ttft_error_pct"),
-        "genai_perf_tpot_error_pct": worst("genai_perf", "tpot_error_pct"),
-        "genai_perf_ttft_error_pct_vs_mock": worst("genai_perf", "ttft_error_pct_vs_mock"),
+        "ttft_error_pct": worst(table, "harness", "ttft_error_pct"),
+        "tpot_error_pct": worst(table, "harness", "tpot_error_pct"),
+        "ttft_error_pct_vs_mock": worst(table, "harness", "ttft_error_pct_vs_mock"),
+        "genai_perf_ttft_error_pct": worst(table, "genai_perf", "ttft_error_pct"),
+        "genai_perf_tpot_error_pct": worst(table, "genai_perf", "tpot_error_pct"),
+        "genai_perf_ttft_error_pct_vs_mock": worst(table, "genai_perf", "ttft_error_pct_vs_mock"),
         "genai_perf_reason": gp_reason,
         # AIPerf: OpenAI scenarios only; its tpot is its "ITL" (see the docstring)
-        "aiperf_ttft_error_pct": worst("aiperf", "ttft_error_pct"),
-        "aiperf_tpot_error_pct": worst("aiperf", "tpot_error_pct"),
-        "aiperf_ttft_error_pct_vs_mock": worst("aiperf", "ttft_error_pct_vs_mock"),
+        "aiperf_ttft_error_pct": worst(table, "aiperf", "ttft_error_pct"),
+        "aiperf_tpot_error_pct": worst(table, "aiperf", "tpot_error_pct"),
+        "aiperf_ttft_error_pct_vs_mock": worst(table, "aiperf", "ttft_error_pct_vs_mock"),
         "aiperf_reason": ap_reason,
         # the probes' floors, and the harness's time to a token-less response sent at once (for comparison)
         "transport_floor_ms": {
@@ -431,11 +459,7 @@ def main() -> int:
         "scenarios": table,
         "targets": {"ttft_error_pct": 2, "tpot_error_pct": 2, "max_rate_req_s_at_1ms_lag": 200},
     }
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    print_and_write(out, args.json)
     shutil.rmtree(root, ignore_errors=True)
     return 0
 

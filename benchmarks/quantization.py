@@ -48,6 +48,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from toolchain.bench.results import write_results
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny-llama"
 PEERS = REPO / "benchmarks" / ".venv-peers"
@@ -465,9 +467,7 @@ def main(argv=None) -> int:
     lines = verdicts(rows) + english_lines(rows)
     for line in lines:
         print(line)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rows": rows, "targets": lines}, indent=2) + "\n")
+    write_results({"rows": rows, "targets": lines}, args.json)
     return 0
 
 

@@ -34,6 +34,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from toolchain.bench.results import print_and_write  # noqa: E402
+
 SPEC = REPO / "build" / "tiny-llama-llmapi.yaml"
 CONCURRENCIES = (1, 8)
 TARGET_RATIO = 1.15
@@ -145,11 +147,7 @@ def main(argv=None) -> int:
     out["target_ratio"] = TARGET_RATIO
     out["meets_target"] = all(v is not None and v <= TARGET_RATIO for v in worst.values())
     out["seconds"] = round(time.monotonic() - t0, 1)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    print_and_write(out, args.json, indent=1)
     return 0
 
 

@@ -48,7 +48,10 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from toolchain.bench.results import write_results  # noqa: E402
+from toolchain.draft_tree import build_tree  # noqa: E402
 from toolchain.engine.cpu import CpuEngine, KvCacheConfig, SamplingParams  # noqa: E402
+from toolchain.engine.cpu.engine import MedusaTree  # noqa: E402
 
 THREADS = 2
 K = 4  # most draft tokens per step (the engines' max_draft_len); the benchmark tunes k <= K
@@ -242,7 +245,8 @@ def workloads(tok, count: int, prompt_len: int) -> dict[str, list[list[int]]]:
             "tune_favourable": [code(f) for f in files[:2]], "tune_quoting": [quoting(f) for f in files[:2]]}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="small target, few tokens, quick heads (a smoke run)")
@@ -251,104 +255,122 @@ def main(argv=None) -> int:
                     help=f"zero-output layers added to the target (default {EXTRA_LAYERS}; --quick 2)")
     ap.add_argument("--mlp-width", type=int, default=None, metavar="N",
                     help=f"the target's widened MLP (default {MLP_WIDTH}; --quick 1024)")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(THREADS)
-    from tokenizers import Tokenizer
+    return ap.parse_args(argv)
 
-    base = REPO / "models" / "tiny-llama"
-    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
-    count, prompt_len, n = (2, 48, 24) if args.quick else (6, 64, 96)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        started = time.perf_counter()
-        extra = args.extra_layers if args.extra_layers is not None else 2 if args.quick else EXTRA_LAYERS
-        width = args.mlp_width or (1024 if args.quick else MLP_WIDTH)
-        target = widen_target(base, tmp / "target", extra_layers=extra, intermediate=width)
-        heads = args.heads
-        if heads is None:
-            from toolchain.tinymodel.medusa import QUICK_HEADS, HeadsRecipe, train_medusa_heads
 
-            heads = tmp / "heads"
-            train_medusa_heads(base, heads, recipe=QUICK_HEADS if args.quick else HeadsRecipe(),
-                               log=lambda m: print("  heads:", m))
-        dt_dir = build(tmp, "dt", target, mode="draft_target", max_draft_len=K,
-                       draft_model=str(REPO / "models" / "tiny-llama-draft"))
-        md_dir = build(tmp, "medusa", target, mode="medusa", heads=str(heads))
-        setup_s = time.perf_counter() - started
-        plain_engine, draft_engine = load(dt_dir), load(dt_dir / "draft" / "engine")
-        from toolchain.draft_tree import build_tree
-        from toolchain.engine.cpu.engine import MedusaTree
+class Modes:
+    """The three engines (plain target, draft, Medusa target) and each decoding mode as a call
+    `mode(prompt, n, trace) -> output`, with the draft lengths and tree size `tuned` picks."""
 
-        heads_cfg = json.loads((Path(heads) / "config.json").read_text())
-        medusa_engine = load(md_dir, medusa_choices=heads_cfg["medusa_choices"])
-        work = workloads(tok, count, prompt_len)
-        tuned = {"draft_target": K, "ngram": K, "medusa": len(heads_cfg["medusa_choices"])}
+    def __init__(self, plain_engine: CpuEngine, draft_engine: CpuEngine, medusa_engine: CpuEngine, heads_cfg: dict):
+        self.plain_engine, self.draft_engine, self.medusa_engine = plain_engine, draft_engine, medusa_engine
+        self.heads_cfg = heads_cfg
+        self.tuned = {"draft_target": K, "ngram": K, "medusa": len(heads_cfg["medusa_choices"])}
+        self.engines = [plain_engine, draft_engine, medusa_engine]
 
-        def plain(p, n, trace):
-            return drive(plain_engine, p, n, trace=trace).output
+    def plain(self, p, n, trace):
+        return drive(self.plain_engine, p, n, trace=trace).output
 
-        def draft_target(p, n, trace):
-            return speculate(plain_engine, p, n, lambda tokens, k: drive(draft_engine, tokens, k).output,
-                             tuned["draft_target"], trace)
+    def draft_target(self, p, n, trace):
+        return speculate(self.plain_engine, p, n, lambda tokens, k: drive(self.draft_engine, tokens, k).output,
+                         self.tuned["draft_target"], trace)
 
-        def ngram(p, n, trace):
-            return speculate(plain_engine, p, n, ngram_propose, tuned["ngram"], trace, plain_on_miss=True)
+    def ngram(self, p, n, trace):
+        return speculate(self.plain_engine, p, n, ngram_propose, self.tuned["ngram"], trace, plain_on_miss=True)
 
-        def set_tree(size):
-            tree = build_tree(heads_cfg["heldout_topk_accuracy"], size)
-            medusa_engine.medusa = MedusaTree.create(tree, medusa_engine.dims, medusa_engine.limits)
-            return tree
+    def set_tree(self, size):
+        """The Medusa engine's tree: `size` nodes grown from the heads' held-out accuracies."""
+        tree = build_tree(self.heads_cfg["heldout_topk_accuracy"], size)
+        self.medusa_engine.medusa = MedusaTree.create(tree, self.medusa_engine.dims, self.medusa_engine.limits)
+        return tree
 
-        def medusa(p, n, trace):
-            return drive(medusa_engine, p, n, trace=trace).output
+    def medusa(self, p, n, trace):
+        return drive(self.medusa_engine, p, n, trace=trace).output
 
-        engines = [plain_engine, draft_engine, medusa_engine]
+    @property
+    def speculative(self) -> dict:
+        return {"draft_target": self.draft_target, "ngram": self.ngram, "medusa": self.medusa}
 
-        # Tuning on prompts that are not measured: the draft length per loop mode and the tree size,
-        # as a deployment would pick max_draft_len and medusa_choices for its hardware.
-        for fn in (plain, draft_target, ngram, medusa):  # warm-up: first-call costs land nowhere
-            fn(work["tune_favourable"][0][:16], 4, Trace())
-        sweep: dict[str, dict] = {}
-        for mode, fn, wl in (("draft_target", draft_target, "tune_favourable"), ("ngram", ngram, "tune_quoting")):
-            times = {}
-            for k in K_CHOICES:
-                tuned[mode] = k
-                times[k] = measure(mode, work[wl], n, fn, engines)["decode_seconds"]
-            tuned[mode] = min(times, key=times.get)
-            sweep[mode] = {"k": times, "chosen": tuned[mode]}
+
+def prepare(args: argparse.Namespace, tmp: Path, base: Path, extra: int, width: int) -> tuple[Modes, float]:
+    """The widened target, Medusa heads (trained here unless --heads), the draft-target and Medusa engines
+    built and loaded; returns the modes and the setup seconds."""
+    started = time.perf_counter()
+    target = widen_target(base, tmp / "target", extra_layers=extra, intermediate=width)
+    heads = args.heads
+    if heads is None:
+        from toolchain.tinymodel.medusa import QUICK_HEADS, HeadsRecipe, train_medusa_heads
+
+        heads = tmp / "heads"
+        train_medusa_heads(base, heads, recipe=QUICK_HEADS if args.quick else HeadsRecipe(),
+                           log=lambda m: print("  heads:", m))
+    dt_dir = build(tmp, "dt", target, mode="draft_target", max_draft_len=K,
+                   draft_model=str(REPO / "models" / "tiny-llama-draft"))
+    md_dir = build(tmp, "medusa", target, mode="medusa", heads=str(heads))
+    setup_s = time.perf_counter() - started
+    plain_engine, draft_engine = load(dt_dir), load(dt_dir / "draft" / "engine")
+    heads_cfg = json.loads((Path(heads) / "config.json").read_text())
+    medusa_engine = load(md_dir, medusa_choices=heads_cfg["medusa_choices"])
+    return Modes(plain_engine, draft_engine, medusa_engine, heads_cfg), setup_s
+
+
+def tune(modes: Modes, work: dict, n: int) -> dict:
+    """Tuning on prompts that are not measured: the draft length per loop mode and the tree size, as a
+    deployment would pick max_draft_len and medusa_choices for its hardware; returns the sweep."""
+    tuned, engines = modes.tuned, modes.engines
+    for fn in (modes.plain, modes.draft_target, modes.ngram, modes.medusa):  # warm-up: first-call costs land nowhere
+        fn(work["tune_favourable"][0][:16], 4, Trace())
+    sweep: dict[str, dict] = {}
+    for mode, fn, wl in (("draft_target", modes.draft_target, "tune_favourable"),
+                         ("ngram", modes.ngram, "tune_quoting")):
         times = {}
-        for size in (t for t in TREE_SIZES if t <= len(heads_cfg["medusa_choices"])):
-            set_tree(size)
-            times[size] = measure("medusa", work["tune_favourable"], n, medusa, engines)["decode_seconds"]
-        tuned["medusa"] = min(times, key=times.get)
-        chosen_tree = set_tree(tuned["medusa"])
-        sweep["medusa"] = {"tree_size": times, "chosen": tuned["medusa"], "tree": chosen_tree}
-        print(f"tuned: draft_target k={tuned['draft_target']}, ngram k={tuned['ngram']}, "
-              f"medusa tree of {tuned['medusa']} nodes ({json.dumps(sweep)})")
+        for k in K_CHOICES:
+            tuned[mode] = k
+            times[k] = measure(mode, work[wl], n, fn, engines)["decode_seconds"]
+        tuned[mode] = min(times, key=times.get)
+        sweep[mode] = {"k": times, "chosen": tuned[mode]}
+    times = {}
+    for size in (t for t in TREE_SIZES if t <= len(modes.heads_cfg["medusa_choices"])):
+        modes.set_tree(size)
+        times[size] = measure("medusa", work["tune_favourable"], n, modes.medusa, engines)["decode_seconds"]
+    tuned["medusa"] = min(times, key=times.get)
+    chosen_tree = modes.set_tree(tuned["medusa"])
+    sweep["medusa"] = {"tree_size": times, "chosen": tuned["medusa"], "tree": chosen_tree}
+    print(f"tuned: draft_target k={tuned['draft_target']}, ngram k={tuned['ngram']}, "
+          f"medusa tree of {tuned['medusa']} nodes ({json.dumps(sweep)})")
+    return sweep
 
-        modes = {"draft_target": draft_target, "ngram": ngram, "medusa": medusa}
-        results: dict[str, dict] = {}
-        identical = True
-        for wname in ("favourable", "quoting", "unfavourable"):
-            prompts = work[wname]
-            runs = {"plain": measure("plain", prompts, n, plain, engines)}
-            for mname, fn in modes.items():
-                runs[mname] = measure(mname, prompts, n, fn, engines)
-                same = runs[mname]["outputs"] == runs["plain"]["outputs"]
-                identical &= same
-                runs[mname]["outputs_identical"] = same
-            for r in runs.values():
-                # Decode speed-up: plain's time per token after the first response over the mode's.
-                r["speedup"] = round(r["decode_tokens_per_s"] / runs["plain"]["decode_tokens_per_s"], 3)
-                r["e2e_speedup"] = round(runs["plain"]["seconds"] / r["seconds"], 3)
-                del r["outputs"]
-            results[wname] = runs
-            print(f"\n{wname}: {len(prompts)} prompts of ~{len(prompts[0])} tokens, {n} new tokens each")
-            for r in runs.values():
-                print(f"  {r['label']:<13} decode {r['decode_tokens_per_s']:6.1f} tok/s  TPOT {r['tpot_ms']:6.2f} ms  "
-                      f"TTFT {r['ttft_ms']:6.1f} ms  speedup {r['speedup']:.2f} (e2e {r['e2e_speedup']:.2f})  "
-                      f"acceptance {r['acceptance_rate']}  accepted/step {r['accepted_per_step']}")
 
+def measure_workloads(modes: Modes, work: dict, n: int) -> tuple[dict[str, dict], bool]:
+    """Every mode against plain on each measured workload, printed as it goes; the runs, and whether every
+    mode's outputs were plain's."""
+    results: dict[str, dict] = {}
+    identical = True
+    for wname in ("favourable", "quoting", "unfavourable"):
+        prompts = work[wname]
+        runs = {"plain": measure("plain", prompts, n, modes.plain, modes.engines)}
+        for mname, fn in modes.speculative.items():
+            runs[mname] = measure(mname, prompts, n, fn, modes.engines)
+            same = runs[mname]["outputs"] == runs["plain"]["outputs"]
+            identical &= same
+            runs[mname]["outputs_identical"] = same
+        for r in runs.values():
+            # Decode speed-up: plain's time per token after the first response over the mode's.
+            r["speedup"] = round(r["decode_tokens_per_s"] / runs["plain"]["decode_tokens_per_s"], 3)
+            r["e2e_speedup"] = round(runs["plain"]["seconds"] / r["seconds"], 3)
+            del r["outputs"]
+        results[wname] = runs
+        print(f"\n{wname}: {len(prompts)} prompts of ~{len(prompts[0])} tokens, {n} new tokens each")
+        for r in runs.values():
+            print(f"  {r['label']:<13} decode {r['decode_tokens_per_s']:6.1f} tok/s  TPOT {r['tpot_ms']:6.2f} ms  "
+                  f"TTFT {r['ttft_ms']:6.1f} ms  speedup {r['speedup']:.2f} (e2e {r['e2e_speedup']:.2f})  "
+                  f"acceptance {r['acceptance_rate']}  accepted/step {r['accepted_per_step']}")
+    return results, identical
+
+
+def summarize(results: dict[str, dict], identical: bool) -> dict:
+    """The headline speed-ups and acceptance rates per mode (on its favourable workload) and the targets met."""
+    modes = ("draft_target", "ngram", "medusa")
     fav = {"draft_target": "favourable", "ngram": "quoting", "medusa": "favourable"}
     summary = {f"speedup_{m}": results[w][m]["speedup"] for m, w in fav.items()}
     summary["speedup_lookahead"] = None
@@ -360,16 +382,34 @@ def main(argv=None) -> int:
         **{f"speedup_{m}>={t}": summary[f"speedup_{m}"] >= t for m, t in TARGETS.items()},
         **{f"unfavourable_{m}>={UNFAVOURABLE_FLOOR}": summary[f"unfavourable_speedup_{m}"] >= UNFAVOURABLE_FLOOR
            for m in modes}}
+    return summary
+
+
+def main(argv=None) -> int:
+    """Build the engines, tune each mode, measure every workload; print the summary and write the report."""
+    args = parse_args(argv)
+    torch.set_num_threads(THREADS)
+    from tokenizers import Tokenizer
+
+    base = REPO / "models" / "tiny-llama"
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    count, prompt_len, n = (2, 48, 24) if args.quick else (6, 64, 96)
+    extra = args.extra_layers if args.extra_layers is not None else 2 if args.quick else EXTRA_LAYERS
+    width = args.mlp_width or (1024 if args.quick else MLP_WIDTH)
+    with tempfile.TemporaryDirectory() as tmp:
+        modes, setup_s = prepare(args, Path(tmp), base, extra, width)
+        work = workloads(tok, count, prompt_len)
+        sweep = tune(modes, work, n)
+        results, identical = measure_workloads(modes, work, n)
+
+    summary = summarize(results, identical)
     report = {**summary, "workloads": results, "tuning": sweep, "setup_seconds": round(setup_s, 1),
               "threads": THREADS, "max_draft_len": K, "quick": args.quick,
               "target": f"models/tiny-llama widened: {4 + extra} layers ({extra} zero-output), MLP {width} wide "
                         "(zero-padded)"}
     print("\n" + json.dumps(summary, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_results(report, args.json)
     return 0
-
 
 NOT_RUN_LOOKAHEAD = "the CPU engine has no lookahead decoding (TensorRT-LLM runs it in its C++ runtime)"
 

@@ -46,9 +46,8 @@ def test_cancelled_streams_leave_no_block_or_request_in_use(served):
     assert "hung" not in got["outcomes"], got
 
 
-def test_a_killed_convert_reruns_byte_identical(tmp_path, monkeypatch):
-    monkeypatch.setattr(R, "STAGES", ("convert",))
-    got = R.part_d(3, tmp_path, seed=5)
+def test_a_killed_convert_reruns_byte_identical(tmp_path):
+    got = R.part_d(3, tmp_path, seed=5, stages=("convert",))
     assert got["kills"] == 3 and got["rerun_mismatches"] == 0 and got["partial_outputs_used"] == 0, got
     assert got["leftover_tmp_dirs"] == 0, got  # the reruns swept what the killed runs left
 

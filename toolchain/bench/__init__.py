@@ -13,6 +13,7 @@ Layout (each module small, each step replaceable):
 - `report`, `plots` report.json / requests.csv / console tables / PNGs
 - `run`          `run_bench(spec, grpc_url, out_dir, ...) -> dict`
 - `mock`         known-timing mock servers for tests and benchmarks/harness_accuracy.py
+- `results`      the benchmarks' results JSON, printed and written to `--json PATH`
 
 Metric definitions follow genai-perf (genai_perf/profile_data_parser/llm_profile_data_parser.py)
 and vLLM's serving benchmark (vllm/benchmarks/serve.py), with the departures `metrics` lists.

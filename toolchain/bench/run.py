@@ -16,6 +16,7 @@ import datetime as dt
 import os
 import platform
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -90,9 +91,189 @@ def max_prompt_len(spec: DeploymentSpec) -> int:
 
 
 def levels_of(wl) -> list[float]:
+    """The load levels of a workload: its sweep, or its one concurrency or rate."""
     if wl.sweep:
         return [int(v) if wl.mode == "concurrency" else float(v) for v in wl.sweep]
     return [wl.concurrency if wl.mode == "concurrency" else wl.rate]
+
+
+def slo_thresholds(spec: DeploymentSpec, slo_extra: tuple[str, ...]) -> list[S.Threshold]:
+    """The SLO thresholds of the spec plus `--slo` extras; a bad one is a one-line error."""
+    try:
+        return S.thresholds(spec.validation.slo, slo_extra)
+    except ValueError as err:
+        raise ToolchainError(str(err)) from None
+
+
+def target_url(spec: DeploymentSpec, url: str | None, grpc_url: str | None) -> str:
+    """The endpoint to load: --url, then the workload's url, then (triton-grpc) `grpc_url`, then the spec's port."""
+    wl = spec.validation.workload
+    target = url or wl.url or (grpc_url if wl.protocol == "triton-grpc" and grpc_url else None) \
+        or default_url(spec, wl.protocol)
+    return normalize_url(target) if wl.protocol == "triton-grpc" else target
+
+
+def open_transport(spec: DeploymentSpec, target: str):
+    """The workload's transport to `target`, checked (server, model, contract) before any load."""
+    wl = spec.validation.workload
+    transport = make_transport(wl.protocol, url=target, model=wl.endpoint, streaming=wl.streaming,
+                               ignore_eos=wl.ignore_eos, exclude_input=spec.serving.exclude_input_in_output,
+                               keep_text=wl.multi_turn.turns > 1 or wl.prompts_file is not None,
+                               # A draft-target or n-gram deployment speculates through the BLS when asked to.
+                               num_draft_tokens=spec.speculative.max_draft_len
+                               if spec.speculative.mode in ("draft_target", "ngram") else 0)
+    transport.prepare()
+    return transport
+
+
+@dataclass
+class BenchRun:
+    """What one run holds between its steps: the workload, its transport and runner, and the levels so far."""
+
+    wl: Any  # spec.validation.workload
+    thresholds: list[S.Threshold]
+    transport: Any
+    plan: Plan
+    counter: TokenCounter
+    runner: Runner
+    exporter: Any  # toolchain.bench.exporter.Exporter or None
+    metrics_url: str | None
+    loads: list[float]
+    anchor_ns: int  # monotonic origin of the report's windows and requests.csv
+    on_level: Callable[[dict], None] | None
+    levels: list[dict] = field(default_factory=list)
+
+
+def finish_level(run: BenchRun, i: int, value: float, before, after, n_sessions: int | None) -> None:
+    """Count level `i`'s records, compute its metrics, SLO verdicts and server deltas, append it to run.levels."""
+    wl, runner = run.wl, run.runner
+    recs = [r for r in runner.records if r.level == i and not r.warmup]
+    run.counter.fill(recs)
+    m = M.compute(recs, run.thresholds)
+    m["warmup_requests"] = sum(1 for r in runner.records if r.warmup)  # run once, before the first level
+    for edge in ("start", "end"):  # monotonic ns -> ms after started_at, like requests.csv
+        t = m["window"].pop(f"{edge}_ns")
+        m["window"][f"{edge}_ms"] = None if t is None else (t - run.anchor_ns) / M.NS_PER_MS
+    ok = [r for r in recs if r.ok]
+    mism = sum(1 for r in ok if r.osl != r.max_tokens) if wl.ignore_eos else 0
+    src = token_count_source(recs)
+    load: dict[str, Any] = {"mode": wl.mode, "value": value, "sessions": n_sessions, "duration_s": wl.duration_s}
+    if wl.mode == "rate":
+        load.update(arrival=wl.arrival, burstiness=wl.burstiness)
+    level = {"level": i, "load": load, **m, "token_count_source": src, "osl_mismatches": mism,
+             "slo": S.evaluate(m, run.thresholds), "server": servermetrics.delta(before, after, wl.endpoint),
+             "itl_by_position": M.itl_by_position(recs, max_positions=256)}
+    level["notes"] = level_notes(m, src, mism, open_loop=wl.mode == "rate")
+    run.levels.append(level)
+    if run.on_level is not None:
+        run.on_level(level)
+
+
+async def warm_up(run: BenchRun) -> None:
+    """The warm-up requests, closed loop, once before the first level; excluded from every figure."""
+    wl, plan = run.wl, run.plan
+    first = run.loads[0] if wl.mode == "concurrency" else 4
+    n_warm = plan.sessions_for(wl.warmup_requests)
+    await run.runner.closed_loop(plan.sessions("warmup", n_warm), max(1, min(int(first), n_warm)), -1, warm=True)
+    run.counter.fill([r for r in run.runner.records if r.warmup])
+
+
+async def run_level(run: BenchRun, i: int, value: float) -> None:
+    """Level `i` at `value` (concurrency or rate), between two server-metrics scrapes, then its figures."""
+    wl, plan, runner = run.wl, run.plan, run.runner
+    if run.exporter:
+        run.exporter.load.set(value)
+    before = await asyncio.to_thread(servermetrics.scrape, run.metrics_url)
+    n = None if wl.duration_s else plan.sessions_for(wl.num_requests)
+    if wl.mode == "concurrency":
+        await runner.closed_loop(plan.sessions(i, n), int(value), i, duration_s=wl.duration_s)
+    else:
+        offsets = schedule.arrivals(value, count=n, duration_s=wl.duration_s, arrival=wl.arrival,
+                                    burstiness=wl.burstiness, seed=f"{wl.seed}:{i}")
+        await runner.open_loop(list(plan.sessions(i, len(offsets))), offsets, i)
+    after = await asyncio.to_thread(servermetrics.scrape, run.metrics_url)
+    finish_level(run, i, value, before, after, n)
+
+
+async def run_levels(run: BenchRun) -> None:
+    """Open the transport, warm up, run every level until done or aborted, close the transport."""
+    await run.transport.open()
+    try:
+        if run.wl.warmup_requests:
+            await warm_up(run)
+        for i, value in enumerate(run.loads):
+            if run.runner.aborted:
+                break
+            await run_level(run, i, value)
+    finally:
+        await run.transport.close()
+
+
+def drive(run: BenchRun) -> tuple[str | None, Stopped | None]:
+    """Run the levels; return (why the run stopped early or None, the stop signal to re-raise after the report)."""
+    aborted = None
+    stopped: Stopped | None = None
+    try:
+        asyncio.run(run_levels(run))
+        aborted = run.runner.aborted
+    except Stopped as err:  # a stop signal to a command that started the server: report, then stop it
+        aborted, stopped = str(err), err
+    except KeyboardInterrupt:
+        aborted = "interrupted by the user"
+    finally:
+        if run.exporter:
+            run.exporter.close()
+    return aborted, stopped
+
+
+def finish_interrupted_level(run: BenchRun, aborted: str) -> None:
+    """The level that was running when the run stopped: its unfinished requests marked, what it measured kept."""
+    records = run.runner.records
+    if not (records and (not run.levels or any(r.level == len(run.levels) for r in records))):
+        return
+    i = len(run.levels)
+    for r in records:
+        if r.level == i and r.t_final is None and r.error is None and not r.cancelled:
+            r.error = f"unfinished: {aborted}"
+    finish_level(run, i, run.loads[min(i, len(run.loads) - 1)], None, None, None)
+
+
+def workload_section(run: BenchRun, timeout_s: float, max_len: int) -> dict:
+    """report.json's `workload`: the spec's workload plus what the run derived from it."""
+    wl = run.wl
+    return {
+        **wl.model_dump(mode="json"),
+        "levels": run.loads,
+        "request_timeout_s": timeout_s,
+        "max_prompt_tokens": max_len,
+        "prompt_corpus": str(wl.prompts_file) if wl.prompts_file else PROMPT_CORPUS,
+        "isl_definition": "prompt tokens without special tokens (the server may add BOS); chat: message contents "
+                          "joined, chat template not counted",
+        "metric_names": M.METRIC_NAMES,
+        "inputs_sent": sorted(run.transport.inputs_sent),
+        "slo_thresholds": [t.name for t in run.thresholds],
+    }
+
+
+def run_section(spec: DeploymentSpec, run: BenchRun, tokenizer_dir: Path, started_wall: dt.datetime,
+                aborted: str | None) -> dict:
+    """report.json's `run`: the tool, the deployment, the endpoint, the client and whether the run completed."""
+    wl = run.wl
+    return {
+        "tool": f"toolchain bench {__version__}",
+        "deployment": describe(spec),
+        "model": wl.endpoint,
+        "url": run.transport.url,
+        "protocol": wl.protocol,
+        "transport": run.transport.describe(),
+        "tokenizer": str(tokenizer_dir),
+        "metrics_url": run.metrics_url,
+        "started_at": started_wall.isoformat(),
+        "clock": "time.perf_counter_ns (monotonic); requests.csv times are ms after started_at",
+        "client": {"python": platform.python_version(), "cpus": os.cpu_count(), "loop": "asyncio, one thread"},
+        "complete": aborted is None,
+        "aborted": aborted,
+    }
 
 
 def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path | str = "reports",
@@ -106,22 +287,9 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
     a run a stop signal cut short writes it here all the same, before the stop goes on."""
     wl = spec.validation.workload
     timeout_s = request_timeout_s or wl.request_timeout_s
-    try:
-        thresholds = S.thresholds(spec.validation.slo, slo_extra)
-    except ValueError as err:
-        raise ToolchainError(str(err)) from None
+    thresholds = slo_thresholds(spec, slo_extra)
     max_len = max_prompt_len(spec)
-    target = url or wl.url or (grpc_url if wl.protocol == "triton-grpc" and grpc_url else None) \
-        or default_url(spec, wl.protocol)
-    if wl.protocol == "triton-grpc":
-        target = normalize_url(target)
-    transport = make_transport(wl.protocol, url=target, model=wl.endpoint, streaming=wl.streaming,
-                               ignore_eos=wl.ignore_eos, exclude_input=spec.serving.exclude_input_in_output,
-                               keep_text=wl.multi_turn.turns > 1 or wl.prompts_file is not None,
-                               # A draft-target or n-gram deployment speculates through the BLS when asked to.
-                               num_draft_tokens=spec.speculative.max_draft_len
-                               if spec.speculative.mode in ("draft_target", "ngram") else 0)
-    transport.prepare()
+    transport = open_transport(spec, target_url(spec, url, grpc_url))
     metrics_url = metrics_url if metrics_url is not None else (
         default_metrics_url(spec) if wl.protocol.startswith("triton") else None)
     tokenizer_dir = Path(tokenizer_dir or spec.model.tokenizer_dir)
@@ -138,115 +306,23 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
     runner = Runner(transport, plan, timeout_s=timeout_s, think_time_s=wl.multi_turn.think_time_s,
                     on_done=exporter.observe if exporter else None)
     loads = levels_of(wl)
-    levels: list[dict] = []
     started_wall = dt.datetime.now(dt.timezone.utc)
-    anchor_ns = time.perf_counter_ns()
+    run = BenchRun(wl=wl, thresholds=thresholds, transport=transport, plan=plan, counter=counter, runner=runner,
+                   exporter=exporter, metrics_url=metrics_url, loads=loads, anchor_ns=time.perf_counter_ns(),
+                   on_level=on_level)
+    aborted, stopped = drive(run)
+    if aborted:
+        finish_interrupted_level(run, aborted)
 
-    def finish_level(i: int, value: float, before, after, n_sessions: int | None) -> None:
-        recs = [r for r in runner.records if r.level == i and not r.warmup]
-        counter.fill(recs)
-        m = M.compute(recs, thresholds)
-        m["warmup_requests"] = sum(1 for r in runner.records if r.warmup)  # run once, before the first level
-        for edge in ("start", "end"):  # monotonic ns -> ms after started_at, like requests.csv
-            t = m["window"].pop(f"{edge}_ns")
-            m["window"][f"{edge}_ms"] = None if t is None else (t - anchor_ns) / M.NS_PER_MS
-        ok = [r for r in recs if r.ok]
-        mism = sum(1 for r in ok if r.osl != r.max_tokens) if wl.ignore_eos else 0
-        src = token_count_source(recs)
-        load: dict[str, Any] = {"mode": wl.mode, "value": value, "sessions": n_sessions, "duration_s": wl.duration_s}
-        if wl.mode == "rate":
-            load.update(arrival=wl.arrival, burstiness=wl.burstiness)
-        level = {"level": i, "load": load, **m, "token_count_source": src, "osl_mismatches": mism,
-                 "slo": S.evaluate(m, thresholds), "server": servermetrics.delta(before, after, wl.endpoint),
-                 "itl_by_position": M.itl_by_position(recs, max_positions=256)}
-        level["notes"] = level_notes(m, src, mism, open_loop=wl.mode == "rate")
-        levels.append(level)
-        if on_level is not None:
-            on_level(level)
-
-    async def main() -> None:
-        await transport.open()
-        try:
-            if wl.warmup_requests:
-                first = loads[0] if wl.mode == "concurrency" else 4
-                n_warm = plan.sessions_for(wl.warmup_requests)
-                await runner.closed_loop(plan.sessions("warmup", n_warm), max(1, min(int(first), n_warm)), -1,
-                                         warm=True)
-                counter.fill([r for r in runner.records if r.warmup])
-            for i, value in enumerate(loads):
-                if runner.aborted:
-                    break
-                if exporter:
-                    exporter.load.set(value)
-                before = await asyncio.to_thread(servermetrics.scrape, metrics_url)
-                n = None if wl.duration_s else plan.sessions_for(wl.num_requests)
-                if wl.mode == "concurrency":
-                    await runner.closed_loop(plan.sessions(i, n), int(value), i, duration_s=wl.duration_s)
-                else:
-                    offsets = schedule.arrivals(value, count=n, duration_s=wl.duration_s, arrival=wl.arrival,
-                                                burstiness=wl.burstiness, seed=f"{wl.seed}:{i}")
-                    await runner.open_loop(list(plan.sessions(i, len(offsets))), offsets, i)
-                after = await asyncio.to_thread(servermetrics.scrape, metrics_url)
-                finish_level(i, value, before, after, n)
-        finally:
-            await transport.close()
-
-    aborted = None
-    stopped: Stopped | None = None
-    try:
-        asyncio.run(main())
-        aborted = runner.aborted
-    except Stopped as err:  # a stop signal to a command that started the server: report, then stop it
-        aborted, stopped = str(err), err
-    except KeyboardInterrupt:
-        aborted = "interrupted by the user"
-    finally:
-        if exporter:
-            exporter.close()
-    if aborted and runner.records and (not levels or any(r.level == len(levels) for r in runner.records)):
-        # the level that was running when it stopped: report what it measured
-        i = len(levels)
-        for r in runner.records:
-            if r.level == i and r.t_final is None and r.error is None and not r.cancelled:
-                r.error = f"unfinished: {aborted}"
-        finish_level(i, loads[min(i, len(loads) - 1)], None, None, None)
-
-    records = runner.records
-    workload = {
-        **wl.model_dump(mode="json"),
-        "levels": loads,
-        "request_timeout_s": timeout_s,
-        "max_prompt_tokens": max_len,
-        "prompt_corpus": str(wl.prompts_file) if wl.prompts_file else PROMPT_CORPUS,
-        "isl_definition": "prompt tokens without special tokens (the server may add BOS); chat: message contents "
-                          "joined, chat template not counted",
-        "metric_names": M.METRIC_NAMES,
-        "inputs_sent": sorted(transport.inputs_sent),
-        "slo_thresholds": [t.name for t in thresholds],
-    }
-    run = {
-        "tool": f"toolchain bench {__version__}",
-        "deployment": describe(spec),
-        "model": wl.endpoint,
-        "url": transport.url,
-        "protocol": wl.protocol,
-        "transport": transport.describe(),
-        "tokenizer": str(tokenizer_dir),
-        "metrics_url": metrics_url,
-        "started_at": started_wall.isoformat(),
-        "clock": "time.perf_counter_ns (monotonic); requests.csv times are ms after started_at",
-        "client": {"python": platform.python_version(), "cpus": os.cpu_count(), "loop": "asyncio, one thread"},
-        "complete": aborted is None,
-        "aborted": aborted,
-    }
-    report = build_report(levels, run=run, workload=workload, notes=[])
+    report = build_report(run.levels, run=run_section(spec, run, tokenizer_dir, started_wall, aborted),
+                          workload=workload_section(run, timeout_s, max_len), notes=[])
     out_dir = Path(out_dir)
     if stopped is not None:  # the partial report, saved before the stop goes on
-        write_outputs(out_dir, report, records, anchor_ns)
+        write_outputs(out_dir, report, runner.records, run.anchor_ns)
         raise stopped
-    if plots and levels:
+    if plots and run.levels:
         from toolchain.bench.plots import write_plots
 
-        report["plots"] = write_plots(out_dir, report, records)
-    write_outputs(out_dir, report, records, anchor_ns, with_report=save_report)
+        report["plots"] = write_plots(out_dir, report, runner.records)
+    write_outputs(out_dir, report, runner.records, run.anchor_ns, with_report=save_report)
     return report
