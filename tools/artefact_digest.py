@@ -40,9 +40,11 @@ TARGET_VARIANTS = [["target=trtllm", "gpu.name=H100 80GB"], ["target=llmapi-cpu"
 
 
 # What differs from run to run by design: the temporary directories of atomic writes (pid and a random
-# suffix) and the Python backend's shared-memory prefix (pid and a random suffix).
+# suffix), the Python backend's shared-memory prefix (pid and a random suffix) and the free port each
+# Dynamo worker's system server is given.
 _VOLATILE = [(re.compile(r"\.([\w.-]+)\.(tmp|old)-\d+-\w+"), r".\1.\2-<PID>"),
-             (re.compile(r"shm-region-prefix-name=tc\d+_[0-9a-f]+_"), "shm-region-prefix-name=<SHM>")]
+             (re.compile(r"shm-region-prefix-name=tc\d+_[0-9a-f]+_"), "shm-region-prefix-name=<SHM>"),
+             (re.compile(r"DYN_SYSTEM_PORT=\d+"), "DYN_SYSTEM_PORT=<PORT>")]
 
 
 def normalize(text: str, tmp: Path) -> str:
