@@ -15,7 +15,7 @@ Independent sections, chosen with --parts (comma-separated; default: all):
                    same closed-loop workload on each over gRPC; `tp2_mpi_vs_single_process_tokens_ratio` (and
                    its TTFT ratio), `outputs_identical` (greedy tokens of 8 prompts, mpirun vs one process).
                    Without --quick again on the same model widened (zero MLP units, zero-output layers:
-                   benchmarks/speculative.py's widen_target) so the forward dominates the per-step exchange,
+                   toolchain/tinymodel/widen.py's widen_target) so the forward dominates the per-step exchange,
                    keys suffixed `_wide`.
 
 Load comes from this toolchain's bench harness (toolchain.bench.run_bench, protocol openai-completions), the
@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from toolchain.bench.results import print_and_write  # noqa: E402
+from toolchain.tinymodel.widen import widen_target  # noqa: E402
 from toolchain.triton.grpc_client import stream, token_request  # noqa: E402
 
 SPEC = REPO / "build" / "tiny-llama-dynamo.yaml"
@@ -154,8 +155,6 @@ def _mpi_model(tmp: Path, wide: bool) -> Path:
     src = REPO / "models" / "tiny-llama"
     if not wide:
         return src
-    from speculative import widen_target  # a sibling script: this script's folder is on sys.path
-
     return widen_target(src, tmp / "wide-llama", extra_layers=6, intermediate=4096)
 
 
