@@ -248,7 +248,6 @@ class SloSection(_Section):
 
     @model_validator(mode="after")
     def _extra_parse(self) -> "SloSection":
-
         for text in self.extra:
             parse_slo(text)  # raises ValueError naming the string
         return self

@@ -32,7 +32,6 @@ def make_word_tokenizer(out: Path, corpus: str | None = None) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.WordLevelTrainer(vocab_size=8000, special_tokens=["[UNK]", "[PAD]", "</s>"])

@@ -163,7 +163,6 @@ def _console():
     would cut the metric names and figures."""
     import shutil
 
-
     return Console(width=max(110, shutil.get_terminal_size((110, 24)).columns))
 
 
@@ -185,7 +184,6 @@ def table_keys(level: dict) -> tuple[list[str], list[str]]:
 
 
 def print_level(level: dict, console=None, title: str = "") -> None:
-
     console = console or _console()
     load = level["load"]
     table = Table(title=title or f"level {level['level']}: {load['mode']} {load['value']:g}", title_justify="left")
@@ -231,7 +229,6 @@ def _num(v) -> str:
 
 
 def print_summary(report: dict, console=None) -> None:
-
     console = console or _console()
     rows = report["sweep"]["levels"]
     if len(rows) > 1:

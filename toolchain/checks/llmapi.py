@@ -17,7 +17,6 @@ BOTH = ENGINE + SERVING
        "Medusa, lookahead and EAGLE-1/2 exist only on the engine path (TensorRT-LLM speculative-decoding docs)",
        paths=LLMAPI_PATH)
 def _speculative(ctx: Context):
-
     sp = ctx.spec.speculative
     row = mode_of(sp.mode)
     if sp.mode == "none":
@@ -59,7 +58,6 @@ def _quantization(ctx: Context):
 @check("llmapi.options", BOTH, "every llmapi.options key must be an LLM-API argument of the pinned release "
        "(TorchLlmArgs forbids unknown keys)", paths=LLMAPI_PATH)
 def _options(ctx: Context):
-
     problem = options_problem(ctx.spec)
     if problem:
         return FAIL, problem + "; fix llmapi.options in the spec"
@@ -88,7 +86,6 @@ def _mtp_layers(ctx: Context) -> int:
        "the LLM() arguments and the llmapi model are those of the pinned TensorRT-LLM release", paths=LLMAPI_PATH)
 def _runtime_version(ctx: Context):
     from importlib import metadata
-
 
     if not ctx.row.on_gpu:
         return PASS, "the CPU stand-in needs no TensorRT-LLM"

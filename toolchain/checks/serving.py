@@ -199,7 +199,6 @@ def _multi_node(ctx: Context):
        "serving.launch mpirun on CPU: one tritonserver per rank under mpirun needs mpirun and a slot (core) per rank "
        "(Open MPI 5 defaults its slots to the host's cores)")
 def _cpu_ranks(ctx: Context):
-
     spec = ctx.spec
     if not spec.rank_processes:
         return SKIP, ("ranks run in one process (serving.launch single)" if "single" in ctx.row.launches

@@ -100,7 +100,6 @@ def missed_slos(slo: dict) -> str:
     def fmt(v) -> str:
         return "n/a" if v is None else f"{v:.6g}"
 
-
     missed = [f"{name} {fmt(c['measured'])} {'<' if name in RATE_KEYS else '>'} {c['threshold']}"
               for name, c in slo.items() if isinstance(c, dict) and not c["passed"]]
     where = f" at level {slo['level']}" if slo.get("level") is not None else ""

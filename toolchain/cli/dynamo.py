@@ -27,7 +27,6 @@ ROUTERS = ("kv", "round-robin", "random", "least-loaded")
 
 
 def _print_gpu(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> None:
-
     click.echo(f"# NVIDIA Dynamo on one GPU host ({render.gpus_needed(spec)} GPUs; file discovery, no etcd/NATS).")
     click.echo(f"# The workers read {ws.model_repo_dir(spec) / 'trtllm-serve.yaml'} (`toolchain model-repo SPEC`).")
     note = render.version_note()

@@ -132,7 +132,6 @@ class DynamoDeployment:
         return argv
 
     def worker_argv(self, work_dir: Path, config: Path) -> list[str]:
-
         return [self.python, "-m", "toolchain.dynamo.worker", str(served_model_dir(self.spec, self.workspace)),
                 "--config", str(config), "--served-model-name", self.model_name,
                 "--namespace", self.spec.dynamo.namespace, "--engine-threads", str(self.engine_threads),
@@ -185,7 +184,6 @@ class DynamoDeployment:
     # -- start / stop ----------------------------------------------------------------------------------------
 
     def start(self, timeout: float | None = None) -> "DynamoDeployment":
-
         if self.tmp is not None:
             raise RuntimeError("deployment already started")
         require()

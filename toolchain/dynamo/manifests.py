@@ -54,12 +54,10 @@ def _env(flag: str, value: str) -> dict[str, str]:
 
 
 def config_map_name(spec: DeploymentSpec) -> str:
-
     return f"{k8s_name(spec)}-engine-args"
 
 
 def _volumes(spec: DeploymentSpec, workspace: Workspace) -> tuple[list[dict], list[dict]]:
-
     volumes: list[dict] = [{"name": "engine-args", "configMap": {"name": config_map_name(spec)}}]
     mounts: list[dict] = [{"name": "engine-args", "mountPath": CONFIG_DIR, "readOnly": True}]
     repo = str(Path(workspace.model_repo_dir(spec)).resolve())
@@ -70,7 +68,6 @@ def _volumes(spec: DeploymentSpec, workspace: Workspace) -> tuple[list[dict], li
 
 
 def graph_deployment(spec: DeploymentSpec, workspace: Workspace) -> dict[str, Any]:
-
     row = target_of(spec)
     if (row.path, row.device) != (LLMAPI, GPU):
         raise ToolchainError(f"the DynamoGraphDeployment is for target {named(LLMAPI, GPU)} (GPU nodes), not "
@@ -111,7 +108,6 @@ def graph_deployment(spec: DeploymentSpec, workspace: Workspace) -> dict[str, An
 
 
 def config_map(spec: DeploymentSpec) -> dict[str, Any]:
-
     text = yaml.safe_dump(serve_config(spec), sort_keys=False)
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": config_map_name(spec)},
             "data": {ENGINE_ARGS: text}}

@@ -151,7 +151,6 @@ async def serve(args) -> int:
 
     from toolchain.openai.service import EngineService
 
-
     try:
         data = yaml.safe_load(args.config.read_text()) or {}
     except (OSError, yaml.YAMLError) as err:

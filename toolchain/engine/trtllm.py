@@ -343,7 +343,6 @@ def check_engine(spec, engine_dir: Path, *, draft: bool = False) -> list[str]:
     """What in `engine_dir`/config.json disagrees with the spec (empty when nothing)."""
     import json
 
-
     path = Path(engine_dir) / "config.json"
     try:
         cfg = json.loads(path.read_text())

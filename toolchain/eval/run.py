@@ -48,7 +48,6 @@ def engine_for_eval(spec: DeploymentSpec, workspace: Workspace) -> Iterator[Path
 
 
 def _tokenizer(spec: DeploymentSpec):
-
     try:
         return auto_tokenizer(spec.model.tokenizer_dir, trust_remote_code=spec.model.trust_remote_code)
     except (OSError, ValueError) as err:

@@ -183,7 +183,6 @@ def openai_engine_args(spec: DeploymentSpec) -> tuple[str, ...]:
 
 
 def openai_cpu_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
-
     return ["python", "-m", "toolchain.openai", str(served_model_dir(spec, workspace)),
             "--config", str(serve_config_path(spec, workspace)), "--served-model-name", served_model_name(spec),
             "--host", spec.serving.host, "--port", str(spec.llmapi.openai_port), *openai_engine_args(spec)]

@@ -67,7 +67,6 @@ def _llm_app(args):
     """MODEL --config FILE: the CPU engine LLM() would run for those arguments (toolchain.llmapi)."""
     import tempfile
 
-
     from toolchain.openai.app import create_app
 
     try:

@@ -29,7 +29,6 @@ def _read_json(path: Path) -> dict | None:
 
 class TextCodec:
     def __init__(self, tokenizer_dir: Path | str, chat_template: str | None = None, trust_remote_code: bool = False):
-
         self.directory = Path(tokenizer_dir)
         if not self.directory.is_dir():
             raise ToolchainError(f"tokenizer directory {self.directory} does not exist",

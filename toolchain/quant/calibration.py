@@ -105,7 +105,6 @@ def calibration_tokens(tokenize: Callable[[str], list[int]], dataset: str, sampl
 
 
 def hf_tokenizer(tokenizer_dir: Path, trust_remote_code: bool = False) -> Callable[[str], list[int]]:
-
     tok = auto_tokenizer(tokenizer_dir, trust_remote_code=trust_remote_code)
     tok.model_max_length = 1 << 62  # whole files are tokenized and cut into windows here: no length warning
     return lambda text: tok(text, add_special_tokens=False)["input_ids"]
@@ -184,7 +183,6 @@ def collect_stats(hf_dir: Path, sequences: list[torch.Tensor], *, covariance: bo
 def _layer_stats(hf_dir: Path, sequences: list[torch.Tensor], covariance: bool,
                  progress: Callable[[str], None] | None) -> Iterator[LayerStats]:
     from transformers import AutoModelForCausalLM
-
 
     hf_dir = Path(hf_dir)
     config = auto_config(hf_dir, trust_remote_code=False)  # as in collect_stats: built-in classes only

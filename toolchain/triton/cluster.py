@@ -253,7 +253,6 @@ def leader_script(spec: DeploymentSpec, mpirun_tail: str) -> str:
 
 
 def leader_image() -> str:
-
     return f"trtllm-toolchain/leader:{TRITON_CONTAINER}"
 
 

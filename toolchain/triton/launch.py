@@ -285,7 +285,6 @@ class TritonLaunch(Endpoints):
 
     @classmethod
     def cpu(cls, spec, repo_dir: Path, log_path: Path) -> "TritonLaunch":
-
         binary = resolve_binary(spec.serving.tritonserver)
         launch = cls(spec, repo_dir, log_path, cpu_mpirun(), str(binary.path))
         launch.env = server_env(binary)

@@ -107,7 +107,6 @@ class TritonServer(procgroup.GroupServer, Endpoints):
                 "grpc": f"{self._url_host('grpc')}:{self.ports['grpc']}",
                 "metrics": f"http://{self._url_host('metrics')}:{self.ports['metrics']}/metrics"}
 
-
     @property
     def ready(self) -> bool:
         """Started, still running, answering /v2/health/ready and no Python-backend stub dead.

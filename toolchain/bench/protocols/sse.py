@@ -69,7 +69,6 @@ class HttpClient:
         self.http = None
 
     async def open(self) -> None:
-
         self.http = Http1Pool(self.url)
 
     async def close(self) -> None:

@@ -74,7 +74,6 @@ class Int4Grouped(Linear):
         self.prequant = prequant.float() if prequant is not None else None
         self._kernel, self._sz = _int4_kernel_pack(q_signed, self.scales, self.zero, group)
 
-
     @property
     def out_features(self):
         return self.out_f
