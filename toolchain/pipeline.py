@@ -96,7 +96,6 @@ def server_for(spec: DeploymentSpec, workspace: Workspace, *, log_path: Path | N
 
 def openai_server(spec: DeploymentSpec, workspace: Workspace, log_path: Path) -> OpenAIServer:
     """The OpenAI server on the LLM() arguments of the llmapi-cpu deployment (not started)."""
-
     return OpenAIServer(None, None, served_model_name(spec), spec.serving.host, spec.llmapi.openai_port,
                         model=served_model_dir(spec, workspace), config=serve_config_path(spec, workspace),
                         log_path=log_path, extra_args=openai_engine_args(spec))
