@@ -104,12 +104,6 @@ class Context:
         return targets.target_of(self.spec)
 
     @property
-    def trtllm(self) -> bool:
-        """TensorRT-LLM engines on GPUs (the row of target trtllm), as toolchain/checks/speculative.py reads it; a
-        check that applies there only declares `paths=ENGINE_PATH, devices=GPU_ONLY` instead."""
-        return self.row.builds_engine and self.row.on_gpu
-
-    @property
     def artefacts(self) -> bool:
         return self.stage in _ARTEFACT_STAGES and self.workspace is not None
 

@@ -35,6 +35,16 @@ BLACKWELL = range(100, 120)
 STORAGE_BYTES = {"int8": 1, "fp8": 1, "float32": 4, "float16": 2}
 
 
+def sm_refusal(min_sm: int | None, integer: bool, sm: int) -> str | None:
+    """The one SM rule of weight and KV formats alike: "too old" below the format's oldest SM, "blackwell" for
+    an integer format on SM 100-119, else None."""
+    if min_sm is not None and sm < min_sm:
+        return "too old"
+    if integer and sm in BLACKWELL:
+        return "blackwell"
+    return None
+
+
 @dataclass(frozen=True)
 class Tensor:
     """One tensor a quantized linear stores. `shape` is written in the linear's (out, in) and the
@@ -101,11 +111,7 @@ class Format:
 
     def refused_on(self, sm: int) -> str | None:
         """"too old" or "blackwell" when a GPU of SM `sm` cannot build this format, else None."""
-        if self.min_sm is not None and sm < self.min_sm:
-            return "too old"
-        if self.integer and sm in BLACKWELL:
-            return "blackwell"
-        return None
+        return sm_refusal(self.min_sm, self.integer, sm)
 
 
 def tensor_bytes(tensors: tuple[Tensor, ...], out: int, inp: int, group: int, model_bytes: int) -> float:
@@ -189,11 +195,7 @@ class KvFormat:
         return self.quant_algo is not None
 
     def refused_on(self, sm: int) -> str | None:
-        if self.min_sm is not None and sm < self.min_sm:
-            return "too old"
-        if self.integer and sm in BLACKWELL:
-            return "blackwell"
-        return None
+        return sm_refusal(self.min_sm, self.integer, sm)
 
 
 KV_CACHE: dict[str, KvFormat] = {k.name: k for k in (
