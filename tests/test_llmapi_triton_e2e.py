@@ -68,20 +68,37 @@ def texts(responses) -> list[str]:
 @pytest.fixture(scope="module")
 @starts_server
 def served(tmp_path_factory, hf_llama_words):
-    from toolchain.pipeline import convert_for, model_repo_for
-    from toolchain.triton.server import TritonServer
+    from toolchain.pipeline import convert_for, model_repo_for, server_for
 
     root = tmp_path_factory.mktemp("llmapi-e2e")
     spec = load_spec(write_spec(root / "spec.yaml", hf_llama_words, target="llmapi-cpu", parallelism={"tp": 2},
                                 limits={"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128,
                                         "max_num_tokens": 256},
                                 serving={"http_port": 0, "grpc_port": 0, "metrics_port": 0,
-                                         "max_tokens_in_paged_kv_cache": 2048}))
+                                         "max_tokens_in_paged_kv_cache": 2048},
+                                llmapi={"openai_port": 0}))
     ws = Workspace(root)
     convert_for(spec)(spec, ws)
     model_repo_for(spec)(spec, ws)
-    with TritonServer.from_spec(spec, ws.model_repo_dir(spec), log_path=root / "server.log") as server:
+    before = prepared_stamps(spec, ws)
+    with server_for(spec, ws, log_path=root / "server.log") as server:
+        server.prepared_before = before
         yield spec, ws, server
+
+
+def prepared_stamps(spec, ws) -> dict[str, int]:
+    """mtimes of what convert prepared for LLM(): the lock every loader takes, and the CPU engine's manifest."""
+    work = ws.cpu_llm_dir(spec)
+    return {"lock": (work / ".lock").stat().st_mtime_ns,
+            "engine": (work / "engines" / "llm" / "engine" / "manifest.json").stat().st_mtime_ns}
+
+
+def test_the_servers_load_the_engine_convert_prepared_without_converting_again(served):
+    spec, ws, server = served
+    after = prepared_stamps(spec, ws)
+    # The Triton model took the prepared directory's lock (so it loaded from there) and rebuilt nothing.
+    assert after["lock"] > server.prepared_before["lock"]
+    assert after["engine"] == server.prepared_before["engine"]
 
 
 def test_streaming_responses_carry_the_whole_text_so_far(served):
@@ -163,21 +180,22 @@ def test_bad_requests_get_one_error_and_the_server_keeps_serving(served, inputs,
 
 
 def test_the_openai_server_runs_the_same_llm_arguments(served):
-    from toolchain.llmapi.launch import serve_config_path
-    from toolchain.llmapi.stage import served_model_dir
-    from toolchain.openai.server import OpenAIServer
+    from toolchain.pipeline import openai_server
 
     spec, ws, server = served
     triton, errors = collect(server.grpc_url, llmapi_inputs(
         "w60 w61 w62", sampling_param_max_tokens=5, sampling_param_top_k=1,
         sampling_param_exclude_input_from_output=True))
     assert not errors
-    with OpenAIServer(None, None, "tiny", model=served_model_dir(spec, ws), config=serve_config_path(spec, ws)) as api:
-        body = json.dumps({"model": "tiny", "prompt": "w60 w61 w62", "max_tokens": 5, "top_k": 1}).encode()
+    before = prepared_stamps(spec, ws)
+    with openai_server(spec, ws, ws.root / "openai.log") as api:
+        body = json.dumps({"model": api.served_model_name, "prompt": "w60 w61 w62", "max_tokens": 5, "top_k": 1}).encode()
         req = urllib.request.Request(f"{api.url}/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as resp:
             answer = json.loads(resp.read())
     assert answer["choices"][0]["text"].strip() == texts(triton)[-1].strip()
+    after = prepared_stamps(spec, ws)  # loaded from convert's directory, not converted again
+    assert after["lock"] > before["lock"] and after["engine"] == before["engine"]
 
 
 def test_an_unknown_key_in_the_serve_config_stops_the_openai_server_at_start(tmp_path, hf_llama_words):

@@ -27,6 +27,7 @@ from toolchain.triton.launch import TritonLaunch, container_commands, docker_com
 from toolchain.triton.server import TritonServer
 from toolchain.llmapi import launch as llmapi_launch
 from toolchain.llmapi import manifests as llmapi_manifests
+from toolchain.llmapi.cpu_llm import ENGINE_DIR_ENV
 from toolchain.llmapi.launch import openai_engine_args, serve_config_path, served_model_name
 from toolchain.llmapi.stage import run_convert_llmapi, served_model_dir
 from toolchain.openai.server import OpenAIServer
@@ -91,14 +92,23 @@ def server_for(spec: DeploymentSpec, workspace: Workspace, *, log_path: Path | N
         return TritonLaunch(spec, repo, log_path or server_log(spec, workspace), mpirun, binary)
     if spec.rank_processes:
         return TritonLaunch.cpu(spec, repo, log_path or server_log(spec, workspace))
-    return TritonServer.from_spec(spec, repo, log_path=log_path, read_key=read_key)
+    return TritonServer.from_spec(spec, repo, log_path=log_path, read_key=read_key, env=_cpu_llm_env(spec, workspace))
+
+
+def _cpu_llm_env(spec: DeploymentSpec, workspace: Workspace) -> dict[str, str]:
+    """Target llmapi-cpu: where convert prepared the CPU engine LLM()'s stand-in loads, so the servers
+    load it rather than each converting the checkpoint again (not part of any printed command)."""
+    row = target_of(spec)
+    if row.llmapi_path and row.on_cpu:
+        return {ENGINE_DIR_ENV: str(workspace.cpu_llm_dir(spec).resolve())}
+    return {}
 
 
 def openai_server(spec: DeploymentSpec, workspace: Workspace, log_path: Path) -> OpenAIServer:
     """The OpenAI server on the LLM() arguments of the llmapi-cpu deployment (not started)."""
     return OpenAIServer(None, None, served_model_name(spec), spec.serving.host, spec.llmapi.openai_port,
                         model=served_model_dir(spec, workspace), config=serve_config_path(spec, workspace),
-                        log_path=log_path, extra_args=openai_engine_args(spec))
+                        log_path=log_path, extra_args=openai_engine_args(spec), env=_cpu_llm_env(spec, workspace))
 
 
 # ---- what `serve --print` and `--manifests` show ----------------------------------------------------------

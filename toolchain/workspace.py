@@ -36,6 +36,11 @@ class Workspace:
         """draft_target: the draft model's TensorRT-LLM checkpoint (tp 1) written by `convert`."""
         return self._inside(self.engine_root(spec) / "draft-checkpoint")
 
+    def cpu_llm_dir(self, spec: DeploymentSpec) -> Path:
+        """target llmapi-cpu: the CPU engine `convert` prepares for LLM()'s stand-in, which the Triton
+        llmapi model and the OpenAI server load rather than each converting the checkpoint again."""
+        return self._inside(self.engine_root(spec) / "cpu-llm")
+
     def engine_dir(self, spec: DeploymentSpec) -> Path:
         """The engine written by `build-engine` (trtllm-build output or the CPU engine)."""
         return self._inside(self.engine_root(spec) / "engine")

@@ -4,8 +4,11 @@ Constructed from the same keyword arguments (the keys of Triton's `model.yaml`
 or of a `trtllm-serve --extra_llm_api_options` file) and refusing what `TorchLlmArgs` refuses:
 an unknown key, a missing `model`, a backend other than pytorch. Like the
 PyTorch backend it loads the Hugging Face checkpoint named by `model` and shards
-it at load time: here by running this toolchain's own convert and CPU build
-into a private directory, so the CPU engine executes every TP/PP rank's shard.
+it at load time: here by running this toolchain's own convert and CPU build,
+so the CPU engine executes every TP/PP rank's shard. That work goes into a
+private directory, or into the one $TOOLCHAIN_CPU_LLM_DIR names: `convert` of
+a target-llmapi-cpu spec prepares it there, and the servers a deployment starts
+(Triton's llmapi model, the OpenAI server) find it current and only load it.
 Arguments that only tune GPU execution (CUDA graphs, attention backends, ...)
 are accepted and have no effect here; arguments that change what is computed
 and that the CPU engine cannot honour are refused, never ignored.
@@ -19,8 +22,11 @@ and that the CPU engine cannot honour are refused, never ignored.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import itertools
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -33,6 +39,10 @@ from toolchain.spec import DeploymentSpec
 from toolchain.engine.build import run_build
 from toolchain.workspace import Workspace
 from toolchain.remote_code import auto_tokenizer
+
+# Names a directory the convert and CPU build are done in (and reused from, when current), shared by
+# every process of one deployment; set by the launchers of toolchain/pipeline.py.
+ENGINE_DIR_ENV = "TOOLCHAIN_CPU_LLM_DIR"
 
 # LLM-API scheduler policies the CPU batcher implements (capacity_scheduler_policy).
 POLICIES = {"GUARANTEED_NO_EVICT": "guaranteed_no_evict", "MAX_UTILIZATION": "max_utilization"}
@@ -260,19 +270,44 @@ def _positions(model_dir: Path) -> int:
     return int(cfg.get("max_position_embeddings") or 2048)
 
 
-def load_engine(args: dict[str, Any], work_dir: Path, num_threads: int | None = None):
-    """(CpuEngine, SchedulerConfig, spec) for LLM() arguments: the checkpoint converted and
-    sharded by this toolchain's own stages into `work_dir`, as the PyTorch backend shards at load."""
+@contextlib.contextmanager
+def _exclusive(directory: Path):
+    """Holds `directory`'s lock: two processes preparing one shared directory take turns, and the
+    second finds the first one's output current."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def prepare_engine(args: dict[str, Any], work_dir: Path) -> tuple[DeploymentSpec, Workspace]:
+    """Converts and builds the CPU engine for LLM() arguments into `work_dir` (each stage reusing its
+    output when current), as the PyTorch backend shards the checkpoint at load."""
     from toolchain.checkpoint.stage import run_convert
-    from toolchain.engine.cpu import CpuEngine, KvCacheConfig, SchedulerConfig
 
     spec = engine_spec(args)
     ws = Workspace(Path(work_dir))
     try:
-        run_convert(spec, ws)
-        run_build(spec, ws, converted=True)
+        with _exclusive(Path(work_dir)):
+            run_convert(spec, ws)
+            run_build(spec, ws, converted=True)
     except ToolchainError as err:
         raise LlmArgsError(f"cannot load {spec.model.checkpoint}: {err}") from None
+    return spec, ws
+
+
+def shared_engine_dir() -> Path | None:
+    """The deployment's shared engine directory ($TOOLCHAIN_CPU_LLM_DIR), if one is named."""
+    value = os.environ.get(ENGINE_DIR_ENV)
+    return Path(value) if value else None
+
+
+def load_engine(args: dict[str, Any], work_dir: Path, num_threads: int | None = None):
+    """(CpuEngine, SchedulerConfig, spec) for LLM() arguments: the checkpoint converted and
+    sharded by this toolchain's own stages into `work_dir` (prepare_engine), then loaded."""
+    from toolchain.engine.cpu import CpuEngine, KvCacheConfig, SchedulerConfig
+
+    spec, ws = prepare_engine(args, work_dir)
     s = spec.serving
     # TensorRT-LLM 1.2.1's PyTorch backend quantizes an FP8 KV cache with scale 1.0: TrtllmAttention
     # sets kv_cache_scaling_factor to [1.0] (tensorrt_llm/_torch/attention_backend/trtllm.py), and the
@@ -298,6 +333,7 @@ class CpuLLM:
 
         self.args = dict(kwargs, model=model)
         self._tmp = None
+        work_dir = work_dir or shared_engine_dir()
         if work_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="cpu-llm-")
             work_dir = Path(self._tmp.name)

@@ -7,6 +7,11 @@ Face-format checkpoint the PyTorch backend loads pre-quantized (ModelOpt's
 `export_hf_checkpoint` layout) into engines/<name>/checkpoint. Either way the
 stage's manifest names the directory (`outputs.model_dir`) that model.yaml and
 the trtllm-serve config pass as `model`.
+
+On target llmapi-cpu convert also prepares the CPU engine that stands in for
+LLM() on those arguments (engines/<name>/cpu-llm), once: the Triton llmapi
+model and the OpenAI server of the deployment load it from there
+(toolchain/llmapi/cpu_llm.py, $TOOLCHAIN_CPU_LLM_DIR).
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ from typing import Callable
 from toolchain.errors import ToolchainError
 from toolchain.fingerprint import input_hash
 from toolchain.fsutil import atomic_dir
+from toolchain.llmapi.args import llm_args
+from toolchain.llmapi.cpu_llm import LlmArgsError, prepare_engine
 from toolchain.manifest import Manifest, current_manifest
 from toolchain.spec import DeploymentSpec
+from toolchain.targets import target_of
 from toolchain.weights_source import source_record
 from toolchain.workspace import Workspace
 from toolchain.plan.model import load_model, quant_format
@@ -68,8 +76,19 @@ def served_model_dir(spec: DeploymentSpec, workspace: Workspace) -> Path:
 
 def run_convert_llmapi(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                        echo: Callable[[str], None] | None = None) -> Manifest:
-
     say = echo or (lambda _msg: None)
+    manifest = _convert(spec, workspace, force, say)
+    if target_of(spec).on_cpu:
+        work = workspace.cpu_llm_dir(spec)
+        say(f"preparing the CPU engine LLM() loads in {work}")
+        try:
+            prepare_engine(llm_args(spec, served_model_dir(spec, workspace)), work)
+        except LlmArgsError as err:
+            raise ToolchainError(str(err), "fix the spec so LLM() accepts its arguments") from None
+    return manifest
+
+
+def _convert(spec: DeploymentSpec, workspace: Workspace, force: bool, say: Callable[[str], None]) -> Manifest:
     source = Path(spec.model.checkpoint)
     if not (source / "config.json").is_file():
         raise ToolchainError(f"no config.json in {source}", "set model.checkpoint to a Hugging Face checkpoint directory")

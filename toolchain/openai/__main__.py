@@ -15,7 +15,7 @@ from pathlib import Path
 
 from toolchain.errors import ToolchainError
 from toolchain.stopsignals import Stopped, stop_on_signals
-from toolchain.llmapi.cpu_llm import LlmArgsError, load_engine
+from toolchain.llmapi.cpu_llm import LlmArgsError, load_engine, shared_engine_dir
 import yaml
 
 
@@ -75,11 +75,14 @@ def _llm_app(args):
         raise ToolchainError(f"cannot read --config {args.config}: {err}") from None
     if not isinstance(data, dict):
         raise ToolchainError(f"--config {args.config} must hold a mapping of LLM() arguments")
-    work = tempfile.TemporaryDirectory(prefix="openai-cpu-llm-")
+    shared = shared_engine_dir()  # the deployment's, prepared by convert: loaded, never removed here
+    work = None if shared else tempfile.TemporaryDirectory(prefix="openai-cpu-llm-")
     try:
-        engine, scheduler, spec = load_engine({**data, "model": str(args.model)}, Path(work.name), args.engine_threads)
+        where = shared if work is None else Path(work.name)
+        engine, scheduler, spec = load_engine({**data, "model": str(args.model)}, where, args.engine_threads)
     except LlmArgsError as err:
-        work.cleanup()
+        if work is not None:
+            work.cleanup()
         raise ToolchainError(str(err)) from None
     template = args.chat_template.read_text() if args.chat_template else None
     app = create_app(engine, spec.model.tokenizer_dir, args.served_model_name, scheduler=scheduler,

@@ -27,7 +27,8 @@ class OpenAIServer(procgroup.GroupServer):
     def __init__(self, engine_dir: Path | str | None, tokenizer_dir: Path | str | None, served_model_name: str,
                  host: str = "127.0.0.1", port: int = 0, *, log_path: Path | str | None = None,
                  extra_args: tuple[str, ...] = (), python: str | None = None, stop_timeout_s: float = 15.0,
-                 model: Path | str | None = None, config: Path | str | None = None):
+                 model: Path | str | None = None, config: Path | str | None = None,
+                 env: dict[str, str] | None = None):
         # Either a built engine (engine path) or MODEL + --config, as trtllm-serve takes them (LLM-API path).
         if model is not None:
             self.source = [str(Path(model).resolve())] + (["--config", str(Path(config).resolve())] if config else [])
@@ -41,6 +42,7 @@ class OpenAIServer(procgroup.GroupServer):
         self.extra_args = tuple(extra_args)
         self.python = python or sys.executable
         self.stop_timeout_s = stop_timeout_s
+        self.env = dict(env or {})  # added to the server's environment
         self.process: subprocess.Popen | None = None
         self.started_s: float | None = None
         self._log_fh = None
@@ -65,7 +67,7 @@ class OpenAIServer(procgroup.GroupServer):
             fd, name = tempfile.mkstemp(prefix="openai-server-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        env = dict(os.environ)
+        env = {**os.environ, **self.env}
         # The child must import this very toolchain, installed or not.
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

@@ -65,9 +65,10 @@ class TritonServer(procgroup.GroupServer, Endpoints):
     def __init__(self, repo_dir: Path | str, host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0,
                  metrics_port: int = 0, binary: Path | str | None = None, *, log_path: Path | str | None = None,
                  exit_timeout_s: int = 10, extra_args: tuple[str, ...] = (), metrics_host: str | None = None,
-                 admin_key: str | None = None):
+                 admin_key: str | None = None, env: dict[str, str] | None = None):
         """`admin_key` puts the administrative APIs behind that key (exposure.RESTRICTED_APIS);
-        `metrics_host` defaults to `host`."""
+        `metrics_host` defaults to `host`; `env` is added to the server's environment (its
+        Python-backend stubs inherit it)."""
         self.repo_dir = Path(repo_dir).resolve()
         self.host = host
         self.hosts = {"http": host, "grpc": host, "metrics": metrics_host or host}
@@ -76,6 +77,7 @@ class TritonServer(procgroup.GroupServer, Endpoints):
         self.binary: ServerBinary = resolve_binary(binary)
         self.exit_timeout_s = exit_timeout_s
         self.extra_args = tuple(extra_args)
+        self.env = dict(env or {})
         self.log_path = Path(log_path) if log_path else None
         # Python-backend stubs of concurrent servers must not share /dev/shm regions.
         self.shm_prefix = f"tc{os.getpid()}_{uuid.uuid4().hex[:8]}_"
@@ -177,8 +179,8 @@ class TritonServer(procgroup.GroupServer, Endpoints):
             os.close(fd)
             self.log_path = Path(name)
         t0 = time.monotonic()
-        self.process, self._log_fh = procgroup.spawn(self.command(reveal_key=True), server_env(self.binary),
-                                                     self.log_path)
+        self.process, self._log_fh = procgroup.spawn(self.command(reveal_key=True),
+                                                     {**server_env(self.binary), **self.env}, self.log_path)
         try:
             self._wait_ready(timeout)
         except BaseException:
