@@ -272,7 +272,7 @@ def test_deploy_stopped_by_sigterm_while_it_benches(tmp_path):
 @pytest.mark.server
 def test_deploy_llmapi_stopped_by_sighup_while_it_benches_the_openai_server(tmp_path):
     argv = _cli(tmp_path, "deploy", str(REPO / "build" / "tiny-llama-llmapi.yaml"), *FREE_PORTS,
-                "--set", "llmapi.openai_port=0", "--set", "validation.workload.duration_s=10")
+                "--set", "llmapi.openai_port=0", "--set", "validation.workload.duration_s=4")
     run = _stopped_mid_run(argv, tmp_path, r"\bbench-openai\s+start", signal.SIGHUP, shm=False)
     assert run.rc == 128 + signal.SIGHUP, run.text  # type: ignore[attr-defined]
     reports = tmp_path / "root" / "reports" / "tiny-llama-llmapi"
@@ -285,9 +285,10 @@ def test_deploy_llmapi_stopped_by_sighup_while_it_benches_the_openai_server(tmp_
 @pytest.mark.server
 def test_serve_stopped_by_sighup(tmp_path):
     spec = str(REPO / "build" / "tiny-llama.yaml")
-    for stage in ("convert", "build-engine", "model-repo"):
-        subprocess.run(_cli(tmp_path, stage, spec, *FREE_PORTS), check=True, capture_output=True, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    from toolchain.cli import main as cli_main
+
+    for stage in ("convert", "build-engine", "model-repo"):  # in this process: only serve is under test
+        assert cli_main(["--root", str(tmp_path / "root"), stage, spec, *FREE_PORTS]) == 0
     run = _stopped_mid_run(_cli(tmp_path, "serve", spec, *FREE_PORTS), tmp_path, r"^Ctrl-C to stop", signal.SIGHUP,
                            shm=True)
     assert run.rc == 0 and "tritonserver stopped" in run.text, run.text  # type: ignore[attr-defined]
