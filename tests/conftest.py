@@ -129,6 +129,7 @@ TINY_DIMS = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidd
 HF_CLASSES = {
     "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM"),
     "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM"),
+    "MixtralForCausalLM": ("MixtralConfig", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("Qwen2Config", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
 }

@@ -54,14 +54,17 @@ def resolve_dtype(requested: str, params: ArchParams, ckpt: HFCheckpoint, target
 def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto", target: str = "cpu",
                     use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                     ckpt: HFCheckpoint | None = None, recipe: Recipe | None = None,
-                    gpu: tuple[str | None, int | None] | None = None) -> Plan:
+                    gpu: tuple[str | None, int | None] | None = None, moe_tp: int | None = None,
+                    moe_ep: int | None = None) -> Plan:
     """Everything `convert_checkpoint` would write, per rank, without reading weights.
-    `gpu` is (name, SM) of the target GPU when the spec names one (format checks)."""
+    `gpu` is (name, SM) of the target GPU when the spec names one (format checks); `moe_tp`/`moe_ep`
+    the spec's expert parallelism (None: derived as TensorRT-LLM's Mapping does)."""
     ckpt = ckpt or HFCheckpoint(hf_dir)
     family, params = load_params(ckpt.config, str(ckpt.config_path))
     sharding.check_parallelism(params, tp, pp, use_parallel_embedding=use_parallel_embedding,
-                               embedding_sharding_dim=embedding_sharding_dim)
+                               embedding_sharding_dim=embedding_sharding_dim, moe_tp=moe_tp, moe_ep=moe_ep)
     recipe = recipe or Recipe()
+    check_moe_quantization(params, recipe, ckpt.config.get("quantization_config"))
     config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
     qc = ckpt.config.get("quantization_config")
     fmt = None
@@ -87,10 +90,10 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
         recipe = dataclasses.replace(recipe, exclude_modules=tuple(excluded))
     resolved = resolve_dtype(dtype, params, ckpt, target)
     opts = Options(tp=tp, pp=pp, dtype=resolved, use_parallel_embedding=use_parallel_embedding,
-                   embedding_sharding_dim=embedding_sharding_dim)
+                   embedding_sharding_dim=embedding_sharding_dim, moe_tp=moe_tp, moe_ep=moe_ep)
     config = build_config(family, params, dtype=resolved, tp=tp, pp=pp,
                           use_parallel_embedding=use_parallel_embedding,
-                          embedding_sharding_dim=embedding_sharding_dim)
+                          embedding_sharding_dim=embedding_sharding_dim, moe=opts.moe_sizes)
     if layout_plan.padded_intermediate != params.intermediate_size and any(
             is_excluded(f"transformer.layers.{i}.mlp.{m}", recipe.exclude_modules)
             for i in range(params.num_hidden_layers) for m in ("fc", "gate", "proj")):
@@ -111,6 +114,24 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     plan = build_plan(family, params, ckpt, opts, config, quant=quant)
     plan.config_only = config_only
     return plan
+
+
+def check_moe_quantization(params: ArchParams, recipe: Recipe, quantization_config) -> None:
+    """A mixture-of-experts model converts unquantized only, for now: its stacked experts have no
+    quantized layout here yet, so any quantization is refused in one line rather than written wrong."""
+    if not params.is_moe:
+        return
+    what = None
+    if recipe.method != "none":
+        what = f"quantization {recipe.method}"
+    elif recipe.kv_cache != "none":
+        what = f"quantization.kv_cache {recipe.kv_cache}"
+    elif isinstance(quantization_config, dict):
+        what = f"a pre-quantized checkpoint ({quantization_config.get('quant_method', 'quantization_config')})"
+    if what is not None:
+        raise ToolchainError(f"{what} on {params.architecture} is not supported yet",
+                             "convert it unquantized: quantization.method none, kv_cache none, float16/bfloat16 "
+                             "weights")
 
 
 def stored_recipe(fmt: dict, requested: Recipe, ckpt: HFCheckpoint, config_only: bool = False) -> Recipe:
@@ -178,7 +199,8 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
                        target: str = "cpu", use_parallel_embedding: bool = False,
                        embedding_sharding_dim: int = 0, recipe: Recipe | None = None,
                        tokenizer_dir: Path | str | None = None, calibration: list | None = None,
-                       gpu: tuple[str | None, int | None] | None = None) -> dict:
+                       gpu: tuple[str | None, int | None] | None = None, moe_tp: int | None = None,
+                       moe_ep: int | None = None) -> dict:
     """Write config.json and rank{N}.safetensors into `out_dir` (existing, empty);
     return the config written."""
     out = Path(out_dir)
@@ -188,7 +210,8 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
     with HFCheckpoint(hf_dir) as ckpt:
         plan = plan_checkpoint(hf_dir, tp=tp, pp=pp, dtype=dtype, target=target,
                                use_parallel_embedding=use_parallel_embedding,
-                               embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt, recipe=recipe, gpu=gpu)
+                               embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt, recipe=recipe, gpu=gpu,
+                               moe_tp=moe_tp, moe_ep=moe_ep)
         calibrate(plan, hf_dir, tokenizer_dir=tokenizer_dir, calibration=calibration)
         write_plan(plan, ckpt, out)
     (out / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
