@@ -51,9 +51,10 @@ DEFAULT_EXPERTS, DEFAULT_TOP_K = 8, 2  # MixtralConfig's num_local_experts, num_
 def normalize(cfg: dict, params, origin: str):
     experts = cfg.get("num_local_experts", DEFAULT_EXPERTS)
     top_k = cfg.get("num_experts_per_tok", DEFAULT_TOP_K)
-    for key, value in (("num_local_experts", experts), ("num_experts_per_tok", top_k)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ToolchainError(f"{origin}: {key} must be an integer >= 1, got {value!r}")
+    # One expert is no mixture: upstream converts it as a dense MLP (MoeConfig.has_moe: num_experts > 1).
+    for key, value, least in (("num_local_experts", experts, 2), ("num_experts_per_tok", top_k, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ToolchainError(f"{origin}: {key} must be an integer >= {least}, got {value!r}")
     if top_k > experts:
         raise ToolchainError(f"{origin}: num_experts_per_tok {top_k} exceeds num_local_experts {experts}")
     if params.hidden_act != "silu":
