@@ -150,7 +150,7 @@ def make_hf_model(arch: str, out: Path, *, seed=0, dtype=torch.float32, **overri
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:  # transformers 5 holds a layer's experts as one 3-D parameter (Mixtral)
                 param.mul_(4.0)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
