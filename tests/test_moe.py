@@ -246,3 +246,28 @@ def test_expert_parallel_rank_processes_match(hf_mixtral, tmp_path, tp, pp, moe_
     got = json.loads(run.stdout.strip().splitlines()[-1])["outputs"]
     model = hf_model(hf_mixtral)
     assert got == [hf_greedy(model, p, 16) for p in PROMPTS]
+
+
+# -- the planner counts the experts as they sit ------------------------------------------------------------
+
+@pytest.mark.parametrize("par", [{"tp": 1}, {"tp": 4}, {"tp": 4, "moe_ep": 4}, {"tp": 4, "moe_tp": 2}, {"tp": 2, "pp": 2,
+                                                                                                       "moe_ep": 2}])
+def test_plan_counts_experts_per_rank_as_convert_writes_them(tmp_path, capsys, par):
+    """Mixtral 8x7B's config: what `toolchain plan` says each rank's checkpoint holds is what convert's dry
+    run plans, byte for byte, whatever moe_tp and moe_ep place the experts; more experts per rank, more bytes."""
+    from test_plan_agrees_with_convert import model_dir, plan_json, spec_file
+    from test_preflight_checks import MIXTRAL
+
+    from toolchain.checkpoint.convert import plan_any
+
+    ckpt = model_dir(tmp_path, "mixtral", MIXTRAL)
+    rc, report = plan_json(tmp_path, spec_file(tmp_path, ckpt, parallelism=par, gpu={"name": "H200"}), capsys=capsys)
+    assert rc == 0, (report["failed_checks"], report["verdict"])
+    tp, pp = par["tp"], par.get("pp", 1)
+    dry = plan_any(ckpt, tp=tp, pp=pp, dtype="float16", target="trtllm", moe_tp=par.get("moe_tp"),
+                   moe_ep=par.get("moe_ep"))
+    assert [r["checkpoint_bytes"] for r in report["ranks"]] == [dry.rank_bytes(r) for r in range(tp * pp)]
+    checks = {c["id"]: c for c in report["checks"]}
+    assert checks["moe.parallelism"]["status"] == "pass"
+    assert f"{8 // moe_sizes(tp, par.get('moe_tp'), par.get('moe_ep'))[1]} on each rank" in checks["moe.parallelism"][
+        "message"]

@@ -69,6 +69,16 @@ def model_problems(params: Any, tp: int, moe_tp: int | None, moe_ep: int | None)
     return []
 
 
+def fitting_sizes(params: Any, tp: int) -> str:
+    """The hint after a refusal: the (moe_tp, moe_ep) pairs that split this model at this tp."""
+    if not params.is_moe:
+        return "remove parallelism.moe_tp and parallelism.moe_ep"
+    fits = [(t, tp // t) for t in range(1, tp + 1) if tp % t == 0 and params.intermediate_size % t == 0
+            and params.num_experts % (tp // t) == 0]
+    shown = ", ".join(f"moe_tp {t} with moe_ep {e}" for t, e in fits)
+    return f"at tp {tp} use {shown}" if fits else "use another parallelism.tp"
+
+
 def rank_experts(num_experts: int, moe_ep: int, tp_rank: int) -> range:
     """The experts a TP rank holds (Mapping.ep_experts with moe_ep_rank = tp_rank % moe_ep)."""
     per = num_experts // moe_ep

@@ -66,7 +66,7 @@ def check_parallelism(params, tp: int, pp: int, *, use_parallel_embedding: bool 
         raise ToolchainError(f"tp={tp}, pp={pp}: both must be at least 1")
     moe_problems = moe.model_problems(params, tp, moe_tp, moe_ep)
     if moe_problems:
-        raise ToolchainError(moe_problems[0], _moe_hint(params, tp))
+        raise ToolchainError(moe_problems[0], moe.fitting_sizes(params, tp))
     if embedding_sharding_dim not in (0, 1):
         raise ToolchainError(f"embedding_sharding_dim={embedding_sharding_dim} must be 0 (vocab) or 1 (hidden)")
     dim1 = use_parallel_embedding and embedding_sharding_dim == 1
@@ -77,15 +77,6 @@ def check_parallelism(params, tp: int, pp: int, *, use_parallel_embedding: bool 
     if pp > params.num_hidden_layers:
         raise ToolchainError(f"pp={pp} exceeds num_hidden_layers={params.num_hidden_layers}",
                              f"use parallelism.pp <= {params.num_hidden_layers}")
-
-
-def _moe_hint(params, tp: int) -> str:
-    if not params.is_moe:
-        return "remove parallelism.moe_tp and parallelism.moe_ep"
-    fits = [(t, tp // t) for t in range(1, tp + 1) if tp % t == 0 and params.intermediate_size % t == 0
-            and params.num_experts % (tp // t) == 0]
-    shown = ", ".join(f"moe_tp {t} with moe_ep {e}" for t, e in fits)
-    return f"at tp {tp} use {shown}" if fits else "use another parallelism.tp"
 
 
 def split_experts(stacked: torch.Tensor, tp: int, moe_tp: int, moe_ep: int, dim: int) -> list[torch.Tensor]:
