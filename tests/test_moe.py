@@ -271,3 +271,46 @@ def test_plan_counts_experts_per_rank_as_convert_writes_them(tmp_path, capsys, p
     assert checks["moe.parallelism"]["status"] == "pass"
     assert f"{8 // moe_sizes(tp, par.get('moe_tp'), par.get('moe_ep'))[1]} on each rank" in checks["moe.parallelism"][
         "message"]
+
+
+# -- the LLM-API path: the same sizes as LLM() arguments --------------------------------------------------
+
+def test_llm_args_carry_expert_parallelism_and_the_cpu_stand_in_runs_them(hf_mixtral, tmp_path):
+    """moe_ep/moe_tp become LLM()'s moe_expert_parallel_size/moe_tensor_parallel_size (names read from
+    tensorrt_llm/llmapi/llm_args.py, upstream facts); unset, they are left out so Mapping derives them.
+    The CPU stand-in reads them back and shards the experts alike."""
+    from toolchain.llmapi.args import known_args, llm_args
+    from toolchain.llmapi.cpu_llm import engine_spec, load_engine
+    from toolchain.spec import load_spec
+
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", hf_mixtral, target="llmapi",
+                                parallelism={"tp": 2, "moe_ep": 2}))
+    args = llm_args(spec, hf_mixtral)
+    assert (args["tensor_parallel_size"], args["moe_expert_parallel_size"]) == (2, 2)
+    assert "moe_tensor_parallel_size" not in args
+    assert {"moe_expert_parallel_size", "moe_tensor_parallel_size"} <= set(known_args())
+    plain = llm_args(load_spec(write_spec(tmp_path / "plain.yaml", hf_mixtral, target="llmapi",
+                                          parallelism={"tp": 2})), hf_mixtral)
+    assert not {"moe_expert_parallel_size", "moe_tensor_parallel_size"} & set(plain)
+    cpu_args = {"model": str(hf_mixtral), "tensor_parallel_size": 2, "moe_expert_parallel_size": 2,
+                "max_batch_size": 2, "max_seq_len": 128}
+    assert engine_spec(cpu_args).parallelism.moe_sizes == (1, 2)
+    engine, _, _ = load_engine(cpu_args, tmp_path / "llm")
+    assert (engine.dims.moe_tp, engine.dims.moe_ep) == (1, 2)
+    model = hf_model(hf_mixtral)
+    assert engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=8)) == hf_greedy(model, PROMPTS[0], 8)
+
+
+def test_trtllm_build_needs_no_moe_flag(hf_mixtral, tmp_path):
+    """trtllm-build's --moe_plugin defaults to auto (tensorrt_llm/plugin/plugin.py, upstream facts), which
+    builds MixtureOfExperts with its plugin; the command for a Mixtral spec leaves it at that, and
+    the flag table agrees with the facts."""
+    from toolchain.engine.trtllm import FLAGS, build_command, validate
+    from toolchain.spec import load_spec
+    from toolchain.upstream import facts
+
+    assert facts("trtllm_build")["flags"]["--moe_plugin"]["default"] == "auto" == FLAGS["--moe_plugin"].default
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", hf_mixtral, target="trtllm",
+                                parallelism={"tp": 2, "moe_ep": 2}))
+    cmd = build_command(spec, tmp_path / "ckpt", tmp_path / "engine")
+    assert "--moe_plugin" not in cmd and "--checkpoint_dir" in validate(cmd[1:])
