@@ -18,6 +18,7 @@ from toolchain.archs.common import (EXPERT_SHARDS, TRANSFORMS, Family, Match, Na
                                     expected_shape, trt_name)
 from toolchain.archs.params import ArchParams
 from toolchain.checkpoint import sharding
+from toolchain.checkpoint.sharding import split_experts
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.errors import ToolchainError
 
@@ -145,16 +146,17 @@ def shard_group(group: Group, tensors: dict[str, torch.Tensor], params: ArchPara
                                         nkv=params.num_key_value_heads, tp=tp)
         elif shard in EXPERT_SHARDS:
             moe_tp, moe_ep = opts.moe_sizes
-            stacked = torch.stack([tensors[name] for name in group.sources])
+            sources = [tensors[name] for name in group.sources]
             if shard is Shard.EXPERT_FC:
-                # sources are w3 of every expert, then w1 (build_groups); each rank's [w3_r; w1_r] (convert.py:
-                # torch.concat([w3, w1], dim=-2) after splitting both along the expert width)
-                w3, w1 = stacked.chunk(2, dim=0)
-                pieces = [torch.cat([a, b], dim=1) for a, b in zip(
-                    sharding.split_experts(w3, tp, moe_tp, moe_ep, dim=1),
-                    sharding.split_experts(w1, tp, moe_tp, moe_ep, dim=1), strict=True)]
-            else:
-                pieces = sharding.split_experts(stacked, tp, moe_tp, moe_ep, dim=2)
+                # sources are w3 of every expert, then w1 (build_groups); a rank's fc is [w3_e; w1_e] of each of its
+                # experts, both cut along the expert width (convert.py: torch.concat([w3, w1], dim=-2) after the split)
+                half = len(sources) // 2
+                w3 = split_experts(sources[:half], tp, moe_tp, moe_ep, dim=0)
+                w1 = split_experts(sources[half:], tp, moe_tp, moe_ep, dim=0)
+                pieces = [torch.stack([torch.cat([a, b]) for a, b in zip(w3_r, w1_r, strict=True)])
+                          for w3_r, w1_r in zip(w3, w1, strict=True)]
+            else:  # w2 [H, I] per expert: its input, the expert width, is what moe_tp splits
+                pieces = [torch.stack(r) for r in split_experts(sources, tp, moe_tp, moe_ep, dim=1)]
         else:
             (src,) = (tensors[name] for name in group.sources)
             if shard is Shard.COLUMN:

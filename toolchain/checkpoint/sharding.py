@@ -79,15 +79,15 @@ def check_parallelism(params, tp: int, pp: int, *, use_parallel_embedding: bool 
                              f"use parallelism.pp <= {params.num_hidden_layers}")
 
 
-def split_experts(stacked: torch.Tensor, tp: int, moe_tp: int, moe_ep: int, dim: int) -> list[torch.Tensor]:
-    """Per TP rank: its experts (dim 0, contiguous, Mapping.ep_experts) and its moe_tp slice of `dim`
-    (convert.py's split(w, moe_tp_size, moe_tp_rank, dim)) of a stacked [experts, out, in] tensor."""
-    pieces = []
+def split_experts(experts: list[torch.Tensor], tp: int, moe_tp: int, moe_ep: int, dim: int) -> list[list[torch.Tensor]]:
+    """Per TP rank, the slices it holds of its experts: the contiguous experts of its moe_ep rank
+    (Mapping.ep_experts), each cut to its moe_tp slice along `dim` (convert.py's split(w, moe_tp_size,
+    moe_tp_rank, dim) on the stacked tensor, here before stacking so no rank stacks experts it does not hold)."""
+    out = []
     for r in range(tp):
-        mine = moe.rank_experts(stacked.shape[0], moe_ep, r)
-        part = stacked[mine.start:mine.stop]
-        pieces.append(part.chunk(moe_tp, dim=dim)[moe.moe_tp_rank(r, moe_ep)] if moe_tp > 1 else part)
-    return pieces
+        slot = moe.moe_tp_rank(r, moe_ep)
+        out.append([experts[e].chunk(moe_tp, dim=dim)[slot] for e in moe.rank_experts(len(experts), moe_ep, r)])
+    return out
 
 
 def _or_list(values: list[int]) -> str:
