@@ -314,3 +314,24 @@ def test_trtllm_build_needs_no_moe_flag(hf_mixtral, tmp_path):
                                 parallelism={"tp": 2, "moe_ep": 2}))
     cmd = build_command(spec, tmp_path / "ckpt", tmp_path / "engine")
     assert "--moe_plugin" not in cmd and "--checkpoint_dir" in validate(cmd[1:])
+
+
+def test_the_llmapi_paths_quantized_export_refuses_mixtral_too(hf_mixtral, tmp_path):
+    from toolchain.checkpoint.hf_quant import export_hf_quantized
+
+    with pytest.raises(ToolchainError, match="quantization fp8 on MixtralForCausalLM is not supported yet"):
+        export_hf_quantized(hf_mixtral, tmp_path, Recipe(method="fp8"))
+
+
+def test_a_prequantized_mixtral_is_refused(hf_mixtral, tmp_path):
+    import shutil
+
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_mixtral, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                                  "version": "gemm"}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ToolchainError, match=r"a pre-quantized checkpoint \(awq\) on MixtralForCausalLM"):
+        convert_checkpoint(hf, tmp_path / "out", tp=1, pp=1)

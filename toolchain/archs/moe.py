@@ -79,6 +79,20 @@ def fitting_sizes(params: Any, tp: int) -> str:
     return f"at tp {tp} use {shown}" if fits else "use another parallelism.tp"
 
 
+def quantization_refusal(params: Any, method: str, kv_cache: str, stored: str | None = None) -> str | None:
+    """Why a mixture-of-experts model cannot be quantized as asked (None: unquantized, or a dense model).
+    The stacked experts have no quantized layout here yet, so every format is refused rather than written
+    wrong; `stored` names the format of a checkpoint that is quantized already."""
+    if not params.is_moe:
+        return None
+    what = (f"quantization {method}" if method != "none" else f"quantization.kv_cache {kv_cache}"
+            if kv_cache != "none" else f"a pre-quantized checkpoint ({stored})" if stored else None)
+    return None if what is None else f"{what} on {params.architecture} is not supported yet"
+
+
+QUANTIZATION_HINT = "convert it unquantized: quantization.method none, kv_cache none, float16/bfloat16 weights"
+
+
 def rank_experts(num_experts: int, moe_ep: int, tp_rank: int) -> range:
     """The experts a TP rank holds (Mapping.ep_experts with moe_ep_rank = tp_rank % moe_ep)."""
     per = num_experts // moe_ep

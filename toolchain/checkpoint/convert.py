@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from toolchain.archs import load_params
+from toolchain.archs import load_params, moe
 from toolchain.archs.common import NameTable
 from toolchain.archs.params import ArchParams, engine_dtype
 from toolchain.checkpoint import sharding
@@ -64,9 +64,12 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     sharding.check_parallelism(params, tp, pp, use_parallel_embedding=use_parallel_embedding,
                                embedding_sharding_dim=embedding_sharding_dim, moe_tp=moe_tp, moe_ep=moe_ep)
     recipe = recipe or Recipe()
-    check_moe_quantization(params, recipe, ckpt.config.get("quantization_config"))
-    config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
     qc = ckpt.config.get("quantization_config")
+    refusal = moe.quantization_refusal(params, recipe.method, recipe.kv_cache,
+                                       str(qc.get("quant_method", "quantization_config")) if isinstance(qc, dict) else None)
+    if refusal is not None:
+        raise ToolchainError(refusal, moe.QUANTIZATION_HINT)
+    config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
     fmt = None
     if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "modelopt":
         # A ModelOpt Hugging Face-format export (the LLM-API path's pre-quantized checkpoint): imported
@@ -114,24 +117,6 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     plan = build_plan(family, params, ckpt, opts, config, quant=quant)
     plan.config_only = config_only
     return plan
-
-
-def check_moe_quantization(params: ArchParams, recipe: Recipe, quantization_config) -> None:
-    """A mixture-of-experts model converts unquantized only, for now: its stacked experts have no
-    quantized layout here yet, so any quantization is refused in one line rather than written wrong."""
-    if not params.is_moe:
-        return
-    what = None
-    if recipe.method != "none":
-        what = f"quantization {recipe.method}"
-    elif recipe.kv_cache != "none":
-        what = f"quantization.kv_cache {recipe.kv_cache}"
-    elif isinstance(quantization_config, dict):
-        what = f"a pre-quantized checkpoint ({quantization_config.get('quant_method', 'quantization_config')})"
-    if what is not None:
-        raise ToolchainError(f"{what} on {params.architecture} is not supported yet",
-                             "convert it unquantized: quantization.method none, kv_cache none, float16/bfloat16 "
-                             "weights")
 
 
 def stored_recipe(fmt: dict, requested: Recipe, ckpt: HFCheckpoint, config_only: bool = False) -> Recipe:

@@ -270,13 +270,10 @@ def _moe_quantization(ctx: Context):
     p, q = _model(ctx), ctx.quant
     if p is None:
         return SKIP, NO_MODEL
-    if not p.is_moe:
-        return PASS, "dense model"
-    what = (f"quantization {q.stored or q.method}" if q.stored or q.method != "none"
-            else f"quantization.kv_cache {q.kv_cache}" if q.kv_cache != "none" else None)
-    if what is not None:
-        return FAIL, f"{what} on {p.architecture} is not supported yet; set quantization.method none, kv_cache none"
-    return PASS, f"{p.architecture} unquantized"
+    refusal = moe.quantization_refusal(p, q.method, q.kv_cache, q.stored)
+    if refusal is not None:
+        return FAIL, f"{refusal}; set quantization.method none and kv_cache none"
+    return PASS, f"{p.architecture} unquantized" if p.is_moe else "dense model"
 
 
 @check("arch.supported", (), "the converter must support the architecture (convert refuses otherwise)")
