@@ -335,3 +335,21 @@ def test_a_prequantized_mixtral_is_refused(hf_mixtral, tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(ToolchainError, match=r"a pre-quantized checkpoint \(awq\) on MixtralForCausalLM"):
         convert_checkpoint(hf, tmp_path / "out", tp=1, pp=1)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: c["pretrained_config"]["mapping"].update(moe_ep_size=1), "moe_tp_size 1 x moe_ep_size 1 is not tp 2"),
+    (lambda c: c["pretrained_config"].update(hidden_act="silu"), "only swiglu is supported for experts"),
+    (lambda c: c["pretrained_config"]["moe"].update(top_k=5), "top_k 1..num_experts"),
+    (lambda c: c["pretrained_config"].update(quantization={"quant_algo": "W8A16"}), "quant_algo W8A16 on mixture"),
+])
+def test_engine_config_refusals(hf_mixtral, tmp_path, change, message):
+    """A MoE engine config.json the CPU engine cannot run is refused at load, in one line."""
+    from toolchain.engine.cpu.config import read_engine_config
+
+    engine = make_engine_dir(hf_mixtral, tmp_path, 2, 1, convert_kwargs={"moe_tp": 1, "moe_ep": 2})
+    cfg = json.loads((engine / "config.json").read_text())
+    change(cfg)
+    (engine / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ToolchainError, match=message):
+        read_engine_config(engine)

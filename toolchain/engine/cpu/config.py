@@ -314,6 +314,8 @@ def _check_dims(d: ModelDims, origin: str) -> None:
             problems.append(f"intermediate_size {d.intermediate_size} not divisible by moe_tp_size {d.moe_tp}")
         if d.quant_algo not in UNQUANTIZED:
             problems.append(f"quant_algo {d.quant_algo} on mixture-of-experts layers (only unquantized experts run)")
+        if d.mlp_bias:
+            problems.append("mlp_bias on mixture-of-experts layers (experts without biases only)")
     elif d.intermediate_size % d.tp:
         problems.append(f"intermediate_size {d.intermediate_size} not divisible by tp {d.tp}")
     if d.pp > d.num_layers:
