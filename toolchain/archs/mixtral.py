@@ -14,7 +14,13 @@ config.json carries `hidden_act: "swiglu"` and the `moe` section (num_experts fr
 top_k from num_experts_per_tok, normalization RENORMALIZE: tensorrt_llm/models/llama/config.py at
 04100fd0, `if hf_config.model_type in ["mixtral", ...]`).
 
-Not converted yet: quantized Mixtral (refused at plan, see checkpoint/convert.py).
+The LLM-API path serves the HF checkpoint as it is: the PyTorch backend registers MixtralForCausalLM
+(tensorrt_llm/_torch/models/modeling_mixtral.py at 000a01de, `@register_auto_model`) with
+RenormalizeMoeRoutingMethod(top_k) and its gate Linear in the model dtype (not float32, as the engine
+path's router is), and shards the experts by the same Mapping (LLM()'s moe_expert_parallel_size,
+moe_tensor_parallel_size).
+
+Not converted yet: quantized Mixtral (refused at plan and convert: archs/moe.py quantization_refusal).
 """
 
 from __future__ import annotations
