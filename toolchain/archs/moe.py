@@ -20,7 +20,8 @@ from typing import Any
 
 # ExpertScaleNormalizationMode (tensorrt_llm/layers/moe.py): how the top-k routing weights are scaled.
 # "renormalize": softmax over every expert, top-k, divided by their sum (what HF Mixtral computes; upstream's
-# OOTB path does top-k on the logits then softmax over the k, the same numbers). "none": the softmax
+# OOTB path does top-k on the logits then softmax over the k, the same numbers, as the maintainers answered when
+# TensorRT-LLM PR #2752 proposed NONE for Mixtral, closed unmerged). "none": the softmax
 # probabilities of the k as they are (Qwen2-MoE's norm_topk_prob false).
 NORMALIZATION = {"none": 0, "renormalize": 1}
 SPARSE_MIXER_EPSILON = 0.01  # MoeConfig's default, written as upstream's asdict would
