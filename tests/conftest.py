@@ -129,6 +129,7 @@ TINY_DIMS = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidd
 HF_CLASSES = {
     "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM"),
     "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM"),
+    "MixtralForCausalLM": ("MixtralConfig", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("Qwen2Config", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
@@ -149,7 +150,7 @@ def make_hf_model(arch: str, out: Path, *, seed=0, dtype=torch.float32, **overri
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:  # transformers 5 holds a layer's experts as one 3-D parameter (Mixtral)
                 param.mul_(4.0)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.5)

@@ -14,8 +14,9 @@ checkpoints ship) and compares
 The models cover: KV heads fewer than tp (2 KV heads at tp 4, and MQA),
 vocabularies not divisible by tp (250, 251), tied (Qwen2, Llama 3.2) and
 untied (Mistral, Qwen3) embeddings, q/k/v biases (Qwen2), q/k norms and
-head_dim != hidden/heads (Qwen3), llama3 RoPE (Llama 3.2) and a sliding
-window shorter than the prompts (Mistral)."""
+head_dim != hidden/heads (Qwen3), llama3 RoPE (Llama 3.2), a sliding
+window shorter than the prompts (Mistral) and a mixture of experts (Mixtral;
+expert parallelism has its own matrix in test_moe.py)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,16 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "l
 FAMILIES = {
     "llama32-tied": ("LlamaForCausalLM", dict(seed=14, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
     "mistral-window": ("MistralForCausalLM", dict(seed=11, sliding_window=8)),
+    # 4 experts, top-2: at tp 4 every expert's width splits over moe_tp 4 (the default Mapping derives)
+    "mixtral-moe": ("MixtralForCausalLM", dict(seed=15, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2-bias-tied": ("Qwen2ForCausalLM", dict(seed=12, vocab_size=251, tie_word_embeddings=True)),
     "qwen3-qknorm": ("Qwen3ForCausalLM", dict(seed=13, head_dim=32)),
 }
+
+# Families whose HF half-precision forward is not within a tolerance of float32: top-k routing is
+# discontinuous, and HF's bf16 rounding flips an expert choice at some position (measured: 0.54 on one
+# logit row of the tiny Mixtral), so only the float32 reference over the same stored weights bounds them.
+DISCRETE_ROUTING = {"mixtral-moe"}
 
 _MODELS: dict = {}
 
@@ -78,12 +86,13 @@ def greedy(path: Path, prompt: list[int]) -> list[int]:
     return _MODELS[key]
 
 
-def check(engine: CpuEngine, path: Path, dtype: str, prompts=PROMPTS) -> None:
+def check(engine: CpuEngine, path: Path, dtype: str, prompts=PROMPTS, native_too: bool = True) -> None:
     fp32, native = reference(path, torch.float32), reference(path, DTYPES[dtype])
     for prompt in prompts:
         got = engine.forward_logits(prompt)
         torch.testing.assert_close(got, hf_logits(fp32, prompt), atol=FP32_REF_ATOL, rtol=0)
-        torch.testing.assert_close(got, hf_logits(native, prompt), atol=NATIVE_ATOL[dtype], rtol=0)
+        if native_too:
+            torch.testing.assert_close(got, hf_logits(native, prompt), atol=NATIVE_ATOL[dtype], rtol=0)
         assert engine.generate(prompt, SamplingParams(max_new_tokens=NEW)) == greedy(path, prompt)
 
 
@@ -99,7 +108,7 @@ def test_parity(tmp_path_factory, family, tp, pp, dtype):
     engine = load_engine(tmp_path_factory, path, tp, pp, dtype="auto")
     assert engine.config["pretrained_config"]["dtype"] == dtype
     assert (engine.dims.tp, engine.dims.pp) == (tp, pp)
-    check(engine, path, dtype)
+    check(engine, path, dtype, native_too=family not in DISCRETE_ROUTING)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

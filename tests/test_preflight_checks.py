@@ -117,6 +117,13 @@ DRAFT = {"speculative": {"mode": "draft_target", "max_draft_len": 4,
          "model": {"checkpoint": str(CONFIGS / "qwen2.5-7b-instruct")},
          "serving": {"streaming": False, "grpc_port": 8001, "kv_cache_free_gpu_mem_fraction": 0.8}}
 
+# Mixtral-8x7B-Instruct-v0.1's config.json: 8 experts of width 14336, top-2.
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+           "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
+           "rope_theta": 1000000.0, "rms_norm_eps": 1e-05, "hidden_act": "silu", "sliding_window": None,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+
 # check id -> (spec change, keyword arguments of run(), expected status)
 TRIGGERS = {
     "limits.input-vs-seq": ({"_limits": dict(max_batch_size=8, max_input_len=4096, max_seq_len=4096,
@@ -137,6 +144,10 @@ TRIGGERS = {
     "rope.missing-keys": ({}, {"setup": use_config(rope({"rope_type": "llama3", "factor": 8.0}))}, FAIL),
     "tp.heads": ({"parallelism": {"tp": 3}}, {}, FAIL),
     "pp.layers": ({"parallelism": {"pp": 33}, "gpu": {"per_node": 64}}, {}, FAIL),
+    # a valid Mapping (1 x 4 = tp) that cannot divide 6 experts over 4 ranks
+    "moe.parallelism": ({"parallelism": {"tp": 4, "moe_tp": 1, "moe_ep": 4}},
+                        {"setup": use_config({**MIXTRAL, "num_local_experts": 6})}, FAIL),
+    "moe.quantization": ({}, {"quant": QuantFormat("awq"), "setup": use_config(MIXTRAL)}, FAIL),
     "arch.supported": ({"model": {"checkpoint": str(CONFIGS / "mistral-7b-instruct-v0.3")}},
                        {"setup": "unregister-mistral"}, WARN),
     "quant.group-size": ({}, {"quant": QuantFormat("awq", group_size=32)}, FAIL),

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from toolchain.archs.moe import mapping_problems, moe_sizes
 from toolchain.errors import ToolchainError
 from toolchain.pretrained import require_built
 from toolchain.slo import parse_slo
@@ -57,10 +58,29 @@ class ParallelismSection(_Section):
     """Shard the input embedding over the TP ranks (TRT-LLM `use_parallel_embedding`)."""
     embedding_sharding_dim: Literal[0, 1] = 0
     """With parallel_embedding: 0 splits the vocabulary rows, 1 the hidden columns."""
+    moe_tp: int | None = Field(None, ge=1, le=64)
+    """Mixture-of-experts models: over how many of the tp ranks each expert's width is split (TensorRT-LLM
+    `moe_tp_size`, LLM() `moe_tensor_parallel_size`). Unset: derived as TensorRT-LLM's Mapping does, tp // moe_ep,
+    or tp when moe_ep is unset too. moe_tp x moe_ep must equal tp."""
+    moe_ep: int | None = Field(None, ge=1, le=64)
+    """Mixture-of-experts models: over how many of the tp ranks the experts are divided, each holding
+    num_experts / moe_ep whole experts (`moe_ep_size`, LLM() `moe_expert_parallel_size`). Unset: tp // moe_tp, or 1."""
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp
+
+    @property
+    def moe_sizes(self) -> tuple[int, int]:
+        """(moe_tp, moe_ep) as TensorRT-LLM's Mapping derives them from the fields set."""
+        return moe_sizes(self.tp, self.moe_tp, self.moe_ep)
+
+    @model_validator(mode="after")
+    def _moe_fits_tp(self) -> "ParallelismSection":
+        problems = mapping_problems(self.tp, self.moe_tp, self.moe_ep)
+        if problems:
+            raise ValueError(problems[0])
+        return self
 
     @model_validator(mode="after")
     def _fits_gpus(self) -> "ParallelismSection":

@@ -20,6 +20,7 @@ from toolchain.errors import ToolchainError
 _REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "toolchain.archs.llama",
     "MistralForCausalLM": "toolchain.archs.mistral",
+    "MixtralForCausalLM": "toolchain.archs.mixtral",
     "Qwen2ForCausalLM": "toolchain.archs.qwen:QWEN2",
     "Qwen3ForCausalLM": "toolchain.archs.qwen:QWEN3",
 }

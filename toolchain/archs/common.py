@@ -32,6 +32,11 @@ class Shard(str, enum.Enum):
     VOCAB = "vocab"          # lm_head: pad V to ceil(V/T)*T with zero rows, split dim 0 (pad_vocab_size)
     EMBEDDING = "embedding"  # vocab embedding: full unless use_parallel_embedding (layers/embedding.py)
     DROP = "drop"            # known HF tensor with no checkpoint counterpart
+    # Mixture-of-experts rows (`{expert}` in the HF name): every expert of a layer is read into one
+    # stacked tensor [experts, out, in], experts split over moe_ep, the expert width over moe_tp
+    # (TensorRT-LLM tensorrt_llm/models/llama/convert.py, `if moe_config.has_moe()`).
+    EXPERT_FC = "expert_fc"      # [w3; w1] per expert, concatenated along out (part "w3" or "w1")
+    EXPERT_PROJ = "expert_proj"  # w2 per expert, its input (expert width) split over moe_tp
 
 
 class Stage(str, enum.Enum):
@@ -50,7 +55,7 @@ class Row:
     """TensorRT-LLM name (same `{layer}` placeholder, renumbered per stage); None for DROP rows."""
     shard: Shard
     part: str | None = None
-    """For QKV rows: which of "q", "k", "v" this source is."""
+    """For QKV rows: which of "q", "k", "v" this source is; for EXPERT_FC rows "w3" (linear) or "w1" (activated)."""
     when: str | None = None
     """Boolean `ArchParams` attribute that enables the row; a disabled row makes its tensor unexpected."""
     stage: Stage | None = None
@@ -61,10 +66,17 @@ class Row:
     """HF name to use instead when this tensor is absent and word embeddings are tied."""
     shape: tuple[str, ...] | None = None
     """Expected HF shape in DIM symbols (after the transform), checked before any weight is read."""
+    dtype: str | None = None
+    """Checkpoint dtype when it is not the model's: the MoE router stays float32 ("Router should never be
+    quantized", cast to float32: TensorRT-LLM tensorrt_llm/models/llama/convert.py)."""
 
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return "{expert}" in self.hf
 
     @property
     def placement(self) -> Stage:
@@ -90,6 +102,10 @@ class Family:
         for row in self.rows:
             if row.shard is Shard.QKV and row.part not in ("q", "k", "v"):
                 raise ValueError(f"{self.name}: QKV row {row.hf} needs part q, k or v")
+            if row.shard is Shard.EXPERT_FC and row.part not in ("w3", "w1"):
+                raise ValueError(f"{self.name}: EXPERT_FC row {row.hf} needs part w3 or w1")
+            if (row.shard in EXPERT_SHARDS) != row.per_expert or (row.per_expert and not row.per_layer):
+                raise ValueError(f"{self.name}: row {row.hf}: expert rows name {{layer}} and {{expert}}, others neither")
             if row.shard is not Shard.DROP and row.trt is None:
                 raise ValueError(f"{self.name}: row {row.hf} has no TensorRT-LLM name")
             if not row.per_layer and row.stage is None and row.shard is not Shard.DROP:
@@ -100,6 +116,8 @@ class Family:
                 raise ValueError(f"{self.name}: row {row.hf} shape uses unknown symbols {row.shape}")
 
 
+EXPERT_SHARDS = (Shard.EXPERT_FC, Shard.EXPERT_PROJ)
+
 # Symbols for Row.shape, so tables state shapes without code.
 DIMS: dict[str, Callable[[Any], int]] = {
     "H": lambda p: p.hidden_size,
@@ -108,6 +126,7 @@ DIMS: dict[str, Callable[[Any], int]] = {
     "Q": lambda p: p.num_attention_heads * p.head_size,     # q_proj rows, o_proj columns
     "KV": lambda p: p.num_key_value_heads * p.head_size,    # k_proj / v_proj rows
     "HD": lambda p: p.head_size,                              # per-head q/k norms (Qwen3)
+    "E": lambda p: p.num_experts,                             # MoE router rows
 }
 
 
@@ -119,6 +138,7 @@ def expected_shape(row: Row, params: Any) -> tuple[int, ...] | None:
 class Match:
     row: Row
     layer: int | None
+    expert: int | None = None
 
 
 class NameTable:
@@ -138,7 +158,10 @@ class NameTable:
             layer = int(m.group("layer")) if row.per_layer else None
             if layer is not None and layer >= self.params.num_hidden_layers:
                 return None  # a block past num_hidden_layers: config and weights disagree
-            return Match(row, layer)
+            expert = int(m.group("expert")) if row.per_expert else None
+            if expert is not None and expert >= self.params.num_experts:
+                return None  # an expert past num_local_experts
+            return Match(row, layer, expert)
         return None
 
     def expected(self) -> list[tuple[str, Match]]:
@@ -148,8 +171,10 @@ class NameTable:
             if row.shard is Shard.DROP:
                 continue
             layers = range(self.params.num_hidden_layers) if row.per_layer else [None]
+            experts: list[int | None] = list(range(self.params.num_experts)) if row.per_expert else [None]
             for layer in layers:
-                out.append((hf_name(row, layer), Match(row, layer)))
+                for expert in experts:
+                    out.append((hf_name(row, layer, expert), Match(row, layer, expert)))
         return out
 
     def unmatched_error(self, names: list[str], origin: str) -> ToolchainError:
@@ -161,11 +186,13 @@ class NameTable:
 
 
 def _pattern_regex(pattern: str) -> str:
-    return re.escape(pattern).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+    return (re.escape(pattern).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+            .replace(re.escape("{expert}"), r"(?P<expert>\d+)"))
 
 
-def hf_name(row: Row, layer: int | None) -> str:
-    return row.hf.replace("{layer}", str(layer)) if layer is not None else row.hf
+def hf_name(row: Row, layer: int | None, expert: int | None = None) -> str:
+    name = row.hf.replace("{layer}", str(layer)) if layer is not None else row.hf
+    return name.replace("{expert}", str(expert)) if expert is not None else name
 
 
 def trt_name(row: Row, local_layer: int | None) -> str:

@@ -78,6 +78,17 @@ class ArchParams:
     for full attention. Not a TensorRT-LLM checkpoint field: written as runtime_defaults (PretrainedConfig)."""
     qk_layernorm: bool = False
     """RMSNorm over each q and k head before RoPE (Qwen3)."""
+    num_experts: int = 0
+    """Mixture of experts: routed experts per layer (HF num_local_experts); 0 for a dense model."""
+    top_k: int = 0
+    """Experts each token is routed to (HF num_experts_per_tok); 0 for a dense model."""
+    moe_normalization: str | None = None
+    """How the top-k routing weights are scaled (archs.moe.NORMALIZATION): "renormalize" (Mixtral) or
+    "none"; None for a dense model."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def rotary_scaling(self) -> dict | None:

@@ -30,17 +30,19 @@ QUANT_KEYS = frozenset({"quant_algo", "kv_cache_quant_algo", "group_size", "has_
                         "smoothquant_val", "clamp_val", "use_meta_recipe", "exclude_modules"})
 
 
-def build_mapping(tp: int, pp: int) -> dict:
-    """TensorRT-LLM's Mapping (tensorrt_llm/mapping.py) with cp = 1; moe_tp = tp so
-    moe_tp x moe_ep x moe_cluster = tp holds for dense models. The keys are Mapping's
+def build_mapping(tp: int, pp: int, moe: tuple[int, int] | None = None) -> dict:
+    """TensorRT-LLM's Mapping (tensorrt_llm/mapping.py) with cp = 1; `moe` is (moe_tp, moe_ep), default
+    (tp, 1) as Mapping derives it, so moe_tp x moe_ep x moe_cluster = tp holds. The keys are Mapping's
     constructor arguments; modelopt's golden files write only world/tp/pp
     (open point: not verified against a 1.2 `trtllm-build` here)."""
+    moe_tp, moe_ep = moe or (tp, 1)
     return {"world_size": tp * pp, "tp_size": tp, "pp_size": pp, "cp_size": 1,
-            "moe_tp_size": tp, "moe_ep_size": 1, "moe_cluster_size": 1, "gpus_per_node": 8}
+            "moe_tp_size": moe_tp, "moe_ep_size": moe_ep, "moe_cluster_size": 1, "gpus_per_node": 8}
 
 
 def build_config(family: Family, params: ArchParams, *, dtype: str, tp: int, pp: int,
-                 use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0) -> dict:
+                 use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
+                 moe: tuple[int, int] | None = None) -> dict:
     config = {
         "architecture": params.architecture,
         "dtype": dtype,
@@ -66,7 +68,7 @@ def build_config(family: Family, params: ArchParams, *, dtype: str, tp: int, pp:
         "embedding_sharding_dim": embedding_sharding_dim,
         "tie_word_embeddings": params.tie_word_embeddings,  # informational: lm_head.weight is always written
         "qk_layernorm": params.qk_layernorm,
-        "mapping": build_mapping(tp, pp),
+        "mapping": build_mapping(tp, pp, moe),
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
     }
     if params.sliding_window is not None:
@@ -95,3 +97,5 @@ def validate_config(config: dict) -> None:
     m = config["mapping"]
     if m["world_size"] != m["tp_size"] * m["pp_size"] * m.get("cp_size", 1):
         raise ValueError(f"checkpoint config.json: mapping world_size {m['world_size']} != tp x pp x cp")
+    if m["moe_tp_size"] * m["moe_ep_size"] * m["moe_cluster_size"] != m["tp_size"]:
+        raise ValueError(f"checkpoint config.json: mapping moe_tp x moe_ep x moe_cluster != tp_size {m['tp_size']}")

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from toolchain.archs import load_params
+from toolchain.archs import load_params, moe
 from toolchain.archs.common import NameTable
 from toolchain.archs.params import ArchParams, engine_dtype
 from toolchain.checkpoint import sharding
@@ -54,16 +54,22 @@ def resolve_dtype(requested: str, params: ArchParams, ckpt: HFCheckpoint, target
 def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto", target: str = "cpu",
                     use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                     ckpt: HFCheckpoint | None = None, recipe: Recipe | None = None,
-                    gpu: tuple[str | None, int | None] | None = None) -> Plan:
+                    gpu: tuple[str | None, int | None] | None = None, moe_tp: int | None = None,
+                    moe_ep: int | None = None) -> Plan:
     """Everything `convert_checkpoint` would write, per rank, without reading weights.
-    `gpu` is (name, SM) of the target GPU when the spec names one (format checks)."""
+    `gpu` is (name, SM) of the target GPU when the spec names one (format checks); `moe_tp`/`moe_ep`
+    the spec's expert parallelism (None: derived as TensorRT-LLM's Mapping does)."""
     ckpt = ckpt or HFCheckpoint(hf_dir)
     family, params = load_params(ckpt.config, str(ckpt.config_path))
     sharding.check_parallelism(params, tp, pp, use_parallel_embedding=use_parallel_embedding,
-                               embedding_sharding_dim=embedding_sharding_dim)
+                               embedding_sharding_dim=embedding_sharding_dim, moe_tp=moe_tp, moe_ep=moe_ep)
     recipe = recipe or Recipe()
-    config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
     qc = ckpt.config.get("quantization_config")
+    refusal = moe.quantization_refusal(params, recipe.method, recipe.kv_cache,
+                                       str(qc.get("quant_method", "quantization_config")) if isinstance(qc, dict) else None)
+    if refusal is not None:
+        raise ToolchainError(refusal, moe.QUANTIZATION_HINT)
+    config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
     fmt = None
     if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "modelopt":
         # A ModelOpt Hugging Face-format export (the LLM-API path's pre-quantized checkpoint): imported
@@ -87,10 +93,10 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
         recipe = dataclasses.replace(recipe, exclude_modules=tuple(excluded))
     resolved = resolve_dtype(dtype, params, ckpt, target)
     opts = Options(tp=tp, pp=pp, dtype=resolved, use_parallel_embedding=use_parallel_embedding,
-                   embedding_sharding_dim=embedding_sharding_dim)
+                   embedding_sharding_dim=embedding_sharding_dim, moe_tp=moe_tp, moe_ep=moe_ep)
     config = build_config(family, params, dtype=resolved, tp=tp, pp=pp,
                           use_parallel_embedding=use_parallel_embedding,
-                          embedding_sharding_dim=embedding_sharding_dim)
+                          embedding_sharding_dim=embedding_sharding_dim, moe=opts.moe_sizes)
     if layout_plan.padded_intermediate != params.intermediate_size and any(
             is_excluded(f"transformer.layers.{i}.mlp.{m}", recipe.exclude_modules)
             for i in range(params.num_hidden_layers) for m in ("fc", "gate", "proj")):
@@ -178,7 +184,8 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
                        target: str = "cpu", use_parallel_embedding: bool = False,
                        embedding_sharding_dim: int = 0, recipe: Recipe | None = None,
                        tokenizer_dir: Path | str | None = None, calibration: list | None = None,
-                       gpu: tuple[str | None, int | None] | None = None) -> dict:
+                       gpu: tuple[str | None, int | None] | None = None, moe_tp: int | None = None,
+                       moe_ep: int | None = None) -> dict:
     """Write config.json and rank{N}.safetensors into `out_dir` (existing, empty);
     return the config written."""
     out = Path(out_dir)
@@ -188,7 +195,8 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
     with HFCheckpoint(hf_dir) as ckpt:
         plan = plan_checkpoint(hf_dir, tp=tp, pp=pp, dtype=dtype, target=target,
                                use_parallel_embedding=use_parallel_embedding,
-                               embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt, recipe=recipe, gpu=gpu)
+                               embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt, recipe=recipe, gpu=gpu,
+                               moe_tp=moe_tp, moe_ep=moe_ep)
         calibrate(plan, hf_dir, tokenizer_dir=tokenizer_dir, calibration=calibration)
         write_plan(plan, ckpt, out)
     (out / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")

@@ -13,9 +13,12 @@ from typing import Any
 
 import torch
 
-from toolchain.archs.common import TRANSFORMS, Family, Match, NameTable, Row, Shard, Stage, expected_shape, trt_name
+from toolchain.archs import moe
+from toolchain.archs.common import (EXPERT_SHARDS, TRANSFORMS, Family, Match, NameTable, Row, Shard, Stage,
+                                    expected_shape, trt_name)
 from toolchain.archs.params import ArchParams
 from toolchain.checkpoint import sharding
+from toolchain.checkpoint.sharding import split_experts
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.errors import ToolchainError
 
@@ -29,10 +32,17 @@ class Options:
     dtype: str
     use_parallel_embedding: bool = False
     embedding_sharding_dim: int = 0
+    moe_tp: int | None = None
+    """Mixture-of-experts sizes as the spec gives them (None: derived, archs/moe.py moe_sizes)."""
+    moe_ep: int | None = None
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp
+
+    @property
+    def moe_sizes(self) -> tuple[int, int]:
+        return moe.moe_sizes(self.tp, self.moe_tp, self.moe_ep)
 
 
 @dataclass(frozen=True)
@@ -106,7 +116,9 @@ def stage_ranks(stage: int, tp: int) -> list[int]:
 
 
 def prepare(t: torch.Tensor, row: Row, dtype: torch.dtype, hf: str) -> torch.Tensor:
-    """Apply the row's transform and cast to the checkpoint dtype."""
+    """Apply the row's transform and cast to the checkpoint dtype (the row's own, where it names one)."""
+    if row.dtype is not None:
+        dtype = TORCH_DTYPES[row.dtype]
     if row.transform is not None:
         t = TRANSFORMS[row.transform](t)
     if t.dtype == dtype:
@@ -132,6 +144,19 @@ def shard_group(group: Group, tensors: dict[str, torch.Tensor], params: ArchPara
             q, k, v = (tensors[name] for name in group.sources)
             pieces = sharding.split_qkv(q, k, v, nh=params.num_attention_heads,
                                         nkv=params.num_key_value_heads, tp=tp)
+        elif shard in EXPERT_SHARDS:
+            moe_tp, moe_ep = opts.moe_sizes
+            sources = [tensors[name] for name in group.sources]
+            if shard is Shard.EXPERT_FC:
+                # sources are w3 of every expert, then w1 (build_groups); a rank's fc is [w3_e; w1_e] of each of its
+                # experts, both cut along the expert width (convert.py: torch.concat([w3, w1], dim=-2) after the split)
+                half = len(sources) // 2
+                w3 = split_experts(sources[:half], tp, moe_tp, moe_ep, dim=0)
+                w1 = split_experts(sources[half:], tp, moe_tp, moe_ep, dim=0)
+                pieces = [torch.stack([torch.cat([a, b]) for a, b in zip(w3_r, w1_r, strict=True)])
+                          for w3_r, w1_r in zip(w3, w1, strict=True)]
+            else:  # w2 [H, I] per expert: its input, the expert width, is what moe_tp splits
+                pieces = [torch.stack(r) for r in split_experts(sources, tp, moe_tp, moe_ep, dim=1)]
         else:
             (src,) = (tensors[name] for name in group.sources)
             if shard is Shard.COLUMN:
@@ -211,6 +236,8 @@ def build_groups(family: Family, params: ArchParams, ckpt: HFCheckpoint,
         key: tuple  # the group's key in `groups` and `order`
         if m.row.shard is Shard.QKV:
             key = ("qkv", m.row.trt, m.layer)
+        elif m.row.shard in EXPERT_SHARDS:
+            key = ("experts", m.row.trt, m.layer)
         else:
             key = ("one", name)
         group = groups.get(key)
@@ -235,6 +262,11 @@ def build_groups(family: Family, params: ArchParams, ckpt: HFCheckpoint,
         if key[0] == "qkv":
             parts = {matches[s].row.part: s for s in group.sources}
             group.sources = (parts["q"], parts["k"], parts["v"])
+        elif key[0] == "experts":
+            # every expert in order; an fc group's w3 sources before its w1 sources (MOEWeightWrapper's
+            # "fc": w3 of the experts + w1 of the experts, tensorrt_llm/layers/moe.py)
+            group.sources = tuple(sorted(group.sources, key=lambda s: (matches[s].row.part != "w3",
+                                                                        matches[s].expert)))
     return [groups[k] for k in sorted(groups, key=order.__getitem__)], dropped
 
 

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from toolchain.archs import moe
 from toolchain.errors import ToolchainError
 
 
@@ -36,6 +37,8 @@ def pp_layers(num_layers: int, pp: int) -> list[list[int]]:
 
 def _tp_problems(params, tp: int, *, embedding_dim1: bool = False) -> list[str]:
     nh, nkv, inter = params.num_attention_heads, params.num_key_value_heads, params.intermediate_size
+    if getattr(params, "is_moe", False):
+        inter = tp  # no dense MLP: the expert width splits over moe_tp only (archs/moe.py model_problems)
     problems = []
     if nh % tp:
         problems.append(f"tp={tp} does not divide num_attention_heads={nh}")
@@ -56,11 +59,14 @@ def working_tps(params, limit: int = 64, *, embedding_dim1: bool = False) -> lis
 
 
 def check_parallelism(params, tp: int, pp: int, *, use_parallel_embedding: bool = False,
-                      embedding_sharding_dim: int = 0) -> None:
+                      embedding_sharding_dim: int = 0, moe_tp: int | None = None, moe_ep: int | None = None) -> None:
     """The divisibility rules TensorRT-LLM asserts (convert_utils.py, mapping.py,
-    quantization/layers.py), checked before any weight is read."""
+    quantization/layers.py, layers/moe.py), checked before any weight is read."""
     if tp < 1 or pp < 1:
         raise ToolchainError(f"tp={tp}, pp={pp}: both must be at least 1")
+    moe_problems = moe.model_problems(params, tp, moe_tp, moe_ep)
+    if moe_problems:
+        raise ToolchainError(moe_problems[0], moe.fitting_sizes(params, tp))
     if embedding_sharding_dim not in (0, 1):
         raise ToolchainError(f"embedding_sharding_dim={embedding_sharding_dim} must be 0 (vocab) or 1 (hidden)")
     dim1 = use_parallel_embedding and embedding_sharding_dim == 1
@@ -71,6 +77,17 @@ def check_parallelism(params, tp: int, pp: int, *, use_parallel_embedding: bool 
     if pp > params.num_hidden_layers:
         raise ToolchainError(f"pp={pp} exceeds num_hidden_layers={params.num_hidden_layers}",
                              f"use parallelism.pp <= {params.num_hidden_layers}")
+
+
+def split_experts(experts: list[torch.Tensor], tp: int, moe_tp: int, moe_ep: int, dim: int) -> list[list[torch.Tensor]]:
+    """Per TP rank, the slices it holds of its experts: the contiguous experts of its moe_ep rank
+    (Mapping.ep_experts), each cut to its moe_tp slice along `dim` (convert.py's split(w, moe_tp_size,
+    moe_tp_rank, dim) on the stacked tensor, here before stacking so no rank stacks experts it does not hold)."""
+    out = []
+    for r in range(tp):
+        slot = moe.moe_tp_rank(r, moe_ep)
+        out.append([experts[e].chunk(moe_tp, dim=dim)[slot] for e in moe.rank_experts(len(experts), moe_ep, r)])
+    return out
 
 
 def _or_list(values: list[int]) -> str:

@@ -43,7 +43,14 @@ def convert_settings(spec: DeploymentSpec) -> dict:
             "tp": spec.parallelism.tp, "pp": spec.parallelism.pp,
             "use_parallel_embedding": spec.parallelism.parallel_embedding,
             "embedding_sharding_dim": spec.parallelism.embedding_sharding_dim,
+            **_moe_settings(spec),
             "quantization": _quant_settings(spec), **_speculative_settings(spec)}
+
+
+def _moe_settings(spec: DeploymentSpec) -> dict:
+    """Expert parallelism, recorded only where set, so dense models' manifests stay as they were."""
+    par = spec.parallelism
+    return {k: v for k, v in (("moe_tp", par.moe_tp), ("moe_ep", par.moe_ep)) if v is not None}
 
 
 def _speculative_settings(spec: DeploymentSpec) -> dict:
@@ -93,7 +100,8 @@ def _plan_options(spec: DeploymentSpec) -> dict:
     par = spec.parallelism
     return {"tp": par.tp, "pp": par.pp, "dtype": spec.model.dtype, "target": spec.target,
             "use_parallel_embedding": par.parallel_embedding, "embedding_sharding_dim": par.embedding_sharding_dim,
-            "recipe": recipe_of(spec.quantization), "gpu": target_gpu(spec)}
+            "recipe": recipe_of(spec.quantization), "gpu": target_gpu(spec), "moe_tp": par.moe_tp,
+            "moe_ep": par.moe_ep}
 
 
 def plan_convert(spec: DeploymentSpec) -> Plan:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 
+from toolchain.archs import moe
 from toolchain.archs.params import trained_positions
 from toolchain.errors import ToolchainError
 from toolchain.engine.trtllm import default_workers, planned_mpi
@@ -216,7 +217,9 @@ def _rope_keys(ctx: Context):
 # ---- parallelism (TensorRT-LLM convert_utils.py, mapping.py); convert enforces these itself, so plan only -----------
 def _tp_ok(p, t: int) -> bool:
     kv = p.num_key_value_heads
-    return p.num_attention_heads % t == 0 and (kv % t == 0 or t % kv == 0) and p.intermediate_size % t == 0
+    # a mixture-of-experts model has no dense MLP; moe.parallelism checks how its experts split
+    return p.num_attention_heads % t == 0 and (kv % t == 0 or t % kv == 0) and (
+        p.is_moe or p.intermediate_size % t == 0)
 
 
 @check("tp.heads", (),
@@ -243,6 +246,34 @@ def _pp_layers(ctx: Context):
         return FAIL, f"parallelism.pp={pp} exceeds num_hidden_layers={p.num_hidden_layers}; lower pp"
     sizes = sorted({len(r) for r in mem.stage_layers(p.num_hidden_layers, pp)}, reverse=True)
     return PASS, f"{p.num_hidden_layers} layers in {pp} stage(s) of {'/'.join(map(str, sizes))}"
+
+
+@check("moe.parallelism", (),
+       "moe_tp x moe_ep must equal tp, moe_ep divide the experts and moe_tp the expert width (TensorRT-LLM "
+       "mapping.py, layers/moe.py)")
+def _moe_parallelism(ctx: Context):
+    p, par = _model(ctx), ctx.spec.parallelism
+    if p is None:
+        return SKIP, NO_MODEL
+    problems = moe.model_problems(p, par.tp, par.moe_tp, par.moe_ep)
+    if problems:
+        return FAIL, f"{problems[0]}; {moe.fitting_sizes(p, par.tp)}"
+    if not p.is_moe:
+        return PASS, "dense model: no experts to place"
+    moe_tp, moe_ep = par.moe_sizes
+    return PASS, (f"{p.num_experts} experts, {p.num_experts // moe_ep} on each rank (moe_ep {moe_ep}), each "
+                  f"{p.intermediate_size // moe_tp} wide of {p.intermediate_size} (moe_tp {moe_tp})")
+
+
+@check("moe.quantization", (), "mixture-of-experts models convert unquantized only, for now")
+def _moe_quantization(ctx: Context):
+    p, q = _model(ctx), ctx.quant
+    if p is None:
+        return SKIP, NO_MODEL
+    refusal = moe.quantization_refusal(p, q.method, q.kv_cache, q.stored)
+    if refusal is not None:
+        return FAIL, f"{refusal}; set quantization.method none and kv_cache none"
+    return PASS, f"{p.architecture} unquantized" if p.is_moe else "dense model"
 
 
 @check("arch.supported", (), "the converter must support the architecture (convert refuses otherwise)")

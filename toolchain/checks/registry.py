@@ -144,7 +144,7 @@ def build_context(spec, stage: str = "plan", workspace=None, quant: QuantFormat 
         except ToolchainError as err:
             ctx.draft_error = str(err)
     par = spec.parallelism
-    if ctx.model is not None and ctx.device is not None and layout_ok(ctx.model.params, par.tp, par.pp):
+    if ctx.model is not None and ctx.device is not None and layout_ok(ctx.model.params, par.tp, par.pp, par.moe_tp, par.moe_ep):
         draft = DraftModel(ctx.draft) if ctx.draft is not None else None
         ctx.memory = plan_memory(spec, ctx.model, ctx.quant, ctx.device, draft)
     ctx.tokenizer = eos_mod.read_tokenizer(spec.model.tokenizer_dir)

@@ -18,7 +18,8 @@ def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
     spec, model = ctx.spec, ctx.model
     memory = ctx.memory
     if memory is None and model is not None and ctx.device is None and \
-            layout_ok(model.params, spec.parallelism.tp, spec.parallelism.pp):
+            layout_ok(model.params, spec.parallelism.tp, spec.parallelism.pp,
+                      spec.parallelism.moe_tp, spec.parallelism.moe_ep):
         # No GPU named: weights and KV bytes per token are still known, capacities are not.
         memory = plan_memory(spec, model, ctx.quant, Gpu("no GPU named", 0.0, None), suggest=False)
     ranks = []

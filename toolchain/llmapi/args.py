@@ -22,6 +22,7 @@ DERIVED_FROM = {
     "model": "model.checkpoint", "tokenizer": "model.tokenizer", "dtype": "model.dtype", "backend": "target",
     "trust_remote_code": "model.trust_remote_code",
     "tensor_parallel_size": "parallelism.tp", "pipeline_parallel_size": "parallelism.pp",
+    "moe_tensor_parallel_size": "parallelism.moe_tp", "moe_expert_parallel_size": "parallelism.moe_ep",
     "max_batch_size": "limits.max_batch_size", "max_input_len": "limits.max_input_len",
     "max_seq_len": "limits.max_seq_len", "max_num_tokens": "limits.max_num_tokens",
     "enable_chunked_prefill": "build.chunked_context", "speculative_config": "speculative",
@@ -93,6 +94,11 @@ def llm_args(spec: DeploymentSpec, model_dir: Path | str) -> dict[str, Any]:
         "kv_cache_config": kv,
         "scheduler_config": {"capacity_scheduler_policy": POLICY[s.batch_scheduler_policy]},
     })
+    # Written only where the spec sets them: LLM()'s default None lets Mapping derive them as convert does.
+    for key, value in (("moe_tensor_parallel_size", spec.parallelism.moe_tp),
+                       ("moe_expert_parallel_size", spec.parallelism.moe_ep)):
+        if value is not None:
+            args[key] = value
     spec_cfg = speculative_config(spec)
     if spec_cfg is not None:
         args["speculative_config"] = spec_cfg

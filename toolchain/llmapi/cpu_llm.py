@@ -239,7 +239,9 @@ def engine_spec(args: dict[str, Any]):
                       "dtype": args.get("dtype") or "auto",
                       # LLM()'s own argument (BaseLlmArgs.trust_remote_code, default False).
                       "trust_remote_code": args.get("trust_remote_code", False)},
-            "parallelism": {"tp": _int(args, "tensor_parallel_size", 1), "pp": _int(args, "pipeline_parallel_size", 1)},
+            "parallelism": {"tp": _int(args, "tensor_parallel_size", 1), "pp": _int(args, "pipeline_parallel_size", 1),
+                            "moe_tp": _int(args, "moe_tensor_parallel_size", None),
+                            "moe_ep": _int(args, "moe_expert_parallel_size", None)},
             "limits": {"max_batch_size": _int(args, "max_batch_size", 2048), "max_input_len": max_input,
                        "max_seq_len": max_seq, "max_num_tokens": _int(args, "max_num_tokens", 8192)},
             "build": {"tokens_per_block": _int(kv, "tokens_per_block", 32),

@@ -56,7 +56,7 @@ def _check_layout(spec: DeploymentSpec) -> None:
     model = load_model(spec.model.checkpoint)
     params = model.params
     tp, pp = spec.parallelism.tp, spec.parallelism.pp
-    if not layout_ok(params, tp, pp):
+    if not layout_ok(params, tp, pp, spec.parallelism.moe_tp, spec.parallelism.moe_ep):
         raise ToolchainError(f"tp={tp} x pp={pp} cannot split {spec.model.checkpoint} "
                              f"({params.num_attention_heads} heads, {params.num_key_value_heads} KV heads, "
                              f"{params.num_hidden_layers} layers)", "`toolchain plan` names a split that works")

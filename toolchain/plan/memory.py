@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from toolchain.archs.moe import moe_sizes
 from toolchain.archs.params import ArchParams
 from toolchain.plan.model import QuantFormat
 from toolchain.quant import formats
@@ -65,6 +66,16 @@ def linear_shapes(p: ArchParams, tp: int, quant: QuantFormat | None = None) -> l
     return [("qkv", q_r + 2 * kv_r, h), ("dense", h, q_r), ("fc", i_r, h), ("gate", i_r, h), ("proj", h, i_r)]
 
 
+ROUTER_BYTES = 4  # the MoE router is float32 in every format (tensorrt_llm/models/llama/convert.py)
+
+
+def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int) -> int:
+    """One mixture-of-experts MLP on one rank, as convert lays it out (toolchain/archs/mixtral.py): the router
+    [E, H] whole on every rank, and E/moe_ep experts each holding fc [2 I/moe_tp, H] and proj [H, I/moe_tp]."""
+    experts, width = p.num_experts // moe_ep, p.intermediate_size // moe_tp
+    return p.num_experts * p.hidden_size * ROUTER_BYTES + experts * 3 * width * p.hidden_size * dt_bytes
+
+
 def linear_bytes(out: int, inp: int, quant: QuantFormat, dt_bytes: int, stored: bool = False) -> float:
     """Bytes of one linear weight and its scales (memory.md), summed over the tensors its format's row
     lists (quant/formats.py): `stored` as written in the checkpoint, where weight-only formats are
@@ -88,11 +99,18 @@ class WeightBreakdown:
 
 def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantFormat, dt_bytes: int,
                  parallel_embedding: bool = False, embedding_sharding_dim: int = 0, qkv_bias: bool = False,
-                 dense_bias: bool = False, stored: bool = False) -> WeightBreakdown:
-    """Weight bytes of one rank (its TP slice of its PP stage)."""
+                 dense_bias: bool = False, stored: bool = False, moe_tp: int | None = None,
+                 moe_ep: int | None = None) -> WeightBreakdown:
+    """Weight bytes of one rank (its TP slice of its PP stage). A mixture-of-experts model holds its
+    experts as `moe_tp`/`moe_ep` (None: as TensorRT-LLM's Mapping derives them) place them."""
     n_layers = len(stage_layers(p.num_hidden_layers, pp)[pp_rank])
     h, v = p.hidden_size, p.vocab_size
-    per_layer = sum(linear_bytes(o, i, quant, dt_bytes, stored) for _, o, i in linear_shapes(p, tp, quant))
+    shapes = linear_shapes(p, tp, quant)
+    if p.is_moe:
+        shapes = [s for s in shapes if s[0] in ("qkv", "dense")]
+    per_layer = sum(linear_bytes(o, i, quant, dt_bytes, stored) for _, o, i in shapes)
+    if p.is_moe:
+        per_layer += expert_bytes(p, *moe_sizes(tp, moe_tp, moe_ep), dt_bytes)
     if qkv_bias:
         per_layer += linear_shapes(p, tp)[0][1] * dt_bytes
     if dense_bias:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from toolchain.archs import moe
 from toolchain.plan import memory as mem
 from toolchain.gpus import GIB, GPUS, Gpu
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, QuantFormat, kv_dtype, kv_dtype_bytes, weight_dtype
@@ -146,7 +147,7 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
         layers = stages[pp_rank]
         common = dict(tp=tp, pp_rank=pp_rank, pp=pp, quant=quant, dt_bytes=dt_bytes,
                       parallel_embedding=par.parallel_embedding, embedding_sharding_dim=par.embedding_sharding_dim,
-                      qkv_bias=model.qkv_bias, dense_bias=model.dense_bias)
+                      qkv_bias=model.qkv_bias, dense_bias=model.dense_bias, moe_tp=par.moe_tp, moe_ep=par.moe_ep)
         weights = mem.rank_weights(p, **common).total + heads
         stored = mem.rank_weights(p, stored=True, **common).total + heads
         act = mem.activation_bytes(p, tp=tp, max_num_tokens=lim.max_num_tokens, max_input_len=lim.max_input_len,
@@ -200,13 +201,14 @@ def heads_rank_bytes(spec, params, dtype: str) -> int:
         return 0
 
 
-def layout_ok(params, tp: int, pp: int) -> bool:
-    """Whether tp x pp can split this model at all (convert refuses otherwise:
-    checkpoint.sharding.check_parallelism);
-    only then is a memory plan meaningful."""
+def layout_ok(params, tp: int, pp: int, moe_tp: int | None = None, moe_ep: int | None = None) -> bool:
+    """Whether tp x pp (and the experts' moe_tp x moe_ep) can split this model at all (convert refuses
+    otherwise: checkpoint.sharding.check_parallelism); only then is a memory plan meaningful."""
     kv = params.num_key_value_heads
+    # a mixture-of-experts model has no dense MLP: its expert width splits over moe_tp instead
+    mlp_ok = params.is_moe or params.intermediate_size % tp == 0
     return (pp <= params.num_hidden_layers and params.num_attention_heads % tp == 0
-            and (kv % tp == 0 or tp % kv == 0) and params.intermediate_size % tp == 0)
+            and (kv % tp == 0 or tp % kv == 0) and mlp_ok and not moe.model_problems(params, tp, moe_tp, moe_ep))
 
 
 def _with(spec, section: str, **values):
@@ -226,7 +228,7 @@ def suggestions(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
     tp, pp = spec.parallelism.tp, spec.parallelism.pp
     limit = spec.parallelism.gpus or spec.gpu.per_node
     for t in (2, 4, 8, 16, 32, 64):
-        if t > tp and t * pp <= limit and layout_ok(p, t, pp) \
+        if t > tp and t * pp <= limit and layout_ok(p, t, pp, spec.parallelism.moe_tp, spec.parallelism.moe_ep) \
                 and _fits(_with(spec, "parallelism", tp=t), model, quant, device, draft):
             out.append(f"parallelism.tp={t}")
             break
@@ -286,4 +288,5 @@ def checkpoint_bytes_per_rank(spec, quant: QuantFormat | None = None) -> list[in
     return [mem.rank_weights(p, tp=tp, pp_rank=r // tp, pp=pp, quant=quant, dt_bytes=dt_bytes, stored=True,
                              parallel_embedding=spec.parallelism.parallel_embedding,
                              embedding_sharding_dim=spec.parallelism.embedding_sharding_dim,
-                             qkv_bias=model.qkv_bias, dense_bias=model.dense_bias).total for r in range(tp * pp)]
+                             qkv_bias=model.qkv_bias, dense_bias=model.dense_bias, moe_tp=spec.parallelism.moe_tp,
+                             moe_ep=spec.parallelism.moe_ep).total for r in range(tp * pp)]

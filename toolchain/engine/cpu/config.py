@@ -25,7 +25,9 @@ QWEN_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "QWenForCausalLM"}
 # MedusaForCausalLM is the Llama (or, by model_type, Qwen) decoder plus Medusa heads
 # (tensorrt_llm/models/medusa/model.py).
 MEDUSA = "MedusaForCausalLM"
-ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", MEDUSA, *QWEN_ARCHITECTURES}
+# MixtralForCausalLM: the Llama decoder with a mixture-of-experts MLP (config.json's `moe` section).
+ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", MEDUSA, *QWEN_ARCHITECTURES}
+MOE_NORMALIZATIONS = (0, 1)  # ExpertScaleNormalizationMode NONE, RENORMALIZE (SPARSE_MIXER is not run here)
 ROPE_TYPES = {None, "none", "linear", "llama3"}
 UNQUANTIZED = {None, "NO_QUANT"}
 # quant_algo values the CPU engine runs as stored (a row with a CPU kernel, engine/cpu/qlinear.py),
@@ -76,6 +78,18 @@ class ModelDims:
     medusa_heads: int = 0
     """MedusaForCausalLM: number of heads (num_medusa_heads); 0 for any other architecture."""
     medusa_layers: int = 1
+    num_experts: int = 0
+    """Mixture of experts (config.json `moe`): experts per layer; 0 for a dense MLP."""
+    top_k: int = 0
+    moe_normalization: int = 1
+    moe_tp: int = 1
+    """mapping.moe_tp_size: over how many TP ranks each expert's width is split."""
+    moe_ep: int = 1
+    """mapping.moe_ep_size: over how many TP ranks the experts are divided."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def format(self) -> formats.Format | None:
@@ -238,10 +252,29 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         pre_quant_scale=bool(quant.get("pre_quant_scale", False)),
         exclude_modules=tuple(quant["exclude_modules"]) if quant.get("exclude_modules") else DEFAULT_EXCLUDE,
         **_medusa_dims(arch, cfg, origin),
+        **_moe_dims(cfg, mapping, tp, origin),
     )
     _check_dims(dims, origin)
     return dims
 
+
+def _moe_dims(cfg: dict, mapping: dict, tp: int, origin: str) -> dict:
+    """The `moe` section (MoeConfig.to_dict) and the mapping's expert parallelism; a MoeConfig with at
+    most one expert is a dense model upstream (MoeConfig.has_moe: num_experts > 1)."""
+    raw = cfg.get("moe") or {}
+    if not isinstance(raw, dict):
+        raise ToolchainError(f"{origin}: pretrained_config 'moe' must be an object, got {raw!r}", _REBUILD)
+    experts = raw.get("num_experts", 0)
+    if not isinstance(experts, int) or experts <= 1:
+        return {}
+    top_k, mode = raw.get("top_k"), raw.get("normalization_mode", 1)
+    moe_tp, moe_ep = mapping.get("moe_tp_size", tp), mapping.get("moe_ep_size", 1)
+    if (not isinstance(top_k, int) or not 1 <= top_k <= experts or mode not in MOE_NORMALIZATIONS
+            or not isinstance(moe_tp, int) or not isinstance(moe_ep, int) or moe_tp < 1 or moe_ep < 1):
+        raise ToolchainError(f"{origin}: moe {raw} with mapping moe_tp_size {moe_tp}, moe_ep_size {moe_ep} is not "
+                             "supported by the CPU engine (top_k 1..num_experts, normalization_mode 0 or 1)",
+                             _REBUILD)
+    return {"num_experts": experts, "top_k": top_k, "moe_normalization": mode, "moe_tp": moe_tp, "moe_ep": moe_ep}
 
 def _qwen_decoder(arch: str, cfg: dict) -> bool:
     # MedusaConfig picks the Qwen decoder when model_type names qwen (tensorrt_llm/models/medusa/config.py).
@@ -260,8 +293,10 @@ def _medusa_dims(arch: str, cfg: dict, origin: str) -> dict:
 
 def _check_dims(d: ModelDims, origin: str) -> None:
     problems = []
-    if d.hidden_act != "silu":
-        problems.append(f"hidden_act '{d.hidden_act}' (only silu is supported)")
+    # upstream writes swiglu for mixture-of-experts MLPs (the gate fused into fc), silu for dense ones
+    act = "swiglu" if d.is_moe else "silu"
+    if d.hidden_act != act:
+        problems.append(f"hidden_act '{d.hidden_act}' (only {act} is supported{' for experts' if d.is_moe else ''})")
     if d.num_heads % d.tp:
         problems.append(f"num_attention_heads {d.num_heads} not divisible by tp {d.tp}")
     if d.medusa_heads and d.pp > 1:
@@ -270,7 +305,18 @@ def _check_dims(d: ModelDims, origin: str) -> None:
         problems.append(f"num_key_value_heads {d.num_kv_heads} and tp {d.tp} do not divide one another")
     if d.num_heads % d.num_kv_heads:
         problems.append(f"num_attention_heads {d.num_heads} not a multiple of num_key_value_heads {d.num_kv_heads}")
-    if d.intermediate_size % d.tp:
+    if d.is_moe:
+        if d.moe_tp * d.moe_ep != d.tp:
+            problems.append(f"mapping moe_tp_size {d.moe_tp} x moe_ep_size {d.moe_ep} is not tp {d.tp}")
+        if d.num_experts % d.moe_ep:
+            problems.append(f"num_experts {d.num_experts} not divisible by moe_ep_size {d.moe_ep}")
+        if d.intermediate_size % d.moe_tp:
+            problems.append(f"intermediate_size {d.intermediate_size} not divisible by moe_tp_size {d.moe_tp}")
+        if d.quant_algo not in UNQUANTIZED:
+            problems.append(f"quant_algo {d.quant_algo} on mixture-of-experts layers (only unquantized experts run)")
+        if d.mlp_bias:
+            problems.append("mlp_bias on mixture-of-experts layers (experts without biases only)")
+    elif d.intermediate_size % d.tp:
         problems.append(f"intermediate_size {d.intermediate_size} not divisible by tp {d.tp}")
     if d.pp > d.num_layers:
         problems.append(f"pp {d.pp} exceeds num_hidden_layers {d.num_layers}")

@@ -316,8 +316,12 @@ class Model:
         total = torch.zeros(0)
         for i, s in enumerate(shards):
             w = s.layers[local]
-            part = w.proj(F.silu(w.fc(h)) * w.gate(h), add_bias=False)
+            if w.experts is not None:  # mixture of experts: this rank's experts' part (moe.py)
+                part = w.experts(h)
+            else:
+                part = w.proj(F.silu(w.fc(h)) * w.gate(h), add_bias=False)
             total = part if i == 0 else total + part
         total = self._tp_sum(total)
-        bias = shards[0].layers[local].proj.bias
+        proj = shards[0].layers[local].proj
+        bias = proj.bias if proj is not None else None
         return x + (total + bias if bias is not None else total)

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from toolchain.checkpoint.hf_reader import check_header
 from toolchain.engine.cpu.config import ModelDims
 from toolchain.engine.cpu.linear import Linear
+from toolchain.engine.cpu.moe import Experts
 from toolchain.engine.cpu.qlinear import make_linear
 from toolchain.engine.cpu.qlinear import stored_tensors
 from toolchain.errors import ToolchainError
@@ -41,9 +42,10 @@ class LayerShard:
     qkv: Linear
     dense: Linear        # row-parallel: its bias (full copy) is added once after the partial sums
     post_norm: torch.Tensor
-    fc: Linear           # HF gate_proj: the activation is applied to it
-    gate: Linear         # HF up_proj
-    proj: Linear         # row-parallel, like dense
+    fc: Linear | None    # HF gate_proj: the activation is applied to it (None: a mixture-of-experts MLP)
+    gate: Linear | None  # HF up_proj
+    proj: Linear | None  # row-parallel, like dense
+    experts: Experts | None = None  # mixture of experts: the router and this rank's experts
     q_norm: torch.Tensor | None = None  # qk_layernorm: RMSNorm weight over each q head (head_size,)
     k_norm: torch.Tensor | None = None
     kv_scale: torch.Tensor | None = None  # INT8/FP8 KV cache: the layer's scale (1,), the same on every rank
@@ -101,6 +103,8 @@ def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tupl
             out[f"{p}.attention.k_layernorm.weight"] = ((hd,), "float")
         if d.kv_cache_quant_algo is not None:
             out[f"{p}.attention.kv_cache_scaling_factor"] = ((1,), "float")
+        if d.is_moe:
+            out.update(_moe_tensors(d, p, tp_rank))
         for name, (out_f, in_f), bias in _linears(d, qkv_out):
             fmt = d.linear_format(f"{_global(d, pp_rank, i)}.{name}")
             if fmt == "int4_group" and name.startswith("mlp."):
@@ -131,10 +135,22 @@ def medusa_lm_head(h: int) -> str:
     return upstream_facts("medusa")["names"]["trt_lm_head"].format(h=h).removesuffix(".weight")
 
 
+def _moe_tensors(d: ModelDims, p: str, tp_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A mixture-of-experts MLP on one rank: the float32 router in full, its experts' stacked fc and
+    proj (TensorRT-LLM tensorrt_llm/models/llama/convert.py; MOEWeightWrapper in tensorrt_llm/layers/moe.py)."""
+    experts, width = d.num_experts // d.moe_ep, d.intermediate_size // d.moe_tp
+    return {f"{p}.mlp.router.weight": ((d.num_experts, d.hidden_size), "float"),
+            f"{p}.mlp.fc.weight": ((experts, 2 * width, d.hidden_size), "float"),
+            f"{p}.mlp.proj.weight": ((experts, d.hidden_size, width), "float")}
+
+
 def _linears(d: ModelDims, qkv_out: int):
     inter = d.intermediate_size // d.tp
-    return [("attention.qkv", (qkv_out, d.hidden_size), d.attn_bias),
-            ("attention.dense", (d.hidden_size, d.heads_per_rank * d.head_size), d.dense_bias),
+    attention = [("attention.qkv", (qkv_out, d.hidden_size), d.attn_bias),
+                 ("attention.dense", (d.hidden_size, d.heads_per_rank * d.head_size), d.dense_bias)]
+    if d.is_moe:
+        return attention
+    return [*attention,
             ("mlp.fc", (inter, d.hidden_size), d.mlp_bias),
             ("mlp.gate", (inter, d.hidden_size), d.mlp_bias),
             ("mlp.proj", (d.hidden_size, inter), d.mlp_bias)]
@@ -227,14 +243,18 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
         def linear(name: str, bias: bool, p=p, g=g) -> Linear:
             return make_linear(t, f"{p}.{name}", bias, d.linear_format(f"{g}.{name}"), group=d.group_size)
 
+        dense_mlp = not d.is_moe
         layers.append(LayerShard(
             input_norm=t[f"{p}.input_layernorm.weight"],
             qkv=linear("attention.qkv", d.attn_bias),
             dense=linear("attention.dense", d.dense_bias),
             post_norm=t[f"{p}.post_layernorm.weight"],
-            fc=linear("mlp.fc", d.mlp_bias),
-            gate=linear("mlp.gate", d.mlp_bias),
-            proj=linear("mlp.proj", d.mlp_bias),
+            fc=linear("mlp.fc", d.mlp_bias) if dense_mlp else None,
+            gate=linear("mlp.gate", d.mlp_bias) if dense_mlp else None,
+            proj=linear("mlp.proj", d.mlp_bias) if dense_mlp else None,
+            experts=None if dense_mlp else Experts(
+                router=t[f"{p}.mlp.router.weight"], fc=t[f"{p}.mlp.fc.weight"], proj=t[f"{p}.mlp.proj.weight"],
+                first=moe_first_expert(d, tp_rank), top_k=d.top_k, normalization=d.moe_normalization),
             q_norm=t.get(f"{p}.attention.q_layernorm.weight") if d.qk_layernorm else None,
             k_norm=t.get(f"{p}.attention.k_layernorm.weight") if d.qk_layernorm else None,
             kv_scale=t.get(f"{p}.attention.kv_cache_scaling_factor"),
@@ -252,6 +272,11 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
     return shard
 
 
+def moe_first_expert(d: ModelDims, tp_rank: int) -> int:
+    """The global index of the first expert a TP rank holds (Mapping.ep_experts, moe_ep_rank = tp_rank % moe_ep)."""
+    return (tp_rank % d.moe_ep) * (d.num_experts // d.moe_ep)
+
+
 def load_stages(engine_dir: Path, d: ModelDims) -> list[list[RankShard]]:
     """All ranks, grouped by pipeline stage, TP ranks in order within a stage."""
     stages = [[load_rank(engine_dir, d, pp * d.tp + tp) for tp in range(d.tp)] for pp in range(d.pp)]
@@ -264,6 +289,14 @@ def load_own_stage(engine_dir: Path, d: ModelDims, rank: int) -> list[list[RankS
     stages: list[list[RankShard]] = [[] for _ in range(d.pp)]
     stages[rank // d.tp] = [load_rank(engine_dir, d, rank)]
     return stages
+
+
+def _proj_bias(layer: LayerShard) -> torch.Tensor | None:
+    return layer.proj.bias if layer.proj is not None else None
+
+
+def _router(layer: LayerShard) -> torch.Tensor | None:
+    return layer.experts.router if layer.experts is not None else None
 
 
 def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
@@ -288,7 +321,8 @@ def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
                           (f"{p}.attention.k_layernorm.weight", la.k_norm, lb.k_norm),
                           (f"{p}.attention.kv_cache_scaling_factor", la.kv_scale, lb.kv_scale),
                           (f"{p}.attention.dense.bias", la.dense.bias, lb.dense.bias),
-                          (f"{p}.mlp.proj.bias", la.proj.bias, lb.proj.bias)]
+                          (f"{p}.mlp.proj.bias", _proj_bias(la), _proj_bias(lb)),
+                          (f"{p}.mlp.router.weight", _router(la), _router(lb))]
             for name, a, b in pairs:
                 if a is not None and b is not None and not torch.equal(a, b):
                     raise ToolchainError(

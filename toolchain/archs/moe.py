@@ -1,0 +1,113 @@
+"""Mixture-of-experts facts every MoE family shares: how expert parallelism is derived and checked,
+which rank holds which experts, and the checkpoint config.json's `moe` section.
+
+Read from TensorRT-LLM's source (the stored versions named by commit; none is the 1.2.1 tag itself, see
+toolchain/upstream/facts/mapping.json's note):
+- tensorrt_llm/mapping.py at b35ac1b6, MappingBase.__init__: moe_tp_size and moe_ep_size default to -1;
+  both unset gives moe_tp = tp and moe_ep = 1, one unset is derived as tp // (the other), and
+  "moe_tp_size * moe_ep_size * moe_cluster_size must equal to moe_world_size" (moe_world_size = tp_size
+  with cp 1) is a ValueError. moe_tp_rank = tp_rank // moe_ep_size, moe_ep_rank = tp_rank % moe_ep_size,
+  and ep_experts gives rank r the contiguous experts [r * E/ep, (r + 1) * E/ep).
+- tensorrt_llm/layers/moe.py at 03961722, MixtureOfExperts.__init__: "Number of experts ... is not a
+  multiple of EP size" and "FFN Hidden Size ... is not a multiple of TP size" (moe_tp) are ValueErrors;
+  MoeConfig holds num_experts, top_k, normalization_mode (ExpertScaleNormalizationMode NONE 0,
+  RENORMALIZE 1, SPARSE_MIXER 2), sparse_mixer_epsilon 0.01 and tp_mode 0, and to_dict is asdict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# ExpertScaleNormalizationMode (tensorrt_llm/layers/moe.py): how the top-k routing weights are scaled.
+# "renormalize": softmax over every expert, top-k, divided by their sum (what HF Mixtral computes; upstream's
+# OOTB path does top-k on the logits then softmax over the k, the same numbers, as the maintainers answered when
+# TensorRT-LLM PR #2752 proposed NONE for Mixtral, closed unmerged). "none": the softmax
+# probabilities of the k as they are (Qwen2-MoE's norm_topk_prob false).
+NORMALIZATION = {"none": 0, "renormalize": 1}
+SPARSE_MIXER_EPSILON = 0.01  # MoeConfig's default, written as upstream's asdict would
+
+
+def moe_sizes(tp: int, moe_tp: int | None, moe_ep: int | None) -> tuple[int, int]:
+    """(moe_tp, moe_ep) as upstream's Mapping derives them from the ones given (None: not given).
+    The product may differ from tp here; `mapping_problems` says so."""
+    if moe_tp is None and moe_ep is None:
+        return tp, 1
+    if moe_tp is None:
+        return tp // moe_ep if moe_ep else tp, moe_ep or 1
+    if moe_ep is None:
+        return moe_tp, tp // moe_tp
+    return moe_tp, moe_ep
+
+
+def mapping_problems(tp: int, moe_tp: int | None, moe_ep: int | None) -> list[str]:
+    """What upstream's Mapping refuses about these sizes, before the model is known."""
+    mtp, mep = moe_sizes(tp, moe_tp, moe_ep)
+    if mtp * mep == tp:
+        return []
+    if moe_tp is not None and moe_ep is not None:
+        what = f"moe_tp={moe_tp} x moe_ep={moe_ep} = {moe_tp * moe_ep}"
+    else:
+        key, value = ("moe_tp", moe_tp) if moe_tp is not None else ("moe_ep", moe_ep)
+        what = f"{key}={value} does not divide it"
+    return [f"parallelism.tp={tp}: {what}; moe_tp x moe_ep must equal tp (TensorRT-LLM's Mapping)"]
+
+
+def model_problems(params: Any, tp: int, moe_tp: int | None, moe_ep: int | None) -> list[str]:
+    """Mapping problems, then what the experts of this model refuse (MixtureOfExperts.__init__)."""
+    problems = mapping_problems(tp, moe_tp, moe_ep)
+    if problems:
+        return problems
+    mtp, mep = moe_sizes(tp, moe_tp, moe_ep)
+    if not params.is_moe:
+        if (moe_tp, moe_ep) != (None, None) and (mtp, mep) != (tp, 1):
+            return [f"parallelism.moe_tp/moe_ep apply to mixture-of-experts models; {params.architecture} is "
+                    "dense"]
+        return []
+    if params.num_experts % mep:
+        return [f"moe_ep={mep} does not divide num_experts={params.num_experts}"]
+    if params.intermediate_size % mtp:
+        return [f"moe_tp={mtp} does not divide the expert intermediate_size={params.intermediate_size}"]
+    return []
+
+
+def fitting_sizes(params: Any, tp: int) -> str:
+    """The hint after a refusal: the (moe_tp, moe_ep) pairs that split this model at this tp."""
+    if not params.is_moe:
+        return "remove parallelism.moe_tp and parallelism.moe_ep"
+    fits = [(t, tp // t) for t in range(1, tp + 1) if tp % t == 0 and params.intermediate_size % t == 0
+            and params.num_experts % (tp // t) == 0]
+    shown = ", ".join(f"moe_tp {t} with moe_ep {e}" for t, e in fits)
+    return f"at tp {tp} use {shown}" if fits else "use another parallelism.tp"
+
+
+def quantization_refusal(params: Any, method: str, kv_cache: str, stored: str | None = None) -> str | None:
+    """Why a mixture-of-experts model cannot be quantized as asked (None: unquantized, or a dense model).
+    The stacked experts have no quantized layout here yet, so every format is refused rather than written
+    wrong; `stored` names the format of a checkpoint that is quantized already."""
+    if not params.is_moe:
+        return None
+    what = (f"quantization {method}" if method != "none" else f"quantization.kv_cache {kv_cache}"
+            if kv_cache != "none" else f"a pre-quantized checkpoint ({stored})" if stored else None)
+    return None if what is None else f"{what} on {params.architecture} is not supported yet"
+
+
+QUANTIZATION_HINT = "convert it unquantized: quantization.method none, kv_cache none, float16/bfloat16 weights"
+
+
+def rank_experts(num_experts: int, moe_ep: int, tp_rank: int) -> range:
+    """The experts a TP rank holds (Mapping.ep_experts with moe_ep_rank = tp_rank % moe_ep)."""
+    per = num_experts // moe_ep
+    ep_rank = tp_rank % moe_ep
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def moe_tp_rank(tp_rank: int, moe_ep: int) -> int:
+    """Which slice of each expert's width a TP rank holds (Mapping.moe_tp_rank, moe_cluster 1)."""
+    return tp_rank // moe_ep
+
+
+def config_section(params: Any) -> dict:
+    """config.json's `moe`: MoeConfig.to_dict() (asdict) of this model."""
+    return {"num_experts": params.num_experts, "top_k": params.top_k,
+            "normalization_mode": NORMALIZATION[params.moe_normalization],
+            "sparse_mixer_epsilon": SPARSE_MIXER_EPSILON, "tp_mode": 0}

@@ -1,0 +1,60 @@
+"""One rank's mixture-of-experts MLP: the router every rank holds in full and this rank's experts.
+
+What the ranks hold is TensorRT-LLM's layout (checkpoint/sharding.py split_experts): experts divided
+over moe_ep, each expert's width over moe_tp. Every rank routes every token (the router is replicated,
+as MixtureOfExperts' RowLinear(tp_size=1) is upstream) and runs the tokens routed to its own experts,
+each expert once per step over all its tokens; its output is a partial sum that is zero for tokens
+routed elsewhere, and the all-reduce the dense MLP already uses sums the ranks' parts, which is how
+upstream's MoE plugin combines tp and ep ranks (tensorrt_llm/layers/moe.py at 03961722: the plugin
+output is allreduce'd over the tp group).
+
+Routing follows HF's MixtralTopKRouter (transformers models/mixtral/modeling_mixtral.py): softmax over
+all experts in float32, top-k, then divided by the sum of the k for "renormalize"
+(ExpertScaleNormalizationMode.RENORMALIZE), or the k probabilities as they are for "none".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+RENORMALIZE = 1  # ExpertScaleNormalizationMode values (archs/moe.py NORMALIZATION)
+
+
+@dataclass
+class Experts:
+    router: torch.Tensor
+    """[E, H] float32, every expert's routing row, the same on every rank."""
+    fc: torch.Tensor
+    """[E_r, 2 I_r, H]: per expert of this rank, [w3 (linear); w1 (SiLU-activated)] rows of its moe_tp slice."""
+    proj: torch.Tensor
+    """[E_r, H, I_r]: per expert, w2's columns of its moe_tp slice."""
+    first: int
+    """Global index of this rank's first expert (its experts are contiguous: Mapping.ep_experts)."""
+    top_k: int
+    normalization: int
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k], expert ids [N, k]) of every token."""
+        probs = torch.softmax((h @ self.router.T).float(), dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.normalization == RENORMALIZE:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the MLP output [N, H]: the weighted outputs of its experts."""
+        weights, ids = self.route(h)
+        out = torch.zeros_like(h)
+        local = ids - self.first
+        for e in range(self.fc.shape[0]):
+            tokens, slot = (local == e).nonzero(as_tuple=True)
+            if tokens.numel() == 0:
+                continue
+            x = h[tokens]
+            up, gate = (x @ self.fc[e].T).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ self.proj[e].T
+            out.index_add_(0, tokens, y * weights[tokens, slot, None].to(y.dtype))
+        return out
