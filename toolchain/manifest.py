@@ -139,8 +139,12 @@ class FileDiff:
         "model_repo/x/tensorrt_llm_bls/1/model.py changed since model-repo wrote it"."""
         items = [f"{Path(directory) / name} {what}" for what, names in
                  (("changed", self.changed), ("removed", self.missing), ("added", self.added)) for name in names]
-        more = f" and {len(items) - 3} more" if len(items) > 3 else ""
-        return f"{', '.join(items[:3])}{more} since {stage} wrote it"
+        return f"{_listing(items)} since {stage} wrote it"
+
+
+def _listing(items: list[str]) -> str:
+    """The first three of `items`, and how many more there are."""
+    return ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
 
 
 def diff_files(directory: Path, manifest: Manifest) -> FileDiff:
@@ -159,9 +163,15 @@ def reusable(directory: Path, wanted: Manifest, *, redo: str, keep_edits: bool =
     them and `redo` (what the stage does instead, e.g. "rendering again"). With `keep_edits` a changed,
     removed or added file is kept instead: the manifest records the files as they are now and names them
     in `edited_by_hand`, and `say` says so. A manifest that records no files (written before they were
-    recorded) is never reused."""
-    have = current_manifest(directory, wanted)
+    recorded) is never reused. Hand edits that a change of settings or inputs replaces are named too."""
+    have = Manifest.read(directory)
     if have is None:
+        return None
+    if have.key() != wanted.key():
+        edits = set(have.edited_by_hand) | set(diff_files(directory, have).names()) if have.files is not None else set()
+        if edits:
+            shown = _listing([str(Path(directory) / n) for n in sorted(edits)])
+            say(f"{redo} for changed settings or inputs replaces hand edits: {shown}")
         return None
     if have.files is None:
         say(f"{directory} records no list of its files (written by an older toolchain); {redo}")
