@@ -13,8 +13,8 @@ from toolchain.engine.build import planned_commands, run_build
 @click.command()
 @click.option("--force", is_flag=True, help="Rebuild even when the engine is up to date.")
 @click.option("--keep-edits", is_flag=True,
-              help="Keep files edited by hand since the engine (or its checkpoint) was written (recorded as edited by hand in its manifest) "
-                   "instead of building again.")
+              help="Keep files edited by hand since the engine (or its checkpoint) was written instead of "
+                   "building again (its manifest records them as edited by hand).")
 @click.option("--dry-run", is_flag=True,
               help="Print the trtllm-build command line(s) (target trtllm) and exit; failing checks only warn.")
 @spec_command

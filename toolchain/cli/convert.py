@@ -49,8 +49,8 @@ def _print_plan(plan, summary: bool = False) -> None:
                     "(config.json + rank{N}.safetensors).")
 @click.option("--force", is_flag=True, help="Rebuild even when the existing checkpoint is current.")
 @click.option("--keep-edits", is_flag=True,
-              help="Keep files edited by hand since convert wrote the checkpoint (recorded as edited by hand in its manifest) "
-                   "instead of converting again.")
+              help="Keep files edited by hand since convert wrote the checkpoint instead of converting again "
+                   "(its manifest records them as edited by hand).")
 @click.option("--dry-run", is_flag=True,
               help="Print per-rank tensors, shapes and bytes; write nothing. Works on a checkpoint "
                    "directory holding only config.json.")

@@ -17,8 +17,8 @@ from toolchain.pipeline import deploy
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Report directory (default reports/<name>).")
 @click.option("--keep-edits", is_flag=True,
-              help="Keep files edited by hand since a stage wrote its output (recorded as edited by hand in its manifest) "
-                   "instead of writing it again; report.json lists them.")
+              help="Keep files edited by hand since a stage wrote its output instead of writing it again "
+                   "(its manifest and report.json record them as edited by hand).")
 @spec_command
 def command(ctx: Context, spec, out_dir: Path | None, keep_edits: bool) -> None:
     """Convert, build, render the Triton repository, serve, bench and stop."""

@@ -15,8 +15,8 @@ from toolchain.spec import DeploymentSpec
 @click.command()
 @click.option("--force", is_flag=True, help="Re-render even when the repository is up to date.")
 @click.option("--keep-edits", is_flag=True,
-              help="Keep files edited by hand since the repository was rendered (recorded as edited by hand in its manifest) "
-                   "instead of rendering again.")
+              help="Keep files edited by hand since the repository was rendered instead of rendering again "
+                   "(its manifest records them as edited by hand).")
 @click.option("--python-models", "python_models", metavar="DIR", default=None,
               help="Use preprocessing, postprocessing and tensorrt_llm_bls model.py (and helpers) from "
                    "tensorrtllm_backend's all_models/inflight_batcher_llm tree DIR instead of the toolchain's; "
