@@ -1,7 +1,9 @@
-"""The fingerprint of a stage's input file, for the manifests that decide whether a stage reruns.
+"""The fingerprints of a stage's input files and of the files it wrote, for the manifests that decide whether
+a stage reruns.
 
-A small file is hashed whole; a big one (a multi-GB safetensors shard) by its size, mtime and its first and
-last MiB, so that checking a 70B checkpoint costs milliseconds rather than minutes."""
+A small file is hashed whole; a big one (a multi-GB safetensors shard or engine rank file) by its size and
+its first and last MiB (and, for an input, its mtime), so that checking a 70B checkpoint costs milliseconds
+rather than minutes."""
 
 from __future__ import annotations
 
@@ -23,9 +25,25 @@ def input_hash(path: Path) -> str:
     st = path.stat()
     if st.st_size <= FULL_HASH_LIMIT:
         return "sha256:" + sha256_file(path)
-    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return "fingerprint:" + _edges(path, st.st_size, f"{st.st_size}:{st.st_mtime_ns}")
+
+
+def output_hash(path: Path) -> str:
+    """What a stage records of a file it wrote (Manifest.files): sha256 of a small file (configs, a
+    repository's model.py), and of a big one (a rank's tensors) its size and first and last MiB, where a
+    safetensors or engine header lives. A truncated or replaced file changes its size or header. No mtime,
+    unlike input_hash: a workspace copied or moved whole is still what the stage wrote."""
+    size = path.stat().st_size
+    if size <= FULL_HASH_LIMIT:
+        return "sha256:" + sha256_file(path)
+    return "edges:" + _edges(path, size, f"{size}")
+
+
+def _edges(path: Path, size: int, salt: str) -> str:
+    """sha256 of `salt` and the first and last EDGE bytes of `path` (`size` bytes long)."""
+    h = hashlib.sha256(salt.encode())
     with open(path, "rb") as fh:
         h.update(fh.read(EDGE))
-        fh.seek(st.st_size - EDGE)
+        fh.seek(size - EDGE)
         h.update(fh.read(EDGE))
-    return "fingerprint:" + h.hexdigest()
+    return h.hexdigest()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
 from toolchain.errors import ToolchainError
-from toolchain.manifest import Manifest
+from toolchain.manifest import Manifest, output_problem
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import target_of
 from toolchain.workspace import Workspace
@@ -29,7 +29,7 @@ from toolchain.llmapi import launch as llmapi_launch
 from toolchain.llmapi import manifests as llmapi_manifests
 from toolchain.llmapi.cpu_llm import ENGINE_DIR_ENV
 from toolchain.llmapi.launch import openai_engine_args, serve_config_path, served_model_name
-from toolchain.llmapi.stage import run_convert_llmapi, served_model_dir
+from toolchain.llmapi.stage import quantized, run_convert_llmapi, served_model_dir
 from toolchain.openai.server import OpenAIServer
 
 Progress = Callable[[str, str], None]
@@ -39,12 +39,13 @@ Server = TritonServer | TritonLaunch  # both start(), stop(), urls and log_path
 
 class Convert(Protocol):
     def __call__(self, spec: DeploymentSpec, workspace: Workspace, force: bool = False,
-                 echo: Echo | None = None) -> Manifest: ...
+                 echo: Echo | None = None, keep_edits: bool = False) -> Manifest: ...
 
 
 class ModelRepo(Protocol):
     def __call__(self, spec: DeploymentSpec, workspace: Workspace, force: bool = False,
-                 python_models: Path | str | None = None) -> Manifest: ...
+                 python_models: Path | str | None = None, keep_edits: bool = False,
+                 echo: Echo | None = None) -> Manifest: ...
 
 
 # ---- the path table -----------------------------------------------------------------------------------------
@@ -93,6 +94,50 @@ def server_for(spec: DeploymentSpec, workspace: Workspace, *, log_path: Path | N
     if spec.rank_processes:
         return TritonLaunch.cpu(spec, repo, log_path or server_log(spec, workspace))
     return TritonServer.from_spec(spec, repo, log_path=log_path, read_key=read_key, env=_cpu_llm_env(spec, workspace))
+
+
+def stage_outputs(spec: DeploymentSpec, workspace: Workspace) -> list[Path]:
+    """Every output directory the stages of the spec's path write, in stage order."""
+    out = [workspace.checkpoint_dir(spec)]
+    if target_of(spec).builds_engine:
+        if spec.speculative.mode == "draft_target":
+            out.append(workspace.draft_checkpoint_dir(spec))
+        out.append(workspace.engine_dir(spec))
+    return out + [workspace.model_repo_dir(spec)]
+
+
+def kept_edits(spec: DeploymentSpec, workspace: Workspace) -> dict[str, list[str]]:
+    """The hand edits the spec's stages kept (--keep-edits), by stage, as their manifests record them:
+    report.json's `edited_by_hand`. A stage reruns on a recorded edit unless asked to keep it, so after a
+    deploy these are the edits it kept."""
+    out = {}
+    for directory in stage_outputs(spec, workspace):
+        have = Manifest.read(directory)
+        if have is not None and have.edited_by_hand:
+            out[have.stage] = [str(directory / name) for name in have.edited_by_hand]
+    return out
+
+
+def served_outputs(spec: DeploymentSpec, workspace: Workspace) -> list[tuple[Path, str]]:
+    """The stage outputs a server of `spec` loads, each with the command that writes it: the engine (engine
+    path) or the quantized checkpoint LLM() loads (LLM-API path; an unquantized one is the user's own HF
+    directory), and the model repository."""
+    if target_of(spec).llmapi_path:
+        loaded = [(workspace.checkpoint_dir(spec), "convert")] if quantized(spec) else []
+    else:
+        loaded = [(workspace.engine_dir(spec), "build-engine")]
+    return loaded + [(workspace.model_repo_dir(spec), "model-repo")]
+
+
+def check_served_outputs(spec: DeploymentSpec, workspace: Workspace) -> None:
+    """Refuse, in one line naming the file, to serve an engine or repository whose files are not those
+    its stage wrote (a truncated rank file, a hand edit not kept with --keep-edits)."""
+    for directory, command in served_outputs(spec, workspace):
+        problem = output_problem(directory)
+        if problem:
+            raise ToolchainError(f"{problem}; refusing to serve it",
+                                 f"run `toolchain {command} {spec.source or 'SPEC'}` to write it again, or add "
+                                 "--keep-edits to keep a hand edit")
 
 
 def _cpu_llm_env(spec: DeploymentSpec, workspace: Workspace) -> dict[str, str]:
@@ -203,28 +248,42 @@ def _timed(name: str, progress: Progress, timings: dict) -> Iterator[None]:
 
 
 def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = None,
-           progress: Progress = lambda stage, msg: None) -> dict:
+           progress: Progress = lambda stage, msg: None, keep_edits: bool = False) -> dict:
     """Run convert -> build-engine -> model-repo -> serve -> bench; write <out>/report.json once, with the
-    stage timings, and return the report."""
+    stage timings (and the hand edits the stages kept, with `keep_edits`), and return the report. Each
+    stage says through `progress` why it runs again when its output's files changed."""
     if exposure.restricted(spec.serving):
         exposure.read_admin_key(spec.serving)  # a missing key fails now, not after convert and build
     out = out_dir or workspace.report_dir(spec)
     timings: dict[str, float] = {}
     report: dict = {}  # the main bench's report, once it has one
     with _timed("convert", progress, timings):
-        convert_for(spec)(spec, workspace)
+        convert_for(spec)(spec, workspace, echo=_echo("convert", progress), keep_edits=keep_edits)
     try:
         if target_of(spec).llmapi_path:
-            _deploy_llmapi(spec, workspace, out, progress, timings, report)
+            _deploy_llmapi(spec, workspace, out, progress, timings, report, keep_edits)
         else:
-            _deploy_engine(spec, workspace, out, progress, timings, report)
+            _deploy_engine(spec, workspace, out, progress, timings, report, keep_edits)
     except BaseException:
         if report:  # what the bench measured stays on disk when a later step fails or is stopped
+            report.update(_edited(spec, workspace))
             _save_report(out, report)
         raise
+    report.update(_edited(spec, workspace))
     report["stage_seconds"] = timings
     _save_report(out, report)
     return report
+
+
+def _echo(stage: str, progress: Progress) -> Echo:
+    """A stage's one-line messages (why it runs again), as deploy's progress lines of that stage."""
+    return lambda msg: progress(stage, msg)
+
+
+def _edited(spec: DeploymentSpec, workspace: Workspace) -> dict:
+    """report.json's `edited_by_hand: {stage: [files]}`, when a stage kept hand edits."""
+    kept = kept_edits(spec, workspace)
+    return {"edited_by_hand": kept} if kept else {}
 
 
 def _save_report(out_dir: Path, report: dict) -> None:
@@ -246,15 +305,15 @@ def _deploy_server(spec: DeploymentSpec, workspace: Workspace, progress: Progres
 
 
 def _deploy_engine(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, progress: Progress,
-                   timings: dict, report: dict) -> None:
+                   timings: dict, report: dict, keep_edits: bool) -> None:
     """The engine path: build the engine, render tensorrtllm_backend's repository, serve it and bench
     (into `report`)."""
     from toolchain.bench.run import run_bench  # numpy, the protocol clients
 
     with _timed("build-engine", progress, timings):
-        run_build(spec, workspace, converted=True)
+        run_build(spec, workspace, converted=True, keep_edits=keep_edits, echo=_echo("build-engine", progress))
     with _timed("model-repo", progress, timings):
-        model_repo_for(spec)(spec, workspace)
+        model_repo_for(spec)(spec, workspace, keep_edits=keep_edits, echo=_echo("model-repo", progress))
     serving = spec.serving
     server = _deploy_server(spec, workspace, progress)
     try:  # from the start: a stop signal may arrive the moment start() returns
@@ -277,7 +336,7 @@ def _with_workload(spec: DeploymentSpec, **values) -> DeploymentSpec:
 
 
 def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, progress: Progress,
-                   timings: dict, report: dict) -> None:
+                   timings: dict, report: dict, keep_edits: bool) -> None:
     """The LLM-API path on this host (target llmapi-cpu): Triton's llmapi model, then the OpenAI
     server on the same LLM() arguments, each benched; the Triton report is the main one and the
     OpenAI server's is written to <out>/openai and summarised under `openai`."""
@@ -287,7 +346,7 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
         raise ToolchainError("deploy runs the LLM-API path on this host with target llmapi-cpu",
                              "on a GPU host run `toolchain model-repo` and the lines `toolchain serve --print` shows")
     with _timed("model-repo", progress, timings):
-        model_repo_for(spec)(spec, workspace)
+        model_repo_for(spec)(spec, workspace, keep_edits=keep_edits, echo=_echo("model-repo", progress))
     serving = spec.serving
     repo = workspace.model_repo_dir(spec)
     server = _deploy_server(spec, workspace, progress)

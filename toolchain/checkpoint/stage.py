@@ -25,7 +25,7 @@ from toolchain.errors import ToolchainError
 from toolchain.fingerprint import input_hash
 from toolchain.fsutil import atomic_dir
 from toolchain.gpus import lookup
-from toolchain.manifest import Manifest, current_manifest
+from toolchain.manifest import Manifest, reusable
 from toolchain.quant.recipe import recipe_of
 from toolchain.spec import DeploymentSpec
 from toolchain.weights_source import source_record
@@ -119,14 +119,19 @@ def _with_heads(plan: Plan, spec: DeploymentSpec) -> Plan:
 
 
 def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
-                echo: Callable[[str], None] | None = None) -> Manifest:
+                echo: Callable[[str], None] | None = None, keep_edits: bool = False,
+                notes: Callable[[str], None] | None = None) -> Manifest:
     """Convert spec.model.checkpoint into workspace.checkpoint_dir(spec); reuse
-    a current output unless `force`. Returns the manifest of what is there.
+    a current output unless `force` (one whose files changed since only with
+    `keep_edits`). Returns the manifest of what is there. `echo` hears every
+    line; `notes` (default `echo`) the lines about changed files, which
+    build-engine passes on while it keeps the others to itself.
     The engine path's convert; toolchain/pipeline.py gives each path its own."""
     if not target_of(spec).builds_engine:
         raise ToolchainError(f"target {spec.target} has no TensorRT-LLM checkpoint (the LLM-API path serves the "
                              "HF checkpoint)", "run `toolchain convert SPEC`, which takes the spec's path")
     say = echo or (lambda _msg: None)
+    note = notes or say
     final = workspace.checkpoint_dir(spec)
     ckpt = HFCheckpoint(spec.model.checkpoint)
     with ckpt:
@@ -147,9 +152,10 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                 and plan.quant.recipe.calibration_dataset != "builtin":
             inputs["calibration"] = input_hash(Path(plan.quant.recipe.calibration_dataset))
         wanted = Manifest(stage="convert", spec_hash=convert_hash(spec), inputs=inputs)
-        if not force and (have := current_manifest(final, wanted)) is not None:
+        if not force and (have := reusable(final, wanted, redo="converting again", keep_edits=keep_edits,
+                                           say=note)) is not None:
             say(f"checkpoint {final} is current (same settings and inputs); reusing it (--force rebuilds)")
-            run_convert_draft(spec, workspace, force=force)
+            run_convert_draft(spec, workspace, force=force, keep_edits=keep_edits, echo=note)
             return have
         created = _missing_dirs(final.parent, workspace.root)
         start = time.monotonic()
@@ -169,7 +175,7 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                 except OSError:
                     break
             raise
-    run_convert_draft(spec, workspace, force=force)
+    run_convert_draft(spec, workspace, force=force, keep_edits=keep_edits, echo=note)
     return wanted
 
 
@@ -182,7 +188,8 @@ def draft_settings(spec: DeploymentSpec) -> dict:
     return {"converter": CONVERTER_VERSION, "target": spec.target, "dtype": spec.model.dtype, "tp": 1, "pp": 1}
 
 
-def run_convert_draft(spec: DeploymentSpec, workspace: Workspace, force: bool = False) -> Manifest | None:
+def run_convert_draft(spec: DeploymentSpec, workspace: Workspace, force: bool = False, keep_edits: bool = False,
+                      echo: Callable[[str], None] | None = None) -> Manifest | None:
     """draft_target: convert speculative.draft_model into workspace.draft_checkpoint_dir(spec),
     with its own manifest (settings and the draft's files), which build-engine records as its input;
     reused while current. None for the other modes."""
@@ -197,7 +204,8 @@ def run_convert_draft(spec: DeploymentSpec, workspace: Workspace, force: bool = 
     inputs = {p.name: input_hash(p) for p in sorted(Path(draft).glob("*"))
               if p.is_file() and p.suffix in (".json", ".safetensors")}
     wanted = Manifest(stage=DRAFT_STAGE, spec_hash=hashlib.sha256(blob.encode()).hexdigest(), inputs=inputs)
-    if not force and (have := current_manifest(final, wanted)) is not None:
+    if not force and (have := reusable(final, wanted, redo="converting the draft again", keep_edits=keep_edits,
+                                       say=echo or (lambda _msg: None))) is not None:
         return have
     start = time.monotonic()
     with atomic_dir(final) as tmp:

@@ -12,10 +12,13 @@ from toolchain.engine.build import planned_commands, run_build
 
 @click.command()
 @click.option("--force", is_flag=True, help="Rebuild even when the engine is up to date.")
+@click.option("--keep-edits", is_flag=True,
+              help="Keep files edited by hand since the engine (or its checkpoint) was written instead of "
+                   "building again (its manifest records them as edited by hand).")
 @click.option("--dry-run", is_flag=True,
               help="Print the trtllm-build command line(s) (target trtllm) and exit; failing checks only warn.")
 @spec_command
-def command(ctx: Context, spec, force: bool, dry_run: bool) -> None:
+def command(ctx: Context, spec, force: bool, keep_edits: bool, dry_run: bool) -> None:
     """Build the engine for SPEC into engines/<name>/engine (reused when nothing changed).
     Target trtllm runs trtllm-build 1.2 (PATH or build.trtllm_build), one log per rank under mpirun."""
 
@@ -32,7 +35,7 @@ def command(ctx: Context, spec, force: bool, dry_run: bool) -> None:
         else:
             click.echo(f"target cpu: engine config + {spec.parallelism.world_size} rank file(s) into {ws.engine_dir(spec)}")
         return
-    manifest, reused = run_build(spec, ws, force=force)
+    manifest, reused = run_build(spec, ws, force=force, keep_edits=keep_edits, echo=click.echo)
     for warning in manifest.outputs.get("warnings", []):
         click.echo(f"warning: {warning}", err=True)
     state = "up to date, reused" if reused else f"built in {manifest.seconds:.2f}s"

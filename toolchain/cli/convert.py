@@ -48,12 +48,15 @@ def _print_plan(plan, summary: bool = False) -> None:
 @click.command(help="Convert the spec's HF checkpoint into a TensorRT-LLM 1.2 checkpoint "
                     "(config.json + rank{N}.safetensors).")
 @click.option("--force", is_flag=True, help="Rebuild even when the existing checkpoint is current.")
+@click.option("--keep-edits", is_flag=True,
+              help="Keep files edited by hand since convert wrote the checkpoint instead of converting again "
+                   "(its manifest records them as edited by hand).")
 @click.option("--dry-run", is_flag=True,
               help="Print per-rank tensors, shapes and bytes; write nothing. Works on a checkpoint "
                    "directory holding only config.json.")
 @click.option("--summary", is_flag=True, help="With --dry-run: one line per rank, no tensor list.")
 @spec_command
-def command(ctx: Context, spec: DeploymentSpec, force: bool, dry_run: bool, summary: bool) -> None:
+def command(ctx: Context, spec: DeploymentSpec, force: bool, keep_edits: bool, dry_run: bool, summary: bool) -> None:
     from toolchain.checkpoint.stage import plan_convert  # keep `toolchain --help` light
 
     if summary and not dry_run:
@@ -65,7 +68,7 @@ def command(ctx: Context, spec: DeploymentSpec, force: bool, dry_run: bool, summ
         _print_plan(plan_convert(spec), summary=summary)
         return
     start = time.time()
-    manifest = convert_for(spec)(spec, ctx.workspace, force=force, echo=click.echo)
+    manifest = convert_for(spec)(spec, ctx.workspace, force=force, echo=click.echo, keep_edits=keep_edits)
     out = ctx.workspace.checkpoint_dir(spec)
     if spec.llmapi_path:
         o = manifest.outputs

@@ -16,8 +16,11 @@ from toolchain.pipeline import deploy
 @click.command()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Report directory (default reports/<name>).")
+@click.option("--keep-edits", is_flag=True,
+              help="Keep files edited by hand since a stage wrote its output instead of writing it again "
+                   "(its manifest and report.json record them as edited by hand).")
 @spec_command
-def command(ctx: Context, spec, out_dir: Path | None) -> None:
+def command(ctx: Context, spec, out_dir: Path | None, keep_edits: bool) -> None:
     """Convert, build, render the Triton repository, serve, bench and stop."""
 
     start = time.perf_counter()
@@ -28,8 +31,10 @@ def command(ctx: Context, spec, out_dir: Path | None) -> None:
     from toolchain.bench.report import print_report
 
     with stop_on_signals():  # SIGTERM, SIGINT, SIGHUP: the servers deploy started stop before it exits
-        report = deploy(spec, ctx.workspace, out_dir, progress)
+        report = deploy(spec, ctx.workspace, out_dir, progress, keep_edits=keep_edits)
     print_report(report)
+    for stage, files in (report.get("edited_by_hand") or {}).items():
+        click.echo(f"edited by hand ({stage} kept them with --keep-edits): {', '.join(files)}")
     target = (out_dir or ctx.workspace.report_dir(spec)) / "report.json"  # deploy saved it, stage timings too
     openai = report.get("openai")
     if openai:

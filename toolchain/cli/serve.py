@@ -111,6 +111,14 @@ def _run_until_stopped(server, timeout: float, describe: str,
     click.echo(f"tritonserver stopped (exit code {rc})")
 
 
+def _check_outputs(spec: DeploymentSpec, ws) -> None:
+    """Before any server starts: the engine and repository hold the files their stages wrote (refused in one
+    line naming the file otherwise), and the hand edits kept with --keep-edits are named."""
+    pipeline.check_served_outputs(spec, ws)
+    for stage, files in pipeline.kept_edits(spec, ws).items():
+        click.echo(f"note: serving files edited by hand ({stage} kept them): {', '.join(files)}", err=True)
+
+
 @click.command()
 @click.option("--print", "print_only", is_flag=True,
               help="Print the launch command (target trtllm: mpirun, container and Kubernetes lines) and exit.")
@@ -152,6 +160,7 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
         if print_only:
             pipeline.print_local_launch(spec, ws, server, click.echo)
             return
+        _check_outputs(spec, ws)
         _run_until_stopped(server, timeout or spec.serving.startup_timeout_s, _describe(spec, server),
                            models="tensorrt_llm (LLM API)")
         return
@@ -162,6 +171,7 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
         pipeline.print_local_launch(spec, ws, server, click.echo)
         return
     describe = _describe(spec, server)
+    _check_outputs(spec, ws)
     if not is_current(repo, wanted_manifest(spec, ws)):
         click.echo("warning: the model repository was rendered from a different spec, engine or tokenizer; "
                    "run `toolchain model-repo SPEC` to refresh it", err=True)

@@ -13,7 +13,8 @@ also builds the draft model (converted by the convert stage into
 output is written to a temporary directory, renamed into place when complete,
 and reused while its manifest matches: the build settings (`build_settings`,
 not the whole spec, so a changed SLO, port or workload reuses the engine), the
-checkpoints' manifests and the TensorRT-LLM version.
+checkpoints' manifests and the TensorRT-LLM version, and while its files are
+those the build wrote (a truncated rank file builds again).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 from toolchain.archs.params import trained_positions
 from toolchain.engine import trtllm
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir
-from toolchain.manifest import Manifest, current_manifest, content_hash
+from toolchain.manifest import Manifest, content_hash, reusable
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
 
@@ -214,9 +216,12 @@ def build_hash(spec: DeploymentSpec) -> str:
 
 
 def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
-              converted: bool = False) -> tuple[Manifest, bool]:
+              converted: bool = False, keep_edits: bool = False,
+              echo: Callable[[str], None] | None = None) -> tuple[Manifest, bool]:
     """Build the engine for `spec`; returns (manifest, reused). Converts first
-    unless the caller just did (`converted`, as `deploy` does)."""
+    unless the caller just did (`converted`, as `deploy` does). An engine whose
+    files changed since it was built is built again (`echo` says which file),
+    or kept with `keep_edits`."""
     if spec.llmapi_path:
         raise ToolchainError(f"target {spec.target} has no engine to build: the PyTorch backend loads the checkpoint "
                              "when the server starts", "run `toolchain model-repo SPEC` next")
@@ -225,7 +230,7 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
         # preview that must answer in well under two seconds) never needs.
         from toolchain.checkpoint.stage import run_convert
 
-        run_convert(spec, workspace, force=False)  # the engine's input; its manifest is hashed below
+        run_convert(spec, workspace, force=False, keep_edits=keep_edits, notes=echo)  # hashed below as an input
     checkpoint_dir = workspace.checkpoint_dir(spec)
     final = workspace.engine_dir(spec)
     inputs = {"checkpoint": content_hash(checkpoint_dir), "target": spec.target}
@@ -241,7 +246,8 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
     if spec.speculative.mode == "draft_target":
         inputs["draft_checkpoint"] = content_hash(workspace.draft_checkpoint_dir(spec))
     wanted = Manifest(stage="build-engine", spec_hash=build_hash(spec), inputs=inputs)
-    if not force and (have := current_manifest(final, wanted)) is not None:
+    if not force and (have := reusable(final, wanted, redo="building again", keep_edits=keep_edits,
+                                       say=echo or (lambda _msg: None))) is not None:
         return have, True
     start = time.perf_counter()
     with atomic_dir(final) as out:

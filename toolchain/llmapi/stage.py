@@ -27,7 +27,7 @@ from toolchain.fingerprint import input_hash
 from toolchain.fsutil import atomic_dir
 from toolchain.llmapi.args import llm_args
 from toolchain.llmapi.cpu_llm import LlmArgsError, prepare_engine
-from toolchain.manifest import Manifest, current_manifest
+from toolchain.manifest import Manifest, reusable
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import target_of
 from toolchain.weights_source import source_record
@@ -75,9 +75,9 @@ def served_model_dir(spec: DeploymentSpec, workspace: Workspace) -> Path:
 
 
 def run_convert_llmapi(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
-                       echo: Callable[[str], None] | None = None) -> Manifest:
+                       echo: Callable[[str], None] | None = None, keep_edits: bool = False) -> Manifest:
     say = echo or (lambda _msg: None)
-    manifest = _convert(spec, workspace, force, say)
+    manifest = _convert(spec, workspace, force, say, keep_edits)
     if target_of(spec).on_cpu:
         work = workspace.cpu_llm_dir(spec)
         say(f"preparing the CPU engine LLM() loads in {work}")
@@ -88,7 +88,8 @@ def run_convert_llmapi(spec: DeploymentSpec, workspace: Workspace, force: bool =
     return manifest
 
 
-def _convert(spec: DeploymentSpec, workspace: Workspace, force: bool, say: Callable[[str], None]) -> Manifest:
+def _convert(spec: DeploymentSpec, workspace: Workspace, force: bool, say: Callable[[str], None],
+             keep_edits: bool) -> Manifest:
     source = Path(spec.model.checkpoint)
     if not (source / "config.json").is_file():
         raise ToolchainError(f"no config.json in {source}", "set model.checkpoint to a Hugging Face checkpoint directory")
@@ -98,7 +99,8 @@ def _convert(spec: DeploymentSpec, workspace: Workspace, force: bool, say: Calla
     blob = json.dumps(_settings(spec), sort_keys=True, separators=(",", ":"))
     wanted = Manifest(stage=STAGE, spec_hash=hashlib.sha256(blob.encode()).hexdigest(), inputs=inputs)
     final = workspace.checkpoint_dir(spec)
-    if not force and (have := current_manifest(final, wanted)) is not None:
+    if not force and (have := reusable(final, wanted, redo="converting again", keep_edits=keep_edits,
+                                       say=say)) is not None:
         say(f"{final} is current; reusing it (--force rebuilds)")
         return have
     start = time.monotonic()

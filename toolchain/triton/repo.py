@@ -20,11 +20,12 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import toolchain
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir, sha256_file
-from toolchain.manifest import MANIFEST, Manifest, current_manifest, content_hash
+from toolchain.manifest import MANIFEST, Manifest, content_hash, reusable
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import GPU, target_of
 from toolchain.triton import backend_models
@@ -214,10 +215,12 @@ def render_repository(models: dict[str, ModelConfig], out: Path, target: str, he
 
 
 def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
-                   python_models: Path | str | None = None) -> Manifest:
+                   python_models: Path | str | None = None, keep_edits: bool = False,
+                   echo: Callable[[str], None] | None = None) -> Manifest:
     """Render `workspace.model_repo_dir(spec)` for the engine path (the LLM-API path's repository is
-    toolchain/llmapi/repo.py's; toolchain/pipeline.py picks); reuse it when its manifest is current.
-    `python_models`: an upstream inflight_batcher_llm tree whose Python models to use."""
+    toolchain/llmapi/repo.py's; toolchain/pipeline.py picks); reuse it when its manifest is current
+    and its files are those rendered (a hand-edited file renders again, `echo` says which, unless
+    `keep_edits`). `python_models`: an upstream inflight_batcher_llm tree whose Python models to use."""
     if not target_of(spec).builds_engine:
         raise ToolchainError(f"target {spec.target} takes the LLM-API path, which has its own model repository",
                              "run `toolchain model-repo SPEC`, which takes the spec's path")
@@ -226,7 +229,8 @@ def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = Fal
     upstream = upstream_python_models(python_models) if python_models is not None else None
     opts = repo_options(spec, workspace)  # once: the manifest's key and what is rendered
     manifest = manifest_for(opts, upstream)
-    if not force and (have := current_manifest(repo_dir, manifest)) is not None:
+    if not force and (have := reusable(repo_dir, manifest, redo="rendering again", keep_edits=keep_edits,
+                                       say=echo or (lambda _msg: None))) is not None:
         return have
     models = build_models(opts)
     source = spec.source or "<spec>"
