@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
-from toolchain.errors import ToolchainError
+from toolchain.bench.failfast import stop_line
+from toolchain.errors import StageFailed, ToolchainError
 from toolchain.manifest import Manifest
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import target_of
@@ -220,11 +221,19 @@ def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = No
             _deploy_engine(spec, workspace, out, progress, timings, report)
     except BaseException:
         if report:  # what the bench measured stays on disk when a later step fails or is stopped
+            report["stage_seconds"] = timings
             _save_report(out, report)
         raise
     report["stage_seconds"] = timings
     _save_report(out, report)
     return report
+
+
+def _raise_if_stopped(report: dict) -> None:
+    """A bench that gave up on its endpoint (hung or gone) ends deploy with its one line, once the server
+    it benched is stopped; nothing later runs against a server that did not answer."""
+    if report.get("stopped"):
+        raise StageFailed(stop_line(report["stopped"]), "the bench's partial report is in report.json")
 
 
 def _save_report(out_dir: Path, report: dict) -> None:
@@ -268,6 +277,7 @@ def _deploy_engine(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     finally:
         with _timed("stop", progress, timings):
             server.stop()
+    _raise_if_stopped(report)
 
 
 def _with_workload(spec: DeploymentSpec, **values) -> DeploymentSpec:
@@ -301,6 +311,7 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     finally:
         with _timed("stop", progress, timings):
             server.stop()
+    _raise_if_stopped(report)
     name = served_model_name(spec)
     openai = openai_server(spec, workspace, repo.parent / f"{spec.name}.openai.log")
     try:
@@ -313,6 +324,7 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     finally:
         with _timed("stop-openai", progress, timings):
             openai.stop()
+    _raise_if_stopped(second)
     report["openai"] = {"protocol": protocol, "report": str(out_dir / "openai" / "report.json"),
                         **{k: second.get(k) for k in ("ttft_ms", "tpot_ms", "e2e_ms", "output_tokens_per_s",
                                                       "num_requests", "errors", "slo")}}
