@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import TINY_TRAINED
 from toolchain.bench.failfast import (FALLBACK_TIMEOUT_S, derived_timeout, failure_limit, longest_output,
                                       request_deadline)
 from toolchain.bench.mock import make_word_tokenizer
@@ -173,7 +174,7 @@ def test_a_hung_openai_endpoint_stops_the_bench_with_one_line(hung_openai, tmp_p
         assert last["status"] == "HTTP 200" and last["responses"] == 0
         assert "HTTP 200, nothing streamed for request" in errors[0]
     else:
-        assert last is None and errors[0].endswith("last response seen: none (no request got any answer) "
+        assert last is None and errors[0].endswith("last response seen: none, no request got any answer "
                                                    f"(partial report in {out})")
     # The level sent no more than its concurrency after the stop began, and every request it sent was
     # cancelled: the server saw each connection closed.
@@ -249,3 +250,37 @@ def test_a_hung_triton_model_stops_the_bench_and_the_server_still_stops(tmp_path
     report = json.loads((out / "report.json").read_text())
     assert report["complete"] is False and report["stopped"]["reason"].startswith("3 consecutive requests timed out")
     assert not server.running and not _group_alive(pgid)  # the stub stuck in execute() went down with it
+
+
+# ---- deploy: the same line, and nothing left running ---------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.server
+@pytest.mark.skipif(not (TINY_TRAINED / "config.json").is_file(), reason="embedded model missing")
+def test_deploy_ends_on_the_stop_line_with_nothing_left_running(tmp_path):
+    """Every request of the embedded model's deploy misses a 1 ms deadline: the bench stops on the streak,
+    deploy stops tritonserver and exits with the bench's line; no process it started outlives it."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from test_stop_signals import CLI, MARKER, REPO, _marked
+
+    marker = uuid.uuid4().hex
+    argv = [sys.executable, "-c", CLI, "--root", str(tmp_path / "root"), "deploy", str(REPO / "build" / "tiny-llama.yaml")]
+    for item in ("serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
+                 "validation.workload.request_timeout_s=0.001"):
+        argv += ["--set", item]
+    run = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=900,
+                         env={**os.environ, "PYTHONPATH": str(REPO), MARKER: marker})
+    assert run.returncode == 1, run.stdout + run.stderr
+    errors = _errors(run.stderr)
+    # Two warm-up requests and the level's first two: four in a row at concurrency 4.
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: bench stopped at level 0: 4 consecutive requests timed out after 0.001 s, model 'ensemble' at "
+        "127.0.0.1:"), run.stderr
+    assert not _marked(marker), "a process deploy started outlived it"
+    report = json.loads((tmp_path / "root" / "reports" / "tiny-llama" / "report.json").read_text())
+    assert report["complete"] is False and report["stopped"]["level"] == 0
+    assert {"bench", "stop"} <= set(report["stage_seconds"])  # the server was stopped before deploy ended

@@ -229,11 +229,11 @@ def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = No
     return report
 
 
-def _raise_if_stopped(report: dict) -> None:
+def _raise_if_stopped(report: dict, out_dir: Path) -> None:
     """A bench that gave up on its endpoint (hung or gone) ends deploy with its one line, once the server
     it benched is stopped; nothing later runs against a server that did not answer."""
     if report.get("stopped"):
-        raise StageFailed(stop_line(report["stopped"]), "the bench's partial report is in report.json")
+        raise StageFailed(stop_line(report["stopped"]), f"partial report in {out_dir}")
 
 
 def _save_report(out_dir: Path, report: dict) -> None:
@@ -277,7 +277,7 @@ def _deploy_engine(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     finally:
         with _timed("stop", progress, timings):
             server.stop()
-    _raise_if_stopped(report)
+    _raise_if_stopped(report, out_dir)
 
 
 def _with_workload(spec: DeploymentSpec, **values) -> DeploymentSpec:
@@ -311,7 +311,7 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     finally:
         with _timed("stop", progress, timings):
             server.stop()
-    _raise_if_stopped(report)
+    _raise_if_stopped(report, out_dir)
     name = served_model_name(spec)
     openai = openai_server(spec, workspace, repo.parent / f"{spec.name}.openai.log")
     try:
@@ -324,7 +324,7 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     finally:
         with _timed("stop-openai", progress, timings):
             openai.stop()
-    _raise_if_stopped(second)
+    _raise_if_stopped(second, out_dir / "openai")
     report["openai"] = {"protocol": protocol, "report": str(out_dir / "openai" / "report.json"),
                         **{k: second.get(k) for k in ("ttft_ms", "tpot_ms", "e2e_ms", "output_tokens_per_s",
                                                       "num_requests", "errors", "slo")}}

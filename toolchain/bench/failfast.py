@@ -115,7 +115,7 @@ class Streak:
 
     def reason(self) -> str:
         """'4 consecutive requests timed out after 12 s', or the last error of a mixed streak."""
-        n, errors = len(self.failed), {r.error for r in self.failed}
+        n, errors = len(self.failed), {r.error or "" for r in self.failed}  # each failed one has its error
         if len(errors) == 1:
             (error,) = errors
             verb = "" if error.startswith("timed out") else "failed: "
@@ -143,7 +143,7 @@ def last_response(records: list[RequestRecord], now_ns: int | None = None) -> di
 
 def describe_last(last: dict | None) -> str:
     if last is None:
-        return "none (no request got any answer)"
+        return "none, no request got any answer"
     parts = [last["status"]] if last["status"] else []
     if last["responses"]:
         first = f", first bytes {last['first_bytes']!r}" if last["first_bytes"] else ""
