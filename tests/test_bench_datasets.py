@@ -127,4 +127,5 @@ def test_spec_workload_validation():
     with pytest.raises(ToolchainError, match="distinct"):
         workload(classes=[{"name": "a"}, {"name": "a"}])
     w = workload(mode="rate", sweep=[0.5, 2.5])
-    assert w.sweep == [0.5, 2.5] and w.request_timeout_s == 300 and w.protocol == "triton-grpc"
+    # request_timeout_s None: derived from the workload and the SLOs (toolchain/bench/failfast.py)
+    assert w.sweep == [0.5, 2.5] and w.request_timeout_s is None and w.protocol == "triton-grpc"

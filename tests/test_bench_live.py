@@ -265,19 +265,35 @@ def test_contract_violation_is_counted_as_errors(served):
     from toolchain.bench.run import run_bench
 
     server, tok, root = served
-    # Without ignore_eos no end_id is sent; this mock then refuses every request.
-    spec = load_spec(spec_file(root, tok, "errs", num_requests=3, warmup_requests=0, ignore_eos=False))
+    # Without ignore_eos no end_id is sent; this mock then refuses every request. (The limit keeps three
+    # failures in a row from stopping the run, which test_three_refusals_in_a_row_stop_the_run checks.)
+    spec = load_spec(spec_file(root, tok, "errs", num_requests=3, warmup_requests=0, ignore_eos=False,
+                               max_consecutive_failures=4))
     report = run_bench(spec, server.urls["grpc"], root / "out-errs")
     assert report["errors"] == 3 and report["num_requests"] == 0
     assert "end_id must be -1" in next(iter(report["error_reasons"]))
     assert report["slo"]["passed"] is False and report["aborted"] is None
 
 
+def test_three_refusals_in_a_row_stop_the_run(served):
+    from toolchain.bench.run import run_bench
+
+    server, tok, root = served
+    spec = load_spec(spec_file(root, tok, "refused", num_requests=8, warmup_requests=0, ignore_eos=False,
+                               sweep=[2, 2]))
+    report = run_bench(spec, server.urls["grpc"], root / "out-refused")
+    stopped = report["stopped"]
+    assert report["complete"] is False and len(report["levels"]) == 1  # the second level never ran
+    assert stopped["level"] == 0 and stopped["reason"].startswith("3 consecutive requests failed: ")
+    assert "end_id must be -1" in stopped["reason"] and stopped["url"] == server.urls["grpc"]
+    assert stopped["last_response"] is None  # each refusal was an error message, no response
+
+
 def test_timed_out_requests_are_cancelled_and_counted(served):
     from toolchain.bench.run import run_bench
 
     server, tok, root = served
-    spec = load_spec(spec_file(root, tok, "slow", num_requests=3, warmup_requests=0))
+    spec = load_spec(spec_file(root, tok, "slow", num_requests=3, warmup_requests=0, max_consecutive_failures=4))
     report = run_bench(spec, server.urls["grpc"], root / "out-slow", request_timeout_s=0.02)  # first token is at 50 ms
     assert report["errors"] == 3 and report["error_reasons"] == {"timed out after 0.02 s": 3}
     assert report["aborted"] is None  # the server is fine, only slow

@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
-from toolchain.errors import ToolchainError
+from toolchain.bench.failfast import stop_line
+from toolchain.errors import StageFailed, ToolchainError
 from toolchain.manifest import Manifest, output_problem
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import target_of
@@ -267,6 +268,7 @@ def deploy(spec: DeploymentSpec, workspace: Workspace, out_dir: Path | None = No
     except BaseException:
         if report:  # what the bench measured stays on disk when a later step fails or is stopped
             report.update(_edited(spec, workspace))
+            report["stage_seconds"] = timings
             _save_report(out, report)
         raise
     report.update(_edited(spec, workspace))
@@ -284,6 +286,13 @@ def _edited(spec: DeploymentSpec, workspace: Workspace) -> dict:
     """report.json's `edited_by_hand: {stage: [files]}`, when a stage kept hand edits."""
     kept = kept_edits(spec, workspace)
     return {"edited_by_hand": kept} if kept else {}
+
+
+def _raise_if_stopped(report: dict, out_dir: Path) -> None:
+    """A bench that gave up on its endpoint (hung or gone) ends deploy with its one line, once the server
+    it benched is stopped; nothing later runs against a server that did not answer."""
+    if report.get("stopped"):
+        raise StageFailed(stop_line(report["stopped"]), f"partial report in {out_dir}")
 
 
 def _save_report(out_dir: Path, report: dict) -> None:
@@ -327,6 +336,7 @@ def _deploy_engine(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     finally:
         with _timed("stop", progress, timings):
             server.stop()
+    _raise_if_stopped(report, out_dir)
 
 
 def _with_workload(spec: DeploymentSpec, **values) -> DeploymentSpec:
@@ -360,6 +370,7 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     finally:
         with _timed("stop", progress, timings):
             server.stop()
+    _raise_if_stopped(report, out_dir)
     name = served_model_name(spec)
     openai = openai_server(spec, workspace, repo.parent / f"{spec.name}.openai.log")
     try:
@@ -372,6 +383,7 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     finally:
         with _timed("stop-openai", progress, timings):
             openai.stop()
+    _raise_if_stopped(second, out_dir / "openai")
     report["openai"] = {"protocol": protocol, "report": str(out_dir / "openai" / "report.json"),
                         **{k: second.get(k) for k in ("ttft_ms", "tpot_ms", "e2e_ms", "output_tokens_per_s",
                                                       "num_requests", "errors", "slo")}}

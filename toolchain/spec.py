@@ -239,8 +239,10 @@ class WorkloadSection(_Section):
     """Priority classes, each with its share of traffic; reported separately."""
     cancel_fraction: float = Field(0.0, ge=0, le=1)
     """Share of requests cancelled mid-stream (after a random number of tokens); counted, never timed."""
-    request_timeout_s: float = Field(300.0, gt=0)
-    """Seconds one request may take before it is cancelled and counted as failed."""
+    request_timeout_s: float | None = Field(None, gt=0)
+    """Seconds one request may take before it is cancelled and counted as failed; default: derived from the workload and the SLOs, 5 x (ttft limit + output_tokens x tpot limit) or 5 x the e2e limit, at least 30 s, and 300 s where no SLO bounds a whole request (report.json's workload.request_timeout_s shows the value used)."""
+    max_consecutive_failures: int | None = Field(None, ge=1)
+    """A level stops (outstanding requests cancelled, report incomplete, bench exits non-zero) once this many requests in a row time out or fail; default: the level's concurrency, at least 3 (3 in mode rate)."""
 
     @model_validator(mode="after")
     def _classes_distinct(self) -> "WorkloadSection":

@@ -9,6 +9,8 @@ Layout (each module small, each step replaceable):
 - `schedule`     seeded open-loop arrival schedules (Poisson, gamma, constant)
 - `protocols`    transports: triton_grpc, triton_http (generate_stream), openai (SSE)
 - `loadgen`      the asyncio driver: closed loop (concurrency) and open loop (rate)
+- `failfast`     the request deadline (the spec's, or derived from the workload and SLOs) and the stop
+                 on a streak of failed requests, with the line that names the endpoint
 - `servermetrics` Triton /metrics scraped around each level; `exporter` the harness's own Prometheus metrics
 - `report`, `plots` report.json / requests.csv / console tables / PNGs
 - `run`          `run_bench(spec, grpc_url, out_dir, ...) -> dict`

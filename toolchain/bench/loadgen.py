@@ -11,8 +11,11 @@
 
 Every request runs under `asyncio.wait_for(request_timeout_s)`; a timeout
 cancels the call and counts as an error. Requests the workload marks for
-cancellation stop after their cancel_after tokens. A connection failure
-aborts the level: nothing more is sent and the run is reported incomplete.
+cancellation stop after their cancel_after tokens. A connection failure, or
+`failure_limit` requests in a row that timed out or failed (failfast.py),
+stops the run: the requests in flight are cancelled (each transport cancels
+its call when its coroutine is), nothing more is sent, `stopped` says why,
+and the run is reported incomplete.
 
 Garbage collection: each level starts with a full collection and then
 freezes everything alive (`gc.freeze`) until it ends, so the collections
@@ -26,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable
 
 from toolchain.bench.datasets import Plan, Session
+from toolchain.bench.failfast import MIN_STREAK, Streak, last_response
 from toolchain.bench.records import RequestRecord
 
 # Error texts that mean the server is gone rather than that one request failed.
@@ -52,13 +57,20 @@ def _frozen_gc():
 
 class Runner:
     def __init__(self, transport, plan: Plan, *, timeout_s: float, think_time_s: float = 0.0,
-                 on_done: Callable[[RequestRecord], None] | None = None):
+                 on_done: Callable[[RequestRecord], None] | None = None, failure_limit: int = MIN_STREAK):
         self.transport, self.plan = transport, plan
         self.timeout_s, self.think_time_s = timeout_s, think_time_s
         self.on_done = on_done
+        self.failure_limit = failure_limit
+        """Requests in a row that may fail before the run stops; the caller sets it per level."""
         self.records: list[RequestRecord] = []
         self.aborted: str | None = None
+        self.stopped: dict | None = None
+        """Why the run stopped early, for report.json: the endpoint, the reason, the last response seen."""
         self.in_flight = 0
+        self._streak = Streak()
+        self._running: set[asyncio.Task] = set()  # tasks inside a request, to cancel on a stop
+        self._cancelled: set[asyncio.Task] = set()  # the ones a stop cancelled
 
     # ---- one request / one session -------------------------------------------------------------------------
     def _record(self, s: Session, k: int, level: int, warm: bool, prompt) -> RequestRecord:
@@ -71,18 +83,52 @@ class Runner:
         return rec
 
     async def _request(self, rec: RequestRecord, prompt, turn, priority: int, request=None):
+        if self.aborted:  # a session that was sleeping (think time, arrival) when the run stopped
+            rec.error = f"not sent: {self.aborted}"
+            return None
+        task = asyncio.current_task()
+        assert task is not None  # always inside the loop's tasks
+        self._running.add(task)
         self.in_flight += 1
         try:
             return await asyncio.wait_for(self.transport.run(rec, prompt, turn, priority, request), self.timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             rec.error, rec.timed_out = f"timed out after {self.timeout_s:g} s", True
             return None
+        except asyncio.CancelledError:
+            if task not in self._cancelled:
+                raise  # not ours: a stop signal or the caller
+            if sys.version_info >= (3, 11):  # the cancel was ours and is handled: the task goes on
+                task.uncancel()
+            rec.error = f"unfinished: {self.aborted}"
+            return None
         finally:
+            self._running.discard(task)
             self.in_flight -= 1
-            if rec.error and not self.aborted and any(w in rec.error.lower() for w in _FATAL):
-                self.aborted = f"server stopped responding ({rec.error})"
+            if not self.aborted:
+                self._count(rec)
             if self.on_done is not None:
                 self.on_done(rec)
+
+    def _count(self, rec: RequestRecord) -> None:
+        """Add an ended request to the streak; stop the run on a dead server or a long enough streak."""
+        n = self._streak.add(rec)
+        if rec.error and any(w in rec.error.lower() for w in _FATAL):
+            self.stop(f"server stopped responding ({rec.error})", rec)
+        elif n >= self.failure_limit:
+            self.stop(self._streak.reason(), rec)
+
+    def stop(self, reason: str, rec: RequestRecord) -> None:
+        """Send nothing more and cancel every request in flight; `stopped` names the endpoint and what it sent."""
+        now = time.perf_counter_ns()
+        self.aborted = reason
+        for task in self._running:
+            self._cancelled.add(task)
+            task.cancel()
+        self.stopped = {"url": getattr(self.transport, "url", None), "model": getattr(self.transport, "model", None),
+                        "level": "warmup" if rec.warmup else rec.level, "reason": reason,
+                        "failed_requests": [r.request_id for r in self._streak.failed],
+                        "cancelled_in_flight": len(self._running), "last_response": last_response(self.records, now)}
 
     async def _session(self, s: Session, level: int, t_sched: int | None, warm: bool = False, first=None) -> None:
         """t_sched None (closed loop): due as soon as the request is built, so building it is not send lag."""

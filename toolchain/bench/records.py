@@ -43,6 +43,10 @@ class RequestRecord:
     """Just before the request was handed to the transport."""
     t_final: int | None = None
     """End of the request: final-flag response (flag-only included), SSE [DONE] or stream close."""
+    status: str | None = None
+    """The answer's status line where the protocol has one before the body (HTTP: "HTTP 200")."""
+    t_status: int | None = None
+    """When the status line and headers had arrived."""
     responses: list[Response] = field(default_factory=list)
     error: str | None = None
     cancelled: bool = False

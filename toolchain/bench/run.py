@@ -1,12 +1,15 @@
 """`run_bench`: check the endpoint, build the workload, run every load level, write the report.
 
 Order of a run: the transport checks the server, the model and its contract
-(one-line errors before any load); the tokenizer and the plan are built; the
-warm-up requests run once, closed loop, excluded from every figure; then each
-level runs with a server-metrics scrape before and after it. Records are
-counted (tokenizer where the server did not count) between levels, outside
-any timing. An interrupted or aborted run still writes what it measured,
-marked `complete: false`.
+(one-line errors before any load); the tokenizer and the plan are built, and
+the request deadline is settled (failfast.py: the spec's, or derived from the
+workload and the SLOs); the warm-up requests run once, closed loop, excluded
+from every figure; then each level runs with a server-metrics scrape before
+and after it. Records are counted (tokenizer where the server did not count)
+between levels, outside any timing. An interrupted or aborted run still
+writes what it measured, marked `complete: false`; a run that stopped on its
+endpoint (a dead server, or a streak of failed requests) says why under
+`stopped`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from toolchain.bench import schedule, servermetrics
 from toolchain import slo as S
 from toolchain.bench.datasets import Plan
 from toolchain.bench.deployment import describe
+from toolchain.bench.failfast import Deadline, failure_limit, longest_output, request_deadline
 from toolchain.bench.loadgen import Runner
 from toolchain.bench.protocols import make_transport
 from toolchain.bench.report import build_report, level_notes, write_outputs
@@ -35,9 +39,6 @@ from toolchain.errors import ToolchainError
 from toolchain.spec import DeploymentSpec
 from toolchain.stopsignals import Stopped
 from toolchain.triton.exposure import metrics_host
-
-DEFAULT_REQUEST_TIMEOUT_S = 300.0
-
 
 def _loopback(host: str) -> str:
     # A server bound to every interface is reached on loopback.
@@ -157,7 +158,8 @@ def finish_level(run: BenchRun, i: int, value: float, before, after, n_sessions:
     ok = [r for r in recs if r.ok]
     mism = sum(1 for r in ok if r.osl != r.max_tokens) if wl.ignore_eos else 0
     src = token_count_source(recs)
-    load: dict[str, Any] = {"mode": wl.mode, "value": value, "sessions": n_sessions, "duration_s": wl.duration_s}
+    load: dict[str, Any] = {"mode": wl.mode, "value": value, "sessions": n_sessions, "duration_s": wl.duration_s,
+                            "stop_after_failures": failure_limit(wl, value)}
     if wl.mode == "rate":
         load.update(arrival=wl.arrival, burstiness=wl.burstiness)
     level = {"level": i, "load": load, **m, "token_count_source": src, "osl_mismatches": mism,
@@ -173,6 +175,7 @@ async def warm_up(run: BenchRun) -> None:
     """The warm-up requests, closed loop, once before the first level; excluded from every figure."""
     wl, plan = run.wl, run.plan
     first = run.loads[0] if wl.mode == "concurrency" else 4
+    run.runner.failure_limit = failure_limit(wl, run.loads[0])
     n_warm = plan.sessions_for(wl.warmup_requests)
     await run.runner.closed_loop(plan.sessions("warmup", n_warm), max(1, min(int(first), n_warm)), -1, warm=True)
     run.counter.fill([r for r in run.runner.records if r.warmup])
@@ -183,6 +186,7 @@ async def run_level(run: BenchRun, i: int, value: float) -> None:
     wl, plan, runner = run.wl, run.plan, run.runner
     if run.exporter:
         run.exporter.load.set(value)
+    runner.failure_limit = failure_limit(wl, value)
     before = await asyncio.to_thread(servermetrics.scrape, run.metrics_url)
     n = None if wl.duration_s else plan.sessions_for(wl.num_requests)
     if wl.mode == "concurrency":
@@ -238,13 +242,14 @@ def finish_interrupted_level(run: BenchRun, aborted: str) -> None:
     finish_level(run, i, run.loads[min(i, len(run.loads) - 1)], None, None, None)
 
 
-def workload_section(run: BenchRun, timeout_s: float, max_len: int) -> dict:
+def workload_section(run: BenchRun, deadline: Deadline, max_len: int) -> dict:
     """report.json's `workload`: the spec's workload plus what the run derived from it."""
     wl = run.wl
     return {
         **wl.model_dump(mode="json"),
         "levels": run.loads,
-        "request_timeout_s": timeout_s,
+        "request_timeout_s": deadline.seconds,
+        "request_timeout_from": deadline.source,
         "max_prompt_tokens": max_len,
         "prompt_corpus": str(wl.prompts_file) if wl.prompts_file else PROMPT_CORPUS,
         "isl_definition": "prompt tokens without special tokens (the server may add BOS); chat: message contents "
@@ -273,6 +278,7 @@ def run_section(spec: DeploymentSpec, run: BenchRun, tokenizer_dir: Path, starte
         "client": {"python": platform.python_version(), "cpus": os.cpu_count(), "loop": "asyncio, one thread"},
         "complete": aborted is None,
         "aborted": aborted,
+        "stopped": run.runner.stopped,
     }
 
 
@@ -286,7 +292,6 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
     `save_report=False` leaves report.json to the caller (deploy adds its stage timings and writes it once);
     a run a stop signal cut short writes it here all the same, before the stop goes on."""
     wl = spec.validation.workload
-    timeout_s = request_timeout_s or wl.request_timeout_s
     thresholds = slo_thresholds(spec, slo_extra)
     max_len = max_prompt_len(spec)
     transport = open_transport(spec, target_url(spec, url, grpc_url))
@@ -297,13 +302,15 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
     counter = TokenCounter(tokenizer)
     plan = Plan(wl, tokenizer, max_input=max_len, max_seq=spec.limits.max_seq_len,
                 token_ids=transport.token_ids, chat=transport.chat)
+    deadline = request_deadline(wl, thresholds, longest_output(wl, plan.file_entries, spec.limits.max_seq_len),
+                                request_timeout_s)
 
     exporter = None
     if prometheus_port is not None:
         from toolchain.bench.exporter import Exporter
 
         exporter = Exporter(prometheus_port, counter=counter)
-    runner = Runner(transport, plan, timeout_s=timeout_s, think_time_s=wl.multi_turn.think_time_s,
+    runner = Runner(transport, plan, timeout_s=deadline.seconds, think_time_s=wl.multi_turn.think_time_s,
                     on_done=exporter.observe if exporter else None)
     loads = levels_of(wl)
     started_wall = dt.datetime.now(dt.timezone.utc)
@@ -315,7 +322,7 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
         finish_interrupted_level(run, aborted)
 
     report = build_report(run.levels, run=run_section(spec, run, tokenizer_dir, started_wall, aborted),
-                          workload=workload_section(run, timeout_s, max_len), notes=[])
+                          workload=workload_section(run, deadline, max_len), notes=[])
     out_dir = Path(out_dir)
     if stopped is not None:  # the partial report, saved before the stop goes on
         write_outputs(out_dir, report, runner.records, run.anchor_ns)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from toolchain.bench.failfast import stop_line
 from toolchain.cli._common import spec_command
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.slo import parse_slo
@@ -46,7 +47,7 @@ def _floats(text: str) -> list[float]:
               help="Where report.json, requests.csv and the plots go [default: reports/<name>].")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Seconds one request may take before it is cancelled and counted as failed "
-                   "[default: validation.workload.request_timeout_s].")
+                   "[default: validation.workload.request_timeout_s, else derived from the workload and the SLOs].")
 @click.option("--slo", "slos", multiple=True, metavar="EXPR",
               help="Extra threshold, e.g. 'ttft_p99_ms<=500' or 'itl p99.9 <= 80 ms' (repeatable).")
 @click.option("--metrics-url", default=None, help="Server Prometheus endpoint to cross-check against "
@@ -90,6 +91,8 @@ def command(ctx, spec, url, protocol, model, mode, sweep, duration, out_dir, req
     print_summary(report, console)
     click.echo(f"report: {Path(out_dir) / 'report.json'}" +
                (f" (plots: {', '.join(report['plots'])})" if report.get("plots") else ""))
+    if report.get("stopped"):
+        raise StageFailed(stop_line(report["stopped"]), f"partial report in {out_dir}")
     if report.get("aborted"):
         raise StageFailed(f"bench incomplete: {report['aborted']}", f"partial report in {out_dir}")
     if not report["slo"]["passed"]:

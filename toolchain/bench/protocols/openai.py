@@ -80,6 +80,7 @@ class OpenAI(HttpClient):
         rec.t_send = time.perf_counter_ns()
         try:
             async with await self.http.post(self.path, data) as resp:
+                rec.t_status, rec.status = time.perf_counter_ns(), f"HTTP {resp.status}"
                 if resp.status != 200:
                     rec.error = error_text(resp.status, await resp.payload())
                     rec.t_final = time.perf_counter_ns()

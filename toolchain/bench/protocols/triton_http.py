@@ -97,6 +97,7 @@ class TritonHttp(HttpClient):
         rec.t_send = time.perf_counter_ns()
         try:
             async with await self.http.post(path, data) as resp:
+                rec.t_status, rec.status = time.perf_counter_ns(), f"HTTP {resp.status}"
                 if resp.status != 200:
                     rec.error = error_text(resp.status, await resp.payload())
                     rec.t_final = time.perf_counter_ns()
