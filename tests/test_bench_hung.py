@@ -152,13 +152,13 @@ def _wait_for(cond, wait_s: float = 10.0) -> bool:
 
 def test_a_hung_openai_endpoint_stops_the_bench_with_one_line(hung_openai, tmp_path, capsys):
     url, server = hung_openai
-    spec = _bench_spec(tmp_path, url, request_timeout_s=2)
+    spec = _bench_spec(tmp_path, url, request_timeout_s=2, warmup_requests=0)
     out = tmp_path / "out"
     rc = cli_main(["bench", str(spec), "--out", str(out), "--no-plots"])
     errors = _errors(capsys.readouterr().err)
 
     assert rc == 1
-    # The warm-up request and the level's first two timed out: three in a row at concurrency 2.
+    # The level's first two timed out together, then the one sent after them: three in a row at concurrency 2.
     assert len(errors) == 1 and errors[0].startswith(
         f"error: bench stopped at level 0: 3 consecutive requests timed out after 2 s, model 'hung' at {url}; "
         "last response seen: ")
@@ -184,21 +184,22 @@ def test_a_hung_openai_endpoint_stops_the_bench_with_one_line(hung_openai, tmp_p
 
 @pytest.mark.slow
 def test_the_derived_deadline_stops_a_hung_endpoint_within_a_minute(hung_openai, tmp_path, capsys):
-    """No request_timeout_s: the SLOs give 5 x (100 ms + 8 x 10 ms), so the 30 s floor; three requests in
-    flight time out together and the run stops after one deadline, not after 300 s per request."""
+    """No request_timeout_s: the SLOs give 5 x (100 ms + 8 x 10 ms), so the 30 s floor. Both warm-up requests
+    time out together and the run stops there, after one deadline: no level waits out another."""
     url, server = hung_openai
     if server.send_headers:
         pytest.skip("one variant is enough for the 30 s wait")
-    spec = _bench_spec(tmp_path, url, slo={"ttft_p99_ms": 100, "tpot_p99_ms": 10}, warmup_requests=0,
-                       concurrency=3, num_requests=16)
+    spec = _bench_spec(tmp_path, url, slo={"ttft_p99_ms": 100, "tpot_p99_ms": 10}, warmup_requests=2,
+                       concurrency=4, num_requests=16)
     out = tmp_path / "out"
     assert cli_main(["bench", str(spec), "--out", str(out), "--no-plots"]) == 1
     errors = _errors(capsys.readouterr().err)
-    assert len(errors) == 1 and "3 consecutive requests timed out after 30 s" in errors[0]
+    assert len(errors) == 1 and "stopped at the warm-up: all 2 warm-up requests timed out after 30 s" in errors[0], errors
     report = json.loads((out / "report.json").read_text())
     assert report["workload"]["request_timeout_s"] == 30.0
     assert report["workload"]["request_timeout_from"].startswith("derived: max(30 s, 5 x (ttft 100 ms + 8 x tpot")
-    assert report["levels"][0]["errors"] >= 3 and report["complete"] is False
+    assert report["stopped"]["level"] == "warmup" and report["complete"] is False
+    assert server.posted == 2  # nothing sent after the warm-up
 
 
 # ---- tritonserver with a model whose execute() never returns -------------------------------------------------
@@ -276,11 +277,11 @@ def test_deploy_ends_on_the_stop_line_with_nothing_left_running(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(REPO), MARKER: marker})
     assert run.returncode == 1, run.stdout + run.stderr
     errors = _errors(run.stderr)
-    # Two warm-up requests and the level's first two: four in a row at concurrency 4.
+    # Neither warm-up request answered: the run stops there, no level is sent.
     assert len(errors) == 1 and errors[0].startswith(
-        "error: bench stopped at level 0: 4 consecutive requests timed out after 0.001 s, model 'ensemble' at "
+        "error: bench stopped at the warm-up: all 2 warm-up requests timed out after 0.001 s, model 'ensemble' at "
         "127.0.0.1:"), run.stderr
     assert not _marked(marker), "a process deploy started outlived it"
     report = json.loads((tmp_path / "root" / "reports" / "tiny-llama" / "report.json").read_text())
-    assert report["complete"] is False and report["stopped"]["level"] == 0
+    assert report["complete"] is False and report["stopped"]["level"] == "warmup"
     assert {"bench", "stop"} <= set(report["stage_seconds"])  # the server was stopped before deploy ended

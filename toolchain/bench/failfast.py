@@ -18,7 +18,9 @@ request of every level has used its whole deadline. Two rules do that:
   The default limit is the level's concurrency, at least MIN_STREAK: every
   request in flight may fail together in one stall, so the streak must also
   hold a request sent after the failures began. A success, or a request
-  cancelled on purpose, ends a streak.
+  cancelled on purpose, ends a streak. A warm-up in which no request
+  answered stops the run too, however short: the first level would only
+  wait out another deadline to learn the same.
 """
 
 from __future__ import annotations
@@ -113,14 +115,16 @@ class Streak:
             self.failed.append(rec)
         return len(self.failed)
 
-    def reason(self) -> str:
-        """'4 consecutive requests timed out after 12 s', or the last error of a mixed streak."""
+    def reason(self, subject: str | None = None) -> str:
+        """'4 consecutive requests timed out after 12 s', or the last error of a mixed streak; `subject`
+        names the requests otherwise ('all 2 warm-up requests')."""
         n, errors = len(self.failed), {r.error or "" for r in self.failed}  # each failed one has its error
+        subject = subject or f"{n} consecutive requests"
         if len(errors) == 1:
             (error,) = errors
             verb = "" if error.startswith("timed out") else "failed: "
-            return f"{n} consecutive requests {verb}{error}"
-        return f"{n} consecutive requests timed out or failed (the last: {self.failed[-1].error})"
+            return f"{subject} {verb}{error}"
+        return f"{subject} timed out or failed (the last: {self.failed[-1].error})"
 
 
 def last_response(records: list[RequestRecord], now_ns: int | None = None) -> dict | None:

@@ -118,6 +118,13 @@ class Runner:
         elif n >= self.failure_limit:
             self.stop(self._streak.reason(), rec)
 
+    def stop_if_none_answered(self, records: list[RequestRecord]) -> None:
+        """Stop when every one of `records` (the warm-up) failed: an endpoint that answered none of them
+        would make each level wait out a whole deadline before its streak could stop it."""
+        if records and not self.aborted and all(r.error is not None and not r.cancelled for r in records):
+            subject = "the one warm-up request" if len(records) == 1 else f"all {len(records)} warm-up requests"
+            self.stop(self._streak.reason(subject), records[-1])
+
     def stop(self, reason: str, rec: RequestRecord) -> None:
         """Send nothing more and cancel every request in flight; `stopped` names the endpoint and what it sent."""
         now = time.perf_counter_ns()

@@ -178,7 +178,9 @@ async def warm_up(run: BenchRun) -> None:
     run.runner.failure_limit = failure_limit(wl, run.loads[0])
     n_warm = plan.sessions_for(wl.warmup_requests)
     await run.runner.closed_loop(plan.sessions("warmup", n_warm), max(1, min(int(first), n_warm)), -1, warm=True)
-    run.counter.fill([r for r in run.runner.records if r.warmup])
+    warm = [r for r in run.runner.records if r.warmup]
+    run.runner.stop_if_none_answered(warm)
+    run.counter.fill(warm)
 
 
 async def run_level(run: BenchRun, i: int, value: float) -> None:
