@@ -317,7 +317,7 @@ class QuantizationSection(_Section):
 
 class GpuSection(_Section):
     name: str | None = None
-    """GPU model from the planner's table (H100 80GB, H200 141GB, A100 80GB, A100 40GB, L40S, L4, RTX 4090, RTX 3090); gives memory and SM version."""
+    """GPU model from the planner's table (H100 80GB, H100 PCIe, H200 141GB, A100 80GB, A100 40GB, L40S, L4, RTX 4090, RTX 3090, B200 180GB); gives memory, SM version, and the bandwidth, peak FLOP/s and interconnect the performance prediction reads."""
     memory_gib: float | None = Field(None, gt=0)
     """Memory of one GPU in GiB; overrides the table, or describes a GPU not in it (then also set `sm`)."""
     sm: int | None = Field(None, ge=60, le=199)
@@ -326,6 +326,9 @@ class GpuSection(_Section):
     """GPUs per host; a world size (tp x pp) above it spans the hosts listed in `hostfile`."""
     hostfile: Path | None = None
     """MPI hostfile naming the hosts of a multi-node deployment (passed to mpirun)."""
+    hourly_usd: float | None = Field(None, gt=0)
+    """Price of one GPU per hour in US dollars; `toolchain plan` then gives the predicted cost per million output
+    tokens at the predicted maximum throughput."""
 
 
 class BuildSection(_Section):
@@ -405,6 +408,10 @@ class SpeculativeSection(_Section):
     """lookahead: verification set size G (Triton lookahead_verification_set_size)."""
     choices: str | None = None
     """medusa/eagle: draft tree as "{0, 0, 0}, {0, 1}" (Triton medusa_choices / eagle_choices); default the backend's."""
+    expected_acceptance: float | None = Field(None, ge=0, le=1)
+    """The share of draft tokens the target is expected to accept, for `toolchain plan`'s performance prediction:
+    a step then yields 1 + expected_acceptance x max_draft_len tokens. Unset: the mode's default
+    (toolchain/speculative.py), none where no published figure fits."""
 
     @model_validator(mode="after")
     def _draft_logits_need_a_draft(self) -> "SpeculativeSection":

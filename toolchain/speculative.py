@@ -55,6 +55,10 @@ class SpeculativeMode:
     """The CPU engine runs it across rank processes (serving.launch mpirun on target cpu)."""
     why_not: dict[str, str] = field(default_factory=dict)
     """Why it cannot run on a path (engine, llmapi) or on the CPU engine of the engine path (cpu)."""
+    expected_acceptance: float | None = None
+    """Default share of draft tokens accepted, for the performance prediction (plan/perf.py) when the spec sets no
+    speculative.expected_acceptance; None: no default (acceptance depends on the draft and the prompts), so the
+    prediction assumes none is accepted and says so."""
 
     @property
     def paths(self) -> tuple[Path, ...]:

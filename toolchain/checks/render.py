@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from toolchain.gpus import GIB, Gpu
+from toolchain.plan.perf import performance_dict
 from toolchain.plan.plan import layout_ok, plan_memory
 from toolchain.checks.registry import FAIL, Context, CheckResult
 
@@ -56,10 +57,30 @@ def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
         "estimates": ("activation_bytes_estimate and workspace_bytes_estimate are estimates "
                       "(TensorRT-LLM docs/source/legacy/reference/memory.md gives no formula)"),
         "eos": ctx.eos.as_dict() if ctx.eos else None,
+        "performance": performance_dict(spec, model, ctx.quant, dev, ctx.memory, ctx.draft),
         "checks": [r.as_dict() for r in results],
         "failed_checks": failed,
         "ok": fits and not failed,
     }
+
+
+def _performance_lines(perf: dict | None) -> list[str]:
+    """The short performance block: the maximum throughput, and latency at the workload's concurrency."""
+    if not perf:
+        return []
+    if not perf["predicted"]:
+        return [f"performance: {perf['note']}"]
+    wl = perf["workload"]
+    cost = (f"; ${perf['usd_per_million_output_tokens']:.3f} per million output tokens"
+            if perf["usd_per_million_output_tokens"] is not None else "")
+    lines = [f"performance ({perf['basis']}):",
+             f"  max {perf['max_output_tokens_per_s']:,.0f} output tokens/s ({perf['per_gpu_output_tokens_per_s']:,.0f} "
+             f"per GPU) at batch {perf['batch_size_at_max']} of {perf['batch_limit']} "
+             f"({perf['batch_limited_by']}), ISL {wl['input_tokens']} / OSL {wl['output_tokens']}{cost}",
+             f"  at concurrency {perf['concurrency']}: TTFT {perf['ttft_ms']:,.1f} ms, TPOT {perf['tpot_ms']:.2f} ms; "
+             f"context {perf['bound']['context']}-bound, generation {perf['bound']['generation']}-bound"]
+    lines += [f"  note: {n}" for n in perf["notes"]]
+    return lines
 
 
 def render_text(report: dict) -> str:
@@ -91,6 +112,7 @@ def render_text(report: dict) -> str:
         out.append(f"longest sequence ({report['sequence_tokens']} KV tokens): {report['concurrency']} fit at once "
                    f"in {report['kv_tokens_capacity']:,} KV tokens per rank")
     out.append(f"verdict: {report['verdict']}")
+    out.extend(_performance_lines(report.get("performance")))
     if report.get("eos"):
         e = report["eos"]
         out.append(f"end ids: end_id {e['end_id']}, stop ids {e['stop_ids']}, pad_id {e['pad_id']} ({e['source']})")

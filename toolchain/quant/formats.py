@@ -108,6 +108,10 @@ class Format:
     None when the LLM-API path cannot take it pre-quantized."""
     hf_weight: str | None = None
     """The dtype the HF export stores its weight in (int4 packed two per uint8 byte, or e4m3)."""
+    math: str = "fp16"
+    """The tensor-core precision its GEMMs multiply in, whose peak the performance model (plan/perf.py) reads:
+    fp16 (the model's half type) for float and weight-only formats, whose kernels dequantize to the
+    activations' type; int8 for SmoothQuant's W8A8; fp8 for FP8."""
 
     def refused_on(self, sm: int) -> str | None:
         """"too old" or "blackwell" when a GPU of SM `sm` cannot build this format, else None."""
@@ -151,7 +155,7 @@ SMOOTHQUANT = Format("smoothquant", "W8A8_SQ_PER_CHANNEL", calibration=True, int
                      built=(Tensor("weight", ("out", "in"), "int8", "weight"),
                             Tensor("weights_scaling_factor", ("out",), "float32", "out_vec"),
                             Tensor("activation_scaling_factor", _SCALAR, "float32", "scalar"), _PREQUANT),
-                     cpu_kernel="sq")
+                     cpu_kernel="sq", math="int8")
 FP8 = Format("fp8", "FP8", calibration=True, min_sm=89,
              stored=(Tensor("weight", ("out", "in"), "fp8", "weight"),
                      Tensor("weights_scaling_factor", _SCALAR, "float32", "scalar"),
@@ -159,7 +163,7 @@ FP8 = Format("fp8", "FP8", calibration=True, min_sm=89,
              built=(Tensor("weight", ("out", "in"), "fp8", "weight"),
                     Tensor("weights_scaling_factor", _SCALAR, "float32", "scalar"),
                     Tensor("activation_scaling_factor", _SCALAR, "float32", "scalar")),
-             cpu_kernel="fp8", hf_name="fp8", hf_weight="fp8")
+             cpu_kernel="fp8", hf_name="fp8", hf_weight="fp8", math="fp8")
 # An AutoAWQ (GEMM) or GPTQ int4 checkpoint imported losslessly (quant/prequantized.py): the same
 # QuantAlgo and kernel as awq, with zero points instead of the prequant vector (has_zero_point).
 IMPORTED_INT4 = Format("imported_int4", AWQ.quant_algo, calibration=False, integer=True, per_group=True,
