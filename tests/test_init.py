@@ -83,7 +83,7 @@ def test_existing_spec_is_kept_without_force(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, wrong, valid", [
-    (["--gpu", "B200"], "unknown --gpu 'B200'", "H100 80GB, H200 141GB"),
+    (["--gpu", "GB300"], "unknown --gpu 'GB300'", "H100 80GB, H100 PCIe, H200 141GB"),
     (["--quant", "int3"], "unknown --quant 'int3'", "none, int8_wo, int4_wo, awq, smoothquant, fp8"),
     (["--target", "tpu"], "unknown --target 'tpu'", "cpu, trtllm, llmapi, llmapi-cpu"),
     (["--target", "trtllm"], "target trtllm runs on GPUs", "--gpu with one of H100 80GB"),

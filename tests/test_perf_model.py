@@ -20,6 +20,7 @@ from toolchain.gpus import Link
 from toolchain.plan import perf
 from toolchain.plan.model import QuantFormat, load_model, quant_format
 from toolchain.plan.plan import plan_memory
+from toolchain.quant import formats
 from toolchain.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +38,10 @@ NORMS = (2 * 32 + 1) * 4096
 KV_PER_TOKEN_FP16 = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 heads of 128, 2 bytes
 
 
-def _cost(params, quant=QuantFormat(), tp=1, pp_rank=0, pp=1, dt=2, kv=2):
+FLOAT = QuantFormat()
+
+
+def _cost(params, quant=FLOAT, tp=1, pp_rank=0, pp=1, dt=2, kv=2):
     return perf.stage_cost(params, tp=tp, pp_rank=pp_rank, pp=pp, quant=quant, dt_bytes=dt, kv_bytes=kv)
 
 
@@ -296,3 +300,35 @@ def test_a_gpu_without_figures_is_not_predicted():
     device = gpus.resolve(spec)
     assert perf.unavailable(spec, device, None).startswith("no bandwidth, peak or interconnect figures")
     assert dataclasses.replace(device, bandwidth_gb_s=1.0).has_performance is False
+
+
+@pytest.mark.parametrize("method", list(formats.METHODS))
+def test_every_quantization_method_is_predicted(method):
+    spec = _spec("llama3-8b-awq-h100.yaml", f"quantization.method={method}", "validation.workload.concurrency=1")
+    result = _predict(spec)
+    assert result.max_output_tokens_per_s > 0 and result.tpot_ms > 0 and result.bound["generation"] == "memory"
+
+
+def test_fewer_bytes_per_weight_decode_faster():
+    tpot = {m: _predict(_spec("llama3-8b-awq-h100.yaml", f"quantization.method={m}",
+                              "validation.workload.concurrency=1")).tpot_ms
+            for m in ("none", "int8_wo", "fp8", "int4_wo")}
+    assert tpot["none"] > tpot["int8_wo"] > tpot["int4_wo"]
+    assert tpot["none"] > tpot["fp8"]
+
+
+def test_a_prompt_chunk_stays_in_one_micro_batch(llama70b):
+    stages = tuple(_cost(llama70b, pp_rank=r, pp=2) for r in range(2))
+    dep = perf.Deployment(H100, stages, 1, "fp16", ROOF)
+    others = perf.generation_work(8, 100)
+    chunk = perf.context_work(512)
+    seconds, _ = dep.iteration(others, 9, whole=chunk)
+    part = perf.add(others.scaled(1 / 2), chunk)  # two micro-batches; the chunk rides whole in one
+    stage = max(perf.step_time(c, H100, part, eff=ROOF).seconds for c in stages)
+    assert seconds == pytest.approx(2 * stage + perf.transfer_seconds(part.tokens * 8192 * 2, H100.link))
+
+
+def test_batch_candidates_cover_small_batches_and_the_limit():
+    assert perf.batch_candidates(5) == [1, 2, 3, 4, 5]
+    many = perf.batch_candidates(4096)
+    assert many[:64] == list(range(1, 65)) and many[-1] == 4096 and len(many) <= 128

@@ -240,15 +240,18 @@ class Deployment:
     def gpus(self) -> int:
         return self.tp * self.pp
 
-    def iteration(self, work: Work, sequences: float, generating: float = 0.0,
-                  context: float = 0.0) -> tuple[float, StepTime]:
+    def iteration(self, work: Work, sequences: float, generating: float = 0.0, context: float = 0.0,
+                  whole: Work | None = None) -> tuple[float, StepTime]:
         """Seconds of one engine iteration running `work` for `sequences` sequences (`generating` of them past
         their prompt, with `context` cached tokens each: the draft model drafts for those), and the slowest
         stage's step. With pp > 1 the batch splits into min(pp, sequences) micro-batches that follow each other
         through the stages: each token crosses every stage (pp stage times and pp - 1 transfers), and with fewer
-        micro-batches than stages the rest of the pipeline idles (the bubble)."""
+        micro-batches than stages the rest of the pipeline idles (the bubble). `whole` is work of one sequence
+        that stays in one micro-batch (a prompt chunk whose TTFT is asked), on top of its share of `work`."""
         micro = max(1, min(self.pp, math.floor(sequences))) if self.pp > 1 else 1
         part = work.scaled(1 / micro)
+        if whole is not None:
+            part = add(part, whole)
         steps = [step_time(c, self.gpu, part, math_precision=self.math_precision, tp=self.tp, eff=self.eff)
                  for c in self.stages]
         slowest = max(steps, key=lambda s: s.seconds)
@@ -346,7 +349,7 @@ def steady_state(dep: Deployment, w: Workload, concurrency: int) -> Point:
     for j in range(cs):
         start = j * w.chunk
         chunk = context_work(min(w.chunk, w.isl - start), start)
-        t, slow = dep.iteration(add(others_gen, chunk), g_mixed + 1, g_mixed, context)
+        t, slow = dep.iteration(others_gen, g_mixed + 1, g_mixed, context, whole=chunk)
         ttft += t
         context_step = context_step or slow
     assert context_step is not None
