@@ -332,3 +332,8 @@ def test_batch_candidates_cover_small_batches_and_the_limit():
     assert perf.batch_candidates(5) == [1, 2, 3, 4, 5]
     many = perf.batch_candidates(4096)
     assert many[:64] == list(range(1, 65)) and many[-1] == 4096 and len(many) <= 128
+
+
+def test_a_workload_beyond_the_limits_is_noted():
+    result = _predict(_spec("llama3-8b-awq-h100.yaml", "validation.workload.input_tokens=5000"))
+    assert any("max_input_len 4096" in n for n in result.notes)

@@ -478,6 +478,9 @@ def predict(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, memory: Mem
     dep, notes = deployment(spec, model, quant, device, draft, eff)
     wl, lim = spec.validation.workload, spec.limits
     w = Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens, spec.build.chunked_context)
+    if w.isl > lim.max_input_len or w.isl + w.osl > lim.max_seq_len:
+        notes.append(f"the workload's {w.isl} + {w.osl} tokens exceed limits.max_input_len {lim.max_input_len} or "
+                     f"max_seq_len {lim.max_seq_len}: the engine would refuse such requests")
     if not w.chunked and w.isl > lim.max_num_tokens:
         notes.append(f"input_tokens {w.isl} > limits.max_num_tokens without build.chunked_context: "
                      "predicted as one context step, which the engine would refuse")
