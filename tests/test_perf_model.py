@@ -93,6 +93,8 @@ def test_memory_bound_decode_step_is_bytes_over_bandwidth(llama8b):
     # the efficiency table divides it
     slow = perf.step_time(_cost(llama8b), H100, perf.generation_work(1, 1000), eff=perf.Efficiency(0.5, 1, 1))
     assert slow.memory_s == pytest.approx(2 * step.memory_s)
+    fixed = perf.step_time(_cost(llama8b), H100, perf.generation_work(1, 1000), eff=perf.Efficiency(1, 1, 1, 25.0))
+    assert fixed.seconds == pytest.approx(step.seconds + 25e-6)
 
 
 def test_compute_bound_prefill_is_flops_over_peak(llama8b):

@@ -42,6 +42,9 @@ class Efficiency:
     bandwidth: float
     compute: float
     link: float
+    fixed_us: float = 0.0
+    """A fixed cost per step of a rank in microseconds (kernel launches, the scheduler): 0 in the uncalibrated
+    table, a term for calibration to fit; it is what keeps a tiny model from the roofline's extreme rates."""
 
 
 # Defaults per GPU generation (gpus.Gpu.arch), uncalibrated: one row for all until measurements fit them.
@@ -151,11 +154,12 @@ class StepTime:
     memory_s: float
     compute_s: float
     comm_s: float
+    fixed_s: float = 0.0
 
     @property
     def seconds(self) -> float:
         # Memory and compute overlap within a kernel; the all-reduce waits for both.
-        return max(self.memory_s, self.compute_s) + self.comm_s
+        return max(self.memory_s, self.compute_s) + self.comm_s + self.fixed_s
 
     @property
     def bound(self) -> str:
@@ -193,7 +197,7 @@ def step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: str = "f
     comm_s = 0.0
     if tp > 1 and work.tokens > 0:
         comm_s = 2 * cost.layers * allreduce_seconds(work.tokens * cost.hidden * ACT_BYTES, tp, gpu.link, eff.link)
-    return StepTime(memory_s, compute_s, comm_s)
+    return StepTime(memory_s, compute_s, comm_s, eff.fixed_us * 1e-6)
 
 
 def generation_work(batch: float, context: float, tokens_per_seq: int = 1) -> Work:
