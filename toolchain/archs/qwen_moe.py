@@ -35,7 +35,13 @@ them by their sum only when `norm_topk_prob` (transformers models/qwen2_moe/mode
 QWenConfig writes ExpertScaleNormalizationMode.NONE whatever norm_topk_prob says; QWenConfig reads the mode
 back from the checkpoint's `moe` dict (`MoeConfig.from_dict(moe)`), so writing RENORMALIZE for a
 norm_topk_prob checkpoint keeps the engine equal to HF. Qwen1.5-MoE-A2.7B and Qwen2-57B-A14B ship
-norm_topk_prob false, which is NONE, as upstream writes.
+norm_topk_prob false, which is NONE, as upstream writes: MixtureOfExperts.default_routing computes
+topk(softmax(logits in float32)), the k probabilities as they are (tensorrt_llm/layers/moe.py).
+
+The `moe` section stays the five keys every stored MoeConfig accepts (archs/moe.py config_section): newer
+MoeConfigs add a shared_expert_intermediate_size field, which QWenDecoderLayer fills from the top-level
+moe_shared_expert_intermediate_size before building SharedMoE, and the older ones would refuse the key in
+MoeConfig.from_dict (`cls(**config)`).
 
 Qwen3-MoE is Qwen3's attention (no biases, per-head q/k RMSNorm: convert.py converts q_norm/k_norm `if qwen_type
 in ('qwen3', 'qwen3_moe')`, QWenDecoderLayer builds Attention(qk_layernorm=True) for both) with the same routed
@@ -91,8 +97,13 @@ HF_MOE_DEFAULTS = {
 _EVERY_LAYER = "only checkpoints whose every layer is a mixture of experts convert (TensorRT-LLM's Qwen converter)"
 
 
+# transformers 5 saves Qwen3MoeConfig's num_experts as num_local_experts (its attribute_map); released
+# checkpoints spell num_experts, and AutoConfig, which upstream's QWenConfig reads through, answers both.
+ALIASES = {"num_experts": "num_local_experts"}
+
+
 def _int_at_least(cfg: dict, kind: str, key: str, least: int, origin: str) -> int:
-    value = cfg.get(key, HF_MOE_DEFAULTS[kind][key])
+    value = cfg.get(key, cfg.get(ALIASES.get(key, key), HF_MOE_DEFAULTS[kind][key]))
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ToolchainError(f"{origin}: {key} must be an integer >= {least}, got {value!r}")
     return value
