@@ -287,7 +287,7 @@ def _qwen_moe_sizes(cfg: dict, origin: str) -> dict:
     """The experts' widths as QWenDecoderLayer reads them (tensorrt_llm/models/qwen/model.py): qwen2_moe and
     qwen3_moe experts are moe_intermediate_size wide, and qwen2_moe adds a shared expert (SharedMoE) of
     moe_shared_expert_intermediate_size; every other MoE family's experts are intermediate_size wide."""
-    kind = cfg.get("qwen_type")
+    kind = str(cfg.get("qwen_type"))
     keys = {"qwen2_moe": ("moe_intermediate_size", "moe_shared_expert_intermediate_size"),
             "qwen3_moe": ("moe_intermediate_size",)}.get(kind, ())
     sizes = {}
@@ -300,6 +300,7 @@ def _qwen_moe_sizes(cfg: dict, origin: str) -> dict:
     if "moe_shared_expert_intermediate_size" in sizes:
         out["shared_expert_size"] = sizes["moe_shared_expert_intermediate_size"]
     return out
+
 
 def _qwen_decoder(arch: str, cfg: dict) -> bool:
     # MedusaConfig picks the Qwen decoder when model_type names qwen (tensorrt_llm/models/medusa/config.py).
