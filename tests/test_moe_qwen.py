@@ -207,6 +207,19 @@ def test_greedy_and_logits_match_transformers(request, tmp_path, model, layout):
         assert engine.generate(prompt, SamplingParams(max_new_tokens=NEW)) == hf_greedy(reference, prompt, NEW)
 
 
+def test_the_llmapi_cpu_stand_in_shards_the_shared_expert_alike(hf_qwen2_moe, tmp_path):
+    """The LLM-API path serves the HF checkpoint (the PyTorch backend registers it: tensorrt_llm/_torch/models/
+    modeling_qwen_moe.py, `@register_auto_model("Qwen2MoeForCausalLM")`); its CPU stand-in converts it with
+    LLM()'s expert parallelism and shards the shared expert as convert does."""
+    from toolchain.llmapi.cpu_llm import load_engine
+
+    engine, _, _ = load_engine({"model": str(hf_qwen2_moe), "tensor_parallel_size": 2, "moe_expert_parallel_size": 2,
+                                "max_batch_size": 2, "max_seq_len": 128}, tmp_path / "llm")
+    assert (engine.dims.moe_tp, engine.dims.moe_ep, engine.dims.shared_expert_size) == (1, 2, SHARED_W)
+    reference = hf_model(hf_qwen2_moe)
+    assert engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=8)) == hf_greedy(reference, PROMPTS[0], 8)
+
+
 def test_engine_refuses_a_qwen_moe_config_without_its_widths(hf_qwen2_moe, tmp_path):
     from toolchain.engine.cpu.config import read_engine_config
 
