@@ -132,6 +132,8 @@ HF_CLASSES = {
     "MixtralForCausalLM": ("MixtralConfig", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("Qwen2Config", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 

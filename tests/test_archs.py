@@ -196,6 +196,8 @@ ARCH_FIXTURES = {
     "MixtralForCausalLM": _family("MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2),
     "Qwen2ForCausalLM": _family("Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": _family("Qwen3ForCausalLM", head_dim=32),
+    "Qwen2MoeForCausalLM": _family("Qwen2MoeForCausalLM", num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=96),
+    "Qwen3MoeForCausalLM": _family("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
 }
 
 
@@ -217,8 +219,8 @@ def test_partial_rotary_rejected():
 
 def test_registry_lists_every_family():
     assert supported() == ["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM"]
-    assert [get_family(a).name for a in supported()] == ["llama", "mistral", "mixtral", "qwen2", "qwen3"]
+                           "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+    assert [get_family(a).name for a in supported()] == ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
 
 
 def test_cli_archs_lists_them(capsys):

@@ -49,12 +49,14 @@ FAMILIES = {
     "mixtral-moe": ("MixtralForCausalLM", dict(seed=15, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2-bias-tied": ("Qwen2ForCausalLM", dict(seed=12, vocab_size=251, tie_word_embeddings=True)),
     "qwen3-qknorm": ("Qwen3ForCausalLM", dict(seed=13, head_dim=32)),
+    "qwen2-moe-shared": ("Qwen2MoeForCausalLM", dict(seed=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=96)),
+    "qwen3-moe-qknorm": ("Qwen3MoeForCausalLM", dict(seed=17, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32, norm_topk_prob=True)),
 }
 
 # Families whose HF half-precision forward is not within a tolerance of float32: top-k routing is
 # discontinuous, and HF's bf16 rounding flips an expert choice at some position (measured: 0.54 on one
 # logit row of the tiny Mixtral), so only the float32 reference over the same stored weights bounds them.
-DISCRETE_ROUTING = {"mixtral-moe"}
+DISCRETE_ROUTING = {"mixtral-moe", "qwen2-moe-shared", "qwen3-moe-qknorm"}
 
 _MODELS: dict = {}
 

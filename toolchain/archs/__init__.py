@@ -22,7 +22,9 @@ _REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "toolchain.archs.mistral",
     "MixtralForCausalLM": "toolchain.archs.mixtral",
     "Qwen2ForCausalLM": "toolchain.archs.qwen:QWEN2",
+    "Qwen2MoeForCausalLM": "toolchain.archs.qwen_moe:QWEN2_MOE",
     "Qwen3ForCausalLM": "toolchain.archs.qwen:QWEN3",
+    "Qwen3MoeForCausalLM": "toolchain.archs.qwen_moe:QWEN3_MOE",
 }
 
 __all__ = ["ArchParams", "Family", "supported", "get_family", "family_for_config", "load_params"]

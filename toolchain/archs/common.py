@@ -37,6 +37,10 @@ class Shard(str, enum.Enum):
     # (TensorRT-LLM tensorrt_llm/models/llama/convert.py, `if moe_config.has_moe()`).
     EXPERT_FC = "expert_fc"      # [w3; w1] per expert, concatenated along out (part "w3" or "w1")
     EXPERT_PROJ = "expert_proj"  # w2 per expert, its input (expert width) split over moe_tp
+    # A swiglu MLP's fused fc (TensorRT-LLM MLP(hidden_act="swiglu"), e.g. Qwen2-MoE's shared expert): up and
+    # gate each split over tp like COLUMN, and each rank's [up; gate] slices concatenated along out (part "w3"
+    # for up, the linear half, "w1" for gate, the activated half, as in EXPERT_FC).
+    GATED_FC = "gated_fc"
 
 
 class Stage(str, enum.Enum):
@@ -55,7 +59,8 @@ class Row:
     """TensorRT-LLM name (same `{layer}` placeholder, renumbered per stage); None for DROP rows."""
     shard: Shard
     part: str | None = None
-    """For QKV rows: which of "q", "k", "v" this source is; for EXPERT_FC rows "w3" (linear) or "w1" (activated)."""
+    """For QKV rows: which of "q", "k", "v" this source is; for EXPERT_FC and GATED_FC rows "w3" (linear) or
+    "w1" (activated)."""
     when: str | None = None
     """Boolean `ArchParams` attribute that enables the row; a disabled row makes its tensor unexpected."""
     stage: Stage | None = None
@@ -102,8 +107,8 @@ class Family:
         for row in self.rows:
             if row.shard is Shard.QKV and row.part not in ("q", "k", "v"):
                 raise ValueError(f"{self.name}: QKV row {row.hf} needs part q, k or v")
-            if row.shard is Shard.EXPERT_FC and row.part not in ("w3", "w1"):
-                raise ValueError(f"{self.name}: EXPERT_FC row {row.hf} needs part w3 or w1")
+            if row.shard in (Shard.EXPERT_FC, Shard.GATED_FC) and row.part not in ("w3", "w1"):
+                raise ValueError(f"{self.name}: {row.shard.name} row {row.hf} needs part w3 or w1")
             if (row.shard in EXPERT_SHARDS) != row.per_expert or (row.per_expert and not row.per_layer):
                 raise ValueError(f"{self.name}: row {row.hf}: expert rows name {{layer}} and {{expert}}, others neither")
             if row.shard is not Shard.DROP and row.trt is None:
@@ -127,6 +132,9 @@ DIMS: dict[str, Callable[[Any], int]] = {
     "KV": lambda p: p.num_key_value_heads * p.head_size,    # k_proj / v_proj rows
     "HD": lambda p: p.head_size,                              # per-head q/k norms (Qwen3)
     "E": lambda p: p.num_experts,                             # MoE router rows
+    "EI": lambda p: p.expert_size,                            # each routed expert's width
+    "SI": lambda p: p.shared_expert_size,                     # the shared expert's width (Qwen2-MoE)
+    "1": lambda p: 1,                                         # a single output row (Qwen2-MoE's shared_expert_gate)
 }
 
 

@@ -65,16 +65,26 @@ def model_problems(params: Any, tp: int, moe_tp: int | None, moe_ep: int | None)
         return []
     if params.num_experts % mep:
         return [f"moe_ep={mep} does not divide num_experts={params.num_experts}"]
-    if params.intermediate_size % mtp:
-        return [f"moe_tp={mtp} does not divide the expert intermediate_size={params.intermediate_size}"]
+    if params.expert_size % mtp:
+        return [f"moe_tp={mtp} does not divide the expert {_width_key(params)}={params.expert_size}"]
+    if params.shared_expert_size % tp:
+        # the shared expert is a dense MLP split over all of tp, not over moe_tp (SharedMoE's MLP(tp_size=tp))
+        return [f"tp={tp} does not divide shared_expert_intermediate_size={params.shared_expert_size}"]
     return []
+
+
+def _width_key(params: Any) -> str:
+    """The config.json key that holds the experts' width."""
+    return "moe_intermediate_size" if params.moe_intermediate_size else "intermediate_size"
 
 
 def fitting_sizes(params: Any, tp: int) -> str:
     """The hint after a refusal: the (moe_tp, moe_ep) pairs that split this model at this tp."""
     if not params.is_moe:
         return "remove parallelism.moe_tp and parallelism.moe_ep"
-    fits = [(t, tp // t) for t in range(1, tp + 1) if tp % t == 0 and params.intermediate_size % t == 0
+    if params.shared_expert_size % tp:
+        return "use a parallelism.tp that divides shared_expert_intermediate_size"
+    fits = [(t, tp // t) for t in range(1, tp + 1) if tp % t == 0 and params.expert_size % t == 0
             and params.num_experts % (tp // t) == 0]
     shown = ", ".join(f"moe_tp {t} with moe_ep {e}" for t, e in fits)
     return f"at tp {tp} use {shown}" if fits else "use another parallelism.tp"

@@ -85,10 +85,20 @@ class ArchParams:
     moe_normalization: str | None = None
     """How the top-k routing weights are scaled (archs.moe.NORMALIZATION): "renormalize" (Mixtral) or
     "none"; None for a dense model."""
+    moe_intermediate_size: int = 0
+    """Width of each routed expert where the family names it apart from intermediate_size (Qwen MoE's
+    moe_intermediate_size); 0: intermediate_size is the expert width (Mixtral)."""
+    shared_expert_size: int = 0
+    """Width of the shared expert every token runs (Qwen2-MoE's shared_expert_intermediate_size); 0: none."""
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def expert_size(self) -> int:
+        """The routed experts' width, what moe_tp splits."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def rotary_scaling(self) -> dict | None:

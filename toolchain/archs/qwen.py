@@ -40,7 +40,7 @@ QWEN_DEFAULTS = MappingProxyType({
 })
 
 
-def _window(cfg: dict, params, origin: str) -> int | None:
+def uniform_window(cfg: dict, params, origin: str) -> int | None:
     """The one window every layer uses, or None. Qwen configs describe windows
     per layer (`layer_types`, or `use_sliding_window` from `max_window_layers`
     on); a mix of windowed and full layers is refused rather than flattened."""
@@ -64,7 +64,7 @@ def _window(cfg: dict, params, origin: str) -> int | None:
 
 def _qwen2(cfg: dict, params, origin: str):
     # HF Qwen2 always has q/k/v biases; config.json carries no attention_bias key.
-    return dataclasses.replace(params, attention_bias=True, sliding_window=_window(cfg, params, origin))
+    return dataclasses.replace(params, attention_bias=True, sliding_window=uniform_window(cfg, params, origin))
 
 
 def _qwen3(cfg: dict, params, origin: str):
@@ -72,7 +72,7 @@ def _qwen3(cfg: dict, params, origin: str):
         raise ToolchainError(f"{origin}: Qwen3 with attention_bias=true",
                              "TensorRT-LLM's Qwen attention has no output-projection bias; "
                              "only attention_bias=false Qwen3 checkpoints convert")
-    return dataclasses.replace(params, qk_layernorm=True, sliding_window=_window(cfg, params, origin))
+    return dataclasses.replace(params, qk_layernorm=True, sliding_window=uniform_window(cfg, params, origin))
 
 
 def _extra(qwen_type: str):

@@ -21,8 +21,11 @@ TOP_LEVEL_KEYS = frozenset({
     "qk_layernorm", "mapping", "quantization",
     # family extras: Qwen2 (QWenConfig) and MoE families, runtime defaults
     "qwen_type", "seq_length", "moe", "runtime_defaults",
+    # Qwen MoE's expert widths (QWenConfig.from_hugging_face passes them as PretrainedConfig extras)
+    "moe_intermediate_size", "moe_shared_expert_intermediate_size",
 })
-REQUIRED_KEYS = TOP_LEVEL_KEYS - {"qwen_type", "seq_length", "moe", "runtime_defaults"}
+REQUIRED_KEYS = TOP_LEVEL_KEYS - {"qwen_type", "seq_length", "moe", "runtime_defaults", "moe_intermediate_size",
+                                  "moe_shared_expert_intermediate_size"}
 RUNTIME_DEFAULT_KEYS = frozenset({"max_attention_window", "sink_token_length"})
 MAPPING_KEYS = frozenset({"world_size", "tp_size", "pp_size", "cp_size", "moe_tp_size", "moe_ep_size",
                           "moe_cluster_size", "gpus_per_node"})

@@ -157,6 +157,11 @@ def shard_group(group: Group, tensors: dict[str, torch.Tensor], params: ArchPara
                           for w3_r, w1_r in zip(w3, w1, strict=True)]
             else:  # w2 [H, I] per expert: its input, the expert width, is what moe_tp splits
                 pieces = [torch.stack(r) for r in split_experts(sources, tp, moe_tp, moe_ep, dim=1)]
+        elif shard is Shard.GATED_FC:
+            # up then gate (build_groups), each cut like a column-parallel weight; a rank's fc is [up_r; gate_r]
+            # (tensorrt_llm/models/qwen/convert.py: torch.concat([up, gate], dim=-2) after split(..., dim=0))
+            up, gate = (sharding.split_column(tensors[name], tp) for name in group.sources)
+            pieces = [torch.cat([a, b]) for a, b in zip(up, gate, strict=True)]
         else:
             (src,) = (tensors[name] for name in group.sources)
             if shard is Shard.COLUMN:
@@ -238,6 +243,8 @@ def build_groups(family: Family, params: ArchParams, ckpt: HFCheckpoint,
             key = ("qkv", m.row.trt, m.layer)
         elif m.row.shard in EXPERT_SHARDS:
             key = ("experts", m.row.trt, m.layer)
+        elif m.row.shard is Shard.GATED_FC:
+            key = ("gated", m.row.trt, m.layer)
         else:
             key = ("one", name)
         group = groups.get(key)
@@ -267,6 +274,8 @@ def build_groups(family: Family, params: ArchParams, ckpt: HFCheckpoint,
             # "fc": w3 of the experts + w1 of the experts, tensorrt_llm/layers/moe.py)
             group.sources = tuple(sorted(group.sources, key=lambda s: (matches[s].row.part != "w3",
                                                                         matches[s].expert)))
+        elif key[0] == "gated":
+            group.sources = tuple(sorted(group.sources, key=lambda s: matches[s].row.part != "w3"))
     return [groups[k] for k in sorted(groups, key=order.__getitem__)], dropped
 
 

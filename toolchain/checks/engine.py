@@ -261,8 +261,10 @@ def _moe_parallelism(ctx: Context):
     if not p.is_moe:
         return PASS, "dense model: no experts to place"
     moe_tp, moe_ep = par.moe_sizes
+    shared = (f"; the shared expert {p.shared_expert_size // par.tp} wide of {p.shared_expert_size} on each rank "
+              f"(tp {par.tp})" if p.shared_expert_size else "")
     return PASS, (f"{p.num_experts} experts, {p.num_experts // moe_ep} on each rank (moe_ep {moe_ep}), each "
-                  f"{p.intermediate_size // moe_tp} wide of {p.intermediate_size} (moe_tp {moe_tp})")
+                  f"{p.expert_size // moe_tp} wide of {p.expert_size} (moe_tp {moe_tp}){shared}")
 
 
 @check("moe.quantization", (), "mixture-of-experts models convert unquantized only, for now")

@@ -70,10 +70,14 @@ ROUTER_BYTES = 4  # the MoE router is float32 in every format (tensorrt_llm/mode
 
 
 def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int) -> int:
-    """One mixture-of-experts MLP on one rank, as convert lays it out (toolchain/archs/mixtral.py): the router
-    [E, H] whole on every rank, and E/moe_ep experts each holding fc [2 I/moe_tp, H] and proj [H, I/moe_tp]."""
-    experts, width = p.num_experts // moe_ep, p.intermediate_size // moe_tp
-    return p.num_experts * p.hidden_size * ROUTER_BYTES + experts * 3 * width * p.hidden_size * dt_bytes
+    """One mixture-of-experts MLP on one rank, as convert lays it out (toolchain/archs/mixtral.py,
+    qwen_moe.py): the router [E, H] whole on every rank, and E/moe_ep experts each holding fc [2 I/moe_tp, H]
+    and proj [H, I/moe_tp]; a shared expert (Qwen2-MoE) adds its tp slice, fc [2 S/tp, H] and proj [H, S/tp],
+    and its gate [1, H] whole (tp = moe_tp x moe_ep)."""
+    experts, width = p.num_experts // moe_ep, p.expert_size // moe_tp
+    shared = (3 * p.shared_expert_size // (moe_tp * moe_ep) + 1) * p.hidden_size if p.shared_expert_size else 0
+    return (p.num_experts * p.hidden_size * ROUTER_BYTES
+            + (experts * 3 * width * p.hidden_size + shared) * dt_bytes)
 
 
 def linear_bytes(out: int, inp: int, quant: QuantFormat, dt_bytes: int, stored: bool = False) -> float:

@@ -21,7 +21,8 @@ from toolchain.quant.recipe import GROUP_SIZES, per_group_multiple
 # Architectures whose TRT-LLM implementation is the Llama or Qwen decoder
 # (MODEL_MAP in TensorRT-LLM tensorrt_llm/models/__init__.py). "QWenForCausalLM" is what
 # modelopt's exporter writes.
-QWEN_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "QWenForCausalLM"}
+QWEN_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "QWenForCausalLM", "Qwen2MoeForCausalLM",
+                      "Qwen3MoeForCausalLM"}
 # MedusaForCausalLM is the Llama (or, by model_type, Qwen) decoder plus Medusa heads
 # (tensorrt_llm/models/medusa/model.py).
 MEDUSA = "MedusaForCausalLM"
@@ -86,6 +87,10 @@ class ModelDims:
     """mapping.moe_tp_size: over how many TP ranks each expert's width is split."""
     moe_ep: int = 1
     """mapping.moe_ep_size: over how many TP ranks the experts are divided."""
+    expert_size: int = 0
+    """Each routed expert's width: moe_intermediate_size for Qwen MoE, else intermediate_size."""
+    shared_expert_size: int = 0
+    """Qwen2-MoE's shared expert width (moe_shared_expert_intermediate_size), split over all of tp; 0: none."""
 
     @property
     def is_moe(self) -> bool:
@@ -274,7 +279,28 @@ def _moe_dims(cfg: dict, mapping: dict, tp: int, origin: str) -> dict:
         raise ToolchainError(f"{origin}: moe {raw} with mapping moe_tp_size {moe_tp}, moe_ep_size {moe_ep} is not "
                              "supported by the CPU engine (top_k 1..num_experts, normalization_mode 0 or 1)",
                              _REBUILD)
-    return {"num_experts": experts, "top_k": top_k, "moe_normalization": mode, "moe_tp": moe_tp, "moe_ep": moe_ep}
+    return {"num_experts": experts, "top_k": top_k, "moe_normalization": mode, "moe_tp": moe_tp, "moe_ep": moe_ep,
+            **_qwen_moe_sizes(cfg, origin)}
+
+
+def _qwen_moe_sizes(cfg: dict, origin: str) -> dict:
+    """The experts' widths as QWenDecoderLayer reads them (tensorrt_llm/models/qwen/model.py): qwen2_moe and
+    qwen3_moe experts are moe_intermediate_size wide, and qwen2_moe adds a shared expert (SharedMoE) of
+    moe_shared_expert_intermediate_size; every other MoE family's experts are intermediate_size wide."""
+    kind = str(cfg.get("qwen_type"))
+    keys = {"qwen2_moe": ("moe_intermediate_size", "moe_shared_expert_intermediate_size"),
+            "qwen3_moe": ("moe_intermediate_size",)}.get(kind, ())
+    sizes = {}
+    for key in keys:
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ToolchainError(f"{origin}: a {kind} config needs {key} >= 1, got {value!r}", _REBUILD)
+        sizes[key] = value
+    out = {"expert_size": sizes.get("moe_intermediate_size", cfg.get("intermediate_size", 0))}
+    if "moe_shared_expert_intermediate_size" in sizes:
+        out["shared_expert_size"] = sizes["moe_shared_expert_intermediate_size"]
+    return out
+
 
 def _qwen_decoder(arch: str, cfg: dict) -> bool:
     # MedusaConfig picks the Qwen decoder when model_type names qwen (tensorrt_llm/models/medusa/config.py).
@@ -310,8 +336,10 @@ def _check_dims(d: ModelDims, origin: str) -> None:
             problems.append(f"mapping moe_tp_size {d.moe_tp} x moe_ep_size {d.moe_ep} is not tp {d.tp}")
         if d.num_experts % d.moe_ep:
             problems.append(f"num_experts {d.num_experts} not divisible by moe_ep_size {d.moe_ep}")
-        if d.intermediate_size % d.moe_tp:
-            problems.append(f"intermediate_size {d.intermediate_size} not divisible by moe_tp_size {d.moe_tp}")
+        if d.expert_size % d.moe_tp:
+            problems.append(f"expert width {d.expert_size} not divisible by moe_tp_size {d.moe_tp}")
+        if d.shared_expert_size % d.tp:
+            problems.append(f"shared expert width {d.shared_expert_size} not divisible by tp {d.tp}")
         if d.quant_algo not in UNQUANTIZED:
             problems.append(f"quant_algo {d.quant_algo} on mixture-of-experts layers (only unquantized experts run)")
         if d.mlp_bias:

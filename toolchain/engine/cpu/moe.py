@@ -10,7 +10,13 @@ output is allreduce'd over the tp group).
 
 Routing follows HF's MixtralTopKRouter (transformers models/mixtral/modeling_mixtral.py): softmax over
 all experts in float32, top-k, then divided by the sum of the k for "renormalize"
-(ExpertScaleNormalizationMode.RENORMALIZE), or the k probabilities as they are for "none".
+(ExpertScaleNormalizationMode.RENORMALIZE), or the k probabilities as they are for "none" (Qwen2-MoE's
+norm_topk_prob false: Qwen2MoeTopKRouter).
+
+Qwen2-MoE adds a shared expert every token runs, a dense swiglu MLP split over the tp ranks like any MLP,
+scaled per token by sigmoid(shared_expert_gate(x)); the gate [1, H] is whole on every rank, so each rank
+scales its partial sum and the same all-reduce completes it (SharedMoE.forward in tensorrt_llm/layers/moe.py:
+routed_output + sigmoid(gate(x)) * shared_expert(x), then one allreduce).
 """
 
 from __future__ import annotations
@@ -35,6 +41,12 @@ class Experts:
     """Global index of this rank's first expert (its experts are contiguous: Mapping.ep_experts)."""
     top_k: int
     normalization: int
+    shared_fc: torch.Tensor | None = None
+    """[2 S_r, H]: the shared expert's [up (linear); gate (SiLU-activated)] rows of this rank's tp slice."""
+    shared_proj: torch.Tensor | None = None
+    """[H, S_r]: the shared expert's down_proj columns of this rank's tp slice."""
+    shared_gate: torch.Tensor | None = None
+    """[1, H]: shared_expert_gate, whole on every rank."""
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k], expert ids [N, k]) of every token."""
@@ -57,4 +69,7 @@ class Experts:
             up, gate = (x @ self.fc[e].T).chunk(2, dim=-1)
             y = (F.silu(gate) * up) @ self.proj[e].T
             out.index_add_(0, tokens, y * weights[tokens, slot, None].to(y.dtype))
+        if self.shared_fc is not None and self.shared_proj is not None and self.shared_gate is not None:
+            up, gate = (h @ self.shared_fc.T).chunk(2, dim=-1)
+            out += torch.sigmoid(h @ self.shared_gate.T) * ((F.silu(gate) * up) @ self.shared_proj.T)
         return out

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 EMBEDDING = "transformer.vocab_embedding.weight"
 FINAL_NORM = "transformer.ln_f.weight"
 LM_HEAD = "lm_head"
+# Qwen2-MoE's shared expert and its gate, per layer (tensorrt_llm/models/qwen/convert.py)
+SHARED_FC = "mlp.shared_expert.fc.weight"
+SHARED_PROJ = "mlp.shared_expert.proj.weight"
+SHARED_GATE = "mlp.shared_expert_gate.weight"
 
 
 @dataclass
@@ -138,10 +142,16 @@ def medusa_lm_head(h: int) -> str:
 def _moe_tensors(d: ModelDims, p: str, tp_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
     """A mixture-of-experts MLP on one rank: the float32 router in full, its experts' stacked fc and
     proj (TensorRT-LLM tensorrt_llm/models/llama/convert.py; MOEWeightWrapper in tensorrt_llm/layers/moe.py)."""
-    experts, width = d.num_experts // d.moe_ep, d.intermediate_size // d.moe_tp
-    return {f"{p}.mlp.router.weight": ((d.num_experts, d.hidden_size), "float"),
-            f"{p}.mlp.fc.weight": ((experts, 2 * width, d.hidden_size), "float"),
-            f"{p}.mlp.proj.weight": ((experts, d.hidden_size, width), "float")}
+    experts, width = d.num_experts // d.moe_ep, d.expert_size // d.moe_tp
+    out = {f"{p}.mlp.router.weight": ((d.num_experts, d.hidden_size), "float"),
+           f"{p}.mlp.fc.weight": ((experts, 2 * width, d.hidden_size), "float"),
+           f"{p}.mlp.proj.weight": ((experts, d.hidden_size, width), "float")}
+    if d.shared_expert_size:  # Qwen2-MoE's shared expert, split over tp, and its gate, whole (archs/qwen_moe.py)
+        shared = d.shared_expert_size // d.tp
+        out.update({f"{p}.{SHARED_FC}": ((2 * shared, d.hidden_size), "float"),
+                    f"{p}.{SHARED_PROJ}": ((d.hidden_size, shared), "float"),
+                    f"{p}.{SHARED_GATE}": ((1, d.hidden_size), "float")})
+    return out
 
 
 def _linears(d: ModelDims, qkv_out: int):
@@ -254,7 +264,9 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
             proj=linear("mlp.proj", d.mlp_bias) if dense_mlp else None,
             experts=None if dense_mlp else Experts(
                 router=t[f"{p}.mlp.router.weight"], fc=t[f"{p}.mlp.fc.weight"], proj=t[f"{p}.mlp.proj.weight"],
-                first=moe_first_expert(d, tp_rank), top_k=d.top_k, normalization=d.moe_normalization),
+                first=moe_first_expert(d, tp_rank), top_k=d.top_k, normalization=d.moe_normalization,
+                shared_fc=t.get(f"{p}.{SHARED_FC}"), shared_proj=t.get(f"{p}.{SHARED_PROJ}"),
+                shared_gate=t.get(f"{p}.{SHARED_GATE}")),
             q_norm=t.get(f"{p}.attention.q_layernorm.weight") if d.qk_layernorm else None,
             k_norm=t.get(f"{p}.attention.k_layernorm.weight") if d.qk_layernorm else None,
             kv_scale=t.get(f"{p}.attention.kv_cache_scaling_factor"),
@@ -299,6 +311,10 @@ def _router(layer: LayerShard) -> torch.Tensor | None:
     return layer.experts.router if layer.experts is not None else None
 
 
+def _shared_gate(layer: LayerShard) -> torch.Tensor | None:
+    return layer.experts.shared_gate if layer.experts is not None else None
+
+
 def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
     """Tensors every TP rank holds in full must be identical across the ranks of a stage.
 
@@ -322,7 +338,8 @@ def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
                           (f"{p}.attention.kv_cache_scaling_factor", la.kv_scale, lb.kv_scale),
                           (f"{p}.attention.dense.bias", la.dense.bias, lb.dense.bias),
                           (f"{p}.mlp.proj.bias", _proj_bias(la), _proj_bias(lb)),
-                          (f"{p}.mlp.router.weight", _router(la), _router(lb))]
+                          (f"{p}.mlp.router.weight", _router(la), _router(lb)),
+                          (f"{p}.{SHARED_GATE}", _shared_gate(la), _shared_gate(lb))]
             for name, a, b in pairs:
                 if a is not None and b is not None and not torch.equal(a, b):
                     raise ToolchainError(
