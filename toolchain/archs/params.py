@@ -85,10 +85,17 @@ class ArchParams:
     moe_normalization: str | None = None
     """How the top-k routing weights are scaled (archs.moe.NORMALIZATION): "renormalize" (Mixtral) or
     "none"; None for a dense model."""
+    extras_json: str | None = None
+    """Family-specific config.json fields as JSON text (Gemma 2's soft-caps and per-layer windows), for its config_extra."""
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def norms_per_layer(self) -> int:
+        """RMSNorm weights per decoder layer: 2, or 4 with Gemma 2's pre/post feed-forward norms."""
+        return 4 if json.loads(self.extras_json or "{}").get("inter_layernorms") else 2
 
     @property
     def rotary_scaling(self) -> dict | None:
