@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from types import MappingProxyType
+from typing import Any
 
 from toolchain.archs.common import Family, Row, Shard
 from toolchain.archs.llama import L, T, llama_rows
@@ -125,7 +126,7 @@ def normalize(cfg: dict, params, origin: str):
     scalar = _positive(cfg, "query_pre_attn_scalar", origin)
     windows = layer_windows(cfg, params.num_hidden_layers, origin)
     full = params.max_position_embeddings
-    extras = {
+    extras: dict[str, Any] = {
         "query_pre_attn_scalar": scalar,
         "attn_logit_softcapping": _positive(cfg, "attn_logit_softcapping", origin),
         "final_logit_softcapping": _positive(cfg, "final_logit_softcapping", origin),
