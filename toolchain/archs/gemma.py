@@ -33,6 +33,10 @@ What differs from the Llama table, each read from upstream:
   GatedMLP ("unsupported activation function"); their `gelu` is the tanh approximation
   (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), i.e. gelu_pytorch_tanh, so the checkpoint says "gelu".
 
+The LLM-API path is not covered here: the newest stored tree has a PyTorch-backend Gemma 2
+(tensorrt_llm/_torch/models/modeling_gemma2.py; checkpoints/hf/gemma2_weight_mapper.py at 04d175ac adds 1 to
+every norm when loading, its header dated 2026), but whether 1.2.1 ships it is not established.
+
 Gemma 3 (text) is not converted yet: its local layers' own rope base and the q/k norms need the
 Gemma3ConfigGroup fields (_sliding_window_pattern, rope_local_base_freq) and a second rotary table in
 the CPU engine.
