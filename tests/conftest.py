@@ -127,6 +127,7 @@ def read_json(path: Path) -> dict:
 TINY_DIMS = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 HF_CLASSES = {
+    "Gemma2ForCausalLM": ("Gemma2Config", "Gemma2ForCausalLM"),
     "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM"),
     "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM"),
     "MixtralForCausalLM": ("MixtralConfig", "MixtralForCausalLM"),

@@ -41,7 +41,8 @@ def test_missing_architectures_key():
 
 def test_registry_imports_family_modules_lazily():
     code = ("import sys, toolchain.archs; print(any(m in sys.modules for m in "
-            "('toolchain.archs.llama', 'toolchain.archs.mistral', 'toolchain.archs.mixtral', 'toolchain.archs.qwen')))")
+            "('toolchain.archs.llama', 'toolchain.archs.mistral', 'toolchain.archs.mixtral', 'toolchain.archs.qwen', "
+            "'toolchain.archs.gemma')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -191,6 +192,7 @@ def _family(arch, **kw):
 
 
 ARCH_FIXTURES = {
+    "Gemma2ForCausalLM": _family("Gemma2ForCausalLM", head_dim=16, sliding_window=8),
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _family("MistralForCausalLM", sliding_window=8),
     "MixtralForCausalLM": _family("MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2),
@@ -218,9 +220,10 @@ def test_partial_rotary_rejected():
 
 
 def test_registry_lists_every_family():
-    assert supported() == ["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
-    assert [get_family(a).name for a in supported()] == ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
+    assert supported() == ["Gemma2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+                           "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+    assert [get_family(a).name for a in supported()] == ["gemma2", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe",
+                                                         "qwen3", "qwen3_moe"]
 
 
 def test_cli_archs_lists_them(capsys):

@@ -123,6 +123,10 @@ MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hi
            "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
            "rope_theta": 1000000.0, "rms_norm_eps": 1e-05, "hidden_act": "silu", "sliding_window": None,
            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "head_dim": 256,
+          "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+          "vocab_size": 256000, "max_position_embeddings": 8192, "torch_dtype": "bfloat16", "bos_token_id": 2,
+          "eos_token_id": 1}
 
 # check id -> (spec change, keyword arguments of run(), expected status)
 TRIGGERS = {
@@ -148,6 +152,7 @@ TRIGGERS = {
     "moe.parallelism": ({"parallelism": {"tp": 4, "moe_tp": 1, "moe_ep": 4}},
                         {"setup": use_config({**MIXTRAL, "num_local_experts": 6})}, FAIL),
     "moe.quantization": ({}, {"quant": QuantFormat("awq"), "setup": use_config(MIXTRAL)}, FAIL),
+    "gemma2.quantization": ({}, {"quant": QuantFormat("awq"), "setup": use_config(GEMMA2)}, FAIL),
     "arch.supported": ({"model": {"checkpoint": str(CONFIGS / "mistral-7b-instruct-v0.3")}},
                        {"setup": "unregister-mistral"}, WARN),
     "quant.group-size": ({}, {"quant": QuantFormat("awq", group_size=32)}, FAIL),

@@ -18,6 +18,7 @@ from toolchain.errors import ToolchainError
 # table shape (llama.llama_rows) with its own switches and config normalisation.
 # Adding one here means adding a tiny checkpoint maker to tests/test_archs.py too.
 _REGISTRY: dict[str, str] = {
+    "Gemma2ForCausalLM": "toolchain.archs.gemma",
     "LlamaForCausalLM": "toolchain.archs.llama",
     "MistralForCausalLM": "toolchain.archs.mistral",
     "MixtralForCausalLM": "toolchain.archs.mixtral",

@@ -101,6 +101,8 @@ class Family:
     """Family-specific config normalisation: (HF config dict, ArchParams, origin) -> ArchParams.
     Runs after the shared alias lookup, for what only this family's HF config spells
     (sliding windows, forced biases, q/k norms) and what it cannot represent."""
+    parallel_embedding_at_tp: bool = False
+    """TensorRT-LLM's config class forces use_parallel_embedding = tp > 1 (GemmaConfig), whatever config.json says."""
 
     def __post_init__(self) -> None:
         # Table mistakes are programming errors: fail at import, not mid-conversion.
@@ -217,6 +219,13 @@ def _transpose(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).contiguous()
 
 
+def _plus_one(t: torch.Tensor) -> torch.Tensor:
+    # Gemma's RMSNorm scales by (1 + w); TensorRT-LLM's by w, so the converter stores w + 1, added in
+    # float32 (tensorrt_llm/models/gemma/convert.py, load_gemma_weights: "param = param + 1.0").
+    return t.float() + 1.0
+
+
 TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "transpose": _transpose,
+    "plus_one": _plus_one,
 }

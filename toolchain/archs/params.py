@@ -90,6 +90,8 @@ class ArchParams:
     moe_intermediate_size); 0: intermediate_size is the expert width (Mixtral)."""
     shared_expert_size: int = 0
     """Width of the shared expert every token runs (Qwen2-MoE's shared_expert_intermediate_size); 0: none."""
+    extras_json: str | None = None
+    """Family-specific config.json fields as JSON text (Gemma 2's soft-caps and per-layer windows), for its config_extra."""
 
     @property
     def is_moe(self) -> bool:
@@ -99,6 +101,11 @@ class ArchParams:
     def expert_size(self) -> int:
         """The routed experts' width, what moe_tp splits."""
         return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def norms_per_layer(self) -> int:
+        """RMSNorm weights per decoder layer: 2, or 4 with Gemma 2's pre/post feed-forward norms."""
+        return 4 if json.loads(self.extras_json or "{}").get("inter_layernorms") else 2
 
     @property
     def rotary_scaling(self) -> dict | None:

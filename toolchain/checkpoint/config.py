@@ -24,8 +24,12 @@ TOP_LEVEL_KEYS = frozenset({
     # Qwen MoE's expert widths (QWenConfig.from_hugging_face passes them as PretrainedConfig extras)
     "moe_intermediate_size", "moe_shared_expert_intermediate_size",
 })
+# Gemma 2 (GemmaConfig.to_dict: Gemma2ConfigGroup and inter_layernorms, tensorrt_llm/models/gemma/config.py)
+GEMMA2_KEYS = frozenset({"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                         "inter_layernorms"})
+TOP_LEVEL_KEYS = TOP_LEVEL_KEYS | GEMMA2_KEYS
 REQUIRED_KEYS = TOP_LEVEL_KEYS - {"qwen_type", "seq_length", "moe", "runtime_defaults", "moe_intermediate_size",
-                                  "moe_shared_expert_intermediate_size"}
+                                  "moe_shared_expert_intermediate_size"} - GEMMA2_KEYS
 RUNTIME_DEFAULT_KEYS = frozenset({"max_attention_window", "sink_token_length"})
 MAPPING_KEYS = frozenset({"world_size", "tp_size", "pp_size", "cp_size", "moe_tp_size", "moe_ep_size",
                           "moe_cluster_size", "gpus_per_node"})

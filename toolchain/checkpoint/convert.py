@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from toolchain.archs import load_params, moe
+from toolchain.archs import gemma, load_params, moe
 from toolchain.archs.common import NameTable
 from toolchain.archs.params import ArchParams, engine_dtype
 from toolchain.checkpoint import sharding
@@ -61,14 +61,19 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     the spec's expert parallelism (None: derived as TensorRT-LLM's Mapping does)."""
     ckpt = ckpt or HFCheckpoint(hf_dir)
     family, params = load_params(ckpt.config, str(ckpt.config_path))
+    if family.parallel_embedding_at_tp:  # the family's TensorRT-LLM config decides (archs/gemma.py)
+        use_parallel_embedding = tp > 1
     sharding.check_parallelism(params, tp, pp, use_parallel_embedding=use_parallel_embedding,
                                embedding_sharding_dim=embedding_sharding_dim, moe_tp=moe_tp, moe_ep=moe_ep)
     recipe = recipe or Recipe()
     qc = ckpt.config.get("quantization_config")
-    refusal = moe.quantization_refusal(params, recipe.method, recipe.kv_cache,
-                                       str(qc.get("quant_method", "quantization_config")) if isinstance(qc, dict) else None)
+    stored = str(qc.get("quant_method", "quantization_config")) if isinstance(qc, dict) else None
+    refusal = moe.quantization_refusal(params, recipe.method, recipe.kv_cache, stored)
     if refusal is not None:
         raise ToolchainError(refusal, moe.QUANTIZATION_HINT)
+    refusal = gemma.quantization_refusal(params, recipe.method, recipe.kv_cache, stored)
+    if refusal is not None:
+        raise ToolchainError(refusal, gemma.QUANTIZATION_HINT)
     config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
     fmt = None
     if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "modelopt":

@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import save_file
 
 from toolchain import __version__
-from toolchain.archs import load_params, moe
+from toolchain.archs import gemma, load_params, moe
 from toolchain.archs.common import Match, NameTable, Shard, trt_name
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.errors import ToolchainError
@@ -196,6 +196,9 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
         refusal = moe.quantization_refusal(params, recipe.method, recipe.kv_cache)
         if refusal is not None:
             raise ToolchainError(refusal, moe.QUANTIZATION_HINT)
+        refusal = gemma.quantization_refusal(params, recipe.method, recipe.kv_cache)
+        if refusal is not None:
+            raise ToolchainError(refusal, gemma.QUANTIZATION_HINT)
         table = NameTable(family, params)
         unmatched = [n for n in ckpt.names() if table.match(n) is None]
         if unmatched:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from toolchain.archs import moe
+from toolchain.archs import gemma, moe
 from toolchain.archs.params import trained_positions
 from toolchain.errors import ToolchainError
 from toolchain.engine.trtllm import default_workers, planned_mpi
@@ -276,6 +276,18 @@ def _moe_quantization(ctx: Context):
     if refusal is not None:
         return FAIL, f"{refusal}; set quantization.method none and kv_cache none"
     return PASS, f"{p.architecture} unquantized" if p.is_moe else "dense model"
+
+
+@check("gemma2.quantization", (), "Gemma 2 converts unquantized or weight-only int8/int4 only, for now "
+       "(archs/gemma.py: calibration and smoothing are Llama-shaped)")
+def _gemma2_quantization(ctx: Context):
+    p, q = _model(ctx), ctx.quant
+    if p is None:
+        return SKIP, NO_MODEL
+    refusal = gemma.quantization_refusal(p, q.method, q.kv_cache, q.stored)
+    if refusal is not None:
+        return FAIL, f"{refusal}; {gemma.QUANTIZATION_HINT}"
+    return PASS, f"{p.architecture} {q.method}" if p.architecture in gemma.FAMILY.architectures else "not Gemma 2"
 
 
 @check("arch.supported", (), "the converter must support the architecture (convert refuses otherwise)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from toolchain.archs import get_family, supported
 from toolchain.archs.moe import moe_sizes
 from toolchain.archs.params import ArchParams
 from toolchain.plan.model import QuantFormat
@@ -121,7 +122,9 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantF
         per_layer += h * dt_bytes  # row-parallel bias, full on every rank
     if p.mlp_bias:
         per_layer += (2 * (p.intermediate_size // tp) + h) * dt_bytes
-    norms = n_layers * 2 * h * dt_bytes
+    norms = n_layers * p.norms_per_layer * h * dt_bytes
+    if tp > 1 and p.architecture in supported() and get_family(p.architecture).parallel_embedding_at_tp:
+        parallel_embedding = True  # the family's TensorRT-LLM config forces it (GemmaConfig, archs/gemma.py)
     first, last = pp_rank == 0, pp_rank == pp - 1
     embedding = 0.0
     if first:

@@ -28,6 +28,9 @@ QWEN_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "QWenForCausalLM",
 MEDUSA = "MedusaForCausalLM"
 # MixtralForCausalLM: the Llama decoder with a mixture-of-experts MLP (config.json's `moe` section).
 ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", MEDUSA, *QWEN_ARCHITECTURES}
+# Gemma2ForCausalLM: TensorRT-LLM's Gemma decoder (tensorrt_llm/models/gemma/model.py; archs/gemma.py).
+GEMMA2 = "Gemma2ForCausalLM"
+ARCHITECTURES.add(GEMMA2)
 MOE_NORMALIZATIONS = (0, 1)  # ExpertScaleNormalizationMode NONE, RENORMALIZE (SPARSE_MIXER is not run here)
 ROPE_TYPES = {None, "none", "linear", "llama3"}
 UNQUANTIZED = {None, "NO_QUANT"}
@@ -91,6 +94,15 @@ class ModelDims:
     """Each routed expert's width: moe_intermediate_size for Qwen MoE, else intermediate_size."""
     shared_expert_size: int = 0
     """Qwen2-MoE's shared expert width (moe_shared_expert_intermediate_size), split over all of tp; 0: none."""
+    inter_layernorms: bool = False
+    """Gemma 2: post_layernorm on the attention output, pre/post_feedforward_layernorm around the MLP,
+    the embedding scaled by sqrt(hidden_size) (GemmaDecoderLayer, GemmaModel)."""
+    query_pre_attn_scalar: float | None = None
+    """Gemma 2: attention scores scaled by 1/sqrt(this) instead of 1/sqrt(head_size)."""
+    attn_softcap: float | None = None
+    """Gemma 2 attn_logit_softcapping: scores become tanh(s / c) * c before the mask and softmax."""
+    final_softcap: float | None = None
+    """Gemma 2 final_logit_softcapping: logits become tanh(l / c) * c."""
 
     @property
     def is_moe(self) -> bool:
@@ -258,6 +270,7 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         exclude_modules=tuple(quant["exclude_modules"]) if quant.get("exclude_modules") else DEFAULT_EXCLUDE,
         **_medusa_dims(arch, cfg, origin),
         **_moe_dims(cfg, mapping, tp, origin),
+        **_gemma2_dims(arch, cfg, origin),
     )
     _check_dims(dims, origin)
     return dims
@@ -302,6 +315,24 @@ def _qwen_moe_sizes(cfg: dict, origin: str) -> dict:
     return out
 
 
+def _gemma2_dims(arch: str, cfg: dict, origin: str) -> dict:
+    """Gemma2ConfigGroup and inter_layernorms (tensorrt_llm/models/gemma/config.py, GemmaConfig)."""
+    if arch != GEMMA2:
+        return {}
+    values = {}
+    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ToolchainError(f"{origin}: pretrained_config '{key}' must be a positive number or null, "
+                                 f"got {value!r}", _REBUILD)
+        values[key] = None if value is None else float(value)
+    if values["query_pre_attn_scalar"] is None:  # GemmaConfig asserts it for Gemma 2
+        raise ToolchainError(f"{origin}: a Gemma2ForCausalLM config needs query_pre_attn_scalar", _REBUILD)
+    return {"inter_layernorms": bool(cfg.get("inter_layernorms", True)),
+            "query_pre_attn_scalar": values["query_pre_attn_scalar"],
+            "attn_softcap": values["attn_logit_softcapping"], "final_softcap": values["final_logit_softcapping"]}
+
+
 def _qwen_decoder(arch: str, cfg: dict) -> bool:
     # MedusaConfig picks the Qwen decoder when model_type names qwen (tensorrt_llm/models/medusa/config.py).
     return arch in QWEN_ARCHITECTURES or (arch == MEDUSA and "qwen" in str(cfg.get("model_type", "")).lower())
@@ -320,7 +351,7 @@ def _medusa_dims(arch: str, cfg: dict, origin: str) -> dict:
 def _check_dims(d: ModelDims, origin: str) -> None:
     problems = []
     # upstream writes swiglu for mixture-of-experts MLPs (the gate fused into fc), silu for dense ones
-    act = "swiglu" if d.is_moe else "silu"
+    act = "swiglu" if d.is_moe else "gelu" if d.architecture == GEMMA2 else "silu"
     if d.hidden_act != act:
         problems.append(f"hidden_act '{d.hidden_act}' (only {act} is supported{' for experts' if d.is_moe else ''})")
     if d.num_heads % d.tp:

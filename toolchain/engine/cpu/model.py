@@ -19,6 +19,7 @@ requests' keys through their block tables, padded and masked to the longest.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -137,7 +138,8 @@ class Model:
         self.stages = stages
         self.comm = comm
         self.rotary = Rotary(d.head_size, d.rotary_base, d.rotary_scaling)
-        self.scale = d.head_size ** -0.5
+        # Gemma 2 scales by query_pre_attn_scalar (q_scaling in tensorrt_llm/models/gemma/model.py).
+        self.scale = (d.query_pre_attn_scalar or d.head_size) ** -0.5
         # Global index of each stage's first layer: caches are indexed globally.
         self.layer_offset = [d.stage_layers(p).start for p in range(d.pp)]
         # KV-cache scales by (global layer, tp rank); empty for an fp cache.
@@ -187,6 +189,8 @@ class Model:
                 continue
             if pp_rank == 0:
                 x = self._embed(shards, ids)
+                if self.d.inter_layernorms:  # Gemma: embedding x sqrt(hidden_size) (GemmaModel.forward)
+                    x = x * math.sqrt(self.d.hidden_size)
             elif x is None:  # this rank process starts at a later stage
                 x = self._comm.recv_hidden(len(ids), self.d.hidden_size)
             for local in range(len(shards[0].layers)):
@@ -204,6 +208,8 @@ class Model:
         if wanted and last and x is not None:
             h = rms_norm(x[wanted], last[0].part("final_norm"), self.d.norm_epsilon)
             logits = self._lm_head(last, h)
+            if self.d.final_softcap:  # Gemma 2 (DecoderModelForCausalLM.forward): tanh(l / c) * c
+                logits = torch.tanh(logits / self.d.final_softcap) * self.d.final_softcap
         if self.comm is not None:
             logits = self.comm.logits_to_leader(logits, len(wanted), self.d.vocab_size)
         if logits is None:  # no logits wanted, or a rank process that ends before the last stage
@@ -285,7 +291,10 @@ class Model:
             total = part if i == 0 else total + part
         total = self._tp_sum(total)
         bias = shards[0].layers[local].dense.bias
-        return x + (total + bias if bias is not None else total)
+        out = total + bias if bias is not None else total
+        if d.inter_layernorms:  # Gemma 2: post_layernorm normalises the attention output before the residual
+            out = rms_norm(out, shards[0].layers[local].post_norm, d.norm_epsilon)
+        return x + out
 
     def _attend(self, q, k, v, batch: "_Batch", layer, tp_rank) -> torch.Tensor:
         kv = batch.kv
@@ -304,6 +313,11 @@ class Model:
             if scale is not None:
                 keys, values = dequantize_kv(keys, scale), dequantize_kv(values, scale)
             query = q[g.q_index].view(g.batch, g.q_len, *q.shape[1:]).transpose(1, 2)
+            if self.d.attn_softcap:
+                o = self._softcapped(query, keys.transpose(1, 2), values.transpose(1, 2), g.mask(window),
+                                     self.d.attn_softcap)
+                out[g.tokens] = o.transpose(1, 2).reshape(g.batch * g.q_len, -1)[g.valid]
+                continue
             causal = g.plain_causal(window)
             o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2),
                                                attn_mask=None if causal else g.mask(window), is_causal=causal,
@@ -311,17 +325,38 @@ class Model:
             out[g.tokens] = o.transpose(1, 2).reshape(g.batch * g.q_len, -1)[g.valid]
         return out
 
+    def _softcapped(self, query, keys, values, mask, cap: float) -> torch.Tensor:
+        """Attention with soft-capped scores (Gemma 2's attn_logit_softcapping, TensorRT-LLM's max_attn_value):
+        tanh(s / c) * c after scaling, before the mask; SDPA has no such hook, so the scores are materialised.
+        query [B, heads, q, hd], keys/values [B, kv_heads, S, hd], mask [B, 1, q, S] (True: attend)."""
+        groups = query.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        scores = torch.tanh(query @ keys.transpose(-1, -2) * self.scale / cap) * cap
+        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        return weights @ values
+
     def _mlp_block(self, shards, local, x) -> torch.Tensor:
-        h = rms_norm(x, shards[0].layers[local].post_norm, self.d.norm_epsilon)
+        first = shards[0].layers[local]
+        gemma = self.d.inter_layernorms  # Gemma 2: pre/post_feedforward_layernorm around a GELU-gated MLP
+        pre = first.pre_ff_norm if gemma and first.pre_ff_norm is not None else first.post_norm
+        h = rms_norm(x, pre, self.d.norm_epsilon)
+        act = _gelu_tanh if self.d.hidden_act == "gelu" else F.silu
         total = torch.zeros(0)
         for i, s in enumerate(shards):
             w = s.layers[local]
             if w.experts is not None:  # mixture of experts: this rank's experts' part (moe.py)
                 part = w.experts(h)
             else:
-                part = w.proj(F.silu(w.fc(h)) * w.gate(h), add_bias=False)
+                part = w.proj(act(w.fc(h)) * w.gate(h), add_bias=False)
             total = part if i == 0 else total + part
         total = self._tp_sum(total)
-        proj = shards[0].layers[local].proj
-        bias = proj.bias if proj is not None else None
-        return x + (total + bias if bias is not None else total)
+        bias = first.proj.bias if first.proj is not None else None
+        out = total + bias if bias is not None else total
+        if gemma and first.post_ff_norm is not None:
+            out = rms_norm(out, first.post_ff_norm, self.d.norm_epsilon)
+        return x + out
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """TensorRT-LLM's `gelu` (functional.py: the tanh approximation), HF's gelu_pytorch_tanh."""
+    return F.gelu(x, approximate="tanh")

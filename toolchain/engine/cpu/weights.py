@@ -53,6 +53,8 @@ class LayerShard:
     q_norm: torch.Tensor | None = None  # qk_layernorm: RMSNorm weight over each q head (head_size,)
     k_norm: torch.Tensor | None = None
     kv_scale: torch.Tensor | None = None  # INT8/FP8 KV cache: the layer's scale (1,), the same on every rank
+    pre_ff_norm: torch.Tensor | None = None   # inter_layernorms (Gemma 2): before the MLP
+    post_ff_norm: torch.Tensor | None = None  # inter_layernorms: on the MLP output
 
 
 @dataclass
@@ -102,6 +104,9 @@ def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tupl
         p = _layer(i)
         out[f"{p}.input_layernorm.weight"] = ((H,), "float")
         out[f"{p}.post_layernorm.weight"] = ((H,), "float")
+        if d.inter_layernorms:
+            out[f"{p}.pre_feedforward_layernorm.weight"] = ((H,), "float")
+            out[f"{p}.post_feedforward_layernorm.weight"] = ((H,), "float")
         if d.qk_layernorm:  # one norm shared by every head, full on every rank
             out[f"{p}.attention.q_layernorm.weight"] = ((hd,), "float")
             out[f"{p}.attention.k_layernorm.weight"] = ((hd,), "float")
@@ -270,6 +275,8 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
             q_norm=t.get(f"{p}.attention.q_layernorm.weight") if d.qk_layernorm else None,
             k_norm=t.get(f"{p}.attention.k_layernorm.weight") if d.qk_layernorm else None,
             kv_scale=t.get(f"{p}.attention.kv_cache_scaling_factor"),
+            pre_ff_norm=t.get(f"{p}.pre_feedforward_layernorm.weight"),
+            post_ff_norm=t.get(f"{p}.post_feedforward_layernorm.weight"),
         ))
     shard = RankShard(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, layers=layers)
     shard.embedding = t.get(EMBEDDING)
@@ -333,6 +340,8 @@ def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
                 p = _layer(i)
                 pairs += [(f"{p}.input_layernorm.weight", la.input_norm, lb.input_norm),
                           (f"{p}.post_layernorm.weight", la.post_norm, lb.post_norm),
+                          (f"{p}.pre_feedforward_layernorm.weight", la.pre_ff_norm, lb.pre_ff_norm),
+                          (f"{p}.post_feedforward_layernorm.weight", la.post_ff_norm, lb.post_ff_norm),
                           (f"{p}.attention.q_layernorm.weight", la.q_norm, lb.q_norm),
                           (f"{p}.attention.k_layernorm.weight", la.k_norm, lb.k_norm),
                           (f"{p}.attention.kv_cache_scaling_factor", la.kv_scale, lb.kv_scale),
