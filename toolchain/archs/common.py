@@ -37,6 +37,11 @@ class Shard(str, enum.Enum):
     # (TensorRT-LLM tensorrt_llm/models/llama/convert.py, `if moe_config.has_moe()`).
     EXPERT_FC = "expert_fc"      # [w3; w1] per expert, concatenated along out (part "w3" or "w1")
     EXPERT_PROJ = "expert_proj"  # w2 per expert, its input (expert width) split over moe_tp
+    # Fused HF projections (Phi-3: tensorrt_llm/models/phi3/convert.py): one HF tensor whose rows are
+    # several projections. FUSED_QKV is [q; k; v] and shards like QKV rows; GATED_FC is [gate; up] and
+    # becomes a swiglu fc [up; gate] on every rank, each half split over tp (sharding.split_gated_fc).
+    FUSED_QKV = "fused_qkv"
+    GATED_FC = "gated_fc"
 
 
 class Stage(str, enum.Enum):
@@ -96,6 +101,8 @@ class Family:
     """Family-specific config normalisation: (HF config dict, ArchParams, origin) -> ArchParams.
     Runs after the shared alias lookup, for what only this family's HF config spells
     (sliding windows, forced biases, q/k norms) and what it cannot represent."""
+    llmapi_refusal: Callable[[Any, int, bool], str | None] | None = None
+    """(ArchParams, tp, quantized) -> why the LLM-API path (PyTorch backend) cannot serve this model, or None."""
 
     def __post_init__(self) -> None:
         # Table mistakes are programming errors: fail at import, not mid-conversion.
@@ -117,6 +124,7 @@ class Family:
 
 
 EXPERT_SHARDS = (Shard.EXPERT_FC, Shard.EXPERT_PROJ)
+FUSED_SHARDS = (Shard.FUSED_QKV, Shard.GATED_FC)  # one HF tensor holding several projections
 
 # Symbols for Row.shape, so tables state shapes without code.
 DIMS: dict[str, Callable[[Any], int]] = {
@@ -127,6 +135,8 @@ DIMS: dict[str, Callable[[Any], int]] = {
     "KV": lambda p: p.num_key_value_heads * p.head_size,    # k_proj / v_proj rows
     "HD": lambda p: p.head_size,                              # per-head q/k norms (Qwen3)
     "E": lambda p: p.num_experts,                             # MoE router rows
+    "QKV": lambda p: (p.num_attention_heads + 2 * p.num_key_value_heads) * p.head_size,  # fused qkv_proj rows
+    "2I": lambda p: 2 * p.intermediate_size,                  # fused gate_up_proj rows
 }
 
 
