@@ -219,3 +219,34 @@ def test_prequantized_phi3_is_refused_in_one_line(phi3, tmp_path):
     (tmp_path / "ck").mkdir()
     with pytest.raises(ToolchainError, match="pre-quantized Phi3ForCausalLM checkpoint"):
         convert_checkpoint(src, tmp_path / "ck", tp=1, pp=1, dtype="float32", target="cpu")
+
+
+def test_llmapi_cpu_stand_in_serves_phi3_at_tp1_with_transformers_tokens(phi3_longrope, tmp_path):
+    """The LLM-API path takes the HF checkpoint as it is; its CPU stand-in (CpuLLM) runs Phi-3 with longrope."""
+    import shutil
+    import threading
+
+    from triton_helpers import make_tiny_tokenizer
+
+    from toolchain.llmapi.cpu_llm import CpuLLM
+    from toolchain.llmapi.cpu_llm import SamplingParams as LlmParams
+
+    hf = tmp_path / "hf"
+    shutil.copytree(phi3_longrope, hf)
+    make_tiny_tokenizer(hf)
+    with CpuLLM(model=str(hf), backend="pytorch", tensor_parallel_size=1, max_batch_size=2, max_seq_len=128,
+                max_num_tokens=128, kv_cache_config={"max_tokens": 512}, work_dir=tmp_path / "work") as llm:
+        for prompt in (SHORT_PROMPT, LONG_PROMPT):
+            text = " ".join(llm.tokenizer.decode([t]) for t in prompt[1:])
+            ids = llm.encode(text)
+            done, seen = threading.Event(), []
+
+            def on_output(out, seen=seen, done=done):
+                if out.finished:
+                    seen.append(list(out.outputs[0].token_ids))
+                    done.set()
+
+            llm.generate_async(text, LlmParams.from_kwargs({"max_tokens": NEW, "ignore_eos": True, "top_k": 1}),
+                               False, on_output=on_output)
+            assert done.wait(60)
+            assert seen[0] == hf_greedy(_hf(phi3_longrope), ids, NEW)
