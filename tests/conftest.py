@@ -131,6 +131,7 @@ HF_CLASSES = {
     "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM"),
     "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM"),
     "MixtralForCausalLM": ("MixtralConfig", "MixtralForCausalLM"),
+    "Phi3ForCausalLM": ("Phi3Config", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("Qwen2Config", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
     "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),

@@ -42,7 +42,7 @@ def test_missing_architectures_key():
 def test_registry_imports_family_modules_lazily():
     code = ("import sys, toolchain.archs; print(any(m in sys.modules for m in "
             "('toolchain.archs.llama', 'toolchain.archs.mistral', 'toolchain.archs.mixtral', 'toolchain.archs.qwen', "
-            "'toolchain.archs.gemma')))")
+            "'toolchain.archs.gemma', 'toolchain.archs.phi3')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -196,6 +196,7 @@ ARCH_FIXTURES = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _family("MistralForCausalLM", sliding_window=8),
     "MixtralForCausalLM": _family("MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2),
+    "Phi3ForCausalLM": _family("Phi3ForCausalLM", pad_token_id=0),
     "Qwen2ForCausalLM": _family("Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": _family("Qwen3ForCausalLM", head_dim=32),
     "Qwen2MoeForCausalLM": _family("Qwen2MoeForCausalLM", num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=96),
@@ -221,9 +222,10 @@ def test_partial_rotary_rejected():
 
 def test_registry_lists_every_family():
     assert supported() == ["Gemma2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-                           "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
-    assert [get_family(a).name for a in supported()] == ["gemma2", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe",
-                                                         "qwen3", "qwen3_moe"]
+                           "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM"]
+    assert [get_family(a).name for a in supported()] == ["gemma2", "llama", "mistral", "mixtral", "phi3", "qwen2",
+                                                         "qwen2_moe", "qwen3", "qwen3_moe"]
 
 
 def test_cli_archs_lists_them(capsys):

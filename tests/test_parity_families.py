@@ -52,6 +52,7 @@ FAMILIES = {
     "mistral-window": ("MistralForCausalLM", dict(seed=11, sliding_window=8)),
     # 4 experts, top-2: at tp 4 every expert's width splits over moe_tp 4 (the default Mapping derives)
     "mixtral-moe": ("MixtralForCausalLM", dict(seed=15, num_local_experts=4, num_experts_per_tok=2)),
+    "phi3-fused": ("Phi3ForCausalLM", dict(seed=16, pad_token_id=0, vocab_size=251)),  # longrope: test_phi3.py
     "qwen2-bias-tied": ("Qwen2ForCausalLM", dict(seed=12, vocab_size=251, tie_word_embeddings=True)),
     "qwen3-qknorm": ("Qwen3ForCausalLM", dict(seed=13, head_dim=32)),
     "qwen2-moe-shared": ("Qwen2MoeForCausalLM", dict(seed=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=96)),

@@ -205,6 +205,8 @@ TRIGGERS = {
     "llmapi.speculative": ({"target": "llmapi", "speculative": {"mode": "medusa", "max_draft_len": 4}}, {}, FAIL),
     "llmapi.quantization": ({"target": "llmapi", "quantization": {"method": "smoothquant"}}, {}, FAIL),
     "llmapi.options": ({"target": "llmapi", "llmapi": {"options": {"max_num_tokenz": 64}}}, {}, FAIL),
+    "llmapi.architecture": ({"target": "llmapi", "parallelism": {"tp": 2},
+                             "model": {"checkpoint": str(CONFIGS / "phi-3-mini-128k-instruct")}}, {}, FAIL),
     "llmapi.runtime-version": ({"target": "llmapi"}, {"stage": "serve"}, FAIL),
     "llmapi.num-tokens-vs-input": ({"target": "llmapi", "limits": {"max_input_len": 8192, "max_seq_len": 8192 + 512,
                                                                    "max_num_tokens": 4096}}, {}, WARN),

@@ -22,6 +22,7 @@ _REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "toolchain.archs.llama",
     "MistralForCausalLM": "toolchain.archs.mistral",
     "MixtralForCausalLM": "toolchain.archs.mixtral",
+    "Phi3ForCausalLM": "toolchain.archs.phi3",
     "Qwen2ForCausalLM": "toolchain.archs.qwen:QWEN2",
     "Qwen2MoeForCausalLM": "toolchain.archs.qwen_moe:QWEN2_MOE",
     "Qwen3ForCausalLM": "toolchain.archs.qwen:QWEN3",

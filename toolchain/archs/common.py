@@ -41,6 +41,11 @@ class Shard(str, enum.Enum):
     # gate each split over tp like COLUMN, and each rank's [up; gate] slices concatenated along out (part "w3"
     # for up, the linear half, "w1" for gate, the activated half, as in EXPERT_FC).
     GATED_FC = "gated_fc"
+    # Fused HF projections (Phi-3: tensorrt_llm/models/phi3/convert.py): one HF tensor whose rows are
+    # several projections. FUSED_QKV is [q; k; v] and shards like QKV rows; FUSED_GATE_UP is [gate; up] and
+    # becomes a swiglu fc [up; gate] on every rank, each half split over tp (sharding.split_gated_fc).
+    FUSED_QKV = "fused_qkv"
+    FUSED_GATE_UP = "fused_gate_up"
 
 
 class Stage(str, enum.Enum):
@@ -103,6 +108,8 @@ class Family:
     (sliding windows, forced biases, q/k norms) and what it cannot represent."""
     parallel_embedding_at_tp: bool = False
     """TensorRT-LLM's config class forces use_parallel_embedding = tp > 1 (GemmaConfig), whatever config.json says."""
+    llmapi_refusal: Callable[[Any, int, bool], str | None] | None = None
+    """(ArchParams, tp, quantized) -> why the LLM-API path (PyTorch backend) cannot serve this model, or None."""
 
     def __post_init__(self) -> None:
         # Table mistakes are programming errors: fail at import, not mid-conversion.
@@ -124,6 +131,7 @@ class Family:
 
 
 EXPERT_SHARDS = (Shard.EXPERT_FC, Shard.EXPERT_PROJ)
+FUSED_SHARDS = (Shard.FUSED_QKV, Shard.FUSED_GATE_UP)  # one HF tensor holding several projections
 
 # Symbols for Row.shape, so tables state shapes without code.
 DIMS: dict[str, Callable[[Any], int]] = {
@@ -137,6 +145,8 @@ DIMS: dict[str, Callable[[Any], int]] = {
     "EI": lambda p: p.expert_size,                            # each routed expert's width
     "SI": lambda p: p.shared_expert_size,                     # the shared expert's width (Qwen2-MoE)
     "1": lambda p: 1,                                         # a single output row (Qwen2-MoE's shared_expert_gate)
+    "QKV": lambda p: (p.num_attention_heads + 2 * p.num_key_value_heads) * p.head_size,  # fused qkv_proj rows
+    "2I": lambda p: 2 * p.intermediate_size,                  # fused gate_up_proj rows
 }
 
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 from toolchain.archs.common import Family
 from toolchain.archs.params import ArchParams
 
-TOP_LEVEL_KEYS = frozenset({
+# Phi3Config's own keys (tensorrt_llm/models/phi3/config.py): rotary_pct always, the longrope ones with long_rope.
+PHI3_KEYS = frozenset({"rotary_pct", "original_max_position_embeddings", "longrope_scaling_short_factors",
+                       "longrope_scaling_long_factors"})
+TOP_LEVEL_KEYS = PHI3_KEYS | frozenset({
     "architecture", "dtype", "logits_dtype", "vocab_size", "hidden_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_size", "intermediate_size", "hidden_act",
     "norm_epsilon", "position_embedding_type", "max_position_embeddings", "rotary_base", "rotary_scaling",
@@ -29,7 +32,7 @@ GEMMA2_KEYS = frozenset({"query_pre_attn_scalar", "attn_logit_softcapping", "fin
                          "inter_layernorms"})
 TOP_LEVEL_KEYS = TOP_LEVEL_KEYS | GEMMA2_KEYS
 REQUIRED_KEYS = TOP_LEVEL_KEYS - {"qwen_type", "seq_length", "moe", "runtime_defaults", "moe_intermediate_size",
-                                  "moe_shared_expert_intermediate_size"} - GEMMA2_KEYS
+                                  "moe_shared_expert_intermediate_size"} - GEMMA2_KEYS - PHI3_KEYS
 RUNTIME_DEFAULT_KEYS = frozenset({"max_attention_window", "sink_token_length"})
 MAPPING_KEYS = frozenset({"world_size", "tp_size", "pp_size", "cp_size", "moe_tp_size", "moe_ep_size",
                           "moe_cluster_size", "gpus_per_node"})

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from toolchain.archs import gemma, load_params, moe
-from toolchain.archs.common import NameTable
+from toolchain.archs.common import FUSED_SHARDS, NameTable
 from toolchain.archs.params import ArchParams, engine_dtype
 from toolchain.checkpoint import sharding
 from toolchain.checkpoint.config import build_config
@@ -74,6 +74,10 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     refusal = gemma.quantization_refusal(params, recipe.method, recipe.kv_cache, stored)
     if refusal is not None:
         raise ToolchainError(refusal, gemma.QUANTIZATION_HINT)
+    if isinstance(qc, dict) and any(r.shard in FUSED_SHARDS for r in family.rows):
+        raise ToolchainError(f"{ckpt.config_path}: a pre-quantized {params.architecture} checkpoint "
+                             f"({qc.get('quant_method', 'quantization_config')}) with fused projections",
+                             "convert the unquantized model and set quantization.method instead")
     config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
     fmt = None
     if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "modelopt":

@@ -199,6 +199,8 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
         refusal = gemma.quantization_refusal(params, recipe.method, recipe.kv_cache)
         if refusal is not None:
             raise ToolchainError(refusal, gemma.QUANTIZATION_HINT)
+        if family.llmapi_refusal is not None and (why := family.llmapi_refusal(params, 1, True)) is not None:
+            raise ToolchainError(why)
         table = NameTable(family, params)
         unmatched = [n for n in ckpt.names() if table.match(n) is None]
         if unmatched:

@@ -168,6 +168,11 @@ def shard_group(group: Group, tensors: dict[str, torch.Tensor], params: ArchPara
                 pieces = sharding.split_column(src, tp)
             elif shard is Shard.ROW:
                 pieces = sharding.split_row(src, tp)
+            elif shard is Shard.FUSED_QKV:
+                pieces = sharding.split_fused_qkv(src, nh=params.num_attention_heads,
+                                                  nkv=params.num_key_value_heads, tp=tp)
+            elif shard is Shard.FUSED_GATE_UP:
+                pieces = sharding.split_gated_fc(src, tp)
             elif shard is Shard.REPLICATE:
                 pieces = [src] * tp
             elif shard is Shard.VOCAB:

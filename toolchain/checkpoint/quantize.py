@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from toolchain.archs.common import NameTable, Shard, trt_name
+from toolchain.archs.common import FUSED_SHARDS, NameTable, Shard, trt_name
 from toolchain.checkpoint import sharding
 from toolchain.checkpoint.hf_quant import COMPANIONS, HF_WEIGHT, engine_kv_scale, fuse_group, stored_linear
 from toolchain.checkpoint.hf_reader import HFCheckpoint, TensorInfo
@@ -173,7 +173,9 @@ class Quantizer:
             return shape
         local = self.layout.padded_intermediate // self.tp
         if lin[1] in MLP_OUT:
-            return (local, shape[1])
+            # a fused swiglu fc (Phi-3) holds both halves, each padded (Quantizer.pad pads each part)
+            halves = 2 if shape[0] * self.tp == 2 * self.intermediate else 1
+            return (halves * local, shape[1])
         if lin[1] in MLP_IN:
             return (shape[0], local)
         return shape
@@ -334,8 +336,11 @@ class Quantizer:
         if comp.layout == "in_vec":
             t = comp.parts[0]
             return list(t.chunk(tp)) if shard is Shard.ROW and tp > 1 else [t] * tp
-        if shard is Shard.QKV:
+        if shard in (Shard.QKV, Shard.FUSED_QKV):
             return sharding.split_qkv(*comp.parts, nh=self.nh, nkv=self.nkv, tp=tp)
+        if shard in (Shard.GATED_FC, Shard.FUSED_GATE_UP):  # parts (up, gate): per rank [up_r; gate_r] (sharding.split_gated_fc)
+            up, gate = (sharding.split_column(t, tp) for t in comp.parts)
+            return [torch.cat([u, g]) for u, g in zip(up, gate, strict=True)]
         (t,) = comp.parts
         if shard is Shard.COLUMN:
             return sharding.split_column(t, tp)
@@ -389,10 +394,19 @@ class Quantizer:
         per_output = [list(group.sources)] if o0.row.shard is Shard.QKV else [[s] for s in group.sources]
         prefixes = [[s[: -len(".weight")] for s in srcs] for srcs in per_output]
         weights = None
+        fused = o0.row.shard in FUSED_SHARDS
+        if fused and self.imports:
+            raise ToolchainError(f"{o0.name}: a pre-quantized checkpoint with fused projections "
+                                 f"({group.sources[0]}) is not imported",
+                                 "convert the unquantized model with quantization.method set instead")
         if not self.imports:
             rows = [o0.row] if o0.row.shard is Shard.QKV else [o.row for o in group.outputs]
             weights = [[prepare(ckpt.load(s), row, torch.float32, s) for s in srcs]
                        for row, srcs in zip(rows, per_output, strict=False)]
+            if fused:  # one fused source -> its projections, quantized as q/k/v (or fc/gate) are
+                (w,), = weights
+                weights = [list(sharding.unfuse_qkv(w, nh=self.nh, nkv=self.nkv)
+                                if o0.row.shard is Shard.FUSED_QKV else sharding.gated_halves(w))]
         comps = self.components(module, layer, weights, prefixes, lambda n: ckpt.read(self.raw[n]))
         result: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for o, cs in zip(group.outputs, comps, strict=False):

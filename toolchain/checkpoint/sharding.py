@@ -128,6 +128,38 @@ def split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, nh: int, nkv
     return out
 
 
+def unfuse_qkv(t: torch.Tensor, *, nh: int, nkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused [q; k; v] tensor (HF Phi-3 qkv_proj, rows nh*hd + 2*nkv*hd) as its q, k and v rows:
+    HF Phi3Attention slices its output that way (query, then key, then value)."""
+    hd = t.shape[0] // (nh + 2 * nkv)
+    q, k, v = t.split([nh * hd, nkv * hd, nkv * hd], dim=0)
+    return q, k, v
+
+
+def split_fused_qkv(t: torch.Tensor, *, nh: int, nkv: int, tp: int) -> list[torch.Tensor]:
+    """A fused [q; k; v] tensor laid out per rank exactly like separate q/k/v rows (split_qkv): what
+    TensorRT-LLM's Phi-3 converter writes (tensorrt_llm/models/phi3/split_weights.py split_weights_tp:
+    q, k and v each split over tp and concatenated per rank; k/v heads duplicated when tp > nkv here too)."""
+    return split_qkv(*unfuse_qkv(t, nh=nh, nkv=nkv), nh=nh, nkv=nkv, tp=tp)
+
+
+def gated_halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF Phi-3 gate_up_proj [gate; up] (Phi3MLP: `gate, up_states = ....chunk(2, dim=-1)`) as (up, gate),
+    the order TensorRT-LLM's swiglu fc holds them (convert.py swaps the halves; swiglu computes
+    silu(second half) * first half: tensorrt_llm/functional.py)."""
+    gate, up = t.chunk(2, dim=0)
+    return up, gate
+
+
+def split_gated_fc(t: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """Per rank [up_r; gate_r]: each half split over tp, so every rank's swiglu pairs an up row with its
+    own gate row. At tp 1 this is convert.py's swapped tensor. Open point: TensorRT-LLM's Phi-3
+    split_weights_tp cuts the fused [up; gate] contiguously (split_matrix_tp dim 0), which at tp > 1
+    hands one rank only up rows; its MoE branch splits w3 and w1 separately and concatenates, as here."""
+    up, gate = gated_halves(t)
+    return [torch.cat([u, g], dim=0) for u, g in zip(split_column(up, tp), split_column(gate, tp), strict=True)]
+
+
 def split_column(t: torch.Tensor, tp: int) -> list[torch.Tensor]:
     """Column-parallel: output features (dim 0) split evenly; biases likewise."""
     return list(t.chunk(tp, dim=0)) if tp > 1 else [t]

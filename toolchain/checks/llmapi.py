@@ -4,6 +4,7 @@ upstream/facts/llmapi.json), caught before anything is written."""
 
 from __future__ import annotations
 
+from toolchain.archs import get_family
 from toolchain.checks.registry import ENGINE, FAIL, LLMAPI_PATH, PASS, SERVING, SKIP, WARN, Context, check
 from toolchain.llmapi.args import options_problem
 from toolchain.speculative import mode_of, refusal
@@ -53,6 +54,21 @@ def _quantization(ctx: Context):
         return FAIL, problem
     # target llmapi-cpu runs it too: the CPU stand-in imports that checkpoint as stored.
     return PASS, f"convert writes a Hugging Face-format {q.method}/{q.kv_cache} checkpoint"
+
+
+@check("llmapi.architecture", BOTH, "the PyTorch backend's model of the family must load it at this tp "
+       "(TensorRT-LLM tensorrt_llm/_torch/models/modeling_*.py; the family's llmapi_refusal)", paths=LLMAPI_PATH)
+def _architecture(ctx: Context):
+    if ctx.model is None or not ctx.model.registered:
+        return SKIP, "model config not readable here or not a registered family; the stage reports why"
+    p = ctx.model.params
+    family = get_family(p.architecture)
+    q = ctx.spec.quantization
+    why = family.llmapi_refusal(p, ctx.spec.parallelism.tp, q.method != "none" or q.kv_cache != "none") \
+        if family.llmapi_refusal is not None else None
+    if why is not None:
+        return FAIL, why
+    return PASS, f"{p.architecture} at tp {ctx.spec.parallelism.tp}"
 
 
 @check("llmapi.options", BOTH, "every llmapi.options key must be an LLM-API argument of the pinned release "

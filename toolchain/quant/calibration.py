@@ -37,6 +37,10 @@ HOLDOUT_EVERY = 20
 # HF module names of a Llama-family decoder layer, by the slot their input feeds.
 SLOTS = {"qkv": "self_attn.q_proj", "dense": "self_attn.o_proj", "mlp": "mlp.gate_proj", "proj": "mlp.down_proj"}
 KV_OUTPUTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+# Families whose HF layer fuses projections (Phi-3: qkv_proj, gate_up_proj) feed the same inputs to the
+# fused module; its output holds q, k and v, so the KV amax over it is the one over q, k and v.
+FUSED_SLOTS = {"qkv": "self_attn.qkv_proj", "mlp": "mlp.gate_up_proj"}
+FUSED_KV_OUTPUTS = ("self_attn.qkv_proj",)
 
 
 # -- data ------------------------------------------------------------------------------
@@ -200,8 +204,9 @@ def _layer_stats(hf_dir: Path, sequences: list[torch.Tensor], covariance: bool,
         layer.load_state_dict(weights.prefixed(f"model.layers.{i}."), strict=True)
         stats = LayerStats()
         hooks = []
+        fused = hasattr(layer.self_attn, "qkv_proj")
         for slot, name in SLOTS.items():
-            module = layer.get_submodule(name)
+            module = layer.get_submodule(FUSED_SLOTS.get(slot, name) if fused else name)
             width = module.in_features
             stats.inputs[slot] = InputStats(torch.zeros(width), torch.zeros(width),
                                             torch.zeros(width, width, dtype=torch.float64) if covariance else None)
@@ -209,7 +214,8 @@ def _layer_stats(hf_dir: Path, sequences: list[torch.Tensor], covariance: bool,
 
         def kv_hook(_m, _args, out, st=stats):
             st.qkv_amax = max(st.qkv_amax, float(out.detach().abs().max()))
-        hooks += [layer.get_submodule(n).register_forward_hook(kv_hook) for n in KV_OUTPUTS]
+        hooks += [layer.get_submodule(n).register_forward_hook(kv_hook)
+                  for n in (FUSED_KV_OUTPUTS if fused else KV_OUTPUTS)]
         with torch.no_grad():
             hidden = [layer(h, position_embeddings=pe, attention_mask=None) for h, pe in zip(hidden, rope, strict=False)]
         for h in hooks:

@@ -31,6 +31,9 @@ ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
 # Gemma2ForCausalLM: TensorRT-LLM's Gemma decoder (tensorrt_llm/models/gemma/model.py; archs/gemma.py).
 GEMMA2 = "Gemma2ForCausalLM"
 ARCHITECTURES.add(GEMMA2)
+# Phi3ForCausalLM: its MLP is one swiglu fc [up; gate] per rank, no gate linear (tensorrt_llm/models/phi3/model.py).
+FUSED_MLP_ARCHITECTURES = {"Phi3ForCausalLM"}
+ARCHITECTURES |= FUSED_MLP_ARCHITECTURES
 MOE_NORMALIZATIONS = (0, 1)  # ExpertScaleNormalizationMode NONE, RENORMALIZE (SPARSE_MIXER is not run here)
 ROPE_TYPES = {None, "none", "linear", "llama3"}
 UNQUANTIZED = {None, "NO_QUANT"}
@@ -103,6 +106,8 @@ class ModelDims:
     """Gemma 2 attn_logit_softcapping: scores become tanh(s / c) * c before the mask and softmax."""
     final_softcap: float | None = None
     """Gemma 2 final_logit_softcapping: logits become tanh(l / c) * c."""
+    fused_mlp: bool = False
+    """Phi3ForCausalLM: mlp.fc holds [up; gate] per rank (swiglu), and there is no mlp.gate."""
 
     @property
     def is_moe(self) -> bool:
@@ -204,6 +209,20 @@ def _rope_scaling(raw: Any, origin: str) -> dict | None:
     return {**raw, "type": kind}
 
 
+def _long_rope(cfg: dict, origin: str) -> dict:
+    """Phi-3's long_rope keys (tensorrt_llm/models/phi3/model.py passes them to Attention) as the rotary
+    scaling engine/cpu/rope.py computes."""
+    short, long_ = cfg.get("longrope_scaling_short_factors"), cfg.get("longrope_scaling_long_factors")
+    original = cfg.get("original_max_position_embeddings")
+    if (not isinstance(short, list) or not isinstance(long_, list) or len(short) != len(long_)
+            or not isinstance(original, int) or original < 1):
+        raise ToolchainError(f"{origin}: long_rope needs longrope_scaling_short_factors and _long_factors of equal "
+                             "length and a positive original_max_position_embeddings", _REBUILD)
+    return {"type": "longrope", "short_factor": short, "long_factor": long_,
+            "original_max_position_embeddings": original,
+            "max_position_embeddings": int(cfg.get("max_position_embeddings", original))}
+
+
 def _windows(raw: Any, origin: str) -> tuple[int, ...] | None:
     """TensorRT-LLM's RuntimeDefaults.max_attention_window: a list of positive
     ints, repeated over the layers when shorter than num_layers."""
@@ -226,9 +245,10 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
     if arch not in ARCHITECTURES:
         raise ToolchainError(f"{origin}: architecture '{arch}' is not supported by the CPU engine",
                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    if cfg.get("position_embedding_type", "rope_gpt_neox") != "rope_gpt_neox":
-        raise ToolchainError(f"{origin}: position_embedding_type '{cfg['position_embedding_type']}' "
-                             "is not supported by the CPU engine", "only rope_gpt_neox is")
+    position = cfg.get("position_embedding_type", "rope_gpt_neox")
+    if position != "rope_gpt_neox" and not (position == "long_rope" and arch in FUSED_MLP_ARCHITECTURES):
+        raise ToolchainError(f"{origin}: position_embedding_type '{position}' "
+                             "is not supported by the CPU engine", "only rope_gpt_neox (and Phi-3's long_rope) are")
     mapping = cfg.get("mapping") or {}
     tp, pp = int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
     world = int(mapping.get("world_size", tp * pp))
@@ -250,7 +270,8 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         hidden_act=_need(cfg, "hidden_act", str, origin),
         norm_epsilon=float(cfg.get("norm_epsilon", 1e-5)),
         rotary_base=float(cfg.get("rotary_base", 10000.0)),
-        rotary_scaling=_rope_scaling(cfg.get("rotary_scaling"), origin),
+        rotary_scaling=(_long_rope(cfg, origin) if position == "long_rope"
+                        else _rope_scaling(cfg.get("rotary_scaling"), origin)),
         attn_bias=bool(cfg.get("attn_bias", False)),
         # TRT-LLM's Qwen attention has biased q/k/v but an unbiased output projection.
         dense_bias=bool(cfg.get("attn_bias", False)) and not _qwen_decoder(arch, cfg),
@@ -271,6 +292,7 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         **_medusa_dims(arch, cfg, origin),
         **_moe_dims(cfg, mapping, tp, origin),
         **_gemma2_dims(arch, cfg, origin),
+        fused_mlp=arch in FUSED_MLP_ARCHITECTURES,
     )
     _check_dims(dims, origin)
     return dims
@@ -351,7 +373,7 @@ def _medusa_dims(arch: str, cfg: dict, origin: str) -> dict:
 def _check_dims(d: ModelDims, origin: str) -> None:
     problems = []
     # upstream writes swiglu for mixture-of-experts MLPs (the gate fused into fc), silu for dense ones
-    act = "swiglu" if d.is_moe else "gelu" if d.architecture == GEMMA2 else "silu"
+    act = "swiglu" if d.is_moe or d.fused_mlp else "gelu" if d.architecture == GEMMA2 else "silu"
     if d.hidden_act != act:
         problems.append(f"hidden_act '{d.hidden_act}' (only {act} is supported{' for experts' if d.is_moe else ''})")
     if d.num_heads % d.tp:
@@ -383,6 +405,9 @@ def _check_dims(d: ModelDims, origin: str) -> None:
         problems.append(f"embedding_sharding_dim {d.embedding_sharding_dim} (must be 0 or 1)")
     if d.use_parallel_embedding and d.embedding_sharding_dim == 1 and d.hidden_size % d.tp:
         problems.append(f"hidden_size {d.hidden_size} not divisible by tp {d.tp} (embedding_sharding_dim 1)")
+    if d.rotary_scaling and d.rotary_scaling["type"] == "longrope" and len(d.rotary_scaling["short_factor"]) * 2 != d.head_size:
+        problems.append(f"longrope factors for {len(d.rotary_scaling['short_factor']) * 2} rotary dims, head_size "
+                        f"{d.head_size}")
     if d.head_size % 2:
         problems.append(f"head_size {d.head_size} is odd (rotary needs pairs)")
     if problems:

@@ -163,6 +163,7 @@ class Model:
         context: list[tuple] = []
         write: list[torch.Tensor] = []
         positions: list[torch.Tensor] = []
+        lengths: list[torch.Tensor] = []  # each token's request length after this step (longrope picks by it)
         first = 0
         for c in chunks:
             past, n = c.table.length, len(c.tokens)
@@ -176,12 +177,13 @@ class Model:
                 positions.append(past + depth)
             else:
                 positions.append(torch.arange(past, past + n))
+            lengths.append(torch.full((n,), past + n, dtype=torch.int64))
             (decode if n == 1 else context).append((first, n, past, slots, anc))
             rows.append((first, first + n))
             first += n
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
         batch = _Batch(torch.cat(write), [_Group(g) for g in (decode, context) if g], kv)
-        cos, sin = self.rotary.tables(torch.cat(positions))
+        cos, sin = self.rotary.tables(torch.cat(positions), torch.cat(lengths))
 
         x: torch.Tensor | None = None
         for pp_rank, shards in enumerate(self.stages):
@@ -346,6 +348,9 @@ class Model:
             w = s.layers[local]
             if w.experts is not None:  # mixture of experts: this rank's experts' part (moe.py)
                 part = w.experts(h)
+            elif w.gate is None:  # one swiglu fc [up; gate] (Phi-3): silu(second half) * first half
+                up, gate = w.fc(h).chunk(2, dim=-1)
+                part = w.proj(F.silu(gate) * up, add_bias=False)
             else:
                 part = w.proj(act(w.fc(h)) * w.gate(h), add_bias=False)
             total = part if i == 0 else total + part

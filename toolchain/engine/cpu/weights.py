@@ -119,7 +119,7 @@ def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tupl
             if fmt == "int4_group" and name.startswith("mlp."):
                 # per-group int4 MLP dims are stored padded (WeightOnlyGroupwiseQuantLinear)
                 w = d.mlp_width // T
-                out_f, in_f = (w, in_f) if name != "mlp.proj" else (out_f, w)
+                out_f, in_f = (w * (out_f // (d.intermediate_size // T)), in_f) if name != "mlp.proj" else (out_f, w)
             # Row-parallel biases are full copies: their length is the full output, H.
             out.update(stored_tensors(f"{p}.{name}", out_f, in_f, bias, fmt, group=d.group_size,
                                       zero=d.has_zero_point, prequant=d.pre_quant_scale))
@@ -165,6 +165,9 @@ def _linears(d: ModelDims, qkv_out: int):
                  ("attention.dense", (d.hidden_size, d.heads_per_rank * d.head_size), d.dense_bias)]
     if d.is_moe:
         return attention
+    if d.fused_mlp:  # one swiglu fc [up; gate] (Phi-3)
+        return [*attention, ("mlp.fc", (2 * inter, d.hidden_size), d.mlp_bias),
+                ("mlp.proj", (d.hidden_size, inter), d.mlp_bias)]
     return [*attention,
             ("mlp.fc", (inter, d.hidden_size), d.mlp_bias),
             ("mlp.gate", (inter, d.hidden_size), d.mlp_bias),
@@ -265,7 +268,7 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
             dense=linear("attention.dense", d.dense_bias),
             post_norm=t[f"{p}.post_layernorm.weight"],
             fc=linear("mlp.fc", d.mlp_bias) if dense_mlp else None,
-            gate=linear("mlp.gate", d.mlp_bias) if dense_mlp else None,
+            gate=linear("mlp.gate", d.mlp_bias) if dense_mlp and not d.fused_mlp else None,
             proj=linear("mlp.proj", d.mlp_bias) if dense_mlp else None,
             experts=None if dense_mlp else Experts(
                 router=t[f"{p}.mlp.router.weight"], fc=t[f"{p}.mlp.fc.weight"], proj=t[f"{p}.mlp.proj.weight"],
