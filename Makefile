@@ -7,6 +7,11 @@ TOOLCHAIN := $(VENV)/bin/toolchain
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
+# The suite runs in two pytest-xdist workers, one test file each at a time (module fixtures stay in one process):
+# its server tests spend much of their time waiting on starts, stops and deadlines, so on two cores two files
+# at once finish well before one after the other. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 # --no-compile: pip byte-compiles every module it installs (transformers, torch, AIPerf's tree: about half of a
 # clean install's time); Python compiles the few that are imported, once, on first import instead.
 PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check --no-compile
@@ -107,14 +112,14 @@ venv-extras: dynamo
 
 test: test-extras ## Lint, then the whole suite, servers included (tests needing a live deployment are skipped)
 	$(LINT)
-	$(VENV)/bin/pytest -q -m "not perf" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -m "not perf" $(XDIST) $(PYTEST_ARGS)
 
 # The developer's tier: the unit tests that start no server and need nothing beyond `make setup` (pyproject.toml
 # registers the markers; tests/conftest.py puts `server` and `extras` on the tests by the fixtures they use).
 FAST_TESTS := not server and not extras and not slow and not perf
 test-fast: setup ## Lint, then the unit tests only: no servers, no slow tests, nothing beyond setup
 	$(LINT)
-	$(VENV)/bin/pytest -q -m "$(FAST_TESTS)" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -m "$(FAST_TESTS)" $(XDIST) $(PYTEST_ARGS)
 
 convert: setup ## HF checkpoint -> TensorRT-LLM checkpoint
 	$(TOOLCHAIN) convert $(SPEC)
