@@ -61,6 +61,19 @@ def pytest_collection_modifyitems(items):
             wanted.add("slow")
         for marker in sorted(wanted - {m.name for m in item.iter_markers()}):
             item.add_marker(marker)
+    _longest_files_first(items)
+
+
+def _longest_files_first(items) -> None:
+    """Files with the most server or slow tests first, each file's tests kept together and in order: `make test`
+    hands whole files to two xdist workers in this order, so the long ones start early and the short unit files
+    even out the end, rather than one worker finishing a long server file alone (longest job first)."""
+    weight: dict = {}
+    for item in items:
+        heavy = item.get_closest_marker(SERVER) is not None or item.get_closest_marker("slow") is not None
+        weight[item.path] = weight.get(item.path, 0) + heavy
+    first_seen = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
+    items.sort(key=lambda item: (-weight[item.path], first_seen[item.path]))
 
 
 def make_hf_llama(out: Path, *, vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
