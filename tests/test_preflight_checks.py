@@ -151,8 +151,7 @@ TRIGGERS = {
     # a valid Mapping (1 x 4 = tp) that cannot divide 6 experts over 4 ranks
     "moe.parallelism": ({"parallelism": {"tp": 4, "moe_tp": 1, "moe_ep": 4}},
                         {"setup": use_config({**MIXTRAL, "num_local_experts": 6})}, FAIL),
-    "moe.quantization": ({}, {"quant": QuantFormat("awq"), "setup": use_config(MIXTRAL)}, FAIL),
-    "gemma2.quantization": ({}, {"quant": QuantFormat("awq"), "setup": use_config(GEMMA2)}, FAIL),
+    "arch.quantization": ({}, {"quant": QuantFormat("awq"), "setup": use_config(MIXTRAL)}, FAIL),
     "arch.supported": ({"model": {"checkpoint": str(CONFIGS / "mistral-7b-instruct-v0.3")}},
                        {"setup": "unregister-mistral"}, WARN),
     "quant.group-size": ({}, {"quant": QuantFormat("awq", group_size=32)}, FAIL),
@@ -273,6 +272,18 @@ def test_check_triggers(tmp_path, monkeypatch, check_id):
     result = run(tmp_path, change, **kwargs)[check_id]
     assert result.status == expected, result.message
     assert result.message and "\n" not in result.message
+
+
+@pytest.mark.parametrize("config,quant,expected,says", [
+    (GEMMA2, QuantFormat("awq"), FAIL, "only int8_wo, int4_wo"),
+    (GEMMA2, QuantFormat("int8_wo"), PASS, "Gemma2ForCausalLM int8_wo"),
+    (MIXTRAL, QuantFormat(kv_cache="fp8"), FAIL, "quantization.kv_cache fp8 on MixtralForCausalLM"),
+    (MIXTRAL, QuantFormat(), PASS, "MixtralForCausalLM none"),
+])
+def test_arch_quantization_reads_the_family_row(tmp_path, config, quant, expected, says):
+    """One check asks every family's `quantization` refusal (the same one convert and the HF export ask)."""
+    result = run(tmp_path, {}, quant=quant, setup=use_config(config))["arch.quantization"]
+    assert result.status == expected and says in result.message, result.message
 
 
 def test_every_check_has_a_trigger_and_a_doc():

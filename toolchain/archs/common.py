@@ -110,6 +110,10 @@ class Family:
     """TensorRT-LLM's config class forces use_parallel_embedding = tp > 1 (GemmaConfig), whatever config.json says."""
     llmapi_refusal: Callable[[Any, int, bool], str | None] | None = None
     """(ArchParams, tp, quantized) -> why the LLM-API path (PyTorch backend) cannot serve this model, or None."""
+    quantization: Callable[[Any, str, str, str | None], "Refusal | None"] | None = None
+    """(ArchParams, method, kv_cache, stored) -> why this family's model cannot be quantized as asked, or None.
+    `stored` names the format of a checkpoint that is quantized already. Convert, the HF-format export and the
+    `arch.quantization` check all ask `quantization_refusal`, so a family states its limits once."""
 
     def __post_init__(self) -> None:
         # Table mistakes are programming errors: fail at import, not mid-conversion.
@@ -128,6 +132,26 @@ class Family:
                 raise ValueError(f"{self.name}: row {row.hf} names unknown transform {row.transform}")
             if row.shape is not None and not set(row.shape) <= set(DIMS):
                 raise ValueError(f"{self.name}: row {row.hf} shape uses unknown symbols {row.shape}")
+
+
+    def quantization_refusal(self, params: Any, method: str, kv_cache: str,
+                             stored: str | None = None) -> "Refusal | None":
+        """Why this model cannot be converted with `method`/`kv_cache` (or, with `stored`, imported as the
+        pre-quantized checkpoint it is), or None."""
+        if stored and any(r.shard in FUSED_SHARDS for r in self.rows):
+            # The pre-quantized importers (AutoAWQ, GPTQ, ModelOpt) map one HF tensor to one checkpoint tensor;
+            # a fused projection's packed weights and scales would have to be split per projection.
+            return Refusal(f"a pre-quantized {params.architecture} checkpoint ({stored}) with fused projections",
+                           "convert the unquantized model and set quantization.method instead")
+        return None if self.quantization is None else self.quantization(params, method, kv_cache, stored)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What a family cannot do, in the one-line error's two halves: what is wrong and how to fix it."""
+
+    why: str
+    hint: str
 
 
 EXPERT_SHARDS = (Shard.EXPERT_FC, Shard.EXPERT_PROJ)

@@ -49,7 +49,7 @@ import json
 from types import MappingProxyType
 from typing import Any
 
-from toolchain.archs.common import Family, Row, Shard
+from toolchain.archs.common import Family, Refusal, Row, Shard
 from toolchain.archs.llama import L, T, llama_rows
 from toolchain.archs.params import as_window
 from toolchain.errors import ToolchainError
@@ -150,20 +150,19 @@ def normalize(cfg: dict, params, origin: str):
 QUANT_METHODS = ("none", "int8_wo", "int4_wo")
 
 
-def quantization_refusal(params, method: str, kv_cache: str, stored: str | None = None) -> str | None:
-    """Why a Gemma 2 model cannot be quantized as asked (None: it can, or another family)."""
-    if params.architecture not in FAMILY.architectures:
-        return None
+def quantization_refusal(params, method: str, kv_cache: str, stored: str | None = None) -> Refusal | None:
+    """Why a Gemma 2 model cannot be quantized as asked (None: it can)."""
+    hint = "set quantization.method to none, int8_wo or int4_wo and quantization.kv_cache to none"
     if method not in QUANT_METHODS:
-        return f"quantization {method} on {params.architecture} is not supported yet (only int8_wo, int4_wo)"
+        return Refusal(f"quantization {method} on {params.architecture} is not supported yet (only int8_wo, "
+                       "int4_wo)", hint)
     if kv_cache != "none":
-        return f"quantization.kv_cache {kv_cache} on {params.architecture} is not supported yet (it is calibrated)"
+        return Refusal(f"quantization.kv_cache {kv_cache} on {params.architecture} is not supported yet (it is "
+                       "calibrated)", hint)
     if stored:
-        return f"a pre-quantized {params.architecture} checkpoint ({stored}) is not supported yet"
+        return Refusal(f"a pre-quantized {params.architecture} checkpoint ({stored}) is not supported yet",
+                       "convert the unquantized model and set quantization.method instead")
     return None
-
-
-QUANTIZATION_HINT = "set quantization.method to none, int8_wo or int4_wo and quantization.kv_cache to none"
 
 
 def config_extra(params) -> dict:
@@ -178,4 +177,5 @@ FAMILY = Family(
     config_extra=config_extra,
     normalize=normalize,
     parallel_embedding_at_tp=True,
+    quantization=quantization_refusal,
 )

@@ -78,8 +78,9 @@ def config_extra(params) -> dict:
 FAMILY = Family(
     name="mixtral",
     architectures=("MixtralForCausalLM",),
-    rows=tuple(r for r in llama_rows() if ".mlp." not in r.hf) + MOE_ROWS,
+    rows=moe.with_experts(llama_rows(), *MOE_ROWS),
     defaults=MIXTRAL_DEFAULTS,
     config_extra=config_extra,
     normalize=normalize,
+    quantization=moe.quantization_refusal,
 )

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from toolchain.archs.common import Refusal, Row
+
 # ExpertScaleNormalizationMode (tensorrt_llm/layers/moe.py): how the top-k routing weights are scaled.
 # "renormalize": softmax over every expert, top-k, divided by their sum (what HF Mixtral computes; upstream's
 # OOTB path does top-k on the logits then softmax over the k, the same numbers, as the maintainers answered when
@@ -90,7 +92,13 @@ def fitting_sizes(params: Any, tp: int) -> str:
     return f"at tp {tp} use {shown}" if fits else "use another parallelism.tp"
 
 
-def quantization_refusal(params: Any, method: str, kv_cache: str, stored: str | None = None) -> str | None:
+def with_experts(dense_rows: tuple[Row, ...], *expert_rows: Row) -> tuple[Row, ...]:
+    """A MoE family's rows: its dense sibling's rows without the MLP, plus the router and experts in its place
+    (Mixtral after Llama, Qwen2/3-MoE after Qwen2/3: the attention and norms are the same tensors)."""
+    return tuple(r for r in dense_rows if ".mlp." not in r.hf) + expert_rows
+
+
+def quantization_refusal(params: Any, method: str, kv_cache: str, stored: str | None = None) -> Refusal | None:
     """Why a mixture-of-experts model cannot be quantized as asked (None: unquantized, or a dense model).
     The stacked experts have no quantized layout here yet, so every format is refused rather than written
     wrong; `stored` names the format of a checkpoint that is quantized already."""
@@ -98,10 +106,9 @@ def quantization_refusal(params: Any, method: str, kv_cache: str, stored: str | 
         return None
     what = (f"quantization {method}" if method != "none" else f"quantization.kv_cache {kv_cache}"
             if kv_cache != "none" else f"a pre-quantized checkpoint ({stored})" if stored else None)
-    return None if what is None else f"{what} on {params.architecture} is not supported yet"
-
-
-QUANTIZATION_HINT = "convert it unquantized: quantization.method none, kv_cache none, float16/bfloat16 weights"
+    return None if what is None else Refusal(
+        f"{what} on {params.architecture} is not supported yet",
+        "convert it unquantized: quantization.method none, kv_cache none, float16/bfloat16 weights")
 
 
 def rank_experts(num_experts: int, moe_ep: int, tp_rank: int) -> range:

@@ -54,7 +54,7 @@ written RENORMALIZE where upstream's own converter (NONE in every stored qwen/co
 Refused: decoder_sparse_step other than 1 and non-empty mlp_only_layers (dense layers among the mixtures: the
 converter above turns every layer into one), qkv_bias false (QWenConfig writes attn_bias true for every
 qwen2_moe) or attention_bias true on Qwen3-MoE (attn_bias false for qwen3_moe), a Qwen3-MoE sliding window,
-and, as for every MoE family here, quantization (archs/moe.py quantization_refusal).
+and, as for every MoE family here, quantization (archs/moe.py quantization_refusal, the families' `quantization`).
 """
 
 from __future__ import annotations
@@ -163,19 +163,19 @@ def _extra(kind: str):
 QWEN2_MOE = Family(
     name="qwen2_moe",
     architectures=("Qwen2MoeForCausalLM",),
-    rows=tuple(r for r in llama_rows(qkv_bias=True, dense_bias=False) if ".mlp." not in r.hf) + ROUTED_ROWS
-    + SHARED_ROWS,
+    rows=moe.with_experts(llama_rows(qkv_bias=True, dense_bias=False), *ROUTED_ROWS, *SHARED_ROWS),
     defaults=QWEN2_MOE_DEFAULTS,
     config_extra=_extra("qwen2_moe"),
     normalize=_qwen2_moe,
+    quantization=moe.quantization_refusal,
 )
 
 QWEN3_MOE = Family(
     name="qwen3_moe",
     architectures=("Qwen3MoeForCausalLM",),
-    rows=tuple(r for r in llama_rows(qkv_bias=False, dense_bias=False, qk_norm=True) if ".mlp." not in r.hf)
-    + ROUTED_ROWS,
+    rows=moe.with_experts(llama_rows(qkv_bias=False, dense_bias=False, qk_norm=True), *ROUTED_ROWS),
     defaults=QWEN3_MOE_DEFAULTS,
     config_extra=_extra("qwen3_moe"),
     normalize=_qwen3_moe,
+    quantization=moe.quantization_refusal,
 )

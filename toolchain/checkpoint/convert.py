@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from toolchain.archs import gemma, load_params, moe
-from toolchain.archs.common import FUSED_SHARDS, NameTable
+from toolchain.archs import load_params
+from toolchain.archs.common import NameTable
 from toolchain.archs.params import ArchParams, engine_dtype
 from toolchain.checkpoint import sharding
 from toolchain.checkpoint.config import build_config
@@ -68,16 +68,9 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     recipe = recipe or Recipe()
     qc = ckpt.config.get("quantization_config")
     stored = str(qc.get("quant_method", "quantization_config")) if isinstance(qc, dict) else None
-    refusal = moe.quantization_refusal(params, recipe.method, recipe.kv_cache, stored)
+    refusal = family.quantization_refusal(params, recipe.method, recipe.kv_cache, stored)
     if refusal is not None:
-        raise ToolchainError(refusal, moe.QUANTIZATION_HINT)
-    refusal = gemma.quantization_refusal(params, recipe.method, recipe.kv_cache, stored)
-    if refusal is not None:
-        raise ToolchainError(refusal, gemma.QUANTIZATION_HINT)
-    if isinstance(qc, dict) and any(r.shard in FUSED_SHARDS for r in family.rows):
-        raise ToolchainError(f"{ckpt.config_path}: a pre-quantized {params.architecture} checkpoint "
-                             f"({qc.get('quant_method', 'quantization_config')}) with fused projections",
-                             "convert the unquantized model and set quantization.method instead")
+        raise ToolchainError(f"{ckpt.config_path}: {refusal.why}", refusal.hint)
     config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
     fmt = None
     if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "modelopt":

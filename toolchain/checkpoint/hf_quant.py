@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import save_file
 
 from toolchain import __version__
-from toolchain.archs import gemma, load_params, moe
+from toolchain.archs import load_params
 from toolchain.archs.common import Match, NameTable, Shard, trt_name
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.errors import ToolchainError
@@ -193,12 +193,9 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
     recipe = quantization if isinstance(quantization, Recipe) else recipe_of(quantization)
     with HFCheckpoint(hf_dir) as ckpt:
         family, params = load_params(ckpt.config, str(ckpt.config_path))
-        refusal = moe.quantization_refusal(params, recipe.method, recipe.kv_cache)
+        refusal = family.quantization_refusal(params, recipe.method, recipe.kv_cache)
         if refusal is not None:
-            raise ToolchainError(refusal, moe.QUANTIZATION_HINT)
-        refusal = gemma.quantization_refusal(params, recipe.method, recipe.kv_cache)
-        if refusal is not None:
-            raise ToolchainError(refusal, gemma.QUANTIZATION_HINT)
+            raise ToolchainError(refusal.why, refusal.hint)
         if family.llmapi_refusal is not None and (why := family.llmapi_refusal(params, 1, True)) is not None:
             raise ToolchainError(why)
         table = NameTable(family, params)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from toolchain.archs import gemma, moe
+from toolchain.archs import get_family, moe
 from toolchain.archs.params import trained_positions
 from toolchain.errors import ToolchainError
 from toolchain.engine.trtllm import default_workers, planned_mpi
@@ -267,27 +267,16 @@ def _moe_parallelism(ctx: Context):
                   f"{p.expert_size // moe_tp} wide of {p.expert_size} (moe_tp {moe_tp}){shared}")
 
 
-@check("moe.quantization", (), "mixture-of-experts models convert unquantized only, for now")
-def _moe_quantization(ctx: Context):
-    p, q = _model(ctx), ctx.quant
-    if p is None:
-        return SKIP, NO_MODEL
-    refusal = moe.quantization_refusal(p, q.method, q.kv_cache, q.stored)
+@check("arch.quantization", (), "the family must convert the quantization asked for (archs/*.py: the family's "
+       "`quantization` refusal, which convert and the HF-format export also ask)")
+def _arch_quantization(ctx: Context):
+    if ctx.model is None or not ctx.model.registered:
+        return SKIP, "model config not readable here or not a registered family; the stage reports why"
+    p, q = ctx.model.params, ctx.quant
+    refusal = get_family(p.architecture).quantization_refusal(p, q.method, q.kv_cache, q.stored)
     if refusal is not None:
-        return FAIL, f"{refusal}; set quantization.method none and kv_cache none"
-    return PASS, f"{p.architecture} unquantized" if p.is_moe else "dense model"
-
-
-@check("gemma2.quantization", (), "Gemma 2 converts unquantized or weight-only int8/int4 only, for now "
-       "(archs/gemma.py: calibration and smoothing are Llama-shaped)")
-def _gemma2_quantization(ctx: Context):
-    p, q = _model(ctx), ctx.quant
-    if p is None:
-        return SKIP, NO_MODEL
-    refusal = gemma.quantization_refusal(p, q.method, q.kv_cache, q.stored)
-    if refusal is not None:
-        return FAIL, f"{refusal}; {gemma.QUANTIZATION_HINT}"
-    return PASS, f"{p.architecture} {q.method}" if p.architecture in gemma.FAMILY.architectures else "not Gemma 2"
+        return FAIL, f"{refusal.why}; {refusal.hint}"
+    return PASS, f"{p.architecture} {q.method}" + (f", kv_cache {q.kv_cache}" if q.kv_cache != "none" else "")
 
 
 @check("arch.supported", (), "the converter must support the architecture (convert refuses otherwise)")
