@@ -33,7 +33,7 @@ START = {"bandwidth": 0.8, "compute": 0.7, "link": 0.8, "fixed_us": 500.0, "late
 
 def to_eff(x: list[float]) -> perf.Efficiency:
     values = {}
-    for name, v in zip(PARAMS, x):
+    for name, v in zip(PARAMS, x, strict=True):
         values[name] = 1 / (1 + math.exp(-v)) if name in FRACTIONS else math.exp(v)
     return perf.Efficiency(**values)
 
@@ -63,22 +63,22 @@ def nelder_mead(f, x0: list[float], step: float = 0.5, iterations: int = 600, to
             break
         centre = [sum(x[j] for x in simplex[:-1]) / n for j in range(n)]
         worst = simplex[-1]
-        reflected = [c + (c - w) for c, w in zip(centre, worst)]
+        reflected = [c + (c - w) for c, w in zip(centre, worst, strict=True)]
         fr = f(reflected)
         if fr < values[0]:
-            expanded = [c + 2 * (c - w) for c, w in zip(centre, worst)]
+            expanded = [c + 2 * (c - w) for c, w in zip(centre, worst, strict=True)]
             fe = f(expanded)
             simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
         elif fr < values[-2]:
             simplex[-1], values[-1] = reflected, fr
         else:
-            contracted = [c + 0.5 * (w - c) for c, w in zip(centre, worst)]
+            contracted = [c + 0.5 * (w - c) for c, w in zip(centre, worst, strict=True)]
             fc = f(contracted)
             if fc < values[-1]:
                 simplex[-1], values[-1] = contracted, fc
             else:
                 best = simplex[0]
-                simplex = [best] + [[b + 0.5 * (x - b) for b, x in zip(best, xs)] for xs in simplex[1:]]
+                simplex = [best] + [[b + 0.5 * (x - b) for b, x in zip(best, xs, strict=True)] for xs in simplex[1:]]
                 values = [values[0]] + [f(x) for x in simplex[1:]]
     return simplex[min(range(n + 1), key=lambda i: values[i])]
 
@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
         if not cal.held_out(pt):
             by_arch[arch_of(pt)].append(pt)
     for arch, train in sorted(by_arch.items()):
-        best = nelder_mead(lambda x: loss(train, to_eff(x)), from_eff(START))
+        best = nelder_mead(lambda x, train=train: loss(train, to_eff(x)), from_eff(START))
         eff = to_eff(best)
         rows[arch] = {n: round(getattr(eff, n), 4) for n in PARAMS}
         print(f"{arch}: {len(train)} training points, loss {loss(train, eff):.4f}: {rows[arch]}")
@@ -124,8 +124,8 @@ def main(argv: list[str]) -> int:
     for gpu in sorted({p.gpu for p in points}):
         runs = sorted({(p.model, p.method, p.backend_version, p.measured) for p in points if p.gpu == gpu})
         measured[gpu] = "; ".join(
-            f"{model} {'bf16' if method == 'none' else method} on TensorRT-LLM "
-            + (version if version != "not recorded" else f"(version not recorded, measured {when})")
+            f"{model} {'bf16' if method == 'none' else method}, TensorRT-LLM "
+            + (version if version != "not recorded" else f"version not recorded, measured {when}")
             for model, method, version, when in runs)
     doc = {
         "source": json.loads(cal.SILICON.read_text())["source"],

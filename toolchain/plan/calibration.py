@@ -67,7 +67,7 @@ class Measured:
 @cache
 def measured_points() -> tuple[Measured, ...]:
     doc = json.loads(SILICON.read_text())
-    return tuple(Measured(**dict(zip(doc["columns"], row))) for row in doc["rows"])
+    return tuple(Measured(**dict(zip(doc["columns"], row, strict=True))) for row in doc["rows"])
 
 
 @cache
@@ -194,7 +194,7 @@ class Published:
 @cache
 def published_points() -> tuple[Published, ...]:
     doc = json.loads(PUBLISHED.read_text())
-    return tuple(Published(**dict(zip(doc["columns"], row))) for row in doc["rows"])
+    return tuple(Published(**dict(zip(doc["columns"], row, strict=True))) for row in doc["rows"])
 
 
 def param_count(p) -> int:
