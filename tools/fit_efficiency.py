@@ -25,6 +25,8 @@ from toolchain import gpus
 from toolchain.plan import calibration as cal
 from toolchain.plan import perf
 
+KERNELS = cal.DATA / "kernel_efficiency.json"
+
 TTFT_WEIGHT = 0.5
 PARAMS = ("bandwidth", "compute", "link", "fixed_us", "latency", "seq_us", "ttft_ms")
 FRACTIONS = {"bandwidth", "compute", "link"}
@@ -83,6 +85,32 @@ def nelder_mead(f, x0: list[float], step: float = 0.5, iterations: int = 600, to
     return simplex[min(range(n + 1), key=lambda i: values[i])]
 
 
+# Generations without end-to-end measurements, and the card whose kernel measurements scale Hopper's row to them.
+DERIVED = {"Ampere": "A100 80GB", "Ada": "L40S"}
+REFERENCE = "Hopper"
+
+
+def derive_rows(rows: dict[str, dict[str, float]]) -> dict[str, str]:
+    """Add a row for each generation of DERIVED: the fitted Hopper row with its bandwidth and compute fractions
+    scaled by how that card's GEMMs reach its datasheet against how Hopper's do, in AIConfigurator's kernel
+    measurements (data/kernel_efficiency.json); the fixed costs, link and all-reduce terms carry over (host and
+    software, not the card). Returns what each derived row rests on."""
+    kernels = json.loads(KERNELS.read_text())["cards"]
+    hopper = [k for name, k in kernels.items() if gpus.lookup(name).arch == REFERENCE]
+    ref = {f: sum(k[f] for k in hopper) / len(hopper) for f in ("bandwidth", "compute")}
+    notes = {}
+    for arch, card in DERIVED.items():
+        scale = {f: kernels[card][f] / ref[f] for f in ref}
+        row = dict(rows[REFERENCE])
+        for f, ratio in scale.items():
+            row[f] = round(min(1.0, row[f] * ratio), 4)
+        rows[arch] = row
+        notes[arch] = (f"{REFERENCE}'s row, bandwidth x {scale['bandwidth']:.3f} and compute x {scale['compute']:.3f}: "
+                       f"{card}'s GEMM efficiencies over {REFERENCE}'s in AIConfigurator's kernel measurements")
+        print(f"{arch}: {notes[arch]}: {row}")
+    return notes
+
+
 def arch_of(point: cal.Measured) -> str:
     return gpus.lookup(point.gpu).arch
 
@@ -117,6 +145,7 @@ def main(argv: list[str]) -> int:
         eff = to_eff(best)
         rows[arch] = {n: round(getattr(eff, n), 4) for n in PARAMS}
         print(f"{arch}: {len(train)} training points, loss {loss(train, eff):.4f}: {rows[arch]}")
+    derived = derive_rows(rows)
     fitted = {arch: perf.Efficiency(**row) for arch, row in rows.items()}
     report(points, lambda p: fitted[arch_of(p)])
     held = cal.mape((p for p in points if cal.held_out(p)), lambda p: fitted[arch_of(p)])
@@ -138,6 +167,7 @@ def main(argv: list[str]) -> int:
         "made_by": "PYTHONPATH=. python -m tools.fit_efficiency",
         "holdout_mape": {k: round(v, 2) for k, v in held.items()},
         "rows": rows,
+        "derived": derived,
     }
     cal.EFFICIENCY_FILE.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {cal.EFFICIENCY_FILE}")

@@ -76,10 +76,11 @@ FITTED_FILE = Path(__file__).resolve().parent / "data" / "efficiency.json"
 (AIConfigurator 0.12.0's measured TensorRT-LLM runs); plan/calibration.py recomputes its held-out error."""
 FITTED: dict = json.loads(FITTED_FILE.read_text())
 CARRIED_FROM = "Hopper"
-"""The generation whose fitted row a generation without measurements takes (Ampere, Ada). Its fractions are
-shares of each card's own datasheet figures, and its fixed costs (per step, per all-reduce as a multiple of the
-card's own link latency, per request) come from the host and the same TensorRT-LLM software, so they carry
-over; Hopper is the nearest generation measured on the same stack. The basis says when a row is carried."""
+"""The generation whose fitted row a generation with neither measurements nor a derived row takes. The table's
+derived rows (FITTED["derived"]: Ampere, Ada) are Hopper's scaled by AIConfigurator's kernel measurements of
+those cards (tools/fit_efficiency.py derive_rows): their fixed costs (per step, per all-reduce as a multiple of
+the card's own link latency, per sequence, per request) come from the host and the same TensorRT-LLM software,
+so they carry over. The basis says which kind of row a card gets."""
 EFFICIENCY: dict[str, Efficiency] = {arch: Efficiency(**row) for arch, row in FITTED["rows"].items()}
 for _arch in ("Ampere", "Ada", "Hopper", "Blackwell"):
     EFFICIENCY.setdefault(_arch, EFFICIENCY.get(CARRIED_FROM, DEFAULT_EFFICIENCY))
@@ -93,17 +94,20 @@ def efficiency_of(gpu: Gpu) -> Efficiency:
 
 def basis_of(gpu: Gpu) -> str:
     """What a prediction on `gpu` rests on: the fit (which TensorRT-LLM versions, the held-out error), and
-    whether this card itself or only its generation, or neither, was measured."""
+    whether this card itself, its generation, or neither was measured end to end."""
     held = FITTED["holdout_mape"]
     error = (f"held-out MAPE TPOT {held['tpot']:.0f}%, throughput {held['throughput']:.0f}%, "
              f"TTFT {held['ttft']:.0f}%")
     measured = FITTED["measured"]
     if gpu.name in measured:
         return f"{BASIS} ({measured[gpu.name]}), {error}"
+    derived = FITTED.get("derived", {})
+    if gpu.arch in derived:
+        return f"{BASIS} of {CARRIED_FROM} cards ({error}), for {gpu.name}: {derived[gpu.arch]}"
     if gpu.arch in FITTED["rows"]:
         cards = ", ".join(n for n in measured if n in {g.name for g in GPUS if g.arch == gpu.arch})
         return f"{BASIS} of {cards}, carried over to {gpu.name} (not measured), {error}"
-    return (f"{BASIS} of {CARRIED_FROM} cards, carried over to {gpu.name} ({gpu.arch} not measured), {error}")
+    return f"{BASIS} of {CARRIED_FROM} cards, carried over to {gpu.name} ({gpu.arch} not measured), {error}"
 
 
 # ----------------------------------------------------------------------------------------------- one rank
