@@ -28,6 +28,7 @@ from toolchain.plan import perf
 KERNELS = cal.DATA / "kernel_efficiency.json"
 
 TTFT_WEIGHT = 0.5
+RESTARTS = 3
 PARAMS = ("bandwidth", "compute", "link", "fixed_us", "latency", "seq_us", "ttft_ms")
 FRACTIONS = {"bandwidth", "compute", "link"}
 START = {"bandwidth": 0.8, "compute": 0.7, "link": 0.8, "fixed_us": 500.0, "latency": 2.0, "seq_us": 5.0, "ttft_ms": 50.0}
@@ -141,7 +142,9 @@ def main(argv: list[str]) -> int:
         if not cal.held_out(pt):
             by_arch[arch_of(pt)].append(pt)
     for arch, train in sorted(by_arch.items()):
-        best = nelder_mead(lambda x, train=train: loss(train, to_eff(x)), from_eff(START))
+        best = from_eff(START)
+        for _ in range(RESTARTS):  # a simplex can stall; restarting from its best point is the usual cure
+            best = nelder_mead(lambda x, train=train: loss(train, to_eff(x)), best)
         eff = to_eff(best)
         rows[arch] = {n: round(getattr(eff, n), 4) for n in PARAMS}
         print(f"{arch}: {len(train)} training points, loss {loss(train, eff):.4f}: {rows[arch]}")
