@@ -93,21 +93,24 @@ def efficiency_of(gpu: Gpu) -> Efficiency:
 
 
 def basis_of(gpu: Gpu) -> str:
-    """What a prediction on `gpu` rests on: the fit (which TensorRT-LLM versions, the held-out error), and
-    whether this card itself, its generation, or neither was measured end to end."""
+    """What a prediction on `gpu` rests on: the fit (the runs of its generation it was fitted to, with their
+    TensorRT-LLM versions, and the held-out error), and whether this card itself, its generation, or neither was
+    measured end to end."""
     held = FITTED["holdout_mape"]
     error = (f"held-out MAPE TPOT {held['tpot']:.0f}%, throughput {held['throughput']:.0f}%, "
              f"TTFT {held['ttft']:.0f}%")
     measured = FITTED["measured"]
-    if gpu.name in measured:
-        return f"{BASIS} ({measured[gpu.name]}), {error}"
+    arch_of = {g.name: g.arch for g in GPUS}
     derived = FITTED.get("derived", {})
     if gpu.arch in derived:
         return f"{BASIS} of {CARRIED_FROM} cards ({error}), for {gpu.name}: {derived[gpu.arch]}"
-    if gpu.arch in FITTED["rows"]:
-        cards = ", ".join(n for n in measured if n in {g.name for g in GPUS if g.arch == gpu.arch})
-        return f"{BASIS} of {cards}, carried over to {gpu.name} (not measured), {error}"
-    return f"{BASIS} of {CARRIED_FROM} cards, carried over to {gpu.name} ({gpu.arch} not measured), {error}"
+    arch = gpu.arch if gpu.arch in FITTED["rows"] else CARRIED_FROM
+    runs = "; ".join(f"{name}: {what}" for name, what in measured.items() if arch_of.get(name) == arch)
+    if gpu.name in measured:
+        return f"{BASIS} ({runs}), {error}"
+    if arch == gpu.arch:
+        return f"{BASIS} ({runs}), carried over to {gpu.name} (not measured), {error}"
+    return f"{BASIS} ({runs}), carried over to {gpu.name} ({gpu.arch} not measured), {error}"
 
 
 # ----------------------------------------------------------------------------------------------- one rank
