@@ -32,7 +32,8 @@ SILICON = DATA / "silicon_points.json"
 EFFICIENCY_FILE = DATA / "efficiency.json"
 MAX_NUM_TOKENS = 8192
 """The token budget per iteration of the measured runs: the recorded rows do not say, so the PyTorch backend's
-default (tensorrt_llm/llmapi/llm_args.py, max_num_tokens 8192) is assumed."""
+default is assumed (BaseLlmArgs.max_num_tokens = 8192 in tensorrt_llm/llmapi/llm_args.py, as
+toolchain/upstream/facts/llmapi.json records it)."""
 HOLDOUT_EVERY = 4
 """Every 4th configuration (sorted) is held out whole: see `held_out`."""
 
