@@ -286,14 +286,15 @@ def test_plan_json_carries_performance(tmp_path, capsys, path):
     assert p["per_gpu_output_tokens_per_s"] == pytest.approx(
         p["max_output_tokens_per_s"] / report["parallelism"]["world_size"], rel=1e-3)
     assert set(p["bound"]) == {"context", "generation"}
-    assert p["basis"] == perf.BASIS
+    assert p["basis"] == perf.basis_of(gpus.resolve(spec))
+    assert p["basis"].startswith(perf.BASIS)
     assert p["usd_per_million_output_tokens"] > 0
 
 
 def test_plan_text_shows_the_performance_block(tmp_path, capsys):
     main(["--root", str(tmp_path), "plan", str(REPO / "build" / "llama3-8b-awq-h100.yaml")])
     out = capsys.readouterr().out
-    assert f"performance ({perf.BASIS}):" in out
+    assert f"performance ({perf.basis_of(H100)}):" in out
     assert "output tokens/s" in out and "TTFT" in out and "TPOT" in out
 
 

@@ -11,21 +11,25 @@ TPOT and throughput follow from that mix (`Schedule`), and the maximum throughpu
 the largest batch the limits and the KV cache allow, as `trtllm-bench throughput` measures it (uniform ISL/OSL,
 every request sent at once: TensorRT-LLM docs/source/performance/perf-overview.md).
 
-A pure roofline is optimistic, so every time is divided by an achieved fraction of the datasheet figure
-(`Efficiency`, one row per GPU generation). The rows are uncalibrated defaults and the output says so
-(`basis`); fitting them to measurements is a later step that replaces the table, not the formulas.
+A pure roofline is optimistic, so every time is divided by an achieved fraction of the datasheet figure and
+fixed costs are added (`Efficiency`, one row per GPU generation). The rows are fitted to public measurements
+(data/efficiency.json, made by tools/fit_efficiency.py from AIConfigurator's measured TensorRT-LLM runs;
+plan/calibration.py holds the data and the checks), and every prediction names what it rests on (`basis`).
 Pure functions of the model's parameters, the format's bytes (quant/formats.py through plan/memory.py) and the
 GPU table (gpus.py): nothing here reads weights or runs anything.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from toolchain.archs.moe import moe_sizes
 from toolchain.archs.params import ArchParams
-from toolchain.gpus import Gpu, Link
+from toolchain.gpus import GPUS, Gpu, Link
 from toolchain.plan import memory as mem
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, QuantFormat, kv_dtype, kv_dtype_bytes, weight_dtype
 from toolchain.plan.plan import MemoryPlan
@@ -43,27 +47,70 @@ class Efficiency:
     compute: float
     link: float
     fixed_us: float = 0.0
-    """A fixed cost per step of a rank in microseconds (kernel launches, the scheduler): 0 in the uncalibrated
-    table, a term for calibration to fit; it is what keeps a tiny model from the roofline's extreme rates."""
+    """A fixed cost per step of a rank in microseconds (kernel launches, the scheduler): 0 in the documented
+    defaults, fitted per generation; it is what keeps a tiny model from the roofline's extreme rates."""
+    latency: float = 1.0
+    """The fixed cost of one tensor-parallel all-reduce as a multiple of the link's default (gpus.Link.latency_us):
+    a decode step of a TP group runs two per layer, so calibration fits it; a multiple carries over to a card
+    whose link was not measured (PCIe's default is higher than NVLink's)."""
+    seq_us: float = 0.0
+    """A cost per sequence that a step samples a token for (a row of logits), in microseconds: sampling and the
+    runtime's per-request work each iteration, which grow with the batch, not with the model."""
+    ttft_ms: float = 0.0
+    """What a request spends before its first iteration (receiving, tokenizing, scheduling) and after its first
+    token (detokenizing, sending), in milliseconds, added to TTFT only."""
 
 
-# Defaults per GPU generation (gpus.Gpu.arch), uncalibrated: one row for all until measurements fit them.
+# The documented defaults, for what the fit does not reach (and the hand-computed tests' reference):
 # bandwidth: the share of the datasheet bandwidth a step's bytes move at, what Databricks' "LLM Inference
 #   Performance Engineering: Best Practices" (2023) calls model bandwidth utilization (MBU); a streaming copy gets
-#   closest to the datasheet, a decode step's GEMVs and attention kernels less: 0.8 until calibrated.
+#   closest to the datasheet, a decode step's GEMVs and attention kernels less: 0.8.
 # compute: the share of the dense peak the GEMMs and attention reach (model FLOPs utilization); large GEMMs get
-#   near the peak, inference's skinny ones less: 0.7 until calibrated.
+#   near the peak, inference's skinny ones less: 0.7.
 # link: the share of one direction of the link an all-reduce moves data at, which nccl-tests reports as "bus
 #   bandwidth" (NVIDIA/nccl-tests doc/PERFORMANCE.md: busbw = algbw x 2(n-1)/n for an all-reduce): 0.8.
-# The issue's target, +-20% of NVIDIA's published trtllm-bench figures, is for the calibrated table; until then
-# `basis` says the numbers rest on these defaults.
 DEFAULT_EFFICIENCY = Efficiency(bandwidth=0.80, compute=0.70, link=0.80)
-EFFICIENCY: dict[str, Efficiency] = {arch: DEFAULT_EFFICIENCY for arch in ("Ampere", "Ada", "Hopper", "Blackwell")}
-BASIS = "roofline x default efficiencies, uncalibrated"
+
+FITTED_FILE = Path(__file__).resolve().parent / "data" / "efficiency.json"
+"""The fitted rows with their provenance: made by tools/fit_efficiency.py from data/silicon_points.json
+(AIConfigurator 0.12.0's measured TensorRT-LLM runs); plan/calibration.py recomputes its held-out error."""
+FITTED: dict = json.loads(FITTED_FILE.read_text())
+CARRIED_FROM = "Hopper"
+"""The generation whose fitted row a generation with neither measurements nor a derived row takes. The table's
+derived rows (FITTED["derived"]: Ampere, Ada) are Hopper's scaled by AIConfigurator's kernel measurements of
+those cards (tools/fit_efficiency.py derive_rows): their fixed costs (per step, per all-reduce as a multiple of
+the card's own link latency, per sequence, per request) come from the host and the same TensorRT-LLM software,
+so they carry over. The basis says which kind of row a card gets."""
+EFFICIENCY: dict[str, Efficiency] = {arch: Efficiency(**row) for arch, row in FITTED["rows"].items()}
+for _arch in ("Ampere", "Ada", "Hopper", "Blackwell"):
+    EFFICIENCY.setdefault(_arch, EFFICIENCY.get(CARRIED_FROM, DEFAULT_EFFICIENCY))
+BASIS = "roofline x efficiencies fitted to AIConfigurator 0.12.0 silicon samples"
+"""The start of every fitted prediction's `basis`; `basis_of` completes it for a card."""
 
 
 def efficiency_of(gpu: Gpu) -> Efficiency:
     return EFFICIENCY.get(gpu.arch, DEFAULT_EFFICIENCY)
+
+
+def basis_of(gpu: Gpu) -> str:
+    """What a prediction on `gpu` rests on: the fit (the runs of its generation it was fitted to, with their
+    TensorRT-LLM versions, and the held-out error), and whether this card itself, its generation, or neither was
+    measured end to end."""
+    held = FITTED["holdout_mape"]
+    error = (f"held-out MAPE TPOT {held['tpot']:.0f}%, throughput {held['throughput']:.0f}%, "
+             f"TTFT {held['ttft']:.0f}%")
+    measured = FITTED["measured"]
+    arch_of = {g.name: g.arch for g in GPUS}
+    derived = FITTED.get("derived", {})
+    if gpu.arch in derived:
+        return f"{BASIS} of {CARRIED_FROM} cards ({error}), for {gpu.name}: {derived[gpu.arch]}"
+    arch = gpu.arch if gpu.arch in FITTED["rows"] else CARRIED_FROM
+    runs = "; ".join(f"{name}: {what}" for name, what in measured.items() if arch_of.get(name) == arch)
+    if gpu.name in measured:
+        return f"{BASIS} ({runs}), {error}"
+    if arch == gpu.arch:
+        return f"{BASIS} ({runs}), carried over to {gpu.name} (not measured), {error}"
+    return f"{BASIS} ({runs}), carried over to {gpu.name} ({gpu.arch} not measured), {error}"
 
 
 # ----------------------------------------------------------------------------------------------- one rank
@@ -155,11 +202,16 @@ class StepTime:
     compute_s: float
     comm_s: float
     fixed_s: float = 0.0
+    kernels_s: float | None = None
+    """The kernels' time: memory and compute overlap within a kernel, not across kernels, so the linears
+    (weights read, GEMM FLOPs) and attention (KV cache read, attention FLOPs) each take the larger of their own
+    two, one after the other. None: max(memory_s, compute_s), as if one kernel did everything."""
 
     @property
     def seconds(self) -> float:
-        # Memory and compute overlap within a kernel; the all-reduce waits for both.
-        return max(self.memory_s, self.compute_s) + self.comm_s + self.fixed_s
+        # the all-reduce waits for the kernels before it
+        kernels = max(self.memory_s, self.compute_s) if self.kernels_s is None else self.kernels_s
+        return kernels + self.comm_s + self.fixed_s
 
     @property
     def bound(self) -> str:
@@ -189,15 +241,21 @@ def step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: str = "f
     half = gpu.peak("fp16")
     assert half is not None
     gemm_peak = gpu.peak(math_precision) or half
-    nbytes = (cost.weight_bytes + experts_touched(cost, work.tokens) * cost.expert_bytes
-              + (work.kv_read + work.tokens) * cost.kv_bytes_per_token)  # read the cache, write the new tokens
-    memory_s = nbytes / (gpu.bandwidth_gb_s * 1e9 * eff.bandwidth)
-    compute_s = (work.tokens * cost.gemm_flops / (gemm_peak * 1e12 * eff.compute)
-                 + (work.logits * cost.lm_head_flops + work.pairs * cost.attention_flops) / (half * 1e12 * eff.compute))
+    bandwidth = gpu.bandwidth_gb_s * 1e9 * eff.bandwidth
+    linear_bytes = cost.weight_bytes + experts_touched(cost, work.tokens) * cost.expert_bytes
+    kv_bytes = (work.kv_read + work.tokens) * cost.kv_bytes_per_token  # read the cache, write the new tokens
+    linear_flops = (work.tokens * cost.gemm_flops / (gemm_peak * 1e12 * eff.compute)
+                    + work.logits * cost.lm_head_flops / (half * 1e12 * eff.compute))
+    attention_flops = work.pairs * cost.attention_flops / (half * 1e12 * eff.compute)
+    memory_s = (linear_bytes + kv_bytes) / bandwidth
+    compute_s = linear_flops + attention_flops
+    kernels_s = max(linear_bytes / bandwidth, linear_flops) + max(kv_bytes / bandwidth, attention_flops)
     comm_s = 0.0
     if tp > 1 and work.tokens > 0:
-        comm_s = 2 * cost.layers * allreduce_seconds(work.tokens * cost.hidden * ACT_BYTES, tp, gpu.link, eff.link)
-    return StepTime(memory_s, compute_s, comm_s, eff.fixed_us * 1e-6)
+        link = dataclasses.replace(gpu.link, latency_us=gpu.link.latency_us * eff.latency)
+        comm_s = 2 * cost.layers * allreduce_seconds(work.tokens * cost.hidden * ACT_BYTES, tp, link, eff.link)
+    fixed_s = (eff.fixed_us + eff.seq_us * work.logits) * 1e-6
+    return StepTime(memory_s, compute_s, comm_s, fixed_s, kernels_s)
 
 
 def generation_work(batch: float, context: float, tokens_per_seq: int = 1) -> Work:
@@ -348,7 +406,7 @@ def steady_state(dep: Deployment, w: Workload, concurrency: int) -> Point:
 
     others_gen = generation_work(g_mixed, context, verify)
     wait = 0.5 * dep.iteration(others_gen, g_mixed, g_mixed, context)[0] if g_mixed > 0 else 0.0
-    ttft = wait
+    ttft = wait + dep.eff.ttft_ms * 1e-3
     context_step: StepTime | None = None
     for j in range(cs):
         start = j * w.chunk
@@ -508,7 +566,7 @@ def predict(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, memory: Mem
     hourly = spec.gpu.hourly_usd
     if hourly is not None and best.output_tokens_per_s > 0:
         usd = hourly * dep.gpus / (best.output_tokens_per_s * 3600) * 1e6
-    basis = BASIS if (eff or efficiency_of(device)) == DEFAULT_EFFICIENCY else "roofline x given efficiencies"
+    basis = basis_of(device) if eff is None else "roofline x given efficiencies"
     return Performance(best.output_tokens_per_s, best.output_tokens_per_s / dep.gpus, best.concurrency, limit,
                        limited_by, c, at.ttft_s * 1e3, at.tpot_s * 1e3,
                        {"context": at.context_bound, "generation": at.generation_bound}, usd, basis,

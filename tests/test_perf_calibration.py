@@ -1,0 +1,155 @@
+"""The performance model against public measurements (toolchain/plan/calibration.py).
+
+Two sources, kept apart: AIConfigurator 0.12.0's measured TensorRT-LLM runs (data/silicon_points.json), to which
+tools/fit_efficiency.py fits the efficiency table on a training split, and NVIDIA's published trtllm-bench table
+(data/published_throughput.json, perf-overview.md of release 0.17), which is never fitted to and only checks
+the result against the issue's target: the maximum throughput within +-20% on at least 80% of the Llama 3.1
+8B/70B/405B points on H100/H200/A100, a median error of at most 15%, and the published ranking of TP choices."""
+
+from __future__ import annotations
+
+import ast
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from toolchain import gpus
+from toolchain.plan import calibration as cal
+from toolchain.plan import perf
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def published():
+    """(point, predicted max output tokens/s, signed error in %) for every published point."""
+    return [(pt, pred, (pred - pt.output_tokens_per_s) / pt.output_tokens_per_s * 100)
+            for pt, pred in cal.published_check()]
+
+
+def test_published_points_cover_the_issue_grid(published):
+    points = [pt for pt, _, _ in published]
+    assert {pt.model for pt in points} == {"llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b"}
+    assert {pt.gpu for pt in points} == {"H100 80GB", "H200 141GB", "A100 80GB"}
+    assert {pt.tp for pt in points} == {1, 2, 4, 8}
+    assert len(points) == 131  # 15 columns of 9 ISL/OSL mixes, 4 cells empty in the published table
+
+
+def test_published_median_error_within_15_percent(published):
+    assert statistics.median(abs(e) for _, _, e in published) <= 15
+
+
+def test_published_tp_ranking_is_kept(published):
+    groups = defaultdict(list)
+    for pt, pred, _ in published:
+        groups[(pt.model, pt.gpu, pt.isl, pt.osl)].append((pt.tp, pt.output_tokens_per_s, pred))
+    compared = 0
+    for key, rows in groups.items():
+        if len(rows) < 2:
+            continue
+        compared += 1
+        by_published = [tp for tp, _, _ in sorted(rows, key=lambda r: r[1])]
+        by_predicted = [tp for tp, _, _ in sorted(rows, key=lambda r: r[2])]
+        assert by_predicted == by_published, (key, rows)
+    assert compared == 27
+
+
+def _share_within_20(published) -> float:
+    return sum(abs(e) <= 20 for _, _, e in published) / len(published)
+
+
+def test_published_share_within_20_percent_does_not_regress(published):
+    # 102 of 131 (78%) at the fit of data/efficiency.json; the issue's target is 80% (the test below)
+    assert _share_within_20(published) >= 0.75
+
+
+@pytest.mark.xfail(strict=True, reason="78% of the published points are within +-20% (target 80%): of the 29 "
+                   "misses 10 are A100 (no end-to-end measurements: Hopper's row scaled by kernel data), 7 the 8B at "
+                   "batches over 1000 (the measured concurrencies end at 128), 6 the 70B on one H200")
+def test_published_share_within_20_percent_meets_the_target(published):
+    assert _share_within_20(published) >= 0.80
+
+
+def test_stored_holdout_error_is_what_the_committed_points_give():
+    stored = json.loads(cal.EFFICIENCY_FILE.read_text())["holdout_mape"]
+    again = cal.holdout_mape()
+    for key in ("ttft", "tpot", "throughput"):
+        assert again[key] == pytest.approx(stored[key], abs=0.01), key
+    assert again["gpu_holdout_mape"] == pytest.approx((again["ttft"] + again["tpot"] + again["throughput"]) / 3)
+
+
+def test_perf_loads_the_fitted_rows_and_names_them():
+    doc = json.loads(cal.EFFICIENCY_FILE.read_text())
+    for arch, row in doc["rows"].items():
+        assert perf.EFFICIENCY[arch] == perf.Efficiency(**row)
+    # a generation without end-to-end measurements takes Hopper's row scaled by its card's GEMM efficiencies in
+    # AIConfigurator's kernel measurements over Hopper's, and says so
+    kernels = json.loads((cal.DATA / "kernel_efficiency.json").read_text())["cards"]
+    hopper = {f: (kernels["H100 80GB"][f] + kernels["H200 141GB"][f]) / 2 for f in ("bandwidth", "compute")}
+    a100 = gpus.lookup("A100")
+    row, fitted = perf.efficiency_of(a100), perf.EFFICIENCY["Hopper"]
+    assert row.bandwidth == pytest.approx(fitted.bandwidth * kernels["A100 80GB"]["bandwidth"] / hopper["bandwidth"],
+                                          abs=1e-4)
+    assert row.compute == pytest.approx(fitted.compute * kernels["A100 80GB"]["compute"] / hopper["compute"], abs=1e-4)
+    assert (row.fixed_us, row.seq_us, row.ttft_ms) == (fitted.fixed_us, fitted.seq_us, fitted.ttft_ms)
+    assert "A100 80GB's GEMM efficiencies over Hopper's" in perf.basis_of(a100)
+    assert perf.efficiency_of(gpus.lookup("L4")) == perf.EFFICIENCY["Ada"] != fitted
+    h100 = perf.basis_of(gpus.lookup("H100"))
+    assert h100.startswith(perf.BASIS) and "TensorRT-LLM 1.0.0rc3" in h100
+    assert f"throughput {doc['holdout_mape']['throughput']:.0f}%" in h100
+    assert "(not measured)" in perf.basis_of(gpus.lookup("H100 PCIe"))
+
+
+def test_split_holds_out_whole_configurations():
+    points = cal.measured_points()
+    sides = defaultdict(set)
+    for pt in points:
+        sides[pt.config].add(cal.held_out(pt))
+    assert all(len(s) == 1 for s in sides.values())  # no configuration on both sides
+    held = [c for c, s in sides.items() if True in s]
+    assert len(held) == len(sides) // cal.HOLDOUT_EVERY
+    # every model and GPU has configurations on both sides
+    for group in {(c[0], c[1]) for c in sides}:
+        assert {True, False} <= {True in sides[c] for c in sides if (c[0], c[1]) == group}
+
+
+def test_the_fit_never_reads_the_published_figures():
+    tree = ast.parse((REPO / "tools" / "fit_efficiency.py").read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert not {n for n in names if "published" in n.lower() or n == "PUBLISHED"}
+
+
+def test_measured_throughput_is_the_closed_loop_rate():
+    pt = cal.measured_points()[0]
+    latency_s = (pt.ttft_ms + (pt.osl - 1) * pt.tpot_ms) / 1e3
+    assert pt.throughput == pytest.approx(pt.concurrency * pt.osl / latency_s)
+
+
+def test_requests_beyond_the_kv_cache_wait_by_littles_law():
+    point = next(p for p in cal.measured_points()
+                 if p.config == ("llama-3.1-70b", "B200 180GB", "fp8", 1, 1024, 8192) and p.concurrency == 128)
+    running = cal._kv_requests(*point.config)
+    assert running < point.concurrency  # 69 requests of 9216 tokens fit the FP8 KV cache of one B200
+    eff = perf.efficiency_of(gpus.lookup(point.gpu))
+    at = perf.steady_state(cal.measured_deployment(point, eff), perf.Workload(1024, 8192, cal.MAX_NUM_TOKENS),
+                           running)
+    service_ms = at.ttft_s * 1e3 + 8191 * at.tpot_s * 1e3
+    ttft, tpot, _ = cal.predict_measured(point)
+    assert tpot == pytest.approx(at.tpot_s * 1e3)
+    assert ttft == pytest.approx(at.ttft_s * 1e3 + (128 / running - 1) * service_ms)
+    assert ttft > 60_000  # measured: 136.6 s
+
+
+def test_trtllm_bench_build_limits_by_hand():
+    point = cal.Published("llama-3.1-8b", "H100 80GB", "fp8", 1, 1000, 1000, 15244.78)
+    # 8,030,261,248 parameters (embedding and lm_head 2 x 128256 x 4096, 32 layers of 218,112,000, a norm): 8.03 GB
+    # at a byte each; 81559 MiB = 79.647 GiB; 65536 bytes of FP8 KV per token (2 x 32 layers x 8 heads x 128).
+    assert cal.param_count(cal.model_info("llama-3.1-8b").params) == 8_030_261_248
+    requests = (81559 / 1024 - 8.030261248) * 0.95 / (65536 / 1024 ** 3) / 2000  # 557.4
+    assert 557 < requests < 558
+    # batch: 557.4 is in [256, 1024) -> 128 x ceil(557.4 / 128) = 640; tokens: 557.4 x 2 < 4096 -> the 2048 floor
+    assert cal.bench_build_limits(point) == (640, 2048)

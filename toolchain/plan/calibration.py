@@ -1,0 +1,254 @@
+"""The performance model against public measurements: the points it is fitted to, the points it is checked on.
+
+Two facts files feed it, kept apart on purpose:
+- `data/silicon_points.json`: TTFT and TPOT that AIConfigurator 0.12.0 measured for TensorRT-LLM serving
+  Llama-3.1 (made by `python -m tools.silicon_points`). `tools/fit_efficiency.py` fits the efficiency table
+  (`data/efficiency.json`, which perf.py reads) to the training part and reports the error on the held-out part.
+- `data/published_throughput.json`: NVIDIA's published `trtllm-bench` maximum throughputs. They are never fitted
+  to; tests/test_perf_calibration.py checks the fitted model against them.
+
+`holdout_mape()` recomputes the held-out error from the committed points and the table perf.py loads, so the
+figure the table states cannot drift from the data (benchmarks/prediction.py reports it as gpu_holdout_mape).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from toolchain import gpus
+from toolchain.plan import perf
+from toolchain.plan.model import ModelInfo, QuantFormat, load_model, quant_format
+from toolchain.plan.plan import plan_memory
+from toolchain.spec import DeploymentSpec, spec_from_dict
+
+DATA = Path(__file__).resolve().parent / "data"
+MODELS = DATA / "models"
+"""config.json of each Llama-3.1 size (shapes from meta-llama's model cards' config.json; only shapes matter)."""
+SILICON = DATA / "silicon_points.json"
+EFFICIENCY_FILE = DATA / "efficiency.json"
+MAX_NUM_TOKENS = 8192
+"""The token budget per iteration of the measured runs: the recorded rows do not say, so the PyTorch backend's
+default is assumed (BaseLlmArgs.max_num_tokens = 8192 in tensorrt_llm/llmapi/llm_args.py, as
+toolchain/upstream/facts/llmapi.json records it)."""
+HOLDOUT_EVERY = 4
+"""Every 4th configuration (sorted) is held out whole: see `held_out`."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measured point: a configuration (model, GPU, format, TP, ISL/OSL) at one concurrency."""
+
+    model: str
+    gpu: str
+    method: str
+    tp: int
+    isl: int
+    osl: int
+    concurrency: int
+    ttft_ms: float
+    tpot_ms: float
+    backend_version: str
+    measured: str
+    id: str
+
+    @property
+    def config(self) -> tuple:
+        return (self.model, self.gpu, self.method, self.tp, self.isl, self.osl)
+
+    @property
+    def throughput(self) -> float:
+        """Output tokens/s of the closed loop: C requests, each osl tokens in TTFT + (osl - 1) x TPOT."""
+        return self.concurrency * self.osl / ((self.ttft_ms + (self.osl - 1) * self.tpot_ms) / 1e3)
+
+
+@cache
+def measured_points() -> tuple[Measured, ...]:
+    doc = json.loads(SILICON.read_text())
+    return tuple(Measured(**dict(zip(doc["columns"], row, strict=True))) for row in doc["rows"])
+
+
+@cache
+def _configs() -> tuple[tuple, ...]:
+    return tuple(sorted({p.config for p in measured_points()}))
+
+
+def held_out(point: Measured) -> bool:
+    """Whole configurations are held out, every HOLDOUT_EVERY-th in sorted order (so each model, GPU, TP and
+    ISL/OSL mix is represented on both sides): a user plans a configuration nobody measured, so the error that
+    matters is on configurations the fit never saw, not between two concurrencies of a curve it did see."""
+    return _configs().index(point.config) % HOLDOUT_EVERY == HOLDOUT_EVERY - 1
+
+
+@cache
+def model_info(name: str) -> ModelInfo:
+    return load_model(MODELS / name)
+
+
+def spec_for(model: str, gpu: str, method: str, tp: int, isl: int, osl: int, *, max_batch_size: int,
+             max_num_tokens: int, kv_fraction: float, dtype: str = "bfloat16") -> DeploymentSpec:
+    """A trtllm spec of one benchmarked configuration (one stage of `tp` ranks; an fp8 KV cache with fp8
+    weights, which trtllm-bench and AIConfigurator's fp8 runs use), so the prediction runs the same planner,
+    memory plan and performance model as `toolchain plan`."""
+    data = {
+        "name": f"{model}-{method}-tp{tp}",
+        "target": "trtllm",
+        "model": {"checkpoint": str(MODELS / model), "dtype": dtype},
+        "quantization": {"method": method, "kv_cache": "fp8" if method == "fp8" else "none"},
+        "parallelism": {"tp": tp, "pp": 1, "gpus": tp},
+        "gpu": {"name": gpu, "per_node": 8},
+        "limits": {"max_batch_size": max_batch_size, "max_input_len": isl, "max_seq_len": isl + osl,
+                   "max_num_tokens": max_num_tokens},
+        "serving": {"kv_cache_free_gpu_mem_fraction": kv_fraction},
+        "validation": {"workload": {"input_tokens": isl, "output_tokens": osl, "concurrency": 1}},
+    }
+    return spec_from_dict(data, MODELS, f"calibration point {data['name']}")
+
+
+@cache
+def _kv_requests(model: str, gpu: str, method: str, tp: int, isl: int, osl: int) -> int:
+    """How many isl + osl requests the KV cache of a measured configuration holds, from the memory plan
+    (kv_cache_free_gpu_mem_fraction 0.9, the default of both paths)."""
+    spec = spec_for(model, gpu, method, tp, isl, osl, max_batch_size=2048, max_num_tokens=MAX_NUM_TOKENS,
+                    kv_fraction=0.9)
+    info = model_info(model)
+    memory = plan_memory(spec, info, quant_format(spec, info.hf_config), gpus.lookup(gpu), suggest=False)
+    blocks = -(-(isl + osl) // spec.build.tokens_per_block) * spec.build.tokens_per_block
+    return max(1, memory.kv_tokens_capacity // blocks)
+
+
+def measured_deployment(point: Measured, eff: perf.Efficiency) -> perf.Deployment:
+    """The replica a measured point ran: bf16 weights, the format's weights and math, tp ranks, one stage."""
+    p = model_info(point.model).params
+    quant = QuantFormat(point.method, "fp8" if point.method == "fp8" else "none")
+    stage = perf.stage_cost(p, tp=point.tp, pp_rank=0, pp=1, quant=quant, dt_bytes=2,
+                            kv_bytes=1 if point.method == "fp8" else 2)
+    return perf.Deployment(gpus.lookup(point.gpu), (stage,), point.tp, quant.format.math, eff)
+
+
+def predict_measured(point: Measured, eff: perf.Efficiency | None = None) -> tuple[float, float, float]:
+    """(TTFT ms, TPOT ms, output tokens/s) the model predicts for a measured point. When the concurrency is
+    above what the KV cache holds, the engine runs as many as fit and the rest wait: in a closed loop of C
+    clients and L running requests each request spends C / L times its service time in the system (Little's
+    law), so its TTFT grows by (C / L - 1) x that time."""
+    device = gpus.lookup(point.gpu)
+    dep = measured_deployment(point, eff or perf.efficiency_of(device))
+    running = min(point.concurrency, _kv_requests(*point.config))
+    at = perf.steady_state(dep, perf.Workload(point.isl, point.osl, MAX_NUM_TOKENS), running)
+    ttft, tpot = at.ttft_s * 1e3, at.tpot_s * 1e3
+    service = ttft + (point.osl - 1) * tpot
+    ttft += (point.concurrency / running - 1) * service
+    # the closed loop's throughput, as the measured one is derived (Measured.throughput)
+    return ttft, tpot, point.concurrency * point.osl / ((ttft + (point.osl - 1) * tpot) / 1e3)
+
+
+def ape(predicted: float, measured: float) -> float:
+    """Absolute percentage error."""
+    return abs(predicted - measured) / measured * 100
+
+
+def mape(points, eff_of=None) -> dict[str, float]:
+    """Mean absolute percentage error of TTFT, TPOT and throughput over `points` (eff_of(point) -> Efficiency,
+    the loaded table by default)."""
+    sums = {"ttft": 0.0, "tpot": 0.0, "throughput": 0.0}
+    points = list(points)
+    for pt in points:
+        ttft, tpot, tput = predict_measured(pt, eff_of(pt) if eff_of else None)
+        sums["ttft"] += ape(ttft, pt.ttft_ms)
+        sums["tpot"] += ape(tpot, pt.tpot_ms)
+        sums["throughput"] += ape(tput, pt.throughput)
+    return {k: v / max(len(points), 1) for k, v in sums.items()}
+
+
+def holdout_mape() -> dict[str, float]:
+    """The held-out error of the table perf.py loads, recomputed from the committed points: TTFT, TPOT and
+    throughput MAPE in percent, and `gpu_holdout_mape`, their mean (the benchmark key)."""
+    errors = mape(p for p in measured_points() if held_out(p))
+    errors["gpu_holdout_mape"] = sum(errors.values()) / 3
+    return errors
+
+
+# ------------------------------------------------------------------------- the published check (never fitted)
+
+PUBLISHED = DATA / "published_throughput.json"
+BENCH_KV_FRACTION = 0.95
+"""perf-overview.md (0.17): "In majority of cases, we also use a higher KV cache percentage by setting
+--kv_cache_free_gpu_mem_fraction 0.95"."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """One of NVIDIA's published `trtllm-bench throughput` figures."""
+
+    model: str
+    gpu: str
+    method: str
+    tp: int
+    isl: int
+    osl: int
+    output_tokens_per_s: float
+
+
+@cache
+def published_points() -> tuple[Published, ...]:
+    doc = json.loads(PUBLISHED.read_text())
+    return tuple(Published(**dict(zip(doc["columns"], row, strict=True))) for row in doc["rows"])
+
+
+def param_count(p) -> int:
+    """Parameters of a dense Llama-style model: embedding and lm_head, attention, MLP and norms per layer."""
+    kv = p.num_key_value_heads * p.head_size
+    q = p.num_attention_heads * p.head_size
+    layer = p.hidden_size * (q + 2 * kv) + q * p.hidden_size + 3 * p.hidden_size * p.intermediate_size
+    return 2 * p.vocab_size * p.hidden_size + p.num_hidden_layers * (layer + 2 * p.hidden_size) + p.hidden_size
+
+
+def bench_build_limits(point: Published) -> tuple[int, int]:
+    """(max_batch_size, max_num_tokens) that `trtllm-bench build --dataset` picks for a configuration
+    (tensorrt_llm/bench/build/tuning.py, calc_engine_setting and finetune_setting): requests the KV cache holds
+    by its own estimate (all GPUs' memory less the weights, x 0.95, over the KV bytes per token, over isl + osl),
+    capped at 4096; max_num_tokens that many x (1 + isl / osl), capped at 32768; then each rounded up to its
+    step, with floors of 64 sequences and 2048 tokens."""
+    p = model_info(point.model).params
+    weight_bytes = 1 if point.method == "fp8" else 2
+    kv_bytes = 1 if point.method == "fp8" else 2
+    gib = 1024 ** 3
+    per_token = 2 * p.num_hidden_layers * max(point.tp, p.num_key_value_heads) * p.head_size * kv_bytes / gib
+    engine = param_count(p) / 1000 ** 3 * weight_bytes
+    available = gpus.lookup(point.gpu).memory_bytes / gib * point.tp - engine
+    requests = available * BENCH_KV_FRACTION / per_token / (point.isl + point.osl)
+    raw_bs = min(requests, 4096)
+    raw_tokens = min(raw_bs * (1 + point.isl / point.osl), 32768)
+    if raw_bs < 256:
+        batch = max(64, 32 * math.ceil(raw_bs / 32))
+    elif raw_bs < 1024:
+        batch = 128 * math.ceil(raw_bs / 128)
+    else:
+        batch = 256 * math.ceil(raw_bs / 256)
+    if raw_tokens < 4096:
+        tokens = max(2048, 256 * math.ceil(raw_tokens / 256))
+    elif raw_tokens < 8192:
+        tokens = 512 * math.ceil(raw_tokens / 512)
+    else:
+        tokens = 1024 * math.ceil(raw_tokens / 1024)
+    return batch, tokens
+
+
+def predict_published(point: Published) -> perf.Performance:
+    """What `toolchain plan` predicts for a published configuration, built as trtllm-bench built it."""
+    batch, tokens = bench_build_limits(point)
+    spec = spec_for(point.model, point.gpu, point.method, point.tp, point.isl, point.osl, max_batch_size=batch,
+                    max_num_tokens=tokens, kv_fraction=BENCH_KV_FRACTION,
+                    dtype="float16" if point.method == "none" else "bfloat16")
+    info = model_info(point.model)
+    quant = quant_format(spec, info.hf_config)
+    device = gpus.lookup(point.gpu)
+    return perf.predict(spec, info, quant, device, plan_memory(spec, info, quant, device, suggest=False))
+
+
+def published_check() -> list[tuple[Published, float]]:
+    """Each published point with the model's predicted maximum output tokens/s."""
+    return [(pt, predict_published(pt).max_output_tokens_per_s) for pt in published_points()]

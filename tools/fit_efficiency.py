@@ -1,0 +1,181 @@
+"""Fit the performance model's efficiency table to AIConfigurator's measured points (run by hand).
+
+    PYTHONPATH=. python -m tools.fit_efficiency            # fit, print every point's error, write the table
+    PYTHONPATH=. python -m tools.fit_efficiency --check    # print the errors of the committed table only
+
+Reads toolchain/plan/data/silicon_points.json, fits one `perf.Efficiency` row per GPU generation that has
+measurements to the training points (calibration.held_out says which configurations are held out, and why),
+prints each point's measured and predicted TTFT, TPOT and throughput, the MAPE on the training and the
+held-out points, and writes toolchain/plan/data/efficiency.json (the rows, the split, the date, the held-out
+error), which perf.py loads. The fit minimises the mean absolute log error of TPOT plus half that of TTFT
+(TPOT decides throughput; measured TTFT carries more noise: queueing of a closed loop's bunched arrivals)
+with a Nelder-Mead search, each parameter kept in its range by a transform. No NVIDIA published figure is
+read here: those check the result (tests/test_perf_calibration.py) and are never fitted to.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import sys
+from collections import defaultdict
+
+from toolchain import gpus
+from toolchain.plan import calibration as cal
+from toolchain.plan import perf
+
+KERNELS = cal.DATA / "kernel_efficiency.json"
+
+TTFT_WEIGHT = 0.5
+RESTARTS = 3
+PARAMS = ("bandwidth", "compute", "link", "fixed_us", "latency", "seq_us", "ttft_ms")
+FRACTIONS = {"bandwidth", "compute", "link"}
+START = {"bandwidth": 0.8, "compute": 0.7, "link": 0.8, "fixed_us": 500.0, "latency": 2.0, "seq_us": 5.0, "ttft_ms": 50.0}
+
+
+def to_eff(x: list[float]) -> perf.Efficiency:
+    values = {}
+    for name, v in zip(PARAMS, x, strict=True):
+        values[name] = 1 / (1 + math.exp(-v)) if name in FRACTIONS else math.exp(v)
+    return perf.Efficiency(**values)
+
+
+def from_eff(values: dict[str, float]) -> list[float]:
+    return [math.log(values[n] / (1 - values[n])) if n in FRACTIONS else math.log(values[n]) for n in PARAMS]
+
+
+def loss(points, eff: perf.Efficiency) -> float:
+    total = 0.0
+    for pt in points:
+        ttft, tpot, _ = cal.predict_measured(pt, eff)
+        total += abs(math.log(tpot / pt.tpot_ms)) + TTFT_WEIGHT * abs(math.log(ttft / pt.ttft_ms))
+    return total / len(points)
+
+
+def nelder_mead(f, x0: list[float], step: float = 0.5, iterations: int = 600, tol: float = 1e-7) -> list[float]:
+    """The downhill simplex (Nelder and Mead, 1965) with the usual coefficients: reflect 1, expand 2, contract
+    0.5, shrink 0.5."""
+    n = len(x0)
+    simplex = [list(x0)] + [[x0[j] + (step if j == i else 0.0) for j in range(n)] for i in range(n)]
+    values = [f(x) for x in simplex]
+    for _ in range(iterations):
+        order = sorted(range(n + 1), key=lambda i: values[i])
+        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
+        if values[-1] - values[0] < tol:
+            break
+        centre = [sum(x[j] for x in simplex[:-1]) / n for j in range(n)]
+        worst = simplex[-1]
+        reflected = [c + (c - w) for c, w in zip(centre, worst, strict=True)]
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = [c + 2 * (c - w) for c, w in zip(centre, worst, strict=True)]
+            fe = f(expanded)
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = [c + 0.5 * (w - c) for c, w in zip(centre, worst, strict=True)]
+            fc = f(contracted)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                best = simplex[0]
+                simplex = [best] + [[b + 0.5 * (x - b) for b, x in zip(best, xs, strict=True)] for xs in simplex[1:]]
+                values = [values[0]] + [f(x) for x in simplex[1:]]
+    return simplex[min(range(n + 1), key=lambda i: values[i])]
+
+
+# Generations without end-to-end measurements, and the card whose kernel measurements scale Hopper's row to them.
+DERIVED = {"Ampere": "A100 80GB", "Ada": "L40S"}
+REFERENCE = "Hopper"
+
+
+def derive_rows(rows: dict[str, dict[str, float]]) -> dict[str, str]:
+    """Add a row for each generation of DERIVED: the fitted Hopper row with its bandwidth and compute fractions
+    scaled by how that card's GEMMs reach its datasheet against how Hopper's do, in AIConfigurator's kernel
+    measurements (data/kernel_efficiency.json); the fixed costs, link and all-reduce terms carry over (host and
+    software, not the card). Returns what each derived row rests on."""
+    kernels = json.loads(KERNELS.read_text())["cards"]
+    hopper = [k for name, k in kernels.items() if gpus.lookup(name).arch == REFERENCE]
+    ref = {f: sum(k[f] for k in hopper) / len(hopper) for f in ("bandwidth", "compute")}
+    notes = {}
+    for arch, card in DERIVED.items():
+        scale = {f: kernels[card][f] / ref[f] for f in ref}
+        row = dict(rows[REFERENCE])
+        for f, ratio in scale.items():
+            row[f] = round(min(1.0, row[f] * ratio), 4)
+        rows[arch] = row
+        notes[arch] = (f"{REFERENCE}'s row, bandwidth x {scale['bandwidth']:.3f} and compute x {scale['compute']:.3f}: "
+                       f"{card}'s GEMM efficiencies over {REFERENCE}'s in AIConfigurator's kernel measurements")
+        print(f"{arch}: {notes[arch]}: {row}")
+    return notes
+
+
+def arch_of(point: cal.Measured) -> str:
+    return gpus.lookup(point.gpu).arch
+
+
+def report(points, eff_of) -> None:
+    print(f"{'config':48} {'C':>4} {'split':5} {'TTFT ms meas/pred':>19} {'TPOT ms meas/pred':>19} "
+          f"{'tok/s meas/pred':>17}")
+    for pt in points:
+        ttft, tpot, tput = cal.predict_measured(pt, eff_of(pt))
+        name = f"{pt.model} {pt.gpu} {pt.method} tp{pt.tp} {pt.isl}/{pt.osl}"
+        print(f"{name:48} {pt.concurrency:>4} {'held' if cal.held_out(pt) else 'train':5} "
+              f"{pt.ttft_ms:>9.1f}/{ttft:<9.1f} {pt.tpot_ms:>9.2f}/{tpot:<9.2f} {pt.throughput:>8.0f}/{tput:<8.0f}")
+    for label, keep in (("train", lambda p: not cal.held_out(p)), ("held-out", cal.held_out)):
+        part = [p for p in points if keep(p)]
+        errors = cal.mape(part, eff_of)
+        print(f"{label:9} {len(part):4} points: MAPE TTFT {errors['ttft']:.1f}%  TPOT {errors['tpot']:.1f}%  "
+              f"throughput {errors['throughput']:.1f}%")
+
+
+def main(argv: list[str]) -> int:
+    points = cal.measured_points()
+    if "--check" in argv:
+        report(points, lambda p: perf.efficiency_of(gpus.lookup(p.gpu)))
+        return 0
+    rows: dict[str, dict[str, float]] = {}
+    by_arch = defaultdict(list)
+    for pt in points:
+        if not cal.held_out(pt):
+            by_arch[arch_of(pt)].append(pt)
+    for arch, train in sorted(by_arch.items()):
+        best = from_eff(START)
+        for _ in range(RESTARTS):  # a simplex can stall; restarting from its best point is the usual cure
+            best = nelder_mead(lambda x, train=train: loss(train, to_eff(x)), best)
+        eff = to_eff(best)
+        rows[arch] = {n: round(getattr(eff, n), 4) for n in PARAMS}
+        print(f"{arch}: {len(train)} training points, loss {loss(train, eff):.4f}: {rows[arch]}")
+    derived = derive_rows(rows)
+    fitted = {arch: perf.Efficiency(**row) for arch, row in rows.items()}
+    report(points, lambda p: fitted[arch_of(p)])
+    held = cal.mape((p for p in points if cal.held_out(p)), lambda p: fitted[arch_of(p)])
+    measured = {}
+    for gpu in sorted({p.gpu for p in points}):
+        runs = sorted({(p.model, p.method, p.backend_version, p.measured) for p in points if p.gpu == gpu})
+        measured[gpu] = "; ".join(
+            f"{model} {'bf16' if method == 'none' else method}, TensorRT-LLM "
+            + (version if version != "not recorded" else f"version not recorded, measured {when}")
+            for model, method, version, when in runs)
+    doc = {
+        "source": json.loads(cal.SILICON.read_text())["source"],
+        "points": "toolchain/plan/data/silicon_points.json",
+        "measured": measured,
+        "split": (f"whole configurations (model, GPU, format, TP, ISL/OSL) held out: every {cal.HOLDOUT_EVERY}th "
+                  "in sorted order (toolchain/plan/calibration.py held_out)"),
+        "objective": f"mean absolute log error of TPOT + {TTFT_WEIGHT} x that of TTFT, Nelder-Mead",
+        "fitted": datetime.date.today().isoformat(),
+        "made_by": "PYTHONPATH=. python -m tools.fit_efficiency",
+        "holdout_mape": {k: round(v, 2) for k, v in held.items()},
+        "rows": rows,
+        "derived": derived,
+    }
+    cal.EFFICIENCY_FILE.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {cal.EFFICIENCY_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
