@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from toolchain.plan import memory as mem
-from toolchain.gpus import GIB, lookup
-from toolchain.plan.model import QuantFormat, load_model
+from toolchain.gpus import GIB, lookup, resolve
+from toolchain.plan.model import QuantFormat, kv_dtype_bytes, load_model
 from toolchain.plan.plan import DraftModel, plan_memory
 from toolchain.spec import load_spec
 
@@ -26,7 +26,7 @@ def spec_for(tmp_path: Path, config_dir: Path, **sections):
     data = {"name": "p", "target": "trtllm", "model": {"checkpoint": str(config_dir), "dtype": "float16"},
             "gpu": {"name": "H100 80GB"}, "build": {"host_memory_gib": 1024}}
     for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value}
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(data))
     return load_spec(path)
@@ -199,3 +199,49 @@ def test_tied_embedding_shared_only_when_identical(tmp_path):
     b2 = mem.rank_weights(load_model(cfg).params, tp=2, pp_rank=0, pp=1, quant=QuantFormat(), dt_bytes=2,
                           qkv_bias=True)
     assert b2.lm_head == v // 2 * h * 2 and two.weights_bytes == b2.total
+
+
+def test_sliding_layers_hold_only_their_window_on_a_gpu(tmp_path):
+    """Gemma 2 9B: every other layer slides over 4096 tokens, so a 8192-token sequence costs 3/4 of the KV a
+    uniform model would (one pool per window, sized window x bytes: resource_manager.py VSWA)."""
+    spec = spec_for(tmp_path, CONFIGS / "gemma-2-9b-it", model={"dtype": "bfloat16"},
+                    limits={"max_seq_len": 8192, "max_input_len": 4096})
+    rank = plan(spec).ranks[0]
+    per_layer = 2 * 8 * 256 * 2  # k and v, 8 KV heads of 256, bfloat16
+    full = per_layer * 42
+    assert rank.kv_bytes_per_token == full * (21 * 4096 + 21 * 8192) // (42 * 8192)
+    # A sequence no longer than the window pays for every layer.
+    short = plan(spec_for(tmp_path, CONFIGS / "gemma-2-9b-it", model={"dtype": "bfloat16"},
+                          limits={"max_seq_len": 4096, "max_input_len": 2048}))
+    assert short.ranks[0].kv_bytes_per_token == full
+    # The CPU engine keeps every layer's blocks, so its plan does not shrink.
+    cpu_spec = spec_for(tmp_path, CONFIGS / "gemma-2-9b-it", target="cpu", gpu={"name": None},
+                        model={"dtype": "bfloat16"}, limits={"max_seq_len": 8192, "max_input_len": 4096})
+    cpu = plan(cpu_spec, device=resolve(cpu_spec))
+    assert cpu.ranks[0].kv_bytes_per_token == full // 2 * kv_dtype_bytes(cpu.kv_dtype)  # every layer, whole
+
+
+@pytest.mark.parametrize("options,limits,expected", [
+    ({}, {}, 128),                                                      # CudaGraphConfig(): max_batch_size 0 -> 128
+    ({"cuda_graph_config": {"max_batch_size": 16}}, {}, 16),
+    ({"cuda_graph_config": {"batch_sizes": [1, 2, 48]}}, {}, 48),
+    ({"cuda_graph_config": None}, {}, 0),                               # graphs off
+    ({}, {"max_batch_size": 32}, 32),                                   # the executor's batch caps it
+    ({}, {"max_num_tokens": 64, "max_batch_size": 256}, 64),            # a decode step within max_num_tokens
+])
+def test_cuda_graph_batch_follows_the_pytorch_backend(options, limits, expected):
+    lim = {"max_batch_size": 256, "max_num_tokens": 8192, **limits}
+    assert mem.cuda_graph_batch(options, draft_len=0, **lim) == expected
+
+
+def test_llmapi_plan_counts_the_cuda_graph_pool(tmp_path):
+    m = L3_8B
+    engine = plan(spec_for(tmp_path, CONFIGS / "llama-3-8b-instruct", limits={"max_batch_size": 64}))
+    llm = plan(spec_for(tmp_path, CONFIGS / "llama-3-8b-instruct", target="llmapi", limits={"max_batch_size": 64}))
+    assert engine.ranks[0].cuda_graph_bytes == 0
+    graphs = llm.ranks[0].cuda_graph_bytes
+    # 64 decode tokens through one layer's widest tensors (fp16) plus their fp32 logits
+    qkv = (m["nh"] + 2 * m["nkv"]) * m["hd"]
+    width = 2 * m["H"] + qkv + m["nh"] * m["hd"] + 2 * m["I"]
+    assert graphs == 64 * width * 2 + 64 * m["V"] * 4
+    assert llm.ranks[0].free_bytes == engine.ranks[0].free_bytes - graphs

@@ -98,6 +98,13 @@ class ArchParams:
         return self.num_experts > 0
 
     @property
+    def layer_windows(self) -> tuple[int, ...] | None:
+        """Each layer's attention window where they differ (config.json runtime_defaults.max_attention_window,
+        which Gemma's normalize writes into extras_json); None when every layer attends alike."""
+        windows = json.loads(self.extras_json or "{}").get("runtime_defaults", {}).get("max_attention_window")
+        return tuple(windows) if windows and len(windows) == self.num_hidden_layers else None
+
+    @property
     def expert_size(self) -> int:
         """The routed experts' width, what moe_tp splits."""
         return self.moe_intermediate_size or self.intermediate_size

@@ -31,6 +31,7 @@ def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
             "kv_bytes_per_token": r.kv_bytes_per_token,
             "kv_tokens_capacity": r.kv_tokens_capacity if ctx.memory else None,
             "activation_bytes_estimate": r.activation_bytes, "workspace_bytes_estimate": r.workspace_bytes,
+            "cuda_graph_bytes_estimate": r.cuda_graph_bytes,
             "draft_bytes": r.draft_bytes, "free_bytes": r.free_bytes if ctx.memory else None,
             "kv_pool_bytes": r.kv_pool_bytes if ctx.memory else None,
         })
@@ -54,7 +55,7 @@ def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
         "fits": fits,
         "verdict": ctx.memory.verdict() if ctx.memory else "unknown: no GPU to plan against (see gpu.known)",
         "suggestions": ctx.memory.suggestions if ctx.memory else [],
-        "estimates": ("activation_bytes_estimate and workspace_bytes_estimate are estimates "
+        "estimates": ("activation_bytes_estimate, workspace_bytes_estimate and cuda_graph_bytes_estimate are estimates "
                       "(TensorRT-LLM docs/source/legacy/reference/memory.md gives no formula)"),
         "eos": ctx.eos.as_dict() if ctx.eos else None,
         "performance": performance_dict(spec, model, ctx.quant, dev, ctx.memory, ctx.draft),
@@ -99,15 +100,17 @@ def render_text(report: dict) -> str:
     rows = [head]
     for r in report["ranks"]:
         layers = f"{r['layers'][0]}-{r['layers'][1]}" if r["layers"][1] >= r["layers"][0] else "-"
-        act = r["activation_bytes_estimate"] + r["draft_bytes"]
+        act = r["activation_bytes_estimate"] + r["draft_bytes"] + r["cuda_graph_bytes_estimate"]
         rows.append((str(r["rank"]), str(r["tp_rank"]), str(r["pp_rank"]), layers, _size(r["weights_bytes"]),
-                     _size(act) + (" +draft" if r["draft_bytes"] else ""), _size(r["workspace_bytes_estimate"]),
+                     _size(act) + (" +draft" if r["draft_bytes"] else "")
+                     + (" +graphs" if r["cuda_graph_bytes_estimate"] else ""), _size(r["workspace_bytes_estimate"]),
                      _size(r["free_bytes"]) if r["free_bytes"] is not None else "?", f"{r['kv_bytes_per_token']:,}",
                      f"{r['kv_tokens_capacity']:,}" if r["kv_tokens_capacity"] is not None else "?"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     for row in rows:
         out.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=False)).rstrip())
-    out.append("* estimates: activations of the build profile plus logits buffers; CUDA context and workspaces")
+    out.append("* estimates: activations of the build profile plus logits buffers (+graphs: the LLM-API path's CUDA-graph "
+               "pool); CUDA context and workspaces")
     if report["concurrency"] is not None:
         out.append(f"longest sequence ({report['sequence_tokens']} KV tokens): {report['concurrency']} fit at once "
                    f"in {report['kv_tokens_capacity']:,} KV tokens per rank")

@@ -218,6 +218,51 @@ def generation_logits_bytes(p: ArchParams, *, tp: int, max_batch_size: int, beam
     return GENERATION_LOGITS_STEPS * (max_batch_size + 1) * beam * per_row
 
 
+def window_share(p: ArchParams, layers: range, seq_tokens: int) -> float:
+    """The share of a full-length sequence's KV cache that a stage's layers hold when some of them slide
+    (per-layer windows, Gemma 2/3): 1 when every layer attends alike. TensorRT-LLM's KV cache manager keeps
+    one pool per window size and gives each window a share of the memory in proportion to window x bytes per
+    token of its layers (resource_manager.py adjust_window_sizes_for_vswa: a sequence needs "sum of
+    window_size x cache_size_bytes_per_token"; the C++ BaseKVCacheManager::calculateMaxNumBlocks splits the
+    pool the same way), so a sequence costs sum over layers of min(window, length) tokens of one layer's KV.
+    The CPU engine keeps every layer's blocks (docs/cpu-engine.md), so its plan does not call this."""
+    windows = p.layer_windows
+    if windows is None or not len(layers):
+        return 1.0
+    return sum(min(windows[i], seq_tokens) for i in layers) / (len(layers) * seq_tokens)
+
+
+# The LLM-API path (PyTorch backend) captures a CUDA graph per decode batch size, by default every size up to 128
+# (tensorrt_llm/llmapi/llm_args.py CudaGraphConfig: max_batch_size 0 means 128; cuda_graph_config null turns
+# graphs off), dropping sizes above the executor's max_batch_size and max_num_tokens / (1 + draft tokens)
+# (_torch/pyexecutor/model_engine.py _filter_cuda_graph_batch_sizes). Every graph is captured into one memory
+# pool (cuda_graph_runner.py: `self.memory_pool = graph.pool()` after each capture), so the pool holds about the
+# intermediate tensors of the largest captured step; the KV estimation counts it among the memory "used outside
+# torch (e.g., NCCL and CUDA graphs)" (_torch/pyexecutor/_util.py configure_kv_cache_capacity).
+CUDA_GRAPH_DEFAULT_MAX_BATCH = 128
+
+
+def cuda_graph_batch(options: dict, *, max_batch_size: int, max_num_tokens: int, draft_len: int) -> int:
+    """The largest decode batch the PyTorch backend captures a CUDA graph for (0: graphs off)."""
+    if "cuda_graph_config" in options and options["cuda_graph_config"] is None:
+        return 0
+    cfg = options.get("cuda_graph_config") or {}
+    top = max(cfg.get("batch_sizes") or [0]) or cfg.get("max_batch_size") or CUDA_GRAPH_DEFAULT_MAX_BATCH
+    return max(0, min(top, max_batch_size, max_num_tokens // (1 + draft_len)))
+
+
+def cuda_graph_bytes(p: ArchParams, *, tp: int, batch: int, draft_len: int, last_stage: bool) -> int:
+    """Estimate of the CUDA-graph pool: one decode step of `batch` sequences (1 + draft_len tokens each), its
+    activations as `activation_bytes` counts them and, on the last stage, its fp32 logits."""
+    if batch <= 0:
+        return 0
+    tokens = batch * (1 + draft_len)
+    total = activation_bytes(p, tp=tp, max_num_tokens=tokens, max_input_len=tokens)
+    if last_stage:
+        total += tokens * padded_vocab(p, tp) // tp * 4
+    return total
+
+
 def sequence_tokens(max_seq_len: int, draft_len: int, tokens_per_block: int, window: int | None = None) -> int:
     """KV tokens one full-length sequence occupies: paged allocation rounds up to
     whole blocks, speculative decoding adds the draft as head-room (tensorrt_llm/builder.py

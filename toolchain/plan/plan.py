@@ -8,6 +8,7 @@ tensor parallelism, a smaller format, shorter sequences) by planning them too.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from toolchain.archs import moe
@@ -17,6 +18,7 @@ from toolchain.plan.model import DTYPE_BYTES, ModelInfo, QuantFormat, kv_dtype, 
 from toolchain.errors import ToolchainError
 from toolchain.plan.model import load_model, quant_format
 from toolchain.speculative import CHECKPOINT, mode_of
+from toolchain.targets import LLMAPI, target_of
 
 
 @dataclass(frozen=True)
@@ -30,12 +32,16 @@ class RankPlan:
     checkpoint_bytes: int
     """Size of this rank's checkpoint file (weight-only formats are stored unquantized)."""
     kv_bytes_per_token: int
+    """KV bytes per token of a full-length sequence on this rank (sliding layers hold only their window:
+    memory.window_share)."""
     activation_bytes: int
     """Estimate: activations of the build profile plus the last stage's logits buffers."""
     workspace_bytes: int
     """Estimate: CUDA context, cuBLAS/NCCL workspaces, runtime buffers."""
     draft_bytes: int
     """Weights and activations of a draft model placed on this rank's GPU."""
+    cuda_graph_bytes: int
+    """Estimate: the LLM-API path's CUDA-graph memory pool (memory.cuda_graph_bytes); 0 on the engine path."""
     device_bytes: int
     free_bytes: int
     """Device memory left after everything above; the KV pool takes its share of it."""
@@ -141,6 +147,10 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
         draft_kv = mem.kv_bytes_per_token(dp, tp=1, stage_layer_count=dp.num_hidden_layers, kv_bytes=ddt)
 
     heads = heads_rank_bytes(spec, p, dt)
+    graph_batch = 0
+    if gpu and target_of(spec).path == LLMAPI:
+        graph_batch = mem.cuda_graph_batch(spec.llmapi.options, max_batch_size=lim.max_batch_size,
+                                           max_num_tokens=lim.max_num_tokens, draft_len=draft_len)
     ranks: list[RankPlan] = []
     for rank in range(tp * pp):
         pp_rank, tp_rank = divmod(rank, tp)
@@ -157,13 +167,16 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
                                     max_num_tokens=lim.max_num_tokens,
                                     gather_context_logits=build.gather_context_logits)
         workspace = mem.GPU_WORKSPACE_BYTES if gpu else 0
+        graphs = mem.cuda_graph_bytes(p, tp=tp, batch=graph_batch, draft_len=draft_len, last_stage=pp_rank == pp - 1)
         on_gpu = draft_bytes if rank == 0 else 0
-        free = device_bytes - weights - act - workspace - on_gpu
+        free = device_bytes - weights - act - workspace - graphs - on_gpu
         kv_tok = mem.kv_bytes_per_token(p, tp=tp, stage_layer_count=len(layers), kv_bytes=kv_bytes)
+        if gpu:
+            kv_tok = math.ceil(kv_tok * mem.window_share(p, layers, seq_tokens // beam))
         pool = int(fraction * free) if free > 0 else 0
         capacity = mem.kv_pool_tokens(free, fraction, kv_tok, build.tokens_per_block, cap)
         ranks.append(RankPlan(rank, tp_rank, pp_rank, (layers.start, layers.stop - 1), weights, stored, kv_tok, act,
-                              workspace, on_gpu, device_bytes, free, pool, capacity))
+                              workspace, on_gpu, graphs, device_bytes, free, pool, capacity))
 
     plan = MemoryPlan(device, dt, kv_name, quant, ranks, seq_tokens, lim.max_batch_size)
     if draft is not None:
