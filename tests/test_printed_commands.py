@@ -93,8 +93,8 @@ def test_the_checks_catch_what_they_are_for():
 def test_every_printed_line_parses_in_bash(spec_path, tmp_path, capsys):
     try:
         sp = load_spec(spec_path).speculative
-    except ToolchainError as err:  # a model built at setup (make smollm2), absent outside `make test`
-        if "make smollm2" not in str(err):
+    except ToolchainError as err:  # a model built at setup (make smollm2, make tiny-mixtral), absent outside make test
+        if "is not built yet" not in str(err):
             raise
         pytest.skip(str(err))
     if sp.mode in ("medusa", "eagle") and not (sp.heads and Path(sp.heads).is_dir()):

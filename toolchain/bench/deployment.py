@@ -22,6 +22,19 @@ def _dtypes(spec: DeploymentSpec) -> tuple[str, str | None]:
     return weight_dtype(spec, params), kv_dtype(spec, params, quant)
 
 
+def _expert_parallel(spec: DeploymentSpec) -> dict:
+    """`moe_tp`/`moe_ep` as the experts were placed (archs/moe.py moe_sizes), for a mixture-of-experts model
+    only: a dense report stays as it was."""
+    try:
+        params = load_model(spec.model.checkpoint).params
+    except ToolchainError:
+        return {}
+    if not params.is_moe:
+        return {}
+    moe_tp, moe_ep = spec.parallelism.moe_sizes
+    return {"moe_tp": moe_tp, "moe_ep": moe_ep}
+
+
 def describe(spec: DeploymentSpec) -> dict:
     """The `deployment` object of report.json."""
     dtype, kv = _dtypes(spec)
@@ -32,17 +45,19 @@ def describe(spec: DeploymentSpec) -> dict:
     gpu = spec.gpu.name if device is None else ("host CPU" if device.kind == "host" else device.name)
     return {
         "name": spec.name, "target": spec.target, "tp": spec.parallelism.tp, "pp": spec.parallelism.pp,
-        "dtype": dtype, "quantization": spec.quantization.method, "kv_cache_dtype": kv, "gpu": gpu,
+        **_expert_parallel(spec), "dtype": dtype, "quantization": spec.quantization.method, "kv_cache_dtype": kv, "gpu": gpu,
         "speculative_mode": spec.speculative.mode, "spec_hash": spec.spec_hash(), "toolchain_version": __version__,
     }
 
 
 def title(deployment: dict | None) -> str:
-    """One line naming the deployment: 'tiny-llama: cpu tp2 pp1 float32, kv float32, host CPU'."""
+    """One line naming the deployment: 'tiny-llama: cpu tp2 pp1 float32, kv float32, host CPU' (a MoE model's
+    'tp2 moe_tp1 moe_ep2')."""
     if not isinstance(deployment, dict):
         return ""
     d = deployment
-    parts = [f"{d['target']} tp{d['tp']} pp{d['pp']} {d['dtype']}"]
+    experts = f" moe_tp{d['moe_tp']} moe_ep{d['moe_ep']}" if "moe_ep" in d else ""
+    parts = [f"{d['target']} tp{d['tp']}{experts} pp{d['pp']} {d['dtype']}"]
     if d["quantization"] != "none":
         parts.append(d["quantization"])
     if d["kv_cache_dtype"]:

