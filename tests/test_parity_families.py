@@ -72,8 +72,10 @@ FAMILIES = {
 DISCRETE_ROUTING = {"mixtral-moe", "qwen2-moe-shared", "qwen3-moe-qknorm"}
 # Gemma 2's HF half-precision forward rounds more steps (the embedding scale, four norms a layer, two soft-caps)
 # than the float32 engine: measured worst 0.070 in bfloat16 on logits capped at 3 (float32 reference: 1e-4).
+# Gemma 3 has no final soft-cap and twice the layers: measured worst 0.31 in bfloat16 on logits up to 4.9
+# (float32 reference over the same weights: 0.0).
 NATIVE_ATOL_BY_FAMILY = {"gemma2-window-softcap": {**NATIVE_ATOL, "bfloat16": 1e-1},
-                         "gemma3-local-rope": {**NATIVE_ATOL, "bfloat16": 1e-1}}
+                         "gemma3-local-rope": {**NATIVE_ATOL, "bfloat16": 4e-1}}
 
 # The layouts each family runs; families added since the matrix reached make test's time budget run the
 # three that matter (tp 1, tp 2, pp 2) in float32 and their checkpoint's native bfloat16.
