@@ -115,3 +115,36 @@ def test_weight_only_int8_runs(tmp_path_factory, tmp_path):
     got = engine.generate(LONG, SamplingParams(max_new_tokens=NEW))
     want = greedy(path, LONG)
     assert sum(a == b for a, b in zip(got, want, strict=True)) >= NEW - 2  # int8 rounding may flip a late token
+
+
+def test_llmapi_cpu_stand_in_runs_it(tmp_path_factory, tmp_path):
+    """The LLM-API path takes the HF checkpoint as it is (PyTorch backend's modeling_gemma3); its CPU stand-in
+    (CpuLLM) generates transformers' greedy tokens on a prompt longer than the window."""
+    import shutil
+    import threading
+
+    from test_parity_families import greedy
+    from triton_helpers import make_tiny_tokenizer
+
+    from toolchain.llmapi.cpu_llm import CpuLLM
+    from toolchain.llmapi.cpu_llm import SamplingParams as LlmParams
+
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_dir(tmp_path_factory, FAMILY, "float32"), hf)
+    make_tiny_tokenizer(hf)
+    with CpuLLM(model=str(hf), backend="pytorch", tensor_parallel_size=1, max_batch_size=2, max_seq_len=128,
+                max_num_tokens=128, kv_cache_config={"max_tokens": 512}, work_dir=tmp_path / "work") as llm:
+        text = " ".join(llm.tokenizer.decode([t]) for t in LONG[1:])
+        ids = llm.encode(text)
+        assert len(ids) > GEMMA3["sliding_window"]
+        done, seen = threading.Event(), []
+
+        def on_output(out):
+            if out.finished:
+                seen.append(list(out.outputs[0].token_ids))
+                done.set()
+
+        llm.generate_async(text, LlmParams.from_kwargs({"max_tokens": NEW, "ignore_eos": True, "top_k": 1}),
+                           False, on_output=on_output)
+        assert done.wait(60)
+    assert seen[0] == greedy(hf_dir(tmp_path_factory, FAMILY, "float32"), ids)
