@@ -107,12 +107,16 @@ def prepare(cfg: dict, origin: str) -> dict:
 def local_layers(cfg: dict, layers: int, origin: str) -> tuple[int, list[bool]]:
     """(_sliding_window_pattern, which layers are local): upstream's `(i + 1) % pattern != 0`, checked against
     HF's layer_types when the config lists them."""
-    pattern = cfg.get("_sliding_window_pattern", cfg.get("sliding_window_pattern",
-                                                         GEMMA3_FIELDS["sliding_window_pattern"]))
+    types = cfg.get("layer_types")
+    pattern = cfg.get("_sliding_window_pattern", cfg.get("sliding_window_pattern"))
+    if pattern is None and isinstance(types, list) and types:
+        # only layer_types given: the pattern their first full layer implies (checked against them below)
+        pattern = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
+    if pattern is None:
+        pattern = GEMMA3_FIELDS["sliding_window_pattern"]
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
         raise ToolchainError(f"{origin}: sliding_window_pattern must be an integer >= 1, got {pattern!r}")
     local = [bool((i + 1) % pattern) for i in range(layers)]
-    types = cfg.get("layer_types")
     if types is not None:
         if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
             raise ToolchainError(f"{origin}: layer_types must list sliding_attention or full_attention for each of "
