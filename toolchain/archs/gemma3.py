@@ -4,7 +4,7 @@ built by TensorRT-LLM's own Gemma implementation, as Gemma 2 is (archs/gemma.py 
 Read from upstream (TensorRT-LLM tensorrt_llm/models/gemma/config.py, the stored version with
 GEMMA3_ARCHITECTURE = "Gemma3ForCausalLM", read_file id 397088162; models/modeling_utils.py Gemma3ConfigGroup;
 models/gemma/model.py, the stored version with `gemma3_config()`, read_file id 83670668; models/gemma/convert.py
-at 65b31db1; models/__init__.py MODEL_MAP sends Gemma3ForCausalLM to GemmaForCausalLM):
+at 65b31db1; models/__init__.py MODEL_MAP has `GEMMA3_ARCHITECTURE: GemmaForCausalLM`, read_file id 820782731):
 - The engine path builds it. GemmaConfig.is_gemma_3 keeps inter_layernorms (four norms per layer, as Gemma 2),
   query_pre_attn_scalar and final_logit_softcapping, plus the Gemma3ConfigGroup fields `_sliding_window_pattern`,
   `rope_local_base_freq` and `sliding_window`, all copied verbatim from the HF config's to_dict().
@@ -20,10 +20,13 @@ at 65b31db1; models/__init__.py MODEL_MAP sends Gemma3ForCausalLM to GemmaForCau
   here as runtime_defaults.max_attention_window, one entry per layer, as for Gemma 2.
 - No attention soft-capping: model.py sets max_attn_value only for Gemma 2, so a Gemma 3 config with
   attn_logit_softcapping is refused (HF's Gemma 3 has none); final_logit_softcapping (None in every published
-  Gemma 3) is applied after lm_head when set.
+  Gemma 3) is applied after lm_head when set (DecoderModelForCausalLM.forward in models/modeling_utils.py, for
+  the Gemma2ConfigGroup or Gemma3ConfigGroup, read_file id 1189552800; the group counts only when config.json
+  has all five of its fields, which config_extra writes).
 - RoPE scaling. GemmaConfig passes rotary_scaling = getattr(hf_config, "rotary_scaling", None), an attribute HF
   configs do not have, so the global layers' rope_scaling (linear, factor 8 in Gemma 3 4B/12B/27B) would be
-  dropped: a scaled Gemma 3 is refused on the engine path (the 1B and 270M text models have none).
+  dropped: a scaled Gemma 3 is refused (the 1B and 270M text models have none). The refusal is in `normalize`,
+  which both paths run, so it refuses the LLM-API path too, whose modeling_gemma3 would keep the scaling.
 - transformers 5 writes the two rope bases as rope_parameters {"full_attention": {...}, "sliding_attention":
   {...}}; `prepare` below reads them back into rope_theta / rope_scaling / rope_local_base_freq.
 
@@ -31,9 +34,9 @@ Quantization as for Gemma 2 (GemmaForCausalLM.NATIVE_QUANT_FLOW: W8A16 and W4A16
 calibrated formats are refused, see archs/gemma.py).
 
 The LLM-API path: the PyTorch backend registers Gemma3ForCausalLM (tensorrt_llm/_torch/models/modeling_gemma3.py
-at 00e7d1037, `@register_auto_model("Gemma3ForCausalLM")`; imported by _torch/models/__init__.py in every stored
-version): local layers use rope_parameters["sliding_attention"] / rope_local_base_freq without scaling and the
-config's sliding_window, global ones RopeParams.from_config (rope_scaling kept). The weight-only formats this
+at 00e7d1037, `@register_auto_model("Gemma3ForCausalLM")`; imported by both stored versions of _torch/models/__init__.py, the 1.1/1.2-era one, read_file id 130844221, and the newest, id 54836571092): local layers use
+rope_parameters["sliding_attention"] / rope_local_base_freq without scaling and the config's sliding_window,
+global ones RopeParams.from_config (rope_scaling kept). The weight-only formats this
 family quantizes have no Hugging Face format that backend loads (checkpoint/hf_quant.py), so a quantized Gemma 3
 is refused there.
 """
