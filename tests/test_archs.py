@@ -222,11 +222,11 @@ def test_partial_rotary_rejected():
 
 
 def test_registry_lists_every_family():
-    assert supported() == ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-                           "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM"]
-    assert [get_family(a).name for a in supported()] == ["gemma2", "gemma3", "llama", "mistral", "mixtral", "phi3", "qwen2",
-                                                         "qwen2_moe", "qwen3", "qwen3_moe"]
+    assert supported() == ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                           "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+    assert [get_family(a).name for a in supported()] == ["gemma2", "gemma3", "llama", "mistral", "mixtral", "phi3",
+                                                         "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
 
 
 def test_cli_archs_lists_them(capsys):

@@ -54,7 +54,8 @@ def test_transformers5_rope_parameters_read_back():
     assert (p.rope_theta, family.config_extra(p)["rope_local_base_freq"]) == (1e6, 1e4)
     # a config with layer_types only: the pattern is the one they follow (here every fourth layer full)
     del nested["sliding_window_pattern"]
-    _, p = load_params({**nested, "num_hidden_layers": 8, "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 2})
+    types = (["sliding_attention"] * 3 + ["full_attention"]) * 2
+    _, p = load_params({**nested, "num_hidden_layers": 8, "layer_types": types})
     assert family.config_extra(p)["_sliding_window_pattern"] == 4
 
 

@@ -34,9 +34,10 @@ Quantization as for Gemma 2 (GemmaForCausalLM.NATIVE_QUANT_FLOW: W8A16 and W4A16
 calibrated formats are refused, see archs/gemma.py).
 
 The LLM-API path: the PyTorch backend registers Gemma3ForCausalLM (tensorrt_llm/_torch/models/modeling_gemma3.py
-at 00e7d1037, `@register_auto_model("Gemma3ForCausalLM")`; imported by both stored versions of _torch/models/__init__.py, the 1.1/1.2-era one, read_file id 130844221, and the newest, id 54836571092): local layers use
-rope_parameters["sliding_attention"] / rope_local_base_freq without scaling and the config's sliding_window,
-global ones RopeParams.from_config (rope_scaling kept). The weight-only formats this
+at 00e7d1037, `@register_auto_model("Gemma3ForCausalLM")`; imported by both stored versions of
+_torch/models/__init__.py, the 1.1/1.2-era one, read_file id 130844221, and the newest, id 54836571092): local
+layers use rope_parameters["sliding_attention"] / rope_local_base_freq without scaling and the config's
+sliding_window, global ones RopeParams.from_config (rope_scaling kept). The weight-only formats this
 family quantizes have no Hugging Face format that backend loads (checkpoint/hf_quant.py), so a quantized Gemma 3
 is refused there.
 """
@@ -170,7 +171,8 @@ def normalize(cfg: dict, params, origin: str):
     }
     if any(local):
         extras["runtime_defaults"] = {"max_attention_window": [window if is_local else full for is_local in local]}
-    return dataclasses.replace(params, hidden_act=act, qk_layernorm=True, extras_json=json.dumps(extras, sort_keys=True))
+    return dataclasses.replace(params, hidden_act=act, qk_layernorm=True,
+                               extras_json=json.dumps(extras, sort_keys=True))
 
 
 def llmapi_refusal(params, tp: int, quantized: bool) -> str | None:

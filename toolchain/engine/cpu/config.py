@@ -368,11 +368,11 @@ def _gemma2_dims(arch: str, cfg: dict, origin: str) -> dict:
            "query_pre_attn_scalar": values["query_pre_attn_scalar"],
            "attn_softcap": values.get("attn_logit_softcapping"), "final_softcap": values["final_logit_softcapping"]}
     if arch == GEMMA3:
-        pattern = cfg.get("_sliding_window_pattern")
-        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1 or values["rope_local_base_freq"] is None:
+        pattern, local_base = cfg.get("_sliding_window_pattern"), values["rope_local_base_freq"]
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1 or local_base is None:
             raise ToolchainError(f"{origin}: a {arch} config needs _sliding_window_pattern >= 1 and "
-                                 f"rope_local_base_freq, got {pattern!r} and {values['rope_local_base_freq']!r}", _REBUILD)
-        out.update(sliding_window_pattern=pattern, rotary_base_local=values["rope_local_base_freq"])
+                                 f"rope_local_base_freq, got {pattern!r} and {local_base!r}", _REBUILD)
+        out.update(sliding_window_pattern=pattern, rotary_base_local=local_base)
     return out
 
 
