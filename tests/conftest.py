@@ -141,6 +141,7 @@ TINY_DIMS = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidd
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 HF_CLASSES = {
     "Gemma2ForCausalLM": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM"),
     "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM"),
     "MixtralForCausalLM": ("MixtralConfig", "MixtralForCausalLM"),

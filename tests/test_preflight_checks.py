@@ -286,6 +286,45 @@ def test_arch_quantization_reads_the_family_row(tmp_path, config, quant, expecte
     assert result.status == expected and says in result.message, result.message
 
 
+# Qwen3-8B's and Qwen3-30B-A3B's config.json facts (no such config ships in build/configs).
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096, "head_dim": 128,
+         "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+         "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 151645}
+QWEN3_MOE = {**QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+             "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_key_value_heads": 4,
+             "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True}
+
+
+def _checkpoint(source):
+    """A build/configs directory by name, or a config dict written to a config-only directory."""
+    if isinstance(source, str):
+        return lambda tmp_path, data: data["model"].update(checkpoint=str(CONFIGS / source))
+    return use_config(source)
+
+
+@pytest.mark.parametrize("source,tp,method,expected,says", [
+    ("llama-3-8b-instruct", 2, "none", PASS, "LlamaForCausalLM at tp 2"),
+    ("mistral-7b-instruct-v0.3", 2, "none", PASS, "MistralForCausalLM at tp 2"),
+    ("qwen2.5-7b-instruct", 2, "none", PASS, "Qwen2ForCausalLM at tp 2"),
+    (QWEN3, 2, "none", PASS, "Qwen3ForCausalLM at tp 2"),
+    (MIXTRAL, 2, "none", PASS, "MixtralForCausalLM at tp 2"),
+    ("qwen1.5-moe-a2.7b", 2, "none", PASS, "Qwen2MoeForCausalLM at tp 2"),
+    (QWEN3_MOE, 2, "none", PASS, "Qwen3MoeForCausalLM at tp 2"),
+    ("gemma-3-1b-it", 1, "none", PASS, "Gemma3ForCausalLM at tp 1"),
+    ("gemma-3-1b-it", 1, "fp8", FAIL, "Gemma3ForCausalLM quantized on the LLM-API path"),
+    (GEMMA2, 1, "none", FAIL, "registers no Gemma 2 model"),
+    ("phi-3-mini-128k-instruct", 1, "none", PASS, "Phi3ForCausalLM at tp 1"),
+    ("phi-3-mini-128k-instruct", 2, "none", FAIL, "Phi3ForCausalLM at tp 2 on the LLM-API path"),
+])
+def test_llmapi_architecture_gates_each_family(tmp_path, source, tp, method, expected, says):
+    """Which families TensorRT-LLM 1.2's PyTorch backend loads (the family's llmapi_refusal), on config-only
+    checkpoints: every registered family accepted or refused in one line at plan."""
+    change = {"target": "llmapi", "parallelism": {"tp": tp}, "quantization": {"method": method}}
+    result = run(tmp_path, change, setup=_checkpoint(source))["llmapi.architecture"]
+    assert result.status == expected and says in result.message and "\n" not in result.message, result.message
+
+
 def test_every_check_has_a_trigger_and_a_doc():
     run_checks  # noqa: B018 - importing toolchain.checks.preflight registers every check
     assert set(REGISTRY) == set(TRIGGERS)

@@ -19,6 +19,7 @@ from toolchain.errors import ToolchainError
 # Adding one here means adding a tiny checkpoint maker to tests/test_archs.py too.
 _REGISTRY: dict[str, str] = {
     "Gemma2ForCausalLM": "toolchain.archs.gemma",
+    "Gemma3ForCausalLM": "toolchain.archs.gemma3",
     "LlamaForCausalLM": "toolchain.archs.llama",
     "MistralForCausalLM": "toolchain.archs.mistral",
     "MixtralForCausalLM": "toolchain.archs.mixtral",

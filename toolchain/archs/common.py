@@ -102,6 +102,9 @@ class Family:
     """Values for HF config keys a config.json may omit (the HF config class defaults)."""
     config_extra: Callable[[Any], dict] | None = None
     """Family-specific TensorRT-LLM config.json fields, given the ArchParams."""
+    prepare: Callable[[dict, str], dict] | None = None
+    """Family-specific rewrite of the HF config dict before the shared alias lookup, for keys only this
+    family nests (Gemma 3's per-layer-type rope_parameters in transformers 5)."""
     normalize: Callable[[dict, Any, str], Any] | None = None
     """Family-specific config normalisation: (HF config dict, ArchParams, origin) -> ArchParams.
     Runs after the shared alias lookup, for what only this family's HF config spells

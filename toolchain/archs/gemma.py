@@ -33,13 +33,13 @@ What differs from the Llama table, each read from upstream:
   GatedMLP ("unsupported activation function"); their `gelu` is the tanh approximation
   (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), i.e. gelu_pytorch_tanh, so the checkpoint says "gelu".
 
-The LLM-API path is not covered here: the newest stored tree has a PyTorch-backend Gemma 2
-(tensorrt_llm/_torch/models/modeling_gemma2.py; checkpoints/hf/gemma2_weight_mapper.py at 04d175ac adds 1 to
-every norm when loading, its header dated 2026), but whether 1.2.1 ships it is not established.
+The LLM-API path refuses Gemma 2 (`llmapi_refusal`): the PyTorch backend of the 1.x releases registers no
+Gemma2ForCausalLM. The stored tensorrt_llm/_torch/models/__init__.py of the 1.1/1.2 era (read_file id 130844221:
+Gemma3ForCausalLM, Phi3, Qwen3Next, SeedOss, and no Gemma 2) imports no modeling_gemma2, and neither does the
+newest stored one (id 54836571092); modeling_gemma2.py (with attention and final soft-caps, `logits_soft_cap`)
+exists only in a 2026 tree (at 04d175ac, its header dated 2026), after the 1.2 branch.
 
-Gemma 3 (text) is not converted yet: its local layers' own rope base and the q/k norms need the
-Gemma3ConfigGroup fields (_sliding_window_pattern, rope_local_base_freq) and a second rotary table in
-the CPU engine.
+Gemma 3 (text) is archs/gemma3.py, which reuses the rows and checks here.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Mapping
 
 from toolchain.archs.common import Family, Refusal, Row, Shard
 from toolchain.archs.llama import L, T, llama_rows
@@ -58,7 +58,7 @@ from toolchain.errors import ToolchainError
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
 
 
-def _gemma2_rows() -> tuple[Row, ...]:
+def gemma2_rows() -> tuple[Row, ...]:
     # Llama's lm_head row already takes the embedding when no lm_head tensor is stored (tied_from), as
     # upstream's converter always does for Gemma; normalize refuses untied checkpoints.
     rows = [dataclasses.replace(r, transform="plus_one") if r.hf.endswith(_NORMS) else r for r in llama_rows()]
@@ -87,8 +87,9 @@ DEFAULT_WINDOW = 4096
 ACTIVATIONS = ("gelu_pytorch_tanh",)
 
 
-def _positive(cfg: dict, key: str, origin: str) -> float | None:
-    value = cfg.get(key, GEMMA2_FIELDS[key])
+def positive(cfg: dict, key: str, origin: str, fields: Mapping[str, Any] = GEMMA2_FIELDS) -> float | None:
+    """config.json's `key` (absent: the HF config class default in `fields`), a positive number or None."""
+    value = cfg.get(key, fields[key])
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -127,13 +128,13 @@ def normalize(cfg: dict, params, origin: str):
     if params.attention_bias or params.mlp_bias:
         raise ToolchainError(f"{origin}: Gemma2ForCausalLM with attention_bias or mlp_bias",
                              "TensorRT-LLM's Gemma converter reads no bias tensors")
-    scalar = _positive(cfg, "query_pre_attn_scalar", origin)
+    scalar = positive(cfg, "query_pre_attn_scalar", origin)
     windows = layer_windows(cfg, params.num_hidden_layers, origin)
     full = params.max_position_embeddings
     extras: dict[str, Any] = {
         "query_pre_attn_scalar": scalar,
-        "attn_logit_softcapping": _positive(cfg, "attn_logit_softcapping", origin),
-        "final_logit_softcapping": _positive(cfg, "final_logit_softcapping", origin),
+        "attn_logit_softcapping": positive(cfg, "attn_logit_softcapping", origin),
+        "final_logit_softcapping": positive(cfg, "final_logit_softcapping", origin),
         "inter_layernorms": True,
         "hidden_act": "gelu",  # TensorRT-LLM's gelu is the tanh form (see the module docstring)
     }
@@ -169,13 +170,20 @@ def config_extra(params) -> dict:
     return json.loads(params.extras_json or "{}")
 
 
+def llmapi_refusal(params, tp: int, quantized: bool) -> str | None:
+    return (f"{params.architecture} on the LLM-API path: TensorRT-LLM 1.2's PyTorch backend registers no Gemma 2 "
+            "model (tensorrt_llm/_torch/models/__init__.py imports no modeling_gemma2); use the engine path "
+            "(target trtllm or cpu)")
+
+
 FAMILY = Family(
     name="gemma2",
     architectures=("Gemma2ForCausalLM",),
-    rows=_gemma2_rows(),
+    rows=gemma2_rows(),
     defaults=GEMMA2_DEFAULTS,
     config_extra=config_extra,
     normalize=normalize,
     parallel_embedding_at_tp=True,
+    llmapi_refusal=llmapi_refusal,
     quantization=quantization_refusal,
 )

@@ -231,6 +231,8 @@ def engine_dtype(requested: str, source: str | None, target: str) -> str:
 def normalize_params(cfg: dict, family: Any, origin: str = "config.json") -> ArchParams:
     """ArchParams for `cfg`, an HF config.json dict of `family`."""
     defaults = dict(family.defaults)
+    if family.prepare is not None:
+        cfg = family.prepare(cfg, origin)
 
     def get(field: str) -> Any:
         return _find(cfg, field, origin, defaults)

@@ -30,7 +30,10 @@ MEDUSA = "MedusaForCausalLM"
 ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", MEDUSA, *QWEN_ARCHITECTURES}
 # Gemma2ForCausalLM: TensorRT-LLM's Gemma decoder (tensorrt_llm/models/gemma/model.py; archs/gemma.py).
 GEMMA2 = "Gemma2ForCausalLM"
-ARCHITECTURES.add(GEMMA2)
+# Gemma3ForCausalLM: the same decoder with q/k norms and local layers on their own rope base (archs/gemma3.py).
+GEMMA3 = "Gemma3ForCausalLM"
+GEMMA_ARCHITECTURES = {GEMMA2, GEMMA3}
+ARCHITECTURES |= GEMMA_ARCHITECTURES
 # Phi3ForCausalLM: its MLP is one swiglu fc [up; gate] per rank, no gate linear (tensorrt_llm/models/phi3/model.py).
 FUSED_MLP_ARCHITECTURES = {"Phi3ForCausalLM"}
 ARCHITECTURES |= FUSED_MLP_ARCHITECTURES
@@ -108,6 +111,14 @@ class ModelDims:
     """Gemma 2 final_logit_softcapping: logits become tanh(l / c) * c."""
     fused_mlp: bool = False
     """Phi3ForCausalLM: mlp.fc holds [up; gate] per rank (swiglu), and there is no mlp.gate."""
+    rotary_base_local: float | None = None
+    """Gemma 3 rope_local_base_freq: the rope base of its local layers (Attention(is_local=True)); None: one base."""
+    sliding_window_pattern: int = 0
+    """Gemma 3 _sliding_window_pattern: layer i is local when (i + 1) % pattern != 0 (GemmaDecoderLayer); 0: none."""
+
+    def is_local(self, layer: int) -> bool:
+        """Whether global layer `layer` rotates with rotary_base_local (Gemma 3's local layers)."""
+        return self.sliding_window_pattern > 0 and bool((layer + 1) % self.sliding_window_pattern)
 
     @property
     def is_moe(self) -> bool:
@@ -338,21 +349,31 @@ def _qwen_moe_sizes(cfg: dict, origin: str) -> dict:
 
 
 def _gemma2_dims(arch: str, cfg: dict, origin: str) -> dict:
-    """Gemma2ConfigGroup and inter_layernorms (tensorrt_llm/models/gemma/config.py, GemmaConfig)."""
-    if arch != GEMMA2:
+    """Gemma2ConfigGroup or Gemma3ConfigGroup, and inter_layernorms (tensorrt_llm/models/gemma/config.py,
+    GemmaConfig); Gemma 3 has no attention soft-cap (model.py sets max_attn_value for Gemma 2 only)."""
+    if arch not in GEMMA_ARCHITECTURES:
         return {}
     values = {}
-    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+    keys = ("query_pre_attn_scalar", "final_logit_softcapping", "rope_local_base_freq") if arch == GEMMA3 else \
+        ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+    for key in keys:
         value = cfg.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ToolchainError(f"{origin}: pretrained_config '{key}' must be a positive number or null, "
                                  f"got {value!r}", _REBUILD)
         values[key] = None if value is None else float(value)
-    if values["query_pre_attn_scalar"] is None:  # GemmaConfig asserts it for Gemma 2
-        raise ToolchainError(f"{origin}: a Gemma2ForCausalLM config needs query_pre_attn_scalar", _REBUILD)
-    return {"inter_layernorms": bool(cfg.get("inter_layernorms", True)),
-            "query_pre_attn_scalar": values["query_pre_attn_scalar"],
-            "attn_softcap": values["attn_logit_softcapping"], "final_softcap": values["final_logit_softcapping"]}
+    if values["query_pre_attn_scalar"] is None:  # GemmaConfig asserts it for Gemma 2 and 3
+        raise ToolchainError(f"{origin}: a {arch} config needs query_pre_attn_scalar", _REBUILD)
+    out = {"inter_layernorms": bool(cfg.get("inter_layernorms", True)),
+           "query_pre_attn_scalar": values["query_pre_attn_scalar"],
+           "attn_softcap": values.get("attn_logit_softcapping"), "final_softcap": values["final_logit_softcapping"]}
+    if arch == GEMMA3:
+        pattern, local_base = cfg.get("_sliding_window_pattern"), values["rope_local_base_freq"]
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1 or local_base is None:
+            raise ToolchainError(f"{origin}: a {arch} config needs _sliding_window_pattern >= 1 and "
+                                 f"rope_local_base_freq, got {pattern!r} and {local_base!r}", _REBUILD)
+        out.update(sliding_window_pattern=pattern, rotary_base_local=local_base)
+    return out
 
 
 def _qwen_decoder(arch: str, cfg: dict) -> bool:
@@ -373,7 +394,7 @@ def _medusa_dims(arch: str, cfg: dict, origin: str) -> dict:
 def _check_dims(d: ModelDims, origin: str) -> None:
     problems = []
     # upstream writes swiglu for mixture-of-experts MLPs (the gate fused into fc), silu for dense ones
-    act = "swiglu" if d.is_moe or d.fused_mlp else "gelu" if d.architecture == GEMMA2 else "silu"
+    act = "swiglu" if d.is_moe or d.fused_mlp else "gelu" if d.architecture in GEMMA_ARCHITECTURES else "silu"
     if d.hidden_act != act:
         problems.append(f"hidden_act '{d.hidden_act}' (only {act} is supported{' for experts' if d.is_moe else ''})")
     if d.num_heads % d.tp:

@@ -138,6 +138,10 @@ class Model:
         self.stages = stages
         self.comm = comm
         self.rotary = Rotary(d.head_size, d.rotary_base, d.rotary_scaling)
+        # Gemma 3's local layers rotate with their own base and the same scaling (a second table,
+        # Attention.create_attention_const_params in tensorrt_llm/layers/attention.py).
+        self.rotary_local = (Rotary(d.head_size, d.rotary_base_local, d.rotary_scaling)
+                             if d.rotary_base_local is not None else None)
         # Gemma 2 scales by query_pre_attn_scalar (q_scaling in tensorrt_llm/models/gemma/model.py).
         self.scale = (d.query_pre_attn_scalar or d.head_size) ** -0.5
         # Global index of each stage's first layer: caches are indexed globally.
@@ -184,6 +188,8 @@ class Model:
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
         batch = _Batch(torch.cat(write), [_Group(g) for g in (decode, context) if g], kv)
         cos, sin = self.rotary.tables(torch.cat(positions), torch.cat(lengths))
+        local_tables = (self.rotary_local.tables(torch.cat(positions), torch.cat(lengths))
+                        if self.rotary_local is not None else (cos, sin))
 
         x: torch.Tensor | None = None
         for pp_rank, shards in enumerate(self.stages):
@@ -197,7 +203,8 @@ class Model:
                 x = self._comm.recv_hidden(len(ids), self.d.hidden_size)
             for local in range(len(shards[0].layers)):
                 layer = self.layer_offset[pp_rank] + local
-                x = self._attention_block(shards, local, layer, x, batch, cos, sin)
+                tables = local_tables if self.d.is_local(layer) else (cos, sin)
+                x = self._attention_block(shards, local, layer, x, batch, *tables)
                 x = self._mlp_block(shards, local, x)
             if pp_rank + 1 < len(self.stages) and not self.stages[pp_rank + 1]:
                 self._comm.send_hidden(x)
@@ -285,7 +292,7 @@ class Model:
             q = qkv[:, : nq * hd].view(-1, nq, hd)
             k = qkv[:, nq * hd: (nq + nkv) * hd].view(-1, nkv, hd)
             v = qkv[:, (nq + nkv) * hd:].view(-1, nkv, hd)
-            if w.q_norm is not None:  # qk_layernorm (Qwen3): per-head RMSNorm before RoPE
+            if w.q_norm is not None:  # qk_layernorm (Qwen3, Gemma 3): per-head RMSNorm before RoPE
                 q, k = rms_norm(q, w.q_norm, d.norm_epsilon), rms_norm(k, w.k_norm, d.norm_epsilon)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             attn = self._attend(q, k, v, batch, layer, s.tp_rank)
