@@ -25,10 +25,14 @@ def _measured(level: dict) -> dict[str, float | None]:
 
 def compare(predicted: dict, measured: dict) -> tuple[dict, str | None]:
     """(predicted / measured per figure, a warning when TTFT or TPOT is off by more than WARN_FRACTION)."""
-    ratio = {k: round(predicted[k] / measured[k], 3) if measured.get(k) else None for k, _ in FIGURES}
-    off = [f"{k.removesuffix('_ms').upper()} predicted {predicted[k]:.3g} ms, measured {measured[k]:.3g} ms "
-           f"(x{ratio[k]:.2f})" for k in ("ttft_ms", "tpot_ms")
-           if ratio[k] is not None and abs(ratio[k] - 1) > WARN_FRACTION]
+    ratio: dict[str, float | None] = {k: round(predicted[k] / measured[k], 3) if measured.get(k) else None
+                                      for k, _ in FIGURES}
+    off = []
+    for k in ("ttft_ms", "tpot_ms"):
+        r = ratio[k]
+        if r is not None and abs(r - 1) > WARN_FRACTION:
+            off.append(f"{k.removesuffix('_ms').upper()} predicted {predicted[k]:.3g} ms, measured "
+                       f"{measured[k]:.3g} ms (x{r:.2f})")
     warning = None
     if off:
         warning = f"prediction differs by more than {WARN_FRACTION:.0%}: " + "; ".join(off)

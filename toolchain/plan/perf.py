@@ -692,7 +692,6 @@ def predict_spec(spec, concurrency: int | None = None) -> dict:
     """The performance object of a spec on its own (what `toolchain bench` sets beside its measurement): the
     model's config, the format and the memory plan read as `toolchain plan` reads them, then `performance_dict`
     at `concurrency`. Never raises for an unreadable model: the object says why there is no prediction."""
-    quant = quant_format(spec)
     device = gpus.resolve(spec)
     try:
         model = load_model(spec.model.checkpoint)
