@@ -91,7 +91,7 @@ def test_probe_host_prints_a_cached_profile_without_measuring(cache, capsys, mon
 
 def test_force_measures_again_and_caches(cache, capsys):
     hp.save_profile(hand_profile())
-    assert main(["probe-host", "--force", "--json"]) == 0
+    assert main(["probe-host", "--force", "--json", "--no-serving"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["measured_now"] is True
     profile = hp.load_profile(1)
@@ -149,6 +149,19 @@ def test_host_step_time_by_hand():
     assert t16.memory_s == pytest.approx(16 * 1000 / 2e9)  # the new tokens' K/V written
 
 
+def test_what_serving_adds_is_a_cost_per_step_per_sequence_and_per_request(cache):
+    spec = load_spec(TINY_SPEC)
+    engine = perf.predict_spec(spec, concurrency=1, profile=hand_profile())
+    serving = {"protocol": "triton-grpc", "step_us": 500.0, "sequence_us": 250.0, "request_us": 3000.0}
+    served = perf.predict_spec(spec, concurrency=1, profile=hand_profile(serving=serving))
+    assert served["basis"] == "host profile 2026-01-02 (serving: triton-grpc)"
+    eff = perf.host_efficiency(hand_profile(serving=serving), layers=4, shards=2)
+    assert eff.fixed_us == 1000 + 100 * 4 * 2 + 500 and eff.per_sequence_us == 50 + 250
+    # Alone, every step carries one sequence: +0.75 ms a token; the first token also +3 ms for the request's way.
+    assert served["tpot_ms"] == pytest.approx(engine["tpot_ms"] + 0.75, abs=2e-3)
+    assert served["ttft_ms"] == pytest.approx(engine["ttft_ms"] + 0.75 + 3.0, abs=2e-2)
+
+
 def test_requests_above_the_batch_limit_wait_by_littles_law(cache):
     hp.save_profile(hand_profile())
     spec = load_spec(TINY_SPEC)
@@ -183,12 +196,12 @@ def test_plan_on_a_cpu_spec_with_a_profile_predicts_from_it(cache, tmp_path, cap
     hp.save_profile(hand_profile())
     main(["--root", str(tmp_path), "plan", str(TINY_SPEC), "--json"])
     p = json.loads(capsys.readouterr().out)["performance"]
-    assert p["predicted"] is True and p["basis"] == "host profile 2026-01-02"
+    assert p["predicted"] is True and p["basis"] == "host profile 2026-01-02 (engine only)"
     assert p["ttft_ms"] > 0 and p["tpot_ms"] > 0 and p["output_tokens_per_s"] > 0
     # TPOT at concurrency 4 is at least the fixed costs: 1000 + 100 x 4 layers x 2 shards + 4 x 50 us per step
     assert p["tpot_ms"] > 1.0 + 0.8 + 0.2
     main(["--root", str(tmp_path), "plan", str(TINY_SPEC)])
-    assert "performance (host profile 2026-01-02):" in capsys.readouterr().out
+    assert "performance (host profile 2026-01-02 (engine only)):" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------- bench
@@ -206,7 +219,7 @@ def test_bench_prediction_beside_the_measurement_and_its_warning(cache):
     want = perf.predict_spec(spec, concurrency=4)
     close = bp.prediction(spec, [_level(4, want["ttft_ms"] * 1.2, want["tpot_ms"] * 0.9,
                                         want["output_tokens_per_s"])])
-    assert close["predicted"] is True and close["basis"] == "host profile 2026-01-02" and close["concurrency"] == 4
+    assert close["predicted"] is True and close["basis"] == "host profile 2026-01-02 (engine only)" and close["concurrency"] == 4
     assert close["ttft_ms"] == want["ttft_ms"] and close["tpot_ms"] == want["tpot_ms"]
     assert close["ratio"]["ttft_ms"] == pytest.approx(1 / 1.2, abs=1e-3)
     assert close["ratio"]["tpot_ms"] == pytest.approx(1 / 0.9, abs=1e-3)
@@ -218,7 +231,7 @@ def test_bench_prediction_beside_the_measurement_and_its_warning(cache):
     assert far["warnings"][0].startswith("prediction differs by more than 25%: TTFT predicted")
     assert "TPOT" not in far["warnings"][0]
     lines = bp.summary_lines(far)
-    assert lines[0].startswith("predicted at concurrency 4 (host profile 2026-01-02): TTFT")
+    assert lines[0].startswith("predicted at concurrency 4 (host profile 2026-01-02 (engine only)): TTFT")
     assert lines[-1] == f"warning: {far['warnings'][0]}"
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_file
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 """Bumped when the profile's fields or their meaning change: older files are then stale."""
 
 ENGINE_DIR = Path(__file__).resolve().parent / "engine" / "cpu"
@@ -78,6 +78,11 @@ class HostProfile:
     """Cost per sequence in a step beyond its kernels (sampling, its attention rows, the callback)."""
     gloo: dict[str, float] | None = None
     """Rank exchange between processes (engine/cpu/comm.py): {"latency_us", "gb_s"}; None when not measured."""
+    serving: dict | None = None
+    """What serving adds on top of the engine, measured through the real path (tritonserver's ensemble over gRPC,
+    streaming, with this toolchain's bench as the client) on the embedded tiny model: {"protocol", "step_us",
+    "sequence_us", "request_us", "measured": {...}}; request_us is the way of a request to its first step and of
+    its first token back (preprocessing, the ensemble's hops, gRPC). None when not measured."""
     notes: list[str] = field(default_factory=list)
 
     def gemm_peak(self, precision: str) -> float | None:

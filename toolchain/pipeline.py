@@ -10,6 +10,7 @@ straight to serving.
 from __future__ import annotations
 
 import shlex
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Callable, Iterator, Protocol
 from toolchain.bench.failfast import stop_line
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.manifest import Manifest, output_problem
-from toolchain.spec import DeploymentSpec
+from toolchain.plan.perf import predict_spec
+from toolchain.spec import DeploymentSpec, load_spec
 from toolchain.targets import target_of
 from toolchain.workspace import Workspace
 from toolchain.engine.build import run_build
@@ -387,3 +389,43 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     report["openai"] = {"protocol": protocol, "report": str(out_dir / "openai" / "report.json"),
                         **{k: second.get(k) for k in ("ttft_ms", "tpot_ms", "e2e_ms", "output_tokens_per_s",
                                                       "num_requests", "errors", "slo")}}
+
+
+# ------------------------------------------------------------------------------------------- probe-host
+
+TINY_SPEC = Path(__file__).resolve().parents[1] / "build" / "tiny-llama.yaml"
+"""The embedded default deployment; probe-host serves it to measure what serving adds to the engine."""
+SERVING_PROBE_LEVELS = (1, 8)
+
+
+def probe_serving(profile, progress: Progress = lambda stage, msg: None) -> dict | None:
+    """What serving adds to the CPU engine, measured: the embedded tiny model deployed as `deploy` does it (Triton's
+    ensemble over gRPC, streaming), benched closed loop at concurrency 1 and 8, each level's mean TPOT and (at 1)
+    TTFT set against the performance model's prediction from the engine-only `profile`. The differences are what
+    the path adds per step, per sequence in a step (its responses) and per request (its way in and its first
+    token's way out). None when the embedded spec is not in this checkout."""
+    if not TINY_SPEC.is_file():
+        return None
+    spec = load_spec(TINY_SPEC, [
+        "serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
+        f"serving.engine_threads={profile.key.threads}", "validation.workload.mode=concurrency",
+        f"validation.workload.sweep={list(SERVING_PROBE_LEVELS)}", "validation.workload.num_requests=16",
+        "validation.workload.warmup_requests=2", "validation.workload.seed=0"])
+    with tempfile.TemporaryDirectory(prefix="probe-serving-") as tmp:
+        report = deploy(spec, Workspace(Path(tmp)), Path(tmp) / "report", progress)
+    levels = {int(lv["load"]["value"]): lv for lv in report.get("levels", [])}
+    if sorted(levels) != list(SERVING_PROBE_LEVELS) or any(lv["errors"] for lv in levels.values()):
+        raise StageFailed("probe-host: the serving probe's bench did not complete", "see the messages above")
+    low, high = SERVING_PROBE_LEVELS
+    predicted = {c: predict_spec(spec, concurrency=c, profile=profile) for c in SERVING_PROBE_LEVELS}
+    extra = {c: levels[c]["tpot_ms"]["mean"] - predicted[c]["tpot_ms"] for c in SERVING_PROBE_LEVELS}
+    sequence_ms = max((extra[high] - extra[low]) / (high - low), 0.0)
+    step_ms = max(extra[low] - sequence_ms * low, 0.0)
+    # The prompt's step pays the same two costs; what is left of TTFT is the request's own way in and out.
+    request_ms = max(levels[low]["ttft_ms"]["mean"] - predicted[low]["ttft_ms"] - step_ms - sequence_ms, 0.0)
+    return {"protocol": spec.validation.workload.protocol, "step_us": round(step_ms * 1e3, 2),
+            "sequence_us": round(sequence_ms * 1e3, 2), "request_us": round(request_ms * 1e3, 2),
+            "measured": {f"c{c}": {"ttft_ms": round(levels[c]["ttft_ms"]["mean"], 3),
+                                   "tpot_ms": round(levels[c]["tpot_ms"]["mean"], 3),
+                                   "engine_only_ttft_ms": predicted[c]["ttft_ms"],
+                                   "engine_only_tpot_ms": predicted[c]["tpot_ms"]} for c in SERVING_PROBE_LEVELS}}

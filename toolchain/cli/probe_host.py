@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 
 import click
 
 from toolchain.hostprofile import HostProfile, load_profile, profile_path, save_profile
+from toolchain.pipeline import probe_serving
 
 
 def profile_lines(profile: HostProfile, path, fresh: bool) -> list[str]:
@@ -28,6 +31,10 @@ def profile_lines(profile: HostProfile, path, fresh: bool) -> list[str]:
               f"{profile.sequence_us:.0f} us per sequence",
               "  gloo: " + (f"{profile.gloo['latency_us']:.0f} us + {profile.gloo['gb_s']:.2f} GB/s"
                             if profile.gloo else "not measured")]
+    sv = profile.serving
+    lines.append(f"  serving ({sv['protocol']}, the tiny model): {sv['step_us']:.0f} us per step, "
+                 f"{sv['sequence_us']:.0f} us per sequence, {sv['request_us']:.0f} us per request"
+                 if sv else "  serving: not measured (engine only)")
     lines += [f"  note: {n}" for n in profile.notes]
     return lines
 
@@ -37,17 +44,25 @@ def profile_lines(profile: HostProfile, path, fresh: bool) -> list[str]:
 @click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True,
               help="Torch threads the engine runs with (serving.engine_threads; 0: every core).")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
-def command(force: bool, threads: int, as_json: bool) -> None:
+@click.option("--no-serving", is_flag=True, help="Measure the engine only, not what serving it through tritonserver "
+              "adds (that part deploys the embedded tiny model: about 20 s).")
+def command(force: bool, threads: int, as_json: bool, no_serving: bool) -> None:
     """Measure this host's memory bandwidth, the CPU engine's linear kernels per precision, its attention and a
     step's fixed costs (about 15 s), once: the profile is cached under the user's cache directory, keyed by the CPU,
     cores, torch version, engine threads and engine code, and `toolchain plan` and `toolchain bench` predict the
     CPU engine from it."""
     profile = None if force else load_profile(threads)
     fresh = profile is None
+    started = time.perf_counter()
     if profile is None:
         from toolchain.engine.probe import measure  # torch
 
         profile = measure(threads, log=lambda line: click.echo(f"probing: {line}", err=True))
+        if not no_serving:
+            click.echo("probing: what serving adds (the embedded tiny model through tritonserver, "
+                       "concurrency 1 and 8) ...", err=True)
+            serving = probe_serving(profile, lambda stage, msg: click.echo(f"probing:   {stage} {msg}", err=True))
+            profile = dataclasses.replace(profile, serving=serving, seconds=round(time.perf_counter() - started, 2))
         path = save_profile(profile)
     else:
         path = profile_path(profile.key)

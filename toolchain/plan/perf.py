@@ -273,9 +273,12 @@ def host_row(profile: HostProfile, rank_processes: bool = False) -> HostRow:
 
 def host_efficiency(profile: HostProfile, layers: int, shards: int) -> Efficiency:
     """The measured rates are achieved ones (efficiency 1); the fixed cost of a step is the probe's per-step
-    cost plus its per-layer cost for every layer of every shard the process runs."""
-    return Efficiency(1.0, 1.0, 1.0, fixed_us=profile.step_us + profile.layer_us * layers * shards,
-                      per_sequence_us=profile.sequence_us)
+    cost plus its per-layer cost for every layer of every shard the process runs, plus what serving adds per step
+    and per sequence (its responses) where the profile measured it."""
+    serving = profile.serving or {}
+    return Efficiency(1.0, 1.0, 1.0,
+                      fixed_us=profile.step_us + profile.layer_us * layers * shards + serving.get("step_us", 0.0),
+                      per_sequence_us=profile.sequence_us + serving.get("sequence_us", 0.0))
 
 
 def host_step_time(cost: StageCost, host: HostRow, work: Work, *, math_precision: str, tp: int, eff: Efficiency,
@@ -635,6 +638,8 @@ def predict(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, memory: Mem
     best = best_point(dep, w, limit)
     c = concurrency or wl.concurrency
     at = queued(dep, w, c, limit)
+    if profile is not None and profile.serving:  # a request's way in and its first token's way out
+        at = dataclasses.replace(at, ttft_s=at.ttft_s + profile.serving.get("request_us", 0.0) * 1e-6)
     if c > limit:
         notes.append(f"concurrency {c} is above the batch limit {limit} ({limited_by}): {c - limit} requests wait "
                      f"for a slot, which TTFT includes (Little's law over the cycle at {limit})")
@@ -643,7 +648,8 @@ def predict(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, memory: Mem
     if hourly is not None and best.output_tokens_per_s > 0:
         usd = hourly * dep.gpus / (best.output_tokens_per_s * 3600) * 1e6
     if profile is not None:
-        basis = f"host profile {profile.date}"
+        basis = f"host profile {profile.date}" + (f" (serving: {profile.serving['protocol']})"
+                                                  if profile.serving else " (engine only)")
     else:
         basis = BASIS if (eff or efficiency_of(device)) == DEFAULT_EFFICIENCY else "roofline x given efficiencies"
     return Performance(best.output_tokens_per_s, best.output_tokens_per_s / dep.gpus, best.concurrency, limit,
@@ -677,10 +683,10 @@ def host_profile_of(spec) -> HostProfile | None:
 
 def performance_dict(spec, model: ModelInfo | None, quant: QuantFormat, device: Gpu | None,
                      memory: MemoryPlan | None, draft: ModelInfo | None = None, *,
-                     concurrency: int | None = None) -> dict:
+                     concurrency: int | None = None, profile: HostProfile | None = None) -> dict:
     """`toolchain plan`'s performance object: the prediction, or why there is none. A CPU target is predicted
-    from this host's cached profile (`toolchain probe-host`)."""
-    profile = host_profile_of(spec)
+    from `profile`, by default this host's cached one (`toolchain probe-host`)."""
+    profile = profile or host_profile_of(spec)
     reason = unavailable(spec, device, memory, profile) if model is not None else "the model's config is not readable"
     if reason is not None:
         return {"predicted": False, "note": reason}
@@ -688,7 +694,7 @@ def performance_dict(spec, model: ModelInfo | None, quant: QuantFormat, device: 
     return predict(spec, model, quant, device, memory, draft, profile=profile, concurrency=concurrency).as_dict()
 
 
-def predict_spec(spec, concurrency: int | None = None) -> dict:
+def predict_spec(spec, concurrency: int | None = None, profile: HostProfile | None = None) -> dict:
     """The performance object of a spec on its own (what `toolchain bench` sets beside its measurement): the
     model's config, the format and the memory plan read as `toolchain plan` reads them, then `performance_dict`
     at `concurrency`. Never raises for an unreadable model: the object says why there is no prediction."""
@@ -709,4 +715,4 @@ def predict_spec(spec, concurrency: int | None = None) -> dict:
         memory = plan_memory(spec, model, quant, device, DraftModel(draft) if draft else None) if device else None
     except ToolchainError as err:
         return {"predicted": False, "note": f"no memory plan: {err}"}
-    return performance_dict(spec, model, quant, device, memory, draft, concurrency=concurrency)
+    return performance_dict(spec, model, quant, device, memory, draft, concurrency=concurrency, profile=profile)
