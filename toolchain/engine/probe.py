@@ -166,7 +166,7 @@ def _tiny_engine(hf: Path, root: Path, tp: int, threads: int) -> CpuEngine:
 
 
 PROMPT, DECODE = 16, 48
-REPEATS = 2
+REPEATS = 3
 
 
 STEP_PERCENTILE = 25
@@ -239,7 +239,7 @@ def measure(threads: int, log: Callable[[str], None] = lambda _: None) -> HostPr
             layers = TINY["num_hidden_layers"]
             e1 = _tiny_engine(hf, root, 1, key.threads)
             e2 = _tiny_engine(hf, root, 2, key.threads)
-            # Each twice, in turn, the faster kept: a burst of other work on the host hits one run, not both.
+            # Each REPEATS times, in turn, the fastest kept: a burst of other work on the host hits one run, not both.
             t11 = t18 = t21 = float("inf")
             for _ in range(REPEATS):
                 t11 = min(t11, decode_step_seconds(e1, 1))

@@ -640,6 +640,9 @@ def predict(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, memory: Mem
     at = queued(dep, w, c, limit)
     if profile is not None and profile.serving:  # a request's way in and its first token's way out
         at = dataclasses.replace(at, ttft_s=at.ttft_s + profile.serving.get("request_us", 0.0) * 1e-6)
+        if wl.protocol != profile.serving["protocol"]:
+            notes.append(f"what serving adds was measured over {profile.serving['protocol']}, the workload uses "
+                         f"{wl.protocol}")
     if c > limit:
         notes.append(f"concurrency {c} is above the batch limit {limit} ({limited_by}): {c - limit} requests wait "
                      f"for a slot, which TTFT includes (Little's law over the cycle at {limit})")
