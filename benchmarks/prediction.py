@@ -57,9 +57,8 @@ def spec_for(requests: int):
 
 
 def run(requests: int, probe: bool) -> dict[str, Any]:
-    from toolchain.engine.probe import measure
     from toolchain.hostprofile import load_profile, save_profile
-    from toolchain.pipeline import deploy
+    from toolchain.pipeline import deploy, probe_host
     from toolchain.workspace import Workspace
 
     spec = spec_for(requests)
@@ -67,7 +66,7 @@ def run(requests: int, probe: bool) -> dict[str, Any]:
     profile = None if probe else load_profile(threads)
     if profile is None:
         log("probing the host (toolchain probe-host) ...")
-        profile = measure(threads)
+        profile = probe_host(threads, progress=lambda stage, msg: log(f"probe-host {stage:<12} {msg}"))
         save_profile(profile)
     load_before = os.getloadavg()
     started = time.perf_counter()
@@ -77,7 +76,9 @@ def run(requests: int, probe: bool) -> dict[str, Any]:
     pred = report.get("prediction") or {}
     results: dict[str, Any] = {"profile": {"measured_at": profile.measured_at, "step_us": profile.step_us,
                                            "layer_us": profile.layer_us, "sequence_us": profile.sequence_us,
-                                           "stream_gb_s": profile.stream_gb_s, "cache_gb_s": profile.cache_gb_s},
+                                           "stream_gb_s": profile.stream_gb_s, "cache_gb_s": profile.cache_gb_s,
+                                           "serving": {k: v for k, v in (profile.serving or {}).items()
+                                                       if k != "measured"} or None},
                                "basis": pred.get("basis"), "requests_per_level": requests,
                                "load_average": {"before": [round(x, 2) for x in load_before],
                                                 "after": [round(x, 2) for x in os.getloadavg()]},

@@ -9,6 +9,7 @@ straight to serving.
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import tempfile
 import time
@@ -429,3 +430,16 @@ def probe_serving(profile, progress: Progress = lambda stage, msg: None) -> dict
                                    "tpot_ms": round(levels[c]["tpot_ms"]["mean"], 3),
                                    "engine_only_ttft_ms": predicted[c]["ttft_ms"],
                                    "engine_only_tpot_ms": predicted[c]["tpot_ms"]} for c in SERVING_PROBE_LEVELS}}
+
+
+def probe_host(threads: int, *, serving: bool = True, progress: Progress = lambda stage, msg: None):
+    """`toolchain probe-host`'s measurement: the engine's rates and fixed costs (engine/probe.py), then, with
+    `serving`, what serving adds (`probe_serving`). The caller caches it (hostprofile.save_profile)."""
+    from toolchain.engine.probe import measure  # torch
+
+    started = time.perf_counter()
+    profile = measure(threads, log=lambda line: progress("probe", line))
+    if serving:
+        progress("probe", "what serving adds (the embedded tiny model through tritonserver, concurrency 1 and 8) ...")
+        profile = dataclasses.replace(profile, serving=probe_serving(profile, progress))
+    return dataclasses.replace(profile, seconds=round(time.perf_counter() - started, 2))

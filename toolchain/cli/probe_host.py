@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import time
 
 import click
 
 from toolchain.hostprofile import HostProfile, load_profile, profile_path, save_profile
-from toolchain.pipeline import probe_serving
+from toolchain.pipeline import probe_host
 
 
 def profile_lines(profile: HostProfile, path, fresh: bool) -> list[str]:
@@ -53,16 +51,10 @@ def command(force: bool, threads: int, as_json: bool, no_serving: bool) -> None:
     CPU engine from it."""
     profile = None if force else load_profile(threads)
     fresh = profile is None
-    started = time.perf_counter()
     if profile is None:
-        from toolchain.engine.probe import measure  # torch
-
-        profile = measure(threads, log=lambda line: click.echo(f"probing: {line}", err=True))
-        if not no_serving:
-            click.echo("probing: what serving adds (the embedded tiny model through tritonserver, "
-                       "concurrency 1 and 8) ...", err=True)
-            serving = probe_serving(profile, lambda stage, msg: click.echo(f"probing:   {stage} {msg}", err=True))
-            profile = dataclasses.replace(profile, serving=serving, seconds=round(time.perf_counter() - started, 2))
+        profile = probe_host(threads, serving=not no_serving,
+                             progress=lambda stage, msg: click.echo(f"probing: {msg}" if stage == "probe"
+                                                                    else f"probing:   {stage} {msg}", err=True))
         path = save_profile(profile)
     else:
         path = profile_path(profile.key)
