@@ -79,10 +79,12 @@ class HostProfile:
     gloo: dict[str, float] | None = None
     """Rank exchange between processes (engine/cpu/comm.py): {"latency_us", "gb_s"}; None when not measured."""
     serving: dict | None = None
-    """What serving adds on top of the engine, measured through the real path (tritonserver's ensemble over gRPC,
-    streaming, with this toolchain's bench as the client) on the embedded tiny model: {"protocol", "step_us",
-    "sequence_us", "request_us", "measured": {...}}; request_us is the way of a request to its first step and of
-    its first token back (preprocessing, the ensemble's hops, gRPC). None when not measured."""
+    """The served path's costs, measured through it (tritonserver's ensemble over gRPC, streaming, with this
+    toolchain's bench as the client) on the embedded tiny model: {"protocol", "step_us", "sequence_us",
+    "request_us", "measured": {...}}. step_us and sequence_us are the whole per-step and per-sequence costs beyond
+    the kernels and the per-layer cost (scheduler, sampling and the responses' way out), and stand in for the
+    engine-only step_us and sequence_us; request_us is a request's way to its first step and its first token's
+    way back (preprocessing, the ensemble's hops, gRPC). None when not measured."""
     notes: list[str] = field(default_factory=list)
 
     def gemm_peak(self, precision: str) -> float | None:

@@ -272,13 +272,15 @@ def host_row(profile: HostProfile, rank_processes: bool = False) -> HostRow:
 
 
 def host_efficiency(profile: HostProfile, layers: int, shards: int) -> Efficiency:
-    """The measured rates are achieved ones (efficiency 1); the fixed cost of a step is the probe's per-step
-    cost plus its per-layer cost for every layer of every shard the process runs, plus what serving adds per step
-    and per sequence (its responses) where the profile measured it."""
-    serving = profile.serving or {}
-    return Efficiency(1.0, 1.0, 1.0,
-                      fixed_us=profile.step_us + profile.layer_us * layers * shards + serving.get("step_us", 0.0),
-                      per_sequence_us=profile.sequence_us + serving.get("sequence_us", 0.0))
+    """The measured rates are achieved ones (efficiency 1); the fixed cost of a step is its per-step cost plus the
+    probe's per-layer cost for every layer of every shard the process runs, and a cost per sequence. The per-step
+    and per-sequence costs are the served path's (engine and serving together, measured through it) where the
+    profile has them, else the engine's alone."""
+    step_us, sequence_us = profile.step_us, profile.sequence_us
+    if profile.serving:  # the served path's own costs, measured through it, stand in for the engine's alone
+        step_us, sequence_us = profile.serving["step_us"], profile.serving["sequence_us"]
+    return Efficiency(1.0, 1.0, 1.0, fixed_us=step_us + profile.layer_us * layers * shards,
+                      per_sequence_us=sequence_us)
 
 
 def host_step_time(cost: StageCost, host: HostRow, work: Work, *, math_precision: str, tp: int, eff: Efficiency,
