@@ -41,7 +41,7 @@ TINY = {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4, 
 """The embedded tiny Llama's shape (models/tiny-llama/config.json); its weights here are random."""
 
 
-def _best_seconds(fn: Callable[[], object], min_total: float = 0.02, rounds: int = 3) -> float:
+def _best_seconds(fn: Callable[[], object], min_total: float = 0.01, rounds: int = 6) -> float:
     """Seconds per call: the fastest of `rounds` rounds, each at least `min_total` long (after one warm call)."""
     fn()
     best = float("inf")
