@@ -411,7 +411,7 @@ def probe_serving(profile, progress: Progress = lambda stage, msg: None) -> dict
     spec = load_spec(TINY_SPEC, [
         "serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
         f"serving.engine_threads={profile.key.threads}", "validation.workload.mode=concurrency",
-        f"validation.workload.sweep={list(SERVING_PROBE_LEVELS)}", "validation.workload.num_requests=16",
+        f"validation.workload.sweep={list(SERVING_PROBE_LEVELS)}", "validation.workload.num_requests=32",
         "validation.workload.warmup_requests=2", "validation.workload.seed=0"])
     with tempfile.TemporaryDirectory(prefix="probe-serving-") as tmp:
         report = deploy(spec, Workspace(Path(tmp)), Path(tmp) / "report", progress)
