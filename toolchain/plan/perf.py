@@ -247,6 +247,8 @@ class HostRow(Gpu):
         return self.cache_gb_s if 0 < resident <= self.cache_bytes and self.cache_gb_s else self.bandwidth_gb_s
 
     def gemm_tflops(self, precision: str, rows: float) -> float:
+        """TFLOP/s of the engine's linear kernel at `precision` for a call of `rows` rows (fp32's curve for a
+        precision not measured), clamped to the measured ends."""
         curve = dict(self.curves).get(precision) or dict(self.curves)["fp32"]
         if rows <= curve[0][0]:
             return curve[0][1]
