@@ -224,6 +224,8 @@ def test_run_bench_measures_the_mock_truth(served):
     assert report["slo"]["passed"] is True
     assert report["slo"]["ttft_p99_ms"]["threshold"] == 1000
     assert report["goodput_fraction"] == 1.0
+    # The mock has no model config, so no prediction: said once, not an error.
+    assert report["prediction"]["predicted"] is False and "not readable" in report["prediction"]["note"]
 
     rows = list(csv.DictReader((out / "requests.csv").open()))
     assert len(rows) == 26 and sum(r["warmup"] == "1" for r in rows) == 2
@@ -242,12 +244,13 @@ def test_cli_exits_nonzero_when_an_slo_is_missed(served, capsys):
     assert report["slo"]["passed"] is False and report["slo"]["ttft_p99_ms"]["passed"] is False
 
 
-def test_cli_passes_and_defaults_out_to_the_report_dir(served, tmp_path):
+def test_cli_passes_and_defaults_out_to_the_report_dir(served, tmp_path, capsys):
     server, tok, root = served
     spec = spec_file(root, tok, "passing", num_requests=4, warmup_requests=1, slo={"e2e_p99_ms": 5000})
     rc = cli_main(["--root", str(tmp_path), "bench", str(spec), "--url", server.urls["grpc"],
                    "--set", "validation.workload.concurrency=3"])
     assert rc == 0
+    assert capsys.readouterr().out.count("prediction: none (the model's config is not readable") == 1
     report = json.loads((tmp_path / "reports" / "passing" / "report.json").read_text())
     assert report["workload"]["concurrency"] == 3 and report["slo"]["passed"] is True
 

@@ -37,7 +37,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("quant", "archs", "tinymodel"),
     ("pretrained", "hub", "manifest", "gpus", "speculative"),
     ("remote_code", "fingerprint", "draft_tree", "netutil", "stopsignals", "slo", "eos", "versions", "host",
-     "targets"),
+     "targets", "hostprofile"),
     ("fsutil", "upstream"),
     ("procgroup",),
     ("errors",),

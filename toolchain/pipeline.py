@@ -9,7 +9,9 @@ straight to serving.
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +20,8 @@ from typing import Callable, Iterator, Protocol
 from toolchain.bench.failfast import stop_line
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.manifest import Manifest, output_problem
-from toolchain.spec import DeploymentSpec
+from toolchain.plan.perf import predict_spec
+from toolchain.spec import DeploymentSpec, load_spec
 from toolchain.targets import target_of
 from toolchain.workspace import Workspace
 from toolchain.engine.build import run_build
@@ -387,3 +390,60 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     report["openai"] = {"protocol": protocol, "report": str(out_dir / "openai" / "report.json"),
                         **{k: second.get(k) for k in ("ttft_ms", "tpot_ms", "e2e_ms", "output_tokens_per_s",
                                                       "num_requests", "errors", "slo")}}
+
+
+# ------------------------------------------------------------------------------------------- probe-host
+
+TINY_SPEC = Path(__file__).resolve().parents[1] / "build" / "tiny-llama.yaml"
+"""The embedded default deployment; probe-host serves it to measure what serving adds to the engine."""
+SERVING_PROBE_LEVELS = (1, 8)
+
+
+def probe_serving(profile, progress: Progress = lambda stage, msg: None) -> dict | None:
+    """The served path's own costs, measured: the embedded tiny model deployed as `deploy` does it (Triton's
+    ensemble over gRPC, streaming), benched closed loop at concurrency 1 and 8, each level's mean TPOT and (at 1)
+    TTFT set against the performance model's kernel time for it (with the probe's per-layer cost). The differences
+    are the path's cost per step and per sequence in a step (the engine's scheduling and sampling with the
+    responses' way out), which stand in for the engine-only ones in predictions, and per request (its way in and
+    its first token's way out). None when the embedded spec is not in this checkout."""
+    if not TINY_SPEC.is_file():
+        return None
+    spec = load_spec(TINY_SPEC, [
+        "serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
+        f"serving.engine_threads={profile.key.threads}", "validation.workload.mode=concurrency",
+        f"validation.workload.sweep={list(SERVING_PROBE_LEVELS)}", "validation.workload.num_requests=32",
+        "validation.workload.warmup_requests=2", "validation.workload.seed=0"])
+    with tempfile.TemporaryDirectory(prefix="probe-serving-") as tmp:
+        report = deploy(spec, Workspace(Path(tmp)), Path(tmp) / "report", progress)
+    levels = {int(lv["load"]["value"]): lv for lv in report.get("levels", [])}
+    if sorted(levels) != list(SERVING_PROBE_LEVELS) or any(lv["errors"] for lv in levels.values()):
+        raise StageFailed("probe-host: the serving probe's bench did not complete", "see the messages above")
+    low, high = SERVING_PROBE_LEVELS
+    # The served steps' costs beyond their kernels and the per-layer cost, measured whole: the engine's own step and
+    # sequence costs (measured in this process, at another moment) are left out rather than subtracted.
+    bare = dataclasses.replace(profile, step_us=0.0, sequence_us=0.0)
+    predicted = {c: predict_spec(spec, concurrency=c, profile=bare) for c in SERVING_PROBE_LEVELS}
+    extra = {c: levels[c]["tpot_ms"]["mean"] - predicted[c]["tpot_ms"] for c in SERVING_PROBE_LEVELS}
+    sequence_ms = max((extra[high] - extra[low]) / (high - low), 0.0)
+    step_ms = max(extra[low] - sequence_ms * low, 0.0)
+    # The prompt's step pays the same two costs; what is left of TTFT is the request's own way in and out.
+    request_ms = max(levels[low]["ttft_ms"]["mean"] - predicted[low]["ttft_ms"] - step_ms - sequence_ms, 0.0)
+    return {"protocol": spec.validation.workload.protocol, "step_us": round(step_ms * 1e3, 2),
+            "sequence_us": round(sequence_ms * 1e3, 2), "request_us": round(request_ms * 1e3, 2),
+            "measured": {f"c{c}": {"ttft_ms": round(levels[c]["ttft_ms"]["mean"], 3),
+                                   "tpot_ms": round(levels[c]["tpot_ms"]["mean"], 3),
+                                   "kernels_ttft_ms": predicted[c]["ttft_ms"],
+                                   "kernels_tpot_ms": predicted[c]["tpot_ms"]} for c in SERVING_PROBE_LEVELS}}
+
+
+def probe_host(threads: int, *, serving: bool = True, progress: Progress = lambda stage, msg: None):
+    """`toolchain probe-host`'s measurement: the engine's rates and fixed costs (engine/probe.py), then, with
+    `serving`, what serving adds (`probe_serving`). The caller caches it (hostprofile.save_profile)."""
+    from toolchain.engine.probe import measure  # torch
+
+    started = time.perf_counter()
+    profile = measure(threads, log=lambda line: progress("probe", line))
+    if serving:
+        progress("probe", "what serving adds (the embedded tiny model through tritonserver, concurrency 1 and 8) ...")
+        profile = dataclasses.replace(profile, serving=probe_serving(profile, progress))
+    return dataclasses.replace(profile, seconds=round(time.perf_counter() - started, 2))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from toolchain.bench import metrics as M
 from toolchain.bench.deployment import title as deployment_title
+from toolchain.bench.prediction import summary_lines
 from toolchain.bench.records import RequestRecord
 from toolchain.fsutil import atomic_file
 from rich.console import Console
@@ -261,6 +262,8 @@ def print_summary(report: dict, console=None) -> None:
     if report.get("aborted"):
         console.print(f"[red]incomplete: {report['aborted']}[/red]")
     console.print("[green]SLO passed[/green]" if slo["passed"] else "[red]SLO missed[/red]")
+    for line in summary_lines(report.get("prediction")):
+        console.print(line, style="yellow" if line.startswith("warning:") else None, markup=False)
     for note in report.get("notes", []):
         console.print(f"[dim]note: {note}[/dim]")
 

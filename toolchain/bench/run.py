@@ -31,6 +31,7 @@ from toolchain.bench.datasets import Plan
 from toolchain.bench.deployment import describe
 from toolchain.bench.failfast import Deadline, failure_limit, longest_output, request_deadline
 from toolchain.bench.loadgen import Runner
+from toolchain.bench.prediction import prediction
 from toolchain.bench.protocols import make_transport
 from toolchain.bench.report import build_report, level_notes, write_outputs
 from toolchain.bench.tokens import TokenCounter, token_count_source
@@ -325,6 +326,7 @@ def run_bench(spec: DeploymentSpec, grpc_url: str | None = None, out_dir: Path |
 
     report = build_report(run.levels, run=run_section(spec, run, tokenizer_dir, started_wall, aborted),
                           workload=workload_section(run, deadline, max_len), notes=[])
+    report["prediction"] = prediction(spec, run.levels)
     out_dir = Path(out_dir)
     if stopped is not None:  # the partial report, saved before the stop goes on
         write_outputs(out_dir, report, runner.records, run.anchor_ns)

@@ -23,6 +23,7 @@ COMMANDS = {
     "schema": "schema",
     "archs": "archs",
     "plan": "plan",
+    "probe-host": "probe_host",
     "tiny-model": "tiny_model",
     "medusa-heads": "medusa_heads",
     "smollm2": "smollm2",

@@ -30,9 +30,13 @@ from pathlib import Path
 from toolchain.archs.moe import moe_sizes
 from toolchain.archs.params import ArchParams
 from toolchain.gpus import GPUS, Gpu, Link
+from toolchain.hostprofile import HostProfile, load_profile, missing_note
 from toolchain.plan import memory as mem
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, QuantFormat, kv_dtype, kv_dtype_bytes, weight_dtype
-from toolchain.plan.plan import MemoryPlan
+from toolchain.plan.model import load_model, quant_format
+from toolchain.plan.plan import DraftModel, MemoryPlan, plan_memory
+from toolchain import gpus
+from toolchain.errors import ToolchainError
 from toolchain.speculative import DRAFT_ENGINE, mode_of
 from toolchain.targets import CPU, target_of
 
@@ -55,7 +59,8 @@ class Efficiency:
     whose link was not measured (PCIe's default is higher than NVLink's)."""
     seq_us: float = 0.0
     """A cost per sequence that a step samples a token for (a row of logits), in microseconds: sampling and the
-    runtime's per-request work each iteration, which grow with the batch, not with the model."""
+    runtime's per-request work each iteration, which grow with the batch, not with the model. Fitted for GPUs;
+    measured on this host by probe-host for the CPU engine (sampling in Python, its bookkeeping, handing the token out)."""
     ttft_ms: float = 0.0
     """What a request spends before its first iteration (receiving, tokenizing, scheduling) and after its first
     token (detokenizing, sending), in milliseconds, added to TTFT only."""
@@ -208,11 +213,17 @@ class StepTime:
     """The kernels' time: memory and compute overlap within a kernel, not across kernels, so the linears
     (weights read, GEMM FLOPs) and attention (KV cache read, attention FLOPs) each take the larger of their own
     two, one after the other. None: max(memory_s, compute_s), as if one kernel did everything."""
+    serial: bool = False
+    """The kernels run one after another (the CPU engine): memory_s and compute_s are then the summed times of
+    the kernels each bounds, not two overlapping totals."""
 
     @property
     def seconds(self) -> float:
         # the all-reduce waits for the kernels before it
-        kernels = max(self.memory_s, self.compute_s) if self.kernels_s is None else self.kernels_s
+        if self.serial:
+            kernels = self.memory_s + self.compute_s
+        else:
+            kernels = max(self.memory_s, self.compute_s) if self.kernels_s is None else self.kernels_s
         return kernels + self.comm_s + self.fixed_s
 
     @property
@@ -237,8 +248,11 @@ class Work:
 
 
 def step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: str = "fp16", tp: int = 1,
-              eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
-    """One step of one rank: memory time, compute time and all-reduce time (2 per layer when tp > 1)."""
+              eff: Efficiency = DEFAULT_EFFICIENCY, shards: int = 1) -> StepTime:
+    """One step of one rank: memory time, compute time and all-reduce time (2 per layer when tp > 1). On this
+    host (a `HostRow`) the process runs `shards` ranks' shards one after another (serving.launch single)."""
+    if isinstance(gpu, HostRow):
+        return host_step_time(cost, gpu, work, math_precision=math_precision, tp=tp, eff=eff, shards=shards)
     assert gpu.bandwidth_gb_s is not None and gpu.link is not None
     half = gpu.peak("fp16")
     assert half is not None
@@ -258,6 +272,103 @@ def step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: str = "f
         comm_s = 2 * cost.layers * allreduce_seconds(work.tokens * cost.hidden * ACT_BYTES, tp, link, eff.link)
     fixed_s = (eff.fixed_us + eff.seq_us * work.logits) * 1e-6
     return StepTime(memory_s, compute_s, comm_s, fixed_s, kernels_s)
+
+
+# ------------------------------------------------------------------------------------------- this host
+
+
+HOST_ACT_BYTES = 4  # the CPU engine's activations are float32 (engine/cpu/weights.py computes in fp32)
+CPU_PRECISION = {None: "fp32", "int8_wo": "int8_wo", "int4_wo": "int4_wo", "int4_group": "int4_wo", "sq": "int8",
+                 "fp8": "fp32"}
+"""The kernel precision of each CPU kernel (quant/formats.py `cpu_kernel`, engine/cpu/qlinear.py): float weights
+are widened to float32 at load; weight-only int8/int4 run torch's packed kernels on bf16 activations; SmoothQuant
+runs torch._int_mm; FP8 is emulated over float32 weights widened at load."""
+
+
+@dataclass(frozen=True)
+class HostRow(Gpu):
+    """This host as the model's device: its profile (hostprofile.py) laid out as a Gpu row, so one set of
+    formulas serves both. `bandwidth_gb_s` is main memory as the engine's matrix-vector product reads it, the peaks
+    are the engine's linear kernels at their largest measured row count, and `link` the rank exchange over gloo."""
+
+    cache_gb_s: float = 0.0
+    cache_bytes: int = 0
+    curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    """Per precision: (rows per call, TFLOP/s) as measured; a call between two row counts interpolates in
+    log(rows)."""
+    attention_gb_s: float = 0.0
+    attention_tflops: float = 0.0
+
+    def weight_gb_s(self, resident: float) -> float:
+        """The rate a step reads `resident` bytes of weights at: the cache's when they all fit it (every step
+        reads the same weights, so they stay there), main memory's otherwise."""
+        assert self.bandwidth_gb_s is not None
+        return self.cache_gb_s if 0 < resident <= self.cache_bytes and self.cache_gb_s else self.bandwidth_gb_s
+
+    def gemm_tflops(self, precision: str, rows: float) -> float:
+        """TFLOP/s of the engine's linear kernel at `precision` for a call of `rows` rows (fp32's curve for a
+        precision not measured), clamped to the measured ends."""
+        curve = dict(self.curves).get(precision) or dict(self.curves)["fp32"]
+        if rows <= curve[0][0]:
+            return curve[0][1]
+        for (r0, t0), (r1, t1) in zip(curve, curve[1:], strict=False):
+            if rows <= r1:
+                f = math.log(rows / r0) / math.log(r1 / r0)
+                return t0 + f * (t1 - t0)
+        return curve[-1][1]
+
+
+def host_row(profile: HostProfile, rank_processes: bool = False) -> HostRow:
+    """The row of this host; `rank_processes`: the ranks are processes exchanging over gloo (serving.launch
+    mpirun), else they share one process and nothing crosses a link."""
+    curves = tuple((prec, tuple(sorted((int(r), g / 1e3) for r, g in by_rows.items())))
+                   for prec, by_rows in profile.gemm_gflops.items())
+    peaks = tuple((prec, c[-1][1]) for prec, c in curves)
+    link = Link("gloo", profile.gloo["gb_s"], profile.gloo["latency_us"]) if profile.gloo and rank_processes \
+        else Link("gloo", 0.0, 0.0)
+    return HostRow(f"this host ({profile.key.cpu}, {profile.key.threads} thread(s))", 0.0, None, kind="host",
+                   bandwidth_gb_s=profile.stream_gb_s, peak_tflops=peaks, link=link,
+                   cache_gb_s=profile.cache_gb_s, cache_bytes=profile.cache_bytes, curves=curves,
+                   attention_gb_s=profile.attention_gb_s, attention_tflops=profile.attention_gflops / 1e3)
+
+
+def host_efficiency(profile: HostProfile, layers: int, shards: int) -> Efficiency:
+    """The measured rates are achieved ones (efficiency 1); the fixed cost of a step is its per-step cost plus the
+    probe's per-layer cost for every layer of every shard the process runs, and a cost per sequence. The per-step
+    and per-sequence costs are the served path's (engine and serving together, measured through it) where the
+    profile has them, else the engine's alone."""
+    step_us, sequence_us = profile.step_us, profile.sequence_us
+    if profile.serving:  # the served path's own costs, measured through it, stand in for the engine's alone
+        step_us, sequence_us = profile.serving["step_us"], profile.serving["sequence_us"]
+    return Efficiency(1.0, 1.0, 1.0, fixed_us=step_us + profile.layer_us * layers * shards,
+                      seq_us=sequence_us)
+
+
+def host_step_time(cost: StageCost, host: HostRow, work: Work, *, math_precision: str, tp: int, eff: Efficiency,
+                   shards: int) -> StepTime:
+    """One step of the CPU engine over `shards` rank shards run one after another. Its kernels do not overlap,
+    so each costs the larger of its bytes and its FLOPs and the step their sum: the linears (weights at the cache's
+    or memory's rate, FLOPs at the precision's rate for this many rows), the float32 lm_head over the sampled rows,
+    and attention (cached K/V gathered out of the paged pool at the measured attention rate, a context's causal
+    FLOPs at its own rate)."""
+    lm_bytes = 2.0 * cost.lm_head_flops  # its params (flops / 2) in float32
+    weights = cost.weight_bytes + experts_touched(cost, work.tokens) * cost.expert_bytes
+    bw = host.weight_gb_s(shards * (cost.weight_bytes + cost.experts * cost.expert_bytes)) * 1e9
+    kernels = [
+        ((weights - lm_bytes) / bw,
+         work.tokens * cost.gemm_flops / (host.gemm_tflops(math_precision, work.tokens) * 1e12)),
+        (lm_bytes / bw if work.logits else 0.0,
+         work.logits * cost.lm_head_flops / (host.gemm_tflops("fp32", work.logits) * 1e12)),
+        ((work.kv_read + work.tokens) * cost.kv_bytes_per_token / (host.attention_gb_s * 1e9),
+         work.pairs * cost.attention_flops / (host.attention_tflops * 1e12)),
+    ]
+    memory_s = shards * sum(m for m, c in kernels if m >= c)
+    compute_s = shards * sum(c for m, c in kernels if c > m)
+    comm_s = 0.0
+    if tp > shards and work.tokens > 0 and host.link is not None and host.link.gb_s > 0:
+        comm_s = 2 * cost.layers * allreduce_seconds(work.tokens * cost.hidden * HOST_ACT_BYTES, tp, host.link)
+    return StepTime(memory_s, compute_s, comm_s, (eff.fixed_us + eff.seq_us * work.logits) * 1e-6,
+                    serial=True)
 
 
 def generation_work(batch: float, context: float, tokens_per_seq: int = 1) -> Work:
@@ -295,6 +406,8 @@ class Deployment:
     draft_len: int = 0
     tokens_per_step: float = 1.0
     """Tokens a generating sequence gains per step: 1 + acceptance x draft_len."""
+    shards: int = 1
+    """Rank shards one process runs one after another: tp for the CPU engine in one process, else 1."""
 
     @property
     def pp(self) -> int:
@@ -316,12 +429,12 @@ class Deployment:
         part = work.scaled(1 / micro)
         if whole is not None:
             part = add(part, whole)
-        steps = [step_time(c, self.gpu, part, math_precision=self.math_precision, tp=self.tp, eff=self.eff)
-                 for c in self.stages]
+        steps = [step_time(c, self.gpu, part, math_precision=self.math_precision, tp=self.tp, eff=self.eff,
+                           shards=self.shards) for c in self.stages]
         slowest = max(steps, key=lambda s: s.seconds)
         assert self.gpu.link is not None
         seconds = self.pp * slowest.seconds
-        if self.pp > 1:
+        if self.pp > 1 and self.gpu.link.gb_s > 0:  # 0: the stages share one process (the CPU engine)
             seconds += (self.pp - 1) * transfer_seconds(part.tokens * self.stages[0].hidden * ACT_BYTES,
                                                         self.gpu.link, self.eff.link)
         if self.draft is not None and self.draft_len and generating > 0:
@@ -376,8 +489,8 @@ def steady_state(dep: Deployment, w: Workload, concurrency: int) -> Point:
     r = C cs / P requests beside the others' generation tokens) and I - P generation-only ones; a request not on
     its prompt generates in gen_steps of its I - cs other iterations. Throughput = C x osl / cycle. TPOT is the
     mean iteration a request sees while it generates (the P - cs that carry other prompts, and the rest); TTFT is
-    its own chunks beside the others' generation tokens, after half of the generation iteration it arrives
-    behind, without queueing."""
+    its own chunks beside the others' generation tokens and the other prompt tokens of its mixed iterations, after
+    half of the generation iteration it arrives behind, without queueing."""
     c, cs = concurrency, w.context_steps
     verify = 1 + dep.draft_len
     gen_steps = max(w.osl - 1, 0) / dep.tokens_per_step
@@ -413,7 +526,12 @@ def steady_state(dep: Deployment, w: Workload, concurrency: int) -> Point:
     for j in range(cs):
         start = j * w.chunk
         chunk = context_work(min(w.chunk, w.isl - start), start)
-        t, slow = dep.iteration(others_gen, g_mixed + 1, g_mixed, context, whole=chunk)
+        # The in_prompt requests on their prompts share each mixed iteration (`prefill` is their tokens): a
+        # request's chunk rides with the others' share, as a closed loop's requests, started together and as long
+        # as each other, keep doing.
+        others = prefill.scaled(max(in_prompt - 1.0, 0.0) / in_prompt) if in_prompt > 0 else prefill.scaled(0.0)
+        t, slow = dep.iteration(add(others_gen, others), g_mixed + max(in_prompt, 1.0), g_mixed, context,
+                                whole=chunk)
         ttft += t
         context_step = context_step or slow
     assert context_step is not None
@@ -461,6 +579,8 @@ class Performance:
     workload: dict[str, int]
     tokens_per_step: float
     notes: list[str] = field(default_factory=list)
+    output_tokens_per_s: float = 0.0
+    """Output throughput at `concurrency`."""
 
     def as_dict(self) -> dict:
         return {"predicted": True,
@@ -472,14 +592,21 @@ class Performance:
                 "bound": self.bound,
                 "usd_per_million_output_tokens": None if self.usd_per_million_output_tokens is None
                 else round(self.usd_per_million_output_tokens, 4),
+                "output_tokens_per_s": round(self.output_tokens_per_s, 1),
                 "basis": self.basis, "workload": self.workload, "tokens_per_step": round(self.tokens_per_step, 3),
                 "notes": self.notes}
 
 
-def unavailable(spec, device: Gpu | None, memory: MemoryPlan | None) -> str | None:
+def unavailable(spec, device: Gpu | None, memory: MemoryPlan | None, profile: HostProfile | None = None) -> str | None:
     """Why no prediction is made for this spec, or None when one is."""
     if target_of(spec).device == CPU:
-        return "predicted for GPU targets only (probe-host comes later)"
+        if profile is None:
+            return missing_note(spec.serving.engine_threads)
+        if spec.parallelism.tp > 1 and spec.serving.launch == "mpirun" and not profile.gloo:
+            return "the host profile has no gloo exchange figures for rank processes: run `toolchain probe-host --force`"
+        if memory is None or not memory.fits:
+            return "the deployment does not fit (see the verdict), so it has no throughput"
+        return None
     if device is None:
         return "no GPU named: set gpu.name to one from the GPU table"
     if not device.has_performance:
@@ -505,11 +632,23 @@ def acceptance(spec) -> tuple[float, str | None]:
 
 
 def deployment(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: ModelInfo | None = None,
-               eff: Efficiency | None = None) -> tuple[Deployment, list[str]]:
-    """The replica the spec describes, and notes on what the prediction assumes."""
+               eff: Efficiency | None = None, profile: HostProfile | None = None) -> tuple[Deployment, list[str]]:
+    """The replica the spec describes, and notes on what the prediction assumes. With `profile` (a CPU target)
+    the device is this host (`host_row`), in the CPU engine's bytes and precisions."""
     p, par = model.params, spec.parallelism
     dt_bytes = DTYPE_BYTES[weight_dtype(spec, p)]
     kv_bytes = kv_dtype_bytes(kv_dtype(spec, p, quant))
+    math_precision, shards = quant.format.math, 1
+    if profile is not None:
+        in_process = spec.serving.launch != "mpirun"
+        device = host_row(profile, rank_processes=not in_process)
+        math_precision = CPU_PRECISION[quant.format.cpu_kernel]
+        dt_bytes = 4  # float weights are widened to float32 at load (engine/cpu/weights.py)
+        if quant.format.cpu_kernel == "fp8":  # emulated over float32 weights (engine/cpu/qlinear.py Fp8PerTensor)
+            quant = dataclasses.replace(quant, method="none")
+        shards = par.tp if in_process else 1
+        layers = p.num_hidden_layers if in_process else math.ceil(p.num_hidden_layers / par.pp)
+        eff = host_efficiency(profile, layers, shards)
     stages = tuple(stage_cost(p, tp=par.tp, pp_rank=r, pp=par.pp, quant=quant, dt_bytes=dt_bytes, kv_bytes=kv_bytes,
                               qkv_bias=model.qkv_bias, dense_bias=model.dense_bias, moe_tp=par.moe_tp,
                               moe_ep=par.moe_ep) for r in range(par.pp))
@@ -531,15 +670,17 @@ def deployment(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: M
         notes.append("the draft model's config is not readable: its steps are not counted")
     if mode_of(sp.mode).adds != DRAFT_ENGINE and draft_len:
         notes.append(f"speculative.mode {sp.mode}: drafting networks counted only as the tokens they add to a step")
-    dep = Deployment(device, stages, par.tp, quant.format.math, eff or efficiency_of(device), draft_cost,
-                     draft_len, 1.0 + share * draft_len)
+    dep = Deployment(device, stages, par.tp, math_precision, eff or efficiency_of(device), draft_cost,
+                     draft_len, 1.0 + share * draft_len, shards)
     return dep, notes
 
 
 def predict(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, memory: MemoryPlan,
-            draft: ModelInfo | None = None, eff: Efficiency | None = None) -> Performance:
-    """TTFT and TPOT at validation.workload.concurrency, and the maximum output throughput, of a spec that fits."""
-    dep, notes = deployment(spec, model, quant, device, draft, eff)
+            draft: ModelInfo | None = None, eff: Efficiency | None = None, profile: HostProfile | None = None,
+            concurrency: int | None = None) -> Performance:
+    """TTFT and TPOT at `concurrency` (default validation.workload.concurrency), and the maximum output
+    throughput, of a spec that fits; on this host's CPU engine with `profile`."""
+    dep, notes = deployment(spec, model, quant, device, draft, eff, profile)
     wl, lim = spec.validation.workload, spec.limits
     w = Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens, spec.build.chunked_context)
     if w.isl > lim.max_input_len or w.isl + w.osl > lim.max_seq_len:
@@ -558,29 +699,86 @@ def predict(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, memory: Mem
         notes.append(f"not one {seq}-token request fits ({limited_by}); predicted at batch 1")
         limit = 1
     best = best_point(dep, w, limit)
-    c = wl.concurrency
+    c = concurrency or wl.concurrency
+    at = queued(dep, w, c, limit)
+    if profile is not None and profile.serving:  # a request's way in and its first token's way out
+        at = dataclasses.replace(at, ttft_s=at.ttft_s + profile.serving.get("request_us", 0.0) * 1e-6)
+        if wl.protocol != profile.serving["protocol"]:
+            notes.append(f"what serving adds was measured over {profile.serving['protocol']}, the workload uses "
+                         f"{wl.protocol}")
     if c > limit:
-        notes.append(f"validation.workload.concurrency {c} is above the batch limit {limit} ({limited_by}): "
-                     f"TTFT and TPOT predicted at {limit}, without the queueing the rest would see")
-        c = limit
-    at = steady_state(dep, w, c)
+        notes.append(f"concurrency {c} is above the batch limit {limit} ({limited_by}): {c - limit} requests wait "
+                     f"for a slot, which TTFT includes (Little's law over the cycle at {limit})")
     usd = None
     hourly = spec.gpu.hourly_usd
     if hourly is not None and best.output_tokens_per_s > 0:
         usd = hourly * dep.gpus / (best.output_tokens_per_s * 3600) * 1e6
-    basis = basis_of(device) if eff is None else "roofline x given efficiencies"
+    if profile is not None:
+        basis = f"host profile {profile.date}" + (f" (serving: {profile.serving['protocol']})"
+                                                  if profile.serving else " (engine only)")
+    else:
+        basis = basis_of(device) if eff is None else "roofline x given efficiencies"
     return Performance(best.output_tokens_per_s, best.output_tokens_per_s / dep.gpus, best.concurrency, limit,
                        limited_by, c, at.ttft_s * 1e3, at.tpot_s * 1e3,
                        {"context": at.context_bound, "generation": at.generation_bound}, usd, basis,
-                       {"input_tokens": w.isl, "output_tokens": w.osl, "concurrency": wl.concurrency},
-                       dep.tokens_per_step, notes)
+                       {"input_tokens": w.isl, "output_tokens": w.osl, "concurrency": c},
+                       dep.tokens_per_step, notes, at.output_tokens_per_s)
+
+
+def queued(dep: Deployment, w: Workload, concurrency: int, limit: int) -> Point:
+    """The steady state at `concurrency` when at most `limit` requests run at once: above it the batch runs full
+    and the rest queue. A closed loop keeps C requests in the system, so by Little's law each spends C / (request
+    rate) in it; what the running ones do not spend on their own service (TTFT + (osl - 1) TPOT at `limit`) is
+    the wait for a slot, which its TTFT carries."""
+    if concurrency <= limit:
+        return steady_state(dep, w, concurrency)
+    full = steady_state(dep, w, limit)
+    rate = full.output_tokens_per_s / w.osl  # requests per second
+    service = full.ttft_s + max(w.osl - 1, 0) * full.tpot_s
+    wait = max(concurrency / rate - service, 0.0) if rate > 0 else 0.0
+    return dataclasses.replace(full, concurrency=concurrency, ttft_s=full.ttft_s + wait)
+
+
+def host_profile_of(spec) -> HostProfile | None:
+    """This host's cached profile for a CPU target's engine threads (never measured here); None for a GPU
+    target or when there is none."""
+    if target_of(spec).device != CPU:
+        return None
+    return load_profile(spec.serving.engine_threads)
 
 
 def performance_dict(spec, model: ModelInfo | None, quant: QuantFormat, device: Gpu | None,
-                     memory: MemoryPlan | None, draft: ModelInfo | None = None) -> dict:
-    """`toolchain plan`'s performance object: the prediction, or why there is none."""
-    reason = unavailable(spec, device, memory) if model is not None else "the model's config is not readable"
+                     memory: MemoryPlan | None, draft: ModelInfo | None = None, *,
+                     concurrency: int | None = None, profile: HostProfile | None = None) -> dict:
+    """`toolchain plan`'s performance object: the prediction, or why there is none. A CPU target is predicted
+    from `profile`, by default this host's cached one (`toolchain probe-host`)."""
+    profile = profile or host_profile_of(spec)
+    reason = unavailable(spec, device, memory, profile) if model is not None else "the model's config is not readable"
     if reason is not None:
         return {"predicted": False, "note": reason}
     assert model is not None and device is not None and memory is not None
-    return predict(spec, model, quant, device, memory, draft).as_dict()
+    return predict(spec, model, quant, device, memory, draft, profile=profile, concurrency=concurrency).as_dict()
+
+
+def predict_spec(spec, concurrency: int | None = None, profile: HostProfile | None = None) -> dict:
+    """The performance object of a spec on its own (what `toolchain bench` sets beside its measurement): the
+    model's config, the format and the memory plan read as `toolchain plan` reads them, then `performance_dict`
+    at `concurrency`. Never raises for an unreadable model: the object says why there is no prediction."""
+    device = gpus.resolve(spec)
+    try:
+        model = load_model(spec.model.checkpoint)
+    except (ToolchainError, OSError) as err:
+        return {"predicted": False, "note": f"the model's config is not readable: {err}"}
+    quant = quant_format(spec, model.hf_config)
+    draft = None
+    sp = spec.speculative
+    if sp.mode == "draft_target" and sp.draft_model is not None:
+        try:
+            draft = load_model(sp.draft_model)
+        except (ToolchainError, OSError):
+            draft = None
+    try:
+        memory = plan_memory(spec, model, quant, device, DraftModel(draft) if draft else None) if device else None
+    except ToolchainError as err:
+        return {"predicted": False, "note": f"no memory plan: {err}"}
+    return performance_dict(spec, model, quant, device, memory, draft, concurrency=concurrency, profile=profile)
