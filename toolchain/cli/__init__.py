@@ -23,6 +23,7 @@ COMMANDS = {
     "schema": "schema",
     "archs": "archs",
     "plan": "plan",
+    "tune": "tune",
     "tiny-model": "tiny_model",
     "medusa-heads": "medusa_heads",
     "smollm2": "smollm2",
