@@ -4,6 +4,7 @@ output throughput per GPU (or cost per million tokens); write the top specs; `--
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import click
@@ -128,18 +129,13 @@ def command(ctx: Context, spec_path: Path, overrides: tuple[str, ...], gpu_count
 
 
 def _measure(ctx: Context, spec, result, top: int, max_ppl: float, baseline: bool) -> tuple[list[dict], dict | None]:
-    import time
-
     start = time.perf_counter()
 
     def progress(stage: str, msg: str) -> None:
         click.echo(f"[{time.perf_counter() - start:7.1f}s] {stage:<12} {msg}", err=True)
 
-    todo = [(e.candidate.label, written_spec(e, rank)) for rank, e in enumerate(result.ranked[:top], 1)]
-    if baseline:
-        todo.append(("as given", spec))
-    ws = ctx.workspace
-    runs, best = measuring.measure(todo, spec, ws, ws.root / "reports", max_ppl, progress)
+    ranked = [(e.candidate.label, written_spec(e, rank)) for rank, e in enumerate(result.ranked, 1)]
+    runs, best = measuring.measure(ranked, top, spec, ctx.workspace, max_ppl, progress, deploy_given=baseline)
     measured = [m.as_dict() for m in runs]
     click.echo("")
     click.echo("measured (goodput: requests/s meeting the SLO, at the spec's workload):")

@@ -88,44 +88,64 @@ class Quality:
         return self._baseline
 
 
-def measure_one(label: str, spec: DeploymentSpec, workspace: Workspace, out: Path, quality: Quality,
-                max_ppl_increase_pct: float, progress: Progress) -> Measured:
-    m = Measured(label, spec)
-    if quantized(spec):
-        try:
-            m.perplexity = quality.perplexity(spec)
-            m.ppl_increase_pct = round((m.perplexity / quality.baseline() - 1.0) * 100.0, 3)
-        except ToolchainError as err:
-            m.error = f"eval: {err}"
-            return m
-        m.quality_ok = m.ppl_increase_pct <= max_ppl_increase_pct
-        if not m.quality_ok:  # not deployed: it cannot be chosen whatever its speed
-            m.notes.append(f"perplexity +{m.ppl_increase_pct:.2f}% > {max_ppl_increase_pct}% over the unquantized "
-                           "model: not chosen")
-            return m
+def quality_check(m: Measured, quality: Quality, max_ppl_increase_pct: float) -> None:
+    """Evaluate a quantized candidate's perplexity against the unquantized model's; mark it not eligible when it
+    rises by more than the bound (or the eval fails)."""
+    try:
+        m.perplexity = quality.perplexity(m.spec)
+        m.ppl_increase_pct = round((m.perplexity / quality.baseline() - 1.0) * 100.0, 3)
+    except ToolchainError as err:
+        m.error = f"eval: {err}"
+        return
+    m.quality_ok = m.ppl_increase_pct <= max_ppl_increase_pct
+    if not m.quality_ok:
+        m.notes.append(f"perplexity +{m.ppl_increase_pct:.2f}% > {max_ppl_increase_pct}% over the unquantized "
+                       "model: not deployed, not chosen")
+
+
+def deploy_one(m: Measured, workspace: Workspace, out: Path, progress: Progress) -> None:
     try:
         with stop_on_signals():
-            report = deploy(spec, workspace, out, progress)
+            report = deploy(m.spec, workspace, out, progress)
     except ToolchainError as err:
         m.error = str(err)
-        return m
+        return
     m.goodput_req_per_s = report.get("goodput_req_per_s")
     m.output_tokens_per_s = report.get("output_tokens_per_s")
     m.slo_passed = (report.get("slo") or {}).get("passed")
     m.report = str(out / "report.json")
-    return m
 
 
-def measure(candidates: list[tuple[str, DeploymentSpec]], user_spec: DeploymentSpec, workspace: Workspace,
-            out: Path, max_ppl_increase_pct: float, progress: Progress) -> tuple[list[Measured], Measured | None]:
-    """Deploy and bench each (label, spec); return every measurement and the chosen one (None when none is
-    eligible). Reports go to out/<spec name>/."""
+def measure(ranked: list[tuple[str, DeploymentSpec]], top: int, user_spec: DeploymentSpec, workspace: Workspace,
+            max_ppl_increase_pct: float, progress: Progress, deploy_given: bool = True,
+            max_evals: int | None = None) -> tuple[list[Measured], Measured | None]:
+    """Walk the ranked (label, spec) list: a quantized one is evaluated first and passed over when its perplexity
+    rises too much; the first `top` that keep their quality are deployed and benched (reports in the
+    workspace's reports/<spec name>). The user's spec gives the unquantized baseline, and with `deploy_given`
+    is deployed too as "as given", for the gain.
+    At most `max_evals` (default 3 x top) candidates are looked at. Returns every measurement and the chosen one
+    (the highest goodput; None when none ran)."""
     quality = Quality(user_spec, workspace, progress)
-    results = []
-    for label, spec in candidates:
-        progress("measure", f"{label} ({spec.name})")
-        results.append(measure_one(label, spec, workspace, out / spec.name, quality, max_ppl_increase_pct,
-                                   progress))
+    results: list[Measured] = []
+    deployed = 0
+    for label, spec in ranked[:max_evals or 3 * top]:
+        if deployed >= top:
+            break
+        m = Measured(label, spec)
+        results.append(m)
+        if quantized(spec):
+            progress("measure", f"{label}: quality ({spec.name})")
+            quality_check(m, quality, max_ppl_increase_pct)
+            if not m.quality_ok or m.error:
+                continue
+        progress("measure", f"{label}: deploy ({spec.name})")
+        deploy_one(m, workspace, workspace.report_dir(spec), progress)
+        deployed += 1
+    if deploy_given:
+        m = Measured("as given", user_spec)
+        progress("measure", f"as given: deploy ({user_spec.name})")
+        deploy_one(m, workspace, workspace.report_dir(user_spec), progress)
+        results.append(m)
     eligible = [m for m in results if m.eligible]
     best = max(eligible, key=lambda m: m.goodput_req_per_s or 0.0) if eligible else None
     return results, best

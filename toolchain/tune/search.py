@@ -23,8 +23,9 @@ from toolchain.tune.candidates import Candidate, derive, knob_variants, structur
 # Structures whose runtime knobs pass two searches (pass one ranks the structures at the spec's limits).
 KNOB_STRUCTURES = 8
 
-CPU_RULE = ("no CPU prediction yet: ordered by weight bytes per rank (smallest first: a CPU decode step reads "
-            "every weight), then fewer ranks (one process, no all-reduce copies), then the spec's own limits")
+CPU_RULE = ("no CPU prediction yet: ordered by the weight bytes of all ranks (smallest first: a CPU decode step "
+            "reads every weight), then fewer ranks (one process, no all-reduce copies), then an unquantized KV "
+            "cache (no dequantization per step); the limits stay the spec's; --measure decides")
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Evaluated:
     slo_misses: dict[str, dict] = field(default_factory=dict)
     """Threshold name -> {predicted, limit} for each predicted threshold missed."""
     weight_bytes: int = 0
-    """The largest rank's weights (the CPU ordering rule reads it)."""
+    """The weights of all ranks (the CPU ordering rule reads it)."""
 
     @property
     def predicted(self) -> bool:
@@ -112,7 +113,7 @@ def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
         return out
     out.failed = [r.id for r in results if r.status == FAIL]
     if ctx.memory is not None:
-        out.weight_bytes = max(r.weights_bytes for r in ctx.memory.ranks)
+        out.weight_bytes = sum(r.weights_bytes for r in ctx.memory.ranks)
     if (ctx.memory is None or not ctx.memory.fits) and "memory.fits" not in out.failed and not out.failed:
         out.failed.append("memory.fits")
     if out.failed:
@@ -138,8 +139,8 @@ def sort_key(by_cost: bool, base_limits: tuple[int, int, bool]):
             usd = e.usd()
             primary = usd if by_cost and usd is not None else -e.per_gpu()
             return (0, round(primary, 6), lim.max_batch_size, lim.max_num_tokens)
-        return (1, e.weight_bytes, s.parallelism.world_size, 0 if own else 1, lim.max_batch_size,
-                lim.max_num_tokens)
+        return (1, e.weight_bytes, s.parallelism.world_size, s.quantization.kv_cache != "none", 0 if own else 1,
+                lim.max_batch_size, lim.max_num_tokens)
     return key
 
 
@@ -182,10 +183,10 @@ class SearchResult:
         return len(self.ranked) + len(self.dropped)
 
     def drop_counts(self) -> dict[str, int]:
-        """Why candidates were dropped: the first failed check's id, or "slo"."""
+        """Why candidates were dropped: memory.fits when it failed, else the first failed check's id, or "slo"."""
         counts: dict[str, int] = {}
         for e in self.dropped:
-            why = e.failed[0] if e.failed else "slo"
+            why = ("memory.fits" if "memory.fits" in e.failed else e.failed[0]) if e.failed else "slo"
             counts[why] = counts.get(why, 0) + 1
         return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
@@ -211,8 +212,9 @@ def search(spec, gpu_specs: list, gpu_count: int, thresholds: list[Threshold], b
         refused += bad
         one = [evaluate(c, thresholds) for c in first]
         evaluated += one
-        # Pass two: the runtime knobs of the best structures that fit (the SLO may still be met by other knobs).
-        fitting = sorted((e for e in one if not e.failed), key=key)[:KNOB_STRUCTURES]
+        # Pass two: the runtime knobs of the best structures that fit (the SLO may still be met by other knobs);
+        # without a prediction nothing tells the knobs apart, so the spec's own stay.
+        fitting = sorted((e for e in one if not e.failed and e.predicted), key=key)[:KNOB_STRUCTURES]
         seen = {e.candidate.label for e in evaluated}
         for e in fitting:
             variants, bad = knob_variants(e.candidate)
