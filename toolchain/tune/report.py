@@ -18,19 +18,24 @@ from toolchain.tune.candidates import derive
 from toolchain.tune.search import Evaluated, SearchResult
 
 
+SEARCHED = {"parallelism": ("tp", "pp"), "limits": ("max_batch_size", "max_num_tokens"),
+            "build": ("chunked_context",), "quantization": ("method", "kv_cache")}
+
+
 def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
 def table(rows: list[Evaluated], by_cost: bool) -> list[str]:
-    head = ("#", "candidate", "tok/s/GPU", "TTFT ms", "TPOT ms", "batch@max", "$/Mtok", "bound")
+    head = ("#", "candidate", "tok/s/GPU", "TTFT ms", "TPOT ms", "batch@max", "TPOT@max", "$/Mtok", "bound")
     lines = [head]
     for i, e in enumerate(rows, 1):
         p = e.performance if e.predicted else {}
         bound = "/".join(p["bound"].values()) if p else "-"
         lines.append((str(i), e.candidate.label, _num(p.get("per_gpu_output_tokens_per_s"), ",.0f"),
                       _num(p.get("ttft_ms"), ",.1f"), _num(p.get("tpot_ms"), ".2f"),
-                      _num(p.get("batch_size_at_max"), "d"), _num(p.get("usd_per_million_output_tokens"), ".3f"),
+                      _num(p.get("batch_size_at_max"), "d"), _num(e.full_load.get("tpot_ms"), ".2f"),
+                      _num(p.get("usd_per_million_output_tokens"), ".3f"),
                       bound))
     widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
     return ["  ".join(c.ljust(w) if j == 1 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True)))
@@ -53,16 +58,16 @@ def slo_miss_line(result: SearchResult) -> str | None:
     near = result.closest()
     if near is None:
         return None
-    misses = ", ".join(f"{name} {m['predicted']:,.1f} > {m['limit']:,.1f} (+{m['predicted'] / m['limit'] - 1:.0%})"
-                       for name, m in near.slo_misses.items())
+    misses = ", ".join(f"{name} {m['predicted']:,.1f} > {m['limit']:,.1f} (+{m['predicted'] / m['limit'] - 1:.0%}) "
+                       f"at concurrency {m['concurrency']}" for name, m in near.slo_misses.items())
     return f"no candidate meets the SLO; closest: {near.candidate.label}: {misses}"
 
 
 def pareto_lines(result: SearchResult) -> list[str]:
     if not result.front:
         return []
-    out = ["Pareto front (output tokens/s per GPU at the best batch, against tokens/s per user at the workload's "
-           "concurrency):"]
+    out = ["Pareto front (predicted output tokens/s per GPU against tokens/s per user, both at the batch of the "
+           "maximum throughput):"]
     out += [f"  {e.per_gpu():>10,.0f} tok/s/GPU  {e.tokens_per_user():>8,.1f} tok/s/user  {e.candidate.label}"
             for e in result.front]
     return out
@@ -80,8 +85,8 @@ def render(result: SearchResult, top: int) -> str:
         lines.append("")
         lines += table(result.ranked[:top], result.by_cost)
         if any(e.predicted for e in result.ranked):
-            lines.append("(predicted: roofline model, TTFT/TPOT at a replica's share of the workload's concurrency "
-                         "compared with the SLO's bounds)")
+            lines.append("(predicted by plan's roofline model: TTFT/TPOT at a replica's share of the workload's "
+                         "concurrency, TPOT@max at the batch of the maximum; both meet the SLO's bounds)")
         front = pareto_lines(result)
         if front:
             lines.append("")
@@ -97,6 +102,10 @@ def written_spec(e: Evaluated, rank: int) -> DeploymentSpec:
 
 def spec_yaml(spec: DeploymentSpec, header: list[str]) -> str:
     data = spec.model_dump(mode="json", exclude={"source"}, exclude_defaults=True)
+    # The searched fields are written even where they equal the defaults, so the file says what was chosen.
+    for section, fields in SEARCHED.items():
+        full = getattr(spec, section)
+        data.setdefault(section, {}).update({f: getattr(full, f) for f in fields})
     data = {"name": spec.name, **{k: v for k, v in data.items() if k != "name"}}
     return "".join(f"# {h}\n" for h in header) + yaml.safe_dump(data, sort_keys=False)
 
@@ -119,7 +128,7 @@ def _plot(result: SearchResult, path: Path) -> bool:
     for e in front[:8]:
         ax.annotate(e.candidate.label, (e.tokens_per_user(), e.per_gpu()), fontsize=6, xytext=(3, 3),
                     textcoords="offset points")
-    ax.set_xlabel("output tokens/s per user (1 / TPOT at the workload's concurrency)")
+    ax.set_xlabel("output tokens/s per user (1 / TPOT at the batch of the maximum)")
     ax.set_ylabel("output tokens/s per GPU (predicted maximum)")
     ax.set_title("toolchain tune: throughput per GPU against speed per user (predicted)")
     ax.grid(True, alpha=0.3)
@@ -139,9 +148,10 @@ def write(out: Path, result: SearchResult, top: int, text: str, extra: dict | No
         for rank, e in enumerate(result.ranked[:top], 1):
             spec = written_spec(e, rank)
             p = e.performance
-            header = [f"toolchain tune: rank {rank} of {len(result.ranked)}: {e.candidate.label}",
-                      f"replicas: {e.candidate.replicas} (run this many copies of the deployment; "
-                      f"{e.candidate.gpu_count} GPUs in all)"]
+            header = [f"toolchain tune: rank {rank} of {len(result.ranked)}: {e.candidate.label}"]
+            if spec.gpu.name:
+                header.append(f"replicas: {e.candidate.replicas} (run this many copies of the deployment; "
+                              f"{e.candidate.gpu_count} GPUs in all)")
             if e.predicted:
                 header.append(f"predicted per replica: {p['max_output_tokens_per_s']:,.0f} output tokens/s at batch "
                               f"{p['batch_size_at_max']}; TTFT {p['ttft_ms']:,.1f} ms, TPOT {p['tpot_ms']:.2f} ms at "

@@ -4,7 +4,10 @@ SLO, rank the rest, and find the Pareto front.
 Fit and preflight are `toolchain plan`'s own: each candidate gets the checks' `Context` (the memory plan inside
 it) and every check that plan runs; a candidate with a failed check is dropped under that check's id. The
 prediction is plan's `performance` object (plan/perf.py `performance_dict`), made for one replica at its share of
-the workload's concurrency, so the SLO is judged where a replica runs. Whatever that function predicts, the
+the workload's concurrency, so the SLO is judged where a replica runs, and once more at full load: at the batch
+its maximum throughput is reached (`batch_size_at_max`, at most `limits.max_batch_size`), since that throughput is
+what the ranking reads and a server running it sees that batch. So `max_batch_size` is a real knob: a larger cap
+raises the throughput until the per-token time at that batch breaks the SLO. Whatever that function predicts, the
 ranking uses: today GPUs only; once it predicts the CPU engine from a host profile, target cpu ranks by it with
 no change here. Until then a candidate without a prediction is ordered by `CPU_RULE`, and `--measure` decides.
 """
@@ -35,8 +38,10 @@ class Evaluated:
     """Ids of the checks that fail (the candidate is dropped)."""
     performance: dict = field(default_factory=dict)
     """`performance_dict` for one replica at its share of the workload's concurrency."""
+    full_load: dict = field(default_factory=dict)
+    """{concurrency, ttft_ms, tpot_ms} predicted at batch_size_at_max (the ranked throughput's batch)."""
     slo_misses: dict[str, dict] = field(default_factory=dict)
-    """Threshold name -> {predicted, limit} for each predicted threshold missed."""
+    """Threshold name -> {predicted, limit, concurrency} for each predicted threshold missed."""
     weight_bytes: int = 0
     """The weights of all ranks (the CPU ordering rule reads it)."""
 
@@ -55,13 +60,14 @@ class Evaluated:
         return self.performance.get("usd_per_million_output_tokens") if self.predicted else None
 
     def tokens_per_user(self) -> float:
-        """Output tokens/s one user sees at the workload's concurrency: 1 / TPOT."""
-        tpot = self.performance.get("tpot_ms") if self.predicted else None
+        """Output tokens/s one user sees at the ranked throughput's batch: 1 / TPOT there."""
+        tpot = (self.full_load or self.performance).get("tpot_ms") if self.predicted else None
         return 1000.0 / tpot if tpot else 0.0
 
     def as_dict(self) -> dict:
         return {"label": self.candidate.label, "spec_name": self.candidate.spec.name, **self.candidate.knobs,
-                "failed_checks": self.failed, "slo_misses": self.slo_misses, "performance": self.performance}
+                "failed_checks": self.failed, "slo_misses": self.slo_misses, "performance": self.performance,
+                "full_load": self.full_load}
 
 
 def replica_concurrency(concurrency: int, replicas: int) -> int:
@@ -83,14 +89,14 @@ def predicted_value(t: Threshold, perf: dict, output_tokens: int) -> float | Non
     return None
 
 
-def slo_misses(perf: dict, thresholds: list[Threshold], output_tokens: int) -> dict[str, dict]:
+def slo_misses(perf: dict, thresholds: list[Threshold], output_tokens: int, concurrency: int) -> dict[str, dict]:
     out = {}
     for t in thresholds:
         if not t.upper:
             continue
         value = predicted_value(t, perf, output_tokens)
         if value is not None and value > t.value:
-            out[t.name] = {"predicted": round(value, 3), "limit": t.value}
+            out[t.name] = {"predicted": round(value, 3), "limit": t.value, "concurrency": concurrency}
     return out
 
 
@@ -123,8 +129,17 @@ def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
     if share != wl.concurrency:
         spec = derive(spec, {"validation.workload.concurrency": share})
     out.performance = performance_dict(spec, ctx.model, ctx.quant, ctx.device, ctx.memory, ctx.draft)
-    if out.predicted:
-        out.slo_misses = slo_misses(out.performance, thresholds, wl.output_tokens)
+    if not out.predicted:
+        return out
+    out.slo_misses = slo_misses(out.performance, thresholds, wl.output_tokens, out.performance["concurrency"])
+    batch = out.performance["batch_size_at_max"]
+    full = out.performance
+    if batch != out.performance["concurrency"]:
+        full = performance_dict(derive(spec, {"validation.workload.concurrency": batch}), ctx.model, ctx.quant,
+                                ctx.device, ctx.memory, ctx.draft)
+    out.full_load = {"concurrency": full["concurrency"], "ttft_ms": full["ttft_ms"], "tpot_ms": full["tpot_ms"]}
+    if not out.slo_misses:
+        out.slo_misses = slo_misses(full, thresholds, wl.output_tokens, full["concurrency"])
     return out
 
 
@@ -214,7 +229,9 @@ def search(spec, gpu_specs: list, gpu_count: int, thresholds: list[Threshold], b
         evaluated += one
         # Pass two: the runtime knobs of the best structures that fit (the SLO may still be met by other knobs);
         # without a prediction nothing tells the knobs apart, so the spec's own stay.
-        fitting = sorted((e for e in one if not e.failed and e.predicted), key=key)[:KNOB_STRUCTURES]
+        # Those meeting the SLO come first; one that misses it at full load may meet it under a smaller cap.
+        fitting = sorted((e for e in one if not e.failed and e.predicted),
+                         key=lambda e: (bool(e.slo_misses), key(e)))[:KNOB_STRUCTURES]
         seen = {e.candidate.label for e in evaluated}
         for e in fitting:
             variants, bad = knob_variants(e.candidate)
