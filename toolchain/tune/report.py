@@ -125,9 +125,12 @@ def _plot(result: SearchResult, path: Path) -> bool:
     front = result.front
     ax.plot([e.tokens_per_user() for e in front], [e.per_gpu() for e in front], "o-", color="C1",
             label="Pareto front")
-    for e in front[:8]:
-        ax.annotate(e.candidate.label, (e.tokens_per_user(), e.per_gpu()), fontsize=6, xytext=(3, 3),
-                    textcoords="offset points")
+    last = None  # label points a readable distance apart only: neighbours on the front differ in one knob
+    for e in front:
+        x = e.tokens_per_user()
+        if last is None or abs(x - last) > 0.06 * max(abs(last), 1e-9):
+            ax.annotate(e.candidate.label, (x, e.per_gpu()), fontsize=6, xytext=(4, 4), textcoords="offset points")
+            last = x
     ax.set_xlabel("output tokens/s per user (1 / TPOT at the batch of the maximum)")
     ax.set_ylabel("output tokens/s per GPU (predicted maximum)")
     ax.set_title("toolchain tune: throughput per GPU against speed per user (predicted)")

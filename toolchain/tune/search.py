@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from toolchain.checks.preflight import FAIL, build_context, run_checks
 from toolchain.errors import ToolchainError
+from toolchain.plan import perf
 from toolchain.plan.perf import performance_dict
 from toolchain.slo import Threshold
 from toolchain.tune.candidates import Candidate, derive, knob_variants, structures
@@ -106,6 +107,16 @@ def unpredicted(thresholds: list[Threshold]) -> list[str]:
     return [t.name for t in thresholds if not t.upper or predicted_value(t, probe, 1) is None]
 
 
+def point_at(spec, ctx, concurrency: int) -> dict:
+    """TTFT and TPOT (ms) at `concurrency`: perf's steady state of the spec's deployment and workload, as
+    `predict` computes its own point at the workload's concurrency (one point, not predict's whole sweep)."""
+    dep, _ = perf.deployment(spec, ctx.model, ctx.quant, ctx.device, ctx.draft)
+    wl, lim = spec.validation.workload, spec.limits
+    at = perf.steady_state(dep, perf.Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens,
+                                              spec.build.chunked_context), concurrency)
+    return {"concurrency": concurrency, "ttft_ms": round(at.ttft_s * 1e3, 2), "tpot_ms": round(at.tpot_s * 1e3, 3)}
+
+
 def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
     """Plan and check the candidate as `toolchain plan` would, then predict one replica at its share of the
     workload's concurrency and judge the SLO there."""
@@ -135,8 +146,7 @@ def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
     batch = out.performance["batch_size_at_max"]
     full = out.performance
     if batch != out.performance["concurrency"]:
-        full = performance_dict(derive(spec, {"validation.workload.concurrency": batch}), ctx.model, ctx.quant,
-                                ctx.device, ctx.memory, ctx.draft)
+        full = point_at(spec, ctx, batch)
     out.full_load = {"concurrency": full["concurrency"], "ttft_ms": full["ttft_ms"], "tpot_ms": full["tpot_ms"]}
     if not out.slo_misses:
         out.slo_misses = slo_misses(full, thresholds, wl.output_tokens, full["concurrency"])
