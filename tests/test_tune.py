@@ -150,6 +150,12 @@ def test_malformed_slo_is_one_line(tmp_path, capsys, text):
     assert capsys.readouterr().err.count("\n") == 1
 
 
+def test_measure_on_a_gpu_target_is_one_line(tmp_path, capsys):
+    assert tune(tmp_path, LLAMA_70B, "--measure") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--measure deploys on this host" in err
+
+
 def test_unknown_gpu_and_gpu_on_cpu_are_one_line(tmp_path, capsys):
     assert tune(tmp_path, LLAMA_70B, "--gpu", "H300") == 2
     assert "unknown gpu.name 'H300'" in capsys.readouterr().err
