@@ -194,3 +194,10 @@ def test_measure_deploys_the_top_two_and_picks_by_goodput(tmp_path, capsys):
     assert choice["goodput_req_per_s"] == max(m["goodput_req_per_s"] for m in deployed)
     assert (tmp_path / "out" / "specs" / f"{choice['spec_name']}.yaml").is_file()
     assert f"chosen: {choice['label']}" in capsys.readouterr().out
+
+
+def test_speculative_decoding_is_searched_on_and_off_only_where_the_spec_has_a_draft(tmp_path, capsys):
+    assert tune(tmp_path, REPO / "build" / "tiny-llama-draft-target.yaml") == 0, capsys.readouterr().err
+    assert {c["speculative"] for c in tune_json(tmp_path)["candidates"]} == {"draft_target", "none"}
+    assert tune(tmp_path, REPO / "build" / "tiny-llama.yaml") == 0, capsys.readouterr().err
+    assert {c["speculative"] for c in tune_json(tmp_path)["candidates"]} == {"none"}

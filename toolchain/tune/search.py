@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from toolchain.checks.preflight import FAIL, build_context, run_checks
+from toolchain.checks.preflight import FAIL, Context, build_context, run_checks
 from toolchain.errors import ToolchainError
 from toolchain.plan import perf
 from toolchain.plan.perf import performance_dict
@@ -107,9 +107,13 @@ def unpredicted(thresholds: list[Threshold]) -> list[str]:
     return [t.name for t in thresholds if not t.upper or predicted_value(t, probe, 1) is None]
 
 
-def point_at(spec, ctx, concurrency: int) -> dict:
-    """TTFT and TPOT (ms) at `concurrency`: perf's steady state of the spec's deployment and workload, as
-    `predict` computes its own point at the workload's concurrency (one point, not predict's whole sweep)."""
+def point_at(spec, ctx: Context, concurrency: int) -> dict:
+    """TTFT and TPOT (ms) at `concurrency`: on a GPU with figures, perf's steady state of the spec's deployment and
+    workload, as `predict` computes its own point (one point, not predict's whole sweep); on any other device
+    `performance_dict` at that concurrency, whatever it predicts there."""
+    if ctx.model is None or ctx.device is None or not ctx.device.has_performance:
+        return performance_dict(derive(spec, {"validation.workload.concurrency": concurrency}), ctx.model,
+                                ctx.quant, ctx.device, ctx.memory, ctx.draft)
     dep, _ = perf.deployment(spec, ctx.model, ctx.quant, ctx.device, ctx.draft)
     wl, lim = spec.validation.workload, spec.limits
     at = perf.steady_state(dep, perf.Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens,
