@@ -6,11 +6,13 @@ at concurrency 1, 4 and 16 (one sweep on one server) with the spec's workload (I
 script takes with `toolchain probe-host` first: cached unless --probe). Ratios are predicted / measured mean.
 
 Keys (issue 26, item 8): `cpu_tpot_pred_over_measured_c1`, `_c4`, `_c16` (target 0.85-1.15 each),
-`cpu_ttft_pred_over_measured_c1`, `_c16` (target 0.75-1.33); `gpu_holdout_mape`, `tuned_vs_default_goodput_ratio`
-and `tuned_quality_loss_pct` stay null until the calibration and tune branches land (one line each in
-PENDING below); `load_average` says how busy the host was.
+`cpu_ttft_pred_over_measured_c1`, `_c16` (target 0.75-1.33); `gpu_holdout_mape`, the mean of the held-out
+TTFT, TPOT and throughput errors on AIConfigurator's measured GPU runs (plan/calibration.py; target <= 15%), with
+each of the three beside it; `tuned_vs_default_goodput_ratio` (target >= 1.3) and `tuned_quality_loss_pct`
+(target <= 1) from benchmarks/tune_gain.py (`toolchain tune --measure`, about 10 minutes; --skip-tune leaves them
+null); `load_average` says how busy the host was.
 
-    python benchmarks/prediction.py [--json PATH] [--requests N] [--probe]
+    python benchmarks/prediction.py [--json PATH] [--requests N] [--probe] [--skip-tune]
 """
 
 from __future__ import annotations
@@ -34,11 +36,10 @@ TARGETS: dict[str, tuple[float, float]] = {
     **{f"cpu_tpot_pred_over_measured_c{c}": (0.85, 1.15) for c in (1, 4, 16)},
     **{f"cpu_ttft_pred_over_measured_c{c}": (0.75, 1.33) for c in (1, 16)},
 }
-# Filled when the calibration/tune branches land: key -> (value, target as text); the lead wires each in one line.
-PENDING: dict[str, tuple[float | None, str]] = {
-    "gpu_holdout_mape": (None, "<= 15 (%)"),
-    "tuned_vs_default_goodput_ratio": (None, "see issue 26"),
-    "tuned_quality_loss_pct": (None, "<= 1"),
+LIMITS: dict[str, tuple[str, float]] = {  # key -> (comparison, target)
+    "gpu_holdout_mape": ("<=", 15.0),
+    "tuned_vs_default_goodput_ratio": (">=", 1.3),
+    "tuned_quality_loss_pct": ("<=", 1.0),
 }
 
 
@@ -101,12 +102,32 @@ def run(requests: int, probe: bool) -> dict[str, Any]:
         results.setdefault(key, None)
         results["targets"][key] = {"target": [low, high],
                                    "pass": None if value is None else bool(low <= value <= high)}
-    for key, (value, target) in PENDING.items():
-        results[key] = value
-        results["targets"][key] = {"target": target, "pass": None,
-                                   "note": "filled when the calibration/tune branches land"}
     results["all_cpu_targets_pass"] = all(results["targets"][k]["pass"] for k in TARGETS)
     return results
+
+
+def gpu_keys() -> dict[str, Any]:
+    from toolchain.plan.calibration import holdout_mape
+
+    mape = holdout_mape()
+    return {"gpu_holdout_mape": round(mape["gpu_holdout_mape"], 2),
+            "gpu_holdout_mape_parts": {k: round(mape[k], 2) for k in ("ttft", "tpot", "throughput")}}
+
+
+def tune_keys() -> dict[str, Any]:
+    from tune_gain import tuned_keys
+
+    with tempfile.TemporaryDirectory(prefix="tune-bench-") as tmp:
+        doc = tuned_keys(top=2, repeats=2, root=Path(tmp))
+    return {**{k: doc[k] for k in ("tuned_vs_default_goodput_ratio", "tuned_quality_loss_pct")},
+            "tune": {k: v for k, v in doc.items() if k not in ("targets",)}}
+
+
+def judge(results: dict[str, Any]) -> None:
+    for key, (op, target) in LIMITS.items():
+        value = results.setdefault(key, None)
+        ok = None if value is None else (value <= target if op == "<=" else value >= target)
+        results["targets"][key] = {"target": f"{op} {target}", "pass": ok}
 
 
 def main() -> None:
@@ -114,8 +135,14 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--requests", type=int, default=96, help="measured requests per concurrency level")
     ap.add_argument("--probe", action="store_true", help="measure the host again first (probe-host --force)")
+    ap.add_argument("--skip-tune", action="store_true", help="leave the tuned_* keys null (saves ~10 minutes)")
     args = ap.parse_args()
-    print_and_write(run(args.requests, args.probe), args.json)
+    results = run(args.requests, args.probe)
+    results.update(gpu_keys())
+    if not args.skip_tune:
+        results.update(tune_keys())
+    judge(results)
+    print_and_write(results, args.json)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,165 @@
+"""The search space of `toolchain tune`: deployment specs derived from the user's by replacing fields.
+
+A candidate is a whole `DeploymentSpec` (validated by its pydantic class like a file would be) plus the number of
+replicas it runs as, so what the search plans, predicts, writes and deploys is one object. The space has two
+parts, searched in two passes so it stays at a few hundred specs:
+
+- structure: every tp x pp whose product divides the GPU count (the rest of the GPUs run replicas of it; on this
+  host's CPU one server, so replicas 1 and tp x pp up to the count), every weight format of the formats table the
+  device builds (`Format.refused_on` for a GPU's SM; a CPU kernel for the CPU engine), every KV-cache format the
+  device builds, and speculative decoding on and off where the spec has a draft or heads;
+- runtime knobs, for the best structures only: `limits.max_batch_size` on powers of two (the performance model's
+  best_point already sweeps every concurrency below the cap, so the cap needs only a coarse grid) and
+  `limits.max_num_tokens` at the spec's value and at 2048 / 8192 / 16384 tokens (a short, a middle and a long
+  step budget; a step's cost is linear in its tokens between them), each with chunked context off and on.
+
+A model stored quantized (AutoAWQ/GPTQ) keeps its own format. Which of these fit and pass the checks is not
+decided here: `search.py` plans each with the planner and checks `toolchain plan` runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from toolchain.errors import ToolchainError
+from toolchain.gpus import Gpu
+from toolchain.quant.formats import KV_CACHE, METHODS
+from toolchain.spec import DeploymentSpec
+from toolchain.targets import CPU, target_of
+
+BATCH_GRID = (8, 16, 32, 64, 128, 256)
+NUM_TOKENS_GRID = (2048, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    spec: DeploymentSpec
+    replicas: int
+    gpu_count: int
+    """GPUs (or CPU ranks) the candidate uses in all: replicas x tp x pp."""
+
+    @property
+    def label(self) -> str:
+        s = self.spec
+        q = s.quantization
+        chunk = "c" if s.build.chunked_context else ""
+        parts = [f"tp{s.parallelism.tp}pp{s.parallelism.pp}x{self.replicas}",
+                 f"w:{q.method}", f"kv:{q.kv_cache}", f"b{s.limits.max_batch_size}",
+                 f"n{s.limits.max_num_tokens}{chunk}"]
+        if s.speculative.mode != "none":
+            parts.append(s.speculative.mode)
+        if s.gpu.name:
+            parts.insert(0, s.gpu.name.split()[0])
+        return " ".join(parts)
+
+    @property
+    def knobs(self) -> dict:
+        """The searched fields as they are set in this candidate (tune.json)."""
+        s = self.spec
+        return {"gpu": s.gpu.name, "replicas": self.replicas, "tp": s.parallelism.tp, "pp": s.parallelism.pp,
+                "quantization": s.quantization.method, "kv_cache": s.quantization.kv_cache,
+                "max_batch_size": s.limits.max_batch_size, "max_num_tokens": s.limits.max_num_tokens,
+                "chunked_context": s.build.chunked_context, "speculative": s.speculative.mode}
+
+
+def derive(spec: DeploymentSpec, changes: dict[str, Any]) -> DeploymentSpec:
+    """The spec with dotted fields replaced ("limits.max_batch_size": 64), validated as a loaded file is; a
+    combination the spec's own validators refuse raises ToolchainError with their message."""
+    data = spec.model_dump(mode="python", exclude={"source"})
+    for dotted, value in changes.items():
+        node = data
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    try:
+        out = DeploymentSpec.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ToolchainError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
+    out.source = spec.source
+    return out
+
+
+def layouts(gpu_count: int, on_cpu: bool) -> list[tuple[int, int, int]]:
+    """(tp, pp, replicas) over `gpu_count` devices: tp x pp divides the count and replicas take the rest; on the
+    CPU one server runs the ranks, so replicas is 1 and tp x pp is at most the count."""
+    out = []
+    for tp in range(1, gpu_count + 1):
+        for pp in range(1, gpu_count // tp + 1):
+            if on_cpu:
+                out.append((tp, pp, 1))
+            elif gpu_count % (tp * pp) == 0:
+                out.append((tp, pp, gpu_count // (tp * pp)))
+    return out
+
+
+def weight_methods(spec: DeploymentSpec, device: Gpu | None, stored_quantized: bool) -> list[str]:
+    """Weight formats the device can run: on a GPU those its SM builds (the formats table's rule), on the CPU
+    engine those with a CPU kernel. A checkpoint stored quantized keeps its format."""
+    if stored_quantized:
+        return [spec.quantization.method]
+    if target_of(spec).device == CPU:
+        return [name for name, row in METHODS.items() if row.cpu_kernel is not None or name == "none"]
+    sm = device.sm if device is not None and device.sm is not None else None
+    return [name for name, row in METHODS.items() if sm is None or row.refused_on(sm) is None]
+
+
+def kv_formats(spec: DeploymentSpec, device: Gpu | None) -> list[str]:
+    """KV-cache formats the device can run (the same SM rule; every one on the CPU engine)."""
+    if target_of(spec).device == CPU:
+        return list(KV_CACHE)
+    sm = device.sm if device is not None and device.sm is not None else None
+    return [name for name, row in KV_CACHE.items() if sm is None or row.refused_on(sm) is None]
+
+
+def speculative_modes(spec: DeploymentSpec) -> list[str]:
+    """The spec's speculative mode and none: a draft or heads exist only where the spec names them."""
+    mode = spec.speculative.mode
+    return [mode, "none"] if mode != "none" else ["none"]
+
+
+def structures(spec: DeploymentSpec, gpu_count: int, device: Gpu | None,
+               stored_quantized: bool) -> tuple[list[Candidate], list[str]]:
+    """Pass one: every layout x weight format x KV format (x speculative mode) at the spec's limits; and the
+    messages of combinations the spec's validators refuse."""
+    on_cpu = target_of(spec).device == CPU
+    out, refused = [], []
+    for tp, pp, replicas in layouts(gpu_count, on_cpu):
+        for method in weight_methods(spec, device, stored_quantized):
+            for kv in kv_formats(spec, device):
+                for mode in speculative_modes(spec):
+                    changes: dict[str, Any] = {"parallelism.tp": tp, "parallelism.pp": pp,
+                                               "parallelism.moe_tp": None, "parallelism.moe_ep": None,
+                                               "parallelism.gpus": None if on_cpu else gpu_count,
+                                               "quantization.method": method, "quantization.kv_cache": kv,
+                                               "speculative.mode": mode}
+                    if on_cpu and spec.serving.launch == "mpirun" and tp * pp == 1:
+                        changes["serving.launch"] = None  # one rank has no processes to launch
+                    try:
+                        out.append(Candidate(derive(spec, changes), replicas, tp * pp * replicas))
+                    except ToolchainError as err:
+                        refused.append(str(err))
+    return out, refused
+
+
+def knob_variants(base: Candidate) -> tuple[list[Candidate], list[str]]:
+    """Pass two for one structure: max_batch_size x (max_num_tokens, chunked context) around the spec's values."""
+    lim = base.spec.limits
+    batches = sorted({lim.max_batch_size, *BATCH_GRID})
+    tokens = sorted({lim.max_num_tokens, *NUM_TOKENS_GRID})
+    out, refused = [], []
+    for batch in batches:
+        for num in tokens:
+            for chunked in (False, True):
+                changes = {"limits.max_batch_size": batch, "limits.max_num_tokens": num,
+                           "build.chunked_context": chunked}
+                try:
+                    out.append(Candidate(derive(base.spec, changes), base.replicas, base.gpu_count))
+                except ToolchainError as err:
+                    refused.append(str(err))
+    return out, refused

@@ -1,0 +1,176 @@
+"""What `toolchain tune` prints and writes: the ranked table, the drop summary, the SLO-miss line, the Pareto
+front (text and PNG), the top specs as YAML ready for `toolchain deploy`, and tune.json.
+
+Everything goes into --out through `fsutil.atomic_dir`: a reader sees the previous directory or the whole new
+one, never a half-written set of specs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from toolchain.fsutil import atomic_dir
+from toolchain.spec import DeploymentSpec
+from toolchain.tune.candidates import derive
+from toolchain.tune.search import Evaluated, SearchResult
+
+
+SEARCHED = {"parallelism": ("tp", "pp"), "limits": ("max_batch_size", "max_num_tokens"),
+            "build": ("chunked_context",), "quantization": ("method", "kv_cache")}
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def table(rows: list[Evaluated], by_cost: bool) -> list[str]:
+    head = ("#", "candidate", "tok/s/GPU", "TTFT ms", "TPOT ms", "batch@max", "TPOT@max", "$/Mtok", "bound")
+    lines = [head]
+    for i, e in enumerate(rows, 1):
+        p = e.performance if e.predicted else {}
+        bound = "/".join(p["bound"].values()) if p else "-"
+        lines.append((str(i), e.candidate.label, _num(p.get("per_gpu_output_tokens_per_s"), ",.0f"),
+                      _num(p.get("ttft_ms"), ",.1f"), _num(p.get("tpot_ms"), ".2f"),
+                      _num(p.get("batch_size_at_max"), "d"), _num(e.full_load.get("tpot_ms"), ".2f"),
+                      _num(p.get("usd_per_million_output_tokens"), ".3f"),
+                      bound))
+    widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
+    return ["  ".join(c.ljust(w) if j == 1 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True)))
+            .rstrip() for r in lines]
+
+
+def summary_line(result: SearchResult) -> str:
+    counts = result.drop_counts()
+    parts = [f"{n} {'miss the SLO' if why == 'slo' else ('do not fit (memory.fits)' if why == 'memory.fits' else f'fail {why}')}"
+             for why, n in counts.items()]
+    dropped = f"dropped {len(result.dropped)}: {', '.join(parts)}" if parts else "dropped 0"
+    refused = f"; {len(result.refused)} combinations the spec refuses" if result.refused else ""
+    return f"searched {result.searched} candidates; {dropped}{refused}; {len(result.ranked)} kept"
+
+
+def slo_miss_line(result: SearchResult) -> str | None:
+    """One line when nothing meets the SLO: the closest candidate and what it misses by."""
+    if result.ranked:
+        return None
+    near = result.closest()
+    if near is None:
+        return None
+    misses = ", ".join(f"{name} {m['predicted']:,.1f} > {m['limit']:,.1f} (+{m['predicted'] / m['limit'] - 1:.0%}) "
+                       f"at concurrency {m['concurrency']}" for name, m in near.slo_misses.items())
+    return f"no candidate meets the SLO; closest: {near.candidate.label}: {misses}"
+
+
+def pareto_lines(result: SearchResult) -> list[str]:
+    if not result.front:
+        return []
+    out = ["Pareto front (predicted output tokens/s per GPU against tokens/s per user, both at the batch of the "
+           "maximum throughput):"]
+    out += [f"  {e.per_gpu():>10,.0f} tok/s/GPU  {e.tokens_per_user():>8,.1f} tok/s/user  {e.candidate.label}"
+            for e in result.front]
+    return out
+
+
+def render(result: SearchResult, top: int) -> str:
+    lines = [summary_line(result)]
+    miss = slo_miss_line(result)
+    if miss:
+        lines.append(miss)
+    lines += [f"note: {n}" for n in result.notes]
+    if result.unpredicted_slo:
+        lines.append(f"note: not predicted, so not used to drop: {', '.join(result.unpredicted_slo)}")
+    if result.ranked:
+        lines.append("")
+        lines += table(result.ranked[:top], result.by_cost)
+        if any(e.predicted for e in result.ranked):
+            lines.append("(predicted by plan's roofline model: TTFT/TPOT at a replica's share of the workload's "
+                         "concurrency, TPOT@max at the batch of the maximum; both meet the SLO's bounds)")
+        front = pareto_lines(result)
+        if front:
+            lines.append("")
+            lines += front
+    return "\n".join(lines)
+
+
+def written_spec(e: Evaluated, rank: int) -> DeploymentSpec:
+    """The candidate as the spec the user deploys: its own name, so its outputs sit beside the original's."""
+    base = e.candidate.spec
+    return derive(base, {"name": f"{base.name}-tuned-{rank}"})
+
+
+def spec_yaml(spec: DeploymentSpec, header: list[str]) -> str:
+    data = spec.model_dump(mode="json", exclude={"source"}, exclude_defaults=True)
+    # The searched fields are written even where they equal the defaults, so the file says what was chosen.
+    for section, fields in SEARCHED.items():
+        full = getattr(spec, section)
+        data.setdefault(section, {}).update({f: getattr(full, f) for f in fields})
+    data = {"name": spec.name, **{k: v for k, v in data.items() if k != "name"}}
+    return "".join(f"# {h}\n" for h in header) + yaml.safe_dump(data, sort_keys=False)
+
+
+def _plot(result: SearchResult, path: Path) -> bool:
+    points = [e for e in result.ranked if e.predicted]
+    if not points:
+        return False
+    import matplotlib  # heavy: only when there is something to draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ax.scatter([e.tokens_per_user() for e in points], [e.per_gpu() for e in points], s=10, c="0.7",
+               label="kept candidates")
+    front = result.front
+    ax.plot([e.tokens_per_user() for e in front], [e.per_gpu() for e in front], "o-", color="C1",
+            label="Pareto front")
+    last = None  # label points a readable distance apart only: neighbours on the front differ in one knob
+    for e in front:
+        x = e.tokens_per_user()
+        if last is None or abs(x - last) > 0.06 * max(abs(last), 1e-9):
+            ax.annotate(e.candidate.label, (x, e.per_gpu()), fontsize=6, xytext=(4, 4), textcoords="offset points")
+            last = x
+    ax.set_xlabel("output tokens/s per user (1 / TPOT at the batch of the maximum)")
+    ax.set_ylabel("output tokens/s per GPU (predicted maximum)")
+    ax.set_title("toolchain tune: throughput per GPU against speed per user (predicted)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write(out: Path, result: SearchResult, top: int, text: str, extra: dict | None = None) -> list[Path]:
+    """--out: specs/<name>.yaml for the top candidates, table.txt, pareto.png, tune.json. Returns the spec paths
+    as they will be once the directory is in place."""
+    written: list[Path] = []
+    with atomic_dir(out) as tmp:
+        (tmp / "specs").mkdir()
+        for rank, e in enumerate(result.ranked[:top], 1):
+            spec = written_spec(e, rank)
+            p = e.performance
+            header = [f"toolchain tune: rank {rank} of {len(result.ranked)}: {e.candidate.label}"]
+            if spec.gpu.name:
+                header.append(f"replicas: {e.candidate.replicas} (run this many copies of the deployment; "
+                              f"{e.candidate.gpu_count} GPUs in all)")
+            if e.predicted:
+                header.append(f"predicted per replica: {p['max_output_tokens_per_s']:,.0f} output tokens/s at batch "
+                              f"{p['batch_size_at_max']}; TTFT {p['ttft_ms']:,.1f} ms, TPOT {p['tpot_ms']:.2f} ms at "
+                              f"concurrency {p['concurrency']} ({p['basis']})")
+            name = f"{spec.name}.yaml"
+            (tmp / "specs" / name).write_text(spec_yaml(spec, header))
+            written.append(out / "specs" / name)
+        (tmp / "table.txt").write_text(text + "\n")
+        plotted = _plot(result, tmp / "pareto.png")
+        doc = {"searched": result.searched, "kept": len(result.ranked), "dropped": result.drop_counts(),
+               "refused": len(result.refused), "ranking": "usd_per_million_output_tokens" if result.by_cost
+               else "per_gpu_output_tokens_per_s", "notes": result.notes,
+               "slo_not_predicted": result.unpredicted_slo, "slo_miss": slo_miss_line(result),
+               "specs": [str(p) for p in written], "pareto_png": str(out / "pareto.png") if plotted else None,
+               "pareto": [e.candidate.label for e in result.front],
+               "candidates": [e.as_dict() for e in result.ranked],
+               "dropped_candidates": [e.as_dict() for e in result.dropped], **(extra or {})}
+        (tmp / "tune.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return written

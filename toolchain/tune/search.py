@@ -1,0 +1,263 @@
+"""The search of `toolchain tune`: plan, check and predict every candidate, drop what does not fit or misses the
+SLO, rank the rest, and find the Pareto front.
+
+Fit and preflight are `toolchain plan`'s own: each candidate gets the checks' `Context` (the memory plan inside
+it) and every check that plan runs; a candidate with a failed check is dropped under that check's id. The
+prediction is plan's `performance` object (plan/perf.py `performance_dict`), made for one replica at its share of
+the workload's concurrency, so the SLO is judged where a replica runs, and once more at full load: at the batch
+its maximum throughput is reached (`batch_size_at_max`, at most `limits.max_batch_size`), since that throughput is
+what the ranking reads and a server running it sees that batch. So `max_batch_size` is a real knob: a larger cap
+raises the throughput until the per-token time at that batch breaks the SLO. Whatever that function predicts, the
+ranking uses: today GPUs only; once it predicts the CPU engine from a host profile, target cpu ranks by it with
+no change here. Until then a candidate without a prediction is ordered by `CPU_RULE`, and `--measure` decides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from toolchain.checks.preflight import FAIL, Context, build_context, run_checks
+from toolchain.errors import ToolchainError
+from toolchain.plan import perf
+from toolchain.plan.perf import performance_dict
+from toolchain.slo import Threshold
+from toolchain.tune.candidates import Candidate, derive, knob_variants, structures
+
+# Structures whose runtime knobs pass two searches (pass one ranks the structures at the spec's limits).
+KNOB_STRUCTURES = 8
+
+CPU_RULE = ("no CPU prediction yet: ordered by the weight bytes of all ranks (smallest first: a CPU decode step "
+            "reads every weight), then fewer ranks (one process, no all-reduce copies), then an unquantized KV "
+            "cache (no dequantization per step); the limits stay the spec's; --measure decides")
+
+
+@dataclass
+class Evaluated:
+    candidate: Candidate
+    failed: list[str] = field(default_factory=list)
+    """Ids of the checks that fail (the candidate is dropped)."""
+    performance: dict = field(default_factory=dict)
+    """`performance_dict` for one replica at its share of the workload's concurrency."""
+    full_load: dict = field(default_factory=dict)
+    """{concurrency, ttft_ms, tpot_ms} predicted at batch_size_at_max (the ranked throughput's batch)."""
+    slo_misses: dict[str, dict] = field(default_factory=dict)
+    """Threshold name -> {predicted, limit, concurrency} for each predicted threshold missed."""
+    weight_bytes: int = 0
+    """The weights of all ranks (the CPU ordering rule reads it)."""
+
+    @property
+    def predicted(self) -> bool:
+        return bool(self.performance.get("predicted"))
+
+    @property
+    def kept(self) -> bool:
+        return not self.failed and not self.slo_misses
+
+    def per_gpu(self) -> float:
+        return float(self.performance.get("per_gpu_output_tokens_per_s") or 0.0) if self.predicted else 0.0
+
+    def usd(self) -> float | None:
+        return self.performance.get("usd_per_million_output_tokens") if self.predicted else None
+
+    def tokens_per_user(self) -> float:
+        """Output tokens/s one user sees at the ranked throughput's batch: 1 / TPOT there."""
+        tpot = (self.full_load or self.performance).get("tpot_ms") if self.predicted else None
+        return 1000.0 / tpot if tpot else 0.0
+
+    def as_dict(self) -> dict:
+        return {"label": self.candidate.label, "spec_name": self.candidate.spec.name, **self.candidate.knobs,
+                "failed_checks": self.failed, "slo_misses": self.slo_misses, "performance": self.performance,
+                "full_load": self.full_load}
+
+
+def replica_concurrency(concurrency: int, replicas: int) -> int:
+    """A replica's share of the workload's concurrency (requests spread evenly, the busiest replica)."""
+    return max(1, math.ceil(concurrency / replicas))
+
+
+# The statistics a steady-state prediction stands for: its mean per-token and first-token times are compared with
+# the SLO's bounds whatever percentile they name (the model has no spread), and stated so in the output.
+def predicted_value(t: Threshold, perf: dict, output_tokens: int) -> float | None:
+    """The predicted counterpart of a latency threshold (ms), or None where the model predicts none."""
+    metric = t.metric.removesuffix("_ms")
+    if metric in ("ttft", "ttfr"):
+        return perf["ttft_ms"]
+    if metric in ("tpot", "itl", "itl_per_token"):
+        return perf["tpot_ms"]
+    if metric in ("e2e", "e2e_final"):
+        return perf["ttft_ms"] + max(output_tokens - 1, 0) * perf["tpot_ms"]
+    return None
+
+
+def slo_misses(perf: dict, thresholds: list[Threshold], output_tokens: int, concurrency: int) -> dict[str, dict]:
+    out = {}
+    for t in thresholds:
+        if not t.upper:
+            continue
+        value = predicted_value(t, perf, output_tokens)
+        if value is not None and value > t.value:
+            out[t.name] = {"predicted": round(value, 3), "limit": t.value, "concurrency": concurrency}
+    return out
+
+
+def unpredicted(thresholds: list[Threshold]) -> list[str]:
+    """Thresholds the prediction cannot judge (rates, send lag, ...): listed, never used to drop."""
+    probe = {"ttft_ms": 0.0, "tpot_ms": 0.0}
+    return [t.name for t in thresholds if not t.upper or predicted_value(t, probe, 1) is None]
+
+
+def point_at(spec, ctx: Context, concurrency: int) -> dict:
+    """TTFT and TPOT (ms) at `concurrency`: on a GPU with figures, perf's steady state of the spec's deployment and
+    workload, as `predict` computes its own point (one point, not predict's whole sweep); on any other device
+    `performance_dict` at that concurrency, whatever it predicts there."""
+    if ctx.model is None or ctx.device is None or not ctx.device.has_performance:
+        return performance_dict(derive(spec, {"validation.workload.concurrency": concurrency}), ctx.model,
+                                ctx.quant, ctx.device, ctx.memory, ctx.draft)
+    dep, _ = perf.deployment(spec, ctx.model, ctx.quant, ctx.device, ctx.draft)
+    wl, lim = spec.validation.workload, spec.limits
+    at = perf.steady_state(dep, perf.Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens,
+                                              spec.build.chunked_context), concurrency)
+    return {"concurrency": concurrency, "ttft_ms": round(at.ttft_s * 1e3, 2), "tpot_ms": round(at.tpot_s * 1e3, 3)}
+
+
+def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
+    """Plan and check the candidate as `toolchain plan` would, then predict one replica at its share of the
+    workload's concurrency and judge the SLO there."""
+    spec = candidate.spec
+    out = Evaluated(candidate)
+    try:
+        ctx = build_context(spec, "plan")
+        results = run_checks(ctx)
+    except ToolchainError as err:  # a config plan cannot read fails every candidate alike
+        out.failed = [f"plan: {err}"]
+        return out
+    out.failed = [r.id for r in results if r.status == FAIL]
+    if ctx.memory is not None:
+        out.weight_bytes = sum(r.weights_bytes for r in ctx.memory.ranks)
+    if (ctx.memory is None or not ctx.memory.fits) and "memory.fits" not in out.failed and not out.failed:
+        out.failed.append("memory.fits")
+    if out.failed:
+        return out
+    wl = spec.validation.workload
+    share = replica_concurrency(wl.concurrency, candidate.replicas)
+    if share != wl.concurrency:
+        spec = derive(spec, {"validation.workload.concurrency": share})
+    out.performance = performance_dict(spec, ctx.model, ctx.quant, ctx.device, ctx.memory, ctx.draft)
+    if not out.predicted:
+        return out
+    out.slo_misses = slo_misses(out.performance, thresholds, wl.output_tokens, out.performance["concurrency"])
+    batch = out.performance["batch_size_at_max"]
+    full = out.performance
+    if batch != out.performance["concurrency"]:
+        full = point_at(spec, ctx, batch)
+    out.full_load = {"concurrency": full["concurrency"], "ttft_ms": full["ttft_ms"], "tpot_ms": full["tpot_ms"]}
+    if not out.slo_misses:
+        out.slo_misses = slo_misses(full, thresholds, wl.output_tokens, full["concurrency"])
+    return out
+
+
+def sort_key(by_cost: bool, base_limits: tuple[int, int, bool]):
+    """Best first: predicted ones by cost per million tokens (with a price) or throughput per GPU; unpredicted
+    ones after them by CPU_RULE. Ties go to the smaller max_batch_size and max_num_tokens (less memory held)."""
+    def key(e: Evaluated):
+        s = e.candidate.spec
+        lim = s.limits
+        own = (lim.max_batch_size, lim.max_num_tokens, s.build.chunked_context) == base_limits
+        if e.predicted:
+            usd = e.usd()
+            primary = usd if by_cost and usd is not None else -e.per_gpu()
+            return (0, round(primary, 6), lim.max_batch_size, lim.max_num_tokens)
+        return (1, e.weight_bytes, s.parallelism.world_size, s.quantization.kv_cache != "none", 0 if own else 1,
+                lim.max_batch_size, lim.max_num_tokens)
+    return key
+
+
+def pareto(kept: list[Evaluated]) -> list[Evaluated]:
+    """Predicted candidates no other beats on both throughput per GPU and tokens/s per user, by per-GPU
+    throughput, highest first."""
+    pts = [e for e in kept if e.predicted]
+    front = []
+    for e in pts:
+        a, b = e.per_gpu(), e.tokens_per_user()
+        dominated = any(o.per_gpu() >= a and o.tokens_per_user() >= b and (o.per_gpu() > a or o.tokens_per_user() > b)
+                        for o in pts)
+        if not dominated:
+            front.append(e)
+    front.sort(key=lambda e: -e.per_gpu())
+    # One point per (throughput, speed): candidates that differ only in knobs the model does not see.
+    seen, unique = set(), []
+    for e in front:
+        point = (round(e.per_gpu(), 1), round(e.tokens_per_user(), 1))
+        if point not in seen:
+            seen.add(point)
+            unique.append(e)
+    return unique
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Evaluated]
+    """Kept candidates, best first."""
+    dropped: list[Evaluated]
+    refused: list[str]
+    """Combinations the spec's validators refused (never planned)."""
+    front: list[Evaluated]
+    unpredicted_slo: list[str]
+    by_cost: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def searched(self) -> int:
+        return len(self.ranked) + len(self.dropped)
+
+    def drop_counts(self) -> dict[str, int]:
+        """Why candidates were dropped: memory.fits when it failed, else the first failed check's id, or "slo"."""
+        counts: dict[str, int] = {}
+        for e in self.dropped:
+            why = ("memory.fits" if "memory.fits" in e.failed else e.failed[0]) if e.failed else "slo"
+            counts[why] = counts.get(why, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+    def closest(self) -> Evaluated | None:
+        """Of the candidates that fit and pass the checks but miss the SLO, the one missing by the least: the
+        smallest largest ratio of predicted value to limit."""
+        missers = [e for e in self.dropped if not e.failed and e.slo_misses]
+        if not missers:
+            return None
+        return min(missers, key=lambda e: max(m["predicted"] / m["limit"] for m in e.slo_misses.values()))
+
+
+def search(spec, gpu_specs: list, gpu_count: int, thresholds: list[Threshold], by_cost: bool) -> SearchResult:
+    """Both passes over each GPU's spec (`gpu_specs`: the user's spec with gpu.name and price set per GPU)."""
+    evaluated: list[Evaluated] = []
+    refused: list[str] = []
+    base_limits = (spec.limits.max_batch_size, spec.limits.max_num_tokens, spec.build.chunked_context)
+    key = sort_key(by_cost, base_limits)
+    for gspec in gpu_specs:
+        ctx = build_context(gspec, "plan")
+        stored = ctx.quant.stored is not None
+        first, bad = structures(gspec, gpu_count, ctx.device, stored)
+        refused += bad
+        one = [evaluate(c, thresholds) for c in first]
+        evaluated += one
+        # Pass two: the runtime knobs of the best structures that fit (the SLO may still be met by other knobs);
+        # without a prediction nothing tells the knobs apart, so the spec's own stay.
+        # Those meeting the SLO come first; one that misses it at full load may meet it under a smaller cap.
+        fitting = sorted((e for e in one if not e.failed and e.predicted),
+                         key=lambda e: (bool(e.slo_misses), key(e)))[:KNOB_STRUCTURES]
+        seen = {e.candidate.label for e in evaluated}
+        for e in fitting:
+            variants, bad = knob_variants(e.candidate)
+            refused += bad
+            for c in variants:
+                if c.label not in seen:
+                    seen.add(c.label)
+                    evaluated.append(evaluate(c, thresholds))
+    ranked = sorted((e for e in evaluated if e.kept), key=key)
+    dropped = [e for e in evaluated if not e.kept]
+    notes = []
+    if any(not e.predicted for e in ranked):
+        reason = next(e.performance.get("note") for e in ranked if not e.predicted)
+        notes.append(f"{reason}; {CPU_RULE}")
+    return SearchResult(ranked, dropped, refused, pareto(ranked), unpredicted(thresholds), by_cost, notes)
