@@ -106,7 +106,7 @@ deploy: setup ## Every stage for SPEC, then serve, bench and stop (toolchain dep
 	@echo "==> deploying $(SPEC): convert, build-engine, model-repo, serve, bench ..."
 	$(TOOLCHAIN) deploy $(SPEC)
 
-LINT := $(VENV)/bin/ruff check toolchain tools benchmarks/*.py benchmarks/reliability_parts && $(VENV)/bin/mypy
+LINT := $(VENV)/bin/ruff check toolchain tools benchmarks/*.py benchmarks/reliability_parts benchmarks/prediction_parts && $(VENV)/bin/mypy
 
 # What `make test` installs beyond setup (~3 min from a clean clone): AIPerf goes into a venv of its own, so it
 # installs alongside Dynamo and then SmolLM2, which share .venv and so go one after the other (two pips must not

@@ -9,7 +9,7 @@ Keys (issue 26, item 8): `cpu_tpot_pred_over_measured_c1`, `_c4`, `_c16` (target
 `cpu_ttft_pred_over_measured_c1`, `_c16` (target 0.75-1.33); `gpu_holdout_mape`, the mean of the held-out
 TTFT, TPOT and throughput errors on AIConfigurator's measured GPU runs (plan/calibration.py; target <= 15%), with
 each of the three beside it; `tuned_vs_default_goodput_ratio` (target >= 1.3) and `tuned_quality_loss_pct`
-(target <= 1) from benchmarks/tune_gain.py (`toolchain tune --measure`, about 10 minutes; --skip-tune leaves them
+(target <= 1) from benchmarks/prediction_parts/tune_gain.py (`toolchain tune --measure`, about 10 minutes; --skip-tune leaves them
 null); `load_average` says how busy the host was.
 
     python benchmarks/prediction.py [--json PATH] [--requests N] [--probe] [--skip-tune]
@@ -115,7 +115,7 @@ def gpu_keys() -> dict[str, Any]:
 
 
 def tune_keys() -> dict[str, Any]:
-    from tune_gain import tuned_keys
+    from prediction_parts.tune_gain import tuned_keys
 
     with tempfile.TemporaryDirectory(prefix="tune-bench-") as tmp:
         doc = tuned_keys(top=2, repeats=2, root=Path(tmp))

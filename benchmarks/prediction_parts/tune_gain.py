@@ -11,7 +11,7 @@ Keys:
 - `tuned_quality_loss_pct`: the chosen spec's perplexity increase over the unquantized model, in percent, as
   `toolchain eval` measures it (0 for an unquantized choice; target <= 1).
 
-    python benchmarks/tune_gain.py [--json PATH] [--top K] [--repeats N]
+    python benchmarks/prediction_parts/tune_gain.py [--json PATH] [--top K] [--repeats N]
 
 benchmarks/prediction.py runs it too, for its two `tuned_*` keys.
 """
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from toolchain.bench.results import print_and_write  # noqa: E402

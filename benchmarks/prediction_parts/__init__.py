@@ -1,0 +1,1 @@
+"""Parts of benchmarks/prediction.py that run on their own too."""
