@@ -15,6 +15,14 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_TRAINED = REPO / "models" / "tiny-llama"
 
 
+@pytest.fixture(autouse=True)
+def _no_host_profile(tmp_path_factory, monkeypatch):
+    """Tests never read the developer's cached `toolchain probe-host` profile (hostprofile.cache_dir: under
+    $XDG_CACHE_HOME): with one, CPU plans, bench reports and tune would predict where a clean CI machine does not.
+    A test that wants a profile makes one in its own cache directory."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
+
+
 # -- test tiers ------------------------------------------------------------------------
 # `make test-fast` runs `pytest -m "not server and not extras and not slow and not perf"` (the markers are
 # registered in pyproject.toml): the unit tests, which need only `make setup`. `make test` runs them all.

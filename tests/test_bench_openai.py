@@ -144,10 +144,29 @@ def test_server_dying_mid_run_leaves_a_partial_report(tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, "mock did not start"
                 time.sleep(0.1)
-        threading.Timer(1.5, proc.kill).start()
+        metrics_port = free_port("127.0.0.1")
+
+        def kill_after_answers(answers: int = 15) -> None:
+            # Kill once the bench has counted some answers (its own Prometheus exporter says so), not after a
+            # fixed time: on a loaded host the bench's start-up alone can outlast any fixed delay.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1).read()
+                    ok = sum(float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines()
+                             if line.startswith("llm_requests_total{") and 'outcome="ok"' in line)
+                    if ok >= answers:
+                        break
+                except OSError:
+                    pass
+                time.sleep(0.05)
+            proc.kill()
+
+        threading.Thread(target=kill_after_answers, daemon=True).start()
         s = spec(tmp_path, tok, "dies", protocol="openai-completions", mode="rate", rate=50, duration_s=30,
                  sweep=[50, 60], warmup_requests=0)
-        r = run_bench(s, url=f"http://127.0.0.1:{port}", out_dir=tmp_path / "out", plots=False)
+        r = run_bench(s, url=f"http://127.0.0.1:{port}", out_dir=tmp_path / "out", plots=False,
+                      prometheus_port=metrics_port)
     finally:
         proc.kill()
         proc.wait()
