@@ -98,17 +98,32 @@ def with_experts(dense_rows: tuple[Row, ...], *expert_rows: Row) -> tuple[Row, .
     return tuple(r for r in dense_rows if ".mlp." not in r.hf) + expert_rows
 
 
+# What the stacked experts can be quantized to, per spec method (the rest is refused by `quantization_refusal`).
+# Weight-only: the checkpoint keeps the experts in float and trtllm-build quantizes each [E, out, in] stack per
+# expert per output channel (TensorRT-LLM tensorrt_llm/models/convert_utils.py at 9b3c7124,
+# weight_only_quantize: a weight of dim > 2 is transposed on its last two axes and
+# symmetric_quantize_last_axis_of_batched_matrix gives per_channel_scale [E, out]; weight_only_quantize_dict
+# matches 'fc.weight'/'proj.weight', never 'router.weight', and excludes '*shared_expert_gate.weight').
+EXPERT_METHODS = ("none", "int8_wo", "int4_wo")
+KV_CACHES = ("none",)
+
+
 def quantization_refusal(params: Any, method: str, kv_cache: str, stored: str | None = None) -> Refusal | None:
-    """Why a mixture-of-experts model cannot be quantized as asked (None: unquantized, or a dense model).
-    The stacked experts have no quantized layout here yet, so every format is refused rather than written
-    wrong; `stored` names the format of a checkpoint that is quantized already."""
+    """Why a mixture-of-experts model cannot be quantized as asked (None: supported, or a dense model).
+    `stored` names the format of a checkpoint that is quantized already (imports keep no expert layout yet)."""
     if not params.is_moe:
         return None
-    what = (f"quantization {method}" if method != "none" else f"quantization.kv_cache {kv_cache}"
-            if kv_cache != "none" else f"a pre-quantized checkpoint ({stored})" if stored else None)
-    return None if what is None else Refusal(
-        f"{what} on {params.architecture} is not supported yet",
-        "convert it unquantized: quantization.method none, kv_cache none, float16/bfloat16 weights")
+    if stored:
+        what = f"a pre-quantized checkpoint ({stored})"
+    elif method not in EXPERT_METHODS:
+        what = f"quantization {method}"
+    elif kv_cache not in KV_CACHES:
+        what = f"quantization.kv_cache {kv_cache}"
+    else:
+        return None
+    return Refusal(f"{what} on {params.architecture} is not supported yet",
+                   f"use quantization.method {' or '.join(EXPERT_METHODS[1:])} with kv_cache "
+                   f"{' or '.join(KV_CACHES)}, or convert the model unquantized")
 
 
 def rank_experts(num_experts: int, moe_ep: int, tp_rank: int) -> range:
