@@ -105,7 +105,7 @@ def with_experts(dense_rows: tuple[Row, ...], *expert_rows: Row) -> tuple[Row, .
 # symmetric_quantize_last_axis_of_batched_matrix gives per_channel_scale [E, out]; weight_only_quantize_dict
 # matches 'fc.weight'/'proj.weight', never 'router.weight', and excludes '*shared_expert_gate.weight').
 EXPERT_METHODS = ("none", "int8_wo", "int4_wo")
-KV_CACHES = ("none",)
+KV_CACHES = ("none", "int8", "fp8")
 
 
 def quantization_refusal(params: Any, method: str, kv_cache: str, stored: str | None = None) -> Refusal | None:

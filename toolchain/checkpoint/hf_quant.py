@@ -196,6 +196,10 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
         refusal = family.quantization_refusal(params, recipe.method, recipe.kv_cache)
         if refusal is not None:
             raise ToolchainError(refusal.why, refusal.hint)
+        if params.is_moe:  # the engine path's MoE formats have no ModelOpt HF-format layout here yet
+            raise ToolchainError(f"the Hugging Face-format quantized export (quantization {recipe.method}, kv_cache "
+                                 f"{recipe.kv_cache}) of {params.architecture} is not supported yet",
+                                 "serve it unquantized on the LLM-API path, or quantized on the engine path")
         if family.llmapi_refusal is not None and (why := family.llmapi_refusal(params, 1, True)) is not None:
             raise ToolchainError(why)
         table = NameTable(family, params)

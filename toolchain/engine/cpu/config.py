@@ -42,7 +42,7 @@ UNQUANTIZED = {None, "NO_QUANT"}
 # and KV-cache formats.
 QUANT_ALGOS = {f.quant_algo for f in formats.ALL if f.cpu_kernel and f.quant_algo}
 # quant_algo values whose experts the CPU engine runs (engine/cpu/moe.py): the archs/moe.py EXPERT_METHODS' rows.
-MOE_QUANT_ALGOS = {formats.METHODS[m].quant_algo for m in EXPERT_METHODS if formats.METHODS[m].quant_algo}
+MOE_QUANT_ALGOS = {a for m in EXPERT_METHODS if (a := formats.METHODS[m].quant_algo) is not None}
 KV_ALGOS = tuple(k.quant_algo for k in formats.KV_CACHE.values() if k.quant_algo)
 # TensorRT-LLM's exclusion list when config.json gives none (QuantConfig in
 # tensorrt_llm/models/modeling_utils.py).

@@ -150,7 +150,7 @@ def _moe_tensors(d: ModelDims, p: str, g: str, tp_rank: int) -> dict[str, tuple[
     each in its stored format: every tensor a linear of that format stores, with the experts' count in front
     (`expert_stack`); the shared expert (Qwen2-MoE) as a dense MLP of the same format, its gate unquantized."""
     experts, width, H = d.num_experts // d.moe_ep, d.expert_size // d.moe_tp, d.hidden_size
-    out = {f"{p}.mlp.router.weight": ((d.num_experts, H), "float")}
+    out: dict[str, tuple[tuple[int, ...], str]] = {f"{p}.mlp.router.weight": ((d.num_experts, H), "float")}
     for name, (out_f, in_f) in (("mlp.fc", (2 * width, H)), ("mlp.proj", (H, width))):
         one = stored_tensors(f"{p}.{name}", out_f, in_f, False, d.linear_format(f"{g}.{name}"), group=d.group_size)
         out.update({n: (expert_stack(n, shape, experts), kind) for n, (shape, kind) in one.items()})
