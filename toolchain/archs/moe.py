@@ -104,7 +104,9 @@ def with_experts(dense_rows: tuple[Row, ...], *expert_rows: Row) -> tuple[Row, .
 # weight_only_quantize: a weight of dim > 2 is transposed on its last two axes and
 # symmetric_quantize_last_axis_of_batched_matrix gives per_channel_scale [E, out]; weight_only_quantize_dict
 # matches 'fc.weight'/'proj.weight', never 'router.weight', and excludes '*shared_expert_gate.weight').
-EXPERT_METHODS = ("none", "int8_wo", "int4_wo")
+# FP8: the stacks quantized per expert with one activation scale per stack (checkpoint/quantize.py, after
+# MOEWeightWrapper in tensorrt_llm/layers/moe.py at c388fec7).
+EXPERT_METHODS = ("none", "int8_wo", "int4_wo", "fp8")
 KV_CACHES = ("none", "int8", "fp8")
 
 
@@ -119,6 +121,8 @@ def quantization_refusal(params: Any, method: str, kv_cache: str, stored: str | 
         what = f"quantization {method}"
     elif kv_cache not in KV_CACHES:
         what = f"quantization.kv_cache {kv_cache}"
+    elif method == "fp8" and params.shared_expert_size:
+        what = "quantization fp8 of a shared expert"
     else:
         return None
     return Refusal(f"{what} on {params.architecture} is not supported yet",

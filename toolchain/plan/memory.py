@@ -85,6 +85,10 @@ def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: 
         return out * inp * dt_bytes if quant is None else linear_bytes(out, inp, quant, dt_bytes, stored)
 
     routed = experts * (linear(2 * width, h) + linear(h, width))
+    if quant is not None:  # one activation scale per stack, not per expert (FP8: MOEWeightWrapper, layers/moe.py)
+        row = quant.format.stored if stored else quant.format.built
+        shared_scales = tuple(t for t in row if t.suffix == "activation_scaling_factor")
+        routed -= 2 * (experts - 1) * formats.tensor_bytes(shared_scales, 1, 1, quant.group_size, dt_bytes)
     shared_r = p.shared_expert_size // (moe_tp * moe_ep)
     shared = linear(2 * shared_r, h) + linear(h, shared_r) + h * dt_bytes if p.shared_expert_size else 0
     return p.num_experts * h * ROUTER_BYTES + routed + shared
