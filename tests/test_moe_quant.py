@@ -5,6 +5,9 @@ the dense families' quantized parity uses (tests/test_engine_cpu_quant.py test_w
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import make_hf_model
@@ -190,12 +193,41 @@ def test_kv_cache_on_moe(models, tmp_path, kv, tol):
     assert float((rel < tol).float().mean()) >= WITHIN and float(rel.max()) > 0
 
 
-def test_the_llmapi_export_refuses_a_moe_kv_cache_alone(models, tmp_path):
-    """The engine path's KV cache on MoE does not open the HF-format export, which has no MoE layout yet."""
+GOLDEN = Path(__file__).parent / "data" / "layouts-hf-moe"
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe"])
+def test_hf_fp8_export_matches_modelopt(tmp_path, name):
+    """The LLM-API path's FP8 export of the same tiny config is laid out as ModelOpt 0.47's own export of it
+    (tests/data/layouts-hf-moe, made by tools/modelopt_moe_layouts.py): per-expert weights under their HF names
+    with scalar scales, routers unquantized and named in exclude_modules, the same config keys."""
+    from test_hf_quant_export import RUN_SPECIFIC, calib, stored
+
     from toolchain.checkpoint.hf_quant import export_hf_quantized
 
-    with pytest.raises(ToolchainError, match="export .* of MixtralForCausalLM is not supported yet"):
-        export_hf_quantized(models["mixtral"], tmp_path, Recipe(kv_cache="fp8"))
+    want = json.loads((GOLDEN / f"{name}-fp8.json").read_text())
+    cfg = dict(want["hf_config"])
+    src = make_hf_model(want["hf_architecture"], tmp_path / "src", dtype=getattr(torch, cfg.pop("dtype")), **cfg)
+    out = tmp_path / "out"
+    out.mkdir()
+    summary = export_hf_quantized(src, out, Recipe(method="fp8"), "float16", calibration=calib(cfg["vocab_size"]))
+    got = stored(out)
+    expected = {n: (list(s), d) for n, (s, d) in want["tensors"].items()}
+    assert set(got) == set(expected), sorted(set(got) ^ set(expected))
+    assert {n: got[n] for n in got if got[n] != expected[n]} == {}
+    assert sorted(p.name for p in out.iterdir()) == want["files"] == summary["files"]
+    hq = json.loads((out / "hf_quant_config.json").read_text())
+    assert hq["quantization"] == want["hf_quant_config"]["quantization"]
+    assert list(hq["quantization"]) == list(want["hf_quant_config"]["quantization"])
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    want_qc = want["exported_config"]["quantization_config"]
+    assert {k: v for k, v in qc.items() if k not in RUN_SPECIFIC} == \
+        {k: v for k, v in want_qc.items() if k not in RUN_SPECIFIC}
+    # one input scale per projection kind, shared by the experts (ModelOpt's shared input quantizer)
+    t = load_file(out / "model.safetensors")
+    ups = {float(v) for n, v in t.items() if n.endswith("input_scale") and ".experts." in n and ".layers.0." in n
+           and (".w1." in n or ".w3." in n or "gate_proj" in n or "up_proj" in n)}
+    assert len(ups) == 1
 
 
 @pytest.mark.parametrize("model", ["mixtral", "qwen3"])
