@@ -128,7 +128,7 @@ def test_dense_model_refuses_expert_parallelism(hf_llama, tmp_path):
 
 @pytest.mark.parametrize("recipe,message", [
     (Recipe(method="int4_awq"), "quantization int4_awq on MixtralForCausalLM is not supported yet"),
-    (Recipe(method="smoothquant"), "quantization smoothquant on MixtralForCausalLM is not supported yet"),
+    (Recipe(method="smoothquant"), "quantization smoothquant on MixtralForCausalLM: TensorRT-LLM's MixtureOfExperts has no"),
 ])
 def test_quantized_mixtral_is_refused_in_one_line(hf_mixtral, tmp_path, recipe, message):
     with pytest.raises(ToolchainError, match=message):

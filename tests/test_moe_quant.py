@@ -116,7 +116,7 @@ def test_int8_experts_quantized_per_expert_per_channel(models, tmp_path):
 
 
 @pytest.mark.parametrize("method,kv,words", [
-    ("smoothquant", "none", "quantization smoothquant"),
+    ("smoothquant", "none", "quantization smoothquant on MixtralForCausalLM: TensorRT-LLM's MixtureOfExperts"),
     ("awq", "none", "quantization awq"),
 ])
 def test_unsupported_formats_refused_in_one_line(models, method, kv, words):

@@ -110,24 +110,32 @@ EXPERT_METHODS = ("none", "int8_wo", "int4_wo", "fp8")
 KV_CACHES = ("none", "int8", "fp8")
 
 
+# Methods TensorRT-LLM's MoE has no path for: MixtureOfExperts (tensorrt_llm/layers/moe.py at c388fec7) quantizes
+# experts as FP8 QDQ, NVFP4, per-group int4 or weight-only (MOEWeightWrapper.__init__, forward_experts), with no
+# branch for SmoothQuant's int8 activations (no per-channel activation scale or smoother tensor is declared).
+UPSTREAM_UNSUPPORTED = {"smoothquant": "TensorRT-LLM's MixtureOfExperts has no SmoothQuant (W8A8) experts"}
+
+
 def quantization_refusal(params: Any, method: str, kv_cache: str, stored: str | None = None) -> Refusal | None:
     """Why a mixture-of-experts model cannot be quantized as asked (None: supported, or a dense model).
     `stored` names the format of a checkpoint that is quantized already (imports keep no expert layout yet)."""
     if not params.is_moe:
         return None
+    hint = (f"use quantization.method {' or '.join(EXPERT_METHODS[1:])} with kv_cache {' or '.join(KV_CACHES)}, "
+            "or convert the model unquantized")
+    if method in UPSTREAM_UNSUPPORTED and not stored:
+        return Refusal(f"quantization {method} on {params.architecture}: {UPSTREAM_UNSUPPORTED[method]}", hint)
     if stored:
         what = f"a pre-quantized checkpoint ({stored})"
     elif method not in EXPERT_METHODS:
-        what = f"quantization {method}"
+        what = f"quantization {method}"  # awq: MOEWeightWrapper's per-group layout is not written here yet
     elif kv_cache not in KV_CACHES:
         what = f"quantization.kv_cache {kv_cache}"
     elif method == "fp8" and params.shared_expert_size:
         what = "quantization fp8 of a shared expert"
     else:
         return None
-    return Refusal(f"{what} on {params.architecture} is not supported yet",
-                   f"use quantization.method {' or '.join(EXPERT_METHODS[1:])} with kv_cache "
-                   f"{' or '.join(KV_CACHES)}, or convert the model unquantized")
+    return Refusal(f"{what} on {params.architecture} is not supported yet", hint)
 
 
 def rank_experts(num_experts: int, moe_ep: int, tp_rank: int) -> range:
