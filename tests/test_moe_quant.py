@@ -1,7 +1,8 @@
-"""Quantized mixture-of-experts models on the engine path (Mixtral, Qwen2-MoE with its shared expert,
-Qwen3-MoE): which formats convert and which are refused in one line, what the stacked experts hold per format,
-the planner's expert bytes, and the CPU engine's logits against the unquantized model within the tolerance
-the dense families' quantized parity uses (tests/test_engine_cpu_quant.py test_whole_model_close_to_fp)."""
+"""Quantized mixture-of-experts models (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE): on the engine path
+which formats convert and which are refused in one line, what the stacked experts hold per format, calibration
+through every expert, the planner's expert bytes, and the CPU engine's logits against the unquantized model within
+the bounds the dense families' quantized parity uses (tests/test_engine_cpu_quant.py test_whole_model_close_to_fp);
+on the LLM-API path, the FP8 HF-format export against ModelOpt 0.47's own (tests/data/layouts-hf-moe)."""
 
 from __future__ import annotations
 

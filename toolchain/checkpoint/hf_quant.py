@@ -15,6 +15,9 @@ unified_export_hf.py, quant_utils.py, convert_hf_config.py; layouts checked agai
   `weight_scale` (out, in/g) = amax / 7; `pre_quant_scale` (in,) in the model dtype. Linears
   sharing a norm's output (q/k/v, gate/up) share one pre_quant_scale, which the exporter folds
   into that norm's weight and drops (`fuse_prequant_layernorm`); o_proj and down_proj keep theirs.
+- Mixture of experts (FP8; ModelOpt 0.47 golden layouts in tests/data/layouts-hf-moe): every expert's
+  projections under their HF names with their own scalar weight_scale, one input_scale per projection kind
+  shared by the experts, the routers in the model dtype and named in exclude_modules (`_moe_fp8`).
 - FP8 KV cache: scalar float32 `self_attn.k_proj.k_scale` / `self_attn.v_proj.v_scale`
   = amax / 448, not clamped (the clamp to >= 1 is the TensorRT-LLM-checkpoint exporter's).
 - hf_quant_config.json {producer, quantization{quant_algo, kv_cache_quant_algo, [group_size,
