@@ -273,8 +273,9 @@ def test_fp8_experts_layout_and_logits(models, tmp_path, model):
 
 
 def test_fp8_of_a_shared_expert_is_refused(models):
-    with pytest.raises(ToolchainError, match="quantization fp8 of a shared expert on Qwen2MoeForCausalLM"):
+    with pytest.raises(ToolchainError, match="quantization fp8 of a shared expert on Qwen2MoeForCausalLM") as err:
         plan_checkpoint(models["qwen2"], tp=1, pp=1, recipe=Recipe(method="fp8"))
+    assert "int8_wo or int4_wo with" in err.value.hint  # the hint offers what this model takes
 
 
 def test_planner_counts_fp8_experts_as_convert_writes_them(models):

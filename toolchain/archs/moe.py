@@ -121,7 +121,8 @@ def quantization_refusal(params: Any, method: str, kv_cache: str, stored: str | 
     `stored` names the format of a checkpoint that is quantized already (imports keep no expert layout yet)."""
     if not params.is_moe:
         return None
-    hint = (f"use quantization.method {' or '.join(EXPERT_METHODS[1:])} with kv_cache {' or '.join(KV_CACHES)}, "
+    methods = [m for m in EXPERT_METHODS[1:] if not (m == "fp8" and params.shared_expert_size)]
+    hint = (f"use quantization.method {' or '.join(methods)} with kv_cache {' or '.join(KV_CACHES)}, "
             "or convert the model unquantized")
     if method in UPSTREAM_UNSUPPORTED and not stored:
         return Refusal(f"quantization {method} on {params.architecture}: {UPSTREAM_UNSUPPORTED[method]}", hint)
