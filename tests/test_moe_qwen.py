@@ -200,7 +200,7 @@ def test_greedy_and_logits_match_transformers(request, tmp_path, model, layout):
     if model == "qwen3":
         assert shared == [None] * tp
     else:
-        assert [t.shape[0] for t in shared] == [2 * SHARED_W // tp] * tp
+        assert [t.out_features for t in shared] == [2 * SHARED_W // tp] * tp
     reference = hf_model(hf)
     for prompt in PROMPTS:
         torch.testing.assert_close(engine.forward_logits(prompt), hf_logits(reference, prompt), atol=1e-4, rtol=0)

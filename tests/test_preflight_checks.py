@@ -277,7 +277,8 @@ def test_check_triggers(tmp_path, monkeypatch, check_id):
 @pytest.mark.parametrize("config,quant,expected,says", [
     (GEMMA2, QuantFormat("awq"), FAIL, "only int8_wo, int4_wo"),
     (GEMMA2, QuantFormat("int8_wo"), PASS, "Gemma2ForCausalLM int8_wo"),
-    (MIXTRAL, QuantFormat(kv_cache="fp8"), FAIL, "quantization.kv_cache fp8 on MixtralForCausalLM"),
+    (MIXTRAL, QuantFormat("smoothquant"), FAIL, "quantization smoothquant on MixtralForCausalLM"),
+    (MIXTRAL, QuantFormat("int8_wo", kv_cache="fp8"), PASS, "MixtralForCausalLM int8_wo"),
     (MIXTRAL, QuantFormat(), PASS, "MixtralForCausalLM none"),
 ])
 def test_arch_quantization_reads_the_family_row(tmp_path, config, quant, expected, says):

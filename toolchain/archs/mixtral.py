@@ -20,7 +20,8 @@ RenormalizeMoeRoutingMethod(top_k) and its gate Linear in the model dtype (not f
 path's router is), and shards the experts by the same Mapping (LLM()'s moe_expert_parallel_size,
 moe_tensor_parallel_size).
 
-Not converted yet: quantized Mixtral (refused at plan and convert: archs/moe.py quantization_refusal).
+Quantized: the formats archs/moe.py EXPERT_METHODS lists; every other is refused at plan and convert
+(archs/moe.py quantization_refusal).
 """
 
 from __future__ import annotations

@@ -98,17 +98,45 @@ def with_experts(dense_rows: tuple[Row, ...], *expert_rows: Row) -> tuple[Row, .
     return tuple(r for r in dense_rows if ".mlp." not in r.hf) + expert_rows
 
 
+# What the stacked experts can be quantized to, per spec method (the rest is refused by `quantization_refusal`).
+# Weight-only: the checkpoint keeps the experts in float and trtllm-build quantizes each [E, out, in] stack per
+# expert per output channel (TensorRT-LLM tensorrt_llm/models/convert_utils.py at 9b3c7124,
+# weight_only_quantize: a weight of dim > 2 is transposed on its last two axes and
+# symmetric_quantize_last_axis_of_batched_matrix gives per_channel_scale [E, out]; weight_only_quantize_dict
+# matches 'fc.weight'/'proj.weight', never 'router.weight', and excludes '*shared_expert_gate.weight').
+# FP8: the stacks quantized per expert with one activation scale per stack (checkpoint/quantize.py, after
+# MOEWeightWrapper in tensorrt_llm/layers/moe.py at c388fec7).
+EXPERT_METHODS = ("none", "int8_wo", "int4_wo", "fp8")
+KV_CACHES = ("none", "int8", "fp8")
+
+
+# Methods TensorRT-LLM's MoE has no path for: MixtureOfExperts (tensorrt_llm/layers/moe.py at c388fec7) quantizes
+# experts as FP8 QDQ, NVFP4, per-group int4 or weight-only (MOEWeightWrapper.__init__, forward_experts), with no
+# branch for SmoothQuant's int8 activations (no per-channel activation scale or smoother tensor is declared).
+UPSTREAM_UNSUPPORTED = {"smoothquant": "TensorRT-LLM's MixtureOfExperts has no SmoothQuant (W8A8) experts"}
+
+
 def quantization_refusal(params: Any, method: str, kv_cache: str, stored: str | None = None) -> Refusal | None:
-    """Why a mixture-of-experts model cannot be quantized as asked (None: unquantized, or a dense model).
-    The stacked experts have no quantized layout here yet, so every format is refused rather than written
-    wrong; `stored` names the format of a checkpoint that is quantized already."""
+    """Why a mixture-of-experts model cannot be quantized as asked (None: supported, or a dense model).
+    `stored` names the format of a checkpoint that is quantized already (imports keep no expert layout yet)."""
     if not params.is_moe:
         return None
-    what = (f"quantization {method}" if method != "none" else f"quantization.kv_cache {kv_cache}"
-            if kv_cache != "none" else f"a pre-quantized checkpoint ({stored})" if stored else None)
-    return None if what is None else Refusal(
-        f"{what} on {params.architecture} is not supported yet",
-        "convert it unquantized: quantization.method none, kv_cache none, float16/bfloat16 weights")
+    methods = [m for m in EXPERT_METHODS[1:] if not (m == "fp8" and params.shared_expert_size)]
+    hint = (f"use quantization.method {' or '.join(methods)} with kv_cache {' or '.join(KV_CACHES)}, "
+            "or convert the model unquantized")
+    if method in UPSTREAM_UNSUPPORTED and not stored:
+        return Refusal(f"quantization {method} on {params.architecture}: {UPSTREAM_UNSUPPORTED[method]}", hint)
+    if stored:
+        what = f"a pre-quantized checkpoint ({stored})"
+    elif method not in EXPERT_METHODS:
+        what = f"quantization {method}"  # awq: MOEWeightWrapper's per-group layout is not written here yet
+    elif kv_cache not in KV_CACHES:
+        what = f"quantization.kv_cache {kv_cache}"
+    elif method == "fp8" and params.shared_expert_size:
+        what = "quantization fp8 of a shared expert"
+    else:
+        return None
+    return Refusal(f"{what} on {params.architecture} is not supported yet", hint)
 
 
 def rank_experts(num_experts: int, moe_ep: int, tp_rank: int) -> range:

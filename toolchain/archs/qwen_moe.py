@@ -54,7 +54,8 @@ written RENORMALIZE where upstream's own converter (NONE in every stored qwen/co
 Refused: decoder_sparse_step other than 1 and non-empty mlp_only_layers (dense layers among the mixtures: the
 converter above turns every layer into one), qkv_bias false (QWenConfig writes attn_bias true for every
 qwen2_moe) or attention_bias true on Qwen3-MoE (attn_bias false for qwen3_moe), a Qwen3-MoE sliding window,
-and, as for every MoE family here, quantization (archs/moe.py quantization_refusal, the families' `quantization`).
+and, as for every MoE family here, the quantization formats archs/moe.py EXPERT_METHODS does not list
+(quantization_refusal, the families' `quantization`).
 """
 
 from __future__ import annotations

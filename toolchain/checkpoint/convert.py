@@ -114,7 +114,8 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     if recipe.active or prequantized is not None:
         quant = Quantizer(recipe, params.num_attention_heads, params.num_key_value_heads, tp,
                           sharding.pp_layers(params.num_hidden_layers, pp), layout_plan, params.intermediate_size,
-                          TORCH_DTYPES[resolved], prequantized, raw=raw, kv_sources=kv_sources)
+                          TORCH_DTYPES[resolved], prequantized, raw=raw, kv_sources=kv_sources,
+                          moe_sizes=opts.moe_sizes)
         config["quantization"] = quant.config()
     plan = build_plan(family, params, ckpt, opts, config, quant=quant)
     plan.config_only = config_only

@@ -15,6 +15,9 @@ unified_export_hf.py, quant_utils.py, convert_hf_config.py; layouts checked agai
   `weight_scale` (out, in/g) = amax / 7; `pre_quant_scale` (in,) in the model dtype. Linears
   sharing a norm's output (q/k/v, gate/up) share one pre_quant_scale, which the exporter folds
   into that norm's weight and drops (`fuse_prequant_layernorm`); o_proj and down_proj keep theirs.
+- Mixture of experts (FP8; ModelOpt 0.47 golden layouts in tests/data/layouts-hf-moe): every expert's
+  projections under their HF names with their own scalar weight_scale, one input_scale per projection kind
+  shared by the experts, the routers in the model dtype and named in exclude_modules (`_moe_fp8`).
 - FP8 KV cache: scalar float32 `self_attn.k_proj.k_scale` / `self_attn.v_proj.v_scale`
   = amax / 448, not clamped (the clamp to >= 1 is the TensorRT-LLM-checkpoint exporter's).
 - hf_quant_config.json {producer, quantization{quant_algo, kv_cache_quant_algo, [group_size,
@@ -39,7 +42,7 @@ from safetensors.torch import save_file
 
 from toolchain import __version__
 from toolchain.archs import load_params
-from toolchain.archs.common import Match, NameTable, Shard, trt_name
+from toolchain.archs.common import EXPERT_SHARDS, Match, NameTable, Shard, trt_name
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.errors import ToolchainError
 from toolchain.quant import awq as awq_q
@@ -196,6 +199,9 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
         refusal = family.quantization_refusal(params, recipe.method, recipe.kv_cache)
         if refusal is not None:
             raise ToolchainError(refusal.why, refusal.hint)
+        if params.is_moe and recipe.method not in ("none", "fp8"):
+            raise ToolchainError(f"the Hugging Face-format quantized export (quantization {recipe.method}) of "
+                                 f"{params.architecture} is not supported yet", "use quantization.method fp8")
         if family.llmapi_refusal is not None and (why := family.llmapi_refusal(params, 1, True)) is not None:
             raise ToolchainError(why)
         table = NameTable(family, params)
@@ -242,7 +248,11 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, recipe: Rec
             out[f"{base}.self_attn.k_proj.k_scale"], out[f"{base}.self_attn.v_proj.v_scale"] = scale, scale.clone()
         if recipe.method == "none":
             continue
+        if params.is_moe:
+            excluded += _moe_fp8(out, table, params, layer, stats[layer])
         for slot, members, norm in GROUPS:
+            if params.is_moe and slot in ("mlp", "proj"):
+                continue  # the experts, above
             prefixes = [f"{base}.{m}" for m in members]
             skip = [_module_excluded(table, p, recipe.exclude_modules) for p in prefixes]
             if all(skip):
@@ -266,6 +276,27 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, recipe: Rec
                 g = ckpt.load(f"{base}.{norm}.weight").float()
                 out[f"{base}.{norm}.weight"] = (g * prequant).to(dtype)
     return out, excluded
+
+
+def _moe_fp8(out: dict[str, torch.Tensor], table: NameTable, params, layer: int, stats) -> list[str]:
+    """One MoE layer's experts in FP8 as ModelOpt 0.47 exports them (tests/data/layouts-hf-moe, made by
+    tools/modelopt_moe_layouts.py): each expert's projections under their own HF names, each with its own scalar
+    weight_scale, and one input_scale per projection kind for every expert, since ModelOpt's fused-experts
+    wrapper shares one input quantizer across the experts (modelopt/torch/quantization/plugins/huggingface.py,
+    _QuantFusedExperts); its amax here is over every token run through every expert (quant/calibration.py, as
+    ModelOpt's moe_calib_experts_ratio 1.0 does; its default, None, calibrates on the routed tokens only).
+    Returns the router, kept in the model dtype and named in exclude_modules."""
+    rows = [r for r in table.rows if r.shard in EXPERT_SHARDS]
+    fc_input = fp8_q.fp8_scale(stats.inputs["mlp"].amax.max()).reshape(())
+    proj_input = fp8_q.fp8_scale(max(stats.expert_proj_amax)).reshape(())
+    for row in rows:
+        for e in range(params.num_experts):
+            prefix = row.hf.replace("{layer}", str(layer)).replace("{expert}", str(e)).removesuffix(".weight")
+            w, scale = fp8_q.quantize_fp8_weight(out[f"{prefix}.weight"].float())
+            out[f"{prefix}.weight"], out[f"{prefix}.weight_scale"] = w, scale.reshape(())
+            out[f"{prefix}.input_scale"] = (fc_input if row.shard is Shard.EXPERT_FC else proj_input).clone()
+    router = [r for r in table.rows if r.trt is not None and r.trt.endswith("mlp.router.weight")]
+    return [r.hf.replace("{layer}", str(layer)).removesuffix(".weight") for r in router]
 
 
 def _match(table: NameTable, name: str, where: str) -> Match:

@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from toolchain.archs.common import FUSED_SHARDS, NameTable, Shard, trt_name
+from toolchain.archs import moe
+from toolchain.archs.common import EXPERT_SHARDS, FUSED_SHARDS, NameTable, Shard, trt_name
 from toolchain.checkpoint import sharding
 from toolchain.checkpoint.hf_quant import COMPANIONS, HF_WEIGHT, engine_kv_scale, fuse_group, stored_linear
 from toolchain.checkpoint.hf_reader import HFCheckpoint, TensorInfo
@@ -107,6 +108,8 @@ class Quantizer:
     raw: dict[str, TensorInfo] = field(default_factory=dict)  # imports: the packed tensors behind the virtual weights
     kv_sources: dict[int, tuple[str, str]] = field(default_factory=dict)
     """ModelOpt imports with an FP8 KV cache: global layer -> its stored (k_scale, v_scale) names in `raw`."""
+    moe_sizes: tuple[int, int] = (1, 1)
+    """(moe_tp, moe_ep) of a mixture-of-experts model: how its FP8 expert stacks are split (Options.moe_sizes)."""
 
     @property
     def imports(self) -> bool:
@@ -360,6 +363,54 @@ class Quantizer:
     def handles(self, group: Group) -> bool:
         return all(self.quantizes(o.name, o.stage) for o in group.outputs)
 
+    # -- mixture-of-experts stacks (FP8) ---------------------------------------------------
+    # MOEWeightWrapper (TensorRT-LLM tensorrt_llm/layers/moe.py at c388fec7) holds an FP8 stack as weight
+    # [experts, out, in] e4m3, weights_scaling_factor [experts, 1] (fc: w3 and w1 of an expert share the larger
+    # of their two scales, the weights requantized to it) and one activation_scaling_factor [1] for the stack,
+    # "max input range": the largest of the experts' input scales. The experts' input statistics come from
+    # calibration running every expert on every token (quant/calibration.py _expert_amax).
+
+    @staticmethod
+    def is_experts(group: Group) -> bool:
+        return group.outputs[0].row.shard in EXPERT_SHARDS
+
+    def _expert_planned(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        if self.fmt != "fp8":
+            raise ValueError(f"{name}: expert stacks are written quantized in fp8 only, not {self.fmt}")
+        prefix = name[: -len(".weight")]
+        return [(f"{prefix}.weight", shape, fp8_q.FP8_DTYPE), (f"{prefix}.weights_scaling_factor", (shape[0], 1), F32),
+                (f"{prefix}.activation_scaling_factor", (1,), F32)]
+
+    def _write_experts(self, group: Group, ckpt: HFCheckpoint) -> dict[int, list[tuple[str, torch.Tensor]]]:
+        o = group.outputs[0]
+        prefix, _, local = _linear(o.name)
+        stats = self._stats(self.global_layer(o.stage, local))
+        ws = [prepare(ckpt.load(s), o.row, torch.float32, s) for s in group.sources]
+        fc = o.row.shard is Shard.EXPERT_FC
+        count = len(ws) // 2 if fc else len(ws)
+        # per expert its tensors: fc (w3_e, w1_e), sources being every w3 then every w1 (layout.build_groups)
+        mine = [(ws[e], ws[count + e]) if fc else (ws[e],) for e in range(count)]
+        scales = [fp8_q.fp8_scale(torch.stack([t.abs().max() for t in ts]).max()) for ts in mine]
+        # float32 copies of the e4m3 values split exactly; each rank's piece is cast back below
+        q = [[fp8_q.to_fp8(t, scales[e]).float() for t in ts] for e, ts in enumerate(mine)]
+        act = fp8_q.fp8_scale(stats.inputs["mlp"].amax.max() if fc else max(stats.expert_proj_amax))
+        moe_tp, moe_ep = self.moe_sizes
+        if fc:  # a rank's fc is [w3_e; w1_e] of each of its experts, both cut along the expert width
+            w3 = sharding.split_experts([ts[0] for ts in q], self.tp, moe_tp, moe_ep, dim=0)
+            w1 = sharding.split_experts([ts[1] for ts in q], self.tp, moe_tp, moe_ep, dim=0)
+            pieces = [torch.stack([torch.cat([a, b]) for a, b in zip(r3, r1, strict=True)])
+                      for r3, r1 in zip(w3, w1, strict=True)]
+        else:
+            pieces = [torch.stack(r) for r in sharding.split_experts([ts[0] for ts in q], self.tp, moe_tp, moe_ep,
+                                                                    dim=1)]
+        out: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for tp_rank, (rank, piece) in enumerate(zip(stage_ranks(o.stage, self.tp), pieces, strict=True)):
+            held = moe.rank_experts(count, moe_ep, tp_rank)
+            out[rank] = [(f"{prefix}.weight", piece.to(fp8_q.FP8_DTYPE).contiguous()),
+                         (f"{prefix}.weights_scaling_factor", torch.stack([scales[e] for e in held]).contiguous()),
+                         (f"{prefix}.activation_scaling_factor", act.clone())]
+        return out
+
     def merge_mlp(self, groups: list[Group]) -> list[Group]:
         """fc (HF gate_proj) and gate (HF up_proj) share one input, so their shared
         parameters (AWQ scales, SmoothQuant smoothing and activation scale, FP8
@@ -381,13 +432,16 @@ class Quantizer:
     def plan_group(self, group: Group, fp_shapes: dict[tuple[int, str], tuple[int, ...]]) -> dict[int, list]:
         """rank -> [(name, shape, dtype)] for a quantized group, from its outputs' fp per-rank shapes."""
         out: dict[int, list] = {}
+        plan = self._expert_planned if self.is_experts(group) else self.planned
         for o in group.outputs:
             for rank in stage_ranks(o.stage, self.tp):
-                out.setdefault(rank, []).extend(self.planned(o.name, fp_shapes[(rank, o.name)]))
+                out.setdefault(rank, []).extend(plan(o.name, fp_shapes[(rank, o.name)]))
         return out
 
     def write_group(self, group: Group, ckpt: HFCheckpoint) -> dict[int, list[tuple[str, torch.Tensor]]]:
         """rank -> [(name, tensor)] for a quantized group: quantize whole, split each component."""
+        if self.is_experts(group):
+            return self._write_experts(group, ckpt)
         o0 = group.outputs[0]
         _, module, local = _linear(o0.name)
         layer = self.global_layer(o0.stage, local)

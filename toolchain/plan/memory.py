@@ -70,15 +70,28 @@ def linear_shapes(p: ArchParams, tp: int, quant: QuantFormat | None = None) -> l
 ROUTER_BYTES = 4  # the MoE router is float32 in every format (tensorrt_llm/models/llama/convert.py)
 
 
-def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int) -> int:
+def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: QuantFormat | None = None,
+                 stored: bool = False) -> float:
     """One mixture-of-experts MLP on one rank, as convert lays it out (toolchain/archs/mixtral.py,
-    qwen_moe.py): the router [E, H] whole on every rank, and E/moe_ep experts each holding fc [2 I/moe_tp, H]
-    and proj [H, I/moe_tp]; a shared expert (Qwen2-MoE) adds its tp slice, fc [2 S/tp, H] and proj [H, S/tp],
-    and its gate [1, H] whole (tp = moe_tp x moe_ep)."""
-    experts, width = p.num_experts // moe_ep, p.expert_size // moe_tp
-    shared = (3 * p.shared_expert_size // (moe_tp * moe_ep) + 1) * p.hidden_size if p.shared_expert_size else 0
-    return (p.num_experts * p.hidden_size * ROUTER_BYTES
-            + (experts * 3 * width * p.hidden_size + shared) * dt_bytes)
+    qwen_moe.py): the router [E, H] whole on every rank, float32 in every format, and E/moe_ep experts each
+    holding fc [2 I/moe_tp, H] and proj [H, I/moe_tp]; a shared expert (Qwen2-MoE) adds its tp slice, fc
+    [2 S/tp, H] and proj [H, S/tp], and its gate [1, H] whole (tp = moe_tp x moe_ep). Each expert and the
+    shared expert count as a linear of `quant`'s format (`stored`: as the checkpoint holds them, where
+    weight-only experts are still float; else as the engine does: int8/int4 with a per-channel scale per
+    expert, TensorRT-LLM tensorrt_llm/models/convert_utils.py weight_only_quantize on a batched matrix)."""
+    experts, width, h = p.num_experts // moe_ep, p.expert_size // moe_tp, p.hidden_size
+
+    def linear(out: int, inp: int) -> float:
+        return out * inp * dt_bytes if quant is None else linear_bytes(out, inp, quant, dt_bytes, stored)
+
+    routed = experts * (linear(2 * width, h) + linear(h, width))
+    if quant is not None:  # one activation scale per stack, not per expert (FP8: MOEWeightWrapper, layers/moe.py)
+        row = quant.format.stored if stored else quant.format.built
+        shared_scales = tuple(t for t in row if t.suffix == "activation_scaling_factor")
+        routed -= 2 * (experts - 1) * formats.tensor_bytes(shared_scales, 1, 1, quant.group_size, dt_bytes)
+    shared_r = p.shared_expert_size // (moe_tp * moe_ep)
+    shared = linear(2 * shared_r, h) + linear(h, shared_r) + h * dt_bytes if p.shared_expert_size else 0
+    return p.num_experts * h * ROUTER_BYTES + routed + shared
 
 
 def linear_bytes(out: int, inp: int, quant: QuantFormat, dt_bytes: int, stored: bool = False) -> float:
@@ -115,7 +128,7 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantF
         shapes = [s for s in shapes if s[0] in ("qkv", "dense")]
     per_layer = sum(linear_bytes(o, i, quant, dt_bytes, stored) for _, o, i in shapes)
     if p.is_moe:
-        per_layer += expert_bytes(p, *moe_sizes(tp, moe_tp, moe_ep), dt_bytes)
+        per_layer += expert_bytes(p, *moe_sizes(tp, moe_tp, moe_ep), dt_bytes, quant, stored)
     if qkv_bias:
         per_layer += linear_shapes(p, tp)[0][1] * dt_bytes
     if dense_bias:

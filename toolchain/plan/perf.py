@@ -167,7 +167,9 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantFor
         width = p.expert_size // m_tp  # moe_intermediate_size where the family has one (Qwen MoE), as memory.expert_bytes
         experts = p.num_experts // m_ep
         share = p.top_k / p.num_experts
-        per_expert_layer = 3 * width * p.hidden_size * dt_bytes  # fc (w3, w1) and proj, as memory.expert_bytes
+        # fc (w3, w1) and proj in the engine's format, as memory.expert_bytes counts them
+        per_expert_layer = (mem.linear_bytes(2 * width, p.hidden_size, quant, dt_bytes)
+                            + mem.linear_bytes(p.hidden_size, width, quant, dt_bytes))
         expert_bytes = per_expert_layer * layers
         read -= experts * expert_bytes
         # a token runs top_k experts, of which top_k / moe_ep on average live on this rank; and the router

@@ -151,6 +151,9 @@ class InputStats:
 class LayerStats:
     inputs: dict[str, InputStats] = field(default_factory=dict)
     qkv_amax: float = 0.0   # largest |q, k, v projection output| (KV-cache scales, as ModelOpt calibrates them)
+    expert_proj_amax: list[float] = field(default_factory=list)
+    """Mixture of experts: per expert, the largest |input of its down projection| over every calibration token
+    (each expert runs on every token for its statistics, whatever the router picks: `_expert_amax`)."""
 
 
 class _Weights:
@@ -201,16 +204,29 @@ def _layer_stats(hf_dir: Path, sequences: list[torch.Tensor], covariance: bool,
     rope = [rotary(h, torch.arange(h.shape[1])[None]) for h in hidden]
     for i, layer in enumerate(base.layers):
         layer.to_empty(device="cpu")
-        layer.load_state_dict(weights.prefixed(f"model.layers.{i}."), strict=True)
+        moe = hasattr(layer.mlp, "experts")
+        state = weights.prefixed(f"model.layers.{i}.")
+        layer.load_state_dict(fused_experts(state) if moe else state, strict=True)
         stats = LayerStats()
         hooks = []
         fused = hasattr(layer.self_attn, "qkv_proj")
         for slot, name in SLOTS.items():
+            if moe and slot in ("mlp", "proj"):
+                continue
             module = layer.get_submodule(FUSED_SLOTS.get(slot, name) if fused else name)
             width = module.in_features
             stats.inputs[slot] = InputStats(torch.zeros(width), torch.zeros(width),
                                             torch.zeros(width, width, dtype=torch.float64) if covariance else None)
             hooks.append(module.register_forward_pre_hook(lambda _m, args, s=stats.inputs[slot]: s.add(args[0])))
+
+        if moe:  # the experts' shared input, and each expert's down-projection input over every token
+            width = layer.mlp.experts.gate_up_proj.shape[-1]
+            stats.inputs["mlp"] = InputStats(torch.zeros(width), torch.zeros(width), None)
+
+            def experts_hook(m, args, st=stats) -> None:  # returns None: the block's input stays as it is
+                st.inputs["mlp"].add(args[0])
+                _expert_amax(m.experts, args[0], st)
+            hooks.append(layer.mlp.register_forward_pre_hook(experts_hook))
 
         def kv_hook(_m, _args, out, st=stats):
             st.qkv_amax = max(st.qkv_amax, float(out.detach().abs().max()))
@@ -224,6 +240,41 @@ def _layer_stats(hf_dir: Path, sequences: list[torch.Tensor], covariance: bool,
         if progress is not None:
             progress(f"calibrated layer {i + 1}/{len(base.layers)}")
         yield stats
+
+
+def fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One MoE decoder layer's tensors as a checkpoint stores them (one tensor per expert: Mixtral's
+    block_sparse_moe.experts.{e}.w1/w3/w2 and .gate, Qwen MoE's mlp.experts.{e}.gate_proj/up_proj/down_proj)
+    -> transformers 5's layer, which holds the experts as mlp.experts.gate_up_proj [E, 2 I, H] (gate rows,
+    then up rows: MixtralExperts.forward chunks gate before up) and down_proj [E, H, I]. Tensors already
+    fused pass through; the strict load after this names anything left over."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
+    names = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    for name, t in state.items():
+        bits = name.split(".")
+        if len(bits) == 5 and bits[1] == "experts" and bits[2].isdigit() and bits[3] in names:
+            parts[names[bits[3]]][int(bits[2])] = t
+        else:
+            out[name.replace("block_sparse_moe.", "mlp.", 1)] = t
+    if parts["gate"]:
+        count = len(parts["gate"])
+        out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([parts["gate"][e], parts["up"][e]])
+                                                       for e in range(count)])
+        out["mlp.experts.down_proj"] = torch.stack([parts["down"][e] for e in range(count)])
+    return out
+
+
+def _expert_amax(experts, x: torch.Tensor, st: LayerStats) -> None:
+    """Every expert's down-projection input on every token (not only the tokens the router sends it), so an
+    expert the calibration text rarely picks still gets an activation scale; the layer's output is unchanged."""
+    x = x.detach().reshape(-1, x.shape[-1]).float()
+    amax = []
+    for e in range(experts.gate_up_proj.shape[0]):
+        gate, up = (x @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
+        amax.append(float((experts.act_fn(gate) * up).abs().max()))
+    st.expert_proj_amax = [max(a, b) for a, b in zip(st.expert_proj_amax, amax, strict=True)] \
+        if st.expert_proj_amax else amax
 
 
 class StatsStream:

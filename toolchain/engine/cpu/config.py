@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from toolchain.archs.moe import EXPERT_METHODS
 from toolchain.errors import ToolchainError
 from toolchain.quant import formats
 from toolchain.quant.recipe import GROUP_SIZES, per_group_multiple
@@ -43,6 +44,8 @@ UNQUANTIZED = {None, "NO_QUANT"}
 # quant_algo values the CPU engine runs as stored (a row with a CPU kernel, engine/cpu/qlinear.py),
 # and KV-cache formats.
 QUANT_ALGOS = {f.quant_algo for f in formats.ALL if f.cpu_kernel and f.quant_algo}
+# quant_algo values whose experts the CPU engine runs (engine/cpu/moe.py): the archs/moe.py EXPERT_METHODS' rows.
+MOE_QUANT_ALGOS = {a for m in EXPERT_METHODS if (a := formats.METHODS[m].quant_algo) is not None}
 KV_ALGOS = tuple(k.quant_algo for k in formats.KV_CACHE.values() if k.quant_algo)
 # TensorRT-LLM's exclusion list when config.json gives none (QuantConfig in
 # tensorrt_llm/models/modeling_utils.py).
@@ -414,8 +417,9 @@ def _check_dims(d: ModelDims, origin: str) -> None:
             problems.append(f"expert width {d.expert_size} not divisible by moe_tp_size {d.moe_tp}")
         if d.shared_expert_size % d.tp:
             problems.append(f"shared expert width {d.shared_expert_size} not divisible by tp {d.tp}")
-        if d.quant_algo not in UNQUANTIZED:
-            problems.append(f"quant_algo {d.quant_algo} on mixture-of-experts layers (only unquantized experts run)")
+        if d.quant_algo not in UNQUANTIZED | MOE_QUANT_ALGOS:
+            problems.append(f"quant_algo {d.quant_algo} on mixture-of-experts layers (the experts run unquantized, "
+                            f"{', '.join(sorted(MOE_QUANT_ALGOS))})")
         if d.mlp_bias:
             problems.append("mlp_bias on mixture-of-experts layers (experts without biases only)")
     elif d.intermediate_size % d.tp:

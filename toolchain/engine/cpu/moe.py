@@ -13,6 +13,13 @@ all experts in float32, top-k, then divided by the sum of the k for "renormalize
 (ExpertScaleNormalizationMode.RENORMALIZE), or the k probabilities as they are for "none" (Qwen2-MoE's
 norm_topk_prob false: Qwen2MoeTopKRouter).
 
+A quantized checkpoint's experts run as its linears do (engine/cpu/qlinear.py): each expert of the stack is
+one `Linear` of the stored format, built from its slice of the stacked tensors (`expert_linears`), so an
+int8/int4 weight-only expert is quantized per output channel of that expert alone, as trtllm-build does
+(weight_only_quantize on a batched matrix, tensorrt_llm/models/convert_utils.py), and an FP8 expert carries
+its own weight scale. The router stays float32 in every format ("Router should never be quantized",
+tensorrt_llm/models/llama/convert.py).
+
 Qwen2-MoE adds a shared expert every token runs, a dense swiglu MLP split over the tp ranks like any MLP,
 scaled per token by sigmoid(shared_expert_gate(x)); the gate [1, H] is whole on every rank, so each rank
 scales its partial sum and the same all-reduce completes it (SharedMoE.forward in tensorrt_llm/layers/moe.py:
@@ -26,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from toolchain.engine.cpu.linear import Linear
+
 RENORMALIZE = 1  # ExpertScaleNormalizationMode values (archs/moe.py NORMALIZATION)
 
 
@@ -33,17 +42,17 @@ RENORMALIZE = 1  # ExpertScaleNormalizationMode values (archs/moe.py NORMALIZATI
 class Experts:
     router: torch.Tensor
     """[E, H] float32, every expert's routing row, the same on every rank."""
-    fc: torch.Tensor
-    """[E_r, 2 I_r, H]: per expert of this rank, [w3 (linear); w1 (SiLU-activated)] rows of its moe_tp slice."""
-    proj: torch.Tensor
-    """[E_r, H, I_r]: per expert, w2's columns of its moe_tp slice."""
+    fc: list[Linear]
+    """Per expert of this rank, [w3 (linear); w1 (SiLU-activated)] rows of its moe_tp slice: out 2 I_r, in H."""
+    proj: list[Linear]
+    """Per expert, w2's columns of its moe_tp slice: out H, in I_r."""
     first: int
     """Global index of this rank's first expert (its experts are contiguous: Mapping.ep_experts)."""
     top_k: int
     normalization: int
-    shared_fc: torch.Tensor | None = None
+    shared_fc: Linear | None = None
     """[2 S_r, H]: the shared expert's [up (linear); gate (SiLU-activated)] rows of this rank's tp slice."""
-    shared_proj: torch.Tensor | None = None
+    shared_proj: Linear | None = None
     """[H, S_r]: the shared expert's down_proj columns of this rank's tp slice."""
     shared_gate: torch.Tensor | None = None
     """[1, H]: shared_expert_gate, whole on every rank."""
@@ -61,15 +70,23 @@ class Experts:
         weights, ids = self.route(h)
         out = torch.zeros_like(h)
         local = ids - self.first
-        for e in range(self.fc.shape[0]):
+        for e in range(len(self.fc)):
             tokens, slot = (local == e).nonzero(as_tuple=True)
             if tokens.numel() == 0:
                 continue
             x = h[tokens]
-            up, gate = (x @ self.fc[e].T).chunk(2, dim=-1)
-            y = (F.silu(gate) * up) @ self.proj[e].T
+            up, gate = self.fc[e](x).chunk(2, dim=-1)
+            y = self.proj[e](F.silu(gate) * up)
             out.index_add_(0, tokens, y * weights[tokens, slot, None].to(y.dtype))
         if self.shared_fc is not None and self.shared_proj is not None and self.shared_gate is not None:
-            up, gate = (h @ self.shared_fc.T).chunk(2, dim=-1)
-            out += torch.sigmoid(h @ self.shared_gate.T) * ((F.silu(gate) * up) @ self.shared_proj.T)
+            up, gate = self.shared_fc(h).chunk(2, dim=-1)
+            out += torch.sigmoid(h @ self.shared_gate.T) * self.shared_proj(F.silu(gate) * up)
         return out
+
+
+def expert_slices(tensors: dict[str, torch.Tensor], prefix: str, experts: int) -> list[dict[str, torch.Tensor]]:
+    """The stacked tensors of `prefix` (mlp.fc or mlp.proj) as one dict per expert: each is cut per expert but
+    the activation scale the experts share, which goes to each whole (weights.py expert_stack)."""
+    mine = {n: t for n, t in tensors.items() if n.startswith(prefix + ".")}
+    return [{n: t if n.endswith(".activation_scaling_factor") else t[e] for n, t in mine.items()}
+            for e in range(experts)]

@@ -96,13 +96,24 @@ class Int4Grouped(Linear):
 class Int4WeightOnly(Int4Grouped):
     """W4A16 per channel (option a: the checkpoint holds fp weights and the build quantizes):
     quantized here to amax/7 per output channel, run by the grouped kernel with the channel's
-    scale repeated per INT4_KERNEL_GROUP columns."""
+    scale repeated per INT4_KERNEL_GROUP columns. The kernel takes groups of 32 to 256 columns only, so
+    a width that is no multiple of 32 (a Qwen2-MoE shared expert of 96 split over tp 2) gets zero columns
+    up to the next one, and its input the same zeros; the products are unchanged."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         q, scale = quantize_per_channel(weight.float(), bits=4)
         k = weight.shape[1]
-        group = INT4_KERNEL_GROUP if k % INT4_KERNEL_GROUP == 0 else k
-        super().__init__(pack_int4(q), scale[:, None].repeat(1, k // group), group, bias=bias)
+        self._pad = -k % INT4_KERNEL_GROUP
+        q = F.pad(q, (0, self._pad))
+        super().__init__(pack_int4(q), scale[:, None].repeat(1, q.shape[1] // INT4_KERNEL_GROUP), INT4_KERNEL_GROUP,
+                         bias=bias)
+        self.in_f = k
+
+    def dequantized(self) -> torch.Tensor:
+        return super().dequantized()[:, :self.in_f]
+
+    def __call__(self, x, *, add_bias=True):
+        return super().__call__(F.pad(x, (0, self._pad)) if self._pad else x, add_bias=add_bias)
 
 
 class SmoothQuantW8A8(Linear):

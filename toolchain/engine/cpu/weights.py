@@ -21,7 +21,7 @@ from safetensors import safe_open
 from toolchain.checkpoint.hf_reader import check_header
 from toolchain.engine.cpu.config import ModelDims
 from toolchain.engine.cpu.linear import Linear
-from toolchain.engine.cpu.moe import Experts
+from toolchain.engine.cpu.moe import Experts, expert_slices
 from toolchain.engine.cpu.qlinear import make_linear
 from toolchain.engine.cpu.qlinear import stored_tensors
 from toolchain.errors import ToolchainError
@@ -113,7 +113,7 @@ def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tupl
         if d.kv_cache_quant_algo is not None:
             out[f"{p}.attention.kv_cache_scaling_factor"] = ((1,), "float")
         if d.is_moe:
-            out.update(_moe_tensors(d, p, tp_rank))
+            out.update(_moe_tensors(d, p, _global(d, pp_rank, i), tp_rank))
         for name, (out_f, in_f), bias in _linears(d, qkv_out):
             fmt = d.linear_format(f"{_global(d, pp_rank, i)}.{name}")
             if fmt == "int4_group" and name.startswith("mlp."):
@@ -144,19 +144,31 @@ def medusa_lm_head(h: int) -> str:
     return upstream_facts("medusa")["names"]["trt_lm_head"].format(h=h).removesuffix(".weight")
 
 
-def _moe_tensors(d: ModelDims, p: str, tp_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
+def _moe_tensors(d: ModelDims, p: str, g: str, tp_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
     """A mixture-of-experts MLP on one rank: the float32 router in full, its experts' stacked fc and
-    proj (TensorRT-LLM tensorrt_llm/models/llama/convert.py; MOEWeightWrapper in tensorrt_llm/layers/moe.py)."""
-    experts, width = d.num_experts // d.moe_ep, d.expert_size // d.moe_tp
-    out = {f"{p}.mlp.router.weight": ((d.num_experts, d.hidden_size), "float"),
-           f"{p}.mlp.fc.weight": ((experts, 2 * width, d.hidden_size), "float"),
-           f"{p}.mlp.proj.weight": ((experts, d.hidden_size, width), "float")}
+    proj (TensorRT-LLM tensorrt_llm/models/llama/convert.py; MOEWeightWrapper in tensorrt_llm/layers/moe.py),
+    each in its stored format: every tensor a linear of that format stores, with the experts' count in front
+    (`expert_stack`); the shared expert (Qwen2-MoE) as a dense MLP of the same format, its gate unquantized."""
+    experts, width, H = d.num_experts // d.moe_ep, d.expert_size // d.moe_tp, d.hidden_size
+    out: dict[str, tuple[tuple[int, ...], str]] = {f"{p}.mlp.router.weight": ((d.num_experts, H), "float")}
+    for name, (out_f, in_f) in (("mlp.fc", (2 * width, H)), ("mlp.proj", (H, width))):
+        one = stored_tensors(f"{p}.{name}", out_f, in_f, False, d.linear_format(f"{g}.{name}"), group=d.group_size)
+        out.update({n: (expert_stack(n, shape, experts), kind) for n, (shape, kind) in one.items()})
     if d.shared_expert_size:  # Qwen2-MoE's shared expert, split over tp, and its gate, whole (archs/qwen_moe.py)
         shared = d.shared_expert_size // d.tp
-        out.update({f"{p}.{SHARED_FC}": ((2 * shared, d.hidden_size), "float"),
-                    f"{p}.{SHARED_PROJ}": ((d.hidden_size, shared), "float"),
-                    f"{p}.{SHARED_GATE}": ((1, d.hidden_size), "float")})
+        for name, (out_f, in_f) in ((SHARED_FC, (2 * shared, H)), (SHARED_PROJ, (H, shared))):
+            module = name.removesuffix(".weight")
+            out.update(stored_tensors(f"{p}.{module}", out_f, in_f, False, d.linear_format(f"{g}.{module}"),
+                                      group=d.group_size))
+        out[f"{p}.{SHARED_GATE}"] = ((1, H), "float")
     return out
+
+
+def expert_stack(name: str, shape: tuple[int, ...], experts: int) -> tuple[int, ...]:
+    """A stacked expert tensor's shape from one expert's: [experts, ...], except the activation scale the
+    experts share, one per layer (MOEWeightWrapper, tensorrt_llm/layers/moe.py at c388fec7: FP8's
+    weights_scaling_factor is (experts_per_node, 1), activation_scaling_factor (1,), the max of the experts')."""
+    return shape if name.endswith(".activation_scaling_factor") else (experts, *shape)
 
 
 def _linears(d: ModelDims, qkv_out: int):
@@ -270,11 +282,7 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
             fc=linear("mlp.fc", d.mlp_bias) if dense_mlp else None,
             gate=linear("mlp.gate", d.mlp_bias) if dense_mlp and not d.fused_mlp else None,
             proj=linear("mlp.proj", d.mlp_bias) if dense_mlp else None,
-            experts=None if dense_mlp else Experts(
-                router=t[f"{p}.mlp.router.weight"], fc=t[f"{p}.mlp.fc.weight"], proj=t[f"{p}.mlp.proj.weight"],
-                first=moe_first_expert(d, tp_rank), top_k=d.top_k, normalization=d.moe_normalization,
-                shared_fc=t.get(f"{p}.{SHARED_FC}"), shared_proj=t.get(f"{p}.{SHARED_PROJ}"),
-                shared_gate=t.get(f"{p}.{SHARED_GATE}")),
+            experts=None if dense_mlp else _experts(d, t, p, g, tp_rank),
             q_norm=t.get(f"{p}.attention.q_layernorm.weight") if d.qk_layernorm else None,
             k_norm=t.get(f"{p}.attention.k_layernorm.weight") if d.qk_layernorm else None,
             kv_scale=t.get(f"{p}.attention.kv_cache_scaling_factor"),
@@ -292,6 +300,26 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
                                           group=d.group_size) for layer in range(d.medusa_layers)],
                              make_linear(t, medusa_lm_head(h), False, None)) for h in range(d.medusa_heads)]
     return shard
+
+
+def _experts(d: ModelDims, t: dict[str, torch.Tensor], p: str, g: str, tp_rank: int) -> Experts:
+    """One layer's router and this rank's experts, each expert a linear of its stored format."""
+    count = d.num_experts // d.moe_ep
+
+    def stack(name: str) -> list[Linear]:
+        fmt = d.linear_format(f"{g}.{name}")
+        return [make_linear(one, f"{p}.{name}", False, fmt, group=d.group_size)
+                for one in expert_slices(t, f"{p}.{name}", count)]
+
+    def shared(name: str) -> Linear | None:
+        module = name.removesuffix(".weight")
+        if f"{p}.{name}" not in t:
+            return None
+        return make_linear(t, f"{p}.{module}", False, d.linear_format(f"{g}.{module}"), group=d.group_size)
+
+    return Experts(router=t[f"{p}.mlp.router.weight"], fc=stack("mlp.fc"), proj=stack("mlp.proj"),
+                   first=moe_first_expert(d, tp_rank), top_k=d.top_k, normalization=d.moe_normalization,
+                   shared_fc=shared(SHARED_FC), shared_proj=shared(SHARED_PROJ), shared_gate=t.get(f"{p}.{SHARED_GATE}"))
 
 
 def moe_first_expert(d: ModelDims, tp_rank: int) -> int:
