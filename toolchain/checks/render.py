@@ -74,9 +74,10 @@ def _performance_lines(perf: dict | None) -> list[str]:
     wl = perf["workload"]
     cost = (f"; ${perf['usd_per_million_output_tokens']:.3f} per million output tokens"
             if perf["usd_per_million_output_tokens"] is not None else "")
+    unit = "rank" if perf["basis"].startswith("host profile") else "GPU"  # the CPU engine's ranks share this host
     lines = [f"performance ({perf['basis']}):",
              f"  max {perf['max_output_tokens_per_s']:,.0f} output tokens/s ({perf['per_gpu_output_tokens_per_s']:,.0f} "
-             f"per GPU) at batch {perf['batch_size_at_max']} of {perf['batch_limit']} "
+             f"per {unit}) at batch {perf['batch_size_at_max']} of {perf['batch_limit']} "
              f"({perf['batch_limited_by']}), ISL {wl['input_tokens']} / OSL {wl['output_tokens']}{cost}",
              f"  at concurrency {perf['concurrency']}: TTFT {perf['ttft_ms']:,.1f} ms, TPOT {perf['tpot_ms']:.2f} ms; "
              f"context {perf['bound']['context']}-bound, generation {perf['bound']['generation']}-bound"]
