@@ -101,6 +101,8 @@ def test_force_measures_again_and_caches(cache, capsys):
     assert all(v > 0 for curve in profile.gemm_gflops.values() for v in curve.values())
     assert min(profile.step_us, profile.layer_us, profile.sequence_us) >= 0
     assert profile.step_us + profile.layer_us > 0  # a step costs something beyond its kernels
+    # two gloo rank processes exchanged as the engine's ranks do: a fixed cost and a rate
+    assert profile.gloo is not None and profile.gloo["gb_s"] > 0 and profile.gloo["latency_us"] >= 0
     assert Path(shown["path"]) == hp.profile_path(profile.key)
 
 
@@ -204,6 +206,25 @@ def test_plan_on_a_cpu_spec_with_a_profile_predicts_from_it(cache, tmp_path, cap
     assert p["tpot_ms"] > 1.0 + 0.8 + 0.2
     main(["--root", str(tmp_path), "plan", str(TINY_SPEC)])
     assert "performance (host profile 2026-01-02 (engine only)):" in capsys.readouterr().out
+
+
+def test_rank_processes_are_predicted_with_the_measured_exchange(cache, tmp_path, capsys):
+    """serving.launch mpirun: the ranks are processes, each running its own shard, exchanging over gloo; without
+    the exchange's figures plan says how to measure them."""
+    ranks = REPO / "build" / "tiny-llama-ranks.yaml"
+    hp.save_profile(dataclasses.replace(hand_profile(), gloo=None))
+    main(["--root", str(tmp_path), "plan", str(ranks), "--json"])
+    p = json.loads(capsys.readouterr().out)["performance"]
+    assert p["predicted"] is False and "probe-host --force" in p["note"]
+    # the served exchange's fixed cost (probe_ranks) is the one a served rank pays, not two bare processes'
+    slow, fast = ({"latency_us": 1.0, "gb_s": 100.0, "served_latency_us": 5000.0}, {"latency_us": 1.0, "gb_s": 100.0})
+    tpot = {}
+    for name, link in (("slow", slow), ("fast", fast)):
+        hp.save_profile(dataclasses.replace(hand_profile(), gloo=link))
+        main(["--root", str(tmp_path), "plan", str(ranks), "--json"])
+        tpot[name] = json.loads(capsys.readouterr().out)["performance"]["tpot_ms"]
+    # two all-reduces per layer, each paying the link's fixed cost: 5 ms x 2 x 4 layers more per step at least
+    assert tpot["slow"] - tpot["fast"] >= 2 * 4 * 5.0 * 0.99
 
 
 # ------------------------------------------------------------------------------------------- bench

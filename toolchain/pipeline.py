@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Protocol
 from toolchain.bench.failfast import stop_line
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.manifest import Manifest, output_problem
+from toolchain.plan.model import load_model
 from toolchain.plan.perf import predict_spec
 from toolchain.spec import DeploymentSpec, load_spec
 from toolchain.targets import target_of
@@ -436,6 +437,36 @@ def probe_serving(profile, progress: Progress = lambda stage, msg: None) -> dict
                                    "kernels_tpot_ms": predicted[c]["tpot_ms"]} for c in SERVING_PROBE_LEVELS}}
 
 
+RANKS_SPEC = TINY_SPEC.with_name("tiny-llama-ranks.yaml")
+RANKS_PROBE_CONCURRENCY = 4
+
+
+def probe_ranks(profile, progress: Progress = lambda stage, msg: None) -> dict | None:
+    """The rank exchange as the served `serving.launch: mpirun` path pays it: the embedded tiny model's tp-2 ranks
+    (build/tiny-llama-ranks.yaml) deployed as `deploy` does it and benched at concurrency 4. Two rank processes
+    alone exchange in a fraction of a millisecond (engine/probe.py gloo_exchange), but served they share the
+    cores with tritonserver, the Python backend and the client, and each exchange waits until its peer is
+    scheduled; what the measured TPOT has beyond the prediction with the bare exchange is spread over the step's
+    all-reduces (two per layer) as their served fixed cost. None without the spec or a measured exchange."""
+    if not RANKS_SPEC.is_file() or profile.gloo is None:
+        return None
+    spec = load_spec(RANKS_SPEC, [
+        "serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
+        f"serving.engine_threads={profile.key.threads}", "validation.workload.mode=concurrency",
+        f"validation.workload.sweep=[{RANKS_PROBE_CONCURRENCY}]", "validation.workload.num_requests=32",
+        "validation.workload.warmup_requests=2", "validation.workload.seed=0"])
+    with tempfile.TemporaryDirectory(prefix="probe-ranks-") as tmp:
+        report = deploy(spec, Workspace(Path(tmp)), Path(tmp) / "report", progress)
+    levels = report.get("levels", [])
+    if len(levels) != 1 or levels[0]["errors"]:
+        raise StageFailed("probe-host: the rank probe's bench did not complete", "see the messages above")
+    predicted = predict_spec(spec, concurrency=RANKS_PROBE_CONCURRENCY, profile=profile)
+    exchanges = 2 * load_model(spec.model.checkpoint).params.num_hidden_layers  # two all-reduces per layer
+    extra_ms = max(levels[0]["tpot_ms"]["mean"] - predicted["tpot_ms"], 0.0)
+    return {"served_latency_us": round(profile.gloo["latency_us"] + extra_ms * 1e3 / exchanges, 2),
+            "served_tpot_ms": round(levels[0]["tpot_ms"]["mean"], 3), "bare_tpot_ms": predicted["tpot_ms"]}
+
+
 def probe_host(threads: int, *, serving: bool = True, progress: Progress = lambda stage, msg: None):
     """`toolchain probe-host`'s measurement: the engine's rates and fixed costs (engine/probe.py), then, with
     `serving`, what serving adds (`probe_serving`). The caller caches it (hostprofile.save_profile)."""
@@ -446,4 +477,9 @@ def probe_host(threads: int, *, serving: bool = True, progress: Progress = lambd
     if serving:
         progress("probe", "what serving adds (the embedded tiny model through tritonserver, concurrency 1 and 8) ...")
         profile = dataclasses.replace(profile, serving=probe_serving(profile, progress))
+        if profile.gloo is not None:
+            progress("probe", "the rank exchange served (the embedded tiny model's tp-2 ranks under mpirun) ...")
+            ranks = probe_ranks(profile, progress)
+            if ranks is not None:
+                profile = dataclasses.replace(profile, gloo={**profile.gloo, **ranks})
     return dataclasses.replace(profile, seconds=round(time.perf_counter() - started, 2))

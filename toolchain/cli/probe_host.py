@@ -27,7 +27,9 @@ def profile_lines(profile: HostProfile, path, fresh: bool) -> list[str]:
               f"{profile.attention_gflops:.1f} GFLOP/s (context)",
               f"  fixed costs: {profile.step_us:.0f} us per step, {profile.layer_us:.0f} us per layer per rank shard, "
               f"{profile.sequence_us:.0f} us per sequence",
-              "  gloo: " + (f"{profile.gloo['latency_us']:.0f} us + {profile.gloo['gb_s']:.2f} GB/s"
+              "  gloo: " + (f"{profile.gloo['latency_us']:.0f} us + {profile.gloo['gb_s']:.2f} GB/s between two rank "
+                            "processes" + (f"; served beside tritonserver {profile.gloo['served_latency_us']:.0f} us "
+                                           "per exchange" if "served_latency_us" in profile.gloo else "")
                             if profile.gloo else "not measured")]
     sv = profile.serving
     lines.append(f"  serving ({sv['protocol']}, the tiny model): {sv['step_us']:.0f} us per step, "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
+import multiprocessing
 import statistics
 import tempfile
 import threading
@@ -29,8 +30,10 @@ import torch.nn.functional as F
 from toolchain.checkpoint.convert import convert_checkpoint
 from toolchain.engine.build import write_cpu_engine
 from toolchain.engine.cpu import CpuEngine, InflightBatcher, KvCacheConfig, SamplingParams
+from toolchain.engine.cpu.comm import Comm
 from toolchain.engine.cpu.qlinear import Int4WeightOnly, Int8WeightOnly, SmoothQuantW8A8
 from toolchain.hostprofile import HostProfile, current_key
+from toolchain.netutil import free_port
 from toolchain.plan import perf
 from toolchain.plan.model import QuantFormat, load_model
 
@@ -214,6 +217,58 @@ def predicted_kernels(profile: HostProfile, model, tp: int, batch: int) -> float
                                eff=perf.Efficiency(1.0, 1.0, 1.0), shards=tp).seconds
 
 
+GLOO_SIZES = (4 * 1024, 4 * 1024**2)  # bytes of one rank's part: a small one for the latency, a large one for the rate
+GLOO_CALLS = 40
+
+
+def _gloo_rank(rank: int, addr: str, threads: int, results) -> None:
+    """One of two rank processes: time the engine's own all-reduce (Comm.tp_sum, a send to the other rank and a
+    receive from it) at each size, the fastest of many, and report from rank 0."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    comm = Comm(rank, 2, 2, 1, addr)
+    best = {}
+    for nbytes in GLOO_SIZES:
+        part = torch.ones(nbytes // 4)
+        comm.tp_sum(part)  # the first exchange sets the connection up
+        # A fixed count on both ranks (each call needs its peer's), the fastest kept, as _best_seconds does.
+        times = []
+        for _ in range(GLOO_CALLS):
+            start = time.perf_counter()
+            comm.tp_sum(part)
+            times.append(time.perf_counter() - start)
+        best[nbytes] = min(times)
+    if rank == 0:
+        results.put(best)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def gloo_exchange(threads: int, timeout_s: float = 120.0) -> dict[str, float] | None:
+    """The rank exchange of `serving.launch: mpirun` as the model's link: {"latency_us", "gb_s"} from two rank
+    processes on this host (the fixed cost from the small exchange, the rate from the difference between the two),
+    or None when the processes could not meet."""
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per rank, as mpirun starts them
+    results = ctx.Queue()
+    addr = f"127.0.0.1:{free_port('127.0.0.1')}"
+    procs = [ctx.Process(target=_gloo_rank, args=(r, addr, threads, results), daemon=True) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        times = results.get(timeout=timeout_s)
+    except Exception:
+        return None
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    small, large = GLOO_SIZES
+    rate = (large - small) / max(times[large] - times[small], 1e-9)
+    return {"latency_us": round(max(times[small] - small / rate, 0.0) * 1e6, 2), "gb_s": round(rate / 1e9, 3)}
+
+
 def measure(threads: int, log: Callable[[str], None] = lambda _: None) -> HostProfile:
     """Measure this host at `threads` torch threads (0: every core) and return its profile."""
     key = current_key(threads)
@@ -245,6 +300,8 @@ def measure(threads: int, log: Callable[[str], None] = lambda _: None) -> HostPr
                 t11 = min(t11, decode_step_seconds(e1, 1))
                 t18 = min(t18, decode_step_seconds(e1, 8))
                 t21 = min(t21, decode_step_seconds(e2, 1))
+        log("the rank exchange of serving.launch mpirun (two gloo rank processes) ...")
+        gloo = gloo_exchange(key.threads)
         rest11 = t11 - predicted_kernels(base, model, 1, 1)
         rest18 = t18 - predicted_kernels(base, model, 1, 8)
         rest21 = t21 - predicted_kernels(base, model, 2, 1)
@@ -254,11 +311,13 @@ def measure(threads: int, log: Callable[[str], None] = lambda _: None) -> HostPr
         layer = max((rest21 - rest11) / layers, 0.0)
         step = max(rest11 - layer * layers, 0.0)
         notes = [f"tiny-model decode steps: tp1 batch 1 {t11 * 1e3:.2f} ms, tp1 batch 8 {t18 * 1e3:.2f} ms, "
-                 f"tp2 batch 1 {t21 * 1e3:.2f} ms",
-                 "gloo exchange between rank processes not measured (serving.launch mpirun is not predicted)"]
+                 f"tp2 batch 1 {t21 * 1e3:.2f} ms"]
+        if gloo is None:
+            notes.append("gloo exchange between rank processes could not be measured (serving.launch mpirun is not "
+                         "predicted)")
         return HostProfile(key, dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                            round(time.perf_counter() - started, 2), base.stream_gb_s, base.cache_gb_s, llc, curves,
                            base.attention_gb_s, base.attention_gflops, round(step * 1e6, 2), round(layer * 1e6, 2),
-                           round(sequence * 1e6, 2), gloo=None, notes=notes)
+                           round(sequence * 1e6, 2), gloo=gloo, notes=notes)
     finally:
         torch.set_num_threads(before)

@@ -326,8 +326,9 @@ def host_row(profile: HostProfile, rank_processes: bool = False) -> HostRow:
     curves = tuple((prec, tuple(sorted((int(r), g / 1e3) for r, g in by_rows.items())))
                    for prec, by_rows in profile.gemm_gflops.items())
     peaks = tuple((prec, c[-1][1]) for prec, c in curves)
-    link = Link("gloo", profile.gloo["gb_s"], profile.gloo["latency_us"]) if profile.gloo and rank_processes \
-        else Link("gloo", 0.0, 0.0)
+    link = Link("gloo", 0.0, 0.0)
+    if profile.gloo and rank_processes:  # the served exchange's fixed cost where probe-host measured it (probe_ranks)
+        link = Link("gloo", profile.gloo["gb_s"], profile.gloo.get("served_latency_us", profile.gloo["latency_us"]))
     return HostRow(f"this host ({profile.key.cpu}, {profile.key.threads} thread(s))", 0.0, None, kind="host",
                    bandwidth_gb_s=profile.stream_gb_s, peak_tflops=peaks, link=link,
                    cache_gb_s=profile.cache_gb_s, cache_bytes=profile.cache_bytes, curves=curves,
