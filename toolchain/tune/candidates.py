@@ -138,6 +138,11 @@ def structures(spec: DeploymentSpec, gpu_count: int, device: Gpu | None,
                                                "parallelism.gpus": None if on_cpu else gpu_count,
                                                "quantization.method": method, "quantization.kv_cache": kv,
                                                "speculative.mode": mode}
+                    if mode == "none" and spec.speculative.mode != "none":
+                        # off means the whole section at its defaults: a draft_model or heads left behind would be
+                        # planned and converted for a deployment that never runs them
+                        del changes["speculative.mode"]
+                        changes["speculative"] = {"mode": "none"}
                     if on_cpu and spec.serving.launch == "mpirun" and tp * pp == 1:
                         changes["serving.launch"] = None  # one rank has no processes to launch
                     try:
