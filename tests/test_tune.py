@@ -157,7 +157,11 @@ def test_written_specs_pass_plan(tmp_path, capsys):
     assert tune(tmp_path, LLAMA_70B, "--gpus", "8", "--gpu", "H200", "--top", "3") == 0, capsys.readouterr().err
     doc = tune_json(tmp_path)
     assert len(doc["specs"]) == 3 and (tmp_path / "out" / "pareto.png").stat().st_size > 0
-    labels = [c["label"] for c in doc["candidates"][:3]]
+    labels = doc["top"]
+    by_label = {c["label"]: c["performance"] for c in doc["candidates"]}
+    points = {(p["per_gpu_output_tokens_per_s"], p["ttft_ms"], p["tpot_ms"]) for p in map(by_label.get, labels)}
+    assert len(points) == 3, "the top lists one candidate per prediction"
+    assert labels[0] == doc["candidates"][0]["label"]
     for path, label in zip(doc["specs"], labels, strict=True):
         text = Path(path).read_text()
         assert label in text.splitlines()[0]

@@ -19,7 +19,7 @@ from toolchain.targets import CPU, target_of
 from toolchain.tune import measure as measuring
 from toolchain.tune.candidates import derive
 from toolchain.tune.report import render, slo_miss_line, write, written_spec
-from toolchain.tune.search import Evaluated, cross_check, search
+from toolchain.tune.search import cross_check, search
 
 
 def parse_slo_option(text: str | None) -> list[str]:
@@ -125,7 +125,7 @@ def command(ctx: Context, spec_path: Path, overrides: tuple[str, ...], gpu_count
                              "give more GPUs (--gpus), a larger GPU (--gpu) or shorter limits")
     if executable is not None:
         exe = executable
-        cross_check(result.ranked, top,
+        cross_check(result.shown, top,
                     lambda s, device, batch: crosscheck.estimate(s, device, batch, executable=exe))
     text = render(result, top)
     click.echo(text)
@@ -143,31 +143,13 @@ def command(ctx: Context, spec_path: Path, overrides: tuple[str, ...], gpu_count
                           "loosen the SLO (--slo), give more GPUs, or lower the workload's concurrency")
 
 
-def distinct(ranked: list[Evaluated]) -> list[tuple[int, Evaluated]]:
-    """(rank, candidate) of the ranked candidates whose prediction differs from every better one's: candidates
-    that differ only in knobs the model does not see (chunked context, a token budget no step reaches, one
-    8-bit KV format for another) get the same figures, and deploying each would spend a run on one prediction.
-    Unpredicted candidates are all kept (CPU_RULE orders them; nothing tells them apart)."""
-    seen: set[tuple] = set()
-    out = []
-    for rank, e in enumerate(ranked, 1):
-        if e.predicted:
-            p = e.performance
-            point = (round(e.per_gpu(), 1), p["ttft_ms"], p["tpot_ms"], p["batch_size_at_max"])
-            if point in seen:
-                continue
-            seen.add(point)
-        out.append((rank, e))
-    return out
-
-
 def _measure(ctx: Context, spec, result, top: int, max_ppl: float, baseline: bool) -> tuple[list[dict], dict | None]:
     start = time.perf_counter()
 
     def progress(stage: str, msg: str) -> None:
         click.echo(f"[{time.perf_counter() - start:7.1f}s] {stage:<12} {msg}", err=True)
 
-    ranked = [(e.candidate.label, written_spec(e, rank)) for rank, e in distinct(result.ranked)]
+    ranked = [(e.candidate.label, written_spec(e, rank)) for rank, e in enumerate(result.shown, 1)]
     runs, best = measuring.measure(ranked, top, spec, ctx.workspace, max_ppl, progress, deploy_given=baseline)
     measured = [m.as_dict() for m in runs]
     click.echo("")

@@ -106,11 +106,15 @@ def render(result: SearchResult, top: int) -> str:
         lines.append(f"note: not predicted, so not used to drop: {', '.join(result.unpredicted_slo)}")
     if result.ranked:
         lines.append("")
-        lines += table(result.ranked[:top], result.by_cost)
+        lines += table(result.shown[:top], result.by_cost)
         if any(e.predicted for e in result.ranked):
             lines.append("(predicted by plan's roofline model: TTFT/TPOT at a replica's share of the workload's "
                          "concurrency, TPOT@max at the batch of the maximum; both meet the SLO's bounds)")
-        aic = cross_check_line(result.ranked[:top])
+        same = len(result.ranked) - len(result.shown)
+        if same:
+            lines.append(f"({same} kept candidates predicted the same as a better one, differing only in knobs the "
+                         "model does not see, are left out of this list; tune.json has them all)")
+        aic = cross_check_line(result.shown[:top])
         if aic:
             lines.append(aic)
         front = pareto_lines(result)
@@ -225,10 +229,10 @@ def write(out: Path, result: SearchResult, top: int, text: str, extra: dict | No
     written: list[Path] = []
     with atomic_dir(out) as tmp:
         (tmp / "specs").mkdir()
-        for rank, e in enumerate(result.ranked[:top], 1):
+        for rank, e in enumerate(result.shown[:top], 1):
             spec = written_spec(e, rank)
             p = e.performance
-            header = [f"toolchain tune: rank {rank} of {len(result.ranked)}: {e.candidate.label}"]
+            header = [f"toolchain tune: rank {rank} of {len(result.shown)}: {e.candidate.label}"]
             if spec.gpu.name:
                 field_name = REPLICA_FIELD.get(spec.target)
                 how = f"{field_name} says so" if field_name and e.candidate.replicas > 1 else \
@@ -247,9 +251,10 @@ def write(out: Path, result: SearchResult, top: int, text: str, extra: dict | No
                "refused": len(result.refused), "ranking": "usd_per_million_output_tokens" if result.by_cost
                else "per_gpu_output_tokens_per_s", "notes": result.notes,
                "slo_not_predicted": result.unpredicted_slo, "slo_miss": slo_miss_line(result),
+               "top": [e.candidate.label for e in result.shown[:top]],
                "specs": [str(p) for p in written], "pareto_png": str(out / "pareto.png") if plotted else None,
                "pareto": [e.candidate.label for e in result.front],
-               "cross_check": cross_check_line(result.ranked[:top]),
+               "cross_check": cross_check_line(result.shown[:top]),
                "candidates": [e.as_dict() for e in result.ranked],
                "dropped_candidates": [e.as_dict() for e in result.dropped], **(extra or {})}
         (tmp / "tune.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -206,6 +206,24 @@ def pareto(kept: list[Evaluated]) -> list[Evaluated]:
     return unique
 
 
+def distinct(ranked: list[Evaluated]) -> list[Evaluated]:
+    """The ranked candidates whose prediction differs from every better one's. Candidates that differ only in
+    knobs the model does not see (chunked context, a token budget no step reaches, one 8-bit KV format for
+    another) get the same figures: listing, writing or deploying each would spend the top K on one prediction.
+    Unpredicted candidates are all kept (CPU_RULE orders them; nothing tells them apart)."""
+    seen: set[tuple] = set()
+    out = []
+    for e in ranked:
+        if e.predicted:
+            p = e.performance
+            point = (round(e.per_gpu(), 1), p["ttft_ms"], p["tpot_ms"], p["batch_size_at_max"])
+            if point in seen:
+                continue
+            seen.add(point)
+        out.append(e)
+    return out
+
+
 @dataclass
 class SearchResult:
     ranked: list[Evaluated]
@@ -217,6 +235,11 @@ class SearchResult:
     unpredicted_slo: list[str]
     by_cost: bool
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def shown(self) -> list[Evaluated]:
+        """The ranking with one candidate per prediction: what the table lists and --top writes and deploys."""
+        return distinct(self.ranked)
 
     @property
     def searched(self) -> int:
