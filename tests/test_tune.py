@@ -43,10 +43,11 @@ def cache(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache"
 
 
-def save_recorded_profile() -> None:
-    """The recorded profile, keyed to this host so load_profile reads it."""
+def save_recorded_profile(threads: int = 1) -> None:
+    """The recorded profile (measured at one engine thread), keyed to this host and `threads` so load_profile
+    reads it for them."""
     recorded = hp.HostProfile.from_dict(json.loads(PROFILE.read_text()))
-    hp.save_profile(dataclasses.replace(recorded, key=hp.current_key(recorded.key.threads)))
+    hp.save_profile(dataclasses.replace(recorded, key=hp.current_key(threads)))
 
 
 def tune(tmp_path: Path, spec: Path, *args: str) -> int:
@@ -207,7 +208,8 @@ def test_cpu_target_without_a_profile_orders_by_the_stated_rule(cache, tmp_path,
     assert {(c["max_batch_size"], c["max_num_tokens"]) for c in doc["candidates"]} == {(8, 2048)}
 
 
-def test_cpu_target_with_a_profile_ranks_by_the_prediction(cache, tmp_path, capsys):
+def test_cpu_target_with_a_profile_ranks_by_the_prediction(cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)  # one core: one thread count
     save_recorded_profile()
     assert tune(tmp_path, TINY, "--top", "3") == 0, capsys.readouterr().err
     out = capsys.readouterr().out
@@ -225,6 +227,22 @@ def test_cpu_target_with_a_profile_ranks_by_the_prediction(cache, tmp_path, caps
     given = [c["performance"]["per_gpu_output_tokens_per_s"] for c in ranked
              if (c["tp"], c["quantization"], c["kv_cache"], c["max_batch_size"]) == (2, "none", "none", 8)]
     assert given and given[0] < per_gpu[0]
+    assert {c["engine_threads"] for c in ranked} == {1}
+
+
+def test_cpu_engine_threads_are_searched_where_a_profile_has_them(cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # a 2-core host
+    save_recorded_profile()
+    assert tune(tmp_path, TINY) == 0, capsys.readouterr().err
+    assert tune_json(tmp_path)["notes"] == ["engine_threads 2 not searched: no profile of this host for 2 engine "
+                                            "threads (run `toolchain probe-host --threads 2` to search it)"]
+    save_recorded_profile(threads=2)
+    assert tune(tmp_path, TINY) == 0, capsys.readouterr().err
+    doc = tune_json(tmp_path)
+    assert doc["notes"] == []
+    two = [c for c in doc["candidates"] + doc["dropped_candidates"] if c["engine_threads"] == 2]
+    assert two and all(c["tp"] * c["pp"] == 1 and c["label"].endswith(" threads2") for c in two)
+    assert all(c["performance"]["predicted"] for c in two if not c["failed_checks"])
 
 
 @pytest.mark.e2e

@@ -28,7 +28,7 @@ from toolchain.plan import perf
 from toolchain.plan.crosscheck import Estimate
 from toolchain.plan.perf import performance_dict
 from toolchain.slo import Threshold
-from toolchain.tune.candidates import Candidate, derive, knob_variants, structures
+from toolchain.tune.candidates import Candidate, derive, engine_threads, knob_variants, structures
 
 # Structures whose runtime knobs pass two searches (pass one ranks the structures at the spec's limits).
 KNOB_STRUCTURES = 8
@@ -296,6 +296,10 @@ def search(spec, gpu_specs: list, gpu_count: int, thresholds: list[Threshold], b
         # perf's note for a CPU target without a profile ends in the command that makes one
         notes.append(f"{reason} to rank by prediction; {CPU_RULE}" if "probe-host" in str(reason)
                      else f"{reason}; {CPU_RULE}")
+    else:
+        _, left_out = engine_threads(spec)
+        if left_out:
+            notes.append(left_out)
     return SearchResult(ranked, dropped, refused, pareto(ranked), unpredicted(thresholds), by_cost, notes)
 
 
