@@ -350,19 +350,27 @@ def test_cross_check_on_a_cpu_target_and_a_venv_that_cannot_be_made_are_one_line
 
 
 def test_written_spec_keeps_relative_paths_relative_to_where_it_is_written(tmp_path):
-    spec = load_spec(TINY)
-    dest = tmp_path / "out" / "specs"
+    project = tmp_path / "project"
+    (project / "cfg").mkdir(parents=True)
+    (project / "cfg" / "config.json").write_text((REPO / "build" / "configs" / "llama-3-70b" / "config.json").read_text())
+    original = yaml.safe_load(LLAMA_70B.read_text())
+    original["model"]["checkpoint"] = "cfg"
+    (project / "spec.yaml").write_text(yaml.safe_dump(original))
+    spec = load_spec(project / "spec.yaml")
+    dest = project / "tune" / "specs"
     dest.mkdir(parents=True)
     data = yaml.safe_load(spec_yaml(spec, ["header"], dest))
-    assert not os.path.isabs(data["model"]["checkpoint"])
+    assert data["model"]["checkpoint"] == "../../cfg"
     (dest / "w.yaml").write_text(yaml.safe_dump(data))
-    assert load_spec(dest / "w.yaml").model.checkpoint == spec.model.checkpoint
+    assert load_spec(dest / "w.yaml").model.checkpoint == spec.model.checkpoint == project / "cfg"
+    # written where it shares only / with the model: absolute, as a path through / moves no better
+    elsewhere = yaml.safe_load(spec_yaml(load_spec(TINY), [], dest))
+    assert elsewhere["model"]["checkpoint"] == str(REPO / "models" / "tiny-llama")
     # a spec that gave the path absolute keeps it absolute
-    original = yaml.safe_load(TINY.read_text())
-    original["model"]["checkpoint"] = str(spec.model.checkpoint)
-    (tmp_path / "abs.yaml").write_text(yaml.safe_dump(original))
-    data = yaml.safe_load(spec_yaml(load_spec(tmp_path / "abs.yaml"), [], dest))
-    assert data["model"]["checkpoint"] == str(spec.model.checkpoint)
+    original["model"]["checkpoint"] = str(project / "cfg")
+    (project / "abs.yaml").write_text(yaml.safe_dump(original))
+    assert yaml.safe_load(spec_yaml(load_spec(project / "abs.yaml"), [], dest))["model"]["checkpoint"] == \
+        str(project / "cfg")
 
 
 def test_mode_none_candidates_drop_the_draft(tmp_path):
@@ -375,8 +383,8 @@ def test_mode_none_candidates_drop_the_draft(tmp_path):
     assert all(c.spec.speculative.draft_model is None for c in off)
     assert all(c.spec.speculative.draft_model == spec.speculative.draft_model for c in on)
     assert "speculative" not in yaml.safe_load(spec_yaml(off[0].spec, [], tmp_path))  # the default: none
-    data = yaml.safe_load(spec_yaml(on[0].spec, [], tmp_path))
-    assert not os.path.isabs(data["speculative"]["draft_model"])  # the original gave it relative
+    data = yaml.safe_load(spec_yaml(on[0].spec, [], REPO / "tune" / "specs"))
+    assert data["speculative"]["draft_model"] == "../../models/tiny-llama-draft"  # the original gave it relative
 
 
 def test_replicas_go_into_the_targets_replica_field(tmp_path):

@@ -153,7 +153,8 @@ def _get(data: dict, path: tuple[str, ...]):
 def relative_paths(data: dict, source: Path | None, dest: Path) -> None:
     """Paths the user's spec file gave relative (to its own directory, as the loader reads them) are written
     relative to `dest`, the written spec's directory, so the pair of files moves together as the original did;
-    paths it gave absolute, or that only an override set, stay absolute."""
+    paths it gave absolute, that only an override set, or that share no directory but / with `dest`, stay
+    absolute."""
     try:
         raw = yaml.safe_load(source.read_text()) if source is not None else None
     except (OSError, yaml.YAMLError):
@@ -169,8 +170,11 @@ def relative_paths(data: dict, source: Path | None, dest: Path) -> None:
             continue
         if given is not None and os.path.isabs(os.path.expanduser(str(given))):
             continue
+        where = dest.resolve()
+        if os.path.commonpath([value, where]) == where.anchor:
+            continue  # no directory in common but the root: a path through / moves no better than the absolute one
         node = _get(data, path[:-1])
-        node[path[-1]] = os.path.relpath(value, dest.resolve())
+        node[path[-1]] = os.path.relpath(value, where)
 
 
 def spec_yaml(spec: DeploymentSpec, header: list[str], dest: Path | None = None, replicas: int = 1) -> str:
