@@ -1,9 +1,17 @@
 """`toolchain tune`: the search's choices on constructed cases (fit, SLO, price), its one-line errors and SLO-miss
-line, written specs that `toolchain plan` passes, and one `--measure` run on the tiny model."""
+line, written specs that `toolchain plan` passes (paths, draft, replicas), the CPU ranking with and without a host
+profile, the AIConfigurator cross-check columns from recorded reports, and one `--measure` run on the tiny model.
+
+tests/tune/host-profile-epyc-2core.json is `toolchain probe-host` as measured on the 2-core development host
+(its key is rewritten to this host's, so the test reads it whatever the host); tests/aiconfigurator/ holds
+aiconfigurator 0.12.0's output (see tests/test_crosscheck.py), replayed through crosscheck.py's real parser."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,14 +19,35 @@ import yaml
 
 from toolchain.cli import main
 from toolchain.cli.tune import parse_slo_option
+from toolchain import gpus
+from toolchain import hostprofile as hp
 from toolchain.errors import ToolchainError
+from toolchain.plan import crosscheck
 from toolchain.spec import load_spec
 from toolchain.slo import thresholds
-from toolchain.tune.candidates import layouts
-from toolchain.tune.search import search
+from toolchain.tune.candidates import layouts, structures
+from toolchain.tune.report import render, spec_yaml, write
+from toolchain.tune.search import cross_check, search
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_70B = REPO / "build" / "llama3-70b-tp4pp2.yaml"
+TINY = REPO / "build" / "tiny-llama.yaml"
+PROFILE = REPO / "tests" / "tune" / "host-profile-epyc-2core.json"
+AIC = REPO / "tests" / "aiconfigurator"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """A user cache directory of its own, without a host profile."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def save_recorded_profile(threads: int = 1) -> None:
+    """The recorded profile (measured at one engine thread), keyed to this host and `threads` so load_profile
+    reads it for them."""
+    recorded = hp.HostProfile.from_dict(json.loads(PROFILE.read_text()))
+    hp.save_profile(dataclasses.replace(recorded, key=hp.current_key(threads)))
 
 
 def tune(tmp_path: Path, spec: Path, *args: str) -> int:
@@ -129,7 +158,11 @@ def test_written_specs_pass_plan(tmp_path, capsys):
     assert tune(tmp_path, LLAMA_70B, "--gpus", "8", "--gpu", "H200", "--top", "3") == 0, capsys.readouterr().err
     doc = tune_json(tmp_path)
     assert len(doc["specs"]) == 3 and (tmp_path / "out" / "pareto.png").stat().st_size > 0
-    labels = [c["label"] for c in doc["candidates"][:3]]
+    labels = doc["top"]
+    by_label = {c["label"]: c["performance"] for c in doc["candidates"]}
+    points = {(p["per_gpu_output_tokens_per_s"], p["ttft_ms"], p["tpot_ms"]) for p in map(by_label.get, labels)}
+    assert len(points) == 3, "the top lists one candidate per prediction"
+    assert labels[0] == doc["candidates"][0]["label"]
     for path, label in zip(doc["specs"], labels, strict=True):
         text = Path(path).read_text()
         assert label in text.splitlines()[0]
@@ -163,14 +196,53 @@ def test_unknown_gpu_and_gpu_on_cpu_are_one_line(tmp_path, capsys):
     assert "runs on this host's CPU" in capsys.readouterr().err
 
 
-def test_cpu_target_orders_by_the_stated_rule(tmp_path, capsys):
-    assert tune(tmp_path, REPO / "build" / "tiny-llama.yaml", "--top", "2") == 0, capsys.readouterr().err
+def test_cpu_target_without_a_profile_orders_by_the_stated_rule(cache, tmp_path, capsys):
+    assert tune(tmp_path, TINY, "--top", "2") == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "run `toolchain probe-host` to rank by prediction; until then ordered by the weight bytes" in out
     doc = tune_json(tmp_path)
-    assert any("no CPU prediction yet" in n for n in doc["notes"])
+    assert len(doc["notes"]) == 1 and "to rank by prediction" in doc["notes"][0]
     first = doc["candidates"][0]
     assert (first["tp"], first["pp"]) == (1, 1) and first["quantization"] in ("int4_wo", "awq")
     # the spec's own limits stay when nothing predicts the knobs apart
     assert {(c["max_batch_size"], c["max_num_tokens"]) for c in doc["candidates"]} == {(8, 2048)}
+
+
+def test_cpu_target_with_a_profile_ranks_by_the_prediction(cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)  # one core: one thread count
+    save_recorded_profile()
+    assert tune(tmp_path, TINY, "--top", "3") == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "probe-host" not in out and "tok/s/GPU" in out
+    doc = tune_json(tmp_path)
+    assert doc["notes"] == [] and doc["ranking"] == "per_gpu_output_tokens_per_s"
+    ranked = doc["candidates"]
+    assert ranked and all(c["performance"]["predicted"] for c in ranked)
+    assert all(c["performance"]["basis"].startswith("host profile 2026-12-03") for c in ranked)
+    per_gpu = [c["performance"]["per_gpu_output_tokens_per_s"] for c in ranked]
+    assert per_gpu == sorted(per_gpu, reverse=True)
+    # the knobs pass ran: a predicted CPU candidate is searched beyond the spec's own limits
+    assert {c["max_batch_size"] for c in ranked} > {8}
+    # and what the spec holds (tp 2, unquantized) ranks below the best, which the rule could not say
+    given = [c["performance"]["per_gpu_output_tokens_per_s"] for c in ranked
+             if (c["tp"], c["quantization"], c["kv_cache"], c["max_batch_size"]) == (2, "none", "none", 8)]
+    assert given and given[0] < per_gpu[0]
+    assert {c["engine_threads"] for c in ranked} == {1}
+
+
+def test_cpu_engine_threads_are_searched_where_a_profile_has_them(cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # a 2-core host
+    save_recorded_profile()
+    assert tune(tmp_path, TINY) == 0, capsys.readouterr().err
+    assert tune_json(tmp_path)["notes"] == ["engine_threads 2 not searched: no profile of this host for 2 engine "
+                                            "threads (run `toolchain probe-host --threads 2` to search it)"]
+    save_recorded_profile(threads=2)
+    assert tune(tmp_path, TINY) == 0, capsys.readouterr().err
+    doc = tune_json(tmp_path)
+    assert doc["notes"] == []
+    two = [c for c in doc["candidates"] + doc["dropped_candidates"] if c["engine_threads"] == 2]
+    assert two and all(c["tp"] * c["pp"] == 1 and c["label"].endswith(" threads2") for c in two)
+    assert all(c["performance"]["predicted"] for c in two if not c["failed_checks"])
 
 
 @pytest.mark.e2e
@@ -201,3 +273,122 @@ def test_speculative_decoding_is_searched_on_and_off_only_where_the_spec_has_a_d
     assert {c["speculative"] for c in tune_json(tmp_path)["candidates"]} == {"draft_target", "none"}
     assert tune(tmp_path, REPO / "build" / "tiny-llama.yaml") == 0, capsys.readouterr().err
     assert {c["speculative"] for c in tune_json(tmp_path)["candidates"]} == {"none"}
+
+
+# ------------------------------------------------------------------------------------- AIConfigurator cross-check
+
+
+def replay(cmd: list[str]) -> subprocess.CompletedProcess:
+    """aiconfigurator 0.12.0's recorded output for the command: its report for an fp8 GEMM, its error for sq
+    (smoothquant: no H200 data in 0.12.0)."""
+    gemm = cmd[cmd.index("--gemm-quant-mode") + 1]
+    if gemm == "sq":
+        return subprocess.CompletedProcess(cmd, 1, (AIC / "estimate-llama-3-70b-h200-sq.stdout").read_text(),
+                                           (AIC / "estimate-llama-3-70b-h200-sq.stderr").read_text())
+    return subprocess.CompletedProcess(cmd, 0, (AIC / "estimate-llama-3.1-70b-h200-tp4.txt").read_text(), "")
+
+
+def test_cross_check_columns_in_the_table_and_tune_json(tmp_path):
+    spec = load_spec(LLAMA_70B, ["gpu.name=H200", "parallelism.gpus=4", "parallelism.pp=1"])
+    result = search(spec, [spec], 4, thresholds(spec.validation.slo, []), by_cost=False)
+    fp8 = next(e for e in result.ranked if e.candidate.spec.quantization.method == "fp8")
+    sq = next(e for e in result.ranked if e.candidate.spec.quantization.method == "smoothquant")
+    spec_kind = next(e for e in result.ranked if e.candidate.spec.quantization.method not in ("fp8", "smoothquant"))
+    result.ranked = [fp8, sq, spec_kind]
+    batches = []
+
+    def runner(cmd):
+        batches.append(int(cmd[cmd.index("--batch-size") + 1]))
+        return replay(cmd)
+
+    cross_check(result.ranked, 2, lambda s, device, batch: crosscheck.estimate(
+        s, device, batch, executable="aiconfigurator", runner=runner))
+    assert batches == [fp8.performance["batch_size_at_max"], sq.performance["batch_size_at_max"]]
+    assert fp8.cross_check["per_gpu_output_tokens_per_s"] == 923.62 and fp8.cross_check["tensorrt_llm"] == "1.3.0rc20"
+    assert sq.cross_check["error"].startswith("no h200_sxm data for sq (has [")
+    assert spec_kind.cross_check == {}
+    text = render(result, 3)
+    lines = text.splitlines()
+    head = next(x for x in lines if x.startswith("#  candidate"))
+    assert head.split()[-6:] == ["AIC", "tok/s/GPU", "AIC", "TPOT@max", "AIC", "note"]
+    fp8_row = next(x for x in lines if fp8.candidate.label in x)
+    assert "924" in fp8_row.split() and "17.18" in fp8_row.split()
+    assert next(x for x in lines if sq.candidate.label in x).rstrip().endswith(
+        "no h200_sxm data for sq (has [\"bfloat16\", \"fp8\", \"fp8_block\"])")
+    assert next(x for x in lines if spec_kind.candidate.label in x).rstrip().endswith("not cross-checked")
+    assert "AIC: aiconfigurator 0.12.0 (data: TensorRT-LLM 1.3.0rc20), each candidate at our batch@max" in text
+    write(tmp_path / "out", result, 3, text)
+    doc = tune_json(tmp_path)
+    assert doc["cross_check"].startswith("AIC: aiconfigurator 0.12.0 (data: TensorRT-LLM 1.3.0rc20)")
+    first, second, third = doc["candidates"]
+    assert first["cross_check"]["basis"] == "aiconfigurator 0.12.0 (data: TensorRT-LLM 1.3.0rc20)"
+    assert first["cross_check"]["tpot_ms"] == 17.178 and first["cross_check"]["batch_size"] == batches[0]
+    assert "GEMM" not in second["cross_check"]["error"] and "cross_check" not in third
+
+
+def test_cross_check_refuses_speculative_decoding():
+    spec = load_spec(REPO / "build" / "qwen2.5-7b-draft-target.yaml", ["gpu.name=H200"])
+    with pytest.raises(ToolchainError, match="does not model speculative decoding"):
+        crosscheck.command(spec, gpus.lookup("H200"), 8)
+
+
+def test_cross_check_on_a_cpu_target_and_a_venv_that_cannot_be_made_are_one_line(tmp_path, capsys, monkeypatch):
+    assert tune(tmp_path, TINY, "--cross-check", "aiconfigurator") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "estimates GPUs" in err
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip offline: the install fails as it does without a network
+    venv = tmp_path / "aic"
+    with pytest.raises(ToolchainError) as caught:
+        crosscheck.ensure_venv(venv)
+    message = str(caught.value)
+    assert "\n" not in message and f"could not install aiconfigurator 0.12.0 into {venv}" in message
+    assert f"make it by hand: python3 -m venv {venv} && {venv}/bin/pip install aiconfigurator==0.12.0" in message
+    assert not (venv / ".aiconfigurator-0.12.0").exists()
+
+
+# ---------------------------------------------------------------------------------------------- written specs
+
+
+def test_written_spec_keeps_relative_paths_relative_to_where_it_is_written(tmp_path):
+    project = tmp_path / "project"
+    (project / "cfg").mkdir(parents=True)
+    (project / "cfg" / "config.json").write_text((REPO / "build" / "configs" / "llama-3-70b" / "config.json").read_text())
+    original = yaml.safe_load(LLAMA_70B.read_text())
+    original["model"]["checkpoint"] = "cfg"
+    (project / "spec.yaml").write_text(yaml.safe_dump(original))
+    spec = load_spec(project / "spec.yaml")
+    dest = project / "tune" / "specs"
+    dest.mkdir(parents=True)
+    data = yaml.safe_load(spec_yaml(spec, ["header"], dest))
+    assert data["model"]["checkpoint"] == "../../cfg"
+    (dest / "w.yaml").write_text(yaml.safe_dump(data))
+    assert load_spec(dest / "w.yaml").model.checkpoint == spec.model.checkpoint == project / "cfg"
+    # written where it shares only / with the model: absolute, as a path through / moves no better
+    elsewhere = yaml.safe_load(spec_yaml(load_spec(TINY), [], dest))
+    assert elsewhere["model"]["checkpoint"] == str(REPO / "models" / "tiny-llama")
+    # a spec that gave the path absolute keeps it absolute
+    original["model"]["checkpoint"] = str(project / "cfg")
+    (project / "abs.yaml").write_text(yaml.safe_dump(original))
+    assert yaml.safe_load(spec_yaml(load_spec(project / "abs.yaml"), [], dest))["model"]["checkpoint"] == \
+        str(project / "cfg")
+
+
+def test_mode_none_candidates_drop_the_draft(tmp_path):
+    spec = load_spec(REPO / "build" / "tiny-llama-draft-target.yaml")
+    assert spec.speculative.draft_model is not None
+    found, _ = structures(spec, 1, None, False)
+    off = [c for c in found if c.spec.speculative.mode == "none"]
+    on = [c for c in found if c.spec.speculative.mode == "draft_target"]
+    assert off and on
+    assert all(c.spec.speculative.draft_model is None for c in off)
+    assert all(c.spec.speculative.draft_model == spec.speculative.draft_model for c in on)
+    assert "speculative" not in yaml.safe_load(spec_yaml(off[0].spec, [], tmp_path))  # the default: none
+    data = yaml.safe_load(spec_yaml(on[0].spec, [], REPO / "tune" / "specs"))
+    assert data["speculative"]["draft_model"] == "../../models/tiny-llama-draft"  # the original gave it relative
+
+
+def test_replicas_go_into_the_targets_replica_field(tmp_path):
+    llmapi = load_spec(REPO / "build" / "llama3-8b-llmapi-h100.yaml")
+    assert yaml.safe_load(spec_yaml(llmapi, [], tmp_path, replicas=4))["dynamo"]["workers"] == 4
+    trtllm = load_spec(LLAMA_70B)
+    assert "dynamo" not in yaml.safe_load(spec_yaml(trtllm, [], tmp_path, replicas=4))

@@ -75,7 +75,7 @@ def tuned_keys(top: int, repeats: int, root: Path) -> dict:
         "chosen": choice["label"], "chosen_spec": choice["spec_name"],
         "goodput_req_per_s": {"chosen": chosen_runs, "given": given_runs},
         "measured": [{k: m.get(k) for k in ("label", "goodput_req_per_s", "ppl_increase_pct", "quality_ok",
-                                            "slo_passed", "error")} for m in doc["measured"]],
+                                            "slo_passed", "error", "predicted")} for m in doc["measured"]],
         "targets": {"tuned_vs_default_goodput_ratio": ">= 1.3", "tuned_quality_loss_pct": "<= 1"},
     }
 

@@ -12,13 +12,14 @@ import click
 from toolchain.cli._common import Context, pass_ctx
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.gpus import lookup
+from toolchain.plan import crosscheck
 from toolchain.slo import parse_slo, thresholds
 from toolchain.spec import load_spec
 from toolchain.targets import CPU, target_of
 from toolchain.tune import measure as measuring
 from toolchain.tune.candidates import derive
 from toolchain.tune.report import render, slo_miss_line, write, written_spec
-from toolchain.tune.search import search
+from toolchain.tune.search import cross_check, search
 
 
 def parse_slo_option(text: str | None) -> list[str]:
@@ -87,10 +88,14 @@ def gpu_specs(spec, gpus: tuple[str, ...], prices: tuple[float, ...]) -> list:
               help="With --measure: a quantized candidate's perplexity may exceed the unquantized model's by this.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="With --measure: also deploy the spec as given, for the measured gain.")
+@click.option("--cross-check", "cross_tool", type=click.Choice(["aiconfigurator"]), default=None,
+              help="GPU targets: AIConfigurator 0.12.0's estimate of each of the top candidates beside ours (a "
+                   "venv of its own, made on first use; about 7 s a candidate).")
 @pass_ctx
 def command(ctx: Context, spec_path: Path, overrides: tuple[str, ...], gpu_count: int | None,
             gpu_names: tuple[str, ...], slo_text: str | None, prices: tuple[float, ...], top: int,
-            out_dir: Path | None, measure: bool, max_ppl_increase_pct: float, baseline: bool) -> None:
+            out_dir: Path | None, measure: bool, max_ppl_increase_pct: float, baseline: bool,
+            cross_tool: str | None) -> None:
     """Search deployments of SPEC, rank them and write the best as specs ready for `toolchain deploy`."""
     spec = load_spec(spec_path, overrides)
     extra = parse_slo_option(slo_text)
@@ -104,6 +109,12 @@ def command(ctx: Context, spec_path: Path, overrides: tuple[str, ...], gpu_count
             raise ToolchainError(why)
     count = gpu_count or spec.parallelism.gpus or spec.parallelism.world_size
     specs = gpu_specs(spec, gpu_names, prices)
+    executable = None
+    if cross_tool:
+        if target_of(spec).device == CPU:
+            raise ToolchainError(f"--cross-check {cross_tool} estimates GPUs, and target {spec.target} runs on this "
+                                 "host's CPU", "drop --cross-check, or tune a GPU target")
+        executable = crosscheck.ensure_venv()  # before the search: a venv that cannot be made fails in one line
     by_cost = bool(prices) or (target_of(spec).device != CPU and all(s.gpu.hourly_usd is not None for s in specs))
     result = search(spec, specs, count, ths, by_cost)
     if not result.ranked and not result.closest():
@@ -112,6 +123,10 @@ def command(ctx: Context, spec_path: Path, overrides: tuple[str, ...], gpu_count
             else f"{count} CPU rank(s)"
         raise ToolchainError(f"no tp x pp x replicas of {where} fits {spec.name}: {counts}",
                              "give more GPUs (--gpus), a larger GPU (--gpu) or shorter limits")
+    if executable is not None:
+        exe = executable
+        cross_check(result.shown, top,
+                    lambda s, device, batch: crosscheck.estimate(s, device, batch, executable=exe))
     text = render(result, top)
     click.echo(text)
     out = out_dir or ctx.workspace.root / "tune" / spec.name
@@ -134,7 +149,7 @@ def _measure(ctx: Context, spec, result, top: int, max_ppl: float, baseline: boo
     def progress(stage: str, msg: str) -> None:
         click.echo(f"[{time.perf_counter() - start:7.1f}s] {stage:<12} {msg}", err=True)
 
-    ranked = [(e.candidate.label, written_spec(e, rank)) for rank, e in enumerate(result.ranked, 1)]
+    ranked = [(e.candidate.label, written_spec(e, rank)) for rank, e in enumerate(result.shown, 1)]
     runs, best = measuring.measure(ranked, top, spec, ctx.workspace, max_ppl, progress, deploy_given=baseline)
     measured = [m.as_dict() for m in runs]
     click.echo("")
@@ -146,7 +161,10 @@ def _measure(ctx: Context, spec, result, top: int, max_ppl: float, baseline: boo
             continue
         good = "-" if m.goodput_req_per_s is None else f"{m.goodput_req_per_s:.2f}"
         tok = "-" if m.output_tokens_per_s is None else f"{m.output_tokens_per_s:.1f}"
-        click.echo(f"  {m.label}: goodput {good} req/s, {tok} output tok/s, SLO "
+        pred = m.predicted
+        against = "" if not pred else (f" (predicted {pred['output_tokens_per_s']:.1f}, "
+                                       f"x{pred['ratio']['output_tokens_per_s'] or 0:.2f})")
+        click.echo(f"  {m.label}: goodput {good} req/s, {tok} output tok/s{against}, SLO "
                    f"{'passed' if m.slo_passed else 'missed' if m.slo_passed is not None else '-'}{quality}"
                    + ("" if m.quality_ok else " (quality: not chosen)"))
     if best is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,14 +107,28 @@ def command(spec, device: Gpu, batch_size: int, executable: Path | str = "aiconf
     if gemm is None:
         raise ToolchainError(f"AIConfigurator has no quantization mode for {q.method}",
                              f"cross-check a spec with quantization.method one of {', '.join(GEMM)}")
+    kv = KV.get(str(q.kv_cache))
+    if kv is None:
+        raise ToolchainError(f"AIConfigurator has no KV-cache mode for {q.kv_cache}",
+                             f"cross-check a spec with quantization.kv_cache one of {', '.join(KV)}")
+    # `cli estimate` models the target model alone (its options name no draft model or heads), so a speculative
+    # deployment would be estimated as plain decoding: refused rather than compared with a different thing.
+    if spec.speculative.mode != "none":
+        raise ToolchainError(f"AIConfigurator's estimate does not model speculative decoding "
+                             f"({spec.speculative.mode})", "cross-check the candidate without it")
     wl = spec.validation.workload
     return [str(executable), "cli", "estimate", "--model-path", str(spec.model.checkpoint), "--system", system,
             "--backend", "trtllm", "--estimate-mode", "agg", "--isl", str(wl.input_tokens),
             "--osl", str(wl.output_tokens), "--batch-size", str(batch_size),
             "--tp-size", str(spec.parallelism.tp), "--pp-size", str(spec.parallelism.pp),
-            "--gemm-quant-mode", gemm, "--kvcache-quant-mode", KV[str(q.kv_cache)],
+            "--gemm-quant-mode", gemm, "--kvcache-quant-mode", kv,
             "--free-gpu-memory-fraction", str(spec.serving.kv_cache_free_gpu_mem_fraction),
             "--no-color", "--log-level", "ERROR"]
+
+
+def install_command(venv: Path = VENV) -> str:
+    """The shell command that makes the venv by hand (what ensure_venv runs)."""
+    return f"python3 -m venv {venv} && {venv}/bin/pip install aiconfigurator=={VERSION}"
 
 
 def ensure_venv(venv: Path = VENV) -> Path:
@@ -133,22 +148,39 @@ def ensure_venv(venv: Path = VENV) -> Path:
     except subprocess.CalledProcessError as err:
         tail = (err.stderr or err.stdout or "").strip().splitlines()[-1:] or ["no output"]
         raise ToolchainError(f"could not install aiconfigurator {VERSION} into {venv}: {tail[0]}",
-                             "check the network and pip, or drop --cross-check") from None
+                             f"check the network, or make it by hand: {install_command(venv)}") from None
     except subprocess.TimeoutExpired:
         raise ToolchainError(f"installing aiconfigurator {VERSION} into {venv} took over {INSTALL_TIMEOUT_S} s",
-                             "retry, or drop --cross-check") from None
+                             f"retry, or make it by hand: {install_command(venv)}") from None
     marker.write_text(f"aiconfigurator=={VERSION}\n")
     return exe
 
 
-def estimate(spec, device: Gpu, batch_size: int, venv: Path = VENV) -> Estimate:
-    """Run AIConfigurator on the spec at `batch_size` and return its labelled figures."""
-    cmd = command(spec, device, batch_size, ensure_venv(venv))
+Runner = Callable[[list[str]], "subprocess.CompletedProcess[str]"]
+"""Runs an `aiconfigurator` command line and returns its exit status and text output."""
+
+
+def run_command(cmd: list[str]) -> "subprocess.CompletedProcess[str]":
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise ToolchainError(f"aiconfigurator ran over {RUN_TIMEOUT_S} s", "drop --cross-check") from None
+
+
+def estimate(spec, device: Gpu, batch_size: int, venv: Path = VENV, *, executable: Path | str | None = None,
+             runner: Runner = run_command) -> Estimate:
+    """Run AIConfigurator on the spec at `batch_size` and return its labelled figures. `executable` skips the
+    venv check (a caller that made it once); `runner` runs the command line (tests feed a recorded report)."""
+    cmd = command(spec, device, batch_size, executable or ensure_venv(venv))
+    done = runner(cmd)
     if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        last = ((done.stderr or "").strip().splitlines() or ["no output"])[-1]
+        # 0.12.0 names the quantization its database lacks ("GEMM perf data missing for quant 'sq' at <dir>;
+        # available: [...]"): said in a few words, the directory left to the hint's command
+        missing = re.search(r"perf data missing for quant '([^']+)'.*available: (\[[^]]*\])", last)
+        if missing:
+            system = cmd[cmd.index("--system") + 1]
+            raise ToolchainError(f"no {system} data for {missing.group(1)} (has {missing.group(2)})",
+                                 f"run it by hand: {' '.join(cmd)}")
         raise ToolchainError(f"aiconfigurator failed: {last}", f"run it by hand: {' '.join(cmd)}")
     return parse(done.stdout)

@@ -5,7 +5,8 @@ replicas it runs as, so what the search plans, predicts, writes and deploys is o
 parts, searched in two passes so it stays at a few hundred specs:
 
 - structure: every tp x pp whose product divides the GPU count (the rest of the GPUs run replicas of it; on this
-  host's CPU one server, so replicas 1 and tp x pp up to the count), every weight format of the formats table the
+  host's CPU one server, so replicas 1 and tp x pp up to the count, and a single rank also at every core's
+  engine thread where this host has a profile for that count: `engine_threads`), every weight format of the formats table the
   device builds (`Format.refused_on` for a GPU's SM; a CPU kernel for the CPU engine), every KV-cache format the
   device builds, and speculative decoding on and off where the spec has a draft or heads;
 - runtime knobs, for the best structures only: `limits.max_batch_size` on powers of two (the performance model's
@@ -20,12 +21,14 @@ decided here: `search.py` plans each with the planner and checks `toolchain plan
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 from typing import Any
 
 from pydantic import ValidationError
 
 from toolchain.errors import ToolchainError
 from toolchain.gpus import Gpu
+from toolchain.hostprofile import load_profile, resolve_threads, usable_cores
 from toolchain.quant.formats import KV_CACHE, METHODS
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import CPU, target_of
@@ -53,6 +56,8 @@ class Candidate:
             parts.append(s.speculative.mode)
         if s.gpu.name:
             parts.insert(0, s.gpu.name.split()[0])
+        if target_of(s).device == CPU and s.serving.engine_threads != 1:
+            parts.append(f"threads{s.serving.engine_threads}")
         return " ".join(parts)
 
     @property
@@ -62,7 +67,8 @@ class Candidate:
         return {"gpu": s.gpu.name, "replicas": self.replicas, "tp": s.parallelism.tp, "pp": s.parallelism.pp,
                 "quantization": s.quantization.method, "kv_cache": s.quantization.kv_cache,
                 "max_batch_size": s.limits.max_batch_size, "max_num_tokens": s.limits.max_num_tokens,
-                "chunked_context": s.build.chunked_context, "speculative": s.speculative.mode}
+                "chunked_context": s.build.chunked_context, "speculative": s.speculative.mode,
+                "engine_threads": s.serving.engine_threads}
 
 
 def derive(spec: DeploymentSpec, changes: dict[str, Any]) -> DeploymentSpec:
@@ -117,6 +123,21 @@ def kv_formats(spec: DeploymentSpec, device: Gpu | None) -> list[str]:
     return [name for name, row in KV_CACHE.items() if sm is None or row.refused_on(sm) is None]
 
 
+def engine_threads(spec: DeploymentSpec) -> tuple[list[int], str | None]:
+    """Engine thread counts a single-rank CPU candidate is searched at: the spec's, and every core this process
+    may use where that differs and this host has a profile for it (without one the count could not be predicted,
+    and unpredicted candidates would fall back to the ordering rule); and a note when it is left out for want of
+    a profile. Several ranks are not given more threads: their processes already share the cores."""
+    own = spec.serving.engine_threads
+    cores = usable_cores()
+    if target_of(spec).device != CPU or resolve_threads(own) == cores:
+        return [own], None
+    if load_profile(cores) is None:
+        return [own], (f"engine_threads {cores} not searched: no profile of this host for {cores} engine threads "
+                       f"(run `toolchain probe-host --threads {cores}` to search it)")
+    return [own, cores], None
+
+
 def speculative_modes(spec: DeploymentSpec) -> list[str]:
     """The spec's speculative mode and none: a draft or heads exist only where the spec names them."""
     mode = spec.speculative.mode
@@ -128,22 +149,27 @@ def structures(spec: DeploymentSpec, gpu_count: int, device: Gpu | None,
     """Pass one: every layout x weight format x KV format (x speculative mode) at the spec's limits; and the
     messages of combinations the spec's validators refuse."""
     on_cpu = target_of(spec).device == CPU
+    threads, _ = engine_threads(spec)
     out, refused = [], []
     for tp, pp, replicas in layouts(gpu_count, on_cpu):
-        for method in weight_methods(spec, device, stored_quantized):
-            for kv in kv_formats(spec, device):
-                for mode in speculative_modes(spec):
-                    changes: dict[str, Any] = {"parallelism.tp": tp, "parallelism.pp": pp,
-                                               "parallelism.moe_tp": None, "parallelism.moe_ep": None,
-                                               "parallelism.gpus": None if on_cpu else gpu_count,
-                                               "quantization.method": method, "quantization.kv_cache": kv,
-                                               "speculative.mode": mode}
-                    if on_cpu and spec.serving.launch == "mpirun" and tp * pp == 1:
-                        changes["serving.launch"] = None  # one rank has no processes to launch
-                    try:
-                        out.append(Candidate(derive(spec, changes), replicas, tp * pp * replicas))
-                    except ToolchainError as err:
-                        refused.append(str(err))
+        for method, kv, mode, n in product(weight_methods(spec, device, stored_quantized), kv_formats(spec, device),
+                                           speculative_modes(spec), threads if tp * pp == 1 else threads[:1]):
+            changes: dict[str, Any] = {"parallelism.tp": tp, "parallelism.pp": pp,
+                                       "parallelism.moe_tp": None, "parallelism.moe_ep": None,
+                                       "parallelism.gpus": None if on_cpu else gpu_count,
+                                       "quantization.method": method, "quantization.kv_cache": kv,
+                                       "speculative.mode": mode, "serving.engine_threads": n}
+            if mode == "none" and spec.speculative.mode != "none":
+                # off means the whole section at its defaults: a draft_model or heads left behind would be
+                # planned and converted for a deployment that never runs them
+                del changes["speculative.mode"]
+                changes["speculative"] = {"mode": "none"}
+            if on_cpu and spec.serving.launch == "mpirun" and tp * pp == 1:
+                changes["serving.launch"] = None  # one rank has no processes to launch
+            try:
+                out.append(Candidate(derive(spec, changes), replicas, tp * pp * replicas))
+            except ToolchainError as err:
+                refused.append(str(err))
     return out, refused
 
 

@@ -38,6 +38,9 @@ class Measured:
     error: str | None = None
     report: str | None = None
     notes: list[str] = field(default_factory=list)
+    predicted: dict | None = None
+    """The bench report's `prediction` at the run's concurrency (ttft_ms, tpot_ms, output_tokens_per_s and the
+    ratio predicted / measured), so the ranking's prediction is set beside the measurement."""
 
     @property
     def eligible(self) -> bool:
@@ -47,7 +50,8 @@ class Measured:
         return {"label": self.label, "spec_name": self.spec.name, "goodput_req_per_s": self.goodput_req_per_s,
                 "output_tokens_per_s": self.output_tokens_per_s, "slo_passed": self.slo_passed,
                 "perplexity": self.perplexity, "ppl_increase_pct": self.ppl_increase_pct,
-                "quality_ok": self.quality_ok, "error": self.error, "report": self.report, "notes": self.notes}
+                "quality_ok": self.quality_ok, "error": self.error, "report": self.report, "notes": self.notes,
+                "predicted": self.predicted}
 
 
 def measurable(spec: DeploymentSpec) -> str | None:
@@ -114,6 +118,10 @@ def deploy_one(m: Measured, workspace: Workspace, out: Path, progress: Progress)
     m.output_tokens_per_s = report.get("output_tokens_per_s")
     m.slo_passed = (report.get("slo") or {}).get("passed")
     m.report = str(out / "report.json")
+    pred = report.get("prediction") or {}
+    if pred.get("predicted"):
+        m.predicted = {k: pred.get(k) for k in ("concurrency", "ttft_ms", "tpot_ms", "output_tokens_per_s",
+                                                "ratio", "basis")}
 
 
 def measure(ranked: list[tuple[str, DeploymentSpec]], top: int, user_spec: DeploymentSpec, workspace: Workspace,

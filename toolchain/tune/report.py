@@ -8,6 +8,7 @@ one, never a half-written set of specs.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import yaml
@@ -20,6 +21,8 @@ from toolchain.tune.search import Evaluated, SearchResult
 
 SEARCHED = {"parallelism": ("tp", "pp"), "limits": ("max_batch_size", "max_num_tokens"),
             "build": ("chunked_context",), "quantization": ("method", "kv_cache")}
+NOTE_WIDTH = 72
+"""Most characters of a cross-check's note in the table."""
 
 
 def _num(value, fmt: str) -> str:
@@ -27,19 +30,39 @@ def _num(value, fmt: str) -> str:
 
 
 def table(rows: list[Evaluated], by_cost: bool) -> list[str]:
-    head = ("#", "candidate", "tok/s/GPU", "TTFT ms", "TPOT ms", "batch@max", "TPOT@max", "$/Mtok", "bound")
+    head: tuple[str, ...] = ("#", "candidate", "tok/s/GPU", "TTFT ms", "TPOT ms", "batch@max", "TPOT@max", "$/Mtok",
+                             "bound")
+    checked = any(e.cross_check for e in rows)
+    if checked:  # the second opinion beside ours: its throughput per GPU and TPOT at our batch@max
+        head += ("AIC tok/s/GPU", "AIC TPOT@max", "AIC note")
     lines = [head]
     for i, e in enumerate(rows, 1):
         p = e.performance if e.predicted else {}
         bound = "/".join(p["bound"].values()) if p else "-"
-        lines.append((str(i), e.candidate.label, _num(p.get("per_gpu_output_tokens_per_s"), ",.0f"),
-                      _num(p.get("ttft_ms"), ",.1f"), _num(p.get("tpot_ms"), ".2f"),
-                      _num(p.get("batch_size_at_max"), "d"), _num(e.full_load.get("tpot_ms"), ".2f"),
-                      _num(p.get("usd_per_million_output_tokens"), ".3f"),
-                      bound))
+        row: tuple[str, ...] = (str(i), e.candidate.label, _num(p.get("per_gpu_output_tokens_per_s"), ",.0f"),
+                                _num(p.get("ttft_ms"), ",.1f"), _num(p.get("tpot_ms"), ".2f"),
+                                _num(p.get("batch_size_at_max"), "d"), _num(e.full_load.get("tpot_ms"), ".2f"),
+                                _num(p.get("usd_per_million_output_tokens"), ".3f"), bound)
+        if checked:
+            c = e.cross_check
+            note = c.get("error", "") if c else "not cross-checked"  # tune.json keeps the whole message
+            row += (_num(c.get("per_gpu_output_tokens_per_s"), ",.0f"), _num(c.get("tpot_ms"), ".2f"),
+                    note if len(note) <= NOTE_WIDTH else note[:NOTE_WIDTH - 3] + "...")
+        lines.append(row)
     widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
-    return ["  ".join(c.ljust(w) if j == 1 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True)))
+    left = {1, len(head) - 1} if checked else {1}  # the label and the note read left to right
+    return ["  ".join(c.ljust(w) if j in left else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True)))
             .rstrip() for r in lines]
+
+
+def cross_check_line(rows: list[Evaluated]) -> str | None:
+    """What the AIC columns are: the tool and the TensorRT-LLM release(s) its data was measured on."""
+    bases = sorted({e.cross_check["basis"] for e in rows if e.cross_check.get("basis")})
+    if not any(e.cross_check for e in rows):
+        return None
+    what = "; ".join(bases) if bases else "aiconfigurator: no estimate"
+    return (f"AIC: {what}, each candidate at our batch@max (one replica, aggregated serving); ours: plan's model "
+            "of TensorRT-LLM 1.2.1")
 
 
 def summary_line(result: SearchResult) -> str:
@@ -83,10 +106,17 @@ def render(result: SearchResult, top: int) -> str:
         lines.append(f"note: not predicted, so not used to drop: {', '.join(result.unpredicted_slo)}")
     if result.ranked:
         lines.append("")
-        lines += table(result.ranked[:top], result.by_cost)
+        lines += table(result.shown[:top], result.by_cost)
         if any(e.predicted for e in result.ranked):
             lines.append("(predicted by plan's roofline model: TTFT/TPOT at a replica's share of the workload's "
                          "concurrency, TPOT@max at the batch of the maximum; both meet the SLO's bounds)")
+        same = len(result.ranked) - len(result.shown)
+        if same:
+            lines.append(f"({same} kept candidates predicted the same as a better one, differing only in knobs the "
+                         "model does not see, are left out of this list; tune.json has them all)")
+        aic = cross_check_line(result.shown[:top])
+        if aic:
+            lines.append(aic)
         front = pareto_lines(result)
         if front:
             lines.append("")
@@ -100,12 +130,67 @@ def written_spec(e: Evaluated, rank: int) -> DeploymentSpec:
     return derive(base, {"name": f"{base.name}-tuned-{rank}"})
 
 
-def spec_yaml(spec: DeploymentSpec, header: list[str]) -> str:
+# The path fields spec.py's _resolve_paths makes absolute against the spec's directory.
+PATH_FIELDS = (("model", "checkpoint"), ("model", "tokenizer"), ("gpu", "hostfile"), ("speculative", "draft_model"),
+               ("speculative", "heads"), ("build", "trtllm_build"), ("quantization", "calibration", "dataset"),
+               ("validation", "workload", "prompts_file"), ("serving", "tritonserver"), ("serving", "admin_key_file"))
+# Fields of the section whose value the default of `model.checkpoint` stands for when the file leaves it out.
+DEFAULT_RELATIVE = {("model", "checkpoint")}
+# Targets whose replicas a field of the spec runs: `toolchain dynamo` starts dynamo.workers aggregated workers
+# of tp x pp GPUs each (spec.py DynamoSection.workers) for target llmapi.
+REPLICA_FIELD = {"llmapi": "dynamo.workers"}
+
+
+def _get(data: dict, path: tuple[str, ...]):
+    node = data
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def relative_paths(data: dict, source: Path | None, dest: Path) -> None:
+    """Paths the user's spec file gave relative (to its own directory, as the loader reads them) are written
+    relative to `dest`, the written spec's directory, so the pair of files moves together as the original did;
+    paths it gave absolute, that only an override set, or that share no directory but / with `dest`, stay
+    absolute."""
+    try:
+        raw = yaml.safe_load(source.read_text()) if source is not None else None
+    except (OSError, yaml.YAMLError):
+        return
+    if not isinstance(raw, dict):
+        return
+    for path in PATH_FIELDS:
+        value = _get(data, path)
+        if not isinstance(value, str) or not os.path.isabs(value):
+            continue
+        given = _get(raw, path)
+        if given is None and path not in DEFAULT_RELATIVE:
+            continue
+        if given is not None and os.path.isabs(os.path.expanduser(str(given))):
+            continue
+        where = dest.resolve()
+        if os.path.commonpath([value, where]) == where.anchor:
+            continue  # no directory in common but the root: a path through / moves no better than the absolute one
+        node = _get(data, path[:-1])
+        node[path[-1]] = os.path.relpath(value, where)
+
+
+def spec_yaml(spec: DeploymentSpec, header: list[str], dest: Path | None = None, replicas: int = 1) -> str:
+    """The spec as YAML to be written into directory `dest` (relative paths kept relative to it), with the
+    header lines as comments; `replicas` goes into the target's replica field where it has one."""
     data = spec.model_dump(mode="json", exclude={"source"}, exclude_defaults=True)
     # The searched fields are written even where they equal the defaults, so the file says what was chosen.
     for section, fields in SEARCHED.items():
         full = getattr(spec, section)
         data.setdefault(section, {}).update({f: getattr(full, f) for f in fields})
+    field_name = REPLICA_FIELD.get(spec.target)
+    if field_name is not None and replicas > 1:
+        section, key = field_name.split(".")
+        data.setdefault(section, {})[key] = replicas
+    if dest is not None:
+        relative_paths(data, spec.source, dest)
     data = {"name": spec.name, **{k: v for k, v in data.items() if k != "name"}}
     return "".join(f"# {h}\n" for h in header) + yaml.safe_dump(data, sort_keys=False)
 
@@ -148,19 +233,21 @@ def write(out: Path, result: SearchResult, top: int, text: str, extra: dict | No
     written: list[Path] = []
     with atomic_dir(out) as tmp:
         (tmp / "specs").mkdir()
-        for rank, e in enumerate(result.ranked[:top], 1):
+        for rank, e in enumerate(result.shown[:top], 1):
             spec = written_spec(e, rank)
             p = e.performance
-            header = [f"toolchain tune: rank {rank} of {len(result.ranked)}: {e.candidate.label}"]
+            header = [f"toolchain tune: rank {rank} of {len(result.shown)}: {e.candidate.label}"]
             if spec.gpu.name:
-                header.append(f"replicas: {e.candidate.replicas} (run this many copies of the deployment; "
-                              f"{e.candidate.gpu_count} GPUs in all)")
+                field_name = REPLICA_FIELD.get(spec.target)
+                how = f"{field_name} says so" if field_name and e.candidate.replicas > 1 else \
+                    "run this many copies of the deployment"
+                header.append(f"replicas: {e.candidate.replicas} ({how}; {e.candidate.gpu_count} GPUs in all)")
             if e.predicted:
                 header.append(f"predicted per replica: {p['max_output_tokens_per_s']:,.0f} output tokens/s at batch "
                               f"{p['batch_size_at_max']}; TTFT {p['ttft_ms']:,.1f} ms, TPOT {p['tpot_ms']:.2f} ms at "
                               f"concurrency {p['concurrency']} ({p['basis']})")
             name = f"{spec.name}.yaml"
-            (tmp / "specs" / name).write_text(spec_yaml(spec, header))
+            (tmp / "specs" / name).write_text(spec_yaml(spec, header, out / "specs", e.candidate.replicas))
             written.append(out / "specs" / name)
         (tmp / "table.txt").write_text(text + "\n")
         plotted = _plot(result, tmp / "pareto.png")
@@ -168,8 +255,10 @@ def write(out: Path, result: SearchResult, top: int, text: str, extra: dict | No
                "refused": len(result.refused), "ranking": "usd_per_million_output_tokens" if result.by_cost
                else "per_gpu_output_tokens_per_s", "notes": result.notes,
                "slo_not_predicted": result.unpredicted_slo, "slo_miss": slo_miss_line(result),
+               "top": [e.candidate.label for e in result.shown[:top]],
                "specs": [str(p) for p in written], "pareto_png": str(out / "pareto.png") if plotted else None,
                "pareto": [e.candidate.label for e in result.front],
+               "cross_check": cross_check_line(result.shown[:top]),
                "candidates": [e.as_dict() for e in result.ranked],
                "dropped_candidates": [e.as_dict() for e in result.dropped], **(extra or {})}
         (tmp / "tune.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -8,26 +8,32 @@ the workload's concurrency, so the SLO is judged where a replica runs, and once 
 its maximum throughput is reached (`batch_size_at_max`, at most `limits.max_batch_size`), since that throughput is
 what the ranking reads and a server running it sees that batch. So `max_batch_size` is a real knob: a larger cap
 raises the throughput until the per-token time at that batch breaks the SLO. Whatever that function predicts, the
-ranking uses: today GPUs only; once it predicts the CPU engine from a host profile, target cpu ranks by it with
-no change here. Until then a candidate without a prediction is ordered by `CPU_RULE`, and `--measure` decides.
+ranking uses: GPUs from their table, target cpu from this host's cached profile (`toolchain probe-host`). Without
+a profile a CPU candidate has no prediction and is ordered by `CPU_RULE`, and `--measure` decides.
+
+`cross_check` adds a second opinion to the top of the ranking: AIConfigurator's estimate of each candidate
+(plan/crosscheck.py), at the batch our ranked throughput is predicted at; a candidate it cannot estimate says why.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from toolchain.checks.preflight import FAIL, Context, build_context, run_checks
 from toolchain.errors import ToolchainError
+from toolchain.gpus import Gpu
 from toolchain.plan import perf
+from toolchain.plan.crosscheck import Estimate
 from toolchain.plan.perf import performance_dict
 from toolchain.slo import Threshold
-from toolchain.tune.candidates import Candidate, derive, knob_variants, structures
+from toolchain.tune.candidates import Candidate, derive, engine_threads, knob_variants, structures
 
 # Structures whose runtime knobs pass two searches (pass one ranks the structures at the spec's limits).
 KNOB_STRUCTURES = 8
 
-CPU_RULE = ("no CPU prediction yet: ordered by the weight bytes of all ranks (smallest first: a CPU decode step "
+CPU_RULE = ("until then ordered by the weight bytes of all ranks (smallest first: a CPU decode step "
             "reads every weight), then fewer ranks (one process, no all-reduce copies), then an unquantized KV "
             "cache (no dequantization per step); the limits stay the spec's; --measure decides")
 
@@ -45,6 +51,10 @@ class Evaluated:
     """Threshold name -> {predicted, limit, concurrency} for each predicted threshold missed."""
     weight_bytes: int = 0
     """The weights of all ranks (the CPU ordering rule reads it)."""
+    device: Gpu | None = None
+    """The device the candidate was planned on (the cross-check names it)."""
+    cross_check: dict = field(default_factory=dict)
+    """A second opinion (`cross_check`): its figures and basis, or {"error": why there is none}."""
 
     @property
     def predicted(self) -> bool:
@@ -68,7 +78,7 @@ class Evaluated:
     def as_dict(self) -> dict:
         return {"label": self.candidate.label, "spec_name": self.candidate.spec.name, **self.candidate.knobs,
                 "failed_checks": self.failed, "slo_misses": self.slo_misses, "performance": self.performance,
-                "full_load": self.full_load}
+                "full_load": self.full_load, **({"cross_check": self.cross_check} if self.cross_check else {})}
 
 
 def replica_concurrency(concurrency: int, replicas: int) -> int:
@@ -133,6 +143,7 @@ def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
         out.failed = [f"plan: {err}"]
         return out
     out.failed = [r.id for r in results if r.status == FAIL]
+    out.device = ctx.device
     if ctx.memory is not None:
         out.weight_bytes = sum(r.weights_bytes for r in ctx.memory.ranks)
     if (ctx.memory is None or not ctx.memory.fits) and "memory.fits" not in out.failed and not out.failed:
@@ -195,6 +206,24 @@ def pareto(kept: list[Evaluated]) -> list[Evaluated]:
     return unique
 
 
+def distinct(ranked: list[Evaluated]) -> list[Evaluated]:
+    """The ranked candidates whose prediction differs from every better one's. Candidates that differ only in
+    knobs the model does not see (chunked context, a token budget no step reaches, one 8-bit KV format for
+    another) get the same figures: listing, writing or deploying each would spend the top K on one prediction.
+    Unpredicted candidates are all kept (CPU_RULE orders them; nothing tells them apart)."""
+    seen: set[tuple] = set()
+    out = []
+    for e in ranked:
+        if e.predicted:
+            p = e.performance
+            point = (round(e.per_gpu(), 1), p["ttft_ms"], p["tpot_ms"], p["batch_size_at_max"])
+            if point in seen:
+                continue
+            seen.add(point)
+        out.append(e)
+    return out
+
+
 @dataclass
 class SearchResult:
     ranked: list[Evaluated]
@@ -206,6 +235,11 @@ class SearchResult:
     unpredicted_slo: list[str]
     by_cost: bool
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def shown(self) -> list[Evaluated]:
+        """The ranking with one candidate per prediction: what the table lists and --top writes and deploys."""
+        return distinct(self.ranked)
 
     @property
     def searched(self) -> int:
@@ -259,5 +293,32 @@ def search(spec, gpu_specs: list, gpu_count: int, thresholds: list[Threshold], b
     notes = []
     if any(not e.predicted for e in ranked):
         reason = next(e.performance.get("note") for e in ranked if not e.predicted)
-        notes.append(f"{reason}; {CPU_RULE}")
+        # perf's note for a CPU target without a profile ends in the command that makes one
+        notes.append(f"{reason} to rank by prediction; {CPU_RULE}" if "probe-host" in str(reason)
+                     else f"{reason}; {CPU_RULE}")
+    else:
+        _, left_out = engine_threads(spec)
+        if left_out:
+            notes.append(left_out)
     return SearchResult(ranked, dropped, refused, pareto(ranked), unpredicted(thresholds), by_cost, notes)
+
+
+Estimator = Callable[[object, Gpu, int], Estimate]
+"""(candidate spec, its device, batch size) -> a second opinion's estimate; raises ToolchainError when it has none."""
+
+
+def cross_check(ranked: list[Evaluated], top: int, estimator: Estimator) -> None:
+    """Set `cross_check` on the first `top` predicted candidates: the estimator's figures at the batch the ranked
+    throughput is predicted at (`batch_size_at_max`, one replica), or why it gave none. A candidate it cannot
+    estimate (a format or GPU it has no data for, a failed run) is said so in its row; the tune goes on."""
+    for e in ranked[:top]:
+        if not e.predicted or e.device is None:
+            e.cross_check = {"error": "no prediction of ours to compare with"}
+            continue
+        batch = int(e.performance["batch_size_at_max"])
+        try:
+            est = estimator(e.candidate.spec, e.device, batch)
+        except ToolchainError as err:
+            e.cross_check = {"error": err.message, "batch_size": batch}
+            continue
+        e.cross_check = {**est.as_dict(), "batch_size": batch}
