@@ -57,7 +57,7 @@ SLOW_UNIT_TESTS = (
     "tests/test_tinymodel.py::test_same_seed_gives_same_weights",
     "tests/test_tinymodel.py::test_draft_of_shares_the_models_tokenizer",
     "tests/test_tune.py::test_cost_ranking_flips_with_price",
-    "tests/test_tune.py::test_an_slo_only_tp4_meets_picks_tp4",
+    "tests/test_tune.py::test_an_slo_only_one_layout_meets_picks_that_layout",
 )
 
 
