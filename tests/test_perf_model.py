@@ -275,6 +275,53 @@ def test_single_request_ttft_and_tpot_by_hand(llama8b):
     assert point.output_tokens_per_s == pytest.approx(11 / (point.ttft_s + 10 * gen))
 
 
+def test_arrival_wait_by_hand():
+    # half the mean iteration, then the M/D/1 queue: rho = 2/s x 0.1 s = 0.2, wait 0.2 x 0.1 / (2 x 0.8) = 12.5 ms
+    assert perf.arrival_wait(0.02, 2.0, 0.1) == pytest.approx(0.01 + 0.0125)
+    assert perf.arrival_wait(0.02, 0.0, 0.1) == pytest.approx(0.01)  # no other prompt to queue behind
+    # past rho 0.95 the queue is capped (the cycle is prompt-bound, steady_state stretches it instead)
+    assert perf.arrival_wait(0.0, 100.0, 0.1) == pytest.approx(0.95 * 0.1 / (2 * 0.05))
+
+
+def test_first_wave_packs_prompts_into_iterations_by_hand(llama8b):
+    dep = perf.Deployment(H100, (_cost(llama8b),), 1, "fp16", ROOF)
+
+    def prompts(n):
+        return perf.step_time(dep.stages[0], H100, perf.context_work(1000).scaled(n), eff=ROOF).seconds
+
+    # 5 prompts of 1000 tokens, 2 per 2048-token iteration: first tokens after 1, 1, 2, 2 full iterations, then
+    # the fifth alone after those two and its own
+    w = perf.Workload(1000, 10, 2048)
+    expected = (2 * prompts(2) + 2 * 2 * prompts(2) + (2 * prompts(2) + prompts(1))) / 5
+    assert perf.first_wave_ttft(dep, w, 5) == pytest.approx(expected)
+    # a prompt longer than an iteration runs its own chunks, the prompts one after another: (C + 1) / 2 prompts
+    long = perf.Workload(5000, 10, 2048)
+    one = sum(perf.step_time(dep.stages[0], H100, c, eff=ROOF).seconds for c in
+              (perf.context_work(2048, 0), perf.context_work(2048, 2048), perf.context_work(904, 4096)))
+    assert perf.first_wave_ttft(dep, long, 3) == pytest.approx(2 * one)
+
+
+def test_a_run_of_few_waves_weighs_its_first_wave_in_ttft(llama8b):
+    dep = perf.Deployment(H100, (_cost(llama8b),), 1, "fp16", ROOF)
+    steady = perf.steady_state(dep, perf.Workload(1000, 100, 2048), 8)
+    run = perf.steady_state(dep, perf.Workload(1000, 100, 2048, requests=80), 8)  # 10 waves of 8
+    first = perf.first_wave_ttft(dep, perf.Workload(1000, 100, 2048), 8)
+    assert run.ttft_s == pytest.approx(0.9 * steady.ttft_s + 0.1 * first)
+    assert first > steady.ttft_s  # 8 prompts queue behind each other at the start, not in the steady state
+    assert (run.tpot_s, run.output_tokens_per_s) == (steady.tpot_s, steady.output_tokens_per_s)
+
+
+def test_staggered_arrival_waits_grow_with_concurrency(llama8b):
+    # the steady state's TTFT: its own chunk, plus half an iteration and the queue behind other prompts, which
+    # grow with the rate prompts arrive at
+    dep = perf.Deployment(H100, (_cost(llama8b),), 1, "fp16", ROOF)
+    w = perf.Workload(2048, 64, 2048)
+    ttfts = [perf.steady_state(dep, w, c).ttft_s for c in (1, 4, 16)]
+    alone = perf.step_time(dep.stages[0], H100, perf.context_work(2048), eff=ROOF).seconds
+    assert ttfts[0] == pytest.approx(alone)
+    assert ttfts[0] < ttfts[1] < ttfts[2]
+
+
 def test_chunked_context_splits_a_long_prompt(llama8b):
     dep = perf.Deployment(H100, (_cost(llama8b),), 1, "fp16", ROOF)
     w = perf.Workload(5000, 10, 2048)

@@ -35,6 +35,13 @@ MAX_NUM_TOKENS = 8192
 default is assumed (BaseLlmArgs.max_num_tokens = 8192 in tensorrt_llm/llmapi/llm_args.py, as
 toolchain/upstream/facts/llmapi.json records it)."""
 HOLDOUT_EVERY = 4
+WAVES = 10
+"""Requests per run over the concurrency, assumed for the measured points (AIConfigurator's rows do not record
+the client): their grid (Llama-3.1-70B fp8 on B200/H200, TP 1-8, ISL/OSL 1k/1k, 1k/8k, 8k/1k, C 4-128) is
+SemiAnalysis InferenceMAX's, whose benchmarks/benchmark_lib.sh runs vLLM's benchmark_serving.py with
+--num-prompts C x 10, --max-concurrency C, --request-rate inf, --ignore-eos: a closed loop of 10 waves that
+starts with all C requests at once. The measured TTFT bears it out: it grows by about (C - 1)/20 prompt-times
+per request, the first wave's mean queue (C - 1)/2 prompt-times over 10 waves (docs/planning.md)."""
 """Every 4th configuration (sorted) is held out whole: see `held_out`."""
 
 
@@ -133,11 +140,13 @@ def predict_measured(point: Measured, eff: perf.Efficiency | None = None) -> tup
     """(TTFT ms, TPOT ms, output tokens/s) the model predicts for a measured point. When the concurrency is
     above what the KV cache holds, the engine runs as many as fit and the rest wait: in a closed loop of C
     clients and L running requests each request spends C / L times its service time in the system (Little's
-    law), so its TTFT grows by (C / L - 1) x that time."""
+    law), so its TTFT grows by (C / L - 1) x that time. The run is taken as WAVES x C requests from a standing
+    start, so the first wave's queue weighs in the mean TTFT (perf.first_wave_ttft)."""
     device = gpus.lookup(point.gpu)
     dep = measured_deployment(point, eff or perf.efficiency_of(device))
     running = min(point.concurrency, _kv_requests(*point.config))
-    at = perf.steady_state(dep, perf.Workload(point.isl, point.osl, MAX_NUM_TOKENS), running)
+    workload = perf.Workload(point.isl, point.osl, MAX_NUM_TOKENS, requests=WAVES * running)
+    at = perf.steady_state(dep, workload, running)
     ttft, tpot = at.ttft_s * 1e3, at.tpot_s * 1e3
     service = ttft + (point.osl - 1) * tpot
     ttft += (point.concurrency / running - 1) * service

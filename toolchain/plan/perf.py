@@ -450,6 +450,10 @@ class Workload:
     max_num_tokens: int
     chunked: bool = True
     """Chunked context: a prompt runs in chunks of max_num_tokens; else whole in one step."""
+    requests: int = 0
+    """Requests a benchmark run sends in all, when it sends a fixed number from a standing start: the first C
+    arrive together (`first_wave_ttft`) and weigh C / requests in the mean TTFT. 0: the steady state alone
+    (what `toolchain plan` predicts)."""
 
     @property
     def chunk(self) -> int:
@@ -477,6 +481,54 @@ class Point:
     generation_bound: str
 
 
+def generation_alone(dep: Deployment, generating: float, context: float, verify: int = 1) -> float:
+    """Seconds of a generation-only iteration of `generating` sequences (0 for none)."""
+    if generating <= 0:
+        return 0.0
+    return dep.iteration(generation_work(generating, context, verify), generating, generating, context)[0]
+
+
+def arrival_wait(mean_iteration: float, rate: float, prompt_work: float) -> float:
+    """What a request of a closed loop in steady state waits before its prompt's first chunk runs.
+
+    Its requests are staggered: each arrives when another ends, at an iteration's end, while the next iteration
+    has just started without it; it waits for that one (half an iteration on average: the client's round trip
+    eats into it, and at concurrency 1 no iteration runs). Then it queues behind prompts that arrived before
+    it and still wait for room: prompts reach the engine at `rate` (C per cycle) and each holds the prompt room
+    for `prompt_work` seconds (its chunks' time beyond the generation iterations they displace), a single
+    server with utilization rho = rate x work, whose mean wait with random arrivals and fixed service is
+    rho x work / (2 (1 - rho)) (the M/D/1 queue: Pollaczek-Khinchine, Kleinrock, Queueing Systems vol. 1,
+    1975, eq. 5.73 with the service's second moment work^2). rho is kept below 0.95: past that the cycle itself
+    is prompt-bound and steady_state stretches it instead."""
+    work = max(prompt_work, 0.0)
+    rho = min(rate * work, 0.95)
+    return 0.5 * mean_iteration + rho * work / (2 * (1 - rho))
+
+
+def first_wave_ttft(dep: Deployment, w: Workload, concurrency: int) -> float:
+    """Mean TTFT of the first `concurrency` requests of a benchmark run, sent together into an idle engine
+    (a closed-loop client starts by filling every slot at once: vLLM's benchmark_serving.py with
+    --request-rate inf and --max-concurrency C): their prompts fill iterations of max_num_tokens prompt tokens
+    one after another (whole prompts when they fit one iteration, as the scheduler packs them), so the k-th
+    iteration's prompts see their first token after k such iterations; a prompt longer than max_num_tokens
+    runs its own chunks, the prompts one after another."""
+    c = max(concurrency, 1)
+    if w.chunked and w.isl > w.max_num_tokens:
+        one = sum(dep.iteration(context_work(min(w.chunk, w.isl - j * w.chunk), j * w.chunk), 1)[0]
+                  for j in range(w.context_steps))
+        return one * (c + 1) / 2
+    per = max(1, w.max_num_tokens // w.isl)
+
+    def prompts(n: int) -> float:
+        return dep.iteration(context_work(w.isl).scaled(n), n)[0]
+
+    full, rest = divmod(c, per)
+    total = sum(per * (k + 1) for k in range(full)) * prompts(per)
+    if rest:
+        total += rest * (full * prompts(per) + prompts(rest))
+    return total / c
+
+
 def steady_state(dep: Deployment, w: Workload, concurrency: int) -> Point:
     """In-flight batching with `concurrency` requests always in the system (a closed loop, or trtllm-bench's
     queue that refills a slot as soon as a request ends), over one cycle of I iterations in which each of the C
@@ -488,9 +540,10 @@ def steady_state(dep: Deployment, w: Workload, concurrency: int) -> Point:
     the prompts queue and the cycle stretches to P iterations. The cycle is P mixed iterations (prompt tokens of
     r = C cs / P requests beside the others' generation tokens) and I - P generation-only ones; a request not on
     its prompt generates in gen_steps of its I - cs other iterations. Throughput = C x osl / cycle. TPOT is the
-    mean iteration a request sees while it generates (the P - cs that carry other prompts, and the rest); TTFT is
-    its own chunks beside the others' generation tokens and the other prompt tokens of its mixed iterations, after
-    half of the generation iteration it arrives behind, without queueing."""
+    mean iteration a request sees while it generates (the P - cs that carry other prompts, and the rest). TTFT is
+    its own chunks beside the others' generation tokens after its wait for the iteration in flight and the prompts
+    ahead of it (`arrival_wait`: the requests are staggered, each arriving as another ends), and with
+    `w.requests` the run's first wave (`first_wave_ttft`) weighed in."""
     c, cs = concurrency, w.context_steps
     verify = 1 + dep.draft_len
     gen_steps = max(w.osl - 1, 0) / dep.tokens_per_step
@@ -520,21 +573,21 @@ def steady_state(dep: Deployment, w: Workload, concurrency: int) -> Point:
         if seen > 0 else 0.0
 
     others_gen = generation_work(g_mixed, context, verify)
-    wait = 0.5 * dep.iteration(others_gen, g_mixed, g_mixed, context)[0] if g_mixed > 0 else 0.0
-    ttft = wait + dep.eff.ttft_ms * 1e-3
     context_step: StepTime | None = None
+    own = 0.0  # the request's own chunks, each beside the generation tokens of a mixed iteration
     for j in range(cs):
         start = j * w.chunk
         chunk = context_work(min(w.chunk, w.isl - start), start)
-        # The in_prompt requests on their prompts share each mixed iteration (`prefill` is their tokens): a
-        # request's chunk rides with the others' share, as a closed loop's requests, started together and as long
-        # as each other, keep doing.
-        others = prefill.scaled(max(in_prompt - 1.0, 0.0) / in_prompt) if in_prompt > 0 else prefill.scaled(0.0)
-        t, slow = dep.iteration(add(others_gen, others), g_mixed + max(in_prompt, 1.0), g_mixed, context,
-                                whole=chunk)
-        ttft += t
+        t, slow = dep.iteration(others_gen, g_mixed + 1.0, g_mixed, context, whole=chunk)
+        own += t
         context_step = context_step or slow
     assert context_step is not None
+    ttft = own + dep.eff.ttft_ms * 1e-3
+    if c > 1 and cycle > 0:
+        ttft += arrival_wait(cycle / iters, c / cycle, own - cs * generation_alone(dep, g_mixed, context, verify))
+    if w.requests > c:  # the run's first C requests arrive together: 1 in requests / C waves of a benchmark
+        first = first_wave_ttft(dep, w, c) + dep.eff.ttft_ms * 1e-3
+        ttft += (first - ttft) * c / w.requests
     if g_plain == 0:  # one output token: the bound of a generation step of the batch all the same
         gen_step = dep.iteration(generation_work(c, context, verify), c)[1]
     return Point(c, throughput, ttft, tpot, context_step.bound, gen_step.bound)
@@ -682,7 +735,9 @@ def predict(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, memory: Mem
     throughput, of a spec that fits; on this host's CPU engine with `profile`."""
     dep, notes = deployment(spec, model, quant, device, draft, eff, profile)
     wl, lim = spec.validation.workload, spec.limits
-    w = Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens, spec.build.chunked_context)
+    # a bench level of num_requests from a standing start weighs its first wave in TTFT (Workload.requests)
+    requests = wl.num_requests if wl.duration_s is None and wl.mode == "concurrency" else 0
+    w = Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens, spec.build.chunked_context, requests)
     if w.isl > lim.max_input_len or w.isl + w.osl > lim.max_seq_len:
         notes.append(f"the workload's {w.isl} + {w.osl} tokens exceed limits.max_input_len {lim.max_input_len} or "
                      f"max_seq_len {lim.max_seq_len}: the engine would refuse such requests")
