@@ -283,6 +283,30 @@ def test_arrival_wait_by_hand():
     assert perf.arrival_wait(0.0, 100.0, 0.1) == pytest.approx(0.95 * 0.1 / (2 * 0.05))
 
 
+def test_batch_wait_by_hand():
+    # InferenceMAX's 1k/1k settings: hold prompts up to 20 iterations or until 0.9 x 8192 = 7372.8 tokens
+    w = perf.Workload(1024, 1024, 8192, batch_wait_iters=20, batch_wait_ratio=0.9)
+    # 64 generating: ceil((7372.8 - 64) / 1024) = 8 prompts; at 0.1 a iteration 7 more take 70 > 20 iterations, so
+    # the window is 20 and 2 join it: (20 + 2 x 20 / 2) / 3
+    assert perf.batch_wait(w, 0.1, 64) == pytest.approx((40 / 3, 3))
+    # at 1 a iteration the 7 arrive first: a window of 7, 7 joiners waiting 3.5 on average, 8 released together
+    assert perf.batch_wait(w, 1.0, 64) == pytest.approx(((7 + 7 * 3.5) / 8, 8))
+    # either setting 0 turns it off (PyExecutor._waiting_requests then releases at once)
+    assert perf.batch_wait(dataclasses.replace(w, batch_wait_ratio=0.0), 0.1, 64) == (0.0, 1.0)
+    assert perf.batch_wait(dataclasses.replace(w, batch_wait_iters=0), 0.1, 64) == (0.0, 1.0)
+    # a prompt that reaches the threshold alone does not wait
+    assert perf.batch_wait(perf.Workload(8192, 1024, 8192, batch_wait_iters=20, batch_wait_ratio=0.9), 0.1, 64) \
+        == (0.0, 1.0)
+
+
+def test_batch_waiting_adds_generation_iterations_to_ttft(llama8b):
+    dep = perf.Deployment(H100, (_cost(llama8b),), 1, "fp16", ROOF)
+    plain = perf.Workload(1024, 256, 8192)
+    waiting = dataclasses.replace(plain, batch_wait_iters=20, batch_wait_ratio=0.9)
+    a, b = perf.steady_state(dep, plain, 8), perf.steady_state(dep, waiting, 8)
+    assert b.ttft_s > a.ttft_s and (b.tpot_s, b.output_tokens_per_s) == (a.tpot_s, a.output_tokens_per_s)
+
+
 def test_first_wave_packs_prompts_into_iterations_by_hand(llama8b):
     dep = perf.Deployment(H100, (_cost(llama8b),), 1, "fp16", ROOF)
 

@@ -450,6 +450,12 @@ class Workload:
     max_num_tokens: int
     chunked: bool = True
     """Chunked context: a prompt runs in chunks of max_num_tokens; else whole in one step."""
+    batch_wait_iters: int = 0
+    """TensorRT-LLM's batch_wait_timeout_iters: iterations new prompts are held back to gather more (0: off, the
+    default; see `batch_wait`)."""
+    batch_wait_ratio: float = 0.0
+    """TensorRT-LLM's batch_wait_max_tokens_ratio: held prompts go once the iteration's tokens reach this share of
+    max_num_tokens (0: off, the default)."""
     requests: int = 0
     """Requests a benchmark run sends in all, when it sends a fixed number from a standing start: the first C
     arrive together (`first_wave_ttft`) and weigh C / requests in the mean TTFT. 0: the steady state alone
@@ -503,6 +509,24 @@ def arrival_wait(mean_iteration: float, rate: float, prompt_work: float) -> floa
     work = max(prompt_work, 0.0)
     rho = min(rate * work, 0.95)
     return 0.5 * mean_iteration + rho * work / (2 * (1 - rho))
+
+
+def batch_wait(w: Workload, arrivals: float, generating: float) -> tuple[float, float]:
+    """(Mean iterations a prompt is held back, prompts released together) by TensorRT-LLM's batch waiting (PyExecutor._waiting_requests in
+    tensorrt_llm/_torch/pyexecutor/py_executor.py): while generation requests run, waiting prompts are not
+    scheduled until batch_wait_timeout_iters iterations have passed since the last release, or the iteration's
+    tokens (their prompt tokens and one per generating sequence) reach batch_wait_max_tokens_ratio x
+    max_num_tokens; with either setting 0 the test passes at once and nothing waits. A prompt that finds none
+    waiting opens a window of W = min(timeout, (k - 1) / a) iterations, k the prompts the threshold needs and a
+    the prompts arriving per iteration; the a W that join it later wait W / 2 on average, and all 1 + a W run
+    their first chunks in one iteration."""
+    if w.batch_wait_iters <= 0 or w.batch_wait_ratio <= 0 or arrivals <= 0:
+        return 0.0, 1.0
+    need = max(w.batch_wait_ratio * w.max_num_tokens - generating, 0.0)
+    k = max(1, math.ceil(need / w.isl))
+    window = min(float(w.batch_wait_iters), (k - 1) / arrivals)
+    joined = arrivals * window
+    return (window + joined * window / 2) / (1 + joined), 1 + joined
 
 
 def first_wave_ttft(dep: Deployment, w: Workload, concurrency: int) -> float:
@@ -585,9 +609,16 @@ def steady_state(dep: Deployment, w: Workload, concurrency: int) -> Point:
     ttft = own + dep.eff.ttft_ms * 1e-3
     if c > 1 and cycle > 0:
         ttft += arrival_wait(cycle / iters, c / cycle, own - cs * generation_alone(dep, g_mixed, context, verify))
+    held, group = batch_wait(w, c / iters, g_plain) if c > 1 and g_plain > 0 else (0.0, 1.0)
+    if held > 0:  # held back for generation-only iterations, then released with the prompts that joined it
+        ttft += held * generation_alone(dep, g_plain, context, verify)
+        chunk = context_work(w.chunk)
+        ttft += (dep.iteration(add(others_gen, chunk.scaled(group - 1)), g_mixed + group, g_mixed, context,
+                               whole=chunk)[0]
+                 - dep.iteration(others_gen, g_mixed + 1.0, g_mixed, context, whole=chunk)[0])
     if w.requests > c:  # the run's first C requests arrive together: 1 in requests / C waves of a benchmark
-        first = first_wave_ttft(dep, w, c) + dep.eff.ttft_ms * 1e-3
-        ttft += (first - ttft) * c / w.requests
+        wave = first_wave_ttft(dep, w, c) + dep.eff.ttft_ms * 1e-3
+        ttft += (wave - ttft) * c / w.requests
     if g_plain == 0:  # one output token: the bound of a generation step of the batch all the same
         gen_step = dep.iteration(generation_work(c, context, verify), c)[1]
     return Point(c, throughput, ttft, tpot, context_step.bound, gen_step.bound)
@@ -737,7 +768,8 @@ def predict(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, memory: Mem
     wl, lim = spec.validation.workload, spec.limits
     # a bench level of num_requests from a standing start weighs its first wave in TTFT (Workload.requests)
     requests = wl.num_requests if wl.duration_s is None and wl.mode == "concurrency" else 0
-    w = Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens, spec.build.chunked_context, requests)
+    w = Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens, spec.build.chunked_context,
+                 requests=requests)
     if w.isl > lim.max_input_len or w.isl + w.osl > lim.max_seq_len:
         notes.append(f"the workload's {w.isl} + {w.osl} tokens exceed limits.max_input_len {lim.max_input_len} or "
                      f"max_seq_len {lim.max_seq_len}: the engine would refuse such requests")
