@@ -458,8 +458,8 @@ class Workload:
     max_num_tokens (0: off, the default)."""
     requests: int = 0
     """Requests a benchmark run sends in all, when it sends a fixed number from a standing start: the first C
-    arrive together (`first_wave_ttft`) and weigh C / requests in the mean TTFT. 0: the steady state alone
-    (what `toolchain plan` predicts)."""
+    arrive together (`first_wave_ttft`) and weigh C / requests in the mean TTFT (`predict` passes a concurrency
+    level's validation.workload.num_requests, as `toolchain bench` runs it). 0: the steady state alone."""
 
     @property
     def chunk(self) -> int:
@@ -503,17 +503,18 @@ def arrival_wait(mean_iteration: float, rate: float, prompt_work: float) -> floa
     it and still wait for room: prompts reach the engine at `rate` (C per cycle) and each holds the prompt room
     for `prompt_work` seconds (its chunks' time beyond the generation iterations they displace), a single
     server with utilization rho = rate x work, whose mean wait with random arrivals and fixed service is
-    rho x work / (2 (1 - rho)) (the M/D/1 queue: Pollaczek-Khinchine, Kleinrock, Queueing Systems vol. 1,
-    1975, eq. 5.73 with the service's second moment work^2). rho is kept below 0.95: past that the cycle itself
-    is prompt-bound and steady_state stretches it instead."""
+    rho x work / (2 (1 - rho)) (the M/D/1 queue: the Pollaczek-Khinchine mean wait rate E[S^2] / (2 (1 - rho))
+    with E[S^2] = work^2). rho is kept below 0.95: past that the cycle itself is prompt-bound and steady_state
+    stretches it instead."""
     work = max(prompt_work, 0.0)
     rho = min(rate * work, 0.95)
     return 0.5 * mean_iteration + rho * work / (2 * (1 - rho))
 
 
 def batch_wait(w: Workload, arrivals: float, generating: float) -> tuple[float, float]:
-    """(Mean iterations a prompt is held back, prompts released together) by TensorRT-LLM's batch waiting (PyExecutor._waiting_requests in
-    tensorrt_llm/_torch/pyexecutor/py_executor.py): while generation requests run, waiting prompts are not
+    """(Mean iterations a prompt is held back, prompts released together) under TensorRT-LLM's batch waiting
+    (PyExecutor._waiting_requests in tensorrt_llm/_torch/pyexecutor/py_executor.py, which _schedule calls when
+    both context and generation requests are scheduled): while generation requests run, waiting prompts are not
     scheduled until batch_wait_timeout_iters iterations have passed since the last release, or the iteration's
     tokens (their prompt tokens and one per generating sequence) reach batch_wait_max_tokens_ratio x
     max_num_tokens; with either setting 0 the test passes at once and nothing waits. A prompt that finds none
