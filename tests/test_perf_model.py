@@ -455,3 +455,18 @@ def test_batch_candidates_cover_small_batches_and_the_limit():
 def test_a_workload_beyond_the_limits_is_noted():
     result = _predict(_spec("llama3-8b-awq-h100.yaml", "validation.workload.input_tokens=5000"))
     assert any("max_input_len 4096" in n for n in result.notes)
+
+
+def test_a_bench_run_weighs_its_first_wave_where_plan_gives_the_steady_state():
+    spec = _spec("llama3-8b-awq-h100.yaml", "validation.workload.concurrency=8", "validation.workload.num_requests=32")
+    model = load_model(spec.model.checkpoint)
+    quant = quant_format(spec, model.hf_config)
+    device = gpus.resolve(spec)
+    memory = plan_memory(spec, model, quant, device)
+    steady = perf.predict(spec, model, quant, device, memory, eff=ROOF)
+    run = perf.predict(spec, model, quant, device, memory, eff=ROOF, bench_run=True)
+    # 32 requests at concurrency 8: the first 8 start together and weigh a quarter of the mean
+    assert run.ttft_ms > steady.ttft_ms and (run.tpot_ms, run.max_output_tokens_per_s) == (steady.tpot_ms,
+                                                                                          steady.max_output_tokens_per_s)
+    timed = _spec("llama3-8b-awq-h100.yaml", "validation.workload.concurrency=8", "validation.workload.duration_s=60")
+    assert perf.predict(timed, model, quant, device, memory, eff=ROOF, bench_run=True).ttft_ms == steady.ttft_ms

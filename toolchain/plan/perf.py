@@ -458,8 +458,9 @@ class Workload:
     max_num_tokens (0: off, the default)."""
     requests: int = 0
     """Requests a benchmark run sends in all, when it sends a fixed number from a standing start: the first C
-    arrive together (`first_wave_ttft`) and weigh C / requests in the mean TTFT (`predict` passes a concurrency
-    level's validation.workload.num_requests, as `toolchain bench` runs it). 0: the steady state alone."""
+    arrive together (`first_wave_ttft`) and weigh C / requests in the mean TTFT (`predict` with `bench_run`
+    passes a level's validation.workload.num_requests, as `toolchain bench` runs it). 0: the steady state alone
+    (`toolchain plan`, tune)."""
 
     @property
     def chunk(self) -> int:
@@ -762,13 +763,15 @@ def deployment(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: M
 
 def predict(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, memory: MemoryPlan,
             draft: ModelInfo | None = None, eff: Efficiency | None = None, profile: HostProfile | None = None,
-            concurrency: int | None = None) -> Performance:
+            concurrency: int | None = None, bench_run: bool = False) -> Performance:
     """TTFT and TPOT at `concurrency` (default validation.workload.concurrency), and the maximum output
-    throughput, of a spec that fits; on this host's CPU engine with `profile`."""
+    throughput, of a spec that fits; on this host's CPU engine with `profile`. TTFT is the steady state's (a
+    service long running), or with `bench_run` the mean over a `toolchain bench` level, whose num_requests
+    requests start with all C at once (Workload.requests; not with duration_s or an open loop)."""
     dep, notes = deployment(spec, model, quant, device, draft, eff, profile)
     wl, lim = spec.validation.workload, spec.limits
-    # a bench level of num_requests from a standing start weighs its first wave in TTFT (Workload.requests)
-    requests = wl.num_requests if wl.duration_s is None and wl.mode == "concurrency" else 0
+    run = bench_run and wl.duration_s is None and wl.mode == "concurrency"
+    requests = wl.num_requests if run else 0
     w = Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens, spec.build.chunked_context,
                  requests=requests)
     if w.isl > lim.max_input_len or w.isl + w.osl > lim.max_seq_len:
@@ -837,21 +840,24 @@ def host_profile_of(spec) -> HostProfile | None:
 
 def performance_dict(spec, model: ModelInfo | None, quant: QuantFormat, device: Gpu | None,
                      memory: MemoryPlan | None, draft: ModelInfo | None = None, *,
-                     concurrency: int | None = None, profile: HostProfile | None = None) -> dict:
+                     concurrency: int | None = None, profile: HostProfile | None = None,
+                     bench_run: bool = False) -> dict:
     """`toolchain plan`'s performance object: the prediction, or why there is none. A CPU target is predicted
-    from `profile`, by default this host's cached one (`toolchain probe-host`)."""
+    from `profile`, by default this host's cached one (`toolchain probe-host`); `bench_run`: as `predict`."""
     profile = profile or host_profile_of(spec)
     reason = unavailable(spec, device, memory, profile) if model is not None else "the model's config is not readable"
     if reason is not None:
         return {"predicted": False, "note": reason}
     assert model is not None and device is not None and memory is not None
-    return predict(spec, model, quant, device, memory, draft, profile=profile, concurrency=concurrency).as_dict()
+    return predict(spec, model, quant, device, memory, draft, profile=profile, concurrency=concurrency,
+                   bench_run=bench_run).as_dict()
 
 
 def predict_spec(spec, concurrency: int | None = None, profile: HostProfile | None = None) -> dict:
     """The performance object of a spec on its own (what `toolchain bench` sets beside its measurement): the
     model's config, the format and the memory plan read as `toolchain plan` reads them, then `performance_dict`
-    at `concurrency`. Never raises for an unreadable model: the object says why there is no prediction."""
+    at `concurrency`, TTFT as the bench's level runs it (`bench_run`: its first wave weighed in). Never raises
+    for an unreadable model: the object says why there is no prediction."""
     device = gpus.resolve(spec)
     try:
         model = load_model(spec.model.checkpoint)
@@ -869,4 +875,5 @@ def predict_spec(spec, concurrency: int | None = None, profile: HostProfile | No
         memory = plan_memory(spec, model, quant, device, DraftModel(draft) if draft else None) if device else None
     except ToolchainError as err:
         return {"predicted": False, "note": f"no memory plan: {err}"}
-    return performance_dict(spec, model, quant, device, memory, draft, concurrency=concurrency, profile=profile)
+    return performance_dict(spec, model, quant, device, memory, draft, concurrency=concurrency, profile=profile,
+                            bench_run=True)
