@@ -275,6 +275,77 @@ def test_single_request_ttft_and_tpot_by_hand(llama8b):
     assert point.output_tokens_per_s == pytest.approx(11 / (point.ttft_s + 10 * gen))
 
 
+def test_arrival_wait_by_hand():
+    # half the mean iteration, then the M/D/1 queue: rho = 2/s x 0.1 s = 0.2, wait 0.2 x 0.1 / (2 x 0.8) = 12.5 ms
+    assert perf.arrival_wait(0.02, 2.0, 0.1) == pytest.approx(0.01 + 0.0125)
+    assert perf.arrival_wait(0.02, 0.0, 0.1) == pytest.approx(0.01)  # no other prompt to queue behind
+    # past rho 0.95 the queue is capped (the cycle is prompt-bound, steady_state stretches it instead)
+    assert perf.arrival_wait(0.0, 100.0, 0.1) == pytest.approx(0.95 * 0.1 / (2 * 0.05))
+
+
+def test_batch_wait_by_hand():
+    # InferenceMAX's 1k/1k settings: hold prompts up to 20 iterations or until 0.9 x 8192 = 7372.8 tokens
+    w = perf.Workload(1024, 1024, 8192, batch_wait_iters=20, batch_wait_ratio=0.9)
+    # 64 generating: ceil((7372.8 - 64) / 1024) = 8 prompts; at 0.1 a iteration 7 more take 70 > 20 iterations, so
+    # the window is 20 and 2 join it: (20 + 2 x 20 / 2) / 3
+    assert perf.batch_wait(w, 0.1, 64) == pytest.approx((40 / 3, 3))
+    # at 1 a iteration the 7 arrive first: a window of 7, 7 joiners waiting 3.5 on average, 8 released together
+    assert perf.batch_wait(w, 1.0, 64) == pytest.approx(((7 + 7 * 3.5) / 8, 8))
+    # either setting 0 turns it off (PyExecutor._waiting_requests then releases at once)
+    assert perf.batch_wait(dataclasses.replace(w, batch_wait_ratio=0.0), 0.1, 64) == (0.0, 1.0)
+    assert perf.batch_wait(dataclasses.replace(w, batch_wait_iters=0), 0.1, 64) == (0.0, 1.0)
+    # a prompt that reaches the threshold alone does not wait
+    assert perf.batch_wait(perf.Workload(8192, 1024, 8192, batch_wait_iters=20, batch_wait_ratio=0.9), 0.1, 64) \
+        == (0.0, 1.0)
+
+
+def test_batch_waiting_adds_generation_iterations_to_ttft(llama8b):
+    dep = perf.Deployment(H100, (_cost(llama8b),), 1, "fp16", ROOF)
+    plain = perf.Workload(1024, 256, 8192)
+    waiting = dataclasses.replace(plain, batch_wait_iters=20, batch_wait_ratio=0.9)
+    a, b = perf.steady_state(dep, plain, 8), perf.steady_state(dep, waiting, 8)
+    assert b.ttft_s > a.ttft_s and (b.tpot_s, b.output_tokens_per_s) == (a.tpot_s, a.output_tokens_per_s)
+
+
+def test_first_wave_packs_prompts_into_iterations_by_hand(llama8b):
+    dep = perf.Deployment(H100, (_cost(llama8b),), 1, "fp16", ROOF)
+
+    def prompts(n):
+        return perf.step_time(dep.stages[0], H100, perf.context_work(1000).scaled(n), eff=ROOF).seconds
+
+    # 5 prompts of 1000 tokens, 2 per 2048-token iteration: first tokens after 1, 1, 2, 2 full iterations, then
+    # the fifth alone after those two and its own
+    w = perf.Workload(1000, 10, 2048)
+    expected = (2 * prompts(2) + 2 * 2 * prompts(2) + (2 * prompts(2) + prompts(1))) / 5
+    assert perf.first_wave_ttft(dep, w, 5) == pytest.approx(expected)
+    # a prompt longer than an iteration runs its own chunks, the prompts one after another: (C + 1) / 2 prompts
+    long = perf.Workload(5000, 10, 2048)
+    one = sum(perf.step_time(dep.stages[0], H100, c, eff=ROOF).seconds for c in
+              (perf.context_work(2048, 0), perf.context_work(2048, 2048), perf.context_work(904, 4096)))
+    assert perf.first_wave_ttft(dep, long, 3) == pytest.approx(2 * one)
+
+
+def test_a_run_of_few_waves_weighs_its_first_wave_in_ttft(llama8b):
+    dep = perf.Deployment(H100, (_cost(llama8b),), 1, "fp16", ROOF)
+    steady = perf.steady_state(dep, perf.Workload(1000, 100, 2048), 8)
+    run = perf.steady_state(dep, perf.Workload(1000, 100, 2048, requests=80), 8)  # 10 waves of 8
+    first = perf.first_wave_ttft(dep, perf.Workload(1000, 100, 2048), 8)
+    assert run.ttft_s == pytest.approx(0.9 * steady.ttft_s + 0.1 * first)
+    assert first > steady.ttft_s  # 8 prompts queue behind each other at the start, not in the steady state
+    assert (run.tpot_s, run.output_tokens_per_s) == (steady.tpot_s, steady.output_tokens_per_s)
+
+
+def test_staggered_arrival_waits_grow_with_concurrency(llama8b):
+    # the steady state's TTFT: its own chunk, plus half an iteration and the queue behind other prompts, which
+    # grow with the rate prompts arrive at
+    dep = perf.Deployment(H100, (_cost(llama8b),), 1, "fp16", ROOF)
+    w = perf.Workload(2048, 64, 2048)
+    ttfts = [perf.steady_state(dep, w, c).ttft_s for c in (1, 4, 16)]
+    alone = perf.step_time(dep.stages[0], H100, perf.context_work(2048), eff=ROOF).seconds
+    assert ttfts[0] == pytest.approx(alone)
+    assert ttfts[0] < ttfts[1] < ttfts[2]
+
+
 def test_chunked_context_splits_a_long_prompt(llama8b):
     dep = perf.Deployment(H100, (_cost(llama8b),), 1, "fp16", ROOF)
     w = perf.Workload(5000, 10, 2048)
@@ -384,3 +455,18 @@ def test_batch_candidates_cover_small_batches_and_the_limit():
 def test_a_workload_beyond_the_limits_is_noted():
     result = _predict(_spec("llama3-8b-awq-h100.yaml", "validation.workload.input_tokens=5000"))
     assert any("max_input_len 4096" in n for n in result.notes)
+
+
+def test_a_bench_run_weighs_its_first_wave_where_plan_gives_the_steady_state():
+    spec = _spec("llama3-8b-awq-h100.yaml", "validation.workload.concurrency=8", "validation.workload.num_requests=32")
+    model = load_model(spec.model.checkpoint)
+    quant = quant_format(spec, model.hf_config)
+    device = gpus.resolve(spec)
+    memory = plan_memory(spec, model, quant, device)
+    steady = perf.predict(spec, model, quant, device, memory, eff=ROOF)
+    run = perf.predict(spec, model, quant, device, memory, eff=ROOF, bench_run=True)
+    # 32 requests at concurrency 8: the first 8 start together and weigh a quarter of the mean
+    assert run.ttft_ms > steady.ttft_ms and (run.tpot_ms, run.max_output_tokens_per_s) == (steady.tpot_ms,
+                                                                                          steady.max_output_tokens_per_s)
+    timed = _spec("llama3-8b-awq-h100.yaml", "validation.workload.concurrency=8", "validation.workload.duration_s=60")
+    assert perf.predict(timed, model, quant, device, memory, eff=ROOF, bench_run=True).ttft_ms == steady.ttft_ms

@@ -36,6 +36,16 @@ default is assumed (BaseLlmArgs.max_num_tokens = 8192 in tensorrt_llm/llmapi/llm
 toolchain/upstream/facts/llmapi.json records it)."""
 HOLDOUT_EVERY = 4
 """Every 4th configuration (sorted) is held out whole: see `held_out`."""
+WAVES = 10
+"""Requests per run over the concurrency, assumed for the measured points (AIConfigurator's rows do not record
+the client): their grid (Llama-3.1-70B fp8 on B200/H200, TP 1-8, ISL/OSL 1k/1k, 1k/8k, 8k/1k, C 4-128) is
+SemiAnalysis InferenceMAX's, whose README ("Benchmark Client Configuration", github.com/jyothisambolu/InferenceMAX)
+runs vLLM's benchmark_serving.py with --num-prompts CONC x 10, --max-concurrency CONC, --request-rate inf,
+--ignore-eos and --random-range-ratio 0.8: a closed loop of 10 waves that starts with all C requests at once.
+The measured TTFT bears it out: it grows by about (C - 1)/20 prompt-times, the first wave's mean queue of
+(C - 1)/2 prompt-times over 10 waves (docs/planning.md). MAX_NUM_TOKENS stays the default although those
+launch scripts pass --max_num_tokens 16384: without a refit 16384 fits the 70B points' TTFT a little worse
+(22.8% against 21.2%), so the scripts of the measured date may have differed."""
 
 
 @dataclass(frozen=True)
@@ -129,15 +139,31 @@ def measured_deployment(point: Measured, eff: perf.Efficiency) -> perf.Deploymen
     return perf.Deployment(gpus.lookup(point.gpu), (stage,), point.tp, quant.format.math, eff)
 
 
+def batch_waiting(point: Measured) -> tuple[int, float]:
+    """(batch_wait_timeout_iters, batch_wait_max_tokens_ratio) of a measured point's server: InferenceMAX's
+    Llama-3.1-70B TensorRT-LLM launch scripts (benchmarks/70b_fp4_b200_trt_docker_profile.sh in the
+    ajith-sirra-amd/InferenceMAX_Rocm_Team fork, and the docker script it profiles) write both (20 and 0.9) into
+    the server's extra LLM API options for ISL/OSL 1024/1024 below TP 8 only ("For 1k/1k, use batch_wait_max_tokens_ratio and
+    batch_wait_timeout_iters will improve the performance, by default they are all zeros"); everything else runs
+    without batch waiting, TensorRT-LLM's default."""
+    if point.model == "llama-3.1-70b" and (point.isl, point.osl) == (1024, 1024) and point.tp < 8:
+        return 20, 0.9
+    return 0, 0.0
+
+
 def predict_measured(point: Measured, eff: perf.Efficiency | None = None) -> tuple[float, float, float]:
     """(TTFT ms, TPOT ms, output tokens/s) the model predicts for a measured point. When the concurrency is
     above what the KV cache holds, the engine runs as many as fit and the rest wait: in a closed loop of C
     clients and L running requests each request spends C / L times its service time in the system (Little's
-    law), so its TTFT grows by (C / L - 1) x that time."""
+    law), so its TTFT grows by (C / L - 1) x that time. The run is taken as WAVES x C requests from a standing
+    start, so the first wave's queue weighs in the mean TTFT (perf.first_wave_ttft)."""
     device = gpus.lookup(point.gpu)
     dep = measured_deployment(point, eff or perf.efficiency_of(device))
     running = min(point.concurrency, _kv_requests(*point.config))
-    at = perf.steady_state(dep, perf.Workload(point.isl, point.osl, MAX_NUM_TOKENS), running)
+    wait_iters, wait_ratio = batch_waiting(point)
+    workload = perf.Workload(point.isl, point.osl, MAX_NUM_TOKENS, batch_wait_iters=wait_iters,
+                             batch_wait_ratio=wait_ratio, requests=WAVES * running)
+    at = perf.steady_state(dep, workload, running)
     ttft, tpot = at.ttft_s * 1e3, at.tpot_s * 1e3
     service = ttft + (point.osl - 1) * tpot
     ttft += (point.concurrency / running - 1) * service

@@ -453,6 +453,17 @@ class Workload:
     max_num_tokens: int
     chunked: bool = True
     """Chunked context: a prompt runs in chunks of max_num_tokens; else whole in one step."""
+    batch_wait_iters: int = 0
+    """TensorRT-LLM's batch_wait_timeout_iters: iterations new prompts are held back to gather more (0: off, the
+    default; see `batch_wait`)."""
+    batch_wait_ratio: float = 0.0
+    """TensorRT-LLM's batch_wait_max_tokens_ratio: held prompts go once the iteration's tokens reach this share of
+    max_num_tokens (0: off, the default)."""
+    requests: int = 0
+    """Requests a benchmark run sends in all, when it sends a fixed number from a standing start: the first C
+    arrive together (`first_wave_ttft`) and weigh C / requests in the mean TTFT (`predict` with `bench_run`
+    passes a level's validation.workload.num_requests, as `toolchain bench` runs it). 0: the steady state alone
+    (`toolchain plan`, tune)."""
 
     @property
     def chunk(self) -> int:
@@ -480,6 +491,73 @@ class Point:
     generation_bound: str
 
 
+def generation_alone(dep: Deployment, generating: float, context: float, verify: int = 1) -> float:
+    """Seconds of a generation-only iteration of `generating` sequences (0 for none)."""
+    if generating <= 0:
+        return 0.0
+    return dep.iteration(generation_work(generating, context, verify), generating, generating, context)[0]
+
+
+def arrival_wait(mean_iteration: float, rate: float, prompt_work: float) -> float:
+    """What a request of a closed loop in steady state waits before its prompt's first chunk runs.
+
+    Its requests are staggered: each arrives when another ends, at an iteration's end, while the next iteration
+    has just started without it; it waits for that one (half an iteration on average: the client's round trip
+    eats into it, and at concurrency 1 no iteration runs). Then it queues behind prompts that arrived before
+    it and still wait for room: prompts reach the engine at `rate` (C per cycle) and each holds the prompt room
+    for `prompt_work` seconds (its chunks' time beyond the generation iterations they displace), a single
+    server with utilization rho = rate x work, whose mean wait with random arrivals and fixed service is
+    rho x work / (2 (1 - rho)) (the M/D/1 queue: the Pollaczek-Khinchine mean wait rate E[S^2] / (2 (1 - rho))
+    with E[S^2] = work^2). rho is kept below 0.95: past that the cycle itself is prompt-bound and steady_state
+    stretches it instead."""
+    work = max(prompt_work, 0.0)
+    rho = min(rate * work, 0.95)
+    return 0.5 * mean_iteration + rho * work / (2 * (1 - rho))
+
+
+def batch_wait(w: Workload, arrivals: float, generating: float) -> tuple[float, float]:
+    """(Mean iterations a prompt is held back, prompts released together) under TensorRT-LLM's batch waiting
+    (PyExecutor._waiting_requests in tensorrt_llm/_torch/pyexecutor/py_executor.py, which _schedule calls when
+    both context and generation requests are scheduled): while generation requests run, waiting prompts are not
+    scheduled until batch_wait_timeout_iters iterations have passed since the last release, or the iteration's
+    tokens (their prompt tokens and one per generating sequence) reach batch_wait_max_tokens_ratio x
+    max_num_tokens; with either setting 0 the test passes at once and nothing waits. A prompt that finds none
+    waiting opens a window of W = min(timeout, (k - 1) / a) iterations, k the prompts the threshold needs and a
+    the prompts arriving per iteration; the a W that join it later wait W / 2 on average, and all 1 + a W run
+    their first chunks in one iteration."""
+    if w.batch_wait_iters <= 0 or w.batch_wait_ratio <= 0 or arrivals <= 0:
+        return 0.0, 1.0
+    need = max(w.batch_wait_ratio * w.max_num_tokens - generating, 0.0)
+    k = max(1, math.ceil(need / w.isl))
+    window = min(float(w.batch_wait_iters), (k - 1) / arrivals)
+    joined = arrivals * window
+    return (window + joined * window / 2) / (1 + joined), 1 + joined
+
+
+def first_wave_ttft(dep: Deployment, w: Workload, concurrency: int) -> float:
+    """Mean TTFT of the first `concurrency` requests of a benchmark run, sent together into an idle engine
+    (a closed-loop client starts by filling every slot at once: vLLM's benchmark_serving.py with
+    --request-rate inf and --max-concurrency C): their prompts fill iterations of max_num_tokens prompt tokens
+    one after another (whole prompts when they fit one iteration, as the scheduler packs them), so the k-th
+    iteration's prompts see their first token after k such iterations; a prompt longer than max_num_tokens
+    runs its own chunks, the prompts one after another."""
+    c = max(concurrency, 1)
+    if w.chunked and w.isl > w.max_num_tokens:
+        one = sum(dep.iteration(context_work(min(w.chunk, w.isl - j * w.chunk), j * w.chunk), 1)[0]
+                  for j in range(w.context_steps))
+        return one * (c + 1) / 2
+    per = max(1, w.max_num_tokens // w.isl)
+
+    def prompts(n: int) -> float:
+        return dep.iteration(context_work(w.isl).scaled(n), n)[0]
+
+    full, rest = divmod(c, per)
+    total = sum(per * (k + 1) for k in range(full)) * prompts(per)
+    if rest:
+        total += rest * (full * prompts(per) + prompts(rest))
+    return total / c
+
+
 def steady_state(dep: Deployment, w: Workload, concurrency: int) -> Point:
     """In-flight batching with `concurrency` requests always in the system (a closed loop, or trtllm-bench's
     queue that refills a slot as soon as a request ends), over one cycle of I iterations in which each of the C
@@ -491,9 +569,10 @@ def steady_state(dep: Deployment, w: Workload, concurrency: int) -> Point:
     the prompts queue and the cycle stretches to P iterations. The cycle is P mixed iterations (prompt tokens of
     r = C cs / P requests beside the others' generation tokens) and I - P generation-only ones; a request not on
     its prompt generates in gen_steps of its I - cs other iterations. Throughput = C x osl / cycle. TPOT is the
-    mean iteration a request sees while it generates (the P - cs that carry other prompts, and the rest); TTFT is
-    its own chunks beside the others' generation tokens and the other prompt tokens of its mixed iterations, after
-    half of the generation iteration it arrives behind, without queueing."""
+    mean iteration a request sees while it generates (the P - cs that carry other prompts, and the rest). TTFT is
+    its own chunks beside the others' generation tokens after its wait for the iteration in flight and the prompts
+    ahead of it (`arrival_wait`: the requests are staggered, each arriving as another ends), and with
+    `w.requests` the run's first wave (`first_wave_ttft`) weighed in."""
     c, cs = concurrency, w.context_steps
     verify = 1 + dep.draft_len
     gen_steps = max(w.osl - 1, 0) / dep.tokens_per_step
@@ -523,21 +602,28 @@ def steady_state(dep: Deployment, w: Workload, concurrency: int) -> Point:
         if seen > 0 else 0.0
 
     others_gen = generation_work(g_mixed, context, verify)
-    wait = 0.5 * dep.iteration(others_gen, g_mixed, g_mixed, context)[0] if g_mixed > 0 else 0.0
-    ttft = wait + dep.eff.ttft_ms * 1e-3
     context_step: StepTime | None = None
+    own = 0.0  # the request's own chunks, each beside the generation tokens of a mixed iteration
     for j in range(cs):
         start = j * w.chunk
         chunk = context_work(min(w.chunk, w.isl - start), start)
-        # The in_prompt requests on their prompts share each mixed iteration (`prefill` is their tokens): a
-        # request's chunk rides with the others' share, as a closed loop's requests, started together and as long
-        # as each other, keep doing.
-        others = prefill.scaled(max(in_prompt - 1.0, 0.0) / in_prompt) if in_prompt > 0 else prefill.scaled(0.0)
-        t, slow = dep.iteration(add(others_gen, others), g_mixed + max(in_prompt, 1.0), g_mixed, context,
-                                whole=chunk)
-        ttft += t
+        t, slow = dep.iteration(others_gen, g_mixed + 1.0, g_mixed, context, whole=chunk)
+        own += t
         context_step = context_step or slow
     assert context_step is not None
+    ttft = own + dep.eff.ttft_ms * 1e-3
+    if c > 1 and cycle > 0:
+        ttft += arrival_wait(cycle / iters, c / cycle, own - cs * generation_alone(dep, g_mixed, context, verify))
+    held, group = batch_wait(w, c / iters, g_plain) if c > 1 and g_plain > 0 else (0.0, 1.0)
+    if held > 0:  # held back for generation-only iterations, then released with the prompts that joined it
+        ttft += held * generation_alone(dep, g_plain, context, verify)
+        chunk = context_work(w.chunk)
+        ttft += (dep.iteration(add(others_gen, chunk.scaled(group - 1)), g_mixed + group, g_mixed, context,
+                               whole=chunk)[0]
+                 - dep.iteration(others_gen, g_mixed + 1.0, g_mixed, context, whole=chunk)[0])
+    if w.requests > c:  # the run's first C requests arrive together: 1 in requests / C waves of a benchmark
+        wave = first_wave_ttft(dep, w, c) + dep.eff.ttft_ms * 1e-3
+        ttft += (wave - ttft) * c / w.requests
     if g_plain == 0:  # one output token: the bound of a generation step of the batch all the same
         gen_step = dep.iteration(generation_work(c, context, verify), c)[1]
     return Point(c, throughput, ttft, tpot, context_step.bound, gen_step.bound)
@@ -680,12 +766,17 @@ def deployment(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: M
 
 def predict(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, memory: MemoryPlan,
             draft: ModelInfo | None = None, eff: Efficiency | None = None, profile: HostProfile | None = None,
-            concurrency: int | None = None) -> Performance:
+            concurrency: int | None = None, bench_run: bool = False) -> Performance:
     """TTFT and TPOT at `concurrency` (default validation.workload.concurrency), and the maximum output
-    throughput, of a spec that fits; on this host's CPU engine with `profile`."""
+    throughput, of a spec that fits; on this host's CPU engine with `profile`. TTFT is the steady state's (a
+    service long running), or with `bench_run` the mean over a `toolchain bench` level, whose num_requests
+    requests start with all C at once (Workload.requests; not with duration_s or an open loop)."""
     dep, notes = deployment(spec, model, quant, device, draft, eff, profile)
     wl, lim = spec.validation.workload, spec.limits
-    w = Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens, spec.build.chunked_context)
+    run = bench_run and wl.duration_s is None and wl.mode == "concurrency"
+    requests = wl.num_requests if run else 0
+    w = Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens, spec.build.chunked_context,
+                 requests=requests)
     if w.isl > lim.max_input_len or w.isl + w.osl > lim.max_seq_len:
         notes.append(f"the workload's {w.isl} + {w.osl} tokens exceed limits.max_input_len {lim.max_input_len} or "
                      f"max_seq_len {lim.max_seq_len}: the engine would refuse such requests")
@@ -752,21 +843,24 @@ def host_profile_of(spec) -> HostProfile | None:
 
 def performance_dict(spec, model: ModelInfo | None, quant: QuantFormat, device: Gpu | None,
                      memory: MemoryPlan | None, draft: ModelInfo | None = None, *,
-                     concurrency: int | None = None, profile: HostProfile | None = None) -> dict:
+                     concurrency: int | None = None, profile: HostProfile | None = None,
+                     bench_run: bool = False) -> dict:
     """`toolchain plan`'s performance object: the prediction, or why there is none. A CPU target is predicted
-    from `profile`, by default this host's cached one (`toolchain probe-host`)."""
+    from `profile`, by default this host's cached one (`toolchain probe-host`); `bench_run`: as `predict`."""
     profile = profile or host_profile_of(spec)
     reason = unavailable(spec, device, memory, profile) if model is not None else "the model's config is not readable"
     if reason is not None:
         return {"predicted": False, "note": reason}
     assert model is not None and device is not None and memory is not None
-    return predict(spec, model, quant, device, memory, draft, profile=profile, concurrency=concurrency).as_dict()
+    return predict(spec, model, quant, device, memory, draft, profile=profile, concurrency=concurrency,
+                   bench_run=bench_run).as_dict()
 
 
 def predict_spec(spec, concurrency: int | None = None, profile: HostProfile | None = None) -> dict:
     """The performance object of a spec on its own (what `toolchain bench` sets beside its measurement): the
     model's config, the format and the memory plan read as `toolchain plan` reads them, then `performance_dict`
-    at `concurrency`. Never raises for an unreadable model: the object says why there is no prediction."""
+    at `concurrency`, TTFT as the bench's level runs it (`bench_run`: its first wave weighed in). Never raises
+    for an unreadable model: the object says why there is no prediction."""
     device = gpus.resolve(spec)
     try:
         model = load_model(spec.model.checkpoint)
@@ -784,4 +878,5 @@ def predict_spec(spec, concurrency: int | None = None, profile: HostProfile | No
         memory = plan_memory(spec, model, quant, device, DraftModel(draft) if draft else None) if device else None
     except ToolchainError as err:
         return {"predicted": False, "note": f"no memory plan: {err}"}
-    return performance_dict(spec, model, quant, device, memory, draft, concurrency=concurrency, profile=profile)
+    return performance_dict(spec, model, quant, device, memory, draft, concurrency=concurrency, profile=profile,
+                            bench_run=True)
