@@ -113,9 +113,10 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     if recipe.method == "awq":
         problem = moe.per_group_problem(params, recipe.group_size, opts.moe_sizes[0])
         if problem is not None:
+            smaller = "quantization.group_size 64, " if recipe.group_size > 64 else ""
             raise ToolchainError(f"{ckpt.config_path}: {problem}",
-                                 "use quantization.group_size 64, a smaller parallelism.moe_tp (a larger moe_ep), "
-                                 "or quantization.method int4_wo")
+                                 f"use {smaller}a smaller parallelism.moe_tp (a larger moe_ep), or quantization.method "
+                                 "int4_wo")
     quant = None
     if recipe.active or prequantized is not None:
         quant = Quantizer(recipe, params.num_attention_heads, params.num_key_value_heads, tp,
