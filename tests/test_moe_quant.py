@@ -2,7 +2,8 @@
 which formats convert and which are refused in one line, what the stacked experts hold per format, calibration
 through every expert, the planner's expert bytes, and the CPU engine's logits against the unquantized model within
 the bounds the dense families' quantized parity uses (tests/test_engine_cpu_quant.py test_whole_model_close_to_fp);
-on the LLM-API path, the FP8 HF-format export against ModelOpt 0.47's own (tests/data/layouts-hf-moe)."""
+on the LLM-API path, the FP8 HF-format export against ModelOpt 0.47's own (tests/data/layouts-hf-moe). AWQ experts
+are tested on models whose widths hold whole int4 groups (`awq_models`)."""
 
 from __future__ import annotations
 

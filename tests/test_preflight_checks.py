@@ -151,7 +151,7 @@ TRIGGERS = {
     # a valid Mapping (1 x 4 = tp) that cannot divide 6 experts over 4 ranks
     "moe.parallelism": ({"parallelism": {"tp": 4, "moe_tp": 1, "moe_ep": 4}},
                         {"setup": use_config({**MIXTRAL, "num_local_experts": 6})}, FAIL),
-    "arch.quantization": ({}, {"quant": QuantFormat("awq"), "setup": use_config(MIXTRAL)}, FAIL),
+    "arch.quantization": ({}, {"quant": QuantFormat("smoothquant"), "setup": use_config(MIXTRAL)}, FAIL),
     "arch.supported": ({"model": {"checkpoint": str(CONFIGS / "mistral-7b-instruct-v0.3")}},
                        {"setup": "unregister-mistral"}, WARN),
     "quant.group-size": ({}, {"quant": QuantFormat("awq", group_size=32)}, FAIL),
@@ -280,6 +280,7 @@ def test_check_triggers(tmp_path, monkeypatch, check_id):
     (MIXTRAL, QuantFormat("smoothquant"), FAIL, "quantization smoothquant on MixtralForCausalLM"),
     (MIXTRAL, QuantFormat("int8_wo", kv_cache="fp8"), PASS, "MixtralForCausalLM int8_wo"),
     (MIXTRAL, QuantFormat(), PASS, "MixtralForCausalLM none"),
+    (MIXTRAL, QuantFormat("awq"), PASS, "MixtralForCausalLM awq"),
 ])
 def test_arch_quantization_reads_the_family_row(tmp_path, config, quant, expected, says):
     """One check asks every family's `quantization` refusal (the same one convert and the HF export ask)."""

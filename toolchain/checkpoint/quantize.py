@@ -32,6 +32,8 @@ toolchain/quant/formats.py, which `planned` and `components` follow):
   written transposed, in the model dtype.
 - W8A8_SQ_PER_CHANNEL: int8 weight, per-channel and static activation scales, prequant.
 - FP8: e4m3 weight, per-tensor weight and activation scales; q/k/v and fc/gate share them.
+- Mixture-of-experts stacks (FP8, awq) carry the experts in front, [experts, ...], as MOEWeightWrapper takes
+  them (the section "mixture-of-experts stacks" below).
 
 ModelOpt Hugging Face-format checkpoints (FP8, per-group int4 AWQ; toolchain/checkpoint/hf_quant.py) are
 imported as stored: `virtualize_modelopt` shows the planner the fp model they encode, and the
@@ -45,6 +47,7 @@ prequant vectors in the model dtype.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -363,7 +366,7 @@ class Quantizer:
     def handles(self, group: Group) -> bool:
         return all(self.quantizes(o.name, o.stage) for o in group.outputs)
 
-    # -- mixture-of-experts stacks (FP8) ---------------------------------------------------
+    # -- mixture-of-experts stacks (FP8, AWQ) -----------------------------------------------
     # MOEWeightWrapper (TensorRT-LLM tensorrt_llm/layers/moe.py at c388fec7) holds an FP8 stack as weight
     # [experts, out, in] e4m3, weights_scaling_factor [experts, 1] (fc: w3 and w1 of an expert share the larger
     # of their two scales, the weights requantized to it) and one activation_scaling_factor [1] for the stack,
@@ -428,7 +431,7 @@ class Quantizer:
                          (f"{prefix}.activation_scaling_factor", act.clone())]
         return out
 
-    def _write_awq_experts(self, o, prefix: str, stats, mine: list[tuple[torch.Tensor, ...]],
+    def _write_awq_experts(self, o, prefix: str, stats, mine: Sequence[tuple[torch.Tensor, ...]],
                            fc: bool) -> dict[int, list[tuple[str, torch.Tensor]]]:
         """An expert stack in per-group int4 (the layout above): fc's experts share the MoE block's input, proj's
         each its own (every expert calibrated on every token: quant/calibration.py _expert_amax)."""
