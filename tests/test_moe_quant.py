@@ -179,6 +179,23 @@ def test_calibration_runs_the_moe_layers_and_every_expert(models, model):
     assert [st.qkv_amax for st in stats] == pytest.approx(amax, rel=1e-5)
     for st in stats:
         assert len(st.expert_proj_amax) == 4 and min(st.expert_proj_amax) > 0
+        assert st.expert_proj == [] and st.inputs["mlp"].xtx is None  # second moments only when asked (AWQ)
+
+
+def test_awq_calibration_keeps_each_experts_down_projection_input(models):
+    """With second moments (AWQ), the MoE block's input and each expert's down-projection input over every
+    token: 39 tokens for each expert, its amax the one the FP8 path reads, and its second moments."""
+    from toolchain.quant.calibration import collect_stats
+
+    seqs = [torch.arange(3, 30), torch.arange(40, 52)]
+    for st in collect_stats(models["mixtral"], seqs, covariance=True):
+        assert st.inputs["mlp"].tokens == 39 and st.inputs["mlp"].cov.shape == (64, 64)
+        assert len(st.expert_proj) == 4
+        for e, one in enumerate(st.expert_proj):
+            assert one.tokens == 39 and one.cov.shape == (128, 128)
+            assert float(one.amax.max()) == pytest.approx(st.expert_proj_amax[e], rel=1e-6)
+            diag = one.cov.diagonal()  # E[x²] per channel: positive, at most amax²
+            assert float(diag.min()) > 0 and bool((diag <= one.amax.double() ** 2 * (1 + 1e-6)).all())
 
 
 @pytest.mark.parametrize("kv,tol", [("int8", 5e-2), ("fp8", 1e-1)])
