@@ -274,6 +274,16 @@ def test_check_triggers(tmp_path, monkeypatch, check_id):
     assert result.message and "\n" not in result.message
 
 
+@pytest.mark.parametrize("moe,expected", [({"moe_tp": 4}, FAIL), ({"moe_ep": 4}, PASS)])
+def test_per_group_experts_need_whole_groups_per_rank(tmp_path, moe, expected):
+    """AWQ experts are never padded: 11008 wide over moe_tp 4 is 2752 per rank, not whole groups of 128 (convert
+    refuses it in the same words); over moe_ep 4 each rank holds whole experts."""
+    result = run(tmp_path, {"parallelism": {"tp": 4, **moe}}, quant=QuantFormat("awq"),
+                 setup=use_config({**MIXTRAL, "intermediate_size": 11008}))["quant.group-padding"]
+    assert result.status == expected, result.message
+    assert ("11008 / moe_tp 4 = 2752) is not a multiple of the group size 128" in result.message) == (expected == FAIL)
+
+
 @pytest.mark.parametrize("config,quant,expected,says", [
     (GEMMA2, QuantFormat("awq"), FAIL, "only int8_wo, int4_wo"),
     (GEMMA2, QuantFormat("int8_wo"), PASS, "Gemma2ForCausalLM int8_wo"),
