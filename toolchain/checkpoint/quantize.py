@@ -377,7 +377,6 @@ class Quantizer:
     def is_experts(group: Group) -> bool:
         return group.outputs[0].row.shard in EXPERT_SHARDS
 
-    #
     # AWQ (per-group W4A16, MOEWeightWrapper's has_per_group_scaling branch) is stored as the dense awq linear is,
     # with the experts in front: weight [experts, out/2, in] int8 (two int4 rows per byte), weights_scaling_factor
     # [experts, out, in/g] and prequant_scaling_factor [experts, in]. trtllm-build's preprocess_perlayer_weights
