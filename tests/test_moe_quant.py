@@ -2,7 +2,8 @@
 which formats convert and which are refused in one line, what the stacked experts hold per format, calibration
 through every expert, the planner's expert bytes, and the CPU engine's logits against the unquantized model within
 the bounds the dense families' quantized parity uses (tests/test_engine_cpu_quant.py test_whole_model_close_to_fp);
-on the LLM-API path, the FP8 HF-format export against ModelOpt 0.47's own (tests/data/layouts-hf-moe)."""
+on the LLM-API path, the FP8 HF-format export against ModelOpt 0.47's own (tests/data/layouts-hf-moe). AWQ experts
+are tested on models whose widths hold whole int4 groups (`awq_models`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from toolchain.archs import load_params
 from toolchain.checkpoint.convert import plan_checkpoint
 from toolchain.engine.cpu import CpuEngine
 from toolchain.engine.cpu.linear import Linear
-from toolchain.engine.cpu.qlinear import Int4WeightOnly, Int8WeightOnly
+from toolchain.engine.cpu.qlinear import Int4Grouped, Int4WeightOnly, Int8WeightOnly
 from toolchain.errors import ToolchainError
 from toolchain.quant.int_quant import quantize_per_channel
 from toolchain.quant.recipe import Recipe
@@ -118,12 +119,14 @@ def test_int8_experts_quantized_per_expert_per_channel(models, tmp_path):
 
 @pytest.mark.parametrize("method,kv,words", [
     ("smoothquant", "none", "quantization smoothquant on MixtralForCausalLM: TensorRT-LLM's MixtureOfExperts"),
-    ("awq", "none", "quantization awq"),
+    ("awq", "none", "quantization awq of a shared expert on Qwen2MoeForCausalLM is not supported yet"),
 ])
 def test_unsupported_formats_refused_in_one_line(models, method, kv, words):
+    model = "qwen2" if method == "awq" else "mixtral"
     with pytest.raises(ToolchainError) as err:
-        plan_checkpoint(models["mixtral"], tp=1, pp=1, recipe=Recipe(method=method, kv_cache=kv))
-    assert words in str(err.value) and "MixtralForCausalLM" in str(err.value) and "\n" not in str(err.value)
+        plan_checkpoint(models[model], tp=1, pp=1, recipe=Recipe(method=method, kv_cache=kv))
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert "MixtralForCausalLM" in str(err.value) if model == "mixtral" else "awq" not in err.value.hint
 
 
 @pytest.mark.parametrize("method", ["int8_wo", "int4_wo"])
@@ -176,6 +179,23 @@ def test_calibration_runs_the_moe_layers_and_every_expert(models, model):
     assert [st.qkv_amax for st in stats] == pytest.approx(amax, rel=1e-5)
     for st in stats:
         assert len(st.expert_proj_amax) == 4 and min(st.expert_proj_amax) > 0
+        assert st.expert_proj == [] and st.inputs["mlp"].xtx is None  # second moments only when asked (AWQ)
+
+
+def test_awq_calibration_keeps_each_experts_down_projection_input(models):
+    """With second moments (AWQ), the MoE block's input and each expert's down-projection input over every
+    token: 39 tokens for each expert, its amax the one the FP8 path reads, and its second moments."""
+    from toolchain.quant.calibration import collect_stats
+
+    seqs = [torch.arange(3, 30), torch.arange(40, 52)]
+    for st in collect_stats(models["mixtral"], seqs, covariance=True):
+        assert st.inputs["mlp"].tokens == 39 and st.inputs["mlp"].cov.shape == (64, 64)
+        assert len(st.expert_proj) == 4
+        for e, one in enumerate(st.expert_proj):
+            assert one.tokens == 39 and one.cov.shape == (128, 128)
+            assert float(one.amax.max()) == pytest.approx(st.expert_proj_amax[e], rel=1e-6)
+            diag = one.cov.diagonal()  # E[x²] per channel: positive, at most amax²
+            assert float(diag.min()) > 0 and bool((diag <= one.amax.double() ** 2 * (1 + 1e-6)).all())
 
 
 @pytest.mark.parametrize("kv,tol", [("int8", 5e-2), ("fp8", 1e-1)])
@@ -299,3 +319,128 @@ def test_planner_counts_fp8_experts_as_convert_writes_them(models):
         fc = [t for t in dry["fp8"].ranks[0] if t.name == "transformer.layers.0.mlp.fc.weights_scaling_factor"]
         assert fc[0].shape == (4 // ep, 1)
         assert planned["fp8"] - planned["none"] == dry["fp8"].rank_bytes(0) - dry["none"].rank_bytes(0) < 0
+
+
+# -- AWQ (per-group W4A16) experts -------------------------------------------------------------------------------
+
+G = 64  # the smaller of TensorRT-LLM's two int4 group sizes; the tiny models' hidden size is one group
+
+
+@pytest.fixture(scope="module")
+def awq_models(tmp_path_factory):
+    """Models whose widths take groups of 64: the tiny Mixtral (experts 128 wide), a Qwen3-MoE with experts
+    128 wide (the shared models' 32 is under any int4 group), and a Mixtral 128 wide, which per-group int4 can
+    split over tp 2 (hidden_size a multiple of max(64, g) x tp, quant/recipe.py check_per_group)."""
+    root = tmp_path_factory.mktemp("hf-moe-awq")
+    return {"mixtral": make_hf_model("MixtralForCausalLM", root / "mixtral", seed=21, num_local_experts=4,
+                                     num_experts_per_tok=2),
+            "qwen3": make_qwen_moe(QWEN3_MOE, root / "qwen3", 33, head_dim=32, norm_topk_prob=True,
+                                   moe_intermediate_size=128),
+            "wide": make_hf_model("MixtralForCausalLM", root / "wide", seed=23, num_local_experts=4,
+                                  num_experts_per_tok=2, hidden_size=128)}
+
+
+def _awq_engine(hf, tmp_path, tag: str, tp: int = 1, **moe) -> CpuEngine:
+    g = torch.Generator().manual_seed(0)
+    calibration = [torch.randint(0, 250, (48,), generator=g) for _ in range(4)]
+    return CpuEngine.load(make_engine_dir(hf, tmp_path / tag, tp, 1, dtype="float32", convert_kwargs={
+        "recipe": Recipe(method="awq", group_size=G), "calibration": calibration, **moe}))
+
+
+@pytest.mark.parametrize("model", ["mixtral", "qwen3"])
+def test_awq_experts_layout_and_logits(awq_models, tmp_path, model):
+    """AWQ experts stored as MOEWeightWrapper's per-group branch takes them through trtllm-build
+    (tensorrt_llm/layers/moe.py, preprocess_perlayer_weights in models/modeling_utils.py): per stack a packed
+    int4 weight [E, out/2, in] int8, float32 scales [E, out, in/g] and the prequant vector [E, in] whose rows are
+    one vector (upstream keeps row 0), the router float32; the engine runs each expert as a grouped int4 linear,
+    and the logits stay within the int4 bounds above, closer than round-to-nearest per channel (int4_wo)."""
+    hf = awq_models[model]
+    fp, q = _engine(hf, tmp_path, "none"), _awq_engine(hf, tmp_path, "awq")
+    assert q.config["pretrained_config"]["quantization"] | {"exclude_modules": None} == {
+        "quant_algo": "W4A16_AWQ", "kv_cache_quant_algo": None, "exclude_modules": None, "group_size": G,
+        "has_zero_point": False, "pre_quant_scale": True}
+    stored = load_file(tmp_path / "awq" / "checkpoint" / "rank0.safetensors")
+    p = json.loads((hf / "config.json").read_text())
+    h, width = p["hidden_size"], p.get("moe_intermediate_size") or p["intermediate_size"]
+    for name, (out_f, in_f) in (("fc", (2 * width, h)), ("proj", (h, width))):
+        t = {k: stored[f"transformer.layers.1.mlp.{name}.{k}"]
+             for k in ("weight", "weights_scaling_factor", "prequant_scaling_factor")}
+        assert {k: (tuple(v.shape), v.dtype) for k, v in t.items()} == {
+            "weight": ((4, out_f // 2, in_f), torch.int8), "weights_scaling_factor": ((4, out_f, in_f // G), torch.float32),
+            "prequant_scaling_factor": ((4, in_f), torch.float32)}
+        pre = t["prequant_scaling_factor"]
+        assert torch.equal(pre, pre[:1].expand_as(pre)) and not torch.equal(pre[0], torch.ones(in_f))  # searched
+    assert stored["transformer.layers.1.mlp.router.weight"].dtype == torch.float32
+    experts = q.model.stages[0][0].layers[1].experts
+    assert len(experts.fc) == 4 and all(isinstance(lin, Int4Grouped) for lin in experts.fc + experts.proj)
+    ref, got = fp.forward_logits(IDS), q.forward_logits(IDS)
+    rel = _rel(got, ref)
+    assert float((rel < REL["int4_wo"]).float().mean()) >= WITHIN and float(rel.min()) > 0, rel
+    rtn = _rel(_engine(hf, tmp_path, "int4_wo").forward_logits(IDS), ref)
+    assert float(rel.mean()) < float(rtn.mean())  # measured: 0.21 against 0.24 on the Mixtral model
+    # each expert's kernel against its own dequantized weights (the kernels' bound): whole-model logits cannot
+    # show it here, as one token whose routing tie flips in layer 0 moves every later position through attention
+    x = torch.randn(16, h, generator=torch.Generator().manual_seed(1))
+    for layer in q.model.stages[0][0].layers:
+        for lin in layer.experts.fc:
+            ref_e = torch.nn.functional.linear(x * lin.prequant, lin.dequantized())
+            assert float((lin(x) - ref_e).abs().max() / ref_e.abs().max()) < KERNEL_REL
+
+
+@pytest.mark.parametrize("moe", [{"moe_tp": 2}, {"moe_ep": 2}])
+def test_awq_experts_split_over_ranks(awq_models, tmp_path, moe):
+    """At tp 2 the stacks are quantized whole and then cut: over moe_tp each expert's fc rows (weight and scale
+    rows) and proj columns (weight columns, scale groups, prequant entries) are halved, over moe_ep each rank
+    holds two whole experts; either way the logits are those of tp 1."""
+    hf = awq_models["wide"]
+    one, two = _awq_engine(hf, tmp_path, "tp1"), _awq_engine(hf, tmp_path, "tp2", tp=2, **moe)
+    full = load_file(tmp_path / "tp1" / "checkpoint" / "rank0.safetensors")
+    ranks = [load_file(tmp_path / "tp2" / "checkpoint" / f"rank{r}.safetensors") for r in range(2)]
+    pre = "transformer.layers.0.mlp"
+    if "moe_ep" in moe:
+        for r, t in enumerate(ranks):
+            for n in ("fc.weight", "fc.weights_scaling_factor", "proj.weight", "proj.prequant_scaling_factor"):
+                assert torch.equal(t[f"{pre}.{n}"], full[f"{pre}.{n}"][2 * r:2 * r + 2])
+    else:
+        w = full[f"{pre}.proj.weight"]
+        assert ranks[1][f"{pre}.proj.weight"].shape == (4, 64, 64)
+        assert torch.equal(ranks[1][f"{pre}.proj.weight"], w[:, :, 64:])
+        assert torch.equal(ranks[1][f"{pre}.proj.weights_scaling_factor"],
+                           full[f"{pre}.proj.weights_scaling_factor"][:, :, 1:])
+        assert torch.equal(ranks[0][f"{pre}.proj.prequant_scaling_factor"],
+                           full[f"{pre}.proj.prequant_scaling_factor"][:, :64])
+        fc, fcs = full[f"{pre}.fc.weight"], full[f"{pre}.fc.weights_scaling_factor"]  # rows [w3 128; w1 128]
+        assert torch.equal(ranks[0][f"{pre}.fc.weight"], torch.cat([fc[:, :32], fc[:, 64:96]], dim=1))
+        assert torch.equal(ranks[1][f"{pre}.fc.weights_scaling_factor"], torch.cat([fcs[:, 64:128], fcs[:, 192:]], dim=1))
+    ref = one.forward_logits(IDS)
+    # one quantization, run in parts: only the kernels' bf16 rounding differs (measured at most 0.009)
+    assert float(_rel(two.forward_logits(IDS), ref).max()) < KERNEL_REL
+
+
+def test_awq_expert_width_must_hold_whole_groups(models):
+    """Experts are never zero-padded (MixtureOfExperts takes their width as it is): the 32-wide ones are refused."""
+    with pytest.raises(ToolchainError, match=r"expert moe_intermediate_size per rank \(32 / moe_tp 1 = 32\) is not "
+                                             "a multiple of the group size 64") as err:
+        plan_checkpoint(models["qwen3"], tp=1, pp=1, recipe=Recipe(method="awq", group_size=G))
+    assert "moe_tp" in err.value.hint and "group_size" not in err.value.hint
+
+
+def test_planner_counts_awq_experts_as_convert_writes_them(awq_models):
+    """AWQ experts add or save per rank what convert's plan writes (the prequant vector once per expert in the
+    checkpoint); the engine holds that vector once per stack and the scales in half precision."""
+    from toolchain.checkpoint.convert import plan_any
+    from toolchain.plan.memory import expert_bytes, rank_weights
+    from toolchain.plan.model import QuantFormat
+
+    hf = awq_models["qwen3"]
+    _, p = load_params(json.loads((hf / "config.json").read_text()))
+    dry, planned = {}, {}
+    for method in ("none", "awq"):
+        dry[method] = plan_any(hf, tp=1, pp=1, dtype="float16", target="cpu", recipe=Recipe(method=method, group_size=G))
+        planned[method] = rank_weights(p, tp=1, pp_rank=0, pp=1, quant=QuantFormat(method=method, group_size=G),
+                                       dt_bytes=2, stored=True, qkv_bias=p.attention_bias).total
+    assert planned["awq"] - planned["none"] == dry["awq"].rank_bytes(0) - dry["none"].rank_bytes(0) < 0
+    h, w, e = p.hidden_size, p.expert_size, p.num_experts
+    built = expert_bytes(p, 1, 1, 2, QuantFormat(method="awq", group_size=G))
+    # router f32; per expert packed int4 and fp16 scales of fc [2w, h] and proj [h, w]; one prequant per stack
+    assert built == e * h * 4 + e * (3 * w * h / 2 + (2 * w * h + h * w) // G * 2) + (h + w) * 2

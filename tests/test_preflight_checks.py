@@ -151,7 +151,7 @@ TRIGGERS = {
     # a valid Mapping (1 x 4 = tp) that cannot divide 6 experts over 4 ranks
     "moe.parallelism": ({"parallelism": {"tp": 4, "moe_tp": 1, "moe_ep": 4}},
                         {"setup": use_config({**MIXTRAL, "num_local_experts": 6})}, FAIL),
-    "arch.quantization": ({}, {"quant": QuantFormat("awq"), "setup": use_config(MIXTRAL)}, FAIL),
+    "arch.quantization": ({}, {"quant": QuantFormat("smoothquant"), "setup": use_config(MIXTRAL)}, FAIL),
     "arch.supported": ({"model": {"checkpoint": str(CONFIGS / "mistral-7b-instruct-v0.3")}},
                        {"setup": "unregister-mistral"}, WARN),
     "quant.group-size": ({}, {"quant": QuantFormat("awq", group_size=32)}, FAIL),
@@ -274,12 +274,23 @@ def test_check_triggers(tmp_path, monkeypatch, check_id):
     assert result.message and "\n" not in result.message
 
 
+@pytest.mark.parametrize("moe,expected", [({"moe_tp": 4}, FAIL), ({"moe_ep": 4}, PASS)])
+def test_per_group_experts_need_whole_groups_per_rank(tmp_path, moe, expected):
+    """AWQ experts are never padded: 11008 wide over moe_tp 4 is 2752 per rank, not whole groups of 128 (convert
+    refuses it in the same words); over moe_ep 4 each rank holds whole experts."""
+    result = run(tmp_path, {"parallelism": {"tp": 4, **moe}}, quant=QuantFormat("awq"),
+                 setup=use_config({**MIXTRAL, "intermediate_size": 11008}))["quant.group-padding"]
+    assert result.status == expected, result.message
+    assert ("11008 / moe_tp 4 = 2752) is not a multiple of the group size 128" in result.message) == (expected == FAIL)
+
+
 @pytest.mark.parametrize("config,quant,expected,says", [
     (GEMMA2, QuantFormat("awq"), FAIL, "only int8_wo, int4_wo"),
     (GEMMA2, QuantFormat("int8_wo"), PASS, "Gemma2ForCausalLM int8_wo"),
     (MIXTRAL, QuantFormat("smoothquant"), FAIL, "quantization smoothquant on MixtralForCausalLM"),
     (MIXTRAL, QuantFormat("int8_wo", kv_cache="fp8"), PASS, "MixtralForCausalLM int8_wo"),
     (MIXTRAL, QuantFormat(), PASS, "MixtralForCausalLM none"),
+    (MIXTRAL, QuantFormat("awq"), PASS, "MixtralForCausalLM awq"),
 ])
 def test_arch_quantization_reads_the_family_row(tmp_path, config, quant, expected, says):
     """One check asks every family's `quantization` refusal (the same one convert and the HF export ask)."""

@@ -105,8 +105,11 @@ def with_experts(dense_rows: tuple[Row, ...], *expert_rows: Row) -> tuple[Row, .
 # symmetric_quantize_last_axis_of_batched_matrix gives per_channel_scale [E, out]; weight_only_quantize_dict
 # matches 'fc.weight'/'proj.weight', never 'router.weight', and excludes '*shared_expert_gate.weight').
 # FP8: the stacks quantized per expert with one activation scale per stack (checkpoint/quantize.py, after
-# MOEWeightWrapper in tensorrt_llm/layers/moe.py at c388fec7).
-EXPERT_METHODS = ("none", "int8_wo", "int4_wo", "fp8")
+# MOEWeightWrapper in tensorrt_llm/layers/moe.py at c388fec7). AWQ: per-group int4 stacks with one prequant vector
+# per stack (the same wrapper's has_per_group_scaling branch; checkpoint/quantize.py). A shared expert (Qwen2-MoE)
+# is not written in fp8 or awq yet (its calibration slots are not collected): `quantization_refusal` says so.
+EXPERT_METHODS = ("none", "int8_wo", "int4_wo", "fp8", "awq")
+NOT_WITH_SHARED_EXPERT = ("fp8", "awq")
 KV_CACHES = ("none", "int8", "fp8")
 
 
@@ -121,7 +124,7 @@ def quantization_refusal(params: Any, method: str, kv_cache: str, stored: str | 
     `stored` names the format of a checkpoint that is quantized already (imports keep no expert layout yet)."""
     if not params.is_moe:
         return None
-    methods = [m for m in EXPERT_METHODS[1:] if not (m == "fp8" and params.shared_expert_size)]
+    methods = [m for m in EXPERT_METHODS[1:] if not (m in NOT_WITH_SHARED_EXPERT and params.shared_expert_size)]
     hint = (f"use quantization.method {' or '.join(methods)} with kv_cache {' or '.join(KV_CACHES)}, "
             "or convert the model unquantized")
     if method in UPSTREAM_UNSUPPORTED and not stored:
@@ -129,14 +132,28 @@ def quantization_refusal(params: Any, method: str, kv_cache: str, stored: str | 
     if stored:
         what = f"a pre-quantized checkpoint ({stored})"
     elif method not in EXPERT_METHODS:
-        what = f"quantization {method}"  # awq: MOEWeightWrapper's per-group layout is not written here yet
+        what = f"quantization {method}"
     elif kv_cache not in KV_CACHES:
         what = f"quantization.kv_cache {kv_cache}"
-    elif method == "fp8" and params.shared_expert_size:
-        what = "quantization fp8 of a shared expert"
+    elif method in NOT_WITH_SHARED_EXPERT and params.shared_expert_size:
+        what = f"quantization {method} of a shared expert"
     else:
         return None
     return Refusal(f"{what} on {params.architecture} is not supported yet", hint)
+
+
+def per_group_problem(params: Any, group: int, moe_tp: int) -> str | None:
+    """Why per-group int4 (awq) experts cannot be cut at this moe_tp (None: they can). Each rank's proj holds
+    I/moe_tp input columns in whole groups (weights_scaling_factor [experts, in/g, out] in MOEWeightWrapper,
+    tensorrt_llm/layers/moe.py at c388fec7) and its fc 2 I/moe_tp output rows packed two per byte; the experts
+    are never zero-padded as a dense MLP is (MixtureOfExperts takes the expert width as it is)."""
+    if not params.is_moe:
+        return None
+    width = params.expert_size // moe_tp
+    if width % group or width % 2:
+        return (f"per-group int4 experts: the expert {_width_key(params)} per rank ({params.expert_size} / "
+                f"moe_tp {moe_tp} = {width}) is not a multiple of the group size {group}")
+    return None
 
 
 def rank_experts(num_experts: int, moe_ep: int, tp_rank: int) -> range:

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from toolchain.archs import load_params
+from toolchain.archs import load_params, moe
 from toolchain.archs.common import NameTable
 from toolchain.archs.params import ArchParams, engine_dtype
 from toolchain.checkpoint import sharding
@@ -110,6 +110,13 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
                              "use another parallelism.tp, or re-export the checkpoint with every MLP linear quantized"
                              if recipe.stored else "remove the mlp modules from quantization.exclude_modules, "
                              "or use quantization.group_size 64 or another parallelism.tp")
+    if recipe.method == "awq":
+        problem = moe.per_group_problem(params, recipe.group_size, opts.moe_sizes[0])
+        if problem is not None:
+            smaller = "quantization.group_size 64, " if recipe.group_size > 64 else ""
+            raise ToolchainError(f"{ckpt.config_path}: {problem}",
+                                 f"use {smaller}a smaller parallelism.moe_tp (a larger moe_ep), or quantization.method "
+                                 "int4_wo")
     quant = None
     if recipe.active or prequantized is not None:
         quant = Quantizer(recipe, params.num_attention_heads, params.num_key_value_heads, tp,

@@ -32,6 +32,8 @@ toolchain/quant/formats.py, which `planned` and `components` follow):
   written transposed, in the model dtype.
 - W8A8_SQ_PER_CHANNEL: int8 weight, per-channel and static activation scales, prequant.
 - FP8: e4m3 weight, per-tensor weight and activation scales; q/k/v and fc/gate share them.
+- Mixture-of-experts stacks (FP8, awq) carry the experts in front, [experts, ...], as MOEWeightWrapper takes
+  them (the section "mixture-of-experts stacks" below).
 
 ModelOpt Hugging Face-format checkpoints (FP8, per-group int4 AWQ; toolchain/checkpoint/hf_quant.py) are
 imported as stored: `virtualize_modelopt` shows the planner the fp model they encode, and the
@@ -45,6 +47,7 @@ prequant vectors in the model dtype.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -363,7 +366,7 @@ class Quantizer:
     def handles(self, group: Group) -> bool:
         return all(self.quantizes(o.name, o.stage) for o in group.outputs)
 
-    # -- mixture-of-experts stacks (FP8) ---------------------------------------------------
+    # -- mixture-of-experts stacks (FP8, AWQ) -----------------------------------------------
     # MOEWeightWrapper (TensorRT-LLM tensorrt_llm/layers/moe.py at c388fec7) holds an FP8 stack as weight
     # [experts, out, in] e4m3, weights_scaling_factor [experts, 1] (fc: w3 and w1 of an expert share the larger
     # of their two scales, the weights requantized to it) and one activation_scaling_factor [1] for the stack,
@@ -374,10 +377,24 @@ class Quantizer:
     def is_experts(group: Group) -> bool:
         return group.outputs[0].row.shard in EXPERT_SHARDS
 
+    # AWQ (per-group W4A16, MOEWeightWrapper's has_per_group_scaling branch) is stored as the dense awq linear is,
+    # with the experts in front: weight [experts, out/2, in] int8 (two int4 rows per byte), weights_scaling_factor
+    # [experts, out, in/g] and prequant_scaling_factor [experts, in]. trtllm-build's preprocess_perlayer_weights
+    # (tensorrt_llm/models/modeling_utils.py at c388fec7, W4A16_AWQ) transposes the last two axes of the int8
+    # weight and of the scales, which gives the wrapper's weight [experts, in, out/4] (after
+    # preprocess_weights_for_mixed_gemm) and weights_scaling_factor [experts, in/g, out], and keeps row 0 of a 2-D
+    # prequant ("MoE experts share the same scaling factor") as the wrapper's (1, in): so every row is the one
+    # vector the stack's scale search found (awq.quantize_awq_experts). Zero points stay off (has_zero_point
+    # false, as for dense awq).
+
     def _expert_planned(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        if self.fmt != "fp8":
-            raise ValueError(f"{name}: expert stacks are written quantized in fp8 only, not {self.fmt}")
         prefix = name[: -len(".weight")]
+        if self.fmt == "awq":
+            experts, out, inp = shape
+            return [(f"{prefix}.{t.suffix}", (experts, *t.dims(out, inp, self.group_size)),
+                     self._torch_dtype(t.dtype)) for t in self.format.stored]
+        if self.fmt != "fp8":
+            raise ValueError(f"{name}: expert stacks are written quantized in fp8 or awq only, not {self.fmt}")
         return [(f"{prefix}.weight", shape, fp8_q.FP8_DTYPE), (f"{prefix}.weights_scaling_factor", (shape[0], 1), F32),
                 (f"{prefix}.activation_scaling_factor", (1,), F32)]
 
@@ -390,6 +407,8 @@ class Quantizer:
         count = len(ws) // 2 if fc else len(ws)
         # per expert its tensors: fc (w3_e, w1_e), sources being every w3 then every w1 (layout.build_groups)
         mine = [(ws[e], ws[count + e]) if fc else (ws[e],) for e in range(count)]
+        if self.fmt == "awq":
+            return self._write_awq_experts(o, prefix, stats, mine, fc)
         scales = [fp8_q.fp8_scale(torch.stack([t.abs().max() for t in ts]).max()) for ts in mine]
         # float32 copies of the e4m3 values split exactly; each rank's piece is cast back below
         q = [[fp8_q.to_fp8(t, scales[e]).float() for t in ts] for e, ts in enumerate(mine)]
@@ -409,6 +428,39 @@ class Quantizer:
             out[rank] = [(f"{prefix}.weight", piece.to(fp8_q.FP8_DTYPE).contiguous()),
                          (f"{prefix}.weights_scaling_factor", torch.stack([scales[e] for e in held]).contiguous()),
                          (f"{prefix}.activation_scaling_factor", act.clone())]
+        return out
+
+    def _write_awq_experts(self, o, prefix: str, stats, mine: Sequence[tuple[torch.Tensor, ...]],
+                           fc: bool) -> dict[int, list[tuple[str, torch.Tensor]]]:
+        """An expert stack in per-group int4 (the layout above): fc's experts share the MoE block's input, proj's
+        each its own (every expert calibrated on every token: quant/calibration.py _expert_amax)."""
+        if fc:
+            shared = stats.inputs["mlp"]
+            inputs = [(shared.absmean, shared.cov)] * len(mine)
+        else:
+            inputs = [(st.absmean, st.cov) for st in stats.expert_proj]
+        r = self.recipe
+        lins, _ = awq_q.quantize_awq_experts([list(ts) for ts in mine], inputs, self.group_size, search=r.search,
+                                             clip=r.search, rounding=r.rounding if r.search else "nearest")
+        moe_tp, moe_ep = self.moe_sizes
+        prequant = lins[0][0].prequant_scaling_factor
+        if fc:  # a rank's fc is [w3_e; w1_e] of each of its experts, weight rows and scale rows cut alike
+            def rows(get):
+                w3 = sharding.split_experts([get(ls[0]) for ls in lins], self.tp, moe_tp, moe_ep, dim=0)
+                w1 = sharding.split_experts([get(ls[1]) for ls in lins], self.tp, moe_tp, moe_ep, dim=0)
+                return [[torch.cat([a, b]) for a, b in zip(r3, r1, strict=True)] for r3, r1 in zip(w3, w1, strict=True)]
+            weights, scales = rows(lambda lin: lin.weight), rows(lambda lin: lin.weights_scaling_factor)
+            pre = [[prequant] * len(w) for w in weights]
+        else:  # proj's input (its columns, its groups, its prequant entries) is what moe_tp cuts
+            weights = sharding.split_experts([ls[0].weight for ls in lins], self.tp, moe_tp, moe_ep, dim=1)
+            scales = sharding.split_experts([ls[0].weights_scaling_factor for ls in lins], self.tp, moe_tp, moe_ep,
+                                            dim=1)
+            pre = sharding.split_experts([prequant] * len(lins), self.tp, moe_tp, moe_ep, dim=0)
+        out: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for rank, w, sc, pq in zip(stage_ranks(o.stage, self.tp), weights, scales, pre, strict=True):
+            out[rank] = [(f"{prefix}.weight", torch.stack([pack_int4(t.contiguous()) for t in w])),
+                         (f"{prefix}.weights_scaling_factor", torch.stack(sc).to(F32).contiguous()),
+                         (f"{prefix}.prequant_scaling_factor", torch.stack(pq).to(self.dtype).contiguous())]
         return out
 
     def merge_mlp(self, groups: list[Group]) -> list[Group]:

@@ -332,6 +332,9 @@ def _group_padding(ctx: Context):
         if q.group_size == 128 and not q.stored and _per_group_ok(shape, 64, tp):
             good.append("quantization.group_size=64")
         return FAIL, f"{err.message}; use {' or '.join(good) or 'another quantization.method'}"
+    problem = moe.per_group_problem(p, q.group_size, ctx.spec.parallelism.moe_sizes[0])
+    if problem is not None:  # convert's refusal of per-group int4 experts
+        return FAIL, f"{problem}; use a smaller parallelism.moe_tp (a larger moe_ep) or quantization.method int4_wo"
     if padded != p.intermediate_size:
         return PASS, (f"intermediate_size {p.intermediate_size} is zero-padded to {padded} ({padded // tp} per rank), "
                       "as trtllm-build pads it (harmless: zero channels add nothing)")

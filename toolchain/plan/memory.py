@@ -78,17 +78,25 @@ def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: 
     [2 S/tp, H] and proj [H, S/tp], and its gate [1, H] whole (tp = moe_tp x moe_ep). Each expert and the
     shared expert count as a linear of `quant`'s format (`stored`: as the checkpoint holds them, where
     weight-only experts are still float; else as the engine does: int8/int4 with a per-channel scale per
-    expert, TensorRT-LLM tensorrt_llm/models/convert_utils.py weight_only_quantize on a batched matrix)."""
+    expert, TensorRT-LLM tensorrt_llm/models/convert_utils.py weight_only_quantize on a batched matrix; AWQ
+    packed int4 with per-group scales per expert, FP8 e4m3 with a scale per expert)."""
     experts, width, h = p.num_experts // moe_ep, p.expert_size // moe_tp, p.hidden_size
 
     def linear(out: int, inp: int) -> float:
         return out * inp * dt_bytes if quant is None else linear_bytes(out, inp, quant, dt_bytes, stored)
 
     routed = experts * (linear(2 * width, h) + linear(h, width))
-    if quant is not None:  # one activation scale per stack, not per expert (FP8: MOEWeightWrapper, layers/moe.py)
+    if quant is not None:
+        # What a stack holds once, not per expert: FP8's activation scale (MOEWeightWrapper, layers/moe.py at
+        # c388fec7: (1,)); and in the engine AWQ's prequant vector, which the checkpoint stores per expert
+        # ([experts, in]) and trtllm-build keeps row 0 of as the wrapper's (1, in) (preprocess_perlayer_weights,
+        # tensorrt_llm/models/modeling_utils.py).
         row = quant.format.stored if stored else quant.format.built
-        shared_scales = tuple(t for t in row if t.suffix == "activation_scaling_factor")
-        routed -= 2 * (experts - 1) * formats.tensor_bytes(shared_scales, 1, 1, quant.group_size, dt_bytes)
+        once = ("activation_scaling_factor",) if stored else ("activation_scaling_factor", "prequant_scaling_factor")
+        held_once = tuple(t for t in row if t.suffix in once)
+        g = quant.group_size
+        routed -= (experts - 1) * (formats.tensor_bytes(held_once, 2 * width, h, g, dt_bytes)
+                                   + formats.tensor_bytes(held_once, h, width, g, dt_bytes))
     shared_r = p.shared_expert_size // (moe_tp * moe_ep)
     shared = linear(2 * shared_r, h) + linear(h, shared_r) + h * dt_bytes if p.shared_expert_size else 0
     return p.num_experts * h * ROUTER_BYTES + routed + shared

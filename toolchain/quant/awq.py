@@ -134,6 +134,12 @@ def quantize_awq(weights: list[torch.Tensor], x_absmean: torch.Tensor, cov: torc
     inp = weights[0].shape[1]
     found = search_scales(weights, x_absmean, cov, group_size) if search else None
     s = found.scales if found is not None else torch.ones(inp)
+    return _quantize_scaled(weights, s, cov, group_size, clip, rounding), found
+
+
+def _quantize_scaled(weights: list[torch.Tensor], s: torch.Tensor, cov: torch.Tensor, group_size: int, clip: bool,
+                     rounding: str) -> list[AwqLinear]:
+    """Linears sharing one input (second moments `cov`) quantized per group after scaling their columns by s."""
     cov_s = cov.double() / (s.double()[:, None] * s.double()[None, :])
     order = act_order(cov_s) if rounding == "gptq" else None
     u = upper_inverse_factor(cov_s, order) if rounding == "gptq" else None
@@ -145,4 +151,28 @@ def quantize_awq(weights: list[torch.Tensor], x_absmean: torch.Tensor, cov: torc
         if u is not None:  # rounding == "gptq"
             q = gptq_round(ws, scales, u, group_size, order=order)
         out.append(AwqLinear(q, scales, 1.0 / s))
-    return out, found
+    return out
+
+
+def quantize_awq_experts(weights: list[list[torch.Tensor]], inputs: list[tuple[torch.Tensor, torch.Tensor]],
+                         group_size: int, *, search: bool = True, clip: bool = True,
+                         rounding: str = "nearest") -> tuple[list[list[AwqLinear]], AwqSearch | None]:
+    """AWQ for a mixture-of-experts stack, whose experts share one prequant vector (TensorRT-LLM keeps a
+    single (1, in) prequant_scaling_factor per stack: preprocess_perlayer_weights reads row 0 of the stored
+    [experts, in], "MoE experts share the same scaling factor"). `weights[e]` are expert e's linears with one
+    input (fc: w3 and w1), `inputs[e]` that input's (mean |x|, E[x xᵀ]). The scales are searched once for the
+    stack on the pooled statistics, the experts' means (the second moment of the stack's input when each
+    expert's input counts once per token; for fc every expert's input is the same), so the error summed over
+    the experts is what they lower; clipping and rounding then use each expert's own statistics."""
+    if len(weights) != len(inputs) or not weights:
+        raise ValueError(f"one input per expert: {len(weights)} experts, {len(inputs)} inputs")
+    inp = weights[0][0].shape[1]
+    found = None
+    if search:
+        absmean = torch.stack([a.float() for a, _ in inputs]).mean(dim=0)
+        cov = inputs[0][1] if all(c is inputs[0][1] for _, c in inputs) else \
+            torch.stack([c.float() for _, c in inputs]).mean(dim=0)
+        found = search_scales([w for ws in weights for w in ws], absmean, cov, group_size)
+    s = found.scales if found is not None else torch.ones(inp)
+    return [_quantize_scaled(ws, s, cov_e, group_size, clip, rounding)
+            for ws, (_, cov_e) in zip(weights, inputs, strict=True)], found

@@ -154,6 +154,9 @@ class LayerStats:
     expert_proj_amax: list[float] = field(default_factory=list)
     """Mixture of experts: per expert, the largest |input of its down projection| over every calibration token
     (each expert runs on every token for its statistics, whatever the router picks: `_expert_amax`)."""
+    expert_proj: list[InputStats] = field(default_factory=list)
+    """Mixture of experts, when second moments are collected (AWQ): per expert, the input statistics of its down
+    projection over every calibration token, as `expert_proj_amax`."""
 
 
 class _Weights:
@@ -221,7 +224,13 @@ def _layer_stats(hf_dir: Path, sequences: list[torch.Tensor], covariance: bool,
 
         if moe:  # the experts' shared input, and each expert's down-projection input over every token
             width = layer.mlp.experts.gate_up_proj.shape[-1]
-            stats.inputs["mlp"] = InputStats(torch.zeros(width), torch.zeros(width), None)
+            stats.inputs["mlp"] = InputStats(torch.zeros(width), torch.zeros(width),
+                                             torch.zeros(width, width, dtype=torch.float64) if covariance else None)
+            if covariance:
+                count, inner = layer.mlp.experts.gate_up_proj.shape[:2]
+                stats.expert_proj = [InputStats(torch.zeros(inner // 2), torch.zeros(inner // 2),
+                                                torch.zeros(inner // 2, inner // 2, dtype=torch.float64))
+                                     for _ in range(count)]
 
             def experts_hook(m, args, st=stats) -> None:  # returns None: the block's input stays as it is
                 st.inputs["mlp"].add(args[0])
@@ -267,12 +276,16 @@ def fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _expert_amax(experts, x: torch.Tensor, st: LayerStats) -> None:
     """Every expert's down-projection input on every token (not only the tokens the router sends it), so an
-    expert the calibration text rarely picks still gets an activation scale; the layer's output is unchanged."""
+    expert the calibration text rarely picks still gets an activation scale (and, for AWQ, its statistics in
+    `st.expert_proj`); the layer's output is unchanged."""
     x = x.detach().reshape(-1, x.shape[-1]).float()
     amax = []
     for e in range(experts.gate_up_proj.shape[0]):
         gate, up = (x @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
-        amax.append(float((experts.act_fn(gate) * up).abs().max()))
+        y = experts.act_fn(gate) * up
+        amax.append(float(y.abs().max()))
+        if st.expert_proj:
+            st.expert_proj[e].add(y)
     st.expert_proj_amax = [max(a, b) for a, b in zip(st.expert_proj_amax, amax, strict=True)] \
         if st.expert_proj_amax else amax
 
