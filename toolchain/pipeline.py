@@ -412,8 +412,10 @@ def probe_serving(profile, progress: Progress = lambda stage, msg: None) -> dict
     spec = load_spec(TINY_SPEC, [
         "serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
         f"serving.engine_threads={profile.key.threads}", "validation.workload.mode=concurrency",
-        f"validation.workload.sweep={list(SERVING_PROBE_LEVELS)}", "validation.workload.num_requests=32",
-        "validation.workload.warmup_requests=2", "validation.workload.seed=0"])
+        f"validation.workload.sweep={list(SERVING_PROBE_LEVELS)}", "validation.workload.num_requests=48",
+        # A fresh server's first requests run slower (first calls, the allocator warming): eight go unmeasured, or
+        # the per-step cost read from the first level comes out high and every prediction after it with it.
+        "validation.workload.warmup_requests=8", "validation.workload.seed=0"])
     with tempfile.TemporaryDirectory(prefix="probe-serving-") as tmp:
         report = deploy(spec, Workspace(Path(tmp)), Path(tmp) / "report", progress)
     levels = {int(lv["load"]["value"]): lv for lv in report.get("levels", [])}
@@ -454,7 +456,7 @@ def probe_ranks(profile, progress: Progress = lambda stage, msg: None) -> dict |
         "serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
         f"serving.engine_threads={profile.key.threads}", "validation.workload.mode=concurrency",
         f"validation.workload.sweep=[{RANKS_PROBE_CONCURRENCY}]", "validation.workload.num_requests=32",
-        "validation.workload.warmup_requests=2", "validation.workload.seed=0"])
+        "validation.workload.warmup_requests=8", "validation.workload.seed=0"])
     with tempfile.TemporaryDirectory(prefix="probe-ranks-") as tmp:
         report = deploy(spec, Workspace(Path(tmp)), Path(tmp) / "report", progress)
     levels = report.get("levels", [])
