@@ -2,7 +2,7 @@
 
 build/tiny-llama.yaml (the embedded default) deployed on CPU as `toolchain deploy` does it, benched closed loop
 at concurrency 1, 4 and 16 (one sweep on one server) with the spec's workload (ISL 64, OSL 32 exactly), and the
-`prediction` object `toolchain bench` writes beside each level (plan/perf.py from this host's profile, which the
+`prediction` object `toolchain bench` writes beside each level (plan/perf/ from this host's profile, which the
 script takes with `toolchain probe-host` first: cached unless --probe). Ratios are predicted / measured mean.
 
 Keys (issue 26, item 8): `cpu_tpot_pred_over_measured_c1`, `_c4`, `_c16` (target 0.85-1.15 each),

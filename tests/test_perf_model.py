@@ -1,4 +1,4 @@
-"""The performance model (toolchain/plan/perf.py): each term on cases computed by hand from the datasheet figures
+"""The performance model (toolchain/plan/perf/): each term on cases computed by hand from the datasheet figures
 and Llama-3's shapes, the direction of its answers where the physics is plain, and `toolchain plan`'s
 `performance` object on every example spec.
 

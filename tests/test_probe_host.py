@@ -1,5 +1,5 @@
 """`toolchain probe-host` and the CPU predictions made from its profile (toolchain/hostprofile.py,
-toolchain/engine/probe.py, plan/perf.py's HostRow, bench/prediction.py).
+toolchain/engine/probe.py, plan/perf/host.py's HostRow, bench/prediction.py).
 
 The cache: a profile is read back only under the key it was measured for, `--force` measures again. The model's
 CPU terms are checked on a hand-made profile against sums done by hand. `toolchain plan` on a CPU spec with and

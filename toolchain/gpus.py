@@ -6,7 +6,7 @@ CUDA context, the engine and the KV cache share. SM versions decide which
 precisions TensorRT-LLM 1.2 can build (tensorrt_llm/builder.py; the support matrix in
 docs/source/legacy/reference/precision.md).
 
-The performance model (plan/perf.py) reads each card's memory bandwidth, dense tensor-core peak per
+The performance model (plan/perf/) reads each card's memory bandwidth, dense tensor-core peak per
 precision and interconnect. They are the datasheet figures, quoted per row with the document they come
 from: NVIDIA prints tensor throughput "with sparsity", so the dense peak here is half the printed number;
 NVLink is printed as the total of both directions per GPU, so a link here holds one direction, the rate a

@@ -56,7 +56,7 @@ class SpeculativeMode:
     why_not: dict[str, str] = field(default_factory=dict)
     """Why it cannot run on a path (engine, llmapi) or on the CPU engine of the engine path (cpu)."""
     expected_acceptance: float | None = None
-    """Default share of draft tokens accepted, for the performance prediction (plan/perf.py) when the spec sets no
+    """Default share of draft tokens accepted, for the performance prediction (plan/perf/) when the spec sets no
     speculative.expected_acceptance; None: no default (acceptance depends on the draft and the prompts), so the
     prediction assumes none is accepted and says so."""
 

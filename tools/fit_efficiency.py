@@ -7,7 +7,7 @@ Reads toolchain/plan/data/silicon_points.json, fits one `perf.Efficiency` row pe
 measurements to the training points (calibration.held_out says which configurations are held out, and why),
 prints each point's measured and predicted TTFT, TPOT and throughput, the MAPE on the training and the
 held-out points, and writes toolchain/plan/data/efficiency.json (the rows, the split, the date, the held-out
-error), which perf.py loads. The fit minimises the mean absolute log error of TPOT plus half that of TTFT
+error), which plan/perf/efficiency.py loads. The fit minimises the mean absolute log error of TPOT plus half that of TTFT
 (TPOT decides throughput; measured TTFT carries more noise: queueing of a closed loop's bunched arrivals)
 with a Nelder-Mead search, each parameter kept in its range by a transform. No NVIDIA published figure is
 read here: those check the result (tests/test_perf_calibration.py) and are never fitted to.

@@ -1,4 +1,4 @@
-"""report.json's `prediction`: what the performance model (plan/perf.py) predicts beside what the bench measured.
+"""report.json's `prediction`: what the performance model (plan/perf/) predicts beside what the bench measured.
 
 For each closed-loop level, the model predicts TTFT, TPOT and output throughput at that concurrency with the
 spec's workload: for a CPU target from this host's cached profile (`toolchain probe-host`; never measured here),

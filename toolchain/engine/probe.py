@@ -6,7 +6,7 @@ through (weights are widened to float32 at load), the weight-only int8/int4 pack
 `index_select` of the cached keys and values out of the paged pool, then `scaled_dot_product_attention`), and the
 fixed costs of a step on a model of the embedded tiny Llama's shape driven by the `InflightBatcher` itself. The
 fixed costs are what the kernels' measured rates do not explain: the step's time minus the performance model's
-own kernel time for it (plan/perf.py `host_step_time`), so the two always add up to the measured step.
+own kernel time for it (plan/perf/host.py `host_step_time`), so the two always add up to the measured step.
 
 The probe takes about 10-20 s on a 2-core host; its result is cached by hostprofile.py.
 """

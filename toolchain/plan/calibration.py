@@ -3,11 +3,11 @@
 Two facts files feed it, kept apart on purpose:
 - `data/silicon_points.json`: TTFT and TPOT that AIConfigurator 0.12.0 measured for TensorRT-LLM serving
   Llama-3.1 (made by `python -m tools.silicon_points`). `tools/fit_efficiency.py` fits the efficiency table
-  (`data/efficiency.json`, which perf.py reads) to the training part and reports the error on the held-out part.
+  (`data/efficiency.json`, which plan/perf/efficiency.py reads) to the training part and reports the error on the held-out part.
 - `data/published_throughput.json`: NVIDIA's published `trtllm-bench` maximum throughputs. They are never fitted
   to; tests/test_perf_calibration.py checks the fitted model against them.
 
-`holdout_mape()` recomputes the held-out error from the committed points and the table perf.py loads, so the
+`holdout_mape()` recomputes the held-out error from the committed points and the table plan/perf/efficiency.py loads, so the
 figure the table states cannot drift from the data (benchmarks/prediction.py reports it as gpu_holdout_mape).
 """
 
@@ -190,7 +190,7 @@ def mape(points, eff_of=None) -> dict[str, float]:
 
 
 def holdout_mape() -> dict[str, float]:
-    """The held-out error of the table perf.py loads, recomputed from the committed points: TTFT, TPOT and
+    """The held-out error of the table plan/perf/efficiency.py loads, recomputed from the committed points: TTFT, TPOT and
     throughput MAPE in percent, and `gpu_holdout_mape`, their mean (the benchmark key)."""
     errors = mape(p for p in measured_points() if held_out(p))
     errors["gpu_holdout_mape"] = sum(errors.values()) / 3

@@ -109,7 +109,7 @@ class Format:
     hf_weight: str | None = None
     """The dtype the HF export stores its weight in (int4 packed two per uint8 byte, or e4m3)."""
     math: str = "fp16"
-    """The tensor-core precision its GEMMs multiply in, whose peak the performance model (plan/perf.py) reads:
+    """The tensor-core precision its GEMMs multiply in, whose peak the performance model (plan/perf/) reads:
     fp16 (the model's half type) for float and weight-only formats, whose kernels dequantize to the
     activations' type; int8 for SmoothQuant's W8A8; fp8 for FP8."""
 

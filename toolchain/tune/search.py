@@ -3,7 +3,7 @@ SLO, rank the rest, and find the Pareto front.
 
 Fit and preflight are `toolchain plan`'s own: each candidate gets the checks' `Context` (the memory plan inside
 it) and every check that plan runs; a candidate with a failed check is dropped under that check's id. The
-prediction is plan's `performance` object (plan/perf.py `performance_dict`), made for one replica at its share of
+prediction is plan's `performance` object (plan/perf/ `performance_dict`), made for one replica at its share of
 the workload's concurrency, so the SLO is judged where a replica runs, and once more at full load: at the batch
 its maximum throughput is reached (`batch_size_at_max`, at most `limits.max_batch_size`), since that throughput is
 what the ranking reads and a server running it sees that batch. So `max_batch_size` is a real knob: a larger cap

@@ -1,0 +1,87 @@
+"""The achieved fractions of each card's datasheet the model divides by: documented defaults, and the rows
+fitted to measured runs (data/efficiency.json, made by tools/fit_efficiency.py), with the `basis` naming them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolchain.gpus import GPUS, Gpu
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of the datasheet: memory bandwidth, dense tensor-core peak, interconnect bandwidth."""
+
+    bandwidth: float
+    compute: float
+    link: float
+    fixed_us: float = 0.0
+    """A fixed cost per step of a rank in microseconds (kernel launches, the scheduler): 0 in the documented
+    defaults, fitted per generation; it is what keeps a tiny model from the roofline's extreme rates."""
+    latency: float = 1.0
+    """The fixed cost of one tensor-parallel all-reduce as a multiple of the link's default (gpus.Link.latency_us):
+    a decode step of a TP group runs two per layer, so calibration fits it; a multiple carries over to a card
+    whose link was not measured (PCIe's default is higher than NVLink's)."""
+    seq_us: float = 0.0
+    """A cost per sequence that a step samples a token for (a row of logits), in microseconds: sampling and the
+    runtime's per-request work each iteration, which grow with the batch, not with the model. Fitted for GPUs;
+    measured on this host by probe-host for the CPU engine (sampling in Python, its bookkeeping, handing the token out)."""
+    ttft_ms: float = 0.0
+    """What a request spends before its first iteration (receiving, tokenizing, scheduling) and after its first
+    token (detokenizing, sending), in milliseconds, added to TTFT only."""
+
+
+# The documented defaults, for what the fit does not reach (and the hand-computed tests' reference):
+# bandwidth: the share of the datasheet bandwidth a step's bytes move at, what Databricks' "LLM Inference
+#   Performance Engineering: Best Practices" (2023) calls model bandwidth utilization (MBU); a streaming copy gets
+#   closest to the datasheet, a decode step's GEMVs and attention kernels less: 0.8.
+# compute: the share of the dense peak the GEMMs and attention reach (model FLOPs utilization); large GEMMs get
+#   near the peak, inference's skinny ones less: 0.7.
+# link: the share of one direction of the link an all-reduce moves data at, which nccl-tests reports as "bus
+#   bandwidth" (NVIDIA/nccl-tests doc/PERFORMANCE.md: busbw = algbw x 2(n-1)/n for an all-reduce): 0.8.
+DEFAULT_EFFICIENCY = Efficiency(bandwidth=0.80, compute=0.70, link=0.80)
+
+FITTED_FILE = Path(__file__).resolve().parents[1] / "data" / "efficiency.json"
+"""The fitted rows with their provenance: made by tools/fit_efficiency.py from data/silicon_points.json
+(AIConfigurator 0.12.0's measured TensorRT-LLM runs); plan/calibration.py recomputes its held-out error."""
+FITTED: dict = json.loads(FITTED_FILE.read_text())
+CARRIED_FROM = "Hopper"
+"""The generation whose fitted row a generation with neither measurements nor a derived row takes. The table's
+derived rows (FITTED["derived"]: Ampere, Ada) are Hopper's scaled by AIConfigurator's kernel measurements of
+those cards (tools/fit_efficiency.py derive_rows): their fixed costs (per step, per all-reduce as a multiple of
+the card's own link latency, per sequence, per request) come from the host and the same TensorRT-LLM software,
+so they carry over. The basis says which kind of row a card gets."""
+EFFICIENCY: dict[str, Efficiency] = {arch: Efficiency(**row) for arch, row in FITTED["rows"].items()}
+for _arch in ("Ampere", "Ada", "Hopper", "Blackwell"):
+    EFFICIENCY.setdefault(_arch, EFFICIENCY.get(CARRIED_FROM, DEFAULT_EFFICIENCY))
+BASIS = "roofline x efficiencies fitted to AIConfigurator 0.12.0 silicon samples"
+"""The start of every fitted prediction's `basis`; `basis_of` completes it for a card."""
+
+
+def efficiency_of(gpu: Gpu) -> Efficiency:
+    return EFFICIENCY.get(gpu.arch, DEFAULT_EFFICIENCY)
+
+
+def basis_of(gpu: Gpu) -> str:
+    """What a prediction on `gpu` rests on: the fit (the runs of its generation it was fitted to, with their
+    TensorRT-LLM versions, and the held-out error), and whether this card itself, its generation, or neither was
+    measured end to end."""
+    held = FITTED["holdout_mape"]
+    error = (f"held-out MAPE TPOT {held['tpot']:.0f}%, throughput {held['throughput']:.0f}%, "
+             f"TTFT {held['ttft']:.0f}%")
+    measured = FITTED["measured"]
+    arch_of = {g.name: g.arch for g in GPUS}
+    derived = FITTED.get("derived", {})
+    if gpu.arch in derived:
+        return f"{BASIS} of {CARRIED_FROM} cards ({error}), for {gpu.name}: {derived[gpu.arch]}"
+    arch = gpu.arch if gpu.arch in FITTED["rows"] else CARRIED_FROM
+    runs = "; ".join(f"{name}: {what}" for name, what in measured.items() if arch_of.get(name) == arch)
+    if gpu.name in measured:
+        return f"{BASIS} ({runs}), {error}"
+    if arch == gpu.arch:
+        return f"{BASIS} ({runs}), carried over to {gpu.name} (not measured), {error}"
+    return f"{BASIS} ({runs}), carried over to {gpu.name} ({gpu.arch} not measured), {error}"
+
