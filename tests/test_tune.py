@@ -369,7 +369,8 @@ def test_written_spec_keeps_relative_paths_relative_to_where_it_is_written(tmp_p
     assert data["model"]["checkpoint"] == "../../cfg"
     (dest / "w.yaml").write_text(yaml.safe_dump(data))
     assert load_spec(dest / "w.yaml").model.checkpoint == spec.model.checkpoint == project / "cfg"
-    # written where it shares only / with the model: absolute, as a path through / moves no better
+    # written outside the tree holding the original spec and its model (here the repository): absolute, whatever
+    # parents the two share (a clone under /tmp shares /tmp with pytest's tmp_path)
     elsewhere = yaml.safe_load(spec_yaml(load_spec(TINY), [], dest))
     assert elsewhere["model"]["checkpoint"] == str(REPO / "models" / "tiny-llama")
     # a spec that gave the path absolute keeps it absolute

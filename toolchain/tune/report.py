@@ -153,8 +153,8 @@ def _get(data: dict, path: tuple[str, ...]):
 def relative_paths(data: dict, source: Path | None, dest: Path) -> None:
     """Paths the user's spec file gave relative (to its own directory, as the loader reads them) are written
     relative to `dest`, the written spec's directory, so the pair of files moves together as the original did;
-    paths it gave absolute, that only an override set, or that share no directory but / with `dest`, stay
-    absolute."""
+    paths it gave absolute, that only an override set, or whose tree (the directory holding both the original
+    spec and the path) does not hold `dest`, stay absolute."""
     try:
         raw = yaml.safe_load(source.read_text()) if source is not None else None
     except (OSError, yaml.YAMLError):
@@ -171,8 +171,12 @@ def relative_paths(data: dict, source: Path | None, dest: Path) -> None:
         if given is not None and os.path.isabs(os.path.expanduser(str(given))):
             continue
         where = dest.resolve()
-        if os.path.commonpath([value, where]) == where.anchor:
-            continue  # no directory in common but the root: a path through / moves no better than the absolute one
+        # Relative only where the written spec sits inside the tree holding both the original spec and the path
+        # (a project moved or cloned whole keeps working); written outside it (a scratch --out), a path climbing
+        # out through shared parents like /tmp breaks as soon as either side moves, so it stays absolute.
+        tree = os.path.commonpath([value, str(source.resolve().parent)]) if source is not None else where.anchor
+        if tree == where.anchor or os.path.commonpath([tree, where]) != tree:
+            continue
         node = _get(data, path[:-1])
         node[path[-1]] = os.path.relpath(value, where)
 
