@@ -400,6 +400,21 @@ TINY_SPEC = Path(__file__).resolve().parents[1] / "build" / "tiny-llama.yaml"
 SERVING_PROBE_LEVELS = (1, 8)
 
 
+def _probe_deploy(spec_path: Path, profile, levels: tuple[int, ...], requests: int, progress: Progress):
+    """One of probe-host's served measurements: `spec_path` deployed as `deploy` does it in a scratch workspace, on
+    free ports with the profile's engine threads, benched closed loop at `levels` with `requests` per level.
+    Returns (the spec as deployed, its report)."""
+    spec = load_spec(spec_path, [
+        "serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
+        f"serving.engine_threads={profile.key.threads}", "validation.workload.mode=concurrency",
+        f"validation.workload.sweep={list(levels)}", f"validation.workload.num_requests={requests}",
+        # A fresh server's first requests run slower (first calls, the allocator warming): eight go unmeasured, or
+        # the per-step cost read from the first level comes out high and every prediction after it with it.
+        "validation.workload.warmup_requests=8", "validation.workload.seed=0"])
+    with tempfile.TemporaryDirectory(prefix="probe-host-") as tmp:
+        return spec, deploy(spec, Workspace(Path(tmp)), Path(tmp) / "report", progress)
+
+
 def probe_serving(profile, progress: Progress = lambda stage, msg: None) -> dict | None:
     """The served path's own costs, measured: the embedded tiny model deployed as `deploy` does it (Triton's
     ensemble over gRPC, streaming), benched closed loop at concurrency 1 and 8, each level's mean TPOT and (at 1)
@@ -409,15 +424,7 @@ def probe_serving(profile, progress: Progress = lambda stage, msg: None) -> dict
     its first token's way out). None when the embedded spec is not in this checkout."""
     if not TINY_SPEC.is_file():
         return None
-    spec = load_spec(TINY_SPEC, [
-        "serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
-        f"serving.engine_threads={profile.key.threads}", "validation.workload.mode=concurrency",
-        f"validation.workload.sweep={list(SERVING_PROBE_LEVELS)}", "validation.workload.num_requests=48",
-        # A fresh server's first requests run slower (first calls, the allocator warming): eight go unmeasured, or
-        # the per-step cost read from the first level comes out high and every prediction after it with it.
-        "validation.workload.warmup_requests=8", "validation.workload.seed=0"])
-    with tempfile.TemporaryDirectory(prefix="probe-serving-") as tmp:
-        report = deploy(spec, Workspace(Path(tmp)), Path(tmp) / "report", progress)
+    spec, report = _probe_deploy(TINY_SPEC, profile, SERVING_PROBE_LEVELS, 48, progress)
     levels = {int(lv["load"]["value"]): lv for lv in report.get("levels", [])}
     if sorted(levels) != list(SERVING_PROBE_LEVELS) or any(lv["errors"] for lv in levels.values()):
         raise StageFailed("probe-host: the serving probe's bench did not complete", "see the messages above")
@@ -452,13 +459,7 @@ def probe_ranks(profile, progress: Progress = lambda stage, msg: None) -> dict |
     all-reduces (two per layer) as their served fixed cost. None without the spec or a measured exchange."""
     if not RANKS_SPEC.is_file() or profile.gloo is None:
         return None
-    spec = load_spec(RANKS_SPEC, [
-        "serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
-        f"serving.engine_threads={profile.key.threads}", "validation.workload.mode=concurrency",
-        f"validation.workload.sweep=[{RANKS_PROBE_CONCURRENCY}]", "validation.workload.num_requests=32",
-        "validation.workload.warmup_requests=8", "validation.workload.seed=0"])
-    with tempfile.TemporaryDirectory(prefix="probe-ranks-") as tmp:
-        report = deploy(spec, Workspace(Path(tmp)), Path(tmp) / "report", progress)
+    spec, report = _probe_deploy(RANKS_SPEC, profile, (RANKS_PROBE_CONCURRENCY,), 32, progress)
     levels = report.get("levels", [])
     if len(levels) != 1 or levels[0]["errors"]:
         raise StageFailed("probe-host: the rank probe's bench did not complete", "see the messages above")
