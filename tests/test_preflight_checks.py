@@ -208,7 +208,7 @@ TRIGGERS = {
                              "model": {"checkpoint": str(CONFIGS / "phi-3-mini-128k-instruct")}}, {}, FAIL),
     "llmapi.runtime-version": ({"target": "llmapi"}, {"stage": "serve"}, FAIL),
     "llmapi.num-tokens-vs-input": ({"target": "llmapi", "limits": {"max_input_len": 8192, "max_seq_len": 8192 + 512,
-                                                                   "max_num_tokens": 4096}}, {}, WARN),
+                                                                   "max_num_tokens": 4096}}, {}, FAIL),
 }
 
 

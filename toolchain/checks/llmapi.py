@@ -5,7 +5,7 @@ upstream/facts/llmapi.json), caught before anything is written."""
 from __future__ import annotations
 
 from toolchain.archs import get_family
-from toolchain.checks.registry import ENGINE, FAIL, LLMAPI_PATH, PASS, SERVING, SKIP, WARN, Context, check
+from toolchain.checks.registry import ENGINE, FAIL, LLMAPI_PATH, PASS, SERVING, SKIP, Context, check
 from toolchain.llmapi.args import options_problem
 from toolchain.speculative import mode_of, refusal
 from toolchain.targets import target_of
@@ -85,12 +85,18 @@ def _options(ctx: Context):
        "without chunked prefill max_num_tokens caps a prompt (TensorRT-LLM llmapi/llm.py _check_arguments)",
        paths=LLMAPI_PATH)
 def _num_tokens(ctx: Context):
+    # The PyTorch backend refuses every request whose prompt is longer than max_num_tokens unless
+    # enable_chunked_prefill is on (NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm.py, BaseLLM._check_arguments:
+    # `backend == "pytorch" and not enable_chunked_prefill` -> RequestError "should not exceed max_num_tokens";
+    # stored version at commit 4c05a74891e4df8066f08ed4ce14b0972abe4e25). A spec whose max_input_len admits
+    # such prompts would be refused at serve time, so it fails here as limits.num-tokens-vs-input does on the
+    # engine path (and `toolchain tune` drops such candidates on either path).
     lim = ctx.spec.limits
     if lim.max_num_tokens >= lim.max_input_len or ctx.spec.build.chunked_context:
         return PASS, f"prompts up to max_input_len {lim.max_input_len} fit"
-    return WARN, (f"limits.max_num_tokens ({lim.max_num_tokens}) is below limits.max_input_len "
-                  f"({lim.max_input_len}) and chunked prefill is off: longer prompts are refused; raise "
-                  "max_num_tokens or set build.chunked_context=true (enable_chunked_prefill)")
+    return FAIL, (f"limits.max_num_tokens ({lim.max_num_tokens}) is below limits.max_input_len "
+                  f"({lim.max_input_len}) and chunked prefill is off: the LLM API refuses longer prompts; raise "
+                  f"max_num_tokens to {lim.max_input_len} or set build.chunked_context=true (enable_chunked_prefill)")
 
 
 def _mtp_layers(ctx: Context) -> int:

@@ -1,0 +1,33 @@
+"""`toolchain tune`'s search on constructed cases: the batch cap refined between grid points where the SLO binds,
+and the LLM-API candidates dropped when they would refuse prompts the spec allows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from toolchain.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA_70B = REPO / "build" / "llama3-70b-tp4pp2.yaml"
+LLAMA_8B_LLMAPI = REPO / "build" / "llama3-8b-llmapi-h100.yaml"
+
+
+def tune(tmp_path: Path, spec: Path, *args: str) -> dict:
+    assert main(["--root", str(tmp_path), "tune", str(spec), "--out", str(tmp_path / "out"), *args]) == 0
+    return json.loads((tmp_path / "out" / "tune.json").read_text())
+
+
+def refuses_long_prompts(c: dict, max_input_len: int) -> bool:
+    return c["max_num_tokens"] < max_input_len and not c["chunked_context"]
+
+
+def test_llmapi_candidates_that_would_refuse_allowed_prompts_are_dropped(tmp_path):
+    """The PyTorch backend refuses a prompt longer than max_num_tokens without chunked prefill: the knob grid's
+    2048-token budget under max_input_len 4096 is kept only chunked, as on the engine path."""
+    doc = tune(tmp_path, LLAMA_8B_LLMAPI, "--gpus", "1")
+    assert doc["candidates"]
+    assert not [c["label"] for c in doc["candidates"] if refuses_long_prompts(c, 4096)]
+    dropped = [c for c in doc["dropped_candidates"] if refuses_long_prompts(c, 4096)]
+    assert dropped and all("llmapi.num-tokens-vs-input" in c["failed_checks"] for c in dropped)
+    assert any(c["max_num_tokens"] == 2048 and c["chunked_context"] for c in doc["candidates"])
