@@ -7,6 +7,10 @@ import json
 from pathlib import Path
 
 from toolchain.cli import main
+from toolchain.slo import thresholds
+from toolchain.spec import load_spec
+from toolchain.tune.candidates import BATCH_GRID, Candidate, derive
+from toolchain.tune.search import evaluate, search
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_70B = REPO / "build" / "llama3-70b-tp4pp2.yaml"
@@ -31,3 +35,20 @@ def test_llmapi_candidates_that_would_refuse_allowed_prompts_are_dropped(tmp_pat
     dropped = [c for c in doc["dropped_candidates"] if refuses_long_prompts(c, 4096)]
     assert dropped and all("llmapi.num-tokens-vs-input" in c["failed_checks"] for c in dropped)
     assert any(c["max_num_tokens"] == 2048 and c["chunked_context"] for c in doc["candidates"])
+
+
+def test_the_batch_cap_is_refined_to_the_largest_that_meets_a_binding_slo():
+    """Llama-3-70B on 8 H200s under the spec's TPOT bound of 60 ms: one GPU per replica meets it at batch 64 and
+    misses it at 128, so the best cap lies between them; the search finds it, and one more sequence misses."""
+    spec = load_spec(LLAMA_70B, ["gpu.name=H200 141GB", "gpu.memory_gib=null", "gpu.sm=null"])
+    slo = thresholds(spec.validation.slo, [])
+    result = search(spec, [spec], 8, slo, by_cost=False)
+    best = result.ranked[0]
+    batch = best.candidate.spec.limits.max_batch_size
+    assert batch not in BATCH_GRID and 64 < batch < 128, best.candidate.label
+    assert best.kept and best.full_load["concurrency"] == batch
+    c = best.candidate
+    one_more = evaluate(Candidate(derive(c.spec, {"limits.max_batch_size": batch + 1}), c.replicas, c.gpu_count), slo)
+    assert not one_more.failed and "tpot_p99_ms" in one_more.slo_misses
+    grid = next(e for e in result.ranked if e.candidate.knobs == {**c.knobs, "max_batch_size": 64})
+    assert best.per_gpu() > 1.1 * grid.per_gpu()

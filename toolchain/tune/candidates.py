@@ -10,7 +10,8 @@ parts, searched in two passes so it stays at a few hundred specs:
   device builds (`Format.refused_on` for a GPU's SM; a CPU kernel for the CPU engine), every KV-cache format the
   device builds, and speculative decoding on and off where the spec has a draft or heads;
 - runtime knobs, for the best structures only: `limits.max_batch_size` on powers of two (the performance model's
-  best_point already sweeps every concurrency below the cap, so the cap needs only a coarse grid) and
+  best_point already sweeps every concurrency below the cap, so the cap needs only a coarse grid; where the SLO
+  binds between two of them, `search.refine_batches` bisects to the largest cap that meets it) and
   `limits.max_num_tokens` at the spec's value and at 2048 / 8192 / 16384 tokens (a short, a middle and a long
   step budget; a step's cost is linear in its tokens between them), each with chunked context off and on.
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from toolchain.checks.preflight import FAIL, Context, build_context, run_checks
 from toolchain.errors import ToolchainError
@@ -224,6 +225,42 @@ def distinct(ranked: list[Evaluated]) -> list[Evaluated]:
     return out
 
 
+def refine_batches(evaluated: list[Evaluated], thresholds: list[Threshold]) -> list[Evaluated]:
+    """Where the SLO binds between two grid batches of one candidate (the same knobs but max_batch_size: the
+    smaller kept, the next one planned and checked clean but missing the SLO), the largest cap between them that
+    meets the SLO, found by bisection; one candidate per such pair. The grid alone would leave a binding SLO's
+    best cap at the power of two below it (64 where 94 still meets Llama-3-70B's 60 ms TPOT), and a larger cap raises
+    the ranked throughput. Caps are whole numbers: trtllm-build's --max_batch_size and LLM(max_batch_size) take
+    any positive int (upstream/facts trtllm_build.json, llmapi.json), so no granularity is kept."""
+    groups: dict[tuple, dict[int, Evaluated]] = {}
+    for e in evaluated:
+        knobs = e.candidate.knobs
+        key = tuple((k, v) for k, v in knobs.items() if k != "max_batch_size")
+        groups.setdefault(key, {})[knobs["max_batch_size"]] = e
+    out = []
+    for by_batch in groups.values():
+        for lo, hi in pairwise(sorted(by_batch)):
+            low, high = by_batch[lo], by_batch[hi]
+            if not (low.kept and low.predicted and not high.failed and high.slo_misses and hi - lo > 1):
+                continue
+            best = None
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                c = low.candidate
+                try:
+                    probe = evaluate(Candidate(derive(c.spec, {"limits.max_batch_size": mid}), c.replicas,
+                                               c.gpu_count), thresholds)
+                except ToolchainError:  # a cap the spec's validators refuse counts as a miss
+                    probe = None
+                if probe is not None and probe.kept:
+                    lo, best = mid, probe
+                else:
+                    hi = mid
+            if best is not None:
+                out.append(best)
+    return out
+
+
 @dataclass
 class SearchResult:
     ranked: list[Evaluated]
@@ -288,6 +325,7 @@ def search(spec, gpu_specs: list, gpu_count: int, thresholds: list[Threshold], b
                 if c.label not in seen:
                     seen.add(c.label)
                     evaluated.append(evaluate(c, thresholds))
+    evaluated += refine_batches(evaluated, thresholds)
     ranked = sorted((e for e in evaluated if e.kept), key=key)
     dropped = [e for e in evaluated if not e.kept]
     notes = []
