@@ -4,6 +4,7 @@ one-line error when the hub cannot be reached (this machine is offline)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -41,6 +42,8 @@ def test_local_model_directory_gives_a_spec_that_plans(tmp_path, capsys):
 
 
 def test_config_only_directory_with_gpu_and_quant_plans(tmp_path, capsys):
+    """int8_wo has no HF format the PyTorch backend loads: the GPU's default target gives way to trtllm, saying
+    why."""
     spec_path = tmp_path / "q.yaml"
     assert init(tmp_path, CONFIGS / "qwen2.5-0.5b-instruct", "--gpu", "l4", "--quant", "int8_wo",
                 "--out", spec_path) == 0, capsys.readouterr().err
@@ -48,17 +51,48 @@ def test_config_only_directory_with_gpu_and_quant_plans(tmp_path, capsys):
     assert data["target"] == "trtllm" and data["gpu"] == {"name": "L4"}
     assert data["quantization"] == {"method": "int8_wo"}
     assert data["limits"]["max_seq_len"] == 8192  # capped below the model's 32k context
-    capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "target trtllm, tp 1" in out and "note: target trtllm: the LLM-API path refuses this spec " \
+        "(llmapi.quantization: quantization.method int8_wo" in out
+    assert "# note: target trtllm: the LLM-API path refuses" in spec_path.read_text()
     assert plan(tmp_path, spec_path) == 0, capsys.readouterr().out
 
 
-def test_smallest_tensor_parallel_size_that_fits(tmp_path, capsys):
-    """Llama-3-70B in fp16 needs two H100s; the build host's RAM is set with --set."""
+def test_a_gpu_defaults_to_the_llmapi_target(tmp_path, capsys):
+    """README's advice for new deployments; --target trtllm still picks the engine path."""
+    spec_path = tmp_path / "q.yaml"
+    assert init(tmp_path, CONFIGS / "qwen2.5-0.5b-instruct", "--gpu", "l4", "--out", spec_path) == 0
+    assert yaml.safe_load(spec_path.read_text())["target"] == "llmapi"
+    assert "target llmapi, tp 1 on L4" in capsys.readouterr().out and "note:" not in spec_path.read_text()
+    assert plan(tmp_path, spec_path) == 0, capsys.readouterr().out
+    assert init(tmp_path, CONFIGS / "qwen2.5-0.5b-instruct", "--gpu", "l4", "--target", "trtllm",
+                "--out", spec_path, "--force") == 0
+    assert yaml.safe_load(spec_path.read_text())["target"] == "trtllm"
+
+
+def test_tensor_parallel_size_whose_kv_cache_holds_the_batch(tmp_path, capsys):
+    """Llama-3-70B in fp16 fits two H100s, but their KV cache holds 7 sequences of 8192 tokens where
+    max_batch_size is 32; four hold all 32. The build host's RAM is set with --set."""
     spec_path = tmp_path / "big.yaml"
     assert init(tmp_path, CONFIGS / "llama-3-70b", "--gpu", "H100", "--out", spec_path,
                 "--set", "build.host_memory_gib=2048") == 0, capsys.readouterr().err
     data = yaml.safe_load(spec_path.read_text())
-    assert data["parallelism"]["tp"] == 2 and data["build"]["host_memory_gib"] == 2048
+    assert data["parallelism"]["tp"] == 4 and data["build"]["host_memory_gib"] == 2048
+    capsys.readouterr()
+    assert main(["--root", str(tmp_path), "plan", str(spec_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["concurrency"] >= data["limits"]["max_batch_size"] == 32
+    assert report["sequence_tokens"] == data["limits"]["max_seq_len"] == 8192
+
+
+def test_no_tp_holds_the_batch_falls_back_to_the_smallest_that_fits_with_a_note(tmp_path, capsys):
+    spec_path = tmp_path / "big.yaml"
+    assert init(tmp_path, CONFIGS / "llama-3-70b", "--gpu", "H100", "--out", spec_path,
+                "--set", "build.host_memory_gib=2048", "--set", "limits.max_batch_size=512") == 0
+    assert yaml.safe_load(spec_path.read_text())["parallelism"]["tp"] == 2
+    note = ("tp 2: its KV cache holds 7 sequences of 8192 tokens, below limits.max_batch_size 512, and no tp up "
+            "to 8 holds them all")
+    assert f"note: {note}" in capsys.readouterr().out and f"# note: {note}" in spec_path.read_text()
     assert plan(tmp_path, spec_path) == 0
 
 
@@ -87,7 +121,8 @@ def test_existing_spec_is_kept_without_force(tmp_path, capsys):
     (["--quant", "int3"], "unknown --quant 'int3'", "none, int8_wo, int4_wo, awq, smoothquant, fp8"),
     (["--target", "tpu"], "unknown --target 'tpu'", "cpu, trtllm, llmapi, llmapi-cpu"),
     (["--target", "trtllm"], "target trtllm runs on GPUs", "--gpu with one of H100 80GB"),
-    (["--target", "cpu", "--gpu", "L4"], "--gpu applies to targets trtllm, llmapi", "drop --gpu"),
+    (["--target", "cpu", "--gpu", "L4"], "--gpu applies to targets trtllm, llmapi",
+     "drop --gpu, or pass --target llmapi"),
     (["--name", "../x"], "invalid 'name'", "pattern"),
 ])
 def test_unknown_names_are_refused_with_the_valid_choices(tmp_path, capsys, args, wrong, valid):

@@ -1,8 +1,11 @@
 """A starting spec for a Hugging Face model directory (`toolchain init`).
 
-The spec names the model, the target, the GPU and the weight format the user
-chose; limits come from the model's context length; tensor parallelism is the
-smallest size the planner says fits. Before anything is written the spec is
+The spec names the model, the target (llmapi on a GPU unless the user names
+one or the LLM-API path refuses the spec, then trtllm), the GPU and the weight
+format the user chose; limits come from the model's context length; tensor
+parallelism is the smallest size whose KV cache holds max_batch_size sequences
+of max_seq_len on a GPU, else the smallest the planner says fits (with a
+note). Before anything is written the spec is
 planned exactly as `toolchain plan` would plan it, so a written spec plans
 clean or nothing is written.
 """
@@ -55,7 +58,9 @@ def resolve_options(target: str | None, gpu: str | None, quant: str) -> tuple[st
         except ToolchainError:
             raise ToolchainError(f"unknown --gpu '{gpu}'", f"use one of {', '.join(g.name for g in gpus.GPUS)}, "
                                  "or pass the nearest and correct it with gpu.memory_gib and gpu.sm") from None
-    target = _choice("--target", target or ("trtllm" if gpu_name else "cpu"), TARGETS)
+    # On a GPU the LLM-API path is the advice for new deployments (README, "Which target to choose"): the engine
+    # flow ends with the 1.2 line; init falls back to trtllm where that path refuses the spec (fit_parallelism).
+    target = _choice("--target", target or ("llmapi" if gpu_name else "cpu"), TARGETS)
     quant = _choice("--quant", quant, QUANT_METHODS)
     table = ", ".join(g.name for g in gpus.GPUS)
     if target in GPU_TARGETS and gpu_name is None:
@@ -63,7 +68,7 @@ def resolve_options(target: str | None, gpu: str | None, quant: str) -> tuple[st
                              f"pass --gpu with one of {table}")
     if target not in GPU_TARGETS and gpu_name is not None:
         raise ToolchainError(f"--gpu applies to targets {', '.join(GPU_TARGETS)}; target {target} runs on this "
-                             "host's CPU and plans against its RAM", "drop --gpu, or pass --target trtllm")
+                             "host's CPU and plans against its RAM", "drop --gpu, or pass --target llmapi")
     return target, gpu_name, quant
 
 
@@ -102,26 +107,59 @@ def _plan(data: dict, spec_path: Path):
     return report_dict(context, run_checks(context))
 
 
-def fit_parallelism(data: dict, spec_path: Path, source: str, sizes: tuple[int, ...] = TP_SIZES) -> dict:
-    """`data` with the smallest tensor-parallel size of `sizes` whose plan passes; refuses when none does,
-    with what the plan said at the largest."""
-    report = None
+def _fit(data: dict, spec_path: Path, sizes: tuple[int, ...]) -> tuple[int | None, str | None, dict]:
+    """(tp, note, the last plan report): on a GPU the smallest size of `sizes` whose plan passes and whose KV cache
+    holds limits.max_batch_size sequences of max_seq_len at once; else the smallest whose plan passes, with a
+    note saying how many it holds; tp None when none passes. The smallest tp that merely fits can leave the KV
+    cache a few sequences wide (Llama-3-70B on two H100s: 2 of 32), so requests queue for it whatever the
+    batch limit says; a larger tp adds every GPU's free memory to the cache."""
+    first: tuple[int, dict] | None = None
+    report: dict = {}
     for tp in sizes:
         data["parallelism"]["tp"] = tp
         report = _plan(data, spec_path)
-        if report["ok"]:
-            return data
-    assert report is not None
-    failed = [f"{c['id']}: {c['message']}" for c in report["checks"] if c["id"] in report["failed_checks"]]
-    raise ToolchainError(f"no starting spec for {source} passes the plan at tp up to {data['parallelism']['tp']}: "
-                         + ("; ".join(failed) or report["verdict"]),
-                         "try another --quant or --gpu, or --set the fields named")
+        if not report["ok"]:
+            continue
+        batch = data["limits"]["max_batch_size"]
+        if data["target"] not in GPU_TARGETS or (report["concurrency"] or 0) >= batch:
+            return tp, None, report
+        first = first or (tp, report)
+    if first is None:
+        return None, None, report
+    tp, fitting = first
+    return tp, (f"tp {tp}: its KV cache holds {fitting['concurrency']} sequences of {fitting['sequence_tokens']} "
+                f"tokens, below limits.max_batch_size {data['limits']['max_batch_size']}, and no tp up to "
+                f"{sizes[-1]} holds them all; lower limits.max_batch_size or limits.max_seq_len, or quantize "
+                "the KV cache (quantization.kv_cache)"), report
 
 
-def render(data: dict, source: str, architecture: str) -> str:
+def fit_parallelism(data: dict, spec_path: Path, source: str, sizes: tuple[int, ...] = TP_SIZES,
+                    fallback: str | None = None) -> tuple[dict, list[str]]:
+    """`data` at the tensor-parallel size `_fit` picks, and notes to print; refuses when no size passes, with
+    what the plan said at the largest. `fallback`: the target to try when the LLM-API path itself refuses the
+    spec at every size (a failed llmapi.* check: a weight format or architecture only the engines run)."""
+    notes = []
+    tp, note, report = _fit(data, spec_path, sizes)
+    refused = [f"{c['id']}: {c['message']}" for c in report.get("checks", [])
+               if c["id"] in report["failed_checks"] and c["id"].startswith("llmapi.")]
+    if tp is None and fallback and refused:
+        notes.append(f"target {fallback}: the LLM-API path refuses this spec ({'; '.join(refused)})")
+        data["target"] = fallback
+        tp, note, report = _fit(data, spec_path, sizes)
+    if tp is None:
+        failed = [f"{c['id']}: {c['message']}" for c in report["checks"] if c["id"] in report["failed_checks"]]
+        raise ToolchainError(f"no starting spec for {source} passes the plan at tp up to {sizes[-1]}: "
+                             + ("; ".join(failed) or report["verdict"]),
+                             "try another --quant or --gpu, or --set the fields named")
+    data["parallelism"]["tp"] = tp
+    return data, notes + ([note] if note else [])
+
+
+def render(data: dict, source: str, architecture: str, notes: list[str] | None = None) -> str:
     head = (f"# Starting spec written by `toolchain init` from {source} ({architecture}).\n"
             "# It passed `toolchain plan` when written; every field and its default: docs/spec-reference.md\n"
-            "# (`toolchain schema` prints the JSON Schema for editors).\n")
+            "# (`toolchain schema` prints the JSON Schema for editors).\n"
+            + "".join(f"# note: {n}\n" for n in notes or []))
     return head + yaml.safe_dump(data, sort_keys=False)
 
 

@@ -18,11 +18,11 @@ from toolchain.spec import apply_overrides, parse_overrides, spec_from_dict
 @click.command()
 @click.argument("source")
 @click.option("--gpu", default=None, metavar="NAME", help="GPU the deployment runs on (H100, L40S, ...); "
-              "implies --target trtllm.")
+              "implies --target llmapi (trtllm where the LLM-API path refuses the spec).")
 @click.option("--quant", default="none", show_default=True, metavar="METHOD",
               help="Weight format: none, int8_wo, int4_wo, awq, smoothquant or fp8.")
 @click.option("--target", default=None, metavar="TARGET",
-              help="cpu, trtllm, llmapi or llmapi-cpu [default: trtllm with --gpu, else cpu].")
+              help="cpu, trtllm, llmapi or llmapi-cpu [default: llmapi with --gpu, else cpu].")
 @click.option("--name", default=None, help="Deployment name [default: from SOURCE].")
 @click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Spec file to write [default: build/<name>.yaml under --root].")
@@ -34,9 +34,11 @@ def command(ctx: Context, source: str, gpu: str | None, quant: str, target: str 
             out: Path | None, overrides: tuple[str, ...], force: bool) -> None:
     """Write a starting spec for SOURCE: a local Hugging Face model directory (config.json is enough), or a
     hub id such as Qwen/Qwen2.5-0.5B-Instruct, whose config and tokenizer files (no weights) are fetched into
-    configs/<name> next to the spec. Tensor parallelism is the smallest size that fits; the spec is planned
-    before it is written and is never written over without --force."""
+    configs/<name> next to the spec. Tensor parallelism is the smallest size whose KV cache holds
+    max_batch_size sequences of max_seq_len on a GPU, else the smallest that fits (with a note); the spec is
+    planned before it is written and is never written over without --force."""
 
+    fallback = "trtllm" if target is None and gpu else None  # a GPU's default target, llmapi, may give way
     target, gpu_name, quant = resolve_options(target, gpu, quant)
     name = name or default_name(source)
     spec_from_dict({"name": name}, Path.cwd(), "--name")  # the name becomes paths: refuse a bad one first
@@ -56,9 +58,12 @@ def command(ctx: Context, source: str, gpu: str | None, quant: str, target: str 
     data = spec_data(checkpoint, out, name=name, target=target, gpu=gpu_name, quant=quant, hf_config=model.hf_config)
     apply_overrides(data, overrides, "--set")
     fixed_tp = any(key == "parallelism.tp" for key, _ in parse_overrides(overrides))
-    data = fit_parallelism(data, out, source, (data["parallelism"]["tp"],) if fixed_tp else TP_SIZES)
-    write_spec(out, render(data, source, model.params.architecture))
-    click.echo(f"wrote {out}: {model.params.architecture}, target {target}, tp {data['parallelism']['tp']}"
+    data, notes = fit_parallelism(data, out, source, (data["parallelism"]["tp"],) if fixed_tp else TP_SIZES,
+                                  fallback)
+    write_spec(out, render(data, source, model.params.architecture, notes))
+    click.echo(f"wrote {out}: {model.params.architecture}, target {data['target']}, tp {data['parallelism']['tp']}"
                + (f" on {gpu_name}" if gpu_name else "") + f", quantization {quant}")
+    for note in notes:
+        click.echo(f"note: {note}")
     click.echo(f"next: toolchain plan {out}")
 
