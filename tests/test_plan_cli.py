@@ -178,3 +178,25 @@ def test_llmapi_example_plans_with_its_launch_lines_and_no_build(tmp_path, capsy
     assert serve[0] == "trtllm-serve" and serve[serve.index("--port") + 1] == "8080"
     ids = {c["id"] for c in report["checks"]}
     assert {"llmapi.options", "llmapi.quantization", "llmapi.speculative"} <= ids and "build.host-ram" not in ids
+
+
+def test_a_percentile_slo_is_said_to_be_judged_on_the_predicted_mean(tmp_path, capsys):
+    """Plan's model predicts mean TTFT/TPOT: the spec's p99 bounds are printed beside the mean they are judged on,
+    saying so; a bound on the mean itself needs no such word, and a rate is said to be unpredicted."""
+    spec = REPO / "build" / "llama3-70b-tp4pp2.yaml"  # slo: ttft_p99_ms 2000, tpot_p99_ms 60
+    assert plan(tmp_path, spec, "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    perf, slo = report["performance"], report["slo"]
+    assert slo["thresholds"]["ttft_p99_ms"] == {"limit": 2000.0, "predicted_mean": perf["ttft_ms"],
+                                                "met": perf["ttft_ms"] <= 2000}
+    assert slo["thresholds"]["tpot_p99_ms"]["predicted_mean"] == perf["tpot_ms"]
+    assert slo["judged_on"].startswith("ttft_p99_ms, tpot_p99_ms judged on the predicted mean")
+    assert plan(tmp_path, spec) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  slo: "))
+    assert f"ttft_p99_ms <= 2000 judged on the predicted mean {perf['ttft_ms']:,.2f} ms: met" in line
+    assert "no percentiles" in line
+    assert plan(tmp_path, spec, "--set", "validation.slo.ttft_p99_ms=null", "--set", "validation.slo.tpot_p99_ms=null",
+                "--set", "validation.slo.extra=[ttft_mean_ms<=1,goodput_fraction>=0.9]") == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  slo: "))
+    assert "ttft_mean_ms <= 1 judged on the predicted mean" in line and ": MISSED" in line
+    assert "not predicted: goodput_fraction" in line and "percentiles" not in line

@@ -24,6 +24,8 @@ from toolchain import hostprofile as hp
 from toolchain.errors import ToolchainError
 from toolchain.plan import crosscheck
 from toolchain.spec import load_spec
+from toolchain.checks.preflight import build_context, run_checks
+from toolchain.checks.render import report_dict
 from toolchain.slo import thresholds
 from toolchain.tune.candidates import layouts, structures
 from toolchain.tune.report import render, spec_yaml, write
@@ -399,3 +401,75 @@ def test_replicas_go_into_the_targets_replica_field(tmp_path):
     assert yaml.safe_load(spec_yaml(llmapi, [], tmp_path, replicas=4))["dynamo"]["workers"] == 4
     trtllm = load_spec(LLAMA_70B)
     assert "dynamo" not in yaml.safe_load(spec_yaml(trtllm, [], tmp_path, replicas=4))
+
+
+# ------------------------------------------------------------------- what a written spec deploys (issue 33)
+
+
+def test_written_specs_hold_the_slo_and_their_replicas_share_and_plan_to_their_row(tmp_path, capsys):
+    """Each written spec carries --slo and one replica's share of the workload (256 over 8 one-GPU replicas is
+    32 each: left at 256, plan of the file predicted a TTFT many times the table's), so `toolchain plan` of the
+    file (its library call) predicts exactly tune's row for it and finds the SLO met."""
+    assert tune(tmp_path, LLAMA_70B, "--gpus", "8", "--gpu", "H200", "--top", "3",
+                "--set", "validation.workload.concurrency=256",
+                "--slo", "ttft_p99_ms=500,tpot_p99_ms=50,goodput_fraction=0.9") == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert ("slo: ttft_p99_ms <= 500, tpot_p99_ms <= 50, goodput_fraction >= 0.9; ttft_p99_ms, tpot_p99_ms judged "
+            "on the predicted mean") in out.splitlines()[1]
+    doc = tune_json(tmp_path)
+    rows = {c["label"]: c for c in doc["candidates"]}
+    replicas = set()
+    for path, label in zip(doc["specs"], doc["top"], strict=True):
+        row = rows[label]
+        replicas.add(row["replicas"])
+        written = load_spec(path)
+        slo = written.validation.slo
+        assert (slo.ttft_p99_ms, slo.tpot_p99_ms, slo.extra) == (500, 50, ["goodput_fraction>=0.9"])
+        assert written.validation.workload.concurrency == -(-256 // row["replicas"])
+        assert written.validation.workload.num_requests == 200  # how long a level runs stays
+        ctx = build_context(written, "plan")
+        report = report_dict(ctx, run_checks(ctx))
+        assert report["ok"], report["failed_checks"]
+        got, want = report["performance"], row["performance"]
+        for key in ("concurrency", "ttft_ms", "tpot_ms", "max_output_tokens_per_s", "per_gpu_output_tokens_per_s",
+                    "batch_size_at_max", "usd_per_million_output_tokens"):
+            assert got[key] == want[key], (label, key, got[key], want[key])
+        assert report["slo"]["not_predicted"] == ["goodput_fraction"]
+        assert {k: v["met"] for k, v in report["slo"]["thresholds"].items()} == {"ttft_p99_ms": True,
+                                                                                 "tpot_p99_ms": True}
+        if row["replicas"] > 1:
+            assert "validation.workload is one replica's share" in Path(path).read_text()
+    assert max(replicas) > 1, "the top holds a multi-replica layout, whose share this test is about"
+
+
+def test_a_mean_slo_is_not_said_to_stand_for_a_percentile(tmp_path, capsys):
+    assert tune(tmp_path, LLAMA_70B, "--gpus", "4", "--gpu", "H200", "--top", "1",
+                "--slo", "ttft_mean_ms=2000,tpot_p90_ms=60") == 0, capsys.readouterr().err
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == ("slo: ttft_mean_ms <= 2000, tpot_p90_ms <= 60; tpot_p90_ms judged on the predicted mean: the "
+                      "model predicts means, no percentiles")
+    header = (tmp_path / "out" / "specs" / "llama3-70b-tp4pp2-tuned-1.yaml").read_text().splitlines()
+    assert any(h.startswith("# validation.slo: tpot_p90_ms judged on the predicted mean") for h in header)
+
+
+def test_slo_option_goes_into_the_spec_a_rate_as_a_floor():
+    from toolchain.cli.tune import with_slo
+
+    spec = load_spec(LLAMA_70B, ["validation.slo.extra=[ttft_p90_ms<=300,e2e_p50_ms<=9000]"])
+    slo = with_slo(spec, parse_slo_option("tpot_p99_ms=40,ttft_p90_ms=200,goodput_fraction=0.95")).validation.slo
+    assert slo.ttft_p99_ms is None and slo.tpot_p99_ms == 40  # --slo replaces the named bounds
+    assert slo.extra == ["e2e_p50_ms<=9000", "ttft_p90_ms<=200", "goodput_fraction>=0.95"]
+    goodput = next(t for t in thresholds(slo) if t.name == "goodput_fraction")
+    assert not goodput.upper and goodput.value == 0.95
+
+
+def test_a_replicas_share_of_rate_and_sweep_workloads():
+    from toolchain.tune.search import replica_spec
+
+    rate = load_spec(LLAMA_70B, ["validation.workload.mode=rate", "validation.workload.rate=12",
+                                 "validation.workload.sweep=[4,8,12]", "validation.workload.concurrency=256"])
+    mine = replica_spec(rate, 8).validation.workload
+    assert (mine.rate, mine.sweep, mine.concurrency) == (1.5, [0.5, 1.0, 1.5], 32)
+    closed = load_spec(LLAMA_70B, ["validation.workload.sweep=[1,8,16,64]"])
+    assert replica_spec(closed, 8).validation.workload.sweep == [1, 2, 8]  # 1 and 8 both share to 1
+    assert replica_spec(closed, 1) is closed

@@ -118,3 +118,36 @@ def request_meets(per_req: dict, ths: list[Threshold]) -> bool:
         if value > t.value:
             return False
     return True
+
+
+# The predicted counterpart of a latency metric: plan's performance model predicts one steady-state (or one bench
+# level's) mean TTFT and TPOT per deployment, no spread, so a percentile or max bound is judged on that mean and
+# every output that judges one says so (`on_mean`, `judged_on`).
+PREDICTED_METRIC = {"ttft": "ttft", "ttfr": "ttft", "tpot": "tpot", "itl": "tpot", "itl_per_token": "tpot",
+                    "e2e": "e2e", "e2e_final": "e2e"}
+
+
+def predicted_value(t: Threshold, ttft_ms: float, tpot_ms: float, output_tokens: int) -> float | None:
+    """The predicted mean a latency threshold is judged on (ms): TTFT, TPOT (a token's gap: ITL too), or E2E as
+    TTFT plus the other output tokens' TPOT; None where nothing is predicted (rates, send lag, ...)."""
+    metric = PREDICTED_METRIC.get(t.metric.removesuffix("_ms")) if t.upper else None
+    if metric == "ttft":
+        return ttft_ms
+    if metric == "tpot":
+        return tpot_ms
+    if metric == "e2e":
+        return ttft_ms + max(output_tokens - 1, 0) * tpot_ms
+    return None
+
+
+def on_mean(t: Threshold) -> bool:
+    """A predicted threshold whose statistic is not the mean (a percentile, the max): its prediction is a mean."""
+    return t.upper and t.stat != "mean" and t.metric.removesuffix("_ms") in PREDICTED_METRIC
+
+
+def judged_on(ths: list[Threshold]) -> str | None:
+    """The clause saying which bounds a predicted mean stands for, or None when none does."""
+    names = [t.name for t in ths if on_mean(t)]
+    if not names:
+        return None
+    return f"{', '.join(names)} judged on the predicted mean: the model predicts means, no percentiles"

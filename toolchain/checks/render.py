@@ -5,6 +5,7 @@ from __future__ import annotations
 from toolchain.gpus import GIB, Gpu
 from toolchain.plan.perf import performance_dict
 from toolchain.plan.plan import layout_ok, plan_memory
+from toolchain.slo import judged_on, predicted_value, thresholds
 from toolchain.checks.registry import FAIL, Context, CheckResult
 
 
@@ -38,6 +39,7 @@ def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
     failed = [r.id for r in results if r.status == FAIL]
     fits = bool(ctx.memory and ctx.memory.fits)
     dev = ctx.device
+    perf = performance_dict(spec, model, ctx.quant, dev, ctx.memory, ctx.draft)
     return {
         "name": spec.name, "target": spec.target,
         "architecture": model.params.architecture if model else None,
@@ -58,11 +60,41 @@ def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
         "estimates": ("activation_bytes_estimate, workspace_bytes_estimate and cuda_graph_bytes_estimate are estimates "
                       "(TensorRT-LLM docs/source/legacy/reference/memory.md gives no formula)"),
         "eos": ctx.eos.as_dict() if ctx.eos else None,
-        "performance": performance_dict(spec, model, ctx.quant, dev, ctx.memory, ctx.draft),
+        "performance": perf,
+        "slo": slo_dict(spec, perf),
         "checks": [r.as_dict() for r in results],
         "failed_checks": failed,
         "ok": fits and not failed,
     }
+
+
+def slo_dict(spec, perf: dict) -> dict:
+    """The spec's SLO judged on the prediction: each bound the model predicts a counterpart of, with the predicted
+    mean it is judged on (`judged_on` says which percentiles a mean stands for), and the bounds it cannot judge."""
+    ths = thresholds(spec.validation.slo)
+    if not ths or not perf.get("predicted"):
+        return {}
+    out: dict = {"thresholds": {}, "not_predicted": [], "judged_on": judged_on(ths)}
+    for t in ths:
+        value = predicted_value(t, perf["ttft_ms"], perf["tpot_ms"], perf["workload"]["output_tokens"])
+        if value is None:
+            out["not_predicted"].append(t.name)
+        else:
+            out["thresholds"][t.name] = {"limit": t.value, "predicted_mean": round(value, 3), "met": value <= t.value}
+    return out
+
+
+def _slo_lines(slo: dict | None) -> list[str]:
+    """One line: each predicted bound, the mean it was judged on and whether it holds, and what that judged."""
+    if not slo or not (slo["thresholds"] or slo["not_predicted"]):
+        return []
+    parts = [f"{name} <= {v['limit']:g} judged on the predicted mean {v['predicted_mean']:,.2f} ms: "
+             f"{'met' if v['met'] else 'MISSED'}" for name, v in slo["thresholds"].items()]
+    if slo["not_predicted"]:
+        parts.append(f"not predicted: {', '.join(slo['not_predicted'])}")
+    if slo["judged_on"]:
+        parts.append("the model predicts means, no percentiles")
+    return [f"  slo: {'; '.join(parts)}"]
 
 
 def _performance_lines(perf: dict | None) -> list[str]:
@@ -79,7 +111,7 @@ def _performance_lines(perf: dict | None) -> list[str]:
              f"  max {perf['max_output_tokens_per_s']:,.0f} output tokens/s ({perf['per_gpu_output_tokens_per_s']:,.0f} "
              f"per {unit}) at batch {perf['batch_size_at_max']} of {perf['batch_limit']} "
              f"({perf['batch_limited_by']}), ISL {wl['input_tokens']} / OSL {wl['output_tokens']}{cost}",
-             f"  at concurrency {perf['concurrency']}: TTFT {perf['ttft_ms']:,.1f} ms, TPOT {perf['tpot_ms']:.2f} ms; "
+             f"  at concurrency {perf['concurrency']}: mean TTFT {perf['ttft_ms']:,.1f} ms, mean TPOT {perf['tpot_ms']:.2f} ms; "
              f"context {perf['bound']['context']}-bound, generation {perf['bound']['generation']}-bound"]
     lines += [f"  note: {n}" for n in perf["notes"]]
     return lines
@@ -117,6 +149,7 @@ def render_text(report: dict) -> str:
                    f"in {report['kv_tokens_capacity']:,} KV tokens per rank")
     out.append(f"verdict: {report['verdict']}")
     out.extend(_performance_lines(report.get("performance")))
+    out.extend(_slo_lines(report.get("slo")))
     if report.get("eos"):
         e = report["eos"]
         out.append(f"end ids: end_id {e['end_id']}, stop ids {e['stop_ids']}, pad_id {e['pad_id']} ({e['source']})")

@@ -13,8 +13,8 @@ from toolchain.cli._common import Context, pass_ctx
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.gpus import lookup
 from toolchain.plan import crosscheck
-from toolchain.slo import parse_slo, thresholds
-from toolchain.spec import load_spec
+from toolchain.slo import RATE_KEYS, parse_slo, thresholds
+from toolchain.spec import SloSection, load_spec
 from toolchain.targets import CPU, target_of
 from toolchain.tune import measure as measuring
 from toolchain.tune.candidates import derive
@@ -23,7 +23,8 @@ from toolchain.tune.search import cross_check, search
 
 
 def parse_slo_option(text: str | None) -> list[str]:
-    """--slo "ttft_p99_ms=500,tpot_p99_ms=50" as threshold strings ("ttft_p99_ms<=500"); one line on a bad one."""
+    """--slo "ttft_p99_ms=500,tpot_p99_ms=50" as threshold strings ("ttft_p99_ms<=500"; a rate key's "=" is ">="); one
+    line on a bad one."""
     if not text:
         return []
     out = []
@@ -31,7 +32,9 @@ def parse_slo_option(text: str | None) -> list[str]:
         if not part:
             continue
         key, sep, value = part.partition("=")
-        item = part if key.endswith(("<", ">")) or not sep else f"{key.strip()}<={value.strip()}"
+        # K=V is a bound in the direction of its kind: latencies at most V, rates (goodput_fraction=0.9) at least V
+        op = ">=" if key.strip() in RATE_KEYS else "<="
+        item = part if key.endswith(("<", ">")) or not sep else f"{key.strip()}{op}{value.strip()}"
         try:
             parse_slo(item)
         except ValueError as err:
@@ -40,6 +43,25 @@ def parse_slo_option(text: str | None) -> list[str]:
     if not out:
         raise ToolchainError(f"--slo '{text}' names no threshold", "write --slo ttft_p99_ms=500,tpot_p99_ms=50")
     return out
+
+
+def with_slo(spec, items: list[str]):
+    """The spec with --slo as its `validation.slo`, so every candidate, and every spec written, carries the SLO it
+    was judged against: --slo replaces the spec's named bounds (a bound it names goes into its field, any other
+    into `extra`); the spec's extra strings stay unless --slo names them too."""
+    if not items:
+        return spec
+    named = [f for f in SloSection.model_fields if f != "extra"]
+    given = {parse_slo(item).name: item for item in items}
+    fields: dict = {f: None for f in named}
+    extra = [x for x in spec.validation.slo.extra if parse_slo(x).name not in given]
+    for name, item in given.items():
+        t = parse_slo(item)
+        if name in named:
+            fields[name] = t.value
+        else:
+            extra.append(f"{t.name}{'<=' if t.upper else '>='}{t.value:.10g}")
+    return derive(spec, {**{f"validation.slo.{f}": v for f, v in fields.items()}, "validation.slo.extra": extra})
 
 
 def gpu_specs(spec, gpus: tuple[str, ...], prices: tuple[float, ...]) -> list:
@@ -98,11 +120,8 @@ def command(ctx: Context, spec_path: Path, overrides: tuple[str, ...], gpu_count
             cross_tool: str | None) -> None:
     """Search deployments of SPEC, rank them and write the best as specs ready for `toolchain deploy`."""
     spec = load_spec(spec_path, overrides)
-    extra = parse_slo_option(slo_text)
-    if extra:  # --slo replaces the spec's bounds; its extra strings stay unless --slo names them too
-        spec = derive(spec, {f"validation.slo.{k}": None for k in ("ttft_p99_ms", "tpot_p99_ms", "e2e_p99_ms",
-                                                                    "itl_p99_ms")})
-    ths = thresholds(spec.validation.slo, extra)
+    spec = with_slo(spec, parse_slo_option(slo_text))
+    ths = thresholds(spec.validation.slo)
     if measure:
         why = measuring.measurable(spec)
         if why:

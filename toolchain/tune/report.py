@@ -14,9 +14,10 @@ from pathlib import Path
 import yaml
 
 from toolchain.fsutil import atomic_dir
+from toolchain.slo import judged_on, thresholds
 from toolchain.spec import DeploymentSpec
 from toolchain.tune.candidates import derive
-from toolchain.tune.search import Evaluated, SearchResult
+from toolchain.tune.search import Evaluated, SearchResult, replica_spec
 
 
 SEARCHED = {"parallelism": ("tp", "pp"), "limits": ("max_batch_size", "max_num_tokens"),
@@ -81,7 +82,7 @@ def slo_miss_line(result: SearchResult) -> str | None:
     near = result.closest()
     if near is None:
         return None
-    misses = ", ".join(f"{name} {m['predicted']:,.1f} > {m['limit']:,.1f} (+{m['predicted'] / m['limit'] - 1:.0%}) "
+    misses = ", ".join(f"{name} on the predicted mean {m['predicted']:,.1f} > {m['limit']:,.1f} (+{m['predicted'] / m['limit'] - 1:.0%}) "
                        f"at concurrency {m['concurrency']}" for name, m in near.slo_misses.items())
     return f"no candidate meets the SLO; closest: {near.candidate.label}: {misses}"
 
@@ -96,8 +97,20 @@ def pareto_lines(result: SearchResult) -> list[str]:
     return out
 
 
+def slo_line(result: SearchResult) -> str | None:
+    """The SLO candidates were judged against, and which of its bounds a predicted mean stood for."""
+    if not result.slo:
+        return None
+    bounds = ", ".join(f"{t.name} {'<=' if t.upper else '>='} {t.value:g}" for t in result.slo)
+    basis = judged_on(result.slo)
+    return f"slo: {bounds}" + (f"; {basis}" if basis else "")
+
+
 def render(result: SearchResult, top: int) -> str:
     lines = [summary_line(result)]
+    slo = slo_line(result)
+    if slo:
+        lines.append(slo)
     miss = slo_miss_line(result)
     if miss:
         lines.append(miss)
@@ -108,8 +121,8 @@ def render(result: SearchResult, top: int) -> str:
         lines.append("")
         lines += table(result.shown[:top], result.by_cost)
         if any(e.predicted for e in result.ranked):
-            lines.append("(predicted by plan's roofline model: TTFT/TPOT at a replica's share of the workload's "
-                         "concurrency, TPOT@max at the batch of the maximum; both meet the SLO's bounds)")
+            lines.append("(predicted by plan's roofline model: TTFT/TPOT are means at a replica's share of the "
+                         "workload's concurrency, TPOT@max at the batch of the maximum; both meet the SLO's bounds)")
         same = len(result.ranked) - len(result.shown)
         if same:
             lines.append(f"({same} kept candidates predicted the same as a better one, differing only in knobs the "
@@ -125,9 +138,11 @@ def render(result: SearchResult, top: int) -> str:
 
 
 def written_spec(e: Evaluated, rank: int) -> DeploymentSpec:
-    """The candidate as the spec the user deploys: its own name, so its outputs sit beside the original's."""
-    base = e.candidate.spec
-    return derive(base, {"name": f"{base.name}-tuned-{rank}"})
+    """The candidate as the spec the user deploys: one replica's share of the workload (`replica_spec`, the spec
+    it was planned and predicted at, so `toolchain plan` of the file reproduces its row), the SLO it was judged
+    against, and its own name, so its outputs sit beside the original's."""
+    base = replica_spec(e.candidate.spec, e.candidate.replicas)
+    return derive(base, {"name": f"{e.candidate.spec.name}-tuned-{rank}"})
 
 
 # The path fields spec.py's _resolve_paths makes absolute against the spec's directory.
@@ -231,6 +246,17 @@ def _plot(result: SearchResult, path: Path) -> bool:
     return True
 
 
+def share_line(fleet, mine, replicas: int) -> str:
+    """The header line saying the written workload is one replica's share of the fleet's."""
+    shares = [f"concurrency {fleet.concurrency} -> {mine.concurrency}"]
+    if fleet.mode == "rate":
+        shares.append(f"rate {fleet.rate:g} -> {mine.rate:g} req/s")
+    if fleet.sweep:
+        shares.append(f"sweep {'/'.join(f'{v:g}' for v in fleet.sweep)} -> {'/'.join(f'{v:g}' for v in mine.sweep)}")
+    return (f"validation.workload is one replica's share of the workload given, over {replicas} replicas: "
+            f"{', '.join(shares)} (bench one replica at it; the fleet serves the whole)")
+
+
 def write(out: Path, result: SearchResult, top: int, text: str, extra: dict | None = None) -> list[Path]:
     """--out: specs/<name>.yaml for the top candidates, table.txt, pareto.png, tune.json. Returns the spec paths
     as they will be once the directory is in place."""
@@ -246,10 +272,16 @@ def write(out: Path, result: SearchResult, top: int, text: str, extra: dict | No
                 how = f"{field_name} says so" if field_name and e.candidate.replicas > 1 else \
                     "run this many copies of the deployment"
                 header.append(f"replicas: {e.candidate.replicas} ({how}; {e.candidate.gpu_count} GPUs in all)")
+            if e.candidate.replicas > 1:
+                header.append(share_line(e.candidate.spec.validation.workload, spec.validation.workload,
+                                         e.candidate.replicas))
             if e.predicted:
                 header.append(f"predicted per replica: {p['max_output_tokens_per_s']:,.0f} output tokens/s at batch "
-                              f"{p['batch_size_at_max']}; TTFT {p['ttft_ms']:,.1f} ms, TPOT {p['tpot_ms']:.2f} ms at "
-                              f"concurrency {p['concurrency']} ({p['basis']})")
+                              f"{p['batch_size_at_max']}; mean TTFT {p['ttft_ms']:,.1f} ms, mean TPOT "
+                              f"{p['tpot_ms']:.2f} ms at concurrency {p['concurrency']} ({p['basis']})")
+                basis = judged_on(thresholds(spec.validation.slo))
+                if basis:
+                    header.append(f"validation.slo: {basis}")
             name = f"{spec.name}.yaml"
             (tmp / "specs" / name).write_text(spec_yaml(spec, header, out / "specs", e.candidate.replicas))
             written.append(out / "specs" / name)

@@ -28,7 +28,7 @@ from toolchain.gpus import Gpu
 from toolchain.plan import perf
 from toolchain.plan.crosscheck import Estimate
 from toolchain.plan.perf import performance_dict
-from toolchain.slo import Threshold
+from toolchain.slo import Threshold, predicted_value
 from toolchain.tune.candidates import Candidate, derive, engine_threads, knob_variants, structures
 
 # Structures whose runtime knobs pass two searches (pass one ranks the structures at the spec's limits).
@@ -87,18 +87,22 @@ def replica_concurrency(concurrency: int, replicas: int) -> int:
     return max(1, math.ceil(concurrency / replicas))
 
 
-# The statistics a steady-state prediction stands for: its mean per-token and first-token times are compared with
-# the SLO's bounds whatever percentile they name (the model has no spread), and stated so in the output.
-def predicted_value(t: Threshold, perf: dict, output_tokens: int) -> float | None:
-    """The predicted counterpart of a latency threshold (ms), or None where the model predicts none."""
-    metric = t.metric.removesuffix("_ms")
-    if metric in ("ttft", "ttfr"):
-        return perf["ttft_ms"]
-    if metric in ("tpot", "itl", "itl_per_token"):
-        return perf["tpot_ms"]
-    if metric in ("e2e", "e2e_final"):
-        return perf["ttft_ms"] + max(output_tokens - 1, 0) * perf["tpot_ms"]
-    return None
+def replica_spec(spec, replicas: int):
+    """The spec with one replica's share of its workload, what each of `replicas` copies serves: the concurrency
+    (`replica_concurrency`), in mode rate the request rate, and each sweep level (levels a share makes equal run
+    once). The spec a candidate is predicted at and written as, so `toolchain plan` of the written spec predicts
+    what the search ranked; the request counts stay (how long a level runs, not how hard)."""
+    if replicas == 1:
+        return spec
+    wl = spec.validation.workload
+    changes: dict = {"validation.workload.concurrency": replica_concurrency(wl.concurrency, replicas)}
+    if wl.mode == "rate":
+        changes["validation.workload.rate"] = wl.rate / replicas
+    if wl.sweep:
+        levels = [replica_concurrency(int(v), replicas) if wl.mode == "concurrency" else v / replicas
+                  for v in wl.sweep]
+        changes["validation.workload.sweep"] = list(dict.fromkeys(levels))
+    return derive(spec, changes)
 
 
 def slo_misses(perf: dict, thresholds: list[Threshold], output_tokens: int, concurrency: int) -> dict[str, dict]:
@@ -106,7 +110,7 @@ def slo_misses(perf: dict, thresholds: list[Threshold], output_tokens: int, conc
     for t in thresholds:
         if not t.upper:
             continue
-        value = predicted_value(t, perf, output_tokens)
+        value = predicted_value(t, perf["ttft_ms"], perf["tpot_ms"], output_tokens)
         if value is not None and value > t.value:
             out[t.name] = {"predicted": round(value, 3), "limit": t.value, "concurrency": concurrency}
     return out
@@ -114,8 +118,7 @@ def slo_misses(perf: dict, thresholds: list[Threshold], output_tokens: int, conc
 
 def unpredicted(thresholds: list[Threshold]) -> list[str]:
     """Thresholds the prediction cannot judge (rates, send lag, ...): listed, never used to drop."""
-    probe = {"ttft_ms": 0.0, "tpot_ms": 0.0}
-    return [t.name for t in thresholds if not t.upper or predicted_value(t, probe, 1) is None]
+    return [t.name for t in thresholds if predicted_value(t, 0.0, 0.0, 1) is None]
 
 
 def point_at(spec, ctx: Context, concurrency: int) -> dict:
@@ -134,8 +137,9 @@ def point_at(spec, ctx: Context, concurrency: int) -> dict:
 
 def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
     """Plan and check the candidate as `toolchain plan` would, then predict one replica at its share of the
-    workload's concurrency and judge the SLO there."""
-    spec = candidate.spec
+    workload's concurrency and judge the SLO there: all of it on the replica's spec (`replica_spec`), the one
+    written for it."""
+    spec = replica_spec(candidate.spec, candidate.replicas)
     out = Evaluated(candidate)
     try:
         ctx = build_context(spec, "plan")
@@ -152,9 +156,6 @@ def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
     if out.failed:
         return out
     wl = spec.validation.workload
-    share = replica_concurrency(wl.concurrency, candidate.replicas)
-    if share != wl.concurrency:
-        spec = derive(spec, {"validation.workload.concurrency": share})
     out.performance = performance_dict(spec, ctx.model, ctx.quant, ctx.device, ctx.memory, ctx.draft)
     if not out.predicted:
         return out
@@ -272,6 +273,8 @@ class SearchResult:
     unpredicted_slo: list[str]
     by_cost: bool
     notes: list[str] = field(default_factory=list)
+    slo: list[Threshold] = field(default_factory=list)
+    """The thresholds candidates were judged against (the table states what judged them)."""
 
     @property
     def shown(self) -> list[Evaluated]:
@@ -338,7 +341,8 @@ def search(spec, gpu_specs: list, gpu_count: int, thresholds: list[Threshold], b
         _, left_out = engine_threads(spec)
         if left_out:
             notes.append(left_out)
-    return SearchResult(ranked, dropped, refused, pareto(ranked), unpredicted(thresholds), by_cost, notes)
+    return SearchResult(ranked, dropped, refused, pareto(ranked), unpredicted(thresholds), by_cost, notes,
+                        thresholds)
 
 
 Estimator = Callable[[object, Gpu, int], Estimate]
