@@ -233,6 +233,43 @@ def test_engine_refuses_a_qwen_moe_config_without_its_widths(hf_qwen2_moe, tmp_p
             read_engine_config(engine)
 
 
+# -- which path builds it -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config, target, status, fragment", [
+    ("qwen3-30b-a3b", "trtllm", "fail", "set target: llmapi to serve Qwen3MoeForCausalLM"),
+    ("qwen3-30b-a3b", "cpu", "fail", "set target: llmapi-cpu to serve Qwen3MoeForCausalLM"),
+    ("qwen3-30b-a3b", "llmapi", None, None),
+    ("qwen1.5-moe-a2.7b", "trtllm", "pass", "Qwen2MoeForCausalLM builds on the engine path"),
+])
+def test_the_engine_path_refuses_qwen3_moe(tmp_path, config, target, status, fragment):
+    """TensorRT-LLM 1.2.1's trtllm-build has no Qwen3-MoE (the 1.2-era tensorrt_llm/models/qwen/model.py sizes
+    experts by intermediate_size for all but qwen2_moe and builds no q/k norms; the Qwen README runs Qwen3 MoE on
+    the PyTorch backend only): plan and the engine stages refuse it in one line naming the LLM-API target, target
+    cpu (the engine path's stand-in) alike; the LLM-API path has no such check. The CPU engine's own Qwen3-MoE
+    coverage above calls convert and the engine directly."""
+    from conftest import write_spec
+
+    from toolchain.checks.preflight import PreflightFailed, build_context, run_checks, run_preflight
+    from toolchain.checks.registry import REGISTRY
+    from toolchain.spec import load_spec
+
+    ckpt = Path(__file__).parents[1] / "build" / "configs" / config
+    gpu = {} if target == "cpu" else {"name": "H200"}
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", ckpt, target=target, gpu=gpu,
+                                parallelism={"tp": 2, "moe_ep": 2}))
+    results = {r.id: r for r in run_checks(build_context(spec, "plan"))}
+    if status is None:
+        assert "arch.engine-path" not in results
+        return
+    got = results["arch.engine-path"]
+    assert (got.status, "\n" in got.message) == (status, False) and fragment in got.message, got
+    assert set(REGISTRY["arch.engine-path"].stages) == {"convert", "build-engine"}
+    if status == "fail":
+        assert "tensorrt_llm/models/qwen/model.py" in got.message
+        with pytest.raises(PreflightFailed, match="arch.engine-path"):
+            run_preflight(spec, "convert")
+
+
 # -- the planner counts the shared expert -------------------------------------------------------------------
 
 # Qwen1.5-MoE-A2.7B's config.json (build/configs/qwen1.5-moe-a2.7b): 60 experts of width 1408, top-4, a shared

@@ -154,6 +154,8 @@ TRIGGERS = {
     "arch.quantization": ({}, {"quant": QuantFormat("smoothquant"), "setup": use_config(MIXTRAL)}, FAIL),
     "arch.supported": ({"model": {"checkpoint": str(CONFIGS / "mistral-7b-instruct-v0.3")}},
                        {"setup": "unregister-mistral"}, WARN),
+    # 1.2.1's trtllm-build has no Qwen3-MoE (tests/test_moe_qwen.py test_the_engine_path_refuses_qwen3_moe)
+    "arch.engine-path": ({"model": {"checkpoint": str(CONFIGS / "qwen3-30b-a3b")}}, {}, FAIL),
     "quant.group-size": ({}, {"quant": QuantFormat("awq", group_size=32)}, FAIL),
     # an MLP that is not whole groups of 128 (padding would split a group): convert refuses it too
     "quant.group-padding": ({"parallelism": {"tp": 4}},

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 
+from toolchain import targets
 from toolchain.archs import get_family, moe
 from toolchain.archs.params import trained_positions
 from toolchain.errors import ToolchainError
@@ -288,6 +289,18 @@ def _arch(ctx: Context):
         return PASS, f"{arch} is supported by convert"
     return WARN, (f"convert does not support {arch} yet (`toolchain archs` lists what it does); "
                   "the plan uses its Llama-shaped config")
+
+
+@check("arch.engine-path", ENGINE, "trtllm-build of the pinned release must build the architecture (archs/*.py: "
+       "the family's `engine_refusal`; target cpu stands in for it and refuses alike)", paths=ENGINE_PATH)
+def _arch_engine_path(ctx: Context):
+    if ctx.model is None or not ctx.model.registered:
+        return SKIP, "model config not readable here or not a registered family; the stage reports why"
+    arch = ctx.model.params.architecture
+    why = get_family(arch).engine_refusal
+    if why is not None:
+        return FAIL, f"{why}; set target: {targets.named(targets.LLMAPI, ctx.row.device)} to serve {arch}"
+    return PASS, f"{arch} builds on the engine path"
 
 
 # ---- quantization (TensorRT-LLM quantization/layers.py, modeling_utils.py, builder.py; issues #648, #988) -----------
