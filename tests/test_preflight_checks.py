@@ -209,6 +209,8 @@ TRIGGERS = {
     "llmapi.architecture": ({"target": "llmapi", "parallelism": {"tp": 2},
                              "model": {"checkpoint": str(CONFIGS / "phi-3-mini-128k-instruct")}}, {}, FAIL),
     "llmapi.runtime-version": ({"target": "llmapi"}, {"stage": "serve"}, FAIL),
+    # build.kv_cache_reuse defaults to true; Gemma 3 runs without reuse on the PyTorch backend
+    "llmapi.kv-reuse": ({"target": "llmapi", "model": {"checkpoint": str(CONFIGS / "gemma-3-1b-it")}}, {}, FAIL),
     "llmapi.num-tokens-vs-input": ({"target": "llmapi", "limits": {"max_input_len": 8192, "max_seq_len": 8192 + 512,
                                                                    "max_num_tokens": 4096}}, {}, WARN),
 }

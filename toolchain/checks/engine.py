@@ -21,7 +21,8 @@ from toolchain.plan.model import read_json
 from toolchain.plan.plan import checkpoint_bytes_per_rank
 from toolchain.quant.formats import BLACKWELL, KV_CACHE
 from toolchain.quant.recipe import ModelShape, check_per_group, check_pytorch_per_group, per_group_multiple
-from toolchain.checks.registry import ENGINE, ENGINE_PATH, FAIL, GPU_ONLY, PASS, SKIP, WARN, Context, check
+from toolchain.checks.registry import (ENGINE, ENGINE_PATH, FAIL, GPU_ONLY, PASS, SKIP, UNREGISTERED, WARN, Context,
+                                       check)
 
 NO_MODEL = "model config not readable here; the stage reports why"
 
@@ -294,12 +295,13 @@ def _arch(ctx: Context):
 @check("arch.engine-path", ENGINE, "trtllm-build of the pinned release must build the architecture (archs/*.py: "
        "the family's `engine_refusal`; target cpu stands in for it and refuses alike)", paths=ENGINE_PATH)
 def _arch_engine_path(ctx: Context):
-    if ctx.model is None or not ctx.model.registered:
-        return SKIP, "model config not readable here or not a registered family; the stage reports why"
-    arch = ctx.model.params.architecture
-    why = get_family(arch).engine_refusal
-    if why is not None:
-        return FAIL, f"{why}; set target: {targets.named(targets.LLMAPI, ctx.row.device)} to serve {arch}"
+    found = ctx.family()
+    if found is None:
+        return SKIP, UNREGISTERED
+    family, arch = found
+    if family.engine_refusal is not None:
+        llmapi = targets.named(targets.LLMAPI, ctx.row.device)
+        return FAIL, f"{family.engine_refusal}; set target: {llmapi} to serve {arch}"
     return PASS, f"{arch} builds on the engine path"
 
 
