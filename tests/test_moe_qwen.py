@@ -220,6 +220,19 @@ def test_the_llmapi_cpu_stand_in_shards_the_shared_expert_alike(hf_qwen2_moe, tm
     assert engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=8)) == hf_greedy(reference, PROMPTS[0], 8)
 
 
+def test_the_llmapi_cpu_stand_in_serves_qwen3_moe(hf_qwen3_moe, tmp_path):
+    """Qwen3-MoE's path is the LLM-API one (arch.engine-path refuses the engine path): its CPU stand-in converts
+    and loads it with LLM()'s expert parallelism, and answers transformers' greedy tokens."""
+    from toolchain.llmapi.cpu_llm import load_engine
+
+    engine, _, spec = load_engine({"model": str(hf_qwen3_moe), "tensor_parallel_size": 2,
+                                   "moe_expert_parallel_size": 2, "max_batch_size": 2, "max_seq_len": 128},
+                                  tmp_path / "llm")
+    assert (engine.dims.moe_tp, engine.dims.moe_ep) == (1, 2) and spec.target == "cpu"
+    reference = hf_model(hf_qwen3_moe)
+    assert engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=8)) == hf_greedy(reference, PROMPTS[1], 8)
+
+
 def test_engine_refuses_a_qwen_moe_config_without_its_widths(hf_qwen2_moe, tmp_path):
     from toolchain.engine.cpu.config import read_engine_config
 
