@@ -4,6 +4,8 @@ TensorRT-LLM's own source (toolchain/upstream/facts/llmapi.json)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -84,11 +86,91 @@ def test_engine_only_modes_are_the_ones_upstream_keeps_off_the_pytorch_backend()
             assert allows == "all" or "pytorch" in allows, mode
 
 
+GEMMA3_1B = Path(__file__).resolve().parents[1] / "build" / "configs" / "gemma-3-1b-it"  # config.json only
+
+
+def _plan(tmp_path, checkpoint, **sections):
+    from toolchain.checks.preflight import build_context, run_checks
+
+    spec = llmapi_spec(tmp_path, checkpoint, target="llmapi", gpu={"name": "H100 80GB"}, **sections)
+    ctx = build_context(spec, "plan", Workspace(tmp_path))
+    return spec, ctx, {r.id: r for r in run_checks(ctx)}
+
+
+@pytest.mark.parametrize("model", ["gemma3", "mistral", "llama"])
+def test_sliding_windows_reach_kv_cache_config_as_the_plan_counts_them(tmp_path, request, model):
+    """The plan gives each window its own share of the KV pool (memory.window_share) and caps a sequence at a
+    window all layers share (memory.sequence_tokens); the PyTorch backend does so only when LLM() gets
+    kv_cache_config.max_attention_window (resource_manager.py: unset, every layer gets [max_seq_len]). So what
+    model.yaml / trtllm-serve.yaml carry is the windows the plan used, clamped as the backend clamps them."""
+    import math
+
+    from toolchain.llmapi.args import llm_args, llm_args_problem, serve_config
+    from toolchain.plan import memory as mem
+
+    checkpoint = {"gemma3": GEMMA3_1B, "mistral": request.getfixturevalue("hf_mistral"),
+                  "llama": request.getfixturevalue("hf_llama")}[model]
+    spec, ctx, results = _plan(tmp_path, checkpoint, build={"kv_cache_reuse": model != "gemma3"},
+                               limits={"max_batch_size": 4, "max_input_len": 2048, "max_seq_len": 4096,
+                                       "max_num_tokens": 4096})
+    assert results["memory.fits"].status == "pass"
+    kv = llm_args(spec, checkpoint)["kv_cache_config"]
+    assert serve_config(spec)["kv_cache_config"] == kv
+    p, plan = ctx.model.params, ctx.memory
+    if model == "llama":
+        assert "max_attention_window" not in kv and plan.sequence_tokens == 4096
+        return
+    windows = kv["max_attention_window"]
+    assert FACTS["kv_cache_config"]["fields"]["max_attention_window"]["type"] == "Optional[List[int]]"
+    assert llm_args_problem(llm_args(spec, checkpoint)) is None
+    layers = p.num_hidden_layers
+    per_layer = [min(windows[i % len(windows)], spec.limits.max_seq_len) for i in range(layers)]
+    if model == "gemma3":  # layer i is global when (i + 1) % 6 == 0: one pool of 512-token windows, one of 4096
+        assert len(windows) == layers and per_layer == [4096 if (i + 1) % 6 == 0 else 512 for i in range(layers)]
+        full = mem.kv_bytes_per_token(p, tp=1, stage_layer_count=layers, kv_bytes=4)
+        seq = plan.sequence_tokens
+        share = sum(min(w, seq) for w in per_layer) / (layers * seq)  # 27/52 of a full-length sequence
+        assert plan.ranks[0].kv_bytes_per_token == math.ceil(full * share) < full
+    else:  # one window for every layer: a sequence holds only its last 8 tokens (one 32-token block)
+        assert windows == [8] and plan.sequence_tokens == 32
+
+
+def test_gemma3_runs_without_kv_cache_reuse_on_the_llmapi_path(tmp_path):
+    """Upstream runs Gemma 3 on the PyTorch backend with block and partial reuse off (test_llm_api_pytorch.py,
+    TestGemma3_1BInstruct): build.kv_cache_reuse (on by default) is refused for it with the fix, and with it off
+    model.yaml turns partial reuse off too (upstream's default is on); llmapi.options cannot turn it back on."""
+    from toolchain.llmapi.args import llm_args
+
+    _, _, results = _plan(tmp_path, GEMMA3_1B)
+    got = results["llmapi.kv-reuse"]
+    assert got.status == "fail" and "set build.kv_cache_reuse: false" in got.message and "\n" not in got.message
+    assert "TestGemma3_1BInstruct" in got.message
+    spec, _, results = _plan(tmp_path, GEMMA3_1B, build={"kv_cache_reuse": False})
+    assert results["llmapi.kv-reuse"].status == "pass"
+    kv = llm_args(spec, GEMMA3_1B)["kv_cache_config"]
+    assert kv["enable_block_reuse"] is False and kv["enable_partial_reuse"] is False
+    assert FACTS["kv_cache_config"]["fields"]["enable_partial_reuse"]["default"] is True
+    _, _, results = _plan(tmp_path, GEMMA3_1B, build={"kv_cache_reuse": False},
+                          llmapi={"options": {"kv_cache_config": {"enable_partial_reuse": True}}})
+    assert results["llmapi.kv-reuse"].status == "fail" and "remove it from llmapi.options" in \
+        results["llmapi.kv-reuse"].message
+
+
+def test_other_families_keep_kv_cache_reuse_on_the_llmapi_path(tmp_path, hf_llama):
+    from toolchain.llmapi.args import llm_args
+
+    spec, _, results = _plan(tmp_path, hf_llama)
+    assert results["llmapi.kv-reuse"].status == "pass"
+    kv = llm_args(spec, hf_llama)["kv_cache_config"]
+    assert kv["enable_block_reuse"] is True and "enable_partial_reuse" not in kv
+
+
 @pytest.mark.parametrize("options, fragment", [
     ({"tensor_paralel_size": 2}, "did you mean 'tensor_parallel_size'"),
     ({"kv_cache_config": {"enable_partial_reus": True}}, "kv_cache_config.enable_partial_reus"),
     ({"tensor_parallel_size": 2}, "derived from parallelism.tp"),
     ({"kv_cache_config": {"free_gpu_memory_fraction": 0.5}}, "serving.kv_cache_free_gpu_mem_fraction"),
+    ({"kv_cache_config": {"max_attention_window": [16]}}, "derived from model.checkpoint"),
 ])
 def test_bad_llmapi_options_fail_the_plan_in_one_line(tmp_path, hf_llama, options, fragment):
     from toolchain.checks.preflight import build_context, run_checks
@@ -268,6 +350,8 @@ def test_a_stop_string_ends_generation_and_is_left_out(cpu_llm):
     ({"backend": "tensorrt"}, "backend 'tensorrt'"),
     ({"scheduler_config": {"capacity_scheduler_policy": "STATIC_BATCH"}}, "STATIC_BATCH"),
     ({"speculative_config": {"decoding_type": "Medusa", "max_draft_len": 4}}, "speculative_config"),
+    ({"kv_cache_config": {"max_attention_window": [16]}}, "not the model's own windows"),
+    ({"kv_cache_config": {"max_attention_window": [0]}}, "list of positive integers"),
 ])
 def test_the_stand_in_refuses_what_the_real_llm_refuses_or_cannot_run(hf_llama_words, kwargs, fragment):
     from toolchain.llmapi.cpu_llm import CpuLLM, LlmArgsError

@@ -220,6 +220,19 @@ def test_the_llmapi_cpu_stand_in_shards_the_shared_expert_alike(hf_qwen2_moe, tm
     assert engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=8)) == hf_greedy(reference, PROMPTS[0], 8)
 
 
+def test_the_llmapi_cpu_stand_in_serves_qwen3_moe(hf_qwen3_moe, tmp_path):
+    """Qwen3-MoE's path is the LLM-API one (arch.engine-path refuses the engine path): its CPU stand-in converts
+    and loads it with LLM()'s expert parallelism, and answers transformers' greedy tokens."""
+    from toolchain.llmapi.cpu_llm import load_engine
+
+    engine, _, spec = load_engine({"model": str(hf_qwen3_moe), "tensor_parallel_size": 2,
+                                   "moe_expert_parallel_size": 2, "max_batch_size": 2, "max_seq_len": 128},
+                                  tmp_path / "llm")
+    assert (engine.dims.moe_tp, engine.dims.moe_ep) == (1, 2) and spec.target == "cpu"
+    reference = hf_model(hf_qwen3_moe)
+    assert engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=8)) == hf_greedy(reference, PROMPTS[1], 8)
+
+
 def test_engine_refuses_a_qwen_moe_config_without_its_widths(hf_qwen2_moe, tmp_path):
     from toolchain.engine.cpu.config import read_engine_config
 
@@ -231,6 +244,43 @@ def test_engine_refuses_a_qwen_moe_config_without_its_widths(hf_qwen2_moe, tmp_p
         (engine / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ToolchainError, match=message):
             read_engine_config(engine)
+
+
+# -- which path builds it -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config, target, status, fragment", [
+    ("qwen3-30b-a3b", "trtllm", "fail", "set target: llmapi to serve Qwen3MoeForCausalLM"),
+    ("qwen3-30b-a3b", "cpu", "fail", "set target: llmapi-cpu to serve Qwen3MoeForCausalLM"),
+    ("qwen3-30b-a3b", "llmapi", None, None),
+    ("qwen1.5-moe-a2.7b", "trtllm", "pass", "Qwen2MoeForCausalLM builds on the engine path"),
+])
+def test_the_engine_path_refuses_qwen3_moe(tmp_path, config, target, status, fragment):
+    """TensorRT-LLM 1.2.1's trtllm-build has no Qwen3-MoE (the 1.2-era tensorrt_llm/models/qwen/model.py sizes
+    experts by intermediate_size for all but qwen2_moe and builds no q/k norms; the Qwen README runs Qwen3 MoE on
+    the PyTorch backend only): plan and the engine stages refuse it in one line naming the LLM-API target, target
+    cpu (the engine path's stand-in) alike; the LLM-API path has no such check. The CPU engine's own Qwen3-MoE
+    coverage above calls convert and the engine directly."""
+    from conftest import write_spec
+
+    from toolchain.checks.preflight import PreflightFailed, build_context, run_checks, run_preflight
+    from toolchain.checks.registry import REGISTRY
+    from toolchain.spec import load_spec
+
+    ckpt = Path(__file__).parents[1] / "build" / "configs" / config
+    gpu = {} if target == "cpu" else {"name": "H200"}
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", ckpt, target=target, gpu=gpu,
+                                parallelism={"tp": 2, "moe_ep": 2}))
+    results = {r.id: r for r in run_checks(build_context(spec, "plan"))}
+    if status is None:
+        assert "arch.engine-path" not in results
+        return
+    got = results["arch.engine-path"]
+    assert (got.status, "\n" in got.message) == (status, False) and fragment in got.message, got
+    assert set(REGISTRY["arch.engine-path"].stages) == {"convert", "build-engine"}
+    if status == "fail":
+        assert "tensorrt_llm/models/qwen/model.py" in got.message
+        with pytest.raises(PreflightFailed, match="arch.engine-path"):
+            run_preflight(spec, "convert")
 
 
 # -- the planner counts the shared expert -------------------------------------------------------------------

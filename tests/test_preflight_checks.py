@@ -154,6 +154,8 @@ TRIGGERS = {
     "arch.quantization": ({}, {"quant": QuantFormat("smoothquant"), "setup": use_config(MIXTRAL)}, FAIL),
     "arch.supported": ({"model": {"checkpoint": str(CONFIGS / "mistral-7b-instruct-v0.3")}},
                        {"setup": "unregister-mistral"}, WARN),
+    # 1.2.1's trtllm-build has no Qwen3-MoE (tests/test_moe_qwen.py test_the_engine_path_refuses_qwen3_moe)
+    "arch.engine-path": ({"model": {"checkpoint": str(CONFIGS / "qwen3-30b-a3b")}}, {}, FAIL),
     "quant.group-size": ({}, {"quant": QuantFormat("awq", group_size=32)}, FAIL),
     # an MLP that is not whole groups of 128 (padding would split a group): convert refuses it too
     "quant.group-padding": ({"parallelism": {"tp": 4}},
@@ -207,6 +209,8 @@ TRIGGERS = {
     "llmapi.architecture": ({"target": "llmapi", "parallelism": {"tp": 2},
                              "model": {"checkpoint": str(CONFIGS / "phi-3-mini-128k-instruct")}}, {}, FAIL),
     "llmapi.runtime-version": ({"target": "llmapi"}, {"stage": "serve"}, FAIL),
+    # build.kv_cache_reuse defaults to true; Gemma 3 runs without reuse on the PyTorch backend
+    "llmapi.kv-reuse": ({"target": "llmapi", "model": {"checkpoint": str(CONFIGS / "gemma-3-1b-it")}}, {}, FAIL),
     "llmapi.num-tokens-vs-input": ({"target": "llmapi", "limits": {"max_input_len": 8192, "max_seq_len": 8192 + 512,
                                                                    "max_num_tokens": 4096}}, {}, FAIL),
 }

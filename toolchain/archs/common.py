@@ -113,6 +113,13 @@ class Family:
     """TensorRT-LLM's config class forces use_parallel_embedding = tp > 1 (GemmaConfig), whatever config.json says."""
     llmapi_refusal: Callable[[Any, int, bool], str | None] | None = None
     """(ArchParams, tp, quantized) -> why the LLM-API path (PyTorch backend) cannot serve this model, or None."""
+    llmapi_no_reuse: str | None = None
+    """Why the PyTorch backend must serve this family with KV block and partial reuse off (with the upstream
+    source saying so), or None: llmapi/args.py writes enable_partial_reuse false and the llmapi.kv-reuse check
+    refuses build.kv_cache_reuse."""
+    engine_refusal: str | None = None
+    """Why trtllm-build of the pinned release cannot build this family (with the upstream source saying so), or
+    None: the arch.engine-path check refuses the engine path for it and points at the LLM-API path."""
     quantization: Callable[[Any, str, str, str | None], "Refusal | None"] | None = None
     """(ArchParams, method, kv_cache, stored) -> why this family's model cannot be quantized as asked, or None.
     `stored` names the format of a checkpoint that is quantized already. Convert, the HF-format export and the

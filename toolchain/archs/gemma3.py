@@ -39,7 +39,11 @@ _torch/models/__init__.py, the 1.1/1.2-era one, read_file id 130844221, and the 
 layers use rope_parameters["sliding_attention"] / rope_local_base_freq without scaling and the config's
 sliding_window, global ones RopeParams.from_config (rope_scaling kept). The weight-only formats this
 family quantizes have no Hugging Face format that backend loads (checkpoint/hf_quant.py), so a quantized Gemma 3
-is refused there.
+is refused there. KV cache reuse is off there too (`llmapi_no_reuse`): upstream's own accuracy test runs Gemma 3
+on that backend with enable_block_reuse and enable_partial_reuse false, "as a WAR to deal with gaps in kernel
+support for Gemma3's non-inclusive sliding window size" (tests/integration/defs/accuracy/
+test_llm_api_pytorch.py, TestGemma3_1BInstruct.test_auto_dtype and test_fp8_prequantized). The windows
+themselves reach that backend as kv_cache_config.max_attention_window (llmapi/args.py attention_windows).
 """
 
 from __future__ import annotations
@@ -193,5 +197,7 @@ FAMILY = Family(
     normalize=normalize,
     parallel_embedding_at_tp=True,
     llmapi_refusal=llmapi_refusal,
+    llmapi_no_reuse=("upstream runs it with block and partial reuse off, a workaround for its non-inclusive sliding "
+                     "window: tests/integration/defs/accuracy/test_llm_api_pytorch.py TestGemma3_1BInstruct"),
     quantization=quantization_refusal,
 )

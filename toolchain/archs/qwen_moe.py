@@ -51,6 +51,14 @@ expert"; read in the stored model.py that also builds Qwen3.5, newer than 04a2ca
 intermediate_size for every type but qwen2_moe). Qwen3-30B-A3B's config.json sets norm_topk_prob true, so it is
 written RENORMALIZE where upstream's own converter (NONE in every stored qwen/config.py) would route unlike HF.
 
+That layout is this toolchain's, and the CPU engine runs it (tests/test_moe_qwen.py holds it to transformers), but
+TensorRT-LLM 1.2.1's trtllm-build does not build it: the 1.2-era tensorrt_llm/models/qwen/model.py (04a2cacb)
+sizes the experts by `intermediate_size` for every qwen_type but qwen2_moe and builds its Attention without q/k
+norms, and examples/models/core/qwen/README.md runs Qwen3 (Qwen3-30B-A3B, Qwen3-235B-A22B) "with the PyTorch
+backend" only. So the engine path refuses Qwen3-MoE (`engine_refusal`, the arch.engine-path check) on target
+trtllm and on target cpu, its stand-in here; the LLM-API path serves it (targets llmapi and llmapi-cpu, whose
+stand-in converts it with these tables without that check).
+
 Refused: decoder_sparse_step other than 1 and non-empty mlp_only_layers (dense layers among the mixtures: the
 converter above turns every layer into one), qkv_bias false (QWenConfig writes attn_bias true for every
 qwen2_moe) or attention_bias true on Qwen3-MoE (attn_bias false for qwen3_moe), a Qwen3-MoE sliding window,
@@ -179,4 +187,7 @@ QWEN3_MOE = Family(
     config_extra=_extra("qwen3_moe"),
     normalize=_qwen3_moe,
     quantization=moe.quantization_refusal,
+    engine_refusal=("TensorRT-LLM 1.2.1's engine path does not build Qwen3-MoE (tensorrt_llm/models/qwen/model.py "
+                    "sizes its experts by intermediate_size and has no q/k norms; examples/models/core/qwen/README.md "
+                    "runs Qwen3 MoE on the PyTorch backend only)"),
 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 
+from toolchain import targets
 from toolchain.archs import get_family, moe
 from toolchain.archs.params import trained_positions
 from toolchain.errors import ToolchainError
@@ -20,7 +21,8 @@ from toolchain.plan.model import read_json
 from toolchain.plan.plan import checkpoint_bytes_per_rank
 from toolchain.quant.formats import BLACKWELL, KV_CACHE
 from toolchain.quant.recipe import ModelShape, check_per_group, check_pytorch_per_group, per_group_multiple
-from toolchain.checks.registry import ENGINE, ENGINE_PATH, FAIL, GPU_ONLY, PASS, SKIP, WARN, Context, check
+from toolchain.checks.registry import (ENGINE, ENGINE_PATH, FAIL, GPU_ONLY, PASS, SKIP, UNREGISTERED, WARN, Context,
+                                       check)
 
 NO_MODEL = "model config not readable here; the stage reports why"
 
@@ -288,6 +290,19 @@ def _arch(ctx: Context):
         return PASS, f"{arch} is supported by convert"
     return WARN, (f"convert does not support {arch} yet (`toolchain archs` lists what it does); "
                   "the plan uses its Llama-shaped config")
+
+
+@check("arch.engine-path", ENGINE, "trtllm-build of the pinned release must build the architecture (archs/*.py: "
+       "the family's `engine_refusal`; target cpu stands in for it and refuses alike)", paths=ENGINE_PATH)
+def _arch_engine_path(ctx: Context):
+    found = ctx.family()
+    if found is None:
+        return SKIP, UNREGISTERED
+    family, arch = found
+    if family.engine_refusal is not None:
+        llmapi = targets.named(targets.LLMAPI, ctx.row.device)
+        return FAIL, f"{family.engine_refusal}; set target: {llmapi} to serve {arch}"
+    return PASS, f"{arch} builds on the engine path"
 
 
 # ---- quantization (TensorRT-LLM quantization/layers.py, modeling_utils.py, builder.py; issues #648, #988) -----------

@@ -5,8 +5,9 @@ upstream/facts/llmapi.json), caught before anything is written."""
 from __future__ import annotations
 
 from toolchain.archs import get_family
-from toolchain.checks.registry import ENGINE, FAIL, LLMAPI_PATH, PASS, SERVING, SKIP, Context, check
-from toolchain.llmapi.args import options_problem
+from toolchain.checks.registry import (ENGINE, FAIL, LLMAPI_PATH, PASS, SERVING, SKIP, UNREGISTERED, Context,
+                                       check)
+from toolchain.llmapi.args import llm_args, options_problem
 from toolchain.speculative import mode_of, refusal
 from toolchain.targets import target_of
 from toolchain.versions import TRITON_IMAGE, TRTLLM_VERSION, in_line
@@ -69,6 +70,25 @@ def _architecture(ctx: Context):
     if why is not None:
         return FAIL, why
     return PASS, f"{p.architecture} at tp {ctx.spec.parallelism.tp}"
+
+
+@check("llmapi.kv-reuse", BOTH, "a family the PyTorch backend runs without KV cache reuse must not ask for it "
+       "(the family's llmapi_no_reuse: Gemma 3, tests/integration/defs/accuracy/test_llm_api_pytorch.py "
+       "TestGemma3_1BInstruct)", paths=LLMAPI_PATH)
+def _kv_reuse(ctx: Context):
+    found = ctx.family()
+    why = found[0].llmapi_no_reuse if found is not None else None
+    if found is None or why is None:
+        return (SKIP, UNREGISTERED) if found is None else (PASS, "kv_cache_config.enable_block_reuse follows "
+                                                                  "build.kv_cache_reuse")
+    arch = found[1]
+    kv = llm_args(ctx.spec, ctx.spec.model.checkpoint).get("kv_cache_config") or {}
+    asked = [f"kv_cache_config.{k}" for k in ("enable_block_reuse", "enable_partial_reuse") if kv.get(k, True)]
+    if asked:
+        fix = ("set build.kv_cache_reuse: false" if "kv_cache_config.enable_block_reuse" in asked
+               else "remove it from llmapi.options")
+        return FAIL, f"{arch} on the LLM-API path runs without KV cache reuse ({why}), but {asked[0]} is on; {fix}"
+    return PASS, f"{arch}: kv_cache_config.enable_block_reuse and enable_partial_reuse written false"
 
 
 @check("llmapi.options", BOTH, "every llmapi.options key must be an LLM-API argument of the pinned release "

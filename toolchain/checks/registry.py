@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 from toolchain.errors import ToolchainError
 from toolchain import eos as eos_mod
 from toolchain import gpus, targets
+from toolchain.archs import Family, get_family
 from toolchain.plan.model import ModelInfo, QuantFormat, load_model, quant_format, read_json
 from toolchain.plan.plan import DraftModel, MemoryPlan, layout_ok, plan_memory
 
@@ -31,6 +32,7 @@ BOTH_PATHS = ENGINE_PATH + LLMAPI_PATH
 # The devices a target runs on: GPU hosts (TensorRT-LLM itself) or this host's CPU engine standing in for it.
 GPU_ONLY, CPU_ONLY = (targets.GPU,), (targets.CPU,)
 BOTH_DEVICES = GPU_ONLY + CPU_ONLY
+UNREGISTERED = "model config not readable here or not a registered family; the stage reports why"
 # Stages that read artefacts of earlier stages without rebuilding them; deploy
 # rebuilds first, so a stale engine there is not a finding.
 _ARTEFACT_STAGES = ("plan", "model-repo", "serve")
@@ -102,6 +104,14 @@ class Context:
         """The spec's target's row (path, device, launches). Named `row`, not `target`, because
         `ctx.spec.target` is the target's name."""
         return targets.target_of(self.spec)
+
+    def family(self) -> tuple[Family, str] | None:
+        """The registered family of the spec's model and its architecture; None when its config is unreadable
+        here or no family registers it (checks then skip with UNREGISTERED: the stage reports why)."""
+        if self.model is None or not self.model.registered:
+            return None
+        arch = self.model.params.architecture
+        return get_family(arch), arch
 
     @property
     def artefacts(self) -> bool:

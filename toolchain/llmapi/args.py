@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from toolchain import upstream
-from toolchain.archs import load_params
+from toolchain.archs import ArchParams, Family, load_params
 from toolchain.errors import ToolchainError
 from toolchain.spec import DeploymentSpec
 from toolchain.speculative import mode_of
@@ -34,6 +34,7 @@ DERIVED_FROM = {
     "kv_cache_config.enable_block_reuse": "build.kv_cache_reuse",
     "kv_cache_config.tokens_per_block": "build.tokens_per_block",
     "kv_cache_config.dtype": "quantization.kv_cache",
+    "kv_cache_config.max_attention_window": "model.checkpoint (config.json's sliding windows)",
     "scheduler_config.capacity_scheduler_policy": "serving.batch_scheduler_policy",
 }
 # Nested sections whose own field names are known from the facts.
@@ -74,13 +75,63 @@ def speculative_config(spec: DeploymentSpec) -> dict | None:
     return out
 
 
-def _is_moe(checkpoint: Path) -> bool | None:
-    """Whether the HF model in `checkpoint` is a mixture of experts (None: its config.json cannot say)."""
+def _model(checkpoint: Path | str) -> tuple[Family, ArchParams] | None:
+    """The family and parameters of the HF model in `checkpoint` (None: its config.json cannot say)."""
     try:
         cfg = json.loads((Path(checkpoint) / "config.json").read_text())
-        return load_params(cfg, str(Path(checkpoint) / "config.json"))[1].is_moe
+        return load_params(cfg, str(Path(checkpoint) / "config.json"))
     except (OSError, ValueError, ToolchainError):  # absent, not JSON, or a family archs/ does not know
         return None
+
+
+def _is_moe(checkpoint: Path) -> bool | None:
+    """Whether the HF model in `checkpoint` is a mixture of experts (None: its config.json cannot say)."""
+    model = _model(checkpoint)
+    return None if model is None else model[1].is_moe
+
+
+def attention_windows(params: ArchParams) -> list[int] | None:
+    """`kv_cache_config.max_attention_window` for a model with sliding windows (None: every layer attends to the
+    whole sequence).
+
+    The PyTorch backend sizes its KV cache from this field alone: left unset, its KVCacheManager takes
+    `[max_seq_len]` for every layer, one pool of full-length sequences; set, it clamps each entry to max_seq_len
+    and, when they differ (VSWA), gives each window size its own pool in proportion to window x bytes per token
+    (tensorrt_llm/_torch/pyexecutor/resource_manager.py, KVCacheManager.__init__: "Use max_seq_len as default
+    max_attention_window", `is_vswa`, calculate_max_num_blocks_from_cpp -> blocks_per_window). KvCacheConfig
+    declares it `Optional[List[int]]`, "repeated ... to the number of layers" when shorter
+    (tensorrt_llm/llmapi/llm_args.py; facts/llmapi.json kv_cache_config). So it is written here, one entry per
+    layer where layers differ (Gemma 3's local and global layers, as config.json runtime_defaults carries them on
+    the engine path) and one entry for a window every layer shares (Mistral, Phi-3, windowed Qwen): the KV pool
+    `plan` reports (memory.window_share, memory.sequence_tokens) is then the one the backend allocates, and
+    upstream's own Gemma 3 tests pass the same per-layer windows (tests/integration/defs/accuracy/
+    test_llm_api_pytorch.py, TestGemma3_1BInstruct: max_attention_window=[512, 512, 512, 512, 512, 32768])."""
+    if params.layer_windows is not None:
+        return list(params.layer_windows)
+    return [params.sliding_window] if params.sliding_window else None
+
+
+def windows_problem(windows: Any, checkpoint: Path | str, max_seq_len: int) -> str | None:
+    """Why `windows` (a kv_cache_config.max_attention_window) would not attend as the model in `checkpoint` does,
+    or None (also when its config.json cannot say). Compared as the backend reads it: repeated to the layer
+    count, each entry clamped to max_seq_len."""
+    if not (isinstance(windows, list) and windows
+            and all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in windows)):
+        return f"kv_cache_config.max_attention_window must be a non-empty list of positive integers, got {windows!r}"
+    model = _model(checkpoint)
+    if model is None:
+        return None
+    params = model[1]
+    layers = params.num_hidden_layers
+    own = attention_windows(params) or [max_seq_len]
+
+    def per_layer(ws: list[int]) -> list[int]:
+        return [min(ws[i % len(ws)], max_seq_len) for i in range(layers)]
+
+    if per_layer(windows) != per_layer(own):
+        return (f"kv_cache_config.max_attention_window {windows} is not the model's own windows {own} (at "
+                f"max_seq_len {max_seq_len}); the CPU stand-in attends by config.json's, so leave it out")
+    return None
 
 
 def expert_parallel_args(spec: DeploymentSpec) -> dict[str, int]:
@@ -113,6 +164,16 @@ def llm_args(spec: DeploymentSpec, model_dir: Path | str) -> dict[str, Any]:
         kv["max_tokens"] = s.max_tokens_in_paged_kv_cache
     if spec.quantization.kv_cache == "fp8":
         kv["dtype"] = "fp8"
+    model = _model(spec.model.checkpoint)
+    if model is not None:
+        family, params = model
+        windows = attention_windows(params)
+        if windows is not None:
+            kv["max_attention_window"] = windows
+        if family.llmapi_no_reuse is not None:
+            # Upstream's default is on (KvCacheConfig.enable_partial_reuse); the llmapi.kv-reuse check refuses
+            # build.kv_cache_reuse for such a family, and this keeps partial reuse off with it.
+            kv["enable_partial_reuse"] = False
     args: dict[str, Any] = {"model": str(model_dir), "backend": "pytorch"}
     if spec.model.tokenizer is not None:
         args["tokenizer"] = str(spec.model.tokenizer)

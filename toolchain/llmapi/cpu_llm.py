@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from toolchain.errors import ToolchainError
-from toolchain.llmapi.args import llm_args_problem
+from toolchain.llmapi.args import llm_args_problem, windows_problem
 from toolchain.spec import DeploymentSpec
 from toolchain.engine.build import run_build
 from toolchain.workspace import Workspace
@@ -230,6 +230,8 @@ def engine_spec(args: dict[str, Any]):
         raise LlmArgsError(f"scheduler_config.capacity_scheduler_policy {policy!r} is not supported on the CPU "
                            f"engine; use {' or '.join(POLICIES)}")
     max_seq = _int(args, "max_seq_len", None) or _positions(model_dir)
+    if kv.get("max_attention_window") is not None:
+        _check_windows(kv["max_attention_window"], model_dir, max_seq)
     max_input = _int(args, "max_input_len", None) or max_seq - 1
     try:
         return DeploymentSpec.model_validate({
@@ -253,6 +255,15 @@ def engine_spec(args: dict[str, Any]):
         })
     except Exception as err:  # pydantic's message names the field
         raise LlmArgsError(f"LLM arguments the CPU engine cannot run: {str(err).splitlines()[0]}") from None
+
+
+def _check_windows(windows: Any, model_dir: Path, max_seq: int) -> None:
+    """The CPU engine attends by the windows convert writes from config.json (runtime_defaults); LLM() would
+    size and cut its KV cache by kv_cache_config.max_attention_window (llmapi/args.py attention_windows), so
+    other windows are refused rather than silently not applied."""
+    problem = windows_problem(windows, model_dir, max_seq)
+    if problem:
+        raise LlmArgsError(problem)
 
 
 def _has_fp8_kv_scales(model_dir: Path) -> bool:
