@@ -155,3 +155,15 @@ def test_unreachable_hub_is_one_line_and_leaves_nothing(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert not (tmp_path / "build" / "qwen2.5-0.5b-instruct.yaml").exists()
     assert not (tmp_path / "build" / "configs" / "qwen2.5-0.5b-instruct").exists()
+
+
+def test_gemma3_on_the_llmapi_default_starts_with_kv_reuse_off(tmp_path, capsys):
+    """The PyTorch backend serves Gemma 3 without KV block reuse (llmapi.kv-reuse): the starting spec on the GPU's
+    default target says so, and plans, instead of falling back to the engine path."""
+    spec_path = tmp_path / "g.yaml"
+    assert init(tmp_path, CONFIGS / "gemma-3-1b-it", "--gpu", "H100", "--out", spec_path) == 0, \
+        capsys.readouterr().err
+    data = yaml.safe_load(spec_path.read_text())
+    assert data["target"] == "llmapi" and data["build"] == {"kv_cache_reuse": False}
+    capsys.readouterr()
+    assert plan(tmp_path, spec_path) == 0, capsys.readouterr().out
