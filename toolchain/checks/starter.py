@@ -20,6 +20,7 @@ from typing import Any, get_args
 import yaml
 
 from toolchain import gpus
+from toolchain.archs import family_for_config
 from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_file
 from toolchain.spec import DeploymentSpec, QuantizationSection, spec_from_dict
@@ -96,7 +97,18 @@ def spec_data(checkpoint: Path, spec_path: Path, *, name: str, target: str, gpu:
         data["gpu"] = {"name": gpu}
     if quant != "none":
         data["quantization"] = {"method": quant}
+    if target == "llmapi" and _family_runs_without_reuse(hf_config):
+        # The llmapi.kv-reuse check refuses block reuse for such a family (Gemma 3); the starting spec asks for
+        # what the PyTorch backend can serve rather than one the plan refuses.
+        data["build"] = {"kv_cache_reuse": False}
     return data
+
+
+def _family_runs_without_reuse(hf_config: dict) -> bool:
+    try:
+        return family_for_config(hf_config).llmapi_no_reuse is not None
+    except ToolchainError:  # an unregistered family: the plan says why
+        return False
 
 
 def _plan(data: dict, spec_path: Path):
