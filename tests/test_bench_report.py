@@ -138,6 +138,25 @@ def test_one_level_draws_percentile_bars_not_single_dots(server):  # noqa: F811
     assert [len(line.get_xdata()) for line in lines] == [2, 2, 2]
 
 
+def test_every_console_row_is_explained(server):  # noqa: F811
+    """An open-loop sweep over chat shows the most rows (ttfr, the schedule rows): each row the tables print is
+    defined under them, and report.json's legend defines every latency key it holds."""
+    report, _ = bench(server, "legend-rows", protocol="openai-chat", mode="rate", rate=40, sweep=[20, 40])
+    buf = io.StringIO()
+    console = Console(file=buf, width=200)
+    for level in report["levels"]:
+        print_level(level, console)
+    print_summary(report, console)
+    out = " ".join(buf.getvalue().split())  # rich wraps the legend line
+    rows = {row for level in report["levels"] for row in table(level)}
+    assert {"ttft", "ttfr", "send_lag", "ttft_sched"} <= rows
+    for row in rows:
+        assert f" {row}: " in out, row
+    for head in ("lag mean", "err", "SLO"):
+        assert f"{head}: " in out, head
+    assert {k for k in report["levels"][0] if k.endswith("_ms")} <= set(report["legend"])
+
+
 def test_token_count_note_says_which_count_stands_and_why(server):  # noqa: F811
     """The mock counts one token per word in its usage; tiny-llama's tokenizer splits its words further."""
     report, _ = bench(server, "counts", words=False, output_tokens=8)
