@@ -92,7 +92,7 @@ def _titles(fig) -> list[str]:
 def test_non_streaming_run_draws_no_per_token_panels(server):  # noqa: F811
     streamed, _ = bench(server, "streamed")
     figs = dict(figures(streamed, []))
-    assert _titles(figs["latency_vs_load.png"]) == ["TTFT vs load", "TPOT vs load", "throughput vs load"]
+    assert _titles(figs["latency_vs_load.png"]) == ["TTFT at c2", "TPOT at c2", "throughput at c2"]
     assert _titles(figs["latency_cdf.png"]) == ["TTFT CDF", "TPOT CDF", "E2E CDF"]
     assert "itl_by_position.png" in figs
 
@@ -104,7 +104,7 @@ def test_non_streaming_run_draws_no_per_token_panels(server):  # noqa: F811
     assert whole["plots"] == ["latency_vs_load.png", "latency_cdf.png"]
     assert not (root / "whole" / "itl_by_position.png").exists()
     figs = dict(figures(whole, []))
-    assert _titles(figs["latency_vs_load.png"]) == ["TTFT vs load", "throughput vs load"]
+    assert _titles(figs["latency_vs_load.png"]) == ["TTFT at c2", "throughput at c2"]
     assert _titles(figs["latency_cdf.png"]) == ["TTFT CDF", "E2E CDF"]
 
 
@@ -115,6 +115,46 @@ def test_throughput_panel_has_a_legend_for_both_axes(server):  # noqa: F811
     legend = panel.get_legend()
     assert legend is not None
     assert [t.get_text() for t in legend.get_texts()] == ["output tok/s (left)", "req/s (right)"]
+
+
+def test_one_level_draws_percentile_bars_not_single_dots(server):  # noqa: F811
+    """A run of one load level has no load axis: a line per percentile would be one dot each."""
+    report, _ = bench(server, "one-level")
+    report["slo"] = {"ttft_p90_ms": {"threshold": 5000.0}}  # the SLO line still shows
+    fig = dict(figures(report, []))["latency_vs_load.png"]
+    dots = [(ax.get_title(), line.get_label()) for ax in fig.axes for line in ax.get_lines()
+            if len(line.get_xdata()) == 1]
+    assert dots == []
+    ttft = next(ax for ax in fig.axes if ax.get_title() == "TTFT at c2")
+    heights = [bar.get_height() for bar in ttft.patches]
+    assert heights == [report["levels"][0]["ttft_ms"][p] for p in ("p50", "p90", "p99")]
+    assert [t.get_text() for t in ttft.get_xticklabels()] == ["p50", "p90", "p99"]
+    assert [t.get_text() for t in ttft.get_legend().get_texts()] == ["SLO ttft_p90_ms"]
+    throughput = next(ax for ax in fig.axes if ax.get_title() == "throughput at c2")
+    assert [t.get_text() for t in throughput.get_legend().get_texts()] == ["output tok/s (left)", "req/s (right)"]
+    # A sweep keeps its lines against the load.
+    sweep, _ = bench(server, "two-levels", sweep=[1, 2])
+    lines = dict(figures(sweep, []))["latency_vs_load.png"].axes[0].get_lines()
+    assert [len(line.get_xdata()) for line in lines] == [2, 2, 2]
+
+
+def test_every_console_row_is_explained(server):  # noqa: F811
+    """An open-loop sweep over chat shows the most rows (ttfr, the schedule rows): each row the tables print is
+    defined under them, and report.json's legend defines every latency key it holds."""
+    report, _ = bench(server, "legend-rows", protocol="openai-chat", mode="rate", rate=40, sweep=[20, 40])
+    buf = io.StringIO()
+    console = Console(file=buf, width=200)
+    for level in report["levels"]:
+        print_level(level, console)
+    print_summary(report, console)
+    out = " ".join(buf.getvalue().split())  # rich wraps the legend line
+    rows = {row for level in report["levels"] for row in table(level)}
+    assert {"ttft", "ttfr", "send_lag", "ttft_sched"} <= rows
+    for row in rows:
+        assert f" {row}: " in out, row
+    for head in ("lag mean", "err", "SLO"):
+        assert f"{head}: " in out, head
+    assert {k for k in report["levels"][0] if k.endswith("_ms")} <= set(report["legend"])
 
 
 def test_token_count_note_says_which_count_stands_and_why(server):  # noqa: F811

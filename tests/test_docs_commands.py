@@ -70,3 +70,20 @@ def test_doc_command_runs(argv, tmp_path):
     cmd = [sys.executable, "-c", "import sys; from toolchain.cli import main; sys.exit(main())", *argv[1:]]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{shlex.join(argv)} exited {done.returncode}:\n{done.stderr[-2000:]}"
+
+
+def test_every_doc_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    unlinked = [p.name for p in DOCS[1:] if f"(docs/{p.name})" not in readme]
+    assert unlinked == []
+
+
+@pytest.mark.parametrize("path", ["tune/tiny-llama/tune.json", "tune/tiny-llama/specs/tiny-llama-tuned-1.yaml",
+                                  "reports/tiny-llama/report.json", "engines/tiny-llama/config.json"])
+def test_generated_outputs_are_ignored_by_git(path):
+    """What the commands write under the root by default (`tune --out` defaults to tune/<name>) is never
+    offered for a commit."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, f"{path} is not git-ignored"

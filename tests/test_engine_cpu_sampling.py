@@ -51,6 +51,19 @@ def test_seed_none_is_seed_zero(engine):
     assert sample(engine, top_p=0.95, temperature=2.0) == sample(engine, top_p=0.95, temperature=2.0, seed=0)
 
 
+def test_unseeded_stream_gives_unseeded_requests_seeds_of_their_own(engine):
+    # The PyTorch backend's shared generator (seeded 42 per server): successive unseeded requests differ,
+    # a fresh stream repeats the sequence, and a request's own seed passes through.
+    from toolchain.engine.cpu.sampling import UnseededStream
+
+    stream, again = UnseededStream(), UnseededStream()
+    seeds = [stream.seed(None) for _ in range(3)]
+    assert len(set(seeds)) == 3 and seeds == [again.seed(None) for _ in range(3)]
+    assert stream.seed(7) == 7
+    texts = {tuple(sample(engine, top_p=0.95, temperature=2.0, seed=stream.seed(None))) for _ in range(3)}
+    assert len(texts) > 1
+
+
 def test_top_k_one_equals_greedy(engine, greedy):
     assert sample(engine, top_k=1, top_p=0.5, temperature=3.0, seed=3) == greedy[:24]
     assert sample(engine, top_k=1) == greedy[:24]

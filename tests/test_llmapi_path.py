@@ -336,6 +336,17 @@ def test_defaults_and_options_follow_the_llm_apis_sampling_params(cpu_llm):
 
 
 @pytest.mark.slow
+def test_unseeded_sampled_requests_differ_as_the_pytorch_backends(cpu_llm):
+    # The PyTorch backend samples unseeded requests from one generator seeded 42 per LLM(): they differ.
+    def sampled(**extra):
+        return tuple(run(cpu_llm, "w40 w41", max_tokens=12, ignore_eos=True, temperature=1.0, top_p=1.0,
+                         **extra)[-1][3])
+
+    assert len({sampled() for _ in range(4)}) > 1
+    assert sampled(seed=99) == sampled(seed=99)
+
+
+@pytest.mark.slow
 def test_a_stop_string_ends_generation_and_is_left_out(cpu_llm):
     full = run(cpu_llm, "w30 w31", max_tokens=8, ignore_eos=True)[-1][3]
     words = [cpu_llm.tokenizer.decode([t]) for t in full]

@@ -297,6 +297,39 @@ def test_bad_requests_get_an_error_body_and_the_server_keeps_serving(server, nam
     assert ok == 200 and good["usage"]["prompt_tokens"] == 4
 
 
+def test_unseeded_sampled_requests_differ_and_a_seed_repeats(server):
+    """trtllm-serve's PyTorch backend samples an unseeded request from one shared generator, so two such
+    requests differ; a request's own seed still makes its text repeat."""
+    def sampled(**extra):
+        _, body = request(server, "POST", "/v1/completions",
+                          {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0,
+                           "ignore_eos": True, **extra})
+        return body["choices"][0]["text"]
+
+    unseeded = [sampled() for _ in range(4)]
+    assert len(set(unseeded)) > 1, unseeded
+    assert sampled(seed=1234) == sampled(seed=1234)
+
+
+def test_max_tokens_absent_is_what_max_seq_len_leaves(server):
+    """As trtllm-serve's executor deduces it: max_seq_len - prompt tokens (docs/llmapi.md)."""
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+    _, resp = request(server, "POST", "/v1/completions", body)
+    assert resp["usage"]["completion_tokens"] == LIMITS["max_seq_len"] - len(PROMPT_IDS)
+    assert resp["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"tools": [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+], ids=["tools", "tool-choice"])
+def test_tool_calling_is_refused_not_ignored(server, extra, needle):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2, **extra}
+    status, resp = request(server, "POST", "/v1/chat/completions", body)
+    assert status == 400 and resp["object"] == "error", resp
+    assert needle in resp["message"] and "not supported" in resp["message"] and "\n" not in resp["message"]
+
+
 def test_metrics_are_the_executors_iteration_stats(server):
     request(server, "GET", "/metrics")  # drain what earlier tests left
     fresh = "w200 w201 w202 w203"  # no other test sends it, so none of its blocks is cached

@@ -270,3 +270,15 @@ def test_rate_levels_are_not_predicted(cache):
     spec = load_spec(TINY_SPEC)
     level = {**_level(1, 10, 5, 100), "load": {"mode": "rate", "value": 2.0}}
     assert bp.prediction(spec, [level])["predicted"] is False
+
+
+def test_help_says_how_long_a_probe_takes_and_what_it_measures():
+    from click.testing import CliRunner
+
+    from toolchain.cli.probe_host import command
+
+    text = " ".join(CliRunner().invoke(command, ["--help"]).output.split())
+    assert "it takes minutes (measured on a 2-core EPYC" in text and " s with --no-serving" in text
+    for measured in ("memory bandwidth", "linear kernels per precision", "attention", "fixed costs",
+                     "gloo exchange", "tritonserver", "tp-2 ranks under mpirun"):
+        assert measured in text, measured

@@ -473,3 +473,27 @@ def test_a_replicas_share_of_rate_and_sweep_workloads():
     closed = load_spec(LLAMA_70B, ["validation.workload.sweep=[1,8,16,64]"])
     assert replica_spec(closed, 8).validation.workload.sweep == [1, 2, 8]  # 1 and 8 both share to 1
     assert replica_spec(closed, 1) is closed
+
+
+def test_pareto_labels_do_not_overlap():
+    """At 4 GPUs the front of the 70B example has neighbours a few tokens/s apart at nearly the same height: their
+    labels, at one fixed offset, overwrote each other. Each label is measured with matplotlib's renderer."""
+    import itertools
+
+    from toolchain.tune.report import pareto_figure
+
+    spec = load_spec(LLAMA_70B)
+    result = _search(spec, [], gpus=4)
+    fig = pareto_figure(result)
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    labels = {e.candidate.label for e in result.front}
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in ax.texts]
+    assert len(boxes) >= 3 and {text for text, _ in boxes} <= labels
+    assert {result.front[0].candidate.label, result.front[-1].candidate.label} <= {text for text, _ in boxes}
+    crossing = [(a, b) for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2) if box_a.overlaps(box_b)]
+    assert crossing == []
+    inside, legend = ax.get_window_extent(renderer), ax.get_legend().get_window_extent(renderer)
+    for text, box in boxes:
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, text
+        assert not box.overlaps(legend), text

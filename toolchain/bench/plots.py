@@ -1,7 +1,9 @@
 """PNG plots of a run (matplotlib, Agg backend: no display needed).
 
 - latency_vs_load.png: TTFT and TPOT p50/p90/p99 against the load of each
-  level, the SLO thresholds as dashed lines, and output throughput;
+  level, the SLO thresholds as dashed lines, and output throughput; a run of
+  one level has no load axis to draw (each line would be a single dot), so it
+  shows that level's percentiles and throughput as bars;
 - latency_cdf.png: TTFT, TPOT and E2E CDFs, one line per level;
 - itl_by_position.png: mean and p90 gap before the k-th token-bearing
   response, one line per level (decode slowing with length, periodic stalls).
@@ -93,6 +95,8 @@ def _slo_lines(ax, report: dict, metric: str) -> None:
 
 
 def _vs_load(plt, report, levels, per_token: bool):
+    if len(levels) == 1:
+        return _at_load(plt, report, levels[0], per_token)
     panels = [("ttft", "TTFT")] + ([("tpot", "TPOT")] if per_token else [])
     fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 4.6), layout="constrained")
     x = [lv["load"]["value"] for lv in levels]
@@ -113,10 +117,43 @@ def _vs_load(plt, report, levels, per_token: bool):
              markersize=9, label="req/s (right)")
     ax2.set_ylabel("requests/s")
     ax.grid(alpha=0.3)
-    # Two y axes: one legend for both lines, or the gray one is unexplained.
+    _twin_legend(ax, ax2)
+    return fig
+
+
+def _twin_legend(ax, ax2) -> None:
+    # Two y axes: one legend for both, or the gray one is unexplained.
     handles, labels = ax.get_legend_handles_labels()
     handles2, labels2 = ax2.get_legend_handles_labels()
     ax.legend(handles + handles2, labels + labels2, fontsize=8, loc="upper left")
+
+
+def _at_load(plt, report, level: dict, per_token: bool):
+    """One level: p50/p90/p99 bars per metric (values written on them) and the throughput as two bars."""
+    panels = [("ttft", "TTFT")] + ([("tpot", "TPOT")] if per_token else [])
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 4.6), layout="constrained")
+    at = _label(level)
+    stats = ("p50", "p90", "p99")
+    for ax, (key, name) in zip(axes, panels, strict=False):
+        y = [level[f"{key}_ms"][stat] for stat in stats]
+        bars = ax.bar(stats, [0 if v is None else v for v in y], color="tab:blue")
+        ax.bar_label(bars, labels=["-" if v is None else f"{v:.3g}" for v in y], fontsize=8)
+        _slo_lines(ax, report, key)
+        ax.set(title=f"{name} at {at}", xlabel="percentile", ylabel="ms")
+        ax.grid(alpha=0.3, axis="y")
+        _legend(ax, fontsize=8)
+    ax = axes[-1]
+    tok_s, req_s = level["output_tokens_per_s"] or 0, level["requests_per_s"] or 0
+    bar = ax.bar([0], [tok_s], color="tab:blue", label="output tok/s (left)")
+    ax.bar_label(bar, labels=[f"{tok_s:.3g}"], fontsize=8)
+    ax.set(title=f"throughput at {at}", ylabel="output tokens/s", xticks=[0, 1],
+           xticklabels=["output tok/s", "req/s"])
+    ax2 = ax.twinx()
+    bar2 = ax2.bar([1], [req_s], color="gray", label="req/s (right)")
+    ax2.bar_label(bar2, labels=[f"{req_s:.3g}"], fontsize=8)
+    ax2.set_ylabel("requests/s")
+    ax.grid(alpha=0.3, axis="y")
+    _twin_legend(ax, ax2)
     return fig
 
 

@@ -33,6 +33,25 @@ SAME_AS = {"ttfr_ms": "ttft_ms", "e2e_final_ms": "e2e_ms", "itl_per_token_ms": "
 # Schedule figures only mean something open loop: closed loop sends the moment a slot frees.
 SCHEDULE_KEYS = ("send_lag_ms", "ttft_sched_ms", "e2e_sched_ms")
 _STATS = ("mean", "p50", "p90", "p95", "p99", "min", "max")
+# What each row of the console tables measures: printed under the tables for the rows they showed, and kept
+# whole in report.json's `legend` (the definitions are metrics.request_metrics' and level_metrics').
+LEGEND = {
+    "ttft": "send -> first response carrying a token",
+    "ttfr": "send -> first response of any kind",
+    "ttst": "first token-bearing response -> the second",
+    "tpot": "(last token - first token) / (output tokens - those of the first token-bearing response)",
+    "itl": "gap between consecutive token-bearing responses",
+    "itl_per_token": "that gap / the tokens the later response carries",
+    "e2e": "send -> last token",
+    "e2e_final": "send -> the response flagged final",
+    "send_lag": "send - scheduled send (open loop: the client falling behind)",
+    "ttft_sched": "scheduled send -> first token",
+    "e2e_sched": "scheduled send -> last token",
+    "goodput": "requests per second that met every SLO threshold (%: their share of the requests)",
+    "window": "first send -> last token: what req/s, tok/s and goodput are over",
+}
+SWEEP_LEGEND = {"load": "concurrency or request rate of the level", "lag mean": "mean send lag (ms)",
+                "err": "failed requests", "SLO": "the level met every SLO threshold"}
 
 CSV_COLUMNS = ("index", "request_id", "level", "class", "session", "turn", "warmup", "isl", "max_tokens", "osl",
                "server_osl", "client_osl", "responses", "token_source", "t_sched_ms", "t_send_ms", "t_first_resp_ms",
@@ -98,6 +117,8 @@ def build_report(levels: list[dict], *, run: dict, workload: dict, notes: list[s
         "workload": workload, "slo": slo,
         "sweep": {"levels": rows, "max_load_meeting_slo": max(held) if held else None},
         "levels": levels,
+        "legend": {**{f"{k}_ms" if f"{k}_ms" in LATENCY_KEYS else k: v for k, v in LEGEND.items()},
+                   **{f"sweep {k}": v for k, v in SWEEP_LEGEND.items()}},
         "notes": notes + [f"level {lv['level']} ({lv['load']['value']:g}): {n}" for lv in levels for n in lv["notes"]],
     }
 
@@ -246,7 +267,13 @@ def print_summary(report: dict, console=None) -> None:
             t.add_row(*(("pass" if r[k] else "FAIL") if k == "slo_passed" else
                         (f"{r[k]:g}" if k in ("load", "errors") else _fmt(r[k])) for _, k in cols))
         console.print(t)
+        console.print(f"[dim]{'; '.join(f'{h}: {w}' for h, w in SWEEP_LEGEND.items() if h in dict(cols))}; "
+                      "latencies in ms[/dim]")
         console.print(f"highest load meeting the SLOs: {_num(report['sweep']['max_load_meeting_slo'])}")
+    shown = {key.removesuffix("_ms") for level in report.get("levels", []) for key in table_keys(level)[0]}
+    if shown:
+        console.print(f"[dim]rows (ms): {'; '.join(f'{k}: {w}' for k, w in LEGEND.items() if k in shown)}; "
+                      f"goodput: {LEGEND['goodput']}; window: {LEGEND['window']}[/dim]")
     deployed = deployment_title(report.get("deployment"))
     if deployed:
         console.print(f"deployment: {deployed}")

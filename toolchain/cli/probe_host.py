@@ -44,13 +44,22 @@ def profile_lines(profile: HostProfile, path, fresh: bool) -> list[str]:
 @click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True,
               help="Torch threads the engine runs with (serving.engine_threads; 0: every core).")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
-@click.option("--no-serving", is_flag=True, help="Measure the engine only, not what serving it through tritonserver "
-              "adds (that part deploys the embedded tiny model: about 20 s).")
+@click.option("--no-serving", is_flag=True, help="Measure the engine only (29 s measured), not what serving adds: "
+              "the two served probes deploy the embedded tiny model through tritonserver and bench it, most of "
+              "the time a probe takes.")
 def command(force: bool, threads: int, as_json: bool, no_serving: bool) -> None:
-    """Measure this host's memory bandwidth, the CPU engine's linear kernels per precision, its attention and a
-    step's fixed costs (about 15 s), once: the profile is cached under the user's cache directory, keyed by the CPU,
-    cores, torch version, engine threads and engine code, and `toolchain plan` and `toolchain bench` predict the
-    CPU engine from it."""
+    """Measure this host once, for the CPU engine's predictions; it takes minutes (measured on a 2-core EPYC
+    shared with other jobs: 266 s in all, 29 s with --no-serving).
+
+    Measured: memory bandwidth (streamed and from the last-level cache); the CPU engine's linear kernels per
+    precision at 1 to 256 rows per call; its attention (decode and context); a step's fixed costs on the tiny
+    model (tp 1 and 2, batch 1 and 8); the gloo exchange between two rank processes; and, unless --no-serving,
+    what serving adds: the embedded tiny model deployed through tritonserver and benched at concurrency 1 and 8,
+    then its tp-2 ranks under mpirun at concurrency 4.
+
+    The profile is cached under the user's cache directory, keyed by the CPU, cores, torch version, engine threads
+    and engine code; `toolchain plan`, `bench` and `tune` predict the CPU engine from it. A cached profile is
+    printed without measuring (--force measures again)."""
     profile = None if force else load_profile(threads)
     fresh = profile is None
     if profile is None:

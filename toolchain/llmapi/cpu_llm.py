@@ -343,6 +343,7 @@ class CpuLLM:
     def __init__(self, model: str | Path | None = None, *, work_dir: Path | None = None,
                  num_threads: int | None = None, **kwargs: Any):
         from toolchain.engine.cpu import InflightBatcher
+        from toolchain.engine.cpu.sampling import UnseededStream
 
         self.args = dict(kwargs, model=model)
         self._tmp = None
@@ -360,6 +361,7 @@ class CpuLLM:
             raise
         self._batcher = InflightBatcher(self.engine, scheduler).start()
         self._ids = itertools.count(1)
+        self._seeds = UnseededStream()  # the PyTorch backend's shared generator: unseeded requests differ
 
     # ---- requests -------------------------------------------------------------------------------------------
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -379,7 +381,7 @@ class CpuLLM:
 
         end_id = sp.end_id if sp.end_id is not None else self.tokenizer.eos_token_id
         return EngineParams(max_new_tokens=sp.max_tokens, temperature=1.0 if sp.temperature is None else sp.temperature,
-                            top_k=sp.top_k or 0, top_p=sp.top_p or 0.0, seed=sp.seed, min_tokens=sp.min_tokens or 0,
+                            top_k=sp.top_k or 0, top_p=sp.top_p or 0.0, seed=self._seeds.seed(sp.seed), min_tokens=sp.min_tokens or 0,
                             end_id=-1 if sp.ignore_eos or end_id is None else int(end_id),
                             stop_words=[word for _, word in stops])
 

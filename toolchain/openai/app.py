@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import toolchain
 from toolchain.engine.cpu import CpuEngine, QueueFull, SamplingParams, SchedulerConfig
+from toolchain.engine.cpu.sampling import UnseededStream
 from toolchain.openai.metrics import ServerMetrics
 from toolchain.openai.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, Envelope, error_body,
                                        model_list, validation_message)
@@ -53,6 +54,7 @@ class OpenAIFrontend:
         self.metrics = ServerMetrics(model, engine_type)
         self.service = EngineService(engine, scheduler, on_iteration=self.metrics.iteration)
         self.created = int(time.time())
+        self.seeds = UnseededStream()  # trtllm-serve runs the PyTorch backend: unseeded requests differ
 
     # -- request -> engine ----------------------------------------------------------------
 
@@ -87,7 +89,10 @@ class OpenAIFrontend:
                            f"{lim.max_input_len}; shorten it")
         room = lim.max_seq_len - len(prompt)
         max_tokens = req.max_tokens
-        if max_tokens is None:  # as the LLM API does: whatever max_seq_len leaves
+        if max_tokens is None:
+            # trtllm-serve passes an absent max_tokens on as None and the executor deduces it as whatever
+            # max_seq_len leaves after the prompt (NVIDIA/TensorRT-LLM tensorrt_llm/executor/base_worker.py,
+            # _deduce_max_tokens: default_max_tokens = max_seq_len - prompt_len).
             max_tokens = room
         elif max_tokens < 1:
             raise ApiError(f"max_tokens must be at least 1, got {max_tokens}")
@@ -103,7 +108,8 @@ class OpenAIFrontend:
         return SamplingParams(
             max_new_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
-            top_k=req.top_k, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+            top_k=req.top_k, top_p=1.0 if req.top_p is None else req.top_p,
+            seed=self.seeds.seed(req.seed),
             end_id=-1 if req.ignore_eos else self.codec.end_id,
             stop_words=[] if req.ignore_eos else [[i] for i in self.codec.stop_ids],
             min_tokens=req.min_tokens)

@@ -161,8 +161,13 @@ class ChatCompletionRequest(_Sampling):
             return "logprobs is not supported by the CPU engine; omit it"
         if not self.messages:
             return "messages is empty: send at least one message"
-        if self.tools and self.tool_choice not in (None, "none"):
-            return "tool calling is not supported by this server"
+        # trtllm-serve renders `tools` into the chat template and parses calls out with its --tool_parser;
+        # this server does neither, so a request that sends tools (or asks for a tool call) is refused
+        # rather than answered as if it had sent none.
+        if self.tools:
+            return "tools is not supported: this server has no tool calling; omit tools (and tool_choice)"
+        if self.tool_choice not in (None, "none"):
+            return f"tool_choice={self.tool_choice!r} is not supported: this server has no tool calling; omit it"
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             return "response_format other than text (guided decoding) is not supported by the CPU engine"
         return super().unsupported()

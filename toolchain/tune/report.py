@@ -214,34 +214,70 @@ def spec_yaml(spec: DeploymentSpec, header: list[str], dest: Path | None = None,
     return "".join(f"# {h}\n" for h in header) + yaml.safe_dump(data, sort_keys=False)
 
 
-def _plot(result: SearchResult, path: Path) -> bool:
+DPI = 120
+# Where a front point's label may go, tried in order, in points from the point (dx, dy; a negative dx puts the
+# text to the left, right-aligned): beside it first, then further above and below.
+LABEL_SPOTS = [(dx, dy) for dy in (4, -12, 14, -22, 24, -32) for dx in (4, -4)]
+
+
+def _label_front(fig, ax, front: list[Evaluated]) -> None:
+    """Label each front point at the first spot where its text stays inside the axes and overlaps neither the
+    legend nor a label already placed; a point with no such spot stays unlabelled (the printed front and
+    tune.json name every point). Neighbours on the front often differ in one knob and sit close together, so
+    labels at one fixed offset overwrote each other."""
+    fig.canvas.draw()  # the layout and the legend's place are final before texts are measured
+    renderer = fig.canvas.get_renderer()
+    inside = ax.get_window_extent(renderer)
+    legend = ax.get_legend()
+    taken = [legend.get_window_extent(renderer)] if legend is not None else []
+    for e in front:
+        xy = (e.tokens_per_user(), e.per_gpu())
+        for dx, dy in LABEL_SPOTS:
+            # A label moved off the point's shoulder gets a thin leader line, so it still says whose it is.
+            leader = None if dy == LABEL_SPOTS[0][1] else {"arrowstyle": "-", "color": "0.6", "linewidth": 0.5}
+            text = ax.annotate(e.candidate.label, xy, fontsize=6, xytext=(dx, dy), textcoords="offset points",
+                               ha="left" if dx > 0 else "right", arrowprops=leader)
+            box = text.get_window_extent(renderer)
+            fits = (inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1)
+            if fits and not any(box.overlaps(other) for other in taken):
+                taken.append(box)
+                break
+            text.remove()
+
+
+def pareto_figure(result: SearchResult):
+    """The Pareto PNG's figure (laid out, front labelled), or None when nothing kept was predicted."""
     points = [e for e in result.ranked if e.predicted]
     if not points:
-        return False
+        return None
     import matplotlib  # heavy: only when there is something to draw
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=DPI)  # measured at the dpi it is saved at
     ax.scatter([e.tokens_per_user() for e in points], [e.per_gpu() for e in points], s=10, c="0.7",
                label="kept candidates")
     front = result.front
     ax.plot([e.tokens_per_user() for e in front], [e.per_gpu() for e in front], "o-", color="C1",
             label="Pareto front")
-    last = None  # label points a readable distance apart only: neighbours on the front differ in one knob
-    for e in front:
-        x = e.tokens_per_user()
-        if last is None or abs(x - last) > 0.06 * max(abs(last), 1e-9):
-            ax.annotate(e.candidate.label, (x, e.per_gpu()), fontsize=6, xytext=(4, 4), textcoords="offset points")
-            last = x
     ax.set_xlabel("output tokens/s per user (1 / TPOT at the batch of the maximum)")
     ax.set_ylabel("output tokens/s per GPU (predicted maximum)")
     ax.set_title("toolchain tune: throughput per GPU against speed per user (predicted)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.tight_layout()  # before the labels: they are placed in the final layout's display coordinates
+    _label_front(fig, ax, front)
+    return fig
+
+
+def _plot(result: SearchResult, path: Path) -> bool:
+    fig = pareto_figure(result)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return True
 

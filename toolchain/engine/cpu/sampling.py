@@ -5,7 +5,8 @@
 - Otherwise temperature, then top-k, then top-p (renormalised after top-k),
   drawn from a per-request generator seeded from `seed` (None means 0, as
   TRT-LLM's default random seed), so a request's tokens do not depend on what
-  else is in the batch.
+  else is in the batch. The LLM-API stand-ins (PyTorch backend) give a request
+  without a seed one from `UnseededStream` instead, so such requests differ.
 - `end_id` stops generation and is not part of the output (the executor drops
   it); -1 never stops. `min_tokens` masks end_id until that many tokens exist.
 - A stop word (a token-id sequence) stops generation when the generated tail
@@ -15,6 +16,8 @@
 from __future__ import annotations
 
 import numbers
+import random
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +62,33 @@ class SamplingParams:
             if not isinstance(word, (list, tuple)) or not word or not all(is_int(t) for t in word):
                 return f"each stop word must be a non-empty list of token ids, got {word!r}"
         return None
+
+
+# TensorRT-LLM's PyTorch backend (what trtllm-serve and LLM() run) samples a request that names no seed
+# from one engine-wide torch.Generator seeded once with 42 ("for multi-GPU consistency"), so successive
+# unseeded requests draw on and differ, and a restarted server repeats the same sequence
+# (NVIDIA/TensorRT-LLM tensorrt_llm/_torch/pyexecutor/sampler.py, TorchSampler.__init__ `_global_seed = 42`
+# and get_generator). The C++ runtime behind Triton's tensorrtllm backend instead seeds every request
+# with 0 when none is given (tensorrt_llm/sampling_params.py: "seed ... None means using C++ runtime
+# default 0"): that path keeps SamplingParams.seed None.
+PYTORCH_BACKEND_SEED = 42
+
+
+class UnseededStream:
+    """Seeds for the requests that name none, drawn from one generator seeded PYTORCH_BACKEND_SEED per
+    server (or LLM()), as the PyTorch backend's shared generator. Each request still gets a generator of
+    its own, so its tokens do not depend on the batch it runs in."""
+
+    def __init__(self, seed: int = PYTORCH_BACKEND_SEED):
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()  # LLM.generate_async may be called from several threads
+
+    def seed(self, requested: int | None) -> int:
+        """`requested` when the request named a seed, else the stream's next one."""
+        if requested is not None:
+            return requested
+        with self._lock:
+            return self._rng.getrandbits(63)
 
 
 class Sampler:
