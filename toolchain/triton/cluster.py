@@ -277,15 +277,23 @@ def leader_worker_set(spec: DeploymentSpec, leader: dict, pod_volumes: list[dict
         }}}
 
 
+# Verbs on pods/exec. The LWS example's rbac.yaml grants `create` (the POST of SPDY exec); kubectl 1.30 and later
+# first opens exec as a WebSocket, an HTTP GET the API server authorizes as `get`, and only falls back to SPDY
+# when that upgrade fails (KEP-4006, kubernetes/enhancements keps/sig-api-machinery/4006-transition-spdy-to-websockets;
+# kubernetes/kubernetes#133515). Both, so the pinned kubectl (KUBECTL_VERSION) execs on its first try, and API
+# servers with AuthorizePodWebsocketUpgradeCreatePermission (beta in 1.35), which ask for `create` on that GET too.
+EXEC_VERBS = ["create", "get"]
+
+
 def rbac(spec: DeploymentSpec) -> list[dict]:
     """What the leader's kubectl needs: see pods and wait for them, exec into them (the rules of the
-    LWS example's rbac.yaml, narrowed to pods)."""
+    LWS example's rbac.yaml, narrowed to pods, with `get` on pods/exec for WebSocket exec: EXEC_VERBS)."""
     sa = service_account(spec)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": sa},
          "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-                   {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create"]}]},
+                   {"apiGroups": [""], "resources": ["pods/exec"], "verbs": list(EXEC_VERBS)}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": sa},
          "subjects": [{"kind": "ServiceAccount", "name": sa}],
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa}},
