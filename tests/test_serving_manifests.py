@@ -208,6 +208,40 @@ def test_llmapi_print_has_docker_lines(tmp_path, capsys):
         triton[triton.index("-e"):triton.index("-e") + 2]
 
 
+def _published(docker: list[str]) -> list[str]:
+    return [docker[i + 1] for i, a in enumerate(docker) if a == "-p"]
+
+
+@pytest.mark.parametrize("spec_path", [ENGINE_70B, LLMAPI_8B])
+@pytest.mark.parametrize("host,on", [("127.0.0.1", "127.0.0.1:"), ("localhost", "127.0.0.1:"),
+                                     ("10.1.2.3", "10.1.2.3:"), ("::1", "[::1]:")])
+def test_docker_lines_bind_every_interface_and_publish_where_the_spec_binds(tmp_path, capsys, spec_path, host, on):
+    """Issue 33 item 5: a server bound to the container's loopback (or to a host address the container does not
+    have) is reached by nothing through a published port. Every printed container binds 0.0.0.0 inside and
+    docker publishes each port on the address the spec names, metrics on the host's loopback where they stay
+    private; the admin key follows the spec's address, not the container's."""
+    assert _serve(tmp_path / "ws", spec_path, "--print", "--set", f"serving.host={host}") == 0
+    dockers = [shlex.split(line) for line in capsys.readouterr().out.splitlines() if line.startswith("docker run")]
+    assert dockers
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    for docker in dockers:
+        inside = " ".join(docker[docker.index(TRITON_IMAGE) + 1:])
+        addresses = re.findall(r"--(?:http|grpc|metrics)-address=(\S+)", inside) + re.findall(r"--host (\S+)", inside)
+        assert addresses and set(addresses) == {"0.0.0.0"}, inside
+        # metrics (8002) stay on the host's loopback off loopback; every other port is published on `on`
+        expected = {"8002": "127.0.0.1:" if not loopback else on}
+        ports = [p.rsplit(":", 2) for p in _published(docker)]
+        assert ports and all(a == b and f"{h}:" == expected.get(a, on) for h, a, b in ports), _published(docker)
+        if "tritonserver" in inside:
+            assert ("--http-restricted-api" in inside) == (not loopback)
+
+
+def test_docker_publishes_on_an_address_not_a_name(tmp_path, capsys):
+    assert _serve(tmp_path / "ws", ENGINE_70B, "--print", "--set", "serving.host=gpu-node-3") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: serving.host gpu-node-3 is a name; docker publishes a container's ports on an IP")
+
+
 # -- item 10: manifests request what they use ------------------------------------------------------------------
 
 

@@ -177,9 +177,8 @@ def print_gpu_launch(spec: DeploymentSpec, workspace: Workspace, echo: Echo) -> 
 
 
 def _print_trtllm(spec: DeploymentSpec, ws: Workspace, echo: Echo) -> None:
-    launch = launch_command(spec, ws.model_repo_dir(spec))
-    echo(launch.shell())
-    lines = container_commands(spec, launch, triton_manifests.mounts(spec, ws))
+    echo(launch_command(spec, ws.model_repo_dir(spec)).shell())
+    lines = container_commands(spec, ws.model_repo_dir(spec), triton_manifests.mounts(spec, ws))
     echo(f"# in a container:\n{lines['docker']}")
     echo("# on Kubernetes:")
     if "kubernetes_secret" in lines:
@@ -198,12 +197,13 @@ def _print_llmapi(spec: DeploymentSpec, ws: Workspace, echo: Echo) -> None:
     echo(f"# Triton ({how}):\n{lines['triton']}")
     mounts = launch.container_mounts(spec, ws)
     s = spec.serving
+    # Inside a container every server binds every interface; docker publishes each port on the address the
+    # spec binds it to on a host (a loopback spec's on 127.0.0.1).
     serve = launch.trtllm_serve_command(spec, ws, host=launch.ALL_INTERFACES)
-    echo(f"# in a container, the OpenAI server:\n{docker_command(spec, serve, mounts, [spec.llmapi.openai_port])}")
-    triton = ["mpirun", "--allow-run-as-root", "-n", "1", *launch.tritonserver_command(spec, ws)]
-    # Restricted, metrics stay on loopback inside the container unless serving.metrics_host says otherwise.
-    private = exposure.restricted(s) and exposure.is_loopback(exposure.metrics_host(s))
-    ports = [s.http_port, s.grpc_port] + ([] if private else [s.metrics_port])
+    docker = docker_command(spec, serve, mounts, {"openai": spec.llmapi.openai_port})
+    echo(f"# in a container, the OpenAI server:\n{docker}")
+    triton = ["mpirun", "--allow-run-as-root", "-n", "1", *launch.tritonserver_command(spec, ws, launch.ALL_INTERFACES)]
+    ports = {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
     echo(f"# in a container, Triton:\n{docker_command(spec, triton, mounts, ports)}")
     if launch.multi_node(spec):
         echo(f"# {launch.world_size(spec)} ranks over {launch.node_count(spec)} hosts, under Slurm:")

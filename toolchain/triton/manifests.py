@@ -100,7 +100,7 @@ def slurm_script(spec: DeploymentSpec, workspace: Workspace) -> str:
 def _ports(spec: DeploymentSpec) -> dict[str, int]:
     s = cluster.for_cluster(spec).serving
     ports = {"http": s.http_port, "grpc": s.grpc_port}
-    if not exposure.is_loopback(exposure.metrics_host(s)):  # metrics kept on loopback are not published
+    if not exposure.metrics_private(s):  # metrics kept on loopback are not published
         ports["metrics"] = s.metrics_port
     return ports
 
