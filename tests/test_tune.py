@@ -396,6 +396,25 @@ def test_mode_none_candidates_drop_the_draft(tmp_path):
 
 def test_replicas_go_into_the_targets_replica_field(tmp_path):
     llmapi = load_spec(REPO / "build" / "llama3-8b-llmapi-h100.yaml")
-    assert yaml.safe_load(spec_yaml(llmapi, [], tmp_path, replicas=4))["dynamo"]["workers"] == 4
+    data = yaml.safe_load(spec_yaml(llmapi, [], tmp_path, replicas=4))
+    assert data["dynamo"]["workers"] == 4 and data["serving"]["replicas"] == 4
     trtllm = load_spec(LLAMA_70B)
-    assert "dynamo" not in yaml.safe_load(spec_yaml(trtllm, [], tmp_path, replicas=4))
+    data = yaml.safe_load(spec_yaml(trtllm, [], tmp_path, replicas=4))
+    assert "dynamo" not in data and data["serving"]["replicas"] == 4
+    assert "replicas" not in yaml.safe_load(spec_yaml(trtllm, [], tmp_path)).get("serving", {})
+
+
+def test_a_tuned_spec_launches_its_replicas(tmp_path, capsys):
+    """Issue 33 item 9: tp1 x 4 replicas tuned for target trtllm is four launches, not one: serve --print prints
+    four pinned lines and --manifests a Deployment of four replicas."""
+    assert tune(tmp_path, REPO / "build" / "llama3-8b-awq-h100.yaml", "--gpus", "4", "--gpu", "H100",
+                "--top", "1") == 0, capsys.readouterr().err
+    [path] = tune_json(tmp_path)["specs"]
+    written = load_spec(path)
+    assert (written.parallelism.world_size, written.serving.replicas) == (1, 4)
+    capsys.readouterr()
+    assert main(["--root", str(tmp_path), "serve", path, "--print"]) == 0
+    pinned = [x for x in capsys.readouterr().out.splitlines() if x.startswith("CUDA_VISIBLE_DEVICES=")]
+    assert [x.split()[0] for x in pinned] == [f"CUDA_VISIBLE_DEVICES={i}" for i in range(4)]
+    assert main(["--root", str(tmp_path), "serve", path, "--manifests", str(tmp_path / "m")]) == 0
+    assert yaml.safe_load((tmp_path / "m" / "deployment.yaml").read_text())["spec"]["replicas"] == 4
