@@ -469,3 +469,9 @@ def test_replicas_that_do_not_fit_are_one_line(tmp_path, capsys, spec_path, sets
     assert _serve(tmp_path / "ws", spec_path, "--print", *[a for s in sets for a in ("--set", s)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_serve_without_print_says_it_starts_one_replica(tmp_path, capsys):
+    assert _serve(tmp_path / "ws", ENGINE_70B, "--set", "serving.replicas=2", "--set", "parallelism.gpus=16") == 2
+    err = capsys.readouterr().err
+    assert "note: serving.replicas 2: serve starts one replica here" in err and "no model repository" in err
