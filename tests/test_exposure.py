@@ -232,7 +232,7 @@ def test_printed_lines_keep_the_restriction_without_the_secret(tmp_path, monkeyp
     monkeypatch.setenv(ENV, KEY)  # set here too: it must still not be printed
     spec = spec_with(tmp_path, target="trtllm", host="0.0.0.0", http_port=8000, grpc_port=8001, metrics_port=8002)
     launch = launch_command(spec, tmp_path / "repo")
-    lines = container_commands(spec, launch, [tmp_path / "repo"])
+    lines = container_commands(spec, tmp_path / "repo", [tmp_path / "repo"])
     assert all(KEY not in line for line in [launch.shell(), *lines.values()])
     group = "model-repository,shared-memory,statistics,trace,logging:admin-key="
 
@@ -246,12 +246,16 @@ def test_printed_lines_keep_the_restriction_without_the_secret(tmp_path, monkeyp
     # docker: -e VAR without a value (docker copies it from its environment), a shell in the container.
     docker = shlex.split(lines["docker"])
     assert ["-e", ENV] == docker[docker.index(ENV) - 1:docker.index(ENV) + 1]
-    assert "8002:8002" not in docker and "8000:8000" in docker  # metrics stay inside
+    # Every endpoint binds every interface inside the container; metrics are published on the host's loopback
+    # only (a metrics endpoint bound to the container's own loopback is reached by nothing).
+    published = [docker[i + 1] for i, a in enumerate(docker) if a == "-p"]
+    assert published == ["8000:8000", "8001:8001", "127.0.0.1:8002:8002"]
     image = docker.index(TRITON_IMAGE)
     assert docker[image + 1:image + 3] == ["sh", "-c"]
     argv = _run_line(docker[image + 3], tmp_path, {ENV: KEY})
-    assert argv == [a.replace(exposure.PLACEHOLDER, KEY) for a in launch.argv[1:]]
-    assert "--metrics-address=127.0.0.1" in argv
+    inside = launch_command(spec, tmp_path / "repo", bind="0.0.0.0")
+    assert argv == [a.replace(exposure.PLACEHOLDER, KEY) for a in inside.argv[1:]]
+    assert "--metrics-address=0.0.0.0" in argv and f"--http-restricted-api={group}{KEY}" in argv
 
     # Kubernetes: the key from a Secret, expanded by Kubernetes in the command ($(VAR)).
     kube = shlex.split(lines["kubernetes"])
@@ -272,7 +276,7 @@ def test_printed_lines_with_a_key_file(tmp_path):
     launch = launch_command(spec, tmp_path / "repo")
     argv = _run_line(launch.shell(), tmp_path, {})
     assert f"--http-restricted-api=model-repository,shared-memory,statistics,trace,logging:admin-key={KEY}" in argv
-    lines = container_commands(spec, launch, [tmp_path / "repo"])
+    lines = container_commands(spec, tmp_path / "repo", [tmp_path / "repo"])
     assert all(KEY not in line for line in lines.values())
     docker = shlex.split(lines["docker"])
     assert f"{key_file}:/run/secrets/triton-admin-key:ro" in docker and ENV not in docker

@@ -208,6 +208,40 @@ def test_llmapi_print_has_docker_lines(tmp_path, capsys):
         triton[triton.index("-e"):triton.index("-e") + 2]
 
 
+def _published(docker: list[str]) -> list[str]:
+    return [docker[i + 1] for i, a in enumerate(docker) if a == "-p"]
+
+
+@pytest.mark.parametrize("spec_path", [ENGINE_70B, LLMAPI_8B])
+@pytest.mark.parametrize("host,on", [("127.0.0.1", "127.0.0.1:"), ("localhost", "127.0.0.1:"),
+                                     ("10.1.2.3", "10.1.2.3:"), ("::1", "[::1]:")])
+def test_docker_lines_bind_every_interface_and_publish_where_the_spec_binds(tmp_path, capsys, spec_path, host, on):
+    """Issue 33 item 5: a server bound to the container's loopback (or to a host address the container does not
+    have) is reached by nothing through a published port. Every printed container binds 0.0.0.0 inside and
+    docker publishes each port on the address the spec names, metrics on the host's loopback where they stay
+    private; the admin key follows the spec's address, not the container's."""
+    assert _serve(tmp_path / "ws", spec_path, "--print", "--set", f"serving.host={host}") == 0
+    dockers = [shlex.split(line) for line in capsys.readouterr().out.splitlines() if line.startswith("docker run")]
+    assert dockers
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    for docker in dockers:
+        inside = " ".join(docker[docker.index(TRITON_IMAGE) + 1:])
+        addresses = re.findall(r"--(?:http|grpc|metrics)-address=(\S+)", inside) + re.findall(r"--host (\S+)", inside)
+        assert addresses and set(addresses) == {"0.0.0.0"}, inside
+        # metrics (8002) stay on the host's loopback off loopback; every other port is published on `on`
+        expected = {"8002": "127.0.0.1:" if not loopback else on}
+        ports = [p.rsplit(":", 2) for p in _published(docker)]
+        assert ports and all(a == b and f"{h}:" == expected.get(a, on) for h, a, b in ports), _published(docker)
+        if "tritonserver" in inside:
+            assert ("--http-restricted-api" in inside) == (not loopback)
+
+
+def test_docker_publishes_on_an_address_not_a_name(tmp_path, capsys):
+    assert _serve(tmp_path / "ws", ENGINE_70B, "--print", "--set", "serving.host=gpu-node-3") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: serving.host gpu-node-3 is a name; docker publishes a container's ports on an IP")
+
+
 # -- item 10: manifests request what they use ------------------------------------------------------------------
 
 
@@ -300,7 +334,9 @@ def test_engine_lws_starts_ranks_over_kubectl_exec(tmp_path, capsys):
     account = template["leaderTemplate"]["spec"]["serviceAccountName"]
     assert docs["ServiceAccount"]["metadata"]["name"] == account
     rules = docs["Role"]["rules"]
-    assert {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create"]} in rules
+    # create for SPDY exec (a POST), get for the WebSocket exec kubectl >= 1.30 tries first (a GET).
+    [exec_rule] = [r for r in rules if "pods/exec" in r["resources"]]
+    assert exec_rule["resources"] == ["pods/exec"] and {"create", "get"} <= set(exec_rule["verbs"])
     assert any("pods" in r["resources"] and {"get", "watch"} <= set(r["verbs"]) for r in rules)
     assert docs["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": account}]
     # The upstream example does the same: the rsh agent is an MCA parameter of its mpirun, and it
@@ -363,3 +399,79 @@ def test_draft_target_runs_its_orchestrator_line_on_one_host(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: draft-target runs one orchestrator process, which cannot span 2 hosts")
     assert not (tmp_path / "m2").exists()
+
+
+# -- issue 33 item 9: serving.replicas reaches the launch lines and the manifests ---------------------------------
+
+
+@pytest.mark.parametrize("spec_path,sets,n", [
+    (LLMAPI_8B, ("serving.replicas=4", "parallelism.tp=2", "parallelism.gpus=8"), 4),  # 4 x tp2 on one host of 8
+    (ENGINE_70B, ("serving.replicas=3", "parallelism.tp=2", "parallelism.pp=1", "parallelism.gpus=6",
+                  "gpu.per_node=4"), 3),  # two replicas per host of 4: the third on the next host
+])
+def test_replicas_launch_n_copies_on_their_own_gpus_and_ports(tmp_path, capsys, spec_path, sets, n):
+    args = [a for s in sets for a in ("--set", s)] + ["--skip-check", "llmapi.runtime-version"]
+    assert _serve(tmp_path / "ws", spec_path, "--print", *args) == 0, capsys.readouterr().err
+    lines = capsys.readouterr().out.splitlines()
+    heads = [line for line in lines if line.startswith("# replica ")]
+    assert [h.split(":")[0] for h in heads] == [f"# replica {i} of {n}" for i in range(n)]
+    # Every host line and every container of replica i: GPUs [slot*2, slot*2+2) of host i // (per_node // 2).
+    per_host = load_spec(spec_path, sets).gpu.per_node // 2
+    pinned = [line for line in lines if line.startswith("CUDA_VISIBLE_DEVICES=")]
+    dockers = [shlex.split(line) for line in lines if line.startswith("docker run")]
+    servers = len(pinned) // n
+    assert servers and len(pinned) == servers * n and len(dockers) == servers * n
+    for i in range(n):
+        first = (i % per_host) * 2
+        devices = f"{first},{first + 1}"
+        assert f"GPUs {devices} of host {i // per_host}" in heads[i]
+        mine = pinned[i * servers:(i + 1) * servers]
+        assert all(line.startswith(f"CUDA_VISIBLE_DEVICES={devices} ") for line in mine)
+        for docker in dockers[i * servers:(i + 1) * servers]:
+            assert docker[docker.index("--gpus") + 1] == f'"device={devices}"'
+    # ports: every replica's its own (the spec's + 100 x i), so replicas sharing a host never collide
+    published = [p.rsplit(":", 2)[-1] for d in dockers for p in _published(d)]
+    assert len(published) == len(set(published)) and "8100" in published and f"8{n - 1}00" in published
+    ports = re.findall(r"--(?:(?:http|grpc|metrics)[-_])?port[= ](\d+)", "\n".join(pinned))
+    assert len(ports) >= 3 * n and len(ports) == len(set(ports))
+
+    out = tmp_path / "m"
+    assert _serve(tmp_path / "ws", spec_path, "--manifests", str(out), *args) == 0, capsys.readouterr().err
+    docs = _docs(out)  # held against Kubernetes' and LWS' schemas
+    server = docs.get("Deployment") or docs["LeaderWorkerSet"]
+    assert server["spec"]["replicas"] == n
+    assert _container(server)["resources"]["limits"] == {"nvidia.com/gpu": 2}  # one replica's GPUs per pod
+    for script in out.glob("*.sbatch"):
+        text = script.read_text()
+        directives, srun = _sbatch(text)
+        assert directives["array"] == f"0-{n - 1}" and directives["gpus-per-node"] == "2"
+        assert "+100*SLURM_ARRAY_TASK_ID))" in text and "@PORT" not in text
+
+
+def test_one_replica_prints_and_writes_as_before(tmp_path, capsys):
+    assert _serve(tmp_path / "ws", LLMAPI_8B, "--print") == 0
+    printed = capsys.readouterr().out
+    assert "# replica" not in printed and "CUDA_VISIBLE_DEVICES" not in printed and "--gpus all" in printed
+    assert _serve(tmp_path / "ws", LLMAPI_8B, "--manifests", str(tmp_path / "m")) == 0
+    capsys.readouterr()
+    assert _docs(tmp_path / "m")["Deployment"]["spec"]["replicas"] == 1
+    assert "--array" not in (tmp_path / "m" / "trtllm-serve.sbatch").read_text()
+
+
+@pytest.mark.parametrize("spec_path,sets,message", [
+    (REPO / "build" / "tiny-llama.yaml", ("serving.replicas=2",),
+     "serving.replicas 2: target cpu serves one server on this host; set it to 1"),
+    (LLMAPI_8B, ("serving.replicas=4", "parallelism.tp=2", "parallelism.gpus=4"),
+     "serving.replicas x tp x pp = 4 x 2 x 1 = 8 GPUs but parallelism.gpus is 4"),
+    (LLMAPI_8B, ("serving.replicas=64", "llmapi.openai_port=60000"), "replica 63 would serve port 60000 + 6300"),
+])
+def test_replicas_that_do_not_fit_are_one_line(tmp_path, capsys, spec_path, sets, message):
+    assert _serve(tmp_path / "ws", spec_path, "--print", *[a for s in sets for a in ("--set", s)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_serve_without_print_says_it_starts_one_replica(tmp_path, capsys):
+    assert _serve(tmp_path / "ws", ENGINE_70B, "--set", "serving.replicas=2", "--set", "parallelism.gpus=16") == 2
+    err = capsys.readouterr().err
+    assert "note: serving.replicas 2: serve starts one replica here" in err and "no model repository" in err

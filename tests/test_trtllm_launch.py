@@ -77,12 +77,20 @@ def test_hostfile_and_orchestrator_mode(tmp_path):
 def test_container_lines_use_the_matching_image(tmp_path):
     spec = spec_with(tmp_path, parallelism={"tp": 2})
     launch = launch_command(spec, tmp_path / "repo")
-    lines = container_commands(spec, launch, [tmp_path / "engines", tmp_path / "repo"])
+    lines = container_commands(spec, tmp_path / "repo", [tmp_path / "engines", tmp_path / "repo"])
     docker = shlex.split(lines["docker"])
     assert TRITON_IMAGE == "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
     assert docker[:3] == ["docker", "run", "--rm"] and TRITON_IMAGE in docker
-    assert docker[docker.index(TRITON_IMAGE) + 1:] == launch.argv
-    assert f"{tmp_path / 'repo'}:{tmp_path / 'repo'}" in docker and "8001:8001" in docker
+    # The spec binds loopback: inside the container every endpoint binds every interface (a port published to
+    # the container's loopback reaches nothing), and docker publishes each port on the host's loopback only.
+    inside = docker[docker.index(TRITON_IMAGE) + 1:]
+    assert inside == launch_command(spec, tmp_path / "repo", bind="0.0.0.0").argv
+    assert [a.replace("0.0.0.0", "127.0.0.1") for a in inside] == launch.argv
+    assert {"--http-address=0.0.0.0", "--grpc-address=0.0.0.0", "--metrics-address=0.0.0.0"} <= set(inside)
+    assert [docker[i + 1] for i, a in enumerate(docker) if a == "-p"] == [
+        "127.0.0.1:8000:8000", "127.0.0.1:8001:8001", "127.0.0.1:8002:8002"]
+    assert not any("restricted" in a for a in inside)  # reached from this host only, as the spec says
+    assert f"{tmp_path / 'repo'}:{tmp_path / 'repo'}" in docker
     kube = shlex.split(lines["kubernetes"])
     assert kube[:3] == ["kubectl", "run", "test-model"]
     overrides = json.loads(next(a for a in kube if a.startswith("--overrides=")).split("=", 1)[1])

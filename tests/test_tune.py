@@ -398,9 +398,12 @@ def test_mode_none_candidates_drop_the_draft(tmp_path):
 
 def test_replicas_go_into_the_targets_replica_field(tmp_path):
     llmapi = load_spec(REPO / "build" / "llama3-8b-llmapi-h100.yaml")
-    assert yaml.safe_load(spec_yaml(llmapi, [], tmp_path, replicas=4))["dynamo"]["workers"] == 4
+    data = yaml.safe_load(spec_yaml(llmapi, [], tmp_path, replicas=4))
+    assert data["dynamo"]["workers"] == 4 and data["serving"]["replicas"] == 4
     trtllm = load_spec(LLAMA_70B)
-    assert "dynamo" not in yaml.safe_load(spec_yaml(trtllm, [], tmp_path, replicas=4))
+    data = yaml.safe_load(spec_yaml(trtllm, [], tmp_path, replicas=4))
+    assert "dynamo" not in data and data["serving"]["replicas"] == 4
+    assert "replicas" not in yaml.safe_load(spec_yaml(trtllm, [], tmp_path)).get("serving", {})
 
 
 # ------------------------------------------------------------------- what a written spec deploys (issue 33)
@@ -497,3 +500,20 @@ def test_pareto_labels_do_not_overlap():
     for text, box in boxes:
         assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, text
         assert not box.overlaps(legend), text
+
+
+
+def test_a_tuned_spec_launches_its_replicas(tmp_path, capsys):
+    """Issue 33 item 9: tp1 x 4 replicas tuned for target trtllm is four launches, not one: serve --print prints
+    four pinned lines and --manifests a Deployment of four replicas."""
+    assert tune(tmp_path, REPO / "build" / "llama3-8b-awq-h100.yaml", "--gpus", "4", "--gpu", "H100",
+                "--top", "1") == 0, capsys.readouterr().err
+    [path] = tune_json(tmp_path)["specs"]
+    written = load_spec(path)
+    assert (written.parallelism.world_size, written.serving.replicas) == (1, 4)
+    capsys.readouterr()
+    assert main(["--root", str(tmp_path), "serve", path, "--print"]) == 0
+    pinned = [x for x in capsys.readouterr().out.splitlines() if x.startswith("CUDA_VISIBLE_DEVICES=")]
+    assert [x.split()[0] for x in pinned] == [f"CUDA_VISIBLE_DEVICES={i}" for i in range(4)]
+    assert main(["--root", str(tmp_path), "serve", path, "--manifests", str(tmp_path / "m")]) == 0
+    assert yaml.safe_load((tmp_path / "m" / "deployment.yaml").read_text())["spec"]["replicas"] == 4

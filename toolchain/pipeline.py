@@ -176,12 +176,30 @@ def print_gpu_launch(spec: DeploymentSpec, workspace: Workspace, echo: Echo) -> 
                              "set target: trtllm or llmapi")
 
 
+def _replicas(spec: DeploymentSpec, echo: Echo) -> Iterator[tuple[DeploymentSpec, str | None]]:
+    """(the spec replica i serves, its GPUs as "0,1" or None for every GPU) for each of serving.replicas, each
+    after its heading line where there are several."""
+    n = cluster.replicas(spec)
+    for i in range(n):
+        where = cluster.replica_gpus(spec, i) if n > 1 else None
+        if n > 1:
+            echo(cluster.replica_note(spec, i))
+        yield cluster.replica_spec(spec, i), where[1] if where else None
+
+
+def _pinned(line: str, devices: str | None) -> str:
+    return f"CUDA_VISIBLE_DEVICES={devices} {line}" if devices else line
+
+
 def _print_trtllm(spec: DeploymentSpec, ws: Workspace, echo: Echo) -> None:
-    launch = launch_command(spec, ws.model_repo_dir(spec))
-    echo(launch.shell())
-    lines = container_commands(spec, launch, triton_manifests.mounts(spec, ws))
-    echo(f"# in a container:\n{lines['docker']}")
-    echo("# on Kubernetes:")
+    repo, mounts = ws.model_repo_dir(spec), triton_manifests.mounts(spec, ws)
+    for one, devices in _replicas(spec, echo):
+        echo(_pinned(launch_command(one, repo).shell(), devices))
+        echo(f"# in a container:\n{container_commands(one, repo, mounts, devices)['docker']}")
+    lines = container_commands(spec, repo, mounts)
+    n = cluster.replicas(spec)
+    echo("# on Kubernetes:" if n == 1 else f"# on Kubernetes (one pod; `--manifests DIR` writes {n} replicas "
+                                           "behind one Service):")
     if "kubernetes_secret" in lines:
         echo(lines["kubernetes_secret"])
     echo(lines["kubernetes"])
@@ -190,25 +208,34 @@ def _print_trtllm(spec: DeploymentSpec, ws: Workspace, echo: Echo) -> None:
 
 
 def _print_llmapi(spec: DeploymentSpec, ws: Workspace, echo: Echo) -> None:
+    for one, devices in _replicas(spec, echo):
+        _print_llmapi_replica(one, ws, echo, devices)
     launch = llmapi_launch
-    lines = launch.gpu_launch_lines(spec, ws)
-    echo(f"# OpenAI server (trtllm-serve):\n{lines['trtllm_serve']}")
-    how = ("the command upstream's launcher runs, with the bind addresses and the administrative APIs behind "
-           "the key" if exposure.restricted(spec.serving) else "upstream's launcher, from a TensorRT-LLM 1.2.1 checkout")
-    echo(f"# Triton ({how}):\n{lines['triton']}")
-    mounts = launch.container_mounts(spec, ws)
-    s = spec.serving
-    serve = launch.trtllm_serve_command(spec, ws, host=launch.ALL_INTERFACES)
-    echo(f"# in a container, the OpenAI server:\n{docker_command(spec, serve, mounts, [spec.llmapi.openai_port])}")
-    triton = ["mpirun", "--allow-run-as-root", "-n", "1", *launch.tritonserver_command(spec, ws)]
-    # Restricted, metrics stay on loopback inside the container unless serving.metrics_host says otherwise.
-    private = exposure.restricted(s) and exposure.is_loopback(exposure.metrics_host(s))
-    ports = [s.http_port, s.grpc_port] + ([] if private else [s.metrics_port])
-    echo(f"# in a container, Triton:\n{docker_command(spec, triton, mounts, ports)}")
     if launch.multi_node(spec):
-        echo(f"# {launch.world_size(spec)} ranks over {launch.node_count(spec)} hosts, under Slurm:")
+        lines = launch.gpu_launch_lines(spec, ws)
+        echo(f"# {launch.world_size(spec)} ranks over {launch.node_count(spec)} hosts, under Slurm"
+             + (":" if cluster.replicas(spec) == 1 else " (one replica; `--manifests DIR` writes the job array):"))
         echo(lines["trtllm_serve_multi_node"])
         echo(lines["triton_multi_node"])
+
+
+def _print_llmapi_replica(spec: DeploymentSpec, ws: Workspace, echo: Echo, devices: str | None) -> None:
+    launch = llmapi_launch
+    lines = launch.gpu_launch_lines(spec, ws)
+    echo(f"# OpenAI server (trtllm-serve):\n{_pinned(lines['trtllm_serve'], devices)}")
+    how = ("the command upstream's launcher runs, with the bind addresses and the administrative APIs behind "
+           "the key" if exposure.restricted(spec.serving) else "upstream's launcher, from a TensorRT-LLM 1.2.1 checkout")
+    echo(f"# Triton ({how}):\n{_pinned(lines['triton'], devices)}")
+    mounts = launch.container_mounts(spec, ws)
+    s = spec.serving
+    # Inside a container every server binds every interface; docker publishes each port on the address the
+    # spec binds it to on a host (a loopback spec's on 127.0.0.1).
+    serve = launch.trtllm_serve_command(spec, ws, host=launch.ALL_INTERFACES)
+    docker = docker_command(spec, serve, mounts, {"openai": spec.llmapi.openai_port}, devices=devices)
+    echo(f"# in a container, the OpenAI server:\n{docker}")
+    triton = ["mpirun", "--allow-run-as-root", "-n", "1", *launch.tritonserver_command(spec, ws, launch.ALL_INTERFACES)]
+    ports = {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
+    echo(f"# in a container, Triton:\n{docker_command(spec, triton, mounts, ports, devices=devices)}")
 
 
 def print_local_launch(spec: DeploymentSpec, workspace: Workspace, server: Server, echo: Echo) -> None:

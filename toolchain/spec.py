@@ -25,6 +25,11 @@ from toolchain.quant.formats import KvCacheKind, Method
 from toolchain.targets import TargetName, target_of
 
 
+# Replica i of serving.replicas serves every port of the spec + REPLICA_PORT_STEP x i, so replicas sharing a host
+# never collide (triton/cluster.py replica_spec).
+REPLICA_PORT_STEP = 100
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
@@ -159,6 +164,12 @@ class ServingSection(_Section):
     engine runs every rank's shard in one process. Unset: mpirun for target trtllm, single for target cpu."""
     oversubscribe: bool = False
     """Let mpirun start more CPU ranks than this host has cores (--oversubscribe; target cpu with launch mpirun)."""
+    replicas: int = Field(1, ge=1, le=64)
+    """Copies of the deployment that `serve --print` and `serve --manifests` launch on a GPU target (trtllm, llmapi),
+    each on tp x pp GPUs of its own: replica i takes the next tp x pp GPUs of its host (CUDA_VISIBLE_DEVICES,
+    docker --gpus) and serves every port + 100 x i; the manifests run a Deployment or LeaderWorkerSet of this many
+    replicas behind one Service, and the Slurm scripts a job array of as many tasks. `toolchain tune` writes it.
+    Targets cpu and llmapi-cpu serve one server on this host: 1 (`toolchain dynamo` runs several CPU workers)."""
 
 
 class SharedPrefixSection(_Section):
@@ -514,6 +525,23 @@ class DeploymentSpec(_Section):
     def rank_processes(self) -> bool:
         """Target cpu with serving.launch mpirun: one tritonserver per rank, as on GPUs."""
         return self.target == "cpu" and self.serving.launch == "mpirun"
+
+    @model_validator(mode="after")
+    def _replicas_fit(self) -> "DeploymentSpec":
+        n, s, par = self.serving.replicas, self.serving, self.parallelism
+        if n == 1:
+            return self
+        if self.on_cpu:
+            raise ValueError(f"serving.replicas {n}: target {self.target} serves one server on this host; set it to 1 "
+                             "(`toolchain dynamo` runs several CPU workers of target llmapi-cpu)")
+        if par.gpus is not None and n * par.world_size > par.gpus:
+            raise ValueError(f"serving.replicas x tp x pp = {n} x {par.tp} x {par.pp} = {n * par.world_size} GPUs but "
+                             f"parallelism.gpus is {par.gpus}; lower serving.replicas or raise parallelism.gpus")
+        top = max(s.http_port, s.grpc_port, s.metrics_port, self.llmapi.openai_port)
+        if top + REPLICA_PORT_STEP * (n - 1) > 65535:
+            raise ValueError(f"replica {n - 1} would serve port {top} + {REPLICA_PORT_STEP * (n - 1)}, above 65535; "
+                             "lower the serving ports or serving.replicas")
+        return self
 
     @model_validator(mode="after")
     def _launch_fits_target(self) -> "DeploymentSpec":

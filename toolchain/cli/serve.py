@@ -146,6 +146,10 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
         pipeline.print_gpu_launch(spec, ws, click.echo)
         _write_manifests(spec, ws, manifests_dir)
         return
+    if spec.serving.replicas > 1:  # one process group per serve: the replicas' lines say where the others go
+        click.echo(f"note: serving.replicas {spec.serving.replicas}: serve starts one replica here (replica 0: the "
+                   "spec's ports, the GPUs this process sees); `toolchain serve SPEC --print` prints every replica's "
+                   "lines", err=True)
     if spec.target == "llmapi" and pipeline.multi_node(spec):
         raise ToolchainError(f"tp x pp spans {pipeline.node_count(spec)} hosts: one `serve` cannot start them",
                              "write the Slurm or Kubernetes manifests with `toolchain serve SPEC --manifests DIR`")

@@ -114,19 +114,23 @@ def triton_launch_command(spec: DeploymentSpec, workspace: Workspace) -> list[st
             f"{launch_flag('--grpc_port')}={s.grpc_port}", f"{launch_flag('--metrics_port')}={s.metrics_port}"]
 
 
-def tritonserver_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
+def tritonserver_command(spec: DeploymentSpec, workspace: Workspace, bind: str | None = None) -> list[str]:
     """The tritonserver argument list upstream's launcher builds for rank 0 (get_cmd): the repository,
     the ports, no auto-complete (the rendered config is the whole truth), its own shared-memory prefix.
     Off loopback also the bind addresses (metrics on loopback unless asked) and the administrative APIs
-    behind the key, exposure.PLACEHOLDER standing for it until the line is printed."""
+    behind the key, exposure.PLACEHOLDER standing for it until the line is printed. `bind`: the address
+    every endpoint binds (a container's, which publishes the ports on the spec's addresses); the key
+    still follows the spec."""
     s = spec.serving
     binary = upstream.facts("llmapi")["launch_flags"][launch_flag("--tritonserver")]["default"]
     argv = [binary, f"--model-repository={workspace.model_repo_dir(spec)}", f"--grpc-port={s.grpc_port}",
             f"--http-port={s.http_port}", f"--metrics-port={s.metrics_port}", "--disable-auto-complete-config",
             _SHM_PREFIX]
+    if bind is not None or exposure.restricted(s):
+        http, metrics = (bind, bind) if bind is not None else (s.host, exposure.metrics_host(s))
+        argv += [f"--http-address={http}", f"--grpc-address={http}", f"--metrics-address={metrics}"]
     if exposure.restricted(s):
-        argv += [f"--http-address={s.host}", f"--grpc-address={s.host}",
-                 f"--metrics-address={exposure.metrics_host(s)}", *exposure.restriction_args(exposure.PLACEHOLDER)]
+        argv += exposure.restriction_args(exposure.PLACEHOLDER)
     return argv
 
 

@@ -49,20 +49,23 @@ def _require_gpu_target(spec: DeploymentSpec) -> None:
 
 
 def slurm_script(spec: DeploymentSpec, workspace: Workspace, server: str = "trtllm-serve") -> str:
-    """An sbatch script serving the spec across its hosts: `server` is "trtllm-serve" or "triton"."""
+    """An sbatch script serving the spec across its hosts: `server` is "trtllm-serve" or "triton"; with
+    serving.replicas above 1, a job array whose task i serves replica i's ports."""
     _require_gpu_target(spec)
+    each = cluster.array_spec(spec)
     if server == "trtllm-serve":
-        argv = launch.multi_node_serve_command(spec, workspace)
+        argv = launch.multi_node_serve_command(each, workspace)
         what = f"trtllm-serve (OpenAI API on port {spec.llmapi.openai_port} of the first host)"
     elif server == "triton":
-        argv = launch.multi_node_triton_command(spec, workspace)
+        argv = launch.multi_node_triton_command(each, workspace)
         s = spec.serving
         what = f"tritonserver (HTTP {s.http_port}, gRPC {s.grpc_port}, metrics {s.metrics_port} on the first host)"
     else:
         raise ValueError(f"unknown server {server!r}")
     # Off loopback the key comes from the job's environment or file, never the script.
     ref = exposure.shell_reference(spec.serving)
-    return cluster.sbatch(spec, server, what, [shlex.quote(a).replace(exposure.PLACEHOLDER, ref) for a in argv])
+    words = [shlex.quote(a).replace(exposure.PLACEHOLDER, ref) for a in argv]
+    return cluster.array_ports(cluster.sbatch(spec, server, what, words))
 
 
 # -- Kubernetes ----------------------------------------------------------------------------------------------

@@ -72,6 +72,20 @@ def metrics_host(serving) -> str:
     return serving.host if is_loopback(serving.host) else "127.0.0.1"
 
 
+def metrics_private(serving) -> bool:
+    """Whether the metrics endpoint stays on loopback while the other endpoints are exposed: a pod or Service
+    then declares no metrics port (nothing outside the pod reaches it)."""
+    return is_loopback(metrics_host(serving)) and not is_loopback(serving.host)
+
+
+def published_on(serving, kind: str) -> str:
+    """The host address a container publishes its `kind` port on ("metrics", or "http", "grpc", "openai"): where
+    the spec binds that endpoint on a host, so a container exposes what the same spec exposes without one. Inside
+    the container the server binds every interface: a port published to a server bound to the container's own
+    loopback reaches nothing."""
+    return metrics_host(serving) if kind == "metrics" else serving.host
+
+
 def key_source(serving) -> str:
     return f"file {serving.admin_key_file}" if serving.admin_key_file is not None else f"${serving.admin_key_env}"
 

@@ -30,6 +30,7 @@ Kubernetes Secret through `$(VAR)`), never hold it.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import re
@@ -82,12 +83,14 @@ class LaunchCommand:
 
 
 def _rank_args(i: int, spec, repo: Path, tritonserver: str, ports: dict[str, int], admin_key: str | None,
-               shm_prefix: str = "prefix", extra: tuple[str, ...] = ()) -> list[str]:
+               shm_prefix: str = "prefix", extra: tuple[str, ...] = (), bind: str | None = None) -> list[str]:
     args = [tritonserver, f"--model-repository={repo}", "--disable-auto-complete-config",
             f"--backend-config=python,shm-region-prefix-name={shm_prefix}{i}_", *extra]
     if i == 0:
         s = spec.serving
         hosts = {"http": s.host, "grpc": s.host, "metrics": exposure.metrics_host(s)}
+        if bind is not None:
+            hosts = dict.fromkeys(hosts, bind)
         for kind in ("http", "grpc", "metrics"):
             args += [f"--{kind}-address={hosts[kind]}", f"--{kind}-port={ports[kind]}"]
         if exposure.restricted(s):
@@ -100,10 +103,12 @@ def _rank_args(i: int, spec, repo: Path, tritonserver: str, ports: dict[str, int
 
 def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSERVER, mpirun: str = "mpirun",
                    ports: dict[str, int] | None = None, admin_key: str | None = None, shm_prefix: str = "prefix",
-                   extra_rank_args: tuple[str, ...] = ()) -> LaunchCommand:
+                   extra_rank_args: tuple[str, ...] = (), bind: str | None = None) -> LaunchCommand:
     """The mpirun command line serving `repo_dir` for a target-trtllm spec (or target cpu with launch
     mpirun, whose runner adds `extra_rank_args` and a per-launch `shm_prefix`). Where the administrative
-    APIs are restricted, the argv holds `admin_key`, or exposure.PLACEHOLDER without one (printing)."""
+    APIs are restricted, the argv holds `admin_key`, or exposure.PLACEHOLDER without one (printing).
+    `bind`: the address every endpoint binds instead of the spec's (a container's, which publishes the ports
+    on the spec's addresses); whether the administrative APIs need the key still follows the spec."""
     s = spec.serving
     ports = ports or {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
     repo = Path(repo_dir)
@@ -119,31 +124,53 @@ def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSE
         # Orchestrator with spawned workers: one server process, every GPU's CUDA pool off
         # (launch_triton_server.py --multi-model).
         gpus = [f"--cuda-memory-pool-byte-size={g}:0" for g in range(world)]
-        rank0 = _rank_args(0, spec, repo, tritonserver, ports, admin_key)
+        rank0 = _rank_args(0, spec, repo, tritonserver, ports, admin_key, bind=bind)
         argv = head + ["-n", "1", *rank0, "--pinned-memory-pool-byte-size=0", "--enable-peer-access=false", *gpus]
         return LaunchCommand(argv, {"TRTLLM_ORCHESTRATOR": "1"}, 1, "orchestrator", exposure.shell_reference(s))
     argv = list(head)
     for i in range(world):
         argv += ([":"] if i else []) + ["-n", "1", *_rank_args(i, spec, repo, tritonserver, ports, admin_key,
-                                                               shm_prefix, extra_rank_args)]
+                                                               shm_prefix, extra_rank_args, bind)]
     return LaunchCommand(argv, {}, world, "leader", exposure.shell_reference(s))
 
 
 # Where the key file is mounted, read-only, inside the container.
 CONTAINER_KEY_FILE = "/run/secrets/triton-admin-key"
+_WILDCARDS = ("0.0.0.0", "", "::")
 
 
-def docker_command(spec, argv: list[str], mounts: list, ports: list[int], env: dict[str, str] | None = None) -> str:
+def publish_arg(host: str, port: int) -> str:
+    """docker's `-p` value publishing container port `port` on host address `host`: the bare `P:P` (every
+    interface) for a wildcard, `ADDR:P:P` otherwise. docker takes an IP address there, not a name."""
+    if host in _WILDCARDS:
+        return f"{port}:{port}"
+    address = "127.0.0.1" if host.strip().lower() == "localhost" else host.strip("[]")
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        raise ToolchainError(f"serving.host {host} is a name; docker publishes a container's ports on an IP address",
+                             "set serving.host (and serving.metrics_host) to this host's address, or 0.0.0.0") from None
+    return f"[{ip}]:{port}:{port}" if ip.version == 6 else f"{ip}:{port}:{port}"
+
+
+def docker_command(spec, argv: list[str], mounts: list, ports: dict[str, int], env: dict[str, str] | None = None,
+                   devices: str | None = None) -> str:
     """A `docker run` line starting `argv` in the NGC image matching TensorRT-LLM 1.2, `mounts` at the
-    same place (so the absolute paths in the rendered configs hold inside the container), `ports`
-    published. Where argv holds exposure.PLACEHOLDER (the admin APIs restricted), the key reaches the
-    container off the command line: `-e VAR` (copied from docker's own environment) or the key file
-    mounted read-only, expanded into the argv by a shell inside the container."""
+    same place (so the absolute paths in the rendered configs hold inside the container), `ports` (kind ->
+    port; 0, a port picked at start, is not published) published on the host addresses the spec binds them
+    to (exposure.published_on: a loopback spec's on 127.0.0.1), `argv` binding every interface inside.
+    `devices`: the GPUs the container gets ("0,1"), else all. Where argv holds exposure.PLACEHOLDER (the
+    admin APIs restricted), the key reaches the container off the command line: `-e VAR` (copied from
+    docker's own environment) or the key file mounted read-only, expanded into the argv by a shell inside
+    the container."""
     s = spec.serving
-    docker = ["docker", "run", "--rm", "--gpus", "all", "--ipc=host", "--shm-size=2g", "--ulimit", "memlock=-1",
+    # docker reads --gpus as CSV: a device list needs the inner double quotes (`--gpus '"device=0,1"'`).
+    gpus = "all" if devices is None else f'"device={devices}"'
+    docker = ["docker", "run", "--rm", "--gpus", gpus, "--ipc=host", "--shm-size=2g", "--ulimit", "memlock=-1",
               "--ulimit", "stack=67108864"]
-    for port in ports:
-        docker += ["-p", f"{port}:{port}"]
+    for kind, port in ports.items():
+        if port:
+            docker += ["-p", publish_arg(exposure.published_on(s, kind), port)]
     for key, value in (env or {}).items():
         docker += ["-e", f"{key}={value}"]
     for m in sorted({str(Path(m)) for m in mounts}):
@@ -160,16 +187,18 @@ def docker_command(spec, argv: list[str], mounts: list, ports: list[int], env: d
     return shlex.join([*docker, TRITON_IMAGE, *command])
 
 
-def container_commands(spec, launch: LaunchCommand, mounts: list) -> dict[str, str]:
-    """A `docker run` (docker_command) and a `kubectl run` line that start `launch` in the NGC image
-    matching TensorRT-LLM 1.2. With the administrative APIs restricted (`launch` built without a
-    key), Kubernetes reads the key from a Secret (`kubernetes_secret`, the line creating it) and
-    expands `$(VAR)` in the container command itself. `toolchain serve --manifests` writes the
+def container_commands(spec, repo_dir: Path, mounts: list, devices: str | None = None) -> dict[str, str]:
+    """A `docker run` (docker_command; every endpoint bound to every interface inside the container, the
+    ports published where the spec binds them) and a `kubectl run` line (the spec's own line) that start
+    `launch_command(spec, repo_dir)` in the NGC image matching TensorRT-LLM 1.2. With the administrative
+    APIs restricted, Kubernetes reads the key from a Secret (`kubernetes_secret`, the line creating it)
+    and expands `$(VAR)` in the container command itself. `toolchain serve --manifests` writes the
     Deployment or LeaderWorkerSet with a Service and probes (triton/manifests.py)."""
     s = spec.serving
-    # Metrics kept on loopback inside the container are unreachable through a published port.
-    metrics_private = exposure.is_loopback(exposure.metrics_host(s)) and not exposure.is_loopback(s.host)
-    published = [p for p in (s.http_port, s.grpc_port, None if metrics_private else s.metrics_port) if p]
+    launch = launch_command(spec, repo_dir)
+    ports = {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
+    # Metrics kept on loopback inside the pod are unreachable through a declared port.
+    declared = [p for kind, p in ports.items() if p and not (kind == "metrics" and exposure.metrics_private(s))]
     unique = sorted({str(Path(m)) for m in mounts})
     name = cluster.k8s_name(spec)
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in launch.env.items()]
@@ -181,7 +210,7 @@ def container_commands(spec, launch: LaunchCommand, mounts: list) -> dict[str, s
         "name": name, "image": TRITON_IMAGE,
         "command": cluster.k8s_command(launch.argv, spec),
         "env": env,
-        "ports": [{"containerPort": p} for p in published],
+        "ports": [{"containerPort": p} for p in declared],
         "resources": {"limits": {cluster.GPU_RESOURCE: min(launch.world_size if launch.mode == "leader"
                                                            else spec.parallelism.world_size, spec.gpu.per_node)}},
         "volumeMounts": [{"name": f"v{i}", "mountPath": m} for i, m in enumerate(unique)]
@@ -192,7 +221,8 @@ def container_commands(spec, launch: LaunchCommand, mounts: list) -> dict[str, s
                           + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
     kubectl = ["kubectl", "run", name, f"--image={TRITON_IMAGE}", "--restart=Never",
                f"--overrides={json.dumps(overrides, separators=(',', ':'))}"]
-    docker = docker_command(spec, launch.argv, mounts, published, launch.env)
+    inside = launch_command(spec, repo_dir, bind=cluster.ALL_INTERFACES)
+    docker = docker_command(spec, inside.argv, mounts, ports, inside.env, devices)
     return {"docker": docker, "kubernetes": shlex.join(kubectl), **out}
 
 

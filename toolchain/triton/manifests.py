@@ -76,7 +76,12 @@ def _shell(argv: list[str], spec: DeploymentSpec) -> str:
 
 
 def slurm_script(spec: DeploymentSpec, workspace: Workspace) -> str:
-    launch = cluster_launch(spec, workspace)
+    """The batch script; with serving.replicas above 1, a job array whose task i serves replica i's ports."""
+    return cluster.array_ports(_slurm_script(spec, workspace))
+
+
+def _slurm_script(spec: DeploymentSpec, workspace: Workspace) -> str:
+    launch = cluster_launch(cluster.array_spec(spec), workspace)
     s = cluster.for_cluster(spec).serving
     what = f"tritonserver (HTTP {s.http_port}, gRPC {s.grpc_port}, metrics {s.metrics_port} on the first host)"
     if launch.mode == "orchestrator":
@@ -100,7 +105,7 @@ def slurm_script(spec: DeploymentSpec, workspace: Workspace) -> str:
 def _ports(spec: DeploymentSpec) -> dict[str, int]:
     s = cluster.for_cluster(spec).serving
     ports = {"http": s.http_port, "grpc": s.grpc_port}
-    if not exposure.is_loopback(exposure.metrics_host(s)):  # metrics kept on loopback are not published
+    if not exposure.metrics_private(s):  # metrics kept on loopback are not published
         ports["metrics"] = s.metrics_port
     return ports
 

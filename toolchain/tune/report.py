@@ -151,9 +151,10 @@ PATH_FIELDS = (("model", "checkpoint"), ("model", "tokenizer"), ("gpu", "hostfil
                ("validation", "workload", "prompts_file"), ("serving", "tritonserver"), ("serving", "admin_key_file"))
 # Fields of the section whose value the default of `model.checkpoint` stands for when the file leaves it out.
 DEFAULT_RELATIVE = {("model", "checkpoint")}
-# Targets whose replicas a field of the spec runs: `toolchain dynamo` starts dynamo.workers aggregated workers
-# of tp x pp GPUs each (spec.py DynamoSection.workers) for target llmapi.
-REPLICA_FIELD = {"llmapi": "dynamo.workers"}
+# Targets whose replicas fields of the spec run: `serve --print` and `serve --manifests` launch serving.replicas
+# copies of tp x pp GPUs each on the GPU targets (spec.py ServingSection.replicas), and `toolchain dynamo` starts
+# dynamo.workers aggregated workers (DynamoSection.workers) for target llmapi.
+REPLICA_FIELD = {"trtllm": ("serving.replicas",), "llmapi": ("serving.replicas", "dynamo.workers")}
 
 
 def _get(data: dict, path: tuple[str, ...]):
@@ -204,8 +205,7 @@ def spec_yaml(spec: DeploymentSpec, header: list[str], dest: Path | None = None,
     for section, fields in SEARCHED.items():
         full = getattr(spec, section)
         data.setdefault(section, {}).update({f: getattr(full, f) for f in fields})
-    field_name = REPLICA_FIELD.get(spec.target)
-    if field_name is not None and replicas > 1:
+    for field_name in REPLICA_FIELD.get(spec.target, ()) if replicas > 1 else ():
         section, key = field_name.split(".")
         data.setdefault(section, {})[key] = replicas
     if dest is not None:
@@ -304,7 +304,7 @@ def write(out: Path, result: SearchResult, top: int, text: str, extra: dict | No
             p = e.performance
             header = [f"toolchain tune: rank {rank} of {len(result.shown)}: {e.candidate.label}"]
             if spec.gpu.name:
-                field_name = REPLICA_FIELD.get(spec.target)
+                field_name = " and ".join(REPLICA_FIELD.get(spec.target, ()))
                 how = f"{field_name} says so" if field_name and e.candidate.replicas > 1 else \
                     "run this many copies of the deployment"
                 header.append(f"replicas: {e.candidate.replicas} ({how}; {e.candidate.gpu_count} GPUs in all)")
