@@ -304,8 +304,10 @@ def write(out: Path, result: SearchResult, top: int, text: str, extra: dict | No
             p = e.performance
             header = [f"toolchain tune: rank {rank} of {len(result.shown)}: {e.candidate.label}"]
             if spec.gpu.name:
-                field_name = " and ".join(REPLICA_FIELD.get(spec.target, ()))
-                how = f"{field_name} says so" if field_name and e.candidate.replicas > 1 else \
+                fields = REPLICA_FIELD.get(spec.target, ())
+                field_name = " and ".join(fields)
+                verb = "say" if len(fields) > 1 else "says"
+                how = f"{field_name} {verb} so" if field_name and e.candidate.replicas > 1 else \
                     "run this many copies of the deployment"
                 header.append(f"replicas: {e.candidate.replicas} ({how}; {e.candidate.gpu_count} GPUs in all)")
             if e.candidate.replicas > 1:
