@@ -444,3 +444,71 @@ def test_planner_counts_awq_experts_as_convert_writes_them(awq_models):
     built = expert_bytes(p, 1, 1, 2, QuantFormat(method="awq", group_size=G))
     # router f32; per expert packed int4 and fp16 scales of fc [2w, h] and proj [h, w]; one prequant per stack
     assert built == e * h * 4 + e * (3 * w * h / 2 + (2 * w * h + h * w) // G * 2) + (h + w) * 2
+
+
+# What convert wrote before the router was named: a list, so it replaced TensorRT-LLM's default (quant/exclude.py).
+UNNAMED = ["lm_head", "transformer.vocab_embedding"]
+
+
+def _relist(engine_dir: Path, listed) -> Path:
+    """The engine directory with config.json's exclude_modules replaced (None: the field removed)."""
+    path = engine_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    quant = cfg["pretrained_config"]["quantization"]
+    quant.pop("exclude_modules")
+    if listed is not None:
+        quant["exclude_modules"] = listed
+    path.write_text(json.dumps(cfg))
+    return path.parent
+
+
+@pytest.mark.parametrize("model,method,scales", [
+    ("mixtral", "int8_wo", ("per_channel_scale",)),
+    ("qwen2", "int4_wo", ("per_channel_scale",)),
+    ("mixtral", "fp8", ("activation_scaling_factor", "weights_scaling_factor")),
+])
+def test_moe_exclude_list_keeps_the_router_and_the_engine_reads_it_as_upstream(models, tmp_path, model, method,
+                                                                                 scales):
+    """A written exclude_modules replaces TensorRT-LLM's default list (quantize_layers), so a MoE checkpoint's list
+    names the router, and Qwen2-MoE's shared_expert_gate both as a module and as the tensor weight-only builds match
+    (weight_only_quantize_dict), after lm_head and the embedding and before the spec's own globs. The CPU engine
+    reads the list as upstream does: the list convert wrote before (no router) fails to load in upstream's words,
+    naming each layer's router scales."""
+    from test_engine_cpu_quant import _engine_for
+
+    from toolchain.quant import exclude
+
+    mine = "transformer.layers.1.attention.*"
+    engine = _engine_for(models[model], tmp_path, Recipe(method=method, exclude_modules=(mine,)))
+    listed = engine.config["pretrained_config"]["quantization"]["exclude_modules"]
+    gate = ["*shared_expert_gate", "*shared_expert_gate.weight"] if model == "qwen2" else []
+    assert listed == [*UNNAMED, "*router", *gate, mine]
+    assert exclude.left_quantized(listed, 2, model == "qwen2", method != "fp8") == []
+    assert engine.model.stages[0][0].layers[0].experts.router.dtype == torch.float32
+    with pytest.raises(ToolchainError) as err:
+        CpuEngine.load(_relist(tmp_path / f"eng-{method}-none-1", [*UNNAMED, mine]))
+    missing = {f"transformer.layers.{i}.mlp.router.{s}" for i in (0, 1) for s in scales}
+    assert str(err.value).startswith("rank0.safetensors: Required but not provided tensors:{"), err.value
+    assert all(repr(n) in str(err.value) for n in missing), err.value
+    assert "*router" in err.value.hint
+
+
+@pytest.mark.parametrize("listed,says", [
+    ([*UNNAMED, "*router", "*shared_expert_gate"], "quantizes transformer.layers.0.mlp.shared_expert_gate.weight"),
+    ([*UNNAMED, "*router"], "quantizes transformer.layers.0.mlp.shared_expert_gate and 1 more"),
+    ([], r"exclude_modules \[\] quantizes lm_head"),  # an empty list replaces the default too
+    (None, None),  # no list: upstream's defaults keep the router and the gate (module and tensor) unquantized
+])
+def test_weight_only_shared_expert_gate_needs_the_module_and_its_tensor_excluded(models, tmp_path, listed, says):
+    """Under W8A16 the build quantizes every weight whose name holds 'gate.weight' unless the list matches the
+    tensor name: a list naming only the module leaves a float gate fed an int8 weight, one naming neither
+    quantizes the [1, H] gate; the CPU engine runs the gate float only and says which. Only an absent list is
+    upstream's default (quantize_layers and weight_only_quantize_dict test `is None`)."""
+    _engine(models["qwen2"], tmp_path, "int8_wo")
+    engine_dir = _relist(tmp_path / "int8_wo-1-None" / "engine", listed)
+    if says is None:
+        assert CpuEngine.load(engine_dir).model.stages[0][0].layers[0].experts.shared_gate.dtype == torch.float32
+        return
+    with pytest.raises(ToolchainError, match=says) as err:
+        CpuEngine.load(engine_dir)
+    assert "exclude_modules" in err.value.hint

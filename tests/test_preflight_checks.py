@@ -163,6 +163,8 @@ TRIGGERS = {
                             FAIL),
     "quant.weight-only-padding": ({"parallelism": {"tp": 8}},
                                   {"quant": QuantFormat("int8_wo"), "setup": use_config(LLAMA2_7B)}, FAIL),
+    "quant.moe-router-excluded": ({}, {"quant": QuantFormat("int8_wo"), "setup": "moe-checkpoint-without-router"},
+                                  FAIL),
     "quant.lm-head-excluded": ({}, {"quant": QuantFormat("int8_wo"), "setup": "checkpoint-excludes-lm-head-only"},
                                FAIL),
     "quant.fp8-needs-sm89": ({"gpu": {"name": "A100 80GB"}}, {"quant": QuantFormat("fp8")}, FAIL),
@@ -216,12 +218,24 @@ TRIGGERS = {
 }
 
 
+def moe_checkpoint(tmp_path: Path, listed: list[str] | None, algo: str = "W8A16") -> None:
+    """The converted checkpoint's config.json with this exclude_modules (None: the field absent)."""
+    d = tmp_path / "ws" / "engines" / "chk" / "checkpoint"
+    d.mkdir(parents=True)
+    quant = {"quant_algo": algo, **({"exclude_modules": listed} if listed is not None else {})}
+    (d / "config.json").write_text(json.dumps({"quantization": quant}))
+
+
 def named_setup(name: str):
     def checkpoint_excludes_lm_head_only(tmp_path, data):
         d = tmp_path / "ws" / "engines" / "chk" / "checkpoint"
         d.mkdir(parents=True)
         (d / "config.json").write_text(json.dumps({"quantization": {"quant_algo": "W8A16",
                                                                     "exclude_modules": ["lm_head"]}}))
+
+    def moe_checkpoint_without_router(tmp_path, data):
+        data["model"]["checkpoint"] = str(CONFIGS / "mixtral-8x7b-v0.1")
+        moe_checkpoint(tmp_path, ["lm_head", "transformer.vocab_embedding"])
 
     def tokenizer_eos_end_of_text(tmp_path, data):
         data["model"]["tokenizer"] = str(tokenizer(tmp_path, "<|end_of_text|>",
@@ -241,6 +255,7 @@ def named_setup(name: str):
 
     table = {
         "checkpoint-excludes-lm-head-only": checkpoint_excludes_lm_head_only,
+        "moe-checkpoint-without-router": moe_checkpoint_without_router,
         "tokenizer-eos-end-of-text": tokenizer_eos_end_of_text,
         "tokenizer-too-big": tokenizer_too_big,
         "repo-placeholder": repo_placeholder,
@@ -423,3 +438,31 @@ def test_gpu_only_checks_are_listed_as_skipped_on_the_cpu_engine(tmp_path):
     spec = load_spec(REPO / "build" / "tiny-llama.yaml")
     skipped = run_checks(build_context(spec, "plan", Workspace(tmp_path)), ["limits.num-tokens-vs-input"])
     assert [r.message for r in skipped if r.id == "limits.num-tokens-vs-input"] == ["skipped by --skip-check"]
+
+
+@pytest.mark.parametrize("model,listed,quant,expected,says", [
+    # what convert wrote before: the list replaces the default, so the router and Qwen2-MoE's gate are quantized
+    ("mixtral-8x7b-v0.1", ["lm_head", "transformer.vocab_embedding"], "int8_wo", FAIL, "without mlp.router (32 in all"),
+    ("qwen1.5-moe-a2.7b", ["lm_head", "transformer.vocab_embedding"], "int4_wo", FAIL,
+     "without mlp.router, mlp.shared_expert_gate, mlp.shared_expert_gate.weight (72 in all over 24 layers)"),
+    # the gate's module alone: a weight-only build still quantizes its weight tensor (weight_only_quantize_dict)
+    ("qwen1.5-moe-a2.7b", ["lm_head", "transformer.vocab_embedding", "*router", "*shared_expert_gate"], "int8_wo",
+     FAIL, "without mlp.shared_expert_gate.weight (24 in all"),
+    ("qwen1.5-moe-a2.7b", ["lm_head", "transformer.vocab_embedding", "*router", "*shared_expert_gate",
+                           "*shared_expert_gate.weight"], "int8_wo", PASS, "router and shared_expert_gate unquantized"),
+    ("mixtral-8x7b-v0.1", [], "fp8", FAIL, "without mlp.router"),  # an empty list replaces the default as well
+    ("mixtral-8x7b-v0.1", None, "fp8", PASS, "keeps the router unquantized"),  # absent: upstream's defaults
+    ("llama-3-8b-instruct", ["lm_head"], "int8_wo", PASS, "no quantized mixture of experts"),
+])
+def test_moe_router_exclusion_names_what_the_list_leaves_quantized(tmp_path, model, listed, quant, expected, says):
+    """quantize_layers reads the checkpoint's list against module names and, for W8A16/W4A16, the build's
+    weight_only_quantize_dict against tensor names; the check names what of the router and the shared expert's
+    gate either leaves to quantization, and what to add."""
+    def setup(tmp_path, data):
+        data["model"]["checkpoint"] = str(CONFIGS / model)
+        moe_checkpoint(tmp_path, listed, QuantFormat(quant).quant_algo)
+
+    result = run(tmp_path, {}, stage="build-engine", quant=QuantFormat(quant), setup=setup)["quant.moe-router-excluded"]
+    assert result.status == expected and says in result.message, result.message
+    if expected == FAIL:
+        assert "'*router'" in result.message and "Required but not provided tensors" in result.message

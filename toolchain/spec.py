@@ -314,7 +314,7 @@ class QuantizationSection(_Section):
     kv_cache: KvCacheKind = "none"
     """KV-cache precision; int8 and fp8 use per-layer scales from calibration."""
     exclude_modules: list[str] = Field(default_factory=list)
-    """fnmatch globs of TensorRT-LLM module names kept unquantized (e.g. "transformer.layers.0.*"); the embedding and lm_head always are."""
+    """fnmatch globs of TensorRT-LLM module names kept unquantized (e.g. "transformer.layers.0.*"); the embedding and lm_head always are, and a mixture of experts' router and shared expert gate."""
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
     """Data for awq, smoothquant, fp8 and KV-cache scales."""
 

@@ -28,7 +28,7 @@ from toolchain.checkpoint.hf_quant import read_hf_quant_format
 from toolchain.checkpoint.quantize import Quantizer, virtualize_modelopt, virtualize_prequantized
 from toolchain.checkpoint.writer import write_plan
 from toolchain.errors import ToolchainError
-from toolchain.quant import formats
+from toolchain.quant import exclude, formats
 from toolchain.quant.recipe import ModelShape, Recipe, check_recipe, is_excluded, parse_prequantized
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
@@ -122,7 +122,9 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
         quant = Quantizer(recipe, params.num_attention_heads, params.num_key_value_heads, tp,
                           sharding.pp_layers(params.num_hidden_layers, pp), layout_plan, params.intermediate_size,
                           TORCH_DTYPES[resolved], prequantized, raw=raw, kv_sources=kv_sources,
-                          moe_sizes=opts.moe_sizes)
+                          moe_sizes=opts.moe_sizes,
+                          moe_exclude=tuple(exclude.moe_exclusions(params.shared_expert_size > 0)) if params.is_moe
+                          else ())
         config["quantization"] = quant.config()
     plan = build_plan(family, params, ckpt, opts, config, quant=quant)
     plan.config_only = config_only

@@ -113,6 +113,9 @@ class Quantizer:
     """ModelOpt imports with an FP8 KV cache: global layer -> its stored (k_scale, v_scale) names in `raw`."""
     moe_sizes: tuple[int, int] = (1, 1)
     """(moe_tp, moe_ep) of a mixture-of-experts model: how its FP8 expert stacks are split (Options.moe_sizes)."""
+    moe_exclude: tuple[str, ...] = ()
+    """A mixture of experts: the globs that keep its router (and shared expert gate) unquantized
+    (quant/exclude.py moe_exclusions), which a written list must carry since it replaces the default."""
 
     @property
     def imports(self) -> bool:
@@ -148,13 +151,15 @@ class Quantizer:
     def config(self) -> dict:
         """config.json `quantization` (QuantConfig, TensorRT-LLM tensorrt_llm/models/modeling_utils.py).
         The exclude list replaces TensorRT-LLM's default, so it always names lm_head and the vocab
-        embedding (per-channel weight-only modes would otherwise quantize the embedding); NVIDIA's
-        exporter writes only "lm_head" because its formats never quantize embeddings."""
+        embedding (per-channel weight-only modes would otherwise quantize the embedding), and for a
+        mixture of experts its router and shared expert gate (`moe_exclude`: otherwise quantize_layers
+        makes them quantized row linears whose scales no checkpoint holds); NVIDIA's exporter writes only
+        "lm_head" because its formats never quantize embeddings. The spec's own globs come after these."""
         algo = self.quant_algo
         q: dict = {"quant_algo": algo, "kv_cache_quant_algo": self.recipe.kv_cache_quant_algo}
         if algo is not None:
-            q["exclude_modules"] = ALWAYS_EXCLUDED + [p for p in self.recipe.exclude_modules
-                                                     if p not in ALWAYS_EXCLUDED]
+            kept = ALWAYS_EXCLUDED + list(self.moe_exclude)
+            q["exclude_modules"] = kept + [p for p in self.recipe.exclude_modules if p not in kept]
         if self.per_group:
             zero = self.prequantized is not None
             q.update(group_size=self.group_size, has_zero_point=zero, pre_quant_scale=not zero)

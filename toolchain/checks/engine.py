@@ -19,6 +19,7 @@ from toolchain.engine.trtllm import default_workers, planned_mpi
 from toolchain.plan import memory as mem
 from toolchain.plan.model import read_json
 from toolchain.plan.plan import checkpoint_bytes_per_rank
+from toolchain.quant import exclude
 from toolchain.quant.formats import BLACKWELL, KV_CACHE
 from toolchain.quant.recipe import ModelShape, check_per_group, check_pytorch_per_group, per_group_multiple
 from toolchain.checks.registry import (ENGINE, ENGINE_PATH, FAIL, GPU_ONLY, PASS, SKIP, UNREGISTERED, WARN, Context,
@@ -384,12 +385,10 @@ def _weight_only_padding(ctx: Context):
 def _lm_head_excluded(ctx: Context):
     if ctx.quant.method == "none":
         return PASS, "no weight quantization"
-    path = ctx.workspace.checkpoint_dir(ctx.spec) / "config.json" if ctx.workspace is not None else None
-    cfg = read_json(path) if path is not None else None
-    if cfg is None:
+    path, excl = _checkpoint_exclude(ctx)
+    if path is None:
         return SKIP, "no converted checkpoint yet"
-    excl = (cfg.get("quantization") or {}).get("exclude_modules")
-    if not excl:
+    if excl is None:
         return PASS, "TensorRT-LLM's default exclusions (lm_head, embeddings) apply"
     need = ["lm_head"] + (["transformer.vocab_embedding"] if ctx.quant.weight_only else [])
     missing = [m for m in need if not any(fnmatch.fnmatch(m, pat) for pat in excl)]
@@ -398,6 +397,41 @@ def _lm_head_excluded(ctx: Context):
                       f"{', '.join(missing)}: the build would expect quantized tensors there; rerun "
                       "`toolchain convert --force` with a converter that keeps them")
     return PASS, f"the checkpoint keeps {', '.join(need)} unquantized"
+
+
+def _checkpoint_exclude(ctx: Context):
+    """(the converted checkpoint's config.json, its quantization.exclude_modules) or (None, None) before convert.
+    None for the list means absent: only then do TensorRT-LLM's defaults apply (an empty list replaces them
+    too: quantize_layers, tensorrt_llm/quantization/quantize.py; quant/exclude.py)."""
+    path = ctx.workspace.checkpoint_dir(ctx.spec) / "config.json" if ctx.workspace is not None else None
+    cfg = read_json(path) if path is not None else None
+    if cfg is None:
+        return None, None
+    return path, (cfg.get("quantization") or {}).get("exclude_modules")
+
+
+@check("quant.moe-router-excluded", ("build-engine",), "a mixture of experts' router and shared_expert_gate stay "
+       "unquantized in the checkpoint's exclude_modules (TensorRT-LLM quantization/quantize.py quantize_layers, "
+       "models/convert_utils.py weight_only_quantize_dict)", paths=ENGINE_PATH)
+def _moe_router_excluded(ctx: Context):
+    p = _model(ctx)
+    if p is None:
+        return SKIP, NO_MODEL
+    if ctx.quant.method == "none" or not p.is_moe:
+        return PASS, "no quantized mixture of experts"
+    path, excl = _checkpoint_exclude(ctx)
+    if path is None:
+        return SKIP, "no converted checkpoint yet"
+    shared = p.shared_expert_size > 0
+    left = exclude.left_quantized(excl, p.num_hidden_layers, shared, ctx.quant.weight_only)
+    if left:
+        names = sorted({n.split(".", 3)[3] for n in left})  # per module, whatever the layer
+        want = ", ".join(f"'{x}'" for x in exclude.moe_exclusions(shared))
+        return FAIL, (f"{path} lists exclude_modules without {', '.join(names)} ({len(left)} in all over "
+                      f"{p.num_hidden_layers} layers): the list replaces TensorRT-LLM's defaults, so the build "
+                      f"quantizes them and its load fails (\"Required but not provided tensors\"); add {want}, "
+                      "as `toolchain convert --force` now writes it")
+    return PASS, "the checkpoint keeps the router" + (" and shared_expert_gate" if shared else "") + " unquantized"
 
 
 @check("quant.fp8-needs-sm89", ENGINE, "FP8 weights and FP8 KV need SM 89 or newer (TensorRT-LLM precision.md)")

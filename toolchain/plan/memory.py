@@ -67,7 +67,10 @@ def linear_shapes(p: ArchParams, tp: int, quant: QuantFormat | None = None) -> l
     return [("qkv", q_r + 2 * kv_r, h), ("dense", h, q_r), ("fc", i_r, h), ("gate", i_r, h), ("proj", h, i_r)]
 
 
-ROUTER_BYTES = 4  # the MoE router is float32 in every format (tensorrt_llm/models/llama/convert.py)
+# The MoE router is float32 in every format (tensorrt_llm/models/llama/convert.py), and the shared expert gate in
+# the model dtype: convert's exclude_modules keep both unquantized (quant/exclude.py moe_exclusions), and the CPU
+# engine refuses a list that would not (engine/cpu/weights.py check_kept_unquantized).
+ROUTER_BYTES = 4
 
 
 def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: QuantFormat | None = None,

@@ -16,7 +16,7 @@ from typing import Any
 
 from toolchain.archs.moe import EXPERT_METHODS
 from toolchain.errors import ToolchainError
-from toolchain.quant import formats
+from toolchain.quant import exclude, formats
 from toolchain.quant.recipe import GROUP_SIZES, per_group_multiple
 
 # Architectures whose TRT-LLM implementation is the Llama or Qwen decoder
@@ -47,10 +47,9 @@ QUANT_ALGOS = {f.quant_algo for f in formats.ALL if f.cpu_kernel and f.quant_alg
 # quant_algo values whose experts the CPU engine runs (engine/cpu/moe.py): the archs/moe.py EXPERT_METHODS' rows.
 MOE_QUANT_ALGOS = {a for m in EXPERT_METHODS if (a := formats.METHODS[m].quant_algo) is not None}
 KV_ALGOS = tuple(k.quant_algo for k in formats.KV_CACHE.values() if k.quant_algo)
-# TensorRT-LLM's exclusion list when config.json gives none (QuantConfig in
-# tensorrt_llm/models/modeling_utils.py).
-DEFAULT_EXCLUDE = ("*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
-                   "*shared_expert_gate", "*fused_a")
+# TensorRT-LLM's exclusion list when config.json gives none (quantize_layers in
+# tensorrt_llm/quantization/quantize.py; facts checkpoint_config.json, quant/exclude.py).
+DEFAULT_EXCLUDE = exclude.DEFAULT
 
 _REBUILD = "rebuild the engine with `toolchain build-engine --force`"
 
@@ -88,6 +87,9 @@ class ModelDims:
     pre_quant_scale: bool = False
     exclude_modules: tuple[str, ...] = DEFAULT_EXCLUDE
     """fnmatch globs of unquantized modules; a list in config.json replaces the default (QuantConfig)."""
+    exclude_listed: tuple[str, ...] | None = None
+    """config.json's exclude_modules as written; None when absent or null (only then do upstream's defaults
+    apply: quant/exclude.py)."""
     medusa_heads: int = 0
     """MedusaForCausalLM: number of heads (num_medusa_heads); 0 for any other architecture."""
     medusa_layers: int = 1
@@ -150,6 +152,13 @@ class ModelDims:
         if self.format is None or any(fnmatch.fnmatchcase(module, p) for p in self.exclude_modules):
             return None
         return self.format.cpu_kernel
+
+    def build_quantizes(self, weight: str) -> bool:
+        """Whether trtllm-build turns fp tensor `weight` (its name in the rank file) into int8 plus a
+        per_channel_scale: W8A16/W4A16's weight_only_quantize_dict, which matches exclude_modules against
+        tensor names (quant/exclude.py)."""
+        fmt = self.format
+        return fmt is not None and fmt.weight_only and exclude.build_quantizes(weight, self.exclude_listed)
     """runtime_defaults.max_attention_window: per-layer windows, repeated over the layers; None = full."""
 
     def attention_window(self, layer: int) -> int | None:
@@ -270,6 +279,12 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         raise ToolchainError(f"{origin}: mapping {mapping} is inconsistent (world_size must be tp_size x pp_size, "
                              "cp_size 1)", _REBUILD)
     quant = cfg.get("quantization") or {}
+    listed = quant.get("exclude_modules")
+    if listed is not None:
+        if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
+            raise ToolchainError(f"{origin}: quantization.exclude_modules must be a list of module globs, got "
+                                 f"{listed!r}", _REBUILD)
+        listed = tuple(listed)
     hidden = _need(cfg, "hidden_size", int, origin)
     heads = _need(cfg, "num_attention_heads", int, origin)
     dims = ModelDims(
@@ -302,7 +317,8 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         group_size=int(quant.get("group_size") or 128),
         has_zero_point=bool(quant.get("has_zero_point", False)),
         pre_quant_scale=bool(quant.get("pre_quant_scale", False)),
-        exclude_modules=tuple(quant["exclude_modules"]) if quant.get("exclude_modules") else DEFAULT_EXCLUDE,
+        exclude_modules=exclude.module_patterns(listed),
+        exclude_listed=listed,
         **_medusa_dims(arch, cfg, origin),
         **_moe_dims(cfg, mapping, tp, origin),
         **_gemma2_dims(arch, cfg, origin),

@@ -18,7 +18,9 @@ one `Linear` of the stored format, built from its slice of the stacked tensors (
 int8/int4 weight-only expert is quantized per output channel of that expert alone, as trtllm-build does
 (weight_only_quantize on a batched matrix, tensorrt_llm/models/convert_utils.py), and an FP8 expert carries
 its own weight scale. The router stays float32 in every format ("Router should never be quantized",
-tensorrt_llm/models/llama/convert.py).
+tensorrt_llm/models/llama/convert.py): a checkpoint whose exclude_modules would let trtllm-build quantize it
+(or the shared_expert_gate) is refused at load as upstream's build refuses it (weights.py
+check_kept_unquantized, quant/exclude.py).
 
 Qwen2-MoE adds a shared expert every token runs, a dense swiglu MLP split over the tp ranks like any MLP,
 scaled per token by sigmoid(shared_expert_gate(x)); the gate [1, H] is whole on every rank, so each rank

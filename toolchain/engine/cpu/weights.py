@@ -25,6 +25,7 @@ from toolchain.engine.cpu.moe import Experts, expert_slices
 from toolchain.engine.cpu.qlinear import make_linear
 from toolchain.engine.cpu.qlinear import stored_tensors
 from toolchain.errors import ToolchainError
+from toolchain.quant import exclude
 from toolchain.upstream import facts as upstream_facts
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,7 @@ def load_rank(engine_dir: Path, d: ModelDims, rank: int) -> RankShard:
     wanted_kinds = expected_tensors(d, tp_rank, pp_rank)
     wanted = {n: shape for n, (shape, _) in wanted_kinds.items()}
     tensors, extra = _read_rank(path, wanted_kinds)
+    check_kept_unquantized(d, path, set(tensors) | set(extra), pp_rank)
     head = f"{LM_HEAD}.weight"
     if head in wanted and head not in tensors:
         tied = _tied_lm_head(d, tensors, tp_rank)
@@ -263,6 +265,54 @@ def load_rank(engine_dir: Path, d: ModelDims, rank: int) -> RankShard:
     if extra:
         log.warning("%s: ignoring %d unused tensor(s): %s", path.name, len(extra), ", ".join(sorted(extra)[:5]))
     return _assemble(d, tensors, rank, tp_rank, pp_rank)
+
+
+def check_kept_unquantized(d: ModelDims, path: Path, present: set[str], pp_rank: int) -> None:
+    """The MoE router and Qwen2-MoE's shared_expert_gate run unquantized here, as TensorRT-LLM's default exclude
+    list keeps them; whether this checkpoint keeps them is read from its own list the way upstream reads it
+    (quant/exclude.py). Where quantize_layers would quantize one, trtllm-build declares a quantized row linear
+    whose tensors PretrainedModel.load requires (tensorrt_llm/models/modeling_utils.py at 0c8de69a): a missing one
+    (for W8A16/W4A16 a per_channel_scale the build's weight_only_quantize_dict never adds to a router) fails here
+    in upstream's own words; one the checkpoint does hold is a quantized router or gate, which this engine does not
+    run, nor a float module whose weight the build would quantize (the gate's under a list without
+    '*shared_expert_gate.weight')."""
+    if not d.is_moe or d.format is None:
+        return
+    missing: list[str] = []
+    quantized: list[str] = []
+    for i in range(len(d.stage_layers(pp_rank))):
+        p, g = _layer(i), _global(d, pp_rank, i)
+        for suffix in exclude.moe_modules(d.shared_expert_size > 0):
+            local, fmt = f"{p}.{suffix}", d.linear_format(f"{g}.{suffix}")
+            built = d.build_quantizes(f"{local}.weight")  # weight-only: the build adds its per_channel_scale
+            if fmt is None:
+                if built:
+                    quantized.append(f"{local}.weight")
+                continue
+            need = set(stored_tensors(local, 1, d.hidden_size, False, fmt, group=d.group_size,
+                                      zero=d.has_zero_point, prequant=d.pre_quant_scale))
+            have = set(present)
+            if d.format.weight_only:
+                need.add(local + exclude.BUILD_SCALE)
+                if built:
+                    have.add(local + exclude.BUILD_SCALE)
+            lack = sorted(need - have)
+            if lack:
+                missing += lack
+            else:
+                quantized.append(local)
+    fix = ("name '*router' (and for a shared expert '*shared_expert_gate' and '*shared_expert_gate.weight') in "
+           "quantization.exclude_modules, as `toolchain convert --force` writes it, or omit the list")
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:6]) + (f", ... ({len(missing)} in all)" if len(missing) > 6 else "")
+        raise ToolchainError(f"{path.name}: Required but not provided tensors:{{{shown}}} (quantization.exclude_modules "
+                             f"{list(d.exclude_modules)} leaves the MoE router or shared_expert_gate to quant_algo "
+                             f"{d.quant_algo})", fix)
+    if quantized:
+        raise ToolchainError(f"{path.name}: quant_algo {d.quant_algo} with exclude_modules {list(d.exclude_modules)} "
+                             f"quantizes {quantized[0]}" + (f" and {len(quantized) - 1} more" if len(quantized) > 1
+                                                             else "")
+                             + "; the CPU engine runs the MoE router and shared_expert_gate unquantized only", fix)
 
 
 def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int, pp_rank: int) -> RankShard:
