@@ -136,13 +136,15 @@ def served_outputs(spec: DeploymentSpec, workspace: Workspace) -> list[tuple[Pat
 
 def check_served_outputs(spec: DeploymentSpec, workspace: Workspace) -> None:
     """Refuse, in one line naming the file, to serve an engine or repository whose files are not those
-    its stage wrote (a truncated rank file, a hand edit not kept with --keep-edits)."""
+    its stage wrote (a truncated rank file, a hand edit not kept with --keep-edits). The way out names the
+    stage's own command for both: serve has no --keep-edits, the stage that wrote the files records a kept
+    edit in their manifest (convert, build-engine and model-repo take the flag)."""
     for directory, command in served_outputs(spec, workspace):
         problem = output_problem(directory)
         if problem:
+            again = f"toolchain {command} {spec.source or 'SPEC'}"
             raise ToolchainError(f"{problem}; refusing to serve it",
-                                 f"run `toolchain {command} {spec.source or 'SPEC'}` to write it again, or add "
-                                 "--keep-edits to keep a hand edit")
+                                 f"run `{again}` to write it again, or `{again} --keep-edits` to keep a hand edit")
 
 
 def _cpu_llm_env(spec: DeploymentSpec, workspace: Workspace) -> dict[str, str]:
