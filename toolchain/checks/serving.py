@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 
 from toolchain.speculative import DRAFT_ENGINE, mode_of
+from toolchain.engine.build import build_hash
+from toolchain.manifest import Manifest
 from toolchain.netutil import port_in_use
 from toolchain.checks.registry import ENGINE_PATH, FAIL, GPU_ONLY, PASS, SERVING, SKIP, WARN, Context, check
 from toolchain.versions import TENSORRT_VERSION, TRITON_IMAGE, TRTLLM_VERSION, in_line, tensorrt_of
@@ -76,17 +78,38 @@ def _tokenizer(ctx: Context):
 
 # ---- the built engine against the spec ------------------------------------------------------------------------------
 def _engine(ctx: Context, owner: bool = False):
-    """(engine config, None), or (None, the result to report); a malformed config is
-    reported once, by triton.engine-dir (`owner`)."""
+    """(engine config, None), or (None, the result to report); a malformed config, or at plan an engine
+    built from other build settings, is reported once, by triton.engine-dir (`owner`)."""
     cfg = ctx.engine_config()
     if cfg is None:
         return None, NOT_BUILT
+    stale = _rebuilt(ctx, cfg)
+    if stale:
+        return None, ((WARN, stale) if owner else (SKIP, "see triton.engine-dir"))
     if "_unreadable" in cfg or not isinstance(cfg.get("build_config"), dict):
         if not owner:
             return None, (SKIP, "see triton.engine-dir")
         return None, (FAIL, f"{ctx.engine_dir() or ''}/config.json is not an engine config (no build_config); "
                             "rerun `toolchain build-engine --force`")
     return cfg, None
+
+
+def _rebuilt(ctx: Context, cfg: dict) -> str | None:
+    """At plan, why the built engine is not what the spec will serve: its manifest records other build settings
+    (`--set parallelism.tp=4` over an engine built at tp 2), so build-engine (and deploy) build it again and
+    checking the old one against the spec would fail a plan that is fine. None when it is current, or at a
+    stage that serves the engine as it is (model-repo, serve), where a mismatch must fail."""
+    engine_dir = ctx.engine_dir()
+    if ctx.stage != "plan" or engine_dir is None:
+        return None
+    built = Manifest.read(engine_dir)
+    if built is None or built.spec_hash == build_hash(ctx.spec):
+        return None
+    world = ((cfg.get("pretrained_config") or {}).get("mapping") or {}).get("world_size")
+    want = ctx.spec.parallelism.world_size
+    differs = f" (world size {world}, the spec {want})" if world is not None and world != want else ""
+    return (f"the engine in {engine_dir} was built with other build settings{differs}: "
+            "`toolchain build-engine` (and deploy) will rebuild it for this spec")
 
 
 @check("triton.engine-dir", SERVING,
