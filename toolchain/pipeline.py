@@ -83,6 +83,11 @@ def server_log(spec: DeploymentSpec, workspace: Workspace) -> Path:
     return workspace.model_repo_dir(spec).parent / f"{spec.name}.tritonserver.log"
 
 
+def openai_log(spec: DeploymentSpec, workspace: Workspace) -> Path:
+    """Where the OpenAI server of target llmapi-cpu (serve's and deploy's) logs: beside tritonserver's."""
+    return workspace.model_repo_dir(spec).parent / f"{spec.name}.openai.log"
+
+
 def server_for(spec: DeploymentSpec, workspace: Workspace, *, log_path: Path | None = None,
                read_key: bool = True) -> Server:
     """The Triton server the spec's target starts, not started. Target trtllm: one tritonserver per rank
@@ -160,7 +165,8 @@ def openai_server(spec: DeploymentSpec, workspace: Workspace, log_path: Path) ->
     """The OpenAI server on the LLM() arguments of the llmapi-cpu deployment (not started)."""
     return OpenAIServer(None, None, served_model_name(spec), spec.serving.host, spec.llmapi.openai_port,
                         model=served_model_dir(spec, workspace), config=serve_config_path(spec, workspace),
-                        log_path=log_path, extra_args=openai_engine_args(spec), env=_cpu_llm_env(spec, workspace))
+                        log_path=log_path, extra_args=openai_engine_args(spec), env=_cpu_llm_env(spec, workspace),
+                        port_field="llmapi.openai_port")
 
 
 # ---- what `serve --print` and `--manifests` show ----------------------------------------------------------
@@ -364,7 +370,6 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     with _timed("model-repo", progress, timings):
         model_repo_for(spec)(spec, workspace, keep_edits=keep_edits, echo=_echo("model-repo", progress))
     serving = spec.serving
-    repo = workspace.model_repo_dir(spec)
     server = _deploy_server(spec, workspace, progress)
     try:
         with _timed("serve", progress, timings):
@@ -378,7 +383,7 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
             server.stop()
     _raise_if_stopped(report, out_dir)
     name = served_model_name(spec)
-    openai = openai_server(spec, workspace, repo.parent / f"{spec.name}.openai.log")
+    openai = openai_server(spec, workspace, openai_log(spec, workspace))
     try:
         with _timed("serve-openai", progress, timings):
             openai.start(timeout=serving.startup_timeout_s)

@@ -24,6 +24,7 @@ from toolchain.versions import TENSORRT_VERSION, TRITON_IMAGE, TRTLLM_VERSION, i
 from toolchain.errors import ToolchainError
 from toolchain.host import cpu_mpirun, physical_cores
 from toolchain.targets import CPU, ENGINE, named, target_of
+from toolchain.triton import exposure
 
 NOT_BUILT = (SKIP, "no engine built yet")
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
@@ -264,18 +265,37 @@ def _backend_present(ctx: Context):
     return PASS, f"tensorrtllm backend in {backend}"
 
 
+def bound_ports(spec) -> list[tuple[str, str, int]]:
+    """(spec field, host, port) of every fixed port that serve and deploy bind on this host: Triton's three
+    (metrics where exposure puts them) and, for target llmapi-cpu, llmapi.openai_port: both commands start the
+    OpenAI server beside Triton there. A port 0 is picked free at start, so it is not listed."""
+    s = spec.serving
+    ports = [("serving.http_port", s.host, s.http_port), ("serving.grpc_port", s.host, s.grpc_port),
+             ("serving.metrics_port", exposure.metrics_host(s), s.metrics_port)]
+    row = target_of(spec)
+    if row.llmapi_path and row.on_cpu:
+        ports.append(("llmapi.openai_port", s.host, spec.llmapi.openai_port))
+    return [(field, host, port) for field, host, port in ports if port]
+
+
 @check("serve.ports-free", ("serve",),
        "a stale tritonserver or another process holds the ports (launch_triton_server.py)")
 def _ports(ctx: Context):
     if ctx.stage == "plan":
         return SKIP, "checked on the serving host when serve starts"
-    s = ctx.spec.serving
-    busy = [f"serving.{k}_port={p}" for k in ("http", "grpc", "metrics") if (p := getattr(s, f"{k}_port"))
-            and port_in_use(s.host, p)]
+    ports = bound_ports(ctx.spec)
+    # Checked together, before any server starts: on llmapi-cpu a taken OpenAI port would otherwise surface
+    # only once tritonserver had loaded the model.
+    fields: dict[int, str] = {}
+    for field, _, port in ports:
+        if port in fields:
+            return FAIL, f"{fields[port]} and {field} are both {port}: give each server its own port (0 = any free one)"
+        fields[port] = field
+    busy = [f"{field}={port}" for field, host, port in ports if port_in_use(host, port)]
     if busy:
-        return FAIL, (f"{', '.join(busy)} already in use on {s.host} (a tritonserver still running?); stop it or "
-                      "pick other ports (0 = any free one)")
-    return PASS, "ports free"
+        return FAIL, (f"{', '.join(busy)} already in use on {ctx.spec.serving.host} (a server still running?); "
+                      "stop it or pick other ports (0 = any free one)")
+    return PASS, "ports free: " + ", ".join(f"{field}={port}" for field, _, port in ports)
 
 
 # The Python backend gives every Python model instance its own shared-memory
