@@ -384,3 +384,20 @@ def test_serve_and_deploy_of_llmapi_cpu_check_the_openai_port_before_anything_st
     same = ["--set", f"serving.http_port={port}", "--set", f"llmapi.openai_port={port}", *free[2:]]
     assert main(["--root", str(root), "serve", str(tiny), *same]) == 2
     assert f"serving.http_port and llmapi.openai_port are both {port}" in capsys.readouterr().err
+
+
+def test_the_printed_openai_line_runs_with_the_venvs_python(tmp_path, hf_llama):
+    """Issue 33: `serve --print` (and plan) of an llmapi-cpu spec print the OpenAI server's line with this
+    interpreter, the venv's, as serve starts it: a bare `python` outside the activated venv has no toolchain."""
+    import sys
+
+    from toolchain.pipeline import openai_server, print_local_launch, server_for
+
+    spec = _spec(tmp_path, hf_llama, target="llmapi-cpu")
+    ws = Workspace(tmp_path / "ws")
+    printed: list[str] = []
+    print_local_launch(spec, ws, server_for(spec, ws, read_key=False), lambda text: printed.extend(text.splitlines()))
+    argv = shlex.split(printed[printed.index("# OpenAI server on the same LLM() arguments:") + 1])
+    assert argv[:3] == [sys.executable, "-m", "toolchain.openai"]
+    assert argv[0] == openai_server(spec, ws, tmp_path / "log").command()[0]
+    assert shlex.split(launch.planned_launch(spec, ws)["openai_command"])[0] == sys.executable
