@@ -19,6 +19,7 @@ serve reads it before starting, warns in one line, and the printed lines refer t
 from __future__ import annotations
 
 import re
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -129,8 +130,9 @@ def _run_until_stopped(server, timeout: float, describe: str,
                     openai_rc = openai.stop()
             finally:
                 rc = server.stop(stop_timeout)
-    if openai is not None:
-        click.echo(f"OpenAI server stopped ({_exit_status(openai_rc)})")
+    if openai is not None:  # SIGTERM is how it is stopped: uvicorn then exits 128 + 15, which is no news
+        clean = openai_rc in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+        click.echo("OpenAI server stopped" + ("" if clean else f" ({_exit_status(openai_rc)})"))
     click.echo(f"tritonserver stopped (exit code {rc})")
 
 
