@@ -68,6 +68,10 @@ def test_overrides_are_typed_and_validated(tmp_path):
     ("serving.http_prot=9", "unknown key 'serving.http_prot' in --set serving.http_prot=9; "
                             "did you mean 'serving.http_port'?"),
     ("name.x=1", "'name' is a field, not a section (it has no 'x') in --set name.x=1"),
+    ("validation.workload.classes.name=a", "'validation.workload.classes' is a field, not a section"),
+    ("validation.workload.shared_prefix.tokens=3", "unknown key 'validation.workload.shared_prefix.tokens' in --set "
+                                                   "validation.workload.shared_prefix.tokens=3; did you mean "
+                                                   "'validation.workload.shared_prefix.prefix_tokens'?"),
     ("parallelism.tp=0", "invalid 'parallelism.tp' in --set parallelism.tp=0: Input should be greater"),
 ])
 def test_a_bad_override_is_blamed_on_the_override_with_the_closest_field(tmp_path, override, message):

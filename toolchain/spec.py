@@ -545,8 +545,9 @@ class DeploymentSpec(_Section):
 
 
 def _section_model(annotation: Any) -> type[_Section] | None:
-    """The section a field holds (`X | None` unwrapped), or None when it holds a value."""
-    for candidate in (annotation, *get_args(annotation)):
+    """The section a field holds (`X | None` unwrapped), or None when it holds a value (a list of sections
+    included: `--set` sets a list whole)."""
+    for candidate in (annotation, *(get_args(annotation) if get_origin(annotation) is not list else ())):
         if isinstance(candidate, type) and issubclass(candidate, _Section):
             return candidate
     return None
