@@ -101,6 +101,9 @@ tiny-mixtral: setup ## Upcycle the embedded tiny Llama into models/tiny-mixtral 
 	$(TOOLCHAIN) tiny-mixtral models/tiny-mixtral --from models/tiny-llama
 
 demo: deploy ## The whole pipeline on CPU: convert, build, model repo, serve, bench
+	@echo "==> next: the README's commands (toolchain, and python with the openai client) run in $(VENV):"
+	@echo "    source $(VENV)/bin/activate"
+	@echo "    toolchain serve $(SPEC) &      # or, without activating: $(TOOLCHAIN) serve $(SPEC) &"
 
 deploy: setup ## Every stage for SPEC, then serve, bench and stop (toolchain deploy SPEC)
 	@echo "==> deploying $(SPEC): convert, build-engine, model-repo, serve, bench ..."

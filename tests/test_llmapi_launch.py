@@ -352,3 +352,52 @@ def test_the_cpu_openai_server_steps_the_engine_with_tritons_threads(tmp_path, h
     assert model_config(spec).parameters["engine_threads"] == str(threads)
     for argv in (launch.openai_cpu_command(spec, ws), openai_server(spec, ws, tmp_path / "log").command()):
         assert argv[argv.index("--engine-threads") + 1] == str(threads)
+
+
+def test_serve_and_deploy_of_llmapi_cpu_check_the_openai_port_before_anything_starts(tmp_path, capsys):
+    """Issue 33: on target llmapi-cpu serve and deploy start the OpenAI server beside Triton, so
+    llmapi.openai_port is checked with Triton's ports before either starts, naming the field; two servers
+    given one port are refused the same way."""
+    import socket
+
+    from toolchain.checks.preflight import PreflightFailed, run_preflight
+
+    tiny = Path(__file__).resolve().parents[1] / "build" / "tiny-llama-llmapi.yaml"
+    root = tmp_path / "ws"
+    free = ["--set", "serving.http_port=0", "--set", "serving.grpc_port=0", "--set", "serving.metrics_port=0"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        taken = [*free, "--set", f"llmapi.openai_port={port}"]
+        spec = load_spec(tiny, [o for o in taken if o != "--set"])
+        with pytest.raises(PreflightFailed, match=f"serve.ports-free failed: llmapi.openai_port={port} already in use"):
+            run_preflight(spec, "serve", Workspace(root))
+        assert main(["--root", str(root), "model-repo", str(tiny)]) == 0
+        for command in ("serve", "deploy"):
+            capsys.readouterr()
+            assert main(["--root", str(root), command, str(tiny), *taken]) == 2
+            err = capsys.readouterr().err
+            assert f"llmapi.openai_port={port} already in use on 127.0.0.1" in err and len(err.splitlines()) == 1, err
+    log = Workspace(root).model_repo_dir(spec).parent / "tiny-llama-llmapi.tritonserver.log"
+    assert not log.exists() and not (root / "reports").exists()  # no server started, nothing benched
+    same = ["--set", f"serving.http_port={port}", "--set", f"llmapi.openai_port={port}", *free[2:]]
+    assert main(["--root", str(root), "serve", str(tiny), *same]) == 2
+    assert f"serving.http_port and llmapi.openai_port are both {port}" in capsys.readouterr().err
+
+
+def test_the_printed_openai_line_runs_with_the_venvs_python(tmp_path, hf_llama):
+    """Issue 33: `serve --print` (and plan) of an llmapi-cpu spec print the OpenAI server's line with this
+    interpreter, the venv's, as serve starts it: a bare `python` outside the activated venv has no toolchain."""
+    import sys
+
+    from toolchain.pipeline import openai_server, print_local_launch, server_for
+
+    spec = _spec(tmp_path, hf_llama, target="llmapi-cpu")
+    ws = Workspace(tmp_path / "ws")
+    printed: list[str] = []
+    print_local_launch(spec, ws, server_for(spec, ws, read_key=False), lambda text: printed.extend(text.splitlines()))
+    argv = shlex.split(printed[printed.index("# OpenAI server on the same LLM() arguments:") + 1])
+    assert argv[:3] == [sys.executable, "-m", "toolchain.openai"]
+    assert argv[0] == openai_server(spec, ws, tmp_path / "log").command()[0]
+    assert shlex.split(launch.planned_launch(spec, ws)["openai_command"])[0] == sys.executable

@@ -63,3 +63,23 @@ def test_make_deploy_deploys_the_spec(bare_venv):
     run = _make("-n", "-o", str(bare_venv / ".setup-stamp"), "deploy", f"VENV={bare_venv}", "SPEC=build/x.yaml")
     assert run.returncode == 0, run.stderr
     assert f"{bare_venv}/bin/toolchain deploy build/x.yaml" in run.stdout, run.stdout
+
+
+def test_make_demo_ends_saying_how_to_reach_the_venv(bare_venv):
+    """Issue 33: the README's next commands run from the venv, so `make demo` ends with the line that activates
+    it; run as printed, that line puts the venv's `toolchain` (and `python`) first on PATH."""
+    (bare_venv / ".setup-stamp").touch()
+    fake = bare_venv / "bin" / "toolchain"
+    fake.write_text("#!/bin/sh\necho deployed \"$@\"\n")
+    fake.chmod(0o755)
+    run = _make("-o", str(bare_venv / ".setup-stamp"), "demo", f"VENV={bare_venv}", "SPEC=build/x.yaml")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert "deployed deploy build/x.yaml" in lines, run.stdout
+    after = lines[lines.index("deployed deploy build/x.yaml") + 1:]
+    activate = next(line.strip() for line in after if line.strip().startswith("source "))
+    assert activate == f"source {bare_venv}/bin/activate"
+    found = subprocess.run(["bash", "-c", f"{activate} && command -v toolchain && command -v python"],
+                           capture_output=True, text=True, timeout=30)
+    assert found.stdout.split() == [str(fake), str(bare_venv / "bin" / "python")], found.stderr
+    assert f"{fake} serve build/x.yaml" in run.stdout  # the form that needs no activating

@@ -425,3 +425,20 @@ def test_the_readme_curl_examples_answer(server):
             assert raw.rstrip().endswith("data: [DONE]"), raw[-300:]
         else:
             assert json.loads(raw)["choices"], raw[:300]
+
+
+def test_the_readme_python_client_example_runs_with_the_venvs_openai(server):
+    """Issue 33: README's `openai` client example, run as printed by this interpreter (the venv's, where the
+    project's dependencies put the client), against this server (its URL and model name put in)."""
+    import re
+    import subprocess
+    import sys
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    [code] = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "from openai import OpenAI" in b]
+    assert "http://localhost:8080/v1" in code and '"tiny-llama-llmapi"' in code
+    code = code.replace("http://localhost:8080", server.url).replace('"tiny-llama-llmapi"', f'"{MODEL}"')
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    completion, chat = done.stdout.split("\n")[:2]
+    assert completion.strip() and chat.strip(), done.stdout

@@ -120,6 +120,25 @@ def test_invalid_spec_exits_2(tmp_path, capsys, override, fragment):
     assert fragment in err and len(err.strip().splitlines()) == 1
 
 
+def test_plan_over_an_engine_built_at_another_tp_warns_it_will_be_rebuilt(tmp_path, capsys):
+    """Issue 33: `plan --set parallelism.tp=4` in a workspace built at tp 2 plans the tp-4 deployment (build-engine
+    rebuilds the engine for it) with a warning, instead of failing on the old engine; model-repo, which serves the
+    engine as it is, still refuses it."""
+    tiny = REPO / "build" / "tiny-llama.yaml"
+    assert main(["--root", str(tmp_path), "build-engine", str(tiny)]) == 0
+    capsys.readouterr()
+    assert plan(tmp_path, tiny, "--set", "parallelism.tp=4", "--json") == 0, capsys.readouterr().err
+    checks = {c["id"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    engine = checks["triton.engine-dir"]
+    assert engine["status"] == "warn", engine
+    assert "(world size 2, the spec 4)" in engine["message"] and "will rebuild it" in engine["message"]
+    assert checks["triton.world-size"]["status"] == "skip"
+    assert plan(tmp_path, tiny) == 0  # the spec it was built for: checked against the engine, which passes
+    assert "PASS  triton.world-size" in capsys.readouterr().out
+    assert main(["--root", str(tmp_path), "model-repo", str(tiny), "--set", "parallelism.tp=4"]) == 2
+    assert "preflight check triton.engine-dir failed" in capsys.readouterr().err
+
+
 def test_skip_check_turns_a_failure_into_a_skip(tmp_path, capsys):
     spec = REPO / "build" / "llama3-8b-awq-h100.yaml"
     assert plan(tmp_path, spec, "--set", "build.host_memory_gib=1") == 1

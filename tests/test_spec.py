@@ -62,6 +62,35 @@ def test_overrides_are_typed_and_validated(tmp_path):
         load_spec(path, ["parallelism.tp"])
 
 
+@pytest.mark.parametrize("override, message", [
+    ("parallelism.tpp=4", "unknown key 'parallelism.tpp' in --set parallelism.tpp=4; did you mean 'parallelism.tp'?"),
+    ("paralelism.tp=4", "unknown key 'paralelism' in --set paralelism.tp=4; did you mean 'parallelism'?"),
+    ("serving.http_prot=9", "unknown key 'serving.http_prot' in --set serving.http_prot=9; "
+                            "did you mean 'serving.http_port'?"),
+    ("name.x=1", "'name' is a field, not a section (it has no 'x') in --set name.x=1"),
+    ("validation.workload.classes.name=a", "'validation.workload.classes' is a field, not a section"),
+    ("validation.workload.shared_prefix.tokens=3", "unknown key 'validation.workload.shared_prefix.tokens' in --set "
+                                                   "validation.workload.shared_prefix.tokens=3; did you mean "
+                                                   "'validation.workload.shared_prefix.prefix_tokens'?"),
+    ("parallelism.tp=0", "invalid 'parallelism.tp' in --set parallelism.tp=0: Input should be greater"),
+])
+def test_a_bad_override_is_blamed_on_the_override_with_the_closest_field(tmp_path, override, message):
+    """Issue 33: a typo in `--set` names the override and the field meant, never the spec file (which has no such
+    key); a key inside a free-form mapping (llmapi.options) is the mapping's own."""
+    path = _write(tmp_path, "name: x\n")
+    with pytest.raises(ToolchainError) as err:
+        load_spec(path, [override])
+    assert str(err.value).startswith(message) and str(path) not in str(err.value)
+    assert load_spec(path, ["llmapi.options.enable_chunked_prefill=true"]).llmapi.options == {
+        "enable_chunked_prefill": True}
+
+
+def test_an_unknown_key_in_the_file_says_which_field_was_meant(tmp_path):
+    path = _write(tmp_path, "name: x\nparalelism: {tp: 2}\n")
+    with pytest.raises(ToolchainError, match=f"unknown key 'paralelism' in {path}; did you mean 'parallelism'"):
+        load_spec(path)
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("name: [unclosed\n", "malformed YAML"),
     ("- a\n- b\n", "must hold a mapping"),

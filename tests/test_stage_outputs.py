@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,26 @@ def test_a_truncated_engine_file_is_refused_by_serve_and_built_again(tmp_path, c
     assert f"{engine / 'rank1.safetensors'} changed since build-engine wrote it; building again" in out
     assert "built in" in out
     pipeline.check_served_outputs(spec, ws)  # whole again: serve would start
+
+
+def test_serve_refusing_a_hand_edit_suggests_only_commands_that_exist(tmp_path, capsys):
+    """Issue 33: serve has no --keep-edits, so its refusal must not tell the user to add it there; both ways out
+    it names run as printed, and the second makes serve accept the edit."""
+    spec, ws = _workspace(tmp_path / "ws")
+    for command in ("build-engine", "model-repo"):
+        assert _cli(ws.root, command) == 0
+    repo = ws.model_repo_dir(spec)
+    (repo / BLS).write_text("# NVIDIA's BLS, copied over by hand\n")
+    capsys.readouterr()
+    free = ("--set", "serving.http_port=0", "--set", "serving.grpc_port=0", "--set", "serving.metrics_port=0")
+    assert _cli(ws.root, "serve", *free) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "refusing to serve it" in err
+    suggested = re.findall(r"`toolchain ([^`]+)`", err)
+    assert suggested == [f"model-repo {TINY}", f"model-repo {TINY} --keep-edits"], err
+    assert "serve" not in " ".join(suggested)
+    assert main(["--root", str(ws.root), *suggested[1].split()]) == 0  # runs as printed
+    pipeline.check_served_outputs(spec, ws)  # and serve now accepts the kept edit
 
 
 def test_an_engine_kept_with_keep_edits_serves_until_a_file_breaks(tmp_path, capsys):

@@ -297,6 +297,37 @@ def test_serve_stopped_by_sighup(tmp_path):
 @needs_tiny
 @pytest.mark.slow
 @pytest.mark.server
+def test_serve_llmapi_cpu_serves_the_openai_server_too_and_sigterm_stops_both(tmp_path):
+    """Issue 33: `toolchain serve` of an llmapi-cpu spec serves what deploy serves, Triton's llmapi model and the
+    OpenAI server; the printed OpenAI endpoint answers a completion, and one SIGTERM stops both."""
+    import urllib.request
+
+    spec = str(REPO / "build" / "tiny-llama-llmapi.yaml")
+    from toolchain.cli import main as cli_main
+
+    assert cli_main(["--root", str(tmp_path / "root"), "model-repo", spec]) == 0  # in this process: serve is under test
+    answers = []
+
+    def answered(run: Run) -> bool:  # once ready, the OpenAI URL serve printed completes a prompt
+        if "Ctrl-C to stop" not in run.text:
+            return False
+        found = re.search(r"^  HTTP +(http://\S+)/v1/completions", run.text, re.M)
+        assert found, f"serve printed no OpenAI endpoint:\n{run.text}"
+        body = json.dumps({"model": "tiny-llama-llmapi", "prompt": "def fibonacci(n):", "max_tokens": 4}).encode()
+        request = urllib.request.Request(f"{found.group(1)}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answers.append(json.loads(response.read()))
+        return True
+
+    argv = _cli(tmp_path, "serve", spec, *FREE_PORTS, "--set", "llmapi.openai_port=0")
+    run = _stopped_mid_run(argv, tmp_path, answered, signal.SIGTERM, shm=True, settle_s=0.5)
+    assert answers[0]["usage"]["completion_tokens"] == 4 and answers[0]["model"] == "tiny-llama-llmapi"
+    assert "OpenAI server stopped\n" in run.text and "tritonserver stopped" in run.text, run.text  # stopped, no news
+
+
+@needs_tiny
+@pytest.mark.slow
+@pytest.mark.server
 def test_openai_server_stopped_by_sigterm_removes_its_work_directory(tmp_path):
     config = tmp_path / "llm.yaml"
     config.write_text("tensor_parallel_size: 1\n")

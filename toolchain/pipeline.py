@@ -83,6 +83,11 @@ def server_log(spec: DeploymentSpec, workspace: Workspace) -> Path:
     return workspace.model_repo_dir(spec).parent / f"{spec.name}.tritonserver.log"
 
 
+def openai_log(spec: DeploymentSpec, workspace: Workspace) -> Path:
+    """Where the OpenAI server of target llmapi-cpu (serve's and deploy's) logs: beside tritonserver's."""
+    return workspace.model_repo_dir(spec).parent / f"{spec.name}.openai.log"
+
+
 def server_for(spec: DeploymentSpec, workspace: Workspace, *, log_path: Path | None = None,
                read_key: bool = True) -> Server:
     """The Triton server the spec's target starts, not started. Target trtllm: one tritonserver per rank
@@ -136,13 +141,15 @@ def served_outputs(spec: DeploymentSpec, workspace: Workspace) -> list[tuple[Pat
 
 def check_served_outputs(spec: DeploymentSpec, workspace: Workspace) -> None:
     """Refuse, in one line naming the file, to serve an engine or repository whose files are not those
-    its stage wrote (a truncated rank file, a hand edit not kept with --keep-edits)."""
+    its stage wrote (a truncated rank file, a hand edit not kept with --keep-edits). The way out names the
+    stage's own command for both: serve has no --keep-edits, the stage that wrote the files records a kept
+    edit in their manifest (convert, build-engine and model-repo take the flag)."""
     for directory, command in served_outputs(spec, workspace):
         problem = output_problem(directory)
         if problem:
+            again = f"toolchain {command} {spec.source or 'SPEC'}"
             raise ToolchainError(f"{problem}; refusing to serve it",
-                                 f"run `toolchain {command} {spec.source or 'SPEC'}` to write it again, or add "
-                                 "--keep-edits to keep a hand edit")
+                                 f"run `{again}` to write it again, or `{again} --keep-edits` to keep a hand edit")
 
 
 def _cpu_llm_env(spec: DeploymentSpec, workspace: Workspace) -> dict[str, str]:
@@ -158,7 +165,8 @@ def openai_server(spec: DeploymentSpec, workspace: Workspace, log_path: Path) ->
     """The OpenAI server on the LLM() arguments of the llmapi-cpu deployment (not started)."""
     return OpenAIServer(None, None, served_model_name(spec), spec.serving.host, spec.llmapi.openai_port,
                         model=served_model_dir(spec, workspace), config=serve_config_path(spec, workspace),
-                        log_path=log_path, extra_args=openai_engine_args(spec), env=_cpu_llm_env(spec, workspace))
+                        log_path=log_path, extra_args=openai_engine_args(spec), env=_cpu_llm_env(spec, workspace),
+                        port_field="llmapi.openai_port")
 
 
 # ---- what `serve --print` and `--manifests` show ----------------------------------------------------------
@@ -389,7 +397,6 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
     with _timed("model-repo", progress, timings):
         model_repo_for(spec)(spec, workspace, keep_edits=keep_edits, echo=_echo("model-repo", progress))
     serving = spec.serving
-    repo = workspace.model_repo_dir(spec)
     server = _deploy_server(spec, workspace, progress)
     try:
         with _timed("serve", progress, timings):
@@ -403,7 +410,7 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
             server.stop()
     _raise_if_stopped(report, out_dir)
     name = served_model_name(spec)
-    openai = openai_server(spec, workspace, repo.parent / f"{spec.name}.openai.log")
+    openai = openai_server(spec, workspace, openai_log(spec, workspace))
     try:
         with _timed("serve-openai", progress, timings):
             openai.start(timeout=serving.startup_timeout_s)

@@ -8,10 +8,11 @@ Relative paths in the spec are resolved against the spec file's directory.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -571,10 +572,52 @@ class DeploymentSpec(_Section):
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _section_model(annotation: Any) -> type[_Section] | None:
+    """The section a field holds (`X | None` unwrapped), or None when it holds a value (a list of sections
+    included: `--set` sets a list whole)."""
+    for candidate in (annotation, *(get_args(annotation) if get_origin(annotation) is not list else ())):
+        if isinstance(candidate, type) and issubclass(candidate, _Section):
+            return candidate
+    return None
+
+
+def _holds_any_keys(annotation: Any) -> bool:
+    """A free-form mapping (llmapi.options): any key below it is the mapping's, not the spec's."""
+    return annotation is Any or get_origin(annotation) is dict
+
+
+def _key_problem(keys: list[str] | tuple[str, ...]) -> tuple[str, str] | None:
+    """(why the dotted spec path `keys` names no field, "; did you mean 'the closest field'?" or ""); None
+    when it names one (or reaches into a free-form mapping)."""
+    model: type[_Section] = DeploymentSpec
+    for i, key in enumerate(keys):
+        here = ".".join(keys[:i + 1])
+        fields = model.model_fields
+        if key not in fields:
+            close = difflib.get_close_matches(key, [f for f in fields if f != "source"], n=1)
+            parent = ".".join(keys[:i])
+            return f"unknown key '{here}'", (f"; did you mean '{'.'.join(filter(None, (parent, close[0])))}'?"
+                                              if close else "")
+        annotation = fields[key].annotation
+        section = _section_model(annotation)
+        if section is None:
+            if i + 1 < len(keys) and not _holds_any_keys(annotation):
+                return f"'{here}' is a field, not a section (it has no '{keys[i + 1]}')", ""
+            return None
+        model = section
+    return None
+
+
 def _set_path(data: dict, dotted: str, raw: str, origin: str) -> None:
     keys = dotted.split(".")
     if not all(keys):
         raise ToolchainError(f"bad override '{dotted}={raw}'", "write --set section.field=value")
+    # The key is checked against the spec's fields here, so a typo is blamed on the override that has it
+    # (validation would name the spec file, where the key is not).
+    problem = _key_problem(keys)
+    if problem:
+        raise ToolchainError(f"{problem[0]} in --set {dotted}={raw}{problem[1]}",
+                             "`toolchain schema --markdown` lists every field")
     node = data
     for key in keys[:-1]:
         child = node.get(key)
@@ -603,11 +646,16 @@ def apply_overrides(data: dict, items: list[str] | tuple[str, ...], origin: str)
         _set_path(data, key, value, origin)
 
 
-def _format_validation_error(err: ValidationError, origin: str) -> str:
+def _format_validation_error(err: ValidationError, origin: str, overrides: tuple[str, ...] = ()) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"]) or "<top level>"
+    # A value that came from `--set` is blamed on that override, not on the file that does not hold it.
+    for key, value in parse_overrides(overrides):
+        if loc == key or loc.startswith(key + "."):
+            origin = f"--set {key}={value}"
     if first["type"] == "extra_forbidden":
-        return f"unknown key '{loc}' in {origin}; remove it or check its spelling"
+        what, close = _key_problem([str(p) for p in first["loc"]]) or (f"unknown key '{loc}'", "")
+        return f"{what} in {origin}{close or '; remove it or check its spelling'}"
     msg = first["msg"].removeprefix("Value error, ")
     return f"invalid '{loc}' in {origin}: {msg}"
 
@@ -636,11 +684,13 @@ def _resolve_paths(spec: DeploymentSpec, base: Path) -> None:
     spec.serving.admin_key_file = resolve(spec.serving.admin_key_file)
 
 
-def spec_from_dict(data: dict[str, Any], base: Path, origin: str = "<spec>") -> DeploymentSpec:
+def spec_from_dict(data: dict[str, Any], base: Path, origin: str = "<spec>",
+                   overrides: list[str] | tuple[str, ...] = ()) -> DeploymentSpec:
+    """Validate `data` (read from `origin`, with the `--set` items `overrides` applied) into a spec."""
     try:
         spec = DeploymentSpec.model_validate(data)
     except ValidationError as err:
-        raise ToolchainError(_format_validation_error(err, origin)) from None
+        raise ToolchainError(_format_validation_error(err, origin, tuple(overrides))) from None
     _resolve_paths(spec, base)
     return spec
 
@@ -659,7 +709,7 @@ def load_spec(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> 
     if not isinstance(data, dict):
         raise ToolchainError(f"{path} must hold a mapping of sections (name, model, parallelism, ...)")
     apply_overrides(data, overrides, str(path))
-    spec = spec_from_dict(data, path.parent.resolve(), str(path))
+    spec = spec_from_dict(data, path.parent.resolve(), str(path), overrides)
     spec.source = path.resolve()
     require_built(spec.model.checkpoint)
     return spec

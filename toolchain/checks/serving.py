@@ -16,12 +16,15 @@ import shutil
 from pathlib import Path
 
 from toolchain.speculative import DRAFT_ENGINE, mode_of
+from toolchain.engine.build import build_hash
+from toolchain.manifest import Manifest
 from toolchain.netutil import port_in_use
 from toolchain.checks.registry import ENGINE_PATH, FAIL, GPU_ONLY, PASS, SERVING, SKIP, WARN, Context, check
 from toolchain.versions import TENSORRT_VERSION, TRITON_IMAGE, TRTLLM_VERSION, in_line, tensorrt_of
 from toolchain.errors import ToolchainError
 from toolchain.host import cpu_mpirun, physical_cores
 from toolchain.targets import CPU, ENGINE, named, target_of
+from toolchain.triton import exposure
 
 NOT_BUILT = (SKIP, "no engine built yet")
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
@@ -76,17 +79,38 @@ def _tokenizer(ctx: Context):
 
 # ---- the built engine against the spec ------------------------------------------------------------------------------
 def _engine(ctx: Context, owner: bool = False):
-    """(engine config, None), or (None, the result to report); a malformed config is
-    reported once, by triton.engine-dir (`owner`)."""
+    """(engine config, None), or (None, the result to report); a malformed config, or at plan an engine
+    built from other build settings, is reported once, by triton.engine-dir (`owner`)."""
     cfg = ctx.engine_config()
     if cfg is None:
         return None, NOT_BUILT
+    stale = _rebuilt(ctx, cfg)
+    if stale:
+        return None, ((WARN, stale) if owner else (SKIP, "see triton.engine-dir"))
     if "_unreadable" in cfg or not isinstance(cfg.get("build_config"), dict):
         if not owner:
             return None, (SKIP, "see triton.engine-dir")
         return None, (FAIL, f"{ctx.engine_dir() or ''}/config.json is not an engine config (no build_config); "
                             "rerun `toolchain build-engine --force`")
     return cfg, None
+
+
+def _rebuilt(ctx: Context, cfg: dict) -> str | None:
+    """At plan, why the built engine is not what the spec will serve: its manifest records other build settings
+    (`--set parallelism.tp=4` over an engine built at tp 2), so build-engine (and deploy) build it again and
+    checking the old one against the spec would fail a plan that is fine. None when it is current, or at a
+    stage that serves the engine as it is (model-repo, serve), where a mismatch must fail."""
+    engine_dir = ctx.engine_dir()
+    if ctx.stage != "plan" or engine_dir is None:
+        return None
+    built = Manifest.read(engine_dir)
+    if built is None or built.spec_hash == build_hash(ctx.spec):
+        return None
+    world = ((cfg.get("pretrained_config") or {}).get("mapping") or {}).get("world_size")
+    want = ctx.spec.parallelism.world_size
+    differs = f" (world size {world}, the spec {want})" if world is not None and world != want else ""
+    return (f"the engine in {engine_dir} was built with other build settings{differs}: "
+            "`toolchain build-engine` (and deploy) will rebuild it for this spec")
 
 
 @check("triton.engine-dir", SERVING,
@@ -241,18 +265,37 @@ def _backend_present(ctx: Context):
     return PASS, f"tensorrtllm backend in {backend}"
 
 
+def bound_ports(spec) -> list[tuple[str, str, int]]:
+    """(spec field, host, port) of every fixed port that serve and deploy bind on this host: Triton's three
+    (metrics where exposure puts them) and, for target llmapi-cpu, llmapi.openai_port: both commands start the
+    OpenAI server beside Triton there. A port 0 is picked free at start, so it is not listed."""
+    s = spec.serving
+    ports = [("serving.http_port", s.host, s.http_port), ("serving.grpc_port", s.host, s.grpc_port),
+             ("serving.metrics_port", exposure.metrics_host(s), s.metrics_port)]
+    row = target_of(spec)
+    if row.llmapi_path and row.on_cpu:
+        ports.append(("llmapi.openai_port", s.host, spec.llmapi.openai_port))
+    return [(field, host, port) for field, host, port in ports if port]
+
+
 @check("serve.ports-free", ("serve",),
        "a stale tritonserver or another process holds the ports (launch_triton_server.py)")
 def _ports(ctx: Context):
     if ctx.stage == "plan":
         return SKIP, "checked on the serving host when serve starts"
-    s = ctx.spec.serving
-    busy = [f"serving.{k}_port={p}" for k in ("http", "grpc", "metrics") if (p := getattr(s, f"{k}_port"))
-            and port_in_use(s.host, p)]
+    ports = bound_ports(ctx.spec)
+    # Checked together, before any server starts: on llmapi-cpu a taken OpenAI port would otherwise surface
+    # only once tritonserver had loaded the model.
+    fields: dict[int, str] = {}
+    for field, _, port in ports:
+        if port in fields:
+            return FAIL, f"{fields[port]} and {field} are both {port}: give each server its own port (0 = any free one)"
+        fields[port] = field
+    busy = [f"{field}={port}" for field, host, port in ports if port_in_use(host, port)]
     if busy:
-        return FAIL, (f"{', '.join(busy)} already in use on {s.host} (a tritonserver still running?); stop it or "
-                      "pick other ports (0 = any free one)")
-    return PASS, "ports free"
+        return FAIL, (f"{', '.join(busy)} already in use on {ctx.spec.serving.host} (a server still running?); "
+                      "stop it or pick other ports (0 = any free one)")
+    return PASS, "ports free: " + ", ".join(f"{field}={port}" for field, _, port in ports)
 
 
 # The Python backend gives every Python model instance its own shared-memory

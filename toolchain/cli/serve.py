@@ -8,7 +8,9 @@ Target llmapi (a GPU host with TensorRT-LLM 1.2.1, checked by llmapi.runtime-ver
 the llmapi repository; `--print` shows the trtllm-serve and Triton launcher lines (toolchain/llmapi/launch.py)
 and their `docker run` lines, and `--manifests DIR` writes the Slurm and Kubernetes manifests
 (toolchain/llmapi/manifests.py). Writing manifests is printing: the preflight checks only warn.
-Target llmapi-cpu: the same on this host, with the CPU stand-in for LLM() (there is no engine).
+Target llmapi-cpu: the same on this host, with the CPU stand-in for LLM() (there is no engine), and the
+OpenAI-compatible server on the same LLM() arguments beside it (llmapi.openai_port), as deploy serves the two;
+serve.ports-free checks every port of both before either starts, and either one exiting stops the other.
 
 Off loopback (serving.host), Triton's administrative APIs need a key (toolchain/triton/exposure.py):
 serve reads it before starting, warns in one line, and the printed lines refer to the key, never hold it.
@@ -17,6 +19,7 @@ serve reads it before starting, warns in one line, and the printed lines refer t
 from __future__ import annotations
 
 import re
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -27,6 +30,7 @@ from toolchain import pipeline, procgroup
 from toolchain.cli._common import Context, spec_command
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.manifest import is_current
+from toolchain.openai.server import OpenAIServer
 from toolchain.spec import DeploymentSpec
 from toolchain.stopsignals import stop_on_signals
 from toolchain.triton import exposure
@@ -62,7 +66,10 @@ _ABORT = re.compile(r"terminate called after throwing an instance of '([^']+)'")
 
 
 def _run_until_stopped(server, timeout: float, describe: str,
-                       models: str = "ensemble and tensorrt_llm_bls (text), tensorrt_llm (token ids)") -> None:
+                       models: str = "ensemble and tensorrt_llm_bls (text), tensorrt_llm (token ids)",
+                       openai: OpenAIServer | None = None) -> None:
+    """Start `server` (and then `openai`, the OpenAI server of target llmapi-cpu), print their endpoints and
+    watch them until Ctrl-C, a stop signal, or one of them going down; stop both either way."""
     stop_timeout: float | None = None  # the server's own bounded shutdown
     # SIGTERM and SIGHUP end the server like Ctrl-C (stopsignals.py)
     with stop_on_signals():
@@ -74,6 +81,12 @@ def _run_until_stopped(server, timeout: float, describe: str,
             click.echo(f"  metrics  {server.urls['metrics']}")
             click.echo(f"  models   {models}")
             click.echo(f"  log      {server.log_path}")
+            if openai is not None:
+                openai.start(timeout=timeout)
+                click.echo(f"OpenAI server ready in {openai.started_s:.1f}s (the same LLM() arguments)")
+                click.echo(f"  HTTP     {openai.url}/v1/completions, /v1/chat/completions, /v1/models")
+                click.echo(f"  model    {openai.served_model_name}")
+                click.echo(f"  log      {openai.log_path}")
             click.echo("Ctrl-C to stop")
             # tritonserver 2.51 neither restarts a Python-backend stub that died nor stops reporting ready,
             # and requests in flight on it never end: a dead stub ends the serve, in one line. Stopping the
@@ -86,6 +99,11 @@ def _run_until_stopped(server, timeout: float, describe: str,
                 gone = sorted(name for name, pid in stubs.items() if not procgroup.pid_running(pid))
                 if not server.running:
                     break
+                if openai is not None and not openai.running:
+                    assert openai.process is not None
+                    raise StageFailed(f"the OpenAI server exited unexpectedly "
+                                      f"({_exit_status(openai.process.returncode)}): {openai.failure_cause()}",
+                                      f"restart `toolchain serve`; the log: {openai.log_path}")
                 dead = dead_stubs()
                 if dead:
                     # The dead instance never unloads: waiting out tritonserver's exit timeout would only
@@ -105,9 +123,16 @@ def _run_until_stopped(server, timeout: float, describe: str,
                                   f"restart `toolchain serve`; the log: {server.log_path}")
             raise StageFailed(f"tritonserver exited unexpectedly: {server.failure_cause()}", f"full log: {server.log_path}")
         except KeyboardInterrupt:
-            click.echo("stopping tritonserver ...")
+            click.echo("stopping tritonserver ..." if openai is None else "stopping the OpenAI server and tritonserver ...")
         finally:
-            rc = server.stop(stop_timeout)
+            try:
+                if openai is not None:
+                    openai_rc = openai.stop()
+            finally:
+                rc = server.stop(stop_timeout)
+    if openai is not None:  # SIGTERM is how it is stopped: uvicorn then exits 128 + 15, which is no news
+        clean = openai_rc in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+        click.echo("OpenAI server stopped" + ("" if clean else f" ({_exit_status(openai_rc)})"))
     click.echo(f"tritonserver stopped (exit code {rc})")
 
 
@@ -131,7 +156,8 @@ def _check_outputs(spec: DeploymentSpec, ws) -> None:
 def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float | None,
             manifests_dir: Path | None) -> None:
     """Serve model_repo/<name> for SPEC with tritonserver (one per rank under mpirun for
-    target trtllm), print the endpoints, and stop cleanly on Ctrl-C or SIGTERM."""
+    target trtllm; with the OpenAI server beside it for target llmapi-cpu), print the endpoints,
+    and stop cleanly on Ctrl-C or SIGTERM."""
     from toolchain.triton.repo import wanted_manifest  # the renderer imports the tokenizer's packages
 
     ws = ctx.workspace
@@ -165,8 +191,11 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
             pipeline.print_local_launch(spec, ws, server, click.echo)
             return
         _check_outputs(spec, ws)
+        # llmapi-cpu serves what deploy serves: Triton's llmapi model and the OpenAI server (on a GPU host
+        # trtllm-serve is its own command, printed by --print).
+        openai = pipeline.openai_server(spec, ws, pipeline.openai_log(spec, ws)) if spec.target == "llmapi-cpu" else None
         _run_until_stopped(server, timeout or spec.serving.startup_timeout_s, _describe(spec, server),
-                           models="tensorrt_llm (LLM API)")
+                           models="tensorrt_llm (LLM API)", openai=openai)
         return
     if not (ws.engine_dir(spec) / "config.json").is_file():
         raise ToolchainError(f"no engine at {ws.engine_dir(spec)}", "run `toolchain build-engine SPEC` first")

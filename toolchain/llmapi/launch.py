@@ -22,6 +22,7 @@ before it is emitted, and every trtllm-serve option in trtllm_serve.options.
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 
 from toolchain import upstream
@@ -187,7 +188,9 @@ def openai_engine_args(spec: DeploymentSpec) -> tuple[str, ...]:
 
 
 def openai_cpu_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
-    return ["python", "-m", "toolchain.openai", str(served_model_dir(spec, workspace)),
+    """The OpenAI server's line for this host, with this interpreter (the venv's), as serve and deploy start it:
+    a bare `python` is another interpreter, without the toolchain, until the venv is activated."""
+    return [sys.executable, "-m", "toolchain.openai", str(served_model_dir(spec, workspace)),
             "--config", str(serve_config_path(spec, workspace)), "--served-model-name", served_model_name(spec),
             "--host", spec.serving.host, "--port", str(spec.llmapi.openai_port), *openai_engine_args(spec)]
 

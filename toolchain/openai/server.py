@@ -28,7 +28,7 @@ class OpenAIServer(procgroup.GroupServer):
                  host: str = "127.0.0.1", port: int = 0, *, log_path: Path | str | None = None,
                  extra_args: tuple[str, ...] = (), python: str | None = None, stop_timeout_s: float = 15.0,
                  model: Path | str | None = None, config: Path | str | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, port_field: str | None = None):
         # Either a built engine (engine path) or MODEL + --config, as trtllm-serve takes them (LLM-API path).
         if model is not None:
             self.source = [str(Path(model).resolve())] + (["--config", str(Path(config).resolve())] if config else [])
@@ -38,6 +38,7 @@ class OpenAIServer(procgroup.GroupServer):
             raise ValueError("OpenAIServer needs engine_dir and tokenizer_dir, or model")
         self.served_model_name = served_model_name
         self.host, self.port = host, port
+        self.port_field = port_field  # the spec field the port came from, named when it is taken
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = tuple(extra_args)
         self.python = python or sys.executable
@@ -61,7 +62,8 @@ class OpenAIServer(procgroup.GroupServer):
             raise RuntimeError("server already started")
         if self.port and port_in_use(self.host, self.port):
             raise ToolchainError(f"port {self.port} on {self.host} is already in use",
-                                 "stop whatever listens there or pass port 0 to pick a free one")
+                                 f"stop whatever listens there or pass --set {self.port_field}=<free port> (0 picks one)"
+                                 if self.port_field else "stop whatever listens there or pass port 0 to pick a free one")
         self.port = self.port or free_port(self.host)
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="openai-server-", suffix=".log")
