@@ -242,30 +242,62 @@ def test_the_scan_catches_an_upward_import(graph, tmp_path):
 
 
 # Where a spec's target may be compared: the spec itself, the targets table, the pipeline that chooses the path
-# and the CLI. Elsewhere a module reads the target's row (toolchain/targets.py) for what varies with it.
+# and the CLI. Elsewhere a module reads what varies from the target's row (toolchain/targets.py: its launcher,
+# manifest writer, engine builder, dtype narrowing), and a check declares its paths and devices in `@check`.
 TARGET_CHOOSERS = ("toolchain.spec", "toolchain.targets", "toolchain.pipeline", "toolchain.cli")
-TARGET_NAMES = {"target", "llmapi_path", "on_cpu", "trtllm"}
-MAX_TARGET_BRANCHING = 8
+# Attributes that name the target or its path or device: `spec.target`, the row's path and device properties,
+# the row's `device` (toolchain.targets.Target.device) when compared.
+TARGET_ATTRS = {"target", "llmapi_path", "on_cpu", "on_gpu", "builds_engine"}
+TARGET_VALUES = {"cpu", "trtllm", "llmapi", "llmapi-cpu"}
+MAX_TARGET_BRANCHING = 7
+
+
+def _names_target(node: ast.AST) -> bool:
+    """The node reads the target: `x.target`, `x.llmapi_path`, `x.on_cpu`, `x.on_gpu` or `x.builds_engine`."""
+    return any(isinstance(n, ast.Attribute) and n.attr in TARGET_ATTRS for n in ast.walk(node))
+
+
+def _is_target_table(node: ast.AST) -> bool:
+    """A target's name as a bare string, a literal collection of them, or a table of targets (`TARGETS`)."""
+    if isinstance(node, ast.Constant):
+        return node.value in TARGET_VALUES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_is_target_table(e) for e in node.elts)
+    return isinstance(node, ast.Name) and node.id.isupper() and "TARGET" in node.id
+
+
+def _compares_target(node: ast.Compare) -> bool:
+    """A comparison that tells targets apart by name or device: with a target's name as a bare string or a table
+    of targets (`... == "llmapi"`, `target in GPU_TARGETS`), or `device ==` / `x.device !=`. `is None` tests
+    and membership in a check's declared devices are no such comparison."""
+    operands = [node.left, *node.comparators]
+    operands += [e for o in operands if isinstance(o, ast.Tuple) for e in o.elts]  # (row.path, row.device) == ...
+    if any(_is_target_table(o) for o in operands):
+        return True
+    equality = all(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops)
+    return equality and any(isinstance(o, ast.Name) and o.id == "device"
+                            or isinstance(o, ast.Attribute) and o.attr == "device" for o in operands)
 
 
 def branches_on_target(tree: ast.AST) -> list[int]:
-    """Lines that decide on the target: `x.target` (or the path properties `llmapi_path`, `on_cpu`, a check
-    context's `trtllm`) in a comparison or in the test of an if, a conditional expression, a while, an assert
-    or a comprehension's filter. Naming the target in a message or a record is no branch."""
+    """Lines that decide on the target: a condition (the test of an if, a conditional expression, a while, an
+    assert or a comprehension's filter, an operand of `and`/`or`, or any comparison) that reads the target or
+    its path or device properties, compares a name `target` or a `device`, or compares with a target's name
+    as a bare string. Naming the target in a message or a record is no branch."""
     lines = []
-
-    def names_target(node: ast.AST) -> bool:
-        return any(isinstance(n, ast.Attribute) and n.attr in TARGET_NAMES for n in ast.walk(node))
-
     for node in ast.walk(tree):
         tests: list[ast.AST] = []
         if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
             tests = [node.test]
         elif isinstance(node, ast.comprehension):
             tests = list(node.ifs)
+        elif isinstance(node, ast.BoolOp):
+            tests = list(node.values)
         elif isinstance(node, ast.Compare):
             tests = [node]
-        lines += [t.lineno for t in tests if names_target(t)]
+        for t in tests:
+            if _names_target(t) or any(isinstance(c, ast.Compare) and _compares_target(c) for c in ast.walk(t)):
+                lines.append(t.lineno)
     return sorted(set(lines))
 
 

@@ -23,7 +23,7 @@ from toolchain.manifest import Manifest, output_problem
 from toolchain.plan.model import load_model
 from toolchain.plan.perf import predict_spec
 from toolchain.spec import DeploymentSpec, load_spec
-from toolchain.targets import target_of
+from toolchain.targets import LLMAPI_SERVE, TRITON_MPIRUN, target_of
 from toolchain.workspace import Workspace
 from toolchain.engine.build import run_build
 from toolchain.triton import cluster, exposure
@@ -98,7 +98,7 @@ def server_for(spec: DeploymentSpec, workspace: Workspace, *, log_path: Path | N
     (printing) leaves its placeholder. A launch under mpirun always logs; the single server logs to
     `log_path` when given."""
     repo = workspace.model_repo_dir(spec)
-    if spec.target == "trtllm":
+    if target_of(spec).gpu_launch == TRITON_MPIRUN:
         mpirun, binary = find_tools(spec, repo)
         return TritonLaunch(spec, repo, log_path or server_log(spec, workspace), mpirun, binary)
     if spec.rank_processes:
@@ -175,13 +175,11 @@ def print_gpu_launch(spec: DeploymentSpec, workspace: Workspace, echo: Echo) -> 
     """The launch lines of a GPU target (trtllm or llmapi) for a GPU host: the command, its `docker run`
     and Kubernetes lines (engine path), or the trtllm-serve and Triton launcher lines with their containers
     and, across hosts, their Slurm lines (LLM-API path)."""
-    if spec.target == "trtllm":
-        _print_trtllm(spec, workspace, echo)
-    elif spec.target == "llmapi":
-        _print_llmapi(spec, workspace, echo)
-    else:
+    printer = _GPU_PRINTERS.get(target_of(spec).gpu_launch)
+    if printer is None:
         raise ToolchainError(f"target {spec.target} runs on this host: it has no GPU launch lines",
                              "set target: trtllm or llmapi")
+    printer(spec, workspace, echo)
 
 
 def _replicas(spec: DeploymentSpec, echo: Echo) -> Iterator[tuple[DeploymentSpec, str | None]]:
@@ -246,6 +244,11 @@ def _print_llmapi_replica(spec: DeploymentSpec, ws: Workspace, echo: Echo, devic
     echo(f"# in a container, Triton:\n{docker_command(spec, triton, mounts, ports, devices=devices)}")
 
 
+# The printer of each way a target launches on a GPU host (toolchain/targets.py, Target.gpu_launch).
+_GPU_PRINTERS: dict[str | None, Callable[[DeploymentSpec, Workspace, Echo], None]] = {
+    TRITON_MPIRUN: _print_trtllm, LLMAPI_SERVE: _print_llmapi}
+
+
 def print_local_launch(spec: DeploymentSpec, workspace: Workspace, server: Server, echo: Echo) -> None:
     """The command line of `server` (server_for with read_key=False) that serve starts on this host, and on
     the LLM-API path the OpenAI server's on the same LLM() arguments."""
@@ -260,11 +263,13 @@ def print_local_launch(spec: DeploymentSpec, workspace: Workspace, server: Serve
 
 def write_manifests(spec: DeploymentSpec, workspace: Workspace, out_dir: Path) -> list[Path]:
     """The Slurm and Kubernetes manifests of a GPU target's path, written atomically into `out_dir`."""
-    if spec.target == "trtllm":
-        texts = triton_manifests.manifests(spec, workspace)
-    else:
-        texts = llmapi_manifests.manifests(spec, workspace)
+    # The writer of the way the target launches; a target that runs here gets the LLM-API writer's refusal.
+    texts = _MANIFESTS.get(target_of(spec).gpu_launch, llmapi_manifests.manifests)(spec, workspace)
     return cluster.write(out_dir, texts)
+
+
+_MANIFESTS: dict[str | None, Callable[[DeploymentSpec, Workspace], dict[str, str]]] = {
+    TRITON_MPIRUN: triton_manifests.manifests, LLMAPI_SERVE: llmapi_manifests.manifests}
 
 
 def multi_node(spec: DeploymentSpec) -> bool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol
 
+from toolchain.errors import ToolchainError
+
 # The spec's `target` values: a new target is its name here and its row below (tests/test_targets.py holds
 # the two together).
 TargetName = Literal["cpu", "trtllm", "llmapi", "llmapi-cpu"]
@@ -21,6 +23,37 @@ ENGINE: Final = "engine"
 LLMAPI: Final = "llmapi"
 GPU: Final = "gpu"
 CPU: Final = "cpu"
+
+
+@dataclass(frozen=True)
+class Builder:
+    """What builds a target's engine (the engine path only), and what the repository and checks read of it."""
+
+    name: str
+    rank_files: str
+    """The glob of the per-rank engine files it writes."""
+    beams: bool
+    """It builds beam search (build.max_beam_width); otherwise the engine decodes one beam."""
+    python_model: bool
+    """Its engine runs as a Triton Python model (tensorrt_llm/1/model.py from toolchain/triton/backend_models),
+    not on tensorrtllm_backend's C++ backend, whose parameters it then does not take."""
+
+
+# NVIDIA's trtllm-build (tensorrt_llm/commands/build.py) writes rank{N}.engine, served by the tensorrtllm backend;
+# this toolchain's CPU engine (toolchain/engine/cpu) writes rank{N}.safetensors and runs as a Python model.
+TRTLLM_BUILD: Final = Builder("trtllm-build", "rank*.engine", beams=True, python_model=False)
+CPU_ENGINE: Final = Builder("cpu-engine", "rank*.safetensors", beams=False, python_model=True)
+# What runs `LLM()` on the LLM-API path: TensorRT-LLM's own (tensorrt_llm/llmapi/llm.py, behind upstream's Triton
+# llmapi model.py and trtllm-serve), or this checkout's CPU stand-in (toolchain/llmapi/cpu_llm.py) on the CPU engine.
+LlmRuntime = Literal["tensorrt_llm", "cpu-stand-in"]
+TENSORRT_LLM: Final = "tensorrt_llm"
+CPU_STAND_IN: Final = "cpu-stand-in"
+# How a target is launched on a GPU host, and which Slurm and Kubernetes manifests it gets (toolchain/pipeline.py
+# maps each to its printer and writer): tensorrtllm_backend's Triton under mpirun, or the LLM API's trtllm-serve
+# and Triton llmapi model. The CPU targets run on this host and have neither.
+Launcher = Literal["triton-mpirun", "llmapi-serve"]
+TRITON_MPIRUN: Final = "triton-mpirun"
+LLMAPI_SERVE: Final = "llmapi-serve"
 
 
 @dataclass(frozen=True)
@@ -37,6 +70,19 @@ class Target:
     default_launch: str | None
     """serving.launch when the spec leaves it unset."""
     doc: str
+    engine_builder: Builder | None = None
+    """What builds the engine (engine path); None on the LLM-API path, which builds none."""
+    narrows_float32: bool = False
+    """dtype "auto" on a float32 checkpoint becomes float16, as TensorRT-LLM's `infer_dtype`
+    (tensorrt_llm/models/convert_utils.py) does for the GPU engines trtllm-build builds."""
+    compute_dtype: str | None = None
+    """The dtype the runtime computes and caches in whatever the weights are; None: the weights' own. The CPU
+    engine computes in float32 (toolchain/engine/cpu/kv_cache.py)."""
+    llm_runtime: LlmRuntime | None = None
+    """What runs LLM() (LLM-API path); None on the engine path, whose `engine_builder` says what runs."""
+    gpu_launch: Launcher | None = None
+    """How `serve --print` launches it on a GPU host, and the kind of Slurm and Kubernetes manifests
+    `--manifests` writes; None: it runs on this host (`toolchain serve`)."""
 
     @property
     def builds_engine(self) -> bool:
@@ -57,13 +103,17 @@ class Target:
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("cpu", ENGINE, CPU, ("single", "mpirun"), "single",
-           "the engine repository with the CPU engine standing in for the TensorRT-LLM engine"),
+           "the engine repository with the CPU engine standing in for the TensorRT-LLM engine",
+           engine_builder=CPU_ENGINE, compute_dtype="float32"),
     Target("trtllm", ENGINE, GPU, ("mpirun",), "mpirun",
-           "trtllm-build engines and the tensorrtllm backend (TensorRT-LLM 1.2.1)"),
+           "trtllm-build engines and the tensorrtllm backend (TensorRT-LLM 1.2.1)",
+           engine_builder=TRTLLM_BUILD, narrows_float32=True, gpu_launch=TRITON_MPIRUN),
     Target("llmapi", LLMAPI, GPU, (), None,
-           "the LLM-API path (PyTorch backend, no engine build): Triton's llmapi model and trtllm-serve"),
+           "the LLM-API path (PyTorch backend, no engine build): Triton's llmapi model and trtllm-serve",
+           llm_runtime=TENSORRT_LLM, gpu_launch=LLMAPI_SERVE),
     Target("llmapi-cpu", LLMAPI, CPU, (), None,
-           "the LLM-API path's repository and OpenAI server on the CPU engine"),
+           "the LLM-API path's repository and OpenAI server on the CPU engine", compute_dtype="float32",
+           llm_runtime=CPU_STAND_IN),
 )}
 
 
@@ -74,9 +124,27 @@ class _NamesTarget(Protocol):
     def target(self) -> str: ...
 
 
+def engine_row(name: str) -> Target:
+    """The row of an engine-path target named outside a spec (the converter's API), or a one-line error."""
+    engine = [t.name for t in TARGETS.values() if t.engine_builder is not None]
+    if name not in engine:
+        raise ToolchainError(f"unknown target '{name}'", f"use one of {', '.join(engine)}")
+    return TARGETS[name]
+
+
 def target_of(spec: _NamesTarget) -> Target:
     """The row of `spec.target` (the spec's Literal admits only these names)."""
     return TARGETS[spec.target]
+
+
+def require_target(spec: _NamesTarget, refusal: str, fix: str, *, path: str, device: str | None = None) -> Target:
+    """The spec's row when its target takes `path` (on `device`, when given); else the one-line refusal of a
+    stage the other targets do not take (toolchain/pipeline.py routes each spec to its own; a direct caller,
+    or a command of one path only, may not)."""
+    row = target_of(spec)
+    if row.path != path or device is not None and row.device != device:
+        raise ToolchainError(refusal, fix)
+    return row
 
 
 def named(path: str, device: str) -> str:

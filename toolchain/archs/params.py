@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolchain.errors import ToolchainError
+from toolchain.targets import TARGETS
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "vocab_size": ("vocab_size", "n_vocab", "padded_vocab_size"),
@@ -220,12 +221,12 @@ def engine_dtype(requested: str, source: str | None, target: str) -> str:
     """The dtype convert writes and the planner plans. TensorRT-LLM's `infer_dtype`
     (tensorrt_llm/models/convert_utils.py, called by LLaMAConfig.from_hugging_face and the other
     model configs) resolves only "auto": the checkpoint's torch_dtype, float16 when it has none,
-    and float32 narrowed to float16 for GPU engines; an explicit dtype is kept as given. Target
-    cpu keeps float32 (fp16 matmuls on a CPU are slow and lossy for no gain)."""
+    and float32 narrowed to float16 for GPU engines (the target row's `narrows_float32`); an explicit
+    dtype is kept as given. Target cpu keeps float32 (fp16 matmuls on a CPU are slow and lossy for no gain)."""
     if requested != "auto":
         return requested
     dtype = source or "float16"
-    return "float16" if dtype == "float32" and target == "trtllm" else dtype
+    return "float16" if dtype == "float32" and TARGETS[target].narrows_float32 else dtype
 
 
 def normalize_params(cfg: dict, family: Any, origin: str = "config.json") -> ArchParams:

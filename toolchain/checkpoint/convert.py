@@ -30,17 +30,16 @@ from toolchain.checkpoint.writer import write_plan
 from toolchain.errors import ToolchainError
 from toolchain.quant import exclude, formats
 from toolchain.quant.recipe import ModelShape, Recipe, check_recipe, is_excluded, parse_prequantized
+from toolchain.targets import engine_row
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
-TARGETS = ("cpu", "trtllm")
 
 
 def resolve_dtype(requested: str, params: ArchParams, ckpt: HFCheckpoint, target: str) -> str:
     """The checkpoint dtype, by the one rule the planner uses too (archs.params.engine_dtype)."""
     if requested not in DTYPE_CHOICES:
         raise ToolchainError(f"unknown dtype '{requested}'", f"use one of {', '.join(DTYPE_CHOICES)}")
-    if target not in TARGETS:
-        raise ToolchainError(f"unknown target '{target}'", f"use one of {', '.join(TARGETS)}")
+    engine_row(target)
     hf = params.dtype
     if requested == "auto" and hf is None:
         # config.json without dtype/torch_dtype: the embedding's stored dtype is the truth.

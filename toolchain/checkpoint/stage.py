@@ -29,7 +29,7 @@ from toolchain.manifest import Manifest, reusable
 from toolchain.quant.recipe import recipe_of
 from toolchain.spec import DeploymentSpec
 from toolchain.weights_source import source_record
-from toolchain.targets import target_of
+from toolchain.targets import ENGINE, require_target
 from toolchain.workspace import Workspace
 
 # Bump when the converter's output changes for the same inputs, so old
@@ -127,9 +127,8 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
     line; `notes` (default `echo`) the lines about changed files, which
     build-engine passes on while it keeps the others to itself.
     The engine path's convert; toolchain/pipeline.py gives each path its own."""
-    if not target_of(spec).builds_engine:
-        raise ToolchainError(f"target {spec.target} has no TensorRT-LLM checkpoint (the LLM-API path serves the "
-                             "HF checkpoint)", "run `toolchain convert SPEC`, which takes the spec's path")
+    require_target(spec, f"target {spec.target} has no TensorRT-LLM checkpoint (the LLM-API path serves the HF checkpoint)",
+            "run `toolchain convert SPEC`, which takes the spec's path", path=ENGINE)
     say = echo or (lambda _msg: None)
     note = notes or say
     final = workspace.checkpoint_dir(spec)

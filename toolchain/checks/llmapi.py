@@ -5,7 +5,7 @@ upstream/facts/llmapi.json), caught before anything is written."""
 from __future__ import annotations
 
 from toolchain.archs import get_family
-from toolchain.checks.registry import (ENGINE, FAIL, LLMAPI_PATH, PASS, SERVING, SKIP, UNREGISTERED, Context,
+from toolchain.checks.registry import (ENGINE, FAIL, GPU_ONLY, LLMAPI_PATH, PASS, SERVING, SKIP, UNREGISTERED, Context,
                                        check)
 from toolchain.llmapi.args import llm_args, options_problem
 from toolchain.speculative import mode_of, refusal
@@ -125,12 +125,11 @@ def _mtp_layers(ctx: Context) -> int:
 
 
 @check("llmapi.runtime-version", ("serve",),
-       "the LLM() arguments and the llmapi model are those of the pinned TensorRT-LLM release", paths=LLMAPI_PATH)
+       "the LLM() arguments and the llmapi model are those of the pinned TensorRT-LLM release", paths=LLMAPI_PATH,
+       devices=GPU_ONLY, elsewhere=(PASS, "the CPU stand-in needs no TensorRT-LLM"))
 def _runtime_version(ctx: Context):
     from importlib import metadata
 
-    if not ctx.row.on_gpu:
-        return PASS, "the CPU stand-in needs no TensorRT-LLM"
     if ctx.stage == "plan":
         return SKIP, "checked on the serving host when serve starts"
     try:

@@ -38,7 +38,7 @@ def run_checks(ctx: Context, skip: tuple[str, ...] | list[str] = ()) -> list[Che
             results.append(CheckResult(chk.id, SKIP, "skipped by --skip-check"))
             continue
         if row.device not in chk.devices:
-            results.append(CheckResult(chk.id, SKIP, chk.device_skip(row.path)))
+            results.append(CheckResult(chk.id, *(chk.elsewhere or (SKIP, chk.device_skip(row.path)))))
             continue
         try:
             status, message = chk.fn(ctx)

@@ -61,6 +61,8 @@ class Check:
     devices: tuple[str, ...] = BOTH_DEVICES
     """The devices it applies to: a rule of TensorRT-LLM's own engine build or runtime says nothing about the
     CPU engine standing in for it; on another device the check is listed as skipped (`device_skip`)."""
+    elsewhere: tuple[str, str] | None = None
+    """(status, message) on another device, where that is no skip (a rule the CPU engine meets by design)."""
 
     def device_skip(self, path: str) -> str:
         """The skip message on a device the check does not apply to: the targets of `path` it applies to."""
@@ -71,12 +73,12 @@ REGISTRY: dict[str, Check] = {}
 
 
 def check(check_id: str, stages: tuple[str, ...], doc: str, paths: tuple[str, ...] = BOTH_PATHS,
-          devices: tuple[str, ...] = BOTH_DEVICES):
+          devices: tuple[str, ...] = BOTH_DEVICES, elsewhere: tuple[str, str] | None = None):
     """Register a check function under a stable id."""
     def register(fn):
         if check_id in REGISTRY:
             raise ValueError(f"check id {check_id} registered twice")
-        REGISTRY[check_id] = Check(check_id, tuple(stages), doc, fn, tuple(paths), tuple(devices))
+        REGISTRY[check_id] = Check(check_id, tuple(stages), doc, fn, tuple(paths), tuple(devices), elsewhere)
         return fn
     return register
 

@@ -119,7 +119,9 @@ def _engine_dir(ctx: Context):
     cfg, early = _engine(ctx, owner=True)
     if cfg is None:
         return early
-    pattern = "rank*.engine" if ctx.row.on_gpu else "rank*.safetensors"  # the CPU engine writes safetensors
+    builder = ctx.row.engine_builder
+    assert builder is not None  # declared for the engine path
+    pattern = builder.rank_files
     engine_dir = ctx.engine_dir()
     ranks = sorted(engine_dir.glob(pattern)) if engine_dir is not None else []
     want = ctx.spec.parallelism.world_size
@@ -167,7 +169,9 @@ def _batch_size(ctx: Context):
     if cfg is None:
         return early
     bc = cfg["build_config"]
-    mbs, beam = ctx.spec.limits.max_batch_size, ctx.spec.build.max_beam_width if ctx.row.on_gpu else 1
+    builder = ctx.row.engine_builder
+    assert builder is not None  # declared for the engine path
+    mbs, beam = ctx.spec.limits.max_batch_size, ctx.spec.build.max_beam_width if builder.beams else 1
     if bc.get("max_batch_size", mbs) < mbs:
         return FAIL, (f"the engine was built for max_batch_size {bc['max_batch_size']}, the repository uses "
                       f"limits.max_batch_size {mbs}; rebuild the engine")
@@ -246,10 +250,9 @@ def _tritonserver(ctx: Context) -> Path | None:
 
 
 @check("triton.backend-present", ("serve",),
-       "the tritonserver must ship the tensorrtllm backend (TensorRT-LLM PR #15907)", paths=ENGINE_PATH)
+       "the tritonserver must ship the tensorrtllm backend (TensorRT-LLM PR #15907)", paths=ENGINE_PATH,
+       devices=GPU_ONLY, elsewhere=(PASS, f"target {named(ENGINE, CPU)} runs the Python backend"))
 def _backend_present(ctx: Context):
-    if not ctx.row.on_gpu:
-        return PASS, f"target {named(ENGINE, CPU)} runs the Python backend"
     if ctx.stage == "plan":
         return SKIP, "checked on the serving host when serve starts"
     binary = _tritonserver(ctx)
@@ -312,7 +315,7 @@ def shm_needed(spec) -> tuple[int, int]:
     """(Python model instances, bytes of /dev/shm they need at full batch): a region each, plus
     token tensors of a full batch (ids and lengths in, ids out, int32) in flight through every hop."""
     s, lim, row = spec.serving, spec.limits, target_of(spec)
-    cpu_engine_model = row.builds_engine and not row.on_gpu  # the CPU engine's tensorrt_llm is a Python model too
+    cpu_engine_model = row.engine_builder is not None and row.engine_builder.python_model  # the CPU engine's tensorrt_llm
     python_models = 3 + (1 if cpu_engine_model else 0)  # pre, post, BLS (+ the CPU tensorrt_llm)
     instances = python_models * s.instance_count
     tokens = lim.max_batch_size * lim.max_seq_len * 4

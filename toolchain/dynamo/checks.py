@@ -7,7 +7,7 @@ from toolchain.dynamo import flags
 from toolchain.errors import ToolchainError
 from toolchain.llmapi.args import SECTIONS, known_args, options_problem, serve_config
 from toolchain.spec import DeploymentSpec
-from toolchain.targets import CPU, GPU, LLMAPI, named, target_of
+from toolchain.targets import CPU, CPU_STAND_IN, GPU, LLMAPI, TENSORRT_LLM, named, target_of
 
 # The keys Dynamo's disaggregated engine configs set beyond an aggregated one, per role (facts dynamo.json
 # examples engine_prefill / engine_decode).
@@ -50,9 +50,10 @@ def runtime_release_problem(spec: DeploymentSpec) -> str | None:
 
 def problems(spec: DeploymentSpec) -> list[str]:
     """What Dynamo refuses in `spec`, in this order: the path, the router, then the LLM-API path on its device."""
-    d, row = spec.dynamo, target_of(spec)
+    # Dynamo's workers run LLM(): the target row's `llm_runtime` says which (none on the engine path).
+    d, runtime = spec.dynamo, target_of(spec).llm_runtime
     out = []
-    if row.builds_engine:
+    if runtime is None:
         out.append(f"Dynamo serves the LLM-API path; target {spec.target} is the engine path (set target: "
                    f"{named(LLMAPI, GPU)} on a GPU host, {named(LLMAPI, CPU)} on this one)")
     if d.router not in flags.choices("frontend", "--router-mode"):
@@ -60,18 +61,18 @@ def problems(spec: DeploymentSpec) -> list[str]:
     if d.router == "kv" and not spec.build.kv_cache_reuse:
         out.append("dynamo.router kv routes by the workers' cached KV blocks, which build.kv_cache_reuse false turns "
                    "off (no block is ever stored); set build.kv_cache_reuse: true or dynamo.router: round-robin")
-    if row.builds_engine:
+    if runtime is None:
         return out
-    if d.disaggregated and not row.on_gpu:
+    if d.disaggregated and runtime == CPU_STAND_IN:
         out.append("dynamo.disaggregated needs KV-cache transfer between prefill and decode workers, which the CPU "
                    f"engine does not have; set it on target {named(LLMAPI, GPU)} (GPU hosts) or serve aggregated here")
-    if row.on_gpu and spec.parallelism.world_size > spec.gpu.per_node:
+    if runtime == TENSORRT_LLM and spec.parallelism.world_size > spec.gpu.per_node:
         out.append(f"one worker of tp x pp = {spec.parallelism.world_size} GPUs spans hosts (gpu.per_node "
                    f"{spec.gpu.per_node}); Dynamo's multinode workers are not rendered yet: keep tp x pp within a host")
     why = options_problem(spec)
     if why:
         out.append(why)
-    elif row.on_gpu:  # the CPU stand-in runs the 1.2 line's arguments; Dynamo's GPU workers run another release
+    elif runtime == TENSORRT_LLM:  # the CPU stand-in runs the 1.2 line's arguments; Dynamo's GPU workers run another release
         why = runtime_release_problem(spec)
         if why:
             out.append(why)

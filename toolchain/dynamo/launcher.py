@@ -36,7 +36,7 @@ from toolchain.dynamo.worker import COMPONENT, ENDPOINT
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.netutil import free_port, port_in_use
 from toolchain.spec import DeploymentSpec
-from toolchain.targets import CPU, GPU, LLMAPI, named, target_of
+from toolchain.targets import CPU, GPU, LLMAPI, named, require_target
 from toolchain import procgroup
 from toolchain.workspace import Workspace
 from toolchain.dynamo.checks import check
@@ -83,11 +83,9 @@ class DynamoDeployment:
                  router: str | None = None, http_port: int | None = None, kv_events: bool = True,
                  engine_threads: int | None = None, log_dir: Path | str | None = None, python: str | None = None):
 
-        row = target_of(spec)
-        if (row.path, row.device) != (LLMAPI, CPU):
-            raise ToolchainError(f"a Dynamo deployment runs on this host for target {named(LLMAPI, CPU)}, not "
-                                 f"{spec.target}", f"target {named(LLMAPI, GPU)} renders the GPU deployment: "
-                                 "`toolchain dynamo SPEC --print`")
+        require_target(spec, f"a Dynamo deployment runs on this host for target {named(LLMAPI, CPU)}, not {spec.target}",
+                f"target {named(LLMAPI, GPU)} renders the GPU deployment: `toolchain dynamo SPEC --print`",
+                path=LLMAPI, device=CPU)
         check(spec)
         self.spec, self.workspace = spec, workspace
         self.workers = workers or spec.dynamo.workers

@@ -28,7 +28,7 @@ from toolchain.dynamo.checks import check
 from toolchain.dynamo.render import worker_groups
 from toolchain.errors import ToolchainError
 from toolchain.spec import DeploymentSpec
-from toolchain.targets import CPU, GPU, LLMAPI, named, target_of
+from toolchain.targets import CPU, GPU, LLMAPI, named, require_target
 from toolchain.workspace import Workspace
 from toolchain.llmapi.manifests import k8s_name
 from toolchain.llmapi.launch import container_mounts
@@ -68,11 +68,9 @@ def _volumes(spec: DeploymentSpec, workspace: Workspace) -> tuple[list[dict], li
 
 
 def graph_deployment(spec: DeploymentSpec, workspace: Workspace) -> dict[str, Any]:
-    row = target_of(spec)
-    if (row.path, row.device) != (LLMAPI, GPU):
-        raise ToolchainError(f"the DynamoGraphDeployment is for target {named(LLMAPI, GPU)} (GPU nodes), not "
-                             f"{spec.target}", f"set target: {named(LLMAPI, GPU)} (target {named(LLMAPI, CPU)} "
-                             "serves on this host with `toolchain dynamo`)")
+    require_target(spec, f"the DynamoGraphDeployment is for target {named(LLMAPI, GPU)} (GPU nodes), not {spec.target}",
+            f"set target: {named(LLMAPI, GPU)} (target {named(LLMAPI, CPU)} serves on this host with `toolchain "
+            "dynamo`)", path=LLMAPI, device=GPU)
     check(spec)
     if spec.dynamo.http_port != OPERATOR_HTTP_PORT:
         raise ToolchainError(f"dynamo.http_port {spec.dynamo.http_port}: the Dynamo operator serves the frontend on "

@@ -35,6 +35,7 @@ from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir
 from toolchain.manifest import Manifest, content_hash, reusable
 from toolchain.spec import DeploymentSpec
+from toolchain.targets import CPU_ENGINE, TRTLLM_BUILD, target_of
 from toolchain.workspace import Workspace
 
 ENGINE_FORMAT_VERSION = "toolchain-cpu-2"  # 2: plugin_config.tokens_per_block
@@ -222,7 +223,8 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
     unless the caller just did (`converted`, as `deploy` does). An engine whose
     files changed since it was built is built again (`echo` says which file),
     or kept with `keep_edits`."""
-    if spec.llmapi_path:
+    builder = target_of(spec).engine_builder
+    if builder is None:
         raise ToolchainError(f"target {spec.target} has no engine to build: the PyTorch backend loads the checkpoint "
                              "when the server starts", "run `toolchain model-repo SPEC` next")
     if not converted:
@@ -234,10 +236,10 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
     checkpoint_dir = workspace.checkpoint_dir(spec)
     final = workspace.engine_dir(spec)
     inputs = {"checkpoint": content_hash(checkpoint_dir), "target": spec.target}
-    if spec.target == "cpu":
+    if builder == CPU_ENGINE:
         inputs["format"] = ENGINE_FORMAT_VERSION
     binary = None
-    if spec.target == "trtllm":
+    if builder == TRTLLM_BUILD:
         # Found (and its version checked) first: without it nothing can be built, and
         # an engine from another TensorRT-LLM version must not count as current.
         binary = trtllm.find_trtllm_build(spec, trtllm.build_command(spec, checkpoint_dir, final))
@@ -251,10 +253,10 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
         return have, True
     start = time.perf_counter()
     with atomic_dir(final) as out:
-        if spec.target == "cpu":
+        if builder == CPU_ENGINE:
             wanted.outputs = _build_cpu(spec, workspace, out)
         else:
-            assert binary is not None  # found above: the target is trtllm
+            assert binary is not None  # found above: the builder is trtllm-build
             wanted.outputs = _run_trtllm_build(spec, workspace, out, final, binary)
         wanted.seconds = round(time.perf_counter() - start, 3)
         wanted.write(out)

@@ -20,6 +20,7 @@ from toolchain.errors import StageFailed, ToolchainError
 from toolchain.eval.metrics import evaluate
 from toolchain.eval.texts import STREAM_FACTOR, default_documents, file_documents, token_stream, token_windows
 from toolchain.spec import DeploymentSpec
+from toolchain.targets import CPU_ENGINE, target_of
 from toolchain.workspace import Workspace
 from toolchain.engine.build import build_config, write_cpu_engine
 from toolchain.remote_code import auto_tokenizer
@@ -31,8 +32,9 @@ DEFAULT_WINDOW = 256
 
 @contextmanager
 def engine_for_eval(spec: DeploymentSpec, workspace: Workspace) -> Iterator[Path]:
-    """A directory the CPU engine can load for `spec`, building what is missing."""
-    if spec.target == "cpu":
+    """A directory the CPU engine can load for `spec`, building what is missing: the engine itself where the
+    target's builder is the CPU engine, else a CPU-engine view of the converted checkpoint."""
+    if target_of(spec).engine_builder == CPU_ENGINE:
 
         run_build(spec, workspace)
         yield workspace.engine_dir(spec)
@@ -83,7 +85,7 @@ def run_eval(spec: DeploymentSpec, workspace: Workspace, *, text: Path | None = 
     from toolchain.engine.cpu import CpuEngine
 
     say = echo or (lambda _msg: None)
-    if spec.llmapi_path:
+    if target_of(spec).engine_builder is None:
         # The LLM-API path has no TensorRT-LLM checkpoint: its convert stage records the HF directory the
         # PyTorch backend loads, which must not be read as a TensorRT-LLM config.
         raise ToolchainError(f"toolchain eval runs the converted TensorRT-LLM checkpoint, and target {spec.target} "

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from toolchain import upstream
 from toolchain.spec import DeploymentSpec
-from toolchain.targets import GPU, target_of
+from toolchain.targets import target_of
 from toolchain.triton import cluster, exposure
 from toolchain.triton.cluster import ALL_INTERFACES, multi_node, node_count, pyxis_image, tasks_per_node, world_size
 from toolchain.workspace import Workspace
@@ -197,7 +197,7 @@ def openai_cpu_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
 
 def planned_launch(spec: DeploymentSpec, workspace: Workspace) -> dict:
     """The launch lines `toolchain plan` prints."""
-    if target_of(spec).device == GPU:
+    if target_of(spec).gpu_launch is not None:  # launched on a GPU host; else this host's CPU stand-in
         triton = (multi_node_triton_command if multi_node(spec) else triton_launch_command)(spec, workspace)
         serve = (multi_node_serve_command if multi_node(spec) else trtllm_serve_command)(spec, workspace)
     else:

@@ -22,11 +22,10 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from toolchain.errors import ToolchainError
 from toolchain.llmapi import launch
 from toolchain.versions import TRITON_IMAGE
 from toolchain.spec import DeploymentSpec
-from toolchain.targets import GPU, LLMAPI, target_of
+from toolchain.targets import GPU, LLMAPI, require_target
 from toolchain.triton import cluster, exposure
 from toolchain.triton.cluster import k8s_name
 from toolchain.workspace import Workspace
@@ -40,9 +39,8 @@ HEALTH = "/health"  # trtllm-serve's health route (tensorrt_llm/serve/openai_ser
 
 
 def _require_gpu_target(spec: DeploymentSpec) -> None:
-    if (target_of(spec).path, target_of(spec).device) != (LLMAPI, GPU):
-        raise ToolchainError(f"Slurm and Kubernetes manifests are for target llmapi (GPU hosts), not {spec.target}",
-                             "set target: llmapi (the CPU stand-in runs on this host with `toolchain serve`)")
+    require_target(spec, f"Slurm and Kubernetes manifests are for target llmapi (GPU hosts), not {spec.target}",
+            "set target: llmapi (the CPU stand-in runs on this host with `toolchain serve`)", path=LLMAPI, device=GPU)
 
 
 # -- Slurm ---------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from toolchain.llmapi.args import model_yaml, serve_config, triton_config
 from toolchain.llmapi.launch import SERVE_CONFIG
 from toolchain.manifest import Manifest, reusable
 from toolchain.spec import DeploymentSpec
-from toolchain.targets import CPU, GPU, target_of
+from toolchain.targets import CPU_STAND_IN, TENSORRT_LLM, target_of
 from toolchain.triton.config import InstanceGroup, ModelConfig, Tensor
 from toolchain.workspace import Workspace
 from toolchain.llmapi.stage import served_model_dir
@@ -59,7 +59,7 @@ def model_config(spec: DeploymentSpec) -> ModelConfig:
 
     triton = triton_config(spec)
     params: dict[str, object] = {}
-    if target_of(spec).device == CPU:  # the CPU stand-in for LLM() runs from this checkout
+    if target_of(spec).llm_runtime == CPU_STAND_IN:  # the CPU stand-in for LLM() runs from this checkout
         params = {"toolchain_path": str(Path(toolchain.__file__).resolve().parent.parent),
                   "engine_threads": str(spec.serving.engine_threads)}
     return ModelConfig(
@@ -95,7 +95,7 @@ def run_model_repo_llmapi(spec: DeploymentSpec, workspace: Workspace, force: boo
 
     started = time.monotonic()
     upstream_dir = upstream_model_files(python_models) if python_models is not None else None
-    if target_of(spec).device == GPU and upstream_dir is None:
+    if target_of(spec).llm_runtime == TENSORRT_LLM and upstream_dir is None:
         raise ToolchainError("target llmapi serves upstream's llmapi model.py, which this toolchain does not ship",
                              "pass --python-models DIR with TensorRT-LLM 1.2.1's triton_backend/all_models/llmapi "
                              "(a checkout, or /app/all_models/llmapi style copy from the trtllm container)")

@@ -29,7 +29,7 @@ from toolchain.llmapi.args import llm_args
 from toolchain.llmapi.cpu_llm import LlmArgsError, prepare_engine
 from toolchain.manifest import Manifest, reusable
 from toolchain.spec import DeploymentSpec
-from toolchain.targets import target_of
+from toolchain.targets import CPU_STAND_IN, target_of
 from toolchain.weights_source import source_record
 from toolchain.workspace import Workspace
 from toolchain.plan.model import load_model, quant_format
@@ -78,7 +78,7 @@ def run_convert_llmapi(spec: DeploymentSpec, workspace: Workspace, force: bool =
                        echo: Callable[[str], None] | None = None, keep_edits: bool = False) -> Manifest:
     say = echo or (lambda _msg: None)
     manifest = _convert(spec, workspace, force, say, keep_edits)
-    if target_of(spec).on_cpu:
+    if target_of(spec).llm_runtime == CPU_STAND_IN:
         work = workspace.cpu_llm_dir(spec)
         say(f"preparing the CPU engine LLM() loads in {work}")
         try:

@@ -16,7 +16,7 @@ from toolchain.archs import family_for_config, get_family, load_params
 from toolchain.archs.params import ROPE_REQUIRED_KEYS, ROPE_TYPES, ArchParams, engine_dtype, normalize_params
 from toolchain.errors import ToolchainError
 from toolchain.quant import formats
-from toolchain.targets import CPU, target_of
+from toolchain.targets import target_of
 
 # TensorRT-LLM maps these onto its Llama implementation (Qwen2 adds q/k/v biases,
 # MODEL_MAP in TensorRT-LLM tensorrt_llm/models/__init__.py), so their shapes plan like
@@ -210,7 +210,7 @@ def kv_dtype(spec, params: ArchParams, quant: QuantFormat) -> str:
     if quant.kv_cache != "none":
         return quant.kv_cache
     # The CPU engine computes in float32 and keeps its cache so (engine/cpu/kv_cache.py).
-    return "float32" if target_of(spec).device == CPU else weight_dtype(spec, params)
+    return target_of(spec).compute_dtype or weight_dtype(spec, params)
 
 
 def kv_dtype_bytes(name: str) -> int:

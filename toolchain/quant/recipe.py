@@ -15,6 +15,7 @@ from pathlib import Path
 
 from toolchain.errors import ToolchainError
 from toolchain.quant import formats
+from toolchain.targets import TARGETS, TRTLLM_BUILD
 
 METHODS = tuple(formats.METHODS)
 KV_KINDS = tuple(formats.KV_CACHE)
@@ -281,7 +282,7 @@ def check_recipe(recipe: Recipe, shape: ModelShape, *, tp: int, target: str = "c
     if recipe.method == "awq":
         padded = check_per_group(shape, recipe.group_size, tp, "a checkpoint quantized with group size"
                                   if recipe.stored else "quantization.group_size")
-    if recipe.method in ("int8_wo", "int4_wo") and target == "trtllm":
+    if recipe.method in ("int8_wo", "int4_wo") and TARGETS[target].engine_builder == TRTLLM_BUILD:
         m = 64 * tp
         for what, dim in (("hidden_size", shape.hidden_size), ("intermediate_size", shape.intermediate_size)):
             if dim % m:

@@ -25,7 +25,7 @@ from pathlib import Path
 from toolchain.errors import ToolchainError
 from toolchain.versions import TRITON_IMAGE
 from toolchain.spec import DeploymentSpec
-from toolchain.targets import ENGINE, GPU, target_of
+from toolchain.targets import ENGINE, GPU, require_target
 from toolchain.triton import cluster, exposure
 from toolchain.triton.launch import LaunchCommand, launch_command
 from toolchain.workspace import Workspace
@@ -45,8 +45,8 @@ def mounts(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
 
 def cluster_launch(spec: DeploymentSpec, workspace: Workspace) -> LaunchCommand:
     """The line every manifest runs: `serve --print`'s for cluster.for_cluster(spec)."""
-    if (target_of(spec).path, target_of(spec).device) != (ENGINE, GPU):
-        raise ToolchainError(f"these manifests are for target trtllm, not {spec.target}", "set target: trtllm")
+    require_target(spec, f"these manifests are for target trtllm, not {spec.target}", "set target: trtllm", path=ENGINE,
+            device=GPU)
     launch = launch_command(cluster.for_cluster(spec), workspace.model_repo_dir(spec))
     if launch.mode == "orchestrator" and cluster.multi_node(spec):
         raise ToolchainError(f"draft-target runs one orchestrator process, which cannot span "

@@ -27,7 +27,7 @@ from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir, sha256_file
 from toolchain.manifest import MANIFEST, Manifest, content_hash, reusable
 from toolchain.spec import DeploymentSpec
-from toolchain.targets import GPU, target_of
+from toolchain.targets import ENGINE, TARGETS, require_target, target_of
 from toolchain.triton import backend_models
 from toolchain.triton.config import ModelConfig, check_ensemble
 from toolchain.triton.templates import PYTHON_MODELS, RepoOptions, build_models
@@ -46,7 +46,8 @@ def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
     (draft_target, both targets)."""
     out: dict = {}
     medusa = recorded_medusa_choices(spec, workspace) if spec.speculative.mode == "medusa" else None
-    if target_of(spec).device == GPU:  # the tensorrtllm backend's parameters
+    builder = target_of(spec).engine_builder
+    if builder is not None and not builder.python_model:  # the tensorrtllm backend's parameters
         out["trtllm_parameters"] = tuple(sorted(triton_parameters(spec, medusa_choices=medusa).items()))
     if spec.speculative.mode == "ngram":
         out["draft_ngram_size"] = spec.speculative.ngram_size
@@ -198,7 +199,9 @@ def render_repository(models: dict[str, ModelConfig], out: Path, target: str, he
     `python_models` (an upstream inflight_batcher_llm tree), preprocessing, postprocessing and
     tensorrt_llm_bls run NVIDIA's own model.py and helpers; only their configs are rendered."""
     check_ensemble(models["ensemble"], models)
-    ours = PYTHON_MODELS + (("tensorrt_llm", "tensorrt_llm_draft") if target == "cpu" else ())
+    builder = TARGETS[target].engine_builder
+    ours = PYTHON_MODELS + (("tensorrt_llm", "tensorrt_llm_draft") if builder is not None and builder.python_model
+                            else ())
     for name, model in models.items():
         version_dir = Path(out) / name / "1"
         version_dir.mkdir(parents=True)
@@ -221,9 +224,8 @@ def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = Fal
     toolchain/llmapi/repo.py's; toolchain/pipeline.py picks); reuse it when its manifest is current
     and its files are those rendered (a hand-edited file renders again, `echo` says which, unless
     `keep_edits`). `python_models`: an upstream inflight_batcher_llm tree whose Python models to use."""
-    if not target_of(spec).builds_engine:
-        raise ToolchainError(f"target {spec.target} takes the LLM-API path, which has its own model repository",
-                             "run `toolchain model-repo SPEC`, which takes the spec's path")
+    require_target(spec, f"target {spec.target} takes the LLM-API path, which has its own model repository",
+            "run `toolchain model-repo SPEC`, which takes the spec's path", path=ENGINE)
     started = time.monotonic()
     repo_dir = workspace.model_repo_dir(spec)
     upstream = upstream_python_models(python_models) if python_models is not None else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolchain.targets import GPU, TARGETS, target_of
+from toolchain.targets import TARGETS, Builder
 from toolchain.triton.config import (EMPTY, ConfigError, DynamicBatching, EnsembleStep, InstanceGroup, ModelConfig,
                                      Tensor)
 from toolchain.triton.tensors import (BLS_INPUTS, ENSEMBLE_INPUTS, ENSEMBLE_STEPS, POSTPROCESSING_INPUTS,
@@ -117,10 +117,18 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
     return params
 
 
+def _engine_builder(opts: RepoOptions) -> Builder:
+    """What built the engine these configs serve: the engine path's targets only."""
+    row = TARGETS.get(opts.target)
+    if row is None or row.engine_builder is None:
+        raise ConfigError(f"unknown target {opts.target!r}", "use target: cpu or target: trtllm")
+    return row.engine_builder
+
+
 def _gpu_backend(opts: RepoOptions) -> bool:
-    """The engine runs on the tensorrtllm backend (the target's device is a GPU), not in the CPU engine's
+    """The engine runs on the tensorrtllm backend (trtllm-build's engines), not in the CPU engine's
     Python model."""
-    return target_of(opts).device == GPU
+    return not _engine_builder(opts).python_model
 
 
 def _preprocessing_parameters(opts: RepoOptions) -> dict[str, object]:
@@ -140,9 +148,7 @@ def _preprocessing_parameters(opts: RepoOptions) -> dict[str, object]:
 
 def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
     """The five model configs for `opts`, keyed by model name."""
-    row = TARGETS.get(opts.target)
-    if row is None or not row.builds_engine:
-        raise ConfigError(f"unknown target {opts.target!r}", "use target: cpu or target: trtllm")
+    _engine_builder(opts)
     mbs = opts.max_batch_size
     cpu = [InstanceGroup(opts.instance_count, "KIND_CPU")]
     models = {

@@ -56,8 +56,7 @@ class Measured:
 
 def measurable(spec: DeploymentSpec) -> str | None:
     """Why --measure cannot deploy this spec here, or None: it runs what `toolchain deploy` runs on this host."""
-    row = target_of(spec)
-    if not row.on_cpu:
+    if target_of(spec).gpu_launch is not None:
         return (f"--measure deploys on this host, and target {spec.target} runs on GPUs: deploy the written specs "
                 "on the GPU host and bench them there")
     return None
