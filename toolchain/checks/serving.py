@@ -23,7 +23,7 @@ from toolchain.checks.registry import ENGINE_PATH, FAIL, GPU_ONLY, PASS, SERVING
 from toolchain.versions import TENSORRT_VERSION, TRITON_IMAGE, TRTLLM_VERSION, in_line, tensorrt_of
 from toolchain.errors import ToolchainError
 from toolchain.host import cpu_mpirun, physical_cores
-from toolchain.targets import CPU, ENGINE, named, target_of
+from toolchain.targets import CPU, CPU_STAND_IN, ENGINE, named, target_of
 from toolchain.triton import exposure
 
 NOT_BUILT = (SKIP, "no engine built yet")
@@ -275,8 +275,7 @@ def bound_ports(spec) -> list[tuple[str, str, int]]:
     s = spec.serving
     ports = [("serving.http_port", s.host, s.http_port), ("serving.grpc_port", s.host, s.grpc_port),
              ("serving.metrics_port", exposure.metrics_host(s), s.metrics_port)]
-    row = target_of(spec)
-    if row.llmapi_path and row.on_cpu:
+    if target_of(spec).llm_runtime == CPU_STAND_IN:  # the stand-in's OpenAI server starts beside Triton here
         ports.append(("llmapi.openai_port", s.host, spec.llmapi.openai_port))
     return [(field, host, port) for field, host, port in ports if port]
 
