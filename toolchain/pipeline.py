@@ -28,6 +28,7 @@ from toolchain.workspace import Workspace
 from toolchain.engine.build import run_build
 from toolchain.triton import cluster, exposure
 from toolchain.triton import manifests as triton_manifests
+from toolchain.triton.endpoints import endpoints
 from toolchain.triton.launch import TritonLaunch, container_commands, docker_command, find_tools, launch_command
 from toolchain.triton.server import TritonServer
 from toolchain.llmapi import launch as llmapi_launch
@@ -163,7 +164,8 @@ def _cpu_llm_env(spec: DeploymentSpec, workspace: Workspace) -> dict[str, str]:
 
 def openai_server(spec: DeploymentSpec, workspace: Workspace, log_path: Path) -> OpenAIServer:
     """The OpenAI server on the LLM() arguments of the llmapi-cpu deployment (not started)."""
-    return OpenAIServer(None, None, served_model_name(spec), spec.serving.host, spec.llmapi.openai_port,
+    openai = endpoints(spec).openai
+    return OpenAIServer(None, None, served_model_name(spec), openai.bind, openai.port,
                         model=served_model_dir(spec, workspace), config=serve_config_path(spec, workspace),
                         log_path=log_path, extra_args=openai_engine_args(spec), env=_cpu_llm_env(spec, workspace),
                         port_field="llmapi.openai_port")
@@ -233,15 +235,14 @@ def _print_llmapi_replica(spec: DeploymentSpec, ws: Workspace, echo: Echo, devic
            "the key" if exposure.restricted(spec.serving) else "upstream's launcher, from a TensorRT-LLM 1.2.1 checkout")
     echo(f"# Triton ({how}):\n{_pinned(lines['triton'], devices)}")
     mounts = launch.container_mounts(spec, ws)
-    s = spec.serving
+    served = endpoints(spec)
     # Inside a container every server binds every interface; docker publishes each port on the address the
     # spec binds it to on a host (a loopback spec's on 127.0.0.1).
     serve = launch.trtllm_serve_command(spec, ws, host=launch.ALL_INTERFACES)
-    docker = docker_command(spec, serve, mounts, {"openai": spec.llmapi.openai_port}, devices=devices)
+    docker = docker_command(spec, serve, mounts, {"openai": served.openai.port}, devices=devices)
     echo(f"# in a container, the OpenAI server:\n{docker}")
     triton = ["mpirun", "--allow-run-as-root", "-n", "1", *launch.tritonserver_command(spec, ws, launch.ALL_INTERFACES)]
-    ports = {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
-    echo(f"# in a container, Triton:\n{docker_command(spec, triton, mounts, ports, devices=devices)}")
+    echo(f"# in a container, Triton:\n{docker_command(spec, triton, mounts, served.triton.ports, devices=devices)}")
 
 
 # The printer of each way a target launches on a GPU host (toolchain/targets.py, Target.gpu_launch).

@@ -39,30 +39,22 @@ from toolchain.bench.workload import PROMPT_CORPUS, load_tokenizer
 from toolchain.errors import ToolchainError
 from toolchain.spec import DeploymentSpec
 from toolchain.stopsignals import Stopped
-from toolchain.triton.exposure import metrics_host
-
-def _loopback(host: str) -> str:
-    # A server bound to every interface is reached on loopback.
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+from toolchain.triton.endpoints import endpoints
 
 
 def default_url(spec: DeploymentSpec, protocol: str) -> str:
-    s = spec.serving
-    port, field = (s.grpc_port, "grpc_port") if protocol == "triton-grpc" else (s.http_port, "http_port")
-    if port == 0:
-        raise ToolchainError(f"serving.{field} is 0 (a free port picked at start), so the bench cannot guess it",
+    kind = "grpc" if protocol == "triton-grpc" else "http"
+    at = endpoints(spec).triton[kind]
+    if at.port == 0:
+        raise ToolchainError(f"serving.{kind}_port is 0 (a free port picked at start), so the bench cannot guess it",
                              "pass --url of the running server")
-    host = _loopback(s.host)
-    return f"{host}:{port}" if protocol == "triton-grpc" else f"http://{host}:{port}"
+    return at.address if kind == "grpc" else at.url
 
 
 def default_metrics_url(spec: DeploymentSpec) -> str | None:
-    s = spec.serving
-
     # Off loopback serve keeps metrics on 127.0.0.1 unless serving.metrics_host says otherwise.
-    host = _loopback(metrics_host(s))
-    host = f"[{host}]" if ":" in host else host
-    return None if s.metrics_port == 0 else f"http://{host}:{s.metrics_port}/metrics"
+    triton = endpoints(spec).triton
+    return None if triton.metrics.port == 0 else triton.metrics_url
 
 
 def normalize_url(url: str) -> str:

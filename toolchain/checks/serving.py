@@ -24,7 +24,7 @@ from toolchain.versions import TENSORRT_VERSION, TRITON_IMAGE, TRTLLM_VERSION, i
 from toolchain.errors import ToolchainError
 from toolchain.host import cpu_mpirun, physical_cores
 from toolchain.targets import CPU, CPU_STAND_IN, ENGINE, named, target_of
-from toolchain.triton import exposure
+from toolchain.triton.endpoints import TRITON_KINDS, endpoints
 
 NOT_BUILT = (SKIP, "no engine built yet")
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
@@ -272,11 +272,10 @@ def bound_ports(spec) -> list[tuple[str, str, int]]:
     """(spec field, host, port) of every fixed port that serve and deploy bind on this host: Triton's three
     (metrics where exposure puts them) and, for target llmapi-cpu, llmapi.openai_port: both commands start the
     OpenAI server beside Triton there. A port 0 is picked free at start, so it is not listed."""
-    s = spec.serving
-    ports = [("serving.http_port", s.host, s.http_port), ("serving.grpc_port", s.host, s.grpc_port),
-             ("serving.metrics_port", exposure.metrics_host(s), s.metrics_port)]
+    served = endpoints(spec)
+    ports = [(f"serving.{kind}_port", at.bind, at.port) for kind in TRITON_KINDS for at in [served.triton[kind]]]
     if target_of(spec).llm_runtime == CPU_STAND_IN:  # the stand-in's OpenAI server starts beside Triton here
-        ports.append(("llmapi.openai_port", s.host, spec.llmapi.openai_port))
+        ports.append(("llmapi.openai_port", served.openai.bind, served.openai.port))
     return [(field, host, port) for field, host, port in ports if port]
 
 

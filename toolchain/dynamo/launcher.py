@@ -24,7 +24,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,6 +37,7 @@ from toolchain.errors import StageFailed, ToolchainError
 from toolchain.netutil import free_port, port_in_use
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import CPU, GPU, LLMAPI, named, require_target
+from toolchain.triton.endpoints import LOOPBACK, endpoints
 from toolchain import procgroup
 from toolchain.workspace import Workspace
 from toolchain.dynamo.checks import check
@@ -46,7 +47,7 @@ from toolchain.llmapi.stage import served_model_dir
 from toolchain.dynamo.install import require
 from toolchain.llmapi.cpu_llm import LlmArgsError, load_engine
 
-HOST = "127.0.0.1"
+HOST = LOOPBACK
 STOP_WAIT_S = 10.0
 # The shell variable naming the private directory in `shell_lines` (what start's temporary directory is).
 DIR_VAR = "DYNAMO_DIR"
@@ -92,7 +93,7 @@ class DynamoDeployment:
         self.router = router or spec.dynamo.router
         if self.router not in flags.choices("frontend", "--router-mode"):
             raise ToolchainError(f"--router {self.router!r} is not one of the frontend's --router-mode choices")
-        self.http_port = spec.dynamo.http_port if http_port is None else http_port
+        self.http_port = endpoints(spec).dynamo.port if http_port is None else http_port
         self.kv_events = kv_events
         self.engine_threads = spec.serving.engine_threads if engine_threads is None else engine_threads
         self.model_name = served_model_name(spec)
@@ -107,7 +108,7 @@ class DynamoDeployment:
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.http_port}"
+        return replace(endpoints(self.spec).dynamo, port=self.http_port).url
 
     def engine_args(self) -> dict[str, Any]:
         """The LLM-API YAML each worker takes: the spec's trtllm-serve config, with the KV share split N ways

@@ -30,6 +30,7 @@ from toolchain.spec import DeploymentSpec
 from toolchain.targets import target_of
 from toolchain.triton import cluster, exposure
 from toolchain.triton.cluster import ALL_INTERFACES, multi_node, node_count, pyxis_image, tasks_per_node, world_size
+from toolchain.triton.endpoints import endpoints
 from toolchain.workspace import Workspace
 from toolchain.llmapi.stage import served_model_dir
 from toolchain.triton.server import TritonServer
@@ -95,8 +96,8 @@ def trtllm_serve_command(spec: DeploymentSpec, workspace: Workspace, host: str |
     """trtllm-serve on the served checkpoint with the rendered LLM() arguments (no prefix)."""
 
     return [TRTLLM_SERVE, str(served_model_dir(spec, workspace)),
-            serve_option("--host"), host or spec.serving.host,
-            serve_option("--port"), str(spec.llmapi.openai_port),
+            serve_option("--host"), host or endpoints(spec).openai.bind,
+            serve_option("--port"), str(endpoints(spec).openai.port),
             serve_option(SERVE_CONFIG_OPTION), str(serve_config_path(spec, workspace))]
 
 
@@ -107,12 +108,12 @@ def triton_launch_command(spec: DeploymentSpec, workspace: Workspace) -> list[st
     Off loopback the launcher cannot pass the address and restricted-API options (it forwards no
     tritonserver arguments), so the line is the command it would run for world size 1
     (`mpirun --allow-run-as-root -n 1 <tritonserver ...>`, get_cmd) with them added."""
-    s = spec.serving
-    if exposure.restricted(s):
+    if exposure.restricted(spec.serving):
         return ["mpirun", "--allow-run-as-root", "-n", "1", *tritonserver_command(spec, workspace)]
+    ports = endpoints(spec).triton.ports
     return ["python3", LAUNCHER, f"{launch_flag('--model_repo')}={workspace.model_repo_dir(spec)}",
-            f"{launch_flag('--world_size')}=1", f"{launch_flag('--http_port')}={s.http_port}",
-            f"{launch_flag('--grpc_port')}={s.grpc_port}", f"{launch_flag('--metrics_port')}={s.metrics_port}"]
+            f"{launch_flag('--world_size')}=1",
+            *(f"{launch_flag(f'--{kind}_port')}={port}" for kind, port in ports.items())]
 
 
 def tritonserver_command(spec: DeploymentSpec, workspace: Workspace, bind: str | None = None) -> list[str]:
@@ -122,15 +123,15 @@ def tritonserver_command(spec: DeploymentSpec, workspace: Workspace, bind: str |
     behind the key, exposure.PLACEHOLDER standing for it until the line is printed. `bind`: the address
     every endpoint binds (a container's, which publishes the ports on the spec's addresses); the key
     still follows the spec."""
-    s = spec.serving
+    triton = endpoints(spec).triton
     binary = upstream.facts("llmapi")["launch_flags"][launch_flag("--tritonserver")]["default"]
-    argv = [binary, f"--model-repository={workspace.model_repo_dir(spec)}", f"--grpc-port={s.grpc_port}",
-            f"--http-port={s.http_port}", f"--metrics-port={s.metrics_port}", "--disable-auto-complete-config",
-            _SHM_PREFIX]
-    if bind is not None or exposure.restricted(s):
-        http, metrics = (bind, bind) if bind is not None else (s.host, exposure.metrics_host(s))
-        argv += [f"--http-address={http}", f"--grpc-address={http}", f"--metrics-address={metrics}"]
-    if exposure.restricted(s):
+    argv = [binary, f"--model-repository={workspace.model_repo_dir(spec)}", f"--grpc-port={triton.grpc.port}",
+            f"--http-port={triton.http.port}", f"--metrics-port={triton.metrics.port}",
+            "--disable-auto-complete-config", _SHM_PREFIX]
+    if bind is not None or exposure.restricted(spec.serving):
+        binds = triton.binds if bind is None else dict.fromkeys(triton.binds, bind)
+        argv += [f"--{kind}-address={host}" for kind, host in binds.items()]
+    if exposure.restricted(spec.serving):
         argv += exposure.restriction_args(exposure.PLACEHOLDER)
     return argv
 
@@ -192,7 +193,8 @@ def openai_cpu_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
     a bare `python` is another interpreter, without the toolchain, until the venv is activated."""
     return [sys.executable, "-m", "toolchain.openai", str(served_model_dir(spec, workspace)),
             "--config", str(serve_config_path(spec, workspace)), "--served-model-name", served_model_name(spec),
-            "--host", spec.serving.host, "--port", str(spec.llmapi.openai_port), *openai_engine_args(spec)]
+            "--host", endpoints(spec).openai.bind, "--port", str(endpoints(spec).openai.port),
+            *openai_engine_args(spec)]
 
 
 def planned_launch(spec: DeploymentSpec, workspace: Workspace) -> dict:

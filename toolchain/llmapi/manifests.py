@@ -28,6 +28,7 @@ from toolchain.spec import DeploymentSpec
 from toolchain.targets import GPU, LLMAPI, require_target
 from toolchain.triton import cluster, exposure
 from toolchain.triton.cluster import k8s_name
+from toolchain.triton.endpoints import endpoints
 from toolchain.workspace import Workspace
 
 __all__ = ["FILES", "k8s_name", "manifests", "write_manifests"]
@@ -73,7 +74,7 @@ def server_container(spec: DeploymentSpec, workspace: Workspace) -> dict:
     """The container serving the OpenAI port: trtllm-serve itself on one host, the leader's mpirun
     (cluster.leader_script) on several."""
     _require_gpu_target(spec)
-    port = spec.llmapi.openai_port
+    port = endpoints(spec).openai.port
     _, mounts = cluster.volumes(launch.container_mounts(spec, workspace))
     serve = launch.trtllm_serve_command(spec, workspace, host=cluster.ALL_INTERFACES)
     extra = cluster.probes(spec, port, HEALTH, HEALTH)
@@ -99,7 +100,7 @@ def kubernetes(spec: DeploymentSpec, workspace: Workspace) -> dict[str, str]:
         texts[FILES["lws"]] = cluster.to_yaml([lws], spec, note + f"\nThe leader's image: see {cluster.LEADER_DOCKERFILE}.")
         texts[FILES["rbac"]] = cluster.to_yaml(cluster.rbac(spec), spec, "What the leader's kubectl may do.")
         texts[FILES["dockerfile"]] = cluster.leader_dockerfile()
-    service = cluster.service(spec, {"openai": spec.llmapi.openai_port})
+    service = cluster.service(spec, {"openai": endpoints(spec).openai.port})
     texts[FILES["service"]] = cluster.to_yaml([service], spec, "The OpenAI port of the serving pod.")
     return texts
 

@@ -50,6 +50,7 @@ from toolchain.versions import TRITON_IMAGE, TRTLLM_VERSION
 from toolchain import procgroup
 from toolchain.targets import CPU, target_of
 from toolchain.triton import cluster, exposure
+from toolchain.triton.endpoints import WILDCARDS, client_host, endpoints
 from toolchain.triton.server import Endpoints, diagnose_log, free_port, is_ready, port_in_use, python_stubs
 from toolchain.triton.runtime import backend_dir, resolve_binary, server_env
 from toolchain.speculative import DRAFT_ENGINE, mode_of
@@ -87,13 +88,12 @@ def _rank_args(i: int, spec, repo: Path, tritonserver: str, ports: dict[str, int
     args = [tritonserver, f"--model-repository={repo}", "--disable-auto-complete-config",
             f"--backend-config=python,shm-region-prefix-name={shm_prefix}{i}_", *extra]
     if i == 0:
-        s = spec.serving
-        hosts = {"http": s.host, "grpc": s.host, "metrics": exposure.metrics_host(s)}
+        hosts = endpoints(spec).triton.binds
         if bind is not None:
             hosts = dict.fromkeys(hosts, bind)
-        for kind in ("http", "grpc", "metrics"):
+        for kind in hosts:
             args += [f"--{kind}-address={hosts[kind]}", f"--{kind}-port={ports[kind]}"]
-        if exposure.restricted(s):
+        if exposure.restricted(spec.serving):
             args += exposure.restriction_args(admin_key or exposure.PLACEHOLDER)
         return args
     args += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in trtllm_models(spec)),
@@ -110,7 +110,7 @@ def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSE
     `bind`: the address every endpoint binds instead of the spec's (a container's, which publishes the ports
     on the spec's addresses); whether the administrative APIs need the key still follows the spec."""
     s = spec.serving
-    ports = ports or {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
+    ports = ports or endpoints(spec).triton.ports
     repo = Path(repo_dir)
     head = [mpirun, "--allow-run-as-root"]
     if target_of(spec).device == CPU:
@@ -136,13 +136,12 @@ def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSE
 
 # Where the key file is mounted, read-only, inside the container.
 CONTAINER_KEY_FILE = "/run/secrets/triton-admin-key"
-_WILDCARDS = ("0.0.0.0", "", "::")
 
 
 def publish_arg(host: str, port: int) -> str:
     """docker's `-p` value publishing container port `port` on host address `host`: the bare `P:P` (every
     interface) for a wildcard, `ADDR:P:P` otherwise. docker takes an IP address there, not a name."""
-    if host in _WILDCARDS:
+    if host in WILDCARDS:
         return f"{port}:{port}"
     address = "127.0.0.1" if host.strip().lower() == "localhost" else host.strip("[]")
     try:
@@ -158,7 +157,7 @@ def docker_command(spec, argv: list[str], mounts: list, ports: dict[str, int], e
     """A `docker run` line starting `argv` in the NGC image matching TensorRT-LLM 1.2, `mounts` at the
     same place (so the absolute paths in the rendered configs hold inside the container), `ports` (kind ->
     port; 0, a port picked at start, is not published) published on the host addresses the spec binds them
-    to (exposure.published_on: a loopback spec's on 127.0.0.1), `argv` binding every interface inside.
+    to (Endpoint.published_on: a loopback spec's on 127.0.0.1), `argv` binding every interface inside.
     `devices`: the GPUs the container gets ("0,1"), else all. Where argv holds exposure.PLACEHOLDER (the
     admin APIs restricted), the key reaches the container off the command line: `-e VAR` (copied from
     docker's own environment) or the key file mounted read-only, expanded into the argv by a shell inside
@@ -168,9 +167,11 @@ def docker_command(spec, argv: list[str], mounts: list, ports: dict[str, int], e
     gpus = "all" if devices is None else f'"device={devices}"'
     docker = ["docker", "run", "--rm", "--gpus", gpus, "--ipc=host", "--shm-size=2g", "--ulimit", "memlock=-1",
               "--ulimit", "stack=67108864"]
+    published = endpoints(spec)
     for kind, port in ports.items():
         if port:
-            docker += ["-p", publish_arg(exposure.published_on(s, kind), port)]
+            on = published.openai if kind == "openai" else published.triton[kind]
+            docker += ["-p", publish_arg(on.published_on, port)]
     for key, value in (env or {}).items():
         docker += ["-e", f"{key}={value}"]
     for m in sorted({str(Path(m)) for m in mounts}):
@@ -194,11 +195,8 @@ def container_commands(spec, repo_dir: Path, mounts: list, devices: str | None =
     APIs restricted, Kubernetes reads the key from a Secret (`kubernetes_secret`, the line creating it)
     and expands `$(VAR)` in the container command itself. `toolchain serve --manifests` writes the
     Deployment or LeaderWorkerSet with a Service and probes (triton/manifests.py)."""
-    s = spec.serving
     launch = launch_command(spec, repo_dir)
-    ports = {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
-    # Metrics kept on loopback inside the pod are unreachable through a declared port.
-    declared = [p for kind, p in ports.items() if p and not (kind == "metrics" and exposure.metrics_private(s))]
+    triton = endpoints(spec).triton
     unique = sorted({str(Path(m)) for m in mounts})
     name = cluster.k8s_name(spec)
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in launch.env.items()]
@@ -210,7 +208,7 @@ def container_commands(spec, repo_dir: Path, mounts: list, devices: str | None =
         "name": name, "image": TRITON_IMAGE,
         "command": cluster.k8s_command(launch.argv, spec),
         "env": env,
-        "ports": [{"containerPort": p} for p in declared],
+        "ports": [{"containerPort": p} for p in triton.declared.values()],
         "resources": {"limits": {cluster.GPU_RESOURCE: min(launch.world_size if launch.mode == "leader"
                                                            else spec.parallelism.world_size, spec.gpu.per_node)}},
         "volumeMounts": [{"name": f"v{i}", "mountPath": m} for i, m in enumerate(unique)]
@@ -222,7 +220,7 @@ def container_commands(spec, repo_dir: Path, mounts: list, devices: str | None =
     kubectl = ["kubectl", "run", name, f"--image={TRITON_IMAGE}", "--restart=Never",
                f"--overrides={json.dumps(overrides, separators=(',', ':'))}"]
     inside = launch_command(spec, repo_dir, bind=cluster.ALL_INTERFACES)
-    docker = docker_command(spec, inside.argv, mounts, ports, inside.env, devices)
+    docker = docker_command(spec, inside.argv, mounts, triton.ports, inside.env, devices)
     return {"docker": docker, "kubernetes": shlex.join(kubectl), **out}
 
 
@@ -295,14 +293,12 @@ class TritonLaunch(Endpoints):
         self.spec, self.repo_dir, self.log_path = spec, Path(repo_dir), Path(log_path)
         self.mpirun, self.tritonserver = mpirun, tritonserver
         s = spec.serving
-        self.ports = {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
+        # Rank 0 binds serving.host on the first host of gpu.hostfile, where its clients reach it.
+        self.endpoints = endpoints(spec).triton.reached_at(_first_host(spec.gpu.hostfile) or s.host)
+        self.ports = self.endpoints.ports
         # Read before start so a missing key is a one-line error; only ever passed to the process.
         self.admin_key = exposure.read_admin_key(s) if exposure.restricted(s) else None
-        host = _first_host(spec.gpu.hostfile) or s.host
-        # A server bound to every interface is reached on loopback.
-        self.host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-        metrics = exposure.metrics_host(s)
-        self.metrics_host = "127.0.0.1" if metrics in ("0.0.0.0", "", "::") else metrics
+        self.host = client_host(self.endpoints.http.bind)
         self.process: subprocess.Popen | None = None
         self.started_s: float | None = None
         self._log: IO[bytes] | None = None
@@ -329,10 +325,7 @@ class TritonLaunch(Endpoints):
 
     @property
     def urls(self) -> dict[str, str]:
-        h = f"[{self.host}]" if ":" in self.host else self.host
-        m = f"[{self.metrics_host}]" if ":" in self.metrics_host else self.metrics_host
-        return {"http": f"http://{h}:{self.ports['http']}", "grpc": f"{h}:{self.ports['grpc']}",
-                "metrics": f"http://{m}:{self.ports['metrics']}/metrics"}
+        return self.endpoints.with_ports(self.ports).urls
 
     @property
     def running(self) -> bool:

@@ -27,6 +27,7 @@ from toolchain.versions import TRITON_IMAGE
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import ENGINE, GPU, require_target
 from toolchain.triton import cluster, exposure
+from toolchain.triton.endpoints import endpoints
 from toolchain.triton.launch import LaunchCommand, launch_command
 from toolchain.workspace import Workspace
 
@@ -103,11 +104,7 @@ def _slurm_script(spec: DeploymentSpec, workspace: Workspace) -> str:
 
 
 def _ports(spec: DeploymentSpec) -> dict[str, int]:
-    s = cluster.for_cluster(spec).serving
-    ports = {"http": s.http_port, "grpc": s.grpc_port}
-    if not exposure.metrics_private(s):  # metrics kept on loopback are not published
-        ports["metrics"] = s.metrics_port
-    return ports
+    return endpoints(cluster.for_cluster(spec)).triton.declared
 
 
 def kubernetes(spec: DeploymentSpec, workspace: Workspace) -> dict[str, str]:

@@ -26,6 +26,7 @@ from toolchain.errors import StageFailed, ToolchainError
 from toolchain.netutil import free_port, port_in_use  # noqa: F401  (free_port is re-exported)
 from toolchain import procgroup
 from toolchain.triton import exposure
+from toolchain.triton.endpoints import endpoints
 from toolchain.triton.runtime import ServerBinary, backend_dir, resolve_binary, server_env
 
 STUB_GRACE_S = 3.0  # a stub gone during start-up: how long the server may take to report it itself
@@ -95,8 +96,9 @@ class TritonServer(procgroup.GroupServer, Endpoints):
         key = None
         if exposure.restricted(s):
             key = exposure.read_admin_key(s) if read_key else exposure.PLACEHOLDER
-        return cls(repo_dir, s.host, s.http_port, s.grpc_port, s.metrics_port, s.tritonserver,
-                   metrics_host=exposure.metrics_host(s), admin_key=key, **kwargs)
+        triton = endpoints(spec).triton
+        return cls(repo_dir, triton.http.bind, triton.http.port, triton.grpc.port, triton.metrics.port, s.tritonserver,
+                   metrics_host=triton.metrics.bind, admin_key=key, **kwargs)
 
     # ---- addresses -------------------------------------------------------------------------------------------
     def _url_host(self, kind: str = "http") -> str:
