@@ -216,6 +216,46 @@ def test_every_registered_arch_has_a_tiny_checkpoint_that_converts(arch, tmp_pat
     assert config["architecture"] == arch
 
 
+@pytest.mark.parametrize("arch", supported())
+def test_every_registered_arch_parses_in_the_cpu_engine(arch, tmp_path):
+    """docs/architecture.md's "How to add": a registered family runs on the CPU engine with no edit there. Its
+    checkpoint config passes the engine's dimension parsing, and the traits the engine reads from the family's
+    decoder agree with the rows the converter writes."""
+    import json
+
+    from toolchain.checkpoint.config import build_config
+    from toolchain.engine.cpu.config import parse_dims
+
+    family, params = load_params(json.loads((ARCH_FIXTURES[arch](tmp_path / "hf") / "config.json").read_text()))
+    dims = parse_dims(build_config(family, params, dtype="float32", tp=2, pp=1), "config.json")
+    written = {r.trt for r in NameTable(family, params).rows if r.trt}
+    assert (dims.architecture, dims.tp, dims.num_layers, dims.is_moe) == (arch, 2, 1, params.is_moe)
+    assert dims.attn_bias == any(t.endswith("attention.qkv.bias") for t in written)
+    assert dims.dense_bias == any(t.endswith("attention.dense.bias") for t in written)
+    assert dims.qk_layernorm == any(t.endswith("attention.q_layernorm.weight") for t in written)
+    assert dims.inter_layernorms == any(t.endswith("pre_feedforward_layernorm.weight") for t in written)
+    if not dims.is_moe:  # a fused fc [up; gate] is the only MLP with no mlp.gate
+        assert dims.fused_mlp == ("transformer.layers.{layer}.mlp.gate.weight" not in written)
+
+
+def test_cpu_engine_runs_the_registry_and_its_aliases():
+    """The engine's architectures are the registry's, TensorRT-LLM's aliases of them and Medusa over one; an alias
+    and a Medusa base get their family's decoder (QWen's attention output projection unbiased)."""
+    from toolchain.archs import CHECKPOINT_ALIASES, checkpoint_architectures
+    from toolchain.engine.cpu.config import ARCHITECTURES, parse_dims
+
+    assert ARCHITECTURES == {*supported(), *CHECKPOINT_ALIASES, "MedusaForCausalLM"}
+    assert checkpoint_architectures() == sorted([*supported(), "QWenForCausalLM"])
+    base = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "intermediate_size": 64, "hidden_act": "silu", "attn_bias": True, "num_medusa_heads": 2}
+    for arch, model_type, dense in [("QWenForCausalLM", None, False), ("LlamaForCausalLM", None, True),
+                                    ("MedusaForCausalLM", "qwen2", False), ("MedusaForCausalLM", "llama", True)]:
+        dims = parse_dims({**base, "architecture": arch, "model_type": model_type}, "config.json")
+        assert (dims.attn_bias, dims.dense_bias) == (True, dense), arch
+    with pytest.raises(ToolchainError, match="architecture 'GPTForCausalLM' is not supported by the CPU engine"):
+        parse_dims({**base, "architecture": "GPTForCausalLM"}, "config.json")
+
+
 def test_partial_rotary_rejected():
     with pytest.raises(ToolchainError, match="partial_rotary_factor"):
         normalize_rope({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.5}})

@@ -13,6 +13,7 @@ import yaml
 
 from toolchain.plan.model import QuantFormat
 from toolchain.checks.preflight import FAIL, PASS, REGISTRY, WARN, build_context, run_checks
+from toolchain.errors import ToolchainError
 from toolchain.spec import LimitsSection, load_spec
 from toolchain.workspace import Workspace
 
@@ -129,6 +130,8 @@ GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidde
           "eos_token_id": 1}
 
 # check id -> (spec change, keyword arguments of run(), expected status)
+REFUSED = "plan refuses"  # no check result: plan stops with a one-line error first
+
 TRIGGERS = {
     "limits.input-vs-seq": ({"_limits": dict(max_batch_size=8, max_input_len=4096, max_seq_len=4096,
                                              max_num_tokens=8192)}, {}, FAIL),
@@ -152,8 +155,8 @@ TRIGGERS = {
     "moe.parallelism": ({"parallelism": {"tp": 4, "moe_tp": 1, "moe_ep": 4}},
                         {"setup": use_config({**MIXTRAL, "num_local_experts": 6})}, FAIL),
     "arch.quantization": ({}, {"quant": QuantFormat("smoothquant"), "setup": use_config(MIXTRAL)}, FAIL),
-    "arch.supported": ({"model": {"checkpoint": str(CONFIGS / "mistral-7b-instruct-v0.3")}},
-                       {"setup": "unregister-mistral"}, WARN),
+    # plan refuses an unregistered architecture before any check runs (plan/model.py load_model)
+    "arch.supported": ({}, {"setup": use_config({**LLAMA2_7B, "architectures": ["GPT2LMHeadModel"]})}, REFUSED),
     # 1.2.1's trtllm-build has no Qwen3-MoE (tests/test_moe_qwen.py test_the_engine_path_refuses_qwen3_moe)
     "arch.engine-path": ({"model": {"checkpoint": str(CONFIGS / "qwen3-30b-a3b")}}, {}, FAIL),
     "quant.group-size": ({}, {"quant": QuantFormat("awq", group_size=32)}, FAIL),
@@ -250,16 +253,12 @@ def named_setup(name: str):
         d.mkdir(parents=True)
         (d / "config.pbtxt").write_text('name: "tensorrt_llm"\nmax_batch_size: ${triton_max_batch_size}\n')
 
-    def unregister_mistral(tmp_path, data):
-        pass  # applied through monkeypatch in the test
-
     table = {
         "checkpoint-excludes-lm-head-only": checkpoint_excludes_lm_head_only,
         "moe-checkpoint-without-router": moe_checkpoint_without_router,
         "tokenizer-eos-end-of-text": tokenizer_eos_end_of_text,
         "tokenizer-too-big": tokenizer_too_big,
         "repo-placeholder": repo_placeholder,
-        "unregister-mistral": unregister_mistral,
         "engine-missing-rank": lambda t, d: engine_dir(t, world=2, ranks=1),
         "engine-1.1": lambda t, d: engine_dir(t, version="1.1.0"),
         "engine-world-4": lambda t, d: engine_dir(t, world=4),
@@ -276,18 +275,15 @@ def test_base_spec_passes_every_check(tmp_path):
 
 
 @pytest.mark.parametrize("check_id", sorted(TRIGGERS))
-def test_check_triggers(tmp_path, monkeypatch, check_id):
+def test_check_triggers(tmp_path, check_id):
     change, kwargs, expected = TRIGGERS[check_id]
     kwargs = dict(kwargs)
     if isinstance(kwargs.get("setup"), str):
-        if kwargs["setup"] == "unregister-mistral":
-            import toolchain.plan.model as model_mod
-            from toolchain.errors import ToolchainError
-
-            def unsupported(cfg, origin="config.json"):
-                raise ToolchainError(f"unsupported architecture '{cfg['architectures'][0]}'")
-            monkeypatch.setattr(model_mod, "family_for_config", unsupported)
         kwargs["setup"] = named_setup(kwargs["setup"])
+    if expected == REFUSED:
+        with pytest.raises(ToolchainError, match="unsupported architecture 'GPT2LMHeadModel'"):
+            run(tmp_path, change, **kwargs)
+        return
     result = run(tmp_path, change, **kwargs)[check_id]
     assert result.status == expected, result.message
     assert result.message and "\n" not in result.message

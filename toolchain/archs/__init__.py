@@ -30,12 +30,28 @@ _REGISTRY: dict[str, str] = {
     "Qwen3MoeForCausalLM": "toolchain.archs.qwen_moe:QWEN3_MOE",
 }
 
-__all__ = ["ArchParams", "Family", "supported", "get_family", "family_for_config", "load_params"]
+# TensorRT-LLM checkpoint `architecture` names that are no HF name, -> the family whose decoder MODEL_MAP builds for
+# them (tensorrt_llm/models/__init__.py, read_file id 820782731: 'QWenForCausalLM': QWenForCausalLM, as for every
+# Qwen HF name). ModelOpt's exporter writes QWenForCausalLM for every Qwen type; the converter writes the HF name.
+CHECKPOINT_ALIASES: dict[str, str] = {"QWenForCausalLM": "Qwen2ForCausalLM"}
+
+__all__ = ["ArchParams", "Family", "supported", "get_family", "family_for_config", "load_params",
+           "checkpoint_architectures", "family_for_checkpoint"]
 
 
 def supported() -> list[str]:
     """HF architecture names the converter accepts, sorted."""
     return sorted(_REGISTRY)
+
+
+def checkpoint_architectures() -> list[str]:
+    """TensorRT-LLM checkpoint `architecture` names a family's decoder builds (HF names and aliases), sorted."""
+    return sorted([*_REGISTRY, *CHECKPOINT_ALIASES])
+
+
+def family_for_checkpoint(architecture: str) -> Family:
+    """The family whose decoder builds a TensorRT-LLM checkpoint of `architecture` (its config.json's)."""
+    return get_family(CHECKPOINT_ALIASES.get(architecture, architecture))
 
 
 def get_family(architecture: str) -> Family:

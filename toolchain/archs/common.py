@@ -94,6 +94,28 @@ class Row:
 
 
 @dataclass(frozen=True)
+class Decoder:
+    """How TensorRT-LLM builds this family's decoder from a checkpoint, where config.json's fields alone do not say
+    (MODEL_MAP in tensorrt_llm/models/__init__.py picks the class by `architecture`): what an engine executing the
+    checkpoint must know beyond its fields. The CPU engine reads these (engine/cpu/config.py)."""
+
+    hidden_act: str = "silu"
+    """config.json's hidden_act for a dense MLP, as the converter writes it: "silu" (GatedMLP), "gelu" (Gemma's
+    tanh form), "swiglu" (Phi-3's fused fc). Mixture-of-experts layers are "swiglu" in every family."""
+    dense_bias: bool = True
+    """The attention output projection is biased when attn_bias is; False where the decoder builds it unbiased
+    (QWenDecoderLayer: Attention(bias=config.attn_bias, dense_bias=False), tensorrt_llm/models/qwen/model.py)."""
+    fused_mlp: bool = False
+    """mlp.fc holds [up; gate] per rank and there is no mlp.gate (Phi-3's MLP(hidden_act="swiglu"),
+    tensorrt_llm/models/phi3/model.py): the family's table has a FUSED_GATE_UP row."""
+    long_rope: bool = False
+    """position_embedding_type "long_rope" is built (Phi-3's Attention with the longrope factors)."""
+    config_group: str | None = None
+    """The Gemma config group whose fields config.json carries, "Gemma2ConfigGroup" or "Gemma3ConfigGroup"
+    (tensorrt_llm/models/modeling_utils.py), with GemmaConfig's inter_layernorms; None for other decoders."""
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     architectures: tuple[str, ...]
@@ -124,6 +146,8 @@ class Family:
     """(ArchParams, method, kv_cache, stored) -> why this family's model cannot be quantized as asked, or None.
     `stored` names the format of a checkpoint that is quantized already. Convert, the HF-format export and the
     `arch.quantization` check all ask `quantization_refusal`, so a family states its limits once."""
+    decoder: Decoder = Decoder()
+    """How TensorRT-LLM's decoder for this family runs its checkpoint (the CPU engine's traits)."""
 
     def __post_init__(self) -> None:
         # Table mistakes are programming errors: fail at import, not mid-conversion.
@@ -142,6 +166,10 @@ class Family:
                 raise ValueError(f"{self.name}: row {row.hf} names unknown transform {row.transform}")
             if row.shape is not None and not set(row.shape) <= set(DIMS):
                 raise ValueError(f"{self.name}: row {row.hf} shape uses unknown symbols {row.shape}")
+        if self.decoder.fused_mlp != any(r.shard is Shard.FUSED_GATE_UP for r in self.rows):
+            raise ValueError(f"{self.name}: decoder.fused_mlp must say whether the table has a FUSED_GATE_UP row")
+        if not self.decoder.dense_bias and any(r.trt and r.trt.endswith("attention.dense.bias") for r in self.rows):
+            raise ValueError(f"{self.name}: decoder.dense_bias is False but a row writes attention.dense.bias")
 
 
     def quantization_refusal(self, params: Any, method: str, kv_cache: str,

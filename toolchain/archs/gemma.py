@@ -49,7 +49,7 @@ import json
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from toolchain.archs.common import Family, Refusal, Row, Shard
+from toolchain.archs.common import Decoder, Family, Refusal, Row, Shard
 from toolchain.archs.llama import L, T, llama_rows
 from toolchain.archs.params import as_window
 from toolchain.errors import ToolchainError
@@ -84,6 +84,9 @@ GEMMA2_FIELDS = MappingProxyType({  # Gemma2Config defaults of the Gemma2ConfigG
     "final_logit_softcapping": 30.0,
 })
 DEFAULT_WINDOW = 4096
+# GemmaDecoderLayer with Gemma2ConfigGroup's fields (tensorrt_llm/models/gemma/model.py, models/modeling_utils.py);
+# TensorRT-LLM's gelu is the tanh form (see the module docstring).
+DECODER = Decoder(hidden_act="gelu", config_group="Gemma2ConfigGroup")
 ACTIVATIONS = ("gelu_pytorch_tanh",)
 
 
@@ -136,7 +139,7 @@ def normalize(cfg: dict, params, origin: str):
         "attn_logit_softcapping": positive(cfg, "attn_logit_softcapping", origin),
         "final_logit_softcapping": positive(cfg, "final_logit_softcapping", origin),
         "inter_layernorms": True,
-        "hidden_act": "gelu",  # TensorRT-LLM's gelu is the tanh form (see the module docstring)
+        "hidden_act": DECODER.hidden_act,
     }
     if any(w is not None for w in windows):
         extras["runtime_defaults"] = {"max_attention_window": [w or full for w in windows]}
@@ -186,4 +189,5 @@ FAMILY = Family(
     parallel_embedding_at_tp=True,
     llmapi_refusal=llmapi_refusal,
     quantization=quantization_refusal,
+    decoder=DECODER,
 )

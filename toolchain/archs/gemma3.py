@@ -55,6 +55,7 @@ from typing import Any
 
 from toolchain.archs.common import Family, Row, Shard
 from toolchain.archs.gemma import ACTIVATIONS, config_extra, gemma2_rows, positive, quantization_refusal
+from toolchain.archs.gemma import DECODER as GEMMA2_DECODER
 from toolchain.archs.llama import L, T
 from toolchain.archs.params import as_window
 from toolchain.errors import ToolchainError
@@ -79,6 +80,8 @@ GEMMA3_FIELDS = MappingProxyType({  # Gemma3TextConfig defaults of the Gemma3Con
     "sliding_window_pattern": 6,
 })
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# Gemma 2's decoder with Gemma3ConfigGroup's fields instead (tensorrt_llm/models/modeling_utils.py).
+DECODER = dataclasses.replace(GEMMA2_DECODER, config_group="Gemma3ConfigGroup")
 
 
 def _rows() -> tuple[Row, ...]:
@@ -171,7 +174,7 @@ def normalize(cfg: dict, params, origin: str):
         "rope_local_base_freq": local_base,
         "sliding_window": window,
         "inter_layernorms": True,
-        "hidden_act": "gelu",  # TensorRT-LLM's gelu is the tanh form (archs/gemma.py)
+        "hidden_act": DECODER.hidden_act,  # TensorRT-LLM's gelu is the tanh form (archs/gemma.py)
     }
     if any(local):
         extras["runtime_defaults"] = {"max_attention_window": [window if is_local else full for is_local in local]}
@@ -200,4 +203,5 @@ FAMILY = Family(
     llmapi_no_reuse=("upstream runs it with block and partial reuse off, a workaround for its non-inclusive sliding "
                      "window: tests/integration/defs/accuracy/test_llm_api_pytorch.py TestGemma3_1BInstruct"),
     quantization=quantization_refusal,
+    decoder=DECODER,
 )

@@ -45,7 +45,7 @@ import dataclasses
 import json
 from types import MappingProxyType
 
-from toolchain.archs.common import Family, Row, Shard, Stage
+from toolchain.archs.common import Decoder, Family, Row, Shard, Stage
 from toolchain.archs.llama import L, T
 from toolchain.archs.params import as_window
 from toolchain.errors import ToolchainError
@@ -72,6 +72,9 @@ PHI3_DEFAULTS = MappingProxyType({
     "max_position_embeddings": 4096,
     "hidden_act": "silu",
 })
+# Phi3DecoderLayer (tensorrt_llm/models/phi3/model.py): the fused fc run by MLP(hidden_act="swiglu"), and
+# Attention with the long_rope factors when position_embedding_type says so.
+DECODER = Decoder(hidden_act="swiglu", fused_mlp=True, long_rope=True)
 DEFAULT_ORIGINAL_MAX = 4096  # Phi3Config.original_max_position_embeddings
 # tensorrt_llm/models/phi3/config.py: `if hf_config.max_position_embeddings >= 128000:` -> long_rope
 LONGROPE_MIN_POSITIONS = 128000
@@ -127,7 +130,7 @@ def normalize(cfg: dict, params, origin: str):
 
 
 def config_extra(params) -> dict:
-    extra: dict = {"hidden_act": "swiglu", "rotary_pct": 1.0, "rotary_scaling": None}
+    extra: dict = {"hidden_act": DECODER.hidden_act, "rotary_pct": 1.0, "rotary_scaling": None}
     scaling = params.rotary_scaling
     if scaling is not None:
         extra.update(position_embedding_type="long_rope",
@@ -156,4 +159,5 @@ FAMILY = Family(
     config_extra=config_extra,
     normalize=normalize,
     llmapi_refusal=llmapi_refusal,
+    decoder=DECODER,
 )

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-from toolchain.archs.common import Family
+from toolchain.archs.common import Decoder, Family
 from toolchain.archs.llama import llama_rows
 from toolchain.archs.params import as_window
 from toolchain.errors import ToolchainError
@@ -38,6 +38,9 @@ QWEN_DEFAULTS = MappingProxyType({
     "max_position_embeddings": 32768,
     "hidden_act": "silu",
 })
+# Every Qwen type builds QWenDecoderLayer, whose attention has no output-projection bias
+# (tensorrt_llm/models/qwen/model.py: Attention(..., dense_bias=False)).
+QWEN_DECODER = Decoder(dense_bias=False)
 
 
 def uniform_window(cfg: dict, params, origin: str) -> int | None:
@@ -89,6 +92,7 @@ QWEN2 = Family(
     defaults=QWEN_DEFAULTS,
     config_extra=_extra("qwen2"),
     normalize=_qwen2,
+    decoder=QWEN_DECODER,
 )
 
 QWEN3 = Family(
@@ -98,4 +102,5 @@ QWEN3 = Family(
     defaults=QWEN_DEFAULTS,
     config_extra=_extra("qwen3"),
     normalize=_qwen3,
+    decoder=QWEN_DECODER,
 )

@@ -74,7 +74,7 @@ from types import MappingProxyType
 from toolchain.archs import moe
 from toolchain.archs.common import Family, Row, Shard
 from toolchain.archs.llama import L, T, llama_rows
-from toolchain.archs.qwen import QWEN_DEFAULTS, uniform_window
+from toolchain.archs.qwen import QWEN_DECODER, QWEN_DEFAULTS, uniform_window
 from toolchain.errors import ToolchainError
 
 E = f"{L}.mlp.experts.{{expert}}"
@@ -177,6 +177,7 @@ QWEN2_MOE = Family(
     config_extra=_extra("qwen2_moe"),
     normalize=_qwen2_moe,
     quantization=moe.quantization_refusal,
+    decoder=QWEN_DECODER,
 )
 
 QWEN3_MOE = Family(
@@ -187,6 +188,7 @@ QWEN3_MOE = Family(
     config_extra=_extra("qwen3_moe"),
     normalize=_qwen3_moe,
     quantization=moe.quantization_refusal,
+    decoder=QWEN_DECODER,
     engine_refusal=("TensorRT-LLM 1.2.1's engine path does not build Qwen3-MoE (tensorrt_llm/models/qwen/model.py "
                     "sizes its experts by intermediate_size and has no q/k norms; examples/models/core/qwen/README.md "
                     "runs Qwen3 MoE on the PyTorch backend only)"),

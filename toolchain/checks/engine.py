@@ -273,7 +273,7 @@ def _moe_parallelism(ctx: Context):
 @check("arch.quantization", (), "the family must convert the quantization asked for (archs/*.py: the family's "
        "`quantization` refusal, which convert and the HF-format export also ask)")
 def _arch_quantization(ctx: Context):
-    if ctx.model is None or not ctx.model.registered:
+    if ctx.model is None:
         return SKIP, "model config not readable here or not a registered family; the stage reports why"
     p, q = ctx.model.params, ctx.quant
     refusal = get_family(p.architecture).quantization_refusal(p, q.method, q.kv_cache, q.stored)
@@ -286,11 +286,7 @@ def _arch_quantization(ctx: Context):
 def _arch(ctx: Context):
     if ctx.model is None:
         return SKIP, NO_MODEL
-    arch = ctx.model.params.architecture
-    if ctx.model.registered:
-        return PASS, f"{arch} is supported by convert"
-    return WARN, (f"convert does not support {arch} yet (`toolchain archs` lists what it does); "
-                  "the plan uses its Llama-shaped config")
+    return PASS, f"{ctx.model.params.architecture} is supported by convert"
 
 
 @check("arch.engine-path", ENGINE, "trtllm-build of the pinned release must build the architecture (archs/*.py: "

@@ -110,7 +110,7 @@ class Context:
     def family(self) -> tuple[Family, str] | None:
         """The registered family of the spec's model and its architecture; None when its config is unreadable
         here or no family registers it (checks then skip with UNREGISTERED: the stage reports why)."""
-        if self.model is None or not self.model.registered:
+        if self.model is None:
             return None
         arch = self.model.params.architecture
         return get_family(arch), arch

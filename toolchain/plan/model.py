@@ -12,17 +12,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolchain.archs import family_for_config, get_family, load_params
-from toolchain.archs.params import ROPE_REQUIRED_KEYS, ROPE_TYPES, ArchParams, engine_dtype, normalize_params
+from toolchain.archs import get_family, load_params
+from toolchain.archs.params import ROPE_REQUIRED_KEYS, ROPE_TYPES, ArchParams, engine_dtype
 from toolchain.errors import ToolchainError
 from toolchain.quant import formats
 from toolchain.targets import target_of
-
-# TensorRT-LLM maps these onto its Llama implementation (Qwen2 adds q/k/v biases,
-# MODEL_MAP in TensorRT-LLM tensorrt_llm/models/__init__.py), so their shapes plan like
-# Llama even before the converter
-# registers them; the `arch.supported` check says whether convert can run.
-LLAMA_SHAPED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 QUANT_METHODS = tuple(formats.METHODS)
 KV_DTYPES = tuple(formats.KV_CACHE)
@@ -121,20 +115,17 @@ class ModelInfo:
     config_dir: Path
     hf_config: dict
     generation_config: dict | None
-    registered: bool
-    """The converter supports this architecture (`toolchain archs`)."""
     rope_problems: list[tuple[str, str]] = field(default_factory=list)
     """(check id, message) for RoPE settings TensorRT-LLM 1.2 would reject."""
 
     @property
     def qkv_bias(self) -> bool:
-        return self.params.attention_bias or self.params.architecture == "Qwen2ForCausalLM"
+        return self.params.attention_bias  # Qwen2's normalize sets it: HF Qwen2 always has q/k/v biases
 
     @property
     def dense_bias(self) -> bool:
-        # Qwen's attention has q/k/v biases but no output-projection bias (TensorRT-LLM
-        # tensorrt_llm/models/qwen/config.py).
-        return self.params.attention_bias and not self.params.architecture.startswith("Qwen")
+        # The family's decoder says whether the output projection shares them (Qwen's does not: archs/qwen.py).
+        return self.params.attention_bias and get_family(self.params.architecture).decoder.dense_bias
 
 
 def read_json(path: Path) -> dict | None:
@@ -186,19 +177,8 @@ def load_model(config_dir: Path) -> ModelInfo:
                              "point model.checkpoint at an HF model directory (config.json is enough to plan)")
     problems = _rope_problems(cfg, origin)
     planned = _without_rope_scaling(cfg) if problems else cfg
-    try:
-        family_for_config(cfg, origin)
-        registered = True
-    except ToolchainError:
-        arch = (cfg.get("architectures") or [None])[0]
-        if arch not in LLAMA_SHAPED:
-            raise
-        registered = False
-    if registered:
-        _, params = load_params(planned, origin)
-    else:
-        params = normalize_params(planned, get_family("LlamaForCausalLM"), origin)
-    return ModelInfo(params, config_dir, cfg, read_json(config_dir / "generation_config.json"), registered, problems)
+    _, params = load_params(planned, origin)  # refuses an unregistered architecture, listing the registered ones
+    return ModelInfo(params, config_dir, cfg, read_json(config_dir / "generation_config.json"), problems)
 
 
 def weight_dtype(spec, params: ArchParams) -> str:

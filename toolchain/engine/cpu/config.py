@@ -14,30 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from toolchain.archs import checkpoint_architectures, family_for_checkpoint
+from toolchain.archs.common import Decoder
 from toolchain.archs.moe import EXPERT_METHODS
 from toolchain.errors import ToolchainError
 from toolchain.quant import exclude, formats
 from toolchain.quant.recipe import GROUP_SIZES, per_group_multiple
+from toolchain.upstream import facts
 
-# Architectures whose TRT-LLM implementation is the Llama or Qwen decoder
-# (MODEL_MAP in TensorRT-LLM tensorrt_llm/models/__init__.py). "QWenForCausalLM" is what
-# modelopt's exporter writes.
-QWEN_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "QWenForCausalLM", "Qwen2MoeForCausalLM",
-                      "Qwen3MoeForCausalLM"}
-# MedusaForCausalLM is the Llama (or, by model_type, Qwen) decoder plus Medusa heads
-# (tensorrt_llm/models/medusa/model.py).
-MEDUSA = "MedusaForCausalLM"
-# MixtralForCausalLM: the Llama decoder with a mixture-of-experts MLP (config.json's `moe` section).
-ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", MEDUSA, *QWEN_ARCHITECTURES}
-# Gemma2ForCausalLM: TensorRT-LLM's Gemma decoder (tensorrt_llm/models/gemma/model.py; archs/gemma.py).
-GEMMA2 = "Gemma2ForCausalLM"
-# Gemma3ForCausalLM: the same decoder with q/k norms and local layers on their own rope base (archs/gemma3.py).
-GEMMA3 = "Gemma3ForCausalLM"
-GEMMA_ARCHITECTURES = {GEMMA2, GEMMA3}
-ARCHITECTURES |= GEMMA_ARCHITECTURES
-# Phi3ForCausalLM: its MLP is one swiglu fc [up; gate] per rank, no gate linear (tensorrt_llm/models/phi3/model.py).
-FUSED_MLP_ARCHITECTURES = {"Phi3ForCausalLM"}
-ARCHITECTURES |= FUSED_MLP_ARCHITECTURES
+# MedusaForCausalLM (upstream facts medusa.json) is a base decoder plus Medusa heads: MedusaForCausalLm builds QWen's
+# decoder when model_type names qwen and LLaMA's otherwise (tensorrt_llm/models/medusa/model.py, rule
+# base_from_model_type there).
+MEDUSA = facts("medusa")["architecture"]
+# What the engine runs: the checkpoint of every registered family (archs/__init__.py, each family's `decoder` saying
+# how TensorRT-LLM builds it) and Medusa over one.
+ARCHITECTURES = {*checkpoint_architectures(), MEDUSA}
 MOE_NORMALIZATIONS = (0, 1)  # ExpertScaleNormalizationMode NONE, RENORMALIZE (SPARSE_MIXER is not run here)
 ROPE_TYPES = {None, "none", "linear", "llama3"}
 UNQUANTIZED = {None, "NO_QUANT"}
@@ -268,8 +259,9 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
     if arch not in ARCHITECTURES:
         raise ToolchainError(f"{origin}: architecture '{arch}' is not supported by the CPU engine",
                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    decoder = _decoder(arch, cfg)
     position = cfg.get("position_embedding_type", "rope_gpt_neox")
-    if position != "rope_gpt_neox" and not (position == "long_rope" and arch in FUSED_MLP_ARCHITECTURES):
+    if position != "rope_gpt_neox" and not (position == "long_rope" and decoder.long_rope):
         raise ToolchainError(f"{origin}: position_embedding_type '{position}' "
                              "is not supported by the CPU engine", "only rope_gpt_neox (and Phi-3's long_rope) are")
     mapping = cfg.get("mapping") or {}
@@ -302,8 +294,7 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         rotary_scaling=(_long_rope(cfg, origin) if position == "long_rope"
                         else _rope_scaling(cfg.get("rotary_scaling"), origin)),
         attn_bias=bool(cfg.get("attn_bias", False)),
-        # TRT-LLM's Qwen attention has biased q/k/v but an unbiased output projection.
-        dense_bias=bool(cfg.get("attn_bias", False)) and not _qwen_decoder(arch, cfg),
+        dense_bias=bool(cfg.get("attn_bias", False)) and decoder.dense_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         use_parallel_embedding=bool(cfg.get("use_parallel_embedding", False)),
         embedding_sharding_dim=int(cfg.get("embedding_sharding_dim", 0)),
@@ -321,11 +312,19 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         exclude_listed=listed,
         **_medusa_dims(arch, cfg, origin),
         **_moe_dims(cfg, mapping, tp, origin),
-        **_gemma2_dims(arch, cfg, origin),
-        fused_mlp=arch in FUSED_MLP_ARCHITECTURES,
+        **_gemma2_dims(arch, decoder.config_group, cfg, origin),
+        fused_mlp=decoder.fused_mlp,
     )
-    _check_dims(dims, origin)
+    _check_dims(dims, decoder, origin)
     return dims
+
+
+def _decoder(arch: str, cfg: dict) -> Decoder:
+    """How TensorRT-LLM builds the decoder of an `arch` checkpoint: its family's `decoder` (archs/*.py), for Medusa
+    the base's, QWen's when model_type names qwen (MedusaConfig, tensorrt_llm/models/medusa/config.py)."""
+    if arch == MEDUSA:
+        arch = "QWenForCausalLM" if "qwen" in str(cfg.get("model_type", "")).lower() else "LlamaForCausalLM"
+    return family_for_checkpoint(arch).decoder
 
 
 def _moe_dims(cfg: dict, mapping: dict, tp: int, origin: str) -> dict:
@@ -367,13 +366,15 @@ def _qwen_moe_sizes(cfg: dict, origin: str) -> dict:
     return out
 
 
-def _gemma2_dims(arch: str, cfg: dict, origin: str) -> dict:
-    """Gemma2ConfigGroup or Gemma3ConfigGroup, and inter_layernorms (tensorrt_llm/models/gemma/config.py,
-    GemmaConfig); Gemma 3 has no attention soft-cap (model.py sets max_attn_value for Gemma 2 only)."""
-    if arch not in GEMMA_ARCHITECTURES:
+def _gemma2_dims(arch: str, group: str | None, cfg: dict, origin: str) -> dict:
+    """Gemma2ConfigGroup or Gemma3ConfigGroup (the decoder's `config_group`), and inter_layernorms
+    (tensorrt_llm/models/gemma/config.py, GemmaConfig); Gemma 3 has no attention soft-cap (model.py sets
+    max_attn_value for Gemma 2 only)."""
+    if group is None:
         return {}
+    gemma3 = group == "Gemma3ConfigGroup"
     values = {}
-    keys = ("query_pre_attn_scalar", "final_logit_softcapping", "rope_local_base_freq") if arch == GEMMA3 else \
+    keys = ("query_pre_attn_scalar", "final_logit_softcapping", "rope_local_base_freq") if gemma3 else \
         ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
     for key in keys:
         value = cfg.get(key)
@@ -386,18 +387,13 @@ def _gemma2_dims(arch: str, cfg: dict, origin: str) -> dict:
     out = {"inter_layernorms": bool(cfg.get("inter_layernorms", True)),
            "query_pre_attn_scalar": values["query_pre_attn_scalar"],
            "attn_softcap": values.get("attn_logit_softcapping"), "final_softcap": values["final_logit_softcapping"]}
-    if arch == GEMMA3:
+    if gemma3:
         pattern, local_base = cfg.get("_sliding_window_pattern"), values["rope_local_base_freq"]
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1 or local_base is None:
             raise ToolchainError(f"{origin}: a {arch} config needs _sliding_window_pattern >= 1 and "
                                  f"rope_local_base_freq, got {pattern!r} and {local_base!r}", _REBUILD)
         out.update(sliding_window_pattern=pattern, rotary_base_local=local_base)
     return out
-
-
-def _qwen_decoder(arch: str, cfg: dict) -> bool:
-    # MedusaConfig picks the Qwen decoder when model_type names qwen (tensorrt_llm/models/medusa/config.py).
-    return arch in QWEN_ARCHITECTURES or (arch == MEDUSA and "qwen" in str(cfg.get("model_type", "")).lower())
 
 
 def _medusa_dims(arch: str, cfg: dict, origin: str) -> dict:
@@ -410,10 +406,10 @@ def _medusa_dims(arch: str, cfg: dict, origin: str) -> dict:
     return {"medusa_heads": heads, "medusa_layers": layers}
 
 
-def _check_dims(d: ModelDims, origin: str) -> None:
+def _check_dims(d: ModelDims, decoder: Decoder, origin: str) -> None:
     problems = []
-    # upstream writes swiglu for mixture-of-experts MLPs (the gate fused into fc), silu for dense ones
-    act = "swiglu" if d.is_moe or d.fused_mlp else "gelu" if d.architecture in GEMMA_ARCHITECTURES else "silu"
+    # upstream writes swiglu for mixture-of-experts MLPs (the gate fused into fc), the decoder's own for dense ones
+    act = "swiglu" if d.is_moe else decoder.hidden_act
     if d.hidden_act != act:
         problems.append(f"hidden_act '{d.hidden_act}' (only {act} is supported{' for experts' if d.is_moe else ''})")
     if d.num_heads % d.tp:
