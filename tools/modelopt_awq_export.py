@@ -124,7 +124,7 @@ def qkv_spread(prequant: dict[str, torch.Tensor]) -> list[dict]:
     return rows
 
 
-def run_modelopt(run: Path, peer_python: Path, calib_samples: int) -> None:
+def run_modelopt(run: Path, peer_python: Path, calib_samples: int, calib_len: int, windows: int) -> None:
     """Calibrate and export with ModelOpt (benchmarks/peers/run_peer.py) into `run`, on the benchmark's tokens."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import quantization as bench
@@ -134,8 +134,8 @@ def run_modelopt(run: Path, peer_python: Path, calib_samples: int) -> None:
     hf = bench.SMOLLM2.resolve()
     tokenize = hf_tokenizer(hf)
     job = {"tool": "modelopt", "method": "INT4_AWQ@g64", "model_dir": str(hf), "tp": 1,
-           "calib": [c.tolist() for c in calibration_tokens(tokenize, "builtin", calib_samples, 256)],
-           "eval": bench.text_windows(tokenize, bench.english_text(), 16, 256),
+           "calib": [c.tolist() for c in calibration_tokens(tokenize, "builtin", calib_samples, calib_len)],
+           "eval": bench.text_windows(tokenize, bench.english_text(), windows, 256),
            "out_dir": str(run / "export"), "after_export": True, "prequant_path": str(run / "prequant.pt")}
     (run / "job.json").write_text(json.dumps(job))
     subprocess.run([str(peer_python), str(bench.PEER_SCRIPT), str(run / "job.json"), str(run / "result.json")],
@@ -172,18 +172,22 @@ def measure(run: Path) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write the readings here")
-    ap.add_argument("--reuse", type=Path, help="a folder of an earlier run (job.json, result.json, export/)")
+    ap.add_argument("--reuse", type=Path, help="run in this folder, or read the run already there "
+                    "(job.json, result.json, export/, prequant.pt)")
     ap.add_argument("--peer-python", type=Path, default=REPO / "benchmarks" / ".venv-peers" / "modelopt" / "bin" / "python")
-    ap.add_argument("--calib-samples", type=int, default=32, help="calibration sequences of 256 tokens")
+    ap.add_argument("--calib-samples", type=int, default=32, help="calibration sequences (the benchmark's: 32)")
+    ap.add_argument("--calib-seq-len", type=int, default=256)
+    ap.add_argument("--eval-windows", type=int, default=16, help="windows of 256 tokens of English (benchmark: 16)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="modelopt-awq-") as tmp:
         run = args.reuse or Path(tmp)
-        if args.reuse is None:
+        run.mkdir(parents=True, exist_ok=True)
+        if not (run / "result.json").is_file():
             if not args.peer_python.is_file():
                 raise SystemExit(f"no ModelOpt python at {args.peer_python}: run benchmarks/quantization.py once "
                                  "(it makes that environment) or pass --peer-python")
-            run_modelopt(run, args.peer_python, args.calib_samples)
+            run_modelopt(run, args.peer_python, args.calib_samples, args.calib_seq_len, args.eval_windows)
         result = measure(run)
     for key, value in result.items():
         if key != "qkv_prequant_spread":
