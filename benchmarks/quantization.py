@@ -302,7 +302,7 @@ def peer_rows(name: str, hf: Path, calib, windows, work: Path, args, reference: 
         logp_path = work / f"{out.name}.logp.pt"
         job.write_text(json.dumps({"tool": tool, "method": method, "model_dir": str(hf), "calib": calib,
                                    "eval": windows, "out_dir": str(out), "tp": args.tp,
-                                   "logp_path": str(logp_path)}))
+                                   "logp_path": str(logp_path), "after_export": tool == "modelopt"}))
         proc = subprocess.run([str(python), str(PEER_SCRIPT), str(job), str(result)], capture_output=True,
                               text=True, timeout=3600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         if proc.returncode != 0 or not result.is_file():
@@ -312,6 +312,8 @@ def peer_rows(name: str, hf: Path, calib, windows, work: Path, args, reference: 
         got = json.loads(result.read_text())
         row.update(perplexity=round(got["perplexity"], 4), bytes=got["bytes"], convert_s=round(got["convert_s"], 2),
                    format=got.get("format"))
+        if got.get("perplexity_after_export") is not None:  # its fake-quantized model once the export merged q/k/v
+            row["perplexity_after_export"] = round(got["perplexity_after_export"], 4)
         if got.get("format") == "tensorrt_llm_checkpoint":
             row.update(_run_on_cpu_engine(out, windows, work, args, reference.get(name)))
         elif logp_path.is_file() and reference.get(name):  # KL of the peer's own fake-quantized model

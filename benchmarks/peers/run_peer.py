@@ -65,11 +65,21 @@ def run_modelopt(job, model) -> dict:
         model = mtq.quantize(model, cfg, loop)
     quant_s = time.perf_counter() - start
     ppl = perplexity(model, job["eval"])
+    if job.get("prequant_path"):  # each linear's own AWQ scales, before the export merges any of them
+        torch.save({name: m.input_quantizer.pre_quant_scale.detach().clone() for name, m in model.named_modules()
+                    if getattr(getattr(m, "input_quantizer", None), "pre_quant_scale", None) is not None},
+                   job["prequant_path"])
     start = time.perf_counter()
     export_tensorrt_llm_checkpoint(model, "llama", dtype=torch.float16, export_dir=job["out_dir"],
                                    inference_tensor_parallel=job.get("tp", 1))
-    return {"perplexity": ppl, "convert_s": quant_s + time.perf_counter() - start,
-            "bytes": dir_bytes(Path(job["out_dir"])), "format": "tensorrt_llm_checkpoint"}
+    result = {"perplexity": ppl, "convert_s": quant_s + time.perf_counter() - start,
+              "bytes": dir_bytes(Path(job["out_dir"])), "format": "tensorrt_llm_checkpoint"}
+    if job.get("after_export"):
+        # The export rewrites the model in place: one averaged pre_quant_scale for q, k and v
+        # (modelopt/torch/export/quant_utils.py preprocess_linear_fusion), weights rescaled and
+        # requantized. Its own fake-quantized model after that is what the checkpoint holds.
+        result["perplexity_after_export"] = perplexity(model, job["eval"])
+    return result
 
 
 def run_llmcompressor(job, model) -> dict:
