@@ -67,3 +67,78 @@ def test_imported_int4_is_refused_on_blackwell():
     with pytest.raises(ToolchainError, match="an imported int4 checkpoint does not build on Blackwell"):
         check_recipe(Recipe(), SHAPE, tp=1, prequantized=pre, gpu_sm=100)
     check_recipe(Recipe(), SHAPE, tp=1, prequantized=pre, gpu_sm=90)
+
+
+# -- a row names everything that handles its format (docs/architecture.md "A quantization method") ------------
+
+def test_every_row_names_its_quantizer_kernel_and_export():
+    from toolchain.checkpoint import hf_quant, quantize
+    from toolchain.engine.cpu import qlinear
+
+    for row in formats.ALL:
+        # Its quantizer: a computing one has its branch in the writer and reads calibration statistics that
+        # collect_stats gathers; the others write fp weights (trtllm-build / none) or read stored ones.
+        if row.quantizer in quantize.COMPUTED:
+            assert row.stats and set(row.stats) <= {"amax", "absmean", "cov"}, row.name
+        elif row.quantizer in ("trtllm-build", "none"):
+            assert row.stored == formats.FP_WEIGHT and not row.stats, row.name
+        else:
+            assert (row.quantizer, row) == ("imported", formats.IMPORTED_INT4)
+        # Its CPU kernel: every quantized row runs on the CPU engine; only `none` is a plain fp linear.
+        assert (row.cpu_kernel in qlinear.KERNELS) if row is not formats.NONE else row.cpu_kernel is None, row.name
+        # Its HF export, or the row says why there is none (hf_quant_problem repeats it).
+        assert (row.hf_name is None) != (row.hf_why_not is None) or row is formats.NONE, row.name
+        if row.name in formats.METHODS and row.hf_why_not:
+            problem = hf_quant_problem_of(hf_quant, row.name)
+            assert problem == f"quantization.method {row.name} {row.hf_why_not}"
+
+
+def hf_quant_problem_of(hf_quant, method: str) -> str | None:
+    return hf_quant.hf_quant_problem(QuantizationSection(method=method))
+
+
+def test_dispatchers_refuse_an_unknown_format():
+    import torch
+
+    from toolchain.engine.cpu import qlinear
+
+    t = {"x.weight": torch.zeros(4, 4)}
+    with pytest.raises(ValueError, match="no CPU kernel 'int2'"):
+        qlinear.build_linear(t, "x", False, "int2")
+
+
+@pytest.mark.parametrize("method, kv, active", [("none", "none", False), ("none", "int8", True),
+                                                ("fp8", "none", True), ("awq", "fp8", True)])
+def test_one_quantized_at_all_answer(method, kv, active):
+    section = QuantizationSection(method=method, kv_cache=kv)
+    assert formats.active(method, kv) is section.active is Recipe(method=method, kv_cache=kv).active is active
+
+
+def test_quantized_at_all_is_defined_once():
+    # Every stage asks formats.active (through the spec section, Recipe or QuantFormat): no module spells
+    # the rule again.
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "toolchain"
+    rule = re.compile(r"""method\s*!=\s*["']none["']\s+or\s+\S*kv_cache\s*!=\s*["']none["']|"""
+                      r"""method\s*==\s*["']none["']\s+and\s+\S*kv_cache\s*==\s*["']none["']""")
+    spelled = [str(p.relative_to(root)) for p in root.rglob("*.py") if rule.search(p.read_text())]
+    assert spelled == ["quant/formats.py"]
+
+
+def test_the_architecture_map_names_the_files_a_method_touches():
+    # docs/architecture.md "A quantization method" lists the files a new row needs; each must exist and hold
+    # what the list says it holds.
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    doc = (repo / "docs" / "architecture.md").read_text()
+    section = doc.split("**A quantization method**", 1)[1].split("\n\n**", 1)[0]
+    for path, marker in [("toolchain/quant/formats.py", "quantizer: str"),
+                         ("toolchain/checkpoint/quantize.py", "COMPUTED = "),
+                         ("toolchain/engine/cpu/qlinear.py", "KERNELS = "),
+                         ("toolchain/checkpoint/hf_quant.py", "def _quantize_group"),
+                         ("tests/test_quant_formats.py", "def test_every_row_names")]:
+        assert f"`{path}`" in section, path
+        assert marker in (repo / path).read_text(), path

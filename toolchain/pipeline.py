@@ -35,7 +35,7 @@ from toolchain.llmapi import launch as llmapi_launch
 from toolchain.llmapi import manifests as llmapi_manifests
 from toolchain.llmapi.cpu_llm import ENGINE_DIR_ENV
 from toolchain.llmapi.launch import openai_engine_args, serve_config_path, served_model_name
-from toolchain.llmapi.stage import quantized, run_convert_llmapi, served_model_dir
+from toolchain.llmapi.stage import run_convert_llmapi, served_model_dir
 from toolchain.openai.server import OpenAIServer
 
 Progress = Callable[[str, str], None]
@@ -134,7 +134,7 @@ def served_outputs(spec: DeploymentSpec, workspace: Workspace) -> list[tuple[Pat
     path) or the quantized checkpoint LLM() loads (LLM-API path; an unquantized one is the user's own HF
     directory), and the model repository."""
     if target_of(spec).llmapi_path:
-        loaded = [(workspace.checkpoint_dir(spec), "convert")] if quantized(spec) else []
+        loaded = [(workspace.checkpoint_dir(spec), "convert")] if spec.quantization.active else []
     else:
         loaded = [(workspace.engine_dir(spec), "build-engine")]
     return loaded + [(workspace.model_repo_dir(spec), "model-repo")]

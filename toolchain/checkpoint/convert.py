@@ -109,7 +109,7 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
                              "use another parallelism.tp, or re-export the checkpoint with every MLP linear quantized"
                              if recipe.stored else "remove the mlp modules from quantization.exclude_modules, "
                              "or use quantization.group_size 64 or another parallelism.tp")
-    if recipe.method == "awq":
+    if recipe.format.per_group:
         problem = moe.per_group_problem(params, recipe.group_size, opts.moe_sizes[0])
         if problem is not None:
             smaller = "quantization.group_size 64, " if recipe.group_size > 64 else ""
@@ -188,7 +188,7 @@ def calibrate(plan: Plan, hf_dir: Path | str, *, tokenizer_dir: Path | str | Non
     if any(int(s.max()) >= vocab or int(s.min()) < 0 for s in seqs):
         raise ToolchainError(f"calibration tokens fall outside the model's vocabulary [0, {vocab})",
                              "set model.tokenizer to the model's own tokenizer")
-    quant.stats = collect_stats(Path(hf_dir), seqs, covariance=r.method == "awq", progress=echo)
+    quant.stats = collect_stats(Path(hf_dir), seqs, covariance="cov" in r.format.stats, progress=echo)
 
 
 def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto",

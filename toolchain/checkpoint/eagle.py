@@ -255,7 +255,7 @@ def refuse_unsupported(spec, architecture: str | None, prequantized: bool) -> No
     if spec.parallelism.pp > 1:
         raise ToolchainError(f"EAGLE with parallelism.pp={spec.parallelism.pp} is not supported",
                              "set parallelism.pp to 1 (use tp for more GPUs)")
-    if prequantized or spec.quantization.method != "none" or spec.quantization.kv_cache != "none":
+    if prequantized or spec.quantization.active:
         raise ToolchainError("EAGLE conversion writes an unquantized checkpoint",
                              "set quantization.method none (and kv_cache none) for speculative.mode eagle")
     if architecture is not None and architecture not in LLAMA.architectures:

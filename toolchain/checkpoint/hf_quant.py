@@ -76,19 +76,12 @@ def hf_quant_problem(quantization) -> str | None:
     """Why the PyTorch backend cannot load this spec `quantization` section pre-quantized in the
     HF format, or None. Pure: reads `.method` and `.kv_cache` only, so the planner can call it."""
     method, kv = quantization.method, quantization.kv_cache
-    if method in ("int8_wo", "int4_wo"):
-        # Round-to-nearest weight-only has no pre-quantized HF layout in ModelOpt's exporter that
-        # the backend reads as such (W8A16 exports fp weights; W4A16 per channel does not exist).
-        return (f"quantization.method {method} has no pre-quantized Hugging Face format the PyTorch backend "
-                "loads; use awq (int4 per group) or fp8")
-    if method == "smoothquant":
-        # tensorrt_llm/_torch/modules/linear.py get_quant_method has no W8A8_SQ_PER_CHANNEL branch:
-        # the backend raises "unsupported quant mode" for it.
-        return ("quantization.method smoothquant (W8A8_SQ_PER_CHANNEL) does not load on the PyTorch backend; "
-                "use fp8 or awq")
+    row = formats.METHODS.get(method)
+    if row is not None and row.hf_why_not:  # the row says why it has no export
+        return f"quantization.method {method} {row.hf_why_not}"
     if kv == "int8":
         return "quantization.kv_cache int8 has no Hugging Face export the PyTorch backend loads; use fp8 or none"
-    if method == "none" and kv == "none":
+    if not formats.active(method, kv):
         return "quantization.method none and kv_cache none: nothing to pre-quantize; the backend loads the model as is"
     if (method != "none" and method not in formats.HF_EXPORTS) or kv not in ("fp8", "none"):
         return (f"quantization.method {method} / kv_cache {kv} is not exported to the Hugging Face format; "
@@ -146,7 +139,7 @@ def _calibration(hf_dir: Path, recipe: Recipe, calibration, tokenizer_dir, vocab
     if any(int(s.max()) >= vocab or int(s.min()) < 0 for s in seqs):
         raise ToolchainError(f"calibration tokens fall outside the model's vocabulary [0, {vocab})",
                              "set model.tokenizer to the model's own tokenizer")
-    return collect_stats(hf_dir, seqs, covariance=recipe.method == "awq")
+    return collect_stats(hf_dir, seqs, covariance="cov" in recipe.format.stats)
 
 
 def _check_groups(params, group: int) -> None:
@@ -168,7 +161,10 @@ def _module_excluded(table: NameTable, prefix: str, patterns) -> bool:
 def _quantize_group(recipe: Recipe, ws: list[torch.Tensor], st, dtype) -> list[dict[str, torch.Tensor]]:
     """HF tensors (leaf -> tensor) per linear of one shared-input group; AWQ's shared prequant
     vector comes back as float32 under "_prequant" for the caller to fold or keep."""
-    if recipe.method == "fp8":
+    quantizer = recipe.format.quantizer
+    if quantizer not in ("fp8", "awq"):  # hf_quant_problem refuses the others first
+        raise ValueError(f"the Hugging Face export has no quantizer for quantization.method {recipe.method}")
+    if quantizer == "fp8":
         a_scale = fp8_q.fp8_scale(st.amax.max()).reshape(())
         out = []
         for w in ws:
@@ -211,7 +207,7 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
         if any(i.dtype not in (torch.float32, torch.float16, torch.bfloat16) for i in ckpt.tensors.values()):
             raise ToolchainError(f"{hf_dir} is already quantized", "export from the unquantized model")
         target = _export_dtype(dtype, params)
-        if recipe.method == "awq":
+        if recipe.format.per_group:
             _check_groups(params, recipe.group_size)
         stats = _calibration(hf_dir, recipe, calibration, tokenizer_dir, params.vocab_size)
         tensors, excluded = _quantized_tensors(ckpt, table, params, recipe, stats, target)
@@ -268,7 +264,7 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, recipe: Rec
                 if prequant is not None and norm is None:
                     parts["pre_quant_scale"] = prequant.to(dtype)
                 out.update({f"{p}.{leaf}": t for leaf, t in parts.items()})
-            if recipe.method == "awq" and norm is not None:
+            if recipe.format.per_group and norm is not None:
                 # norm(x)·g·p = norm(x)·(g·p): folding the shared vector p into the norm's gain g is exact
                 # up to the model-dtype rounding of g·p, and the backend's fused qkv / gate_up loaders
                 # read no pre_quant_scale (linear.py, the int4 AWQ LinearMethod).

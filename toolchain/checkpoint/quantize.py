@@ -242,26 +242,32 @@ class Quantizer:
         flat = [w for ws in weights for w in ws]
         slot = LINEARS[module]
         st = self._stats(layer).inputs[slot]
-        g = self.group_size
-        if self.fmt == "awq":
-            lins, _ = awq_q.quantize_awq(flat, st.absmean, st.cov, g, search=self.recipe.search,
-                                         clip=self.recipe.search,
-                                         rounding=self.recipe.rounding if self.recipe.search else "nearest")
-            comps = [self._components({"weight": [lin.weight], "weights_scaling_factor": [lin.weights_scaling_factor],
-                                       "prequant_scaling_factor": [lin.prequant_scaling_factor]}) for lin in lins]
-        elif self.fmt == "smoothquant":
-            sq_lins = sq_q.quantize_sq(flat, st.amax, self.recipe.alpha if self.recipe.search else None)
-            comps = [self._components({"weight": [lin.weight], "weights_scaling_factor": [lin.weights_scaling_factor],
-                                       "activation_scaling_factor": [lin.activation_scaling_factor],
-                                       "prequant_scaling_factor": [lin.prequant_scaling_factor]})
-                     for lin in sq_lins]
-        else:
-            # q/k/v must share one weight scale (FP8Linear); fc and gate preferably do, and here they do.
-            qs, wscale = fp8_q.quantize_fp8_shared(flat)
-            ascale = fp8_q.fp8_scale(st.amax.max())
-            comps = [self._components({"weight": [q], "weights_scaling_factor": [wscale],
-                                       "activation_scaling_factor": [ascale]}) for q in qs]
-        return self._regroup(comps, [len(ws) for ws in weights])
+        compute = COMPUTED.get(self.format.quantizer)
+        if compute is None:  # the row's quantizer (quant/formats.py) has no branch here
+            raise ValueError(f"{module}: no quantizer computes format {self.format.name} "
+                             f"(quantizer {self.format.quantizer!r})")
+        return self._regroup(compute(self, flat, st), [len(ws) for ws in weights])
+
+    def _awq(self, flat: list[torch.Tensor], st) -> list[list[Component]]:
+        lins, _ = awq_q.quantize_awq(flat, st.absmean, st.cov, self.group_size, search=self.recipe.search,
+                                     clip=self.recipe.search,
+                                     rounding=self.recipe.rounding if self.recipe.search else "nearest")
+        return [self._components({"weight": [lin.weight], "weights_scaling_factor": [lin.weights_scaling_factor],
+                                  "prequant_scaling_factor": [lin.prequant_scaling_factor]}) for lin in lins]
+
+    def _smoothquant(self, flat: list[torch.Tensor], st) -> list[list[Component]]:
+        sq_lins = sq_q.quantize_sq(flat, st.amax, self.recipe.alpha if self.recipe.search else None)
+        return [self._components({"weight": [lin.weight], "weights_scaling_factor": [lin.weights_scaling_factor],
+                                  "activation_scaling_factor": [lin.activation_scaling_factor],
+                                  "prequant_scaling_factor": [lin.prequant_scaling_factor]})
+                for lin in sq_lins]
+
+    def _fp8(self, flat: list[torch.Tensor], st) -> list[list[Component]]:
+        # q/k/v must share one weight scale (FP8Linear); fc and gate preferably do, and here they do.
+        qs, wscale = fp8_q.quantize_fp8_shared(flat)
+        ascale = fp8_q.fp8_scale(st.amax.max())
+        return [self._components({"weight": [q], "weights_scaling_factor": [wscale],
+                                  "activation_scaling_factor": [ascale]}) for q in qs]
 
     @staticmethod
     def _regroup(per_source: list[list[Component]], counts: list[int]) -> list[list[Component]]:
@@ -394,11 +400,11 @@ class Quantizer:
 
     def _expert_planned(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         prefix = name[: -len(".weight")]
-        if self.fmt == "awq":
+        if self.format.quantizer == "awq":
             experts, out, inp = shape
             return [(f"{prefix}.{t.suffix}", (experts, *t.dims(out, inp, self.group_size)),
                      self._torch_dtype(t.dtype)) for t in self.format.stored]
-        if self.fmt != "fp8":
+        if self.format.quantizer != "fp8":
             raise ValueError(f"{name}: expert stacks are written quantized in fp8 or awq only, not {self.fmt}")
         return [(f"{prefix}.weight", shape, fp8_q.FP8_DTYPE), (f"{prefix}.weights_scaling_factor", (shape[0], 1), F32),
                 (f"{prefix}.activation_scaling_factor", (1,), F32)]
@@ -412,8 +418,10 @@ class Quantizer:
         count = len(ws) // 2 if fc else len(ws)
         # per expert its tensors: fc (w3_e, w1_e), sources being every w3 then every w1 (layout.build_groups)
         mine = [(ws[e], ws[count + e]) if fc else (ws[e],) for e in range(count)]
-        if self.fmt == "awq":
+        if self.format.quantizer == "awq":
             return self._write_awq_experts(o, prefix, stats, mine, fc)
+        if self.format.quantizer != "fp8":  # as _expert_planned: no silent FP8 for another row
+            raise ValueError(f"{o.name}: expert stacks are written quantized in fp8 or awq only, not {self.fmt}")
         scales = [fp8_q.fp8_scale(torch.stack([t.abs().max() for t in ts]).max()) for ts in mine]
         # float32 copies of the e4m3 values split exactly; each rank's piece is cast back below
         q = [[fp8_q.to_fp8(t, scales[e]).float() for t in ts] for e, ts in enumerate(mine)]
@@ -526,6 +534,11 @@ class Quantizer:
                 for rank, piece in zip(stage_ranks(o.stage, self.tp), self.split(comp, o.row.shard), strict=False):
                     result.setdefault(rank, []).append((f"{prefix}.{comp.suffix}", self.finish(comp, piece)))
         return result
+
+
+# A row's `quantizer` (quant/formats.py) -> the method computing its tensors from fp weights and calibration
+# statistics; "imported" rows are read (Quantizer._imported), "trtllm-build" and "none" rows write fp weights.
+COMPUTED = {"awq": Quantizer._awq, "smoothquant": Quantizer._smoothquant, "fp8": Quantizer._fp8}
 
 
 def _linear(name: str) -> tuple[str, str, int]:

@@ -63,9 +63,8 @@ def _speculative_settings(spec: DeploymentSpec) -> dict:
     return {"medusa": {"heads": str(sp.heads), "choices": sp.choices, "max_draft_len": sp.max_draft_len}}
 
 
-def _quant_settings(spec: DeploymentSpec) -> dict | None:
-    q = getattr(spec, "quantization", None)
-    return None if q is None else q.model_dump(mode="json")
+def _quant_settings(spec: DeploymentSpec) -> dict:
+    return spec.quantization.model_dump(mode="json")
 
 
 def target_gpu(spec: DeploymentSpec) -> tuple[str | None, int | None] | None:

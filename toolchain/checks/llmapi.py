@@ -48,7 +48,7 @@ def _quantization(ctx: Context):
     from toolchain.checkpoint.hf_quant import hf_quant_problem
 
     q = ctx.spec.quantization
-    if q.method == "none" and q.kv_cache == "none":
+    if not q.active:
         return PASS, "unquantized: the checkpoint is served as it is"
     problem = hf_quant_problem(q)
     if problem:
@@ -65,7 +65,7 @@ def _architecture(ctx: Context):
     p = ctx.model.params
     family = get_family(p.architecture)
     q = ctx.spec.quantization
-    why = family.llmapi_refusal(p, ctx.spec.parallelism.tp, q.method != "none" or q.kv_cache != "none") \
+    why = family.llmapi_refusal(p, ctx.spec.parallelism.tp, q.active) \
         if family.llmapi_refusal is not None else None
     if why is not None:
         return FAIL, why

@@ -382,9 +382,9 @@ def check_engine(spec, engine_dir: Path, *, draft: bool = False) -> list[str]:
     if "gather_generation_logits" in bc and bool(bc["gather_generation_logits"]) != gather:
         problems.append(f"build_config.gather_generation_logits {bc['gather_generation_logits']} != {gather}")
     quant = (pre.get("quantization") or {})
-    if not draft and getattr(spec, "quantization", None) is not None:
+    if not draft:
         q = quant_format(spec, read_json(Path(spec.model.checkpoint) / "config.json"))  # stored int4 too
-        kv = {"none": None, "int8": "INT8", "fp8": "FP8"}[q.kv_cache]
+        kv = q.kv_format.quant_algo
         if quant.get("quant_algo") != q.quant_algo:
             problems.append(f"quantization.quant_algo {quant.get('quant_algo')} != {q.quant_algo}")
         if quant.get("kv_cache_quant_algo") != kv:

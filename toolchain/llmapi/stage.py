@@ -40,14 +40,9 @@ STAGE = "convert"
 FORMAT_VERSION = 1  # bump when what this stage writes changes for the same inputs
 
 
-def quantized(spec: DeploymentSpec) -> bool:
-    q = spec.quantization
-    return q.method != "none" or q.kv_cache != "none"
-
-
 def _settings(spec: DeploymentSpec) -> dict:
     return {"path": "llmapi", "format": FORMAT_VERSION, "target": spec.target, "dtype": spec.model.dtype,
-            "quantization": spec.quantization.model_dump(mode="json") if quantized(spec) else None}
+            "quantization": spec.quantization.model_dump(mode="json") if spec.quantization.active else None}
 
 
 def _check_layout(spec: DeploymentSpec) -> None:
@@ -69,7 +64,7 @@ def _check_layout(spec: DeploymentSpec) -> None:
 
 def served_model_dir(spec: DeploymentSpec, workspace: Workspace) -> Path:
     """The directory passed as `model` to LLM(): the converted one when quantized, else the source."""
-    if quantized(spec):
+    if spec.quantization.active:
         return Path(workspace.checkpoint_dir(spec)).resolve()
     return Path(spec.model.checkpoint).resolve()
 
@@ -105,7 +100,7 @@ def _convert(spec: DeploymentSpec, workspace: Workspace, force: bool, say: Calla
         return have
     start = time.monotonic()
     with atomic_dir(final) as tmp:
-        if quantized(spec):
+        if spec.quantization.active:
             from toolchain.checkpoint.hf_quant import export_hf_quantized
 
             say(f"quantizing {source} ({spec.quantization.method}, KV {spec.quantization.kv_cache}) "

@@ -18,8 +18,6 @@ from toolchain.errors import ToolchainError
 from toolchain.quant import formats
 from toolchain.targets import target_of
 
-QUANT_METHODS = tuple(formats.METHODS)
-KV_DTYPES = tuple(formats.KV_CACHE)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -84,29 +82,14 @@ def stored_int4(hf_config: dict | None) -> tuple[str, int] | None:
 
 
 def quant_format(spec, hf_config: dict | None = None) -> QuantFormat:
-    """Read the spec's `quantization` section defensively: older specs have none. With the model's
-    config.json (`hf_config`), a checkpoint stored as AutoAWQ/GPTQ int4 under `method: none` plans at
-    the format convert imports it in, not as the float model it was quantized from."""
-    q = getattr(spec, "quantization", None)
+    """The spec's `quantization` section (its method and kv_cache are the spec's Literals, validated when
+    it loads). With the model's config.json (`hf_config`), a checkpoint stored as AutoAWQ/GPTQ int4 under
+    `method: none` plans at the format convert imports it in, not as the float model it was quantized from."""
+    q = spec.quantization
     pre = stored_int4(hf_config)
-    if q is None:
-        return QuantFormat("awq", group_size=pre[1], stored=pre[0]) if pre else QuantFormat()
-
-    def text(name: str, default: str) -> str:
-        value = getattr(q, name, default)
-        return default if value is None else str(getattr(value, "value", value))
-
-    method = text("method", "none")
-    kv = text("kv_cache", "none")
-    if method not in QUANT_METHODS:
-        raise ToolchainError(f"quantization.method '{method}' is not planned", f"use one of {', '.join(QUANT_METHODS)}")
-    if kv not in KV_DTYPES:
-        raise ToolchainError(f"quantization.kv_cache '{kv}' is not planned", f"use one of {', '.join(KV_DTYPES)}")
-    excl = getattr(q, "exclude_modules", None)
-    if pre is not None and method == "none":
-        return QuantFormat("awq", kv, pre[1], tuple(excl) if excl is not None else None, stored=pre[0])
-    return QuantFormat(method, kv, int(getattr(q, "group_size", None) or 128),
-                       tuple(excl) if excl is not None else None)
+    if pre is not None and q.method == "none":
+        return QuantFormat("awq", q.kv_cache, pre[1], tuple(q.exclude_modules), stored=pre[0])
+    return QuantFormat(q.method, q.kv_cache, q.group_size, tuple(q.exclude_modules))
 
 
 @dataclass

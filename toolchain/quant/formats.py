@@ -86,8 +86,16 @@ class Format:
     """The spec's quantization.method ("awq"), or "imported_int4" for AutoAWQ/GPTQ imports."""
     quant_algo: str | None
     """config.json `quantization.quant_algo` (QuantAlgo)."""
-    calibration: bool
-    """Computing it needs activation statistics (calibration data)."""
+    quantizer: str
+    """What computes the tensors `stored` holds, the key the dispatchers read (checkpoint/quantize.py
+    Quantizer.components, checkpoint/hf_quant.py _quantize_group), each raising on a key it lacks: "awq"
+    (quant/awq.py), "smoothquant" (quant/smoothquant.py), "fp8" (quant/fp8.py); "imported" (quant/prequantized.py
+    unpacks a stored checkpoint); "trtllm-build" (the fp weights are written as they are and trtllm-build
+    quantizes them, the CPU engine at load); "none" (nothing is quantized)."""
+    stats: tuple[str, ...]
+    """The calibration statistics its quantizer reads (quant/calibration.py LayerStats.inputs): "amax" (per input
+    channel max |x|), "absmean" (mean |x|) and "cov" (the input covariance, AWQ's clip search); empty: no
+    calibration."""
     stored: tuple[Tensor, ...]
     """Per quantized linear, in the engine checkpoint, in the order convert writes them."""
     built: tuple[Tensor, ...]
@@ -105,13 +113,20 @@ class Format:
     tensorrt_llm/models/modeling_utils.py), so `stored` is the fp weight."""
     hf_name: str | None = None
     """Its ModelOpt Hugging Face export the PyTorch backend loads (`format` of export_hf_quantized);
-    None when the LLM-API path cannot take it pre-quantized."""
+    None when the LLM-API path cannot take it pre-quantized, and then `hf_why_not` says why."""
+    hf_why_not: str | None = None
+    """Why it has no HF export (checkpoint/hf_quant.py hf_quant_problem), after "quantization.method <name> "."""
     hf_weight: str | None = None
     """The dtype the HF export stores its weight in (int4 packed two per uint8 byte, or e4m3)."""
     math: str = "fp16"
     """The tensor-core precision its GEMMs multiply in, whose peak the performance model (plan/perf/) reads:
     fp16 (the model's half type) for float and weight-only formats, whose kernels dequantize to the
     activations' type; int8 for SmoothQuant's W8A8; fp8 for FP8."""
+
+    @property
+    def calibration(self) -> bool:
+        """Computing it needs activation statistics (calibration data)."""
+        return bool(self.stats)
 
     def refused_on(self, sm: int) -> str | None:
         """"too old" or "blackwell" when a GPU of SM `sm` cannot build this format, else None."""
@@ -135,28 +150,34 @@ _INT4_GROUP_SCALES_BUILT = Tensor("weights_scaling_factor", ("out", "in/g"), "fl
 # them, (in/g, out) in the model dtype (checkpoint/quantize.py's docstring).
 _ZERO = Tensor("zero", ("in/g", "out"), "model", "out_groups")
 _SCALAR = ("1",)
+# Round-to-nearest weight-only has no pre-quantized HF layout in ModelOpt's exporter that the PyTorch backend
+# reads as such (W8A16 exports fp weights; W4A16 per channel does not exist).
+_WO_NO_HF = "has no pre-quantized Hugging Face format the PyTorch backend loads; use awq (int4 per group) or fp8"
 
-NONE = Format("none", None, calibration=False, stored=FP_WEIGHT, built=FP_WEIGHT)
-INT8_WO = Format("int8_wo", "W8A16", calibration=False, stored=FP_WEIGHT, weight_only=True, integer=True,
+NONE = Format("none", None, "none", (), stored=FP_WEIGHT, built=FP_WEIGHT)
+INT8_WO = Format("int8_wo", "W8A16", "trtllm-build", (), stored=FP_WEIGHT, weight_only=True, integer=True,
                  built=(Tensor("weight", ("out", "in"), "int8", "weight"),
                         Tensor("weights_scaling_factor", ("out",), "float16", "out_vec")),
-                 cpu_kernel="int8_wo")
-INT4_WO = Format("int4_wo", "W4A16", calibration=False, stored=FP_WEIGHT, weight_only=True, integer=True,
+                 cpu_kernel="int8_wo", hf_why_not=_WO_NO_HF)
+INT4_WO = Format("int4_wo", "W4A16", "trtllm-build", (), stored=FP_WEIGHT, weight_only=True, integer=True,
                  built=(_INT4_WEIGHT, Tensor("weights_scaling_factor", ("out",), "float16", "out_vec")),
-                 cpu_kernel="int4_wo")
-AWQ = Format("awq", "W4A16_AWQ", calibration=True, integer=True, per_group=True,
+                 cpu_kernel="int4_wo", hf_why_not=_WO_NO_HF)
+AWQ = Format("awq", "W4A16_AWQ", "awq", ("absmean", "cov"), integer=True, per_group=True,
              stored=(_INT4_WEIGHT, _INT4_GROUP_SCALES, _PREQUANT),
              built=(_INT4_WEIGHT, _INT4_GROUP_SCALES_BUILT, _PREQUANT),
              cpu_kernel="int4_group", hf_name="int4_awq", hf_weight="uint8")
-SMOOTHQUANT = Format("smoothquant", "W8A8_SQ_PER_CHANNEL", calibration=True, integer=True,
+SMOOTHQUANT = Format("smoothquant", "W8A8_SQ_PER_CHANNEL", "smoothquant", ("amax",), integer=True,
                      stored=(Tensor("weight", ("out", "in"), "int8", "weight"),
                              Tensor("weights_scaling_factor", ("out",), "float32", "out_vec"),
                              Tensor("activation_scaling_factor", _SCALAR, "float32", "scalar"), _PREQUANT),
                      built=(Tensor("weight", ("out", "in"), "int8", "weight"),
                             Tensor("weights_scaling_factor", ("out",), "float32", "out_vec"),
                             Tensor("activation_scaling_factor", _SCALAR, "float32", "scalar"), _PREQUANT),
-                     cpu_kernel="sq", math="int8")
-FP8 = Format("fp8", "FP8", calibration=True, min_sm=89,
+                     cpu_kernel="sq", math="int8",
+                     # tensorrt_llm/_torch/modules/linear.py get_quant_method has no W8A8_SQ_PER_CHANNEL branch:
+                     # the backend raises "unsupported quant mode" for it.
+                     hf_why_not="(W8A8_SQ_PER_CHANNEL) does not load on the PyTorch backend; use fp8 or awq")
+FP8 = Format("fp8", "FP8", "fp8", ("amax",), min_sm=89,
              stored=(Tensor("weight", ("out", "in"), "fp8", "weight"),
                      Tensor("weights_scaling_factor", _SCALAR, "float32", "scalar"),
                      Tensor("activation_scaling_factor", _SCALAR, "float32", "scalar")),
@@ -166,10 +187,11 @@ FP8 = Format("fp8", "FP8", calibration=True, min_sm=89,
              cpu_kernel="fp8", hf_name="fp8", hf_weight="fp8", math="fp8")
 # An AutoAWQ (GEMM) or GPTQ int4 checkpoint imported losslessly (quant/prequantized.py): the same
 # QuantAlgo and kernel as awq, with zero points instead of the prequant vector (has_zero_point).
-IMPORTED_INT4 = Format("imported_int4", AWQ.quant_algo, calibration=False, integer=True, per_group=True,
+IMPORTED_INT4 = Format("imported_int4", AWQ.quant_algo, "imported", (), integer=True, per_group=True,
                        stored=(_INT4_WEIGHT, _INT4_GROUP_SCALES, _ZERO),
                        built=(_INT4_WEIGHT, _INT4_GROUP_SCALES_BUILT, _ZERO),
-                       cpu_kernel="int4_group")
+                       cpu_kernel="int4_group",
+                       hf_why_not="is an AutoAWQ/GPTQ import, which the LLM-API path loads from its own files")
 
 METHODS: dict[str, Format] = {f.name: f for f in (NONE, INT8_WO, INT4_WO, AWQ, SMOOTHQUANT, FP8)}
 """The spec's quantization.method values, in the spec's order."""
@@ -208,6 +230,12 @@ KV_CACHE: dict[str, KvFormat] = {k.name: k for k in (
     KvFormat("fp8", "FP8", "fp8", min_sm=FP8.min_sm),
 )}
 KV_BY_ALGO: dict[str | None, KvFormat] = {k.quant_algo: k for k in KV_CACHE.values()}
+
+
+def active(method: str, kv_cache: str) -> bool:
+    """Whether anything is quantized, the weights or the KV cache: the one answer every stage reads
+    (through Recipe.active, QuantFormat.active or this function on a spec's `quantization` section)."""
+    return method != "none" or kv_cache != "none"
 
 
 def weight_format(method: str, *, imported: bool = False) -> Format:

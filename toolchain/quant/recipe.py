@@ -62,7 +62,7 @@ class Recipe:
 
     @property
     def active(self) -> bool:
-        return self.method != "none" or self.kv_cache != "none"
+        return formats.active(self.method, self.kv_cache)
 
 
 @dataclass(frozen=True)

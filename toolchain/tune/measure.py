@@ -62,10 +62,6 @@ def measurable(spec: DeploymentSpec) -> str | None:
     return None
 
 
-def quantized(spec: DeploymentSpec) -> bool:
-    return spec.quantization.method != "none" or spec.quantization.kv_cache != "none"
-
-
 class Quality:
     """Perplexity of a candidate and of the unquantized model it derives from (evaluated once)."""
 
@@ -74,7 +70,7 @@ class Quality:
         self._baseline: float | None = None
 
     def baseline_spec(self) -> DeploymentSpec:
-        if not quantized(self.user_spec):
+        if not self.user_spec.quantization.active:
             return self.user_spec
         return derive(self.user_spec, {"name": f"{self.user_spec.name}-unquantized", "quantization.method": "none",
                                        "quantization.kv_cache": "none"})
@@ -140,7 +136,7 @@ def measure(ranked: list[tuple[str, DeploymentSpec]], top: int, user_spec: Deplo
             break
         m = Measured(label, spec)
         results.append(m)
-        if quantized(spec):
+        if spec.quantization.active:
             progress("measure", f"{label}: quality ({spec.name})")
             quality_check(m, quality, max_ppl_increase_pct)
             if not m.quality_ok or m.error:

@@ -194,7 +194,14 @@ def build_linear(t: dict[str, torch.Tensor], prefix: str, bias: bool, fmt: str |
     if fmt == "sq":
         return SmoothQuantW8A8(w, t[f"{prefix}.weights_scaling_factor"], t[f"{prefix}.activation_scaling_factor"],
                                t[f"{prefix}.prequant_scaling_factor"], b)
-    return Fp8PerTensor(w, t[f"{prefix}.weights_scaling_factor"], t[f"{prefix}.activation_scaling_factor"], b)
+    if fmt == "fp8":
+        return Fp8PerTensor(w, t[f"{prefix}.weights_scaling_factor"], t[f"{prefix}.activation_scaling_factor"], b)
+    # A row's cpu_kernel (quant/formats.py) with no branch here: refuse rather than run it as another format.
+    raise ValueError(f"{prefix}: no CPU kernel '{fmt}' (engine/cpu/qlinear.py KERNELS)")
+
+
+KERNELS = ("int8_wo", "int4_wo", "int4_group", "sq", "fp8")
+"""The kernels build_linear builds, which every quantized row's cpu_kernel names (tests/test_quant_formats.py)."""
 
 
 def make_linear(tensors: dict[str, torch.Tensor], prefix: str, bias: bool, fmt: str | None = None,
