@@ -76,7 +76,7 @@ def test_serve_ends_in_one_line_when_a_model_stub_dies(tmp_path):
     """tritonserver keeps reporting ready with a dead stub; `toolchain serve` must not wait forever."""
     import threading
 
-    from toolchain.cli.serve import _run_until_stopped
+    from toolchain import pipeline
     from toolchain.errors import StageFailed
 
     spec, ws, server = R.deploy(tmp_path)
@@ -93,7 +93,7 @@ def test_serve_ends_in_one_line_when_a_model_stub_dies(tmp_path):
     killer = threading.Thread(target=kill_when_ready, daemon=True)
     killer.start()
     with pytest.raises(StageFailed, match="tensorrt_llm_0_0 died") as err:
-        _run_until_stopped(server, 120, "test")  # SIGTERM handler: main thread only
+        pipeline.serve_until_stopped([pipeline.watch_triton(server, "test", "test")], 120, print)  # main thread only: SIGTERM handler
     killer.join(5)
     assert "\n" not in str(err.value) and not server.running
 

@@ -1,5 +1,6 @@
 """The one place that maps a spec to its path: which convert, which model repository, which server and
-which printed launch lines its target takes, and `deploy`, every stage in order, then serve, bench and stop.
+which printed launch lines its target takes, `serve_until_stopped`, the supervision of serve's and dynamo's
+servers (any procgroup.Server), and `deploy`, every stage in order, then serve, bench and stop.
 
 A spec's target names a row of toolchain/targets.py; the row's path (engine or llmapi) picks the stages
 here, so the stages themselves never switch to another path's. The CLI commands convert, model-repo, serve
@@ -10,19 +11,23 @@ straight to serving.
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
+import signal
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol, Sequence
 
+from toolchain import procgroup
 from toolchain.bench.failfast import stop_line
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.manifest import Manifest, output_problem
 from toolchain.plan.model import load_model
 from toolchain.plan.perf import predict_spec
 from toolchain.spec import DeploymentSpec, load_spec
+from toolchain.stopsignals import stop_on_signals
 from toolchain.targets import LLMAPI_SERVE, TRITON_MPIRUN, target_of
 from toolchain.workspace import Workspace
 from toolchain.engine.build import run_build
@@ -40,7 +45,7 @@ from toolchain.openai.server import OpenAIServer
 
 Progress = Callable[[str, str], None]
 Echo = Callable[[str], None]
-Server = TritonServer | TritonLaunch  # both start(), stop(), urls and log_path
+Triton = TritonServer | TritonLaunch  # what server_for returns; both are procgroup.Server
 
 
 class Convert(Protocol):
@@ -90,7 +95,7 @@ def openai_log(spec: DeploymentSpec, workspace: Workspace) -> Path:
 
 
 def server_for(spec: DeploymentSpec, workspace: Workspace, *, log_path: Path | None = None,
-               read_key: bool = True) -> Server:
+               read_key: bool = True) -> Triton:
     """The Triton server the spec's target starts, not started. Target trtllm: one tritonserver per rank
     under mpirun (TensorRT-LLM's leader mode, with this host's mpirun and tritonserver); target cpu with
     serving.launch mpirun: the CPU ranks as processes under mpirun; otherwise one tritonserver (on the
@@ -250,7 +255,7 @@ _GPU_PRINTERS: dict[str | None, Callable[[DeploymentSpec, Workspace, Echo], None
     TRITON_MPIRUN: _print_trtllm, LLMAPI_SERVE: _print_llmapi}
 
 
-def print_local_launch(spec: DeploymentSpec, workspace: Workspace, server: Server, echo: Echo) -> None:
+def print_local_launch(spec: DeploymentSpec, workspace: Workspace, server: Triton, echo: Echo) -> None:
     """The command line of `server` (server_for with read_key=False) that serve starts on this host, and on
     the LLM-API path the OpenAI server's on the same LLM() arguments."""
     if isinstance(server, TritonLaunch):
@@ -280,6 +285,124 @@ def multi_node(spec: DeploymentSpec) -> bool:
 
 def node_count(spec: DeploymentSpec) -> int:
     return llmapi_launch.node_count(spec)
+
+
+# ---- serve: start servers and watch them until stopped ------------------------------------------------------
+
+@dataclasses.dataclass
+class Watched:
+    """A server serve_until_stopped starts and watches, with what it prints about it: `name` in the stopping
+    line, `ready_lines` once it is ready, `check(echo)` raising StageFailed once it is down (or cannot serve any
+    more), `stopped(rc)` its line once stopped; `stop_timeout` (None: the server's own) a check may shorten."""
+    server: procgroup.Server
+    name: str
+    ready_lines: Callable[[], list[str]]
+    check: Callable[[Echo], None]
+    stopped: Callable[[int | None], str]
+    stop_timeout: float | None = None
+
+
+def serve_until_stopped(watched: Sequence[Watched], timeout: float, echo: Echo) -> None:
+    """Start each server in order (printing its lines once ready), then watch them until Ctrl-C, a stop signal
+    (SIGTERM and SIGHUP end it like Ctrl-C: stopsignals.py) or one of them going down; stop them all, the last
+    started first, either way. A server going down raises its StageFailed once every server is stopped."""
+    rcs: dict[int, int | None] = {}
+
+    def stop(i: int) -> None:
+        rcs[i] = watched[i].server.stop(watched[i].stop_timeout)
+
+    with stop_on_signals():
+        with ExitStack() as stopping:  # from the start: a stop signal may arrive the moment start() returns
+            for i in range(len(watched)):
+                stopping.callback(stop, i)
+            try:
+                for w in watched:
+                    w.server.start(timeout)
+                    for line in w.ready_lines():
+                        echo(line)
+                echo("Ctrl-C to stop")
+                while True:
+                    for w in watched:
+                        w.check(echo)
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                echo(f"stopping {' and '.join(w.name for w in reversed(watched))} ...")
+    for i in reversed(range(len(watched))):
+        echo(watched[i].stopped(rcs.get(i)))
+
+
+def exit_status(rc: int | None) -> str:
+    if rc is None:
+        return "exit code unknown"
+    return f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+
+
+DEAD_STUB_STOP_S = 3.0
+_ABORT = re.compile(r"terminate called after throwing an instance of '([^']+)'")
+
+
+def watch_triton(server: Triton, describe: str, models: str) -> Watched:
+    """serve's tritonserver (one, or one per rank under mpirun): its endpoints once ready; down when it exits or
+    a model instance's Python-backend stub dies."""
+    stubs: list[dict[str, int]] = []  # the stubs up once it is ready, read at the first check
+
+    def ready_lines() -> list[str]:
+        return [f"tritonserver ready in {server.started_s:.1f}s ({describe})", f"  HTTP     {server.urls['http']}",
+                f"  gRPC     {server.urls['grpc']}", f"  metrics  {server.urls['metrics']}", f"  models   {models}",
+                f"  log      {server.log_path}"]
+
+    def check(echo: Echo) -> None:
+        if not stubs:
+            stubs.append(server.stub_pids() if isinstance(server, TritonServer) else {})
+        # Which stubs are gone, looked at before running's poll() reaps the server: the stubs of a server that
+        # died outlive it briefly, the one whose death took the server down does not.
+        gone = sorted(name for name, pid in stubs[0].items() if not procgroup.pid_running(pid))
+        if not server.running:
+            rc = server.process.returncode if server.process is not None else None
+            if gone and len(gone) < len(stubs[0]):  # the server went down with (after) a model instance
+                abort = _ABORT.search(server.log_text()) if isinstance(server, TritonServer) else None
+                raise StageFailed(f"model instance {', '.join(gone)} died (its Python-backend stub is gone) and "
+                                  f"tritonserver exited with it ({exit_status(rc)}"
+                                  f"{': uncaught ' + abort.group(1) if abort else ''})",
+                                  f"restart `toolchain serve`; the log: {server.log_path}")
+            raise StageFailed(f"tritonserver exited unexpectedly: {server.failure_cause()}", f"full log: {server.log_path}")
+        # tritonserver 2.51 neither restarts a Python-backend stub that died nor stops reporting ready, and
+        # requests in flight on it never end: a dead stub ends the serve, in one line. Stopping the server
+        # closes its connections, which ends every request in flight with an error.
+        dead = server.dead_stubs()
+        if dead:
+            # The dead instance never unloads: waiting out tritonserver's exit timeout would only keep the
+            # requests in flight waiting longer.
+            watched.stop_timeout = DEAD_STUB_STOP_S
+            echo(f"model instance {', '.join(dead)} died: stopping tritonserver ...")
+            raise StageFailed(f"model instance {', '.join(dead)} died (its Python-backend stub is gone); "
+                              "tritonserver would keep requests on it waiting forever",
+                              f"restart `toolchain serve`; the log: {server.log_path}")
+
+    watched = Watched(server, "tritonserver", ready_lines, check, lambda rc: f"tritonserver stopped (exit code {rc})")
+    return watched
+
+
+def watch_openai(server: OpenAIServer) -> Watched:
+    """The OpenAI server serve starts beside tritonserver (target llmapi-cpu): down when it exits."""
+
+    def ready_lines() -> list[str]:
+        return [f"OpenAI server ready in {server.started_s:.1f}s (the same LLM() arguments)",
+                f"  HTTP     {server.url}/v1/completions, /v1/chat/completions, /v1/models",
+                f"  model    {server.served_model_name}", f"  log      {server.log_path}"]
+
+    def check(echo: Echo) -> None:
+        if not server.running:
+            assert server.process is not None
+            raise StageFailed(f"the OpenAI server exited unexpectedly "
+                              f"({exit_status(server.process.returncode)}): {server.failure_cause()}",
+                              f"restart `toolchain serve`; the log: {server.log_path}")
+
+    def stopped(rc: int | None) -> str:  # SIGTERM is how it is stopped: uvicorn then exits 128 + 15, no news
+        clean = rc in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+        return "OpenAI server stopped" + ("" if clean else f" ({exit_status(rc)})")
+
+    return Watched(server, "the OpenAI server", ready_lines, check, stopped)
 
 
 # ---- deploy -------------------------------------------------------------------------------------------------
@@ -348,7 +471,7 @@ def _save_report(out_dir: Path, report: dict) -> None:
     write_report(out_dir, {k: v for k, v in report.items() if k != "openai"})
 
 
-def _deploy_server(spec: DeploymentSpec, workspace: Workspace, progress: Progress) -> Server:
+def _deploy_server(spec: DeploymentSpec, workspace: Workspace, progress: Progress) -> Triton:
     """The server serve would start (admin APIs keyed off loopback, metrics on loopback), with serve's
     one-line warning."""
     server = server_for(spec, workspace)  # reads the key: a missing one fails before start

@@ -3,7 +3,8 @@ wait for its readiness URL, stop it (SIGTERM, bounded wait, SIGKILL the group).
 
 Shared by the single tritonserver launcher (CPU and one-GPU hosts) and the
 mpirun launch of one tritonserver per rank; the group is what lets a stop
-reach the Python-backend stubs and every MPI rank.
+reach the Python-backend stubs and every MPI rank. `Server` is the surface every
+server the toolchain starts offers, so pipeline.serve_until_stopped watches any of them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,37 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Server(Protocol):
+    """One server protocol: tritonserver (triton/server.py TritonServer), the ranks under mpirun
+    (triton/launch.py TritonLaunch), the OpenAI server (openai/server.py OpenAIServer) and a Dynamo
+    deployment (dynamo/launcher.py DynamoDeployment). Built not started; `start` returns once ready
+    (or raises, having stopped what it spawned); `stop` is bounded, safe before start and twice, and
+    returns the exit code where there is one process to have it."""
+
+    started_s: float | None  # seconds from spawn to ready, once started
+
+    def start(self, timeout: float) -> "Server": ...
+
+    def stop(self, timeout: float | None = None) -> int | None: ...
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def ready(self) -> bool:
+        """Started, running and answering its readiness check."""
+
+    @property
+    def urls(self) -> dict[str, str]:
+        """Where it answers, by kind (http, grpc, metrics), as the server computes them."""
+
+    @property
+    def logs(self) -> dict[str, Path]:
+        """Its log files by process name (empty until start picks a temporary one)."""
 
 
 def pid_running(pid: int) -> bool:

@@ -8,15 +8,14 @@ writes the DynamoGraphDeployment and its ConfigMap.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import click
 
+from toolchain import pipeline
 from toolchain.cli._common import Context, spec_command
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.spec import DeploymentSpec
-from toolchain.stopsignals import stop_on_signals
 from toolchain.dynamo import render
 from toolchain.dynamo.checks import check
 from toolchain.dynamo.launcher import DynamoDeployment
@@ -42,32 +41,29 @@ def _print_gpu(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> None:
         click.echo("# Kubernetes (the Dynamo operator's DynamoGraphDeployment): add --manifests DIR")
 
 
-def _serve(deployment, timeout: float | None) -> None:
-    with stop_on_signals():  # SIGTERM and SIGHUP end it like Ctrl-C
-        try:
-            deployment.start(timeout)
-            click.echo(f"Dynamo ready in {deployment.started_s:.1f}s: frontend (router {deployment.router}) + "
-                       f"{deployment.workers} CPU-engine worker(s)")
-            click.echo(f"  OpenAI   {deployment.url}/v1 (model {deployment.model_name})")
-            for name, log in deployment.logs().items():
-                click.echo(f"  log      {name}: {log}")
-            click.echo("Ctrl-C to stop")
-            reported: set[str] = set()
-            while deployment.running:
-                dead = [w for w in deployment.dead_workers() if w not in reported]
-                if dead:
-                    reported.update(dead)
-                    click.echo(f"warning: {', '.join(dead)} exited; the router sends requests to the other worker(s)",
-                               err=True)
-                if len(reported) == deployment.workers:
-                    raise StageFailed("every Dynamo worker has exited", "restart `toolchain dynamo`; logs above")
-                time.sleep(0.5)
-            raise StageFailed("the Dynamo frontend exited unexpectedly", f"log: {deployment.logs().get('frontend')}")
-        except KeyboardInterrupt:
-            click.echo("stopping Dynamo ...")
-        finally:
-            deployment.stop()
-    click.echo("Dynamo stopped")
+def _watch(deployment: DynamoDeployment) -> pipeline.Watched:
+    """The deployment as serve_until_stopped watches it: a worker that exits is reported (the router sends its
+    requests to the others); down when every worker or the frontend has exited."""
+    reported: set[str] = set()
+
+    def ready_lines() -> list[str]:
+        return [f"Dynamo ready in {deployment.started_s:.1f}s: frontend (router {deployment.router}) + "
+                f"{deployment.workers} CPU-engine worker(s)",
+                f"  OpenAI   {deployment.url}/v1 (model {deployment.model_name})",
+                *(f"  log      {name}: {log}" for name, log in deployment.logs.items())]
+
+    def check(echo) -> None:
+        if not deployment.running:
+            raise StageFailed("the Dynamo frontend exited unexpectedly", f"log: {deployment.logs.get('frontend')}")
+        dead = [w for w in deployment.dead_workers() if w not in reported]
+        if dead:
+            reported.update(dead)
+            click.echo(f"warning: {', '.join(dead)} exited; the router sends requests to the other worker(s)",
+                       err=True)
+        if len(reported) == deployment.workers:
+            raise StageFailed("every Dynamo worker has exited", "restart `toolchain dynamo`; logs above")
+
+    return pipeline.Watched(deployment, "Dynamo", ready_lines, check, lambda rc: "Dynamo stopped")
 
 
 @click.command()
@@ -104,4 +100,4 @@ def command(ctx: Context, spec: DeploymentSpec, workers: int | None, router: str
         for line in deployment.shell_lines():
             click.echo(line)
         return
-    _serve(deployment, timeout)
+    pipeline.serve_until_stopped([_watch(deployment)], timeout or spec.dynamo.startup_timeout_s, click.echo)

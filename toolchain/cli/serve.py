@@ -18,21 +18,15 @@ serve reads it before starting, warns in one line, and the printed lines refer t
 
 from __future__ import annotations
 
-import re
-import signal
-import time
 from pathlib import Path
-from typing import Callable
 
 import click
 
-from toolchain import pipeline, procgroup
+from toolchain import pipeline
 from toolchain.cli._common import Context, spec_command
-from toolchain.errors import StageFailed, ToolchainError
+from toolchain.errors import ToolchainError
 from toolchain.manifest import is_current
-from toolchain.openai.server import OpenAIServer
 from toolchain.spec import DeploymentSpec
-from toolchain.stopsignals import stop_on_signals
 from toolchain.triton import exposure
 from toolchain.triton.server import TritonServer
 
@@ -46,94 +40,13 @@ def _write_manifests(spec: DeploymentSpec, ws, manifests_dir: Path | None) -> No
         click.echo(f"# wrote {path}")
 
 
-def _describe(spec: DeploymentSpec, server: pipeline.Server) -> str:
+def _describe(spec: DeploymentSpec, server: pipeline.Triton) -> str:
     """What serve's ready line says it started: the binary, and under mpirun how many ranks."""
     if isinstance(server, TritonServer):
         return f"{server.binary.source}: {server.binary.path}"
     if spec.target == "trtllm":
         return f"{spec.parallelism.world_size} rank(s) under {server.mpirun}, {server.tritonserver}"
     return f"{spec.parallelism.world_size} CPU rank process(es) under {server.mpirun}, {server.tritonserver}"
-
-
-def _exit_status(rc: int | None) -> str:
-    if rc is None:
-        return "exit code unknown"
-    return f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
-
-
-DEAD_STUB_STOP_S = 3.0
-_ABORT = re.compile(r"terminate called after throwing an instance of '([^']+)'")
-
-
-def _run_until_stopped(server, timeout: float, describe: str,
-                       models: str = "ensemble and tensorrt_llm_bls (text), tensorrt_llm (token ids)",
-                       openai: OpenAIServer | None = None) -> None:
-    """Start `server` (and then `openai`, the OpenAI server of target llmapi-cpu), print their endpoints and
-    watch them until Ctrl-C, a stop signal, or one of them going down; stop both either way."""
-    stop_timeout: float | None = None  # the server's own bounded shutdown
-    # SIGTERM and SIGHUP end the server like Ctrl-C (stopsignals.py)
-    with stop_on_signals():
-        try:
-            server.start(timeout=timeout)
-            click.echo(f"tritonserver ready in {server.started_s:.1f}s ({describe})")
-            click.echo(f"  HTTP     {server.urls['http']}")
-            click.echo(f"  gRPC     {server.urls['grpc']}")
-            click.echo(f"  metrics  {server.urls['metrics']}")
-            click.echo(f"  models   {models}")
-            click.echo(f"  log      {server.log_path}")
-            if openai is not None:
-                openai.start(timeout=timeout)
-                click.echo(f"OpenAI server ready in {openai.started_s:.1f}s (the same LLM() arguments)")
-                click.echo(f"  HTTP     {openai.url}/v1/completions, /v1/chat/completions, /v1/models")
-                click.echo(f"  model    {openai.served_model_name}")
-                click.echo(f"  log      {openai.log_path}")
-            click.echo("Ctrl-C to stop")
-            # tritonserver 2.51 neither restarts a Python-backend stub that died nor stops reporting ready,
-            # and requests in flight on it never end: a dead stub ends the serve, in one line. Stopping the
-            # server closes its connections, which ends every request in flight with an error.
-            dead_stubs: Callable[[], list[str]] = getattr(server, "dead_stubs", lambda: [])
-            stubs: dict[str, int] = getattr(server, "stub_pids", dict)()
-            while True:
-                # Which stubs are gone, looked at before running's poll() reaps the server: the stubs of a
-                # server that died outlive it briefly, the one whose death took the server down does not.
-                gone = sorted(name for name, pid in stubs.items() if not procgroup.pid_running(pid))
-                if not server.running:
-                    break
-                if openai is not None and not openai.running:
-                    assert openai.process is not None
-                    raise StageFailed(f"the OpenAI server exited unexpectedly "
-                                      f"({_exit_status(openai.process.returncode)}): {openai.failure_cause()}",
-                                      f"restart `toolchain serve`; the log: {openai.log_path}")
-                dead = dead_stubs()
-                if dead:
-                    # The dead instance never unloads: waiting out tritonserver's exit timeout would only
-                    # keep the requests in flight waiting longer.
-                    stop_timeout = DEAD_STUB_STOP_S
-                    click.echo(f"model instance {', '.join(dead)} died: stopping tritonserver ...")
-                    raise StageFailed(f"model instance {', '.join(dead)} died (its Python-backend stub is gone); "
-                                      "tritonserver would keep requests on it waiting forever",
-                                      f"restart `toolchain serve`; the log: {server.log_path}")
-                time.sleep(0.5)
-            rc = server.process.returncode if server.process is not None else None
-            if gone and len(gone) < len(stubs):  # the server went down with (after) a model instance
-                abort = _ABORT.search(server.log_text()) if hasattr(server, "log_text") else None
-                raise StageFailed(f"model instance {', '.join(gone)} died (its Python-backend stub is gone) and "
-                                  f"tritonserver exited with it ({_exit_status(rc)}"
-                                  f"{': uncaught ' + abort.group(1) if abort else ''})",
-                                  f"restart `toolchain serve`; the log: {server.log_path}")
-            raise StageFailed(f"tritonserver exited unexpectedly: {server.failure_cause()}", f"full log: {server.log_path}")
-        except KeyboardInterrupt:
-            click.echo("stopping tritonserver ..." if openai is None else "stopping the OpenAI server and tritonserver ...")
-        finally:
-            try:
-                if openai is not None:
-                    openai_rc = openai.stop()
-            finally:
-                rc = server.stop(stop_timeout)
-    if openai is not None:  # SIGTERM is how it is stopped: uvicorn then exits 128 + 15, which is no news
-        clean = openai_rc in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
-        click.echo("OpenAI server stopped" + ("" if clean else f" ({_exit_status(openai_rc)})"))
-    click.echo(f"tritonserver stopped (exit code {rc})")
 
 
 def _check_outputs(spec: DeploymentSpec, ws) -> None:
@@ -193,9 +106,10 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
         _check_outputs(spec, ws)
         # llmapi-cpu serves what deploy serves: Triton's llmapi model and the OpenAI server (on a GPU host
         # trtllm-serve is its own command, printed by --print).
-        openai = pipeline.openai_server(spec, ws, pipeline.openai_log(spec, ws)) if spec.target == "llmapi-cpu" else None
-        _run_until_stopped(server, timeout or spec.serving.startup_timeout_s, _describe(spec, server),
-                           models="tensorrt_llm (LLM API)", openai=openai)
+        watched = [pipeline.watch_triton(server, _describe(spec, server), "tensorrt_llm (LLM API)")]
+        if spec.target == "llmapi-cpu":
+            watched.append(pipeline.watch_openai(pipeline.openai_server(spec, ws, pipeline.openai_log(spec, ws))))
+        pipeline.serve_until_stopped(watched, timeout or spec.serving.startup_timeout_s, click.echo)
         return
     if not (ws.engine_dir(spec) / "config.json").is_file():
         raise ToolchainError(f"no engine at {ws.engine_dir(spec)}", "run `toolchain build-engine SPEC` first")
@@ -208,4 +122,5 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
     if not is_current(repo, wanted_manifest(spec, ws)):
         click.echo("warning: the model repository was rendered from a different spec, engine or tokenizer; "
                    "run `toolchain model-repo SPEC` to refresh it", err=True)
-    _run_until_stopped(server, timeout or spec.serving.startup_timeout_s, describe)
+    watched = [pipeline.watch_triton(server, describe, "ensemble and tensorrt_llm_bls (text), tensorrt_llm (token ids)")]
+    pipeline.serve_until_stopped(watched, timeout or spec.serving.startup_timeout_s, click.echo)

@@ -78,7 +78,8 @@ class _Proc:
 
 
 class DynamoDeployment:
-    """The frontend (router) and `workers` CPU-engine workers. Use as a context manager or `start()` / `stop()`."""
+    """The frontend (router) and `workers` CPU-engine workers, a procgroup.Server. Use as a context manager or
+    `start()` / `stop()`."""
 
     def __init__(self, spec: DeploymentSpec, workspace: Workspace, *, workers: int | None = None,
                  router: str | None = None, http_port: int | None = None, kv_events: bool = True,
@@ -109,6 +110,10 @@ class DynamoDeployment:
     @property
     def url(self) -> str:
         return replace(endpoints(self.spec).dynamo, port=self.http_port).url
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {"http": self.url}
 
     def engine_args(self) -> dict[str, Any]:
         """The LLM-API YAML each worker takes: the spec's trtllm-serve config, with the KV share split N ways
@@ -241,7 +246,7 @@ class DynamoDeployment:
                 if rc is not None:
                     raise StageFailed(f"Dynamo {proc.name} exited during start-up (exit code {rc}): "
                                       f"{failure_cause(proc.log)}", f"full log: {proc.log}")
-            if self.ready():
+            if self.ready:
                 return
             if time.monotonic() > deadline:
                 raise StageFailed(f"the Dynamo deployment was not ready after {timeout:.0f} s "
@@ -256,18 +261,19 @@ class DynamoDeployment:
         return [i for i in (health or {}).get("instances", [])
                 if (i.get("namespace"), i.get("component"), i.get("endpoint")) == (ns, COMPONENT, ENDPOINT)]
 
+    @property
     def ready(self) -> bool:
         models = _get_json(f"{self.url}/v1/models") or {}
         listed = any(m.get("id") == self.model_name for m in models.get("data", []))
         return listed and len(self.instances()) >= sum(1 for p in self.worker_procs if p.popen and
                                                           p.popen.poll() is None)
 
-    def stop(self) -> None:
-        """Workers, then the frontend: SIGTERM each group, bounded wait, SIGKILL what is left; then the private
-        directory (discovery, model-card cache, converted engine) goes."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Workers, then the frontend: SIGTERM each group, wait (`timeout`, default STOP_WAIT_S each), SIGKILL
+        what is left; then the private directory (discovery, model-card cache, converted engine) goes."""
         for proc in [*self.worker_procs, self.frontend]:
             if proc is not None and proc.popen is not None:
-                procgroup.stop_group(proc.popen, STOP_WAIT_S)
+                procgroup.stop_group(proc.popen, STOP_WAIT_S if timeout is None else timeout)
                 proc.popen = None
             if proc is not None and proc.fh is not None:
                 proc.fh.close()
@@ -301,6 +307,7 @@ class DynamoDeployment:
     def pids(self) -> list[int]:
         return [p.popen.pid for p in [self.frontend, *self.worker_procs] if p is not None and p.popen is not None]
 
+    @property
     def logs(self) -> dict[str, Path]:
         return {p.name: p.log for p in [self.frontend, *self.worker_procs] if p is not None}
 

@@ -21,7 +21,7 @@ from toolchain.triton.server import is_ready
 
 
 class OpenAIServer(procgroup.GroupServer):
-    """One OpenAI-compatible CPU-engine server. Use as a context manager or call
+    """One OpenAI-compatible CPU-engine server, a procgroup.Server. Use as a context manager or call
     `start()` / `stop()`; `extra_args` are more `python -m toolchain.openai` flags."""
 
     def __init__(self, engine_dir: Path | str | None, tokenizer_dir: Path | str | None, served_model_name: str,
@@ -52,6 +52,18 @@ class OpenAIServer(procgroup.GroupServer):
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {"http": self.url}
+
+    @property
+    def logs(self) -> dict[str, Path]:
+        return {"openai": self.log_path} if self.log_path else {}
+
+    @property
+    def ready(self) -> bool:
+        return self.running and is_ready(f"{self.url}/health")
 
     def command(self) -> list[str]:
         return [self.python, "-m", "toolchain.openai", *self.source, "--served-model-name", self.served_model_name,

@@ -284,7 +284,8 @@ def rank_pids(mpirun_pid: int) -> dict[int, int]:
 
 class TritonLaunch(Endpoints):
     """The mpirun process group serving an engine repository, one tritonserver per rank; the same
-    surface as TritonServer (start, stop, running, ready, urls, dead_stubs, failure_cause, log_path).
+    surface as TritonServer (procgroup.Server's start, stop, running, ready, urls and logs; dead_stubs,
+    failure_cause, log_path).
 
     `cpu()` builds it for target cpu on this host: the wheel's tritonserver, the rank group's
     rendezvous address, shared-memory prefixes of its own and a slot check before start."""
@@ -326,6 +327,10 @@ class TritonLaunch(Endpoints):
     @property
     def urls(self) -> dict[str, str]:
         return self.endpoints.with_ports(self.ports).urls
+
+    @property
+    def logs(self) -> dict[str, Path]:
+        return {"mpirun": self.log_path}  # every rank's tritonserver writes into mpirun's output
 
     @property
     def running(self) -> bool:

@@ -60,7 +60,7 @@ class Endpoints:
 
 
 class TritonServer(procgroup.GroupServer, Endpoints):
-    """One tritonserver process serving `repo_dir`. Use as a context manager or
+    """One tritonserver process serving `repo_dir`, a procgroup.Server. Use as a context manager or
     call `start()` / `stop()`."""
 
     def __init__(self, repo_dir: Path | str, host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0,
@@ -110,6 +110,10 @@ class TritonServer(procgroup.GroupServer, Endpoints):
         return {"http": f"http://{self._url_host('http')}:{self.ports['http']}",
                 "grpc": f"{self._url_host('grpc')}:{self.ports['grpc']}",
                 "metrics": f"http://{self._url_host('metrics')}:{self.ports['metrics']}/metrics"}
+
+    @property
+    def logs(self) -> dict[str, Path]:
+        return {"tritonserver": self.log_path} if self.log_path else {}
 
     @property
     def ready(self) -> bool:
