@@ -235,7 +235,7 @@ def test_mapping_is_what_tensorrt_llm_reads(tiny, tmp_path, tp, pp):
     is cls(**mapping), so every key must be a Mapping.__init__ parameter; world_size must be
     tp x pp; the layer split of every stage file is Mapping.pp_layers' tensor_split."""
     from toolchain.checkpoint.sharding import pp_layers
-    from toolchain.plan.memory import stage_layers
+    from toolchain.archs.layout import Layout
     from toolchain.upstream import facts
 
     up = facts("mapping")
@@ -249,4 +249,4 @@ def test_mapping_is_what_tensorrt_llm_reads(tiny, tmp_path, tp, pp):
     for layers in (2, 5, 7):
         upstream = [chunk.tolist() for chunk in torch.tensor_split(torch.arange(layers), pp)]
         assert pp_layers(layers, pp) == upstream
-        assert [list(r) for r in stage_layers(layers, pp)] == upstream
+        assert [list(r) for r in Layout(pp=pp).stage_layers(layers)] == upstream

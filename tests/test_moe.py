@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from test_engine_cpu_util import _one_thread, hf_greedy, hf_logits, hf_model, make_engine_dir  # noqa: F401
 
 from toolchain.archs import load_params
-from toolchain.archs.moe import mapping_problems, moe_sizes
+from toolchain.archs.layout import Layout
+from toolchain.archs.moe import mapping_problems
 from toolchain.checkpoint.convert import convert_checkpoint
 from toolchain.engine.cpu import CpuEngine, SamplingParams
 from toolchain.errors import ToolchainError
@@ -91,7 +92,8 @@ def test_config_json_carries_mapping_moe_and_swiglu(hf_mixtral, tmp_path):
     (4, (None, None), (4, 1)), (4, (None, 2), (2, 2)), (4, (2, None), (2, 2)), (4, (1, 4), (1, 4)), (1, (None, None), (1, 1)),
 ])
 def test_moe_sizes_derived_as_mapping_does(tp, given, derived):
-    assert moe_sizes(tp, *given) == derived and mapping_problems(tp, *given) == []
+    layout = Layout(tp, 1, *given)
+    assert (layout.moe_tp, layout.moe_ep) == derived and mapping_problems(tp, *given) == []
 
 
 def test_spec_refuses_moe_sizes_that_do_not_make_tp(tmp_path, hf_mixtral):
@@ -102,7 +104,7 @@ def test_spec_refuses_moe_sizes_that_do_not_make_tp(tmp_path, hf_mixtral):
         with pytest.raises(ToolchainError, match=text):
             load_spec(write_spec(tmp_path / "spec.yaml", hf_mixtral, parallelism=par))
     spec = load_spec(write_spec(tmp_path / "spec.yaml", hf_mixtral, parallelism={"tp": 4, "moe_ep": 2}))
-    assert spec.parallelism.moe_sizes == (2, 2)
+    assert (spec.parallelism.layout.moe_tp, spec.parallelism.layout.moe_ep) == (2, 2)
 
 
 @pytest.mark.parametrize("kw,message", [
@@ -181,7 +183,7 @@ def test_greedy_and_logits_match_transformers(hf_mixtral, tmp_path, layout):
     engine = CpuEngine.load(make_engine_dir(hf_mixtral, tmp_path, tp, pp,
                                             convert_kwargs={"moe_tp": moe_tp, "moe_ep": moe_ep}))
     assert (engine.dims.tp, engine.dims.pp, engine.dims.moe_tp, engine.dims.moe_ep) == (
-        tp, pp, *moe_sizes(tp, moe_tp, moe_ep))
+        tp, pp, Layout(tp, pp, moe_tp, moe_ep).moe_tp, Layout(tp, pp, moe_tp, moe_ep).moe_ep)
     held = [len(range(*(s.layers[0].experts.first, s.layers[0].experts.first + len(s.layers[0].experts.fc))))
             for s in engine.model.stages[0]]
     assert held == [EXPERTS // engine.dims.moe_ep] * tp
@@ -269,7 +271,7 @@ def test_plan_counts_experts_per_rank_as_convert_writes_them(tmp_path, capsys, p
     assert [r["checkpoint_bytes"] for r in report["ranks"]] == [dry.rank_bytes(r) for r in range(tp * pp)]
     checks = {c["id"]: c for c in report["checks"]}
     assert checks["moe.parallelism"]["status"] == "pass"
-    assert f"{8 // moe_sizes(tp, par.get('moe_tp'), par.get('moe_ep'))[1]} on each rank" in checks["moe.parallelism"][
+    assert f"{Layout(tp, 1, par.get('moe_tp'), par.get('moe_ep')).experts_per_rank(8)} on each rank" in checks["moe.parallelism"][
         "message"]
 
 
@@ -295,7 +297,8 @@ def test_llm_args_carry_expert_parallelism_and_the_cpu_stand_in_runs_them(hf_mix
     assert (plain["moe_tensor_parallel_size"], plain["moe_expert_parallel_size"]) == (2, 1)
     cpu_args = {"model": str(hf_mixtral), "tensor_parallel_size": 2, "moe_expert_parallel_size": 2,
                 "max_batch_size": 2, "max_seq_len": 128}
-    assert engine_spec(cpu_args).parallelism.moe_sizes == (1, 2)
+    layout = engine_spec(cpu_args).parallelism.layout
+    assert (layout.moe_tp, layout.moe_ep) == (1, 2)
     engine, _, _ = load_engine(cpu_args, tmp_path / "llm")
     assert (engine.dims.moe_tp, engine.dims.moe_ep) == (1, 2)
     model = hf_model(hf_mixtral)

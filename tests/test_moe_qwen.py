@@ -296,7 +296,7 @@ def test_plan_counts_shared_expert_bytes_as_convert_writes_them(tmp_path, capsys
     routed experts placed by moe_tp/moe_ep, the shared expert split over tp, its gate whole."""
     from test_plan_agrees_with_convert import model_dir, plan_json, spec_file
 
-    from toolchain.archs.moe import moe_sizes
+    from toolchain.archs.layout import Layout
     from toolchain.checkpoint.convert import plan_any
     from toolchain.plan.memory import expert_bytes
 
@@ -310,9 +310,10 @@ def test_plan_counts_shared_expert_bytes_as_convert_writes_them(tmp_path, capsys
     shared = [t for t in dry.ranks[0] if "shared_expert" in t.name and t.name.startswith("transformer.layers.0.")]
     assert sum(t.nbytes for t in shared) == (3 * 5632 // tp + 1) * 2048 * 2
     _, p = load_params(QWEN15_MOE)
-    with_shared = expert_bytes(p, *moe_sizes(tp, par.get("moe_tp"), par.get("moe_ep")), 2)
+    layout = Layout(tp, pp, par.get("moe_tp"), par.get("moe_ep"))
+    with_shared = expert_bytes(p, layout.moe_tp, layout.moe_ep, 2)
     without = expert_bytes(dataclasses.replace(p, shared_expert_size=0),
-                           *moe_sizes(tp, par.get("moe_tp"), par.get("moe_ep")), 2)
+                           layout.moe_tp, layout.moe_ep, 2)
     assert with_shared - without == sum(t.nbytes for t in shared)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from toolchain.archs.layout import Layout
 from toolchain.plan import memory as mem
 from toolchain.gpus import GIB, lookup, resolve
 from toolchain.plan.model import QuantFormat, kv_dtype_bytes, load_model
@@ -124,8 +125,8 @@ def test_draft_logits_add_the_draft_engines_step_cache(tmp_path):
 
 
 def test_stage_layers_follow_tensor_split():
-    assert [len(r) for r in mem.stage_layers(30, 4)] == [8, 8, 7, 7]
-    assert [(r.start, r.stop) for r in mem.stage_layers(80, 2)] == [(0, 40), (40, 80)]
+    assert [len(r) for r in Layout(pp=4).stage_layers(30)] == [8, 8, 7, 7]
+    assert [(r.start, r.stop) for r in Layout(pp=2).stage_layers(80)] == [(0, 40), (40, 80)]
 
 
 def test_kv_heads_duplicate_when_tp_exceeds_them(tmp_path):

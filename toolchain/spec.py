@@ -17,7 +17,8 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from toolchain.archs.moe import mapping_problems, moe_sizes
+from toolchain.archs.layout import Layout
+from toolchain.archs.moe import mapping_problems
 from toolchain.errors import ToolchainError
 from toolchain.pretrained import require_built
 from toolchain.slo import parse_slo
@@ -78,9 +79,10 @@ class ParallelismSection(_Section):
         return self.tp * self.pp
 
     @property
-    def moe_sizes(self) -> tuple[int, int]:
-        """(moe_tp, moe_ep) as TensorRT-LLM's Mapping derives them from the fields set."""
-        return moe_sizes(self.tp, self.moe_tp, self.moe_ep)
+    def layout(self) -> Layout:
+        """This section as one frozen value: tp, pp, the experts' moe_tp x moe_ep as TensorRT-LLM's Mapping derives
+        them, and the embedding split (archs/layout.py); what every stage reads its split from."""
+        return Layout.of(self)
 
     @model_validator(mode="after")
     def _moe_fits_tp(self) -> "ParallelismSection":

@@ -23,7 +23,7 @@ def _dtypes(spec: DeploymentSpec) -> tuple[str, str | None]:
 
 
 def _expert_parallel(spec: DeploymentSpec) -> dict:
-    """`moe_tp`/`moe_ep` as the experts were placed (archs/moe.py moe_sizes), for a mixture-of-experts model
+    """`moe_tp`/`moe_ep` as the experts were placed (archs/layout.py Layout), for a mixture-of-experts model
     only: a dense report stays as it was."""
     try:
         params = load_model(spec.model.checkpoint).params
@@ -31,8 +31,8 @@ def _expert_parallel(spec: DeploymentSpec) -> dict:
         return {}
     if not params.is_moe:
         return {}
-    moe_tp, moe_ep = spec.parallelism.moe_sizes
-    return {"moe_tp": moe_tp, "moe_ep": moe_ep}
+    layout = spec.parallelism.layout
+    return {"moe_tp": layout.moe_tp, "moe_ep": layout.moe_ep}
 
 
 def describe(spec: DeploymentSpec) -> dict:

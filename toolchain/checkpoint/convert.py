@@ -17,6 +17,7 @@ import torch
 
 from toolchain.archs import load_params, moe
 from toolchain.archs.common import NameTable
+from toolchain.archs.layout import Layout
 from toolchain.archs.params import ArchParams, engine_dtype
 from toolchain.checkpoint import sharding
 from toolchain.checkpoint.config import build_config
@@ -62,8 +63,7 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     family, params = load_params(ckpt.config, str(ckpt.config_path))
     if family.parallel_embedding_at_tp:  # the family's TensorRT-LLM config decides (archs/gemma.py)
         use_parallel_embedding = tp > 1
-    sharding.check_parallelism(params, tp, pp, use_parallel_embedding=use_parallel_embedding,
-                               embedding_sharding_dim=embedding_sharding_dim, moe_tp=moe_tp, moe_ep=moe_ep)
+    sharding.check_parallelism(params, Layout(tp, pp, moe_tp, moe_ep, use_parallel_embedding, embedding_sharding_dim))
     recipe = recipe or Recipe()
     qc = ckpt.config.get("quantization_config")
     stored = str(qc.get("quant_method", "quantization_config")) if isinstance(qc, dict) else None
@@ -97,7 +97,7 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
                    embedding_sharding_dim=embedding_sharding_dim, moe_tp=moe_tp, moe_ep=moe_ep)
     config = build_config(family, params, dtype=resolved, tp=tp, pp=pp,
                           use_parallel_embedding=use_parallel_embedding,
-                          embedding_sharding_dim=embedding_sharding_dim, moe=opts.moe_sizes)
+                          embedding_sharding_dim=embedding_sharding_dim, moe=(opts.layout.moe_tp, opts.layout.moe_ep))
     if layout_plan.padded_intermediate != params.intermediate_size and any(
             is_excluded(f"transformer.layers.{i}.mlp.{m}", recipe.exclude_modules)
             for i in range(params.num_hidden_layers) for m in ("fc", "gate", "proj")):
@@ -110,7 +110,7 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
                              if recipe.stored else "remove the mlp modules from quantization.exclude_modules, "
                              "or use quantization.group_size 64 or another parallelism.tp")
     if recipe.format.per_group:
-        problem = moe.per_group_problem(params, recipe.group_size, opts.moe_sizes[0])
+        problem = moe.per_group_problem(params, recipe.group_size, opts.layout.moe_tp)
         if problem is not None:
             smaller = "quantization.group_size 64, " if recipe.group_size > 64 else ""
             raise ToolchainError(f"{ckpt.config_path}: {problem}",
@@ -121,7 +121,7 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
         quant = Quantizer(recipe, params.num_attention_heads, params.num_key_value_heads, tp,
                           sharding.pp_layers(params.num_hidden_layers, pp), layout_plan, params.intermediate_size,
                           TORCH_DTYPES[resolved], prequantized, raw=raw, kv_sources=kv_sources,
-                          moe_sizes=opts.moe_sizes,
+                          mapping=opts.layout,
                           moe_exclude=tuple(exclude.moe_exclusions(params.shared_expert_size > 0)) if params.is_moe
                           else ())
         config["quantization"] = quant.config()

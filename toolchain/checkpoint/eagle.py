@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from toolchain.archs.common import Family, NameTable, Row, Shard, Stage, trt_name
+from toolchain.archs.layout import Layout
 from toolchain.archs.llama import FAMILY as LLAMA
 from toolchain.archs.params import ArchParams, normalize_params
 from toolchain.checkpoint import sharding
@@ -271,9 +272,10 @@ def attach_draft(plan, spec) -> EagleDraft:
     draft = read_draft(spec.speculative.heads, plan.params)
     shape = eagle_shape(spec, eagle_tree(spec))
     try:
-        sharding.check_parallelism(draft.params, plan.options.world_size, 1,
-                                   use_parallel_embedding=plan.options.use_parallel_embedding,
-                                   embedding_sharding_dim=plan.options.embedding_sharding_dim)
+        # the draft is one stage over every rank, its experts (none) left to the Mapping's default
+        sharding.check_parallelism(draft.params, Layout(plan.options.world_size, 1,
+                                                        parallel_embedding=plan.options.use_parallel_embedding,
+                                                        embedding_sharding_dim=plan.options.embedding_sharding_dim))
     except ToolchainError as err:
         raise ToolchainError(f"the EAGLE draft cannot be split over {plan.options.world_size} ranks: {err.message}",
                              err.hint) from None

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from toolchain.archs import moe
 from toolchain.archs.common import (EXPERT_SHARDS, TRANSFORMS, Family, Match, NameTable, Row, Shard, Stage,
                                     expected_shape, trt_name)
+from toolchain.archs.layout import Layout
 from toolchain.archs.params import ArchParams
 from toolchain.checkpoint import sharding
 from toolchain.checkpoint.sharding import split_experts
@@ -33,7 +33,7 @@ class Options:
     use_parallel_embedding: bool = False
     embedding_sharding_dim: int = 0
     moe_tp: int | None = None
-    """Mixture-of-experts sizes as the spec gives them (None: derived, archs/moe.py moe_sizes)."""
+    """Mixture-of-experts sizes as the spec gives them (None: derived, archs/layout.py Layout.moe_tp/moe_ep)."""
     moe_ep: int | None = None
 
     @property
@@ -41,8 +41,10 @@ class Options:
         return self.tp * self.pp
 
     @property
-    def moe_sizes(self) -> tuple[int, int]:
-        return moe.moe_sizes(self.tp, self.moe_tp, self.moe_ep)
+    def layout(self) -> Layout:
+        """The split these options ask for, as one value (archs/layout.py)."""
+        return Layout(self.tp, self.pp, self.moe_tp, self.moe_ep, self.use_parallel_embedding,
+                      self.embedding_sharding_dim)
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ def shard_group(group: Group, tensors: dict[str, torch.Tensor], params: ArchPara
             pieces = sharding.split_qkv(q, k, v, nh=params.num_attention_heads,
                                         nkv=params.num_key_value_heads, tp=tp)
         elif shard in EXPERT_SHARDS:
-            moe_tp, moe_ep = opts.moe_sizes
+            moe_tp, moe_ep = opts.layout.moe_tp, opts.layout.moe_ep
             sources = [tensors[name] for name in group.sources]
             if shard is Shard.EXPERT_FC:
                 # sources are w3 of every expert, then w1 (build_groups); a rank's fc is [w3_e; w1_e] of each of its

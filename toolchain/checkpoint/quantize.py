@@ -54,6 +54,7 @@ import torch
 
 from toolchain.archs import moe
 from toolchain.archs.common import EXPERT_SHARDS, FUSED_SHARDS, NameTable, Shard, trt_name
+from toolchain.archs.layout import Layout
 from toolchain.checkpoint import sharding
 from toolchain.checkpoint.hf_quant import COMPANIONS, HF_WEIGHT, engine_kv_scale, fuse_group, stored_linear
 from toolchain.checkpoint.hf_reader import HFCheckpoint, TensorInfo
@@ -111,8 +112,8 @@ class Quantizer:
     raw: dict[str, TensorInfo] = field(default_factory=dict)  # imports: the packed tensors behind the virtual weights
     kv_sources: dict[int, tuple[str, str]] = field(default_factory=dict)
     """ModelOpt imports with an FP8 KV cache: global layer -> its stored (k_scale, v_scale) names in `raw`."""
-    moe_sizes: tuple[int, int] = (1, 1)
-    """(moe_tp, moe_ep) of a mixture-of-experts model: how its FP8 expert stacks are split (Options.moe_sizes)."""
+    mapping: Layout = Layout()
+    """The checkpoint's split (Options.layout): its moe_tp x moe_ep say how FP8 expert stacks are split."""
     moe_exclude: tuple[str, ...] = ()
     """A mixture of experts: the globs that keep its router (and shared expert gate) unquantized
     (quant/exclude.py moe_exclusions), which a written list must carry since it replaces the default."""
@@ -426,7 +427,7 @@ class Quantizer:
         # float32 copies of the e4m3 values split exactly; each rank's piece is cast back below
         q = [[fp8_q.to_fp8(t, scales[e]).float() for t in ts] for e, ts in enumerate(mine)]
         act = fp8_q.fp8_scale(stats.inputs["mlp"].amax.max() if fc else max(stats.expert_proj_amax))
-        moe_tp, moe_ep = self.moe_sizes
+        moe_tp, moe_ep = self.mapping.moe_tp, self.mapping.moe_ep
         if fc:  # a rank's fc is [w3_e; w1_e] of each of its experts, both cut along the expert width
             w3 = sharding.split_experts([ts[0] for ts in q], self.tp, moe_tp, moe_ep, dim=0)
             w1 = sharding.split_experts([ts[1] for ts in q], self.tp, moe_tp, moe_ep, dim=0)
@@ -455,7 +456,7 @@ class Quantizer:
         r = self.recipe
         lins, _ = awq_q.quantize_awq_experts([list(ts) for ts in mine], inputs, self.group_size, search=r.search,
                                              clip=r.search, rounding=r.rounding if r.search else "nearest")
-        moe_tp, moe_ep = self.moe_sizes
+        moe_tp, moe_ep = self.mapping.moe_tp, self.mapping.moe_ep
         prequant = lins[0][0].prequant_scaling_factor
         if fc:  # a rank's fc is [w3_e; w1_e] of each of its experts, weight rows and scale rows cut alike
             def rows(get):

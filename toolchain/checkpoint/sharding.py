@@ -11,6 +11,7 @@ import math
 import torch
 
 from toolchain.archs import moe
+from toolchain.archs.layout import Layout, layout_problems, splits_tp
 from toolchain.errors import ToolchainError
 
 
@@ -30,53 +31,25 @@ def padded_vocab(vocab: int, tp: int) -> int:
 
 
 def pp_layers(num_layers: int, pp: int) -> list[list[int]]:
-    """Global layer indices per stage: torch.tensor_split over range(L), so the
-    first L % P stages get one extra layer (1.x behaviour: tensorrt_llm/mapping.py, Mapping.pp_layers)."""
-    return [chunk.tolist() for chunk in torch.tensor_split(torch.arange(num_layers), pp)]
+    """Global layer indices per stage, as lists (archs/layout.py Layout.stage_layers: Mapping.pp_layers)."""
+    return [list(stage) for stage in Layout(pp=pp).stage_layers(num_layers)]
 
 
-def _tp_problems(params, tp: int, *, embedding_dim1: bool = False) -> list[str]:
-    nh, nkv, inter = params.num_attention_heads, params.num_key_value_heads, params.intermediate_size
-    if getattr(params, "is_moe", False):
-        inter = tp  # no dense MLP: the expert width splits over moe_tp only (archs/moe.py model_problems)
-    problems = []
-    if nh % tp:
-        problems.append(f"tp={tp} does not divide num_attention_heads={nh}")
-    if nkv >= tp and nkv % tp:
-        problems.append(f"tp={tp} does not divide num_key_value_heads={nkv}")
-    if nkv < tp and tp % nkv:
-        problems.append(f"tp={tp} is not a multiple of num_key_value_heads={nkv} "
-                        "(KV heads cannot be duplicated evenly)")
-    if inter % tp:
-        problems.append(f"tp={tp} does not divide intermediate_size={inter}")
-    if embedding_dim1 and params.hidden_size % tp:
-        problems.append(f"tp={tp} does not divide hidden_size={params.hidden_size} (embedding_sharding_dim 1)")
-    return problems
-
-
-def working_tps(params, limit: int = 64, *, embedding_dim1: bool = False) -> list[int]:
-    return [t for t in range(1, limit + 1) if not _tp_problems(params, t, embedding_dim1=embedding_dim1)]
-
-
-def check_parallelism(params, tp: int, pp: int, *, use_parallel_embedding: bool = False,
-                      embedding_sharding_dim: int = 0, moe_tp: int | None = None, moe_ep: int | None = None) -> None:
-    """The divisibility rules TensorRT-LLM asserts (convert_utils.py, mapping.py,
-    quantization/layers.py, layers/moe.py), checked before any weight is read."""
-    if tp < 1 or pp < 1:
-        raise ToolchainError(f"tp={tp}, pp={pp}: both must be at least 1")
-    moe_problems = moe.model_problems(params, tp, moe_tp, moe_ep)
-    if moe_problems:
-        raise ToolchainError(moe_problems[0], moe.fitting_sizes(params, tp))
-    if embedding_sharding_dim not in (0, 1):
-        raise ToolchainError(f"embedding_sharding_dim={embedding_sharding_dim} must be 0 (vocab) or 1 (hidden)")
-    dim1 = use_parallel_embedding and embedding_sharding_dim == 1
-    problems = _tp_problems(params, tp, embedding_dim1=dim1)
-    if problems:
-        ok = working_tps(params, limit=max(tp, params.num_attention_heads), embedding_dim1=dim1)
-        raise ToolchainError(problems[0], f"use parallelism.tp {_or_list(ok)}")
-    if pp > params.num_hidden_layers:
-        raise ToolchainError(f"pp={pp} exceeds num_hidden_layers={params.num_hidden_layers}",
-                             f"use parallelism.pp <= {params.num_hidden_layers}")
+def check_parallelism(params, layout: Layout) -> None:
+    """The divisibility rules TensorRT-LLM asserts (archs/layout.py layout_problems), checked before any weight is
+    read; the first one broken is refused with the fix for its setting."""
+    problems = layout_problems(params, layout)
+    if not problems:
+        return
+    axis, text = problems[0]
+    if axis == "moe":
+        raise ToolchainError(text, moe.fitting_sizes(params, layout.tp))
+    if axis == "tp":
+        ok = [t for t in range(1, max(layout.tp, params.num_attention_heads) + 1) if splits_tp(params, layout, t)]
+        raise ToolchainError(text, f"use parallelism.tp {_or_list(ok)}")
+    if axis == "pp":
+        raise ToolchainError(text, f"use parallelism.pp <= {params.num_hidden_layers}")
+    raise ToolchainError(text)
 
 
 def split_experts(experts: list[torch.Tensor], tp: int, moe_tp: int, moe_ep: int, dim: int) -> list[list[torch.Tensor]]:

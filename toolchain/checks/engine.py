@@ -13,6 +13,7 @@ import fnmatch
 
 from toolchain import targets
 from toolchain.archs import get_family, moe
+from toolchain.archs.layout import layout_problems, splits_tp
 from toolchain.archs.params import trained_positions
 from toolchain.errors import ToolchainError
 from toolchain.engine.trtllm import default_workers, planned_mpi
@@ -218,36 +219,37 @@ def _rope_keys(ctx: Context):
 
 
 # ---- parallelism (TensorRT-LLM convert_utils.py, mapping.py); convert enforces these itself, so plan only -----------
-def _tp_ok(p, t: int) -> bool:
-    kv = p.num_key_value_heads
-    # a mixture-of-experts model has no dense MLP; moe.parallelism checks how its experts split
-    return p.num_attention_heads % t == 0 and (kv % t == 0 or t % kv == 0) and (
-        p.is_moe or p.intermediate_size % t == 0)
+def _problems(ctx: Context, p, axis: str) -> list[str]:
+    """What the one layout rule (archs/layout.py layout_problems) finds about `axis` of the spec's split."""
+    return [text for a, text in layout_problems(p, ctx.spec.parallelism.layout) if a == axis]
 
 
 @check("tp.heads", (),
        "tp must divide the heads, the KV heads (or be a multiple of them) and the MLP (TensorRT-LLM convert_utils.py)")
 def _tp_heads(ctx: Context):
-    p, tp = _model(ctx), ctx.spec.parallelism.tp
+    p, layout = _model(ctx), ctx.spec.parallelism.layout
     if p is None:
         return SKIP, NO_MODEL
-    if _tp_ok(p, tp):
+    tp = layout.tp
+    if splits_tp(p, layout, tp):
         dup = f", each KV head duplicated {tp // p.num_key_value_heads}x" if tp > p.num_key_value_heads else ""
         return PASS, f"tp {tp} splits {p.num_attention_heads} heads and {p.num_key_value_heads} KV heads{dup}"
-    good = [t for t in (1, 2, 4, 8, 16, 32, 64) if _tp_ok(p, t)]
+    good = [t for t in (1, 2, 4, 8, 16, 32, 64) if splits_tp(p, layout, t)]
+    hidden = f", hidden_size={p.hidden_size} (embedding_sharding_dim 1)" if layout.embedding_split_hidden else ""
     return FAIL, (f"parallelism.tp={tp} does not split num_attention_heads={p.num_attention_heads}, "
-                  f"num_key_value_heads={p.num_key_value_heads}, intermediate_size={p.intermediate_size}; "
+                  f"num_key_value_heads={p.num_key_value_heads}, intermediate_size={p.intermediate_size}{hidden}; "
                   f"use tp {', '.join(map(str, good))}")
 
 
 @check("pp.layers", (), "pp cannot exceed the number of layers (TensorRT-LLM mapping.py)")
 def _pp_layers(ctx: Context):
-    p, pp = _model(ctx), ctx.spec.parallelism.pp
+    p, layout = _model(ctx), ctx.spec.parallelism.layout
     if p is None:
         return SKIP, NO_MODEL
-    if pp > p.num_hidden_layers:
+    pp = layout.pp
+    if _problems(ctx, p, "pp"):
         return FAIL, f"parallelism.pp={pp} exceeds num_hidden_layers={p.num_hidden_layers}; lower pp"
-    sizes = sorted({len(r) for r in mem.stage_layers(p.num_hidden_layers, pp)}, reverse=True)
+    sizes = sorted({len(r) for r in layout.stage_layers(p.num_hidden_layers)}, reverse=True)
     return PASS, f"{p.num_hidden_layers} layers in {pp} stage(s) of {'/'.join(map(str, sizes))}"
 
 
@@ -258,15 +260,15 @@ def _moe_parallelism(ctx: Context):
     p, par = _model(ctx), ctx.spec.parallelism
     if p is None:
         return SKIP, NO_MODEL
-    problems = moe.model_problems(p, par.tp, par.moe_tp, par.moe_ep)
+    problems = _problems(ctx, p, "moe")
     if problems:
         return FAIL, f"{problems[0]}; {moe.fitting_sizes(p, par.tp)}"
     if not p.is_moe:
         return PASS, "dense model: no experts to place"
-    moe_tp, moe_ep = par.moe_sizes
+    moe_tp, moe_ep = par.layout.moe_tp, par.layout.moe_ep
     shared = (f"; the shared expert {p.shared_expert_size // par.tp} wide of {p.shared_expert_size} on each rank "
               f"(tp {par.tp})" if p.shared_expert_size else "")
-    return PASS, (f"{p.num_experts} experts, {p.num_experts // moe_ep} on each rank (moe_ep {moe_ep}), each "
+    return PASS, (f"{p.num_experts} experts, {par.layout.experts_per_rank(p.num_experts)} on each rank (moe_ep {moe_ep}), each "
                   f"{p.expert_size // moe_tp} wide of {p.expert_size} (moe_tp {moe_tp}){shared}")
 
 
@@ -334,17 +336,18 @@ def _group_padding(ctx: Context):
         return SKIP, "see quant.group-size"
     shape = _shape(p)
     if not ctx.row.builds_engine:
-        check_pytorch_per_group(shape, q.group_size, tp)  # a ToolchainError is this check's FAIL
+        # a ToolchainError is this check's FAIL
+        check_pytorch_per_group(shape, q.group_size, tp, lambda t: splits_tp(p, ctx.spec.parallelism.layout, t))
         return PASS, f"every per-rank input width splits into whole groups of {q.group_size}"
     field = "a checkpoint quantized with group size" if q.stored else "quantization.group_size"
     try:  # the converter's own rule, so plan and convert agree
         padded = check_per_group(shape, q.group_size, tp, field)
     except ToolchainError as err:
-        good = [f"tp {t}" for t in (1, 2, 4, 8) if t != tp and _tp_ok(p, t) and _per_group_ok(shape, q.group_size, t)]
+        good = [f"tp {t}" for t in (1, 2, 4, 8) if t != tp and splits_tp(p, ctx.spec.parallelism.layout, t) and _per_group_ok(shape, q.group_size, t)]
         if q.group_size == 128 and not q.stored and _per_group_ok(shape, 64, tp):
             good.append("quantization.group_size=64")
         return FAIL, f"{err.message}; use {' or '.join(good) or 'another quantization.method'}"
-    problem = moe.per_group_problem(p, q.group_size, ctx.spec.parallelism.moe_sizes[0])
+    problem = moe.per_group_problem(p, q.group_size, ctx.spec.parallelism.layout.moe_tp)
     if problem is not None:  # convert's refusal of per-group int4 experts
         return FAIL, f"{problem}; use a smaller parallelism.moe_tp (a larger moe_ep) or quantization.method int4_wo"
     if padded != p.intermediate_size:

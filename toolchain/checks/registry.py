@@ -15,8 +15,9 @@ from toolchain.errors import ToolchainError
 from toolchain import eos as eos_mod
 from toolchain import gpus, targets
 from toolchain.archs import Family, get_family
+from toolchain.archs.layout import layout_problems
 from toolchain.plan.model import ModelInfo, QuantFormat, load_model, quant_format, read_json
-from toolchain.plan.plan import DraftModel, MemoryPlan, layout_ok, plan_memory
+from toolchain.plan.plan import DraftModel, MemoryPlan, plan_memory
 
 if TYPE_CHECKING:
     from toolchain.spec import DeploymentSpec
@@ -155,8 +156,8 @@ def build_context(spec, stage: str = "plan", workspace=None, quant: QuantFormat 
             ctx.draft = load_model(sp.draft_model)
         except ToolchainError as err:
             ctx.draft_error = str(err)
-    par = spec.parallelism
-    if ctx.model is not None and ctx.device is not None and layout_ok(ctx.model.params, par.tp, par.pp, par.moe_tp, par.moe_ep):
+    # only a split convert accepts has a memory plan (archs/layout.py layout_problems)
+    if ctx.model is not None and ctx.device is not None and not layout_problems(ctx.model.params, spec.parallelism.layout):
         draft = DraftModel(ctx.draft) if ctx.draft is not None else None
         ctx.memory = plan_memory(spec, ctx.model, ctx.quant, ctx.device, draft)
     ctx.tokenizer = eos_mod.read_tokenizer(spec.model.tokenizer_dir)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from toolchain.gpus import GIB, Gpu
 from toolchain.plan.perf import performance_dict
-from toolchain.plan.plan import layout_ok, plan_memory
+from toolchain.archs.layout import layout_problems
+from toolchain.plan.plan import plan_memory
 from toolchain.slo import judged_on, predicted_value, thresholds
 from toolchain.checks.registry import FAIL, Context, CheckResult
 
@@ -20,8 +21,7 @@ def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
     spec, model = ctx.spec, ctx.model
     memory = ctx.memory
     if memory is None and model is not None and ctx.device is None and \
-            layout_ok(model.params, spec.parallelism.tp, spec.parallelism.pp,
-                      spec.parallelism.moe_tp, spec.parallelism.moe_ep):
+            not layout_problems(model.params, spec.parallelism.layout):
         # No GPU named: weights and KV bytes per token are still known, capacities are not.
         memory = plan_memory(spec, model, ctx.quant, Gpu("no GPU named", 0.0, None), suggest=False)
     ranks = []

@@ -138,7 +138,7 @@ def expert_parallel_args(spec: DeploymentSpec) -> dict[str, int]:
     """LLM()'s `moe_tensor_parallel_size` / `moe_expert_parallel_size` (BaseLlmArgs, both Optional[int], default
     None: tensorrt_llm/llmapi/llm_args.py, facts/llmapi.json llm_args), for a mixture-of-experts model only.
 
-    Upstream turns None into -1 and its Mapping derives -1 as archs/moe.py `moe_sizes` does (tensorrt_llm/mapping.py
+    Upstream turns None into -1 and its Mapping derives -1 as archs/layout.py `Layout` does (tensorrt_llm/mapping.py
     MappingBase.__init__: both unset gives moe_tp = tp, moe_ep = 1; one unset is tp // the other). Both are
     written, derived where the spec leaves one out, so model.yaml and trtllm-serve.yaml state the expert placement
     that plan, convert and the CPU engine use rather than leaving it to the release's defaults. A dense model gets
@@ -151,8 +151,8 @@ def expert_parallel_args(spec: DeploymentSpec) -> dict[str, int]:
     if moe is None:
         given = {"moe_tensor_parallel_size": par.moe_tp, "moe_expert_parallel_size": par.moe_ep}
         return {k: v for k, v in given.items() if v is not None}
-    moe_tp, moe_ep = par.moe_sizes
-    return {"moe_tensor_parallel_size": moe_tp, "moe_expert_parallel_size": moe_ep}
+    layout = par.layout
+    return {"moe_tensor_parallel_size": layout.moe_tp, "moe_expert_parallel_size": layout.moe_ep}
 
 
 def llm_args(spec: DeploymentSpec, model_dir: Path | str) -> dict[str, Any]:

@@ -17,11 +17,13 @@ model and the OpenAI server of the deployment load it from there
 from __future__ import annotations
 
 import hashlib
+import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Callable
 
+from toolchain.archs.layout import layout_problems, splits_tp
 from toolchain.errors import ToolchainError
 from toolchain.fingerprint import input_hash
 from toolchain.fsutil import atomic_dir
@@ -33,7 +35,6 @@ from toolchain.targets import CPU_STAND_IN, target_of
 from toolchain.weights_source import source_record
 from toolchain.workspace import Workspace
 from toolchain.plan.model import load_model, quant_format
-from toolchain.plan.plan import layout_ok
 from toolchain.quant.recipe import ModelShape, check_pytorch_per_group
 
 STAGE = "convert"
@@ -50,8 +51,10 @@ def _check_layout(spec: DeploymentSpec) -> None:
 
     model = load_model(spec.model.checkpoint)
     params = model.params
-    tp, pp = spec.parallelism.tp, spec.parallelism.pp
-    if not layout_ok(params, tp, pp, spec.parallelism.moe_tp, spec.parallelism.moe_ep):
+    # LLM() is given no embedding split (llmapi/args.py): the PyTorch backend's own is not the spec's to check
+    layout = dataclasses.replace(spec.parallelism.layout, parallel_embedding=False)
+    tp, pp = layout.tp, layout.pp
+    if layout_problems(params, layout):
         raise ToolchainError(f"tp={tp} x pp={pp} cannot split {spec.model.checkpoint} "
                              f"({params.num_attention_heads} heads, {params.num_key_value_heads} KV heads, "
                              f"{params.num_hidden_layers} layers)", "`toolchain plan` names a split that works")
@@ -59,7 +62,8 @@ def _check_layout(spec: DeploymentSpec) -> None:
     if quant.per_group:  # written here or stored so: the PyTorch backend splits it as it loads
         check_pytorch_per_group(ModelShape(params.hidden_size, params.intermediate_size, params.num_attention_heads,
                                            params.num_key_value_heads, params.head_size,
-                                           params.max_position_embeddings), quant.group_size, tp)
+                                           params.max_position_embeddings), quant.group_size, tp,
+                                lambda t: splits_tp(params, layout, t))
 
 
 def served_model_dir(spec: DeploymentSpec, workspace: Workspace) -> Path:

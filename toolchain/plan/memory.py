@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from toolchain.archs import get_family, supported
-from toolchain.archs.moe import moe_sizes
+from toolchain.archs.layout import Layout
 from toolchain.archs.params import ArchParams
 from toolchain.plan.model import QuantFormat
 from toolchain.quant import formats
@@ -25,18 +25,6 @@ GIB = 1024**3
 # MB to 1 GB by rule of thumb (TensorRT-LLM's memory.md gives no figure); plan the high end.
 GPU_WORKSPACE_BYTES = 1 * GIB
 ACTIVATION_BYTES = 2  # fp16/bf16 activations on GPU
-
-
-def stage_layers(num_layers: int, pp: int) -> list[range]:
-    """Layers per PP stage as TensorRT-LLM 1.x assigns them (torch.tensor_split:
-    the first L % P stages get one extra; tensorrt_llm/mapping.py, Mapping.pp_layers)."""
-    base, extra = divmod(num_layers, pp)
-    out, start = [], 0
-    for stage in range(pp):
-        n = base + (1 if stage < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
 
 
 def kv_heads_per_rank(p: ArchParams, tp: int) -> int:
@@ -132,14 +120,15 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantF
                  moe_ep: int | None = None) -> WeightBreakdown:
     """Weight bytes of one rank (its TP slice of its PP stage). A mixture-of-experts model holds its
     experts as `moe_tp`/`moe_ep` (None: as TensorRT-LLM's Mapping derives them) place them."""
-    n_layers = len(stage_layers(p.num_hidden_layers, pp)[pp_rank])
+    layout = Layout(tp, pp, moe_tp, moe_ep)
+    n_layers = len(layout.stage_layers(p.num_hidden_layers)[pp_rank])
     h, v = p.hidden_size, p.vocab_size
     shapes = linear_shapes(p, tp, quant)
     if p.is_moe:
         shapes = [s for s in shapes if s[0] in ("qkv", "dense")]
     per_layer = sum(linear_bytes(o, i, quant, dt_bytes, stored) for _, o, i in shapes)
     if p.is_moe:
-        per_layer += expert_bytes(p, *moe_sizes(tp, moe_tp, moe_ep), dt_bytes, quant, stored)
+        per_layer += expert_bytes(p, layout.moe_tp, layout.moe_ep, dt_bytes, quant, stored)
     if qkv_bias:
         per_layer += linear_shapes(p, tp)[0][1] * dt_bytes
     if dense_bias:

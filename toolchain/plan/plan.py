@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from toolchain.archs import moe
+from toolchain.archs.layout import layout_problems
 from toolchain.plan import memory as mem
 from toolchain.gpus import GIB, GPUS, Gpu
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, QuantFormat, kv_dtype, kv_dtype_bytes, weight_dtype
@@ -133,7 +133,7 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
     seq_tokens = mem.sequence_tokens(lim.max_seq_len, draft_len, build.tokens_per_block,
                                      getattr(p, "sliding_window", None)) * beam
     act_width = 2 if gpu else DTYPE_BYTES[dt]
-    stages = mem.stage_layers(p.num_hidden_layers, pp)
+    stages = spec.parallelism.layout.stage_layers(p.num_hidden_layers)
 
     draft_bytes = draft_kv = 0
     if draft is not None:
@@ -214,16 +214,6 @@ def heads_rank_bytes(spec, params, dtype: str) -> int:
         return 0
 
 
-def layout_ok(params, tp: int, pp: int, moe_tp: int | None = None, moe_ep: int | None = None) -> bool:
-    """Whether tp x pp (and the experts' moe_tp x moe_ep) can split this model at all (convert refuses
-    otherwise: checkpoint.sharding.check_parallelism); only then is a memory plan meaningful."""
-    kv = params.num_key_value_heads
-    # a mixture-of-experts model has no dense MLP: its expert width splits over moe_tp instead
-    mlp_ok = params.is_moe or params.intermediate_size % tp == 0
-    return (pp <= params.num_hidden_layers and params.num_attention_heads % tp == 0
-            and (kv % tp == 0 or tp % kv == 0) and mlp_ok and not moe.model_problems(params, tp, moe_tp, moe_ep))
-
-
 def _with(spec, section: str, **values):
     return spec.model_copy(update={section: getattr(spec, section).model_copy(update=values)})
 
@@ -241,7 +231,7 @@ def suggestions(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
     tp, pp = spec.parallelism.tp, spec.parallelism.pp
     limit = spec.parallelism.gpus or spec.gpu.per_node
     for t in (2, 4, 8, 16, 32, 64):
-        if t > tp and t * pp <= limit and layout_ok(p, t, pp, spec.parallelism.moe_tp, spec.parallelism.moe_ep) \
+        if t > tp and t * pp <= limit and not layout_problems(p, spec.parallelism.layout.with_tp(t)) \
                 and _fits(_with(spec, "parallelism", tp=t), model, quant, device, draft):
             out.append(f"parallelism.tp={t}")
             break

@@ -10,6 +10,7 @@ change and how.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,14 +171,14 @@ def pytorch_per_group_problems(shape: ModelShape, group: int, tp: int) -> list[s
     return [f"{what} {dim}" for what, dim in dims if dim % group]
 
 
-def check_pytorch_per_group(shape: ModelShape, group: int, tp: int) -> None:
+def check_pytorch_per_group(shape: ModelShape, group: int, tp: int, splits: Callable[[int], bool]) -> None:
     """Refuse, in one line with a fix that works for the model, a per-group int4 split the PyTorch
-    backend cannot load (pytorch_per_group_problems)."""
+    backend cannot load (pytorch_per_group_problems). `splits(t)` says whether tp t splits the model at all
+    (archs/layout.py splits_tp, which this floor cannot import), so a suggested tp is one convert accepts."""
     problems = pytorch_per_group_problems(shape, group, tp)
     if not problems:
         return
-    tps = [t for t in (2, 4, 8, 16) if t != tp and shape.num_attention_heads % t == 0
-           and shape.intermediate_size % t == 0 and not pytorch_per_group_problems(shape, group, t)]
+    tps = [t for t in (2, 4, 8, 16) if t != tp and splits(t) and not pytorch_per_group_problems(shape, group, t)]
     m = group * tp
     padded = -(-shape.intermediate_size // m) * m
     fixes = [f"parallelism.tp {' or '.join(map(str, tps))}"] if tps else []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from toolchain.archs.moe import moe_sizes
+from toolchain.archs.layout import Layout
 from toolchain.archs.params import ArchParams
 from toolchain.gpus import Gpu, Link
 from toolchain.plan import memory as mem
@@ -49,7 +49,8 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantFor
                qkv_bias: bool = False, dense_bias: bool = False, moe_tp: int | None = None,
                moe_ep: int | None = None) -> StageCost:
     """The cost figures of one rank of stage `pp_rank` (every rank of a stage holds the same shapes)."""
-    layers = len(mem.stage_layers(p.num_hidden_layers, pp)[pp_rank])
+    layout = Layout(tp, pp, moe_tp, moe_ep)
+    layers = len(layout.stage_layers(p.num_hidden_layers)[pp_rank])
     w = mem.rank_weights(p, tp=tp, pp_rank=pp_rank, pp=pp, quant=quant, dt_bytes=dt_bytes, qkv_bias=qkv_bias,
                          dense_bias=dense_bias, moe_tp=moe_tp, moe_ep=moe_ep)
     read = w.layers + w.norms + w.lm_head
@@ -62,9 +63,9 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantFor
     gemm = 2.0 * sum(out * inp for _, out, inp in shapes) * layers
     expert_bytes, experts, share = 0.0, 0, 0.0
     if p.is_moe:
-        m_tp, m_ep = moe_sizes(tp, moe_tp, moe_ep)
+        m_tp, m_ep = layout.moe_tp, layout.moe_ep
         width = p.expert_size // m_tp  # moe_intermediate_size where the family has one (Qwen MoE), as memory.expert_bytes
-        experts = p.num_experts // m_ep
+        experts = layout.experts_per_rank(p.num_experts)
         share = p.top_k / p.num_experts
         # fc (w3, w1) and proj in the engine's format, as memory.expert_bytes counts them
         per_expert_layer = (mem.linear_bytes(2 * width, p.hidden_size, quant, dt_bytes)
