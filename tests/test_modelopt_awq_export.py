@@ -109,3 +109,28 @@ def test_qkv_spread_is_zero_where_q_k_v_share_one_vector_and_grows_with_their_ga
     assert qkv_spread(same) == [{"layer": 0, "max_abs_log2_ratio": 0.0, "mean_abs_log2_ratio": 0.0}]
     apart = dict(same, **{"model.layers.0.self_attn.k_proj": v * 4})  # mean = 2v: q, v at 1/2, k at 2
     assert qkv_spread(apart)[0]["max_abs_log2_ratio"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_an_export_without_rotary_base_rotates_with_tensorrt_llms_default(tmp_path):
+    """ModelOpt 0.47 over transformers 5 leaves `rotary_base` out of config.json (its map reads `rope_theta`
+    off the config object, which now lives in rope_parameters). TensorRT-LLM then rotates with LLaMAConfig's
+    default, 10000, and so does the engine: SmolLM2's 100000 lost is what cost its AWQ export 7 % perplexity
+    here. The tool reads the model's own base and writes it into a copy of the export for a fifth reading."""
+    from toolchain.engine.cpu.config import parse_dims
+    from tools.modelopt_awq_export import hf_rope_base, with_rope_base
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}))
+    assert hf_rope_base(hf) == 100000.0
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    make_hf_model("LlamaForCausalLM", tmp_path / "src", **DIMS, num_hidden_layers=1)
+    convert_checkpoint(tmp_path / "src", ckpt, tp=1, pp=1, dtype="float32")
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["rotary_base"]  # as ModelOpt's export writes it
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert parse_dims(config, "config.json").rotary_base == 10000.0
+    fixed = with_rope_base(ckpt, tmp_path / "fixed", hf_rope_base(hf))
+    assert parse_dims(json.loads((fixed / "config.json").read_text()), "config.json").rotary_base == 100000.0
+    assert (fixed / "rank0.safetensors").resolve() == (ckpt / "rank0.safetensors").resolve()

@@ -1,4 +1,4 @@
-"""Where nvidia-modelopt's INT4_AWQ export of SmolLM2 loses quality: three readings of one calibration.
+"""Where nvidia-modelopt's INT4_AWQ export of SmolLM2 loses quality: five readings of one calibration.
 
 docs/quantization.md lists `peer:modelopt:INT4_AWQ@g64` at 41.33 perplexity (ModelOpt's own fake-quantized
 model) but 46.70 when our CPU engine runs the TensorRT-LLM checkpoint it exported. This script measures, on
@@ -13,7 +13,9 @@ the same English windows and calibration as benchmarks/quantization.py:
 3. the exported rank0.safetensors read by a second reader, plain torch here (`dequantize_checkpoint`:
    unpack, times the per-group scale, the prequant vector folded into the input columns), run by
    transformers' LlamaForCausalLM in float32;
-4. the same checkpoint on our CPU engine.
+4. the same checkpoint on our CPU engine;
+5. where the export's config.json leaves out the model's rope base (TensorRT-LLM then rotates with its
+   default, 10000), the engine again with the model's own base written in.
 
 If 2, 3 and 4 agree and sit above 1, the loss is the export's merge, not our reader. It also prints
 how far each layer's own q, k and v AWQ vectors were from the average the export wrote.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -142,26 +145,59 @@ def run_modelopt(run: Path, peer_python: Path, calib_samples: int, calib_len: in
                    check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
 
 
-def measure(run: Path) -> dict:
-    """The four readings of `run` (a folder run_modelopt filled)."""
+def engine_perplexity(ckpt: Path, out: Path, windows: list[list[int]]) -> float:
+    """Perplexity of the TensorRT-LLM checkpoint `ckpt` on our CPU engine (built into `out`)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import quantization as bench
 
     from toolchain.engine.cpu import CpuEngine
 
-    job, peer = json.loads((run / "job.json").read_text()), json.loads((run / "result.json").read_text())
-    windows, hf = job["eval"], Path(job["model_dir"])
-    sd, _ = dequantize_checkpoint(run / "export")
-    engine = CpuEngine.load(bench.engine_dir(run / "export", run / "engine", 256 + 80), num_threads=1)
+    shutil.rmtree(out, ignore_errors=True)  # a rerun's engine links the same rank files
+    engine = CpuEngine.load(bench.engine_dir(ckpt, out, 256 + 80), num_threads=1)
     try:
         scores, _ = bench.engine_scores(engine, windows, None)
     finally:
         engine.close()
+    return scores["perplexity"]
+
+
+def hf_rope_base(hf_dir: Path) -> float:
+    """The rope base the Hugging Face model was trained with (transformers 5 keeps it in rope_parameters)."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    return float((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+
+
+def with_rope_base(ckpt: Path, out: Path, base: float) -> Path:
+    """A copy of checkpoint `ckpt` whose config.json names `base` as rotary_base (the weights linked)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((ckpt / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "rotary_base": base}, indent=1))
+    for f in ckpt.glob("rank*.safetensors"):
+        if not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    return out
+
+
+def measure(run: Path) -> dict:
+    """The readings of `run` (a folder run_modelopt filled): the four above, and where the export's
+    config.json leaves out a rope base the model does not share with TensorRT-LLM's default (10000: LLaMAConfig
+    `rotary_base: float = 10000.0`, tensorrt_llm/models/llama/config.py), the engine once more with the model's
+    own base written in. ModelOpt writes rotary_base only when its config map finds one
+    (modelopt/torch/export/tensorrt_llm_utils.py; hf_config_map.py reads `rope_theta` off the HF config
+    object, which transformers 5 moved into rope_parameters)."""
+    job, peer = json.loads((run / "job.json").read_text()), json.loads((run / "result.json").read_text())
+    windows, hf = job["eval"], Path(job["model_dir"])
+    sd, config = dequantize_checkpoint(run / "export")
+    trained_base = hf_rope_base(hf)
     out = {"model": hf.name, "calib_samples": len(job["calib"]), "eval_tokens": sum(len(w) - 1 for w in windows),
            "modelopt_fake_quant_before_export": round(peer["perplexity"], 4),
            "modelopt_fake_quant_after_export": round(peer["perplexity_after_export"], 4),
            "plain_torch_dequant_of_export": round(torch_perplexity(hf, sd, windows), 4),
-           "cpu_engine_on_export": scores["perplexity"]}
+           "cpu_engine_on_export": engine_perplexity(run / "export", run / "engine", windows),
+           "export_rotary_base": config.get("rotary_base"), "hf_rope_theta": trained_base}
+    if float(config.get("rotary_base") or 10000.0) != trained_base:
+        fixed = with_rope_base(run / "export", run / "export-rope", trained_base)
+        out["cpu_engine_on_export_with_hf_rope_base"] = engine_perplexity(fixed, run / "engine-rope", windows)
     if (run / "prequant.pt").is_file():
         spread = qkv_spread(torch.load(run / "prequant.pt"))
         out["qkv_prequant_spread"] = spread
