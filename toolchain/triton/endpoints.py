@@ -60,8 +60,30 @@ class Endpoint:
         return f"http://{self.address}"
 
 
+class UrlAccessors:
+    """The URL accessors of what maps http, grpc and metrics to addresses in `urls`: TritonEndpoints and the
+    servers (TritonServer, TritonLaunch)."""
+
+    @property
+    def urls(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    @property
+    def http_url(self) -> str:
+        return self.urls["http"]
+
+    @property
+    def grpc_url(self) -> str:
+        """host:port, as tritonclient.grpc.InferenceServerClient takes it."""
+        return self.urls["grpc"]
+
+    @property
+    def metrics_url(self) -> str:
+        return self.urls["metrics"]
+
+
 @dataclass(frozen=True)
-class TritonEndpoints:
+class TritonEndpoints(UrlAccessors):
     """tritonserver's three endpoints (rank 0's, under mpirun) and whether its metrics stay private."""
 
     http: Endpoint
@@ -91,18 +113,6 @@ class TritonEndpoints:
     def urls(self) -> dict[str, str]:
         """http and metrics as URLs, grpc as host:port (tritonclient.grpc.InferenceServerClient)."""
         return {"http": self.http.url, "grpc": self.grpc.address, "metrics": f"{self.metrics.url}/metrics"}
-
-    @property
-    def http_url(self) -> str:
-        return self.urls["http"]
-
-    @property
-    def grpc_url(self) -> str:
-        return self.urls["grpc"]
-
-    @property
-    def metrics_url(self) -> str:
-        return self.urls["metrics"]
 
     def with_ports(self, ports: dict[str, int]) -> "TritonEndpoints":
         """The same endpoints on `ports` (kind -> port; the ones a launcher picked for port 0)."""

@@ -50,8 +50,8 @@ from toolchain.versions import TRITON_IMAGE, TRTLLM_VERSION
 from toolchain import procgroup
 from toolchain.targets import CPU, target_of
 from toolchain.triton import cluster, exposure
-from toolchain.triton.endpoints import WILDCARDS, client_host, endpoints
-from toolchain.triton.server import Endpoints, diagnose_log, free_port, is_ready, port_in_use, python_stubs
+from toolchain.triton.endpoints import WILDCARDS, UrlAccessors, client_host, endpoints
+from toolchain.triton.server import diagnose_log, free_port, is_ready, port_in_use, python_stubs
 from toolchain.triton.runtime import backend_dir, resolve_binary, server_env
 from toolchain.speculative import DRAFT_ENGINE, mode_of
 
@@ -282,7 +282,7 @@ def rank_pids(mpirun_pid: int) -> dict[int, int]:
     return out
 
 
-class TritonLaunch(Endpoints):
+class TritonLaunch(UrlAccessors):
     """The mpirun process group serving an engine repository, one tritonserver per rank; the same
     surface as TritonServer (procgroup.Server's start, stop, running, ready, urls and logs; dead_stubs,
     failure_cause, log_path).

@@ -26,7 +26,7 @@ from toolchain.errors import StageFailed, ToolchainError
 from toolchain.netutil import free_port, port_in_use  # noqa: F401  (free_port is re-exported)
 from toolchain import procgroup
 from toolchain.triton import exposure
-from toolchain.triton.endpoints import endpoints
+from toolchain.triton.endpoints import UrlAccessors, endpoints
 from toolchain.triton.runtime import ServerBinary, backend_dir, resolve_binary, server_env
 
 STUB_GRACE_S = 3.0  # a stub gone during start-up: how long the server may take to report it itself
@@ -38,28 +38,7 @@ def _port_error(kind: str, host: str, port: int) -> ToolchainError:
                           f"stop whatever listens there or pass --set {_PORT_FIELDS[kind]}=<free port> (0 picks one)")
 
 
-class Endpoints:
-    """The URL accessors of a server whose `urls` maps http, grpc and metrics to its addresses."""
-
-    @property
-    def urls(self) -> dict[str, str]:
-        raise NotImplementedError
-
-    @property
-    def http_url(self) -> str:
-        return self.urls["http"]
-
-    @property
-    def grpc_url(self) -> str:
-        """host:port, as tritonclient.grpc.InferenceServerClient takes it."""
-        return self.urls["grpc"]
-
-    @property
-    def metrics_url(self) -> str:
-        return self.urls["metrics"]
-
-
-class TritonServer(procgroup.GroupServer, Endpoints):
+class TritonServer(procgroup.GroupServer, UrlAccessors):
     """One tritonserver process serving `repo_dir`, a procgroup.Server. Use as a context manager or
     call `start()` / `stop()`."""
 
