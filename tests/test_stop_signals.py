@@ -260,7 +260,9 @@ def test_a_stop_dropped_in_a_finalizer_is_raised_again():
 def test_deploy_stopped_by_sigterm_while_it_benches(tmp_path):
     argv = _cli(tmp_path, "deploy", str(REPO / "build" / "tiny-llama.yaml"), *FREE_PORTS,
                 "--set", "validation.workload.num_requests=5000")
-    run = _stopped_mid_run(argv, tmp_path, r"\bbench\s+start", signal.SIGTERM, shm=True)
+    # 5000 requests keep the bench busy for minutes: the settle leaves it time to load its clients and send
+    # requests on a loaded host (a stop inside its setup has measured nothing, so there is no report to keep).
+    run = _stopped_mid_run(argv, tmp_path, r"\bbench\s+start", signal.SIGTERM, shm=True, settle_s=6)
     assert run.rc == 128 + signal.SIGTERM, run.text  # type: ignore[attr-defined]
     assert "stopped by SIGTERM" in run.text
     report = json.loads((tmp_path / "root" / "reports" / "tiny-llama" / "report.json").read_text())
