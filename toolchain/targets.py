@@ -85,6 +85,12 @@ class Target:
     `--manifests` writes; None: it runs on this host (`toolchain serve`)."""
 
     @property
+    def openai_beside_triton(self) -> bool:
+        """serve and deploy start the OpenAI server beside tritonserver on this host: the CPU stand-in's LLM-API
+        target (on a GPU host trtllm-serve is a command of its own, printed by serve --print)."""
+        return self.llm_runtime == CPU_STAND_IN
+
+    @property
     def builds_engine(self) -> bool:
         return self.path == ENGINE
 

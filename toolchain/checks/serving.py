@@ -23,7 +23,7 @@ from toolchain.checks.registry import ENGINE_PATH, FAIL, GPU_ONLY, PASS, SERVING
 from toolchain.versions import TENSORRT_VERSION, TRITON_IMAGE, TRTLLM_VERSION, in_line, tensorrt_of
 from toolchain.errors import ToolchainError
 from toolchain.host import cpu_mpirun, physical_cores
-from toolchain.targets import CPU, CPU_STAND_IN, ENGINE, named, target_of
+from toolchain.targets import CPU, ENGINE, named, target_of
 from toolchain.triton.endpoints import TRITON_KINDS, endpoints
 
 NOT_BUILT = (SKIP, "no engine built yet")
@@ -274,7 +274,7 @@ def bound_ports(spec) -> list[tuple[str, str, int]]:
     OpenAI server beside Triton there. A port 0 is picked free at start, so it is not listed."""
     served = endpoints(spec)
     ports = [(f"serving.{kind}_port", at.bind, at.port) for kind in TRITON_KINDS for at in [served.triton[kind]]]
-    if target_of(spec).llm_runtime == CPU_STAND_IN:  # the stand-in's OpenAI server starts beside Triton here
+    if target_of(spec).openai_beside_triton:
         ports.append(("llmapi.openai_port", served.openai.bind, served.openai.port))
     return [(field, host, port) for field, host, port in ports if port]
 

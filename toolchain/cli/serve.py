@@ -27,6 +27,7 @@ from toolchain.cli._common import Context, spec_command
 from toolchain.errors import ToolchainError
 from toolchain.manifest import is_current
 from toolchain.spec import DeploymentSpec
+from toolchain.targets import target_of
 from toolchain.triton import exposure
 from toolchain.triton.server import TritonServer
 
@@ -107,7 +108,7 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
         # llmapi-cpu serves what deploy serves: Triton's llmapi model and the OpenAI server (on a GPU host
         # trtllm-serve is its own command, printed by --print).
         watched = [pipeline.watch_triton(server, _describe(spec, server), "tensorrt_llm (LLM API)")]
-        if spec.target == "llmapi-cpu":
+        if target_of(spec).openai_beside_triton:
             watched.append(pipeline.watch_openai(pipeline.openai_server(spec, ws, pipeline.openai_log(spec, ws))))
         pipeline.serve_until_stopped(watched, timeout or spec.serving.startup_timeout_s, click.echo)
         return
