@@ -37,15 +37,24 @@ def test_rows_say_what_each_target_is():
 
 def test_rows_carry_what_the_stages_read():
     """What varies with the target is read from its row: the engine builder, dtype narrowing, compute dtype,
-    the LLM() runtime and the way it launches on a GPU host (its printer and manifest writer)."""
+    the LLM() runtime and the way it launches on a GPU host (its printer and manifest writer), how mpirun binds
+    its ranks, what the memory plan budgets against and how performance is predicted without a GPU, whether it
+    serves the OpenAI server too, and which spec fields run replicas."""
     got = {t.name: (t.engine_builder and t.engine_builder.name, t.narrows_float32, t.compute_dtype, t.llm_runtime,
                     t.gpu_launch) for t in TARGETS.values()}
     assert got == {"cpu": ("cpu-engine", False, "float32", None, None),
                    "trtllm": ("trtllm-build", True, None, None, "triton-mpirun"),
                    "llmapi": (None, False, None, "tensorrt_llm", "llmapi-serve"),
                    "llmapi-cpu": (None, False, "float32", "cpu-stand-in", None)}
-    # a GPU host launches exactly the GPU targets; only trtllm-build narrows float32 (TensorRT-LLM infer_dtype)
-    assert all((t.gpu_launch is not None) == t.on_gpu for t in TARGETS.values())
+    got = {t.name: (t.binds_ranks, t.budgets_host_ram, t.predicts_from_host_profile, t.serves_openai,
+                    t.replica_fields) for t in TARGETS.values()}
+    assert got == {"cpu": (False, True, True, False, ()),
+                   "trtllm": (True, False, False, False, ("serving.replicas",)),
+                   "llmapi": (True, False, False, True, ("serving.replicas", "dynamo.workers")),
+                   "llmapi-cpu": (False, True, True, True, ())}
+    # a GPU host launches exactly the GPU targets, and runs their replicas; only trtllm-build narrows float32
+    # (TensorRT-LLM infer_dtype)
+    assert all((t.gpu_launch is not None) == t.on_gpu == bool(t.replica_fields) for t in TARGETS.values())
     assert engine_dtype("auto", "float32", "trtllm") == "float16" and engine_dtype("auto", "float32", "cpu") == "float32"
 
 

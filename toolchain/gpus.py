@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from toolchain.errors import ToolchainError
 from toolchain.host import GIB, host_memory_bytes
-from toolchain.targets import CPU, target_of
+from toolchain.targets import target_of
 
 
 
@@ -148,14 +148,14 @@ def lookup(name: str) -> Gpu:
 
 
 def resolve(spec) -> Gpu | None:
-    """The device `spec` plans against: the named/described GPU; for the CPU targets
-    without one, this host's RAM; None when a trtllm spec names no GPU."""
+    """The device `spec` plans against: the named/described GPU; without one, this host's RAM for a target
+    whose row budgets it (the CPU targets, `Target.budgets_host_ram`); None when a GPU target names no GPU."""
     g = spec.gpu
     if g.name:
         base = lookup(g.name)
         return dataclasses.replace(base, memory_gib=g.memory_gib or base.memory_gib, sm=g.sm or base.sm)
     if g.memory_gib:
         return Gpu(f"{g.memory_gib:g} GiB GPU", g.memory_gib, g.sm)
-    if target_of(spec).device == CPU:
+    if target_of(spec).budgets_host_ram:
         return Gpu("host RAM", host_memory_bytes() / GIB, None, kind="host")
     return None

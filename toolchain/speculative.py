@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from toolchain.targets import CPU, ENGINE, GPU, LLMAPI, Path, Target, named
+from toolchain.targets import CPU, ENGINE, GPU, LLMAPI, Device, Path, Target, named
 
 Mode = Literal["none", "draft_target", "medusa", "eagle", "lookahead", "ngram", "eagle3", "mtp"]
 Draft = Literal["", "draft_model", "heads"]
@@ -76,9 +76,13 @@ class SpeculativeMode:
         """An engine-path mode whose draft length only the spec gives (speculative.max_draft_len > 0)."""
         return self.build_mode is not None and not self.length_in_checkpoint
 
+    @property
+    def runs(self) -> frozenset[tuple[Path, Device]]:
+        """The (path, device) pairs it runs on: GPUs on each of its paths, the CPU engine on those of `cpu`."""
+        return frozenset([(p, GPU) for p in self.paths] + [(p, CPU) for p in self.paths if p in self.cpu])
+
     def runs_on(self, target: Target) -> bool:
-        return self.name == "none" or (target.path in self.paths
-                                       and (target.device != CPU or target.path in self.cpu))
+        return self.name == "none" or (target.path, target.device) in self.runs
 
 
 MODES: dict[str, SpeculativeMode] = {m.name: m for m in (

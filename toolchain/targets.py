@@ -83,12 +83,33 @@ class Target:
     gpu_launch: Launcher | None = None
     """How `serve --print` launches it on a GPU host, and the kind of Slurm and Kubernetes manifests
     `--manifests` writes; None: it runs on this host (`toolchain serve`)."""
+    binds_ranks: bool = True
+    """mpirun binds each rank to a core (Open MPI's default); False: its ranks run unbound (`--bind-to none`, and
+    `--oversubscribe` where serving.oversubscribe asks), as a CPU engine rank's server, stubs and gloo threads
+    would otherwise share one core (toolchain/triton/launch.py)."""
+    budgets_host_ram: bool = False
+    """Where the spec describes no GPU (gpu.name, gpu.memory_gib), the memory plan budgets against this host's
+    RAM, which holds the CPU engine's weights and KV cache; otherwise it has no device to budget against."""
+    predicts_from_host_profile: bool = False
+    """`toolchain plan` predicts its throughput from this host's measured profile (`toolchain probe-host`, per
+    serving.engine_threads) rather than from the GPU table's bandwidth and peak figures."""
+    replica_fields: tuple[str, ...] = ()
+    """The spec fields that run several copies of the deployment, which `toolchain tune` sets to the replicas it
+    ranks: serving.replicas (`serve --print` and `--manifests` launch that many of tp x pp GPUs each,
+    spec.py ServingSection.replicas) and, where `toolchain dynamo` serves it, dynamo.workers (its aggregated
+    workers, DynamoSection.workers); () where serve starts one copy on this host."""
 
     @property
     def openai_beside_triton(self) -> bool:
         """serve and deploy start the OpenAI server beside tritonserver on this host: the CPU stand-in's LLM-API
         target (on a GPU host trtllm-serve is a command of its own, printed by serve --print)."""
         return self.llm_runtime == CPU_STAND_IN
+
+    @property
+    def serves_openai(self) -> bool:
+        """Its deployment serves the LLM API's OpenAI server (llmapi.openai_port) too: trtllm-serve on a GPU host,
+        the CPU stand-in's beside Triton here."""
+        return self.llm_runtime is not None
 
     @property
     def builds_engine(self) -> bool:
@@ -110,16 +131,18 @@ class Target:
 TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("cpu", ENGINE, CPU, ("single", "mpirun"), "single",
            "the engine repository with the CPU engine standing in for the TensorRT-LLM engine",
-           engine_builder=CPU_ENGINE, compute_dtype="float32"),
+           engine_builder=CPU_ENGINE, compute_dtype="float32", binds_ranks=False, budgets_host_ram=True,
+           predicts_from_host_profile=True),
     Target("trtllm", ENGINE, GPU, ("mpirun",), "mpirun",
            "trtllm-build engines and the tensorrtllm backend (TensorRT-LLM 1.2.1)",
-           engine_builder=TRTLLM_BUILD, narrows_float32=True, gpu_launch=TRITON_MPIRUN),
+           engine_builder=TRTLLM_BUILD, narrows_float32=True, gpu_launch=TRITON_MPIRUN,
+           replica_fields=("serving.replicas",)),
     Target("llmapi", LLMAPI, GPU, (), None,
            "the LLM-API path (PyTorch backend, no engine build): Triton's llmapi model and trtllm-serve",
-           llm_runtime=TENSORRT_LLM, gpu_launch=LLMAPI_SERVE),
+           llm_runtime=TENSORRT_LLM, gpu_launch=LLMAPI_SERVE, replica_fields=("serving.replicas", "dynamo.workers")),
     Target("llmapi-cpu", LLMAPI, CPU, (), None,
            "the LLM-API path's repository and OpenAI server on the CPU engine", compute_dtype="float32",
-           llm_runtime=CPU_STAND_IN),
+           llm_runtime=CPU_STAND_IN, binds_ranks=False, budgets_host_ram=True, predicts_from_host_profile=True),
 )}
 
 

@@ -138,7 +138,7 @@ def replica_note(spec: DeploymentSpec, i: int) -> str:
     one, where = replica_spec(spec, i), replica_gpus(spec, i)
     s = one.serving
     gpus = f"GPUs {where[1]} of host {where[0]}" if where else f"{node_count(spec)} hosts of its own"
-    openai = f", OpenAI {one.llmapi.openai_port}" if target_of(spec).llmapi_path else ""
+    openai = f", OpenAI {one.llmapi.openai_port}" if target_of(spec).serves_openai else ""
     return (f"# replica {i} of {replicas(spec)}: {gpus}; ports = the spec's + {REPLICA_PORT_STEP} x {i} "
             f"(HTTP {s.http_port}, gRPC {s.grpc_port}, metrics {s.metrics_port}{openai})")
 

@@ -48,7 +48,7 @@ from toolchain.host import cpu_mpirun, physical_cores
 from toolchain.errors import StageFailed, ToolchainError
 from toolchain.versions import TRITON_IMAGE, TRTLLM_VERSION
 from toolchain import procgroup
-from toolchain.targets import CPU, target_of
+from toolchain.targets import target_of
 from toolchain.triton import cluster, exposure
 from toolchain.triton.endpoints import WILDCARDS, UrlAccessors, client_host, endpoints
 from toolchain.triton.server import diagnose_log, free_port, is_ready, port_in_use, python_stubs
@@ -113,7 +113,7 @@ def launch_command(spec, repo_dir: Path, *, tritonserver: str = DEFAULT_TRITONSE
     ports = ports or endpoints(spec).triton.ports
     repo = Path(repo_dir)
     head = [mpirun, "--allow-run-as-root"]
-    if target_of(spec).device == CPU:
+    if not target_of(spec).binds_ranks:
         # Open MPI binds each rank to one core; a CPU rank's server, stubs and gloo threads then share
         # it, and a point-to-point exchange between two ranks measured 1.2 ms bound against 0.14 ms not.
         head += ["--bind-to", "none"] + (["--oversubscribe"] if s.oversubscribe else [])

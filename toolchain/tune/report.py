@@ -16,6 +16,7 @@ import yaml
 from toolchain.fsutil import atomic_dir
 from toolchain.slo import judged_on, thresholds
 from toolchain.spec import DeploymentSpec
+from toolchain.targets import target_of
 from toolchain.tune.candidates import derive
 from toolchain.tune.search import Evaluated, SearchResult, replica_spec
 
@@ -151,10 +152,6 @@ PATH_FIELDS = (("model", "checkpoint"), ("model", "tokenizer"), ("gpu", "hostfil
                ("validation", "workload", "prompts_file"), ("serving", "tritonserver"), ("serving", "admin_key_file"))
 # Fields of the section whose value the default of `model.checkpoint` stands for when the file leaves it out.
 DEFAULT_RELATIVE = {("model", "checkpoint")}
-# Targets whose replicas fields of the spec run: `serve --print` and `serve --manifests` launch serving.replicas
-# copies of tp x pp GPUs each on the GPU targets (spec.py ServingSection.replicas), and `toolchain dynamo` starts
-# dynamo.workers aggregated workers (DynamoSection.workers) for target llmapi.
-REPLICA_FIELD = {"trtllm": ("serving.replicas",), "llmapi": ("serving.replicas", "dynamo.workers")}
 
 
 def _get(data: dict, path: tuple[str, ...]):
@@ -205,7 +202,7 @@ def spec_yaml(spec: DeploymentSpec, header: list[str], dest: Path | None = None,
     for section, fields in SEARCHED.items():
         full = getattr(spec, section)
         data.setdefault(section, {}).update({f: getattr(full, f) for f in fields})
-    for field_name in REPLICA_FIELD.get(spec.target, ()) if replicas > 1 else ():
+    for field_name in target_of(spec).replica_fields if replicas > 1 else ():
         section, key = field_name.split(".")
         data.setdefault(section, {})[key] = replicas
     if dest is not None:
@@ -304,7 +301,7 @@ def write(out: Path, result: SearchResult, top: int, text: str, extra: dict | No
             p = e.performance
             header = [f"toolchain tune: rank {rank} of {len(result.shown)}: {e.candidate.label}"]
             if spec.gpu.name:
-                fields = REPLICA_FIELD.get(spec.target, ())
+                fields = target_of(spec).replica_fields
                 field_name = " and ".join(fields)
                 verb = "say" if len(fields) > 1 else "says"
                 how = f"{field_name} {verb} so" if field_name and e.candidate.replicas > 1 else \

@@ -20,7 +20,7 @@ from toolchain.plan.perf.schedule import Deployment, Workload, best_point, queue
 from toolchain.plan.perf.step import stage_cost
 from toolchain.plan.plan import DraftModel, MemoryPlan, plan_memory
 from toolchain.speculative import DRAFT_ENGINE, mode_of
-from toolchain.targets import CPU, target_of
+from toolchain.targets import target_of
 
 # ------------------------------------------------------------------------------------------- the spec
 
@@ -63,7 +63,7 @@ class Performance:
 
 def unavailable(spec, device: Gpu | None, memory: MemoryPlan | None, profile: HostProfile | None = None) -> str | None:
     """Why no prediction is made for this spec, or None when one is."""
-    if target_of(spec).device == CPU:
+    if target_of(spec).predicts_from_host_profile:
         if profile is None:
             return missing_note(spec.serving.engine_threads)
         if spec.parallelism.tp > 1 and spec.serving.launch == "mpirun" and not profile.gloo:
@@ -195,9 +195,9 @@ def predict(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, memory: Mem
 
 
 def host_profile_of(spec) -> HostProfile | None:
-    """This host's cached profile for a CPU target's engine threads (never measured here); None for a GPU
-    target or when there is none."""
-    if target_of(spec).device != CPU:
+    """This host's cached profile for the engine threads of a target predicted from it (the CPU targets,
+    `Target.predicts_from_host_profile`; never measured here); None for a GPU target or when there is none."""
+    if not target_of(spec).predicts_from_host_profile:
         return None
     return load_profile(spec.serving.engine_threads)
 
