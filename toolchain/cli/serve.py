@@ -27,7 +27,7 @@ from toolchain.cli._common import Context, spec_command
 from toolchain.errors import ToolchainError
 from toolchain.manifest import is_current
 from toolchain.spec import DeploymentSpec
-from toolchain.targets import target_of
+from toolchain.targets import LLMAPI_SERVE, TARGETS, target_of
 from toolchain.triton import exposure
 from toolchain.triton.server import TritonServer
 
@@ -45,7 +45,7 @@ def _describe(spec: DeploymentSpec, server: pipeline.Triton) -> str:
     """What serve's ready line says it started: the binary, and under mpirun how many ranks."""
     if isinstance(server, TritonServer):
         return f"{server.binary.source}: {server.binary.path}"
-    if spec.target == "trtllm":
+    if target_of(spec).on_gpu:
         return f"{spec.parallelism.world_size} rank(s) under {server.mpirun}, {server.tritonserver}"
     return f"{spec.parallelism.world_size} CPU rank process(es) under {server.mpirun}, {server.tritonserver}"
 
@@ -76,13 +76,15 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
 
     ws = ctx.workspace
     repo = ws.model_repo_dir(spec)
-    if manifests_dir is not None and spec.target not in ("trtllm", "llmapi"):
-        raise ToolchainError(f"--manifests is for the GPU targets trtllm and llmapi, not {spec.target}",
-                             "set target: trtllm or llmapi, or drop --manifests")
+    row = target_of(spec)
+    if manifests_dir is not None and row.gpu_launch is None:
+        gpu = [t.name for t in TARGETS.values() if t.gpu_launch is not None]
+        raise ToolchainError(f"--manifests is for the GPU targets {' and '.join(gpu)}, not {spec.target}",
+                             f"set target: {' or '.join(gpu)}, or drop --manifests")
     warning = exposure.warning(spec.serving)
-    if warning and not (spec.target == "llmapi" and (print_only or manifests_dir is not None)):
+    if warning and not (row.gpu_launch == LLMAPI_SERVE and (print_only or manifests_dir is not None)):
         click.echo(warning, err=True)
-    if spec.target in ("trtllm", "llmapi") and (print_only or manifests_dir is not None):
+    if row.gpu_launch is not None and (print_only or manifests_dir is not None):
         pipeline.print_gpu_launch(spec, ws, click.echo)
         _write_manifests(spec, ws, manifests_dir)
         return
@@ -90,7 +92,7 @@ def command(ctx: Context, spec: DeploymentSpec, print_only: bool, timeout: float
         click.echo(f"note: serving.replicas {spec.serving.replicas}: serve starts one replica here (replica 0: the "
                    "spec's ports, the GPUs this process sees); `toolchain serve SPEC --print` prints every replica's "
                    "lines", err=True)
-    if spec.target == "llmapi" and pipeline.multi_node(spec):
+    if row.gpu_launch == LLMAPI_SERVE and pipeline.multi_node(spec):
         raise ToolchainError(f"tp x pp spans {pipeline.node_count(spec)} hosts: one `serve` cannot start them",
                              "write the Slurm or Kubernetes manifests with `toolchain serve SPEC --manifests DIR`")
     if not (repo / "manifest.json").is_file():
