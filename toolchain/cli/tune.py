@@ -14,7 +14,8 @@ from toolchain.errors import StageFailed, ToolchainError
 from toolchain.gpus import lookup
 from toolchain.plan import crosscheck
 from toolchain.slo import RATE_KEYS, parse_slo, thresholds
-from toolchain.spec import SloSection, load_spec
+from toolchain.spec import load_spec
+from toolchain.spec_workload import SloSection
 from toolchain.targets import CPU, target_of
 from toolchain.tune import measure as measuring
 from toolchain.tune.candidates import derive
