@@ -26,6 +26,7 @@ from toolchain.errors import StageFailed, ToolchainError
 from toolchain.manifest import Manifest, output_problem
 from toolchain.plan.model import load_model
 from toolchain.plan.perf import predict_spec
+from toolchain.quant.view import Quantization
 from toolchain.spec import DeploymentSpec, load_spec
 from toolchain.stopsignals import stop_on_signals
 from toolchain.targets import LLMAPI_SERVE, TRITON_MPIRUN, target_of
@@ -139,7 +140,7 @@ def served_outputs(spec: DeploymentSpec, workspace: Workspace) -> list[tuple[Pat
     path) or the quantized checkpoint LLM() loads (LLM-API path; an unquantized one is the user's own HF
     directory), and the model repository."""
     if target_of(spec).llmapi_path:
-        loaded = [(workspace.checkpoint_dir(spec), "convert")] if spec.quantization.active else []
+        loaded = [(workspace.checkpoint_dir(spec), "convert")] if Quantization.of(spec.quantization).active else []
     else:
         loaded = [(workspace.engine_dir(spec), "build-engine")]
     return loaded + [(workspace.model_repo_dir(spec), "model-repo")]
