@@ -32,13 +32,11 @@ from toolchain.stopsignals import stop_on_signals
 from toolchain.targets import LLMAPI_SERVE, TRITON_MPIRUN, target_of
 from toolchain.workspace import Workspace
 from toolchain.engine.build import run_build
-from toolchain.triton import cluster, exposure
-from toolchain.triton import manifests as triton_manifests
+from toolchain.triton import cluster, exposure, manifests as triton_manifests
 from toolchain.triton.endpoints import endpoints
 from toolchain.triton.launch import TritonLaunch, container_commands, docker_command, find_tools, launch_command
 from toolchain.triton.server import TritonServer
-from toolchain.llmapi import launch as llmapi_launch
-from toolchain.llmapi import manifests as llmapi_manifests
+from toolchain.llmapi import launch as llmapi_launch, manifests as llmapi_manifests
 from toolchain.llmapi.cpu_llm import ENGINE_DIR_ENV
 from toolchain.llmapi.launch import openai_engine_args, serve_config_path, served_model_name
 from toolchain.llmapi.stage import run_convert_llmapi, served_model_dir
