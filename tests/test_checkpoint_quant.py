@@ -16,15 +16,15 @@ from conftest import make_hf_model
 from toolchain.checkpoint.convert import convert_checkpoint
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.errors import ToolchainError
-from toolchain.quant.recipe import Recipe
+from toolchain.quant.view import Quantization
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "reference" / "layouts"
 if not GOLDEN.is_dir():
     GOLDEN = Path("/work/shared/reference/layouts")
 ST = {torch.float16: "F16", torch.float32: "F32", torch.bfloat16: "BF16", torch.int8: "I8",
       torch.float8_e4m3fn: "F8_E4M3"}
-FORMATS = {"fp16": Recipe(), "int4_awq": Recipe(method="awq"), "int8_sq": Recipe(method="smoothquant"),
-           "fp8": Recipe(method="fp8")}
+FORMATS = {"fp16": Quantization(), "int4_awq": Quantization(method="awq"), "int8_sq": Quantization(method="smoothquant"),
+           "fp8": Quantization(method="fp8")}
 ARCH = {"LlamaForCausalLM": "LlamaForCausalLM", "Qwen2ForCausalLM": "Qwen2ForCausalLM"}
 
 
@@ -42,11 +42,11 @@ def layout(ckpt: Path) -> list[dict[str, tuple[list[int], str]]]:
     return out
 
 
-def convert(hf: Path, out: Path, recipe: Recipe, tp: int = 1, **kw) -> dict:
+def convert(hf: Path, out: Path, recipe: Quantization, tp: int = 1, **kw) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
     return convert_checkpoint(hf, out, tp=tp, pp=1, dtype=kw.pop("dtype", "float16"), target="cpu",
-                              recipe=recipe, calibration=calib(vocab), **kw)
+                              quantization=recipe, calibration=calib(vocab), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_weight_only_is_option_a(tiny, tmp_path, tp):
     for method, algo in (("int8_wo", "W8A16"), ("int4_wo", "W4A16")):
-        cfg = convert(tiny, tmp_path / method, Recipe(method=method), tp=tp)
+        cfg = convert(tiny, tmp_path / method, Quantization(method=method), tp=tp)
         assert cfg["quantization"] == {"quant_algo": algo, "kv_cache_quant_algo": None,
                                        "exclude_modules": ["lm_head", "transformer.vocab_embedding"]}
         ranks = layout(tmp_path / method)
@@ -99,19 +99,19 @@ def test_weight_only_is_option_a(tiny, tmp_path, tp):
 
 
 def test_kv_cache_scales_per_layer(tiny, tmp_path):
-    cfg = convert(tiny, tmp_path / "kv", Recipe(method="awq", kv_cache="int8"), tp=2)
+    cfg = convert(tiny, tmp_path / "kv", Quantization(method="awq", kv_cache="int8"), tp=2)
     assert cfg["quantization"]["kv_cache_quant_algo"] == "INT8"
     for rank in layout(tmp_path / "kv"):
         for i in range(2):
             assert rank[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"] == ([1], "F32")
     with safe_open(str(tmp_path / "kv" / "rank1.safetensors"), framework="pt") as fh:
         assert float(fh.get_tensor("transformer.layers.0.attention.kv_cache_scaling_factor")) > 0
-    cfg = convert(tiny, tmp_path / "kvfp8", Recipe(kv_cache="fp8"))
+    cfg = convert(tiny, tmp_path / "kvfp8", Quantization(kv_cache="fp8"))
     assert cfg["quantization"] == {"quant_algo": None, "kv_cache_quant_algo": "FP8"}
 
 
 def test_exclude_modules_keep_fp_and_are_written(tiny, tmp_path):
-    cfg = convert(tiny, tmp_path / "x", Recipe(method="smoothquant", exclude_modules=("transformer.layers.1.*",
+    cfg = convert(tiny, tmp_path / "x", Quantization(method="smoothquant", exclude_modules=("transformer.layers.1.*",
                                                                                       "*.mlp.proj")))
     assert cfg["quantization"]["exclude_modules"] == ["lm_head", "transformer.vocab_embedding",
                                                       "transformer.layers.1.*", "*.mlp.proj"]
@@ -124,7 +124,7 @@ def test_exclude_modules_keep_fp_and_are_written(tiny, tmp_path):
 
 def test_per_group_mlp_padding(tmp_path):
     hf = make_hf_model("LlamaForCausalLM", tmp_path / "hf", hidden_size=256, intermediate_size=640, vocab_size=300)
-    convert(hf, tmp_path / "ckpt", Recipe(method="awq"), tp=2)
+    convert(hf, tmp_path / "ckpt", Quantization(method="awq"), tp=2)
     rank = layout(tmp_path / "ckpt")[1]  # I = 640 -> 768 (multiple of 128 x 2): 384 per rank
     assert rank["transformer.layers.0.mlp.fc.weight"] == ([192, 256], "I8")
     assert rank["transformer.layers.0.mlp.proj.weight"] == ([128, 384], "I8")
@@ -135,23 +135,23 @@ def test_bad_input_fails_before_weights_are_read(tiny, tmp_path, monkeypatch):
     def no_reads(*_a, **_k):
         raise AssertionError("a weight was read")
     monkeypatch.setattr(HFCheckpoint, "load", no_reads)
-    cases = [(Recipe(method="awq", calibration_seq_len=4096), "calibration.seq_len"),
-             (Recipe(method="fp8", calibration_dataset=str(tmp_path / "missing.txt")), "no such file")]
+    cases = [(Quantization(method="awq", calibration_seq_len=4096), "calibration.seq_len"),
+             (Quantization(method="fp8", calibration_dataset=str(tmp_path / "missing.txt")), "no such file")]
     for i, (recipe, fragment) in enumerate(cases):
         out = tmp_path / f"o{i}"
         out.mkdir()
         with pytest.raises(ToolchainError, match=fragment):
-            convert_checkpoint(tiny, out, tp=1, pp=1, dtype="float16", target="cpu", recipe=recipe)
+            convert_checkpoint(tiny, out, tp=1, pp=1, dtype="float16", target="cpu", quantization=recipe)
     out = tmp_path / "gpu"
     out.mkdir()
     with pytest.raises(ToolchainError, match="Ada or Hopper"):
-        convert_checkpoint(tiny, out, tp=1, pp=1, dtype="float16", target="trtllm", recipe=Recipe(method="fp8"),
+        convert_checkpoint(tiny, out, tp=1, pp=1, dtype="float16", target="trtllm", quantization=Quantization(method="fp8"),
                            gpu=("A100 80GB", 80))
 
 
-@pytest.mark.parametrize("recipe", [Recipe(), Recipe(method="int8_wo"), Recipe(method="int4_wo"),
-                                    Recipe(method="awq"), Recipe(method="smoothquant", kv_cache="int8"),
-                                    Recipe(method="fp8", kv_cache="fp8")], ids=lambda r: f"{r.method}-{r.kv_cache}")
+@pytest.mark.parametrize("recipe", [Quantization(), Quantization(method="int8_wo"), Quantization(method="int4_wo"),
+                                    Quantization(method="awq"), Quantization(method="smoothquant", kv_cache="int8"),
+                                    Quantization(method="fp8", kv_cache="fp8")], ids=lambda r: f"{r.method}-{r.kv_cache}")
 def test_config_json_is_what_tensorrt_llm_reads(tiny, tmp_path, recipe):
     """config.json against TensorRT-LLM's own classes (facts/checkpoint_config.json,
     from tensorrt_llm/models/modeling_utils.py): QuantConfig.from_dict is cls(**config),
@@ -210,7 +210,7 @@ def test_tensors_fit_the_layers_trtllm_build_loads_them_into(tiny, tmp_path, tp,
     from toolchain.upstream import facts
 
     up = facts("quantized_layers")
-    cfg = convert(tiny, tmp_path / "c", Recipe(method=method), tp=tp)
+    cfg = convert(tiny, tmp_path / "c", Quantization(method=method), tp=tp)
     assert cfg["quantization"]["quant_algo"] == algo
     column, row = (up["layers"][c] for c in LAYER_CLASSES[algo])
     group = cfg["quantization"].get("group_size", 128)

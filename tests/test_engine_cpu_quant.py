@@ -106,7 +106,7 @@ def _engine_for(hf, tmp_path, recipe, tp=1):
     ckpt.mkdir()
     eng.mkdir()
     g = torch.Generator().manual_seed(0)
-    convert_checkpoint(hf, ckpt, tp=tp, pp=1, dtype="float32", target="cpu", recipe=recipe,
+    convert_checkpoint(hf, ckpt, tp=tp, pp=1, dtype="float32", target="cpu", quantization=recipe,
                        calibration=[torch.randint(0, 250, (48,), generator=g) for _ in range(4)])
     for f in ckpt.glob("rank*.safetensors"):
         os.link(f, eng / f.name)
@@ -118,10 +118,10 @@ def _engine_for(hf, tmp_path, recipe, tp=1):
 
 @pytest.mark.parametrize("kind, tol", [("int8", 5e-2), ("fp8", 1e-1)])
 def test_kv_cache_stored_quantized(hf_llama, tmp_path, kind, tol):
-    from toolchain.quant.recipe import Recipe
+    from toolchain.quant.view import Quantization
 
-    fp = _engine_for(hf_llama, tmp_path, Recipe())
-    q = _engine_for(hf_llama, tmp_path, Recipe(kv_cache=kind), tp=2)
+    fp = _engine_for(hf_llama, tmp_path, Quantization())
+    q = _engine_for(hf_llama, tmp_path, Quantization(kv_cache=kind), tp=2)
     assert q.kv.k.dtype == q.kv.v.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kind]
     ids = list(range(3, 43))
     ref, got = fp.forward_logits(ids), q.forward_logits(ids)
@@ -134,10 +134,10 @@ def test_kv_cache_stored_quantized(hf_llama, tmp_path, kind, tol):
 
 @pytest.mark.parametrize("method", ["int8_wo", "int4_wo", "smoothquant", "fp8"])
 def test_whole_model_close_to_fp(hf_llama, tmp_path, method):
-    from toolchain.quant.recipe import Recipe
+    from toolchain.quant.view import Quantization
 
-    fp = _engine_for(hf_llama, tmp_path, Recipe())
-    q = _engine_for(hf_llama, tmp_path, Recipe(method=method), tp=2)
+    fp = _engine_for(hf_llama, tmp_path, Quantization())
+    q = _engine_for(hf_llama, tmp_path, Quantization(method=method), tp=2)
     ids = list(range(3, 40))
     ref, got = fp.forward_logits(ids), q.forward_logits(ids)
     # random weights have no smooth structure: these bound gross errors, the per-linear tests the arithmetic

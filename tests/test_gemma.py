@@ -99,11 +99,11 @@ def test_checkpoint_layout(tmp_path_factory, tmp_path):
                                              ("smoothquant", "none", "quantization smoothquant"),
                                              ("none", "int8", "quantization.kv_cache int8")])
 def test_calibrated_quantization_refused(tmp_path_factory, method, kv, words):
-    from toolchain.quant.recipe import Recipe
+    from toolchain.quant.view import Quantization
 
     path = hf_dir(tmp_path_factory, FAMILY, "float32")
     with pytest.raises(ToolchainError) as err:
-        plan_checkpoint(path, tp=1, pp=1, recipe=Recipe(method=method, kv_cache=kv))
+        plan_checkpoint(path, tp=1, pp=1, quantization=Quantization(method=method, kv_cache=kv))
     assert words in str(err.value) and "Gemma2ForCausalLM" in str(err.value) and "\n" not in str(err.value)
 
 
@@ -112,11 +112,11 @@ def test_weight_only_int8_runs(tmp_path_factory, tmp_path):
     from test_engine_cpu_util import make_engine_dir
     from test_parity_families import greedy
 
-    from toolchain.quant.recipe import Recipe
+    from toolchain.quant.view import Quantization
 
     path = hf_dir(tmp_path_factory, FAMILY, "float32")
     engine = CpuEngine.load(make_engine_dir(path, tmp_path, 2, 1, dtype="float32",
-                                            convert_kwargs={"recipe": Recipe(method="int8_wo")}))
+                                            convert_kwargs={"quantization": Quantization(method="int8_wo")}))
     assert engine.config["pretrained_config"]["quantization"]["quant_algo"] == "W8A16"
     got = engine.generate(LONG, SamplingParams(max_new_tokens=NEW))
     want = greedy(path, LONG)

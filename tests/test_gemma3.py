@@ -111,11 +111,11 @@ def test_weight_only_int8_runs(tmp_path_factory, tmp_path):
     from test_engine_cpu_util import make_engine_dir
     from test_parity_families import greedy
 
-    from toolchain.quant.recipe import Recipe
+    from toolchain.quant.view import Quantization
 
     path = hf_dir(tmp_path_factory, FAMILY, "float32")
     engine = CpuEngine.load(make_engine_dir(path, tmp_path, 1, 2, dtype="float32",
-                                            convert_kwargs={"recipe": Recipe(method="int8_wo")}))
+                                            convert_kwargs={"quantization": Quantization(method="int8_wo")}))
     assert engine.config["pretrained_config"]["quantization"]["quant_algo"] == "W8A16"
     got = engine.generate(LONG, SamplingParams(max_new_tokens=NEW))
     want = greedy(path, LONG)

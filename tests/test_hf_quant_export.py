@@ -20,7 +20,7 @@ from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.engine.cpu.qlinear import Int4Grouped
 from toolchain.errors import ToolchainError
 from toolchain.quant.int_quant import pack_int4, unpack_int4
-from toolchain.quant.recipe import Recipe
+from toolchain.quant.view import Quantization
 from toolchain.spec import QuantizationSection
 
 ORACLE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "layouts-hf"
@@ -212,9 +212,9 @@ def test_engine_tensors_match_the_engine_path(export, tmp_path, model, fmt):
     src, out, _ = export(model, fmt)
     ours, config = hf_quantized_to_engine_tensors(out)
     vocab = config["vocab_size"]
-    recipe = Recipe(**SECTIONS[fmt])
+    recipe = Quantization(**SECTIONS[fmt])
     ref_dir = make_engine_dir(src, tmp_path / "ref", dtype="float16",
-                              convert_kwargs={"recipe": recipe, "calibration": calib(vocab)})
+                              convert_kwargs={"quantization": recipe, "calibration": calib(vocab)})
     ref_config = json.loads((ref_dir / "config.json").read_text())["pretrained_config"]
     assert config["quantization"] == ref_config["quantization"]
     assert config == ref_config

@@ -18,7 +18,7 @@ from conftest import make_hf_model
 from toolchain.checkpoint.convert import convert_checkpoint
 from toolchain.checkpoint.hf_quant import export_hf_quantized, hf_quantized_to_engine_tensors
 from toolchain.errors import ToolchainError
-from toolchain.quant.recipe import Recipe
+from toolchain.quant.view import Quantization
 from toolchain.spec import QuantizationSection
 
 # hidden 256 and 4 heads of 64 split into whole int4 groups of 128 at tp 2; intermediate 384 is padded
@@ -106,7 +106,7 @@ def test_tp1_import_is_the_format_read_back(export, tmp_path, model, fmt):
 def test_ranks_match_the_engine_paths_conversion(export, tmp_path, model, fmt, tp, pp):
     src, hf = export(model, fmt)
     ours_cfg = convert(hf, tmp_path / "ours", tp=tp, pp=pp)
-    ref_cfg = convert(src, tmp_path / "ref", tp=tp, pp=pp, recipe=Recipe(**FORMATS[fmt]), calibration=calib())
+    ref_cfg = convert(src, tmp_path / "ref", tp=tp, pp=pp, quantization=Quantization(**FORMATS[fmt]), calibration=calib())
     assert ours_cfg == ref_cfg  # mapping, quantization block (algo, KV, group, exclusions), padded sizes
     for rank in range(tp * pp):
         ours, ref = rank_tensors(tmp_path / "ours", rank), rank_tensors(tmp_path / "ref", rank)
@@ -141,7 +141,7 @@ def test_linears_the_export_kept_fp16_stay_unquantized_at_tp2(sources, tmp_path)
     assert config["quantization"]["exclude_modules"] == ["lm_head", "transformer.vocab_embedding",
                                                          "transformer.layers.1.attention.qkv",
                                                          "transformer.layers.1.attention.dense"]
-    convert(sources["llama"], tmp_path / "ref", tp=2, recipe=Recipe(method="fp8", exclude_modules=tuple(
+    convert(sources["llama"], tmp_path / "ref", tp=2, quantization=Quantization(method="fp8", exclude_modules=tuple(
         q.exclude_modules)), calibration=calib())
     for rank in range(2):
         ours, ref = rank_tensors(tmp_path / "ours", rank), rank_tensors(tmp_path / "ref", rank)
@@ -241,13 +241,13 @@ def test_quantizing_an_imported_checkpoint_again_is_refused(export, tmp_path):
     out = tmp_path / "ckpt"
     out.mkdir()
     with pytest.raises(ToolchainError) as err:
-        convert_checkpoint(hf, out, tp=1, pp=1, target="cpu", recipe=Recipe(method="awq"), calibration=calib())
+        convert_checkpoint(hf, out, tp=1, pp=1, target="cpu", quantization=Quantization(method="awq"), calibration=calib())
     assert "already quantized (ModelOpt W4A16_AWQ)" in err.value.message and "\n" not in str(err.value)
     assert "quantization.method none" in err.value.hint
     assert list(out.iterdir()) == []
     # An FP8 KV cache needs the checkpoint's own scales: this one has none, and calibration cannot run on it.
     with pytest.raises(ToolchainError, match="no FP8 KV-cache scales"):
-        convert_checkpoint(hf, out, tp=1, pp=1, target="cpu", recipe=Recipe(kv_cache="fp8"))
+        convert_checkpoint(hf, out, tp=1, pp=1, target="cpu", quantization=Quantization(kv_cache="fp8"))
     assert list(out.iterdir()) == []
 
 

@@ -24,7 +24,7 @@ from toolchain.archs.moe import mapping_problems
 from toolchain.checkpoint.convert import convert_checkpoint
 from toolchain.engine.cpu import CpuEngine, SamplingParams
 from toolchain.errors import ToolchainError
-from toolchain.quant.recipe import Recipe
+from toolchain.quant.view import Quantization
 
 EXPERTS, TOP_K, INTER, HIDDEN = 4, 2, 128, 64
 PROMPTS = [[1, 5, 9, 33, 200, 7], [1, 17, 101, 3, 44, 90, 91, 92, 12, 240, 6, 7, 7, 7, 8, 9, 10, 11]]
@@ -129,12 +129,12 @@ def test_dense_model_refuses_expert_parallelism(hf_llama, tmp_path):
 
 
 @pytest.mark.parametrize("recipe,message", [
-    (Recipe(method="int4_awq"), "quantization int4_awq on MixtralForCausalLM is not supported yet"),
-    (Recipe(method="smoothquant"), "quantization smoothquant on MixtralForCausalLM: TensorRT-LLM's MixtureOfExperts has no"),
+    (Quantization(method="int4_awq"), "quantization int4_awq on MixtralForCausalLM is not supported yet"),
+    (Quantization(method="smoothquant"), "quantization smoothquant on MixtralForCausalLM: TensorRT-LLM's MixtureOfExperts has no"),
 ])
 def test_quantized_mixtral_is_refused_in_one_line(hf_mixtral, tmp_path, recipe, message):
     with pytest.raises(ToolchainError, match=message):
-        convert_checkpoint(hf_mixtral, tmp_path, tp=1, pp=1, recipe=recipe)
+        convert_checkpoint(hf_mixtral, tmp_path, tp=1, pp=1, quantization=recipe)
 
 
 # -- the experts' layout, value by value ----------------------------------------------------------------
@@ -326,7 +326,7 @@ def test_the_llmapi_paths_quantized_export_refuses_mixtral_too(hf_mixtral, tmp_p
     # the engine path converts AWQ experts now; the HF-format export the LLM-API path loads writes FP8 experts only
     with pytest.raises(ToolchainError, match=r"quantized export \(quantization awq\) of MixtralForCausalLM is not "
                                              "supported yet"):
-        export_hf_quantized(hf_mixtral, tmp_path, Recipe(method="awq"))
+        export_hf_quantized(hf_mixtral, tmp_path, Quantization(method="awq"))
 
 
 def test_a_prequantized_mixtral_is_refused(hf_mixtral, tmp_path):

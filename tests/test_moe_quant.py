@@ -24,7 +24,7 @@ from toolchain.engine.cpu.linear import Linear
 from toolchain.engine.cpu.qlinear import Int4Grouped, Int4WeightOnly, Int8WeightOnly
 from toolchain.errors import ToolchainError
 from toolchain.quant.int_quant import quantize_per_channel
-from toolchain.quant.recipe import Recipe
+from toolchain.quant.view import Quantization
 
 IDS = list(range(3, 40))
 # the dense families' bounds (tests/test_engine_cpu_quant.py): logits relative to their scale, and argmax agreement
@@ -56,7 +56,7 @@ def models(tmp_path_factory):
 def _engine(hf, tmp_path, method: str, tp: int = 1, **moe) -> CpuEngine:
     tag = f"{method}-{tp}-{moe.get('moe_ep')}"
     return CpuEngine.load(make_engine_dir(hf, tmp_path / tag, tp, 1, dtype="float32",
-                                          convert_kwargs={"recipe": Recipe(method=method), **moe}))
+                                          convert_kwargs={"quantization": Quantization(method=method), **moe}))
 
 
 @pytest.mark.parametrize("model", ["mixtral", "qwen2", "qwen3"])
@@ -124,7 +124,7 @@ def test_int8_experts_quantized_per_expert_per_channel(models, tmp_path):
 def test_unsupported_formats_refused_in_one_line(models, method, kv, words):
     model = "qwen2" if method == "awq" else "mixtral"
     with pytest.raises(ToolchainError) as err:
-        plan_checkpoint(models[model], tp=1, pp=1, recipe=Recipe(method=method, kv_cache=kv))
+        plan_checkpoint(models[model], tp=1, pp=1, quantization=Quantization(method=method, kv_cache=kv))
     assert words in str(err.value) and "\n" not in str(err.value)
     assert "MixtralForCausalLM" in str(err.value) if model == "mixtral" else "awq" not in err.value.hint
 
@@ -137,12 +137,11 @@ def test_planner_counts_expert_bytes_as_stored_and_built(models, method):
 
     from toolchain.checkpoint.convert import plan_any
     from toolchain.plan.memory import expert_bytes, rank_weights
-    from toolchain.plan.model import QuantFormat
 
     hf = models["qwen2"]
     _, p = load_params(json.loads((hf / "config.json").read_text()))
-    quant = QuantFormat(method=method)
-    dry = plan_any(hf, tp=2, pp=1, dtype="float16", target="cpu", moe_ep=2, recipe=Recipe(method=method))
+    quant = Quantization(method=method)
+    dry = plan_any(hf, tp=2, pp=1, dtype="float16", target="cpu", moe_ep=2, quantization=Quantization(method=method))
     planned = rank_weights(p, tp=2, pp_rank=0, pp=1, quant=quant, dt_bytes=2, stored=True, moe_ep=2,
                            dense_bias=False, qkv_bias=p.attention_bias)
     assert planned.total == dry.rank_bytes(0)
@@ -205,8 +204,8 @@ def test_kv_cache_on_moe(models, tmp_path, kv, tol):
     from test_engine_cpu_quant import _engine_for
 
     hf = models["mixtral"]
-    fp = _engine_for(hf, tmp_path, Recipe())
-    q = _engine_for(hf, tmp_path, Recipe(kv_cache=kv), tp=2)
+    fp = _engine_for(hf, tmp_path, Quantization())
+    q = _engine_for(hf, tmp_path, Quantization(kv_cache=kv), tp=2)
     assert q.kv.k.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv]
     assert q.config["pretrained_config"]["quantization"]["kv_cache_quant_algo"] == kv.upper()
     ids = list(range(3, 43))
@@ -231,7 +230,7 @@ def test_hf_fp8_export_matches_modelopt(tmp_path, name):
     src = make_hf_model(want["hf_architecture"], tmp_path / "src", dtype=getattr(torch, cfg.pop("dtype")), **cfg)
     out = tmp_path / "out"
     out.mkdir()
-    summary = export_hf_quantized(src, out, Recipe(method="fp8"), "float16", calibration=calib(cfg["vocab_size"]))
+    summary = export_hf_quantized(src, out, Quantization(method="fp8"), "float16", calibration=calib(cfg["vocab_size"]))
     got = stored(out)
     expected = {n: (list(s), d) for n, (s, d) in want["tensors"].items()}
     assert set(got) == set(expected), sorted(set(got) ^ set(expected))
@@ -261,8 +260,8 @@ def test_fp8_experts_layout_and_logits(models, tmp_path, model):
     from toolchain.quant import fp8 as fp8q
 
     hf = models[model]
-    fp = _engine_for(hf, tmp_path, Recipe())
-    q = _engine_for(hf, tmp_path, Recipe(method="fp8"), tp=2)
+    fp = _engine_for(hf, tmp_path, Quantization())
+    q = _engine_for(hf, tmp_path, Quantization(method="fp8"), tp=2)
     assert q.config["pretrained_config"]["quantization"]["quant_algo"] == "FP8"
     full = load_file(tmp_path / "ckpt-none-none-1" / "rank0.safetensors")  # the float stacks, all experts
     ranks = [load_file(tmp_path / "ckpt-fp8-none-2" / f"rank{r}.safetensors") for r in range(2)]
@@ -288,13 +287,13 @@ def test_fp8_experts_layout_and_logits(models, tmp_path, model):
     # the experts' FP8 alone (attention kept float) within the dense argmax bound; with the attention in FP8 too
     # the Mixtral model agrees at 0.675 of the positions, of which FP8 attention alone costs 0.775 (measured)
     (tmp_path / "experts").mkdir()
-    ex = _engine_for(hf, tmp_path / "experts", Recipe(method="fp8", exclude_modules=("*attention*",)), tp=2)
+    ex = _engine_for(hf, tmp_path / "experts", Quantization(method="fp8", exclude_modules=("*attention*",)), tp=2)
     assert float((ex.forward_logits(IDS).argmax(-1) == ref.argmax(-1)).float().mean()) > 0.7
 
 
 def test_fp8_of_a_shared_expert_is_refused(models):
     with pytest.raises(ToolchainError, match="quantization fp8 of a shared expert on Qwen2MoeForCausalLM") as err:
-        plan_checkpoint(models["qwen2"], tp=1, pp=1, recipe=Recipe(method="fp8"))
+        plan_checkpoint(models["qwen2"], tp=1, pp=1, quantization=Quantization(method="fp8"))
     assert "int8_wo or int4_wo with" in err.value.hint  # the hint offers what this model takes
 
 
@@ -305,7 +304,6 @@ def test_planner_counts_fp8_experts_as_convert_writes_them(models):
 
     from toolchain.checkpoint.convert import plan_any
     from toolchain.plan.memory import rank_weights
-    from toolchain.plan.model import QuantFormat
 
     hf = models["qwen3"]
     _, p = load_params(json.loads((hf / "config.json").read_text()))
@@ -313,8 +311,8 @@ def test_planner_counts_fp8_experts_as_convert_writes_them(models):
         dry, planned = {}, {}
         for method in ("none", "fp8"):
             dry[method] = plan_any(hf, tp=tp, pp=1, dtype="float16", target="cpu", moe_ep=ep,
-                                   recipe=Recipe(method=method))
-            planned[method] = rank_weights(p, tp=tp, pp_rank=0, pp=1, quant=QuantFormat(method=method), dt_bytes=2,
+                                   quantization=Quantization(method=method))
+            planned[method] = rank_weights(p, tp=tp, pp_rank=0, pp=1, quant=Quantization(method=method), dt_bytes=2,
                                            stored=True, moe_ep=ep, qkv_bias=p.attention_bias).total
         fc = [t for t in dry["fp8"].ranks[0] if t.name == "transformer.layers.0.mlp.fc.weights_scaling_factor"]
         assert fc[0].shape == (4 // ep, 1)
@@ -344,7 +342,7 @@ def _awq_engine(hf, tmp_path, tag: str, tp: int = 1, **moe) -> CpuEngine:
     g = torch.Generator().manual_seed(0)
     calibration = [torch.randint(0, 250, (48,), generator=g) for _ in range(4)]
     return CpuEngine.load(make_engine_dir(hf, tmp_path / tag, tp, 1, dtype="float32", convert_kwargs={
-        "recipe": Recipe(method="awq", group_size=G), "calibration": calibration, **moe}))
+        "quantization": Quantization(method="awq", group_size=G), "calibration": calibration, **moe}))
 
 
 @pytest.mark.parametrize("model", ["mixtral", "qwen3"])
@@ -421,7 +419,7 @@ def test_awq_expert_width_must_hold_whole_groups(models):
     """Experts are never zero-padded (MixtureOfExperts takes their width as it is): the 32-wide ones are refused."""
     with pytest.raises(ToolchainError, match=r"expert moe_intermediate_size per rank \(32 / moe_tp 1 = 32\) is not "
                                              "a multiple of the group size 64") as err:
-        plan_checkpoint(models["qwen3"], tp=1, pp=1, recipe=Recipe(method="awq", group_size=G))
+        plan_checkpoint(models["qwen3"], tp=1, pp=1, quantization=Quantization(method="awq", group_size=G))
     assert "moe_tp" in err.value.hint and "group_size" not in err.value.hint
 
 
@@ -430,18 +428,17 @@ def test_planner_counts_awq_experts_as_convert_writes_them(awq_models):
     checkpoint); the engine holds that vector once per stack and the scales in half precision."""
     from toolchain.checkpoint.convert import plan_any
     from toolchain.plan.memory import expert_bytes, rank_weights
-    from toolchain.plan.model import QuantFormat
 
     hf = awq_models["qwen3"]
     _, p = load_params(json.loads((hf / "config.json").read_text()))
     dry, planned = {}, {}
     for method in ("none", "awq"):
-        dry[method] = plan_any(hf, tp=1, pp=1, dtype="float16", target="cpu", recipe=Recipe(method=method, group_size=G))
-        planned[method] = rank_weights(p, tp=1, pp_rank=0, pp=1, quant=QuantFormat(method=method, group_size=G),
+        dry[method] = plan_any(hf, tp=1, pp=1, dtype="float16", target="cpu", quantization=Quantization(method=method, group_size=G))
+        planned[method] = rank_weights(p, tp=1, pp_rank=0, pp=1, quant=Quantization(method=method, group_size=G),
                                        dt_bytes=2, stored=True, qkv_bias=p.attention_bias).total
     assert planned["awq"] - planned["none"] == dry["awq"].rank_bytes(0) - dry["none"].rank_bytes(0) < 0
     h, w, e = p.hidden_size, p.expert_size, p.num_experts
-    built = expert_bytes(p, 1, 1, 2, QuantFormat(method="awq", group_size=G))
+    built = expert_bytes(p, 1, 1, 2, Quantization(method="awq", group_size=G))
     # router f32; per expert packed int4 and fp16 scales of fc [2w, h] and proj [h, w]; one prequant per stack
     assert built == e * h * 4 + e * (3 * w * h / 2 + (2 * w * h + h * w) // G * 2) + (h + w) * 2
 
@@ -479,7 +476,7 @@ def test_moe_exclude_list_keeps_the_router_and_the_engine_reads_it_as_upstream(m
     from toolchain.quant import exclude
 
     mine = "transformer.layers.1.attention.*"
-    engine = _engine_for(models[model], tmp_path, Recipe(method=method, exclude_modules=(mine,)))
+    engine = _engine_for(models[model], tmp_path, Quantization(method=method, exclude_modules=(mine,)))
     listed = engine.config["pretrained_config"]["quantization"]["exclude_modules"]
     gate = ["*shared_expert_gate", "*shared_expert_gate.weight"] if model == "qwen2" else []
     assert listed == [*UNNAMED, "*router", *gate, mine]

@@ -18,7 +18,8 @@ from toolchain.archs.params import ArchParams
 from toolchain.cli import main
 from toolchain.gpus import Link
 from toolchain.plan import perf
-from toolchain.plan.model import QuantFormat, load_model, quant_format
+from toolchain.plan.model import load_model
+from toolchain.quant.view import Quantization, quantization_of
 from toolchain.plan.plan import plan_memory
 from toolchain.quant import formats
 from toolchain.spec import load_spec
@@ -38,7 +39,7 @@ NORMS = (2 * 32 + 1) * 4096
 KV_PER_TOKEN_FP16 = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 heads of 128, 2 bytes
 
 
-FLOAT = QuantFormat()
+FLOAT = Quantization()
 
 
 def _cost(params, quant=FLOAT, tp=1, pp_rank=0, pp=1, dt=2, kv=2):
@@ -106,7 +107,7 @@ def test_compute_bound_prefill_is_flops_over_peak(llama8b):
 
 
 def test_fp8_reads_a_byte_per_weight_and_multiplies_at_the_fp8_peak(llama8b):
-    fp8 = QuantFormat("fp8", "fp8")
+    fp8 = Quantization(method="fp8", kv_cache="fp8")
     cost = _cost(llama8b, fp8, kv=1)
     scales = 32 * 5 * 2 * 4  # weight and activation scale, float32, per linear
     assert cost.weight_bytes == LINEAR_PARAMS * 1 + scales + (LM_HEAD + NORMS) * 2  # lm_head stays half
@@ -115,12 +116,12 @@ def test_fp8_reads_a_byte_per_weight_and_multiplies_at_the_fp8_peak(llama8b):
     pairs = 4096 * 4097 / 2
     expected = 2 * LINEAR_PARAMS * 4096 / 1978.9e12 + (2 * LM_HEAD + pairs * 4 * 32 * 128 * 32) / 989.4e12
     assert step.compute_s == pytest.approx(expected)
-    assert fp8.format.math == "fp8" and QuantFormat("smoothquant").format.math == "int8"
-    assert QuantFormat("awq").format.math == "fp16"  # weight-only formats multiply in the half type
+    assert fp8.format.math == "fp8" and Quantization(method="smoothquant").format.math == "int8"
+    assert Quantization(method="awq").format.math == "fp16"  # weight-only formats multiply in the half type
 
 
 def test_int4_weight_only_bytes(llama8b):
-    cost = _cost(llama8b, QuantFormat("int4_wo"))
+    cost = _cost(llama8b, Quantization(method="int4_wo"))
     # int4 weights, two per byte, and one fp16 scale per output channel (quant/formats.py's INT4_WO row)
     outs = 6144 + 4096 + 14336 + 14336 + 4096
     assert cost.weight_bytes == 32 * (LAYER_PARAMS / 2 + outs * 2) + (LM_HEAD + NORMS) * 2
@@ -156,7 +157,7 @@ def test_moe_counts_active_experts():
     assert perf.experts_touched(cost, 1) == pytest.approx(2)
     assert perf.experts_touched(cost, 1000) == pytest.approx(8)  # a big batch touches every expert
     # over moe_ep 2 a rank holds 4 experts and runs a quarter of a token's two
-    split = perf.stage_cost(p, tp=2, pp_rank=0, pp=1, quant=QuantFormat(), dt_bytes=2, kv_bytes=2, moe_ep=2)
+    split = perf.stage_cost(p, tp=2, pp_rank=0, pp=1, quant=Quantization(), dt_bytes=2, kv_bytes=2, moe_ep=2)
     assert split.experts == 4
     assert split.gemm_flops == 2 * (attention / 2 + 2 * expert / 2 + 8 * 64) * 2
 
@@ -222,7 +223,7 @@ def _spec(name="llama3-8b-awq-h100.yaml", *sets):
 
 def _predict(spec):
     model = load_model(spec.model.checkpoint)
-    quant = quant_format(spec, model.hf_config)
+    quant = quantization_of(spec.quantization, model.hf_config)
     device = gpus.resolve(spec)
     return perf.predict(spec, model, quant, device, plan_memory(spec, model, quant, device), eff=ROOF)
 
@@ -232,7 +233,7 @@ def test_kv_cache_limits_the_batch():
                  "limits.max_input_len=4096", "validation.workload.input_tokens=2000",
                  "validation.workload.output_tokens=2000")
     model = load_model(spec.model.checkpoint)
-    quant = quant_format(spec, model.hf_config)
+    quant = quantization_of(spec.quantization, model.hf_config)
     memory = plan_memory(spec, model, quant, gpus.resolve(spec))
     result = _predict(spec)
     assert result.batch_limited_by == "kv_cache"
@@ -257,7 +258,7 @@ def test_more_tensor_parallelism_lowers_tpot_of_a_big_model():
 def test_higher_concurrency_raises_throughput_and_tpot():
     spec = _spec("llama3-8b-awq-h100.yaml")
     model = load_model(spec.model.checkpoint)
-    dep, _ = perf.deployment(spec, model, quant_format(spec, model.hf_config), H100, eff=ROOF)
+    dep, _ = perf.deployment(spec, model, quantization_of(spec.quantization, model.hf_config), H100, eff=ROOF)
     w = perf.Workload(1024, 256, 8192)
     points = [perf.steady_state(dep, w, c) for c in (1, 8, 64)]
     assert points[0].output_tokens_per_s < points[1].output_tokens_per_s < points[2].output_tokens_per_s
@@ -360,11 +361,11 @@ def test_speculative_acceptance_sets_tokens_per_step():
     spec = _spec("qwen2.5-7b-draft-target.yaml", "speculative.expected_acceptance=0.5")
     model = load_model(spec.model.checkpoint)
     draft = load_model(spec.speculative.draft_model)
-    dep, notes = perf.deployment(spec, model, quant_format(spec), H100, draft)
+    dep, notes = perf.deployment(spec, model, quantization_of(spec.quantization), H100, draft)
     k = spec.speculative.max_draft_len
     assert dep.tokens_per_step == 1 + 0.5 * k and dep.draft is not None and dep.draft_len == k
     assert not notes
-    _, notes = perf.deployment(_spec("qwen2.5-7b-draft-target.yaml"), model, quant_format(spec), H100, draft)
+    _, notes = perf.deployment(_spec("qwen2.5-7b-draft-target.yaml"), model, quantization_of(spec.quantization), H100, draft)
     assert any("expected_acceptance" in n for n in notes)
 
 
@@ -460,7 +461,7 @@ def test_a_workload_beyond_the_limits_is_noted():
 def test_a_bench_run_weighs_its_first_wave_where_plan_gives_the_steady_state():
     spec = _spec("llama3-8b-awq-h100.yaml", "validation.workload.concurrency=8", "validation.workload.num_requests=32")
     model = load_model(spec.model.checkpoint)
-    quant = quant_format(spec, model.hf_config)
+    quant = quantization_of(spec.quantization, model.hf_config)
     device = gpus.resolve(spec)
     memory = plan_memory(spec, model, quant, device)
     steady = perf.predict(spec, model, quant, device, memory, eff=ROOF)

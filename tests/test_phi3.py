@@ -21,7 +21,7 @@ from toolchain.checkpoint.convert import convert_checkpoint
 from toolchain.engine.cpu import CpuEngine, SamplingParams
 from toolchain.engine.cpu.rope import Rotary
 from toolchain.errors import ToolchainError
-from toolchain.quant.recipe import Recipe
+from toolchain.quant.view import Quantization
 
 ORIGINAL = 24  # original_max_position_embeddings of the tiny longrope model
 SHORT = [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0]  # head_size 16 -> 8 factors
@@ -147,14 +147,14 @@ def _as_llama(phi3: Path, out: Path) -> Path:
 def test_quantized_phi3_runs_as_the_same_weights_as_llama(phi3_wide, tmp_path, method, tp):
     phi3 = phi3_wide
     llama = _as_llama(phi3, tmp_path / "llama")
-    recipe = Recipe(method=method, group_size=64)
+    recipe = Quantization(method=method, group_size=64)
     calibration = [torch.randint(0, 250, (32,), generator=torch.Generator().manual_seed(i)) for i in range(4)]
     engines = []
     for name, hf in (("phi3", phi3), ("llama", llama)):
         ckpt, engine = tmp_path / f"{name}-ckpt", tmp_path / f"{name}-engine"
         ckpt.mkdir()
         engine.mkdir()
-        cfg = convert_checkpoint(hf, ckpt, tp=tp, pp=1, dtype="float32", target="cpu", recipe=recipe,
+        cfg = convert_checkpoint(hf, ckpt, tp=tp, pp=1, dtype="float32", target="cpu", quantization=recipe,
                                  calibration=calibration)
         build = {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 128,
                  "max_beam_width": 1}

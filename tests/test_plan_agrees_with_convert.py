@@ -18,7 +18,7 @@ import yaml
 
 from toolchain.checkpoint.convert import plan_any
 from toolchain.cli import main
-from toolchain.quant.recipe import Recipe
+from toolchain.quant.view import Quantization
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "build" / "configs"
@@ -64,12 +64,12 @@ def statuses(report: dict) -> dict:
 
 CASES = {
     # item 1: AWQ at tp 4 pads the MLP to 29696 (7424 per rank) with float32 group scales
-    "qwen72-awq-tp4": (QWEN72, {"parallelism": {"tp": 4}, "quantization": {"method": "awq"}}, Recipe(method="awq")),
+    "qwen72-awq-tp4": (QWEN72, {"parallelism": {"tp": 4}, "quantization": {"method": "awq"}}, Quantization(method="awq")),
     # item 2: the AutoAWQ checkpoint under method none is W4A16 with zero points, not fp16
-    "qwen72-autoawq-tp4": (QWEN72_AWQ, {"parallelism": {"tp": 4}}, Recipe()),
+    "qwen72-autoawq-tp4": (QWEN72_AWQ, {"parallelism": {"tp": 4}}, Quantization()),
     # item 4: an explicit float32 is what convert writes on target trtllm (only "auto" narrows fp32)
     "llama8b-fp32-tp2": (json.loads((CONFIGS / "llama-3-8b-instruct" / "config.json").read_text()),
-                         {"parallelism": {"tp": 2}, "model": {"dtype": "float32"}}, Recipe()),
+                         {"parallelism": {"tp": 2}, "model": {"dtype": "float32"}}, Quantization()),
 }
 
 
@@ -82,7 +82,7 @@ def test_plan_checkpoint_bytes_equal_convert_dry_run(tmp_path, capsys, case):
     assert rc == 0, (report["failed_checks"], report["verdict"])
     tp = sections["parallelism"]["tp"]
     dry = plan_any(ckpt, tp=tp, pp=1, dtype=sections.get("model", {}).get("dtype", "float16"), target="trtllm",
-                   recipe=recipe)
+                   quantization=recipe)
     assert [r["checkpoint_bytes"] for r in report["ranks"]] == [dry.rank_bytes(r) for r in range(tp)]
     assert report["weight_dtype"] == dry.options.dtype
     assert report["weight_format"].startswith(dry.config.get("quantization", {}).get("quant_algo") or "no weight")

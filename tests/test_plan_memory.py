@@ -13,7 +13,8 @@ import yaml
 from toolchain.archs.layout import Layout
 from toolchain.plan import memory as mem
 from toolchain.gpus import GIB, lookup, resolve
-from toolchain.plan.model import QuantFormat, kv_dtype_bytes, load_model
+from toolchain.plan.model import kv_dtype_bytes, load_model
+from toolchain.quant.view import Quantization
 from toolchain.plan.plan import DraftModel, plan_memory
 from toolchain.spec import load_spec
 
@@ -42,7 +43,7 @@ def layer_linear_params(m: dict, t: int) -> int:
     return qkv + dense + mlp
 
 
-def plan(spec, quant=QuantFormat(), device=None):
+def plan(spec, quant=Quantization(), device=None):
     model = load_model(spec.model.checkpoint)
     return plan_memory(spec, model, quant, device or lookup(spec.gpu.name))
 
@@ -61,7 +62,7 @@ def test_llama3_8b_tp1_figures(tmp_path):
 
 def test_llama3_8b_fp8_kv_halves_and_tp2_splits(tmp_path):
     spec = spec_for(tmp_path, CONFIGS / "llama-3-8b-instruct", parallelism={"tp": 2})
-    assert plan(spec, QuantFormat(kv_cache="fp8")).ranks[0].kv_bytes_per_token == 131072 // 2 // 2
+    assert plan(spec, Quantization(kv_cache="fp8")).ranks[0].kv_bytes_per_token == 131072 // 2 // 2
 
 
 def test_llama3_70b_tp4_pp2_per_rank(tmp_path):
@@ -85,23 +86,23 @@ def test_llama3_70b_tp4_pp2_per_rank(tmp_path):
 def test_format_bytes_per_linear():
     out, inp, g = 4096, 1024, 128
     n = out * inp
-    assert mem.linear_bytes(out, inp, QuantFormat(), 2) == 2 * n
-    assert mem.linear_bytes(out, inp, QuantFormat(), 4) == 4 * n
-    assert mem.linear_bytes(out, inp, QuantFormat("fp8"), 2) == n + 8
-    assert mem.linear_bytes(out, inp, QuantFormat("int8_wo"), 2) == n + out * 2
-    assert mem.linear_bytes(out, inp, QuantFormat("int4_wo"), 2) == n / 2 + out * 2
-    assert mem.linear_bytes(out, inp, QuantFormat("smoothquant"), 2) == n + out * 4 + 4 + inp * 2
-    assert mem.linear_bytes(out, inp, QuantFormat("awq", group_size=g), 2) == n * (0.5 + 2 / g) + inp * 2
-    assert mem.linear_bytes(out, inp, QuantFormat("awq", group_size=64), 2) > mem.linear_bytes(
-        out, inp, QuantFormat("awq", group_size=128), 2)
+    assert mem.linear_bytes(out, inp, Quantization(), 2) == 2 * n
+    assert mem.linear_bytes(out, inp, Quantization(), 4) == 4 * n
+    assert mem.linear_bytes(out, inp, Quantization(method="fp8"), 2) == n + 8
+    assert mem.linear_bytes(out, inp, Quantization(method="int8_wo"), 2) == n + out * 2
+    assert mem.linear_bytes(out, inp, Quantization(method="int4_wo"), 2) == n / 2 + out * 2
+    assert mem.linear_bytes(out, inp, Quantization(method="smoothquant"), 2) == n + out * 4 + 4 + inp * 2
+    assert mem.linear_bytes(out, inp, Quantization(method="awq", group_size=g), 2) == n * (0.5 + 2 / g) + inp * 2
+    assert mem.linear_bytes(out, inp, Quantization(method="awq", group_size=64), 2) > mem.linear_bytes(
+        out, inp, Quantization(method="awq", group_size=128), 2)
     # Weight-only checkpoints are written unquantized; trtllm-build quantizes.
-    assert mem.linear_bytes(out, inp, QuantFormat("int8_wo"), 2, stored=True) == 2 * n
+    assert mem.linear_bytes(out, inp, Quantization(method="int8_wo"), 2, stored=True) == 2 * n
 
 
 def test_embedding_and_lm_head_stay_16_bit_under_awq(tmp_path):
     m = L3_8B
-    p = plan(spec_for(tmp_path, CONFIGS / "llama-3-8b-instruct"), QuantFormat("awq"))
-    per_layer = sum(mem.linear_bytes(o, i, QuantFormat("awq"), 2)
+    p = plan(spec_for(tmp_path, CONFIGS / "llama-3-8b-instruct"), Quantization(method="awq"))
+    per_layer = sum(mem.linear_bytes(o, i, Quantization(method="awq"), 2)
                     for o, i in [(6144, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)])
     expected = m["L"] * per_layer + 2 * m["V"] * m["H"] * 2 + (2 * m["L"] + 1) * m["H"] * 2
     assert p.ranks[0].weights_bytes == int(expected)
@@ -117,7 +118,7 @@ def test_draft_logits_add_the_draft_engines_step_cache(tmp_path):
     def draft_bytes(**extra):
         spec = spec_for(tmp_path, cfg, limits={"max_batch_size": 16},
                         speculative={"mode": "draft_target", "max_draft_len": 4, "draft_model": str(cfg), **extra})
-        p = plan_memory(spec, load_model(cfg), QuantFormat(), lookup(spec.gpu.name), draft)
+        p = plan_memory(spec, load_model(cfg), Quantization(), lookup(spec.gpu.name), draft)
         assert p.ranks[0].draft_bytes > 0
         return p.ranks[0].draft_bytes
 
@@ -158,7 +159,7 @@ def test_too_big_model_does_not_fit_and_names_changes_that_would(tmp_path):
     assert p.suggestions == ["parallelism.tp=2", "quantization.method=fp8", "gpu.name='H200 141GB'"]
     cfg = CONFIGS / "llama-3-70b"
     assert plan(spec_for(tmp_path, cfg, model={"dtype": "bfloat16"}, parallelism={"tp": 2})).fits
-    assert plan(spec, QuantFormat("fp8")).fits
+    assert plan(spec, Quantization(method="fp8")).fits
     assert plan(spec, device=lookup("H200")).fits
 
 
@@ -194,10 +195,10 @@ def test_tied_embedding_shared_only_when_identical(tmp_path):
     one = plan(spec_for(tmp_path, cfg)).ranks[0]
     two = plan(spec_for(tmp_path, cfg, parallelism={"tp": 2})).ranks[0]
     v, h = 151936, 896
-    b1 = mem.rank_weights(load_model(cfg).params, tp=1, pp_rank=0, pp=1, quant=QuantFormat(), dt_bytes=2,
+    b1 = mem.rank_weights(load_model(cfg).params, tp=1, pp_rank=0, pp=1, quant=Quantization(), dt_bytes=2,
                           qkv_bias=True)
     assert b1.lm_head == 0 and b1.embedding == v * h * 2 and one.weights_bytes == b1.total
-    b2 = mem.rank_weights(load_model(cfg).params, tp=2, pp_rank=0, pp=1, quant=QuantFormat(), dt_bytes=2,
+    b2 = mem.rank_weights(load_model(cfg).params, tp=2, pp_rank=0, pp=1, quant=Quantization(), dt_bytes=2,
                           qkv_bias=True)
     assert b2.lm_head == v // 2 * h * 2 and two.weights_bytes == b2.total
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from toolchain.plan.model import QuantFormat
+from toolchain.quant.view import Quantization
 from toolchain.checks.preflight import FAIL, PASS, REGISTRY, WARN, build_context, run_checks
 from toolchain.errors import ToolchainError
 from toolchain.spec import LimitsSection, load_spec
@@ -140,7 +140,7 @@ TRIGGERS = {
     "limits.num-tokens-vs-block": ({"limits": {"max_num_tokens": 16, "max_input_len": 8}}, {}, FAIL),
     "limits.seq-vs-positions": ({"limits": {"max_seq_len": 16384}}, {}, WARN),
     "kv.paged-context-fmha": ({"build": {"use_paged_context_fmha": False, "kv_cache_reuse": True}}, {}, FAIL),
-    "kv.int8-disables-paged-fmha": ({}, {"quant": QuantFormat(kv_cache="int8")}, FAIL),
+    "kv.int8-disables-paged-fmha": ({}, {"quant": Quantization(kv_cache="int8")}, FAIL),
     "kv.one-sequence": ({"limits": {"max_seq_len": 131072}, "serving": {"kv_cache_free_gpu_mem_fraction": 0.1}},
                         {}, FAIL),
     "kv.batch-concurrency": ({"limits": {"max_batch_size": 4096}}, {}, WARN),
@@ -154,25 +154,25 @@ TRIGGERS = {
     # a valid Mapping (1 x 4 = tp) that cannot divide 6 experts over 4 ranks
     "moe.parallelism": ({"parallelism": {"tp": 4, "moe_tp": 1, "moe_ep": 4}},
                         {"setup": use_config({**MIXTRAL, "num_local_experts": 6})}, FAIL),
-    "arch.quantization": ({}, {"quant": QuantFormat("smoothquant"), "setup": use_config(MIXTRAL)}, FAIL),
+    "arch.quantization": ({}, {"quant": Quantization(method="smoothquant"), "setup": use_config(MIXTRAL)}, FAIL),
     # plan refuses an unregistered architecture before any check runs (plan/model.py load_model)
     "arch.supported": ({}, {"setup": use_config({**LLAMA2_7B, "architectures": ["GPT2LMHeadModel"]})}, REFUSED),
     # 1.2.1's trtllm-build has no Qwen3-MoE (tests/test_moe_qwen.py test_the_engine_path_refuses_qwen3_moe)
     "arch.engine-path": ({"model": {"checkpoint": str(CONFIGS / "qwen3-30b-a3b")}}, {}, FAIL),
-    "quant.group-size": ({}, {"quant": QuantFormat("awq", group_size=32)}, FAIL),
+    "quant.group-size": ({}, {"quant": Quantization(method="awq", group_size=32)}, FAIL),
     # an MLP that is not whole groups of 128 (padding would split a group): convert refuses it too
     "quant.group-padding": ({"parallelism": {"tp": 4}},
-                            {"quant": QuantFormat("awq"), "setup": use_config({**LLAMA2_7B, "intermediate_size": 11000})},
+                            {"quant": Quantization(method="awq"), "setup": use_config({**LLAMA2_7B, "intermediate_size": 11000})},
                             FAIL),
     "quant.weight-only-padding": ({"parallelism": {"tp": 8}},
-                                  {"quant": QuantFormat("int8_wo"), "setup": use_config(LLAMA2_7B)}, FAIL),
-    "quant.moe-router-excluded": ({}, {"quant": QuantFormat("int8_wo"), "setup": "moe-checkpoint-without-router"},
+                                  {"quant": Quantization(method="int8_wo"), "setup": use_config(LLAMA2_7B)}, FAIL),
+    "quant.moe-router-excluded": ({}, {"quant": Quantization(method="int8_wo"), "setup": "moe-checkpoint-without-router"},
                                   FAIL),
-    "quant.lm-head-excluded": ({}, {"quant": QuantFormat("int8_wo"), "setup": "checkpoint-excludes-lm-head-only"},
+    "quant.lm-head-excluded": ({}, {"quant": Quantization(method="int8_wo"), "setup": "checkpoint-excludes-lm-head-only"},
                                FAIL),
-    "quant.fp8-needs-sm89": ({"gpu": {"name": "A100 80GB"}}, {"quant": QuantFormat("fp8")}, FAIL),
+    "quant.fp8-needs-sm89": ({"gpu": {"name": "A100 80GB"}}, {"quant": Quantization(method="fp8")}, FAIL),
     "quant.blackwell-int-formats": ({"gpu": {"name": None, "memory_gib": 180, "sm": 100}},
-                                    {"quant": QuantFormat("awq")}, FAIL),
+                                    {"quant": Quantization(method="awq")}, FAIL),
     "gpu.known": ({"gpu": {"name": None}}, {}, FAIL),
     "eos.resolved": ({}, {"setup": use_config({k: v for k, v in LLAMA2_7B.items() if k != "eos_token_id"})}, FAIL),
     "eos.tokenizer-default": ({}, {"setup": "tokenizer-eos-end-of-text"}, FAIL),
@@ -293,19 +293,19 @@ def test_check_triggers(tmp_path, check_id):
 def test_per_group_experts_need_whole_groups_per_rank(tmp_path, moe, expected):
     """AWQ experts are never padded: 11008 wide over moe_tp 4 is 2752 per rank, not whole groups of 128 (convert
     refuses it in the same words); over moe_ep 4 each rank holds whole experts."""
-    result = run(tmp_path, {"parallelism": {"tp": 4, **moe}}, quant=QuantFormat("awq"),
+    result = run(tmp_path, {"parallelism": {"tp": 4, **moe}}, quant=Quantization(method="awq"),
                  setup=use_config({**MIXTRAL, "intermediate_size": 11008}))["quant.group-padding"]
     assert result.status == expected, result.message
     assert ("11008 / moe_tp 4 = 2752) is not a multiple of the group size 128" in result.message) == (expected == FAIL)
 
 
 @pytest.mark.parametrize("config,quant,expected,says", [
-    (GEMMA2, QuantFormat("awq"), FAIL, "only int8_wo, int4_wo"),
-    (GEMMA2, QuantFormat("int8_wo"), PASS, "Gemma2ForCausalLM int8_wo"),
-    (MIXTRAL, QuantFormat("smoothquant"), FAIL, "quantization smoothquant on MixtralForCausalLM"),
-    (MIXTRAL, QuantFormat("int8_wo", kv_cache="fp8"), PASS, "MixtralForCausalLM int8_wo"),
-    (MIXTRAL, QuantFormat(), PASS, "MixtralForCausalLM none"),
-    (MIXTRAL, QuantFormat("awq"), PASS, "MixtralForCausalLM awq"),
+    (GEMMA2, Quantization(method="awq"), FAIL, "only int8_wo, int4_wo"),
+    (GEMMA2, Quantization(method="int8_wo"), PASS, "Gemma2ForCausalLM int8_wo"),
+    (MIXTRAL, Quantization(method="smoothquant"), FAIL, "quantization smoothquant on MixtralForCausalLM"),
+    (MIXTRAL, Quantization(method="int8_wo", kv_cache="fp8"), PASS, "MixtralForCausalLM int8_wo"),
+    (MIXTRAL, Quantization(), PASS, "MixtralForCausalLM none"),
+    (MIXTRAL, Quantization(method="awq"), PASS, "MixtralForCausalLM awq"),
 ])
 def test_arch_quantization_reads_the_family_row(tmp_path, config, quant, expected, says):
     """One check asks every family's `quantization` refusal (the same one convert and the HF export ask)."""
@@ -459,9 +459,9 @@ def test_moe_router_exclusion_names_what_the_list_leaves_quantized(tmp_path, mod
     gate either leaves to quantization, and what to add."""
     def setup(tmp_path, data):
         data["model"]["checkpoint"] = str(CONFIGS / model)
-        moe_checkpoint(tmp_path, listed, QuantFormat(quant).quant_algo)
+        moe_checkpoint(tmp_path, listed, Quantization(method=quant).quant_algo)
 
-    result = run(tmp_path, {}, stage="build-engine", quant=QuantFormat(quant), setup=setup)["quant.moe-router-excluded"]
+    result = run(tmp_path, {}, stage="build-engine", quant=Quantization(method=quant), setup=setup)["quant.moe-router-excluded"]
     assert result.status == expected and says in result.message, result.message
     if expected == FAIL:
         assert "'*router'" in result.message and "Required but not provided tensors" in result.message

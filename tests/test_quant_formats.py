@@ -8,7 +8,8 @@ import pytest
 
 from toolchain.errors import ToolchainError
 from toolchain.quant import formats
-from toolchain.quant.recipe import ModelShape, Prequantized, Recipe, check_recipe
+from toolchain.quant.recipe import ModelShape, check_recipe
+from toolchain.quant.view import Prequantized, Quantization, quantization_of
 from toolchain.spec import QuantizationSection
 
 SHAPE = ModelShape(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
@@ -51,7 +52,7 @@ def test_bytes_derive_from_the_tensors(row, stored, built):
 @pytest.mark.parametrize("kv", list(formats.KV_CACHE))
 def test_convert_refuses_what_the_rows_refuse(sm, method, kv):
     refused = formats.METHODS[method].refused_on(sm) or formats.KV_CACHE[kv].refused_on(sm)
-    recipe = Recipe(method=method, kv_cache=kv, group_size=64)
+    recipe = Quantization(method=method, kv_cache=kv, group_size=64)
     if refused:
         with pytest.raises(ToolchainError, match="Ada or Hopper" if refused == "too old" else "Blackwell"):
             check_recipe(recipe, SHAPE, tp=1, gpu_sm=sm)
@@ -65,8 +66,8 @@ def test_convert_refuses_what_the_rows_refuse(sm, method, kv):
 def test_imported_int4_is_refused_on_blackwell():
     pre = Prequantized("gptq", 64, 4, True)
     with pytest.raises(ToolchainError, match="an imported int4 checkpoint does not build on Blackwell"):
-        check_recipe(Recipe(), SHAPE, tp=1, prequantized=pre, gpu_sm=100)
-    check_recipe(Recipe(), SHAPE, tp=1, prequantized=pre, gpu_sm=90)
+        check_recipe(Quantization(prequantized=pre), SHAPE, tp=1, gpu_sm=100)
+    check_recipe(Quantization(prequantized=pre), SHAPE, tp=1, gpu_sm=90)
 
 
 # -- a row names everything that handles its format (docs/architecture.md "A quantization method") ------------
@@ -111,12 +112,15 @@ def test_dispatchers_refuse_an_unknown_format():
                                                 ("fp8", "none", True), ("awq", "fp8", True)])
 def test_one_quantized_at_all_answer(method, kv, active):
     section = QuantizationSection(method=method, kv_cache=kv)
-    assert formats.active(method, kv) is section.active is Recipe(method=method, kv_cache=kv).active is active
+    assert quantization_of(section).active is Quantization(method=method, kv_cache=kv).active is active
+    # A checkpoint stored as AutoAWQ int4 under method none asks for nothing: it is imported as it is.
+    stored = quantization_of(section, {"quantization_config": {"quant_method": "awq", "group_size": 64}})
+    assert stored.active is active and (stored.imported == "awq") is (method == "none")
 
 
 def test_quantized_at_all_is_defined_once():
-    # Every stage asks formats.active (through the spec section, Recipe or QuantFormat): no module spells
-    # the rule again.
+    # Every stage asks the view (Quantization.active, quant/view.py), which alone asks the row-level rule
+    # (formats.active): no module spells the rule again or calls it around the view.
     import re
     from pathlib import Path
 
@@ -125,6 +129,11 @@ def test_quantized_at_all_is_defined_once():
                       r"""method\s*==\s*["']none["']\s+and\s+\S*kv_cache\s*==\s*["']none["']""")
     spelled = [str(p.relative_to(root)) for p in root.rglob("*.py") if rule.search(p.read_text())]
     assert spelled == ["quant/formats.py"]
+    callers = [str(p.relative_to(root)) for p in root.rglob("*.py") if "formats.active(" in p.read_text()]
+    assert callers == ["quant/view.py"]
+    defined = [str(p.relative_to(root)) for p in root.rglob("*.py")
+               if re.search(r"def active\(self\) -> bool", p.read_text())]
+    assert defined == ["quant/view.py"]
 
 
 def test_the_architecture_map_names_the_files_a_method_touches():

@@ -167,6 +167,13 @@ def test_engine_check_names_each_disagreement(tmp_path, hf_llama):
     for fragment in ("version '1.1.0'", "missing rank1.engine", "max_batch_size 4 != 8",
                      "use_paged_context_fmha False != True", "tokens_per_block 64 != 32"):
         assert fragment in problems
+    # Its quantization is the one convert wrote into the checkpoint it was built from (the resolved view's).
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None}}))
+    problems = trtllm.check_engine(spec, engine, checkpoint_dir=ckpt)
+    assert "quantization.quant_algo None != FP8" in problems
+    assert not any("kv_cache_quant_algo" in p for p in problems)
 
 
 def test_mpi_build_writes_one_log_per_rank(tmp_path, hf_llama, fake_build, monkeypatch, capsys):

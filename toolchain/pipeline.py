@@ -26,18 +26,17 @@ from toolchain.errors import StageFailed, ToolchainError
 from toolchain.manifest import Manifest, output_problem
 from toolchain.plan.model import load_model
 from toolchain.plan.perf import predict_spec
+from toolchain.quant.view import Quantization
 from toolchain.spec import DeploymentSpec, load_spec
 from toolchain.stopsignals import stop_on_signals
 from toolchain.targets import LLMAPI_SERVE, TRITON_MPIRUN, target_of
 from toolchain.workspace import Workspace
 from toolchain.engine.build import run_build
-from toolchain.triton import cluster, exposure
-from toolchain.triton import manifests as triton_manifests
+from toolchain.triton import cluster, exposure, manifests as triton_manifests
 from toolchain.triton.endpoints import endpoints
 from toolchain.triton.launch import TritonLaunch, container_commands, docker_command, find_tools, launch_command
 from toolchain.triton.server import TritonServer
-from toolchain.llmapi import launch as llmapi_launch
-from toolchain.llmapi import manifests as llmapi_manifests
+from toolchain.llmapi import launch as llmapi_launch, manifests as llmapi_manifests
 from toolchain.llmapi.cpu_llm import ENGINE_DIR_ENV
 from toolchain.llmapi.launch import openai_engine_args, serve_config_path, served_model_name
 from toolchain.llmapi.stage import run_convert_llmapi, served_model_dir
@@ -139,7 +138,7 @@ def served_outputs(spec: DeploymentSpec, workspace: Workspace) -> list[tuple[Pat
     path) or the quantized checkpoint LLM() loads (LLM-API path; an unquantized one is the user's own HF
     directory), and the model repository."""
     if target_of(spec).llmapi_path:
-        loaded = [(workspace.checkpoint_dir(spec), "convert")] if spec.quantization.active else []
+        loaded = [(workspace.checkpoint_dir(spec), "convert")] if Quantization.of(spec.quantization).active else []
     else:
         loaded = [(workspace.engine_dir(spec), "build-engine")]
     return loaded + [(workspace.model_repo_dir(spec), "model-repo")]

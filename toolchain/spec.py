@@ -22,7 +22,6 @@ from toolchain.archs.moe import mapping_problems
 from toolchain.errors import ToolchainError
 from toolchain.pretrained import require_built
 from toolchain.speculative import DRAFT_ENGINE, Mode, mode_of
-from toolchain.quant import formats
 from toolchain.quant.formats import KvCacheKind, Method
 from toolchain.spec_section import Section as _Section
 from toolchain.spec_workload import ValidationSection
@@ -197,11 +196,6 @@ class QuantizationSection(_Section):
     """fnmatch globs of TensorRT-LLM module names kept unquantized (e.g. "transformer.layers.0.*"); the embedding and lm_head always are, and a mixture of experts' router and shared expert gate."""
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
     """Data for awq, smoothquant, fp8 and KV-cache scales."""
-
-    @property
-    def active(self) -> bool:
-        """Anything is quantized, the weights or the KV cache (quant/formats.py active)."""
-        return formats.active(self.method, self.kv_cache)
 
     @field_validator("group_size")
     @classmethod

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from toolchain import __version__, gpus
 from toolchain.errors import ToolchainError
-from toolchain.plan.model import kv_dtype, load_model, quant_format, weight_dtype
+from toolchain.plan.model import kv_dtype, load_model, weight_dtype
+from toolchain.quant.view import Quantization
 from toolchain.spec import DeploymentSpec
 
 
@@ -13,7 +14,7 @@ def _dtypes(spec: DeploymentSpec) -> tuple[str, str | None]:
     """(weight dtype, KV-cache dtype) as the engine has them; `auto` is resolved from the HF config as
     convert resolves it. Where the checkpoint is not on this host (a bench aimed at a remote server)
     the spec's own words stand."""
-    quant = quant_format(spec)
+    quant = Quantization.of(spec.quantization)
     try:
         params = load_model(spec.model.checkpoint).params
     except ToolchainError:

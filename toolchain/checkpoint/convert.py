@@ -26,11 +26,13 @@ from toolchain.weights_source import has_weights
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.checkpoint.layout import TORCH_DTYPES, Options, Plan, build_plan
 from toolchain.checkpoint.hf_quant import read_hf_quant_format
-from toolchain.checkpoint.quantize import Quantizer, virtualize_modelopt, virtualize_prequantized
+from toolchain.checkpoint.quantize import Quantizer
+from toolchain.checkpoint.stored import stored_group_size, virtualize_modelopt, virtualize_prequantized
 from toolchain.checkpoint.writer import write_plan
 from toolchain.errors import ToolchainError
-from toolchain.quant import exclude, formats
-from toolchain.quant.recipe import ModelShape, Recipe, check_recipe, is_excluded, parse_prequantized
+from toolchain.quant import exclude
+from toolchain.quant.recipe import ModelShape, check_recipe, is_excluded
+from toolchain.quant.view import Quantization, quantization_of
 from toolchain.targets import engine_row
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
@@ -53,45 +55,49 @@ def resolve_dtype(requested: str, params: ArchParams, ckpt: HFCheckpoint, target
 
 def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto", target: str = "cpu",
                     use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
-                    ckpt: HFCheckpoint | None = None, recipe: Recipe | None = None,
+                    ckpt: HFCheckpoint | None = None, quantization: Quantization | None = None,
                     gpu: tuple[str | None, int | None] | None = None, moe_tp: int | None = None,
                     moe_ep: int | None = None) -> Plan:
-    """Everything `convert_checkpoint` would write, per rank, without reading weights.
-    `gpu` is (name, SM) of the target GPU when the spec names one (format checks); `moe_tp`/`moe_ep`
-    the spec's expert parallelism (None: derived as TensorRT-LLM's Mapping does)."""
+    """Everything `convert_checkpoint` would write, per rank, without reading weights. `quantization` is
+    the spec's request (Quantization.of its section), to which quantization_of adds the source checkpoint's
+    own format (its config.json, and a ModelOpt export's hf_quant_config.json). `gpu` is (name, SM) of the
+    target GPU when the spec names one (format checks); `moe_tp`/`moe_ep` the spec's expert parallelism
+    (None: derived as TensorRT-LLM's Mapping does)."""
     ckpt = ckpt or HFCheckpoint(hf_dir)
     family, params = load_params(ckpt.config, str(ckpt.config_path))
     if family.parallel_embedding_at_tp:  # the family's TensorRT-LLM config decides (archs/gemma.py)
         use_parallel_embedding = tp > 1
     sharding.check_parallelism(params, Layout(tp, pp, moe_tp, moe_ep, use_parallel_embedding, embedding_sharding_dim))
-    recipe = recipe or Recipe()
+    requested = quantization or Quantization()
     qc = ckpt.config.get("quantization_config")
     stored = str(qc.get("quant_method", "quantization_config")) if isinstance(qc, dict) else None
-    refusal = family.quantization_refusal(params, recipe.method, recipe.kv_cache, stored)
+    refusal = family.quantization_refusal(params, requested.method, requested.kv_cache, stored)
     if refusal is not None:
         raise ToolchainError(f"{ckpt.config_path}: {refusal.why}", refusal.hint)
     config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
     fmt = None
     if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "modelopt":
         # A ModelOpt Hugging Face-format export (the LLM-API path's pre-quantized checkpoint): imported
-        # as stored, under the recipe it was quantized with (parse_prequantized knows AutoAWQ/GPTQ only).
+        # as stored, in the format it was quantized in (parse_prequantized knows AutoAWQ/GPTQ only).
         fmt = read_hf_quant_format(ckpt.directory)
-        recipe = stored_recipe(fmt, recipe, ckpt, config_only)
-        fmt = {**fmt, "group_size": recipe.group_size}  # config.json alone may not say; the shapes did
-        prequantized = None
+        q = quantization_of(requested, ckpt.config, modelopt=fmt)
+        if q.per_group and fmt["group_size"] is None and not config_only:
+            # config.json alone does not say; the stored shapes do
+            q = dataclasses.replace(q, group_size=stored_group_size(ckpt) or 128)
+        fmt = {**fmt, "group_size": q.group_size}
     else:
-        prequantized = parse_prequantized(qc, str(ckpt.config_path))
+        q = quantization_of(requested, ckpt.config, origin=str(ckpt.config_path))
     shape = ModelShape(params.hidden_size, params.intermediate_size, params.num_attention_heads,
                        params.num_key_value_heads, params.head_size, params.max_position_embeddings)
-    layout_plan = check_recipe(recipe, shape, tp=tp, target=target, prequantized=prequantized,
-                               gpu_name=(gpu or (None, None))[0], gpu_sm=(gpu or (None, None))[1])
-    raw = virtualize_prequantized(ckpt, prequantized.kind) if prequantized is not None else {}
+    layout_plan = check_recipe(q, shape, tp=tp, target=target, gpu_name=(gpu or (None, None))[0],
+                               gpu_sm=(gpu or (None, None))[1])
+    raw = virtualize_prequantized(ckpt, q.prequantized.kind) if q.prequantized is not None else {}
     kv_sources: dict[int, tuple[str, str]] = {}
     if fmt is not None:
         stored_dtype = TORCH_DTYPES.get(params.dtype or "float16", torch.float16)
         raw, excluded, kv_sources = virtualize_modelopt(ckpt, NameTable(family, params), fmt, stored_dtype,
                                                         config_only=config_only)
-        recipe = dataclasses.replace(recipe, exclude_modules=tuple(excluded))
+        q = dataclasses.replace(q, exclude_modules=tuple(excluded))
     resolved = resolve_dtype(dtype, params, ckpt, target)
     opts = Options(tp=tp, pp=pp, dtype=resolved, use_parallel_embedding=use_parallel_embedding,
                    embedding_sharding_dim=embedding_sharding_dim, moe_tp=moe_tp, moe_ep=moe_ep)
@@ -99,28 +105,28 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
                           use_parallel_embedding=use_parallel_embedding,
                           embedding_sharding_dim=embedding_sharding_dim, moe=(opts.layout.moe_tp, opts.layout.moe_ep))
     if layout_plan.padded_intermediate != params.intermediate_size and any(
-            is_excluded(f"transformer.layers.{i}.mlp.{m}", recipe.exclude_modules)
+            is_excluded(f"transformer.layers.{i}.mlp.{m}", q.exclude_modules)
             for i in range(params.num_hidden_layers) for m in ("fc", "gate", "proj")):
         # A padded int4 MLP next to an unpadded fp one would disagree on the width
-        # (recipe.per_group_multiple).
+        # (quant/recipe.py per_group_multiple).
         raise ToolchainError(f"intermediate_size {params.intermediate_size} is padded to "
                              f"{layout_plan.padded_intermediate} for per-group int4 at tp {tp}, which needs every "
                              "MLP linear quantized",
                              "use another parallelism.tp, or re-export the checkpoint with every MLP linear quantized"
-                             if recipe.stored else "remove the mlp modules from quantization.exclude_modules, "
+                             if q.modelopt else "remove the mlp modules from quantization.exclude_modules, "
                              "or use quantization.group_size 64 or another parallelism.tp")
-    if recipe.format.per_group:
-        problem = moe.per_group_problem(params, recipe.group_size, opts.layout.moe_tp)
+    if q.per_group:  # (a mixture of experts stored quantized was refused above: quantization_refusal)
+        problem = moe.per_group_problem(params, q.weight_group_size, opts.layout.moe_tp)
         if problem is not None:
-            smaller = "quantization.group_size 64, " if recipe.group_size > 64 else ""
+            smaller = "quantization.group_size 64, " if q.weight_group_size > 64 else ""
             raise ToolchainError(f"{ckpt.config_path}: {problem}",
                                  f"use {smaller}a smaller parallelism.moe_tp (a larger moe_ep), or quantization.method "
                                  "int4_wo")
     quant = None
-    if recipe.active or prequantized is not None:
-        quant = Quantizer(recipe, params.num_attention_heads, params.num_key_value_heads, tp,
+    if q.active or q.prequantized is not None:
+        quant = Quantizer(q, params.num_attention_heads, params.num_key_value_heads, tp,
                           sharding.pp_layers(params.num_hidden_layers, pp), layout_plan, params.intermediate_size,
-                          TORCH_DTYPES[resolved], prequantized, raw=raw, kv_sources=kv_sources,
+                          TORCH_DTYPES[resolved], raw=raw, kv_sources=kv_sources,
                           mapping=opts.layout,
                           moe_exclude=tuple(exclude.moe_exclusions(params.shared_expert_size > 0)) if params.is_moe
                           else ())
@@ -128,35 +134,6 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     plan = build_plan(family, params, ckpt, opts, config, quant=quant)
     plan.config_only = config_only
     return plan
-
-
-def stored_recipe(fmt: dict, requested: Recipe, ckpt: HFCheckpoint, config_only: bool = False) -> Recipe:
-    """The recipe a ModelOpt HF-format checkpoint (`fmt`: read_hf_quant_format) was quantized with,
-    marked stored so its tensors are read, not computed. The spec's own recipe may not ask for more:
-    nothing can be calibrated on (or quantized again from) already-quantized weights."""
-    algo, kv = fmt["quant_algo"], fmt["kv_cache_quant_algo"]
-    what = f"ModelOpt {algo or 'FP8 KV cache'}"
-    if requested.method != "none":
-        raise ToolchainError(f"the checkpoint is already quantized ({what}); quantization.method "
-                             f"'{requested.method}' would quantize it twice",
-                             "set quantization.method none to import it as stored")
-    if requested.kv_cache == "fp8" and kv != "FP8":
-        raise ToolchainError(f"quantization.kv_cache fp8: the pre-quantized ({what}) checkpoint carries no FP8 "
-                             "KV-cache scales (k_scale / v_scale) and cannot be calibrated",
-                             "set quantization.kv_cache none, or export the checkpoint with kv cache fp8")
-    if requested.kv_cache not in ("none", "fp8"):
-        raise ToolchainError(f"quantization.kv_cache {requested.kv_cache} needs calibration, which cannot run a "
-                             f"pre-quantized ({what}) checkpoint", "set quantization.kv_cache none for this checkpoint")
-    group = fmt["group_size"]
-    row = formats.BY_ALGO[algo]
-    if row.per_group and group is None and not config_only:
-        # config.json alone does not say; the stored shapes do: (out/2, in) weight, (out, in/g) scales.
-        w = next((i for i in ckpt.tensors.values() if i.dtype == torch.uint8), None)
-        s = ckpt.tensors.get(w.name.removesuffix("weight") + "weight_scale") if w is not None else None
-        if w is not None and s is not None and len(s.shape) == 2 and s.shape[1]:
-            group = w.shape[1] // s.shape[1]
-    return Recipe(method=row.name, group_size=group or 128, kv_cache=formats.KV_BY_ALGO[kv].name,
-                  stored=True)
 
 
 def plan_any(hf_dir: Path | str, **options) -> Plan:
@@ -173,13 +150,13 @@ def calibrate(plan: Plan, hf_dir: Path | str, *, tokenizer_dir: Path | str | Non
               trust_remote_code: bool = False) -> None:
     """Collect the activation statistics the plan's quantizer needs (runs the HF
     model layer by layer; only after every check has passed). `calibration`
-    gives token sequences directly instead of the recipe's dataset."""
+    gives token sequences directly instead of the view's calibration dataset."""
     quant = plan.quant
-    if quant is None or not quant.recipe.needs_calibration:
+    if quant is None or not quant.quantization.needs_calibration:
         return
     from toolchain.quant.calibration import calibration_tokens, collect_stats, hf_tokenizer
 
-    r = quant.recipe
+    r = quant.quantization
     seqs = calibration
     if seqs is None:
         tokenize = hf_tokenizer(Path(tokenizer_dir or hf_dir), trust_remote_code)
@@ -193,7 +170,7 @@ def calibrate(plan: Plan, hf_dir: Path | str, *, tokenizer_dir: Path | str | Non
 
 def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto",
                        target: str = "cpu", use_parallel_embedding: bool = False,
-                       embedding_sharding_dim: int = 0, recipe: Recipe | None = None,
+                       embedding_sharding_dim: int = 0, quantization: Quantization | None = None,
                        tokenizer_dir: Path | str | None = None, calibration: list | None = None,
                        gpu: tuple[str | None, int | None] | None = None, moe_tp: int | None = None,
                        moe_ep: int | None = None) -> dict:
@@ -206,8 +183,8 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
     with HFCheckpoint(hf_dir) as ckpt:
         plan = plan_checkpoint(hf_dir, tp=tp, pp=pp, dtype=dtype, target=target,
                                use_parallel_embedding=use_parallel_embedding,
-                               embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt, recipe=recipe, gpu=gpu,
-                               moe_tp=moe_tp, moe_ep=moe_ep)
+                               embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt, quantization=quantization,
+                               gpu=gpu, moe_tp=moe_tp, moe_ep=moe_ep)
         calibrate(plan, hf_dir, tokenizer_dir=tokenizer_dir, calibration=calibration)
         write_plan(plan, ckpt, out)
     (out / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")

@@ -246,9 +246,10 @@ def eagle_config(config: dict, draft: EagleDraft, shape: EagleShape, options: Op
     return out
 
 
-def refuse_unsupported(spec, architecture: str | None, prequantized: bool) -> None:
+def refuse_unsupported(spec, architecture: str | None, quantized: bool) -> None:
     """What an EAGLE conversion cannot take (plan and convert share it): no draft directory,
-    pp > 1, quantization (asked for, or a pre-quantized target), a non-Llama target."""
+    pp > 1, quantization (`quantized`: the view is active, or the target is stored quantized), a non-Llama
+    target."""
     sp = spec.speculative
     if sp.heads is None:
         raise ToolchainError("speculative.mode=eagle needs speculative.heads (the EAGLE draft checkpoint directory)",
@@ -256,7 +257,7 @@ def refuse_unsupported(spec, architecture: str | None, prequantized: bool) -> No
     if spec.parallelism.pp > 1:
         raise ToolchainError(f"EAGLE with parallelism.pp={spec.parallelism.pp} is not supported",
                              "set parallelism.pp to 1 (use tp for more GPUs)")
-    if prequantized or spec.quantization.active:
+    if quantized:
         raise ToolchainError("EAGLE conversion writes an unquantized checkpoint",
                              "set quantization.method none (and kv_cache none) for speculative.mode eagle")
     if architecture is not None and architecture not in LLAMA.architectures:
@@ -268,7 +269,7 @@ def attach_draft(plan, spec) -> EagleDraft:
     """Add the spec's EAGLE draft to a conversion plan: EagleNet tensors on every rank and
     the EagleForCausalLM config. Refused before any write: what `refuse_unsupported` names,
     a draft that does not fit the target or the tree."""
-    refuse_unsupported(spec, plan.params.architecture, prequantized=plan.quant is not None)
+    refuse_unsupported(spec, plan.params.architecture, quantized=plan.quant is not None)
     draft = read_draft(spec.speculative.heads, plan.params)
     shape = eagle_shape(spec, eagle_tree(spec))
     try:

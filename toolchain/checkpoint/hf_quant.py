@@ -49,7 +49,8 @@ from toolchain.quant import awq as awq_q
 from toolchain.quant import formats
 from toolchain.quant import fp8 as fp8_q
 from toolchain.quant.int_quant import pack_int4
-from toolchain.quant.recipe import Recipe, is_excluded, per_group_multiple, recipe_of
+from toolchain.quant.recipe import is_excluded, per_group_multiple
+from toolchain.quant.view import Quantization, quantization_of
 from toolchain.checkpoint.config import build_config
 
 PRODUCER = {"name": "trtllm-toolchain", "version": __version__}
@@ -73,15 +74,16 @@ HINT = ("for the LLM-API path use quantization.method awq or fp8 with kv_cache n
 
 
 def hf_quant_problem(quantization) -> str | None:
-    """Why the PyTorch backend cannot load this spec `quantization` section pre-quantized in the
-    HF format, or None. Pure: reads `.method` and `.kv_cache` only, so the planner can call it."""
-    method, kv = quantization.method, quantization.kv_cache
+    """Why the PyTorch backend cannot load this quantization (a view, or a spec `quantization` section)
+    pre-quantized in the HF format, or None. Pure: reads the request only, so the planner can call it."""
+    q = quantization_of(quantization)
+    method, kv = q.method, q.kv_cache
     row = formats.METHODS.get(method)
     if row is not None and row.hf_why_not:  # the row says why it has no export
         return f"quantization.method {method} {row.hf_why_not}"
     if kv == "int8":
         return "quantization.kv_cache int8 has no Hugging Face export the PyTorch backend loads; use fp8 or none"
-    if not formats.active(method, kv):
+    if not q.active:
         return "quantization.method none and kv_cache none: nothing to pre-quantize; the backend loads the model as is"
     if (method != "none" and method not in formats.HF_EXPORTS) or kv not in ("fp8", "none"):
         return (f"quantization.method {method} / kv_cache {kv} is not exported to the Hugging Face format; "
@@ -128,18 +130,18 @@ def _export_dtype(requested: str, params) -> torch.dtype:
 
 # -- export -----------------------------------------------------------------------------
 
-def _calibration(hf_dir: Path, recipe: Recipe, calibration, tokenizer_dir, vocab: int):
+def _calibration(hf_dir: Path, quant: Quantization, calibration, tokenizer_dir, vocab: int):
     from toolchain.quant.calibration import calibration_tokens, collect_stats, hf_tokenizer
 
     seqs = calibration
     if seqs is None:
         tokenize = hf_tokenizer(Path(tokenizer_dir or hf_dir))
-        seqs = calibration_tokens(tokenize, recipe.calibration_dataset, recipe.calibration_samples,
-                                  recipe.calibration_seq_len)
+        seqs = calibration_tokens(tokenize, quant.calibration_dataset, quant.calibration_samples,
+                                  quant.calibration_seq_len)
     if any(int(s.max()) >= vocab or int(s.min()) < 0 for s in seqs):
         raise ToolchainError(f"calibration tokens fall outside the model's vocabulary [0, {vocab})",
                              "set model.tokenizer to the model's own tokenizer")
-    return collect_stats(hf_dir, seqs, covariance="cov" in recipe.format.stats)
+    return collect_stats(hf_dir, seqs, covariance="cov" in quant.format.stats)
 
 
 def _check_groups(params, group: int) -> None:
@@ -158,12 +160,12 @@ def _module_excluded(table: NameTable, prefix: str, patterns) -> bool:
     return m is not None and is_excluded(trt_name(m.row, m.layer).removesuffix(".weight"), patterns)
 
 
-def _quantize_group(recipe: Recipe, ws: list[torch.Tensor], st, dtype) -> list[dict[str, torch.Tensor]]:
+def _quantize_group(quant: Quantization, ws: list[torch.Tensor], st, dtype) -> list[dict[str, torch.Tensor]]:
     """HF tensors (leaf -> tensor) per linear of one shared-input group; AWQ's shared prequant
     vector comes back as float32 under "_prequant" for the caller to fold or keep."""
-    quantizer = recipe.format.quantizer
+    quantizer = quant.format.quantizer
     if quantizer not in ("fp8", "awq"):  # hf_quant_problem refuses the others first
-        raise ValueError(f"the Hugging Face export has no quantizer for quantization.method {recipe.method}")
+        raise ValueError(f"the Hugging Face export has no quantizer for quantization.method {quant.method}")
     if quantizer == "fp8":
         a_scale = fp8_q.fp8_scale(st.amax.max()).reshape(())
         out = []
@@ -171,8 +173,8 @@ def _quantize_group(recipe: Recipe, ws: list[torch.Tensor], st, dtype) -> list[d
             q, s = fp8_q.quantize_fp8_weight(w)
             out.append({"weight": q, "weight_scale": s.reshape(()), "input_scale": a_scale.clone()})
         return out
-    lins, _ = awq_q.quantize_awq(ws, st.absmean, st.cov, recipe.group_size, search=recipe.search,
-                                 clip=recipe.search, rounding=recipe.rounding if recipe.search else "nearest")
+    lins, _ = awq_q.quantize_awq(ws, st.absmean, st.cov, quant.group_size, search=quant.search,
+                                 clip=quant.search, rounding=quant.rounding if quant.search else "nearest")
     # The project packs into int8 (the engine checkpoint's dtype); the HF format stores the same bytes as uint8.
     return [{"weight": pack_int4(lin.weight).view(torch.uint8), "weight_scale": lin.weights_scaling_factor.float(),
              "_prequant": lin.prequant_scaling_factor.float()} for lin in lins]
@@ -185,18 +187,18 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
     it temporary): config.json, hf_quant_config.json, model.safetensors (shards past 10 GB),
     generation and tokenizer files. `calibration` gives token sequences instead of the section's
     dataset. Returns {format, quant_algo, kv_cache_quant_algo, tensors, bytes, files}."""
-    problem = hf_quant_problem(quantization)
+    quant = quantization_of(quantization)
+    problem = hf_quant_problem(quant)
     if problem is not None:
         raise ToolchainError(problem, HINT)
     hf_dir, out = Path(hf_dir), Path(out_dir)
-    recipe = quantization if isinstance(quantization, Recipe) else recipe_of(quantization)
     with HFCheckpoint(hf_dir) as ckpt:
         family, params = load_params(ckpt.config, str(ckpt.config_path))
-        refusal = family.quantization_refusal(params, recipe.method, recipe.kv_cache)
+        refusal = family.quantization_refusal(params, quant.method, quant.kv_cache)
         if refusal is not None:
             raise ToolchainError(refusal.why, refusal.hint)
-        if params.is_moe and recipe.method not in ("none", "fp8"):
-            raise ToolchainError(f"the Hugging Face-format quantized export (quantization {recipe.method}) of "
+        if params.is_moe and quant.method not in ("none", "fp8"):
+            raise ToolchainError(f"the Hugging Face-format quantized export (quantization {quant.method}) of "
                                  f"{params.architecture} is not supported yet", "use quantization.method fp8")
         if family.llmapi_refusal is not None and (why := family.llmapi_refusal(params, 1, True)) is not None:
             raise ToolchainError(why)
@@ -207,13 +209,13 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
         if any(i.dtype not in (torch.float32, torch.float16, torch.bfloat16) for i in ckpt.tensors.values()):
             raise ToolchainError(f"{hf_dir} is already quantized", "export from the unquantized model")
         target = _export_dtype(dtype, params)
-        if recipe.format.per_group:
-            _check_groups(params, recipe.group_size)
-        stats = _calibration(hf_dir, recipe, calibration, tokenizer_dir, params.vocab_size)
-        tensors, excluded = _quantized_tensors(ckpt, table, params, recipe, stats, target)
-    row = formats.HF_EXPORTS.get(recipe.method)
-    algo, kv = (row.quant_algo if row else None), formats.KV_CACHE[recipe.kv_cache].quant_algo
-    hf_quant, qc = quant_configs(algo, kv, recipe.group_size, excluded)
+        if quant.format.per_group:
+            _check_groups(params, quant.group_size)
+        stats = _calibration(hf_dir, quant, calibration, tokenizer_dir, params.vocab_size)
+        tensors, excluded = _quantized_tensors(ckpt, table, params, quant, stats, target)
+    row = formats.HF_EXPORTS.get(quant.method)
+    algo, kv = (row.quant_algo if row else None), formats.KV_CACHE[quant.kv_cache].quant_algo
+    hf_quant, qc = quant_configs(algo, kv, quant.group_size, excluded)
     files = _write_safetensors(tensors, out)
     config = dict(ckpt.config)
     for key in ("dtype", "torch_dtype"):
@@ -227,7 +229,7 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "files": sorted(files)}
 
 
-def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, recipe: Recipe, stats,
+def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, quant: Quantization, stats,
                        dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str]]:
     """name -> tensor of the whole export, and the HF linears kept unquantized by exclude_modules."""
     out: dict[str, torch.Tensor] = {}
@@ -237,12 +239,12 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, recipe: Rec
     excluded: list[str] = []
     for layer in range(params.num_hidden_layers):
         base = f"model.layers.{layer}"
-        if recipe.kv_cache == "fp8":
+        if quant.kv_cache == "fp8":
             # One amax over the q/k/v outputs (the project's calibration) for both k and v: never
             # below the exporter's separate k and v amaxes, so the cache cannot overflow.
             scale = torch.tensor(stats[layer].qkv_amax / fp8_q.FP8_MAX, dtype=torch.float32)
             out[f"{base}.self_attn.k_proj.k_scale"], out[f"{base}.self_attn.v_proj.v_scale"] = scale, scale.clone()
-        if recipe.method == "none":
+        if quant.method == "none":
             continue
         if params.is_moe:
             excluded += _moe_fp8(out, table, params, layer, stats[layer])
@@ -250,7 +252,7 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, recipe: Rec
             if params.is_moe and slot in ("mlp", "proj"):
                 continue  # the experts, above
             prefixes = [f"{base}.{m}" for m in members]
-            skip = [_module_excluded(table, p, recipe.exclude_modules) for p in prefixes]
+            skip = [_module_excluded(table, p, quant.exclude_modules) for p in prefixes]
             if all(skip):
                 excluded += prefixes
                 continue
@@ -259,12 +261,12 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, recipe: Rec
                 raise ToolchainError(f"quantization.exclude_modules keeps only part of {', '.join(prefixes)} "
                                      "unquantized", "exclude all linears sharing one input, or none of them")
             ws = [ckpt.load(p + ".weight").float() for p in prefixes]
-            for p, parts in zip(prefixes, _quantize_group(recipe, ws, stats[layer].inputs[slot], dtype), strict=False):
+            for p, parts in zip(prefixes, _quantize_group(quant, ws, stats[layer].inputs[slot], dtype), strict=False):
                 prequant = parts.pop("_prequant", None)
                 if prequant is not None and norm is None:
                     parts["pre_quant_scale"] = prequant.to(dtype)
                 out.update({f"{p}.{leaf}": t for leaf, t in parts.items()})
-            if recipe.format.per_group and norm is not None:
+            if quant.format.per_group and norm is not None:
                 # norm(x)·g·p = norm(x)·(g·p): folding the shared vector p into the norm's gain g is exact
                 # up to the model-dtype rounding of g·p, and the backend's fused qkv / gate_up loaders
                 # read no pre_quant_scale (linear.py, the int4 AWQ LinearMethod).

@@ -36,8 +36,8 @@ toolchain/quant/formats.py, which `planned` and `components` follow):
   them (the section "mixture-of-experts stacks" below).
 
 ModelOpt Hugging Face-format checkpoints (FP8, per-group int4 AWQ; toolchain/checkpoint/hf_quant.py) are
-imported as stored: `virtualize_modelopt` shows the planner the fp model they encode, and the
-quantizer reads each group's stored components instead of computing them (recipe.stored), then
+imported as stored: `virtualize_modelopt` (toolchain/checkpoint/stored.py) shows the planner the fp model they
+encode, and the quantizer reads each group's stored components instead of computing them (the view's `modelopt`), then
 pads, splits and writes them exactly as it does what it computes.
 
 Scale dtypes follow NVIDIA's exporter (the golden layouts): float32 scales,
@@ -46,17 +46,16 @@ prequant vectors in the model dtype.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from toolchain.archs import moe
-from toolchain.archs.common import EXPERT_SHARDS, FUSED_SHARDS, NameTable, Shard, trt_name
+from toolchain.archs.common import EXPERT_SHARDS, FUSED_SHARDS, Shard
 from toolchain.archs.layout import Layout
 from toolchain.checkpoint import sharding
-from toolchain.checkpoint.hf_quant import COMPANIONS, HF_WEIGHT, engine_kv_scale, fuse_group, stored_linear
+from toolchain.checkpoint.hf_quant import engine_kv_scale, fuse_group, stored_linear
 from toolchain.checkpoint.hf_reader import HFCheckpoint, TensorInfo
 from toolchain.checkpoint.layout import Group, prepare, stage_ranks
 from toolchain.errors import ToolchainError
@@ -67,7 +66,8 @@ from toolchain.quant import prequantized as pre_q
 from toolchain.quant import smoothquant as sq_q
 from toolchain.quant.int_quant import pack_int4, unpack_int4
 from toolchain.quant.kv_cache import kv_cache_scale
-from toolchain.quant.recipe import LayoutPlan, Prequantized, Recipe, is_excluded
+from toolchain.quant.recipe import LayoutPlan, is_excluded
+from toolchain.quant.view import Prequantized, Quantization
 
 # TensorRT-LLM linear modules -> the calibration slot of their input (q/k/v share one, fc/gate another).
 LINEARS = {"attention.qkv": "qkv", "attention.dense": "dense", "mlp.fc": "mlp", "mlp.gate": "mlp", "mlp.proj": "proj"}
@@ -99,7 +99,8 @@ def linear_of(name: str) -> tuple[str, str, int] | None:
 
 @dataclass
 class Quantizer:
-    recipe: Recipe
+    quantization: Quantization
+    """The view (quant/view.py): what is written, and the source it is read from when stored."""
     nh: int
     nkv: int
     tp: int
@@ -107,7 +108,6 @@ class Quantizer:
     layout: LayoutPlan
     intermediate: int
     dtype: torch.dtype
-    prequantized: Prequantized | None = None
     stats: list | None = None   # calibration LayerStats per global layer, set before writing
     raw: dict[str, TensorInfo] = field(default_factory=dict)  # imports: the packed tensors behind the virtual weights
     kv_sources: dict[int, tuple[str, str]] = field(default_factory=dict)
@@ -121,14 +121,14 @@ class Quantizer:
     @property
     def imports(self) -> bool:
         """The quantized tensors are read from the checkpoint, not computed from fp weights."""
-        return self.prequantized is not None or self.recipe.stored
+        return self.quantization.reads_stored
 
     # -- what is written ------------------------------------------------------------------
 
     @property
     def format(self) -> formats.Format:
-        """The row of what is written: the recipe's method, or an imported AutoAWQ/GPTQ int4 checkpoint."""
-        return formats.weight_format(self.recipe.method, imported=self.prequantized is not None)
+        """The row of what is written: the spec's method, or an imported AutoAWQ/GPTQ int4 checkpoint."""
+        return self.quantization.format
 
     @property
     def fmt(self) -> str | None:
@@ -147,7 +147,7 @@ class Quantizer:
 
     @property
     def group_size(self) -> int:
-        return self.prequantized.group_size if self.prequantized is not None else self.recipe.group_size
+        return self.quantization.weight_group_size
 
     def config(self) -> dict:
         """config.json `quantization` (QuantConfig, TensorRT-LLM tensorrt_llm/models/modeling_utils.py).
@@ -157,12 +157,12 @@ class Quantizer:
         makes them quantized row linears whose scales no checkpoint holds); NVIDIA's exporter writes only
         "lm_head" because its formats never quantize embeddings. The spec's own globs come after these."""
         algo = self.quant_algo
-        q: dict = {"quant_algo": algo, "kv_cache_quant_algo": self.recipe.kv_cache_quant_algo}
+        q: dict = {"quant_algo": algo, "kv_cache_quant_algo": self.quantization.kv_cache_quant_algo}
         if algo is not None:
             kept = ALWAYS_EXCLUDED + list(self.moe_exclude)
-            q["exclude_modules"] = kept + [p for p in self.recipe.exclude_modules if p not in kept]
+            q["exclude_modules"] = kept + [p for p in self.quantization.exclude_modules if p not in kept]
         if self.per_group:
-            zero = self.prequantized is not None
+            zero = self.quantization.imported is not None
             q.update(group_size=self.group_size, has_zero_point=zero, pre_quant_scale=not zero)
         return q
 
@@ -175,7 +175,7 @@ class Quantizer:
             return False
         prefix, _module, local = lin
         glob = prefix.replace(f"layers.{local}.", f"layers.{self.global_layer(stage, local)}.", 1)
-        return not is_excluded(glob, self.recipe.exclude_modules)
+        return not is_excluded(glob, self.quantization.exclude_modules)
 
     def padded_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Per-group int4 MLP linears are zero-padded to the intermediate size the engine expects
@@ -209,18 +209,18 @@ class Quantizer:
                 for t in self.format.stored]
 
     def kv_planned(self, stage: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        if self.recipe.kv_cache == "none":
+        if self.quantization.kv_cache == "none":
             return []
         return [(KV_NAME.format(layer=i), (1,), F32) for i in range(len(self.layers_per_stage[stage]))]
 
     def kv_scale(self, stage: int, local: int, ckpt: HFCheckpoint | None = None) -> torch.Tensor:
         layer = self.global_layer(stage, local)
-        if self.recipe.stored:
+        if self.quantization.modelopt:
             if ckpt is None:
                 raise ValueError("a stored import's KV-cache scales are read from its checkpoint: pass ckpt")
             k, v = (ckpt.read(self.raw[n]) for n in self.kv_sources[layer])
             return engine_kv_scale(k, v)
-        return kv_cache_scale(self._stats(layer).qkv_amax, self.recipe.kv_cache)
+        return kv_cache_scale(self._stats(layer).qkv_amax, self.quantization.kv_cache)
 
     def _stats(self, layer: int):
         """The calibration LayerStats of a global layer."""
@@ -234,9 +234,9 @@ class Quantizer:
                    prefixes: list[list[str]], load) -> list[list[Component]]:
         """Per output (qkv: one with q, k, v; merged fc/gate: two), its full, unsplit components.
         `weights` (the fp sources) may be None for imports, which read their stored tensors."""
-        if self.prequantized is not None:  # fmt imported_int4
-            return [self._imported(self.prequantized, p, load) for p in prefixes]
-        if self.recipe.stored:
+        if self.quantization.imported:  # fmt imported_int4
+            return [self._imported(self.quantization.prequantized, p, load) for p in prefixes]
+        if self.quantization.modelopt:
             return self._stored(prefixes, load)
         if weights is None:
             raise ValueError(f"quantizing {module} of layer {layer} needs its fp weights")
@@ -250,14 +250,14 @@ class Quantizer:
         return self._regroup(compute(self, flat, st), [len(ws) for ws in weights])
 
     def _awq(self, flat: list[torch.Tensor], st) -> list[list[Component]]:
-        lins, _ = awq_q.quantize_awq(flat, st.absmean, st.cov, self.group_size, search=self.recipe.search,
-                                     clip=self.recipe.search,
-                                     rounding=self.recipe.rounding if self.recipe.search else "nearest")
+        lins, _ = awq_q.quantize_awq(flat, st.absmean, st.cov, self.group_size, search=self.quantization.search,
+                                     clip=self.quantization.search,
+                                     rounding=self.quantization.rounding if self.quantization.search else "nearest")
         return [self._components({"weight": [lin.weight], "weights_scaling_factor": [lin.weights_scaling_factor],
                                   "prequant_scaling_factor": [lin.prequant_scaling_factor]}) for lin in lins]
 
     def _smoothquant(self, flat: list[torch.Tensor], st) -> list[list[Component]]:
-        sq_lins = sq_q.quantize_sq(flat, st.amax, self.recipe.alpha if self.recipe.search else None)
+        sq_lins = sq_q.quantize_sq(flat, st.amax, self.quantization.alpha if self.quantization.search else None)
         return [self._components({"weight": [lin.weight], "weights_scaling_factor": [lin.weights_scaling_factor],
                                   "activation_scaling_factor": [lin.activation_scaling_factor],
                                   "prequant_scaling_factor": [lin.prequant_scaling_factor]})
@@ -453,7 +453,7 @@ class Quantizer:
             inputs = [(shared.absmean, shared.cov)] * len(mine)
         else:
             inputs = [(st.absmean, st.cov) for st in stats.expert_proj]
-        r = self.recipe
+        r = self.quantization
         lins, _ = awq_q.quantize_awq_experts([list(ts) for ts in mine], inputs, self.group_size, search=r.search,
                                              clip=r.search, rounding=r.rounding if r.search else "nearest")
         moe_tp, moe_ep = self.mapping.moe_tp, self.mapping.moe_ep
@@ -481,7 +481,7 @@ class Quantizer:
         """fc (HF gate_proj) and gate (HF up_proj) share one input, so their shared
         parameters (AWQ scales, SmoothQuant smoothing and activation scale, FP8
         scales) need both weights: read them as one group, sources in output order."""
-        if self.fmt is None or self.prequantized is not None:  # imports keep each linear's own tensors
+        if self.fmt is None or self.quantization.imported:  # imports keep each linear's own tensors
             return groups
         out: list[Group] = []
         for g in groups:
@@ -548,122 +548,3 @@ def _linear(name: str) -> tuple[str, str, int]:
     if lin is None:
         raise ValueError(f"{name} is not a linear the quantizer handles")
     return lin
-
-
-def virtualize_prequantized(ckpt: HFCheckpoint, kind: str) -> dict[str, TensorInfo]:
-    """Present an AutoAWQ/GPTQ checkpoint to the planner as the fp model it encodes:
-    each linear's packed qweight/qzeros/scales/g_idx become one virtual `weight`
-    (out, in) the name tables match. Returns the hidden packed tensors."""
-    raw = dict(ckpt.tensors)
-    packed = {n[: -len(".qweight")] for n in raw if n.endswith(".qweight")}
-    virtual: dict[str, TensorInfo] = {}
-    for name, info in raw.items():
-        prefix, _, leaf = name.rpartition(".")
-        if prefix in packed and leaf in ("qzeros", "scales", "g_idx"):
-            continue
-        if prefix in packed and leaf == "qweight":
-            rows, cols = info.shape
-            shape = (cols * 8, rows) if kind == "awq" else (cols, rows * 8)
-            virtual[prefix + ".weight"] = TensorInfo(prefix + ".weight", info.file, shape, torch.float16, -1)
-        else:
-            virtual[name] = info
-    ckpt._tensors = virtual
-    return raw
-
-
-def virtualize_modelopt(ckpt: HFCheckpoint, table: NameTable, fmt: dict, dtype: torch.dtype, *,
-                        config_only: bool = False
-                        ) -> tuple[dict[str, TensorInfo], list[str], dict[int, tuple[str, str]]]:
-    """Present a ModelOpt HF-format checkpoint (`fmt`: hf_quant.read_hf_quant_format) to the planner
-    as the fp model it encodes: each stored-quantized linear's `weight` becomes a virtual (out, in)
-    `weight` in `dtype` the name tables match; its scales and the KV-cache scales are hidden.
-    Returns (every stored tensor, the TensorRT-LLM linear modules kept unquantized, global layer ->
-    (k_scale, v_scale) names). From headers only; `config_only` (no weights yet, dry runs) takes the
-    quantized linears from the format's exclude_modules instead."""
-    algo, where = fmt["quant_algo"], ckpt.directory
-    hf_weight = formats.BY_ALGO[algo].hf_weight
-    storage = HF_WEIGHT[hf_weight] if hf_weight else None
-    raw = dict(ckpt.tensors)
-    virtual: dict[str, TensorInfo] = {}
-    # (global layer, input slot) -> {HF linear prefix: stored quantized}; modules sharing an input
-    # must agree (one fused GEMM, or one norm the AWQ prequant vector was folded into).
-    groups: dict[tuple[int, str], dict[str, bool]] = {}
-    modules: dict[tuple[int, str], str] = {}
-    for name, info in raw.items():
-        prefix, _, leaf = name.rpartition(".")
-        if leaf in COMPANIONS:
-            continue
-        m = table.match(name)
-        lin = linear_of(trt_name(m.row, m.layer)) if m is not None and m.row.trt is not None else None
-        quantized = info.dtype in HF_WEIGHT.values()
-        if quantized and (lin is None or leaf != "weight"):
-            raise ToolchainError(f"{where}: {name} is stored quantized ({info.dtype}) but the engine keeps it "
-                                 "unquantized", "re-export the checkpoint with that module in exclude_modules")
-        if m is not None and lin is not None and leaf == "weight":  # (lin implies m)
-            if config_only:
-                quantized = algo is not None and not any(fnmatch.fnmatchcase(prefix, p)
-                                                         for p in fmt["exclude_modules"])
-            elif quantized and info.dtype != storage:
-                raise ToolchainError(f"{where}: {name} is stored as {info.dtype}, which is not quant_algo {algo}",
-                                     "the weights and hf_quant_config.json come from different exports")
-            layer = lin[2]  # the global layer: trt_name was given m.layer
-            groups.setdefault((layer, LINEARS[lin[1]]), {})[prefix] = quantized
-            modules[(layer, lin[1])] = lin[0]
-            if quantized and not config_only:
-                if m.row.transform is not None:
-                    raise ToolchainError(f"{where}: {name} is stored quantized but its rows need the "
-                                         f"{m.row.transform} transform", "convert the unquantized model instead")
-                info = _virtual_weight(raw, name, info, algo, fmt, dtype, where)
-        virtual[name] = info
-    excluded: set[tuple[int, str]] = set()
-    for (layer, slot), members in groups.items():
-        if len(set(members.values())) > 1:
-            raise ToolchainError(f"{where}: only part of {', '.join(sorted(members))} is stored quantized",
-                                 "linears sharing one input must all be quantized or none; re-export the checkpoint")
-        if not any(members.values()):
-            excluded.add((layer, slot))
-    names = [modules[key] for key in sorted(modules, key=lambda k: (k[0], list(LINEARS).index(k[1])))
-             if (key[0], LINEARS[key[1]]) in excluded]
-    kv: dict[int, tuple[str, str]] = {}
-    if fmt["kv_cache_quant_algo"] == "FP8":
-        # The exporter names them after the k and v projections: <k_proj>.k_scale, <v_proj>.v_scale.
-        rows = {r.part: r for r in table.rows if r.shard is Shard.QKV and r.hf.endswith(".weight")}
-        for layer in range(table.params.num_hidden_layers):
-            k_scale, v_scale = (rows[part].hf.replace("{layer}", str(layer)).removesuffix("weight") + f"{part}_scale"
-                                for part in ("k", "v"))
-            pair = (k_scale, v_scale)
-            for name in pair:
-                if name not in raw and not config_only:
-                    raise ToolchainError(f"{where}: declares an FP8 KV cache but has no {name}",
-                                         "re-export the checkpoint with its KV-cache scales")
-            kv[layer] = pair
-    ckpt._tensors = virtual
-    return raw, names, kv
-
-
-def _virtual_weight(raw: dict[str, TensorInfo], name: str, info: TensorInfo, algo: str, fmt: dict,
-                    dtype: torch.dtype, where) -> TensorInfo:
-    """The fp (out, in) weight a stored FP8 / packed int4 one encodes, after checking its scales
-    are there with the shapes the format gives them (so a broken export fails before any read)."""
-    prefix = name.removesuffix(".weight")
-    rows, cols = info.shape
-    per_group = formats.BY_ALGO[algo].per_group
-    out = rows * 2 if per_group else rows  # two int4 rows per byte
-    wanted: dict[str, tuple[int, ...]]  # leaf -> shape
-    if not per_group:  # FP8
-        wanted = {"weight_scale": (), "input_scale": ()}
-    else:
-        g = fmt["group_size"]
-        if not g or cols % g:
-            raise ToolchainError(f"{where}: {name} has {cols} input channels, not whole groups of {g}",
-                                 "the weights and hf_quant_config.json come from different exports")
-        wanted = {"weight_scale": (out, cols // g)}
-    for leaf, shape in wanted.items():
-        got = raw.get(f"{prefix}.{leaf}")
-        if got is None:
-            raise ToolchainError(f"{where}: {prefix} is stored quantized but has no {leaf}",
-                                 "the checkpoint is incomplete; re-export it")
-        if tuple(got.shape) != shape and not (shape == () and tuple(got.shape) == (1,)):  # scalars: () or (1,)
-            raise ToolchainError(f"{where}: {prefix}.{leaf} has shape {list(got.shape)}, the format gives "
-                                 f"{list(shape)}", "the checkpoint is not a ModelOpt export this converter reads")
-    return TensorInfo(name, info.file, (out, cols), dtype, -1)

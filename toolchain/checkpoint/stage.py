@@ -26,7 +26,7 @@ from toolchain.fingerprint import input_hash
 from toolchain.fsutil import atomic_dir
 from toolchain.gpus import lookup
 from toolchain.manifest import Manifest, reusable
-from toolchain.quant.recipe import recipe_of
+from toolchain.quant.view import Quantization
 from toolchain.spec import DeploymentSpec
 from toolchain.weights_source import source_record
 from toolchain.targets import ENGINE, require_target
@@ -99,7 +99,7 @@ def _plan_options(spec: DeploymentSpec) -> dict:
     par = spec.parallelism
     return {"tp": par.tp, "pp": par.pp, "dtype": spec.model.dtype, "target": spec.target,
             "use_parallel_embedding": par.parallel_embedding, "embedding_sharding_dim": par.embedding_sharding_dim,
-            "recipe": recipe_of(spec.quantization), "gpu": target_gpu(spec), "moe_tp": par.moe_tp,
+            "quantization": Quantization.of(spec.quantization), "gpu": target_gpu(spec), "moe_tp": par.moe_tp,
             "moe_ep": par.moe_ep}
 
 
@@ -146,9 +146,9 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
             draft_dir = plan.eagle[0].directory
             for path in sorted(p for p in draft_dir.iterdir() if p.name == "config.json" or p.suffix == ".safetensors"):
                 inputs[f"eagle_draft/{path.name}"] = input_hash(path)
-        if plan.quant is not None and plan.quant.recipe.needs_calibration \
-                and plan.quant.recipe.calibration_dataset != "builtin":
-            inputs["calibration"] = input_hash(Path(plan.quant.recipe.calibration_dataset))
+        if plan.quant is not None and plan.quant.quantization.needs_calibration \
+                and plan.quant.quantization.calibration_dataset != "builtin":
+            inputs["calibration"] = input_hash(Path(plan.quant.quantization.calibration_dataset))
         wanted = Manifest(stage="convert", spec_hash=convert_hash(spec), inputs=inputs)
         if not force and (have := reusable(final, wanted, redo="converting again", keep_edits=keep_edits,
                                            say=note)) is not None:

@@ -278,10 +278,10 @@ def _arch_quantization(ctx: Context):
     if ctx.model is None:
         return SKIP, "model config not readable here or not a registered family; the stage reports why"
     p, q = ctx.model.params, ctx.quant
-    refusal = get_family(p.architecture).quantization_refusal(p, q.method, q.kv_cache, q.stored)
+    refusal = get_family(p.architecture).quantization_refusal(p, q.weight_method, q.kv_cache, q.imported)
     if refusal is not None:
         return FAIL, f"{refusal.why}; {refusal.hint}"
-    return PASS, f"{p.architecture} {q.method}" + (f", kv_cache {q.kv_cache}" if q.kv_cache != "none" else "")
+    return PASS, f"{p.architecture} {q.weight_method}" + (f", kv_cache {q.kv_cache}" if q.kv_cache != "none" else "")
 
 
 @check("arch.supported", (), "the converter must support the architecture (convert refuses otherwise)")
@@ -315,9 +315,9 @@ def _group_size(ctx: Context):
     q = ctx.quant
     if not q.per_group:
         return PASS, "no per-group format"
-    if q.group_size not in (64, 128):
-        return FAIL, f"quantization.group_size={q.group_size} has no int4 kernel; use 64 or 128"
-    return PASS, f"group size {q.group_size}"
+    if q.weight_group_size not in (64, 128):
+        return FAIL, f"quantization.group_size={q.weight_group_size} has no int4 kernel; use 64 or 128"
+    return PASS, f"group size {q.weight_group_size}"
 
 
 def _shape(p) -> ModelShape:
@@ -332,28 +332,29 @@ def _group_padding(ctx: Context):
     q, p, tp = ctx.quant, _model(ctx), ctx.spec.parallelism.tp
     if not q.per_group or p is None:
         return (PASS, "no per-group format") if p is not None else (SKIP, NO_MODEL)
-    if q.group_size not in (64, 128):
+    if q.weight_group_size not in (64, 128):
         return SKIP, "see quant.group-size"
     shape = _shape(p)
     if not ctx.row.builds_engine:
         # a ToolchainError is this check's FAIL
-        check_pytorch_per_group(shape, q.group_size, tp, lambda t: splits_tp(p, ctx.spec.parallelism.layout, t))
-        return PASS, f"every per-rank input width splits into whole groups of {q.group_size}"
-    field = "a checkpoint quantized with group size" if q.stored else "quantization.group_size"
+        check_pytorch_per_group(shape, q.weight_group_size, tp, lambda t: splits_tp(p, ctx.spec.parallelism.layout, t))
+        return PASS, f"every per-rank input width splits into whole groups of {q.weight_group_size}"
+    field = "a checkpoint quantized with group size" if q.imported else "quantization.group_size"
     try:  # the converter's own rule, so plan and convert agree
-        padded = check_per_group(shape, q.group_size, tp, field)
+        padded = check_per_group(shape, q.weight_group_size, tp, field)
     except ToolchainError as err:
-        good = [f"tp {t}" for t in (1, 2, 4, 8) if t != tp and splits_tp(p, ctx.spec.parallelism.layout, t) and _per_group_ok(shape, q.group_size, t)]
-        if q.group_size == 128 and not q.stored and _per_group_ok(shape, 64, tp):
+        good = [f"tp {t}" for t in (1, 2, 4, 8) if t != tp and splits_tp(p, ctx.spec.parallelism.layout, t)
+                and _per_group_ok(shape, q.weight_group_size, t)]
+        if q.weight_group_size == 128 and not q.imported and _per_group_ok(shape, 64, tp):
             good.append("quantization.group_size=64")
         return FAIL, f"{err.message}; use {' or '.join(good) or 'another quantization.method'}"
-    problem = moe.per_group_problem(p, q.group_size, ctx.spec.parallelism.layout.moe_tp)
+    problem = moe.per_group_problem(p, q.weight_group_size, ctx.spec.parallelism.layout.moe_tp)
     if problem is not None:  # convert's refusal of per-group int4 experts
         return FAIL, f"{problem}; use a smaller parallelism.moe_tp (a larger moe_ep) or quantization.method int4_wo"
     if padded != p.intermediate_size:
         return PASS, (f"intermediate_size {p.intermediate_size} is zero-padded to {padded} ({padded // tp} per rank), "
                       "as trtllm-build pads it (harmless: zero channels add nothing)")
-    return PASS, f"every linear dim is a multiple of {per_group_multiple(q.group_size, tp)}"
+    return PASS, f"every linear dim is a multiple of {per_group_multiple(q.weight_group_size, tp)}"
 
 
 def _per_group_ok(shape: ModelShape, group: int, tp: int) -> bool:
@@ -374,15 +375,15 @@ def _weight_only_padding(ctx: Context):
         return PASS, "no weight-only format"
     problems = [f"{n} {d}" for n, d in _full_dims(p).items() if d % (64 * tp)]
     if problems:
-        return FAIL, (f"{q.method} at tp {tp} pads dims to multiples of {64 * tp}: {', '.join(problems)} are not; "
-                      "use a smaller parallelism.tp or another quantization.method")
+        return FAIL, (f"{q.weight_method} at tp {tp} pads dims to multiples of {64 * tp}: {', '.join(problems)} "
+                      "are not; use a smaller parallelism.tp or another quantization.method")
     return PASS, f"every linear dim is a multiple of {64 * tp}"
 
 
 @check("quant.lm-head-excluded", ("build-engine",), "lm_head (and for weight-only the embedding) stay unquantized "
        "in the checkpoint's exclude_modules (TensorRT-LLM modeling_utils.py QuantConfig)", paths=ENGINE_PATH)
 def _lm_head_excluded(ctx: Context):
-    if ctx.quant.method == "none":
+    if ctx.quant.weight_method == "none":
         return PASS, "no weight quantization"
     path, excl = _checkpoint_exclude(ctx)
     if path is None:
@@ -416,7 +417,7 @@ def _moe_router_excluded(ctx: Context):
     p = _model(ctx)
     if p is None:
         return SKIP, NO_MODEL
-    if ctx.quant.method == "none" or not p.is_moe:
+    if ctx.quant.weight_method == "none" or not p.is_moe:
         return PASS, "no quantized mixture of experts"
     path, excl = _checkpoint_exclude(ctx)
     if path is None:
@@ -438,7 +439,7 @@ def _fp8_sm(ctx: Context):
     q, dev = ctx.quant, ctx.device
     # The formats with a minimum SM (quant/formats.py): FP8 weights and the FP8 KV cache.
     fp8 = [(f"quantization.{field}={value}", row.min_sm) for field, value, row in
-           (("method", q.method, q.format), ("kv_cache", q.kv_cache, q.kv_format)) if row.min_sm is not None]
+           (("method", q.weight_method, q.format), ("kv_cache", q.kv_cache, q.kv_format)) if row.min_sm is not None]
     if not fp8:
         return PASS, "no FP8"
     if dev is None or dev.sm is None:
@@ -456,7 +457,8 @@ def _blackwell(ctx: Context):
     q, dev = ctx.quant, ctx.device
     if dev is None or dev.sm is None or dev.sm not in BLACKWELL:
         return PASS, "not a Blackwell GPU"
-    weights = f"the checkpoint's stored {q.stored.upper()} int4" if q.stored else f"quantization.method={q.method}"
+    weights = f"the checkpoint's stored {q.imported.upper()} int4" if q.imported \
+        else f"quantization.method={q.weight_method}"
     bad = [what for what, row in ((weights, q.format), (f"quantization.kv_cache={q.kv_cache}", q.kv_format))
            if row.refused_on(dev.sm) == "blackwell"]
     if bad:

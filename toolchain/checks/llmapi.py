@@ -47,7 +47,7 @@ def _speculative(ctx: Context):
 def _quantization(ctx: Context):
     from toolchain.checkpoint.hf_quant import hf_quant_problem
 
-    q = ctx.spec.quantization
+    q = ctx.quant
     if not q.active:
         return PASS, "unquantized: the checkpoint is served as it is"
     problem = hf_quant_problem(q)
@@ -64,8 +64,7 @@ def _architecture(ctx: Context):
         return SKIP, "model config not readable here or not a registered family; the stage reports why"
     p = ctx.model.params
     family = get_family(p.architecture)
-    q = ctx.spec.quantization
-    why = family.llmapi_refusal(p, ctx.spec.parallelism.tp, q.active) \
+    why = family.llmapi_refusal(p, ctx.spec.parallelism.tp, ctx.quant.active) \
         if family.llmapi_refusal is not None else None
     if why is not None:
         return FAIL, why

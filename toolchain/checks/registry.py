@@ -16,8 +16,9 @@ from toolchain import eos as eos_mod
 from toolchain import gpus, targets
 from toolchain.archs import Family, get_family
 from toolchain.archs.layout import layout_problems
-from toolchain.plan.model import ModelInfo, QuantFormat, load_model, quant_format, read_json
+from toolchain.plan.model import ModelInfo, load_model, read_json
 from toolchain.plan.plan import DraftModel, MemoryPlan, plan_memory
+from toolchain.quant.view import Quantization, quantization_of
 
 if TYPE_CHECKING:
     from toolchain.spec import DeploymentSpec
@@ -91,7 +92,8 @@ class Context:
     spec: DeploymentSpec
     stage: str
     workspace: Workspace | None
-    quant: QuantFormat
+    quant: Quantization
+    """The quantization view (quant/view.py), resolved here once with the checkpoint's config."""
     device: gpus.Gpu | None
     model: ModelInfo | None = None
     model_error: str | None = None
@@ -137,11 +139,11 @@ class Context:
         return self._engine_config
 
 
-def build_context(spec, stage: str = "plan", workspace=None, quant: QuantFormat | None = None) -> Context:
+def build_context(spec, stage: str = "plan", workspace=None, quant: Quantization | None = None) -> Context:
     """Load what the checks need. For `plan` a config that cannot be read is an
     error (exit 2); before a stage the model-dependent checks are skipped and the
     stage reports the problem in its own words."""
-    ctx = Context(spec, stage, workspace, quant or quant_format(spec), gpus.resolve(spec))
+    ctx = Context(spec, stage, workspace, quant or quantization_of(spec.quantization), gpus.resolve(spec))
     try:
         ctx.model = load_model(spec.model.checkpoint)
     except ToolchainError as err:
@@ -149,7 +151,7 @@ def build_context(spec, stage: str = "plan", workspace=None, quant: QuantFormat 
             raise
         ctx.model_error = str(err)
     if quant is None and ctx.model is not None:  # a checkpoint stored quantized plans in its own format
-        ctx.quant = quant_format(spec, ctx.model.hf_config)
+        ctx.quant = quantization_of(spec.quantization, ctx.model.hf_config)
     sp = spec.speculative
     if sp.mode == "draft_target" and sp.draft_model is not None:
         try:

@@ -75,7 +75,8 @@ def _eagle_draft(ctx: Context):
     params = model.params if model is not None else None
     try:
         refuse_unsupported(ctx.spec, params.architecture if params else None,
-                           prequantized=model is not None and model.hf_config.get("quantization_config") is not None)
+                           quantized=ctx.quant.active or (model is not None
+                                                          and model.hf_config.get("quantization_config") is not None))
         tree = eagle_tree(ctx.spec)
         shape = eagle_shape(ctx.spec, tree)
         layers = f"a {read_draft(sp.heads, params).params.num_hidden_layers}-layer draft, " if (

@@ -167,7 +167,7 @@ def _trtllm_build(spec: DeploymentSpec, binary: str, checkpoint_dir: Path, out: 
         shutil.copytree(logs, kept)
         raise ToolchainError(f"trtllm-build{' (draft)' if draft else ''} failed with exit status "
                              f"{proc.returncode}{_tail_error(logs)}", f"logs in {kept}")
-    problems = trtllm.check_engine(spec, out, draft=draft)
+    problems = trtllm.check_engine(spec, out, draft=draft, checkpoint_dir=checkpoint_dir)
     if problems:
         raise ToolchainError(f"the engine trtllm-build wrote disagrees with the spec: {'; '.join(problems)}",
                              f"see {logs}; rerun with --force after fixing the build host")

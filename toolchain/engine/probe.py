@@ -35,7 +35,8 @@ from toolchain.engine.cpu.qlinear import Int4WeightOnly, Int8WeightOnly, SmoothQ
 from toolchain.hostprofile import HostProfile, current_key
 from toolchain.netutil import free_port
 from toolchain.plan import perf
-from toolchain.plan.model import QuantFormat, load_model
+from toolchain.plan.model import load_model
+from toolchain.quant.view import Quantization
 
 GEMM_ROWS = (1, 4, 16, 64, 256)
 GEMM_SHAPE = (1024, 1024)  # (out, in): 4 MiB in float32, in the cache as a small model's linears are
@@ -211,7 +212,7 @@ def decode_step_seconds(engine: CpuEngine, batch: int) -> float:
 def predicted_kernels(profile: HostProfile, model, tp: int, batch: int) -> float:
     """The performance model's kernel time (no fixed costs) of one decode step of `batch` on the tiny model."""
     p = model.params
-    cost = perf.stage_cost(p, tp=tp, pp_rank=0, pp=1, quant=QuantFormat(), dt_bytes=4, kv_bytes=4)
+    cost = perf.stage_cost(p, tp=tp, pp_rank=0, pp=1, quant=Quantization(), dt_bytes=4, kv_bytes=4)
     work = perf.generation_work(batch, PROMPT + DECODE / 2)
     return perf.host_step_time(cost, perf.host_row(profile), work, math_precision="fp32", tp=tp,
                                eff=perf.Efficiency(1.0, 1.0, 1.0), shards=tp).seconds

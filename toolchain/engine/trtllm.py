@@ -26,7 +26,7 @@ from toolchain.errors import ToolchainError
 from toolchain.speculative import mode_of
 from toolchain.versions import TRITON_IMAGE, TRTLLM_LINE, TRTLLM_VERSION, in_line
 from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
-from toolchain.plan.model import quant_format, read_json
+from toolchain.plan.model import read_json
 
 SUPPORTED_LINE = TRTLLM_LINE
 EN = ("enable", "disable")
@@ -339,8 +339,10 @@ def find_trtllm_build(spec, cmd: list[str]) -> str:
 
 
 # ---- the built engine against the spec ----------------------------------------------------------------------------
-def check_engine(spec, engine_dir: Path, *, draft: bool = False) -> list[str]:
-    """What in `engine_dir`/config.json disagrees with the spec (empty when nothing)."""
+def check_engine(spec, engine_dir: Path, *, draft: bool = False, checkpoint_dir: Path | None = None) -> list[str]:
+    """What in `engine_dir`/config.json disagrees with the spec (empty when nothing). With `checkpoint_dir`,
+    the checkpoint it was built from, its quantization must be the one convert wrote there from the
+    quantization view (quant/view.py), which is not resolved again here."""
     import json
 
     path = Path(engine_dir) / "config.json"
@@ -382,13 +384,11 @@ def check_engine(spec, engine_dir: Path, *, draft: bool = False) -> list[str]:
     if "gather_generation_logits" in bc and bool(bc["gather_generation_logits"]) != gather:
         problems.append(f"build_config.gather_generation_logits {bc['gather_generation_logits']} != {gather}")
     quant = (pre.get("quantization") or {})
-    if not draft:
-        q = quant_format(spec, read_json(Path(spec.model.checkpoint) / "config.json"))  # stored int4 too
-        kv = q.kv_format.quant_algo
-        if quant.get("quant_algo") != q.quant_algo:
-            problems.append(f"quantization.quant_algo {quant.get('quant_algo')} != {q.quant_algo}")
-        if quant.get("kv_cache_quant_algo") != kv:
-            problems.append(f"quantization.kv_cache_quant_algo {quant.get('kv_cache_quant_algo')} != {kv}")
+    if not draft and checkpoint_dir is not None:
+        written = (read_json(Path(checkpoint_dir) / "config.json") or {}).get("quantization") or {}
+        for key in ("quant_algo", "kv_cache_quant_algo"):
+            if quant.get(key) != written.get(key):
+                problems.append(f"quantization.{key} {quant.get(key)} != {written.get(key)}")
     return problems
 
 

@@ -34,8 +34,9 @@ from toolchain.spec import DeploymentSpec
 from toolchain.targets import CPU_STAND_IN, target_of
 from toolchain.weights_source import source_record
 from toolchain.workspace import Workspace
-from toolchain.plan.model import load_model, quant_format
+from toolchain.plan.model import load_model
 from toolchain.quant.recipe import ModelShape, check_pytorch_per_group
+from toolchain.quant.view import Quantization, quantization_of
 
 STAGE = "convert"
 FORMAT_VERSION = 1  # bump when what this stage writes changes for the same inputs
@@ -43,7 +44,8 @@ FORMAT_VERSION = 1  # bump when what this stage writes changes for the same inpu
 
 def _settings(spec: DeploymentSpec) -> dict:
     return {"path": "llmapi", "format": FORMAT_VERSION, "target": spec.target, "dtype": spec.model.dtype,
-            "quantization": spec.quantization.model_dump(mode="json") if spec.quantization.active else None}
+            "quantization": spec.quantization.model_dump(mode="json") if Quantization.of(spec.quantization).active
+            else None}
 
 
 def _check_layout(spec: DeploymentSpec) -> None:
@@ -58,17 +60,17 @@ def _check_layout(spec: DeploymentSpec) -> None:
         raise ToolchainError(f"tp={tp} x pp={pp} cannot split {spec.model.checkpoint} "
                              f"({params.num_attention_heads} heads, {params.num_key_value_heads} KV heads, "
                              f"{params.num_hidden_layers} layers)", "`toolchain plan` names a split that works")
-    quant = quant_format(spec, model.hf_config)
+    quant = quantization_of(spec.quantization, model.hf_config)
     if quant.per_group:  # written here or stored so: the PyTorch backend splits it as it loads
         check_pytorch_per_group(ModelShape(params.hidden_size, params.intermediate_size, params.num_attention_heads,
                                            params.num_key_value_heads, params.head_size,
-                                           params.max_position_embeddings), quant.group_size, tp,
+                                           params.max_position_embeddings), quant.weight_group_size, tp,
                                 lambda t: splits_tp(params, layout, t))
 
 
 def served_model_dir(spec: DeploymentSpec, workspace: Workspace) -> Path:
     """The directory passed as `model` to LLM(): the converted one when quantized, else the source."""
-    if spec.quantization.active:
+    if Quantization.of(spec.quantization).active:
         return Path(workspace.checkpoint_dir(spec)).resolve()
     return Path(spec.model.checkpoint).resolve()
 
@@ -104,7 +106,7 @@ def _convert(spec: DeploymentSpec, workspace: Workspace, force: bool, say: Calla
         return have
     start = time.monotonic()
     with atomic_dir(final) as tmp:
-        if spec.quantization.active:
+        if Quantization.of(spec.quantization).active:
             from toolchain.checkpoint.hf_quant import export_hf_quantized
 
             say(f"quantizing {source} ({spec.quantization.method}, KV {spec.quantization.kv_cache}) "

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from toolchain import gpus
 from toolchain.plan import perf
-from toolchain.plan.model import ModelInfo, QuantFormat, load_model, quant_format
+from toolchain.plan.model import ModelInfo, load_model
 from toolchain.plan.plan import plan_memory
+from toolchain.quant.view import Quantization, quantization_of
 from toolchain.spec import DeploymentSpec, spec_from_dict
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -125,7 +126,8 @@ def _kv_requests(model: str, gpu: str, method: str, tp: int, isl: int, osl: int)
     spec = spec_for(model, gpu, method, tp, isl, osl, max_batch_size=2048, max_num_tokens=MAX_NUM_TOKENS,
                     kv_fraction=0.9)
     info = model_info(model)
-    memory = plan_memory(spec, info, quant_format(spec, info.hf_config), gpus.lookup(gpu), suggest=False)
+    quant = quantization_of(spec.quantization, info.hf_config)
+    memory = plan_memory(spec, info, quant, gpus.lookup(gpu), suggest=False)
     blocks = -(-(isl + osl) // spec.build.tokens_per_block) * spec.build.tokens_per_block
     return max(1, memory.kv_tokens_capacity // blocks)
 
@@ -133,7 +135,7 @@ def _kv_requests(model: str, gpu: str, method: str, tp: int, isl: int, osl: int)
 def measured_deployment(point: Measured, eff: perf.Efficiency) -> perf.Deployment:
     """The replica a measured point ran: bf16 weights, the format's weights and math, tp ranks, one stage."""
     p = model_info(point.model).params
-    quant = QuantFormat(point.method, "fp8" if point.method == "fp8" else "none")
+    quant = Quantization(method=point.method, kv_cache="fp8" if point.method == "fp8" else "none")
     stage = perf.stage_cost(p, tp=point.tp, pp_rank=0, pp=1, quant=quant, dt_bytes=2,
                             kv_bytes=1 if point.method == "fp8" else 2)
     return perf.Deployment(gpus.lookup(point.gpu), (stage,), point.tp, quant.format.math, eff)
@@ -270,7 +272,7 @@ def predict_published(point: Published) -> perf.Performance:
                     max_num_tokens=tokens, kv_fraction=BENCH_KV_FRACTION,
                     dtype="float16" if point.method == "none" else "bfloat16")
     info = model_info(point.model)
-    quant = quant_format(spec, info.hf_config)
+    quant = quantization_of(spec.quantization, info.hf_config)
     device = gpus.lookup(point.gpu)
     return perf.predict(spec, info, quant, device, plan_memory(spec, info, quant, device, suggest=False))
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from toolchain.archs import get_family, supported
 from toolchain.archs.layout import Layout
 from toolchain.archs.params import ArchParams
-from toolchain.plan.model import QuantFormat
 from toolchain.quant import formats
 from toolchain.quant.recipe import per_group_multiple
+from toolchain.quant.view import Quantization
 
 GIB = 1024**3
 # CUDA context, cuBLAS/NCCL workspaces and runtime buffers per GPU: a few hundred
@@ -36,17 +36,17 @@ def padded_vocab(p: ArchParams, tp: int) -> int:
     return math.ceil(p.vocab_size / tp) * tp
 
 
-def mlp_width(p: ArchParams, tp: int, quant: QuantFormat | None = None) -> int:
+def mlp_width(p: ArchParams, tp: int, quant: Quantization | None = None) -> int:
     """The intermediate size the checkpoint holds: per-group int4 pads it with zero channels to a
     multiple of max(64, g) x tp, as trtllm-build's WeightOnlyGroupwiseQuantLinear/RowLinear pad
     their in/out features (TensorRT-LLM tensorrt_llm/quantization/layers.py at 2340c776) and convert does."""
     if quant is None or not quant.per_group:
         return p.intermediate_size
-    m = per_group_multiple(quant.group_size, tp)
+    m = per_group_multiple(quant.weight_group_size, tp)
     return -(-p.intermediate_size // m) * m
 
 
-def linear_shapes(p: ArchParams, tp: int, quant: QuantFormat | None = None) -> list[tuple[str, int, int]]:
+def linear_shapes(p: ArchParams, tp: int, quant: Quantization | None = None) -> list[tuple[str, int, int]]:
     """(name, out, in) of one decoder layer's linears on one rank."""
     hd, h = p.head_size, p.hidden_size
     q_r = p.num_attention_heads // tp * hd
@@ -61,7 +61,7 @@ def linear_shapes(p: ArchParams, tp: int, quant: QuantFormat | None = None) -> l
 ROUTER_BYTES = 4
 
 
-def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: QuantFormat | None = None,
+def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: Quantization | None = None,
                  stored: bool = False) -> float:
     """One mixture-of-experts MLP on one rank, as convert lays it out (toolchain/archs/mixtral.py,
     qwen_moe.py): the router [E, H] whole on every rank, float32 in every format, and E/moe_ep experts each
@@ -85,7 +85,7 @@ def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: 
         row = quant.format.stored if stored else quant.format.built
         once = ("activation_scaling_factor",) if stored else ("activation_scaling_factor", "prequant_scaling_factor")
         held_once = tuple(t for t in row if t.suffix in once)
-        g = quant.group_size
+        g = quant.weight_group_size
         routed -= (experts - 1) * (formats.tensor_bytes(held_once, 2 * width, h, g, dt_bytes)
                                    + formats.tensor_bytes(held_once, h, width, g, dt_bytes))
     shared_r = p.shared_expert_size // (moe_tp * moe_ep)
@@ -93,13 +93,13 @@ def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: 
     return p.num_experts * h * ROUTER_BYTES + routed + shared
 
 
-def linear_bytes(out: int, inp: int, quant: QuantFormat, dt_bytes: int, stored: bool = False) -> float:
+def linear_bytes(out: int, inp: int, quant: Quantization, dt_bytes: int, stored: bool = False) -> float:
     """Bytes of one linear weight and its scales (memory.md), summed over the tensors its format's row
     lists (quant/formats.py): `stored` as written in the checkpoint, where weight-only formats are
     still in the model dtype (trtllm-build quantizes them: preprocess_weights in
     tensorrt_llm/models/modeling_utils.py), else as the engine holds them."""
     row = quant.format
-    return formats.tensor_bytes(row.stored if stored else row.built, out, inp, quant.group_size, dt_bytes)
+    return formats.tensor_bytes(row.stored if stored else row.built, out, inp, quant.weight_group_size, dt_bytes)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class WeightBreakdown:
         return int(self.layers + self.embedding + self.lm_head + self.norms)
 
 
-def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantFormat, dt_bytes: int,
+def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantization, dt_bytes: int,
                  parallel_embedding: bool = False, embedding_sharding_dim: int = 0, qkv_bias: bool = False,
                  dense_bias: bool = False, stored: bool = False, moe_tp: int | None = None,
                  moe_ep: int | None = None) -> WeightBreakdown:

@@ -16,80 +16,10 @@ from toolchain.archs import get_family, load_params
 from toolchain.archs.params import ROPE_REQUIRED_KEYS, ROPE_TYPES, ArchParams, engine_dtype
 from toolchain.errors import ToolchainError
 from toolchain.quant import formats
+from toolchain.quant.view import Quantization
 from toolchain.targets import target_of
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-@dataclass(frozen=True)
-class QuantFormat:
-    """The precision recipe as the planner sees it."""
-
-    method: str = "none"
-    kv_cache: str = "none"
-    group_size: int = 128
-    exclude_modules: tuple[str, ...] | None = None
-    """None: TensorRT-LLM's default exclusion list (lm_head, embeddings, ...) applies."""
-    stored: str | None = None
-    """"awq" or "gptq": the checkpoint itself is int4 (AutoAWQ/GPTQ `quantization_config`), which convert
-    imports as stored: W4A16 per group with zero points and no prequant scale (checkpoint/quantize.py)."""
-
-    @property
-    def format(self) -> formats.Format:
-        """The weights' row (quant/formats.py): an imported checkpoint's own int4 format when stored."""
-        return formats.weight_format(self.method, imported=self.stored is not None)
-
-    @property
-    def kv_format(self) -> formats.KvFormat:
-        return formats.KV_CACHE[self.kv_cache]
-
-    @property
-    def quant_algo(self) -> str | None:
-        return self.format.quant_algo
-
-    @property
-    def per_group(self) -> bool:
-        return self.format.per_group
-
-    @property
-    def weight_only(self) -> bool:
-        return self.format.weight_only
-
-    @property
-    def integer(self) -> bool:
-        """Formats Blackwell cannot build (TensorRT-LLM tensorrt_llm/builder.py, build)."""
-        return self.format.integer
-
-    def describe(self) -> str:
-        algo = self.quant_algo or "no weight quantization"
-        if self.per_group:
-            algo += f" g{self.group_size}"
-        if self.stored:
-            algo += f" (stored {self.stored.upper()} int4 with zero points, imported as is)"
-        return algo
-
-
-def stored_int4(hf_config: dict | None) -> tuple[str, int] | None:
-    """(kind, group size) of an AutoAWQ or GPTQ checkpoint (its `quantization_config`), else None;
-    convert refuses what it cannot import (quant.recipe.parse_prequantized), so plan only reads it."""
-    qc = (hf_config or {}).get("quantization_config")
-    if not isinstance(qc, dict):
-        return None
-    kind = str(qc.get("quant_method", "")).lower()
-    if kind not in ("awq", "gptq"):
-        return None
-    return kind, int(qc.get("group_size", qc.get("q_group_size", 128)) or 128)
-
-
-def quant_format(spec, hf_config: dict | None = None) -> QuantFormat:
-    """The spec's `quantization` section (its method and kv_cache are the spec's Literals, validated when
-    it loads). With the model's config.json (`hf_config`), a checkpoint stored as AutoAWQ/GPTQ int4 under
-    `method: none` plans at the format convert imports it in, not as the float model it was quantized from."""
-    q = spec.quantization
-    pre = stored_int4(hf_config)
-    if pre is not None and q.method == "none":
-        return QuantFormat("awq", q.kv_cache, pre[1], tuple(q.exclude_modules), stored=pre[0])
-    return QuantFormat(q.method, q.kv_cache, q.group_size, tuple(q.exclude_modules))
 
 
 @dataclass
@@ -169,7 +99,7 @@ def weight_dtype(spec, params: ArchParams) -> str:
     return engine_dtype(spec.model.dtype, params.dtype, spec.target)
 
 
-def kv_dtype(spec, params: ArchParams, quant: QuantFormat) -> str:
+def kv_dtype(spec, params: ArchParams, quant: Quantization) -> str:
     if quant.kv_cache != "none":
         return quant.kv_cache
     # The CPU engine computes in float32 and keeps its cache so (engine/cpu/kv_cache.py).

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from toolchain.archs.layout import layout_problems
 from toolchain.plan import memory as mem
 from toolchain.gpus import GIB, GPUS, Gpu
-from toolchain.plan.model import DTYPE_BYTES, ModelInfo, QuantFormat, kv_dtype, kv_dtype_bytes, weight_dtype
+from toolchain.plan.model import DTYPE_BYTES, ModelInfo, kv_dtype, kv_dtype_bytes, weight_dtype
 from toolchain.errors import ToolchainError
-from toolchain.plan.model import load_model, quant_format
+from toolchain.plan.model import load_model
+from toolchain.quant.view import Quantization, quantization_of
 from toolchain.speculative import CHECKPOINT, mode_of
 from toolchain.targets import LLMAPI, target_of
 
@@ -54,7 +55,7 @@ class MemoryPlan:
     device: Gpu
     weight_dtype: str
     kv_dtype: str
-    quant: QuantFormat
+    quant: Quantization
     ranks: list[RankPlan]
     sequence_tokens: int
     """KV tokens one full-length sequence needs (block-rounded, draft head-room, beams)."""
@@ -112,7 +113,7 @@ class DraftModel:
     info: ModelInfo
 
 
-def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: DraftModel | None = None,
+def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft: DraftModel | None = None,
                 suggest: bool = True) -> MemoryPlan:
     p = model.params
     par, lim, build = spec.parallelism, spec.limits, spec.build
@@ -139,7 +140,7 @@ def plan_memory(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
     if draft is not None:
         dp = draft.info.params
         ddt = DTYPE_BYTES[weight_dtype(spec, dp)]
-        draft_bytes = mem.rank_weights(dp, tp=1, pp_rank=0, pp=1, quant=QuantFormat(), dt_bytes=ddt).total
+        draft_bytes = mem.rank_weights(dp, tp=1, pp_rank=0, pp=1, quant=Quantization(), dt_bytes=ddt).total
         draft_bytes += mem.activation_bytes(dp, tp=1, max_num_tokens=lim.max_num_tokens,
                                             max_input_len=lim.max_input_len, context_fmha=build.context_fmha)
         if spec.speculative.use_draft_logits:  # the draft engine gathers generation logits for the BLS
@@ -222,7 +223,7 @@ def _fits(spec, model, quant, device, draft) -> bool:
     return plan_memory(spec, model, quant, device, draft, suggest=False).fits
 
 
-def suggestions(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: DraftModel | None) -> list[str]:
+def suggestions(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft: DraftModel | None) -> list[str]:
     """The smallest change along each axis that makes the plan fit, as `--set` overrides that the
     spec accepts as printed: tp within the declared parallelism.gpus (else one node's gpu.per_node),
     no other format for a checkpoint stored quantized, another GPU only when gpu.name alone names it."""
@@ -237,7 +238,7 @@ def suggestions(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
             break
     sm = device.sm or 0
     gpu = device.kind == "gpu"  # the CPU engine's formats are its own business
-    formats = [] if not gpu or quant.stored else \
+    formats = [] if not gpu or quant.imported else \
         (["fp8"] if 89 <= sm < 100 else []) + ([] if sm >= 100 else ["int8_wo", "awq"])
     order = ["none", "int8_wo", "fp8", "smoothquant", "int4_wo", "awq"]
     for method in formats:
@@ -246,7 +247,7 @@ def suggestions(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: 
                       device, draft):
             out.append(f"quantization.method={method}")
             break
-    if quant.kv_cache == "none" and gpu and not quant.stored:  # a stored checkpoint cannot be calibrated
+    if quant.kv_cache == "none" and gpu and not quant.imported:  # a stored checkpoint cannot be calibrated
         kv = "fp8" if sm >= 89 else "int8"
         if _fits(spec, model, dataclasses.replace(quant, kv_cache=kv), device, draft):
             out.append(f"quantization.kv_cache={kv}")
@@ -281,11 +282,11 @@ def build_workers(spec, checkpoint_bytes: list[int], host_bytes: int) -> tuple[i
     return max(1, min(world, host_bytes // per_worker)), per_worker
 
 
-def checkpoint_bytes_per_rank(spec, quant: QuantFormat | None = None) -> list[int]:
+def checkpoint_bytes_per_rank(spec, quant: Quantization | None = None) -> list[int]:
     """Size of each rank's checkpoint file, from config.json alone."""
 
     model = load_model(spec.model.checkpoint)
-    quant = quant or quant_format(spec, model.hf_config)
+    quant = quant or quantization_of(spec.quantization, model.hf_config)
     p, tp, pp = model.params, spec.parallelism.tp, spec.parallelism.pp
     dt_bytes = DTYPE_BYTES[weight_dtype(spec, p)]
     return [mem.rank_weights(p, tp=tp, pp_rank=r // tp, pp=pp, quant=quant, dt_bytes=dt_bytes, stored=True,

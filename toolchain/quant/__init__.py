@@ -10,8 +10,9 @@
 - `kv_cache`: KV-cache INT8/FP8 scales and storage.
 - `prequantized`: AutoAWQ (GEMM) and GPTQ packing, unpacking and the zero-point conversion.
 - `calibration`: the calibration data and layer-by-layer activation statistics.
-- `recipe`: the spec-independent recipe (`recipe_of` a spec section) and `check_recipe`, run before
-  any weight is read.
+- `view`: the quantization view (`Quantization`): the spec's section and the source checkpoint's
+  format, resolved once by `quantization_of`, with the one "is anything quantized" answer.
+- `recipe`: `check_recipe` on a view, run before any weight is read.
 
 Nothing here imports the rest of the project except `toolchain.errors`, so
 the checkpoint writer and the CPU engine can both build on it.

@@ -233,8 +233,8 @@ KV_BY_ALGO: dict[str | None, KvFormat] = {k.quant_algo: k for k in KV_CACHE.valu
 
 
 def active(method: str, kv_cache: str) -> bool:
-    """Whether anything is quantized, the weights or the KV cache: the one answer every stage reads
-    (through Recipe.active, QuantFormat.active or this function on a spec's `quantization` section)."""
+    """Whether anything is quantized, the weights or the KV cache: the row-level rule behind the one
+    answer every stage reads, Quantization.active (quant/view.py)."""
     return method != "none" or kv_cache != "none"
 
 

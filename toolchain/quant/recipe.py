@@ -1,8 +1,8 @@
-"""The quantization recipe and the one function that rejects bad combinations.
+"""The one function that rejects bad quantization combinations, and the layout rules it applies.
 
-`check_recipe` runs before any weight is read: it needs only the recipe, the
+`check_recipe` runs before any weight is read: it needs only the quantization view (quant/view.py), the
 model's dimensions (from config.json), the parallelism, the target GPU if one
-is named, the HF `quantization_config` if the source is already quantized,
+is named, the source checkpoint's format the view records if it is already quantized,
 and the calibration file's existence. Every error names the spec field to
 change and how.
 """
@@ -11,59 +11,18 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from toolchain.errors import ToolchainError
 from toolchain.quant import formats
+from toolchain.quant.view import BUILTIN, Quantization
 from toolchain.targets import TARGETS, TRTLLM_BUILD
 
 METHODS = tuple(formats.METHODS)
 KV_KINDS = tuple(formats.KV_CACHE)
 ROUNDINGS = ("gptq", "nearest")
 GROUP_SIZES = (64, 128)  # the only per-group int4 sizes TensorRT-LLM implements (TensorRT-LLM issue #988)
-BUILTIN = "builtin"
-
-
-@dataclass(frozen=True)
-class Recipe:
-    method: str = "none"
-    group_size: int = 128
-    alpha: float = 0.5
-    kv_cache: str = "none"
-    exclude_modules: tuple[str, ...] = ()
-    calibration_dataset: str = BUILTIN
-    calibration_samples: int = 32
-    calibration_seq_len: int = 256
-    rounding: str = "gptq"
-    """How awq picks its int4 integers on the searched grid: gptq (error-compensating) or nearest."""
-    search: bool = True
-    """AWQ's scale and clip search / SmoothQuant's smoothing. Off gives the
-    round-to-nearest and plain-W8A8 baselines in the same layouts (benchmarks)."""
-    stored: bool = False
-    """The source checkpoint already holds this format (a ModelOpt Hugging Face-format import):
-    its tensors are read as stored, so nothing is computed and nothing calibrated."""
-
-    @property
-    def format(self) -> formats.Format:
-        """The weight format's row (quant/formats.py)."""
-        return formats.METHODS[self.method]
-
-    @property
-    def quant_algo(self) -> str | None:
-        return self.format.quant_algo
-
-    @property
-    def kv_cache_quant_algo(self) -> str | None:
-        return formats.KV_CACHE[self.kv_cache].quant_algo
-
-    @property
-    def needs_calibration(self) -> bool:
-        return not self.stored and (self.format.calibration or formats.KV_CACHE[self.kv_cache].calibration)
-
-    @property
-    def active(self) -> bool:
-        return formats.active(self.method, self.kv_cache)
 
 
 @dataclass(frozen=True)
@@ -79,50 +38,11 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class Prequantized:
-    """An HF `quantization_config` the converter can import (AutoAWQ GEMM or GPTQ)."""
-
-    kind: str            # "awq" or "gptq"
-    group_size: int
-    bits: int
-    zero_point: bool
-    desc_act: bool = False
-    version: str = "gemm"
-    raw: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
 class LayoutPlan:
     """What the checks settled for the writer: the intermediate size per-group
     int4 layers are padded to (zero rows/columns; TensorRT-LLM tensorrt_llm/quantization/layers.py)."""
 
     padded_intermediate: int
-
-
-def recipe_of(q) -> Recipe:
-    """The spec's `quantization` section (QuantizationSection) as the quantizers' recipe; the engine
-    path (checkpoint/stage.py) and the HF export (checkpoint/hf_quant.py) both read it so."""
-    c = q.calibration
-    return Recipe(method=q.method, group_size=q.group_size, alpha=q.alpha, kv_cache=q.kv_cache, rounding=q.rounding,
-                  exclude_modules=tuple(q.exclude_modules), calibration_dataset=c.dataset,
-                  calibration_samples=c.samples, calibration_seq_len=c.seq_len)
-
-
-def parse_prequantized(qc: dict | None, origin: str) -> Prequantized | None:
-    """The HF `quantization_config`, or None for an unquantized checkpoint."""
-    if not qc:
-        return None
-    method = str(qc.get("quant_method", "")).lower()
-    if method not in ("awq", "gptq"):
-        raise ToolchainError(f"{origin}: quantization_config quant_method '{method}' cannot be imported",
-                             "only AutoAWQ (GEMM) and GPTQ int4 checkpoints are; convert the unquantized model "
-                             "and set quantization.method instead")
-    bits = int(qc.get("bits", qc.get("w_bit", 4)))
-    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
-    if method == "awq":
-        version = str(qc.get("version", "gemm")).lower()
-        return Prequantized("awq", group, bits, bool(qc.get("zero_point", True)), False, version, dict(qc))
-    return Prequantized("gptq", group, bits, True, bool(qc.get("desc_act", False)), "gptq", dict(qc))
 
 
 def per_group_multiple(group_size: int, tp: int) -> int:
@@ -191,15 +111,13 @@ def check_pytorch_per_group(shape: ModelShape, group: int, tp: int, splits: Call
                          "use " + ", or ".join(fixes))
 
 
-def _check_gpu(recipe: Recipe, gpu_name: str | None, sm: int | None, pre: Prequantized | None) -> None:
+def _check_gpu(quant: Quantization, gpu_name: str | None, sm: int | None) -> None:
     """The formats' SM rules (Format.refused_on), as convert's refusal."""
     if sm is None:
         return
     name = gpu_name or f"SM{sm}"
-    weights = formats.weight_format(recipe.method, imported=pre is not None)
-    kv = formats.KV_CACHE[recipe.kv_cache]
-    parts = (("an imported int4 checkpoint" if pre is not None else "quantization.method " + recipe.method,
-              weights), ("quantization.kv_cache " + recipe.kv_cache, kv))
+    parts = (("an imported int4 checkpoint" if quant.imported else "quantization.method " + quant.method,
+              quant.format), ("quantization.kv_cache " + quant.kv_cache, quant.kv_format))
     old = [(what, f.min_sm) for what, f in parts if f.refused_on(sm) == "too old"]
     if old:
         raise ToolchainError(f"{old[0][0]} needs an Ada or Hopper GPU (SM >= {old[0][1]}); {name} is SM{sm}",
@@ -239,27 +157,26 @@ def is_excluded(module: str, patterns: tuple[str, ...] | list[str]) -> bool:
     return any(fnmatch.fnmatchcase(module, p) for p in patterns)
 
 
-def check_recipe(recipe: Recipe, shape: ModelShape, *, tp: int, target: str = "cpu",
-                 prequantized: Prequantized | None = None, gpu_name: str | None = None,
+def check_recipe(quant: Quantization, shape: ModelShape, *, tp: int, target: str = "cpu", gpu_name: str | None = None,
                  gpu_sm: int | None = None) -> LayoutPlan:
     """Reject every invalid combination before a weight is read; returns the layout decisions."""
-    if recipe.method not in METHODS:
-        raise ToolchainError(f"quantization.method '{recipe.method}' is unknown", f"use one of {', '.join(METHODS)}")
-    if recipe.kv_cache not in KV_KINDS:
-        raise ToolchainError(f"quantization.kv_cache '{recipe.kv_cache}' is unknown",
+    if quant.method not in METHODS:
+        raise ToolchainError(f"quantization.method '{quant.method}' is unknown", f"use one of {', '.join(METHODS)}")
+    if quant.kv_cache not in KV_KINDS:
+        raise ToolchainError(f"quantization.kv_cache '{quant.kv_cache}' is unknown",
                              f"use one of {', '.join(KV_KINDS)}")
-    if recipe.rounding not in ROUNDINGS:
-        raise ToolchainError(f"quantization.rounding '{recipe.rounding}' is unknown",
+    if quant.rounding not in ROUNDINGS:
+        raise ToolchainError(f"quantization.rounding '{quant.rounding}' is unknown",
                              f"use one of {', '.join(ROUNDINGS)}")
-    check_exclude(recipe.exclude_modules)
+    check_exclude(quant.exclude_modules)
     padded = shape.intermediate_size
-    if prequantized is not None:
-        pre = prequantized
-        if recipe.method != "none":
+    if quant.prequantized is not None:
+        pre = quant.prequantized
+        if quant.method != "none":
             raise ToolchainError(f"the checkpoint is already quantized ({pre.kind}); quantization.method "
-                                 f"'{recipe.method}' would quantize it twice",
+                                 f"'{quant.method}' would quantize it twice",
                                  "set quantization.method none to import it as stored")
-        if recipe.kv_cache != "none":
+        if quant.kv_cache != "none":
             raise ToolchainError("quantization.kv_cache needs calibration, which cannot run a pre-quantized "
                                  f"({pre.kind}) checkpoint", "set quantization.kv_cache none for this checkpoint")
         if pre.kind == "gptq" and pre.desc_act:
@@ -274,32 +191,32 @@ def check_recipe(recipe: Recipe, shape: ModelShape, *, tp: int, target: str = "c
             raise ToolchainError(f"{pre.kind} checkpoint has group_size {pre.group_size}",
                                  "TensorRT-LLM's per-group int4 supports 64 and 128 only; re-quantize with one")
         padded = check_per_group(shape, pre.group_size, tp, "a checkpoint quantized with group size")
-    if recipe.group_size not in GROUP_SIZES:
-        if recipe.stored:  # the checkpoint's own group size, not a spec field
-            raise ToolchainError(f"the checkpoint is quantized with group_size {recipe.group_size}",
+    if quant.group_size not in GROUP_SIZES:
+        if quant.modelopt:  # the checkpoint's own group size, not a spec field
+            raise ToolchainError(f"the checkpoint is quantized with group_size {quant.group_size}",
                                  "TensorRT-LLM's per-group int4 supports 64 and 128 only; re-export with one")
-        raise ToolchainError(f"quantization.group_size {recipe.group_size} is not supported",
+        raise ToolchainError(f"quantization.group_size {quant.group_size} is not supported",
                              "TensorRT-LLM's per-group int4 implements 64 and 128 only (issue #988); use one of them")
-    if recipe.method == "awq":
-        padded = check_per_group(shape, recipe.group_size, tp, "a checkpoint quantized with group size"
-                                  if recipe.stored else "quantization.group_size")
-    if recipe.method in ("int8_wo", "int4_wo") and TARGETS[target].engine_builder == TRTLLM_BUILD:
+    if quant.method == "awq":
+        padded = check_per_group(shape, quant.group_size, tp, "a checkpoint quantized with group size"
+                                  if quant.modelopt else "quantization.group_size")
+    if quant.method in ("int8_wo", "int4_wo") and TARGETS[target].engine_builder == TRTLLM_BUILD:
         m = 64 * tp
         for what, dim in (("hidden_size", shape.hidden_size), ("intermediate_size", shape.intermediate_size)):
             if dim % m:
                 # The engine's per-channel weight-only layers expect padded dims
                 # (tensorrt_llm/quantization/layers.py); whether the build pads unpadded fp
                 # weights is unverified: refuse.
-                raise ToolchainError(f"weight-only {recipe.method} at tp {tp} needs {what} ({dim}) to be a multiple "
+                raise ToolchainError(f"weight-only {quant.method} at tp {tp} needs {what} ({dim}) to be a multiple "
                                      f"of 64 x tp = {m}", "use another parallelism.tp or quantization.method")
-    _check_gpu(recipe, gpu_name, gpu_sm, prequantized)
-    if recipe.needs_calibration:
-        if recipe.calibration_samples < 1:
+    _check_gpu(quant, gpu_name, gpu_sm)
+    if quant.needs_calibration:
+        if quant.calibration_samples < 1:
             raise ToolchainError("quantization.calibration.samples must be at least 1")
-        if recipe.calibration_seq_len > shape.max_position_embeddings:
-            raise ToolchainError(f"quantization.calibration.seq_len {recipe.calibration_seq_len} exceeds the "
+        if quant.calibration_seq_len > shape.max_position_embeddings:
+            raise ToolchainError(f"quantization.calibration.seq_len {quant.calibration_seq_len} exceeds the "
                                  f"model's context ({shape.max_position_embeddings} positions)",
                                  f"set quantization.calibration.seq_len <= {shape.max_position_embeddings}")
-        if recipe.calibration_dataset != BUILTIN:
-            check_calibration_file(recipe.calibration_dataset)
+        if quant.calibration_dataset != BUILTIN:
+            check_calibration_file(quant.calibration_dataset)
     return LayoutPlan(padded_intermediate=padded)

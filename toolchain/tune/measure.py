@@ -16,6 +16,7 @@ from typing import Callable
 
 from toolchain.errors import ToolchainError
 from toolchain.pipeline import deploy
+from toolchain.quant.view import Quantization
 from toolchain.spec import DeploymentSpec
 from toolchain.stopsignals import stop_on_signals
 from toolchain.targets import target_of
@@ -70,7 +71,7 @@ class Quality:
         self._baseline: float | None = None
 
     def baseline_spec(self) -> DeploymentSpec:
-        if not self.user_spec.quantization.active:
+        if not Quantization.of(self.user_spec.quantization).active:
             return self.user_spec
         return derive(self.user_spec, {"name": f"{self.user_spec.name}-unquantized", "quantization.method": "none",
                                        "quantization.kv_cache": "none"})
@@ -136,7 +137,7 @@ def measure(ranked: list[tuple[str, DeploymentSpec]], top: int, user_spec: Deplo
             break
         m = Measured(label, spec)
         results.append(m)
-        if spec.quantization.active:
+        if Quantization.of(spec.quantization).active:
             progress("measure", f"{label}: quality ({spec.name})")
             quality_check(m, quality, max_ppl_increase_pct)
             if not m.quality_ok or m.error:

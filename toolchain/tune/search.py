@@ -310,7 +310,7 @@ def search(spec, gpu_specs: list, gpu_count: int, thresholds: list[Threshold], b
     key = sort_key(by_cost, base_limits)
     for gspec in gpu_specs:
         ctx = build_context(gspec, "plan")
-        stored = ctx.quant.stored is not None
+        stored = ctx.quant.imported is not None
         first, bad = structures(gspec, gpu_count, ctx.device, stored)
         refused += bad
         one = [evaluate(c, thresholds) for c in first]

@@ -12,13 +12,13 @@ from toolchain import gpus
 from toolchain.errors import ToolchainError
 from toolchain.gpus import Gpu
 from toolchain.hostprofile import HostProfile, load_profile, missing_note
-from toolchain.plan.model import (DTYPE_BYTES, ModelInfo, QuantFormat, kv_dtype, kv_dtype_bytes, load_model,
-                                  quant_format, weight_dtype)
+from toolchain.plan.model import DTYPE_BYTES, ModelInfo, kv_dtype, kv_dtype_bytes, load_model, weight_dtype
 from toolchain.plan.perf.efficiency import Efficiency, basis_of, efficiency_of
 from toolchain.plan.perf.host import CPU_PRECISION, host_efficiency, host_row
 from toolchain.plan.perf.schedule import Deployment, Workload, best_point, queued
 from toolchain.plan.perf.step import stage_cost
 from toolchain.plan.plan import DraftModel, MemoryPlan, plan_memory
+from toolchain.quant.view import Quantization, quantization_of
 from toolchain.speculative import DRAFT_ENGINE, mode_of
 from toolchain.targets import target_of
 
@@ -95,7 +95,7 @@ def acceptance(spec) -> tuple[float, str | None]:
                  "speculative.expected_acceptance to the share you expect accepted")
 
 
-def deployment(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: ModelInfo | None = None,
+def deployment(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft: ModelInfo | None = None,
                eff: Efficiency | None = None, profile: HostProfile | None = None) -> tuple[Deployment, list[str]]:
     """The replica the spec describes, and notes on what the prediction assumes. With `profile` (a CPU target)
     the device is this host (`host_row`), in the CPU engine's bytes and precisions."""
@@ -129,7 +129,7 @@ def deployment(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: M
     if mode_of(sp.mode).adds == DRAFT_ENGINE and draft is not None:
         dp = draft.params
         ddt = DTYPE_BYTES[weight_dtype(spec, dp)]
-        draft_cost = stage_cost(dp, tp=1, pp_rank=0, pp=1, quant=QuantFormat(), dt_bytes=ddt, kv_bytes=ddt)
+        draft_cost = stage_cost(dp, tp=1, pp_rank=0, pp=1, quant=Quantization(), dt_bytes=ddt, kv_bytes=ddt)
     elif mode_of(sp.mode).adds == DRAFT_ENGINE:
         notes.append("the draft model's config is not readable: its steps are not counted")
     if mode_of(sp.mode).adds != DRAFT_ENGINE and draft_len:
@@ -139,7 +139,7 @@ def deployment(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, draft: M
     return dep, notes
 
 
-def predict(spec, model: ModelInfo, quant: QuantFormat, device: Gpu, memory: MemoryPlan,
+def predict(spec, model: ModelInfo, quant: Quantization, device: Gpu, memory: MemoryPlan,
             draft: ModelInfo | None = None, eff: Efficiency | None = None, profile: HostProfile | None = None,
             concurrency: int | None = None, bench_run: bool = False) -> Performance:
     """TTFT and TPOT at `concurrency` (default validation.workload.concurrency), and the maximum output
@@ -202,7 +202,7 @@ def host_profile_of(spec) -> HostProfile | None:
     return load_profile(spec.serving.engine_threads)
 
 
-def performance_dict(spec, model: ModelInfo | None, quant: QuantFormat, device: Gpu | None,
+def performance_dict(spec, model: ModelInfo | None, quant: Quantization, device: Gpu | None,
                      memory: MemoryPlan | None, draft: ModelInfo | None = None, *,
                      concurrency: int | None = None, profile: HostProfile | None = None,
                      bench_run: bool = False) -> dict:
@@ -227,7 +227,7 @@ def predict_spec(spec, concurrency: int | None = None, profile: HostProfile | No
         model = load_model(spec.model.checkpoint)
     except (ToolchainError, OSError) as err:
         return {"predicted": False, "note": f"the model's config is not readable: {err}"}
-    quant = quant_format(spec, model.hf_config)
+    quant = quantization_of(spec.quantization, model.hf_config)
     draft = None
     sp = spec.speculative
     if sp.mode == "draft_target" and sp.draft_model is not None:

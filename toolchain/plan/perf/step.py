@@ -11,8 +11,8 @@ from toolchain.archs.layout import Layout
 from toolchain.archs.params import ArchParams
 from toolchain.gpus import Gpu, Link
 from toolchain.plan import memory as mem
-from toolchain.plan.model import QuantFormat
 from toolchain.plan.perf.efficiency import DEFAULT_EFFICIENCY, Efficiency
+from toolchain.quant.view import Quantization
 
 ACT_BYTES = 2  # activations travel between ranks in the half type (fp16/bf16) under every weight format
 
@@ -45,7 +45,7 @@ class StageCost:
     (QK^T and PV, a multiply and an add each) x layers."""
 
 
-def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: QuantFormat, dt_bytes: int, kv_bytes: int,
+def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantization, dt_bytes: int, kv_bytes: int,
                qkv_bias: bool = False, dense_bias: bool = False, moe_tp: int | None = None,
                moe_ep: int | None = None) -> StageCost:
     """The cost figures of one rank of stage `pp_rank` (every rank of a stage holds the same shapes)."""

@@ -1,0 +1,204 @@
+"""The quantization view: the spec's `quantization` section read together with what the source checkpoint
+holds, resolved once by `quantization_of` and read by every stage after.
+
+One frozen value answers what the planner, the checks, convert, the HF export and the LLM-API path
+ask: the weights' format row, the KV cache's, the QuantAlgo written, whether calibration runs and whether
+anything is quantized at all (`active`). It keeps the request as the spec words it (`method` stays
+"none" for an AutoAWQ/GPTQ checkpoint, whose refusals name the spec's fields) and the source beside
+it: an AutoAWQ/GPTQ `quantization_config` (`prequantized`), or a ModelOpt Hugging Face-format export
+whose stored format replaces the request (`modelopt`). SGLang's `server_args.py` settles its values the
+same way, once, after parsing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from toolchain.errors import ToolchainError
+from toolchain.quant import formats
+
+BUILTIN = "builtin"
+IMPORTABLE = ("awq", "gptq")  # the `quant_method`s of a quantization_config convert imports as stored int4
+
+
+@dataclass(frozen=True)
+class Prequantized:
+    """An HF `quantization_config` the converter can import (AutoAWQ GEMM or GPTQ)."""
+
+    kind: str            # "awq" or "gptq"
+    group_size: int
+    bits: int
+    zero_point: bool
+    desc_act: bool = False
+    version: str = "gemm"
+    raw: dict = field(default_factory=dict)
+
+
+def _number(qc: dict, keys: tuple[str, ...], default: int) -> int:
+    """The first of `keys` present in `qc` as an int (a null reads 0, which check_recipe refuses), else `default`."""
+    for key in keys:
+        if key in qc:
+            return int(qc[key] or 0)
+    return default
+
+
+def parse_prequantized(qc: dict | None, origin: str) -> Prequantized | None:
+    """The HF `quantization_config`, or None for an unquantized checkpoint; refuses one convert cannot import."""
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in IMPORTABLE:
+        raise ToolchainError(f"{origin}: quantization_config quant_method '{method}' cannot be imported",
+                             "only AutoAWQ (GEMM) and GPTQ int4 checkpoints are; convert the unquantized model "
+                             "and set quantization.method instead")
+    bits = _number(qc, ("bits", "w_bit"), 4)
+    group = _number(qc, ("group_size", "q_group_size"), 128)
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        return Prequantized("awq", group, bits, bool(qc.get("zero_point", True)), False, version, dict(qc))
+    return Prequantized("gptq", group, bits, True, bool(qc.get("desc_act", False)), "gptq", dict(qc))
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """The spec's quantization request and the source checkpoint's own format, with every answer the
+    stages read (module docstring)."""
+
+    method: str = "none"
+    kv_cache: str = "none"
+    group_size: int = 128
+    alpha: float = 0.5
+    exclude_modules: tuple[str, ...] = ()
+    calibration_dataset: str = BUILTIN
+    calibration_samples: int = 32
+    calibration_seq_len: int = 256
+    rounding: str = "gptq"
+    """How awq picks its int4 integers on the searched grid: gptq (error-compensating) or nearest."""
+    search: bool = True
+    """AWQ's scale and clip search / SmoothQuant's smoothing. Off gives the
+    round-to-nearest and plain-W8A8 baselines in the same layouts (benchmarks)."""
+    prequantized: Prequantized | None = None
+    """The source is an AutoAWQ/GPTQ int4 checkpoint (its `quantization_config`); under method none convert
+    imports it as stored: W4A16 per group with zero points and no prequant scale (checkpoint/quantize.py)."""
+    modelopt: bool = False
+    """The source is a ModelOpt Hugging Face-format export: method, kv_cache, group_size and exclude_modules
+    are the checkpoint's, its tensors are read as stored, so nothing is computed and nothing calibrated."""
+
+    @classmethod
+    def of(cls, section) -> Quantization:
+        """The spec's `quantization` section (QuantizationSection) as a request, before the checkpoint is read."""
+        c = section.calibration
+        return cls(method=section.method, kv_cache=section.kv_cache, group_size=section.group_size,
+                   alpha=section.alpha, exclude_modules=tuple(section.exclude_modules), calibration_dataset=c.dataset,
+                   calibration_samples=c.samples, calibration_seq_len=c.seq_len, rounding=section.rounding)
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is quantized, the weights or the KV cache: the one answer every stage reads.
+        An AutoAWQ/GPTQ checkpoint under method none asks for nothing (`imported` says what it holds)."""
+        return formats.active(self.method, self.kv_cache)
+
+    @property
+    def imported(self) -> str | None:
+        """"awq" or "gptq" when the weights are an AutoAWQ/GPTQ checkpoint's int4, imported as stored
+        (method none), else None."""
+        return self.prequantized.kind if self.prequantized is not None and self.method == "none" else None
+
+    @property
+    def reads_stored(self) -> bool:
+        """The quantized tensors are read from the checkpoint (an import), not computed from fp weights."""
+        return self.prequantized is not None or self.modelopt
+
+    @property
+    def weight_method(self) -> str:
+        """The spec method whose format the weights are in: an imported int4 checkpoint's is awq's."""
+        return "awq" if self.imported else self.method
+
+    @property
+    def weight_group_size(self) -> int:
+        """Input channels per int4 scale of the weights: an imported checkpoint's own, else group_size."""
+        return (self.prequantized.group_size or 128) if self.imported else self.group_size
+
+    @property
+    def format(self) -> formats.Format:
+        """The weights' row (quant/formats.py): an imported checkpoint's own int4 format when imported."""
+        return formats.weight_format(self.method, imported=self.imported is not None)
+
+    @property
+    def kv_format(self) -> formats.KvFormat:
+        return formats.KV_CACHE[self.kv_cache]
+
+    @property
+    def quant_algo(self) -> str | None:
+        return self.format.quant_algo
+
+    @property
+    def kv_cache_quant_algo(self) -> str | None:
+        return self.kv_format.quant_algo
+
+    @property
+    def per_group(self) -> bool:
+        return self.format.per_group
+
+    @property
+    def weight_only(self) -> bool:
+        return self.format.weight_only
+
+    @property
+    def integer(self) -> bool:
+        """Formats Blackwell cannot build (TensorRT-LLM tensorrt_llm/builder.py, build)."""
+        return self.format.integer
+
+    @property
+    def needs_calibration(self) -> bool:
+        return not self.modelopt and (self.format.calibration or self.kv_format.calibration)
+
+    def describe(self) -> str:
+        algo = self.quant_algo or "no weight quantization"
+        if self.per_group:
+            algo += f" g{self.weight_group_size}"
+        if self.imported:
+            algo += f" (stored {self.imported.upper()} int4 with zero points, imported as is)"
+        return algo
+
+
+def _modelopt(fmt: dict, requested: Quantization) -> Quantization:
+    """The view of a ModelOpt HF-format checkpoint (`fmt`: checkpoint/hf_quant.py read_hf_quant_format, its
+    group size settled), marked so its tensors are read, not computed. The spec's own request may not ask
+    for more: nothing can be calibrated on (or quantized again from) already-quantized weights."""
+    algo, kv = fmt["quant_algo"], fmt["kv_cache_quant_algo"]
+    what = f"ModelOpt {algo or 'FP8 KV cache'}"
+    if requested.method != "none":
+        raise ToolchainError(f"the checkpoint is already quantized ({what}); quantization.method "
+                             f"'{requested.method}' would quantize it twice",
+                             "set quantization.method none to import it as stored")
+    if requested.kv_cache == "fp8" and kv != "FP8":
+        raise ToolchainError(f"quantization.kv_cache fp8: the pre-quantized ({what}) checkpoint carries no FP8 "
+                             "KV-cache scales (k_scale / v_scale) and cannot be calibrated",
+                             "set quantization.kv_cache none, or export the checkpoint with kv cache fp8")
+    if requested.kv_cache not in ("none", "fp8"):
+        raise ToolchainError(f"quantization.kv_cache {requested.kv_cache} needs calibration, which cannot run a "
+                             f"pre-quantized ({what}) checkpoint", "set quantization.kv_cache none for this checkpoint")
+    return Quantization(method=formats.BY_ALGO[algo].name, group_size=fmt["group_size"] or 128,
+                        kv_cache=formats.KV_BY_ALGO[kv].name, modelopt=True)
+
+
+def quantization_of(requested, hf_config: dict | None = None, *, modelopt: dict | None = None,
+                    origin: str | None = None) -> Quantization:
+    """The view, resolved once: `requested` (the spec's `quantization` section, or a Quantization request)
+    with the source checkpoint's config.json (`hf_config`). An AutoAWQ/GPTQ `quantization_config` is
+    recorded as `prequantized`; a config of another kind reads as unquantized, unless `origin` (the
+    config's path, which convert passes) is given, and then it is refused naming it. `modelopt`, the
+    stored format convert read from a ModelOpt export, replaces the request after refusing what cannot
+    apply to stored weights. The planner passes no `modelopt` (it
+    plans such a checkpoint at the spec's request, as it always has). Without `hf_config` the request is
+    returned as it is."""
+    request = requested if isinstance(requested, Quantization) else Quantization.of(requested)
+    if modelopt is not None:
+        return _modelopt(modelopt, request)
+    if hf_config is None:  # the checkpoint is not read here (or not readable): the request alone
+        return request
+    qc = hf_config.get("quantization_config")
+    importable = isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() in IMPORTABLE
+    pre = parse_prequantized(qc, origin or "config.json") if importable or origin is not None else None
+    return replace(request, prequantized=pre)
