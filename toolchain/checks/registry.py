@@ -18,6 +18,7 @@ from toolchain.archs import Family, get_family
 from toolchain.archs.layout import layout_problems
 from toolchain.plan.model import ModelInfo, QuantFormat, load_model, quant_format, read_json
 from toolchain.plan.plan import DraftModel, MemoryPlan, plan_memory
+from toolchain.speculative import DRAFT_ENGINE, mode_of
 
 if TYPE_CHECKING:
     from toolchain.spec import DeploymentSpec
@@ -151,7 +152,7 @@ def build_context(spec, stage: str = "plan", workspace=None, quant: QuantFormat 
     if quant is None and ctx.model is not None:  # a checkpoint stored quantized plans in its own format
         ctx.quant = quant_format(spec, ctx.model.hf_config)
     sp = spec.speculative
-    if sp.mode == "draft_target" and sp.draft_model is not None:
+    if mode_of(sp.mode).adds == DRAFT_ENGINE and sp.draft_model is not None:
         try:
             ctx.draft = load_model(sp.draft_model)
         except ToolchainError as err:
