@@ -13,8 +13,11 @@ import ast
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
+
+from toolchain.speculative import MODES
 
 PACKAGE = Path(__file__).resolve().parents[1] / "toolchain"
 
@@ -279,52 +282,61 @@ def _compares_target(node: ast.Compare) -> bool:
                             or isinstance(o, ast.Attribute) and o.attr == "device" for o in operands)
 
 
-def branches_on_target(tree: ast.AST) -> list[int]:
-    """Lines that decide on the target: a condition (the test of an if, a conditional expression, a while, an
-    assert or a comprehension's filter, an operand of `and`/`or`, or any comparison) that reads the target or
-    its path or device properties, compares a name `target` or a `device`, or compares with a target's name
-    as a bare string. Naming the target in a message or a record is no branch."""
-    lines = []
+def conditions(tree: ast.AST) -> list[ast.AST]:
+    """The conditions in a module: the test of an if, a conditional expression, a while, an assert or a
+    comprehension's filter, an operand of `and`/`or`, and any comparison."""
+    found: list[ast.AST] = []
     for node in ast.walk(tree):
-        tests: list[ast.AST] = []
         if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
-            tests = [node.test]
+            found.append(node.test)
         elif isinstance(node, ast.comprehension):
-            tests = list(node.ifs)
+            found.extend(node.ifs)
         elif isinstance(node, ast.BoolOp):
-            tests = list(node.values)
+            found.extend(node.values)
         elif isinstance(node, ast.Compare):
-            tests = [node]
-        for t in tests:
-            if _names_target(t) or any(isinstance(c, ast.Compare) and _compares_target(c) for c in ast.walk(t)):
-                lines.append(t.lineno)
-    return sorted(set(lines))
+            found.append(node)
+    return found
+
+
+def branches_on_target(tree: ast.AST) -> list[int]:
+    """Lines that decide on the target: a condition that reads the target or its path or device properties,
+    compares a name `target` or a `device`, or compares with a target's name as a bare string. Naming the
+    target in a message or a record is no branch."""
+    return sorted({t.lineno for t in conditions(tree)
+                   if _names_target(t) or any(isinstance(c, ast.Compare) and _compares_target(c) for c in ast.walk(t))})
+
+
+def is_chooser(name: str, choosers: tuple[str, ...]) -> bool:
+    """A chooser module or one inside a chooser package (toolchain.cli.serve); toolchain.speculative and
+    toolchain.spec_reference merely start with a chooser's name."""
+    return any(name == c or name.startswith(c + ".") for c in choosers)
 
 
 def is_target_chooser(name: str) -> bool:
-    """A chooser module or one inside a chooser package (toolchain.cli.serve); toolchain.speculative and
-    toolchain.spec_reference merely start with a chooser's name."""
-    return any(name == c or name.startswith(c + ".") for c in TARGET_CHOOSERS)
+    return is_chooser(name, TARGET_CHOOSERS)
 
 
-def target_branching(graph) -> dict[str, list[int]]:
+def branching(graph, choosers: tuple[str, ...], scan: Callable[[ast.AST], list[int]]) -> dict[str, list[int]]:
+    """The modules outside the choosers with lines that `scan` finds, and those lines."""
     found = {}
     for name in graph:
-        if is_target_chooser(name):
+        if is_chooser(name, choosers):
             continue
-        path = modules()[name]
-        lines = branches_on_target(ast.parse(path.read_text()))
+        lines = scan(ast.parse(modules()[name].read_text()))
         if lines:
             found[name] = lines
     return found
 
 
-def test_few_modules_branch_on_the_target(graph):
-    found = target_branching(graph)
+def assert_few(found: dict[str, list[int]], most: int, choosers: tuple[str, ...], does: str, instead: str):
     listing = "\n".join(f"{name}: lines {lines}" for name, lines in sorted(found.items()))
-    assert len(found) <= MAX_TARGET_BRANCHING, (
-        f"{len(found)} modules outside {', '.join(TARGET_CHOOSERS)} branch on the target (at most "
-        f"{MAX_TARGET_BRANCHING}); read the target's row in toolchain/targets.py instead:\n{listing}")
+    assert len(found) <= most, (f"{len(found)} modules outside {', '.join(choosers)} {does} (at most {most}); "
+                                f"{instead} instead:\n{listing}")
+
+
+def test_few_modules_branch_on_the_target(graph):
+    assert_few(branching(graph, TARGET_CHOOSERS, branches_on_target), MAX_TARGET_BRANCHING, TARGET_CHOOSERS,
+               "branch on the target", "read the target's row in toolchain/targets.py")
 
 
 def test_the_target_scan_catches_name_and_device_compares():
@@ -338,3 +350,64 @@ def test_the_target_scan_catches_name_and_device_compares():
     assert branches_on_target(ast.parse(source)) == [1, 3, 4]
     assert is_target_chooser("toolchain.cli.serve") and is_target_chooser("toolchain.spec")
     assert not is_target_chooser("toolchain.speculative") and not is_target_chooser("toolchain.spec_reference")
+
+
+# Where a speculative mode may be told apart by its name: its table, the spec's validators and the CLI.
+# Elsewhere a module reads what the mode does from its row (toolchain/speculative.py: adds, draft,
+# external_drafts, prompt_lookup, drafts_in_target, ...); a module that hands a mode to code of its own (convert
+# to checkpoint/medusa.py or eagle.py, a check of one mode's tree) keys a table of its own by the name.
+MODE_CHOOSERS = ("toolchain.speculative", "toolchain.spec", "toolchain.cli")
+# "none" is speculation off, no mode's behaviour.
+MODE_NAMES = set(MODES) - {"none"}
+MAX_MODE_BRANCHING = 0
+
+
+def _is_mode_table(node: ast.AST) -> bool:
+    """A mode's name as a bare string, or a literal collection of mode names only (`("draft_target", "ngram")`;
+    the CPU model's `(None, "top_k", ..., "medusa")` lists decoding modes)."""
+    if isinstance(node, ast.Constant):
+        return node.value in MODE_NAMES
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and bool(node.elts) and all(
+        _is_mode_table(e) for e in node.elts)
+
+
+def _reads_decoding_mode(node: ast.AST) -> bool:
+    """The operand is the tensorrtllm backend's decoding_mode, whose values medusa, eagle and lookahead share
+    the modes' names: the backend's parameters follow its decoding mode (its isLookahead())."""
+    return any(isinstance(n, ast.Name) and "decoding" in n.id or isinstance(n, ast.Attribute) and "decoding" in n.attr
+               or isinstance(n, ast.Constant) and n.value == "decoding_mode" for n in ast.walk(node))
+
+
+def _compares_mode(node: ast.Compare) -> bool:
+    operands = [node.left, *node.comparators]
+    return any(_is_mode_table(o) for o in operands) and not any(_reads_decoding_mode(o) for o in operands)
+
+
+def branches_on_mode(tree: ast.AST) -> list[int]:
+    """Lines with a condition that compares with a speculative mode's name as a bare string (`sp.mode ==
+    "draft_target"`, `mode in ("draft_target", "ngram")`). Naming a mode in a message or keying a table by it is
+    no branch."""
+    return sorted({t.lineno for t in conditions(tree)
+                   if any(isinstance(c, ast.Compare) and _compares_mode(c) for c in ast.walk(t))})
+
+
+def test_few_modules_branch_on_the_speculative_mode(graph):
+    assert_few(branching(graph, MODE_CHOOSERS, branches_on_mode), MAX_MODE_BRANCHING, MODE_CHOOSERS,
+               "compare with a speculative mode's name", "read the mode's row in toolchain/speculative.py")
+
+
+def test_the_mode_scan_catches_name_compares():
+    """The scan itself: an equality and a membership in a literal tuple of mode names are branches, in an if or
+    a conditional expression; a compare with the backend's decoding_mode, a tuple of decoding modes, "none", a
+    name in a message and a table keyed by names are not; only the choosers' own modules are exempt."""
+    source = ("if sp.mode == 'draft_target':\n    pass\n"
+              "n = sp.max_draft_len if spec.speculative.mode in ('draft_target', 'ngram') else 0\n"
+              "ok = row.adds == DRAFT_ENGINE and sp.mode != 'eagle3'\n"
+              "medusa = row.decoding_mode == 'medusa'\n"
+              "bad = mode not in (None, 'top_k', 'medusa')\n"
+              "on = sp.mode != 'none'\n"
+              "msg = f'speculative.mode=mtp needs {sp.heads}'\n"
+              "ATTACH = {'medusa': 1, 'eagle': 2}\n")
+    assert branches_on_mode(ast.parse(source)) == [1, 3, 4]
+    assert is_chooser("toolchain.cli.serve", MODE_CHOOSERS) and is_chooser("toolchain.speculative", MODE_CHOOSERS)
+    assert not any(is_chooser(m, MODE_CHOOSERS) for m in ("toolchain.spec_reference", "toolchain.checks.speculative"))

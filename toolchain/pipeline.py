@@ -28,6 +28,7 @@ from toolchain.plan.model import load_model
 from toolchain.plan.perf import predict_spec
 from toolchain.quant.view import Quantization
 from toolchain.spec import DeploymentSpec, load_spec
+from toolchain.speculative import DRAFT_ENGINE, mode_of
 from toolchain.stopsignals import stop_on_signals
 from toolchain.targets import LLMAPI_SERVE, TRITON_MPIRUN, target_of
 from toolchain.workspace import Workspace
@@ -115,7 +116,7 @@ def stage_outputs(spec: DeploymentSpec, workspace: Workspace) -> list[Path]:
     """Every output directory the stages of the spec's path write, in stage order."""
     out = [workspace.checkpoint_dir(spec)]
     if target_of(spec).builds_engine:
-        if spec.speculative.mode == "draft_target":
+        if mode_of(spec.speculative.mode).adds == DRAFT_ENGINE:
             out.append(workspace.draft_checkpoint_dir(spec))
         out.append(workspace.engine_dir(spec))
     return out + [workspace.model_repo_dir(spec)]

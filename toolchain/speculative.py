@@ -53,6 +53,9 @@ class SpeculativeMode:
     """max_draft_len 0 takes the draft length from the converted checkpoint (its tree)."""
     cpu_ranks: bool
     """The CPU engine runs it across rank processes (serving.launch mpirun on target cpu)."""
+    drafts_in_target: bool
+    """The target model's own multi-token-prediction layers draft (num_nextn_predict_layers in its config.json,
+    as DeepSeek-V3 has): the model must have them, and their count is the draft length (MTPDecodingConfig)."""
     why_not: dict[str, str] = field(default_factory=dict)
     """Why it cannot run on a path (engine, llmapi) or on the CPU engine of the engine path (cpu)."""
     expected_acceptance: float | None = None
@@ -72,6 +75,12 @@ class SpeculativeMode:
         return self.build_mode == "draft_tokens_external"
 
     @property
+    def prompt_lookup(self) -> bool:
+        """The toolchain's BLS drafts the tokens it hands the engine by prompt lookup (n-grams of the prompt and
+        the text so far): external drafts with no draft engine to make them."""
+        return self.external_drafts and self.adds == NOTHING
+
+    @property
     def needs_draft_len(self) -> bool:
         """An engine-path mode whose draft length only the spec gives (speculative.max_draft_len > 0)."""
         return self.build_mode is not None and not self.length_in_checkpoint
@@ -86,22 +95,22 @@ class SpeculativeMode:
 
 
 MODES: dict[str, SpeculativeMode] = {m.name: m for m in (
-    SpeculativeMode("none", None, None, None, (ENGINE, LLMAPI), "", NOTHING, False, True),
+    SpeculativeMode("none", None, None, None, (ENGINE, LLMAPI), "", NOTHING, False, True, False),
     SpeculativeMode("draft_target", "draft_tokens_external", None, "DraftTarget", (ENGINE,), "draft_model",
-                    DRAFT_ENGINE, False, False),
-    SpeculativeMode("ngram", "draft_tokens_external", None, "NGram", (ENGINE,), "", NOTHING, False, True),
-    SpeculativeMode("medusa", "medusa", "medusa", None, (ENGINE,), "heads", CHECKPOINT, True, False, {
+                    DRAFT_ENGINE, False, False, False),
+    SpeculativeMode("ngram", "draft_tokens_external", None, "NGram", (ENGINE,), "", NOTHING, False, True, False),
+    SpeculativeMode("medusa", "medusa", "medusa", None, (ENGINE,), "heads", CHECKPOINT, True, False, False, {
         LLMAPI: "Medusa heads run only in TensorRT engines (the PyTorch backend has no Medusa)"}),
-    SpeculativeMode("eagle", "eagle", "eagle", None, (), "heads", CHECKPOINT, True, False, {
+    SpeculativeMode("eagle", "eagle", "eagle", None, (), "heads", CHECKPOINT, True, False, False, {
         LLMAPI: "EAGLE-1/2 drafts run only in TensorRT engines; the PyTorch backend runs EAGLE-3 checkpoints",
         CPU: "the CPU engine does not run EAGLE's draft networks (TensorRT-LLM runs them inside the engine)"}),
-    SpeculativeMode("lookahead", "lookahead_decoding", "lookahead", None, (), "", NOTHING, False, True, {
+    SpeculativeMode("lookahead", "lookahead_decoding", "lookahead", None, (), "", NOTHING, False, True, False, {
         LLMAPI: "lookahead decoding runs only in the engine runtime",
         CPU: "the CPU engine has no lookahead decoding (TensorRT-LLM runs it in its C++ runtime)"}),
     # TensorRT-LLM 1.2 engines draft with EAGLE-1/2, not EAGLE-3, and have no MTP.
-    SpeculativeMode("eagle3", None, None, "Eagle", (), "draft_model", NOTHING, False, True, {
+    SpeculativeMode("eagle3", None, None, "Eagle", (), "draft_model", NOTHING, False, True, False, {
         ENGINE: "EAGLE-3 drafts run on the PyTorch backend only (speculative_config decoding_type Eagle)"}),
-    SpeculativeMode("mtp", None, None, "MTP", (), "", NOTHING, False, True, {
+    SpeculativeMode("mtp", None, None, "MTP", (), "", NOTHING, False, True, True, {
         ENGINE: "multi-token prediction runs on the PyTorch backend only (MTPDecodingConfig)"}),
 )}
 

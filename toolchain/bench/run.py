@@ -38,6 +38,7 @@ from toolchain.bench.tokens import TokenCounter, token_count_source
 from toolchain.bench.workload import PROMPT_CORPUS, load_tokenizer
 from toolchain.errors import ToolchainError
 from toolchain.spec import DeploymentSpec
+from toolchain.speculative import mode_of
 from toolchain.stopsignals import Stopped
 from toolchain.triton.endpoints import endpoints
 
@@ -115,7 +116,7 @@ def open_transport(spec: DeploymentSpec, target: str):
                                keep_text=wl.multi_turn.turns > 1 or wl.prompts_file is not None,
                                # A draft-target or n-gram deployment speculates through the BLS when asked to.
                                num_draft_tokens=spec.speculative.max_draft_len
-                               if spec.speculative.mode in ("draft_target", "ngram") else 0)
+                               if mode_of(spec.speculative.mode).external_drafts else 0)
     transport.prepare()
     return transport
 

@@ -28,6 +28,7 @@ from toolchain.gpus import lookup
 from toolchain.manifest import Manifest, reusable
 from toolchain.quant.view import Quantization
 from toolchain.spec import DeploymentSpec
+from toolchain.speculative import DRAFT_ENGINE, mode_of
 from toolchain.weights_source import source_record
 from toolchain.targets import ENGINE, require_target
 from toolchain.workspace import Workspace
@@ -53,14 +54,18 @@ def _moe_settings(spec: DeploymentSpec) -> dict:
     return {k: v for k, v in (("moe_tp", par.moe_tp), ("moe_ep", par.moe_ep)) if v is not None}
 
 
+# The modes whose networks convert puts in the checkpoint (their row's adds: checkpoint), each with its module's
+# attach function and the key convert's manifest records speculative.heads under.
+_ATTACH = {"medusa": (attach_heads, "heads"), "eagle": (attach_draft, "draft")}
+
+
 def _speculative_settings(spec: DeploymentSpec) -> dict:
     """Medusa heads or an EAGLE draft change the checkpoint; other modes do not."""
     sp = spec.speculative
-    if sp.mode == "eagle":
-        return {"eagle": {"draft": str(sp.heads), "choices": sp.choices, "max_draft_len": sp.max_draft_len}}
-    if sp.mode != "medusa":
+    if sp.mode not in _ATTACH:
         return {}
-    return {"medusa": {"heads": str(sp.heads), "choices": sp.choices, "max_draft_len": sp.max_draft_len}}
+    _attach, heads_key = _ATTACH[sp.mode]
+    return {sp.mode: {heads_key: str(sp.heads), "choices": sp.choices, "max_draft_len": sp.max_draft_len}}
 
 
 def _quant_settings(spec: DeploymentSpec) -> dict:
@@ -110,10 +115,9 @@ def plan_convert(spec: DeploymentSpec) -> Plan:
 
 
 def _with_heads(plan: Plan, spec: DeploymentSpec) -> Plan:
-    if spec.speculative.mode == "medusa":
-        attach_heads(plan, spec)
-    elif spec.speculative.mode == "eagle":
-        attach_draft(plan, spec)
+    if spec.speculative.mode in _ATTACH:
+        attach, _heads_key = _ATTACH[spec.speculative.mode]
+        attach(plan, spec)
     return plan
 
 
@@ -191,7 +195,7 @@ def run_convert_draft(spec: DeploymentSpec, workspace: Workspace, force: bool = 
     """draft_target: convert speculative.draft_model into workspace.draft_checkpoint_dir(spec),
     with its own manifest (settings and the draft's files), which build-engine records as its input;
     reused while current. None for the other modes."""
-    if spec.speculative.mode != "draft_target":
+    if mode_of(spec.speculative.mode).adds != DRAFT_ENGINE:
         return None
     draft = spec.speculative.draft_model
     if draft is None:  # `toolchain plan` checks this, but convert may run without it

@@ -13,6 +13,8 @@ from toolchain.targets import target_of
 from toolchain.versions import TRITON_IMAGE, TRTLLM_VERSION, in_line
 
 BOTH = ENGINE + SERVING
+# What speculative.draft_model names, in the refusal of a spec without it, for each mode whose row drafts with it.
+DRAFT_CHECKPOINT = {"draft_target": "an HF checkpoint directory", "eagle3": "the EAGLE-3 draft checkpoint"}
 
 
 @check("llmapi.speculative", BOTH,
@@ -27,9 +29,8 @@ def _speculative(ctx: Context):
     if refused:
         return FAIL, refused
     if row.draft == "draft_model" and sp.draft_model is None:
-        what = "an HF checkpoint directory" if sp.mode == "draft_target" else "the EAGLE-3 draft checkpoint"
-        return FAIL, f"speculative.mode={sp.mode} needs speculative.draft_model ({what})"
-    if sp.mode == "mtp":
+        return FAIL, f"speculative.mode={sp.mode} needs speculative.draft_model ({DRAFT_CHECKPOINT[sp.mode]})"
+    if row.drafts_in_target:
         layers = _mtp_layers(ctx)
         if not layers:
             return FAIL, ("speculative.mode=mtp needs a model with multi-token prediction layers "

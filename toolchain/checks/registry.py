@@ -19,6 +19,7 @@ from toolchain.archs.layout import layout_problems
 from toolchain.plan.model import ModelInfo, load_model, read_json
 from toolchain.plan.plan import DraftModel, MemoryPlan, plan_memory
 from toolchain.quant.view import Quantization, quantization_of
+from toolchain.speculative import DRAFT_ENGINE, mode_of
 
 if TYPE_CHECKING:
     from toolchain.spec import DeploymentSpec
@@ -153,7 +154,7 @@ def build_context(spec, stage: str = "plan", workspace=None, quant: Quantization
     if quant is None and ctx.model is not None:  # a checkpoint stored quantized plans in its own format
         ctx.quant = quantization_of(spec.quantization, ctx.model.hf_config)
     sp = spec.speculative
-    if sp.mode == "draft_target" and sp.draft_model is not None:
+    if mode_of(sp.mode).adds == DRAFT_ENGINE and sp.draft_model is not None:
         try:
             ctx.draft = load_model(sp.draft_model)
         except ToolchainError as err:

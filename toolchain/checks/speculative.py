@@ -6,9 +6,11 @@ all_models/inflight_batcher_llm/tensorrt_llm_bls, tensorrtllm_backend issues #71
 
 from __future__ import annotations
 
+import functools
+
 from toolchain.checks.registry import ENGINE, ENGINE_PATH, FAIL, PASS, SERVING, WARN, Context, check
 from toolchain.errors import ToolchainError
-from toolchain.speculative import mode_of, refusal
+from toolchain.speculative import DRAFT_ENGINE, mode_of, refusal
 from toolchain.targets import target_of
 
 OFF = (PASS, "no speculative decoding")
@@ -29,13 +31,23 @@ def _mode_runnable(ctx: Context):
     return (PASS, f"{mode} runs end to end") if mode != "none" else OFF
 
 
+def of_mode(mode: str, other_modes: str):
+    """A check of one mode's own settings or networks (its tree, its window, its heads): it passes with the
+    message `other_modes` for every other mode. The checks of what modes share read the mode's row instead."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def checked(ctx: Context):
+            return fn(ctx) if ctx.spec.speculative.mode == mode else (PASS, other_modes)
+        return checked
+    return wrap
+
+
 @check("spec.medusa-heads", ENGINE + SERVING,
        "Medusa needs heads matching the target and a draft tree they can fill "
        "(TensorRT-LLM tensorrt_llm/models/medusa/, examples/medusa/README.md)", paths=ENGINE_PATH)
+@of_mode("medusa", "not Medusa")
 def _medusa(ctx: Context):
     sp = ctx.spec.speculative
-    if sp.mode != "medusa":
-        return PASS, "not Medusa"
     from toolchain.checkpoint.medusa import medusa_tree, read_heads
 
     if ctx.spec.parallelism.pp > 1:
@@ -65,10 +77,9 @@ def _medusa(ctx: Context):
 @check("spec.eagle-draft", ENGINE + SERVING,
        "EAGLE needs a draft fitting the target, a Llama target, no quantization and a tree it can fill "
        "(TensorRT-LLM tensorrt_llm/models/eagle/, examples/eagle/README.md)", paths=ENGINE_PATH)
+@of_mode("eagle", "not EAGLE")
 def _eagle_draft(ctx: Context):
     sp = ctx.spec.speculative
-    if sp.mode != "eagle":
-        return PASS, "not EAGLE"
     from toolchain.checkpoint.eagle import eagle_shape, eagle_tree, read_draft, refuse_unsupported
 
     model = ctx.model
@@ -123,10 +134,9 @@ def _beam(ctx: Context):
 
 @check("spec.eagle-limits", ENGINE,
        "EAGLE needs pp 1, max_batch_size <= 512, max_draft_len <= 256 (TensorRT-LLM builder.py)", paths=ENGINE_PATH)
+@of_mode("eagle", "not EAGLE")
 def _eagle(ctx: Context):
     sp = ctx.spec.speculative
-    if sp.mode != "eagle":
-        return PASS, "not EAGLE"
     bad = []
     if ctx.spec.parallelism.pp > 1:
         bad.append(f"parallelism.pp={ctx.spec.parallelism.pp} (must be 1)")
@@ -141,10 +151,9 @@ def _eagle(ctx: Context):
 
 @check("spec.lookahead-draft-len", ENGINE + SERVING,
        "lookahead needs W, N, G and max_draft_len >= D (TensorRT-LLM lookahead README)", paths=ENGINE_PATH)
+@of_mode("lookahead", "not lookahead")
 def _lookahead(ctx: Context):
     sp = ctx.spec.speculative
-    if sp.mode != "lookahead":
-        return PASS, "not lookahead"
     w, n, g = sp.lookahead_window_size, sp.lookahead_ngram_size, sp.lookahead_verification_set_size
     if w < 1 or n < 1:
         return FAIL, ("lookahead needs speculative.lookahead_window_size and lookahead_ngram_size >= 1 "
@@ -160,7 +169,7 @@ def _lookahead(ctx: Context):
        "draft_target needs a readable draft checkpoint (TensorRT-LLM draft_target_model README)")
 def _draft_model(ctx: Context):
     sp = ctx.spec.speculative
-    if sp.mode != "draft_target":
+    if mode_of(sp.mode).adds != DRAFT_ENGINE:
         return PASS, "no draft model needed"
     if sp.draft_model is None:
         return FAIL, "speculative.mode=draft_target needs speculative.draft_model (an HF checkpoint directory)"
@@ -234,7 +243,7 @@ def _draft_reuse(ctx: Context):
 @check("spec.draft-target-grpc-port", SERVING,
        "upstream's BLS reaches the models' configs through localhost:8001 (tensorrt_llm_bls/1/model.py)", paths=ENGINE_PATH)
 def _draft_port(ctx: Context):
-    if ctx.spec.speculative.mode != "draft_target":
+    if mode_of(ctx.spec.speculative.mode).adds != DRAFT_ENGINE:
         return PASS, "not draft-target"
     if ctx.spec.serving.grpc_port != 8001:
         # The toolchain's own BLS calls the models in process (BLS exec); only NVIDIA's model.py, rendered
@@ -261,7 +270,7 @@ def _draft_stream(ctx: Context):
        "n-gram drafts come from the toolchain's BLS; the 1.2 engine backend has no n-gram mode "
        "(TensorRT-LLM examples/ngram/README.md)", paths=ENGINE_PATH)
 def _ngram(ctx: Context):
-    if ctx.spec.speculative.mode != "ngram":
+    if not mode_of(ctx.spec.speculative.mode).prompt_lookup:
         return PASS, "not n-gram"
     # The target takes external draft tokens (draft_tokens_external); the toolchain's BLS makes them by
     # prompt lookup. NVIDIA's BLS (model-repo --python-models) only knows a draft model.

@@ -35,6 +35,7 @@ from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir
 from toolchain.manifest import Manifest, content_hash, reusable
 from toolchain.spec import DeploymentSpec
+from toolchain.speculative import DRAFT_ENGINE, mode_of
 from toolchain.targets import CPU_ENGINE, TRTLLM_BUILD, target_of
 from toolchain.workspace import Workspace
 
@@ -115,7 +116,7 @@ def _cpu_engine_outputs(spec: DeploymentSpec, checkpoint_dir: Path, out: Path, b
 
 def _build_cpu(spec: DeploymentSpec, workspace: Workspace, out: Path) -> dict:
     outputs = _cpu_engine_outputs(spec, workspace.checkpoint_dir(spec), out, build_config(spec))
-    if spec.speculative.mode == "draft_target":
+    if mode_of(spec.speculative.mode).adds == DRAFT_ENGINE:
         engine = out / "draft" / "engine"
         engine.mkdir(parents=True)
         outputs["draft"] = _cpu_engine_outputs(spec, _draft_checkpoint(spec, workspace), engine,
@@ -128,7 +129,7 @@ def planned_commands(spec: DeploymentSpec, workspace: Workspace) -> list[list[st
     draft_target), with the final output directories: what --dry-run and plan print."""
     engine = workspace.engine_dir(spec)
     jobs = [(False, workspace.checkpoint_dir(spec), engine, spec.parallelism.world_size)]
-    if spec.speculative.mode == "draft_target":
+    if mode_of(spec.speculative.mode).adds == DRAFT_ENGINE:
         jobs.append((True, workspace.draft_checkpoint_dir(spec), engine / "draft" / "engine", 1))
     out = []
     for draft, ckpt, dest, world in jobs:
@@ -187,7 +188,7 @@ def _draft_checkpoint(spec: DeploymentSpec, workspace: Workspace) -> Path:
 
 def _run_trtllm_build(spec: DeploymentSpec, workspace: Workspace, out: Path, final: Path, binary: str) -> dict:
     outputs = _trtllm_build(spec, binary, workspace.checkpoint_dir(spec), out, final)
-    if spec.speculative.mode == "draft_target":
+    if mode_of(spec.speculative.mode).adds == DRAFT_ENGINE:
         # The draft at tp 1 into out/draft/engine, from the draft checkpoint convert wrote.
         (out / "draft").mkdir()
         outputs["draft"] = _trtllm_build(spec, binary, _draft_checkpoint(spec, workspace), out / "draft" / "engine",
@@ -245,7 +246,7 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
         binary = trtllm.find_trtllm_build(spec, trtllm.build_command(spec, checkpoint_dir, final))
         inputs["tensorrt_llm"] = trtllm.installed_version(Path(binary)) or "unknown"
 
-    if spec.speculative.mode == "draft_target":
+    if mode_of(spec.speculative.mode).adds == DRAFT_ENGINE:
         inputs["draft_checkpoint"] = content_hash(workspace.draft_checkpoint_dir(spec))
     wanted = Manifest(stage="build-engine", spec_hash=build_hash(spec), inputs=inputs)
     if not force and (have := reusable(final, wanted, redo="building again", keep_edits=keep_edits,

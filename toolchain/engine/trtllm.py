@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolchain.errors import ToolchainError
-from toolchain.speculative import mode_of
+from toolchain.speculative import DRAFT_ENGINE, mode_of
 from toolchain.versions import TRITON_IMAGE, TRTLLM_LINE, TRTLLM_VERSION, in_line
 from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
 from toolchain.plan.model import read_json
@@ -432,16 +432,19 @@ def triton_parameters(spec, medusa_choices: str | None = None) -> dict[str, obje
         "num_nodes": -(-spec.parallelism.world_size // spec.gpu.per_node),
         "decoding_mode": mode_of(sp.mode).decoding_mode or ("beam_search" if b.max_beam_width > 1 else "top_k_top_p"),
     })
-    if sp.mode == "lookahead":
+    # The settings of the backend's decoding mode: the lookahead (W, N, G) it reads under isLookahead(), the
+    # draft tree of Medusa's or EAGLE's (triton_backend/inflight_batcher_llm/src/model_instance_state.cc).
+    decoding = params["decoding_mode"]
+    if decoding == "lookahead":
         params.update(lookahead_window_size=sp.lookahead_window_size, lookahead_ngram_size=sp.lookahead_ngram_size,
                       lookahead_verification_set_size=sp.lookahead_verification_set_size)
-    if sp.mode == "medusa":
+    if decoding == "medusa":
         if medusa_choices is None:
             raise ToolchainError("speculative.mode=medusa needs the draft tree convert recorded",
                                  "run `toolchain convert SPEC` first")
         params["medusa_choices"] = medusa_choices
-    if sp.mode == "eagle" and sp.choices:
+    if decoding == "eagle" and sp.choices:
         params["eagle_choices"] = sp.choices
-    if sp.mode == "draft_target":
+    if mode_of(sp.mode).adds == DRAFT_ENGINE:  # orchestrator mode places the GPUs, not MPI ranks
         params["gpu_device_ids"] = ",".join(str(g) for g in range(spec.parallelism.world_size))
     return params

@@ -63,7 +63,7 @@ def speculative_config(spec: DeploymentSpec) -> dict | None:
     kind = row.decoding_type
     if kind is None:
         return None  # refused by the llmapi.speculative check
-    if sp.mode == "mtp":
+    if row.drafts_in_target:
         # The model's own MTP modules draft; their count is the draft length (MTPDecodingConfig).
         return {"decoding_type": kind, "num_nextn_predict_layers": sp.max_draft_len or 1}
     out: dict[str, Any] = {"decoding_type": kind, "max_draft_len": sp.max_draft_len}

@@ -197,22 +197,31 @@ def heads_rank_bytes(spec, params, dtype: str) -> int:
     sp = spec.speculative
     if mode_of(sp.mode).adds != CHECKPOINT or sp.heads is None:
         return 0
-
     try:
-        if sp.mode == "medusa":
-            from toolchain.checkpoint.medusa import plan_heads, read_heads
-
-            return sum(t.nbytes for t in plan_heads(read_heads(sp.heads), dtype, spec.parallelism.tp, 1)[0])
-        from toolchain.checkpoint.eagle import eagle_shape, eagle_tree, plan_draft, read_draft
-        from toolchain.checkpoint.layout import Options
-
-        opts = Options(tp=spec.parallelism.tp, pp=1, dtype=dtype,
-                       use_parallel_embedding=spec.parallelism.parallel_embedding,
-                       embedding_sharding_dim=spec.parallelism.embedding_sharding_dim)
-        draft = read_draft(sp.heads, params)
-        return sum(t.nbytes for t in plan_draft(draft, eagle_shape(spec, eagle_tree(spec)), opts)[0])
+        return _HEADS_BYTES[sp.mode](spec, params, dtype)
     except ToolchainError:
         return 0
+
+
+def _medusa_rank_bytes(spec, params, dtype: str) -> int:
+    from toolchain.checkpoint.medusa import plan_heads, read_heads
+
+    return sum(t.nbytes for t in plan_heads(read_heads(spec.speculative.heads), dtype, spec.parallelism.tp, 1)[0])
+
+
+def _eagle_rank_bytes(spec, params, dtype: str) -> int:
+    from toolchain.checkpoint.eagle import eagle_shape, eagle_tree, plan_draft, read_draft
+    from toolchain.checkpoint.layout import Options
+
+    opts = Options(tp=spec.parallelism.tp, pp=1, dtype=dtype,
+                   use_parallel_embedding=spec.parallelism.parallel_embedding,
+                   embedding_sharding_dim=spec.parallelism.embedding_sharding_dim)
+    draft = read_draft(spec.speculative.heads, params)
+    return sum(t.nbytes for t in plan_draft(draft, eagle_shape(spec, eagle_tree(spec)), opts)[0])
+
+
+# Each mode with networks in the checkpoint (adds checkpoint): its module's plan of them, on one rank.
+_HEADS_BYTES = {"medusa": _medusa_rank_bytes, "eagle": _eagle_rank_bytes}
 
 
 def _with(spec, section: str, **values):

@@ -27,6 +27,7 @@ from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir, sha256_file
 from toolchain.manifest import MANIFEST, Manifest, content_hash, reusable
 from toolchain.spec import DeploymentSpec
+from toolchain.speculative import DRAFT_ENGINE, mode_of
 from toolchain.targets import ENGINE, TARGETS, require_target, target_of
 from toolchain.triton import backend_models
 from toolchain.triton.config import ModelConfig, check_ensemble
@@ -45,16 +46,18 @@ def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
     """Backend parameters from the build/speculative sections (target trtllm), and the draft engine
     (draft_target, both targets)."""
     out: dict = {}
-    medusa = recorded_medusa_choices(spec, workspace) if spec.speculative.mode == "medusa" else None
+    row = mode_of(spec.speculative.mode)
+    # The backend's Medusa decoding drafts along the tree convert recorded with the heads (medusa_choices).
+    medusa = recorded_medusa_choices(spec, workspace) if row.decoding_mode == "medusa" else None
     builder = target_of(spec).engine_builder
     if builder is not None and not builder.python_model:  # the tensorrtllm backend's parameters
         out["trtllm_parameters"] = tuple(sorted(triton_parameters(spec, medusa_choices=medusa).items()))
-    if spec.speculative.mode == "ngram":
+    if row.prompt_lookup:
         out["draft_ngram_size"] = spec.speculative.ngram_size
     if medusa is not None:
         out["decoding_mode"] = "medusa"
         out["medusa_choices"] = medusa
-    if spec.speculative.mode == "draft_target":
+    if row.adds == DRAFT_ENGINE:
         out["draft_engine_dir"] = Path(workspace.engine_dir(spec)).resolve() / "draft" / "engine"
         out["draft_kv_cache_free_gpu_mem_fraction"] = spec.speculative.draft_kv_cache_free_gpu_mem_fraction
     return out

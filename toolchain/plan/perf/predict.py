@@ -230,7 +230,7 @@ def predict_spec(spec, concurrency: int | None = None, profile: HostProfile | No
     quant = quantization_of(spec.quantization, model.hf_config)
     draft = None
     sp = spec.speculative
-    if sp.mode == "draft_target" and sp.draft_model is not None:
+    if mode_of(sp.mode).adds == DRAFT_ENGINE and sp.draft_model is not None:
         try:
             draft = load_model(sp.draft_model)
         except (ToolchainError, OSError):
