@@ -29,7 +29,8 @@ def _speculative(ctx: Context):
     if refused:
         return FAIL, refused
     if row.draft == "draft_model" and sp.draft_model is None:
-        return FAIL, f"speculative.mode={sp.mode} needs speculative.draft_model ({DRAFT_CHECKPOINT[sp.mode]})"
+        what = DRAFT_CHECKPOINT.get(sp.mode, "its draft checkpoint")  # a new draft-model mode needs no entry
+        return FAIL, f"speculative.mode={sp.mode} needs speculative.draft_model ({what})"
     if row.drafts_in_target:
         layers = _mtp_layers(ctx)
         if not layers:
