@@ -234,8 +234,9 @@ class Quantizer:
                    prefixes: list[list[str]], load) -> list[list[Component]]:
         """Per output (qkv: one with q, k, v; merged fc/gate: two), its full, unsplit components.
         `weights` (the fp sources) may be None for imports, which read their stored tensors."""
-        if self.quantization.imported:  # fmt imported_int4
-            return [self._imported(self.quantization.prequantized, p, load) for p in prefixes]
+        pre = self.quantization.prequantized
+        if pre is not None and self.quantization.imported:  # fmt imported_int4
+            return [self._imported(pre, p, load) for p in prefixes]
         if self.quantization.modelopt:
             return self._stored(prefixes, load)
         if weights is None:

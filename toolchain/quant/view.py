@@ -117,7 +117,8 @@ class Quantization:
     @property
     def weight_group_size(self) -> int:
         """Input channels per int4 scale of the weights: an imported checkpoint's own, else group_size."""
-        return (self.prequantized.group_size or 128) if self.imported else self.group_size
+        pre = self.prequantized
+        return (pre.group_size or 128) if pre is not None and self.imported else self.group_size
 
     @property
     def format(self) -> formats.Format:
