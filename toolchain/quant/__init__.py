@@ -7,6 +7,9 @@
 - `awq`: activation-aware scale and clipping search (the awq format).
 - `smoothquant`: smoothing and the W8A8_SQ_PER_CHANNEL tensors.
 - `fp8`: per-tensor e4m3 weights and scales.
+- `fp8_block`: e4m3 weights with a scale per 128x128 tile, activations scaled per 1x128 (FP8 block scales).
+- `fp4`: E2M1 rounding and nibble packing; NVFP4 (ModelOpt's packing, the GPU's activation quantizer) and
+  MXFP4 (gpt-oss's expert blocks).
 - `kv_cache`: KV-cache INT8/FP8 scales and storage.
 - `prequantized`: AutoAWQ (GEMM) and GPTQ packing, unpacking and the zero-point conversion.
 - `calibration`: the calibration data and layer-by-layer activation statistics.
