@@ -240,12 +240,12 @@ class Quantizer:
             return [self._imported(self.quantization.prequantized, p, load) for p in prefixes]
         if self.quantization.modelopt:
             return self._stored(prefixes, load)
+        self.format.check_implemented()  # a pending quantizer: refused, never written as another format
         if weights is None:
             raise ValueError(f"quantizing {module} of layer {layer} needs its fp weights")
         flat = [w for ws in weights for w in ws]
         slot = LINEARS[module]
         st = self._stats(layer).inputs[slot]
-        self.format.check_implemented()  # a pending quantizer: refused, never written as another format
         compute = COMPUTED.get(self.format.quantizer)
         if compute is None:  # the row's quantizer (quant/formats.py) has no branch here
             raise ValueError(f"{module}: no quantizer computes format {self.format.name} "
