@@ -153,6 +153,14 @@ def test_plan_bytes_per_rank_are_exact(tmp_path, tp):
     assert [(r.checkpoint_bytes, r.weights_bytes) for r in block] == [(FP8_BLOCK[tp] + FLOAT[tp],) * 2] * tp
 
 
+@pytest.mark.parametrize("method", ["nvfp4", "fp8_block"])
+def test_a_plan_that_does_not_fit_still_suggests(tmp_path, method):
+    # Llama-3-70B on one L4 (SM 89) in either format: the suggestions rank the spec's method among the others.
+    spec = _spec(tmp_path, "llmapi", "L4", method, checkpoint=CONFIGS / "llama-3-70b")
+    plan = _plan(spec)
+    assert not plan.fits and plan.suggestions == ["parallelism.tp=4", "gpu.name='H100 80GB'"]
+
+
 def test_convert_dry_run_plans_the_nvfp4_bytes_the_planner_does(tmp_path):
     spec = _spec(tmp_path, "trtllm", "B200", "nvfp4", 2)
     dry = plan_any(tmp_path / "tiny", tp=2, pp=1, dtype="float16", target="trtllm", gpu=("B200 180GB", 100),
