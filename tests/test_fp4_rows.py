@@ -21,6 +21,7 @@ from toolchain.checkpoint.hf_quant import export_hf_quantized, hf_quant_problem
 from toolchain.checks.preflight import FAIL, PASS, build_context, run_checks
 from toolchain.engine.cpu.config import parse_dims
 from toolchain.errors import ToolchainError
+from toolchain.plan import perf
 from toolchain.plan.model import load_model
 from toolchain.plan.plan import plan_memory
 from toolchain.quant import formats
@@ -282,6 +283,22 @@ def test_fp4_peaks_on_blackwell_and_none_on_hopper():
         "B200": 9000.0, "GB200": 10000.0, "B300": 13125.0, "H100": None, "H200": None}
     assert (gpus.lookup("GB200").sm, gpus.lookup("B300").sm) == (100, 103)
     assert all(gpus.lookup(n).has_performance for n in ("GB200", "B300"))
+
+
+def test_nvfp4_gemms_run_at_the_fp4_peak():
+    # A 4096-token prefill of Llama-3-8B's linears on a B200: the GEMMs at 9 PFLOP/s dense FP4, where the
+    # same step in fp8 runs at 4.5 (the roofline without efficiency losses).
+    params = load_model(CONFIGS / "llama-3-8b-instruct").params
+    roof = perf.Efficiency(1.0, 1.0, 1.0)
+    b200 = gpus.lookup("B200")
+    cost = {m: perf.stage_cost(params, tp=1, pp_rank=0, pp=1, quant=Quantization(method=m), dt_bytes=2, kv_bytes=2)
+            for m in ("nvfp4", "fp8")}
+    work = perf.context_work(4096)
+    steps = {m: perf.step_time(cost[m], b200, work, math_precision=formats.METHODS[m].math, eff=roof) for m in cost}
+    linear = {m: work.tokens * cost[m].gemm_flops for m in cost}
+    assert linear["nvfp4"] == linear["fp8"]  # the same multiplications, at another rate
+    assert steps["fp8"].compute_s - steps["nvfp4"].compute_s == pytest.approx(
+        linear["fp8"] / 4500e12 - linear["nvfp4"] / 9000e12)
 
 
 # -- tune ------------------------------------------------------------------------------------------------------------
