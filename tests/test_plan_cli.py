@@ -109,7 +109,7 @@ def test_not_fitting_exits_1_with_the_change_that_fits(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("override, fragment", [
-    ("gpu.name=B300", "unknown gpu.name 'B300'"),
+    ("gpu.name=R100", "unknown gpu.name 'R100'"),
     ("gpu.nmae=H100", "unknown key 'gpu.nmae'"),
     ("build.tokens_per_block=48", "power of 2"),
     ("speculative.mode=medusa2", "invalid 'speculative.mode'"),

@@ -173,6 +173,10 @@ TRIGGERS = {
     "quant.fp8-needs-sm89": ({"gpu": {"name": "A100 80GB"}}, {"quant": Quantization(method="fp8")}, FAIL),
     "quant.blackwell-int-formats": ({"gpu": {"name": None, "memory_gib": 180, "sm": 100}},
                                     {"quant": Quantization(method="awq")}, FAIL),
+    # FP8 block scales are the PyTorch backend's alone (quant/formats.py FP8_BLOCK.engine_why_not)
+    "quant.engine-path": ({}, {"quant": Quantization(method="fp8_block")}, FAIL),
+    # Hopper has no FP4 tensor cores (quant/formats.py NVFP4_GPUS)
+    "quant.device": ({}, {"quant": Quantization(method="nvfp4")}, FAIL),
     "gpu.known": ({"gpu": {"name": None}}, {}, FAIL),
     "eos.resolved": ({}, {"setup": use_config({k: v for k, v in LLAMA2_7B.items() if k != "eos_token_id"})}, FAIL),
     "eos.tokenizer-default": ({}, {"setup": "tokenizer-eos-end-of-text"}, FAIL),

@@ -125,10 +125,24 @@ GPUS: tuple[Gpu, ...] = (
     # bf16 2.25, fp8 4.5, int8 4.5, fp4 9 PFLOP/s dense; NVLink 5 1.8 TB/s. nvidia-smi shows 183359 MiB.
     Gpu("B200 180GB", 183359 / 1024, 100, bandwidth_gb_s=8000.0, peak_tflops=_peaks(2250.0, 4500.0, 4500.0, 9000.0),
         link=NVLINK5),
+    # "NVIDIA GB200 NVL72" datasheet, "GB200 Grace Blackwell Superchip" column (one Grace CPU and two GPUs, tensor
+    # figures with sparsity): FP4 40, FP8/FP6 20, INT8 20 POPS, FP16/BF16 10 PFLOPS, up to 372 GB HBM3e at 16 TB/s,
+    # NVLink 3.6 TB/s; per GPU and dense: bf16 2.5, fp8 5, int8 5, fp4 10 PFLOP/s, 8 TB/s, NVLink 5. Memory is the
+    # datasheet's 186 GB per GPU (no nvidia-smi total is in this repository's sources).
+    Gpu("GB200 186GB", 186e9 / GIB, 100, bandwidth_gb_s=8000.0,
+        peak_tflops=_peaks(2500.0, 5000.0, 5000.0, 10000.0), link=NVLINK5),
+    # "NVIDIA HGX B300" datasheet (Blackwell Ultra, SM 103), 8 GPUs: FP4 144 PFLOPS sparse / 105 dense, FP8/FP6 72,
+    # FP16/BF16 36 PFLOPS (sparse), NVLink 5 at 1.8 TB/s per GPU; per GPU dense: bf16 2.25, fp8 4.5, fp4 13.125
+    # PFLOP/s (13,125 as glennklockwood.com/garden/processors/B300 tabulates it) and 8 TB/s HBM3e. Blackwell Ultra
+    # cuts INT8 tensor throughput and the published per-GPU figures disagree, so none is given (integer formats are
+    # refused on SM 100-119 anyway). Memory is the 270 GB per GPU of the published B300 tables (verda.com's
+    # GB300 NVL72 article), not an nvidia-smi total.
+    Gpu("B300 270GB", 270e9 / GIB, 103, bandwidth_gb_s=8000.0, peak_tflops=_peaks(2250.0, 4500.0, None, 13125.0),
+        link=NVLINK5),
 )
 # Short spellings people write; "A100" alone means the 80GB card, "H100" the SXM card.
 ALIASES = {"H100": "H100 80GB", "H100 SXM": "H100 80GB", "H200": "H200 141GB", "A100": "A100 80GB",
-           "4090": "RTX 4090", "3090": "RTX 3090", "B200": "B200 180GB"}
+           "4090": "RTX 4090", "3090": "RTX 3090", "B200": "B200 180GB", "GB200": "GB200 186GB", "B300": "B300 270GB"}
 
 
 def _key(name: str) -> str:

@@ -183,7 +183,7 @@ class CalibrationSection(_Section):
 
 class QuantizationSection(_Section):
     method: Method = "none"
-    """Weight format: int8_wo/int4_wo (W8A16/W4A16, per channel), awq (W4A16_AWQ, calibrated int4 per group), smoothquant (W8A8_SQ_PER_CHANNEL), fp8 (per-tensor FP8, Ada/Hopper); none also imports AutoAWQ/GPTQ checkpoints as stored."""
+    """Weight format: int8_wo/int4_wo (W8A16/W4A16, per channel), awq (W4A16_AWQ, calibrated int4 per group), smoothquant (W8A8_SQ_PER_CHANNEL), fp8 (per-tensor FP8, Ada/Hopper), nvfp4 (NVFP4: FP4 weights and activations with an FP8 scale per 16 channels, Blackwell SM 100/103/120), fp8_block (FP8_BLOCK_SCALES: an FP8 scale per 128x128 weight tile, Hopper and SM 100/103, target llmapi only); none also imports AutoAWQ/GPTQ checkpoints as stored. nvfp4 and fp8_block are planned and checked; convert refuses them until their quantizers land."""
     group_size: int = 128
     """Input channels per int4 scale for awq: 64 or 128 (the sizes TensorRT-LLM implements)."""
     rounding: Literal["gptq", "nearest"] = "gptq"
@@ -195,7 +195,7 @@ class QuantizationSection(_Section):
     exclude_modules: list[str] = Field(default_factory=list)
     """fnmatch globs of TensorRT-LLM module names kept unquantized (e.g. "transformer.layers.0.*"); the embedding and lm_head always are, and a mixture of experts' router and shared expert gate."""
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
-    """Data for awq, smoothquant, fp8 and KV-cache scales."""
+    """Data for awq, smoothquant, fp8, nvfp4 and KV-cache scales."""
 
     @field_validator("group_size")
     @classmethod
@@ -207,7 +207,7 @@ class QuantizationSection(_Section):
 
 class GpuSection(_Section):
     name: str | None = None
-    """GPU model from the planner's table (H100 80GB, H100 PCIe, H200 141GB, A100 80GB, A100 40GB, L40S, L4, RTX 4090, RTX 3090, B200 180GB); gives memory, SM version, and the bandwidth, peak FLOP/s and interconnect the performance prediction reads."""
+    """GPU model from the planner's table (H100 80GB, H100 PCIe, H200 141GB, A100 80GB, A100 40GB, L40S, L4, RTX 4090, RTX 3090, B200 180GB, GB200 186GB, B300 270GB); gives memory, SM version, and the bandwidth, peak FLOP/s and interconnect the performance prediction reads."""
     memory_gib: float | None = Field(None, gt=0)
     """Memory of one GPU in GiB; overrides the table, or describes a GPU not in it (then also set `sm`)."""
     sm: int | None = Field(None, ge=60, le=199)

@@ -185,6 +185,8 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
                                use_parallel_embedding=use_parallel_embedding,
                                embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt, quantization=quantization,
                                gpu=gpu, moe_tp=moe_tp, moe_ep=moe_ep)
+        if plan.quant is not None:  # a pending quantizer is refused before calibrating (--dry-run still plans it)
+            plan.quant.format.check_implemented()
         calibrate(plan, hf_dir, tokenizer_dir=tokenizer_dir, calibration=calibration)
         write_plan(plan, ckpt, out)
     (out / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")

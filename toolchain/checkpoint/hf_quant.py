@@ -65,7 +65,7 @@ COMPANIONS = ("weight_scale", "input_scale", "pre_quant_scale", "k_scale", "v_sc
 KV_ONLY_FORMAT = "kv_fp8"  # the export's `format` when only the KV cache is quantized
 # formats.Format.hf_weight -> torch, and the dtype of a stored weight -> the quant_algo it belongs to.
 HF_WEIGHT = {"uint8": torch.uint8, "fp8": fp8_q.FP8_DTYPE}
-STORED_ALGO = {HF_WEIGHT[f.hf_weight]: f.quant_algo for f in formats.HF_EXPORTS.values() if f.hf_weight and f.quant_algo}
+STORED_ALGO = {HF_WEIGHT[f.hf_weight]: f.quant_algo for f in formats.HF_IMPORTS.values() if f.hf_weight and f.quant_algo}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 MAX_SHARD_BYTES = 10 * 10 ** 9  # the exporter's default max_shard_size "10GB"
@@ -164,6 +164,7 @@ def _quantize_group(quant: Quantization, ws: list[torch.Tensor], st, dtype) -> l
     """HF tensors (leaf -> tensor) per linear of one shared-input group; AWQ's shared prequant
     vector comes back as float32 under "_prequant" for the caller to fold or keep."""
     quantizer = quant.format.quantizer
+    quant.format.check_implemented()  # a pending quantizer (quant/formats.py PENDING_QUANTIZERS)
     if quantizer not in ("fp8", "awq"):  # hf_quant_problem refuses the others first
         raise ValueError(f"the Hugging Face export has no quantizer for quantization.method {quant.method}")
     if quantizer == "fp8":
@@ -191,6 +192,7 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
     problem = hf_quant_problem(quant)
     if problem is not None:
         raise ToolchainError(problem, HINT)
+    quant.format.check_implemented()  # before calibrating: _quantize_group would refuse it after
     hf_dir, out = Path(hf_dir), Path(out_dir)
     with HFCheckpoint(hf_dir) as ckpt:
         family, params = load_params(ckpt.config, str(ckpt.config_path))
@@ -365,7 +367,7 @@ def read_hf_quant_format(directory: Path | str) -> dict:
         kv = "FP8" if isinstance(scheme, dict) and scheme.get("type") == "float" else scheme
         ignore = q.get("ignore") or []
     algo = q.get("quant_algo")
-    importable = sorted(str(f.quant_algo) for f in formats.HF_EXPORTS.values())
+    importable = sorted(str(f.quant_algo) for f in formats.HF_IMPORTS.values())
     if (algo is not None and algo not in importable) or q.get("has_zero_point"):
         zero = " with zero points" if q.get("has_zero_point") else ""
         raise ToolchainError(f"{directory}: ModelOpt quant_algo {algo}{zero} cannot be imported",

@@ -76,7 +76,7 @@ MLP_IN = ("mlp.proj",)              # its in dim is
 ALWAYS_EXCLUDED = ["lm_head", "transformer.vocab_embedding"]
 F32, I8 = torch.float32, torch.int8
 # formats.Tensor dtypes -> torch ("model": the checkpoint's float dtype, given per Quantizer).
-TORCH_STORAGE = {"int8": I8, "fp8": fp8_q.FP8_DTYPE, "float32": F32, "float16": torch.float16}
+TORCH_STORAGE = {"int8": I8, "uint8": torch.uint8, "fp8": fp8_q.FP8_DTYPE, "float32": F32, "float16": torch.float16}
 KV_NAME = "transformer.layers.{layer}.attention.kv_cache_scaling_factor"
 
 
@@ -164,6 +164,8 @@ class Quantizer:
         if self.per_group:
             zero = self.quantization.imported is not None
             q.update(group_size=self.group_size, has_zero_point=zero, pre_quant_scale=not zero)
+        elif self.format.group_size is not None:  # a block the format fixes (NVFP4's 16; QuantConfig's default is 128)
+            q["group_size"] = self.format.group_size
         return q
 
     def global_layer(self, stage: int, local: int) -> int:
@@ -239,6 +241,7 @@ class Quantizer:
             return [self._imported(pre, p, load) for p in prefixes]
         if self.quantization.modelopt:
             return self._stored(prefixes, load)
+        self.format.check_implemented()  # a pending quantizer: refused, never written as another format
         if weights is None:
             raise ValueError(f"quantizing {module} of layer {layer} needs its fp weights")
         flat = [w for ws in weights for w in ws]

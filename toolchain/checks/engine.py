@@ -22,7 +22,8 @@ from toolchain.plan.model import read_json
 from toolchain.plan.plan import checkpoint_bytes_per_rank
 from toolchain.quant import exclude
 from toolchain.quant.formats import BLACKWELL, KV_CACHE
-from toolchain.quant.recipe import ModelShape, check_per_group, check_pytorch_per_group, per_group_multiple
+from toolchain.quant.recipe import (ModelShape, check_per_group, check_pytorch_per_group, device_refusal,
+                                    path_refusal, per_group_multiple)
 from toolchain.checks.registry import (ENGINE, ENGINE_PATH, FAIL, GPU_ONLY, PASS, SKIP, UNREGISTERED, WARN, Context,
                                        check)
 
@@ -464,6 +465,34 @@ def _blackwell(ctx: Context):
     if bad:
         return FAIL, f"SM {dev.sm} (Blackwell) cannot build {' and '.join(bad)}; use fp8 (or NVFP4) instead"
     return PASS, f"formats build on SM {dev.sm}"
+
+
+@check("quant.engine-path", ENGINE, "trtllm-build of the pinned release must build the weight format (the row's "
+       "path rule, quant/formats.py engine_why_not: FP8 block scales have no branch in quantize(), "
+       "tensorrt_llm/quantization/quantize.py)", paths=ENGINE_PATH)
+def _engine_path(ctx: Context):
+    refused = path_refusal(ctx.quant, ctx.row.path)
+    if refused:
+        return FAIL, refused
+    return PASS, f"quantization.method={ctx.quant.weight_method} builds on the engine path"
+
+
+@check("quant.device", ENGINE, "the device must run the formats: on a GPU the row's SM rule (quant/formats.py "
+       "Devices; TensorRT-LLM docs/source/features/quantization.md hardware matrix), on the CPU engine its kernel")
+def _device(ctx: Context):
+    q, dev = ctx.quant, ctx.device
+    if ctx.row.device == targets.CPU:
+        # The CPU engine refuses a pending kernel at load (engine/cpu/config.py); say so before anything is built.
+        if not q.format.cpu_kernel_ready:
+            return FAIL, (f"quantization.method={q.weight_method}: the CPU engine's {q.format.cpu_kernel} kernel is "
+                          "not implemented yet; use a GPU target or another quantization.method")
+        return PASS, "the CPU engine runs the formats"
+    if dev is None or dev.sm is None:
+        return SKIP, "no GPU named"
+    refused = device_refusal(q, dev.name, dev.sm)
+    if refused:
+        return FAIL, refused
+    return PASS, f"the formats run on SM {dev.sm}"
 
 
 @check("gpu.known", (), "a trtllm plan needs the GPU it runs on")

@@ -249,7 +249,9 @@ def suggestions(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
     gpu = device.kind == "gpu"  # the CPU engine's formats are its own business
     formats = [] if not gpu or quant.imported else \
         (["fp8"] if 89 <= sm < 100 else []) + ([] if sm >= 100 else ["int8_wo", "awq"])
-    order = ["none", "int8_wo", "fp8", "smoothquant", "int4_wo", "awq"]
+    # Bytes per weight, largest first: a method is suggested only after the spec's own. (nvfp4 and fp8_block are
+    # never suggested: convert does not compute them yet, quant/formats.py PENDING_QUANTIZERS.)
+    order = ["none", "int8_wo", "fp8", "fp8_block", "smoothquant", "int4_wo", "awq", "nvfp4"]
     for method in formats:
         if order.index(method) > order.index(quant.method) and \
                 _fits(spec, model, dataclasses.replace(quant, method=method),

@@ -17,7 +17,7 @@ from pathlib import Path
 from toolchain.errors import ToolchainError
 from toolchain.quant import formats
 from toolchain.quant.view import BUILTIN, Quantization
-from toolchain.targets import TARGETS, TRTLLM_BUILD
+from toolchain.targets import ENGINE, TARGETS, TRTLLM_BUILD
 
 METHODS = tuple(formats.METHODS)
 KV_KINDS = tuple(formats.KV_CACHE)
@@ -111,10 +111,34 @@ def check_pytorch_per_group(shape: ModelShape, group: int, tp: int, splits: Call
                          "use " + ", or ".join(fixes))
 
 
+def path_refusal(quant: Quantization, path: str) -> str | None:
+    """The row's path rule (Format.paths) on the engine path, in the one line plan's quant.engine-path check and
+    convert print; None where the path takes the format. The LLM-API path's own rule is the HF export's
+    (checkpoint/hf_quant.py hf_quant_problem, from the row's hf_name / hf_why_not)."""
+    row = quant.format
+    if path == ENGINE and path not in row.paths:
+        return f"quantization.method {quant.weight_method} {row.engine_why_not}"
+    return None
+
+
+def device_refusal(quant: Quantization, gpu_name: str | None, sm: int) -> str | None:
+    """The WORDED device rules (Devices.worded) of the weights' and the KV cache's rows, in the one line plan's
+    quant.device check and convert print; None where both run on SM `sm` or an older rule words the refusal."""
+    for what, row in (("quantization.method " + quant.weight_method, quant.format),
+                      ("quantization.kv_cache " + quant.kv_cache, quant.kv_format)):
+        line = row.devices.worded(what, gpu_name, sm)
+        if line is not None:
+            return line
+    return None
+
+
 def _check_gpu(quant: Quantization, gpu_name: str | None, sm: int | None) -> None:
     """The formats' SM rules (Format.refused_on), as convert's refusal."""
     if sm is None:
         return
+    worded = device_refusal(quant, gpu_name, sm)
+    if worded is not None:  # the line names its fix
+        raise ToolchainError(worded)
     name = gpu_name or f"SM{sm}"
     parts = (("an imported int4 checkpoint" if quant.imported else "quantization.method " + quant.method,
               quant.format), ("quantization.kv_cache " + quant.kv_cache, quant.kv_format))
@@ -209,6 +233,9 @@ def check_recipe(quant: Quantization, shape: ModelShape, *, tp: int, target: str
                 # weights is unverified: refuse.
                 raise ToolchainError(f"weight-only {quant.method} at tp {tp} needs {what} ({dim}) to be a multiple "
                                      f"of 64 x tp = {m}", "use another parallelism.tp or quantization.method")
+    path = path_refusal(quant, TARGETS[target].path)
+    if path is not None:  # the line names its fix
+        raise ToolchainError(path)
     _check_gpu(quant, gpu_name, gpu_sm)
     if quant.needs_calibration:
         if quant.calibration_samples < 1:

@@ -32,7 +32,7 @@ from toolchain.gpus import Gpu
 from toolchain.hostprofile import load_profile, resolve_threads, usable_cores
 from toolchain.quant.formats import KV_CACHE, METHODS
 from toolchain.spec import DeploymentSpec
-from toolchain.targets import CPU, target_of
+from toolchain.targets import CPU, ENGINE, target_of
 
 BATCH_GRID = (8, 16, 32, 64, 128, 256)
 NUM_TOKENS_GRID = (2048, 8192, 16384)
@@ -107,13 +107,20 @@ def layouts(gpu_count: int, on_cpu: bool) -> list[tuple[int, int, int]]:
 
 def weight_methods(spec: DeploymentSpec, device: Gpu | None, stored_quantized: bool) -> list[str]:
     """Weight formats the device can run: on a GPU those its SM builds (the formats table's rule), on the CPU
-    engine those with a CPU kernel. A checkpoint stored quantized keeps its format."""
+    engine those with a CPU kernel it runs. Only formats convert computes (`Format.quantizer_ready`), and on the
+    engine path those trtllm-build builds (`Format.engine_why_not`): tune never proposes what convert refuses. (The
+    LLM-API path's own refusal stays llmapi.quantization's, under which tune reports what it drops.) A checkpoint
+    stored quantized keeps its format."""
     if stored_quantized:
         return [spec.quantization.method]
-    if target_of(spec).device == CPU:
-        return [name for name, row in METHODS.items() if row.cpu_kernel is not None or name == "none"]
+    target = target_of(spec)
+    rows = {name: row for name, row in METHODS.items()
+            if row.quantizer_ready and (target.path != ENGINE or row.engine_why_not is None)}
+    if target.device == CPU:
+        return [name for name, row in rows.items() if (row.cpu_kernel is not None and row.cpu_kernel_ready)
+                or name == "none"]
     sm = device.sm if device is not None and device.sm is not None else None
-    return [name for name, row in METHODS.items() if sm is None or row.refused_on(sm) is None]
+    return [name for name, row in rows.items() if sm is None or row.refused_on(sm) is None]
 
 
 def kv_formats(spec: DeploymentSpec, device: Gpu | None) -> list[str]:

@@ -32,9 +32,10 @@ ARCHITECTURES = {*checkpoint_architectures(), MEDUSA}
 MOE_NORMALIZATIONS = (0, 1)  # ExpertScaleNormalizationMode NONE, RENORMALIZE (SPARSE_MIXER is not run here)
 ROPE_TYPES = {None, "none", "linear", "llama3"}
 UNQUANTIZED = {None, "NO_QUANT"}
-# quant_algo values the CPU engine runs as stored (a row with a CPU kernel, engine/cpu/qlinear.py),
-# and KV-cache formats.
-QUANT_ALGOS = {f.quant_algo for f in formats.ALL if f.cpu_kernel and f.quant_algo}
+# quant_algo values the CPU engine runs as stored (a row with a CPU kernel, engine/cpu/qlinear.py; a pending one is
+# refused on its own, PENDING_ALGOS), and KV-cache formats.
+QUANT_ALGOS = {f.quant_algo for f in formats.ALL if f.cpu_kernel and f.cpu_kernel_ready and f.quant_algo}
+PENDING_ALGOS = {f.quant_algo: f.cpu_kernel for f in formats.ALL if not f.cpu_kernel_ready}
 # quant_algo values whose experts the CPU engine runs (engine/cpu/moe.py): the archs/moe.py EXPERT_METHODS' rows.
 MOE_QUANT_ALGOS = {a for m in EXPERT_METHODS if (a := formats.METHODS[m].quant_algo) is not None}
 KV_ALGOS = tuple(k.quant_algo for k in formats.KV_CACHE.values() if k.quant_algo)
@@ -449,6 +450,9 @@ def _check_dims(d: ModelDims, decoder: Decoder, origin: str) -> None:
         problems.append(f"head_size {d.head_size} is odd (rotary needs pairs)")
     if problems:
         raise ToolchainError(f"{origin}: " + "; ".join(problems), _REBUILD)
+    if d.quant_algo in PENDING_ALGOS:
+        raise ToolchainError(f"{origin}: quant_algo {d.quant_algo}: the CPU engine's {PENDING_ALGOS[d.quant_algo]} "
+                             "kernel is not implemented yet", "serve it on a GPU target (trtllm or llmapi)")
     if d.quant_algo not in UNQUANTIZED | QUANT_ALGOS:
         raise ToolchainError(f"{origin}: quant_algo {d.quant_algo} is not supported by the CPU engine",
                              f"supported: {', '.join(sorted(QUANT_ALGOS))}")
