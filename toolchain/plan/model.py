@@ -108,4 +108,5 @@ def kv_dtype(spec, params: ArchParams, quant: Quantization) -> str:
 
 def kv_dtype_bytes(name: str) -> int:
     kv = formats.KV_CACHE.get(name)
-    return formats.STORAGE_BYTES[kv.storage] if kv is not None and kv.storage else DTYPE_BYTES[name]
+    # Whole bytes: every KV format stores one byte per element (no FP4 KV cache row yet).
+    return int(formats.STORAGE_BYTES[kv.storage]) if kv is not None and kv.storage else DTYPE_BYTES[name]

@@ -56,18 +56,20 @@ def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tenso
         raise ValueError(f"FP8 block scales quantize a 2-D (out, in) weight, got shape {tuple(w.shape)}")
     amax = block_amax(w, block)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (w.float() / _expand(scale, tuple(w.shape), block)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    out_f, in_f = w.shape
+    q = (w.float() / _expand(scale, (out_f, in_f), block)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
                          block: int = BLOCK) -> torch.Tensor:
     """(out, in) weight: e4m3 value * its tile's scale, in float32, then cast to `dtype`."""
-    expected = scale_grid_shape(*q.shape, block)
+    out_f, in_f = q.shape
+    expected = scale_grid_shape(out_f, in_f, block)
     if tuple(scale.shape) != expected:
         raise ValueError(f"scale grid {tuple(scale.shape)} does not fit a {tuple(q.shape)} weight in "
                          f"{block}x{block} tiles: expected {expected}")
-    return (q.float() * _expand(scale.float(), tuple(q.shape), block)).to(dtype)
+    return (q.float() * _expand(scale.float(), (out_f, in_f), block)).to(dtype)
 
 
 def quantize_fp8_per_1x128(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
