@@ -57,12 +57,14 @@ def test_nvfp4_row_holds_what_fp4linear_and_the_engine_export_hold():
     stored = {t.suffix: (t.dims(200, 48, 128), t.dtype) for t in row.stored}
     assert stored == {"weight": ((200, 24), "uint8"), "weights_scaling_factor": ((200, 3), "fp8"),
                       "weights_scaling_factor_2": ((1,), "float32"), "activation_scaling_factor": ((1,), "float32")}
-    # trtllm-build renames them and adds the interleaved copy padded to (128, 4) multiples and alpha (2.1).
+    # Loaded, the GEMM reads the interleaved copy padded to (128, 4) multiples and alpha (2.1, 4.1); the plain
+    # block scales serve only trtllm-build's plugin-less path.
     built = {t.suffix: t.dims(200, 48, 128) for t in row.built}
     assert built["weights_block_scaling_factor_interleaved"] == (256, 4) and built["alpha"] == (1,)
+    assert "weights_block_scaling_factor" not in built
     assert built["weight"] == (200, 48)  # trt.fp4, half a byte each
     assert formats.tensor_bytes(row.stored, 200, 48, 128, 2) == 200 * 48 / 2 + 200 * 3 + 4 + 4
-    assert formats.tensor_bytes(row.built, 200, 48, 128, 2) == 200 * 24 + 200 * 3 + 256 * 4 + 3 * 4
+    assert formats.tensor_bytes(row.built, 200, 48, 128, 2) == 200 * 24 + 256 * 4 + 3 * 4
 
 
 def test_fp8_block_row_counts_a_partial_tile_whole():
@@ -147,19 +149,23 @@ def _plan(spec):
 def test_plan_bytes_per_rank_are_exact(tmp_path, tp):
     nvfp4 = _plan(_spec(tmp_path, "trtllm", "B200", "nvfp4", tp)).ranks
     assert [r.checkpoint_bytes for r in nvfp4] == [NVFP4_STORED[tp] + FLOAT[tp]] * tp
-    # Built, trtllm-build adds per linear the interleaved scales (rows padded to 128, columns to 4) and alpha.
+    # Loaded, each linear's block scales are the interleaved copy (rows padded to 128, columns to 4), and alpha joins
+    # the two scalars.
+    plain = {1: 640 * 24 + 384 * 24 + 2 * 864 * 24 + 384 * 54, 2: 320 * 24 + 384 * 12 + 2 * 432 * 24 + 384 * 27}
     interleaved = {1: 640 * 24 + 384 * 24 + 2 * 896 * 24 + 384 * 56, 2: 384 * 24 + 384 * 12 + 2 * 512 * 24 + 384 * 28}
-    assert [r.weights_bytes for r in nvfp4] == [NVFP4_STORED[tp] + 2 * (interleaved[tp] + 5 * 4) + FLOAT[tp]] * tp
+    built = NVFP4_STORED[tp] + 2 * (interleaved[tp] - plain[tp] + 5 * 4)
+    assert [r.weights_bytes for r in nvfp4] == [built + FLOAT[tp]] * tp
     block = _plan(_spec(tmp_path, "llmapi", "H100", "fp8_block", tp)).ranks
     assert [(r.checkpoint_bytes, r.weights_bytes) for r in block] == [(FP8_BLOCK[tp] + FLOAT[tp],) * 2] * tp
 
 
-@pytest.mark.parametrize("method", ["nvfp4", "fp8_block"])
-def test_a_plan_that_does_not_fit_still_suggests(tmp_path, method):
-    # Llama-3-70B on one L4 (SM 89) in either format: the suggestions rank the spec's method among the others.
+@pytest.mark.parametrize("method, gpu", [("nvfp4", "GB200 186GB"), ("fp8_block", "H100 80GB")])
+def test_a_plan_that_does_not_fit_suggests_a_gpu_that_runs_its_format(tmp_path, method, gpu):
+    # Llama-3-70B on one L4 (SM 89), which runs neither format: more L4s are no answer (quant.device refuses the
+    # format there), so the one suggestion is the smallest GPU that both runs the format and holds the model.
     spec = _spec(tmp_path, "llmapi", "L4", method, checkpoint=CONFIGS / "llama-3-70b")
     plan = _plan(spec)
-    assert not plan.fits and plan.suggestions == ["parallelism.tp=4", "gpu.name='H100 80GB'"]
+    assert not plan.fits and plan.suggestions == [f"gpu.name='{gpu}'"]
 
 
 def test_convert_dry_run_plans_the_nvfp4_bytes_the_planner_does(tmp_path):

@@ -17,6 +17,7 @@ from toolchain.gpus import GIB, GPUS, Gpu
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, kv_dtype, kv_dtype_bytes, weight_dtype
 from toolchain.errors import ToolchainError
 from toolchain.plan.model import load_model
+from toolchain.quant import formats
 from toolchain.quant.view import Quantization, quantization_of
 from toolchain.speculative import CHECKPOINT, mode_of
 from toolchain.targets import LLMAPI, target_of
@@ -232,6 +233,12 @@ def _fits(spec, model, quant, device, draft) -> bool:
     return plan_memory(spec, model, quant, device, draft, suggest=False).fits
 
 
+# The weight formats from most to fewest bytes per weight, and the order plan suggests them in where several fit:
+# FP8 first (no calibration search, near-lossless), then int8 weight-only, AWQ int4, NVFP4.
+BYTES_ORDER = ["none", "int8_wo", "fp8", "fp8_block", "smoothquant", "int4_wo", "awq", "nvfp4"]
+PREFERENCE = ["fp8", "fp8_block", "int8_wo", "awq", "nvfp4"]
+
+
 def suggestions(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft: DraftModel | None) -> list[str]:
     """The smallest change along each axis that makes the plan fit, as `--set` overrides that the
     spec accepts as printed: tp within the declared parallelism.gpus (else one node's gpu.per_node),
@@ -240,22 +247,24 @@ def suggestions(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
     out: list[str] = []
     tp, pp = spec.parallelism.tp, spec.parallelism.pp
     limit = spec.parallelism.gpus or spec.gpu.per_node
+    sm = device.sm or 0
+    gpu = device.kind == "gpu"  # the CPU engine's formats are its own business
+    # A format this GPU cannot run (quant.device says so, with its fix) makes more of the same GPU no answer.
+    runs_here = not (gpu and device.sm is not None and quant.format.refused_on(device.sm))
     for t in (2, 4, 8, 16, 32, 64):
-        if t > tp and t * pp <= limit and not layout_problems(p, spec.parallelism.layout.with_tp(t)) \
+        if runs_here and t > tp and t * pp <= limit and not layout_problems(p, spec.parallelism.layout.with_tp(t)) \
                 and _fits(_with(spec, "parallelism", tp=t), model, quant, device, draft):
             out.append(f"parallelism.tp={t}")
             break
-    sm = device.sm or 0
-    gpu = device.kind == "gpu"  # the CPU engine's formats are its own business
-    formats = [] if not gpu or quant.imported else \
-        (["fp8"] if 89 <= sm < 100 else []) + ([] if sm >= 100 else ["int8_wo", "awq"])
-    # Bytes per weight, largest first: a method is suggested only after the spec's own. (nvfp4 and fp8_block are
-    # never suggested: convert does not compute them yet, quant/formats.py PENDING_QUANTIZERS.)
-    order = ["none", "int8_wo", "fp8", "fp8_block", "smoothquant", "int4_wo", "awq", "nvfp4"]
-    for method in formats:
-        if order.index(method) > order.index(quant.method) and \
-                _fits(spec, model, dataclasses.replace(quant, method=method),
-                      device, draft):
+    # Fewer bytes per weight than the spec's own method (BYTES_ORDER), tried in order of preference: a format this
+    # GPU runs on the spec's path and convert computes (a checkpoint stored quantized keeps its format).
+    path = target_of(spec).path
+    candidates = [] if not gpu or quant.imported else \
+        [m for m in PREFERENCE if (row := formats.METHODS[m]).quantizer_ready and row.refused_on(sm) is None
+         and path in row.paths]
+    for method in candidates:
+        if BYTES_ORDER.index(method) > BYTES_ORDER.index(quant.method) and \
+                _fits(spec, model, dataclasses.replace(quant, method=method), device, draft):
             out.append(f"quantization.method={method}")
             break
     if quant.kv_cache == "none" and gpu and not quant.imported:  # a stored checkpoint cannot be calibrated
@@ -274,7 +283,8 @@ def suggestions(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
     if best is not None:
         out.append(f"limits.max_seq_len={best}")
     named = spec.gpu.memory_gib is None and spec.gpu.sm is None
-    bigger = [g for g in GPUS if gpu and named and g.memory_gib > device.memory_gib and (g.sm or 0) >= sm]
+    bigger = [g for g in GPUS if gpu and named and g.memory_gib > device.memory_gib and (g.sm or 0) >= sm
+              and not quant.format.refused_on(g.sm or 0)]
     for g in sorted(bigger, key=lambda g: g.memory_gib):
         if _fits(_with(spec, "gpu", name=g.name, memory_gib=None, sm=None), model, quant, g, draft):
             out.append(f"gpu.name='{g.name}'")

@@ -328,8 +328,11 @@ NVFP4 = Format("nvfp4", "NVFP4", "nvfp4", ("amax",), devices=NVFP4_GPUS, group_s
                stored=(Tensor("weight", ("out", "in/2"), "uint8", "weight"), _NVFP4_SCALES,
                        Tensor("weights_scaling_factor_2", _SCALAR, "float32", "scalar"),
                        Tensor("activation_scaling_factor", _SCALAR, "float32", "scalar")),
+               # What the GEMM reads once loaded, on either path: the PyTorch backend keeps only the interleaved
+               # weight_scale (NVFP4LinearMethod.create_weights), and trtllm-build, which turns the nvfp4 GEMM
+               # plugin on for NVFP4, feeds that plugin only weights_block_scaling_factor_interleaved
+               # (FP4Linear.forward); the plain copy it also declares serves the plugin-less path only.
                built=(Tensor("weight", ("out", "in"), "fp4", "weight"),
-                      Tensor("weights_block_scaling_factor", ("out", "in/16"), "fp8", "out_groups"),
                       Tensor("weights_block_scaling_factor_interleaved", ("pad128(out)", "pad4(in/16)"), "fp8",
                              "out_groups"),
                       Tensor("weights_global_scaling_factor", _SCALAR, "float32", "scalar"),
