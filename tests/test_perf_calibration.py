@@ -155,3 +155,29 @@ def test_trtllm_bench_build_limits_by_hand():
     assert 557 < requests < 558
     # batch: 557.4 is in [256, 1024) -> 128 x ceil(557.4 / 128) = 640; tokens: 557.4 x 2 < 4096 -> the 2048 floor
     assert cal.bench_build_limits(point) == (640, 2048)
+
+
+# -- release/1.2's Blackwell NVFP4 points (data/published_blackwell_fp4.json), checked apart ---------------------
+
+@pytest.fixture(scope="module")
+def published_fp4():
+    return [(pt, pred, (pred - pt.output_tokens_per_s) / pt.output_tokens_per_s * 100)
+            for pt, pred in cal.published_check(cal.PUBLISHED_BLACKWELL_FP4)]
+
+
+def test_blackwell_fp4_points_cover_three_cards_and_four_mixes(published_fp4):
+    points = [pt for pt, _, _ in published_fp4]
+    assert {pt.gpu for pt in points} == {"B200 180GB", "GB200 186GB", "B300 270GB"}
+    assert {(pt.isl, pt.osl) for pt in points} == {(1024, 1024), (1024, 8192), (8192, 1024), (32768, 1024)}
+    assert {(pt.method, pt.tp) for pt in points} == {("nvfp4", 1)}
+    # Those cards' FP4 tensor-core peaks are what the prediction multiplies in (quant/formats.py math "fp4").
+    assert all(gpus.lookup(g).peak("fp4") for g in {pt.gpu for pt in points})
+
+
+def test_blackwell_fp4_prediction_error(published_fp4):
+    """Measured 2026-12-06: median |error| 9.6%, 10 of 12 points within +-20%; the prefill-heavy 8192/1024 mix is
+    over-predicted most (+24% on B200, +28% on B300). A regression past these bounds fails."""
+    errors = [e for _, _, e in published_fp4]
+    assert statistics.median(abs(e) for e in errors) <= 12
+    assert sum(abs(e) <= 20 for e in errors) >= 10
+    assert max(abs(e) for e in errors) <= 35

@@ -100,15 +100,15 @@ def model_info(name: str) -> ModelInfo:
 
 
 def spec_for(model: str, gpu: str, method: str, tp: int, isl: int, osl: int, *, max_batch_size: int,
-             max_num_tokens: int, kv_fraction: float, dtype: str = "bfloat16") -> DeploymentSpec:
-    """A trtllm spec of one benchmarked configuration (one stage of `tp` ranks; an fp8 KV cache with fp8
-    weights, which trtllm-bench and AIConfigurator's fp8 runs use), so the prediction runs the same planner,
-    memory plan and performance model as `toolchain plan`."""
+             max_num_tokens: int, kv_fraction: float, dtype: str = "bfloat16", target: str = "trtllm") -> DeploymentSpec:
+    """A spec of one benchmarked configuration (one stage of `tp` ranks; an fp8 KV cache with fp8 or nvfp4
+    weights, which trtllm-bench, AIConfigurator's fp8 runs and NVIDIA's FP4 checkpoints use), so the prediction
+    runs the same planner, memory plan and performance model as `toolchain plan`."""
     data = {
         "name": f"{model}-{method}-tp{tp}",
-        "target": "trtllm",
+        "target": target,
         "model": {"checkpoint": str(MODELS / model), "dtype": dtype},
-        "quantization": {"method": method, "kv_cache": "fp8" if method == "fp8" else "none"},
+        "quantization": {"method": method, "kv_cache": "fp8" if method in ("fp8", "nvfp4") else "none"},
         "parallelism": {"tp": tp, "pp": 1, "gpus": tp},
         "gpu": {"name": gpu, "per_node": 8},
         "limits": {"max_batch_size": max_batch_size, "max_input_len": isl, "max_seq_len": isl + osl,
@@ -202,6 +202,8 @@ def holdout_mape() -> dict[str, float]:
 # ------------------------------------------------------------------------- the published check (never fitted)
 
 PUBLISHED = DATA / "published_throughput.json"
+PUBLISHED_BLACKWELL_FP4 = DATA / "published_blackwell_fp4.json"
+"""release/1.2's Blackwell NVFP4 points, PyTorch backend: checked and reported apart from the 0.17 engine table."""
 BENCH_KV_FRACTION = 0.95
 """perf-overview.md (0.17): "In majority of cases, we also use a higher KV cache percentage by setting
 --kv_cache_free_gpu_mem_fraction 0.95"."""
@@ -221,8 +223,8 @@ class Published:
 
 
 @cache
-def published_points() -> tuple[Published, ...]:
-    doc = json.loads(PUBLISHED.read_text())
+def published_points(path: Path = PUBLISHED) -> tuple[Published, ...]:
+    doc = json.loads(path.read_text())
     return tuple(Published(**dict(zip(doc["columns"], row, strict=True))) for row in doc["rows"])
 
 
@@ -241,8 +243,8 @@ def bench_build_limits(point: Published) -> tuple[int, int]:
     capped at 4096; max_num_tokens that many x (1 + isl / osl), capped at 32768; then each rounded up to its
     step, with floors of 64 sequences and 2048 tokens."""
     p = model_info(point.model).params
-    weight_bytes = 1 if point.method == "fp8" else 2
-    kv_bytes = 1 if point.method == "fp8" else 2
+    weight_bytes = {"fp8": 1, "nvfp4": 0.5 + 1 / 16}.get(point.method, 2)  # NVFP4: e2m1 plus an e4m3 per 16
+    kv_bytes = 1 if point.method in ("fp8", "nvfp4") else 2
     gib = 1024 ** 3
     per_token = 2 * p.num_hidden_layers * max(point.tp, p.num_key_value_heads) * p.head_size * kv_bytes / gib
     engine = param_count(p) / 1000 ** 3 * weight_bytes
@@ -268,15 +270,18 @@ def bench_build_limits(point: Published) -> tuple[int, int]:
 def predict_published(point: Published) -> perf.Performance:
     """What `toolchain plan` predicts for a published configuration, built as trtllm-bench built it."""
     batch, tokens = bench_build_limits(point)
+    # The FP4 table was measured on the PyTorch backend (release/1.2's trtllm-bench default): the LLM-API path.
     spec = spec_for(point.model, point.gpu, point.method, point.tp, point.isl, point.osl, max_batch_size=batch,
                     max_num_tokens=tokens, kv_fraction=BENCH_KV_FRACTION,
-                    dtype="float16" if point.method == "none" else "bfloat16")
+                    dtype="float16" if point.method == "none" else "bfloat16",
+                    target="llmapi" if point.method == "nvfp4" else "trtllm")
     info = model_info(point.model)
     quant = quantization_of(spec.quantization, info.hf_config)
     device = gpus.lookup(point.gpu)
     return perf.predict(spec, info, quant, device, plan_memory(spec, info, quant, device, suggest=False))
 
 
-def published_check() -> list[tuple[Published, float]]:
-    """Each published point with the model's predicted maximum output tokens/s."""
-    return [(pt, predict_published(pt).max_output_tokens_per_s) for pt in published_points()]
+def published_check(path: Path = PUBLISHED) -> list[tuple[Published, float]]:
+    """Each published point with the model's predicted maximum output tokens/s (PUBLISHED_BLACKWELL_FP4: the
+    Blackwell FP4 points)."""
+    return [(pt, predict_published(pt).max_output_tokens_per_s) for pt in published_points(path)]
