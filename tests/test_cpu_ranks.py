@@ -272,7 +272,8 @@ def test_shipped_ranks_spec_deploys_through_two_ranks(tmp_path, capsys):
     # Latency SLOs depend on the host's load (deploy fails on a missed one): loosened here.
     for item in ("serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
                  "validation.workload.num_requests=6", "validation.workload.warmup_requests=1",
-                 "validation.slo.ttft_p99_ms=60000", "validation.slo.tpot_p99_ms=60000"):
+                 "validation.slo.ttft_p99_ms=60000", "validation.slo.tpot_p99_ms=60000",
+                 "validation.workload.request_timeout_s=120"):  # not the hours those SLOs would derive
         argv += ["--set", item]
     assert main(argv) == 0, capsys.readouterr().err
     report = json.loads((root / "reports" / "tiny-llama-ranks" / "report.json").read_text())

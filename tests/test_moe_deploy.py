@@ -29,7 +29,10 @@ NEW_TOKENS = 12
 QUICK = ["serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
          "validation.workload.num_requests=6", "validation.workload.warmup_requests=1",
          "validation.workload.output_tokens=16", "validation.slo.ttft_p99_ms=60000",
-         "validation.slo.tpot_p99_ms=60000"]
+         "validation.slo.tpot_p99_ms=60000",
+         # The lax SLOs above would derive a 17-minute request deadline: a server that dies mid-request (a port
+         # taken between its pick and its bind) must fail the test in two minutes, not hang the suite.
+         "validation.workload.request_timeout_s=120"]
 
 
 @pytest.fixture(scope="module")
