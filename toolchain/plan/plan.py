@@ -250,7 +250,7 @@ def suggestions(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
     formats = [] if not gpu or quant.imported else \
         (["fp8"] if 89 <= sm < 100 else []) + ([] if sm >= 100 else ["int8_wo", "awq"])
     # Bytes per weight, largest first: a method is suggested only after the spec's own. (nvfp4 and fp8_block are
-    # never suggested: convert does not compute them yet, quant/formats.py PENDING_QUANTIZERS.)
+    # not suggested yet: fp8_block's quantizer and nvfp4's HF export are pending, quant/formats.py PENDING_*.)
     order = ["none", "int8_wo", "fp8", "fp8_block", "smoothquant", "int4_wo", "awq", "nvfp4"]
     for method in formats:
         if order.index(method) > order.index(quant.method) and \
