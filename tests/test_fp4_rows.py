@@ -1,8 +1,8 @@
 """The NVFP4 and FP8 block-scale rows (issue 35, quant/formats.py) and what reads only the rows: their tensors and
 bytes as TensorRT-LLM declares them, the plan's per-rank bytes (computed here by hand for a tiny model), the spec,
 the refusals by device and by path in plan and convert alike (one line each, naming the fix), the pending
-quantizer and CPU kernel refused rather than written as another format, the performance model's FP4 peak, and
-tune proposing neither until convert computes it."""
+quantizer (fp8_block's) and HF export (nvfp4's) refused rather than written as another format, the CPU engine taking
+both, the performance model's FP4 peak, and tune proposing each only where convert computes it."""
 
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ FP8_BLOCK_ON_ENGINE = ("quantization.method fp8_block has no engine path in Tens
                        "has no FP8_BLOCK_SCALES branch and would build the linears unquantized); use target llmapi")
 NOT_IMPLEMENTED = "quantization.method {} ({}) is not implemented yet: no quantizer computes its tensors " \
                   "(use quantization.method fp8 until it lands)"
+NO_HF_EXPORT = ("quantization.method nvfp4 (NVFP4) has no Hugging Face-format export yet (use the engine path (target "
+                "trtllm or cpu), or quantization.method fp8 on the LLM-API path)")
 # A tiny Llama whose widths leave partial 128x128 tiles at tp 1 and tp 2 and are whole groups of 16 per rank.
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 384, "intermediate_size": 864,
         "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64,
@@ -199,9 +201,7 @@ def _checks(spec, tmp_path):
      (FAIL, "quantization.method fp8_block runs its block-scaled FP8 GEMMs on Hopper (SM 90) and Blackwell SM 100/103 "
             "only, not on Ada (SM 89) or SM 120; the L40S is SM 89: use quantization.method fp8 (per-tensor scales, "
             "SM 89 and newer) or awq")),
-    ("cpu", None, "nvfp4", "quant.device",
-     (FAIL, "quantization.method=nvfp4: the CPU engine's nvfp4 kernel is not implemented yet; use a GPU target or "
-            "another quantization.method")),
+    ("cpu", None, "nvfp4", "quant.device", (PASS, "the CPU engine runs the formats")),
     ("cpu", None, "fp8_block", "quant.engine-path", (FAIL, FP8_BLOCK_ON_ENGINE)),
 ])
 def test_plan_refuses_by_device_and_path_in_one_line(tmp_path, target, gpu, method, check, expected):
@@ -240,46 +240,40 @@ def test_a_mixture_of_experts_keeps_its_refusal(tmp_path):
         assert refusal.why == f"quantization {method} on Qwen3MoeForCausalLM is not supported yet"
 
 
-# -- the pending quantizer and CPU kernel ----------------------------------------------------------------------------
+# -- the pending quantizer and HF export -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method, algo", [("nvfp4", "NVFP4"), ("fp8_block", "FP8_BLOCK_SCALES")])
-def test_convert_and_the_hf_export_refuse_a_pending_quantizer(tmp_path, method, algo):
+def test_convert_and_the_hf_export_refuse_a_pending_quantizer(tmp_path):
     # The LLM-API path would load the export (hf_quant_problem passes it), but nothing computes it yet.
-    assert hf_quant_problem(QuantizationSection(method=method)) is None
+    assert hf_quant_problem(QuantizationSection(method="fp8_block")) is None
     with pytest.raises(ToolchainError) as err:
-        export_hf_quantized(tmp_path / "absent", tmp_path, QuantizationSection(method=method))
-    assert str(err.value) == NOT_IMPLEMENTED.format(method, algo)
+        export_hf_quantized(tmp_path / "absent", tmp_path, QuantizationSection(method="fp8_block"))
+    assert str(err.value) == NOT_IMPLEMENTED.format("fp8_block", "FP8_BLOCK_SCALES")
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
-    if method == "fp8_block":  # the engine converter never gets as far: the path rule refuses it first
-        with pytest.raises(ToolchainError) as err:
-            plan_any(tmp_path / "tiny", tp=1, pp=1, target="trtllm", quantization=Quantization(method=method))
-        assert str(err.value) == FP8_BLOCK_ON_ENGINE
-        return
-    dry = plan_any(tmp_path / "tiny", tp=1, pp=1, dtype="float16", target="trtllm", quantization=Quantization(method=method))
-    # The writer's dispatcher (checkpoint/quantize.py COMPUTED) refuses before it reads a weight or a statistic.
+    # The engine converter never gets as far: the path rule refuses it first.
     with pytest.raises(ToolchainError) as err:
-        dry.quant.components("dense", 0, [[torch.zeros(384, 384)]], [["x"]], None)
-    assert str(err.value) == NOT_IMPLEMENTED.format(method, algo)
-    # And convert itself, on a real checkpoint, before it calibrates or writes anything.
-    out = tmp_path / "out"
-    out.mkdir()
-    with pytest.raises(ToolchainError) as err:
-        convert_checkpoint(REPO / "models" / "tiny-llama", out, tp=1, pp=1, target="trtllm",
-                           quantization=Quantization(method=method), gpu=("B200 180GB", 100))
-    assert str(err.value) == NOT_IMPLEMENTED.format(method, algo) and not any(out.iterdir())
+        plan_any(tmp_path / "tiny", tp=1, pp=1, target="trtllm", quantization=Quantization(method="fp8_block"))
+    assert str(err.value) == FP8_BLOCK_ON_ENGINE
 
 
-@pytest.mark.parametrize("algo, kernel", [("NVFP4", "nvfp4"), ("FP8_BLOCK_SCALES", "fp8_block")])
-def test_the_cpu_engine_refuses_a_pending_kernel_at_load(algo, kernel):
+def test_nvfp4_is_refused_by_the_hf_export_only(tmp_path):
+    # Convert computes nvfp4's engine checkpoint (tests/test_nvfp4_engine.py); its Hugging Face export, on the
+    # LLM-API path, refuses before reading anything rather than writing another format.
+    assert hf_quant_problem(QuantizationSection(method="nvfp4")) is None
+    with pytest.raises(ToolchainError) as err:
+        export_hf_quantized(tmp_path / "absent", tmp_path, QuantizationSection(method="nvfp4"))
+    assert str(err.value) == NO_HF_EXPORT
+    formats.NVFP4.check_implemented("engine")
+    assert formats.NVFP4.ready_on("engine") and not formats.NVFP4.ready_on("llmapi")
+
+
+@pytest.mark.parametrize("algo", ["NVFP4", "FP8_BLOCK_SCALES"])
+def test_the_cpu_engine_takes_both_formats_at_load(algo):
     cfg = {"architecture": "LlamaForCausalLM", "dtype": "float16", "vocab_size": 1000, "hidden_size": 384,
            "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "head_size": 64,
            "max_position_embeddings": 2048, "intermediate_size": 864, "hidden_act": "silu",
            "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None}}
-    with pytest.raises(ToolchainError) as err:
-        parse_dims(cfg, "config.json")
-    assert str(err.value) == (f"config.json: quant_algo {algo}: the CPU engine's {kernel} kernel is not implemented "
-                              "yet (serve it on a GPU target (trtllm or llmapi))")
+    assert parse_dims(cfg, "config.json").format is formats.BY_ALGO[algo]
 
 
 # -- performance model -----------------------------------------------------------------------------------------------
@@ -314,17 +308,23 @@ def _tune_spec(target: str, gpu: str):
     return load_spec(REPO / "build" / build, [f"gpu.name={gpu}"])
 
 
-def test_tune_proposes_neither_while_convert_refuses_them():
+def test_tune_proposes_each_only_where_convert_computes_it():
+    # nvfp4 on the engine path only (its HF export is pending), fp8_block nowhere (its quantizer is).
+    found = {}
     for target, gpu in (("trtllm", "B200"), ("llmapi", "B200"), ("llmapi", "H100")):
         spec = _tune_spec(target, gpu)
         methods = weight_methods(spec, gpus.resolve(spec), False)
-        assert "nvfp4" not in methods and "fp8_block" not in methods and "fp8" in methods
+        assert "fp8" in methods
+        found[target, gpu] = ("nvfp4" in methods, "fp8_block" in methods)
+    assert found == {("trtllm", "B200"): (True, False), ("llmapi", "B200"): (False, False),
+                     ("llmapi", "H100"): (False, False)}
 
 
 def test_tune_proposes_them_where_they_run_once_computed(monkeypatch):
     # The gate is the row's quantizer: once its module lands (its name leaves PENDING_QUANTIZERS), the device
     # rule and the path rule decide.
     monkeypatch.setattr(formats, "PENDING_QUANTIZERS", frozenset())
+    monkeypatch.setattr(formats, "PENDING_HF_EXPORTS", frozenset())
     found = {}
     for target, gpu in (("trtllm", "B200"), ("trtllm", "H100"), ("llmapi", "B200"), ("llmapi", "H100"),
                         ("llmapi", "L40S")):

@@ -260,7 +260,7 @@ def suggestions(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
     # GPU runs on the spec's path and convert computes (a checkpoint stored quantized keeps its format).
     path = target_of(spec).path
     candidates = [] if not gpu or quant.imported else \
-        [m for m in PREFERENCE if (row := formats.METHODS[m]).quantizer_ready and row.refused_on(sm) is None
+        [m for m in PREFERENCE if (row := formats.METHODS[m]).ready_on(path) and row.refused_on(sm) is None
          and path in row.paths]
     for method in candidates:
         if BYTES_ORDER.index(method) > BYTES_ORDER.index(quant.method) and \

@@ -102,8 +102,12 @@ FP8_BLOCK_GPUS = Devices(_only(90, 100, 103), WORDED,
 # checkpoint/hf_quant.py) and the CPU engine (engine/cpu/config.py) refuse them as not implemented yet and tune
 # proposes none of them. Wiring one removes its name here; tests/test_quant_formats.py holds each list to the
 # dispatchers, so a name stays here exactly as long as nothing computes or runs it.
-PENDING_QUANTIZERS = frozenset({"nvfp4", "fp8_block"})
-PENDING_CPU_KERNELS = frozenset({"nvfp4", "fp8_block"})
+PENDING_QUANTIZERS = frozenset({"fp8_block"})
+PENDING_CPU_KERNELS: frozenset[str] = frozenset()
+# Rows whose engine checkpoint convert computes but whose Hugging Face export and import (checkpoint/hf_quant.py
+# _quantize_group, stored_linear) are still to come: the HF export refuses them as not implemented yet (Format.
+# check_implemented on the LLM-API path), HF_IMPORTS leaves them out and tune proposes them on the engine path only.
+PENDING_HF_EXPORTS = frozenset({"nvfp4"})
 
 
 @dataclass(frozen=True)
@@ -187,8 +191,8 @@ class Format(_OnDevices):
     Quantizer.components, checkpoint/hf_quant.py _quantize_group), each raising on a key it lacks: "awq"
     (quant/awq.py), "smoothquant" (quant/smoothquant.py), "fp8" (quant/fp8.py); "imported" (quant/prequantized.py
     unpacks a stored checkpoint); "trtllm-build" (the fp weights are written as they are and trtllm-build
-    quantizes them, the CPU engine at load); "none" (nothing is quantized); "nvfp4" (quant/fp4.py) and "fp8_block"
-    (quant/fp8_block.py) while in PENDING_QUANTIZERS are refused as not implemented yet."""
+    quantizes them, the CPU engine at load); "none" (nothing is quantized); "nvfp4" (quant/fp4.py); "fp8_block"
+    (quant/fp8_block.py), while in PENDING_QUANTIZERS, is refused as not implemented yet."""
     stats: tuple[str, ...]
     """The calibration statistics its quantizer reads (quant/calibration.py LayerStats.inputs): "amax" (per input
     channel max |x|), "absmean" (mean |x|) and "cov" (the input covariance, AWQ's clip search); empty: no
@@ -243,17 +247,26 @@ class Format(_OnDevices):
         these, so it never proposes what convert refuses."""
         return self.quantizer not in PENDING_QUANTIZERS
 
+    def ready_on(self, path: str) -> bool:
+        """Convert computes it on `path`: its quantizer is ready, and on the LLM-API path its HF export too (not
+        PENDING_HF_EXPORTS')."""
+        return self.quantizer_ready and (path != LLMAPI or self.name not in PENDING_HF_EXPORTS)
+
     @property
     def cpu_kernel_ready(self) -> bool:
         """The CPU engine runs it (a plain fp linear, or a kernel not in PENDING_CPU_KERNELS)."""
         return self.cpu_kernel not in PENDING_CPU_KERNELS
 
-    def check_implemented(self) -> None:
-        """Refuse, in one line, a row whose quantizer is pending (convert and the HF export, before computing
-        anything): never write it as another format."""
+    def check_implemented(self, path: str = LLMAPI) -> None:
+        """Refuse, in one line, a row whose quantizer is pending on `path` (`ready_on`): before computing anything,
+        never writing it as another format. The engine converter passes ENGINE; the HF export calls it as it is."""
         if not self.quantizer_ready:
             raise ToolchainError(f"quantization.method {self.name} ({self.quant_algo}) is not implemented yet: no "
                                  "quantizer computes its tensors", "use quantization.method fp8 until it lands")
+        if not self.ready_on(path):
+            raise ToolchainError(f"quantization.method {self.name} ({self.quant_algo}) has no Hugging Face-format "
+                                 "export yet", "use the engine path (target trtllm or cpu), or quantization.method "
+                                 "fp8 on the LLM-API path")
 
 
 def tensor_bytes(tensors: tuple[Tensor, ...], out: int, inp: int, group: int, model_bytes: int) -> float:
@@ -361,7 +374,7 @@ BY_ALGO: dict[str | None, Format] = {f.quant_algo: f for f in METHODS.values()}
 """config.json quant_algo -> the method that writes it (an import reads as awq's row plus zero points)."""
 HF_EXPORTS: dict[str, Format] = {f.name: f for f in METHODS.values() if f.hf_name}
 """Methods with a ModelOpt Hugging Face export (the LLM-API path's pre-quantized checkpoint)."""
-HF_IMPORTS: dict[str, Format] = {name: f for name, f in HF_EXPORTS.items() if f.quantizer_ready}
+HF_IMPORTS: dict[str, Format] = {name: f for name, f in HF_EXPORTS.items() if f.ready_on(LLMAPI)}
 """Those whose export convert also imports as stored (checkpoint/hf_quant.py read_hf_quant_format, stored_linear):
 the ones this checkout computes, whose reader lands with their quantizer."""
 
