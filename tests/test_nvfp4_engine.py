@@ -140,7 +140,7 @@ def test_each_rank_holds_fp4linears_parameters(converted, model, tp):
                 built = {t.suffix: t.dims(out_f, in_f, 16) for t in row.built}
                 assert built["weights_block_scaling_factor_interleaved"] == (-(-scale_out // 128) * 128,
                                                                             -(-scale_in // 4) * 4)
-                assert built["weights_block_scaling_factor"] == (scale_out, scale_in)
+                assert "weights_block_scaling_factor" not in built  # the plugin-less path's copy: not held
         assert rank["transformer.vocab_embedding.weight"].dtype == torch.float16  # excluded: kept fp
 
 
@@ -246,6 +246,32 @@ def test_a_split_that_cuts_a_block_of_16_is_refused_in_plan_and_convert(tmp_path
     ctx = build_context(load_spec(spec), "plan", Workspace(tmp_path / "ws"))
     results = {r.id: (r.status, r.message) for r in run_checks(ctx)}
     assert results["quant.group-padding"] == (FAIL, CUT)
+
+
+@pytest.mark.parametrize("given, status", [("auto", "--gemm_plugin nvfp4"), ("nvfp4", "--gemm_plugin nvfp4"),
+                                           ("float16", FAIL)])
+def test_nvfp4_engines_build_under_the_nvfp4_gemm_plugin(tmp_path, given, status):
+    """FP4Linear runs its FP4 GEMM only under --gemm_plugin nvfp4 (else it dequantizes to a dense matmul), and
+    ModelOpt's build script passes it for every NVFP4 checkpoint: auto resolves to it, another plugin is refused."""
+    from toolchain.engine.trtllm import build_flags, parse_args
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(SPLIT))
+    spec = tmp_path / "s.yaml"
+    spec.write_text(json.dumps({"name": "fp4", "target": "trtllm", "model": {"checkpoint": str(tmp_path / "m")},
+                                "gpu": {"name": "B200"}, "quantization": {"method": "nvfp4"},
+                                "build": {"gemm_plugin": given}}))
+    loaded = load_spec(spec)
+    results = {r.id: (r.status, r.message) for r in run_checks(build_context(loaded, "plan", Workspace(tmp_path)))}
+    if status == FAIL:
+        assert results["quant.gemm-plugin"][0] == FAIL
+        assert "build.gemm_plugin float16 with quantization.method=nvfp4" in results["quant.gemm-plugin"][1]
+        return
+    assert results["quant.gemm-plugin"][1] == status
+    flags = dict(build_flags(loaded))
+    assert flags["--gemm_plugin"] == "nvfp4"
+    assert dict(build_flags(loaded, draft=True))["--gemm_plugin"] == given  # the draft engine is unquantized
+    assert parse_args([str(x) for pair in build_flags(loaded) for x in pair])["--gemm_plugin"] == "nvfp4"
 
 
 # -- the CPU kernels -------------------------------------------------------------------------------------------------

@@ -175,6 +175,8 @@ TRIGGERS = {
                                     {"quant": Quantization(method="awq")}, FAIL),
     # FP8 block scales are the PyTorch backend's alone (quant/formats.py FP8_BLOCK.engine_why_not)
     "quant.engine-path": ({}, {"quant": Quantization(method="fp8_block")}, FAIL),
+    # the nvfp4 GEMM plugin runs only NVFP4 weights (quant/formats.py NVFP4.gemm_plugin)
+    "quant.gemm-plugin": ({"build": {"gemm_plugin": "nvfp4"}}, {}, FAIL),
     # Hopper has no FP4 tensor cores (quant/formats.py NVFP4_GPUS)
     "quant.device": ({}, {"quant": Quantization(method="nvfp4")}, FAIL),
     "gpu.known": ({"gpu": {"name": None}}, {}, FAIL),

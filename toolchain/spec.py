@@ -233,8 +233,8 @@ class BuildSection(_Section):
     host_memory_gib: float | None = Field(None, gt=0)
     """RAM of the build host in GiB, for the --workers bound and the build.host-ram check; unset: --workers 1
     (trtllm-build's default) and the check only warns, whatever machine plans."""
-    gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "disable"] = "auto"
-    """--gemm_plugin: `auto` (model dtype) suits fp16/bf16 models and the unquantized GEMMs (lm_head) of quantized ones."""
+    gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "nvfp4", "disable"] = "auto"
+    """--gemm_plugin: `auto` (model dtype) suits fp16/bf16 models and the unquantized GEMMs (lm_head) of quantized ones; for quantization.method nvfp4 it resolves to `nvfp4`, the plugin FP4Linear's FP4 GEMM needs."""
     context_fmha: bool = True
     """--context_fmha: fused attention in the context phase; off also turns paged and FP8 context FMHA off."""
     use_paged_context_fmha: bool = True

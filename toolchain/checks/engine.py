@@ -482,6 +482,21 @@ def _engine_path(ctx: Context):
     return PASS, f"quantization.method={ctx.quant.weight_method} builds on the engine path"
 
 
+@check("quant.gemm-plugin", ENGINE, "a format whose GEMMs need a plugin gets it (the row's gemm_plugin: FP4Linear "
+       "runs its FP4 GEMM only under --gemm_plugin nvfp4, tensorrt_llm/quantization/layers.py)", paths=ENGINE_PATH,
+       devices=GPU_ONLY)
+def _gemm_plugin(ctx: Context):
+    needed, given = ctx.quant.format.gemm_plugin, ctx.spec.build.gemm_plugin
+    if needed and given not in ("auto", needed):
+        return FAIL, (f"build.gemm_plugin {given} with quantization.method={ctx.quant.weight_method}: its linears "
+                      f"run their quantized GEMM only under --gemm_plugin {needed}, and otherwise dequantize to a "
+                      f"dense matmul; set build.gemm_plugin auto (or {needed})")
+    if given == "nvfp4" and needed != "nvfp4":
+        return FAIL, (f"build.gemm_plugin nvfp4 needs NVFP4 weights, not quantization.method="
+                      f"{ctx.quant.weight_method}; set build.gemm_plugin auto")
+    return PASS, f"--gemm_plugin {needed if needed and given == 'auto' else given}"
+
+
 @check("quant.device", ENGINE, "the device must run the formats: on a GPU the row's SM rule (quant/formats.py "
        "Devices; TensorRT-LLM docs/source/features/quantization.md hardware matrix), on the CPU engine its kernel")
 def _device(ctx: Context):

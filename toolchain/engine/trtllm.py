@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolchain.errors import ToolchainError
+from toolchain.quant import formats
 from toolchain.speculative import DRAFT_ENGINE, mode_of
 from toolchain.versions import TRITON_IMAGE, TRTLLM_LINE, TRTLLM_VERSION, in_line
 from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
@@ -192,11 +193,14 @@ def _en(on: bool) -> str:
 def build_flags(spec, *, draft: bool = False) -> list[tuple[str, object]]:
     """(flag, value) pairs for the spec's target (or its draft model) engine."""
     lim, b, sp = spec.limits, spec.build, spec.speculative
+    # auto becomes the plugin the weight format's GEMMs need (its row's gemm_plugin); the draft is unquantized.
+    needed = None if draft else formats.METHODS[spec.quantization.method].gemm_plugin
+    gemm = needed if needed and b.gemm_plugin == "auto" else b.gemm_plugin
     # Written even where they equal the 1.2 defaults: inflight batching needs them
     # (TensorRT-LLM docs/source/legacy/advanced/gpt-attention.md), and the paged-FMHA
     # and tokens_per_block defaults changed between versions (tensorrt_llm/plugin/plugin.py).
     flags: list[tuple[str, object]] = [
-        ("--gemm_plugin", b.gemm_plugin), ("--gpt_attention_plugin", "auto"), ("--remove_input_padding", "enable"),
+        ("--gemm_plugin", gemm), ("--gpt_attention_plugin", "auto"), ("--remove_input_padding", "enable"),
         ("--kv_cache_type", "paged"), ("--tokens_per_block", b.tokens_per_block),
     ]
     if not b.context_fmha:

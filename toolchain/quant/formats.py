@@ -229,6 +229,12 @@ class Format(_OnDevices):
     activations' type; int8 for SmoothQuant's W8A8; fp8 for FP8 and FP8 block scales (e4m3 activations scaled
     per 1x128 at run time); fp4 for NVFP4 (e2m1 activations and weights)."""
 
+    gemm_plugin: str | None = None
+    """The trtllm-build --gemm_plugin its quantized linears need, which build.gemm_plugin auto resolves to; None:
+    the spec's own. NVFP4's FP4Linear runs its FP4 GEMM only under the nvfp4 plugin and otherwise dequantizes to a
+    dense matmul (tensorrt_llm/quantization/layers.py FP4Linear.forward), and ModelOpt's build script passes
+    `--gemm_plugin nvfp4` for every NVFP4 checkpoint (examples/llm_ptq/modelopt_to_tensorrt_llm.py)."""
+
     @property
     def calibration(self) -> bool:
         """Computing it needs activation statistics (calibration data)."""
@@ -351,7 +357,7 @@ NVFP4 = Format("nvfp4", "NVFP4", "nvfp4", ("amax",), devices=NVFP4_GPUS, group_s
                       Tensor("weights_global_scaling_factor", _SCALAR, "float32", "scalar"),
                       Tensor("activation_global_scaling_factor", _SCALAR, "float32", "scalar"),
                       Tensor("alpha", _SCALAR, "float32", "scalar")),
-               cpu_kernel="nvfp4", hf_name="nvfp4", hf_weight="uint8", math="fp4")
+               cpu_kernel="nvfp4", hf_name="nvfp4", hf_weight="uint8", math="fp4", gemm_plugin="nvfp4")
 # FP8 block scales (DeepSeek-V3's recipe; TensorRT-LLM FP8BlockScalesLinearMethod, tensorrt_llm/_torch/modules/
 # linear.py; notes/i35-facts.md section 4.2): e4m3 weights and one float32 dequantization scale (amax / 448) per
 # 128x128 tile, a partial tile at the edge having its own. Weights only: the activations are quantized per 1x128 at
