@@ -25,7 +25,7 @@ from toolchain.checkpoint.config_only import ConfigOnlyCheckpoint
 from toolchain.weights_source import has_weights
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.checkpoint.layout import TORCH_DTYPES, Options, Plan, build_plan
-from toolchain.checkpoint.hf_quant import read_hf_quant_format
+from toolchain.checkpoint.hf_quant import read_stored_format
 from toolchain.checkpoint.quantize import Quantizer
 from toolchain.checkpoint.stored import stored_group_size, virtualize_modelopt, virtualize_prequantized
 from toolchain.checkpoint.writer import write_plan
@@ -75,16 +75,17 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     if refusal is not None:
         raise ToolchainError(f"{ckpt.config_path}: {refusal.why}", refusal.hint)
     config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
-    fmt = None
-    if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "modelopt":
-        # A ModelOpt Hugging Face-format export (the LLM-API path's pre-quantized checkpoint): imported
-        # as stored, in the format it was quantized in (parse_prequantized knows AutoAWQ/GPTQ only).
-        fmt = read_hf_quant_format(ckpt.directory)
+    fmt = read_stored_format(ckpt.directory, ckpt.config)
+    if fmt is not None:
+        # A ModelOpt Hugging Face-format export (the LLM-API path's pre-quantized checkpoint) or a DeepSeek-style
+        # FP8 block-scale checkpoint: imported as stored, in the format it was quantized in (parse_prequantized
+        # knows AutoAWQ/GPTQ only).
         q = quantization_of(requested, ckpt.config, modelopt=fmt)
         if q.per_group and fmt["group_size"] is None and not config_only:
             # config.json alone does not say; the stored shapes do
             q = dataclasses.replace(q, group_size=stored_group_size(ckpt) or 128)
-        fmt = {**fmt, "group_size": q.group_size}
+        if q.per_group:
+            fmt = {**fmt, "group_size": q.group_size}
     else:
         q = quantization_of(requested, ckpt.config, origin=str(ckpt.config_path))
     shape = ModelShape(params.hidden_size, params.intermediate_size, params.num_attention_heads,
@@ -185,8 +186,8 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
                                use_parallel_embedding=use_parallel_embedding,
                                embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt, quantization=quantization,
                                gpu=gpu, moe_tp=moe_tp, moe_ep=moe_ep)
-        if plan.quant is not None:  # a pending quantizer is refused before calibrating (--dry-run still plans it)
-            plan.quant.format.check_implemented()
+        if plan.quant is not None and not plan.quant.imports:
+            plan.quant.format.check_implemented()  # a pending quantizer, before calibrating (--dry-run plans it)
         calibrate(plan, hf_dir, tokenizer_dir=tokenizer_dir, calibration=calibration)
         write_plan(plan, ckpt, out)
     (out / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")

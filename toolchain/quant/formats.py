@@ -358,9 +358,10 @@ BY_ALGO: dict[str | None, Format] = {f.quant_algo: f for f in METHODS.values()}
 """config.json quant_algo -> the method that writes it (an import reads as awq's row plus zero points)."""
 HF_EXPORTS: dict[str, Format] = {f.name: f for f in METHODS.values() if f.hf_name}
 """Methods with a ModelOpt Hugging Face export (the LLM-API path's pre-quantized checkpoint)."""
-HF_IMPORTS: dict[str, Format] = {name: f for name, f in HF_EXPORTS.items() if f.quantizer_ready}
-"""Those whose export convert also imports as stored (checkpoint/hf_quant.py read_hf_quant_format, stored_linear):
-the ones this checkout computes, whose reader lands with their quantizer."""
+HF_IMPORTS: dict[str, Format] = dict(HF_EXPORTS)
+"""Those whose export convert also imports as stored (quant/view.py stored_format, checkpoint/hf_quant.py
+stored_linear): every exported one. An import reads the stored tensors, so it needs no quantizer of the engine
+path's (PENDING_QUANTIZERS gates computing a format, not reading it)."""
 
 
 @dataclass(frozen=True)
