@@ -57,12 +57,14 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
                     use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                     ckpt: HFCheckpoint | None = None, quantization: Quantization | None = None,
                     gpu: tuple[str | None, int | None] | None = None, moe_tp: int | None = None,
-                    moe_ep: int | None = None) -> Plan:
+                    moe_ep: int | None = None, path: str | None = None) -> Plan:
     """Everything `convert_checkpoint` would write, per rank, without reading weights. `quantization` is
     the spec's request (Quantization.of its section), to which quantization_of adds the source checkpoint's
     own format (its config.json, and a ModelOpt export's hf_quant_config.json). `gpu` is (name, SM) of the
     target GPU when the spec names one (format checks); `moe_tp`/`moe_ep` the spec's expert parallelism
-    (None: derived as TensorRT-LLM's Mapping does)."""
+    (None: derived as TensorRT-LLM's Mapping does). `path` is the path whose runtime loads the result, the target's
+    unless given: CpuLLM, the LLM-API path's stand-in, converts for the CPU engine with path llmapi, so a stored
+    format the PyTorch backend loads and trtllm-build lacks (FP8 block scales) is imported there too."""
     ckpt = ckpt or HFCheckpoint(hf_dir)
     family, params = load_params(ckpt.config, str(ckpt.config_path))
     if family.parallel_embedding_at_tp:  # the family's TensorRT-LLM config decides (archs/gemma.py)
@@ -91,7 +93,7 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     shape = ModelShape(params.hidden_size, params.intermediate_size, params.num_attention_heads,
                        params.num_key_value_heads, params.head_size, params.max_position_embeddings)
     layout_plan = check_recipe(q, shape, tp=tp, target=target, gpu_name=(gpu or (None, None))[0],
-                               gpu_sm=(gpu or (None, None))[1])
+                               gpu_sm=(gpu or (None, None))[1], path=path)
     raw = virtualize_prequantized(ckpt, q.prequantized.kind) if q.prequantized is not None else {}
     kv_sources: dict[int, tuple[str, str]] = {}
     if fmt is not None:
@@ -174,9 +176,9 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
                        embedding_sharding_dim: int = 0, quantization: Quantization | None = None,
                        tokenizer_dir: Path | str | None = None, calibration: list | None = None,
                        gpu: tuple[str | None, int | None] | None = None, moe_tp: int | None = None,
-                       moe_ep: int | None = None) -> dict:
+                       moe_ep: int | None = None, path: str | None = None) -> dict:
     """Write config.json and rank{N}.safetensors into `out_dir` (existing, empty);
-    return the config written."""
+    return the config written. `path`: as plan_checkpoint's."""
     out = Path(out_dir)
     if not out.is_dir() or any(out.iterdir()):
         raise ToolchainError(f"output directory {out} must exist and be empty",
@@ -185,7 +187,7 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
         plan = plan_checkpoint(hf_dir, tp=tp, pp=pp, dtype=dtype, target=target,
                                use_parallel_embedding=use_parallel_embedding,
                                embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt, quantization=quantization,
-                               gpu=gpu, moe_tp=moe_tp, moe_ep=moe_ep)
+                               gpu=gpu, moe_tp=moe_tp, moe_ep=moe_ep, path=path)
         if plan.quant is not None and not plan.quant.imports:
             plan.quant.format.check_implemented()  # a pending quantizer, before calibrating (--dry-run plans it)
         calibrate(plan, hf_dir, tokenizer_dir=tokenizer_dir, calibration=calibration)

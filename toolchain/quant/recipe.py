@@ -182,8 +182,9 @@ def is_excluded(module: str, patterns: tuple[str, ...] | list[str]) -> bool:
 
 
 def check_recipe(quant: Quantization, shape: ModelShape, *, tp: int, target: str = "cpu", gpu_name: str | None = None,
-                 gpu_sm: int | None = None) -> LayoutPlan:
-    """Reject every invalid combination before a weight is read; returns the layout decisions."""
+                 gpu_sm: int | None = None, path: str | None = None) -> LayoutPlan:
+    """Reject every invalid combination before a weight is read; returns the layout decisions. `path` is the path
+    whose runtime loads what convert writes, the target's unless given (the LLM-API stand-in's, below)."""
     if quant.method not in METHODS:
         raise ToolchainError(f"quantization.method '{quant.method}' is unknown", f"use one of {', '.join(METHODS)}")
     if quant.kv_cache not in KV_KINDS:
@@ -233,9 +234,9 @@ def check_recipe(quant: Quantization, shape: ModelShape, *, tp: int, target: str
                 # weights is unverified: refuse.
                 raise ToolchainError(f"weight-only {quant.method} at tp {tp} needs {what} ({dim}) to be a multiple "
                                      f"of 64 x tp = {m}", "use another parallelism.tp or quantization.method")
-    path = path_refusal(quant, TARGETS[target].path)
-    if path is not None:  # the line names its fix
-        raise ToolchainError(path)
+    refused = path_refusal(quant, path or TARGETS[target].path)
+    if refused is not None:  # the line names its fix
+        raise ToolchainError(refused)
     _check_gpu(quant, gpu_name, gpu_sm)
     if quant.needs_calibration:
         if quant.calibration_samples < 1:
