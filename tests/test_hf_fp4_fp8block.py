@@ -25,7 +25,7 @@ from toolchain.errors import ToolchainError
 from toolchain.quant import formats
 from toolchain.quant.fp4 import dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4
 from toolchain.quant.fp8_block import block_amax, dequantize_fp8_block, quantize_fp8_block
-from toolchain.quant.view import Quantization, quantization_of
+from toolchain.quant.view import quantization_of
 from toolchain.spec import QuantizationSection, load_spec
 from toolchain.targets import LLMAPI
 from toolchain.workspace import Workspace
