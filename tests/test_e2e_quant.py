@@ -1,4 +1,4 @@
-"""A quantized tiny model end to end: convert (AWQ int4 + INT8 KV cache, TP 2),
+"""A quantized tiny model end to end: convert (AWQ int4 + INT8 KV cache, and NVFP4, TP 2),
 build the CPU engine, serve it with a real tritonserver; the streamed text
 must equal the engine's own greedy output. And `toolchain eval` reports the
 quality of every method."""
@@ -24,7 +24,8 @@ PROMPTS = ["def main(argv):\n    ", "    return self."]
 @needs_tiny
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_quantized_model_served_through_triton(tmp_path):
+@pytest.mark.parametrize("method, kv, algo", [("awq", "int8", "W4A16_AWQ"), ("nvfp4", "none", "NVFP4")])
+def test_quantized_model_served_through_triton(tmp_path, method, kv, algo):
     import tritonclient.grpc as grpcclient
     from transformers import AutoTokenizer
 
@@ -34,11 +35,11 @@ def test_quantized_model_served_through_triton(tmp_path):
     from toolchain.triton.server import TritonServer
 
     spec = load_spec(REPO / "build" / "tiny-llama.yaml", FREE_PORTS + CALIB + [
-        "quantization.method=awq", "quantization.kv_cache=int8", "name=tiny-llama-awq"])
+        f"quantization.method={method}", f"quantization.kv_cache={kv}", f"name=tiny-llama-{method}"])
     ws = Workspace(tmp_path)
     run_build(spec, ws)
     pretrained = json.loads((ws.engine_dir(spec) / "config.json").read_text())["pretrained_config"]
-    assert pretrained["quantization"]["quant_algo"] == "W4A16_AWQ"
+    assert pretrained["quantization"]["quant_algo"] == algo
     tok = AutoTokenizer.from_pretrained(spec.model.tokenizer_dir)
     engine = CpuEngine.load(ws.engine_dir(spec))
     expected = {p: tok.decode(engine.generate(tok.encode(p), SamplingParams(max_new_tokens=MAX_TOKENS,

@@ -1,8 +1,8 @@
 """The NVFP4 and FP8 block-scale rows (issue 35, quant/formats.py) and what reads only the rows: their tensors and
 bytes as TensorRT-LLM declares them, the plan's per-rank bytes (computed here by hand for a tiny model), the spec,
 the refusals by device and by path in plan and convert alike (one line each, naming the fix), the pending
-quantizer and CPU kernel refused rather than written as another format, the performance model's FP4 peak, and
-tune proposing neither until convert computes it."""
+quantizer (fp8_block's) and HF export (nvfp4's) refused rather than written as another format, the CPU engine taking
+both, the performance model's FP4 peak, and tune proposing each only where convert computes it."""
 
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from pydantic import ValidationError
 
 from toolchain import gpus
 from toolchain.archs import moe
-from toolchain.checkpoint.convert import convert_checkpoint, plan_any
+from toolchain.checkpoint.convert import plan_any
 from toolchain.checkpoint.hf_quant import export_hf_quantized, hf_quant_problem
 from toolchain.checks.preflight import FAIL, PASS, build_context, run_checks
 from toolchain.engine.cpu.config import parse_dims
@@ -40,6 +39,8 @@ FP8_BLOCK_ON_ENGINE = ("quantization.method fp8_block has no engine path in Tens
                        "has no FP8_BLOCK_SCALES branch and would build the linears unquantized); use target llmapi")
 NOT_IMPLEMENTED = "quantization.method {} ({}) is not implemented yet: no quantizer computes its tensors " \
                   "(use quantization.method fp8 until it lands)"
+NO_HF_EXPORT = ("quantization.method nvfp4 (NVFP4) has no Hugging Face-format export yet (use the engine path (target "
+                "trtllm or cpu), or quantization.method fp8 on the LLM-API path)")
 # A tiny Llama whose widths leave partial 128x128 tiles at tp 1 and tp 2 and are whole groups of 16 per rank.
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 384, "intermediate_size": 864,
         "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64,
@@ -193,9 +194,7 @@ def _checks(spec, tmp_path):
      (FAIL, "quantization.method fp8_block runs its block-scaled FP8 GEMMs on Hopper (SM 90) and Blackwell SM 100/103 "
             "only, not on Ada (SM 89) or SM 120; the L40S is SM 89: use quantization.method fp8 (per-tensor scales, "
             "SM 89 and newer) or awq")),
-    ("cpu", None, "nvfp4", "quant.device",
-     (FAIL, "quantization.method=nvfp4: the CPU engine's nvfp4 kernel is not implemented yet; use a GPU target or "
-            "another quantization.method")),
+    ("cpu", None, "nvfp4", "quant.device", (PASS, "the CPU engine runs the formats")),
     ("cpu", None, "fp8_block", "quant.engine-path", (FAIL, FP8_BLOCK_ON_ENGINE)),
 ])
 def test_plan_refuses_by_device_and_path_in_one_line(tmp_path, target, gpu, method, check, expected):
@@ -234,47 +233,42 @@ def test_a_mixture_of_experts_keeps_its_refusal(tmp_path):
         assert refusal.why == f"quantization {method} on Qwen3MoeForCausalLM is not supported yet"
 
 
-# -- the pending quantizer and CPU kernel ----------------------------------------------------------------------------
+# -- the pending quantizer and HF export -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method, algo", [("nvfp4", "NVFP4"), ("fp8_block", "FP8_BLOCK_SCALES")])
-def test_convert_and_the_hf_export_refuse_a_pending_quantizer(tmp_path, method, algo):
+def test_the_hf_export_computes_both_and_the_engine_path_refuses_fp8_block(tmp_path, monkeypatch):
     # The LLM-API path loads the export (hf_quant_problem passes it), and the HF export computes it
-    # (checkpoint/hf_quant.py HF_COMPUTED, tests/test_hf_fp4_fp8block.py): it gets past the pending gate.
-    assert hf_quant_problem(QuantizationSection(method=method)) is None
-    with pytest.raises(ToolchainError) as err:
-        export_hf_quantized(tmp_path / "absent", tmp_path, QuantizationSection(method=method))
-    assert str(err.value).startswith("HF checkpoint directory not found")
+    # (checkpoint/hf_quant.py HF_COMPUTED, tests/test_hf_fp4_fp8block.py): it gets past the pending gate to the source.
+    for method in ("nvfp4", "fp8_block"):
+        assert hf_quant_problem(QuantizationSection(method=method)) is None
+        assert formats.METHODS[method].ready_on("llmapi")
+        with pytest.raises(ToolchainError) as err:
+            export_hf_quantized(tmp_path / "absent", tmp_path, QuantizationSection(method=method))
+        assert str(err.value).startswith("HF checkpoint directory not found")
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
-    if method == "fp8_block":  # the engine converter never gets as far: the path rule refuses it first
-        with pytest.raises(ToolchainError) as err:
-            plan_any(tmp_path / "tiny", tp=1, pp=1, target="trtllm", quantization=Quantization(method=method))
-        assert str(err.value) == FP8_BLOCK_ON_ENGINE
-        return
-    dry = plan_any(tmp_path / "tiny", tp=1, pp=1, dtype="float16", target="trtllm", quantization=Quantization(method=method))
-    # The writer's dispatcher (checkpoint/quantize.py COMPUTED) refuses before it reads a weight or a statistic.
+    # The engine converter never gets as far: the path rule refuses it first; its quantizer is pending there.
     with pytest.raises(ToolchainError) as err:
-        dry.quant.components("dense", 0, [[torch.zeros(384, 384)]], [["x"]], None)
-    assert str(err.value) == NOT_IMPLEMENTED.format(method, algo)
-    # And convert itself, on a real checkpoint, before it calibrates or writes anything.
-    out = tmp_path / "out"
-    out.mkdir()
+        plan_any(tmp_path / "tiny", tp=1, pp=1, target="trtllm", quantization=Quantization(method="fp8_block"))
+    assert str(err.value) == FP8_BLOCK_ON_ENGINE
     with pytest.raises(ToolchainError) as err:
-        convert_checkpoint(REPO / "models" / "tiny-llama", out, tp=1, pp=1, target="trtllm",
-                           quantization=Quantization(method=method), gpu=("B200 180GB", 100))
-    assert str(err.value) == NOT_IMPLEMENTED.format(method, algo) and not any(out.iterdir())
+        formats.FP8_BLOCK.check_implemented("engine")
+    assert str(err.value) == NOT_IMPLEMENTED.format("fp8_block", "FP8_BLOCK_SCALES")
+    # A row whose HF export is pending is refused on the LLM-API path alone, before anything is read.
+    monkeypatch.setattr(formats, "PENDING_HF_EXPORTS", frozenset({"nvfp4"}))
+    with pytest.raises(ToolchainError) as err:
+        export_hf_quantized(tmp_path / "absent", tmp_path, QuantizationSection(method="nvfp4"))
+    assert str(err.value) == NO_HF_EXPORT
+    formats.NVFP4.check_implemented("engine")
+    assert formats.NVFP4.ready_on("engine") and not formats.NVFP4.ready_on("llmapi")
 
 
-@pytest.mark.parametrize("algo, kernel", [("NVFP4", "nvfp4"), ("FP8_BLOCK_SCALES", "fp8_block")])
-def test_the_cpu_engine_refuses_a_pending_kernel_at_load(algo, kernel):
+@pytest.mark.parametrize("algo", ["NVFP4", "FP8_BLOCK_SCALES"])
+def test_the_cpu_engine_takes_both_formats_at_load(algo):
     cfg = {"architecture": "LlamaForCausalLM", "dtype": "float16", "vocab_size": 1000, "hidden_size": 384,
            "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "head_size": 64,
            "max_position_embeddings": 2048, "intermediate_size": 864, "hidden_act": "silu",
            "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None}}
-    with pytest.raises(ToolchainError) as err:
-        parse_dims(cfg, "config.json")
-    assert str(err.value) == (f"config.json: quant_algo {algo}: the CPU engine's {kernel} kernel is not implemented "
-                              "yet (serve it on a GPU target (trtllm or llmapi))")
+    assert parse_dims(cfg, "config.json").format is formats.BY_ALGO[algo]
 
 
 # -- performance model -----------------------------------------------------------------------------------------------
@@ -309,17 +303,24 @@ def _tune_spec(target: str, gpu: str):
     return load_spec(REPO / "build" / build, [f"gpu.name={gpu}"])
 
 
-def test_tune_proposes_neither_while_convert_refuses_them():
+def test_tune_proposes_each_only_where_convert_computes_it():
+    # nvfp4 on both paths where the GPU runs it; fp8_block on the LLM-API path only (its HF export is computed, its
+    # engine quantizer pending and no engine path takes it).
+    found = {}
     for target, gpu in (("trtllm", "B200"), ("llmapi", "B200"), ("llmapi", "H100")):
         spec = _tune_spec(target, gpu)
         methods = weight_methods(spec, gpus.resolve(spec), False)
-        assert "nvfp4" not in methods and "fp8_block" not in methods and "fp8" in methods
+        assert "fp8" in methods
+        found[target, gpu] = ("nvfp4" in methods, "fp8_block" in methods)
+    assert found == {("trtllm", "B200"): (True, False), ("llmapi", "B200"): (True, True),
+                     ("llmapi", "H100"): (False, True)}
 
 
 def test_tune_proposes_them_where_they_run_once_computed(monkeypatch):
     # The gate is the row's quantizer: once its module lands (its name leaves PENDING_QUANTIZERS), the device
     # rule and the path rule decide.
     monkeypatch.setattr(formats, "PENDING_QUANTIZERS", frozenset())
+    monkeypatch.setattr(formats, "PENDING_HF_EXPORTS", frozenset())
     found = {}
     for target, gpu in (("trtllm", "B200"), ("trtllm", "H100"), ("llmapi", "B200"), ("llmapi", "H100"),
                         ("llmapi", "L40S")):

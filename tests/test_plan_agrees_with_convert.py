@@ -70,6 +70,10 @@ CASES = {
     # item 4: an explicit float32 is what convert writes on target trtllm (only "auto" narrows fp32)
     "llama8b-fp32-tp2": (json.loads((CONFIGS / "llama-3-8b-instruct" / "config.json").read_text()),
                          {"parallelism": {"tp": 2}, "model": {"dtype": "float32"}}, Quantization()),
+    # issue 35: NVFP4 on a B200, packed e2m1 with e4m3 scales per 16 and two float32 scalars per linear
+    "llama8b-nvfp4-tp2": (json.loads((CONFIGS / "llama-3-8b-instruct" / "config.json").read_text()),
+                          {"parallelism": {"tp": 2}, "gpu": {"name": "B200"}, "quantization": {"method": "nvfp4"}},
+                          Quantization(method="nvfp4")),
 }
 
 

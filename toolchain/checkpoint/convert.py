@@ -17,7 +17,7 @@ import torch
 
 from toolchain.archs import load_params, moe
 from toolchain.archs.common import NameTable
-from toolchain.archs.layout import Layout
+from toolchain.archs.layout import Layout, splits_tp
 from toolchain.archs.params import ArchParams, engine_dtype
 from toolchain.checkpoint import sharding
 from toolchain.checkpoint.config import build_config
@@ -33,7 +33,7 @@ from toolchain.errors import ToolchainError
 from toolchain.quant import exclude
 from toolchain.quant.recipe import ModelShape, check_recipe, is_excluded
 from toolchain.quant.view import Quantization, quantization_of
-from toolchain.targets import engine_row
+from toolchain.targets import ENGINE, engine_row
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 
@@ -69,7 +69,8 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     family, params = load_params(ckpt.config, str(ckpt.config_path))
     if family.parallel_embedding_at_tp:  # the family's TensorRT-LLM config decides (archs/gemma.py)
         use_parallel_embedding = tp > 1
-    sharding.check_parallelism(params, Layout(tp, pp, moe_tp, moe_ep, use_parallel_embedding, embedding_sharding_dim))
+    layout = Layout(tp, pp, moe_tp, moe_ep, use_parallel_embedding, embedding_sharding_dim)
+    sharding.check_parallelism(params, layout)
     requested = quantization or Quantization()
     qc = ckpt.config.get("quantization_config")
     stored = str(qc.get("quant_method", "quantization_config")) if isinstance(qc, dict) else None
@@ -93,7 +94,8 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     shape = ModelShape(params.hidden_size, params.intermediate_size, params.num_attention_heads,
                        params.num_key_value_heads, params.head_size, params.max_position_embeddings)
     layout_plan = check_recipe(q, shape, tp=tp, target=target, gpu_name=(gpu or (None, None))[0],
-                               gpu_sm=(gpu or (None, None))[1], path=path)
+                               gpu_sm=(gpu or (None, None))[1], splits=lambda t: splits_tp(params, layout, t),
+                               path=path)
     raw = virtualize_prequantized(ckpt, q.prequantized.kind) if q.prequantized is not None else {}
     kv_sources: dict[int, tuple[str, str]] = {}
     if fmt is not None:
@@ -189,7 +191,8 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
                                embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt, quantization=quantization,
                                gpu=gpu, moe_tp=moe_tp, moe_ep=moe_ep, path=path)
         if plan.quant is not None and not plan.quant.imports:
-            plan.quant.format.check_implemented()  # a pending quantizer, before calibrating (--dry-run plans it)
+            # a pending quantizer, before calibrating (--dry-run still plans it)
+            plan.quant.format.check_implemented(ENGINE)
         calibrate(plan, hf_dir, tokenizer_dir=tokenizer_dir, calibration=calibration)
         write_plan(plan, ckpt, out)
     (out / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")

@@ -67,6 +67,7 @@ from toolchain.quant.int_quant import pack_int4
 from toolchain.quant.recipe import is_excluded, per_group_multiple
 from toolchain.quant.view import MODELOPT_NAMES, Quantization, quantization_of, stored_format
 from toolchain.checkpoint.config import build_config
+from toolchain.targets import LLMAPI
 
 PRODUCER = {"name": "trtllm-toolchain", "version": __version__}
 ALWAYS_IGNORED = ["lm_head", "model.embed_tokens"]
@@ -202,7 +203,7 @@ def _quantize_group(quant: Quantization, ws: list[torch.Tensor], st, dtype) -> l
     for the caller to fold or keep."""
     compute = HF_COMPUTED.get(quant.format.quantizer)
     if compute is None:  # hf_quant_problem refuses the rows without an export first
-        quant.format.check_implemented()
+        quant.format.check_implemented(LLMAPI)
         raise ValueError(f"the Hugging Face export has no quantizer for quantization.method {quant.method}")
     return compute(quant, ws, st)
 
@@ -244,7 +245,8 @@ def _awq(quant: Quantization, ws: list[torch.Tensor], st) -> list[dict[str, torc
 
 
 # A row's `quantizer` (quant/formats.py) -> what computes its HF-format tensors. The export needs no quantizer of the
-# engine path's (checkpoint/quantize.py COMPUTED): a row pending there is exported once its branch is here.
+# engine path's (checkpoint/quantize.py COMPUTED): its own pending list is formats.PENDING_HF_EXPORTS, which
+# tests/test_quant_formats.py holds to this table.
 HF_COMPUTED = {"fp8": _fp8, "awq": _awq, "nvfp4": _nvfp4, "fp8_block": _fp8_block}
 
 
@@ -259,8 +261,7 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
     problem = hf_quant_problem(quant)
     if problem is not None:
         raise ToolchainError(problem, HINT)
-    if quant.method != "none" and quant.format.quantizer not in HF_COMPUTED:
-        quant.format.check_implemented()  # before calibrating: _quantize_group would refuse it after
+    quant.format.check_implemented(LLMAPI)  # before calibrating: _quantize_group would refuse it after
     hf_dir, out = Path(hf_dir), Path(out_dir)
     with HFCheckpoint(hf_dir) as ckpt:
         family, params = load_params(ckpt.config, str(ckpt.config_path))

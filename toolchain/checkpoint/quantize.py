@@ -32,6 +32,13 @@ toolchain/quant/formats.py, which `planned` and `components` follow):
   written transposed, in the model dtype.
 - W8A8_SQ_PER_CHANNEL: int8 weight, per-channel and static activation scales, prequant.
 - FP8: e4m3 weight, per-tensor weight and activation scales; q/k/v and fc/gate share them.
+- NVFP4: packed e2m1 weight uint8 (out, in/2), e4m3 block scales (out, in/16) row-major (trtllm-build makes the
+  interleaved copy itself: preprocess_perlayer_weights, tensorrt_llm/models/modeling_utils.py @0c8de69), the
+  global weight scale `weights_scaling_factor_2` and the input scale `activation_scaling_factor`, both (1,):
+  amax / (6 x 448) of the weights and of the calibrated input. q/k/v and fc/gate share one global and one input
+  scale, their block scales recomputed against it, as ModelOpt's QKVConfig does (torch/export/model_config.py)
+  and FP4Linear's postprocess expects ("Ckpt uses qkv max is guaranteed", tensorrt_llm/quantization/layers.py
+  @2a9abd95). Each rank's input width must be whole blocks of 16 (quant/recipe.py check_blocks).
 - Mixture-of-experts stacks (FP8, awq) carry the experts in front, [experts, ...], as MOEWeightWrapper takes
   them (the section "mixture-of-experts stacks" below).
 
@@ -61,6 +68,7 @@ from toolchain.checkpoint.layout import Group, prepare, stage_ranks
 from toolchain.errors import ToolchainError
 from toolchain.quant import awq as awq_q
 from toolchain.quant import formats
+from toolchain.quant import fp4 as fp4_q
 from toolchain.quant import fp8 as fp8_q
 from toolchain.quant import prequantized as pre_q
 from toolchain.quant import smoothquant as sq_q
@@ -68,6 +76,7 @@ from toolchain.quant.int_quant import pack_int4, unpack_int4
 from toolchain.quant.kv_cache import kv_cache_scale
 from toolchain.quant.recipe import LayoutPlan, is_excluded
 from toolchain.quant.view import Prequantized, Quantization
+from toolchain.targets import ENGINE
 
 # TensorRT-LLM linear modules -> the calibration slot of their input (q/k/v share one, fc/gate another).
 LINEARS = {"attention.qkv": "qkv", "attention.dense": "dense", "mlp.fc": "mlp", "mlp.gate": "mlp", "mlp.proj": "proj"}
@@ -241,7 +250,7 @@ class Quantizer:
             return [self._imported(pre, p, load) for p in prefixes]
         if self.quantization.modelopt:
             return self._stored(prefixes, load)
-        self.format.check_implemented()  # a pending quantizer: refused, never written as another format
+        self.format.check_implemented(ENGINE)  # a pending quantizer: refused, never written as another format
         if weights is None:
             raise ValueError(f"quantizing {module} of layer {layer} needs its fp weights")
         flat = [w for ws in weights for w in ws]
@@ -273,6 +282,19 @@ class Quantizer:
         ascale = fp8_q.fp8_scale(st.amax.max())
         return [self._components({"weight": [q], "weights_scaling_factor": [wscale],
                                   "activation_scaling_factor": [ascale]}) for q in qs]
+
+    def _nvfp4(self, flat: list[torch.Tensor], st) -> list[list[Component]]:
+        # One global weight scale over the fused parts (their largest amax) and one input scale: the fused GEMM
+        # has one alpha. Each part's block scales are computed against that shared global.
+        shared = fp4_q.nvfp4_global_scale(torch.stack([w.abs().max() for w in flat]).max())
+        ascale = fp4_q.nvfp4_global_scale(st.amax).reshape(1)
+        out = []
+        for w in flat:
+            packed, blocks, _ = fp4_q.quantize_nvfp4(w, shared)
+            out.append(self._components({"weight": [packed], "weights_scaling_factor": [blocks],
+                                         "weights_scaling_factor_2": [shared.reshape(1)],
+                                         "activation_scaling_factor": [ascale]}))
+        return out
 
     @staticmethod
     def _regroup(per_source: list[list[Component]], counts: list[int]) -> list[list[Component]]:
@@ -543,7 +565,8 @@ class Quantizer:
 
 # A row's `quantizer` (quant/formats.py) -> the method computing its tensors from fp weights and calibration
 # statistics; "imported" rows are read (Quantizer._imported), "trtllm-build" and "none" rows write fp weights.
-COMPUTED = {"awq": Quantizer._awq, "smoothquant": Quantizer._smoothquant, "fp8": Quantizer._fp8}
+COMPUTED = {"awq": Quantizer._awq, "smoothquant": Quantizer._smoothquant, "fp8": Quantizer._fp8,
+            "nvfp4": Quantizer._nvfp4}
 
 
 def _linear(name: str) -> tuple[str, str, int]:

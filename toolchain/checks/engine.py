@@ -22,8 +22,8 @@ from toolchain.plan.model import read_json
 from toolchain.plan.plan import checkpoint_bytes_per_rank
 from toolchain.quant import exclude
 from toolchain.quant.formats import BLACKWELL, KV_CACHE
-from toolchain.quant.recipe import (ModelShape, check_per_group, check_pytorch_per_group, device_refusal,
-                                    path_refusal, per_group_multiple)
+from toolchain.quant.recipe import (ModelShape, check_blocks, check_per_group, check_pytorch_per_group,
+                                    device_refusal, path_refusal, per_group_multiple)
 from toolchain.checks.registry import (ENGINE, ENGINE_PATH, FAIL, GPU_ONLY, PASS, SKIP, UNREGISTERED, WARN, Context,
                                        check)
 
@@ -328,9 +328,14 @@ def _shape(p) -> ModelShape:
 
 @check("quant.group-padding", ENGINE,
        "per-group int4: trtllm-build pads every dim to max(64, g) x tp (TensorRT-LLM quantization/layers.py, "
-       "WeightOnlyGroupwiseQuantLinear), the PyTorch backend pads nothing (_torch/modules/linear.py)")
+       "WeightOnlyGroupwiseQuantLinear), the PyTorch backend pads nothing (_torch/modules/linear.py); a block the "
+       "format fixes (NVFP4's 16, FP4Linear) must be whole in every rank's input width")
 def _group_padding(ctx: Context):
     q, p, tp = ctx.quant, _model(ctx), ctx.spec.parallelism.tp
+    if p is not None and q.format.group_size is not None:
+        # convert's own rule (check_recipe), so plan and convert agree; a ToolchainError is this check's FAIL
+        check_blocks(q, _shape(p), tp, lambda t: splits_tp(p, ctx.spec.parallelism.layout, t))
+        return PASS, f"every per-rank input width is whole blocks of {q.format.group_size}"
     if not q.per_group or p is None:
         return (PASS, "no per-group format") if p is not None else (SKIP, NO_MODEL)
     if q.weight_group_size not in (64, 128):

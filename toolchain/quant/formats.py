@@ -102,8 +102,13 @@ FP8_BLOCK_GPUS = Devices(_only(90, 100, 103), WORDED,
 # checkpoint/hf_quant.py) and the CPU engine (engine/cpu/config.py) refuse them as not implemented yet and tune
 # proposes none of them. Wiring one removes its name here; tests/test_quant_formats.py holds each list to the
 # dispatchers, so a name stays here exactly as long as nothing computes or runs it.
-PENDING_QUANTIZERS = frozenset({"nvfp4", "fp8_block"})
-PENDING_CPU_KERNELS = frozenset({"nvfp4", "fp8_block"})
+PENDING_QUANTIZERS = frozenset({"fp8_block"})
+PENDING_CPU_KERNELS: frozenset[str] = frozenset()
+# Rows whose Hugging Face export and import (checkpoint/hf_quant.py HF_COMPUTED, stored_linear) are still to come:
+# the HF export refuses them as not implemented yet (Format.check_implemented on the LLM-API path), HF_IMPORTS leaves
+# them out and tune proposes them on the engine path only. The HF export computes its own tensors, so this list is
+# independent of PENDING_QUANTIZERS (fp8_block is exported, and computed on no engine path).
+PENDING_HF_EXPORTS: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -187,8 +192,8 @@ class Format(_OnDevices):
     Quantizer.components, checkpoint/hf_quant.py _quantize_group), each raising on a key it lacks: "awq"
     (quant/awq.py), "smoothquant" (quant/smoothquant.py), "fp8" (quant/fp8.py); "imported" (quant/prequantized.py
     unpacks a stored checkpoint); "trtllm-build" (the fp weights are written as they are and trtllm-build
-    quantizes them, the CPU engine at load); "none" (nothing is quantized); "nvfp4" (quant/fp4.py) and "fp8_block"
-    (quant/fp8_block.py) while in PENDING_QUANTIZERS are refused as not implemented yet."""
+    quantizes them, the CPU engine at load); "none" (nothing is quantized); "nvfp4" (quant/fp4.py); "fp8_block"
+    (quant/fp8_block.py), while in PENDING_QUANTIZERS, is refused as not implemented yet."""
     stats: tuple[str, ...]
     """The calibration statistics its quantizer reads (quant/calibration.py LayerStats.inputs): "amax" (per input
     channel max |x|), "absmean" (mean |x|) and "cov" (the input covariance, AWQ's clip search); empty: no
@@ -243,17 +248,28 @@ class Format(_OnDevices):
         these, so it never proposes what convert refuses."""
         return self.quantizer not in PENDING_QUANTIZERS
 
+    def ready_on(self, path: str) -> bool:
+        """Convert computes it on `path`: on the engine path its quantizer (not PENDING_QUANTIZERS'), on the LLM-API
+        path its HF export (checkpoint/hf_quant.py HF_COMPUTED; not PENDING_HF_EXPORTS'), which computes its own
+        tensors, so FP8 block scales, which no engine path takes, are ready there."""
+        return self.name not in PENDING_HF_EXPORTS if path == LLMAPI else self.quantizer_ready
+
     @property
     def cpu_kernel_ready(self) -> bool:
         """The CPU engine runs it (a plain fp linear, or a kernel not in PENDING_CPU_KERNELS)."""
         return self.cpu_kernel not in PENDING_CPU_KERNELS
 
-    def check_implemented(self) -> None:
-        """Refuse, in one line, a row whose quantizer is pending (convert and the HF export, before computing
-        anything): never write it as another format."""
-        if not self.quantizer_ready:
+    def check_implemented(self, path: str = LLMAPI) -> None:
+        """Refuse, in one line, a row whose quantizer is pending on `path` (`ready_on`): before computing anything,
+        never writing it as another format. The engine converter passes ENGINE; the HF export calls it as it is."""
+        if self.ready_on(path):
+            return
+        if path != LLMAPI:
             raise ToolchainError(f"quantization.method {self.name} ({self.quant_algo}) is not implemented yet: no "
                                  "quantizer computes its tensors", "use quantization.method fp8 until it lands")
+        raise ToolchainError(f"quantization.method {self.name} ({self.quant_algo}) has no Hugging Face-format "
+                             "export yet", "use the engine path (target trtllm or cpu), or quantization.method "
+                             "fp8 on the LLM-API path")
 
 
 def tensor_bytes(tensors: tuple[Tensor, ...], out: int, inp: int, group: int, model_bytes: int) -> float:
@@ -358,10 +374,10 @@ BY_ALGO: dict[str | None, Format] = {f.quant_algo: f for f in METHODS.values()}
 """config.json quant_algo -> the method that writes it (an import reads as awq's row plus zero points)."""
 HF_EXPORTS: dict[str, Format] = {f.name: f for f in METHODS.values() if f.hf_name}
 """Methods with a ModelOpt Hugging Face export (the LLM-API path's pre-quantized checkpoint)."""
-HF_IMPORTS: dict[str, Format] = dict(HF_EXPORTS)
+HF_IMPORTS: dict[str, Format] = {name: f for name, f in HF_EXPORTS.items() if f.ready_on(LLMAPI)}
 """Those whose export convert also imports as stored (quant/view.py stored_format, checkpoint/hf_quant.py
-stored_linear): every exported one. An import reads the stored tensors, so it needs no quantizer of the engine
-path's (PENDING_QUANTIZERS gates computing a format, not reading it)."""
+stored_linear): the ones whose HF export lands (not PENDING_HF_EXPORTS'), its reader with it. An import reads the
+stored tensors, so it needs no quantizer of the engine path's (PENDING_QUANTIZERS gates computing a format)."""
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,24 @@ def check_pytorch_per_group(shape: ModelShape, group: int, tp: int, splits: Call
                          "use " + ", or ".join(fixes))
 
 
+def check_blocks(quant: Quantization, shape: ModelShape, tp: int, splits: Callable[[int], bool] | None = None) -> None:
+    """A format that fixes its block (NVFP4: one e4m3 scale per 16 input channels, Format.group_size) needs every
+    rank's input width in whole blocks: FP4Linear asserts `in_features % 16 == 0` on the per-rank in_features
+    (tensorrt_llm/quantization/layers.py @2a9abd95), and the block scales split with the weight. The widths are the
+    ones the PyTorch backend's per-group int4 needs whole (pytorch_per_group_problems). Refused in one line naming
+    parallelism.tp; `splits(t)` (archs/layout.py splits_tp) picks the tps the fix names."""
+    block = quant.format.group_size
+    problems = [] if block is None else pytorch_per_group_problems(shape, block, tp)
+    if block is None or not problems:
+        return
+    tps = [t for t in (1, 2, 4, 8, 16) if t != tp and splits is not None and splits(t)
+           and not pytorch_per_group_problems(shape, block, t)]
+    raise ToolchainError(f"quantization.method {quant.method} at parallelism.tp {tp}: {', '.join(problems)} not a "
+                         f"multiple of its block of {block} input channels",
+                         f"use parallelism.tp {' or '.join(map(str, tps))}" if tps else
+                         "use another quantization.method (fp8 or awq)")
+
+
 def path_refusal(quant: Quantization, path: str) -> str | None:
     """The row's path rule (Format.paths) on the engine path, in the one line plan's quant.engine-path check and
     convert print; None where the path takes the format. The LLM-API path's own rule is the HF export's
@@ -182,8 +200,10 @@ def is_excluded(module: str, patterns: tuple[str, ...] | list[str]) -> bool:
 
 
 def check_recipe(quant: Quantization, shape: ModelShape, *, tp: int, target: str = "cpu", gpu_name: str | None = None,
-                 gpu_sm: int | None = None, path: str | None = None) -> LayoutPlan:
-    """Reject every invalid combination before a weight is read; returns the layout decisions. `path` is the path
+                 gpu_sm: int | None = None, splits: Callable[[int], bool] | None = None,
+                 path: str | None = None) -> LayoutPlan:
+    """Reject every invalid combination before a weight is read; returns the layout decisions. `splits(t)` says
+    whether tp t splits the model (archs/layout.py splits_tp), for the tps a refusal suggests. `path` is the path
     whose runtime loads what convert writes, the target's unless given (the LLM-API stand-in's, below)."""
     if quant.method not in METHODS:
         raise ToolchainError(f"quantization.method '{quant.method}' is unknown", f"use one of {', '.join(METHODS)}")
@@ -238,6 +258,7 @@ def check_recipe(quant: Quantization, shape: ModelShape, *, tp: int, target: str
     if refused is not None:  # the line names its fix
         raise ToolchainError(refused)
     _check_gpu(quant, gpu_name, gpu_sm)
+    check_blocks(quant, shape, tp, splits)
     if quant.needs_calibration:
         if quant.calibration_samples < 1:
             raise ToolchainError("quantization.calibration.samples must be at least 1")

@@ -107,7 +107,7 @@ def layouts(gpu_count: int, on_cpu: bool) -> list[tuple[int, int, int]]:
 
 def weight_methods(spec: DeploymentSpec, device: Gpu | None, stored_quantized: bool) -> list[str]:
     """Weight formats the device can run: on a GPU those its SM builds (the formats table's rule), on the CPU
-    engine those with a CPU kernel it runs. Only formats convert computes (`Format.quantizer_ready`), and on the
+    engine those with a CPU kernel it runs. Only formats convert computes on the path (`Format.ready_on`), and on the
     engine path those trtllm-build builds (`Format.engine_why_not`): tune never proposes what convert refuses. (The
     LLM-API path's own refusal stays llmapi.quantization's, under which tune reports what it drops.) A checkpoint
     stored quantized keeps its format."""
@@ -115,7 +115,7 @@ def weight_methods(spec: DeploymentSpec, device: Gpu | None, stored_quantized: b
         return [spec.quantization.method]
     target = target_of(spec)
     rows = {name: row for name, row in METHODS.items()
-            if row.quantizer_ready and (target.path != ENGINE or row.engine_why_not is None)}
+            if row.ready_on(target.path) and (target.path != ENGINE or row.engine_why_not is None)}
     if target.device == CPU:
         return [name for name, row in rows.items() if (row.cpu_kernel is not None and row.cpu_kernel_ready)
                 or name == "none"]

@@ -9,6 +9,8 @@ the row's `cpu_kernel`:
 | int4_group (awq, imported int4: ModelOpt) | int8 (out/2, in) packed int4, scales (out, in/g), prequant (in,), zero (out, in/g) if has_zero_point | x·prequant, then `_weight_int4pack_mm_for_cpu` |
 | sq (W8A8_SQ_PER_CHANNEL) | int8 (out, in), per-channel scale, static activation scale, prequant | x·prequant quantized per tensor to int8, `torch._int_mm`, rescaled |
 | fp8 (FP8) | e4m3 (out, in), per-tensor weight and activation scales | emulated: activation rounded through e4m3, weight dequantized, fp32 matmul |
+| nvfp4 (NVFP4) | uint8 (out, in/2) packed e2m1, e4m3 (out, in/16), global weight and input scales | emulated: activation quantized per 16 as the GPU's FP4 quantize kernel does, weight dequantized at load, fp32 matmul |
+| fp8_block (FP8_BLOCK_SCALES) | e4m3 (out, in), float32 per 128x128 tile | emulated: activation rounded per 1x128 as fp8_quantize_1x128 does, weight dequantized at load, fp32 matmul |
 
 The packed integer kernels take bf16 activations (fp32 input is 40-100x
 slower) and run at every row count: measured on a 2-core host they beat the
@@ -25,6 +27,8 @@ import torch.nn.functional as F
 from toolchain.engine.cpu.linear import Linear
 from toolchain.quant import formats
 from toolchain.quant import fp8 as fp8q
+from toolchain.quant.fp4 import dequantize_nvfp4, fake_quantize_nvfp4_activation
+from toolchain.quant.fp8_block import dequantize_fp8_block, fake_quantize_fp8_per_1x128
 from toolchain.quant.int_quant import dequantize_per_group, pack_int4, quantize_per_channel, unpack_int4
 
 INT4_KERNEL_GROUP = 32  # per-channel int4 runs the grouped kernel with one scale repeated per 32 columns
@@ -145,6 +149,61 @@ class Fp8PerTensor(Linear):
         return _bias(y, self.bias, add_bias)
 
 
+class _Widened(Linear):
+    """A format emulated over its weight widened to float32 once at load: `weight` keeps the stored tensor, whose
+    shape need not be (out, in) (NVFP4 packs two values a byte), so the features are the wide weight's."""
+
+    _wide: torch.Tensor
+
+    @property
+    def out_features(self):
+        return self._wide.shape[0]
+
+    @property
+    def in_features(self):
+        return self._wide.shape[1]
+
+    def dequantized(self) -> torch.Tensor:
+        return self._wide
+
+
+class Nvfp4(_Widened):
+    """NVFP4 by emulation: the e2m1 weight is dequantized once at load (E2M1 value x block scale x global scale,
+    exactly what the GEMM multiplies), and every call quantizes the activation per 16 against the static input scale
+    as the GPU does before its FP4 GEMM: FP4Linear's quantize_to_fp4_tensor (engine) and NVFP4LinearMethod's
+    fp4_quantize (PyTorch backend) both run `cvt_warp_fp16_to_fp4` (cpp/tensorrt_llm/kernels/quantization.cuh
+    @2a0ce833), then fp4_gemm scales the products by alpha = input scale x global weight scale (quant/fp4.py
+    fake_quantize_nvfp4_activation says how). The GPU reads the activation in the model's half type; here, as
+    everywhere in this engine, it is float32, so a value within a rounding of a midpoint may land on the other
+    e2m1 code."""
+
+    def __init__(self, packed, block_scale, global_scale, act_scale, bias=None):
+        super().__init__(packed, bias)
+        self.block_scale, self.global_scale, self.act_scale = block_scale, global_scale.float(), act_scale.float()
+        self._wide = dequantize_nvfp4(packed, block_scale, self.global_scale)
+
+    def __call__(self, x, *, add_bias=True):
+        y = F.linear(fake_quantize_nvfp4_activation(x, self.act_scale), self._wide)
+        return _bias(y, self.bias, add_bias)
+
+
+class Fp8BlockScales(_Widened):
+    """FP8 block scales by emulation: the e4m3 weight is widened once at load, each value times its 128x128 tile's
+    float32 scale, and every call rounds the activation through e4m3 per token and 128 columns with its own scale,
+    as TensorRT-LLM's fp8_quantize_1x128 does (`scale_1x128_kernel`, quant/fp8_block.py), the Hopper recipe's FP32
+    scales. On the GPU the block-scale GEMM takes bf16 activations only (FP8BlockScalesLinearMethod); the CPU
+    engine computes in float32 whatever the checkpoint's dtype."""
+
+    def __init__(self, weight, scale, bias=None):
+        super().__init__(weight, bias)
+        self.scale = scale.float()
+        self._wide = dequantize_fp8_block(weight, self.scale)
+
+    def __call__(self, x, *, add_bias=True):
+        y = F.linear(fake_quantize_fp8_per_1x128(x), self._wide)
+        return _bias(y, self.bias, add_bias)
+
+
 def _bias(y, bias, add):
     return y + bias if (add and bias is not None) else y
 
@@ -152,13 +211,14 @@ def _bias(y, bias, add):
 # -- what each format stores, and building the right Linear --------------------------------
 
 # formats.Tensor dtypes -> the dtype family the loader accepts.
-LOADER_KIND = {"int8": "int8", "fp8": "fp8", "float32": "float", "float16": "float", "model": "float"}
+LOADER_KIND = {"int8": "int8", "uint8": "uint8", "fp8": "fp8", "float32": "float", "float16": "float",
+               "model": "float"}
 
 
 def stored_tensors(prefix: str, out_f: int, in_f: int, bias: bool, fmt: str | None, *, group: int = 128,
                    zero: bool = False, prequant: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, kind) of one linear as the checkpoint stores it: the `stored` tensors of the
-    rows whose kernel is `fmt` (quant/formats.py); kind is "float", "int8" or "fp8" (the dtype family
+    rows whose kernel is `fmt` (quant/formats.py); kind is "float", "int8", "uint8" or "fp8" (the dtype family
     the loader accepts). Where rows share a kernel (int4_group: awq's prequant vector, an import's
     zero points), a tensor only some store is there when config.json says so (pre_quant_scale,
     has_zero_point)."""
@@ -196,11 +256,16 @@ def build_linear(t: dict[str, torch.Tensor], prefix: str, bias: bool, fmt: str |
                                t[f"{prefix}.prequant_scaling_factor"], b)
     if fmt == "fp8":
         return Fp8PerTensor(w, t[f"{prefix}.weights_scaling_factor"], t[f"{prefix}.activation_scaling_factor"], b)
+    if fmt == "nvfp4":
+        return Nvfp4(w, t[f"{prefix}.weights_scaling_factor"], t[f"{prefix}.weights_scaling_factor_2"],
+                     t[f"{prefix}.activation_scaling_factor"], b)
+    if fmt == "fp8_block":
+        return Fp8BlockScales(w, t[f"{prefix}.weights_scaling_factor"], b)
     # A row's cpu_kernel (quant/formats.py) with no branch here: refuse rather than run it as another format.
     raise ValueError(f"{prefix}: no CPU kernel '{fmt}' (engine/cpu/qlinear.py KERNELS)")
 
 
-KERNELS = ("int8_wo", "int4_wo", "int4_group", "sq", "fp8")
+KERNELS = ("int8_wo", "int4_wo", "int4_group", "sq", "fp8", "nvfp4", "fp8_block")
 """The kernels build_linear builds, which every quantized row's cpu_kernel names (tests/test_quant_formats.py)."""
 
 

@@ -206,7 +206,7 @@ def _tied_lm_head(d: ModelDims, tensors: dict[str, torch.Tensor], tp_rank: int) 
     return None
 
 
-KINDS = {"float": (torch.float32, torch.float16, torch.bfloat16), "int8": (torch.int8,),
+KINDS = {"float": (torch.float32, torch.float16, torch.bfloat16), "int8": (torch.int8,), "uint8": (torch.uint8,),
          "fp8": (torch.float8_e4m3fn, torch.int8)}  # FP8 weights may be stored as an int8 view (FP8Linear)
 
 

@@ -17,10 +17,11 @@ from toolchain.plan.perf.step import StageCost, StepTime, Work, allreduce_second
 
 HOST_ACT_BYTES = 4  # the CPU engine's activations are float32 (engine/cpu/weights.py computes in fp32)
 CPU_PRECISION = {None: "fp32", "int8_wo": "int8_wo", "int4_wo": "int4_wo", "int4_group": "int4_wo", "sq": "int8",
-                 "fp8": "fp32"}
+                 "fp8": "fp32", "nvfp4": "fp32", "fp8_block": "fp32"}
 """The kernel precision of each CPU kernel (quant/formats.py `cpu_kernel`, engine/cpu/qlinear.py): float weights
 are widened to float32 at load; weight-only int8/int4 run torch's packed kernels on bf16 activations; SmoothQuant
-runs torch._int_mm; FP8 is emulated over float32 weights widened at load."""
+runs torch._int_mm; FP8, NVFP4 and FP8 block scales are emulated over float32 weights widened at load (their
+per-call activation rounding is not counted)."""
 
 
 @dataclass(frozen=True)
