@@ -356,3 +356,27 @@ def test_plan_counts_an_nvfp4_export_at_the_bytes_convert_writes(export, tmp_pat
     dry = plan_any(out, tp=tp, pp=1, dtype="float16", target="trtllm", gpu=("B200 180GB", 100))
     assert dry.config["quantization"]["quant_algo"] == "NVFP4"
     assert [r.checkpoint_bytes for r in ctx.memory.ranks] == [dry.rank_bytes(r) for r in range(tp)]
+
+
+# -- served by the LLM-API path's CPU stand-in ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["nvfp4", pytest.param("fp8_block", marks=GRID_SPLIT)])
+def test_cpu_llm_serves_the_export_as_the_engine_runs_it(export, source, tmp_path, method):
+    """CpuLLM (what Triton's llmapi model and the OpenAI server run on target llmapi-cpu) loads the HF-format
+    checkpoint through convert's import and the CPU engine's kernel of the format: its logits are the CPU engine's
+    on the same tensors (hf_quantized_to_engine_tensors), and its greedy tokens those logits' argmax."""
+    from test_hf_quant_export import _engine_dir, _logits
+    from test_modelopt_import import generate
+
+    from toolchain.llmapi.cpu_llm import CpuLLM
+
+    out, _ = export(method)
+    prompt = [1, 17, 101, 3, 44, 90, 91, 92, 12, 240, 6]
+    tensors, config = hf_quantized_to_engine_tensors(out)
+    (want,) = _logits(_engine_dir(tmp_path / "engine", tensors, config), [prompt])
+    with CpuLLM(model=str(out), backend="pytorch", max_batch_size=2, max_seq_len=64, max_num_tokens=128,
+                kv_cache_config={"free_gpu_memory_fraction": 0.5, "max_tokens": 1024}, work_dir=tmp_path / "llm") as llm:
+        assert llm.engine.dims.quant_algo == formats.METHODS[method].quant_algo
+        assert torch.equal(llm.engine.forward_logits(prompt), want)
+        tokens = generate(llm, prompt)
+    assert len(tokens) == 12 and tokens[0] == int(want[-1].argmax())
