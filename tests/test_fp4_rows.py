@@ -10,13 +10,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from pydantic import ValidationError
 
 from toolchain import gpus
 from toolchain.archs import moe
-from toolchain.checkpoint.convert import convert_checkpoint, plan_any
+from toolchain.checkpoint.convert import plan_any
 from toolchain.checkpoint.hf_quant import export_hf_quantized, hf_quant_problem
 from toolchain.checks.preflight import FAIL, PASS, build_context, run_checks
 from toolchain.engine.cpu.config import parse_dims
@@ -242,24 +241,26 @@ def test_a_mixture_of_experts_keeps_its_refusal(tmp_path):
 
 # -- the pending quantizer and HF export -----------------------------------------------------------------------------
 
-def test_convert_and_the_hf_export_refuse_a_pending_quantizer(tmp_path):
-    # The LLM-API path would load the export (hf_quant_problem passes it), but nothing computes it yet.
-    assert hf_quant_problem(QuantizationSection(method="fp8_block")) is None
-    with pytest.raises(ToolchainError) as err:
-        export_hf_quantized(tmp_path / "absent", tmp_path, QuantizationSection(method="fp8_block"))
-    assert str(err.value) == NOT_IMPLEMENTED.format("fp8_block", "FP8_BLOCK_SCALES")
+def test_the_hf_export_computes_both_and_the_engine_path_refuses_fp8_block(tmp_path, monkeypatch):
+    # The LLM-API path loads the export (hf_quant_problem passes it), and the HF export computes it
+    # (checkpoint/hf_quant.py HF_COMPUTED, tests/test_hf_fp4_fp8block.py): it gets past the pending gate to the source.
+    for method in ("nvfp4", "fp8_block"):
+        assert hf_quant_problem(QuantizationSection(method=method)) is None
+        assert formats.METHODS[method].ready_on("llmapi")
+        with pytest.raises(ToolchainError) as err:
+            export_hf_quantized(tmp_path / "absent", tmp_path, QuantizationSection(method=method))
+        assert str(err.value).startswith("HF checkpoint directory not found")
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
-    # The engine converter never gets as far: the path rule refuses it first.
+    # The engine converter never gets as far: the path rule refuses it first; its quantizer is pending there.
     with pytest.raises(ToolchainError) as err:
         plan_any(tmp_path / "tiny", tp=1, pp=1, target="trtllm", quantization=Quantization(method="fp8_block"))
     assert str(err.value) == FP8_BLOCK_ON_ENGINE
-
-
-def test_nvfp4_is_refused_by_the_hf_export_only(tmp_path):
-    # Convert computes nvfp4's engine checkpoint (tests/test_nvfp4_engine.py); its Hugging Face export, on the
-    # LLM-API path, refuses before reading anything rather than writing another format.
-    assert hf_quant_problem(QuantizationSection(method="nvfp4")) is None
+    with pytest.raises(ToolchainError) as err:
+        formats.FP8_BLOCK.check_implemented("engine")
+    assert str(err.value) == NOT_IMPLEMENTED.format("fp8_block", "FP8_BLOCK_SCALES")
+    # A row whose HF export is pending is refused on the LLM-API path alone, before anything is read.
+    monkeypatch.setattr(formats, "PENDING_HF_EXPORTS", frozenset({"nvfp4"}))
     with pytest.raises(ToolchainError) as err:
         export_hf_quantized(tmp_path / "absent", tmp_path, QuantizationSection(method="nvfp4"))
     assert str(err.value) == NO_HF_EXPORT
@@ -309,15 +310,16 @@ def _tune_spec(target: str, gpu: str):
 
 
 def test_tune_proposes_each_only_where_convert_computes_it():
-    # nvfp4 on the engine path only (its HF export is pending), fp8_block nowhere (its quantizer is).
+    # nvfp4 on both paths where the GPU runs it; fp8_block on the LLM-API path only (its HF export is computed, its
+    # engine quantizer pending and no engine path takes it).
     found = {}
     for target, gpu in (("trtllm", "B200"), ("llmapi", "B200"), ("llmapi", "H100")):
         spec = _tune_spec(target, gpu)
         methods = weight_methods(spec, gpus.resolve(spec), False)
         assert "fp8" in methods
         found[target, gpu] = ("nvfp4" in methods, "fp8_block" in methods)
-    assert found == {("trtllm", "B200"): (True, False), ("llmapi", "B200"): (False, False),
-                     ("llmapi", "H100"): (False, False)}
+    assert found == {("trtllm", "B200"): (True, False), ("llmapi", "B200"): (True, True),
+                     ("llmapi", "H100"): (False, True)}
 
 
 def test_tune_proposes_them_where_they_run_once_computed(monkeypatch):

@@ -262,7 +262,7 @@ def test_kv_cache_fp8_asks_the_checkpoint_for_its_scales(export):
 
 
 @pytest.mark.parametrize("edit, fragment", [
-    (lambda hq, qc: hq["quantization"].update(quant_algo="NVFP4"), "quant_algo NVFP4 cannot be imported"),
+    (lambda hq, qc: hq["quantization"].update(quant_algo="W4A8_AWQ"), "quant_algo W4A8_AWQ cannot be imported"),
     (lambda hq, qc: hq["quantization"].update(kv_cache_quant_algo="INT8"), "kv_cache_quant_algo INT8"),
     (lambda hq, qc: hq["quantization"].update(group_size=32), "group_size 32"),
 ])

@@ -86,10 +86,12 @@ def test_every_row_names_its_quantizer_kernel_and_export():
     # kept visible and small. A name leaves its list when its dispatcher branch lands, and this test then holds it.
     assert formats.PENDING_QUANTIZERS == {"fp8_block"}
     assert formats.PENDING_CPU_KERNELS == set()
-    # nvfp4's engine checkpoint is computed, its Hugging Face export not yet: the LLM-API path refuses it alone.
-    assert formats.PENDING_HF_EXPORTS == {"nvfp4"}
-    assert all(formats.METHODS[name].quantizer_ready and formats.METHODS[name].hf_name
-               and name not in formats.HF_IMPORTS for name in formats.PENDING_HF_EXPORTS)
+    # Every Hugging Face export is computed (checkpoint/hf_quant.py HF_COMPUTED), fp8_block's too, which no engine
+    # path computes: a row's HF export is pending exactly while its quantizer has no branch there.
+    assert formats.PENDING_HF_EXPORTS == set()
+    for row in formats.HF_EXPORTS.values():
+        assert (row.quantizer in hf_quant.HF_COMPUTED) != (row.name in formats.PENDING_HF_EXPORTS), row.name
+        assert (row.name in formats.HF_IMPORTS) == row.ready_on("llmapi"), row.name
     for row in formats.ALL:
         # Its quantizer: a computing one has its branch in the writer and reads calibration statistics that
         # collect_stats gathers (fp8_block alone none: its activations are scaled at run time); the others write

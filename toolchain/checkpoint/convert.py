@@ -25,7 +25,7 @@ from toolchain.checkpoint.config_only import ConfigOnlyCheckpoint
 from toolchain.weights_source import has_weights
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.checkpoint.layout import TORCH_DTYPES, Options, Plan, build_plan
-from toolchain.checkpoint.hf_quant import read_hf_quant_format
+from toolchain.checkpoint.hf_quant import read_stored_format
 from toolchain.checkpoint.quantize import Quantizer
 from toolchain.checkpoint.stored import stored_group_size, virtualize_modelopt, virtualize_prequantized
 from toolchain.checkpoint.writer import write_plan
@@ -57,12 +57,14 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
                     use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                     ckpt: HFCheckpoint | None = None, quantization: Quantization | None = None,
                     gpu: tuple[str | None, int | None] | None = None, moe_tp: int | None = None,
-                    moe_ep: int | None = None) -> Plan:
+                    moe_ep: int | None = None, path: str | None = None) -> Plan:
     """Everything `convert_checkpoint` would write, per rank, without reading weights. `quantization` is
     the spec's request (Quantization.of its section), to which quantization_of adds the source checkpoint's
     own format (its config.json, and a ModelOpt export's hf_quant_config.json). `gpu` is (name, SM) of the
     target GPU when the spec names one (format checks); `moe_tp`/`moe_ep` the spec's expert parallelism
-    (None: derived as TensorRT-LLM's Mapping does)."""
+    (None: derived as TensorRT-LLM's Mapping does). `path` is the path whose runtime loads the result, the target's
+    unless given: CpuLLM, the LLM-API path's stand-in, converts for the CPU engine with path llmapi, so a stored
+    format the PyTorch backend loads and trtllm-build lacks (FP8 block scales) is imported there too."""
     ckpt = ckpt or HFCheckpoint(hf_dir)
     family, params = load_params(ckpt.config, str(ckpt.config_path))
     if family.parallel_embedding_at_tp:  # the family's TensorRT-LLM config decides (archs/gemma.py)
@@ -76,22 +78,24 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     if refusal is not None:
         raise ToolchainError(f"{ckpt.config_path}: {refusal.why}", refusal.hint)
     config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
-    fmt = None
-    if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "modelopt":
-        # A ModelOpt Hugging Face-format export (the LLM-API path's pre-quantized checkpoint): imported
-        # as stored, in the format it was quantized in (parse_prequantized knows AutoAWQ/GPTQ only).
-        fmt = read_hf_quant_format(ckpt.directory)
+    fmt = read_stored_format(ckpt.directory, ckpt.config)
+    if fmt is not None:
+        # A ModelOpt Hugging Face-format export (the LLM-API path's pre-quantized checkpoint) or a DeepSeek-style
+        # FP8 block-scale checkpoint: imported as stored, in the format it was quantized in (parse_prequantized
+        # knows AutoAWQ/GPTQ only).
         q = quantization_of(requested, ckpt.config, modelopt=fmt)
         if q.per_group and fmt["group_size"] is None and not config_only:
             # config.json alone does not say; the stored shapes do
             q = dataclasses.replace(q, group_size=stored_group_size(ckpt) or 128)
-        fmt = {**fmt, "group_size": q.group_size}
+        if q.per_group:
+            fmt = {**fmt, "group_size": q.group_size}
     else:
         q = quantization_of(requested, ckpt.config, origin=str(ckpt.config_path))
     shape = ModelShape(params.hidden_size, params.intermediate_size, params.num_attention_heads,
                        params.num_key_value_heads, params.head_size, params.max_position_embeddings)
     layout_plan = check_recipe(q, shape, tp=tp, target=target, gpu_name=(gpu or (None, None))[0],
-                               gpu_sm=(gpu or (None, None))[1], splits=lambda t: splits_tp(params, layout, t))
+                               gpu_sm=(gpu or (None, None))[1], splits=lambda t: splits_tp(params, layout, t),
+                               path=path)
     raw = virtualize_prequantized(ckpt, q.prequantized.kind) if q.prequantized is not None else {}
     kv_sources: dict[int, tuple[str, str]] = {}
     if fmt is not None:
@@ -174,9 +178,9 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
                        embedding_sharding_dim: int = 0, quantization: Quantization | None = None,
                        tokenizer_dir: Path | str | None = None, calibration: list | None = None,
                        gpu: tuple[str | None, int | None] | None = None, moe_tp: int | None = None,
-                       moe_ep: int | None = None) -> dict:
+                       moe_ep: int | None = None, path: str | None = None) -> dict:
     """Write config.json and rank{N}.safetensors into `out_dir` (existing, empty);
-    return the config written."""
+    return the config written. `path`: as plan_checkpoint's."""
     out = Path(out_dir)
     if not out.is_dir() or any(out.iterdir()):
         raise ToolchainError(f"output directory {out} must exist and be empty",
@@ -185,8 +189,9 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
         plan = plan_checkpoint(hf_dir, tp=tp, pp=pp, dtype=dtype, target=target,
                                use_parallel_embedding=use_parallel_embedding,
                                embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt, quantization=quantization,
-                               gpu=gpu, moe_tp=moe_tp, moe_ep=moe_ep)
-        if plan.quant is not None:  # a pending quantizer is refused before calibrating (--dry-run still plans it)
+                               gpu=gpu, moe_tp=moe_tp, moe_ep=moe_ep, path=path)
+        if plan.quant is not None and not plan.quant.imports:
+            # a pending quantizer, before calibrating (--dry-run still plans it)
             plan.quant.format.check_implemented(ENGINE)
         calibrate(plan, hf_dir, tokenizer_dir=tokenizer_dir, calibration=calibration)
         write_plan(plan, ckpt, out)

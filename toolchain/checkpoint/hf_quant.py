@@ -18,12 +18,25 @@ unified_export_hf.py, quant_utils.py, convert_hf_config.py; layouts checked agai
 - Mixture of experts (FP8; ModelOpt 0.47 golden layouts in tests/data/layouts-hf-moe): every expert's
   projections under their HF names with their own scalar weight_scale, one input_scale per projection kind
   shared by the experts, the routers in the model dtype and named in exclude_modules (`_moe_fp8`).
+- NVFP4: `weight` uint8 (out, in/2), two e2m1 values a byte, the even one in the low nibble;
+  `weight_scale` float8_e4m3fn (out, in/16); scalar float32 `weight_scale_2` = amax(W) / (6 x 448)
+  and `input_scale` = amax(x) / (6 x 448) (modelopt/torch/export/unified_export_hf.py
+  `_export_quantized_weight`; the math is quant/fp4.py's). q/k/v and gate/up carry one
+  `weight_scale_2` and one `input_scale`, the max over the parts, the block scales recomputed
+  with that global scale (`preprocess_linear_fusion`), since TensorRT-LLM's NVFP4LinearMethod
+  asserts they are equal (tensorrt_llm/_torch/modules/linear.py, load_weight_scales).
+- FP8 block scales (ModelOpt's `fp8_pb_wo`, weights only): `weight` e4m3 (out, in) and float32
+  `weight_scale` (ceil(out/128), ceil(in/128)) = tile amax / 448 (quant/fp8_block.py); nothing
+  calibrated, the activations are scaled per 1x128 at run time.
 - FP8 KV cache: scalar float32 `self_attn.k_proj.k_scale` / `self_attn.v_proj.v_scale`
   = amax / 448, not clamped (the clamp to >= 1 is the TensorRT-LLM-checkpoint exporter's).
 - hf_quant_config.json {producer, quantization{quant_algo, kv_cache_quant_algo, [group_size,
   has_zero_point, pre_quant_scale], exclude_modules}}; config.json gains `quantization_config`
-  {config_groups (FP8 only), ignore, quant_algo, kv_cache_scheme (FP8 KV), producer,
-  quant_method: "modelopt"}.
+  {config_groups (FP8 and NVFP4), ignore, quant_algo, kv_cache_scheme (FP8 KV), producer,
+  quant_method: "modelopt"}. FP8 block scales are written under ModelOpt's name, "fp8_pb_wo"
+  (quant/view.py MODELOPT_NAMES), without a group_size, as ModelOpt writes them; TensorRT-LLM
+  maps the name to FP8_BLOCK_SCALES and the missing group_size to 128 (QuantConfig
+  _update_from_legacy_args, tensorrt_llm/models/modeling_utils.py @0c8de69).
 
 The math is the engine path's (toolchain.quant: the AWQ search, FP8 scales, KV scales from
 the same calibration statistics), so only the layout differs; `hf_quantized_to_engine_tensors`
@@ -47,11 +60,14 @@ from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.errors import ToolchainError
 from toolchain.quant import awq as awq_q
 from toolchain.quant import formats
+from toolchain.quant import fp4 as fp4_q
 from toolchain.quant import fp8 as fp8_q
+from toolchain.quant import fp8_block as fp8_block_q
 from toolchain.quant.int_quant import pack_int4
 from toolchain.quant.recipe import is_excluded, per_group_multiple
-from toolchain.quant.view import Quantization, quantization_of
+from toolchain.quant.view import MODELOPT_NAMES, Quantization, quantization_of, stored_format
 from toolchain.checkpoint.config import build_config
+from toolchain.targets import LLMAPI
 
 PRODUCER = {"name": "trtllm-toolchain", "version": __version__}
 ALWAYS_IGNORED = ["lm_head", "model.embed_tokens"]
@@ -61,11 +77,17 @@ GROUPS = (("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), 
           ("dense", ("self_attn.o_proj",), None),
           ("mlp", ("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
           ("proj", ("mlp.down_proj",), None))
-COMPANIONS = ("weight_scale", "input_scale", "pre_quant_scale", "k_scale", "v_scale")
+# The tensors beside a quantized weight: its scales (DeepSeek-style FP8 block checkpoints name theirs
+# weight_scale_inv), AWQ's prequant vector and the FP8 KV-cache scales.
+COMPANIONS = ("weight_scale", "weight_scale_2", "weight_scale_inv", "input_scale", "pre_quant_scale", "k_scale",
+              "v_scale")
 KV_ONLY_FORMAT = "kv_fp8"  # the export's `format` when only the KV cache is quantized
-# formats.Format.hf_weight -> torch, and the dtype of a stored weight -> the quant_algo it belongs to.
+# formats.Format.hf_weight -> torch: a weight stored in one of these is a quantized one.
 HF_WEIGHT = {"uint8": torch.uint8, "fp8": fp8_q.FP8_DTYPE}
-STORED_ALGO = {HF_WEIGHT[f.hf_weight]: f.quant_algo for f in formats.HF_IMPORTS.values() if f.hf_weight and f.quant_algo}
+# The engine checkpoint's suffix of each HF-format scale (ModelOpt's export names, modelopt/torch/quantization/
+# utils/core_utils.py QuantizerAttrNames; model_config.py LinearConfig for the engine's).
+HF_SCALES = {"weights_scaling_factor": "weight_scale", "weights_scaling_factor_2": "weight_scale_2",
+             "activation_scaling_factor": "input_scale", "prequant_scaling_factor": "pre_quant_scale"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 MAX_SHARD_BYTES = 10 * 10 ** 9  # the exporter's default max_shard_size "10GB"
@@ -95,21 +117,26 @@ def hf_quant_problem(quantization) -> str | None:
 
 def quant_configs(algo: str | None, kv: str | None, group: int, excluded: list[str]) -> tuple[dict, dict]:
     """(hf_quant_config.json, config.json `quantization_config`) as the exporter writes them."""
-    q: dict = {"quant_algo": algo, "kv_cache_quant_algo": kv}
-    if formats.BY_ALGO[algo].per_group:
+    row = formats.BY_ALGO[algo]
+    q: dict = {"quant_algo": MODELOPT_NAMES.get(str(algo), algo), "kv_cache_quant_algo": kv}
+    if row.per_group:
         q.update(group_size=group, has_zero_point=False, pre_quant_scale=True)
+    elif algo == "NVFP4":  # process_layer_quant_config: {"quant_algo": "NVFP4", "group_size": block size}
+        q["group_size"] = row.group_size
     if algo is not None:
         q["exclude_modules"] = sorted(ALWAYS_IGNORED + excluded)
     else:  # KV cache only: no quantized layer, so the per-layer table stays and no exclude list is summarised
         q["quantized_layers"] = {}
     hf_quant = {"producer": dict(PRODUCER), "quantization": q}
     qc: dict = {}
-    if algo == "FP8":
-        fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
-        qc["config_groups"] = {"group_0": {"input_activations": dict(fp8), "weights": dict(fp8), "targets": ["Linear"]}}
+    if algo in ("FP8", "NVFP4"):  # convert_hf_quant_config_format's two config groups
+        bits = {"dynamic": False, "num_bits": 8, "type": "float"} if algo == "FP8" else \
+            {"dynamic": False, "num_bits": 4, "type": "float", "group_size": row.group_size}
+        qc["config_groups"] = {"group_0": {"input_activations": dict(bits), "weights": dict(bits),
+                                           "targets": ["Linear"]}}
     qc["ignore"] = q.get("exclude_modules", [])
     if algo:
-        qc["quant_algo"] = algo
+        qc["quant_algo"] = q["quant_algo"]
     if kv == "FP8":
         qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
     qc["producer"] = dict(PRODUCER)
@@ -154,6 +181,16 @@ def _check_groups(params, group: int) -> None:
                                  "use quantization.group_size 64, or quantization.method fp8")
 
 
+def _check_blocks(params, method: str, block: int) -> None:
+    ins = {"hidden_size": params.hidden_size, "num_attention_heads x head_size":
+           params.num_attention_heads * params.head_size, "intermediate_size": params.intermediate_size}
+    for what, dim in ins.items():
+        if dim % block:
+            # NVFP4LinearMethod.create_weights asserts in_features % 16 == 0 (tensorrt_llm/_torch/modules/linear.py).
+            raise ToolchainError(f"{method}: {what} ({dim}) is not a multiple of its block of {block} input channels",
+                                 "use quantization.method fp8 for this model")
+
+
 def _module_excluded(table: NameTable, prefix: str, patterns) -> bool:
     """Spec exclude_modules are globs of TensorRT-LLM module names (as on the engine path)."""
     m = table.match(prefix + ".weight")
@@ -161,24 +198,56 @@ def _module_excluded(table: NameTable, prefix: str, patterns) -> bool:
 
 
 def _quantize_group(quant: Quantization, ws: list[torch.Tensor], st, dtype) -> list[dict[str, torch.Tensor]]:
-    """HF tensors (leaf -> tensor) per linear of one shared-input group; AWQ's shared prequant
-    vector comes back as float32 under "_prequant" for the caller to fold or keep."""
-    quantizer = quant.format.quantizer
-    quant.format.check_implemented()  # a pending quantizer (quant/formats.py PENDING_QUANTIZERS)
-    if quantizer not in ("fp8", "awq"):  # hf_quant_problem refuses the others first
+    """HF tensors (leaf -> tensor) per linear of one shared-input group (`st`: its calibration statistics, None
+    for a format that calibrates nothing); AWQ's shared prequant vector comes back as float32 under "_prequant"
+    for the caller to fold or keep."""
+    compute = HF_COMPUTED.get(quant.format.quantizer)
+    if compute is None:  # hf_quant_problem refuses the rows without an export first
+        quant.format.check_implemented(LLMAPI)
         raise ValueError(f"the Hugging Face export has no quantizer for quantization.method {quant.method}")
-    if quantizer == "fp8":
-        a_scale = fp8_q.fp8_scale(st.amax.max()).reshape(())
-        out = []
-        for w in ws:
-            q, s = fp8_q.quantize_fp8_weight(w)
-            out.append({"weight": q, "weight_scale": s.reshape(()), "input_scale": a_scale.clone()})
-        return out
+    return compute(quant, ws, st)
+
+
+def _fp8(quant: Quantization, ws: list[torch.Tensor], st) -> list[dict[str, torch.Tensor]]:
+    a_scale = fp8_q.fp8_scale(st.amax.max()).reshape(())
+    out = []
+    for w in ws:
+        q, s = fp8_q.quantize_fp8_weight(w)
+        out.append({"weight": q, "weight_scale": s.reshape(()), "input_scale": a_scale.clone()})
+    return out
+
+
+def _nvfp4(quant: Quantization, ws: list[torch.Tensor], st) -> list[dict[str, torch.Tensor]]:
+    # One global weight scale and one input scale for the group: ModelOpt unifies the parts' amaxes by max
+    # before exporting (quant_utils.py preprocess_linear_fusion), and each part's block scales are computed
+    # against that shared global (quantize_nvfp4 with global_scale).
+    shared = fp4_q.nvfp4_global_scale(torch.stack([w.abs().max() for w in ws]).max())
+    a_scale = fp4_q.nvfp4_global_scale(st.amax.max())
+    out = []
+    for w in ws:
+        packed, block, s2 = fp4_q.quantize_nvfp4(w, shared)
+        out.append({"weight": packed, "weight_scale": block, "weight_scale_2": s2.clone(),
+                    "input_scale": a_scale.clone()})
+    return out
+
+
+def _fp8_block(quant: Quantization, ws: list[torch.Tensor], st) -> list[dict[str, torch.Tensor]]:
+    # Each part keeps its own tiles: the fused loaders concatenate the grids (FP8BlockScalesLinearMethod).
+    return [dict(zip(("weight", "weight_scale"), fp8_block_q.quantize_fp8_block(w), strict=True)) for w in ws]
+
+
+def _awq(quant: Quantization, ws: list[torch.Tensor], st) -> list[dict[str, torch.Tensor]]:
     lins, _ = awq_q.quantize_awq(ws, st.absmean, st.cov, quant.group_size, search=quant.search,
                                  clip=quant.search, rounding=quant.rounding if quant.search else "nearest")
     # The project packs into int8 (the engine checkpoint's dtype); the HF format stores the same bytes as uint8.
     return [{"weight": pack_int4(lin.weight).view(torch.uint8), "weight_scale": lin.weights_scaling_factor.float(),
              "_prequant": lin.prequant_scaling_factor.float()} for lin in lins]
+
+
+# A row's `quantizer` (quant/formats.py) -> what computes its HF-format tensors. The export needs no quantizer of the
+# engine path's (checkpoint/quantize.py COMPUTED): its own pending list is formats.PENDING_HF_EXPORTS, which
+# tests/test_quant_formats.py holds to this table.
+HF_COMPUTED = {"fp8": _fp8, "awq": _awq, "nvfp4": _nvfp4, "fp8_block": _fp8_block}
 
 
 def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, dtype: str = "auto", *,
@@ -192,7 +261,7 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
     problem = hf_quant_problem(quant)
     if problem is not None:
         raise ToolchainError(problem, HINT)
-    quant.format.check_implemented()  # before calibrating: _quantize_group would refuse it after
+    quant.format.check_implemented(LLMAPI)  # before calibrating: _quantize_group would refuse it after
     hf_dir, out = Path(hf_dir), Path(out_dir)
     with HFCheckpoint(hf_dir) as ckpt:
         family, params = load_params(ckpt.config, str(ckpt.config_path))
@@ -213,7 +282,10 @@ def export_hf_quantized(hf_dir: Path | str, out_dir: Path | str, quantization, d
         target = _export_dtype(dtype, params)
         if quant.format.per_group:
             _check_groups(params, quant.group_size)
-        stats = _calibration(hf_dir, quant, calibration, tokenizer_dir, params.vocab_size)
+        elif quant.format.group_size is not None:
+            _check_blocks(params, quant.method, quant.format.group_size)
+        stats = _calibration(hf_dir, quant, calibration, tokenizer_dir, params.vocab_size) \
+            if quant.needs_calibration else None
         tensors, excluded = _quantized_tensors(ckpt, table, params, quant, stats, target)
     row = formats.HF_EXPORTS.get(quant.method)
     algo, kv = (row.quant_algo if row else None), formats.KV_CACHE[quant.kv_cache].quant_algo
@@ -244,6 +316,7 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, quant: Quan
         if quant.kv_cache == "fp8":
             # One amax over the q/k/v outputs (the project's calibration) for both k and v: never
             # below the exporter's separate k and v amaxes, so the cache cannot overflow.
+            assert stats is not None  # an FP8 KV cache is calibrated (Quantization.needs_calibration)
             scale = torch.tensor(stats[layer].qkv_amax / fp8_q.FP8_MAX, dtype=torch.float32)
             out[f"{base}.self_attn.k_proj.k_scale"], out[f"{base}.self_attn.v_proj.v_scale"] = scale, scale.clone()
         if quant.method == "none":
@@ -263,7 +336,8 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, quant: Quan
                 raise ToolchainError(f"quantization.exclude_modules keeps only part of {', '.join(prefixes)} "
                                      "unquantized", "exclude all linears sharing one input, or none of them")
             ws = [ckpt.load(p + ".weight").float() for p in prefixes]
-            for p, parts in zip(prefixes, _quantize_group(quant, ws, stats[layer].inputs[slot], dtype), strict=False):
+            st = stats[layer].inputs[slot] if stats is not None else None
+            for p, parts in zip(prefixes, _quantize_group(quant, ws, st, dtype), strict=False):
                 prequant = parts.pop("_prequant", None)
                 if prequant is not None and norm is None:
                     parts["pre_quant_scale"] = prequant.to(dtype)
@@ -350,34 +424,33 @@ def _copy_side_files(hf_dir: Path, out: Path, config: dict) -> list[str]:
 
 # -- reading it back --------------------------------------------------------------------
 
-def read_hf_quant_format(directory: Path | str) -> dict:
-    """{quant_algo, kv_cache_quant_algo, group_size, exclude_modules} of an exported directory:
-    hf_quant_config.json, else config.json's ModelOpt `quantization_config`."""
+def read_stored_format(directory: Path | str, config: dict | None = None) -> dict | None:
+    """quant/view.py `stored_format` of a checkpoint directory (its config.json, or `config` when the caller
+    has read it, and its hf_quant_config.json where it has one): None unless convert imports it as stored."""
     directory = Path(directory)
     path = directory / "hf_quant_config.json"
-    if path.is_file():
-        q = json.loads(path.read_text()).get("quantization", {})
-        kv, ignore = q.get("kv_cache_quant_algo"), q.get("exclude_modules") or []
-    else:
-        q = json.loads((directory / "config.json").read_text()).get("quantization_config") or {}
-        if q.get("quant_method") != "modelopt":
-            raise ToolchainError(f"{directory} holds no ModelOpt-format quantization config",
-                                 "export it with toolchain.checkpoint.hf_quant.export_hf_quantized")
-        scheme = q.get("kv_cache_scheme")
-        kv = "FP8" if isinstance(scheme, dict) and scheme.get("type") == "float" else scheme
-        ignore = q.get("ignore") or []
-    algo = q.get("quant_algo")
-    importable = sorted(str(f.quant_algo) for f in formats.HF_IMPORTS.values())
-    if (algo is not None and algo not in importable) or q.get("has_zero_point"):
-        zero = " with zero points" if q.get("has_zero_point") else ""
-        raise ToolchainError(f"{directory}: ModelOpt quant_algo {algo}{zero} cannot be imported",
-                             f"only {' and '.join(importable)} (no zero point) checkpoints can; convert the "
-                             "unquantized model and set quantization.method instead")
-    if kv not in (None, "FP8"):
-        raise ToolchainError(f"{directory}: ModelOpt kv_cache_quant_algo {kv} cannot be imported",
-                             "only an FP8 KV cache (k_scale / v_scale) can; re-export with kv cache fp8 or none")
-    return {"quant_algo": algo, "kv_cache_quant_algo": kv, "group_size": q.get("group_size"),
-            "exclude_modules": list(ignore)}
+    hf_quant = json.loads(path.read_text()) if path.is_file() else None
+    if config is None:
+        config = json.loads((directory / "config.json").read_text())
+    return stored_format(config, hf_quant, str(directory))
+
+
+def read_hf_quant_format(directory: Path | str) -> dict:
+    """{quant_algo, kv_cache_quant_algo, group_size, exclude_modules} of an exported directory:
+    hf_quant_config.json, else config.json's ModelOpt `quantization_config`, or a DeepSeek-style FP8
+    block-scale config.json (quant/view.py stored_format, which refuses what cannot be imported)."""
+    directory = Path(directory)
+    fmt = read_stored_format(directory)
+    if fmt is None:
+        raise ToolchainError(f"{directory} holds no ModelOpt-format quantization config",
+                             "export it with toolchain.checkpoint.hf_quant.export_hf_quantized")
+    return fmt
+
+
+def stored_scale(has, prefix: str) -> str:
+    """The name of an FP8 block-scale linear's scale grid: `weight_scale_inv` in a DeepSeek-style checkpoint,
+    `weight_scale` in ModelOpt's (FP8BlockScalesLinearMethod._get_scale_name reads them in that order)."""
+    return prefix + ".weight_scale_inv" if has(prefix + ".weight_scale_inv") else prefix + ".weight_scale"
 
 
 def stored_linear(load, has, prefix: str, algo: str) -> dict[str, torch.Tensor]:
@@ -385,28 +458,39 @@ def stored_linear(load, has, prefix: str, algo: str) -> dict[str, torch.Tensor]:
     the CPU engine runs (toolchain/engine/cpu/qlinear.py): FP8 `weight` e4m3 (out, in),
     `weights_scaling_factor` / `activation_scaling_factor` (1,); AWQ `weight` int8 (out/2, in)
     (the same bytes), `weights_scaling_factor` float32 (out, in/g) and `prequant_scaling_factor`
-    (in,) when the module kept one (else it was folded into the norm). `load(name)` reads a tensor,
-    `has(name)` says whether it is stored."""
-    if formats.BY_ALGO[algo].per_group:
+    (in,) when the module kept one (else it was folded into the norm); NVFP4 `weight` uint8 (out, in/2),
+    `weights_scaling_factor` e4m3 (out, in/16), `weights_scaling_factor_2` / `activation_scaling_factor`
+    (1,); FP8 block scales `weight` e4m3 (out, in) and `weights_scaling_factor` float32
+    (ceil(out/128), ceil(in/128)). `load(name)` reads a tensor, `has(name)` says whether it is stored."""
+    row = formats.BY_ALGO[algo]
+    if row.per_group:
         t = {"weight": load(prefix + ".weight").view(torch.int8),
              "weights_scaling_factor": load(prefix + ".weight_scale").float()}
         if has(prefix + ".pre_quant_scale"):
             t["prequant_scaling_factor"] = load(prefix + ".pre_quant_scale")
         return t
-    return {"weight": load(prefix + ".weight"),
-            "weights_scaling_factor": load(prefix + ".weight_scale").float().reshape(1),
-            "activation_scaling_factor": load(prefix + ".input_scale").float().reshape(1)}
+    if row.quantizer == "fp8_block":
+        grid = load(stored_scale(has, prefix)).float()
+        # ModelOpt's fp8_pb_wo may store it (rows, 1, cols, 1) (FP8BlockScalesLinearMethod squeezes those).
+        return {"weight": load(prefix + ".weight"),
+                "weights_scaling_factor": grid.squeeze(1).squeeze(-1) if grid.dim() == 4 else grid}
+    out = {"weight": load(prefix + ".weight")}
+    for tensor in row.stored[1:]:  # FP8, NVFP4: the row's scales under their HF names
+        scale = load(f"{prefix}.{HF_SCALES[tensor.suffix]}")
+        out[tensor.suffix] = scale.float().reshape(1) if tensor.layout == "scalar" else scale  # 0-dim scalars as (1,)
+    return out
 
 
 def read_hf_quantized(directory: Path | str) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """Per quantized HF linear (`model.layers.N.self_attn.q_proj`, ...): its stored tensors as
     `stored_linear` gives them."""
+    algo = read_hf_quant_format(directory)["quant_algo"]
     with HFCheckpoint(directory) as ckpt:
         for name, info in ckpt.tensors.items():
             prefix, _, leaf = name.rpartition(".")
-            if leaf != "weight" or info.dtype not in STORED_ALGO:
+            if leaf != "weight" or info.dtype not in HF_WEIGHT.values():
                 continue
-            yield prefix, stored_linear(ckpt.load, ckpt.has, prefix, STORED_ALGO[info.dtype])
+            yield prefix, stored_linear(ckpt.load, ckpt.has, prefix, algo)
 
 
 def engine_kv_scale(k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
@@ -419,7 +503,18 @@ def fuse_group(parts: list[dict[str, torch.Tensor]], algo: str, in_f: int, dtype
     """One shared-input group's linears as the engine stores them: FP8 weights re-quantized to the
     group's largest weight scale (the fused FP8Linear has one; TensorRT-LLM's PyTorch loader does the
     same, and a part already at that scale keeps its bytes) and one activation scale; AWQ gets one
-    prequant vector, ones where the exporter folded it into the norm."""
+    prequant vector, ones where the exporter folded it into the norm; NVFP4 parts must already share
+    their global weight and input scales (NVFP4LinearMethod.load_weight_scales asserts it); FP8 block
+    scales keep each part's own tiles."""
+    quantizer = formats.BY_ALGO[algo].quantizer
+    if quantizer == "fp8_block":
+        return parts
+    if quantizer == "nvfp4":
+        for suffix, leaf in (("weights_scaling_factor_2", "weight_scale_2"), ("activation_scaling_factor", "input_scale")):
+            if any(not torch.equal(p[suffix], parts[0][suffix]) for p in parts):
+                raise ToolchainError(f"NVFP4 linears sharing one input carry different {leaf} values",
+                                     "TensorRT-LLM's NVFP4 loader asserts they are equal; re-export the checkpoint")
+        return parts
     if not formats.BY_ALGO[algo].per_group:  # FP8: per-tensor scales
         s = torch.stack([p["weights_scaling_factor"] for p in parts]).max().reshape(1)
         a = torch.stack([p["activation_scaling_factor"] for p in parts]).max().reshape(1)
@@ -459,7 +554,10 @@ def hf_quantized_to_engine_tensors(directory: Path | str) -> tuple[dict[str, tor
     directory = Path(directory)
     fmt = read_hf_quant_format(directory)
     algo = fmt["quant_algo"]
-    per_group = formats.BY_ALGO[algo].per_group
+    row = formats.BY_ALGO[algo]
+    per_group = row.per_group
+    # Tensors with a row per output channel: the fused q/k/v module stacks them (the others are shared).
+    by_rows = {t.suffix for t in row.stored if t.layout in ("weight", "out_vec", "out_groups")}
     quantized = dict(read_hf_quantized(directory))
     with HFCheckpoint(directory) as ckpt:
         family, params = load_params(ckpt.config, str(ckpt.config_path))
@@ -509,8 +607,7 @@ def hf_quantized_to_engine_tensors(directory: Path | str) -> tuple[dict[str, tor
                     fused = [_pad_mlp(f, mm != "mlp.down_proj", padded - params.intermediate_size, group)
                              for f, mm in zip(fused, members, strict=False)]
                 if matches[0].row.shard is Shard.QKV:  # q, k, v rows stacked into one module
-                    rows = ("weight", "weights_scaling_factor") if per_group else ("weight",)
-                    out.update({f"{trt[0]}.{s}": torch.cat([f[s] for f in fused]) if s in rows else fused[0][s]
+                    out.update({f"{trt[0]}.{s}": torch.cat([f[s] for f in fused]) if s in by_rows else fused[0][s]
                                 for s in fused[0]})
                 else:
                     out.update({f"{t}.{s}": v for t, f in zip(trt, fused, strict=False) for s, v in f.items()})
@@ -522,5 +619,7 @@ def hf_quantized_to_engine_tensors(directory: Path | str) -> tuple[dict[str, tor
         q["exclude_modules"] = excluded
     if per_group:
         q.update(group_size=group, has_zero_point=False, pre_quant_scale=True)
+    elif row.group_size is not None:  # a block the format fixes, as the engine path writes it (Quantizer.config)
+        q["group_size"] = row.group_size
     config["quantization"] = q
     return out, config

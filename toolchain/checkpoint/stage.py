@@ -100,9 +100,9 @@ def _outputs(spec: DeploymentSpec, plan: Plan, files: dict[str, int]) -> dict:
     return out
 
 
-def _plan_options(spec: DeploymentSpec) -> dict:
+def _plan_options(spec: DeploymentSpec, loaded_by: str | None = None) -> dict:
     par = spec.parallelism
-    return {"tp": par.tp, "pp": par.pp, "dtype": spec.model.dtype, "target": spec.target,
+    return {"tp": par.tp, "pp": par.pp, "dtype": spec.model.dtype, "target": spec.target, "path": loaded_by,
             "use_parallel_embedding": par.parallel_embedding, "embedding_sharding_dim": par.embedding_sharding_dim,
             "quantization": Quantization.of(spec.quantization), "gpu": target_gpu(spec), "moe_tp": par.moe_tp,
             "moe_ep": par.moe_ep}
@@ -123,12 +123,13 @@ def _with_heads(plan: Plan, spec: DeploymentSpec) -> Plan:
 
 def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                 echo: Callable[[str], None] | None = None, keep_edits: bool = False,
-                notes: Callable[[str], None] | None = None) -> Manifest:
+                notes: Callable[[str], None] | None = None, loaded_by: str | None = None) -> Manifest:
     """Convert spec.model.checkpoint into workspace.checkpoint_dir(spec); reuse
     a current output unless `force` (one whose files changed since only with
     `keep_edits`). Returns the manifest of what is there. `echo` hears every
     line; `notes` (default `echo`) the lines about changed files, which
-    build-engine passes on while it keeps the others to itself.
+    build-engine passes on while it keeps the others to itself. `loaded_by`: the path whose runtime loads the
+    checkpoint (plan_checkpoint's `path`), where it is not the target's: CpuLLM's llmapi.
     The engine path's convert; toolchain/pipeline.py gives each path its own."""
     require_target(spec, f"target {spec.target} has no TensorRT-LLM checkpoint (the LLM-API path serves the HF checkpoint)",
             "run `toolchain convert SPEC`, which takes the spec's path", path=ENGINE)
@@ -138,7 +139,7 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
     ckpt = HFCheckpoint(spec.model.checkpoint)
     with ckpt:
         # Planning validates config, parallelism, names and headers before any write.
-        plan = _with_heads(plan_checkpoint(ckpt.directory, **_plan_options(spec), ckpt=ckpt), spec)
+        plan = _with_heads(plan_checkpoint(ckpt.directory, **_plan_options(spec, loaded_by), ckpt=ckpt), spec)
         inputs = {p.name: input_hash(p) for p in ckpt.input_files}
         hf_quant = ckpt.directory / "hf_quant_config.json"
         if hf_quant.is_file():  # a ModelOpt HF-format export: its format (algo, group size, exclusions) is read here

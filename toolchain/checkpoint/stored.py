@@ -1,10 +1,10 @@
 """Stored-quantized source checkpoints shown to the planner as the fp models they encode.
 
-An AutoAWQ/GPTQ checkpoint (`virtualize_prequantized`) and a ModelOpt Hugging Face-format export
-(`virtualize_modelopt`; toolchain/checkpoint/hf_quant.py writes and reads that format) hold packed or
-e4m3 weights the name tables cannot match as they are: each quantized linear is presented as one
-virtual fp `weight` of the (out, in) shape it encodes, from the safetensors headers alone, and the
-stored tensors behind it are handed to the quantizer (checkpoint/quantize.py), which reads them
+An AutoAWQ/GPTQ checkpoint (`virtualize_prequantized`), and a ModelOpt Hugging Face-format export or a
+DeepSeek-style FP8 block-scale checkpoint (`virtualize_modelopt`; toolchain/checkpoint/hf_quant.py writes
+and reads that format), hold packed or e4m3 weights the name tables cannot match as they are: each
+quantized linear is presented as one virtual fp `weight` of the (out, in) shape it encodes, from the
+safetensors headers alone, and the stored tensors behind it are handed to the quantizer (checkpoint/quantize.py), which reads them
 instead of computing them. `stored_group_size` reads a ModelOpt int4 export's group size off its
 shapes when its config does not give it.
 """
@@ -16,7 +16,7 @@ import fnmatch
 import torch
 
 from toolchain.archs.common import NameTable, Shard, trt_name
-from toolchain.checkpoint.hf_quant import COMPANIONS, HF_WEIGHT
+from toolchain.checkpoint.hf_quant import COMPANIONS, HF_SCALES, HF_WEIGHT, stored_scale
 from toolchain.checkpoint.hf_reader import HFCheckpoint, TensorInfo
 from toolchain.checkpoint.quantize import LINEARS, linear_of
 from toolchain.errors import ToolchainError
@@ -126,27 +126,36 @@ def virtualize_modelopt(ckpt: HFCheckpoint, table: NameTable, fmt: dict, dtype: 
 
 def _virtual_weight(raw: dict[str, TensorInfo], name: str, info: TensorInfo, algo: str, fmt: dict,
                     dtype: torch.dtype, where) -> TensorInfo:
-    """The fp (out, in) weight a stored FP8 / packed int4 one encodes, after checking its scales
-    are there with the shapes the format gives them (so a broken export fails before any read)."""
+    """The fp (out, in) weight a stored FP8 / packed int4 / NVFP4 / FP8 block-scale one encodes, after checking
+    its scales are there with the shapes the format gives them (so a broken export fails before any read)."""
     prefix = name.removesuffix(".weight")
-    rows, cols = info.shape
-    per_group = formats.BY_ALGO[algo].per_group
-    out = rows * 2 if per_group else rows  # two int4 rows per byte
-    wanted: dict[str, tuple[int, ...]]  # leaf -> shape
-    if not per_group:  # FP8
-        wanted = {"weight_scale": (), "input_scale": ()}
-    else:
+    row = formats.BY_ALGO[algo]
+    # The row's stored weight packs two int4 rows (AWQ: "out/2") or two e2m1 columns (NVFP4: "in/2") a byte.
+    packed = row.stored[0].dims(2, 2, 1)
+    out, cols = (n * 2 // k for n, k in zip(info.shape, packed, strict=True))
+    wanted: dict[str, tuple[int, ...]] = {}  # HF leaf -> shape
+    if row.per_group:
         g = fmt["group_size"]
         if not g or cols % g:
             raise ToolchainError(f"{where}: {name} has {cols} input channels, not whole groups of {g}",
                                  "the weights and hf_quant_config.json come from different exports")
         wanted = {"weight_scale": (out, cols // g)}
+    else:  # every scale the row stores (FP8's and NVFP4's scalars stored 0-dim)
+        for t in row.stored[1:]:
+            dims = t.dims(out, cols, row.group_size or 1)
+            wanted[HF_SCALES[t.suffix]] = () if t.layout == "scalar" else dims
+    if row.quantizer == "fp8_block":  # DeepSeek names its grid weight_scale_inv
+        leaf = stored_scale(raw.__contains__, prefix).rpartition(".")[2]
+        wanted = {leaf: wanted.pop("weight_scale")}
     for leaf, shape in wanted.items():
         got = raw.get(f"{prefix}.{leaf}")
         if got is None:
             raise ToolchainError(f"{where}: {prefix} is stored quantized but has no {leaf}",
                                  "the checkpoint is incomplete; re-export it")
-        if tuple(got.shape) != shape and not (shape == () and tuple(got.shape) == (1,)):  # scalars: () or (1,)
+        have = tuple(got.shape)
+        if len(have) == 4 and have[1] == have[3] == 1:  # ModelOpt's fp8_pb_wo grid (rows, 1, cols, 1)
+            have = (have[0], have[2])
+        if have != shape and not (shape == () and have == (1,)):  # scalars: () or (1,)
             raise ToolchainError(f"{where}: {prefix}.{leaf} has shape {list(got.shape)}, the format gives "
                                  f"{list(shape)}", "the checkpoint is not a ModelOpt export this converter reads")
     return TensorInfo(name, info.file, (out, cols), dtype, -1)

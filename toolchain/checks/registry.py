@@ -152,7 +152,13 @@ def build_context(spec, stage: str = "plan", workspace=None, quant: Quantization
             raise
         ctx.model_error = str(err)
     if quant is None and ctx.model is not None:  # a checkpoint stored quantized plans in its own format
-        ctx.quant = quantization_of(spec.quantization, ctx.model.hf_config)
+        try:
+            ctx.quant = quantization_of(spec.quantization, ctx.model.hf_config,
+                                        hf_quant_config=ctx.model.hf_quant_config)
+        except ToolchainError as err:  # a stored format convert cannot import, or a request it refuses on one
+            if stage == "plan":
+                raise
+            ctx.model_error = str(err)
     sp = spec.speculative
     if mode_of(sp.mode).adds == DRAFT_ENGINE and sp.draft_model is not None:
         try:

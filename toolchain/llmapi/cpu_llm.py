@@ -36,6 +36,7 @@ from typing import Any, Callable
 from toolchain.errors import ToolchainError
 from toolchain.llmapi.args import llm_args_problem, windows_problem
 from toolchain.spec import DeploymentSpec
+from toolchain.targets import LLMAPI
 from toolchain.engine.build import run_build
 from toolchain.workspace import Workspace
 from toolchain.remote_code import auto_tokenizer
@@ -302,7 +303,9 @@ def prepare_engine(args: dict[str, Any], work_dir: Path) -> tuple[DeploymentSpec
     ws = Workspace(Path(work_dir))
     try:
         with _exclusive(Path(work_dir)):
-            run_convert(spec, ws)
+            # Converted for the LLM-API path it stands in for: what the PyTorch backend loads pre-quantized
+            # (FP8 block scales among it, which trtllm-build lacks) is imported for the CPU engine.
+            run_convert(spec, ws, loaded_by=LLMAPI)
             run_build(spec, ws, converted=True)
     except ToolchainError as err:
         raise LlmArgsError(f"cannot load {spec.model.checkpoint}: {err}") from None

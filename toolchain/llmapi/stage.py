@@ -60,7 +60,7 @@ def _check_layout(spec: DeploymentSpec) -> None:
         raise ToolchainError(f"tp={tp} x pp={pp} cannot split {spec.model.checkpoint} "
                              f"({params.num_attention_heads} heads, {params.num_key_value_heads} KV heads, "
                              f"{params.num_hidden_layers} layers)", "`toolchain plan` names a split that works")
-    quant = quantization_of(spec.quantization, model.hf_config)
+    quant = quantization_of(spec.quantization, model.hf_config, hf_quant_config=model.hf_quant_config)
     if quant.per_group:  # written here or stored so: the PyTorch backend splits it as it loads
         check_pytorch_per_group(ModelShape(params.hidden_size, params.intermediate_size, params.num_attention_heads,
                                            params.num_key_value_heads, params.head_size,

@@ -126,7 +126,7 @@ def _kv_requests(model: str, gpu: str, method: str, tp: int, isl: int, osl: int)
     spec = spec_for(model, gpu, method, tp, isl, osl, max_batch_size=2048, max_num_tokens=MAX_NUM_TOKENS,
                     kv_fraction=0.9)
     info = model_info(model)
-    quant = quantization_of(spec.quantization, info.hf_config)
+    quant = quantization_of(spec.quantization, info.hf_config, hf_quant_config=info.hf_quant_config)
     memory = plan_memory(spec, info, quant, gpus.lookup(gpu), suggest=False)
     blocks = -(-(isl + osl) // spec.build.tokens_per_block) * spec.build.tokens_per_block
     return max(1, memory.kv_tokens_capacity // blocks)
@@ -276,7 +276,7 @@ def predict_published(point: Published) -> perf.Performance:
                     dtype="float16" if point.method == "none" else "bfloat16",
                     target="llmapi" if point.method == "nvfp4" else "trtllm")
     info = model_info(point.model)
-    quant = quantization_of(spec.quantization, info.hf_config)
+    quant = quantization_of(spec.quantization, info.hf_config, hf_quant_config=info.hf_quant_config)
     device = gpus.lookup(point.gpu)
     return perf.predict(spec, info, quant, device, plan_memory(spec, info, quant, device, suggest=False))
 

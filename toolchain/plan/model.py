@@ -30,6 +30,8 @@ class ModelInfo:
     generation_config: dict | None
     rope_problems: list[tuple[str, str]] = field(default_factory=list)
     """(check id, message) for RoPE settings TensorRT-LLM 1.2 would reject."""
+    hf_quant_config: dict | None = None
+    """A ModelOpt export's hf_quant_config.json, which says its stored format (quant/view.py stored_format)."""
 
     @property
     def qkv_bias(self) -> bool:
@@ -91,7 +93,8 @@ def load_model(config_dir: Path) -> ModelInfo:
     problems = _rope_problems(cfg, origin)
     planned = _without_rope_scaling(cfg) if problems else cfg
     _, params = load_params(planned, origin)  # refuses an unregistered architecture, listing the registered ones
-    return ModelInfo(params, config_dir, cfg, read_json(config_dir / "generation_config.json"), problems)
+    return ModelInfo(params, config_dir, cfg, read_json(config_dir / "generation_config.json"), problems,
+                     read_json(config_dir / "hf_quant_config.json"))
 
 
 def weight_dtype(spec, params: ArchParams) -> str:

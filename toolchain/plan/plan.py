@@ -307,7 +307,7 @@ def checkpoint_bytes_per_rank(spec, quant: Quantization | None = None) -> list[i
     """Size of each rank's checkpoint file, from config.json alone."""
 
     model = load_model(spec.model.checkpoint)
-    quant = quant or quantization_of(spec.quantization, model.hf_config)
+    quant = quant or quantization_of(spec.quantization, model.hf_config, hf_quant_config=model.hf_quant_config)
     p, tp, pp = model.params, spec.parallelism.tp, spec.parallelism.pp
     dt_bytes = DTYPE_BYTES[weight_dtype(spec, p)]
     return [mem.rank_weights(p, tp=tp, pp_rank=r // tp, pp=pp, quant=quant, dt_bytes=dt_bytes, stored=True,

@@ -104,10 +104,11 @@ FP8_BLOCK_GPUS = Devices(_only(90, 100, 103), WORDED,
 # dispatchers, so a name stays here exactly as long as nothing computes or runs it.
 PENDING_QUANTIZERS = frozenset({"fp8_block"})
 PENDING_CPU_KERNELS: frozenset[str] = frozenset()
-# Rows whose engine checkpoint convert computes but whose Hugging Face export and import (checkpoint/hf_quant.py
-# _quantize_group, stored_linear) are still to come: the HF export refuses them as not implemented yet (Format.
-# check_implemented on the LLM-API path), HF_IMPORTS leaves them out and tune proposes them on the engine path only.
-PENDING_HF_EXPORTS = frozenset({"nvfp4"})
+# Rows whose Hugging Face export and import (checkpoint/hf_quant.py HF_COMPUTED, stored_linear) are still to come:
+# the HF export refuses them as not implemented yet (Format.check_implemented on the LLM-API path), HF_IMPORTS leaves
+# them out and tune proposes them on the engine path only. The HF export computes its own tensors, so this list is
+# independent of PENDING_QUANTIZERS (fp8_block is exported, and computed on no engine path).
+PENDING_HF_EXPORTS: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -254,9 +255,10 @@ class Format(_OnDevices):
         return self.quantizer not in PENDING_QUANTIZERS
 
     def ready_on(self, path: str) -> bool:
-        """Convert computes it on `path`: its quantizer is ready, and on the LLM-API path its HF export too (not
-        PENDING_HF_EXPORTS')."""
-        return self.quantizer_ready and (path != LLMAPI or self.name not in PENDING_HF_EXPORTS)
+        """Convert computes it on `path`: on the engine path its quantizer (not PENDING_QUANTIZERS'), on the LLM-API
+        path its HF export (checkpoint/hf_quant.py HF_COMPUTED; not PENDING_HF_EXPORTS'), which computes its own
+        tensors, so FP8 block scales, which no engine path takes, are ready there."""
+        return self.name not in PENDING_HF_EXPORTS if path == LLMAPI else self.quantizer_ready
 
     @property
     def cpu_kernel_ready(self) -> bool:
@@ -266,13 +268,14 @@ class Format(_OnDevices):
     def check_implemented(self, path: str = LLMAPI) -> None:
         """Refuse, in one line, a row whose quantizer is pending on `path` (`ready_on`): before computing anything,
         never writing it as another format. The engine converter passes ENGINE; the HF export calls it as it is."""
-        if not self.quantizer_ready:
+        if self.ready_on(path):
+            return
+        if path != LLMAPI:
             raise ToolchainError(f"quantization.method {self.name} ({self.quant_algo}) is not implemented yet: no "
                                  "quantizer computes its tensors", "use quantization.method fp8 until it lands")
-        if not self.ready_on(path):
-            raise ToolchainError(f"quantization.method {self.name} ({self.quant_algo}) has no Hugging Face-format "
-                                 "export yet", "use the engine path (target trtllm or cpu), or quantization.method "
-                                 "fp8 on the LLM-API path")
+        raise ToolchainError(f"quantization.method {self.name} ({self.quant_algo}) has no Hugging Face-format "
+                             "export yet", "use the engine path (target trtllm or cpu), or quantization.method "
+                             "fp8 on the LLM-API path")
 
 
 def tensor_bytes(tensors: tuple[Tensor, ...], out: int, inp: int, group: int, model_bytes: int) -> float:
@@ -381,8 +384,9 @@ BY_ALGO: dict[str | None, Format] = {f.quant_algo: f for f in METHODS.values()}
 HF_EXPORTS: dict[str, Format] = {f.name: f for f in METHODS.values() if f.hf_name}
 """Methods with a ModelOpt Hugging Face export (the LLM-API path's pre-quantized checkpoint)."""
 HF_IMPORTS: dict[str, Format] = {name: f for name, f in HF_EXPORTS.items() if f.ready_on(LLMAPI)}
-"""Those whose export convert also imports as stored (checkpoint/hf_quant.py read_hf_quant_format, stored_linear):
-the ones this checkout computes, whose reader lands with their quantizer."""
+"""Those whose export convert also imports as stored (quant/view.py stored_format, checkpoint/hf_quant.py
+stored_linear): the ones whose HF export lands (not PENDING_HF_EXPORTS'), its reader with it. An import reads the
+stored tensors, so it needs no quantizer of the engine path's (PENDING_QUANTIZERS gates computing a format)."""
 
 
 @dataclass(frozen=True)

@@ -200,9 +200,11 @@ def is_excluded(module: str, patterns: tuple[str, ...] | list[str]) -> bool:
 
 
 def check_recipe(quant: Quantization, shape: ModelShape, *, tp: int, target: str = "cpu", gpu_name: str | None = None,
-                 gpu_sm: int | None = None, splits: Callable[[int], bool] | None = None) -> LayoutPlan:
+                 gpu_sm: int | None = None, splits: Callable[[int], bool] | None = None,
+                 path: str | None = None) -> LayoutPlan:
     """Reject every invalid combination before a weight is read; returns the layout decisions. `splits(t)` says
-    whether tp t splits the model (archs/layout.py splits_tp), for the tps a refusal suggests."""
+    whether tp t splits the model (archs/layout.py splits_tp), for the tps a refusal suggests. `path` is the path
+    whose runtime loads what convert writes, the target's unless given (the LLM-API stand-in's, below)."""
     if quant.method not in METHODS:
         raise ToolchainError(f"quantization.method '{quant.method}' is unknown", f"use one of {', '.join(METHODS)}")
     if quant.kv_cache not in KV_KINDS:
@@ -252,9 +254,9 @@ def check_recipe(quant: Quantization, shape: ModelShape, *, tp: int, target: str
                 # weights is unverified: refuse.
                 raise ToolchainError(f"weight-only {quant.method} at tp {tp} needs {what} ({dim}) to be a multiple "
                                      f"of 64 x tp = {m}", "use another parallelism.tp or quantization.method")
-    path = path_refusal(quant, TARGETS[target].path)
-    if path is not None:  # the line names its fix
-        raise ToolchainError(path)
+    refused = path_refusal(quant, path or TARGETS[target].path)
+    if refused is not None:  # the line names its fix
+        raise ToolchainError(refused)
     _check_gpu(quant, gpu_name, gpu_sm)
     check_blocks(quant, shape, tp, splits)
     if quant.needs_calibration:

@@ -19,6 +19,15 @@ from toolchain.quant import formats
 
 BUILTIN = "builtin"
 IMPORTABLE = ("awq", "gptq")  # the `quant_method`s of a quantization_config convert imports as stored int4
+# ModelOpt's names for formats TensorRT-LLM has no QuantAlgo spelling of in its export: process_layer_quant_config
+# (modelopt/torch/export/quant_utils.py, 0.47.0) passes the format string through, and TensorRT-LLM's
+# QuantConfig._update_from_legacy_args / _map_new_to_legacy_args (tensorrt_llm/models/modeling_utils.py @0c8de69)
+# map it back. The reader takes either spelling.
+MODELOPT_NAMES = {"FP8_BLOCK_SCALES": "fp8_pb_wo"}
+# TensorRT-LLM's QuantConfig.update_from_model_ckpt (tensorrt_llm/models/modeling_utils.py @0c8de69) reads a
+# DeepSeek-V3-style config.json (quant_method "fp8" with weight_block_size) as FP8_BLOCK_SCALES and asserts
+# "FP8_BLOCK_SCALES only supports block_size=(128,128)".
+FP8_BLOCK_SIZE = (128, 128)
 
 
 @dataclass(frozen=True)
@@ -180,21 +189,74 @@ def _modelopt(fmt: dict, requested: Quantization) -> Quantization:
     if requested.kv_cache not in ("none", "fp8"):
         raise ToolchainError(f"quantization.kv_cache {requested.kv_cache} needs calibration, which cannot run a "
                              f"pre-quantized ({what}) checkpoint", "set quantization.kv_cache none for this checkpoint")
-    return Quantization(method=formats.BY_ALGO[algo].name, group_size=fmt["group_size"] or 128,
+    row = formats.BY_ALGO[algo]
+    # group_size is per-group int4's; a block the format fixes (NVFP4's 16, FP8 block's 128) is its row's.
+    return Quantization(method=row.name, group_size=(fmt["group_size"] or 128) if row.per_group else 128,
                         kv_cache=formats.KV_BY_ALGO[kv].name, modelopt=True)
 
 
+def stored_format(hf_config: dict | None, hf_quant_config: dict | None = None,
+                  where: str = "the checkpoint") -> dict | None:
+    """The format of a checkpoint stored in one convert imports as it is, as {quant_algo, kv_cache_quant_algo,
+    group_size, exclude_modules}, or None for any other: a ModelOpt Hugging Face-format export
+    (hf_quant_config.json's `quantization`, which TensorRT-LLM reads first, else config.json's
+    `quantization_config` with quant_method "modelopt"), or a DeepSeek-V3-style FP8 block-scale checkpoint
+    (config.json quant_method "fp8" with weight_block_size; `weight_scale_inv` per linear). The one place
+    that recognises them: the planner and convert both ask here (`quantization_of`). Refuses, naming `where`,
+    what cannot be imported. `exclude_modules` are Hugging Face module names (globs)."""
+    qc = (hf_config or {}).get("quantization_config")
+    qc = qc if isinstance(qc, dict) else {}
+    method = str(qc.get("quant_method", "")).lower()
+    if hf_quant_config is not None:
+        q = hf_quant_config.get("quantization") or {}
+        kv, ignore = q.get("kv_cache_quant_algo"), q.get("exclude_modules") or []
+    elif method == "modelopt":
+        q = qc
+        scheme = q.get("kv_cache_scheme")
+        kv = "FP8" if isinstance(scheme, dict) and scheme.get("type") == "float" else scheme
+        ignore = q.get("ignore") or []
+    elif method == "fp8" and qc.get("weight_block_size"):
+        block = tuple(qc["weight_block_size"])
+        if block != FP8_BLOCK_SIZE:
+            raise ToolchainError(f"{where}: weight_block_size {list(block)}: TensorRT-LLM's QuantConfig asserts "
+                                 "\"FP8_BLOCK_SCALES only supports block_size=(128,128)\" (tensorrt_llm/models/"
+                                 "modeling_utils.py)", "use a checkpoint quantized in 128x128 blocks")
+        # TensorRT-LLM keeps no exclusion list of the checkpoint's here (it sets its own); transformers'
+        # FineGrainedFP8Config names the modules it left unquantized in modules_to_not_convert.
+        ignore = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
+        return {"quant_algo": "FP8_BLOCK_SCALES", "kv_cache_quant_algo": None, "group_size": FP8_BLOCK_SIZE[0],
+                "exclude_modules": list(ignore)}
+    else:
+        return None
+    named = q.get("quant_algo")
+    algo = next((a for a, m in MODELOPT_NAMES.items() if m == named), named)
+    importable = sorted(str(f.quant_algo) for f in formats.HF_IMPORTS.values())
+    if (algo is not None and algo not in importable) or q.get("has_zero_point"):
+        zero = " with zero points" if q.get("has_zero_point") else ""
+        raise ToolchainError(f"{where}: ModelOpt quant_algo {named}{zero} cannot be imported",
+                             f"only {' and '.join(importable)} (no zero point) checkpoints can; convert the "
+                             "unquantized model and set quantization.method instead")
+    if kv not in (None, "FP8"):
+        raise ToolchainError(f"{where}: ModelOpt kv_cache_quant_algo {kv} cannot be imported",
+                             "only an FP8 KV cache (k_scale / v_scale) can; re-export with kv cache fp8 or none")
+    return {"quant_algo": algo, "kv_cache_quant_algo": kv, "group_size": q.get("group_size"),
+            "exclude_modules": list(ignore)}
+
+
 def quantization_of(requested, hf_config: dict | None = None, *, modelopt: dict | None = None,
-                    origin: str | None = None) -> Quantization:
+                    origin: str | None = None, hf_quant_config: dict | None = None) -> Quantization:
     """The view, resolved once: `requested` (the spec's `quantization` section, or a Quantization request)
-    with the source checkpoint's config.json (`hf_config`). An AutoAWQ/GPTQ `quantization_config` is
-    recorded as `prequantized`; a config of another kind reads as unquantized, unless `origin` (the
-    config's path, which convert passes) is given, and then it is refused naming it. `modelopt`, the
-    stored format convert read from a ModelOpt export, replaces the request after refusing what cannot
-    apply to stored weights. The planner passes no `modelopt` (it
-    plans such a checkpoint at the spec's request, as it always has). Without `hf_config` the request is
-    returned as it is."""
+    with the source checkpoint's config.json (`hf_config`) and hf_quant_config.json (`hf_quant_config`, where it
+    has one). A checkpoint stored in a format convert imports as it is (`stored_format`: a ModelOpt export, a
+    DeepSeek-style FP8 block-scale checkpoint) replaces the request after refusing what cannot apply to stored
+    weights, so the planner plans it at its stored size; `modelopt` passes that format as convert settled it
+    (its group size read off the stored shapes). An AutoAWQ/GPTQ `quantization_config` is recorded as
+    `prequantized`; a config of another kind reads as unquantized, unless `origin` (the config's path, which
+    convert passes) is given, and then it is refused naming it. Without `hf_config` the request is returned
+    as it is."""
     request = requested if isinstance(requested, Quantization) else Quantization.of(requested)
+    if modelopt is None and hf_config is not None:
+        modelopt = stored_format(hf_config, hf_quant_config, origin or "the checkpoint")
     if modelopt is not None:
         return _modelopt(modelopt, request)
     if hf_config is None:  # the checkpoint is not read here (or not readable): the request alone

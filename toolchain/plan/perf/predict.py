@@ -227,7 +227,7 @@ def predict_spec(spec, concurrency: int | None = None, profile: HostProfile | No
         model = load_model(spec.model.checkpoint)
     except (ToolchainError, OSError) as err:
         return {"predicted": False, "note": f"the model's config is not readable: {err}"}
-    quant = quantization_of(spec.quantization, model.hf_config)
+    quant = quantization_of(spec.quantization, model.hf_config, hf_quant_config=model.hf_quant_config)
     draft = None
     sp = spec.speculative
     if mode_of(sp.mode).adds == DRAFT_ENGINE and sp.draft_model is not None:
