@@ -125,14 +125,14 @@ def child(hf: str, out: str, tp: int, method: str = "none") -> None:
     """Runs in a fresh process: convert and print the memory figures as JSON. AWQ calibrates on
     random token sequences (the generated model has no tokenizer; memory does not depend on the text)."""
     from toolchain.checkpoint.convert import convert_checkpoint
-    from toolchain.quant.recipe import Recipe
+    from toolchain.quant.view import Quantization
 
-    recipe = Recipe(method=method, calibration_samples=CALIB[0], calibration_seq_len=CALIB[1])
+    recipe = Quantization(method=method, calibration_samples=CALIB[0], calibration_seq_len=CALIB[1])
     g = torch.Generator().manual_seed(0)
     calib = [torch.randint(0, DIMS["vocab_size"], (CALIB[1],), generator=g) for _ in range(CALIB[0])]
     baseline = _rss_kb("VmRSS")
     start = time.perf_counter()
-    convert_checkpoint(hf, out, tp=tp, pp=1, dtype="float16", target="trtllm", recipe=recipe,
+    convert_checkpoint(hf, out, tp=tp, pp=1, dtype="float16", target="trtllm", quantization=recipe,
                        calibration=calib if method != "none" else None)
     seconds = time.perf_counter() - start
     print(json.dumps({"baseline_rss": baseline * 1024, "peak_rss": _rss_kb("VmHWM") * 1024, "seconds": seconds}))

@@ -93,17 +93,17 @@ def build_engine(hf_dir: Path, out: Path, *, method: str = "none", **limits) -> 
     """Convert and lay out an engine directory as `toolchain build-engine` does for target cpu."""
     from toolchain.checkpoint.convert import convert_checkpoint
     from toolchain.engine.build import write_cpu_engine
-    from toolchain.quant.recipe import Recipe
+    from toolchain.quant.view import Quantization
 
     ckpt, eng = out / "checkpoint", out / "engine"
     ckpt.mkdir(parents=True)
     eng.mkdir()
-    recipe = Recipe(method=method, search=False) if method != "none" else None
+    recipe = Quantization(method=method, search=False) if method != "none" else None
     calibration = None
     if recipe is not None and recipe.needs_calibration:
         g = torch.Generator().manual_seed(1)
         calibration = [torch.randint(3, 1000, (64,), generator=g) for _ in range(4)]
-    convert_checkpoint(hf_dir, ckpt, tp=1, pp=1, dtype="float32", target="cpu", recipe=recipe,
+    convert_checkpoint(hf_dir, ckpt, tp=1, pp=1, dtype="float32", target="cpu", quantization=recipe,
                                     calibration=calibration)
     build = {"max_batch_size": 32, "max_input_len": 2048, "max_seq_len": 2304, "max_num_tokens": 4096,
              "max_beam_width": 1, "kv_cache_type": "PAGED",

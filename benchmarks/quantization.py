@@ -61,9 +61,10 @@ PEER_JOBS = [("modelopt", "INT4_AWQ"), ("modelopt", "INT8_SMOOTHQUANT"), ("llmco
 OUTLIER_CHANNELS, OUTLIER_FACTOR = 4, 50.0
 SMOLLM2 = REPO / "models" / "smollm2-135m-instruct"
 # On English: each model's methods, and the peer jobs run on it.
-ENGLISH_RUNS = [("tiny", TINY, ("fp16", "rtn:int4_g128", "awq", "rtn:int4_g64", "awq:g64"), []),
+ENGLISH_RUNS = [("tiny", TINY, ("fp16", "rtn:int4_g128", "awq", "rtn:int4_g64", "awq:g64", "fp8_block", "nvfp4"), []),
                 # hidden 576 is not a multiple of 128: TensorRT-LLM's per-group int4 needs group 64 here
-                ("smollm2-135m", SMOLLM2, ("fp16", "rtn:int4_g64", "awq:g64", "rtn:w8a8", "smoothquant", "fp8"),
+                ("smollm2-135m", SMOLLM2, ("fp16", "rtn:int4_g64", "awq:g64", "rtn:w8a8", "smoothquant", "fp8",
+                                           "fp8_block", "nvfp4"),
                  [("modelopt", "INT4_AWQ@g64")])]
 
 
@@ -210,17 +211,18 @@ def dir_bytes(path: Path) -> int:
 
 
 def methods(only: tuple[str, ...] | None = None):
-    from toolchain.quant.recipe import Recipe
+    from toolchain.quant.view import Quantization
 
-    table = [("fp16", Recipe()), ("int8_wo", Recipe(method="int8_wo")), ("int4_wo", Recipe(method="int4_wo")),
-            ("rtn:int4_g128", Recipe(method="awq", search=False)), ("awq", Recipe(method="awq")),
+    table = [("fp16", Quantization()), ("int8_wo", Quantization(method="int8_wo")), ("int4_wo", Quantization(method="int4_wo")),
+            ("rtn:int4_g128", Quantization(method="awq", search=False)), ("awq", Quantization(method="awq")),
             # group 64: for hidden sizes TensorRT-LLM's per-group int4 cannot take at 128 (SmolLM2-135M: 576)
-            ("rtn:int4_g64", Recipe(method="awq", search=False, group_size=64)),
-            ("awq:g64", Recipe(method="awq", group_size=64)),
-            ("awq:nearest", Recipe(method="awq", rounding="nearest")),
-            ("rtn:w8a8", Recipe(method="smoothquant", search=False)), ("smoothquant", Recipe(method="smoothquant")),
-            ("fp8", Recipe(method="fp8")), ("fp16+kv_int8", Recipe(kv_cache="int8")),
-            ("fp16+kv_fp8", Recipe(kv_cache="fp8"))]
+            ("rtn:int4_g64", Quantization(method="awq", search=False, group_size=64)),
+            ("awq:g64", Quantization(method="awq", group_size=64)),
+            ("awq:nearest", Quantization(method="awq", rounding="nearest")),
+            ("rtn:w8a8", Quantization(method="smoothquant", search=False)), ("smoothquant", Quantization(method="smoothquant")),
+            ("fp8", Quantization(method="fp8")), ("fp8_block", Quantization(method="fp8_block")),
+            ("nvfp4", Quantization(method="nvfp4")), ("fp16+kv_int8", Quantization(kv_cache="int8")),
+            ("fp16+kv_fp8", Quantization(kv_cache="fp8"))]
     return [m for m in table if only is None or m[0] in only]
 
 
@@ -232,14 +234,21 @@ def our_rows(name: str, hf: Path, tokenizer: Path, windows, calib, work: Path, a
     from toolchain.engine.cpu import CpuEngine
 
     rows = []
+    from toolchain.targets import ENGINE, LLMAPI
+
+    wanted = set(args.only.split(",")) if args.only else None
     for method, recipe in methods(only):
+        if wanted is not None and method not in wanted:
+            continue
         recipe = replace(recipe, calibration_samples=args.calib_samples, calibration_seq_len=args.calib_seq_len)
         ckpt = work / f"{name}-{method.replace(':', '_')}"
         ckpt.mkdir()
         start = time.perf_counter()
         try:
-            convert_checkpoint(hf, ckpt, tp=args.tp, pp=1, dtype="float16", target="cpu", recipe=recipe,
-                               calibration=[torch.tensor(c) for c in calib])
+            # A format only the LLM-API path takes (fp8_block) is laid out as that path's CPU stand-in reads it.
+            path = None if ENGINE in recipe.format.paths else LLMAPI
+            convert_checkpoint(hf, ckpt, tp=args.tp, pp=1, dtype="float16", target="cpu", quantization=recipe,
+                               calibration=[torch.tensor(c) for c in calib], path=path)
         except Exception as err:  # keep going: one broken method should not hide the others
             rows.append({"model": name, "method": method, "error": f"{type(err).__name__}: {err}"})
             continue
@@ -435,6 +444,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, action="append", default=[], help="another local HF model directory")
     ap.add_argument("--no-peers", action="store_true", help="skip nvidia-modelopt and llmcompressor")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--only", default=None, help="comma-separated methods to run (e.g. fp16,nvfp4); default all")
     ap.add_argument("--eval-windows", type=int, default=96)  # 24k tokens: enough for int4 RTN loss to clear the noise
     ap.add_argument("--eval-seq-len", type=int, default=256)
     ap.add_argument("--calib-samples", type=int, default=32)
