@@ -142,8 +142,9 @@ def tile_problems(shape: ModelShape, tile: int, tp: int) -> list[str]:
     into a parameter of ceil(per-rank rows / tile) rows, which lines up only where each part's per-rank rows are
     whole tiles, at tp 1 too; a row-parallel layer's grid columns are split by tp with its input. So: q heads x
     head_size / tp (o_proj's input too), the KV heads a rank holds x head_size (one duplicated head when
-    nkv < tp: HfWeightMapper._duplicate_kv repeats a grid by rows per KV head as it repeats the weight), and
-    intermediate_size / tp (gate/up's rows, down_proj's input)."""
+    nkv < tp, its grid rows repeated as the weight's; open point: _duplicate_kv_weights does that for the scale only
+    where the model's weight mapper lists it, Qwen3's `weight_scale_inv`, and the generic HfWeightMapper lists only
+    NVFP4's `weight_scale`), and intermediate_size / tp (gate/up's rows, down_proj's input)."""
     q_rows = shape.num_attention_heads * shape.head_size // tp
     kv_rows = max(1, shape.num_key_value_heads // tp) * shape.head_size  # checkpoint/sharding.py kv_heads_per_rank
     dims = (("q rows per rank (heads x head_size / tp, o_proj's input)", q_rows),
