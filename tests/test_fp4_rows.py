@@ -6,6 +6,7 @@ both, the performance model's FP4 peak, and tune proposing each only where conve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -229,7 +230,13 @@ def test_convert_refuses_with_the_plan_checks_lines():
         check_recipe(Quantization(method="fp8_block"), SHAPE, tp=1, target="trtllm", gpu_name="H100 80GB", gpu_sm=90)
     assert str(err.value) == FP8_BLOCK_ON_ENGINE
     check_recipe(Quantization(method="nvfp4"), SHAPE, tp=1, target="trtllm", gpu_name="B200 180GB", gpu_sm=100)
-    check_recipe(Quantization(method="fp8_block"), SHAPE, tp=1, target="llmapi", gpu_name="H100 80GB", gpu_sm=90)
+    # On its own path fp8_block passes the device rule, then needs each fused part's rows in whole 128x128 tiles (the
+    # fused loaders concatenate the parts' grids: quant/recipe.py tile_problems), which gate/up's 864 are not.
+    with pytest.raises(ToolchainError) as err:
+        check_recipe(Quantization(method="fp8_block"), SHAPE, tp=1, target="llmapi", gpu_name="H100 80GB", gpu_sm=90)
+    assert str(err.value).startswith("quantization.method fp8_block at parallelism.tp 1: gate/up rows per rank")
+    whole = dataclasses.replace(SHAPE, intermediate_size=896)  # seven tiles
+    check_recipe(Quantization(method="fp8_block"), whole, tp=1, target="llmapi", gpu_name="H100 80GB", gpu_sm=90)
 
 
 def test_a_mixture_of_experts_keeps_its_refusal(tmp_path):

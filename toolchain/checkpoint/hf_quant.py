@@ -557,7 +557,7 @@ def hf_quantized_to_engine_tensors(directory: Path | str) -> tuple[dict[str, tor
     row = formats.BY_ALGO[algo]
     per_group = row.per_group
     # Tensors with a row per output channel: the fused q/k/v module stacks them (the others are shared).
-    by_rows = {t.suffix for t in row.stored if t.layout in ("weight", "out_vec", "out_groups")}
+    by_rows = {t.suffix for t in row.stored if t.layout in formats.ROW_LAYOUTS}
     quantized = dict(read_hf_quantized(directory))
     with HFCheckpoint(directory) as ckpt:
         family, params = load_params(ckpt.config, str(ckpt.config_path))

@@ -14,6 +14,14 @@ its layout:
 | `out_vec` (out,), `out_groups` (out, in/g) | like the weight's rows | (out,) full copy; (out, in/g) split on dim 1 |
 | `in_vec` (in,) | full copy | split |
 | `scalar` (1,) | full copy | full copy |
+| `tiles` (ceil(out/t), ceil(in/t)) | each part's whole tiles under its rows' rule | the whole tiles of the rank's columns |
+
+A `tiles` grid (FP8 block scales: one scale per t x t tile of the weight, Format.tile) is split exactly as the weight
+is: each weight row (of a row-parallel linear, each column) is labelled with its tile, the labels split by the
+weight's own rule (split_qkv's heads and duplicated KV heads included), and each rank takes the tiles its labels name,
+in order, as TensorRT-LLM's fused loaders concatenate each part's per-rank grid (FP8BlockScalesLinearMethod,
+tensorrt_llm/_torch/modules/linear.py). A rank holding part of a tile is refused; quant/recipe.py check_tiles refuses
+such a split before any weight is read.
 
 Formats written (`quant_algo`; each one's tensors, shapes and dtypes are its row's `stored` in
 toolchain/quant/formats.py, which `planned` and `components` follow):
@@ -92,7 +100,7 @@ KV_NAME = "transformer.layers.{layer}.attention.kv_cache_scaling_factor"
 @dataclass
 class Component:
     suffix: str
-    layout: str                  # weight | out_vec | out_groups | in_vec | scalar
+    layout: str                  # weight | out_vec | out_groups | in_vec | scalar | tiles
     parts: list[torch.Tensor]    # one per source for row-carrying layouts (q, k, v); else one
     dtype: torch.dtype
 
@@ -304,8 +312,7 @@ class Quantizer:
             group = per_source[at:at + n]
             merged = []
             for i, comp in enumerate(group[0]):
-                parts = [c[i].parts[0] for c in group] if comp.layout in ("weight", "out_vec", "out_groups") \
-                    else comp.parts
+                parts = [c[i].parts[0] for c in group] if comp.layout in formats.ROW_LAYOUTS else comp.parts
                 merged.append(Component(comp.suffix, comp.layout, parts, comp.dtype))
             out.append(merged)
             at += n
@@ -372,9 +379,14 @@ class Quantizer:
             out.append(Component(c.suffix, c.layout, parts, c.dtype))
         return out
 
-    def split(self, comp: Component, shard: Shard) -> list[torch.Tensor]:
-        """One component's per-rank pieces under the linear's TP rule (table in the module docstring)."""
+    def split(self, comp: Component, shard: Shard, weight: Component | None = None) -> list[torch.Tensor]:
+        """One component's per-rank pieces under the linear's TP rule (table in the module docstring). `weight`: the
+        linear's weight component, whose rows and columns a `tiles` grid covers."""
         tp = self.tp
+        if comp.layout == "tiles":
+            if weight is None:
+                raise ValueError(f"{comp.suffix}: a tile grid is split by the rows and columns of its weight: pass it")
+            return self._split_tiles(comp, shard, weight)
         if comp.layout == "scalar":
             return [comp.parts[0]] * tp
         if comp.layout == "in_vec":
@@ -391,6 +403,31 @@ class Quantizer:
         if comp.layout == "out_vec":
             return [t] * tp
         return sharding.split_row(t, tp)
+
+    def _split_tiles(self, comp: Component, shard: Shard, weight: Component) -> list[torch.Tensor]:
+        """A `tiles` grid's per-rank pieces (the module docstring): each weight row, or a row-parallel weight's column,
+        labelled with its tile's index in the parts' stacked grid, the labels split as the weight is."""
+        tile = self.format.tile
+        if tile is None:
+            raise ValueError(f"{comp.suffix}: format {self.format.name} has no tiles")
+        grid, dim, labels, at = torch.cat(comp.parts), 0, [], 0
+        if shard is Shard.ROW:  # the input columns are cut; every rank keeps all the grid's rows
+            (w,) = weight.parts
+            dim, labels = 1, [torch.arange(grid.shape[1]).repeat_interleave(tile)[: w.shape[1]].reshape(1, -1)]
+        else:
+            for g, w in zip(comp.parts, weight.parts, strict=True):
+                labels.append((torch.arange(g.shape[0]) + at).repeat_interleave(tile)[: w.shape[0]].reshape(-1, 1))
+                at += g.shape[0]
+        whole = torch.bincount(torch.cat([t.flatten() for t in labels]), minlength=grid.shape[dim])
+        pieces = []
+        for rank, held in enumerate(self.split(Component("tile labels", "weight", labels, torch.int64), shard)):
+            tiles, counts = torch.unique_consecutive(held.flatten(), return_counts=True)
+            if not torch.equal(counts, whole[tiles]):
+                raise ToolchainError(f"{comp.suffix}: rank {rank} of tp {self.tp} would hold part of a {tile}x{tile} "
+                                     f"tile of {self.format.name}'s scale grid, which scales the whole tile",
+                                     "use another parallelism.tp, or quantization.method fp8")
+            pieces.append(grid.index_select(dim, tiles))
+        return pieces
 
     def finish(self, comp: Component, piece: torch.Tensor) -> torch.Tensor:
         if comp.suffix == "weight" and self.per_group:
@@ -557,8 +594,11 @@ class Quantizer:
         result: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for o, cs in zip(group.outputs, comps, strict=False):
             prefix, mod, _ = _linear(o.name)
-            for comp in self.pad(mod, cs):
-                for rank, piece in zip(stage_ranks(o.stage, self.tp), self.split(comp, o.row.shard), strict=False):
+            padded = self.pad(mod, cs)
+            weight = next(c for c in padded if c.layout == "weight")
+            for comp in padded:
+                for rank, piece in zip(stage_ranks(o.stage, self.tp), self.split(comp, o.row.shard, weight),
+                                       strict=False):
                     result.setdefault(rank, []).append((f"{prefix}.{comp.suffix}", self.finish(comp, piece)))
         return result
 

@@ -22,7 +22,7 @@ from toolchain.plan.model import read_json
 from toolchain.plan.plan import checkpoint_bytes_per_rank
 from toolchain.quant import exclude
 from toolchain.quant.formats import BLACKWELL, KV_CACHE
-from toolchain.quant.recipe import (ModelShape, check_blocks, check_per_group, check_pytorch_per_group,
+from toolchain.quant.recipe import (ModelShape, check_blocks, check_per_group, check_pytorch_per_group, check_tiles,
                                     device_refusal, path_refusal, per_group_multiple)
 from toolchain.checks.registry import (ENGINE, ENGINE_PATH, FAIL, GPU_ONLY, PASS, SKIP, UNREGISTERED, WARN, Context,
                                        check)
@@ -329,9 +329,15 @@ def _shape(p) -> ModelShape:
 @check("quant.group-padding", ENGINE,
        "per-group int4: trtllm-build pads every dim to max(64, g) x tp (TensorRT-LLM quantization/layers.py, "
        "WeightOnlyGroupwiseQuantLinear), the PyTorch backend pads nothing (_torch/modules/linear.py); a block the "
-       "format fixes (NVFP4's 16, FP4Linear) must be whole in every rank's input width")
+       "format fixes (NVFP4's 16, FP4Linear) must be whole in every rank's input width; FP8 block scales' 128x128 "
+       "tiles whole in each fused part's rows and each row-parallel input per rank (_torch/modules/linear.py)")
 def _group_padding(ctx: Context):
     q, p, tp = ctx.quant, _model(ctx), ctx.spec.parallelism.tp
+    if p is not None and q.format.tile is not None:
+        # convert's own rule (check_recipe), so plan and convert agree; a ToolchainError is this check's FAIL
+        check_tiles(q, _shape(p), tp, lambda t: splits_tp(p, ctx.spec.parallelism.layout, t))
+        return PASS, (f"every per-rank q, k/v and gate/up width and row-parallel input is whole {q.format.tile}x"
+                      f"{q.format.tile} tiles")
     if p is not None and q.format.group_size is not None:
         # convert's own rule (check_recipe), so plan and convert agree; a ToolchainError is this check's FAIL
         check_blocks(q, _shape(p), tp, lambda t: splits_tp(p, ctx.spec.parallelism.layout, t))

@@ -117,7 +117,9 @@ class Tensor:
     group size g: "out", "in", "out/2", "in/g", "in/16" (a fixed block), "1"; "ceil(out/128)" counts partial
     blocks whole (FP8 block scales), "pad128(out)" rounds up to a multiple (NVFP4's interleaved scales,
     fp4_utils.pad_up). `layout` is how tensor parallelism splits it (the table in checkpoint/quantize.py):
-    weight | out_vec | out_groups | in_vec | scalar."""
+    weight | out_vec | out_groups | in_vec | scalar | tiles (a grid with one entry per square tile of the weight,
+    Format.tile: FP8 block scales' (ceil(out/128), ceil(in/128)); each rank takes the whole tiles its rows, or a
+    row-parallel linear's columns, cover)."""
 
     suffix: str
     shape: tuple[str, ...]
@@ -156,6 +158,8 @@ def _size(token: str, out: int, inp: int, group: int) -> tuple[int, int]:
 
 
 FP_WEIGHT = (Tensor("weight", ("out", "in"), "model", "weight"),)
+# The layouts with a row (or a row of tiles) per output channel: a fused q/k/v module stacks its parts' by rows.
+ROW_LAYOUTS = ("weight", "out_vec", "out_groups", "tiles")
 
 
 class _OnDevices:
@@ -212,6 +216,10 @@ class Format(_OnDevices):
     group_size: int | None = None
     """A block size the format fixes (NVFP4's 16), written as config.json's group_size; None: per_group formats
     take the spec's, others write none."""
+    tile: int | None = None
+    """The side of the square weight tiles that share one scale (FP8 block scales' 128; its `tiles` grid), so every
+    rank's rows of each fused part and every row-parallel rank's input width must be whole tiles (quant/recipe.py
+    check_tiles); None: no tiles."""
     per_group: bool = False
     """int4 per group: the engine pads dims to per_group_multiple (quant/recipe.py)."""
     weight_only: bool = False
@@ -364,12 +372,14 @@ NVFP4 = Format("nvfp4", "NVFP4", "nvfp4", ("amax",), devices=NVFP4_GPUS, group_s
 # FP8 block scales (DeepSeek-V3's recipe; TensorRT-LLM FP8BlockScalesLinearMethod, tensorrt_llm/_torch/modules/
 # linear.py; notes/i35-facts.md section 4.2): e4m3 weights and one float32 dequantization scale (amax / 448) per
 # 128x128 tile, a partial tile at the edge having its own. Weights only: the activations are quantized per 1x128 at
-# run time (fp8_quantize_1x128), so nothing is calibrated. Its scale grid splits with the weight's rows or columns,
-# as out_groups do, where each rank's width is whole tiles. The PyTorch backend only: trtllm-build has no branch.
+# run time (fp8_quantize_1x128), so nothing is calibrated. Its scale grid splits by whole tiles with the weight's rows
+# or columns (layout "tiles"): the fused loaders concatenate each part's per-rank grid (load_weights_fused_qkv_linear,
+# load_weights_fused_gate_up_linear), so each part's rows per rank, and each row-parallel rank's input width, must be
+# whole tiles. The PyTorch backend only: trtllm-build has no branch.
 _FP8_BLOCK = (Tensor("weight", ("out", "in"), "fp8", "weight"),
-              Tensor("weights_scaling_factor", ("ceil(out/128)", "ceil(in/128)"), "float32", "out_groups"))
+              Tensor("weights_scaling_factor", ("ceil(out/128)", "ceil(in/128)"), "float32", "tiles"))
 FP8_BLOCK = Format("fp8_block", "FP8_BLOCK_SCALES", "fp8_block", (), devices=FP8_BLOCK_GPUS,
-                   stored=_FP8_BLOCK, built=_FP8_BLOCK, cpu_kernel="fp8_block",
+                   stored=_FP8_BLOCK, built=_FP8_BLOCK, cpu_kernel="fp8_block", tile=128,
                    # ModelOpt's name for it, mapped to FP8_BLOCK_SCALES by QuantConfig._map_new_to_legacy_args.
                    hf_name="fp8_pb_wo", hf_weight="fp8", math="fp8",
                    # quantize() (tensorrt_llm/quantization/quantize.py @89fd9b74) has no FP8_BLOCK_SCALES branch.

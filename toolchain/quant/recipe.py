@@ -118,15 +118,51 @@ def check_blocks(quant: Quantization, shape: ModelShape, tp: int, splits: Callab
     ones the PyTorch backend's per-group int4 needs whole (pytorch_per_group_problems). Refused in one line naming
     parallelism.tp; `splits(t)` (archs/layout.py splits_tp) picks the tps the fix names."""
     block = quant.format.group_size
-    problems = [] if block is None else pytorch_per_group_problems(shape, block, tp)
-    if block is None or not problems:
+    if block is not None:
+        _refuse_split(quant, tp, lambda t: pytorch_per_group_problems(shape, block, t), splits,
+                      f"its block of {block} input channels", "use another quantization.method (fp8 or awq)")
+
+
+def _refuse_split(quant: Quantization, tp: int, problems: Callable[[int], list[str]],
+                  splits: Callable[[int], bool] | None, unit: str, otherwise: str) -> None:
+    """Refuse, in one line, a tp at which `problems(tp)` names widths that are not whole `unit`s, its fix the tps
+    that split the model (`splits`) with none, else `otherwise`; nothing where there is none at `tp`."""
+    found = problems(tp)
+    if not found:
         return
-    tps = [t for t in (1, 2, 4, 8, 16) if t != tp and splits is not None and splits(t)
-           and not pytorch_per_group_problems(shape, block, t)]
-    raise ToolchainError(f"quantization.method {quant.method} at parallelism.tp {tp}: {', '.join(problems)} not a "
-                         f"multiple of its block of {block} input channels",
-                         f"use parallelism.tp {' or '.join(map(str, tps))}" if tps else
-                         "use another quantization.method (fp8 or awq)")
+    tps = [t for t in (1, 2, 4, 8, 16) if t != tp and splits is not None and splits(t) and not problems(t)]
+    raise ToolchainError(f"quantization.method {quant.method} at parallelism.tp {tp}: {', '.join(found)} not a "
+                         f"multiple of {unit}", f"use parallelism.tp {' or '.join(map(str, tps))}" if tps else otherwise)
+
+
+def tile_problems(shape: ModelShape, tile: int, tp: int) -> list[str]:
+    """The per-rank widths at `tp` that are not whole `tile` x `tile` tiles, each as "what width". TensorRT-LLM's
+    FP8BlockScalesLinearMethod (tensorrt_llm/_torch/modules/linear.py) shards each part's grid by tp and
+    concatenates the parts' grids along dim 0 (load_weights_fused_qkv_linear, load_weights_fused_gate_up_linear)
+    into a parameter of ceil(per-rank rows / tile) rows, which lines up only where each part's per-rank rows are
+    whole tiles, at tp 1 too; a row-parallel layer's grid columns are split by tp with its input. So: q heads x
+    head_size / tp (o_proj's input too), the KV heads a rank holds x head_size (one duplicated head when
+    nkv < tp, its grid rows repeated as the weight's; open point: _duplicate_kv_weights does that for the scale only
+    where the model's weight mapper lists it, Qwen3's `weight_scale_inv`, and the generic HfWeightMapper lists only
+    NVFP4's `weight_scale`), and intermediate_size / tp (gate/up's rows, down_proj's input)."""
+    q_rows = shape.num_attention_heads * shape.head_size // tp
+    kv_rows = max(1, shape.num_key_value_heads // tp) * shape.head_size  # checkpoint/sharding.py kv_heads_per_rank
+    dims = (("q rows per rank (heads x head_size / tp, o_proj's input)", q_rows),
+            ("k/v rows per rank (KV heads x head_size)", kv_rows),
+            ("gate/up rows per rank (intermediate_size / tp, down_proj's input)", shape.intermediate_size // tp))
+    return [f"{what} {dim}" for what, dim in dims if dim % tile]
+
+
+def check_tiles(quant: Quantization, shape: ModelShape, tp: int, splits: Callable[[int], bool] | None = None) -> None:
+    """A format scaling square weight tiles (FP8 block scales, Format.tile) needs the widths tile_problems names in
+    whole tiles at the spec's tp: refused in one line naming them and a parallelism.tp that has them (`splits(t)`,
+    archs/layout.py splits_tp, says which tps split the model at all), else quantization.method fp8."""
+    tile = quant.format.tile
+    if tile is not None:
+        _refuse_split(quant, tp, lambda t: tile_problems(shape, tile, t), splits,
+                      f"its {tile}x{tile} tiles, whose scale grids the fused layers concatenate per part",
+                      "quantize the unquantized model with quantization.method fp8 instead" if quant.reads_stored
+                      else "use quantization.method fp8")
 
 
 def path_refusal(quant: Quantization, path: str) -> str | None:
@@ -259,6 +295,7 @@ def check_recipe(quant: Quantization, shape: ModelShape, *, tp: int, target: str
         raise ToolchainError(refused)
     _check_gpu(quant, gpu_name, gpu_sm)
     check_blocks(quant, shape, tp, splits)
+    check_tiles(quant, shape, tp, splits)
     if quant.needs_calibration:
         if quant.calibration_samples < 1:
             raise ToolchainError("quantization.calibration.samples must be at least 1")
