@@ -171,24 +171,25 @@ def _calibration(hf_dir: Path, quant: Quantization, calibration, tokenizer_dir, 
     return collect_stats(hf_dir, seqs, covariance="cov" in quant.format.stats)
 
 
-def _check_groups(params, group: int) -> None:
+def _check_input_widths(params, unit: int, what_unit: str, why: str, fix: str) -> None:
+    """Every linear's input width (hidden, attention, MLP) in whole `unit`s: one line naming the first that is not."""
     ins = {"hidden_size": params.hidden_size, "num_attention_heads x head_size":
            params.num_attention_heads * params.head_size, "intermediate_size": params.intermediate_size}
     for what, dim in ins.items():
-        if dim % group:
-            # The exporter rejects it too (_validate_int4_block_size): a partial group has no scale.
-            raise ToolchainError(f"awq: {what} ({dim}) is not a multiple of quantization.group_size {group}",
-                                 "use quantization.group_size 64, or quantization.method fp8")
+        if dim % unit:
+            raise ToolchainError(f"{why}: {what} ({dim}) is not a multiple of {what_unit}", fix)
+
+
+def _check_groups(params, group: int) -> None:
+    # The exporter rejects it too (_validate_int4_block_size): a partial group has no scale.
+    _check_input_widths(params, group, f"quantization.group_size {group}", "awq",
+                        "use quantization.group_size 64, or quantization.method fp8")
 
 
 def _check_blocks(params, method: str, block: int) -> None:
-    ins = {"hidden_size": params.hidden_size, "num_attention_heads x head_size":
-           params.num_attention_heads * params.head_size, "intermediate_size": params.intermediate_size}
-    for what, dim in ins.items():
-        if dim % block:
-            # NVFP4LinearMethod.create_weights asserts in_features % 16 == 0 (tensorrt_llm/_torch/modules/linear.py).
-            raise ToolchainError(f"{method}: {what} ({dim}) is not a multiple of its block of {block} input channels",
-                                 "use quantization.method fp8 for this model")
+    # NVFP4LinearMethod.create_weights asserts in_features % 16 == 0 (tensorrt_llm/_torch/modules/linear.py).
+    _check_input_widths(params, block, f"its block of {block} input channels", method,
+                        "use quantization.method fp8 for this model")
 
 
 def _module_excluded(table: NameTable, prefix: str, patterns) -> bool:
