@@ -9,6 +9,7 @@ serving both."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_hf_model
 from toolchain.archs.common import Shard
+from toolchain.archs import get_family
 from toolchain.checkpoint.convert import convert_checkpoint, plan_any
 from toolchain.checkpoint.hf_quant import export_hf_quantized, hf_quantized_to_engine_tensors, read_hf_quant_format
 from toolchain.checkpoint.quantize import Component, Quantizer
@@ -36,9 +38,10 @@ from toolchain.spec import QuantizationSection, load_spec
 from toolchain.targets import LLMAPI
 from toolchain.workspace import Workspace
 
-# Widths in whole 128x128 tiles and blocks of 16 at tp 1 and tp 2: two heads of 128 (q 256, one per rank), one KV head
-# (k and v 128 each, duplicated on both ranks at tp 2), the MLP 512 (four tiles, two per rank).
-DIMS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1, vocab_size=250,
+# Widths in whole 128x128 tiles and blocks of 16 at tp 1 and tp 2: two heads of 128 (q 256, one per rank), two KV
+# heads (k and v 256 each, one head a rank at tp 2: a Llama's weight mapper would not repeat a shared head's block
+# scales), the MLP 512 (four tiles, two per rank).
+DIMS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=2, vocab_size=250,
             max_position_embeddings=256)
 HEAD = DIMS["hidden_size"] // DIMS["num_attention_heads"]
 INTER = DIMS["intermediate_size"]
@@ -209,7 +212,8 @@ def test_export_then_import_gives_the_rows_stored_tensors(export, tmp_path, meth
     torch_dtype = {"uint8": torch.uint8, "fp8": torch.float8_e4m3fn, "float32": torch.float32}
     for layer in range(LAYERS):
         at = f"transformer.layers.{layer}"
-        linears = {"attention.qkv": (512, 256), "attention.dense": (256, 256), "mlp.fc": (INTER, 256),
+        qkv = (DIMS["num_attention_heads"] + 2 * DIMS["num_key_value_heads"]) * HEAD
+        linears = {"attention.qkv": (qkv, 256), "attention.dense": (256, 256), "mlp.fc": (INTER, 256),
                    "mlp.gate": (INTER, 256), "mlp.proj": (256, INTER)}
         for module, (o, i) in linears.items():
             for t in row.stored:
@@ -410,9 +414,9 @@ def test_each_rank_holds_the_tiles_of_its_own_weight_slice(stored, tmp_path, kin
                 assert torch.equal(written[at + ".weights_scaling_factor"], torch.cat([s for _, s in mine])), (at, rank)
                 assert torch.equal(bits(written[at + ".weight"]), torch.cat([bits(q) for q, _ in mine])), (at, rank)
     ranks = [load_file(str(ckpt / f"rank{r}.safetensors")) for r in range(tp)]
-    if tp == 2:  # the duplicated KV head: both ranks hold its one tile row of k and of v
+    if tp == 2:  # a rank holds one q, one k and one v head: a tile row each, its own
         grids = [r["transformer.layers.0.attention.qkv.weights_scaling_factor"] for r in ranks]
-        assert grids[0].shape == (3, 2) and torch.equal(grids[0][1:], grids[1][1:])
+        assert grids[0].shape == grids[1].shape == (3, 2) and not torch.equal(grids[0], grids[1])
     # convert --dry-run plans every rank's tensors at the shapes and dtypes written
     dry = plan_any(checkpoint, tp=tp, pp=1, dtype=dtype, target="cpu", path=LLMAPI)
     assert [{t.name: (t.shape, t.dtype) for t in rank} for rank in dry.ranks] == \
@@ -469,10 +473,28 @@ def test_a_split_that_cuts_a_tile_is_refused_in_one_line_by_plan_and_convert(tmp
     assert str(err.value) == CUT_LINE
 
 
+def test_kv_heads_shared_across_ranks_need_a_family_whose_mapper_repeats_their_block_scales():
+    # A Llama's HfWeightMapper._duplicate_kv_weights repeats weight, bias and NVFP4's weight_scale, not
+    # weight_scale_inv; Qwen3-MoE's mapper repeats it (archs/qwen_moe.py duplicates_kv_block_scales).
+    llama = ModelShape(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=1,
+                       head_size=128, max_position_embeddings=2048)
+    with pytest.raises(ToolchainError) as err:
+        check_recipe(Quantization(method="fp8_block"), llama, tp=2, target="llmapi", splits=lambda t: t in (1, 2))
+    assert str(err.value) == (
+        "quantization.method fp8_block at parallelism.tp 2: the 1 KV heads would be repeated across ranks, and "
+        "TensorRT-LLM's weight mapper for this family repeats their weights but not their block scales, so the "
+        "checkpoint would not load (use parallelism.tp 1)")
+    qwen3_moe = dataclasses.replace(llama, kv_block_scales_duplicated=True)
+    check_recipe(Quantization(method="fp8_block"), qwen3_moe, tp=2, target="llmapi")
+    assert get_family("Qwen3MoeForCausalLM").duplicates_kv_block_scales
+    assert not get_family("LlamaForCausalLM").duplicates_kv_block_scales
+
+
 def test_a_duplicated_kv_head_must_be_whole_tiles_and_no_tp_may_leave_only_fp8():
-    # one KV head of 64 rows, on every rank at tp 2; q 64 x 6 heads = 384 (three tiles at tp 1, 192 a rank at tp 2)
+    # one KV head of 64 rows, on every rank at tp 2 (in a family whose mapper repeats its block scales); q 64 x 6
+    # heads = 384 (three tiles at tp 1, 192 a rank at tp 2)
     shape = ModelShape(hidden_size=384, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=1,
-                       head_size=64, max_position_embeddings=2048)
+                       head_size=64, max_position_embeddings=2048, kv_block_scales_duplicated=True)
     with pytest.raises(ToolchainError) as err:
         check_recipe(Quantization(method="fp8_block"), shape, tp=2, target="llmapi", splits=lambda t: t in (1, 2))
     assert str(err.value) == (
@@ -482,7 +504,7 @@ def test_a_duplicated_kv_head_must_be_whole_tiles_and_no_tp_may_leave_only_fp8()
     # at tp 1 the KV head is a part of its own: 64 rows, half a tile
     with pytest.raises(ToolchainError, match=r"tp 1: k/v rows per rank \(KV heads x head_size\) 64 not a multiple"):
         check_recipe(Quantization(method="fp8_block"), shape, tp=1, target="llmapi")
-    wide = ModelShape(384, 1024, 3, 1, 128, 2048)  # heads of 128: whole at tp 1; only q's 384 / 2 cuts a tile at tp 2
+    wide = ModelShape(384, 1024, 3, 1, 128, 2048, True)  # heads of 128: whole at tp 1; only q's 384 / 2 cuts a tile at tp 2
     check_recipe(Quantization(method="fp8_block"), wide, tp=1, target="llmapi")
     with pytest.raises(ToolchainError, match=r"tp 2: q rows per rank \(heads x head_size / tp, o_proj's input\) 192 "
                                              r"not a multiple of its 128x128 tiles"):
@@ -519,7 +541,9 @@ def test_cpu_llm_serves_the_checkpoint_as_the_engine_runs_it(export, deepseek, t
     if tp == 1:
         assert torch.equal(got, want)
     else:
-        # the two ranks' partial sums added in another order: measured 3.1e-6 (fp16 export) and 4.4e-7 (bf16)
-        assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+        # the two ranks' partial sums added in another order: measured 3.1e-6 (fp16 export); with bf16 activations
+        # a last-bit difference can flip one e4m3 rounding of a 1x128 activation group, which moved one logit by
+        # 1.1e-3 of the largest (measured, deepseek at tp 2); the tokens stay the same.
+        assert float((got - want).abs().max() / want.abs().max()) < 5e-3
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert len(tokens) == 12 and tokens[0] == int(want[-1].argmax())

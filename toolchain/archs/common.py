@@ -146,6 +146,10 @@ class Family:
     """(ArchParams, method, kv_cache, stored) -> why this family's model cannot be quantized as asked, or None.
     `stored` names the format of a checkpoint that is quantized already. Convert, the HF-format export and the
     `arch.quantization` check all ask `quantization_refusal`, so a family states its limits once."""
+    duplicates_kv_block_scales: bool = False
+    """TensorRT-LLM's PyTorch weight mapper for the family repeats FP8 block scales (weight_scale_inv) with the K/V
+    heads it duplicates when num_key_value_heads < tp (Qwen3MoeHfWeightMapper._duplicate_kv_weights); the generic
+    HfWeightMapper repeats only weight, bias and NVFP4's weight_scale, so elsewhere such a split does not load."""
     decoder: Decoder = Decoder()
     """How TensorRT-LLM's decoder for this family runs its checkpoint (the CPU engine's traits)."""
 

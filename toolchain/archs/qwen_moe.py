@@ -189,6 +189,7 @@ QWEN3_MOE = Family(
     normalize=_qwen3_moe,
     quantization=moe.quantization_refusal,
     decoder=QWEN_DECODER,
+    duplicates_kv_block_scales=True,  # Qwen3MoeHfWeightMapper lists weight_scale_inv
     engine_refusal=("TensorRT-LLM 1.2.1's engine path does not build Qwen3-MoE (tensorrt_llm/models/qwen/model.py "
                     "sizes its experts by intermediate_size and has no q/k norms; examples/models/core/qwen/README.md "
                     "runs Qwen3 MoE on the PyTorch backend only)"),

@@ -35,6 +35,9 @@ class ModelShape:
     num_key_value_heads: int
     head_size: int
     max_position_embeddings: int
+    kv_block_scales_duplicated: bool = False
+    """The family's TensorRT-LLM weight mapper repeats FP8 block scales with the K/V heads it duplicates across
+    ranks (Family.duplicates_kv_block_scales)."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,16 @@ def check_tiles(quant: Quantization, shape: ModelShape, tp: int, splits: Callabl
     whole tiles at the spec's tp: refused in one line naming them and a parallelism.tp that has them (`splits(t)`,
     archs/layout.py splits_tp, says which tps split the model at all), else quantization.method fp8."""
     tile = quant.format.tile
+    nkv = shape.num_key_value_heads
+    if tile is not None and nkv < tp and not shape.kv_block_scales_duplicated:
+        # HfWeightMapper._duplicate_kv_weights repeats weight, bias and NVFP4's weight_scale only; the Qwen3-MoE and
+        # Qwen3-Next mappers add weight_scale_inv (tensorrt_llm/_torch/models/checkpoints/hf/).
+        fewer = [t for t in (1, 2, 4, 8) if t <= nkv and (splits is None or splits(t))
+                 and not tile_problems(shape, tile, t)]
+        raise ToolchainError(f"quantization.method {quant.method} at parallelism.tp {tp}: the {nkv} KV heads would be "
+                             "repeated across ranks, and TensorRT-LLM's weight mapper for this family repeats their "
+                             "weights but not their block scales, so the checkpoint would not load",
+                             f"use parallelism.tp {fewer[-1]}" if fewer else "use quantization.method fp8")
     if tile is not None:
         _refuse_split(quant, tp, lambda t: tile_problems(shape, tile, t), splits,
                       f"its {tile}x{tile} tiles, whose scale grids the fused layers concatenate per part",
