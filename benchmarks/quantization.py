@@ -18,6 +18,10 @@ by people, present wherever the toolchain runs (no package to add, nothing to
 download), and outside the tiny model's training corpus (it read .py files
 only). Perplexities across the two models are per token of different
 tokenizers, so `bits_per_byte` is printed beside them for a fair comparison.
+`smollm2-135m-tiles` is SmolLM2-135M padded with zero heads to whole 128x128
+tiles (make_tile_model, checked function-preserving at build time), the shape
+fp8_block needs; its KL is against its own fp16 row. fp8_block runs as the
+LLM-API path's CPU stand-in runs it: HF-format export, then imported as stored.
 
 Per row: held-out perplexity run by the CPU engine over the converted
 checkpoint, checkpoint bytes, convert seconds (calibration included) and
@@ -66,6 +70,22 @@ ENGLISH_RUNS = [("tiny", TINY, ("fp16", "rtn:int4_g128", "awq", "rtn:int4_g64", 
                 ("smollm2-135m", SMOLLM2, ("fp16", "rtn:int4_g64", "awq:g64", "rtn:w8a8", "smoothquant", "fp8",
                                            "fp8_block", "nvfp4"),
                  [("modelopt", "INT4_AWQ@g64")])]
+# Tile-padded variants (make_tile_model) for the formats that need whole 128x128 tiles; KL is against the variant's
+# own fp16 row. The tiny model's widths are whole tiles already (its fp8_block row is on `tiny`).
+TILE_RUNS = [("smollm2-135m-tiles", SMOLLM2, ("fp16", "fp8", "fp8_block"))]
+
+
+def _write_variant(src: Path, dst: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """A variant of `src` into `dst`: its fp32 tensors (a tied lm_head left out), config.json and tokenizer files."""
+    if config.get("tie_word_embeddings") and "lm_head.weight" in tensors:
+        del tensors["lm_head.weight"]
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    config["dtype"] = "float32"
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy2(f, dst / f.name)
+    return dst
 
 
 def make_outlier_model(src: Path, dst: Path, seed: int = 0) -> Path:
@@ -82,15 +102,55 @@ def make_outlier_model(src: Path, dst: Path, seed: int = 0) -> Path:
             tensors[p + norm + ".weight"][hot] *= OUTLIER_FACTOR
             for lin in linears:
                 tensors[p + lin + ".weight"][:, hot] /= OUTLIER_FACTOR
-    if config.get("tie_word_embeddings") and "lm_head.weight" in tensors:
-        del tensors["lm_head.weight"]
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
-    config["dtype"] = "float32"
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            shutil.copy2(f, dst / f.name)
-    return dst
+    return _write_variant(src, dst, tensors, config)
+
+
+def make_tile_model(src: Path, dst: Path, tile: int = 128) -> Path:
+    """Write the function-preserving tile-padded variant of `src` (fp32) into `dst`: q/k/v rows, o_proj input
+    columns and KV heads added (all zero) until the q and k/v rows are whole `tile`s, keeping each KV head's group
+    of query heads (the new query heads read the new KV heads: zero scores, zero values, and o_proj's zero columns
+    drop what they give), and gate/up rows with down_proj input columns (zero) until intermediate_size is whole
+    tiles (silu(0) * 0 = 0). FP8 block scales (quant/recipe.py tile_problems) then tile every fused part."""
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.float() for k, v in load_file(str(src / "model.safetensors")).items()}
+    config = json.loads((src / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    group = heads // kv_heads
+    new_kv = next(n for n in range(kv_heads, kv_heads + tile + 1) if n * head_dim % tile == 0
+                  and n * group * head_dim % tile == 0)
+    new_ffn = -(-config["intermediate_size"] // tile) * tile
+
+    def pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+        shape = list(t.shape)
+        shape[dim] = size - t.shape[dim]
+        return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        for name, dim, size in (("self_attn.q_proj", 0, new_kv * group * head_dim),
+                                ("self_attn.k_proj", 0, new_kv * head_dim), ("self_attn.v_proj", 0, new_kv * head_dim),
+                                ("self_attn.o_proj", 1, new_kv * group * head_dim), ("mlp.gate_proj", 0, new_ffn),
+                                ("mlp.up_proj", 0, new_ffn), ("mlp.down_proj", 1, new_ffn)):
+            tensors[p + name + ".weight"] = pad(tensors[p + name + ".weight"], dim, size)
+    config.update(num_attention_heads=new_kv * group, num_key_value_heads=new_kv, head_dim=head_dim,
+                  intermediate_size=new_ffn)
+    return _write_variant(src, dst, tensors, config)
+
+
+def max_logit_diff(a: Path, b: Path, tokens: int = 64) -> float:
+    """Max |logit difference| of two HF checkpoints on the same `tokens` token ids, both run by transformers in
+    float32: a function-preserving variant's is rounding (< 1e-4)."""
+    from transformers import AutoModelForCausalLM
+
+    vocab = json.loads((a / "config.json").read_text())["vocab_size"]
+    ids = torch.randint(vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for path in (a, b):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    return float((logits[0] - logits[1]).abs().max())
 
 
 def heldout_windows(tokenize, windows: int, seq_len: int) -> list[list[int]]:
@@ -245,10 +305,19 @@ def our_rows(name: str, hf: Path, tokenizer: Path, windows, calib, work: Path, a
         ckpt.mkdir()
         start = time.perf_counter()
         try:
-            # A format only the LLM-API path takes (fp8_block) is laid out as that path's CPU stand-in reads it.
-            path = None if ENGINE in recipe.format.paths else LLMAPI
-            convert_checkpoint(hf, ckpt, tp=args.tp, pp=1, dtype="float16", target="cpu", quantization=recipe,
-                               calibration=[torch.tensor(c) for c in calib], path=path)
+            calibration = [torch.tensor(c) for c in calib]
+            if ENGINE in recipe.format.paths:
+                convert_checkpoint(hf, ckpt, tp=args.tp, pp=1, dtype="float16", target="cpu", quantization=recipe,
+                                   calibration=calibration)
+            else:
+                # A format only the LLM-API path takes (fp8_block) runs as that path's CPU stand-in runs it
+                # (llmapi/cpu_llm.py): the HF-format export the PyTorch backend loads, imported as stored.
+                from toolchain.checkpoint.hf_quant import export_hf_quantized
+
+                exported = work / f"{ckpt.name}-hf"
+                exported.mkdir()
+                export_hf_quantized(hf, exported, recipe, "float16", calibration=calibration, tokenizer_dir=tokenizer)
+                convert_checkpoint(exported, ckpt, tp=args.tp, pp=1, dtype="float16", target="cpu", path=LLMAPI)
         except Exception as err:  # keep going: one broken method should not hide the others
             rows.append({"model": name, "method": method, "error": f"{type(err).__name__}: {err}"})
             continue
@@ -367,7 +436,15 @@ def english_rows(work: Path, args) -> list[dict]:
         return [{"model": "smollm2-135m", "method": None, "perplexity": None,
                  "reason": f"{SMOLLM2} is not built: run make smollm2"}]
     text, rows = english_text(), []
-    for name, hf, only, jobs in ENGLISH_RUNS:
+    runs = list(ENGLISH_RUNS)
+    for name, src, only in TILE_RUNS:
+        padded = make_tile_model(src, work / name)
+        diff = max_logit_diff(src, padded)
+        if diff >= 1e-4:
+            raise SystemExit(f"{name} is not function-preserving: max |logit diff| {diff:.2e} vs {src}")
+        print(f"== {name}: max |logit diff| vs {src.name} {diff:.2e} (float32, transformers)", flush=True)
+        runs.append((name, padded, only, []))
+    for name, hf, only, jobs in runs:
         tokenize, decode = hf_tokenizer(hf), auto_tokenizer(hf).decode
         windows = text_windows(tokenize, text, args.english_windows, args.eval_seq_len)
         extra = {"text": "cpython idlelib/help.html", "text_tokens": sum(len(w) - 1 for w in windows),
