@@ -2,10 +2,9 @@
 which printed launch lines its target takes, `serve_until_stopped`, the supervision of serve's and dynamo's
 servers (any procgroup.Server), and `deploy`, every stage in order, then serve, bench and stop.
 
-A spec's target names a row of toolchain/targets.py; the row's path (engine or llmapi) picks the stages
-here, so the stages themselves never switch to another path's. The CLI commands convert, model-repo, serve
-and deploy ask this module. Each stage keeps its own caching, so a second deploy with nothing changed goes
-straight to serving.
+A spec's target names a row of toolchain/targets.py; the row's path (engine or llmapi) picks the stages here,
+so the stages never switch to another path's. The CLI commands convert, model-repo, serve and deploy ask this
+module. Each stage keeps its own caching: a second deploy with nothing changed goes straight to serving.
 """
 
 from __future__ import annotations
