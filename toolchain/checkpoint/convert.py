@@ -91,9 +91,7 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
             fmt = {**fmt, "group_size": q.group_size}
     else:
         q = quantization_of(requested, ckpt.config, origin=str(ckpt.config_path))
-    shape = ModelShape(params.hidden_size, params.intermediate_size, params.num_attention_heads,
-                       params.num_key_value_heads, params.head_size, params.max_position_embeddings,
-                       family.duplicates_kv_block_scales)
+    shape = ModelShape.of(params, family)
     layout_plan = check_recipe(q, shape, tp=tp, target=target, gpu_name=(gpu or (None, None))[0],
                                gpu_sm=(gpu or (None, None))[1], splits=lambda t: splits_tp(params, layout, t),
                                path=path)

@@ -322,8 +322,7 @@ def _group_size(ctx: Context):
 
 
 def _shape(p) -> ModelShape:
-    return ModelShape(p.hidden_size, p.intermediate_size, p.num_attention_heads, p.num_key_value_heads,
-                      p.head_size, p.max_position_embeddings, get_family(p.architecture).duplicates_kv_block_scales)
+    return ModelShape.of(p, get_family(p.architecture))
 
 
 @check("quant.group-padding", ENGINE,

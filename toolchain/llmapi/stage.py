@@ -62,9 +62,7 @@ def _check_layout(spec: DeploymentSpec) -> None:
                              f"({params.num_attention_heads} heads, {params.num_key_value_heads} KV heads, "
                              f"{params.num_hidden_layers} layers)", "`toolchain plan` names a split that works")
     quant = quantization_of(spec.quantization, model.hf_config, hf_quant_config=model.hf_quant_config)
-    shape = ModelShape(params.hidden_size, params.intermediate_size, params.num_attention_heads,
-                       params.num_key_value_heads, params.head_size, params.max_position_embeddings,
-                       get_family(params.architecture).duplicates_kv_block_scales)
+    shape = ModelShape.of(params, get_family(params.architecture))
     if quant.per_group:  # written here or stored so: the PyTorch backend splits it as it loads
         check_pytorch_per_group(shape, quant.weight_group_size, tp, lambda t: splits_tp(params, layout, t))
     check_tiles(quant, shape, tp, lambda t: splits_tp(params, layout, t))  # FP8 block scales' fused grids, likewise

@@ -39,6 +39,14 @@ class ModelShape:
     """The family's TensorRT-LLM weight mapper repeats FP8 block scales with the K/V heads it duplicates across
     ranks (Family.duplicates_kv_block_scales)."""
 
+    @classmethod
+    def of(cls, params, family) -> "ModelShape":
+        """The shape of a model's normalised parameters (archs ArchParams) and its family's mapper trait (archs
+        Family), both read by attribute so this floor stays free of the archs package."""
+        return cls(params.hidden_size, params.intermediate_size, params.num_attention_heads,
+                   params.num_key_value_heads, params.head_size, params.max_position_embeddings,
+                   family.duplicates_kv_block_scales)
+
 
 @dataclass(frozen=True)
 class LayoutPlan:
