@@ -219,17 +219,9 @@ def _fp8(quant: Quantization, ws: list[torch.Tensor], st) -> list[dict[str, torc
 
 
 def _nvfp4(quant: Quantization, ws: list[torch.Tensor], st) -> list[dict[str, torch.Tensor]]:
-    # One global weight scale and one input scale for the group: ModelOpt unifies the parts' amaxes by max
-    # before exporting (quant_utils.py preprocess_linear_fusion), and each part's block scales are computed
-    # against that shared global (quantize_nvfp4 with global_scale).
-    shared = fp4_q.nvfp4_global_scale(torch.stack([w.abs().max() for w in ws]).max())
-    a_scale = fp4_q.nvfp4_global_scale(st.amax.max())
-    out = []
-    for w in ws:
-        packed, block, s2 = fp4_q.quantize_nvfp4(w, shared)
-        out.append({"weight": packed, "weight_scale": block, "weight_scale_2": s2.clone(),
-                    "input_scale": a_scale.clone()})
-    return out
+    parts, weight_scale_2, input_scale = fp4_q.quantize_nvfp4_fused(ws, st.amax)
+    return [{"weight": packed, "weight_scale": block, "weight_scale_2": weight_scale_2.clone(),
+             "input_scale": input_scale.clone()} for packed, block in parts]
 
 
 def _fp8_block(quant: Quantization, ws: list[torch.Tensor], st) -> list[dict[str, torch.Tensor]]:

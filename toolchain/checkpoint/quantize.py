@@ -292,17 +292,10 @@ class Quantizer:
                                   "activation_scaling_factor": [ascale]}) for q in qs]
 
     def _nvfp4(self, flat: list[torch.Tensor], st) -> list[list[Component]]:
-        # One global weight scale over the fused parts (their largest amax) and one input scale: the fused GEMM
-        # has one alpha. Each part's block scales are computed against that shared global.
-        shared = fp4_q.nvfp4_global_scale(torch.stack([w.abs().max() for w in flat]).max())
-        ascale = fp4_q.nvfp4_global_scale(st.amax).reshape(1)
-        out = []
-        for w in flat:
-            packed, blocks, _ = fp4_q.quantize_nvfp4(w, shared)
-            out.append(self._components({"weight": [packed], "weights_scaling_factor": [blocks],
-                                         "weights_scaling_factor_2": [shared.reshape(1)],
-                                         "activation_scaling_factor": [ascale]}))
-        return out
+        parts, shared, ascale = fp4_q.quantize_nvfp4_fused(flat, st.amax)
+        return [self._components({"weight": [packed], "weights_scaling_factor": [blocks],
+                                  "weights_scaling_factor_2": [shared.reshape(1)],
+                                  "activation_scaling_factor": [ascale.reshape(1)]}) for packed, blocks in parts]
 
     @staticmethod
     def _regroup(per_source: list[list[Component]], counts: list[int]) -> list[list[Component]]:

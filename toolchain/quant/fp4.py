@@ -112,6 +112,18 @@ def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | float | None = 
     return pack_nibbles(e2m1_codes(scaled.reshape(w.shape))), block_scale, gs
 
 
+def quantize_nvfp4_fused(parts: list[torch.Tensor], input_amax: torch.Tensor | float,
+                         ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+    """The parts of one fused linear (q/k/v, gate/up) as one NVFP4 GEMM reads them: ([(packed, block scales)] per
+    part, the shared global weight scale, the input scale), both scales float32 0-dim. One global over the parts'
+    largest amax and one input scale, each part's block scales computed against that global: ModelOpt unifies the
+    parts' amaxes by max before exporting (quant_utils.py preprocess_linear_fusion), the PyTorch backend asserts
+    they are equal (NVFP4LinearMethod.load_weight_scales), and FP4Linear's fused GEMM has one alpha."""
+    shared = nvfp4_global_scale(torch.stack([w.abs().max() for w in parts]).max())
+    quantized = [quantize_nvfp4(w, shared)[:2] for w in parts]
+    return quantized, shared, nvfp4_global_scale(input_amax)
+
+
 def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor | float,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[..., in] values: E2M1 value * (block scale * global scale), in float32, then cast to `dtype`
