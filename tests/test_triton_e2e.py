@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 EOS = 2
 PROMPT = [10, 20, 30, 40, 50]
-LIMITS = {"max_batch_size": 4, "max_input_len": 32, "max_seq_len": 160, "max_num_tokens": 256}
+LIMITS = {"max_batch_size": 4, "max_input_len": 32, "max_seq_len": 512, "max_num_tokens": 256}
 
 
 def _words(ids) -> str:
@@ -117,25 +117,33 @@ def test_engine_errors_come_back_as_triton_errors(served):
 
 
 def test_stop_request_ends_an_inflight_request(served):
+    """A stop request naming an inflight request id ends it early. Both streams are open before
+    the long request goes out, so the stop costs one message rather than a new channel, and the
+    request asks for all the model's positions: a tiny model on a loaded CI host once finished
+    155 tokens before a freshly dialled stop arrived."""
     import queue
 
     import tritonclient.grpc as grpcclient
 
     _, _, server = served
     limit = LIMITS["max_seq_len"] - len(PROMPT)
-    client = grpcclient.InferenceServerClient(server.grpc_url)
+    long_client, stop_client = (grpcclient.InferenceServerClient(server.grpc_url) for _ in range(2))
     got: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    stopped: queue.Queue = queue.Queue()
+    long_client.start_stream(callback=lambda result, error: got.put((result, error)))
+    stop_client.start_stream(callback=lambda result, error: stopped.put((result, error)))
     try:
-        client.async_stream_infer("tensorrt_llm", token_request(PROMPT, limit, end_id=([-1], "INT32")),
-                                  request_id="long-1", enable_empty_final_response=True)
+        long_client.async_stream_infer("tensorrt_llm", token_request(PROMPT, limit, end_id=([-1], "INT32")),
+                                       request_id="long-1", enable_empty_final_response=True)
         first, error = got.get(timeout=60)
         assert error is None
-        stop = stream(server.grpc_url, "tensorrt_llm",
-                      [tensor("input_ids", [0], "INT32"), tensor("input_lengths", [0], "INT32"),
-                       tensor("request_output_len", [0], "INT32"), tensor("stop", [True], "BOOL")],
-                      request_id="long-1")
-        assert not stop.errors and stop.finals == 1 and not stop.responses
+        stop_client.async_stream_infer(
+            "tensorrt_llm", [tensor("input_ids", [0], "INT32"), tensor("input_lengths", [0], "INT32"),
+                             tensor("request_output_len", [0], "INT32"), tensor("stop", [True], "BOOL")],
+            request_id="long-1", enable_empty_final_response=True)
+        result, error = stopped.get(timeout=60)
+        assert error is None and result.get_response().parameters["triton_final_response"].bool_param
+        assert result.as_numpy("output_ids") is None  # the stop itself answers with no tokens
         tokens = len(first.as_numpy("output_ids").reshape(-1))
         while True:
             result, error = got.get(timeout=60)
@@ -146,8 +154,9 @@ def test_stop_request_ends_an_inflight_request(served):
                 break
         assert tokens < limit
     finally:
-        client.stop_stream()
-        client.close()
+        for client in (long_client, stop_client):
+            client.stop_stream()
+            client.close()
 
 
 def test_client_cancellation_leaves_the_server_healthy(served, engine):
