@@ -167,7 +167,7 @@ def published_fp4():
 
 def test_blackwell_fp4_points_cover_three_cards_and_four_mixes(published_fp4):
     points = [pt for pt, _, _ in published_fp4]
-    assert {pt.gpu for pt in points} == {"B200 180GB", "GB200 186GB", "B300 270GB"}
+    assert {pt.gpu for pt in points} == {"B200 180GB", "GB200 186GB", "B300 288GB"}
     assert {(pt.isl, pt.osl) for pt in points} == {(1024, 1024), (1024, 8192), (8192, 1024), (32768, 1024)}
     assert {(pt.method, pt.tp) for pt in points} == {("nvfp4", 1)}
     # Those cards' FP4 tensor-core peaks are what the prediction multiplies in (quant/formats.py math "fp4").

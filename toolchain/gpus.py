@@ -132,17 +132,18 @@ GPUS: tuple[Gpu, ...] = (
     Gpu("GB200 186GB", 186e9 / GIB, 100, bandwidth_gb_s=8000.0,
         peak_tflops=_peaks(2500.0, 5000.0, 5000.0, 10000.0), link=NVLINK5),
     # "NVIDIA HGX B300" datasheet (Blackwell Ultra, SM 103), 8 GPUs: FP4 144 PFLOPS sparse / 105 dense, FP8/FP6 72,
-    # FP16/BF16 36 PFLOPS (sparse), NVLink 5 at 1.8 TB/s per GPU; per GPU dense: bf16 2.25, fp8 4.5, fp4 13.125
-    # PFLOP/s (13,125 as glennklockwood.com/garden/processors/B300 tabulates it) and 8 TB/s HBM3e. Blackwell Ultra
-    # cuts INT8 tensor throughput and the published per-GPU figures disagree, so none is given (integer formats are
-    # refused on SM 100-119 anyway). Memory is the 270 GB per GPU of the published B300 tables (verda.com's
-    # GB300 NVL72 article), not an nvidia-smi total.
-    Gpu("B300 270GB", 270e9 / GIB, 103, bandwidth_gb_s=8000.0, peak_tflops=_peaks(2250.0, 4500.0, None, 13125.0),
+    # FP16/BF16 36 PFLOPS (sparse), NVLink 5 at 1.8 TB/s per GPU, "up to 2.3 TB" of HBM3e; per GPU dense: bf16 2.25,
+    # fp8 4.5, fp4 13.125 PFLOP/s (13,125 as glennklockwood.com/garden/processors/B300 tabulates it) and 8 TB/s.
+    # Blackwell Ultra cuts INT8 tensor throughput and the published per-GPU figures disagree, so none is given
+    # (integer formats are refused on SM 100-119 anyway). Memory: 288 GB per GPU (2.3 TB / 8, the per-GPU figure
+    # HGX B300 platform tables and glennklockwood.com give: 8 stacks of 12-high HBM3e); an earlier 270 GB here came
+    # from a GB300 rack article and understated it by 6%. Not an nvidia-smi total.
+    Gpu("B300 288GB", 288e9 / GIB, 103, bandwidth_gb_s=8000.0, peak_tflops=_peaks(2250.0, 4500.0, None, 13125.0),
         link=NVLINK5),
 )
 # Short spellings people write; "A100" alone means the 80GB card, "H100" the SXM card.
 ALIASES = {"H100": "H100 80GB", "H100 SXM": "H100 80GB", "H200": "H200 141GB", "A100": "A100 80GB",
-           "4090": "RTX 4090", "3090": "RTX 3090", "B200": "B200 180GB", "GB200": "GB200 186GB", "B300": "B300 270GB"}
+           "4090": "RTX 4090", "3090": "RTX 3090", "B200": "B200 180GB", "GB200": "GB200 186GB", "B300": "B300 288GB"}
 
 
 def _key(name: str) -> str:

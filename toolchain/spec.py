@@ -207,7 +207,7 @@ class QuantizationSection(_Section):
 
 class GpuSection(_Section):
     name: str | None = None
-    """GPU model from the planner's table (H100 80GB, H100 PCIe, H200 141GB, A100 80GB, A100 40GB, L40S, L4, RTX 4090, RTX 3090, B200 180GB, GB200 186GB, B300 270GB); gives memory, SM version, and the bandwidth, peak FLOP/s and interconnect the performance prediction reads."""
+    """GPU model from the planner's table (H100 80GB, H100 PCIe, H200 141GB, A100 80GB, A100 40GB, L40S, L4, RTX 4090, RTX 3090, B200 180GB, GB200 186GB, B300 288GB); gives memory, SM version, and the bandwidth, peak FLOP/s and interconnect the performance prediction reads."""
     memory_gib: float | None = Field(None, gt=0)
     """Memory of one GPU in GiB; overrides the table, or describes a GPU not in it (then also set `sm`)."""
     sm: int | None = Field(None, ge=60, le=199)
