@@ -6,63 +6,15 @@ from __future__ import annotations
 
 import json
 import queue
-import urllib.request
 
-import numpy as np
 import pytest
 
 from conftest import REPO, write_spec, starts_server
+from llmapi_helpers import collect, llmapi_inputs, openai_completion, texts
 from toolchain.spec import load_spec
 from toolchain.workspace import Workspace
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-def llmapi_inputs(prompt: str, **values) -> list:
-    """One request of the llmapi contract (max_batch_size 0: the declared dims are the whole shape)."""
-    import tritonclient.grpc as grpcclient
-
-    kinds = {bool: ("BOOL", np.bool_), int: ("INT32", np.int32), float: ("FP32", np.float32)}
-    text = grpcclient.InferInput("text_input", [1], "BYTES")
-    text.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
-    out = [text]
-    for name, value in values.items():
-        if isinstance(value, list):  # sampling_param_stop: strings
-            t = grpcclient.InferInput(name, [len(value)], "BYTES")
-            t.set_data_from_numpy(np.array([v.encode() for v in value], dtype=object))
-        else:
-            dtype, np_type = kinds[type(value)]
-            t = grpcclient.InferInput(name, [1], dtype)
-            t.set_data_from_numpy(np.array([value], dtype=np_type))
-        out.append(t)
-    return out
-
-
-def collect(url: str, inputs: list, request_id: str = "r1", timeout: float = 60.0):
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(url)
-    got: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: got.put((result, error)))
-    responses, errors = [], []
-    try:
-        client.async_stream_infer("tensorrt_llm", inputs, request_id=request_id, enable_empty_final_response=True)
-        while True:
-            result, error = got.get(timeout=timeout)
-            if error is not None:
-                errors.append(str(error))
-                break
-            responses.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
-    finally:
-        client.stop_stream()
-        client.close()
-    return responses, errors
-
-
-def texts(responses) -> list[str]:
-    return [r.as_numpy("text_output")[0].decode() for r in responses if r.as_numpy("text_output") is not None]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +24,7 @@ def served(tmp_path_factory, hf_llama_words):
 
     root = tmp_path_factory.mktemp("llmapi-e2e")
     spec = load_spec(write_spec(root / "spec.yaml", hf_llama_words, target="llmapi-cpu", parallelism={"tp": 2},
-                                limits={"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128,
+                                limits={"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 512,
                                         "max_num_tokens": 256},
                                 serving={"http_port": 0, "grpc_port": 0, "metrics_port": 0,
                                          "max_tokens_in_paged_kv_cache": 2048},
@@ -140,30 +92,37 @@ def test_perf_metrics_outputs_come_with_return_perf_metrics(served):
 
 def test_stop_with_the_request_id_ends_an_inflight_request(served):
     """As upstream's handle_stop_request: the stop request is answered "Request cancelled by client"
-    and the stopped request ends early with a normal final response."""
+    and the stopped request ends early with a normal final response. The stop's stream is open before the
+    request goes out and the request asks for nearly every position, so a loaded host cannot finish it first."""
     import tritonclient.grpc as grpcclient
 
     _, _, server = served
-    client = grpcclient.InferenceServerClient(server.grpc_url)
+    limit = 480
+    long_client, stop_client = (grpcclient.InferenceServerClient(server.grpc_url) for _ in range(2))
     got: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    stopped: queue.Queue = queue.Queue()
+    long_client.start_stream(callback=lambda result, error: got.put((result, error)))
+    stop_client.start_stream(callback=lambda result, error: stopped.put((result, error)))
     try:
-        client.async_stream_infer("tensorrt_llm", llmapi_inputs(
-            "w50 w51", streaming=True, sampling_param_max_tokens=120, sampling_param_exclude_input_from_output=True,
+        long_client.async_stream_infer("tensorrt_llm", llmapi_inputs(
+            "w50 w51", streaming=True, sampling_param_max_tokens=limit, sampling_param_exclude_input_from_output=True,
             return_finish_reason=True), request_id="long", enable_empty_final_response=True)
         first, error = got.get(timeout=60)
         assert error is None
-        _, stop_errors = collect(server.grpc_url, llmapi_inputs("", stop=True), request_id="long")
+        stop_client.async_stream_infer("tensorrt_llm", llmapi_inputs("", stop=True), request_id="long",
+                                       enable_empty_final_response=True)
+        _, stop_error = stopped.get(timeout=60)
         responses = [first]
         while not responses[-1].get_response().parameters["triton_final_response"].bool_param:
             result, error = got.get(timeout=60)
             assert error is None, error
             responses.append(result)
     finally:
-        client.stop_stream()
-        client.close()
-    assert stop_errors and "Request cancelled by client" in stop_errors[0]
-    assert len(texts(responses)) < 120 and responses[-1].as_numpy("finish_reason")[0] == b"cancelled"
+        for client in (long_client, stop_client):
+            client.stop_stream()
+            client.close()
+    assert stop_error is not None and "Request cancelled by client" in str(stop_error)
+    assert len(texts(responses)) < limit and responses[-1].as_numpy("finish_reason")[0] == b"cancelled"
 
 
 @pytest.mark.parametrize("inputs, fragment", [
@@ -189,11 +148,8 @@ def test_the_openai_server_runs_the_same_llm_arguments(served):
     assert not errors
     before = prepared_stamps(spec, ws)
     with openai_server(spec, ws, ws.root / "openai.log") as api:
-        body = json.dumps({"model": api.served_model_name, "prompt": "w60 w61 w62", "max_tokens": 5, "top_k": 1}).encode()
-        req = urllib.request.Request(f"{api.url}/v1/completions", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            answer = json.loads(resp.read())
-    assert answer["choices"][0]["text"].strip() == texts(triton)[-1].strip()
+        answer = openai_completion(api, "w60 w61 w62", 5)
+    assert answer.strip() == texts(triton)[-1].strip()
     after = prepared_stamps(spec, ws)  # loaded from convert's directory, not converted again
     assert after["lock"] > before["lock"] and after["engine"] == before["engine"]
 
