@@ -221,6 +221,23 @@ def test_plan_counts_671b_parameters():
     assert abs(params / 671e9 - 1) < 0.02, params
 
 
+def test_plan_weights_per_rank_at_tp8_ep8():
+    """Each of 8 ranks (moe_ep 8, so moe_tp 1): the latent projections whole, a sixteenth of q_b/kv_b/o_proj's heads,
+    an eighth of the 3 dense MLPs, 32 of the 256 experts whole and an eighth of the shared expert in the 58 mixture
+    layers, the float32 router and bias whole; the embedding whole and an eighth of the lm_head; bf16."""
+    from toolchain.plan.memory import rank_weights
+    from toolchain.quant.view import Quantization
+
+    _, p = load_params(copy.deepcopy(RELEASED))
+    w = rank_weights(p, tp=8, pp_rank=0, pp=1, quant=Quantization(), dt_bytes=2, moe_ep=8)
+    heads = 128 // 8
+    attention = 1536 * 7168 + heads * 192 * 1536 + 576 * 7168 + heads * 256 * 512 + 7168 * heads * 128
+    mixture = 2 * (32 * 3 * 2048 * 7168 + 3 * (2048 // 8) * 7168) + 4 * (256 * 7168 + 256)
+    assert w.layers == 61 * 2 * attention + 3 * 2 * 3 * (18432 // 8) * 7168 + 58 * mixture
+    assert w.norms == 2 * (61 * (2 * 7168 + 1536 + 512) + 7168)
+    assert (w.embedding, w.lm_head) == (2 * 129280 * 7168, 2 * 129280 // 8 * 7168)
+
+
 @pytest.mark.parametrize("par", [{"tp": 2}, {"tp": 2, "moe_ep": 2}, {"tp": 2, "pp": 2}])
 def test_plan_bytes_are_what_convert_writes(tmp_path, capsys, par):
     """Each rank's checkpoint bytes in `toolchain plan` equal convert's dry run of the tiny model's config."""
