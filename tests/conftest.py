@@ -181,7 +181,14 @@ HF_CLASSES = {
     "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
     "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "DeepseekV3ForCausalLM": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
+# A tiny DeepSeek-V3 (notes i36 §5): MLA ranks unlike each other and the hidden size, 8 experts in 4 groups of
+# which 2 are chosen, one dense layer before the mixtures, and a shared expert.
+DEEPSEEK_V3_TINY = dict(num_key_value_heads=4, intermediate_size=80, moe_intermediate_size=24, n_routed_experts=8,
+                        n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=12)
 
 
 def make_hf_model(arch: str, out: Path, *, seed=0, dtype=torch.float32, **overrides) -> Path:
@@ -205,6 +212,9 @@ def make_hf_model(arch: str, out: Path, *, seed=0, dtype=torch.float32, **overri
                 param.normal_(0.0, 0.5)
             else:  # RMSNorm weights (input, post-attention, final, q/k norms)
                 param.copy_(1.0 + 0.25 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zeros at init
+                buffer.normal_(0.0, 0.5)
     model.to(dtype).save_pretrained(out, safe_serialization=True)
     return out
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import DEEPSEEK_V3_TINY
 
 from toolchain.archs import family_for_config, get_family, load_params, supported
 from toolchain.archs.common import Family, NameTable, Row, Shard, Stage
@@ -192,6 +193,7 @@ def _family(arch, **kw):
 
 
 ARCH_FIXTURES = {
+    "DeepseekV3ForCausalLM": _family("DeepseekV3ForCausalLM", **{**DEEPSEEK_V3_TINY, "first_k_dense_replace": 0}),
     "Gemma2ForCausalLM": _family("Gemma2ForCausalLM", head_dim=16, sliding_window=8),
     "Gemma3ForCausalLM": _family("Gemma3ForCausalLM", head_dim=16, sliding_window=8),
     "LlamaForCausalLM": _llama,
@@ -262,10 +264,10 @@ def test_partial_rotary_rejected():
 
 
 def test_registry_lists_every_family():
-    assert supported() == ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+    assert supported() == ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
                            "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
-    assert [get_family(a).name for a in supported()] == ["gemma2", "gemma3", "llama", "mistral", "mixtral", "phi3",
+    assert [get_family(a).name for a in supported()] == ["deepseek_v3", "gemma2", "gemma3", "llama", "mistral", "mixtral", "phi3",
                                                          "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_hf_model
+from conftest import DEEPSEEK_V3_TINY, make_hf_model
 from test_engine_cpu_util import _one_thread, hf_greedy, hf_logits, load_engine  # noqa: F401
 
 from toolchain.archs import supported
@@ -53,6 +53,8 @@ GEMMA3 = dict(seed=18, head_dim=16, num_hidden_layers=4, sliding_window=8, slidi
                                "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
 # One tiny model per family; the keys double as test ids.
 FAMILIES = {
+    # MLA with its latent cache, a dense layer then two mixtures with grouped routing (tests/test_deepseek_v3.py)
+    "deepseek-v3-mla": ("DeepseekV3ForCausalLM", dict(seed=19, **{**DEEPSEEK_V3_TINY, "num_hidden_layers": 3})),
     "gemma2-window-softcap": ("Gemma2ForCausalLM", GEMMA2),
     "gemma3-local-rope": ("Gemma3ForCausalLM", GEMMA3),
     "llama32-tied": ("LlamaForCausalLM", dict(seed=14, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
@@ -69,7 +71,7 @@ FAMILIES = {
 # Families whose HF half-precision forward is not within a tolerance of float32: top-k routing is
 # discontinuous, and HF's bf16 rounding flips an expert choice at some position (measured: 0.54 on one
 # logit row of the tiny Mixtral), so only the float32 reference over the same stored weights bounds them.
-DISCRETE_ROUTING = {"mixtral-moe", "qwen2-moe-shared", "qwen3-moe-qknorm"}
+DISCRETE_ROUTING = {"deepseek-v3-mla", "mixtral-moe", "qwen2-moe-shared", "qwen3-moe-qknorm"}
 # Gemma 2's HF half-precision forward rounds more steps (the embedding scale, four norms a layer, two soft-caps)
 # than the float32 engine: measured worst 0.070 in bfloat16 on logits capped at 3 (float32 reference: 1e-4).
 # Gemma 3 has no final soft-cap and twice the layers: measured worst 0.31 in bfloat16 on logits up to 4.9
@@ -79,8 +81,9 @@ NATIVE_ATOL_BY_FAMILY = {"gemma2-window-softcap": {**NATIVE_ATOL, "bfloat16": 1e
 
 # The layouts each family runs; families added since the matrix reached make test's time budget run the
 # three that matter (tp 1, tp 2, pp 2) in float32 and their checkpoint's native bfloat16.
+REDUCED = {"gemma3-local-rope", "deepseek-v3-mla"}
 CASES = [(f, tp, pp, dt) for f in sorted(FAMILIES) for tp, pp in LAYOUTS for dt in sorted(DTYPES)
-         if f != "gemma3-local-rope" or ((tp, pp) in ((1, 1), (2, 1), (1, 2)) and dt != "float16")]
+         if f not in REDUCED or ((tp, pp) in ((1, 1), (2, 1), (1, 2)) and dt != "float16")]
 
 _MODELS: dict = {}
 

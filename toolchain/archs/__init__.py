@@ -18,6 +18,7 @@ from toolchain.errors import ToolchainError
 # table shape (llama.llama_rows) with its own switches and config normalisation.
 # Adding one here means adding a tiny checkpoint maker to tests/test_archs.py too.
 _REGISTRY: dict[str, str] = {
+    "DeepseekV3ForCausalLM": "toolchain.archs.deepseek_v3",
     "Gemma2ForCausalLM": "toolchain.archs.gemma",
     "Gemma3ForCausalLM": "toolchain.archs.gemma3",
     "LlamaForCausalLM": "toolchain.archs.llama",

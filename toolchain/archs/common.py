@@ -79,6 +79,9 @@ class Row:
     dtype: str | None = None
     """Checkpoint dtype when it is not the model's: the MoE router stays float32 ("Router should never be
     quantized", cast to float32: TensorRT-LLM tensorrt_llm/models/llama/convert.py)."""
+    layers: Callable[[Any, int], bool] | None = None
+    """(ArchParams, layer) -> whether a `{layer}` row exists in that layer; None: in every layer. For families
+    whose layers differ in kind (DeepSeek-V3's dense first layers before its mixtures of experts)."""
 
     @property
     def per_layer(self) -> bool:
@@ -113,6 +116,9 @@ class Decoder:
     config_group: str | None = None
     """The Gemma config group whose fields config.json carries, "Gemma2ConfigGroup" or "Gemma3ConfigGroup"
     (tensorrt_llm/models/modeling_utils.py), with GemmaConfig's inter_layernorms; None for other decoders."""
+    mla: bool = False
+    """Multi-head latent attention with grouped sigmoid routing (DeepSeek-V3): config.json's `deepseek_v3`
+    section says the ranks and groups, and the attention tensors are archs/deepseek_v3.py's, not a fused qkv."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,9 @@ class Family:
     HfWeightMapper repeats only weight, bias and NVFP4's weight_scale, so elsewhere such a split does not load."""
     decoder: Decoder = Decoder()
     """How TensorRT-LLM's decoder for this family runs its checkpoint (the CPU engine's traits)."""
+    ignore: Callable[[Any, str], bool] | None = None
+    """(ArchParams, HF tensor name) -> whether convert drops the tensor unread, for whole modules no row names
+    (DeepSeek-V3's multi-token-prediction layers, which transformers ignores on load too)."""
 
     def __post_init__(self) -> None:
         # Table mistakes are programming errors: fail at import, not mid-conversion.
@@ -213,11 +222,22 @@ DIMS: dict[str, Callable[[Any], int]] = {
     "1": lambda p: 1,                                         # a single output row (Qwen2-MoE's shared_expert_gate)
     "QKV": lambda p: (p.num_attention_heads + 2 * p.num_key_value_heads) * p.head_size,  # fused qkv_proj rows
     "2I": lambda p: 2 * p.intermediate_size,                  # fused gate_up_proj rows
+    # multi-head latent attention (DeepSeek-V3, ArchParams.mla): the q and kv latents and the per-head projections
+    "QL": lambda p: p.mla["q_lora_rank"],
+    "KVL": lambda p: p.mla["kv_lora_rank"],
+    "KVA": lambda p: p.mla["kv_lora_rank"] + p.mla["qk_rope_head_dim"],      # kv_a_proj_with_mqa rows
+    "QB": lambda p: p.num_attention_heads * (p.mla["qk_nope_head_dim"] + p.mla["qk_rope_head_dim"]),
+    "KVB": lambda p: p.num_attention_heads * (p.mla["qk_nope_head_dim"] + p.mla["v_head_dim"]),
+    "OV": lambda p: p.num_attention_heads * p.mla["v_head_dim"],             # o_proj columns
 }
 
 
 def expected_shape(row: Row, params: Any) -> tuple[int, ...] | None:
     return None if row.shape is None else tuple(DIMS[sym](params) for sym in row.shape)
+
+
+# What NameTable.match answers for a tensor its family's `ignore` drops.
+IGNORED = Row("(ignored by the family)", None, Shard.DROP)
 
 
 @dataclass(frozen=True)
@@ -237,6 +257,8 @@ class NameTable:
         self._patterns = [(re.compile(_pattern_regex(r.hf)), r) for r in self.rows]
 
     def match(self, hf_name: str) -> Match | None:
+        if self.family.ignore is not None and self.family.ignore(self.params, hf_name):
+            return Match(IGNORED, None)
         for regex, row in self._patterns:
             m = regex.fullmatch(hf_name)
             if m is None:
@@ -244,6 +266,8 @@ class NameTable:
             layer = int(m.group("layer")) if row.per_layer else None
             if layer is not None and layer >= self.params.num_hidden_layers:
                 return None  # a block past num_hidden_layers: config and weights disagree
+            if layer is not None and row.layers is not None and not row.layers(self.params, layer):
+                return None  # a tensor of another kind of layer (a dense MLP where the layer is a mixture)
             expert = int(m.group("expert")) if row.per_expert else None
             if expert is not None and expert >= self.params.num_experts:
                 return None  # an expert past num_local_experts
@@ -256,7 +280,8 @@ class NameTable:
         for row in self.rows:
             if row.shard is Shard.DROP:
                 continue
-            layers = range(self.params.num_hidden_layers) if row.per_layer else [None]
+            layers: list[int | None] = [i for i in range(self.params.num_hidden_layers)
+                                        if row.layers is None or row.layers(self.params, i)] if row.per_layer else [None]
             experts: list[int | None] = list(range(self.params.num_experts)) if row.per_expert else [None]
             for layer in layers:
                 for expert in experts:

@@ -105,6 +105,17 @@ class ArchParams:
         windows = json.loads(self.extras_json or "{}").get("runtime_defaults", {}).get("max_attention_window")
         return tuple(windows) if windows and len(windows) == self.num_hidden_layers else None
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a mixture of experts: every layer of a MoE model but the first
+        `first_k_dense_replace` (DeepSeek-V3's dense layers, which extras_json carries)."""
+        return self.is_moe and layer >= json.loads(self.extras_json or "{}").get("first_k_dense_replace", 0)
+
+    @property
+    def mla(self) -> dict | None:
+        """Multi-head latent attention's ranks and head widths (DeepSeek-V3: q_lora_rank, kv_lora_rank,
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim, from extras_json); None for every other attention."""
+        return json.loads(self.extras_json or "{}").get("mla")
+
     @property
     def expert_size(self) -> int:
         """The routed experts' width, what moe_tp splits."""

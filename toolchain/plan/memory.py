@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from toolchain.archs import get_family, supported
 from toolchain.archs.layout import Layout
 from toolchain.archs.params import ArchParams
+from toolchain.plan import mla
 from toolchain.quant import formats
 from toolchain.quant.recipe import per_group_multiple
 from toolchain.quant.view import Quantization
@@ -52,7 +53,13 @@ def linear_shapes(p: ArchParams, tp: int, quant: Quantization | None = None) -> 
     q_r = p.num_attention_heads // tp * hd
     kv_r = kv_heads_per_rank(p, tp) * hd
     i_r = mlp_width(p, tp, quant) // tp
-    return [("qkv", q_r + 2 * kv_r, h), ("dense", h, q_r), ("fc", i_r, h), ("gate", i_r, h), ("proj", h, i_r)]
+    mlp = [("fc", i_r, h), ("gate", i_r, h), ("proj", h, i_r)]
+    if p.mla is not None:  # multi-head latent attention (DeepSeek-V3): its five projections (plan/mla.py)
+        return mla.linear_shapes(p, tp) + mlp
+    return [("qkv", q_r + 2 * kv_r, h), ("dense", h, q_r), *mlp]
+
+
+MLP_LINEARS = ("fc", "gate", "proj")  # linear_shapes' dense MLP, which a mixture-of-experts layer replaces
 
 
 # The MoE router is float32 in every format (tensorrt_llm/models/llama/convert.py), and the shared expert gate in
@@ -89,7 +96,8 @@ def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: 
         routed -= (experts - 1) * (formats.tensor_bytes(held_once, 2 * width, h, g, dt_bytes)
                                    + formats.tensor_bytes(held_once, h, width, g, dt_bytes))
     shared_r = p.shared_expert_size // (moe_tp * moe_ep)
-    shared = linear(2 * shared_r, h) + linear(h, shared_r) + h * dt_bytes if p.shared_expert_size else 0
+    gate = h * dt_bytes if p.mla is None else 0  # DeepSeek-V3 (the MLA family) adds its shared experts ungated
+    shared = linear(2 * shared_r, h) + linear(h, shared_r) + gate if p.shared_expert_size else 0
     return p.num_experts * h * ROUTER_BYTES + routed + shared
 
 
@@ -121,21 +129,26 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quanti
     """Weight bytes of one rank (its TP slice of its PP stage). A mixture-of-experts model holds its
     experts as `moe_tp`/`moe_ep` (None: as TensorRT-LLM's Mapping derives them) place them."""
     layout = Layout(tp, pp, moe_tp, moe_ep)
-    n_layers = len(layout.stage_layers(p.num_hidden_layers)[pp_rank])
+    stage = layout.stage_layers(p.num_hidden_layers)[pp_rank]
+    n_layers = len(stage)
+    n_moe = sum(1 for layer in stage if p.is_moe_layer(layer))  # all of a MoE model's but DeepSeek's dense first
     h, v = p.hidden_size, p.vocab_size
     shapes = linear_shapes(p, tp, quant)
-    if p.is_moe:
-        shapes = [s for s in shapes if s[0] in ("qkv", "dense")]
-    per_layer = sum(linear_bytes(o, i, quant, dt_bytes, stored) for _, o, i in shapes)
-    if p.is_moe:
-        per_layer += expert_bytes(p, layout.moe_tp, layout.moe_ep, dt_bytes, quant, stored)
+    per_layer = sum(linear_bytes(o, i, quant, dt_bytes, stored) for name, o, i in shapes if name not in MLP_LINEARS)
+    dense_mlp = sum(linear_bytes(o, i, quant, dt_bytes, stored) for name, o, i in shapes if name in MLP_LINEARS)
     if qkv_bias:
         per_layer += linear_shapes(p, tp)[0][1] * dt_bytes
     if dense_bias:
         per_layer += h * dt_bytes  # row-parallel bias, full on every rank
     if p.mlp_bias:
-        per_layer += (2 * (p.intermediate_size // tp) + h) * dt_bytes
+        dense_mlp += (2 * (p.intermediate_size // tp) + h) * dt_bytes
+    layers_bytes = n_layers * per_layer + (n_layers - n_moe) * dense_mlp
+    if n_moe:
+        layers_bytes += n_moe * expert_bytes(p, layout.moe_tp, layout.moe_ep, dt_bytes, quant, stored)
     norms = n_layers * p.norms_per_layer * h * dt_bytes
+    if p.mla is not None:
+        norms += n_layers * mla.norm_values(p) * dt_bytes
+        layers_bytes += n_moe * p.num_experts * ROUTER_BYTES  # the routing correction bias, float32 like the router
     if tp > 1 and p.architecture in supported() and get_family(p.architecture).parallel_embedding_at_tp:
         parallel_embedding = True  # the family's TensorRT-LLM config forces it (GemmaConfig, archs/gemma.py)
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -158,12 +171,15 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quanti
         # tied, on the same rank, same shape.
         if p.tie_word_embeddings and first and not parallel_embedding and padded_vocab(p, tp) // tp == v:
             lm_head = 0.0
-    return WeightBreakdown(n_layers * per_layer, embedding, lm_head, norms)
+    return WeightBreakdown(layers_bytes, embedding, lm_head, norms)
 
 
 def kv_bytes_per_token(p: ArchParams, *, tp: int, stage_layer_count: int, kv_bytes: int) -> int:
     """2 (K and V) x L_stage x nkv_r x hd x bytes (the paged KV cache layout,
-    docs/source/legacy/advanced/gpt-attention.md)."""
+    docs/source/legacy/advanced/gpt-attention.md); with multi-head latent attention one latent per layer,
+    whole on every rank (plan/mla.py)."""
+    if p.mla is not None:
+        return stage_layer_count * mla.kv_values_per_token(p) * kv_bytes
     return 2 * stage_layer_count * kv_heads_per_rank(p, tp) * p.head_size * kv_bytes
 
 

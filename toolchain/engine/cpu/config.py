@@ -8,6 +8,7 @@ directory fails at load with one clear message instead of mid-request.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from typing import Any
 from toolchain.archs import checkpoint_architectures, family_for_checkpoint
 from toolchain.archs.common import Decoder
 from toolchain.archs.moe import EXPERT_METHODS
+from toolchain.engine.cpu.mla import MlaDims, parse as parse_mla
+from toolchain.engine.cpu.routing import GroupedRouting
 from toolchain.errors import ToolchainError
 from toolchain.quant import exclude, formats
 from toolchain.quant.recipe import GROUP_SIZES, per_group_multiple
@@ -112,6 +115,19 @@ class ModelDims:
     """Gemma 3 rope_local_base_freq: the rope base of its local layers (Attention(is_local=True)); None: one base."""
     sliding_window_pattern: int = 0
     """Gemma 3 _sliding_window_pattern: layer i is local when (i + 1) % pattern != 0 (GemmaDecoderLayer); 0: none."""
+
+    mla: MlaDims | None = None
+    """DeepSeek-V3's multi-head latent attention (engine/cpu/mla.py); None for every other attention."""
+    dense_layers: int = 0
+    """Leading layers of a mixture-of-experts model with a dense MLP (DeepSeek-V3's first_k_dense_replace)."""
+    grouped_routing: GroupedRouting | None = None
+    """DeepSeek-V3's grouped sigmoid routing with its correction bias (routing.py); None: softmax top-k."""
+    shared_expert_gate: bool = True
+    """Qwen2-MoE scales its shared expert by sigmoid(shared_expert_gate(x)); DeepSeek-V3 adds it as it is."""
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` is a mixture of experts (all of a MoE model's but its dense first ones)."""
+        return self.is_moe and layer >= self.dense_layers
 
     def is_local(self, layer: int) -> bool:
         """Whether global layer `layer` rotates with rotary_base_local (Gemma 3's local layers)."""
@@ -293,6 +309,7 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         norm_epsilon=float(cfg.get("norm_epsilon", 1e-5)),
         rotary_base=float(cfg.get("rotary_base", 10000.0)),
         rotary_scaling=(_long_rope(cfg, origin) if position == "long_rope"
+                        else None if decoder.mla  # MLA rotates its rope head itself (mla.py: yarn)
                         else _rope_scaling(cfg.get("rotary_scaling"), origin)),
         attn_bias=bool(cfg.get("attn_bias", False)),
         dense_bias=bool(cfg.get("attn_bias", False)) and decoder.dense_bias,
@@ -316,6 +333,9 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         **_gemma2_dims(arch, decoder.config_group, cfg, origin),
         fused_mlp=decoder.fused_mlp,
     )
+    if decoder.mla:
+        dims = dataclasses.replace(dims, **parse_mla(cfg, origin, tp=tp, heads=heads, intermediate=dims.intermediate_size,
+                                                     quant=(dims.quant_algo, dims.kv_cache_quant_algo)))
     _check_dims(dims, decoder, origin)
     return dims
 

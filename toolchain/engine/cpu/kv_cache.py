@@ -29,6 +29,10 @@ Mirrors TensorRT-LLM's KV cache manager (cpp/tensorrt_llm/batch_manager/kvCacheM
 Storage: per layer and TP rank, K and V as [num_blocks * tokens_per_block,
 kv_heads, head_size] in float32, or int8/e4m3 for an INT8/FP8 KV cache. The
 tensors come from torch.empty, so memory is committed only as blocks are used.
+Multi-head latent attention (DeepSeek-V3) keeps one latent per token instead
+(`cache_widths`): K as [slots, 1, kv_lora_rank + qk_rope_head_dim] and an empty
+V, as TensorRT-LLM's PyTorch backend allocates a SELFKONLY cache of one head for it;
+the blocks, slots and reuse are the same.
 """
 
 from __future__ import annotations
@@ -75,11 +79,21 @@ class KvCacheConfig:
         return None
 
 
+def cache_widths(d: ModelDims) -> tuple[int, int, int]:
+    """(heads, K width, V width) of one token's cache entry per layer and TP rank: the rank's KV heads, or for
+    multi-head latent attention one latent "head" of kv_lora_rank + qk_rope_head_dim and no V (CacheType.SELFKONLY
+    with num_kv_heads 1 in TensorRT-LLM's _torch/pyexecutor/_util.py; engine/cpu/mla.py)."""
+    if d.mla is not None:
+        return 1, d.mla.latent_width, 0
+    return d.kv_heads_per_rank, d.head_size, d.head_size
+
+
 def kv_bytes_per_token(d: ModelDims) -> int:
     """Bytes one token's keys and values take over all layers and TP ranks of this engine."""
     kind = KV_KINDS.get(d.kv_cache_quant_algo or "")
     width = 1 if kind else 4  # the CPU engine keeps an unquantized cache in float32
-    return 2 * d.num_layers * d.tp * d.kv_heads_per_rank * d.head_size * width
+    heads, k_width, v_width = cache_widths(d)
+    return d.num_layers * d.tp * heads * (k_width + v_width) * width
 
 
 def available_memory_bytes() -> int:
@@ -137,9 +151,10 @@ class KvCacheManager:
         self.enable_block_reuse = enable_block_reuse
         self.kind = KV_KINDS.get(d.kv_cache_quant_algo or "")
         dtype = storage_dtype(self.kind) if self.kind else torch.float32
-        shape = (d.num_layers, d.tp, num_blocks * tokens_per_block, d.kv_heads_per_rank, d.head_size)
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
+        heads, k_width, v_width = cache_widths(d)
+        slots = num_blocks * tokens_per_block
+        self.k = torch.empty((d.num_layers, d.tp, slots, heads, k_width), dtype=dtype)
+        self.v = torch.empty((d.num_layers, d.tp, slots, heads, v_width), dtype=dtype)
         self._blocks = [_Block(i) for i in range(num_blocks)]
         # Never-registered free blocks, as a stack: the most recently freed (warm) block goes out first.
         self._clean = list(range(num_blocks - 1, -1, -1))
@@ -180,8 +195,8 @@ class KvCacheManager:
 
     @property
     def bytes_per_token(self) -> int:
-        return (self.k.element_size() + self.v.element_size()) * self.k[0, 0, 0].numel() * self.d.num_layers \
-            * self.d.tp
+        entry = self.k.element_size() * self.k[0, 0, 0].numel() + self.v.element_size() * self.v[0, 0, 0].numel()
+        return entry * self.d.num_layers * self.d.tp
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.tokens_per_block)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from toolchain.engine.cpu.config import ModelDims
 from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheManager
 from toolchain.engine.cpu.comm import Comm
+from toolchain.engine.cpu.mla import MlaAttention, rotary as mla_rotary
 from toolchain.engine.cpu.rope import Rotary, apply_rotary
 from toolchain.engine.cpu.weights import RankShard
 from toolchain.quant.kv_cache import dequantize_kv, quantize_kv
@@ -138,6 +139,10 @@ class Model:
         self.stages = stages
         self.comm = comm
         self.rotary = Rotary(d.head_size, d.rotary_base, d.rotary_scaling)
+        # Multi-head latent attention (DeepSeek-V3) rotates only its rope head, with YaRN where configured.
+        self.mla = MlaAttention(d.mla, d.norm_epsilon) if d.mla is not None else None
+        if d.mla is not None:
+            self.rotary = mla_rotary(d.mla, d.rotary_base)
         # Gemma 3's local layers rotate with their own base and the same scaling (a second table,
         # Attention.create_attention_const_params in tensorrt_llm/layers/attention.py).
         self.rotary_local = (Rotary(d.head_size, d.rotary_base_local, d.rotary_scaling)
@@ -284,10 +289,15 @@ class Model:
     def _attention_block(self, shards, local, layer, x, batch, cos, sin) -> torch.Tensor:
         d = self.d
         h = rms_norm(x, shards[0].layers[local].input_norm, d.norm_epsilon)
+        if self.mla is not None:  # DeepSeek-V3 (mla.py): each rank's heads through its o_proj columns, summed
+            parts = [s.layers[local].dense(self.mla(s.layers[local].mla, h, cos, sin, batch.kv.k[layer, s.tp_rank],
+                                                    batch), add_bias=False) for s in shards]
+            return x + self._tp_sum(sum(parts[1:], parts[0]))
         nq, nkv, hd = d.heads_per_rank, d.kv_heads_per_rank, d.head_size
         total = torch.zeros(0)
         for i, s in enumerate(shards):
             w = s.layers[local]
+            assert w.qkv is not None  # every attention but MLA's has one
             qkv = w.qkv(h)
             q = qkv[:, : nq * hd].view(-1, nq, hd)
             k = qkv[:, nq * hd: (nq + nkv) * hd].view(-1, nkv, hd)

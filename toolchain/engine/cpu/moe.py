@@ -26,6 +26,9 @@ Qwen2-MoE adds a shared expert every token runs, a dense swiglu MLP split over t
 scaled per token by sigmoid(shared_expert_gate(x)); the gate [1, H] is whole on every rank, so each rank
 scales its partial sum and the same all-reduce completes it (SharedMoE.forward in tensorrt_llm/layers/moe.py:
 routed_output + sigmoid(gate(x)) * shared_expert(x), then one allreduce).
+
+DeepSeek-V3 routes by groups with sigmoid scores and a correction bias (routing.py, `grouped`) and adds its shared
+expert unscaled (no gate: DeepseekV3MoE in transformers' modeling_deepseek_v3.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from toolchain.engine.cpu.linear import Linear
+from toolchain.engine.cpu.routing import GroupedRouting
 
 RENORMALIZE = 1  # ExpertScaleNormalizationMode values (archs/moe.py NORMALIZATION)
 
@@ -57,10 +61,16 @@ class Experts:
     shared_proj: Linear | None = None
     """[H, S_r]: the shared expert's down_proj columns of this rank's tp slice."""
     shared_gate: torch.Tensor | None = None
-    """[1, H]: shared_expert_gate, whole on every rank."""
+    """[1, H]: shared_expert_gate, whole on every rank; None adds the shared expert unscaled (DeepSeek-V3)."""
+    grouped: GroupedRouting | None = None
+    """DeepSeek-V3's grouped sigmoid routing (routing.py) in place of the softmax top-k."""
+    score_bias: torch.Tensor | None = None
+    """[E] float32: the grouped routing's e_score_correction_bias, whole on every rank."""
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k], expert ids [N, k]) of every token."""
+        if self.grouped is not None and self.score_bias is not None:
+            return self.grouped.route(h.float() @ self.router.T, self.score_bias, self.top_k)
         probs = torch.softmax((h @ self.router.T).float(), dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.normalization == RENORMALIZE:
@@ -80,9 +90,10 @@ class Experts:
             up, gate = self.fc[e](x).chunk(2, dim=-1)
             y = self.proj[e](F.silu(gate) * up)
             out.index_add_(0, tokens, y * weights[tokens, slot, None].to(y.dtype))
-        if self.shared_fc is not None and self.shared_proj is not None and self.shared_gate is not None:
+        if self.shared_fc is not None and self.shared_proj is not None:
             up, gate = self.shared_fc(h).chunk(2, dim=-1)
-            out += torch.sigmoid(h @ self.shared_gate.T) * self.shared_proj(F.silu(gate) * up)
+            shared = self.shared_proj(F.silu(gate) * up)
+            out += shared if self.shared_gate is None else torch.sigmoid(h @ self.shared_gate.T) * shared
         return out
 
 

@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from toolchain.checkpoint.hf_reader import check_header
 from toolchain.engine.cpu.config import ModelDims
+from toolchain.engine.cpu import mla
 from toolchain.engine.cpu.linear import Linear
 from toolchain.engine.cpu.moe import Experts, expert_slices
 from toolchain.engine.cpu.qlinear import make_linear
@@ -37,6 +38,7 @@ LM_HEAD = "lm_head"
 SHARED_FC = "mlp.shared_expert.fc.weight"
 SHARED_PROJ = "mlp.shared_expert.proj.weight"
 SHARED_GATE = "mlp.shared_expert_gate.weight"
+SCORE_BIAS = "mlp.router.e_score_correction_bias"  # DeepSeek-V3's routing correction bias (archs/deepseek_v3.py)
 
 
 @dataclass
@@ -44,7 +46,7 @@ class LayerShard:
     """One decoder layer's slice held by one TP rank."""
 
     input_norm: torch.Tensor
-    qkv: Linear
+    qkv: Linear | None   # None under multi-head latent attention, whose projections are `mla`
     dense: Linear        # row-parallel: its bias (full copy) is added once after the partial sums
     post_norm: torch.Tensor
     fc: Linear | None    # HF gate_proj: the activation is applied to it (None: a mixture-of-experts MLP)
@@ -56,6 +58,7 @@ class LayerShard:
     kv_scale: torch.Tensor | None = None  # INT8/FP8 KV cache: the layer's scale (1,), the same on every rank
     pre_ff_norm: torch.Tensor | None = None   # inter_layernorms (Gemma 2): before the MLP
     post_ff_norm: torch.Tensor | None = None  # inter_layernorms: on the MLP output
+    mla: mla.MlaShard | None = None  # DeepSeek-V3's latent projections (engine/cpu/mla.py)
 
 
 @dataclass
@@ -113,9 +116,12 @@ def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tupl
             out[f"{p}.attention.k_layernorm.weight"] = ((hd,), "float")
         if d.kv_cache_quant_algo is not None:
             out[f"{p}.attention.kv_cache_scaling_factor"] = ((1,), "float")
-        if d.is_moe:
+        moe_layer = d.is_moe_layer(d.stage_layers(pp_rank)[i])
+        if moe_layer:
             out.update(_moe_tensors(d, p, _global(d, pp_rank, i), tp_rank))
-        for name, (out_f, in_f), bias in _linears(d, qkv_out):
+        if d.mla is not None:
+            out.update(mla.tensors(d.mla, p, H, d.heads_per_rank))
+        for name, (out_f, in_f), bias in _linears(d, qkv_out, moe_layer):
             fmt = d.linear_format(f"{_global(d, pp_rank, i)}.{name}")
             if fmt == "int4_group" and name.startswith("mlp."):
                 # per-group int4 MLP dims are stored padded (WeightOnlyGroupwiseQuantLinear)
@@ -152,6 +158,8 @@ def _moe_tensors(d: ModelDims, p: str, g: str, tp_rank: int) -> dict[str, tuple[
     (`expert_stack`); the shared expert (Qwen2-MoE) as a dense MLP of the same format, its gate unquantized."""
     experts, width, H = d.num_experts // d.moe_ep, d.expert_size // d.moe_tp, d.hidden_size
     out: dict[str, tuple[tuple[int, ...], str]] = {f"{p}.mlp.router.weight": ((d.num_experts, H), "float")}
+    if d.grouped_routing is not None:
+        out[f"{p}.{SCORE_BIAS}"] = ((d.num_experts,), "float")
     for name, (out_f, in_f) in (("mlp.fc", (2 * width, H)), ("mlp.proj", (H, width))):
         one = stored_tensors(f"{p}.{name}", out_f, in_f, False, d.linear_format(f"{g}.{name}"), group=d.group_size)
         out.update({n: (expert_stack(n, shape, experts), kind) for n, (shape, kind) in one.items()})
@@ -161,7 +169,8 @@ def _moe_tensors(d: ModelDims, p: str, g: str, tp_rank: int) -> dict[str, tuple[
             module = name.removesuffix(".weight")
             out.update(stored_tensors(f"{p}.{module}", out_f, in_f, False, d.linear_format(f"{g}.{module}"),
                                       group=d.group_size))
-        out[f"{p}.{SHARED_GATE}"] = ((1, H), "float")
+        if d.shared_expert_gate:
+            out[f"{p}.{SHARED_GATE}"] = ((1, H), "float")
     return out
 
 
@@ -172,11 +181,13 @@ def expert_stack(name: str, shape: tuple[int, ...], experts: int) -> tuple[int, 
     return shape if name.endswith(".activation_scaling_factor") else (experts, *shape)
 
 
-def _linears(d: ModelDims, qkv_out: int):
+def _linears(d: ModelDims, qkv_out: int, moe_layer: bool):
     inter = d.intermediate_size // d.tp
     attention = [("attention.qkv", (qkv_out, d.hidden_size), d.attn_bias),
                  ("attention.dense", (d.hidden_size, d.heads_per_rank * d.head_size), d.dense_bias)]
-    if d.is_moe:
+    if d.mla is not None:  # the latent projections are mla.tensors; o_proj is attention.dense over v_head_dim
+        attention = [("attention.dense", (d.hidden_size, d.heads_per_rank * d.mla.v_head_dim), d.dense_bias)]
+    if moe_layer:
         return attention
     if d.fused_mlp:  # one swiglu fc [up; gate] (Phi-3)
         return [*attention, ("mlp.fc", (2 * inter, d.hidden_size), d.mlp_bias),
@@ -323,10 +334,10 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
         def linear(name: str, bias: bool, p=p, g=g) -> Linear:
             return make_linear(t, f"{p}.{name}", bias, d.linear_format(f"{g}.{name}"), group=d.group_size)
 
-        dense_mlp = not d.is_moe
+        dense_mlp = not d.is_moe_layer(d.stage_layers(pp_rank)[i])
         layers.append(LayerShard(
             input_norm=t[f"{p}.input_layernorm.weight"],
-            qkv=linear("attention.qkv", d.attn_bias),
+            qkv=linear("attention.qkv", d.attn_bias) if d.mla is None else None,
             dense=linear("attention.dense", d.dense_bias),
             post_norm=t[f"{p}.post_layernorm.weight"],
             fc=linear("mlp.fc", d.mlp_bias) if dense_mlp else None,
@@ -338,6 +349,7 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
             kv_scale=t.get(f"{p}.attention.kv_cache_scaling_factor"),
             pre_ff_norm=t.get(f"{p}.pre_feedforward_layernorm.weight"),
             post_ff_norm=t.get(f"{p}.post_feedforward_layernorm.weight"),
+            mla=mla.load(t, p) if d.mla is not None else None,
         ))
     shard = RankShard(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, layers=layers)
     shard.embedding = t.get(EMBEDDING)
@@ -369,7 +381,8 @@ def _experts(d: ModelDims, t: dict[str, torch.Tensor], p: str, g: str, tp_rank: 
 
     return Experts(router=t[f"{p}.mlp.router.weight"], fc=stack("mlp.fc"), proj=stack("mlp.proj"),
                    first=moe_first_expert(d, tp_rank), top_k=d.top_k, normalization=d.moe_normalization,
-                   shared_fc=shared(SHARED_FC), shared_proj=shared(SHARED_PROJ), shared_gate=t.get(f"{p}.{SHARED_GATE}"))
+                   shared_fc=shared(SHARED_FC), shared_proj=shared(SHARED_PROJ), shared_gate=t.get(f"{p}.{SHARED_GATE}"),
+                   grouped=d.grouped_routing, score_bias=t.get(f"{p}.{SCORE_BIAS}"))
 
 
 def moe_first_expert(d: ModelDims, tp_rank: int) -> int:
@@ -403,6 +416,10 @@ def _shared_gate(layer: LayerShard) -> torch.Tensor | None:
     return layer.experts.shared_gate if layer.experts is not None else None
 
 
+def _score_bias(layer: LayerShard) -> torch.Tensor | None:
+    return layer.experts.score_bias if layer.experts is not None else None
+
+
 def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
     """Tensors every TP rank holds in full must be identical across the ranks of a stage.
 
@@ -429,7 +446,9 @@ def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
                           (f"{p}.attention.dense.bias", la.dense.bias, lb.dense.bias),
                           (f"{p}.mlp.proj.bias", _proj_bias(la), _proj_bias(lb)),
                           (f"{p}.mlp.router.weight", _router(la), _router(lb)),
-                          (f"{p}.{SHARED_GATE}", _shared_gate(la), _shared_gate(lb))]
+                          (f"{p}.{SHARED_GATE}", _shared_gate(la), _shared_gate(lb)),
+                          (f"{p}.{SCORE_BIAS}", _score_bias(la), _score_bias(lb)),
+                          *mla.replicas(p, la.mla, lb.mla)]
             for name, a, b in pairs:
                 if a is not None and b is not None and not torch.equal(a, b):
                     raise ToolchainError(

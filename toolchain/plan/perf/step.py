@@ -59,7 +59,7 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantiza
         read += w.embedding
     shapes = mem.linear_shapes(p, tp, quant)
     if p.is_moe:
-        shapes = [s for s in shapes if s[0] in ("qkv", "dense")]
+        shapes = [s for s in shapes if s[0] not in mem.MLP_LINEARS]
     gemm = 2.0 * sum(out * inp for _, out, inp in shapes) * layers
     expert_bytes, experts, share = 0.0, 0, 0.0
     if p.is_moe:
