@@ -275,7 +275,17 @@ def test_cli_archs_lists_them(capsys):
     from toolchain.cli import main
 
     assert main(["archs"]) == 0
-    assert capsys.readouterr().out.split() == supported()
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert [row[0] for row in rows] == supported()
+    assert [row[1] for row in rows] == [get_family(a).name for a in supported()]
+    served = {row[0]: row[2:] for row in rows}
+    # engine_refusal: 1.2.1's trtllm-build has no Qwen3-MoE; llmapi_refusal of every model: no Gemma 2 on the
+    # PyTorch backend; a refusal that depends on the model (Phi-3 at tp > 1) leaves the path listed.
+    assert served["Qwen3MoeForCausalLM"] == ["llmapi"] and served["Gemma2ForCausalLM"] == ["engine"]
+    assert served["LlamaForCausalLM"] == served["Phi3ForCausalLM"] == ["engine", "llmapi"]
+    for name in supported():
+        family = get_family(name)
+        assert ("engine" in served[name]) == (family.engine_refusal is None), name
 
 
 @pytest.mark.parametrize("over,window", [({}, 4096), ({"sliding_window": None}, None), ({"sliding_window": 512}, 512)])

@@ -59,7 +59,7 @@ def test_windows_spread_over_the_stream():
 def _tiny_spec(tmp_path, **sections):
     sections = {"parallelism": {"tp": 2, "pp": 1},
                 "limits": {"max_input_len": 128, "max_seq_len": 256, "max_num_tokens": 512}, **sections}
-    return write_spec(tmp_path / "tiny.yaml", TINY_TRAINED, name="tiny-eval", **sections)
+    return write_spec(tmp_path / "tiny.yaml", TINY_TRAINED, name=sections.pop("name", "tiny-eval"), **sections)
 
 
 @needs_tiny
@@ -113,11 +113,35 @@ def test_eval_tokenizer_outside_vocabulary(tmp_path, capsys, hf_llama):
     assert rc == 2 and "outside the model's vocabulary [0, 250)" in err and len(err.splitlines()) == 1
 
 
-def test_eval_refuses_the_llmapi_path_in_one_line(tmp_path, capsys, hf_llama):
-    """The LLM-API path converts no TensorRT-LLM checkpoint: eval says so and names the engine-path spelling."""
-    spec = write_spec(tmp_path / "s.yaml", hf_llama, target="llmapi-cpu")
+@needs_tiny
+def test_eval_on_the_llmapi_stand_in_runs_the_engine_its_servers_load(tmp_path, capsys):
+    """An llmapi-cpu spec is evaluated through the engine its convert prepares for LLM()'s stand-in: the same
+    convert and CPU build of the same checkpoint as target cpu (at the same dtype, tp and limits), so the logits,
+    and with them both perplexities and the agreement, are the ones target cpu reports."""
+    reports = {}
+    for target in ("cpu", "llmapi-cpu"):
+        spec = _tiny_spec(tmp_path, target=target, name=f"tiny-{target}")
+        out = tmp_path / f"{target}.json"
+        rc = main(["--root", str(tmp_path / "root"), "eval", str(spec), "--json", str(out),
+                   "--max-tokens", "256", "--window", "64"])
+        assert rc == 0, capsys.readouterr()
+        reports[target] = json.loads(out.read_text())
+    cpu, llm = reports["cpu"], reports["llmapi-cpu"]
+    assert llm["model"]["tp"] == 2 and llm["model"]["dtype"] == cpu["model"]["dtype"] == "float32"
+    assert llm["tokens_evaluated"] == cpu["tokens_evaluated"] > 0
+    for key in ("perplexity", "reference_perplexity", "greedy_token_agreement"):
+        assert llm[key] == pytest.approx(cpu[key], rel=1e-6), key
+    assert llm["greedy_token_agreement"] == 1.0
+    # What ran is the stand-in's engine, prepared where the servers find it; no engine-path engine was built.
+    root = tmp_path / "root" / "engines" / "tiny-llmapi-cpu"
+    assert (root / "cpu-llm").is_dir() and not (root / "engine").exists()
+
+
+def test_eval_refuses_the_gpu_llmapi_target_in_one_line(tmp_path, capsys, hf_llama):
+    """Target llmapi runs in the PyTorch backend on a GPU: eval says so and names the stand-in's spelling."""
+    spec = write_spec(tmp_path / "s.yaml", hf_llama, target="llmapi")
     rc = main(["--root", str(tmp_path / "root"), "eval", str(spec), "--max-tokens", "64", "--window", "32"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1
-    assert "target llmapi-cpu" in err and "--set target=cpu" in err
+    assert "target llmapi " in err and "--set target=llmapi-cpu" in err
     assert not (tmp_path / "root" / "engines").exists()  # refused before converting anything

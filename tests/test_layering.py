@@ -29,8 +29,9 @@ FLOORS: list[tuple[str, ...]] = [
     ("checks",),
     ("dynamo",),
     ("openai",),
+    ("eval",),  # evaluates the LLM-API path's CPU stand-in too
     ("llmapi",),
-    ("bench", "eval"),
+    ("bench",),
     ("triton",),
     ("engine",),
     ("plan",),

@@ -154,6 +154,8 @@ TRIGGERS = {
     # a valid Mapping (1 x 4 = tp) that cannot divide 6 experts over 4 ranks
     "moe.parallelism": ({"parallelism": {"tp": 4, "moe_tp": 1, "moe_ep": 4}},
                         {"setup": use_config({**MIXTRAL, "num_local_experts": 6})}, FAIL),
+    # a dense model: where its MLP goes under attention DP differs per upstream model class (archs/layout.py)
+    "parallelism.attention-dp": ({"target": "llmapi", "parallelism": {"tp": 2, "attention_dp": True}}, {}, FAIL),
     "arch.quantization": ({}, {"quant": Quantization(method="smoothquant"), "setup": use_config(MIXTRAL)}, FAIL),
     # plan refuses an unregistered architecture before any check runs (plan/model.py load_model)
     "arch.supported": ({}, {"setup": use_config({**LLAMA2_7B, "architectures": ["GPT2LMHeadModel"]})}, REFUSED),

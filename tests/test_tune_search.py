@@ -52,3 +52,29 @@ def test_the_batch_cap_is_refined_to_the_largest_that_meets_a_binding_slo():
     assert not one_more.failed and "tpot_p99_ms" in one_more.slo_misses
     grid = next(e for e in result.ranked if e.candidate.knobs == {**c.knobs, "max_batch_size": 64})
     assert best.per_gpu() > 1.1 * grid.per_gpu()
+
+
+QWEN3_MOE_LLMAPI = REPO / "build" / "qwen3-30b-a3b-ep2-h200.yaml"
+
+
+def test_attention_dp_is_searched_on_and_off_for_a_moe_model_on_the_llmapi_path():
+    """Qwen3-30B-A3B on two H200s: every tp 2 structure is searched with attention DP off and on, a single GPU
+    only off (the spec refuses it at tp 1); a dense model and the engine path never get it."""
+    from toolchain.tune.candidates import structures
+
+    spec = load_spec(QWEN3_MOE_LLMAPI)
+    found, refused = structures(spec, 2, None, False, moe=True)
+    assert not [r for r in refused if "attention_dp" in r]
+    by_tp = {tp: {c.spec.parallelism.attention_dp for c in found if c.spec.parallelism.tp == tp} for tp in (1, 2)}
+    assert by_tp == {1: {False}, 2: {False, True}}
+    on = [c for c in found if c.spec.parallelism.attention_dp]
+    assert all("adp" in c.label and c.knobs["attention_dp"] for c in on)
+    assert len({c.label for c in found}) == len(found)  # the label tells them apart (pass two's `seen`)
+    assert not any(c.spec.parallelism.attention_dp for c in structures(spec, 2, None, False, moe=False)[0])
+    engine = load_spec(QWEN3_MOE_LLMAPI, ["target=trtllm"])
+    assert not any(c.spec.parallelism.attention_dp for c in structures(engine, 2, None, False, moe=True)[0])
+    # The search reads `moe` from the model: both reach the plan, and an attention-DP candidate plans its own memory.
+    slo = thresholds(spec.validation.slo, [])
+    result = search(spec, [spec], 2, slo, by_cost=False)
+    planned = [e for e in [*result.ranked, *result.dropped] if e.candidate.spec.parallelism.tp == 2]
+    assert {e.candidate.spec.parallelism.attention_dp for e in planned} == {False, True}

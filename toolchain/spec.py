@@ -69,6 +69,11 @@ class ParallelismSection(_Section):
     moe_ep: int | None = Field(None, ge=1, le=64)
     """Mixture-of-experts models: over how many of the tp ranks the experts are divided, each holding
     num_experts / moe_ep whole experts (`moe_ep_size`, LLM() `moe_expert_parallel_size`). Unset: tp // moe_tp, or 1."""
+    attention_dp: bool = False
+    """Mixture-of-experts models on the LLM-API path: attention data parallelism (LLM() `enable_attention_dp`). The
+    tp ranks become attention data-parallel ranks: each holds the whole attention, the shared expert and lm_head,
+    schedules its own requests (up to limits.max_batch_size each) and keeps their KV with every KV head, while the
+    experts stay split as moe_tp x moe_ep. Needs tp > 1; the engine targets (cpu, trtllm) have no such mode."""
 
     @property
     def world_size(self) -> int:
@@ -85,6 +90,14 @@ class ParallelismSection(_Section):
         problems = mapping_problems(self.tp, self.moe_tp, self.moe_ep)
         if problems:
             raise ValueError(problems[0])
+        return self
+
+    @model_validator(mode="after")
+    def _attention_dp_needs_ranks(self) -> "ParallelismSection":
+        if self.attention_dp and self.tp == 1:
+            # Upstream accepts it and changes nothing (MappingBase.dp_size is tp_size, 1): refused as a no-op.
+            raise ValueError("parallelism.attention_dp makes the tp ranks data-parallel, and tp is 1: set tp > 1 or "
+                             "remove attention_dp")
         return self
 
     @model_validator(mode="after")
@@ -420,6 +433,15 @@ class DeploymentSpec(_Section):
         if top + REPLICA_PORT_STEP * (n - 1) > 65535:
             raise ValueError(f"replica {n - 1} would serve port {top} + {REPLICA_PORT_STEP * (n - 1)}, above 65535; "
                              "lower the serving ports or serving.replicas")
+        return self
+
+    @model_validator(mode="after")
+    def _attention_dp_on_llmapi_path(self) -> "DeploymentSpec":
+        if self.parallelism.attention_dp and not self.llmapi_path:
+            # Only the PyTorch backend's Mapping has enable_attention_dp; trtllm-build's engines split attention by tp.
+            raise ValueError(f"parallelism.attention_dp is an LLM-API option (enable_attention_dp) and target "
+                             f"{self.target} builds an engine, which has no attention data parallelism; set target "
+                             "llmapi (llmapi-cpu on a CPU host) or remove attention_dp")
         return self
 
     @model_validator(mode="after")

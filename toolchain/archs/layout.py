@@ -30,11 +30,15 @@ class Layout:
     """use_parallel_embedding: the vocab embedding is split over the TP ranks (else every rank holds it whole)."""
     embedding_sharding_dim: int = 0
     """With parallel_embedding: 0 splits the vocabulary rows (padded like lm_head), 1 the hidden columns."""
+    attention_dp: bool = False
+    """Attention data parallelism (LLM() `enable_attention_dp`, the LLM-API path only): the tp ranks are attention
+    data-parallel ranks, each with the whole attention and its own requests' KV (see `attn_tp`)."""
 
     @classmethod
     def of(cls, par: Any) -> Layout:
         """The layout a spec's `parallelism` section (or a converter's Options, spelled alike) asks for."""
-        return cls(par.tp, par.pp, par.moe_tp, par.moe_ep, par.parallel_embedding, par.embedding_sharding_dim)
+        return cls(par.tp, par.pp, par.moe_tp, par.moe_ep, par.parallel_embedding, par.embedding_sharding_dim,
+                   getattr(par, "attention_dp", False))
 
     @property
     def world_size(self) -> int:
@@ -49,6 +53,15 @@ class Layout:
     def moe_ep(self) -> int:
         """Over how many TP ranks the experts are divided (Mapping.moe_ep_size)."""
         return moe.moe_sizes(self.tp, self.given_moe_tp, self.given_moe_ep)[1]
+
+    @property
+    def attn_tp(self) -> int:
+        """Over how many ranks the attention (its heads, KV heads and KV cache) is split: 1 with attention DP, else tp.
+        The PyTorch backend's Attention module and KV cache manager both take `tp_size = 1 if
+        mapping.enable_attention_dp else mapping.tp_size` (tensorrt_llm/_torch/modules/attention.py
+        Attention.__init__; _torch/pyexecutor/resource_manager.py KVCacheManager.get_cache_size_per_token), while
+        MappingBase keeps tp_size and reports `dp_size` = tp_size (tensorrt_llm/mapping.py)."""
+        return 1 if self.attention_dp else self.tp
 
     @property
     def embedding_split_hidden(self) -> bool:
@@ -76,7 +89,8 @@ class Layout:
 
 class LayoutProblem(NamedTuple):
     axis: str
-    """Which setting it is about: "size", "moe", "embedding", "tp" or "pp" (callers pick their fix by it)."""
+    """Which setting it is about: "size", "moe", "embedding", "tp", "pp" or "attention_dp" (callers pick their fix
+    by it)."""
     text: str
 
 
@@ -96,6 +110,12 @@ def layout_problems(params: Any, layout: Layout) -> list[LayoutProblem]:
     out += [LayoutProblem("tp", text) for text in _tp_rule(params, layout)]
     if pp > params.num_hidden_layers:
         out.append(LayoutProblem("pp", f"pp={pp} exceeds num_hidden_layers={params.num_hidden_layers}"))
+    if layout.attention_dp and not getattr(params, "is_moe", False):
+        # Upstream runs it on dense models too, but where their MLP goes under it differs per model class (a
+        # GatedMLP `overridden_tp_size=1` in some, the tp split in others: tensorrt_llm/_torch/models/), so a plan
+        # of one would be a guess; refused rather than planned wrong.
+        out.append(LayoutProblem("attention_dp", f"parallelism.attention_dp is planned for mixture-of-experts models; "
+                                                 f"{params.architecture} is dense"))
     return out
 
 

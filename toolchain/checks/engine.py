@@ -24,8 +24,8 @@ from toolchain.quant import exclude
 from toolchain.quant.formats import BLACKWELL, KV_CACHE
 from toolchain.quant.recipe import (ModelShape, check_blocks, check_per_group, check_pytorch_per_group, check_tiles,
                                     device_refusal, path_refusal, per_group_multiple)
-from toolchain.checks.registry import (ENGINE, ENGINE_PATH, FAIL, GPU_ONLY, PASS, SKIP, UNREGISTERED, WARN, Context,
-                                       check)
+from toolchain.checks.registry import (ENGINE, ENGINE_PATH, FAIL, GPU_ONLY, LLMAPI_PATH, PASS, SKIP, UNREGISTERED, WARN,
+                                       Context, check)
 
 NO_MODEL = "model config not readable here; the stage reports why"
 
@@ -267,10 +267,26 @@ def _moe_parallelism(ctx: Context):
     if not p.is_moe:
         return PASS, "dense model: no experts to place"
     moe_tp, moe_ep = par.layout.moe_tp, par.layout.moe_ep
-    shared = (f"; the shared expert {p.shared_expert_size // par.tp} wide of {p.shared_expert_size} on each rank "
-              f"(tp {par.tp})" if p.shared_expert_size else "")
+    shared_tp = par.layout.attn_tp  # whole on each attention-DP rank (plan/memory.py expert_bytes)
+    shared = (f"; the shared expert {p.shared_expert_size // shared_tp} wide of {p.shared_expert_size} on each rank "
+              f"(tp {shared_tp})" if p.shared_expert_size else "")
     return PASS, (f"{p.num_experts} experts, {par.layout.experts_per_rank(p.num_experts)} on each rank (moe_ep {moe_ep}), each "
                   f"{p.expert_size // moe_tp} wide of {p.expert_size} (moe_tp {moe_tp}){shared}")
+
+
+@check("parallelism.attention-dp", (), "attention data parallelism is planned for mixture-of-experts models "
+       "(archs/layout.py layout_problems; the spec refuses it on the engine path and at tp 1)",
+       paths=LLMAPI_PATH)
+def _attention_dp(ctx: Context):
+    p, layout = _model(ctx), ctx.spec.parallelism.layout
+    if not layout.attention_dp:
+        return PASS, f"attention split over tp {layout.tp}"
+    if p is None:
+        return SKIP, NO_MODEL
+    for problem in _problems(ctx, p, "attention_dp"):
+        return FAIL, f"{problem}; remove parallelism.attention_dp"
+    return PASS, (f"attention data-parallel over {layout.tp} ranks: each holds all {p.num_attention_heads} heads and "
+                  f"its own requests' KV ({p.num_key_value_heads} KV heads)")
 
 
 @check("arch.quantization", (), "the family must convert the quantization asked for (archs/*.py: the family's "

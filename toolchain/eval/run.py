@@ -3,7 +3,9 @@ rank by rank, and compare it with the original Hugging Face model.
 
 Target `cpu` evaluates the built engine directory. Target `trtllm` engines
 only run on a GPU, so there the converted checkpoint (the exact rank files
-trtllm-build consumes) is evaluated through a CPU engine view of it.
+trtllm-build consumes) is evaluated through a CPU engine view of it. Target
+`llmapi-cpu` evaluates the engine its `convert` prepares for the LLM() stand-in
+(llmapi/cpu_llm.py prepare_engine), the one its servers load.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from toolchain.errors import StageFailed, ToolchainError
 from toolchain.eval.metrics import evaluate
 from toolchain.eval.texts import STREAM_FACTOR, default_documents, file_documents, token_stream, token_windows
 from toolchain.spec import DeploymentSpec
-from toolchain.targets import CPU_ENGINE, target_of
+from toolchain.targets import CPU_ENGINE, CPU_STAND_IN, target_of
 from toolchain.workspace import Workspace
 from toolchain.engine.build import build_config, write_cpu_engine
 from toolchain.remote_code import auto_tokenizer
 from toolchain.engine.build import run_build
+from toolchain.llmapi.args import llm_args
+from toolchain.llmapi.cpu_llm import LlmArgsError, prepare_engine
+from toolchain.llmapi.stage import run_convert_llmapi, served_model_dir
 
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_WINDOW = 256
@@ -39,6 +44,9 @@ def engine_for_eval(spec: DeploymentSpec, workspace: Workspace) -> Iterator[Path
         run_build(spec, workspace)
         yield workspace.engine_dir(spec)
         return
+    if target_of(spec).llm_runtime == CPU_STAND_IN:
+        yield _stand_in_engine(spec, workspace)
+        return
     from toolchain.checkpoint.stage import run_convert
 
     run_convert(spec, workspace)
@@ -47,6 +55,18 @@ def engine_for_eval(spec: DeploymentSpec, workspace: Workspace) -> Iterator[Path
         view = Path(tmp)
         write_cpu_engine(checkpoint, view, build_config(spec), version="eval-view")
         yield view
+
+
+def _stand_in_engine(spec: DeploymentSpec, workspace: Workspace) -> Path:
+    """The CPU engine LLM()'s stand-in loads for an llmapi-cpu spec: the LLM-API path's convert (its layout and
+    quantization checks, then the engine prepared in workspace.cpu_llm_dir) and the directory it prepared, found
+    current there, so eval runs exactly what the deployment's servers run."""
+    run_convert_llmapi(spec, workspace)
+    try:
+        inner, inner_ws = prepare_engine(llm_args(spec, served_model_dir(spec, workspace)), workspace.cpu_llm_dir(spec))
+    except LlmArgsError as err:  # run_convert_llmapi has already refused what LLM() refuses; kept one line anyway
+        raise ToolchainError(str(err), "fix the spec so LLM() accepts its arguments") from None
+    return inner_ws.engine_dir(inner)
 
 
 def _tokenizer(spec: DeploymentSpec):
@@ -85,12 +105,12 @@ def run_eval(spec: DeploymentSpec, workspace: Workspace, *, text: Path | None = 
     from toolchain.engine.cpu import CpuEngine
 
     say = echo or (lambda _msg: None)
-    if target_of(spec).engine_builder is None:
-        # The LLM-API path has no TensorRT-LLM checkpoint: its convert stage records the HF directory the
-        # PyTorch backend loads, which must not be read as a TensorRT-LLM config.
-        raise ToolchainError(f"toolchain eval runs the converted TensorRT-LLM checkpoint, and target {spec.target} "
-                             "(the LLM-API path) has none", "evaluate the same model on the engine path: "
-                             "`toolchain eval SPEC --set target=cpu`")
+    row = target_of(spec)
+    if row.engine_builder is None and row.llm_runtime != CPU_STAND_IN:
+        # The GPU's PyTorch backend runs only there; its CPU stand-in runs the same arguments here.
+        raise ToolchainError(f"toolchain eval runs the model on this host's CPU engine, and target {spec.target} "
+                             "runs it in TensorRT-LLM's PyTorch backend on a GPU", "evaluate it through LLM()'s CPU "
+                             "stand-in: `toolchain eval SPEC --set target=llmapi-cpu`")
     if max_tokens < 2:
         raise ToolchainError(f"max_tokens {max_tokens} is too small", "use --max-tokens 2 or more")
     start = time.monotonic()

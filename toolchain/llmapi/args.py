@@ -26,6 +26,7 @@ DERIVED_FROM = {
     "trust_remote_code": "model.trust_remote_code",
     "tensor_parallel_size": "parallelism.tp", "pipeline_parallel_size": "parallelism.pp",
     "moe_tensor_parallel_size": "parallelism.moe_tp", "moe_expert_parallel_size": "parallelism.moe_ep",
+    "enable_attention_dp": "parallelism.attention_dp",
     "max_batch_size": "limits.max_batch_size", "max_input_len": "limits.max_input_len",
     "max_seq_len": "limits.max_seq_len", "max_num_tokens": "limits.max_num_tokens",
     "enable_chunked_prefill": "build.chunked_context", "speculative_config": "speculative",
@@ -189,6 +190,10 @@ def llm_args(spec: DeploymentSpec, model_dir: Path | str) -> dict[str, Any]:
         "scheduler_config": {"capacity_scheduler_policy": POLICY[s.batch_scheduler_policy]},
     })
     args.update(expert_parallel_args(spec))
+    if spec.parallelism.attention_dp:
+        # BaseLlmArgs.enable_attention_dp (bool, default False; facts/llmapi.json llm_args), handed to the Mapping
+        # (_ParallelConfig.to_mapping); written only when on, so other deployments' files keep upstream's default.
+        args["enable_attention_dp"] = True
     spec_cfg = speculative_config(spec)
     if spec_cfg is not None:
         args["speculative_config"] = spec_cfg

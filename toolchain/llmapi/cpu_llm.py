@@ -222,6 +222,7 @@ def engine_spec(args: dict[str, Any]):
                            f"v_scale), which {model_dir} lacks; export it with quantization.kv_cache fp8, or use auto")
     if kv.get("dtype", "auto") not in ("auto", None, "fp8"):
         raise LlmArgsError(f"kv_cache_config.dtype {kv['dtype']!r} is not supported on the CPU engine yet; use auto")
+    _check_attention_dp(args)
     if args.get("speculative_config"):
         raise LlmArgsError("speculative_config is not supported on the CPU engine yet (target llmapi-cpu); "
                            "remove it, or deploy with target llmapi on a GPU host")
@@ -256,6 +257,23 @@ def engine_spec(args: dict[str, Any]):
         })
     except Exception as err:  # pydantic's message names the field
         raise LlmArgsError(f"LLM arguments the CPU engine cannot run: {str(err).splitlines()[0]}") from None
+
+
+def _check_attention_dp(args: dict[str, Any]) -> None:
+    """enable_attention_dp is accepted and changes no result here: with it each rank runs the whole attention over
+    its own requests and the experts gather every rank's tokens (tensorrt_llm/_torch/modules/attention.py takes
+    tp_size 1 under it; fused_moe all-gathers), which computes each request's tokens by the same math as the tp split
+    of attention the CPU engine runs, up to the order of float additions. What it changes is where the work and the
+    KV sit, and each rank scheduling its own max_batch_size requests: placement, which `plan` accounts for. Refused
+    as upstream refuses: a non-bool value (the field is `bool`), and enable_lm_head_tp_in_adp without it
+    (tensorrt_llm/mapping.py MappingBase.__init__: "enable_lm_head_tp_in_adp requires enable_attention_dp")."""
+    adp, lm_head_tp = args.get("enable_attention_dp", False), args.get("enable_lm_head_tp_in_adp", False)
+    for key, value in (("enable_attention_dp", adp), ("enable_lm_head_tp_in_adp", lm_head_tp)):
+        if not isinstance(value, bool):
+            raise LlmArgsError(f"{key} must be true or false, got {value!r}")
+    if lm_head_tp and not adp:
+        raise LlmArgsError("enable_lm_head_tp_in_adp requires enable_attention_dp; set enable_attention_dp: true or "
+                           "remove enable_lm_head_tp_in_adp")
 
 
 def _check_windows(windows: Any, model_dir: Path, max_seq: int) -> None:

@@ -57,7 +57,11 @@ def _check_layout(spec: DeploymentSpec) -> None:
     # LLM() is given no embedding split (llmapi/args.py): the PyTorch backend's own is not the spec's to check
     layout = dataclasses.replace(spec.parallelism.layout, parallel_embedding=False)
     tp, pp = layout.tp, layout.pp
-    if layout_problems(params, layout):
+    problems = layout_problems(params, layout)
+    for axis, text in problems:
+        if axis == "attention_dp":
+            raise ToolchainError(text, "remove parallelism.attention_dp")
+    if problems:
         raise ToolchainError(f"tp={tp} x pp={pp} cannot split {spec.model.checkpoint} "
                              f"({params.num_attention_heads} heads, {params.num_key_value_heads} KV heads, "
                              f"{params.num_hidden_layers} layers)", "`toolchain plan` names a split that works")

@@ -69,7 +69,7 @@ ROUTER_BYTES = 4
 
 
 def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: Quantization | None = None,
-                 stored: bool = False) -> float:
+                 stored: bool = False, shared_tp: int | None = None) -> float:
     """One mixture-of-experts MLP on one rank, as convert lays it out (toolchain/archs/mixtral.py,
     qwen_moe.py): the router [E, H] whole on every rank, float32 in every format, and E/moe_ep experts each
     holding fc [2 I/moe_tp, H] and proj [H, I/moe_tp]; a shared expert (Qwen2-MoE) adds its tp slice, fc
@@ -95,7 +95,7 @@ def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: 
         g = quant.weight_group_size
         routed -= (experts - 1) * (formats.tensor_bytes(held_once, 2 * width, h, g, dt_bytes)
                                    + formats.tensor_bytes(held_once, h, width, g, dt_bytes))
-    shared_r = p.shared_expert_size // (moe_tp * moe_ep)
+    shared_r = p.shared_expert_size // (shared_tp or moe_tp * moe_ep)
     gate = h * dt_bytes if p.mla is None else 0  # DeepSeek-V3 (the MLA family) adds its shared experts ungated
     shared = linear(2 * shared_r, h) + linear(h, shared_r) + gate if p.shared_expert_size else 0
     return p.num_experts * h * ROUTER_BYTES + routed + shared
@@ -125,26 +125,33 @@ class WeightBreakdown:
 def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantization, dt_bytes: int,
                  parallel_embedding: bool = False, embedding_sharding_dim: int = 0, qkv_bias: bool = False,
                  dense_bias: bool = False, stored: bool = False, moe_tp: int | None = None,
-                 moe_ep: int | None = None) -> WeightBreakdown:
+                 moe_ep: int | None = None, attention_dp: bool = False) -> WeightBreakdown:
     """Weight bytes of one rank (its TP slice of its PP stage). A mixture-of-experts model holds its
-    experts as `moe_tp`/`moe_ep` (None: as TensorRT-LLM's Mapping derives them) place them."""
-    layout = Layout(tp, pp, moe_tp, moe_ep)
+    experts as `moe_tp`/`moe_ep` (None: as TensorRT-LLM's Mapping derives them) place them. With
+    `attention_dp` (the LLM-API path) each rank holds the whole attention (Layout.attn_tp), the whole shared
+    expert and dense MLP (`overridden_tp_size=1 if enable_attention_dp`: _torch/models/modeling_llama.py Llama4MoE,
+    modeling_deepseekv3.py's mlp_tp_size 1) and the whole lm_head (LMHead without a mapping unless
+    enable_lm_head_tp_in_adp, _torch/models/modeling_utils.py DecoderModelForCausalLM); the experts keep their
+    moe_tp x moe_ep split."""
+    layout = Layout(tp, pp, moe_tp, moe_ep, attention_dp=attention_dp)
     stage = layout.stage_layers(p.num_hidden_layers)[pp_rank]
     n_layers = len(stage)
     n_moe = sum(1 for layer in stage if p.is_moe_layer(layer))  # all of a MoE model's but DeepSeek's dense first
     h, v = p.hidden_size, p.vocab_size
-    shapes = linear_shapes(p, tp, quant)
+    attn_tp = layout.attn_tp
+    shapes = linear_shapes(p, attn_tp, quant)
     per_layer = sum(linear_bytes(o, i, quant, dt_bytes, stored) for name, o, i in shapes if name not in MLP_LINEARS)
     dense_mlp = sum(linear_bytes(o, i, quant, dt_bytes, stored) for name, o, i in shapes if name in MLP_LINEARS)
     if qkv_bias:
-        per_layer += linear_shapes(p, tp)[0][1] * dt_bytes
+        per_layer += linear_shapes(p, attn_tp)[0][1] * dt_bytes
     if dense_bias:
         per_layer += h * dt_bytes  # row-parallel bias, full on every rank
     if p.mlp_bias:
-        dense_mlp += (2 * (p.intermediate_size // tp) + h) * dt_bytes
+        dense_mlp += (2 * (p.intermediate_size // attn_tp) + h) * dt_bytes
     layers_bytes = n_layers * per_layer + (n_layers - n_moe) * dense_mlp
     if n_moe:
-        layers_bytes += n_moe * expert_bytes(p, layout.moe_tp, layout.moe_ep, dt_bytes, quant, stored)
+        layers_bytes += n_moe * expert_bytes(p, layout.moe_tp, layout.moe_ep, dt_bytes, quant, stored,
+                                             shared_tp=attn_tp)
     norms = n_layers * p.norms_per_layer * h * dt_bytes
     if p.mla is not None:
         norms += n_layers * mla.norm_values(p) * dt_bytes
@@ -165,11 +172,11 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quanti
     lm_head = 0.0
     if last:
         norms += h * dt_bytes  # ln_f
-        lm_head = padded_vocab(p, tp) // tp * h * dt_bytes
+        lm_head = padded_vocab(p, attn_tp) // attn_tp * h * dt_bytes
         # trtllm-build shares one table when both tensors are identical (TensorRT-LLM
         # docs/source/release-notes.md, 0.16: --use_embedding_sharing removed):
         # tied, on the same rank, same shape.
-        if p.tie_word_embeddings and first and not parallel_embedding and padded_vocab(p, tp) // tp == v:
+        if p.tie_word_embeddings and first and not parallel_embedding and padded_vocab(p, attn_tp) // attn_tp == v:
             lm_head = 0.0
     return WeightBreakdown(layers_bytes, embedding, lm_head, norms)
 

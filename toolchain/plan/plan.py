@@ -136,6 +136,9 @@ def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
                                      getattr(p, "sliding_window", None)) * beam
     act_width = 2 if gpu else DTYPE_BYTES[dt]
     stages = spec.parallelism.layout.stage_layers(p.num_hidden_layers)
+    # With attention DP each rank runs the whole attention and lm_head over its own requests and keeps their KV
+    # with every KV head (Layout.attn_tp: 1), so its activations, logits and KV per token are those of tp 1.
+    attn_tp = spec.parallelism.layout.attn_tp
 
     draft_bytes = draft_kv = 0
     if draft is not None:
@@ -159,20 +162,21 @@ def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
         layers = stages[pp_rank]
         common = dict(tp=tp, pp_rank=pp_rank, pp=pp, quant=quant, dt_bytes=dt_bytes,
                       parallel_embedding=par.parallel_embedding, embedding_sharding_dim=par.embedding_sharding_dim,
-                      qkv_bias=model.qkv_bias, dense_bias=model.dense_bias, moe_tp=par.moe_tp, moe_ep=par.moe_ep)
+                      qkv_bias=model.qkv_bias, dense_bias=model.dense_bias, moe_tp=par.moe_tp, moe_ep=par.moe_ep,
+                      attention_dp=par.attention_dp)
         weights = mem.rank_weights(p, **common).total + heads
         stored = mem.rank_weights(p, stored=True, **common).total + heads
-        act = mem.activation_bytes(p, tp=tp, max_num_tokens=lim.max_num_tokens, max_input_len=lim.max_input_len,
+        act = mem.activation_bytes(p, tp=attn_tp, max_num_tokens=lim.max_num_tokens, max_input_len=lim.max_input_len,
                                    context_fmha=build.context_fmha, act_bytes=act_width)
         if pp_rank == pp - 1:
-            act += mem.logits_bytes(p, tp=tp, max_batch_size=lim.max_batch_size, beam=beam,
+            act += mem.logits_bytes(p, tp=attn_tp, max_batch_size=lim.max_batch_size, beam=beam,
                                     max_num_tokens=lim.max_num_tokens,
                                     gather_context_logits=build.gather_context_logits)
         workspace = mem.GPU_WORKSPACE_BYTES if gpu else 0
-        graphs = mem.cuda_graph_bytes(p, tp=tp, batch=graph_batch, draft_len=draft_len, last_stage=pp_rank == pp - 1)
+        graphs = mem.cuda_graph_bytes(p, tp=attn_tp, batch=graph_batch, draft_len=draft_len, last_stage=pp_rank == pp - 1)
         on_gpu = draft_bytes if rank == 0 else 0
         free = device_bytes - weights - act - workspace - graphs - on_gpu
-        kv_tok = mem.kv_bytes_per_token(p, tp=tp, stage_layer_count=len(layers), kv_bytes=kv_bytes)
+        kv_tok = mem.kv_bytes_per_token(p, tp=attn_tp, stage_layer_count=len(layers), kv_bytes=kv_bytes)
         if gpu:
             kv_tok = math.ceil(kv_tok * mem.window_share(p, layers, seq_tokens // beam))
         pool = int(fraction * free) if free > 0 else 0

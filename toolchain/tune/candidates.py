@@ -8,7 +8,8 @@ parts, searched in two passes so it stays at a few hundred specs:
   host's CPU one server, so replicas 1 and tp x pp up to the count, and a single rank also at every core's
   engine thread where this host has a profile for that count: `engine_threads`), every weight format of the formats table the
   device builds (`Format.refused_on` for a GPU's SM; a CPU kernel for the CPU engine), every KV-cache format the
-  device builds, and speculative decoding on and off where the spec has a draft or heads;
+  device builds, speculative decoding on and off where the spec has a draft or heads, and attention data
+  parallelism on and off for a mixture-of-experts model on the LLM-API path at tp > 1 (`attention_dp_modes`);
 - runtime knobs, for the best structures only: `limits.max_batch_size` on powers of two (the performance model's
   best_point already sweeps every concurrency below the cap, so the cap needs only a coarse grid; where the SLO
   binds between two of them, `search.refine_batches` bisects to the largest cap that meets it) and
@@ -55,6 +56,8 @@ class Candidate:
                  f"n{s.limits.max_num_tokens}{chunk}"]
         if s.speculative.mode != "none":
             parts.append(s.speculative.mode)
+        if s.parallelism.attention_dp:
+            parts.append("adp")
         if s.gpu.name:
             parts.insert(0, s.gpu.name.split()[0])
         if target_of(s).device == CPU and s.serving.engine_threads != 1:
@@ -69,6 +72,7 @@ class Candidate:
                 "quantization": s.quantization.method, "kv_cache": s.quantization.kv_cache,
                 "max_batch_size": s.limits.max_batch_size, "max_num_tokens": s.limits.max_num_tokens,
                 "chunked_context": s.build.chunked_context, "speculative": s.speculative.mode,
+                "attention_dp": s.parallelism.attention_dp,
                 "engine_threads": s.serving.engine_threads}
 
 
@@ -152,18 +156,27 @@ def speculative_modes(spec: DeploymentSpec) -> list[str]:
     return [mode, "none"] if mode != "none" else ["none"]
 
 
+def attention_dp_modes(spec: DeploymentSpec, tp: int, moe: bool) -> list[bool]:
+    """Attention data parallelism off, and on where it exists: the LLM-API path, a mixture-of-experts model (the
+    only kind plan places it for, archs/layout.py) and tp > 1 (the spec refuses it at tp 1)."""
+    return [False, True] if moe and target_of(spec).llmapi_path and tp > 1 else [False]
+
+
 def structures(spec: DeploymentSpec, gpu_count: int, device: Gpu | None,
-               stored_quantized: bool) -> tuple[list[Candidate], list[str]]:
-    """Pass one: every layout x weight format x KV format (x speculative mode) at the spec's limits; and the
-    messages of combinations the spec's validators refuse."""
+               stored_quantized: bool, moe: bool = False) -> tuple[list[Candidate], list[str]]:
+    """Pass one: every layout x weight format x KV format (x speculative mode, x attention DP for a `moe` model) at
+    the spec's limits; and the messages of combinations the spec's validators refuse."""
     on_cpu = target_of(spec).device == CPU
     threads, _ = engine_threads(spec)
     out, refused = [], []
     for tp, pp, replicas in layouts(gpu_count, on_cpu):
-        for method, kv, mode, n in product(weight_methods(spec, device, stored_quantized), kv_formats(spec, device),
-                                           speculative_modes(spec), threads if tp * pp == 1 else threads[:1]):
+        for method, kv, mode, n, adp in product(weight_methods(spec, device, stored_quantized),
+                                                kv_formats(spec, device), speculative_modes(spec),
+                                                threads if tp * pp == 1 else threads[:1],
+                                                attention_dp_modes(spec, tp, moe)):
             changes: dict[str, Any] = {"parallelism.tp": tp, "parallelism.pp": pp,
                                        "parallelism.moe_tp": None, "parallelism.moe_ep": None,
+                                       "parallelism.attention_dp": adp,
                                        "parallelism.gpus": None if on_cpu else gpu_count,
                                        "quantization.method": method, "quantization.kv_cache": kv,
                                        "speculative.mode": mode, "serving.engine_threads": n}

@@ -311,7 +311,8 @@ def search(spec, gpu_specs: list, gpu_count: int, thresholds: list[Threshold], b
     for gspec in gpu_specs:
         ctx = build_context(gspec, "plan")
         stored = ctx.quant.imported is not None
-        first, bad = structures(gspec, gpu_count, ctx.device, stored)
+        moe = ctx.model is not None and ctx.model.params.is_moe
+        first, bad = structures(gspec, gpu_count, ctx.device, stored, moe)
         refused += bad
         one = [evaluate(c, thresholds) for c in first]
         evaluated += one
