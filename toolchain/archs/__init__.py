@@ -20,6 +20,7 @@ from toolchain.errors import ToolchainError
 _REGISTRY: dict[str, str] = {
     "Gemma2ForCausalLM": "toolchain.archs.gemma",
     "Gemma3ForCausalLM": "toolchain.archs.gemma3",
+    "GptOssForCausalLM": "toolchain.archs.gpt_oss",
     "LlamaForCausalLM": "toolchain.archs.llama",
     "MistralForCausalLM": "toolchain.archs.mistral",
     "MixtralForCausalLM": "toolchain.archs.mixtral",
