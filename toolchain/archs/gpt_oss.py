@@ -105,8 +105,12 @@ def _number(cfg: dict, key: str, default: float, origin: str) -> float:
 
 def layer_windows(cfg: dict, layers: int, origin: str) -> list[int | None]:
     """Each layer's window (None: full). Upstream slides layer i when i % 2 == 0 whatever layer_types says, so
-    layer_types must be that alternation; with sliding_window null every layer is full (HF and upstream alike)."""
+    layer_types must be that alternation. A null sliding_window is refused: transformers' sliding layers cannot run
+    without one (masking_utils: "Could not find a `sliding_window` argument in the config")."""
     window = as_window(cfg.get("sliding_window", DEFAULT_WINDOW), origin)
+    if window is None:
+        raise ToolchainError(f"{origin}: {ARCHITECTURE} with sliding_window null",
+                             "its even layers slide; set sliding_window (128 in the released models)")
     alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     types = cfg.get("layer_types")
     if types is not None and types != alternating:
@@ -138,8 +142,7 @@ def normalize(cfg: dict, params, origin: str):
         "swiglu_alpha": _number(cfg, "swiglu_alpha", SWIGLU_ALPHA, origin),
         "swiglu_limit": _number(cfg, "swiglu_limit", SWIGLU_LIMIT, origin),
     }
-    if any(w is not None for w in windows):
-        extras["runtime_defaults"] = {"max_attention_window": [w or full for w in windows]}
+    extras["runtime_defaults"] = {"max_attention_window": [w or full for w in windows]}
     return dataclasses.replace(params, num_experts=experts, top_k=top_k, moe_normalization="renormalize",
                                extras_json=json.dumps(extras, sort_keys=True))
 
