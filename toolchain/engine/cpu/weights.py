@@ -411,6 +411,10 @@ def _router(layer: LayerShard) -> torch.Tensor | None:
     return layer.experts.router if layer.experts is not None else None
 
 
+def _router_bias(layer: LayerShard) -> torch.Tensor | None:
+    return layer.experts.router_bias if layer.experts is not None else None
+
+
 def _shared_gate(layer: LayerShard) -> torch.Tensor | None:
     return layer.experts.shared_gate if layer.experts is not None else None
 
@@ -441,6 +445,7 @@ def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
                           (f"{p}.attention.dense.bias", la.dense.bias, lb.dense.bias),
                           (f"{p}.mlp.proj.bias", _proj_bias(la), _proj_bias(lb)),
                           (f"{p}.mlp.router.weight", _router(la), _router(lb)),
+                          (f"{p}.mlp.router.bias", _router_bias(la), _router_bias(lb)),
                           (f"{p}.{SHARED_GATE}", _shared_gate(la), _shared_gate(lb))]
             for name, a, b in pairs:
                 if a is not None and b is not None and not torch.equal(a, b):
