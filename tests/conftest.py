@@ -173,6 +173,7 @@ TINY_DIMS = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidd
 HF_CLASSES = {
     "Gemma2ForCausalLM": ("Gemma2Config", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("GptOssConfig", "GptOssForCausalLM"),
     "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM"),
     "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM"),
     "MixtralForCausalLM": ("MixtralConfig", "MixtralForCausalLM"),

@@ -43,7 +43,7 @@ def test_missing_architectures_key():
 def test_registry_imports_family_modules_lazily():
     code = ("import sys, toolchain.archs; print(any(m in sys.modules for m in "
             "('toolchain.archs.llama', 'toolchain.archs.mistral', 'toolchain.archs.mixtral', 'toolchain.archs.qwen', "
-            "'toolchain.archs.gemma', 'toolchain.archs.gemma3', 'toolchain.archs.phi3')))")
+            "'toolchain.archs.gemma', 'toolchain.archs.gemma3', 'toolchain.archs.phi3', 'toolchain.archs.gpt_oss')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -196,6 +196,8 @@ ARCH_FIXTURES = {
     "DeepseekV3ForCausalLM": _family("DeepseekV3ForCausalLM", **{**DEEPSEEK_V3_TINY, "first_k_dense_replace": 0}),
     "Gemma2ForCausalLM": _family("Gemma2ForCausalLM", head_dim=16, sliding_window=8),
     "Gemma3ForCausalLM": _family("Gemma3ForCausalLM", head_dim=16, sliding_window=8),
+    "GptOssForCausalLM": _family("GptOssForCausalLM", head_dim=16, intermediate_size=48, num_local_experts=4,
+                                 num_experts_per_tok=2, sliding_window=8),
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _family("MistralForCausalLM", sliding_window=8),
     "MixtralForCausalLM": _family("MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2),
@@ -264,11 +266,12 @@ def test_partial_rotary_rejected():
 
 
 def test_registry_lists_every_family():
-    assert supported() == ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-                           "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
-                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
-    assert [get_family(a).name for a in supported()] == ["deepseek_v3", "gemma2", "gemma3", "llama", "mistral", "mixtral", "phi3",
-                                                         "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
+    assert supported() == ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
+                           "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
+                           "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+    assert [get_family(a).name for a in supported()] == ["deepseek_v3", "gemma2", "gemma3", "gpt_oss", "llama",
+                                                         "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3",
+                                                         "qwen3_moe"]
 
 
 def test_cli_archs_lists_them(capsys):

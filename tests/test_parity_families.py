@@ -57,6 +57,10 @@ FAMILIES = {
     "deepseek-v3-mla": ("DeepseekV3ForCausalLM", dict(seed=19, **{**DEEPSEEK_V3_TINY, "num_hidden_layers": 3})),
     "gemma2-window-softcap": ("Gemma2ForCausalLM", GEMMA2),
     "gemma3-local-rope": ("Gemma3ForCausalLM", GEMMA3),
+    # gpt-oss: sinks, an 8-token window on layer 0, YaRN, biased clamped-SwiGLU experts (tests/test_gpt_oss.py proves
+    # each mechanism matters and runs expert parallelism)
+    "gpt-oss-sinks-moe": ("GptOssForCausalLM", dict(seed=19, head_dim=16, intermediate_size=48, num_local_experts=4,
+                                                    num_experts_per_tok=2, sliding_window=8, swiglu_limit=2.0)),
     "llama32-tied": ("LlamaForCausalLM", dict(seed=14, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
     "mistral-window": ("MistralForCausalLM", dict(seed=11, sliding_window=8)),
     # 4 experts, top-2: at tp 4 every expert's width splits over moe_tp 4 (the default Mapping derives)
@@ -71,7 +75,7 @@ FAMILIES = {
 # Families whose HF half-precision forward is not within a tolerance of float32: top-k routing is
 # discontinuous, and HF's bf16 rounding flips an expert choice at some position (measured: 0.54 on one
 # logit row of the tiny Mixtral), so only the float32 reference over the same stored weights bounds them.
-DISCRETE_ROUTING = {"deepseek-v3-mla", "mixtral-moe", "qwen2-moe-shared", "qwen3-moe-qknorm"}
+DISCRETE_ROUTING = {"deepseek-v3-mla", "mixtral-moe", "qwen2-moe-shared", "qwen3-moe-qknorm", "gpt-oss-sinks-moe"}
 # Gemma 2's HF half-precision forward rounds more steps (the embedding scale, four norms a layer, two soft-caps)
 # than the float32 engine: measured worst 0.070 in bfloat16 on logits capped at 3 (float32 reference: 1e-4).
 # Gemma 3 has no final soft-cap and twice the layers: measured worst 0.31 in bfloat16 on logits up to 4.9
@@ -81,9 +85,13 @@ NATIVE_ATOL_BY_FAMILY = {"gemma2-window-softcap": {**NATIVE_ATOL, "bfloat16": 1e
 
 # The layouts each family runs; families added since the matrix reached make test's time budget run the
 # three that matter (tp 1, tp 2, pp 2) in float32 and their checkpoint's native bfloat16.
-REDUCED = {"gemma3-local-rope", "deepseek-v3-mla"}
+# Reduced families run tp 1, tp 2 and pp 2 in float32 and bfloat16; gpt-oss not pp 2: TensorRT-LLM's gpt-oss refuses
+# pipeline parallelism (archs/gpt_oss.py).
+REDUCED = {"gemma3-local-rope", "deepseek-v3-mla", "gpt-oss-sinks-moe"}
+NO_PP = {"gpt-oss-sinks-moe"}
 CASES = [(f, tp, pp, dt) for f in sorted(FAMILIES) for tp, pp in LAYOUTS for dt in sorted(DTYPES)
-         if f not in REDUCED or ((tp, pp) in ((1, 1), (2, 1), (1, 2)) and dt != "float16")]
+         if f not in REDUCED or ((tp, pp) in ((1, 1), (2, 1), (1, 2)) and dt != "float16"
+                                 and (pp == 1 or f not in NO_PP))]
 
 _MODELS: dict = {}
 

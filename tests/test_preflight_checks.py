@@ -351,6 +351,8 @@ def _checkpoint(source):
     (GEMMA2, 1, "none", FAIL, "registers no Gemma 2 model"),
     ("phi-3-mini-128k-instruct", 1, "none", PASS, "Phi3ForCausalLM at tp 1"),
     ("phi-3-mini-128k-instruct", 2, "none", FAIL, "Phi3ForCausalLM at tp 2 on the LLM-API path"),
+    ("gpt-oss-120b", 8, "none", PASS, "GptOssForCausalLM at tp 8"),
+    ("gpt-oss-120b", 16, "none", FAIL, "tp above num_key_value_heads 8"),
 ])
 def test_llmapi_architecture_gates_each_family(tmp_path, source, tp, method, expected, says):
     """Which families TensorRT-LLM 1.2's PyTorch backend loads (the family's llmapi_refusal), on config-only

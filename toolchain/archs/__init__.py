@@ -21,6 +21,7 @@ _REGISTRY: dict[str, str] = {
     "DeepseekV3ForCausalLM": "toolchain.archs.deepseek_v3",
     "Gemma2ForCausalLM": "toolchain.archs.gemma",
     "Gemma3ForCausalLM": "toolchain.archs.gemma3",
+    "GptOssForCausalLM": "toolchain.archs.gpt_oss",
     "LlamaForCausalLM": "toolchain.archs.llama",
     "MistralForCausalLM": "toolchain.archs.mistral",
     "MixtralForCausalLM": "toolchain.archs.mixtral",

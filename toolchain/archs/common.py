@@ -46,6 +46,11 @@ class Shard(str, enum.Enum):
     # becomes a swiglu fc [up; gate] on every rank, each half split over tp (sharding.split_gated_fc).
     FUSED_QKV = "fused_qkv"
     FUSED_GATE_UP = "fused_gate_up"
+    # One HF tensor holding every expert of a layer (gpt-oss: experts.gate_up_proj [E, H, 2I] with gate and up
+    # interleaved, its bias [E, 2I]; experts.down_proj [E, I, H], its bias [E, H]), laid out as the EXPERT_FC /
+    # EXPERT_PROJ stacks are (checkpoint/expert_stacks.py): the experts over moe_ep, the width over moe_tp.
+    STACKED_GATE_UP = "stacked_gate_up"
+    STACKED_DOWN = "stacked_down"
 
 
 class Stage(str, enum.Enum):
@@ -113,6 +118,11 @@ class Decoder:
     tensorrt_llm/models/phi3/model.py): the family's table has a FUSED_GATE_UP row."""
     long_rope: bool = False
     """position_embedding_type "long_rope" is built (Phi-3's Attention with the longrope factors)."""
+    attention_sinks: bool = False
+    """Each attention layer has one learned logit per q head in its softmax denominator (gpt-oss `sinks`)."""
+    expert_bias: bool = False
+    """The router and the experts' fc and proj are biased, and the experts run the clamped SwiGLU with the
+    config's swiglu_limit (gpt-oss)."""
     config_group: str | None = None
     """The Gemma config group whose fields config.json carries, "Gemma2ConfigGroup" or "Gemma3ConfigGroup"
     (tensorrt_llm/models/modeling_utils.py), with GemmaConfig's inter_layernorms; None for other decoders."""
@@ -161,6 +171,9 @@ class Family:
     ignore: Callable[[Any, str], bool] | None = None
     """(ArchParams, HF tensor name) -> whether convert drops the tensor unread, for whole modules no row names
     (DeepSeek-V3's multi-token-prediction layers, which transformers ignores on load too)."""
+    pipeline_refusal: str | None = None
+    """Why the family cannot be split into pipeline stages (with the upstream source saying so), or None: pp > 1 is
+    refused by the llmapi.architecture check and by convert for the LLM-API path (gpt-oss asserts pp_size == 1)."""
 
     def __post_init__(self) -> None:
         # Table mistakes are programming errors: fail at import, not mid-conversion.
@@ -184,6 +197,14 @@ class Family:
         if not self.decoder.dense_bias and any(r.trt and r.trt.endswith("attention.dense.bias") for r in self.rows):
             raise ValueError(f"{self.name}: decoder.dense_bias is False but a row writes attention.dense.bias")
 
+
+    def llmapi_problem(self, params: Any, tp: int, pp: int, quantized: bool) -> str | None:
+        """Why the PyTorch backend cannot serve this model at this tp and pp (`pipeline_refusal`, then
+        `llmapi_refusal`), or None. The llmapi.architecture check and convert for the LLM-API path both ask it."""
+        if pp > 1 and self.pipeline_refusal is not None:
+            return (f"{params.architecture} at pp {pp} on the LLM-API path: {self.pipeline_refusal}; "
+                    "use parallelism.pp 1")
+        return None if self.llmapi_refusal is None else self.llmapi_refusal(params, tp, quantized)
 
     def quantization_refusal(self, params: Any, method: str, kv_cache: str,
                              stored: str | None = None) -> "Refusal | None":
@@ -229,6 +250,8 @@ DIMS: dict[str, Callable[[Any], int]] = {
     "QB": lambda p: p.num_attention_heads * (p.mla["qk_nope_head_dim"] + p.mla["qk_rope_head_dim"]),
     "KVB": lambda p: p.num_attention_heads * (p.mla["qk_nope_head_dim"] + p.mla["v_head_dim"]),
     "OV": lambda p: p.num_attention_heads * p.mla["v_head_dim"],             # o_proj columns
+    "NH": lambda p: p.num_attention_heads,                    # one value per q head (gpt-oss sinks)
+    "2EI": lambda p: 2 * p.expert_size,                       # every expert's fused gate_up_proj (gpt-oss)
 }
 
 

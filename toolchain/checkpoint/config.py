@@ -34,9 +34,12 @@ GEMMA2_KEYS = frozenset({"query_pre_attn_scalar", "attn_logit_softcapping", "fin
 GEMMA3_KEYS = frozenset({"_sliding_window_pattern", "rope_local_base_freq", "sliding_window"})
 # DeepSeek-V3's MLA ranks, dense layers and routing groups: this toolchain's own section (archs/deepseek_v3.py)
 DEEPSEEK_V3_KEYS = frozenset({"deepseek_v3"})
-TOP_LEVEL_KEYS = TOP_LEVEL_KEYS | GEMMA2_KEYS | GEMMA3_KEYS | DEEPSEEK_V3_KEYS
-REQUIRED_KEYS = TOP_LEVEL_KEYS - DEEPSEEK_V3_KEYS - {"qwen_type", "seq_length", "moe", "runtime_defaults", "moe_intermediate_size",
-                                  "moe_shared_expert_intermediate_size"} - GEMMA2_KEYS - GEMMA3_KEYS - PHI3_KEYS
+# gpt-oss's clamped SwiGLU constants (archs/gpt_oss.py; the CPU stand-in's own checkpoint, no upstream one)
+GPT_OSS_KEYS = frozenset({"swiglu_alpha", "swiglu_limit"})
+TOP_LEVEL_KEYS = TOP_LEVEL_KEYS | GEMMA2_KEYS | GEMMA3_KEYS | DEEPSEEK_V3_KEYS | GPT_OSS_KEYS
+REQUIRED_KEYS = TOP_LEVEL_KEYS - {"qwen_type", "seq_length", "moe", "runtime_defaults", "moe_intermediate_size",
+                                  "moe_shared_expert_intermediate_size"} - GEMMA2_KEYS - GEMMA3_KEYS - PHI3_KEYS \
+    - DEEPSEEK_V3_KEYS - GPT_OSS_KEYS
 RUNTIME_DEFAULT_KEYS = frozenset({"max_attention_window", "sink_token_length"})
 MAPPING_KEYS = frozenset({"world_size", "tp_size", "pp_size", "cp_size", "moe_tp_size", "moe_ep_size",
                           "moe_cluster_size", "gpus_per_node"})

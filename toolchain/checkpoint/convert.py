@@ -33,7 +33,7 @@ from toolchain.errors import ToolchainError
 from toolchain.quant import exclude
 from toolchain.quant.recipe import ModelShape, check_recipe, is_excluded
 from toolchain.quant.view import Quantization, quantization_of
-from toolchain.targets import ENGINE, engine_row
+from toolchain.targets import ENGINE, LLMAPI, engine_row
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 
@@ -72,6 +72,9 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     layout = Layout(tp, pp, moe_tp, moe_ep, use_parallel_embedding, embedding_sharding_dim)
     sharding.check_parallelism(params, layout)
     requested = quantization or Quantization()
+    if path == LLMAPI and (why := family.llmapi_problem(params, tp, pp, requested.active)) is not None:
+        # CpuLLM stands in for LLM(): it refuses what the PyTorch backend's model of the family refuses
+        raise ToolchainError(f"{ckpt.config_path}: {why}")
     qc = ckpt.config.get("quantization_config")
     stored = str(qc.get("quant_method", "quantization_config")) if isinstance(qc, dict) else None
     refusal = family.quantization_refusal(params, requested.method, requested.kv_cache, stored)

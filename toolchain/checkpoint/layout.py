@@ -17,7 +17,7 @@ from toolchain.archs.common import (EXPERT_SHARDS, TRANSFORMS, Family, Match, Na
                                     expected_shape, trt_name)
 from toolchain.archs.layout import Layout
 from toolchain.archs.params import ArchParams
-from toolchain.checkpoint import sharding
+from toolchain.checkpoint import expert_stacks, sharding
 from toolchain.checkpoint.sharding import split_experts
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.errors import ToolchainError
@@ -175,6 +175,10 @@ def shard_group(group: Group, tensors: dict[str, torch.Tensor], params: ArchPara
                                                   nkv=params.num_key_value_heads, tp=tp)
             elif shard is Shard.FUSED_GATE_UP:
                 pieces = sharding.split_gated_fc(src, tp)
+            elif shard is Shard.STACKED_GATE_UP:
+                pieces = expert_stacks.split_gate_up(src, tp, opts.layout.moe_tp, opts.layout.moe_ep)
+            elif shard is Shard.STACKED_DOWN:
+                pieces = expert_stacks.split_down(src, tp, opts.layout.moe_tp, opts.layout.moe_ep)
             elif shard is Shard.REPLICATE:
                 pieces = [src] * tp
             elif shard is Shard.VOCAB:

@@ -68,8 +68,7 @@ def _architecture(ctx: Context):
         return SKIP, "model config not readable here or not a registered family; the stage reports why"
     p = ctx.model.params
     family = get_family(p.architecture)
-    why = family.llmapi_refusal(p, ctx.spec.parallelism.tp, ctx.quant.active) \
-        if family.llmapi_refusal is not None else None
+    why = family.llmapi_problem(p, ctx.spec.parallelism.tp, ctx.spec.parallelism.pp, ctx.quant.active)
     if why is not None:
         return FAIL, why
     return PASS, f"{p.architecture} at tp {ctx.spec.parallelism.tp}"

@@ -101,6 +101,20 @@ def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: 
     return p.num_experts * h * ROUTER_BYTES + routed + shared
 
 
+def sink_and_expert_bias_bytes(p: ArchParams, tp: int, moe_tp: int, moe_ep: int, dt_bytes: int) -> int:
+    """What a gpt-oss layer holds beyond its linears (archs/gpt_oss.py, the family's decoder traits): its sinks,
+    float32, one per q head of the rank; the router's float32 bias [E]; and each of the rank's experts' fc bias
+    [2 I/moe_tp] and proj bias [H] (whole on every moe_tp slice). 0 for every other family."""
+    if p.architecture not in supported():
+        return 0
+    decoder = get_family(p.architecture).decoder
+    total = p.num_attention_heads // tp * 4 if decoder.attention_sinks else 0
+    if decoder.expert_bias and p.is_moe:
+        total += p.num_experts * ROUTER_BYTES
+        total += p.num_experts // moe_ep * (2 * (p.expert_size // moe_tp) + p.hidden_size) * dt_bytes
+    return total
+
+
 def linear_bytes(out: int, inp: int, quant: Quantization, dt_bytes: int, stored: bool = False) -> float:
     """Bytes of one linear weight and its scales (memory.md), summed over the tensors its format's row
     lists (quant/formats.py): `stored` as written in the checkpoint, where weight-only formats are
@@ -141,6 +155,7 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quanti
     attn_tp = layout.attn_tp
     shapes = linear_shapes(p, attn_tp, quant)
     per_layer = sum(linear_bytes(o, i, quant, dt_bytes, stored) for name, o, i in shapes if name not in MLP_LINEARS)
+    per_layer += sink_and_expert_bias_bytes(p, attn_tp, layout.moe_tp, layout.moe_ep, dt_bytes)
     dense_mlp = sum(linear_bytes(o, i, quant, dt_bytes, stored) for name, o, i in shapes if name in MLP_LINEARS)
     if qkv_bias:
         per_layer += linear_shapes(p, attn_tp)[0][1] * dt_bytes

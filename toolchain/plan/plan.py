@@ -11,6 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from toolchain.archs import get_family
 from toolchain.archs.layout import layout_problems
 from toolchain.plan import memory as mem
 from toolchain.gpus import GIB, GPUS, Gpu
@@ -263,9 +264,14 @@ def suggestions(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
     # Fewer bytes per weight than the spec's own method (BYTES_ORDER), tried in order of preference: a format this
     # GPU runs on the spec's path and convert computes (a checkpoint stored quantized keeps its format).
     path = target_of(spec).path
+    family = get_family(p.architecture)  # a format the family refuses (gpt-oss: every one yet) is no answer
+
+    def allowed(method: str, kv_cache: str) -> bool:
+        return family.quantization_refusal(p, method, kv_cache) is None
+
     candidates = [] if not gpu or quant.imported else \
         [m for m in PREFERENCE if (row := formats.METHODS[m]).ready_on(path) and row.refused_on(sm) is None
-         and path in row.paths]
+         and path in row.paths and allowed(m, quant.kv_cache)]
     for method in candidates:
         if BYTES_ORDER.index(method) > BYTES_ORDER.index(quant.method) and \
                 _fits(spec, model, dataclasses.replace(quant, method=method), device, draft):
@@ -273,7 +279,7 @@ def suggestions(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
             break
     if quant.kv_cache == "none" and gpu and not quant.imported:  # a stored checkpoint cannot be calibrated
         kv = "fp8" if sm >= 89 else "int8"
-        if _fits(spec, model, dataclasses.replace(quant, kv_cache=kv), device, draft):
+        if allowed(quant.method, kv) and _fits(spec, model, dataclasses.replace(quant, kv_cache=kv), device, draft):
             out.append(f"quantization.kv_cache={kv}")
     lim = spec.limits
     best = None

@@ -33,7 +33,7 @@ MEDUSA = facts("medusa")["architecture"]
 # how TensorRT-LLM builds it) and Medusa over one.
 ARCHITECTURES = {*checkpoint_architectures(), MEDUSA}
 MOE_NORMALIZATIONS = (0, 1)  # ExpertScaleNormalizationMode NONE, RENORMALIZE (SPARSE_MIXER is not run here)
-ROPE_TYPES = {None, "none", "linear", "llama3"}
+ROPE_TYPES = {None, "none", "linear", "llama3", "yarn"}
 UNQUANTIZED = {None, "NO_QUANT"}
 # quant_algo values the CPU engine runs as stored (a row with a CPU kernel, engine/cpu/qlinear.py; a pending one is
 # refused on its own, PENDING_ALGOS), and KV-cache formats.
@@ -115,6 +115,13 @@ class ModelDims:
     """Gemma 3 rope_local_base_freq: the rope base of its local layers (Attention(is_local=True)); None: one base."""
     sliding_window_pattern: int = 0
     """Gemma 3 _sliding_window_pattern: layer i is local when (i + 1) % pattern != 0 (GemmaDecoderLayer); 0: none."""
+    attention_sinks: bool = False
+    """gpt-oss: each layer holds attention.sinks, one learned logit per q head in the softmax denominator."""
+    expert_bias: bool = False
+    """gpt-oss: biased router, expert fc and proj, and the clamped SwiGLU (engine/cpu/clamped_swiglu.py)."""
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float | None = None
+    """gpt-oss's clamp on the experts' gate and up (config.json swiglu_limit); None: plain SwiGLU."""
 
     mla: MlaDims | None = None
     """DeepSeek-V3's multi-head latent attention (engine/cpu/mla.py); None for every other attention."""
@@ -231,9 +238,9 @@ def _rope_scaling(raw: Any, origin: str) -> dict | None:
         return None
     if kind not in ROPE_TYPES:
         raise ToolchainError(f"{origin}: rotary_scaling type '{kind}' is not supported by the CPU engine",
-                             "supported: linear, llama3 (or null)")
-    needed = ["factor"] + (["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
-                           if kind == "llama3" else [])
+                             "supported: linear, llama3, yarn (or null)")
+    needed = ["factor"] + {"llama3": ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
+                           "yarn": ["original_max_position_embeddings"]}.get(kind, [])
     missing = [k for k in needed if k not in raw]
     if missing:
         raise ToolchainError(f"{origin}: rotary_scaling of type '{kind}' lacks {', '.join(missing)}", _REBUILD)
@@ -332,6 +339,7 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         **_moe_dims(cfg, mapping, tp, origin),
         **_gemma2_dims(arch, decoder.config_group, cfg, origin),
         fused_mlp=decoder.fused_mlp,
+        **_gpt_oss_dims(decoder, cfg, origin),
     )
     if decoder.mla:
         dims = dataclasses.replace(dims, **parse_mla(cfg, origin, tp=tp, heads=heads, intermediate=dims.intermediate_size,
@@ -414,6 +422,21 @@ def _gemma2_dims(arch: str, group: str | None, cfg: dict, origin: str) -> dict:
             raise ToolchainError(f"{origin}: a {arch} config needs _sliding_window_pattern >= 1 and "
                                  f"rope_local_base_freq, got {pattern!r} and {local_base!r}", _REBUILD)
         out.update(sliding_window_pattern=pattern, rotary_base_local=local_base)
+    return out
+
+
+def _gpt_oss_dims(decoder: Decoder, cfg: dict, origin: str) -> dict:
+    """gpt-oss's traits (archs/gpt_oss.py): sinks, biased experts and their clamped SwiGLU constants."""
+    if not (decoder.attention_sinks or decoder.expert_bias):
+        return {}
+    out: dict[str, Any] = {"attention_sinks": decoder.attention_sinks, "expert_bias": decoder.expert_bias}
+    if decoder.expert_bias:
+        for key in ("swiglu_alpha", "swiglu_limit"):
+            value = cfg.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ToolchainError(f"{origin}: a {cfg.get('architecture')} config needs {key} > 0, got {value!r}",
+                                     _REBUILD)
+            out[key] = float(value)
     return out
 
 

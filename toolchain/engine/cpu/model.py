@@ -30,6 +30,7 @@ from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheManager
 from toolchain.engine.cpu.comm import Comm
 from toolchain.engine.cpu.mla import MlaAttention, rotary as mla_rotary
 from toolchain.engine.cpu.rope import Rotary, apply_rotary
+from toolchain.engine.cpu.sinks import attend_with_sinks
 from toolchain.engine.cpu.weights import RankShard
 from toolchain.quant.kv_cache import dequantize_kv, quantize_kv
 
@@ -305,7 +306,7 @@ class Model:
             if w.q_norm is not None:  # qk_layernorm (Qwen3, Gemma 3): per-head RMSNorm before RoPE
                 q, k = rms_norm(q, w.q_norm, d.norm_epsilon), rms_norm(k, w.k_norm, d.norm_epsilon)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            attn = self._attend(q, k, v, batch, layer, s.tp_rank)
+            attn = self._attend(q, k, v, batch, layer, s.tp_rank, w.sinks)
             part = w.dense(attn, add_bias=False)
             total = part if i == 0 else total + part
         total = self._tp_sum(total)
@@ -315,7 +316,7 @@ class Model:
             out = rms_norm(out, shards[0].layers[local].post_norm, d.norm_epsilon)
         return x + out
 
-    def _attend(self, q, k, v, batch: "_Batch", layer, tp_rank) -> torch.Tensor:
+    def _attend(self, q, k, v, batch: "_Batch", layer, tp_rank, sinks=None) -> torch.Tensor:
         kv = batch.kv
         k_pool, v_pool = kv.k[layer, tp_rank], kv.v[layer, tp_rank]
         scale = self.kv_scales[(layer, tp_rank)] if kv.kind else None
@@ -332,15 +333,17 @@ class Model:
             if scale is not None:
                 keys, values = dequantize_kv(keys, scale), dequantize_kv(values, scale)
             query = q[g.q_index].view(g.batch, g.q_len, *q.shape[1:]).transpose(1, 2)
-            if self.d.attn_softcap:
+            if sinks is not None:  # gpt-oss: a learned sink logit per head (sinks.py)
+                o = attend_with_sinks(query, keys.transpose(1, 2), values.transpose(1, 2), g.mask(window),
+                                      self.scale, sinks)
+            elif self.d.attn_softcap:
                 o = self._softcapped(query, keys.transpose(1, 2), values.transpose(1, 2), g.mask(window),
                                      self.d.attn_softcap)
-                out[g.tokens] = o.transpose(1, 2).reshape(g.batch * g.q_len, -1)[g.valid]
-                continue
-            causal = g.plain_causal(window)
-            o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2),
-                                               attn_mask=None if causal else g.mask(window), is_causal=causal,
-                                               scale=self.scale, enable_gqa=True)
+            else:
+                causal = g.plain_causal(window)
+                o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2),
+                                                   attn_mask=None if causal else g.mask(window), is_causal=causal,
+                                                   scale=self.scale, enable_gqa=True)
             out[g.tokens] = o.transpose(1, 2).reshape(g.batch * g.q_len, -1)[g.valid]
         return out
 

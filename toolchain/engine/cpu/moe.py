@@ -29,11 +29,17 @@ routed_output + sigmoid(gate(x)) * shared_expert(x), then one allreduce).
 
 DeepSeek-V3 routes by groups with sigmoid scores and a correction bias (routing.py, `grouped`) and adds its shared
 expert unscaled (no gate: DeepseekV3MoE in transformers' modeling_deepseek_v3.py).
+gpt-oss adds biases (archs/gpt_oss.py): the router's, added to its logits before the softmax (HF GptOssTopKRouter:
+top-k of the biased logits, softmax over the k, which is this softmax, top-k and renormalisation), and the experts'
+fc and proj biases, the proj one added before the routing weight (GptOssExperts.forward); every moe_tp slice of an
+expert holds that whole bias, so only the ranks of moe_tp slice 0 add it (`proj_bias`) and the all-reduce adds it
+once. Its experts' activation is the clamped SwiGLU (clamped_swiglu.py), given as `activation`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,12 +72,21 @@ class Experts:
     """DeepSeek-V3's grouped sigmoid routing (routing.py) in place of the softmax top-k."""
     score_bias: torch.Tensor | None = None
     """[E] float32: the grouped routing's e_score_correction_bias, whole on every rank."""
+    router_bias: torch.Tensor | None = None
+    """[E] float32: gpt-oss's router bias, the same on every rank."""
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """act(up, gate) of the experts; None: silu(gate) * up."""
+    proj_bias: bool = True
+    """Whether this rank adds the experts' proj bias (held whole by every moe_tp slice; added by slice 0 only)."""
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k], expert ids [N, k]) of every token."""
         if self.grouped is not None and self.score_bias is not None:
             return self.grouped.route(h.float() @ self.router.T, self.score_bias, self.top_k)
-        probs = torch.softmax((h @ self.router.T).float(), dim=-1)
+        logits = h @ self.router.T
+        if self.router_bias is not None:
+            logits = logits + self.router_bias
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.normalization == RENORMALIZE:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -88,7 +103,8 @@ class Experts:
                 continue
             x = h[tokens]
             up, gate = self.fc[e](x).chunk(2, dim=-1)
-            y = self.proj[e](F.silu(gate) * up)
+            act = F.silu(gate) * up if self.activation is None else self.activation(up, gate)
+            y = self.proj[e](act, add_bias=self.proj_bias)
             out.index_add_(0, tokens, y * weights[tokens, slot, None].to(y.dtype))
         if self.shared_fc is not None and self.shared_proj is not None:
             up, gate = self.shared_fc(h).chunk(2, dim=-1)

@@ -1,5 +1,5 @@
 """Rotary position embeddings, GPT-NeoX style (rotate_half), with the
-`linear` and `llama3` frequency scalings TRT-LLM 1.x accepts, and Phi-3's `longrope`.
+`linear` and `llama3` frequency scalings TRT-LLM 1.x accepts, Phi-3's `longrope` and `yarn` (yarn.py).
 
 The inverse frequencies are computed with the same float32 operations as
 transformers, so cos/sin tables agree bit for bit with the HF reference.
@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from toolchain.engine.cpu.yarn import attention_factor, yarn_frequencies
 
 
 def longrope_frequencies(head_size: int, base: float, factors: list[float]) -> torch.Tensor:
@@ -66,6 +68,8 @@ class Rotary:
             self.long_inv_freq = longrope_frequencies(head_size, base, scaling["long_factor"])
             self.long_after = int(scaling["original_max_position_embeddings"])
             self.scale = longrope_scale(int(scaling["max_position_embeddings"]), self.long_after)
+        elif scaling is not None and scaling["type"] == "yarn":
+            self.inv_freq, self.scale = yarn_frequencies(head_size, base, scaling), attention_factor(scaling)
         else:
             self.inv_freq = inverse_frequencies(head_size, base, scaling)
         # One tuple, swapped in whole, so a concurrent reader never sees cos and sin of different lengths;

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from toolchain.checkpoint.hf_reader import check_header
 from toolchain.engine.cpu.config import ModelDims
 from toolchain.engine.cpu import mla
+from toolchain.engine.cpu.clamped_swiglu import clamped_swiglu
 from toolchain.engine.cpu.linear import Linear
 from toolchain.engine.cpu.moe import Experts, expert_slices
 from toolchain.engine.cpu.qlinear import make_linear
@@ -59,6 +60,7 @@ class LayerShard:
     pre_ff_norm: torch.Tensor | None = None   # inter_layernorms (Gemma 2): before the MLP
     post_ff_norm: torch.Tensor | None = None  # inter_layernorms: on the MLP output
     mla: mla.MlaShard | None = None  # DeepSeek-V3's latent projections (engine/cpu/mla.py)
+    sinks: torch.Tensor | None = None  # attention_sinks (gpt-oss): this rank's q heads' sink logits, float32
 
 
 @dataclass
@@ -116,6 +118,8 @@ def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tupl
             out[f"{p}.attention.k_layernorm.weight"] = ((hd,), "float")
         if d.kv_cache_quant_algo is not None:
             out[f"{p}.attention.kv_cache_scaling_factor"] = ((1,), "float")
+        if d.attention_sinks:  # split with the q heads (archs/gpt_oss.py)
+            out[f"{p}.attention.sinks"] = ((d.heads_per_rank,), "float")
         moe_layer = d.is_moe_layer(d.stage_layers(pp_rank)[i])
         if moe_layer:
             out.update(_moe_tensors(d, p, _global(d, pp_rank, i), tp_rank))
@@ -160,8 +164,11 @@ def _moe_tensors(d: ModelDims, p: str, g: str, tp_rank: int) -> dict[str, tuple[
     out: dict[str, tuple[tuple[int, ...], str]] = {f"{p}.mlp.router.weight": ((d.num_experts, H), "float")}
     if d.grouped_routing is not None:
         out[f"{p}.{SCORE_BIAS}"] = ((d.num_experts,), "float")
+    if d.expert_bias:  # gpt-oss: a biased router and experts (fc bias [E_r, 2 I_r], proj bias [E_r, H])
+        out[f"{p}.mlp.router.bias"] = ((d.num_experts,), "float")
     for name, (out_f, in_f) in (("mlp.fc", (2 * width, H)), ("mlp.proj", (H, width))):
-        one = stored_tensors(f"{p}.{name}", out_f, in_f, False, d.linear_format(f"{g}.{name}"), group=d.group_size)
+        one = stored_tensors(f"{p}.{name}", out_f, in_f, d.expert_bias, d.linear_format(f"{g}.{name}"),
+                             group=d.group_size)
         out.update({n: (expert_stack(n, shape, experts), kind) for n, (shape, kind) in one.items()})
     if d.shared_expert_size:  # Qwen2-MoE's shared expert, split over tp, and its gate, whole (archs/qwen_moe.py)
         shared = d.shared_expert_size // d.tp
@@ -350,6 +357,7 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
             pre_ff_norm=t.get(f"{p}.pre_feedforward_layernorm.weight"),
             post_ff_norm=t.get(f"{p}.post_feedforward_layernorm.weight"),
             mla=mla.load(t, p) if d.mla is not None else None,
+            sinks=t.get(f"{p}.attention.sinks"),
         ))
     shard = RankShard(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, layers=layers)
     shard.embedding = t.get(EMBEDDING)
@@ -370,7 +378,7 @@ def _experts(d: ModelDims, t: dict[str, torch.Tensor], p: str, g: str, tp_rank: 
 
     def stack(name: str) -> list[Linear]:
         fmt = d.linear_format(f"{g}.{name}")
-        return [make_linear(one, f"{p}.{name}", False, fmt, group=d.group_size)
+        return [make_linear(one, f"{p}.{name}", d.expert_bias, fmt, group=d.group_size)
                 for one in expert_slices(t, f"{p}.{name}", count)]
 
     def shared(name: str) -> Linear | None:
@@ -382,7 +390,11 @@ def _experts(d: ModelDims, t: dict[str, torch.Tensor], p: str, g: str, tp_rank: 
     return Experts(router=t[f"{p}.mlp.router.weight"], fc=stack("mlp.fc"), proj=stack("mlp.proj"),
                    first=moe_first_expert(d, tp_rank), top_k=d.top_k, normalization=d.moe_normalization,
                    shared_fc=shared(SHARED_FC), shared_proj=shared(SHARED_PROJ), shared_gate=t.get(f"{p}.{SHARED_GATE}"),
-                   grouped=d.grouped_routing, score_bias=t.get(f"{p}.{SCORE_BIAS}"))
+                   grouped=d.grouped_routing, score_bias=t.get(f"{p}.{SCORE_BIAS}"),
+                   router_bias=t.get(f"{p}.mlp.router.bias"),
+                   activation=clamped_swiglu(d.swiglu_alpha, d.swiglu_limit) if d.swiglu_limit is not None else None,
+                   # every moe_tp slice of an expert holds the whole proj bias; one of them adds it
+                   proj_bias=tp_rank // d.moe_ep == 0)
 
 
 def moe_first_expert(d: ModelDims, tp_rank: int) -> int:
@@ -410,6 +422,10 @@ def _proj_bias(layer: LayerShard) -> torch.Tensor | None:
 
 def _router(layer: LayerShard) -> torch.Tensor | None:
     return layer.experts.router if layer.experts is not None else None
+
+
+def _router_bias(layer: LayerShard) -> torch.Tensor | None:
+    return layer.experts.router_bias if layer.experts is not None else None
 
 
 def _shared_gate(layer: LayerShard) -> torch.Tensor | None:
@@ -446,6 +462,7 @@ def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
                           (f"{p}.attention.dense.bias", la.dense.bias, lb.dense.bias),
                           (f"{p}.mlp.proj.bias", _proj_bias(la), _proj_bias(lb)),
                           (f"{p}.mlp.router.weight", _router(la), _router(lb)),
+                          (f"{p}.mlp.router.bias", _router_bias(la), _router_bias(lb)),
                           (f"{p}.{SHARED_GATE}", _shared_gate(la), _shared_gate(lb)),
                           (f"{p}.{SCORE_BIAS}", _score_bias(la), _score_bias(lb)),
                           *mla.replicas(p, la.mla, lb.mla)]
