@@ -181,7 +181,14 @@ HF_CLASSES = {
     "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
     "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "Llama4ForCausalLM": ("Llama4TextConfig", "Llama4ForCausalLM"),
+    "Llama4ForConditionalGeneration": ("Llama4Config", "Llama4ForConditionalGeneration"),
 }
+# Multimodal checkpoints whose text model's keys nest in text_config, with the smallest vision tower transformers
+# builds (its tensors are what the text path skips).
+TINY_VISION = {"Llama4ForConditionalGeneration": dict(
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vision_output_dim=32,
+    projector_input_dim=32, projector_output_dim=32, image_size=28, patch_size=14)}
 
 
 def make_hf_model(arch: str, out: Path, *, seed=0, dtype=torch.float32, **overrides) -> Path:
@@ -195,7 +202,9 @@ def make_hf_model(arch: str, out: Path, *, seed=0, dtype=torch.float32, **overri
 
     config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[arch])
     torch.manual_seed(seed)
-    config = config_cls(**{**TINY_DIMS, "bos_token_id": 1, "eos_token_id": 2, **overrides})
+    kwargs = {**TINY_DIMS, "bos_token_id": 1, "eos_token_id": 2, **overrides}
+    vision = TINY_VISION.get(arch)
+    config = config_cls(text_config=kwargs, vision_config=vision) if vision else config_cls(**kwargs)
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -21,6 +21,8 @@ _REGISTRY: dict[str, str] = {
     "Gemma2ForCausalLM": "toolchain.archs.gemma",
     "Gemma3ForCausalLM": "toolchain.archs.gemma3",
     "LlamaForCausalLM": "toolchain.archs.llama",
+    "Llama4ForCausalLM": "toolchain.archs.llama4",
+    "Llama4ForConditionalGeneration": "toolchain.archs.llama4:CONDITIONAL_FAMILY",
     "MistralForCausalLM": "toolchain.archs.mistral",
     "MixtralForCausalLM": "toolchain.archs.mixtral",
     "Phi3ForCausalLM": "toolchain.archs.phi3",

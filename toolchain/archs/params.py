@@ -106,6 +106,30 @@ class ArchParams:
         return tuple(windows) if windows and len(windows) == self.num_hidden_layers else None
 
     @property
+    def moe_layers(self) -> tuple[int, ...] | None:
+        """The layers whose MLP is a mixture of experts where only some are (Llama 4's moe_layers, which its
+        normalize writes into extras_json); None when every layer's MLP is alike."""
+        layers = json.loads(self.extras_json or "{}").get("moe_layers")
+        return tuple(layers) if layers is not None and self.is_moe else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` holds experts (every layer of a MoE model unless moe_layers says)."""
+        layers = self.moe_layers
+        return self.is_moe and (layers is None or layer in layers)
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether some layer holds a dense MLP of intermediate_size (every layer of a dense model)."""
+        layers = self.moe_layers
+        return not self.is_moe or (layers is not None and len(set(layers)) < self.num_hidden_layers)
+
+    @property
+    def shared_expert_gated(self) -> bool:
+        """Whether a shared expert is scaled by a sigmoid gate [1, H] (Qwen2-MoE's shared_expert_gate); Llama 4's
+        shared expert is added ungated (its normalize writes shared_expert_gate false into extras_json)."""
+        return bool(self.shared_expert_size) and json.loads(self.extras_json or "{}").get("shared_expert_gate", True)
+
+    @property
     def expert_size(self) -> int:
         """The routed experts' width, what moe_tp splits."""
         return self.moe_intermediate_size or self.intermediate_size

@@ -89,7 +89,8 @@ def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: 
         routed -= (experts - 1) * (formats.tensor_bytes(held_once, 2 * width, h, g, dt_bytes)
                                    + formats.tensor_bytes(held_once, h, width, g, dt_bytes))
     shared_r = p.shared_expert_size // (moe_tp * moe_ep)
-    shared = linear(2 * shared_r, h) + linear(h, shared_r) + h * dt_bytes if p.shared_expert_size else 0
+    gate = h * dt_bytes if p.shared_expert_gated else 0  # Llama 4's shared expert has no gate
+    shared = linear(2 * shared_r, h) + linear(h, shared_r) + gate if p.shared_expert_size else 0
     return p.num_experts * h * ROUTER_BYTES + routed + shared
 
 
@@ -121,20 +122,23 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quanti
     """Weight bytes of one rank (its TP slice of its PP stage). A mixture-of-experts model holds its
     experts as `moe_tp`/`moe_ep` (None: as TensorRT-LLM's Mapping derives them) place them."""
     layout = Layout(tp, pp, moe_tp, moe_ep)
-    n_layers = len(layout.stage_layers(p.num_hidden_layers)[pp_rank])
+    stage = layout.stage_layers(p.num_hidden_layers)[pp_rank]
+    n_layers = len(stage)
+    n_moe = sum(1 for i in stage if p.is_moe_layer(i))  # every layer of a MoE model but Llama 4's dense ones
     h, v = p.hidden_size, p.vocab_size
     shapes = linear_shapes(p, tp, quant)
-    if p.is_moe:
-        shapes = [s for s in shapes if s[0] in ("qkv", "dense")]
-    per_layer = sum(linear_bytes(o, i, quant, dt_bytes, stored) for _, o, i in shapes)
-    if p.is_moe:
-        per_layer += expert_bytes(p, layout.moe_tp, layout.moe_ep, dt_bytes, quant, stored)
+    attention = sum(linear_bytes(o, i, quant, dt_bytes, stored) for name, o, i in shapes if name in ("qkv", "dense"))
+    mlp = sum(linear_bytes(o, i, quant, dt_bytes, stored) for name, o, i in shapes if name not in ("qkv", "dense"))
+    layers = n_layers * attention + (n_layers - n_moe) * mlp
+    if n_moe:
+        layers += n_moe * expert_bytes(p, layout.moe_tp, layout.moe_ep, dt_bytes, quant, stored)
+    per_layer = 0.0
     if qkv_bias:
         per_layer += linear_shapes(p, tp)[0][1] * dt_bytes
     if dense_bias:
         per_layer += h * dt_bytes  # row-parallel bias, full on every rank
     if p.mlp_bias:
-        per_layer += (2 * (p.intermediate_size // tp) + h) * dt_bytes
+        layers += (n_layers - n_moe) * (2 * (p.intermediate_size // tp) + h) * dt_bytes
     norms = n_layers * p.norms_per_layer * h * dt_bytes
     if tp > 1 and p.architecture in supported() and get_family(p.architecture).parallel_embedding_at_tp:
         parallel_embedding = True  # the family's TensorRT-LLM config forces it (GemmaConfig, archs/gemma.py)
@@ -158,12 +162,13 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quanti
         # tied, on the same rank, same shape.
         if p.tie_word_embeddings and first and not parallel_embedding and padded_vocab(p, tp) // tp == v:
             lm_head = 0.0
-    return WeightBreakdown(n_layers * per_layer, embedding, lm_head, norms)
+    return WeightBreakdown(layers + n_layers * per_layer, embedding, lm_head, norms)
 
 
 def kv_bytes_per_token(p: ArchParams, *, tp: int, stage_layer_count: int, kv_bytes: int) -> int:
     """2 (K and V) x L_stage x nkv_r x hd x bytes (the paged KV cache layout,
-    docs/source/legacy/advanced/gpt-attention.md)."""
+    docs/source/legacy/advanced/gpt-attention.md). Llama 4's chunked-attention layers count in full too: how the
+    PyTorch backend's KV manager sizes them is not established here (archs/llama4.py)."""
     return 2 * stage_layer_count * kv_heads_per_rank(p, tp) * p.head_size * kv_bytes
 
 

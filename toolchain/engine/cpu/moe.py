@@ -38,6 +38,10 @@ import torch.nn.functional as F
 from toolchain.engine.cpu.linear import Linear
 
 RENORMALIZE = 1  # ExpertScaleNormalizationMode values (archs/moe.py NORMALIZATION)
+# Llama 4's router (transformers models/llama4/modeling_llama4.py Llama4Router, Llama4TextMoe.forward): the sigmoid
+# of each chosen expert's logit multiplies the token before that expert runs (SiLU-gated experts are not
+# homogeneous, so this differs from scaling the output); its shared expert is added with no gate.
+SIGMOID_INPUT = "sigmoid_input"
 
 
 @dataclass
@@ -57,10 +61,16 @@ class Experts:
     shared_proj: Linear | None = None
     """[H, S_r]: the shared expert's down_proj columns of this rank's tp slice."""
     shared_gate: torch.Tensor | None = None
-    """[1, H]: shared_expert_gate, whole on every rank."""
+    """[1, H]: shared_expert_gate, whole on every rank; None: the shared expert is added ungated (Llama 4)."""
+    router_kind: str = "softmax"
+    """archs/common.py Decoder.moe_router: "softmax", or "sigmoid_input" (Llama 4)."""
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k], expert ids [N, k]) of every token."""
+        if self.router_kind == SIGMOID_INPUT:
+            # Llama4Router: top-k of the logits, each one's sigmoid (the others' sigmoid(-inf) = 0)
+            top, ids = (h @ self.router.T).topk(self.top_k, dim=-1)
+            return torch.sigmoid(top.float()), ids
         probs = torch.softmax((h @ self.router.T).float(), dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.normalization == RENORMALIZE:
@@ -77,12 +87,17 @@ class Experts:
             if tokens.numel() == 0:
                 continue
             x = h[tokens]
+            weight = weights[tokens, slot, None].to(x.dtype)
+            on_input = self.router_kind == SIGMOID_INPUT  # Llama4TextMoe scales the expert's input, not its output
+            if on_input:
+                x = x * weight
             up, gate = self.fc[e](x).chunk(2, dim=-1)
             y = self.proj[e](F.silu(gate) * up)
-            out.index_add_(0, tokens, y * weights[tokens, slot, None].to(y.dtype))
-        if self.shared_fc is not None and self.shared_proj is not None and self.shared_gate is not None:
+            out.index_add_(0, tokens, y if on_input else y * weight)
+        if self.shared_fc is not None and self.shared_proj is not None:
             up, gate = self.shared_fc(h).chunk(2, dim=-1)
-            out += torch.sigmoid(h @ self.shared_gate.T) * self.shared_proj(F.silu(gate) * up)
+            shared = self.shared_proj(F.silu(gate) * up)
+            out += shared if self.shared_gate is None else torch.sigmoid(h @ self.shared_gate.T) * shared
         return out
 
 

@@ -113,9 +113,10 @@ def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tupl
             out[f"{p}.attention.k_layernorm.weight"] = ((hd,), "float")
         if d.kv_cache_quant_algo is not None:
             out[f"{p}.attention.kv_cache_scaling_factor"] = ((1,), "float")
-        if d.is_moe:
+        experts = d.moe_layer(d.stage_layers(pp_rank)[i])
+        if experts:
             out.update(_moe_tensors(d, p, _global(d, pp_rank, i), tp_rank))
-        for name, (out_f, in_f), bias in _linears(d, qkv_out):
+        for name, (out_f, in_f), bias in _linears(d, qkv_out, experts):
             fmt = d.linear_format(f"{_global(d, pp_rank, i)}.{name}")
             if fmt == "int4_group" and name.startswith("mlp."):
                 # per-group int4 MLP dims are stored padded (WeightOnlyGroupwiseQuantLinear)
@@ -161,7 +162,8 @@ def _moe_tensors(d: ModelDims, p: str, g: str, tp_rank: int) -> dict[str, tuple[
             module = name.removesuffix(".weight")
             out.update(stored_tensors(f"{p}.{module}", out_f, in_f, False, d.linear_format(f"{g}.{module}"),
                                       group=d.group_size))
-        out[f"{p}.{SHARED_GATE}"] = ((1, H), "float")
+        if d.shared_expert_gate:  # Llama 4's shared expert has none
+            out[f"{p}.{SHARED_GATE}"] = ((1, H), "float")
     return out
 
 
@@ -172,11 +174,12 @@ def expert_stack(name: str, shape: tuple[int, ...], experts: int) -> tuple[int, 
     return shape if name.endswith(".activation_scaling_factor") else (experts, *shape)
 
 
-def _linears(d: ModelDims, qkv_out: int):
+def _linears(d: ModelDims, qkv_out: int, experts: bool):
+    """The linears of one layer on one rank; a layer of `experts` has no dense MLP."""
     inter = d.intermediate_size // d.tp
     attention = [("attention.qkv", (qkv_out, d.hidden_size), d.attn_bias),
                  ("attention.dense", (d.hidden_size, d.heads_per_rank * d.head_size), d.dense_bias)]
-    if d.is_moe:
+    if experts:
         return attention
     if d.fused_mlp:  # one swiglu fc [up; gate] (Phi-3)
         return [*attention, ("mlp.fc", (2 * inter, d.hidden_size), d.mlp_bias),
@@ -323,7 +326,7 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
         def linear(name: str, bias: bool, p=p, g=g) -> Linear:
             return make_linear(t, f"{p}.{name}", bias, d.linear_format(f"{g}.{name}"), group=d.group_size)
 
-        dense_mlp = not d.is_moe
+        dense_mlp = not d.moe_layer(d.stage_layers(pp_rank)[i])
         layers.append(LayerShard(
             input_norm=t[f"{p}.input_layernorm.weight"],
             qkv=linear("attention.qkv", d.attn_bias),
@@ -369,6 +372,7 @@ def _experts(d: ModelDims, t: dict[str, torch.Tensor], p: str, g: str, tp_rank: 
 
     return Experts(router=t[f"{p}.mlp.router.weight"], fc=stack("mlp.fc"), proj=stack("mlp.proj"),
                    first=moe_first_expert(d, tp_rank), top_k=d.top_k, normalization=d.moe_normalization,
+                   router_kind=d.moe_router,
                    shared_fc=shared(SHARED_FC), shared_proj=shared(SHARED_PROJ), shared_gate=t.get(f"{p}.{SHARED_GATE}"))
 
 
