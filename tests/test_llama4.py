@@ -59,6 +59,26 @@ def test_scout_parameters_match_the_published_size():
     assert abs((total - idle_experts) / SCOUT_ACTIVE - 1) < 0.02, total - idle_experts
 
 
+def test_maverick_interleaves_dense_and_mixture_layers_in_the_plan():
+    """Llama-4-Maverick-17B-128E (its text model as the notes describe it: 128 experts on every second layer,
+    interleave_moe_layer_step 2, dense layers intermediate_size_mlp wide; the model card: 17B active, 400B total):
+    the planner and the performance model count each layer as what it is."""
+    from toolchain.plan.perf.step import stage_cost
+
+    _, p = load_params({**SCOUT, "num_local_experts": 128, "interleave_moe_layer_step": 2, "use_qk_norm": False})
+    assert p.moe_layers == tuple(range(1, 48, 2)) and p.has_dense_mlp
+    weights = mem.rank_weights(p, tp=1, pp_rank=0, pp=1, quant=Quantization(), dt_bytes=2)
+    total = (weights.total - 24 * 128 * 5120 * (mem.ROUTER_BYTES - 2)) / 2
+    expert = 3 * 5120 * 8192
+    assert abs(total / 400e9 - 1) < 0.02 and abs((total - 24 * 127 * expert) / 17e9 - 1) < 0.02, total
+    cost = stage_cost(p, tp=1, pp_rank=0, pp=1, quant=Quantization(), dt_bytes=2, kv_bytes=2)
+    assert cost.experts == 128 and cost.expert_bytes == 24 * expert * 2
+    attention = 2 * 5120 * 5120 + 2 * 5120 * 1024
+    assert cost.gemm_flops == 2.0 * (48 * attention + 24 * 3 * 5120 * 16384  # the dense layers
+                                     + 24 * (expert + 128 * 5120)  # one routed expert and the router
+                                     + 24 * expert)  # the shared expert, ungated
+
+
 def _scout_dir(tmp_path: Path, cfg: dict = SCOUT) -> Path:
     out = tmp_path / "scout"
     out.mkdir(exist_ok=True)
