@@ -183,6 +183,8 @@ HF_CLASSES = {
     "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "DeepseekV3ForCausalLM": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "Llama4ForCausalLM": ("Llama4TextConfig", "Llama4ForCausalLM"),
+    "Llama4ForConditionalGeneration": ("Llama4Config", "Llama4ForConditionalGeneration"),
 }
 # A tiny DeepSeek-V3 (notes i36 §5): MLA ranks unlike each other and the hidden size, 8 experts in 4 groups of
 # which 2 are chosen, one dense layer before the mixtures, and a shared expert.
@@ -190,6 +192,11 @@ DEEPSEEK_V3_TINY = dict(num_key_value_heads=4, intermediate_size=80, moe_interme
                         n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=12)
+# Multimodal checkpoints whose text model's keys nest in text_config, with the smallest vision tower transformers
+# builds (its tensors are what the text path skips).
+TINY_VISION = {"Llama4ForConditionalGeneration": dict(
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vision_output_dim=32,
+    projector_input_dim=32, projector_output_dim=32, image_size=28, patch_size=14)}
 
 
 def make_hf_model(arch: str, out: Path, *, seed=0, dtype=torch.float32, **overrides) -> Path:
@@ -203,7 +210,9 @@ def make_hf_model(arch: str, out: Path, *, seed=0, dtype=torch.float32, **overri
 
     config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[arch])
     torch.manual_seed(seed)
-    config = config_cls(**{**TINY_DIMS, "bos_token_id": 1, "eos_token_id": 2, **overrides})
+    kwargs = {**TINY_DIMS, "bos_token_id": 1, "eos_token_id": 2, **overrides}
+    vision = TINY_VISION.get(arch)
+    config = config_cls(text_config=kwargs, vision_config=vision) if vision else config_cls(**kwargs)
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -43,7 +43,8 @@ def test_missing_architectures_key():
 def test_registry_imports_family_modules_lazily():
     code = ("import sys, toolchain.archs; print(any(m in sys.modules for m in "
             "('toolchain.archs.llama', 'toolchain.archs.mistral', 'toolchain.archs.mixtral', 'toolchain.archs.qwen', "
-            "'toolchain.archs.gemma', 'toolchain.archs.gemma3', 'toolchain.archs.phi3', 'toolchain.archs.gpt_oss')))")
+            "'toolchain.archs.gemma', 'toolchain.archs.gemma3', 'toolchain.archs.phi3', 'toolchain.archs.gpt_oss', "
+            "'toolchain.archs.llama4', 'toolchain.archs.deepseek_v3')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -206,6 +207,10 @@ ARCH_FIXTURES = {
     "Qwen3ForCausalLM": _family("Qwen3ForCausalLM", head_dim=32),
     "Qwen2MoeForCausalLM": _family("Qwen2MoeForCausalLM", num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=96),
     "Qwen3MoeForCausalLM": _family("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    # one mixture-of-experts layer with its shared expert (dense layers between mixtures: tests/test_llama4.py)
+    "Llama4ForCausalLM": _family("Llama4ForCausalLM", head_dim=16, intermediate_size=32, num_local_experts=4),
+    "Llama4ForConditionalGeneration": _family("Llama4ForConditionalGeneration", head_dim=16, intermediate_size=32,
+                                              num_local_experts=4),
 }
 
 
@@ -267,11 +272,12 @@ def test_partial_rotary_rejected():
 
 def test_registry_lists_every_family():
     assert supported() == ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
-                           "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
-                           "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
-    assert [get_family(a).name for a in supported()] == ["deepseek_v3", "gemma2", "gemma3", "gpt_oss", "llama",
-                                                         "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3",
-                                                         "qwen3_moe"]
+                           "Llama4ForCausalLM", "Llama4ForConditionalGeneration", "LlamaForCausalLM",
+                           "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+    assert [get_family(a).name for a in supported()] == ["deepseek_v3", "gemma2", "gemma3", "gpt_oss", "llama4",
+                                                         "llama4", "llama", "mistral", "mixtral", "phi3", "qwen2",
+                                                         "qwen2_moe", "qwen3", "qwen3_moe"]
 
 
 def test_cli_archs_lists_them(capsys):

@@ -51,6 +51,12 @@ GEMMA3 = dict(seed=18, head_dim=16, num_hidden_layers=4, sliding_window=8, slidi
               query_pre_attn_scalar=24,
               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+# Llama 4: layers 0, 1 and 3 rotate and attend in 4-token chunks with the weightless q/k norm, layer 2 is NoPE with
+# temperature tuning from position 1 (floor_scale 2); layers 1 and 3 are mixtures of 4 experts with the shared
+# expert, 0 and 2 dense MLPs 96 wide (tests/test_llama4.py proves each mechanism matters).
+LLAMA4 = dict(seed=19, num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=96,
+              num_local_experts=4, interleave_moe_layer_step=2, attention_chunk_size=4, no_rope_layers=[1, 1, 0, 1],
+              floor_scale=2)
 # One tiny model per family; the keys double as test ids.
 FAMILIES = {
     # MLA with its latent cache, a dense layer then two mixtures with grouped routing (tests/test_deepseek_v3.py)
@@ -62,6 +68,9 @@ FAMILIES = {
     "gpt-oss-sinks-moe": ("GptOssForCausalLM", dict(seed=19, head_dim=16, intermediate_size=48, num_local_experts=4,
                                                     num_experts_per_tok=2, sliding_window=8, swiglu_limit=2.0)),
     "llama32-tied": ("LlamaForCausalLM", dict(seed=14, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
+    "llama4-chunked-nope-moe": ("Llama4ForCausalLM", LLAMA4),
+    # the text part of a multimodal checkpoint, its vision tower skipped
+    "llama4-multimodal-text": ("Llama4ForConditionalGeneration", LLAMA4),
     "mistral-window": ("MistralForCausalLM", dict(seed=11, sliding_window=8)),
     # 4 experts, top-2: at tp 4 every expert's width splits over moe_tp 4 (the default Mapping derives)
     "mixtral-moe": ("MixtralForCausalLM", dict(seed=15, num_local_experts=4, num_experts_per_tok=2)),
@@ -75,7 +84,8 @@ FAMILIES = {
 # Families whose HF half-precision forward is not within a tolerance of float32: top-k routing is
 # discontinuous, and HF's bf16 rounding flips an expert choice at some position (measured: 0.54 on one
 # logit row of the tiny Mixtral), so only the float32 reference over the same stored weights bounds them.
-DISCRETE_ROUTING = {"deepseek-v3-mla", "mixtral-moe", "qwen2-moe-shared", "qwen3-moe-qknorm", "gpt-oss-sinks-moe"}
+DISCRETE_ROUTING = {"deepseek-v3-mla", "mixtral-moe", "qwen2-moe-shared", "qwen3-moe-qknorm", "gpt-oss-sinks-moe",
+                    "llama4-chunked-nope-moe", "llama4-multimodal-text"}
 # Gemma 2's HF half-precision forward rounds more steps (the embedding scale, four norms a layer, two soft-caps)
 # than the float32 engine: measured worst 0.070 in bfloat16 on logits capped at 3 (float32 reference: 1e-4).
 # Gemma 3 has no final soft-cap and twice the layers: measured worst 0.31 in bfloat16 on logits up to 4.9
@@ -85,13 +95,14 @@ NATIVE_ATOL_BY_FAMILY = {"gemma2-window-softcap": {**NATIVE_ATOL, "bfloat16": 1e
 
 # The layouts each family runs; families added since the matrix reached make test's time budget run the
 # three that matter (tp 1, tp 2, pp 2) in float32 and their checkpoint's native bfloat16.
-# Reduced families run tp 1, tp 2 and pp 2 in float32 and bfloat16; gpt-oss not pp 2: TensorRT-LLM's gpt-oss refuses
-# pipeline parallelism (archs/gpt_oss.py).
-REDUCED = {"gemma3-local-rope", "deepseek-v3-mla", "gpt-oss-sinks-moe"}
+# Families run later in the matrix: tp 1, tp 2 and pp 2 only, in the dtypes named; gpt-oss not at pp 2 (TensorRT-LLM's
+# gpt-oss refuses pipeline parallelism, archs/gpt_oss.py).
+LATER = {"gemma3-local-rope": ("bfloat16", "float32"), "deepseek-v3-mla": ("bfloat16", "float32"),
+         "gpt-oss-sinks-moe": ("bfloat16", "float32"), "llama4-chunked-nope-moe": ("bfloat16", "float32"),
+         "llama4-multimodal-text": ("float32",)}
 NO_PP = {"gpt-oss-sinks-moe"}
 CASES = [(f, tp, pp, dt) for f in sorted(FAMILIES) for tp, pp in LAYOUTS for dt in sorted(DTYPES)
-         if f not in REDUCED or ((tp, pp) in ((1, 1), (2, 1), (1, 2)) and dt != "float16"
-                                 and (pp == 1 or f not in NO_PP))]
+         if f not in LATER or ((tp, pp) in ((1, 1), (2, 1), (1, 2)) and dt in LATER[f] and (pp == 1 or f not in NO_PP))]
 
 _MODELS: dict = {}
 

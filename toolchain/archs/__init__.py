@@ -23,6 +23,8 @@ _REGISTRY: dict[str, str] = {
     "Gemma3ForCausalLM": "toolchain.archs.gemma3",
     "GptOssForCausalLM": "toolchain.archs.gpt_oss",
     "LlamaForCausalLM": "toolchain.archs.llama",
+    "Llama4ForCausalLM": "toolchain.archs.llama4",
+    "Llama4ForConditionalGeneration": "toolchain.archs.llama4:CONDITIONAL_FAMILY",
     "MistralForCausalLM": "toolchain.archs.mistral",
     "MixtralForCausalLM": "toolchain.archs.mixtral",
     "Phi3ForCausalLM": "toolchain.archs.phi3",

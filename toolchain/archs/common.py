@@ -51,6 +51,12 @@ class Shard(str, enum.Enum):
     # EXPERT_PROJ stacks are (checkpoint/expert_stacks.py): the experts over moe_ep, the width over moe_tp.
     STACKED_GATE_UP = "stacked_gate_up"
     STACKED_DOWN = "stacked_down"
+    # Every expert of a layer in one HF tensor (transformers 5's Llama 4 experts, (in, out) per expert):
+    # STACKED_EXPERT_FC is gate_up_proj [E, H, 2I] with the gate (activated) half first, STACKED_EXPERT_PROJ is
+    # down_proj [E, I, H]; both are laid out per rank as EXPERT_FC and EXPERT_PROJ are (checkpoint/sharding.py
+    # split_stacked_experts).
+    STACKED_EXPERT_FC = "stacked_expert_fc"
+    STACKED_EXPERT_PROJ = "stacked_expert_proj"
 
 
 class Stage(str, enum.Enum):
@@ -84,9 +90,10 @@ class Row:
     dtype: str | None = None
     """Checkpoint dtype when it is not the model's: the MoE router stays float32 ("Router should never be
     quantized", cast to float32: TensorRT-LLM tensorrt_llm/models/llama/convert.py)."""
-    layers: Callable[[Any, int], bool] | None = None
-    """(ArchParams, layer) -> whether a `{layer}` row exists in that layer; None: in every layer. For families
-    whose layers differ in kind (DeepSeek-V3's dense first layers before its mixtures of experts)."""
+    layers: str | None = None
+    """For a `{layer}` row that only some layers hold: "moe" (the layers ArchParams.is_moe_layer names) or
+    "dense" (the others), as Llama 4 interleaves dense and mixture-of-experts MLPs and DeepSeek-V3 starts with
+    dense layers; None: every layer."""
 
     @property
     def per_layer(self) -> bool:
@@ -129,6 +136,16 @@ class Decoder:
     mla: bool = False
     """Multi-head latent attention with grouped sigmoid routing (DeepSeek-V3): config.json's `deepseek_v3`
     section says the ranks and groups, and the attention tensors are archs/deepseek_v3.py's, not a fused qkv."""
+    moe_router: str = "softmax"
+    """How the experts are routed: "softmax" (Mixtral, Qwen MoE: softmax over every expert, top-k, scaled as
+    the moe section's normalization_mode says, the weights scaling each expert's output) or "sigmoid_input"
+    (Llama 4's Llama4Router: top-k of the logits, their sigmoid scaling each expert's input)."""
+    shared_expert_gate: bool = True
+    """A shared expert is scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE's SharedMoE); False: added as it is
+    (Llama 4's Llama4TextMoe)."""
+    attention_config: str | None = None
+    """Attention keys of the family's own that config.json carries and the CPU engine reads: "llama4"
+    (no_rope_layers, attention_chunk_size, use_qk_norm, temperature tuning: engine/cpu/llama4.py); None: none."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +209,8 @@ class Family:
                 raise ValueError(f"{self.name}: row {row.hf} names unknown transform {row.transform}")
             if row.shape is not None and not set(row.shape) <= set(DIMS):
                 raise ValueError(f"{self.name}: row {row.hf} shape uses unknown symbols {row.shape}")
+            if row.layers not in (None, "moe", "dense") or (row.layers is not None and not row.per_layer):
+                raise ValueError(f"{self.name}: row {row.hf} layers must be moe or dense on a {{layer}} row")
         if self.decoder.fused_mlp != any(r.shard is Shard.FUSED_GATE_UP for r in self.rows):
             raise ValueError(f"{self.name}: decoder.fused_mlp must say whether the table has a FUSED_GATE_UP row")
         if not self.decoder.dense_bias and any(r.trt and r.trt.endswith("attention.dense.bias") for r in self.rows):
@@ -227,6 +246,7 @@ class Refusal:
 
 
 EXPERT_SHARDS = (Shard.EXPERT_FC, Shard.EXPERT_PROJ)
+STACKED_EXPERT_SHARDS = (Shard.STACKED_EXPERT_FC, Shard.STACKED_EXPERT_PROJ)  # one HF tensor per layer
 FUSED_SHARDS = (Shard.FUSED_QKV, Shard.FUSED_GATE_UP)  # one HF tensor holding several projections
 
 # Symbols for Row.shape, so tables state shapes without code.
@@ -251,7 +271,7 @@ DIMS: dict[str, Callable[[Any], int]] = {
     "KVB": lambda p: p.num_attention_heads * (p.mla["qk_nope_head_dim"] + p.mla["v_head_dim"]),
     "OV": lambda p: p.num_attention_heads * p.mla["v_head_dim"],             # o_proj columns
     "NH": lambda p: p.num_attention_heads,                    # one value per q head (gpt-oss sinks)
-    "2EI": lambda p: 2 * p.expert_size,                       # every expert's fused gate_up_proj (gpt-oss)
+    "2EI": lambda p: 2 * p.expert_size,                       # every expert's fused gate_up_proj (gpt-oss, Llama 4)
 }
 
 
@@ -289,8 +309,8 @@ class NameTable:
             layer = int(m.group("layer")) if row.per_layer else None
             if layer is not None and layer >= self.params.num_hidden_layers:
                 return None  # a block past num_hidden_layers: config and weights disagree
-            if layer is not None and row.layers is not None and not row.layers(self.params, layer):
-                return None  # a tensor of another kind of layer (a dense MLP where the layer is a mixture)
+            if layer is not None and not self.holds(row, layer):
+                continue  # a dense MLP's tensor in a mixture-of-experts layer, or the other way round
             expert = int(m.group("expert")) if row.per_expert else None
             if expert is not None and expert >= self.params.num_experts:
                 return None  # an expert past num_local_experts
@@ -303,13 +323,18 @@ class NameTable:
         for row in self.rows:
             if row.shard is Shard.DROP:
                 continue
-            layers: list[int | None] = [i for i in range(self.params.num_hidden_layers)
-                                        if row.layers is None or row.layers(self.params, i)] if row.per_layer else [None]
+            layers = [i for i in range(self.params.num_hidden_layers) if self.holds(row, i)] if row.per_layer else [None]
             experts: list[int | None] = list(range(self.params.num_experts)) if row.per_expert else [None]
             for layer in layers:
                 for expert in experts:
                     out.append((hf_name(row, layer, expert), Match(row, layer, expert)))
         return out
+
+    def holds(self, row: Row, layer: int) -> bool:
+        """Whether decoder layer `layer` holds the tensor of `row` (Row.layers)."""
+        if row.layers is None:
+            return True
+        return self.params.is_moe_layer(layer) == (row.layers == "moe")
 
     def unmatched_error(self, names: list[str], origin: str) -> ToolchainError:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -320,8 +345,9 @@ class NameTable:
 
 
 def _pattern_regex(pattern: str) -> str:
+    # "{any}" (DROP rows only: a multimodal checkpoint's vision tower) matches any rest of a name
     return (re.escape(pattern).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
-            .replace(re.escape("{expert}"), r"(?P<expert>\d+)"))
+            .replace(re.escape("{expert}"), r"(?P<expert>\d+)").replace(re.escape("{any}"), r".+"))
 
 
 def hf_name(row: Row, layer: int | None, expert: int | None = None) -> str:

@@ -47,14 +47,6 @@ E = f"{L}.mlp.experts.{{expert}}"
 S = f"{L}.mlp.shared_experts"
 
 
-def dense_layer(params: Any, layer: int) -> bool:
-    return not params.is_moe_layer(layer)
-
-
-def moe_layer(params: Any, layer: int) -> bool:
-    return params.is_moe_layer(layer)
-
-
 ROWS = (
     Row("model.embed_tokens.weight", "transformer.vocab_embedding.weight", Shard.EMBEDDING, stage=Stage.FIRST,
         shape=("V", "H")),
@@ -69,25 +61,25 @@ ROWS = (
     Row(f"{A}.o_proj.weight", f"{T}.attention.dense.weight", Shard.ROW, shape=("H", "OV")),
     Row(f"{L}.post_attention_layernorm.weight", f"{T}.post_layernorm.weight", Shard.REPLICATE, shape=("H",)),
     # the dense layers: GatedMLP's naming trap as in archs/llama.py (fc is the activated gate_proj)
-    Row(f"{L}.mlp.gate_proj.weight", f"{T}.mlp.fc.weight", Shard.COLUMN, shape=("I", "H"), layers=dense_layer),
-    Row(f"{L}.mlp.up_proj.weight", f"{T}.mlp.gate.weight", Shard.COLUMN, shape=("I", "H"), layers=dense_layer),
-    Row(f"{L}.mlp.down_proj.weight", f"{T}.mlp.proj.weight", Shard.ROW, shape=("H", "I"), layers=dense_layer),
+    Row(f"{L}.mlp.gate_proj.weight", f"{T}.mlp.fc.weight", Shard.COLUMN, shape=("I", "H"), layers="dense"),
+    Row(f"{L}.mlp.up_proj.weight", f"{T}.mlp.gate.weight", Shard.COLUMN, shape=("I", "H"), layers="dense"),
+    Row(f"{L}.mlp.down_proj.weight", f"{T}.mlp.proj.weight", Shard.ROW, shape=("H", "I"), layers="dense"),
     # the mixtures: router and its correction bias float32 and whole on every rank (the router computes in float32)
     Row(f"{L}.mlp.gate.weight", f"{T}.mlp.router.weight", Shard.REPLICATE, dtype="float32", shape=("E", "H"),
-        layers=moe_layer),
+        layers="moe"),
     Row(f"{L}.mlp.gate.e_score_correction_bias", f"{T}.mlp.router.e_score_correction_bias", Shard.REPLICATE,
-        dtype="float32", shape=("E",), layers=moe_layer),
+        dtype="float32", shape=("E",), layers="moe"),
     Row(f"{E}.up_proj.weight", f"{T}.mlp.fc.weight", Shard.EXPERT_FC, part="w3", shape=("EI", "H"),
-        layers=moe_layer),
+        layers="moe"),
     Row(f"{E}.gate_proj.weight", f"{T}.mlp.fc.weight", Shard.EXPERT_FC, part="w1", shape=("EI", "H"),
-        layers=moe_layer),
-    Row(f"{E}.down_proj.weight", f"{T}.mlp.proj.weight", Shard.EXPERT_PROJ, shape=("H", "EI"), layers=moe_layer),
+        layers="moe"),
+    Row(f"{E}.down_proj.weight", f"{T}.mlp.proj.weight", Shard.EXPERT_PROJ, shape=("H", "EI"), layers="moe"),
     Row(f"{S}.up_proj.weight", f"{T}.mlp.shared_expert.fc.weight", Shard.GATED_FC, part="w3", shape=("SI", "H"),
-        layers=moe_layer),
+        layers="moe"),
     Row(f"{S}.gate_proj.weight", f"{T}.mlp.shared_expert.fc.weight", Shard.GATED_FC, part="w1", shape=("SI", "H"),
-        layers=moe_layer),
+        layers="moe"),
     Row(f"{S}.down_proj.weight", f"{T}.mlp.shared_expert.proj.weight", Shard.ROW, shape=("H", "SI"),
-        layers=moe_layer),
+        layers="moe"),
     Row("model.norm.weight", "transformer.ln_f.weight", Shard.REPLICATE, stage=Stage.LAST, shape=("H",)),
     Row("lm_head.weight", "lm_head.weight", Shard.VOCAB, stage=Stage.LAST, tied_from="model.embed_tokens.weight",
         shape=("V", "H")),
@@ -167,7 +159,8 @@ def normalize(cfg: dict, params: Any, origin: str) -> Any:
     extras = {"mla": mla, "first_k_dense_replace": _int(cfg, "first_k_dense_replace", origin, 0),
               "n_group": groups, "topk_group": topk_group, "routed_scaling_factor": float(scale),
               "rope_interleave": bool(_value(cfg, "rope_interleave")),
-              "num_nextn_predict_layers": _int(cfg, "num_nextn_predict_layers", origin, 0)}
+              "num_nextn_predict_layers": _int(cfg, "num_nextn_predict_layers", origin, 0),
+              "shared_expert_gate": False}  # DeepseekV3MoE adds its shared experts ungated
     return dataclasses.replace(
         params, num_key_value_heads=params.num_attention_heads,
         head_size=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"],  # the q/k head (qk_head_dim)
@@ -217,7 +210,7 @@ FAMILY = Family(
     config_extra=config_extra,
     normalize=normalize,
     quantization=quantization,
-    decoder=Decoder(mla=True),
+    decoder=Decoder(mla=True, shared_expert_gate=False),
     ignore=ignore,
     engine_refusal=("TensorRT-LLM 1.2.1's engine path does not build DeepseekV3ForCausalLM (MODEL_MAP in "
                     "tensorrt_llm/models/__init__.py has DeepseekV2ForCausalLM and no V3; V3 runs on the PyTorch "

@@ -122,7 +122,7 @@ def layout_problems(params: Any, layout: Layout) -> list[LayoutProblem]:
 def _tp_rule(params: Any, layout: Layout) -> list[str]:
     tp = layout.tp
     nh, nkv, inter = params.num_attention_heads, params.num_key_value_heads, params.intermediate_size
-    if getattr(params, "is_moe", False):
+    if getattr(params, "is_moe", False) and not params.has_dense_mlp:
         inter = tp  # no dense MLP: the expert width splits over moe_tp only (archs/moe.py model_problems)
     problems = []
     if nh % tp:

@@ -105,16 +105,36 @@ class ArchParams:
         windows = json.loads(self.extras_json or "{}").get("runtime_defaults", {}).get("max_attention_window")
         return tuple(windows) if windows and len(windows) == self.num_hidden_layers else None
 
-    def is_moe_layer(self, layer: int) -> bool:
-        """Whether decoder layer `layer` is a mixture of experts: every layer of a MoE model but the first
-        `first_k_dense_replace` (DeepSeek-V3's dense layers, which extras_json carries)."""
-        return self.is_moe and layer >= json.loads(self.extras_json or "{}").get("first_k_dense_replace", 0)
-
     @property
     def mla(self) -> dict | None:
         """Multi-head latent attention's ranks and head widths (DeepSeek-V3: q_lora_rank, kv_lora_rank,
         qk_nope_head_dim, qk_rope_head_dim, v_head_dim, from extras_json); None for every other attention."""
         return json.loads(self.extras_json or "{}").get("mla")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...] | None:
+        """The layers whose MLP is a mixture of experts where only some are (Llama 4's moe_layers, which its
+        normalize writes into extras_json); None when every layer's MLP is alike."""
+        layers = json.loads(self.extras_json or "{}").get("moe_layers")
+        return tuple(layers) if layers is not None and self.is_moe else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` holds experts: every layer of a MoE model unless moe_layers says (Llama
+        4), and none of the first `first_k_dense_replace` (DeepSeek-V3's dense layers, which extras_json carries)."""
+        layers = self.moe_layers
+        first_dense = json.loads(self.extras_json or "{}").get("first_k_dense_replace", 0)
+        return self.is_moe and layer >= first_dense and (layers is None or layer in layers)
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether some layer holds a dense MLP of intermediate_size (every layer of a dense model)."""
+        return not all(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def shared_expert_gated(self) -> bool:
+        """Whether a shared expert is scaled by a sigmoid gate [1, H] (Qwen2-MoE's shared_expert_gate); Llama 4's
+        shared expert is added ungated (its normalize writes shared_expert_gate false into extras_json)."""
+        return bool(self.shared_expert_size) and json.loads(self.extras_json or "{}").get("shared_expert_gate", True)
 
     @property
     def expert_size(self) -> int:

@@ -36,10 +36,14 @@ GEMMA3_KEYS = frozenset({"_sliding_window_pattern", "rope_local_base_freq", "sli
 DEEPSEEK_V3_KEYS = frozenset({"deepseek_v3"})
 # gpt-oss's clamped SwiGLU constants (archs/gpt_oss.py; the CPU stand-in's own checkpoint, no upstream one)
 GPT_OSS_KEYS = frozenset({"swiglu_alpha", "swiglu_limit"})
-TOP_LEVEL_KEYS = TOP_LEVEL_KEYS | GEMMA2_KEYS | GEMMA3_KEYS | DEEPSEEK_V3_KEYS | GPT_OSS_KEYS
+# Llama 4 (no upstream engine checkpoint: the CPU engine's own keys, transformers' names; archs/llama4.py)
+LLAMA4_KEYS = frozenset({"moe_layers", "no_rope_layers", "attention_chunk_size", "use_qk_norm",
+                         "attn_temperature_tuning", "floor_scale", "attn_scale"})
+FAMILY_KEYS = DEEPSEEK_V3_KEYS | GPT_OSS_KEYS | LLAMA4_KEYS
+TOP_LEVEL_KEYS = TOP_LEVEL_KEYS | GEMMA2_KEYS | GEMMA3_KEYS | FAMILY_KEYS
 REQUIRED_KEYS = TOP_LEVEL_KEYS - {"qwen_type", "seq_length", "moe", "runtime_defaults", "moe_intermediate_size",
                                   "moe_shared_expert_intermediate_size"} - GEMMA2_KEYS - GEMMA3_KEYS - PHI3_KEYS \
-    - DEEPSEEK_V3_KEYS - GPT_OSS_KEYS
+    - FAMILY_KEYS
 RUNTIME_DEFAULT_KEYS = frozenset({"max_attention_window", "sink_token_length"})
 MAPPING_KEYS = frozenset({"world_size", "tp_size", "pp_size", "cp_size", "moe_tp_size", "moe_ep_size",
                           "moe_cluster_size", "gpus_per_node"})

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from toolchain.archs.common import (EXPERT_SHARDS, TRANSFORMS, Family, Match, NameTable, Row, Shard, Stage,
+from toolchain.archs.common import (EXPERT_SHARDS, STACKED_EXPERT_SHARDS, TRANSFORMS, Family, Match, NameTable, Row, Shard, Stage,
                                     expected_shape, trt_name)
 from toolchain.archs.layout import Layout
 from toolchain.archs.params import ArchParams
@@ -159,6 +159,10 @@ def shard_group(group: Group, tensors: dict[str, torch.Tensor], params: ArchPara
                           for w3_r, w1_r in zip(w3, w1, strict=True)]
             else:  # w2 [H, I] per expert: its input, the expert width, is what moe_tp splits
                 pieces = [torch.stack(r) for r in split_experts(sources, tp, moe_tp, moe_ep, dim=1)]
+        elif shard in STACKED_EXPERT_SHARDS:  # every expert of the layer in one HF tensor (Llama 4)
+            (src,) = (tensors[name] for name in group.sources)
+            pieces = sharding.split_stacked_experts(src, shard is Shard.STACKED_EXPERT_FC, tp, opts.layout.moe_tp,
+                                                    opts.layout.moe_ep)
         elif shard is Shard.GATED_FC:
             # up then gate (build_groups), each cut like a column-parallel weight; a rank's fc is [up_r; gate_r]
             # (tensorrt_llm/models/qwen/convert.py: torch.concat([up, gate], dim=-2) after split(..., dim=0))

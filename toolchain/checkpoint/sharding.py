@@ -63,6 +63,21 @@ def split_experts(experts: list[torch.Tensor], tp: int, moe_tp: int, moe_ep: int
     return out
 
 
+def split_stacked_experts(t: torch.Tensor, fc: bool, tp: int, moe_tp: int, moe_ep: int) -> list[torch.Tensor]:
+    """A layer's experts held in one HF tensor, (in, out) per expert as transformers' Llama4TextExperts holds them
+    (gate_up_proj [E, H, 2I], `gate, up = gate_up.chunk(2, dim=-1)`; down_proj [E, I, H]), as each rank's stacked
+    fc [E_r, 2 I/moe_tp, H] = [up; gate] per expert (w3 the linear half, w1 the activated one, as EXPERT_FC rows
+    are written) or proj [E_r, H, I/moe_tp]."""
+    experts = t.transpose(1, 2)  # [E, out, in]
+    if not fc:
+        return [torch.stack(r) for r in split_experts(list(experts), tp, moe_tp, moe_ep, dim=1)]
+    gate, up = experts.chunk(2, dim=1)
+    w3 = split_experts(list(up), tp, moe_tp, moe_ep, dim=0)
+    w1 = split_experts(list(gate), tp, moe_tp, moe_ep, dim=0)
+    return [torch.stack([torch.cat([a, b]) for a, b in zip(w3_r, w1_r, strict=True)])
+            for w3_r, w1_r in zip(w3, w1, strict=True)]
+
+
 def _or_list(values: list[int]) -> str:
     text = [str(v) for v in values]
     return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]

@@ -96,7 +96,7 @@ def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: 
         routed -= (experts - 1) * (formats.tensor_bytes(held_once, 2 * width, h, g, dt_bytes)
                                    + formats.tensor_bytes(held_once, h, width, g, dt_bytes))
     shared_r = p.shared_expert_size // (shared_tp or moe_tp * moe_ep)
-    gate = h * dt_bytes if p.mla is None else 0  # DeepSeek-V3 (the MLA family) adds its shared experts ungated
+    gate = h * dt_bytes if p.shared_expert_gated else 0  # DeepSeek-V3's and Llama 4's shared experts have none
     shared = linear(2 * shared_r, h) + linear(h, shared_r) + gate if p.shared_expert_size else 0
     return p.num_experts * h * ROUTER_BYTES + routed + shared
 
@@ -199,7 +199,8 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quanti
 def kv_bytes_per_token(p: ArchParams, *, tp: int, stage_layer_count: int, kv_bytes: int) -> int:
     """2 (K and V) x L_stage x nkv_r x hd x bytes (the paged KV cache layout,
     docs/source/legacy/advanced/gpt-attention.md); with multi-head latent attention one latent per layer,
-    whole on every rank (plan/mla.py)."""
+    whole on every rank (plan/mla.py). Llama 4's chunked-attention layers count in full: how the PyTorch backend's
+    KV manager sizes them is not established here (archs/llama4.py)."""
     if p.mla is not None:
         return stage_layer_count * mla.kv_values_per_token(p) * kv_bytes
     return 2 * stage_layer_count * kv_heads_per_rank(p, tp) * p.head_size * kv_bytes

@@ -20,6 +20,7 @@ from toolchain.archs.common import Decoder
 from toolchain.archs.moe import EXPERT_METHODS
 from toolchain.engine.cpu.mla import MlaDims, parse as parse_mla
 from toolchain.engine.cpu.routing import GroupedRouting
+from toolchain.engine.cpu.llama4 import Llama4Attention, llama4_dims
 from toolchain.errors import ToolchainError
 from toolchain.quant import exclude, formats
 from toolchain.quant.recipe import GROUP_SIZES, per_group_multiple
@@ -129,12 +130,28 @@ class ModelDims:
     """Leading layers of a mixture-of-experts model with a dense MLP (DeepSeek-V3's first_k_dense_replace)."""
     grouped_routing: GroupedRouting | None = None
     """DeepSeek-V3's grouped sigmoid routing with its correction bias (routing.py); None: softmax top-k."""
+
+    rope_interleaved: bool = False
+    """position_embedding_type rope_gptj: rope turns the pairs (2i, 2i + 1), not (i, i + d/2) (Llama 4)."""
+    moe_layers: tuple[int, ...] | None = None
+    """The layers whose MLP is a mixture of experts where only some are (Llama 4's moe_layers); None: all of a
+    MoE model's but its `dense_layers`."""
+    moe_router: str = "softmax"
+    """The family's routing (archs/common.py Decoder.moe_router): "softmax" or Llama 4's "sigmoid_input"."""
     shared_expert_gate: bool = True
-    """Qwen2-MoE scales its shared expert by sigmoid(shared_expert_gate(x)); DeepSeek-V3 adds it as it is."""
+    """Whether a shared expert is scaled by its sigmoid gate (Decoder.shared_expert_gate): Qwen2-MoE's is,
+    DeepSeek-V3's and Llama 4's are added as they are."""
+    llama4: Llama4Attention | None = None
+    """Llama 4's rope and NoPE layers, chunks, q/k norm and temperature tuning (engine/cpu/llama4.py)."""
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether global layer `layer` is a mixture of experts (all of a MoE model's but its dense first ones)."""
-        return self.is_moe and layer >= self.dense_layers
+        """Whether global layer `layer` holds experts rather than a dense MLP."""
+        return (self.is_moe and layer >= self.dense_layers
+                and (self.moe_layers is None or layer in self.moe_layers))
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        return not all(self.is_moe_layer(i) for i in range(self.num_layers))
 
     def is_local(self, layer: int) -> bool:
         """Whether global layer `layer` rotates with rotary_base_local (Gemma 3's local layers)."""
@@ -285,9 +302,10 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
     decoder = _decoder(arch, cfg)
     position = cfg.get("position_embedding_type", "rope_gpt_neox")
-    if position != "rope_gpt_neox" and not (position == "long_rope" and decoder.long_rope):
+    if position not in ("rope_gpt_neox", "rope_gptj") and not (position == "long_rope" and decoder.long_rope):
         raise ToolchainError(f"{origin}: position_embedding_type '{position}' "
-                             "is not supported by the CPU engine", "only rope_gpt_neox (and Phi-3's long_rope) are")
+                             "is not supported by the CPU engine",
+                             "only rope_gpt_neox, rope_gptj (and Phi-3's long_rope) are")
     mapping = cfg.get("mapping") or {}
     tp, pp = int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
     world = int(mapping.get("world_size", tp * pp))
@@ -340,6 +358,10 @@ def parse_dims(cfg: dict, origin: str) -> ModelDims:
         **_gemma2_dims(arch, decoder.config_group, cfg, origin),
         fused_mlp=decoder.fused_mlp,
         **_gpt_oss_dims(decoder, cfg, origin),
+        rope_interleaved=position == "rope_gptj",
+        moe_router=decoder.moe_router,
+        shared_expert_gate=decoder.shared_expert_gate,
+        **llama4_dims(decoder.attention_config, cfg, origin),
     )
     if decoder.mla:
         dims = dataclasses.replace(dims, **parse_mla(cfg, origin, tp=tp, heads=heads, intermediate=dims.intermediate_size,
@@ -373,7 +395,29 @@ def _moe_dims(cfg: dict, mapping: dict, tp: int, origin: str) -> dict:
                              "supported by the CPU engine (top_k 1..num_experts, normalization_mode 0 or 1)",
                              _REBUILD)
     return {"num_experts": experts, "top_k": top_k, "moe_normalization": mode, "moe_tp": moe_tp, "moe_ep": moe_ep,
-            **_qwen_moe_sizes(cfg, origin)}
+            **_qwen_moe_sizes(cfg, origin), **_moe_layer_sizes(cfg, origin)}
+
+
+def _moe_layer_sizes(cfg: dict, origin: str) -> dict:
+    """Llama 4 (archs/llama4.py): the layers that hold experts (moe_layers; the others a dense MLP of
+    intermediate_size) and the experts' and shared expert's width (moe_intermediate_size,
+    moe_shared_expert_intermediate_size); empty without moe_layers."""
+    layers = cfg.get("moe_layers")
+    if layers is None:
+        return {}
+    count = cfg.get("num_hidden_layers")
+    if (not isinstance(layers, list) or not isinstance(count, int)
+            or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count for i in layers)):
+        raise ToolchainError(f"{origin}: moe_layers must list layers below num_hidden_layers, got {layers!r}",
+                             _REBUILD)
+    out: dict = {"moe_layers": tuple(layers)}
+    for key, field in (("moe_intermediate_size", "expert_size"),
+                       ("moe_shared_expert_intermediate_size", "shared_expert_size")):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ToolchainError(f"{origin}: a config with moe_layers needs {key} >= 1, got {value!r}", _REBUILD)
+        out[field] = value
+    return out
 
 
 def _qwen_moe_sizes(cfg: dict, origin: str) -> dict:
@@ -478,7 +522,7 @@ def _check_dims(d: ModelDims, decoder: Decoder, origin: str) -> None:
                             f"{', '.join(sorted(MOE_QUANT_ALGOS))})")
         if d.mlp_bias:
             problems.append("mlp_bias on mixture-of-experts layers (experts without biases only)")
-    elif d.intermediate_size % d.tp:
+    if d.has_dense_mlp and d.intermediate_size % d.tp:
         problems.append(f"intermediate_size {d.intermediate_size} not divisible by tp {d.tp}")
     if d.pp > d.num_layers:
         problems.append(f"pp {d.pp} exceeds num_hidden_layers {d.num_layers}")

@@ -29,8 +29,9 @@ from toolchain.engine.cpu.config import ModelDims
 from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheManager
 from toolchain.engine.cpu.comm import Comm
 from toolchain.engine.cpu.mla import MlaAttention, rotary as mla_rotary
-from toolchain.engine.cpu.rope import Rotary, apply_rotary
 from toolchain.engine.cpu.sinks import attend_with_sinks
+from toolchain.engine.cpu.llama4 import chunk_mask
+from toolchain.engine.cpu.rope import Rotary, apply_rotary, apply_rotary_interleaved
 from toolchain.engine.cpu.weights import RankShard
 from toolchain.quant.kv_cache import dequantize_kv, quantize_kv
 
@@ -92,27 +93,29 @@ class _Group:
         self._q_pos = q_pos[:, :, None]
         self._key = torch.arange(keys)[None, None, :]
         self._pad = ~valid
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._masks: dict[tuple[int | None, int | None], torch.Tensor] = {}
         # One fresh context (nothing cached, no padding): plain causal attention, which SDPA runs
         # with its fused kernel instead of materialising a mask (2x faster at 2k tokens).
         self.fresh = self.batch == 1 and rows[0][2] == 0
 
-    def plain_causal(self, window: int | None) -> bool:
-        return self.fresh and (window is None or window >= self.q_len)
+    def plain_causal(self, window: int | None, chunk: int | None = None) -> bool:
+        return self.fresh and (window is None or window >= self.q_len) and (chunk is None or chunk >= self.q_len)
 
-    def mask(self, window: int | None) -> torch.Tensor:
+    def mask(self, window: int | None, chunk: int | None = None) -> torch.Tensor:
         """[B, 1, q_len, keys]: each query sees its request's keys up to its own position and
         at most `window` of them, its own included (what TRT-LLM's max_attention_window and
-        HF's sliding_window both mean)."""
-        if window not in self._masks:
+        HF's sliding_window both mean), and with `chunk` only those of its own chunk (Llama 4, llama4.py)."""
+        if (window, chunk) not in self._masks:
             m = self._key <= self._q_pos  # only the request's own keys: slots past its length sit beyond q_pos
             if window is not None:
                 m = m & (self._q_pos - self._key < window)
+            if chunk is not None:
+                m = m & chunk_mask(self._q_pos, self._key, chunk)
             for b, n, past, anc in self._trees:  # a tree node sees the cache and its ancestors
                 m[b, :n, past:past + n] = anc
             m[:, :, 0] |= self._pad  # a padded query row sees one key, so softmax stays finite
-            self._masks[window] = m.unsqueeze(1)
-        return self._masks[window]
+            self._masks[(window, chunk)] = m.unsqueeze(1)
+        return self._masks[(window, chunk)]
 
 
 @dataclass
@@ -120,6 +123,7 @@ class _Batch:
     write: torch.Tensor  # pool slot of every new token
     groups: list[_Group]  # decoding requests, then context chunks
     kv: KvCacheManager
+    positions: torch.Tensor | None = None  # each new token's position (Llama 4's temperature tuning reads it)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -192,7 +196,7 @@ class Model:
             rows.append((first, first + n))
             first += n
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
-        batch = _Batch(torch.cat(write), [_Group(g) for g in (decode, context) if g], kv)
+        batch = _Batch(torch.cat(write), [_Group(g) for g in (decode, context) if g], kv, torch.cat(positions))
         cos, sin = self.rotary.tables(torch.cat(positions), torch.cat(lengths))
         local_tables = (self.rotary_local.tables(torch.cat(positions), torch.cat(lengths))
                         if self.rotary_local is not None else (cos, sin))
@@ -305,7 +309,12 @@ class Model:
             v = qkv[:, (nq + nkv) * hd:].view(-1, nkv, hd)
             if w.q_norm is not None:  # qk_layernorm (Qwen3, Gemma 3): per-head RMSNorm before RoPE
                 q, k = rms_norm(q, w.q_norm, d.norm_epsilon), rms_norm(k, w.k_norm, d.norm_epsilon)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if d.llama4 is not None:  # rope or NoPE by layer, q/k norm after the rotation, temperature tuning
+                q, k = d.llama4.position_qk(layer, q, k, cos, sin, batch.positions, d.norm_epsilon)
+            elif d.rope_interleaved:
+                q, k = apply_rotary_interleaved(q, cos, sin), apply_rotary_interleaved(k, cos, sin)
+            else:
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             attn = self._attend(q, k, v, batch, layer, s.tp_rank, w.sinks)
             part = w.dense(attn, add_bias=False)
             total = part if i == 0 else total + part
@@ -326,6 +335,7 @@ class Model:
         _bytes(v_pool).index_copy_(0, batch.write, _bytes(v))
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2])
         window = self.d.attention_window(layer)
+        chunk = self.d.llama4.chunk_of(layer) if self.d.llama4 is not None else None
         for g in batch.groups:
             shape = (g.batch, g.slots.shape[1], *k_pool.shape[1:])
             keys = _bytes(k_pool).index_select(0, g.flat_slots).view(k_pool.dtype).view(shape)  # [B, S, heads, head]
@@ -334,16 +344,16 @@ class Model:
                 keys, values = dequantize_kv(keys, scale), dequantize_kv(values, scale)
             query = q[g.q_index].view(g.batch, g.q_len, *q.shape[1:]).transpose(1, 2)
             if sinks is not None:  # gpt-oss: a learned sink logit per head (sinks.py)
-                o = attend_with_sinks(query, keys.transpose(1, 2), values.transpose(1, 2), g.mask(window),
+                o = attend_with_sinks(query, keys.transpose(1, 2), values.transpose(1, 2), g.mask(window, chunk),
                                       self.scale, sinks)
             elif self.d.attn_softcap:
-                o = self._softcapped(query, keys.transpose(1, 2), values.transpose(1, 2), g.mask(window),
+                o = self._softcapped(query, keys.transpose(1, 2), values.transpose(1, 2), g.mask(window, chunk),
                                      self.d.attn_softcap)
             else:
-                causal = g.plain_causal(window)
+                causal = g.plain_causal(window, chunk)
                 o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2),
-                                                   attn_mask=None if causal else g.mask(window), is_causal=causal,
-                                                   scale=self.scale, enable_gqa=True)
+                                                   attn_mask=None if causal else g.mask(window, chunk),
+                                                   is_causal=causal, scale=self.scale, enable_gqa=True)
             out[g.tokens] = o.transpose(1, 2).reshape(g.batch * g.q_len, -1)[g.valid]
         return out
 

@@ -48,6 +48,10 @@ from toolchain.engine.cpu.linear import Linear
 from toolchain.engine.cpu.routing import GroupedRouting
 
 RENORMALIZE = 1  # ExpertScaleNormalizationMode values (archs/moe.py NORMALIZATION)
+# Llama 4's router (transformers models/llama4/modeling_llama4.py Llama4Router, Llama4TextMoe.forward): the sigmoid
+# of each chosen expert's logit multiplies the token before that expert runs (SiLU-gated experts are not
+# homogeneous, so this differs from scaling the output); its shared expert is added with no gate.
+SIGMOID_INPUT = "sigmoid_input"
 
 
 @dataclass
@@ -67,7 +71,9 @@ class Experts:
     shared_proj: Linear | None = None
     """[H, S_r]: the shared expert's down_proj columns of this rank's tp slice."""
     shared_gate: torch.Tensor | None = None
-    """[1, H]: shared_expert_gate, whole on every rank; None adds the shared expert unscaled (DeepSeek-V3)."""
+    """[1, H]: shared_expert_gate, whole on every rank; None adds the shared expert ungated (DeepSeek-V3, Llama 4)."""
+    router_kind: str = "softmax"
+    """archs/common.py Decoder.moe_router: "softmax", or "sigmoid_input" (Llama 4)."""
     grouped: GroupedRouting | None = None
     """DeepSeek-V3's grouped sigmoid routing (routing.py) in place of the softmax top-k."""
     score_bias: torch.Tensor | None = None
@@ -83,6 +89,10 @@ class Experts:
         """(weights [N, k], expert ids [N, k]) of every token."""
         if self.grouped is not None and self.score_bias is not None:
             return self.grouped.route(h.float() @ self.router.T, self.score_bias, self.top_k)
+        if self.router_kind == SIGMOID_INPUT:
+            # Llama4Router: top-k of the logits, each one's sigmoid (the others' sigmoid(-inf) = 0)
+            top, ids = (h @ self.router.T).topk(self.top_k, dim=-1)
+            return torch.sigmoid(top.float()), ids
         logits = h @ self.router.T
         if self.router_bias is not None:
             logits = logits + self.router_bias
@@ -102,10 +112,14 @@ class Experts:
             if tokens.numel() == 0:
                 continue
             x = h[tokens]
+            weight = weights[tokens, slot, None].to(x.dtype)
+            on_input = self.router_kind == SIGMOID_INPUT  # Llama4TextMoe scales the expert's input, not its output
+            if on_input:
+                x = x * weight
             up, gate = self.fc[e](x).chunk(2, dim=-1)
             act = F.silu(gate) * up if self.activation is None else self.activation(up, gate)
             y = self.proj[e](act, add_bias=self.proj_bias)
-            out.index_add_(0, tokens, y * weights[tokens, slot, None].to(y.dtype))
+            out.index_add_(0, tokens, y if on_input else y * weight.to(y.dtype))
         if self.shared_fc is not None and self.shared_proj is not None:
             up, gate = self.shared_fc(h).chunk(2, dim=-1)
             shared = self.shared_proj(F.silu(gate) * up)

@@ -111,3 +111,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [n, heads, head_size] by position, GPT-J style (position_embedding_type rope_gptj): dims 2i and
+    2i + 1 form the pair frequency i turns, as transformers' complex form does (Llama 4's apply_rotary_emb:
+    view_as_complex over (..., -1, 2) times freqs_cis). `cos`/`sin` are the tables above, [cos f; cos f]."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
+    rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return x * cos + rotated * sin

@@ -176,7 +176,7 @@ def _moe_tensors(d: ModelDims, p: str, g: str, tp_rank: int) -> dict[str, tuple[
             module = name.removesuffix(".weight")
             out.update(stored_tensors(f"{p}.{module}", out_f, in_f, False, d.linear_format(f"{g}.{module}"),
                                       group=d.group_size))
-        if d.shared_expert_gate:
+        if d.shared_expert_gate:  # Llama 4's shared expert has none
             out[f"{p}.{SHARED_GATE}"] = ((1, H), "float")
     return out
 
@@ -188,13 +188,14 @@ def expert_stack(name: str, shape: tuple[int, ...], experts: int) -> tuple[int, 
     return shape if name.endswith(".activation_scaling_factor") else (experts, *shape)
 
 
-def _linears(d: ModelDims, qkv_out: int, moe_layer: bool):
+def _linears(d: ModelDims, qkv_out: int, experts: bool):
+    """The linears of one layer on one rank; a layer of `experts` has no dense MLP."""
     inter = d.intermediate_size // d.tp
     attention = [("attention.qkv", (qkv_out, d.hidden_size), d.attn_bias),
                  ("attention.dense", (d.hidden_size, d.heads_per_rank * d.head_size), d.dense_bias)]
     if d.mla is not None:  # the latent projections are mla.tensors; o_proj is attention.dense over v_head_dim
         attention = [("attention.dense", (d.hidden_size, d.heads_per_rank * d.mla.v_head_dim), d.dense_bias)]
-    if moe_layer:
+    if experts:
         return attention
     if d.fused_mlp:  # one swiglu fc [up; gate] (Phi-3)
         return [*attention, ("mlp.fc", (2 * inter, d.hidden_size), d.mlp_bias),
@@ -389,6 +390,7 @@ def _experts(d: ModelDims, t: dict[str, torch.Tensor], p: str, g: str, tp_rank: 
 
     return Experts(router=t[f"{p}.mlp.router.weight"], fc=stack("mlp.fc"), proj=stack("mlp.proj"),
                    first=moe_first_expert(d, tp_rank), top_k=d.top_k, normalization=d.moe_normalization,
+                   router_kind=d.moe_router,
                    shared_fc=shared(SHARED_FC), shared_proj=shared(SHARED_PROJ), shared_gate=t.get(f"{p}.{SHARED_GATE}"),
                    grouped=d.grouped_routing, score_bias=t.get(f"{p}.{SCORE_BIAS}"),
                    router_bias=t.get(f"{p}.mlp.router.bias"),

@@ -50,7 +50,9 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantiza
                moe_ep: int | None = None) -> StageCost:
     """The cost figures of one rank of stage `pp_rank` (every rank of a stage holds the same shapes)."""
     layout = Layout(tp, pp, moe_tp, moe_ep)
-    layers = len(layout.stage_layers(p.num_hidden_layers)[pp_rank])
+    stage = layout.stage_layers(p.num_hidden_layers)[pp_rank]
+    layers = len(stage)
+    moe_layers = sum(1 for i in stage if p.is_moe_layer(i))  # all of a MoE model's but Llama 4's or DeepSeek's dense ones
     w = mem.rank_weights(p, tp=tp, pp_rank=pp_rank, pp=pp, quant=quant, dt_bytes=dt_bytes, qkv_bias=qkv_bias,
                          dense_bias=dense_bias, moe_tp=moe_tp, moe_ep=moe_ep)
     read = w.layers + w.norms + w.lm_head
@@ -58,11 +60,10 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantiza
     if last and w.lm_head == 0:  # a tied table serves as the lm_head, read whole every step
         read += w.embedding
     shapes = mem.linear_shapes(p, tp, quant)
-    if p.is_moe:
-        shapes = [s for s in shapes if s[0] not in mem.MLP_LINEARS]
-    gemm = 2.0 * sum(out * inp for _, out, inp in shapes) * layers
+    gemm = 2.0 * sum(out * inp * (layers - moe_layers if name in mem.MLP_LINEARS else layers)
+                     for name, out, inp in shapes)
     expert_bytes, experts, share = 0.0, 0, 0.0
-    if p.is_moe:
+    if moe_layers:
         m_tp, m_ep = layout.moe_tp, layout.moe_ep
         width = p.expert_size // m_tp  # moe_intermediate_size where the family has one (Qwen MoE), as memory.expert_bytes
         experts = layout.experts_per_rank(p.num_experts)
@@ -70,12 +71,13 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantiza
         # fc (w3, w1) and proj in the engine's format, as memory.expert_bytes counts them
         per_expert_layer = (mem.linear_bytes(2 * width, p.hidden_size, quant, dt_bytes)
                             + mem.linear_bytes(p.hidden_size, width, quant, dt_bytes))
-        expert_bytes = per_expert_layer * layers
+        expert_bytes = per_expert_layer * moe_layers
         read -= experts * expert_bytes
         # a token runs top_k experts, of which top_k / moe_ep on average live on this rank; and the router
-        gemm += (2.0 * 3 * width * p.hidden_size * p.top_k / m_ep + 2.0 * p.num_experts * p.hidden_size) * layers
-        # a shared expert (Qwen2-MoE) runs for every token: its tp slice of fc and proj, and its gate
-        gemm += 2.0 * (3 * p.shared_expert_size // tp + 1) * p.hidden_size * layers if p.shared_expert_size else 0.0
+        gemm += (2.0 * 3 * width * p.hidden_size * p.top_k / m_ep + 2.0 * p.num_experts * p.hidden_size) * moe_layers
+        # a shared expert (Qwen2-MoE, Llama 4) runs for every token: its tp slice of fc and proj, and its gate if any
+        shared = (3 * p.shared_expert_size // tp + int(p.shared_expert_gated)) * p.hidden_size
+        gemm += 2.0 * shared * moe_layers if p.shared_expert_size else 0.0
     lm_head = 2.0 * (mem.padded_vocab(p, tp) // tp) * p.hidden_size if last else 0.0
     heads = p.num_attention_heads // tp
     return StageCost(layers, p.hidden_size, read, expert_bytes, experts, share, gemm, lm_head,
