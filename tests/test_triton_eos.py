@@ -32,3 +32,15 @@ def test_single_eos_model_renders_no_extra_stops(tmp_path):
     eos = json.loads((spec.model.checkpoint / "generation_config.json").read_text())["eos_token_id"]
     assert params["end_id"] == str(eos)
     assert "stop_token_ids" not in params
+
+
+def test_a_multimodal_config_names_its_ids_in_text_config():
+    """Llama4ForConditionalGeneration keeps eos_token_id and pad_token_id in text_config; without a
+    generation_config.json they are still found there, and the top level wins where both say."""
+    from toolchain.eos import resolve
+
+    nested = {"architectures": ["Llama4ForConditionalGeneration"],
+              "text_config": {"eos_token_id": [200001, 200007, 200008], "pad_token_id": 200018}}
+    got = resolve(nested, None, None)
+    assert (got.end_id, got.stop_ids, got.pad_id) == (200001, (200007, 200008), 200018)
+    assert resolve({**nested, "eos_token_id": 7}, None, None).end_id == 7

@@ -78,3 +78,15 @@ def test_attention_dp_is_searched_on_and_off_for_a_moe_model_on_the_llmapi_path(
     result = search(spec, [spec], 2, slo, by_cost=False)
     planned = [e for e in [*result.ranked, *result.dropped] if e.candidate.spec.parallelism.tp == 2]
     assert {e.candidate.spec.parallelism.attention_dp for e in planned} == {False, True}
+
+
+def test_llama4_scout_example_plans_and_its_search_holds_attention_dp_both_ways():
+    """The config-only Llama 4 Scout example on four H100s: every tp 4 structure is searched with attention DP off
+    and on, and none of the structures is refused by the spec's validators."""
+    from toolchain.tune.candidates import structures
+
+    spec = load_spec(REPO / "build" / "llama4-scout-4xh100.yaml")
+    found, refused = structures(spec, 4, None, False, moe=True)
+    assert not refused
+    tp4 = {c.spec.parallelism.attention_dp for c in found if c.spec.parallelism.tp == 4}
+    assert tp4 == {False, True}

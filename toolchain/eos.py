@@ -114,6 +114,9 @@ class EosResolution:
 
 
 def resolve(hf_config: dict, generation_config: dict | None, tokenizer: TokenizerInfo | None) -> EosResolution:
+    # A multimodal checkpoint (Llama4ForConditionalGeneration) names its text model's ids in text_config.
+    text = hf_config.get("text_config")
+    hf_config = {**text, **hf_config} if isinstance(text, dict) else hf_config
     gen = generation_config or {}
     eos: list[int] = []
     for token_id in _ids(gen.get("eos_token_id")) + _ids(hf_config.get("eos_token_id")):

@@ -119,6 +119,10 @@ def _kv_quant_advice(ctx: Context) -> str:
         kv = "int8"
     else:
         kv = "int8" if KV_CACHE["fp8"].refused_on(dev.sm or 0) else "fp8"
+    found = ctx.family()
+    if found is not None and ctx.model is not None and \
+            found[0].quantization_refusal(ctx.model.params, ctx.quant.weight_method, kv, ctx.quant.imported):
+        return ""  # the family refuses that KV cache (Llama 4, gpt-oss: every format yet)
     return f"set quantization.kv_cache={kv}, "
 
 
