@@ -195,9 +195,14 @@ def ignore(params: Any, hf_name: str) -> bool:
 
 
 def quantization(params: Any, method: str, kv_cache: str, stored: str | None = None) -> Refusal | None:
-    if method == "none" and kv_cache == "none" and stored is None:
+    if stored:
+        what = f"a pre-quantized checkpoint ({stored})"
+    elif method != "none":
+        what = f"quantization {method}"
+    elif kv_cache != "none":
+        what = f"quantization.kv_cache {kv_cache}"
+    else:
         return None
-    what = f"a pre-quantized checkpoint ({stored})" if stored else f"quantization {method}, kv_cache {kv_cache}"
     return Refusal(f"{what} on {params.architecture} is not supported by convert yet",
                    "convert the bfloat16 checkpoint with quantization.method none and kv_cache none")
 

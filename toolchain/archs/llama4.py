@@ -233,9 +233,14 @@ def config_extra(params) -> dict:
 
 
 def quantization_refusal(params, method: str, kv_cache: str, stored: str | None = None) -> Refusal | None:
-    if method == "none" and kv_cache == "none" and not stored:
+    if stored:
+        what = f"a pre-quantized checkpoint ({stored})"
+    elif method != "none":
+        what = f"quantization {method}"
+    elif kv_cache != "none":
+        what = f"quantization.kv_cache {kv_cache}"
+    else:
         return None
-    what = f"a pre-quantized checkpoint ({stored})" if stored else f"quantization {method} (kv_cache {kv_cache})"
     return Refusal(f"{what} of {params.architecture} is not supported yet", "convert the model unquantized")
 
 
