@@ -1,6 +1,6 @@
-"""A tiny Llama 4 on target llmapi-cpu served through the OpenAI server: convert prepares the CPU stand-in for
-LLM() (tp 2, expert parallelism 2), the server started from the same LLM() arguments answers greedy completions
-equal to transformers' (issue 36 item 7)."""
+"""A tiny Llama 4 on target llmapi-cpu served through the OpenAI server and Triton's llmapi model: convert prepares
+the CPU stand-in for LLM() (tp 2, expert parallelism 2), and both servers started from the same LLM() arguments
+answer greedy completions equal to transformers' (issue 36 item 7)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ PROMPTS = ["w60 w61 w62 w63 w64 w65 w66 w67 w68 w69 w70", "w200 w7 w7 w9 w31 w10
 def test_openai_server_greedy_equals_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolchain.pipeline import convert_for, model_repo_for, openai_server
+    from llmapi_helpers import greedy_text
+
+    from toolchain.pipeline import convert_for, model_repo_for, openai_server, server_for
 
     hf = make_hf_model("Llama4ForCausalLM", tmp_path / "hf", **LLAMA4)
     make_tiny_tokenizer(hf)
@@ -43,12 +45,17 @@ def test_openai_server_greedy_equals_transformers(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(hf)
     reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     reference.generation_config.eos_token_id = None
+    wants = {}
+    for prompt in PROMPTS:
+        want = hf_greedy(reference, tokenizer(prompt)["input_ids"], NEW)
+        if tokenizer.eos_token_id in want:  # the servers stop at the end token
+            want = want[:want.index(tokenizer.eos_token_id)]
+        wants[prompt] = want
+    with server_for(spec, ws, log_path=tmp_path / "server.log") as server:
+        for prompt, want in wants.items():
+            assert greedy_text(server.grpc_url, prompt, NEW).split() == tokenizer.decode(want).split(), prompt
     with openai_server(spec, ws, tmp_path / "openai.log") as api:
-        for prompt in PROMPTS:
-            ids = tokenizer(prompt)["input_ids"]
-            want = hf_greedy(reference, ids, NEW)
-            if tokenizer.eos_token_id in want:  # the server stops at the end token
-                want = want[:want.index(tokenizer.eos_token_id)]
+        for prompt, want in wants.items():
             body = json.dumps({"model": api.served_model_name, "prompt": prompt, "max_tokens": NEW,
                                "temperature": 0}).encode()
             req = urllib.request.Request(f"{api.url}/v1/completions", body, {"Content-Type": "application/json"})
