@@ -78,3 +78,30 @@ def test_attention_dp_is_searched_on_and_off_for_a_moe_model_on_the_llmapi_path(
     result = search(spec, [spec], 2, slo, by_cost=False)
     planned = [e for e in [*result.ranked, *result.dropped] if e.candidate.spec.parallelism.tp == 2]
     assert {e.candidate.spec.parallelism.attention_dp for e in planned} == {False, True}
+
+
+DEEPSEEK_R1 = REPO / "build" / "deepseek-r1-fp8-8xh200.yaml"
+
+
+def test_deepseek_r1_plans_and_tune_searches_expert_parallelism_attention_dp_and_mtp(tmp_path, capsys):
+    """The DeepSeek-R1 example (FP8 block scales as stored, attention DP, moe_ep 8, MTP on 8 H200) plans and predicts;
+    tune searches each tp's expert parallelism (every moe_ep dividing it), attention DP off and on, and MTP off and on,
+    and keeps the checkpoint's stored format (no candidate asks to quantize it again)."""
+    from toolchain.tune.candidates import speculative_modes
+
+    assert main(["--root", str(tmp_path / "ws"), "plan", str(DEEPSEEK_R1), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert not report["failed_checks"] and report["performance"]["output_tokens_per_s"] > 0
+    doc = tune(tmp_path, DEEPSEEK_R1, "--gpus", "8")
+    every = doc["candidates"] + doc["dropped_candidates"]
+    tp8 = [c for c in every if c["tp"] == 8]
+    assert {(c["moe_ep"], c["attention_dp"], c["speculative"]) for c in tp8} == {
+        (ep, adp, mode) for ep in (1, 2, 4, 8) for adp in (False, True) for mode in ("mtp", "none")}
+    assert {c["quantization"] for c in every} == {"none"}
+    kept = {(c["moe_ep"], c["attention_dp"], c["speculative"]) for c in doc["candidates"] if c["tp"] == 8}
+    assert {adp for _, adp, _ in kept} == {False, True} and {mode for _, _, mode in kept} == {"mtp", "none"}
+    # MTP is offered for a model with MTP layers even where the spec has no mode, on the targets that run it
+    plain = load_spec(DEEPSEEK_R1, ["speculative.mode=none"])
+    assert speculative_modes(plain, mtp=True) == ["none", "mtp"] and speculative_modes(plain) == ["none"]
+    engine = load_spec(LLAMA_70B)
+    assert speculative_modes(engine, mtp=True) == ["none"]  # the engine path has no MTP
