@@ -12,6 +12,7 @@ by far more, so the rounding is what the reference must include."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -50,22 +51,19 @@ def quantized(name: str, t: torch.Tensor) -> bool:
             and name.endswith(("_proj.weight", "kv_a_proj_with_mqa.weight")))
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    """The bf16 DeepSeek the FP8 one is quantized from."""
+def make_bf16(out: Path) -> Path:
+    """The bf16 DeepSeek the FP8 one is quantized from, with a tokenizer whose token i is the word w<i>."""
     from triton_helpers import make_tiny_tokenizer
 
-    src = make_hf_model(ARCH, tmp_path_factory.mktemp("dsv3-bf16"), seed=31, dtype=torch.bfloat16, **DIMS)
+    src = make_hf_model(ARCH, out, seed=31, dtype=torch.bfloat16, **DIMS)
     make_tiny_tokenizer(src, DIMS["vocab_size"])
     return src
 
 
-@pytest.fixture(scope="module")
-def fp8(source, tmp_path_factory) -> Path:
+def write_fp8(source: Path, out: Path) -> Path:
     """The bf16 model in DeepSeek's on-disk FP8 layout: weight e4m3, weight_scale_inv float32 [ceil(out/128),
     ceil(in/128)] per quantized linear (quantize_fp8_block), the rest bf16, config.json's quantization_config as
     the released checkpoints carry it."""
-    out = tmp_path_factory.mktemp("dsv3-fp8")
     state = load_file(str(source / "model.safetensors"))
     for name in [n for n, t in state.items() if quantized(n, t)]:
         prefix = name.removesuffix(".weight")
@@ -79,12 +77,10 @@ def fp8(source, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def reference(fp8, tmp_path_factory):
-    """(transformers in float32 on the dequantized weights, the storages of its quantized weights)."""
+def dequantized_model(fp8: Path, out: Path):
+    """(transformers in float32 on the dequantized weights, the storages of its FP8 weights)."""
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path_factory.mktemp("dsv3-dequantized")
     state = load_file(str(fp8 / "model.safetensors"))
     plain = {}
     for name, t in state.items():
@@ -96,7 +92,7 @@ def reference(fp8, tmp_path_factory):
     config = json.loads((fp8 / "config.json").read_text())
     config.pop("quantization_config")
     (out / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
-    # the eager experts, whose per-expert F.linear calls `rounded_logits` sees (not the grouped kernels)
+    # the eager experts, whose per-expert F.linear calls `fp8_activations` sees (not the grouped kernels)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, experts_implementation="eager").eval()
     assert model.config._experts_implementation == "eager"
     fp8_weights = {n for n, t in state.items() if t.dtype == torch.float8_e4m3fn}
@@ -109,9 +105,10 @@ def reference(fp8, tmp_path_factory):
     return model, storages
 
 
-def rounded_logits(model, storages: set[int], prompt: list[int]) -> torch.Tensor:
-    """transformers' logits with the input of every FP8 linear rounded per token and 128 columns through e4m3
-    (fp8_quantize_1x128's `scale_1x128_kernel`, quant/fp8_block.py), as the block-scale GEMM takes it."""
+@contextlib.contextmanager
+def fp8_activations(storages: set[int]):
+    """transformers with the input of every FP8 linear (its weight in `storages`) rounded per token and 128 columns
+    through e4m3 (fp8_quantize_1x128's `scale_1x128_kernel`, quant/fp8_block.py), as the block-scale GEMM takes it."""
     linear = torch.nn.functional.linear
 
     def fp8_linear(x, weight, bias=None):
@@ -121,9 +118,29 @@ def rounded_logits(model, storages: set[int], prompt: list[int]) -> torch.Tensor
 
     torch.nn.functional.linear = fp8_linear
     try:
-        return hf_logits(model, prompt)
+        yield
     finally:
         torch.nn.functional.linear = linear
+
+
+def rounded_logits(model, storages: set[int], prompt: list[int]) -> torch.Tensor:
+    with fp8_activations(storages):
+        return hf_logits(model, prompt)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return make_bf16(tmp_path_factory.mktemp("dsv3-bf16"))
+
+
+@pytest.fixture(scope="module")
+def fp8(source, tmp_path_factory) -> Path:
+    return write_fp8(source, tmp_path_factory.mktemp("dsv3-fp8"))
+
+
+@pytest.fixture(scope="module")
+def reference(fp8, tmp_path_factory):
+    return dequantized_model(fp8, tmp_path_factory.mktemp("dsv3-dequantized"))
 
 
 def cpu_llm(fp8: Path, work: Path, tp: int, ep: int):
