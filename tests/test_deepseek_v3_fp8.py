@@ -289,3 +289,22 @@ def test_a_split_that_cuts_a_tile_is_refused_in_one_line_by_plan_and_convert(fp8
                                                    "(256 / moe_tp 4 = 64) is not whole 128x128 tiles")
     assert "the shared expert's width per rank (256 / tp 4 = 64)" in str(moe.tile_problem(params, 128, 4, 2))
     assert moe.tile_problem(params, 128, 2, 2) is None and moe.tile_problem(params, 128, 2, 1) is None
+
+
+def test_the_mtp_layer_is_dropped_with_its_fp8_tensors(fp8, tmp_path):
+    """The released checkpoint's multi-token-prediction layer (model.layers.{num_hidden_layers}.*) is stored in FP8
+    too; convert drops it, quantized weights and scale grids alike, and writes what it writes without it."""
+    hf = tmp_path / "hf"
+    shutil.copytree(fp8, hf)
+    state = load_file(str(hf / "model.safetensors"))
+    mtp = {"model.layers.2.eh_proj.weight": torch.randn(256, 512), "model.layers.2.self_attn.q_a_proj.weight":
+           torch.randn(192, 256), "model.layers.2.mlp.experts.0.up_proj.weight": torch.randn(256, 256)}
+    for name, w in mtp.items():
+        state[name], state[name.removesuffix(".weight") + ".weight_scale_inv"] = quantize_fp8_block(w)
+    state["model.layers.2.enorm.weight"] = torch.ones(256, dtype=torch.bfloat16)
+    save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    for src, out in ((fp8, tmp_path / "without"), (hf, tmp_path / "with")):
+        out.mkdir()
+        convert_checkpoint(src, out, tp=1, pp=1, dtype="bfloat16", target="cpu", path=LLMAPI)
+    want, got = (load_file(str(tmp_path / d / "rank0.safetensors")) for d in ("without", "with"))
+    assert sorted(got) == sorted(want) and all(torch.equal(bits(got[n]), bits(want[n])) for n in want)
