@@ -90,3 +90,30 @@ def test_llama4_scout_example_plans_and_its_search_holds_attention_dp_both_ways(
     assert not refused
     tp4 = {c.spec.parallelism.attention_dp for c in found if c.spec.parallelism.tp == 4}
     assert tp4 == {False, True}
+
+
+DEEPSEEK_R1 = REPO / "build" / "deepseek-r1-fp8-8xh200.yaml"
+
+
+def test_deepseek_r1_plans_and_tune_searches_expert_parallelism_attention_dp_and_mtp(tmp_path, capsys):
+    """The DeepSeek-R1 example (FP8 block scales as stored, attention DP, moe_ep 8, MTP on 8 H200) plans and predicts;
+    tune searches each tp's expert parallelism (every moe_ep dividing it), attention DP off and on, and MTP off and on,
+    and keeps the checkpoint's stored format (no candidate asks to quantize it again)."""
+    from toolchain.tune.candidates import speculative_modes
+
+    assert main(["--root", str(tmp_path / "ws"), "plan", str(DEEPSEEK_R1), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert not report["failed_checks"] and report["performance"]["output_tokens_per_s"] > 0
+    doc = tune(tmp_path, DEEPSEEK_R1, "--gpus", "8")
+    every = doc["candidates"] + doc["dropped_candidates"]
+    tp8 = [c for c in every if c["tp"] == 8]
+    assert {(c["moe_ep"], c["attention_dp"], c["speculative"]) for c in tp8} == {
+        (ep, adp, mode) for ep in (1, 2, 4, 8) for adp in (False, True) for mode in ("mtp", "none")}
+    assert {c["quantization"] for c in every} == {"none"}
+    kept = {(c["moe_ep"], c["attention_dp"], c["speculative"]) for c in doc["candidates"] if c["tp"] == 8}
+    assert {adp for _, adp, _ in kept} == {False, True} and {mode for _, _, mode in kept} == {"mtp", "none"}
+    # MTP is offered for a model with MTP layers even where the spec has no mode, on the targets that run it
+    plain = load_spec(DEEPSEEK_R1, ["speculative.mode=none"])
+    assert speculative_modes(plain, mtp=True) == ["none", "mtp"] and speculative_modes(plain) == ["none"]
+    engine = load_spec(LLAMA_70B)
+    assert speculative_modes(engine, mtp=True) == ["none"]  # the engine path has no MTP

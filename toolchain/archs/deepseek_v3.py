@@ -27,7 +27,11 @@ The multi-token-prediction layers (model.layers.{num_hidden_layers}.*, num_nextn
 dropped, as transformers drops them (_keys_to_ignore_on_load_unexpected); MTP as a speculative mode is not here yet.
 Refused in one line: q_lora_rank null (DeepSeek-V2-Lite's plain q_proj), norm_topk_prob false (TensorRT-LLM's
 DeepSeekV3 routing always normalises), scoring_func other than sigmoid or topk_method other than noaux_tc (V2's
-softmax routing), attention_bias true, hidden_act other than silu, and quantization (convert writes float only).
+softmax routing), attention_bias true, hidden_act other than silu, and any quantization but the released
+checkpoints' own: FP8 block scales (128x128 tiles, `weight_scale_inv`) imported as stored (`quantization`). Which linears are quantized is the
+checkpoint's: a linear stored e4m3 with its scale grid is, one stored in bf16 is not (TensorRT-LLM excludes
+`*kv_b_proj*` for its TRTLLM MoE backend by dequantizing at load; the import keeps what the tensors say). The
+router, its correction bias, the norms, the embedding and lm_head stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -194,8 +198,15 @@ def ignore(params: Any, hf_name: str) -> bool:
     return index.isdigit() and params.num_hidden_layers <= int(index) < params.num_hidden_layers + mtp
 
 
+# config.json's quant_method (what convert passes) and the stored view's format name (what plan's check passes)
+STORED_FORMATS = ("fp8", "fp8_block")
+
+
 def quantization(params: Any, method: str, kv_cache: str, stored: str | None = None) -> Refusal | None:
-    if stored:
+    """Only the released checkpoints' own format: a stored FP8 block-scale checkpoint (quantization_config
+    quant_method "fp8" with weight_block_size, which quant/view.py stored_format reads and refuses in any block but
+    128x128) imported as stored; nothing is computed (no calibration or quantizer runs for MLA or these experts)."""
+    if stored is not None and stored not in STORED_FORMATS:
         what = f"a pre-quantized checkpoint ({stored})"
     elif method != "none":
         what = f"quantization {method}"
@@ -204,7 +215,8 @@ def quantization(params: Any, method: str, kv_cache: str, stored: str | None = N
     else:
         return None
     return Refusal(f"{what} on {params.architecture} is not supported by convert yet",
-                   "convert the bfloat16 checkpoint with quantization.method none and kv_cache none")
+                   "import the FP8 block-scale checkpoint as stored, or convert the bfloat16 one, with "
+                   "quantization.method none and kv_cache none")
 
 
 FAMILY = Family(

@@ -156,6 +156,22 @@ def per_group_problem(params: Any, group: int, moe_tp: int) -> str | None:
     return None
 
 
+def tile_problem(params: Any, tile: int, tp: int, moe_tp: int) -> str | None:
+    """Why FP8 block-scale experts (DeepSeek-V3's, imported as stored: checkpoint/block_experts.py) cannot be cut at
+    this tp / moe_tp (None: they can). Each rank's fc concatenates w3's and w1's grids, and the shared expert's fc
+    up's and gate's, as TensorRT-LLM's fused gate/up loaders do, so each part's rows per rank are whole tiles."""
+    if not params.is_moe:
+        return None
+    width = params.expert_size // moe_tp
+    if width % tile:
+        return (f"FP8 block-scale experts: the expert {_width_key(params)} per rank ({params.expert_size} / moe_tp "
+                f"{moe_tp} = {width}) is not whole {tile}x{tile} tiles")
+    if params.shared_expert_size and (params.shared_expert_size // tp) % tile:
+        return (f"FP8 block-scale experts: the shared expert's width per rank ({params.shared_expert_size} / tp {tp} "
+                f"= {params.shared_expert_size // tp}) is not whole {tile}x{tile} tiles")
+    return None
+
+
 def rank_experts(num_experts: int, moe_ep: int, tp_rank: int) -> range:
     """The experts a TP rank holds (Mapping.ep_experts with moe_ep_rank = tp_rank % moe_ep)."""
     per = num_experts // moe_ep

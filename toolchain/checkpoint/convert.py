@@ -129,6 +129,10 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
             raise ToolchainError(f"{ckpt.config_path}: {problem}",
                                  f"use {smaller}a smaller parallelism.moe_tp (a larger moe_ep), or quantization.method "
                                  "int4_wo")
+    tiles = moe.tile_problem(params, q.format.tile, tp, opts.layout.moe_tp) if q.format.tile else None
+    if tiles is not None:
+        raise ToolchainError(f"{ckpt.config_path}: {tiles}", "use a larger parallelism.moe_ep (a smaller moe_tp), or "
+                             "another parallelism.tp")
     quant = None
     if q.active or q.prequantized is not None:
         quant = Quantizer(q, params.num_attention_heads, params.num_key_value_heads, tp,

@@ -70,6 +70,7 @@ from toolchain.archs import moe
 from toolchain.archs.common import EXPERT_SHARDS, FUSED_SHARDS, Shard
 from toolchain.archs.layout import Layout
 from toolchain.checkpoint import sharding
+from toolchain.checkpoint.block_experts import stored_block_experts
 from toolchain.checkpoint.hf_quant import engine_kv_scale, fuse_group, stored_linear
 from toolchain.checkpoint.hf_reader import HFCheckpoint, TensorInfo
 from toolchain.checkpoint.layout import Group, prepare, stage_ranks
@@ -87,7 +88,11 @@ from toolchain.quant.view import Prequantized, Quantization
 from toolchain.targets import ENGINE
 
 # TensorRT-LLM linear modules -> the calibration slot of their input (q/k/v share one, fc/gate another).
-LINEARS = {"attention.qkv": "qkv", "attention.dense": "dense", "mlp.fc": "mlp", "mlp.gate": "mlp", "mlp.proj": "proj"}
+LINEARS = {"attention.qkv": "qkv", "attention.dense": "dense", "mlp.fc": "mlp", "mlp.gate": "mlp", "mlp.proj": "proj",
+           # DeepSeek-V3 (archs/deepseek_v3.py), imported stored only: its latent projections share the hidden input
+           # (TensorRT-LLM fuses them as fused_a), q_b and kv_b read their latents, the shared expert its own MLP's
+           "attention.q_a_proj": "latent", "attention.kv_a_proj_with_mqa": "latent", "attention.q_b_proj": "q_latent",
+           "attention.kv_b_proj": "kv_latent", "mlp.shared_expert.fc": "shared", "mlp.shared_expert.proj": "shared_proj"}
 MLP_OUT = ("mlp.fc", "mlp.gate")    # their out dim is the intermediate size
 MLP_IN = ("mlp.proj",)              # its in dim is
 ALWAYS_EXCLUDED = ["lm_head", "transformer.vocab_embedding"]
@@ -108,9 +113,9 @@ class Component:
 def linear_of(name: str) -> tuple[str, str, int] | None:
     """'transformer.layers.3.attention.qkv.weight' -> (module prefix, 'attention.qkv', 3), else None."""
     parts = name.split(".")
-    if len(parts) != 6 or parts[:2] != ["transformer", "layers"] or parts[-1] != "weight":
+    if len(parts) not in (6, 7) or parts[:2] != ["transformer", "layers"] or parts[-1] != "weight":
         return None
-    module = ".".join(parts[3:5])
+    module = ".".join(parts[3:-1])
     return (name[: -len(".weight")], module, int(parts[2])) if module in LINEARS else None
 
 
@@ -393,6 +398,8 @@ class Quantizer:
         (t,) = comp.parts
         if shard is Shard.COLUMN:
             return sharding.split_column(t, tp)
+        if shard is Shard.REPLICATE:  # DeepSeek-V3's latent projections, whole on every rank
+            return [t] * tp
         if comp.layout == "out_vec":
             return [t] * tp
         return sharding.split_row(t, tp)
@@ -457,7 +464,7 @@ class Quantizer:
 
     def _expert_planned(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         prefix = name[: -len(".weight")]
-        if self.format.quantizer == "awq":
+        if self.format.quantizer == "awq" or self._stored_block_experts:
             experts, out, inp = shape
             return [(f"{prefix}.{t.suffix}", (experts, *t.dims(out, inp, self.group_size)),
                      self._torch_dtype(t.dtype)) for t in self.format.stored]
@@ -466,7 +473,16 @@ class Quantizer:
         return [(f"{prefix}.weight", shape, fp8_q.FP8_DTYPE), (f"{prefix}.weights_scaling_factor", (shape[0], 1), F32),
                 (f"{prefix}.activation_scaling_factor", (1,), F32)]
 
+    @property
+    def _stored_block_experts(self) -> bool:
+        """Expert stacks imported as a DeepSeek-V3 checkpoint stores them: FP8 block scales read, not computed."""
+        return self.quantization.modelopt and self.format.quantizer == "fp8_block"
+
     def _write_experts(self, group: Group, ckpt: HFCheckpoint) -> dict[int, list[tuple[str, torch.Tensor]]]:
+        if self._stored_block_experts:
+            o = group.outputs[0]
+            return stored_block_experts(_linear(o.name)[0], o, group.sources, lambda n: ckpt.read(self.raw[n]),
+                                        self.raw.__contains__, self.format, self.tp, self.mapping)
         o = group.outputs[0]
         prefix, _, local = _linear(o.name)
         stats = self._stats(self.global_layer(o.stage, local))
@@ -567,7 +583,9 @@ class Quantizer:
         o0 = group.outputs[0]
         _, module, local = _linear(o0.name)
         layer = self.global_layer(o0.stage, local)
-        per_output = [list(group.sources)] if o0.row.shard is Shard.QKV else [[s] for s in group.sources]
+        # q/k/v, and a shared expert's up and gate (one fc [up_r; gate_r] a rank), are the sources of one output
+        per_output = ([list(group.sources)] if o0.row.shard in (Shard.QKV, Shard.GATED_FC)
+                      else [[s] for s in group.sources])
         prefixes = [[s[: -len(".weight")] for s in srcs] for srcs in per_output]
         weights = None
         fused = o0.row.shard in FUSED_SHARDS
@@ -576,7 +594,7 @@ class Quantizer:
                                  f"({group.sources[0]}) is not imported",
                                  "convert the unquantized model with quantization.method set instead")
         if not self.imports:
-            rows = [o0.row] if o0.row.shard is Shard.QKV else [o.row for o in group.outputs]
+            rows = [o0.row] if o0.row.shard in (Shard.QKV, Shard.GATED_FC) else [o.row for o in group.outputs]
             weights = [[prepare(ckpt.load(s), row, torch.float32, s) for s in srcs]
                        for row, srcs in zip(rows, per_output, strict=False)]
             if fused:  # one fused source -> its projections, quantized as q/k/v (or fc/gate) are

@@ -77,6 +77,10 @@ def virtualize_modelopt(ckpt: HFCheckpoint, table: NameTable, fmt: dict, dtype: 
         if leaf in COMPANIONS:
             continue
         m = table.match(name)
+        if m is not None and m.row.shard is Shard.DROP:
+            # dropped unread, stored quantized or not: DeepSeek-V3's multi-token-prediction layer (Family.ignore)
+            virtual[name] = info
+            continue
         lin = linear_of(trt_name(m.row, m.layer)) if m is not None and m.row.trt is not None else None
         quantized = info.dtype in HF_WEIGHT.values()
         if quantized and (lin is None or leaf != "weight"):

@@ -299,7 +299,10 @@ def _arch_quantization(ctx: Context):
     if ctx.model is None:
         return SKIP, "model config not readable here or not a registered family; the stage reports why"
     p, q = ctx.model.params, ctx.quant
-    refusal = get_family(p.architecture).quantization_refusal(p, q.weight_method, q.kv_cache, q.imported)
+    # a stored ModelOpt / FP8 block-scale checkpoint is asked about as convert asks: method none, its format stored
+    stored = q.imported or (q.format.name if q.modelopt else None)
+    refusal = get_family(p.architecture).quantization_refusal(p, "none" if q.modelopt else q.weight_method,
+                                                               q.kv_cache, stored)
     if refusal is not None:
         return FAIL, f"{refusal.why}; {refusal.hint}"
     return PASS, f"{p.architecture} {q.weight_method}" + (f", kv_cache {q.kv_cache}" if q.kv_cache != "none" else "")
@@ -355,6 +358,9 @@ def _group_padding(ctx: Context):
     if p is not None and q.format.tile is not None:
         # convert's own rule (check_recipe), so plan and convert agree; a ToolchainError is this check's FAIL
         check_tiles(q, _shape(p), tp, lambda t: splits_tp(p, ctx.spec.parallelism.layout, t))
+        experts = moe.tile_problem(p, q.format.tile, tp, ctx.spec.parallelism.layout.moe_tp)
+        if experts is not None:
+            return FAIL, f"{experts}; use a larger parallelism.moe_ep (a smaller moe_tp), or another parallelism.tp"
         return PASS, (f"every per-rank q, k/v and gate/up width and row-parallel input is whole {q.format.tile}x"
                       f"{q.format.tile} tiles")
     if p is not None and q.format.group_size is not None:

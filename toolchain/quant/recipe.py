@@ -38,6 +38,8 @@ class ModelShape:
     kv_block_scales_duplicated: bool = False
     """The family's TensorRT-LLM weight mapper repeats FP8 block scales with the K/V heads it duplicates across
     ranks (Family.duplicates_kv_block_scales)."""
+    mla: dict | None = None
+    """Multi-head latent attention's ranks (DeepSeek-V3, ArchParams.mla): kv_b_proj and o_proj's per-head widths."""
 
     @classmethod
     def of(cls, params, family) -> "ModelShape":
@@ -45,7 +47,7 @@ class ModelShape:
         Family), both read by attribute so this floor stays free of the archs package."""
         return cls(params.hidden_size, params.intermediate_size, params.num_attention_heads,
                    params.num_key_value_heads, params.head_size, params.max_position_embeddings,
-                   family.duplicates_kv_block_scales)
+                   family.duplicates_kv_block_scales, getattr(params, "mla", None))
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,14 @@ def tile_problems(shape: ModelShape, tile: int, tp: int) -> list[str]:
     NVFP4's `weight_scale`), and intermediate_size / tp (gate/up's rows, down_proj's input)."""
     q_rows = shape.num_attention_heads * shape.head_size // tp
     kv_rows = max(1, shape.num_key_value_heads // tp) * shape.head_size  # checkpoint/sharding.py kv_heads_per_rank
-    dims = (("q rows per rank (heads x head_size / tp, o_proj's input)", q_rows),
+    dims = [("q rows per rank (heads x head_size / tp, o_proj's input)", q_rows),
             ("k/v rows per rank (KV heads x head_size)", kv_rows),
-            ("gate/up rows per rank (intermediate_size / tp, down_proj's input)", shape.intermediate_size // tp))
+            ("gate/up rows per rank (intermediate_size / tp, down_proj's input)", shape.intermediate_size // tp)]
+    if shape.mla is not None:  # q_b_proj's rows are the q rows above; kv_b_proj and o_proj have their own
+        heads = shape.num_attention_heads // tp
+        dims += [("kv_b_proj rows per rank (heads / tp x (qk_nope_head_dim + v_head_dim))",
+                  heads * (shape.mla["qk_nope_head_dim"] + shape.mla["v_head_dim"])),
+                 ("o_proj's input per rank (heads / tp x v_head_dim)", heads * shape.mla["v_head_dim"])]
     return [f"{what} {dim}" for what, dim in dims if dim % tile]
 
 

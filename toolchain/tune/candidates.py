@@ -8,8 +8,10 @@ parts, searched in two passes so it stays at a few hundred specs:
   host's CPU one server, so replicas 1 and tp x pp up to the count, and a single rank also at every core's
   engine thread where this host has a profile for that count: `engine_threads`), every weight format of the formats table the
   device builds (`Format.refused_on` for a GPU's SM; a CPU kernel for the CPU engine), every KV-cache format the
-  device builds, speculative decoding on and off where the spec has a draft or heads, and attention data
-  parallelism on and off for a mixture-of-experts model on the LLM-API path at tp > 1 (`attention_dp_modes`);
+  device builds, speculative decoding on and off where the spec has a draft or heads (and multi-token prediction on
+  and off for a model with MTP layers on a target that runs it: `speculative_modes`), attention data parallelism on
+  and off for a mixture-of-experts model on the LLM-API path at tp > 1 (`attention_dp_modes`), and a mixture of
+  experts' expert parallelism at every moe_ep dividing tp (`moe_ep_sizes`);
 - runtime knobs, for the best structures only: `limits.max_batch_size` on powers of two (the performance model's
   best_point already sweeps every concurrency below the cap, so the cap needs only a coarse grid; where the SLO
   binds between two of them, `search.refine_batches` bisects to the largest cap that meets it) and
@@ -33,6 +35,7 @@ from toolchain.gpus import Gpu
 from toolchain.hostprofile import load_profile, resolve_threads, usable_cores
 from toolchain.quant.formats import KV_CACHE, METHODS
 from toolchain.spec import DeploymentSpec
+from toolchain.speculative import refusal
 from toolchain.targets import CPU, ENGINE, target_of
 
 BATCH_GRID = (8, 16, 32, 64, 128, 256)
@@ -58,6 +61,8 @@ class Candidate:
             parts.append(s.speculative.mode)
         if s.parallelism.attention_dp:
             parts.append("adp")
+        if s.parallelism.moe_ep:
+            parts.append(f"ep{s.parallelism.moe_ep}")
         if s.gpu.name:
             parts.insert(0, s.gpu.name.split()[0])
         if target_of(s).device == CPU and s.serving.engine_threads != 1:
@@ -72,7 +77,7 @@ class Candidate:
                 "quantization": s.quantization.method, "kv_cache": s.quantization.kv_cache,
                 "max_batch_size": s.limits.max_batch_size, "max_num_tokens": s.limits.max_num_tokens,
                 "chunked_context": s.build.chunked_context, "speculative": s.speculative.mode,
-                "attention_dp": s.parallelism.attention_dp,
+                "attention_dp": s.parallelism.attention_dp, "moe_ep": s.parallelism.moe_ep or 1,
                 "engine_threads": s.serving.engine_threads}
 
 
@@ -150,10 +155,21 @@ def engine_threads(spec: DeploymentSpec) -> tuple[list[int], str | None]:
     return [own, cores], None
 
 
-def speculative_modes(spec: DeploymentSpec) -> list[str]:
-    """The spec's speculative mode and none: a draft or heads exist only where the spec names them."""
+def speculative_modes(spec: DeploymentSpec, mtp: bool = False) -> list[str]:
+    """The spec's speculative mode and none: a draft or heads exist only where the spec names them. A model with its
+    own multi-token-prediction layers (`mtp`: num_nextn_predict_layers in config.json, DeepSeek-V3's) drafts without
+    either, so a spec without a mode gets mtp too where its target runs it (speculative.py's row)."""
     mode = spec.speculative.mode
-    return [mode, "none"] if mode != "none" else ["none"]
+    if mode != "none":
+        return [mode, "none"]
+    return ["none", "mtp"] if mtp and refusal("mtp", target_of(spec)) is None else ["none"]
+
+
+def moe_ep_sizes(tp: int, moe: bool) -> list[int | None]:
+    """A mixture of experts' expert parallelism at `tp`: None (moe_ep 1, each expert's width over the tp ranks, as
+    TensorRT-LLM's Mapping derives it) and every other moe_ep dividing tp (moe_tp = tp / moe_ep). What the model's
+    experts refuse (their count or width) is the plan's moe.parallelism check's to say."""
+    return [None, *(e for e in range(2, tp + 1) if tp % e == 0)] if moe else [None]
 
 
 def attention_dp_modes(spec: DeploymentSpec, tp: int, moe: bool) -> list[bool]:
@@ -163,19 +179,20 @@ def attention_dp_modes(spec: DeploymentSpec, tp: int, moe: bool) -> list[bool]:
 
 
 def structures(spec: DeploymentSpec, gpu_count: int, device: Gpu | None,
-               stored_quantized: bool, moe: bool = False) -> tuple[list[Candidate], list[str]]:
-    """Pass one: every layout x weight format x KV format (x speculative mode, x attention DP for a `moe` model) at
-    the spec's limits; and the messages of combinations the spec's validators refuse."""
+               stored_quantized: bool, moe: bool = False, mtp: bool = False) -> tuple[list[Candidate], list[str]]:
+    """Pass one: every layout x weight format x KV format (x speculative mode, MTP on and off for an `mtp` model,
+    x attention DP and moe_ep for a `moe` model) at the spec's limits; and the messages of combinations the spec's
+    validators refuse."""
     on_cpu = target_of(spec).device == CPU
     threads, _ = engine_threads(spec)
     out, refused = [], []
     for tp, pp, replicas in layouts(gpu_count, on_cpu):
-        for method, kv, mode, n, adp in product(weight_methods(spec, device, stored_quantized),
-                                                kv_formats(spec, device), speculative_modes(spec),
-                                                threads if tp * pp == 1 else threads[:1],
-                                                attention_dp_modes(spec, tp, moe)):
+        for method, kv, mode, n, adp, ep in product(weight_methods(spec, device, stored_quantized),
+                                                    kv_formats(spec, device), speculative_modes(spec, mtp),
+                                                    threads if tp * pp == 1 else threads[:1],
+                                                    attention_dp_modes(spec, tp, moe), moe_ep_sizes(tp, moe)):
             changes: dict[str, Any] = {"parallelism.tp": tp, "parallelism.pp": pp,
-                                       "parallelism.moe_tp": None, "parallelism.moe_ep": None,
+                                       "parallelism.moe_tp": None, "parallelism.moe_ep": ep,
                                        "parallelism.attention_dp": adp,
                                        "parallelism.gpus": None if on_cpu else gpu_count,
                                        "quantization.method": method, "quantization.kv_cache": kv,

@@ -310,9 +310,10 @@ def search(spec, gpu_specs: list, gpu_count: int, thresholds: list[Threshold], b
     key = sort_key(by_cost, base_limits)
     for gspec in gpu_specs:
         ctx = build_context(gspec, "plan")
-        stored = ctx.quant.imported is not None
+        stored = ctx.quant.imported is not None or ctx.quant.modelopt  # a stored format is kept (FP8 blocks too)
         moe = ctx.model is not None and ctx.model.params.is_moe
-        first, bad = structures(gspec, gpu_count, ctx.device, stored, moe)
+        mtp = ctx.model is not None and bool(ctx.model.hf_config.get("num_nextn_predict_layers"))
+        first, bad = structures(gspec, gpu_count, ctx.device, stored, moe, mtp)
         refused += bad
         one = [evaluate(c, thresholds) for c in first]
         evaluated += one

@@ -17,24 +17,30 @@ models/deepseek_v3/modeling_deepseek_v3.py, DeepseekV3Attention):
 Rope runs over qk_rope_head_dim with YaRN's frequencies and cos/sin factor when rotary_scaling is yarn
 (_compute_yarn_parameters, the same float32 operations), on interleaved pairs when rope_interleave
 (apply_rotary_pos_emb_interleave: even and odd dims de-interleaved, then rotated as rotate_half pairs).
+Each projection runs in its stored format (engine/cpu/qlinear.py): float, or the released checkpoints' FP8 block
+scales (imported as stored, archs/deepseek_v3.py), a projection the checkpoint keeps in bf16 staying float.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from toolchain.engine.cpu.linear import Linear
-from toolchain.engine.cpu.qlinear import make_linear
+from toolchain.engine.cpu.qlinear import make_linear, stored_tensors
 from toolchain.engine.cpu.rope import Rotary, apply_rotary
 from toolchain.engine.cpu.routing import GroupedRouting
 from toolchain.errors import ToolchainError
 
 _REBUILD = "reconvert the checkpoint and rebuild the engine with --force"
+# the weights as DeepSeek-V3 is run here: unquantized, or the released checkpoints' FP8 block scales (imported as
+# stored: archs/deepseek_v3.py); the KV cache unquantized (the first two)
+STORED_ALGOS = (None, "NO_QUANT", "FP8_BLOCK_SCALES")
+LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 SECTION = "deepseek_v3"  # the checkpoint config.json's section (archs/deepseek_v3.py config_extra)
 _INTS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
          "first_k_dense_replace", "n_group", "topk_group", "moe_intermediate_size", "shared_expert_intermediate_size")
@@ -89,9 +95,9 @@ def parse(cfg: dict, origin: str, *, tp: int, heads: int, intermediate: int, qua
         problems.append(f"intermediate_size {intermediate} of the dense layers not divisible by tp {tp}")
     if values["qk_rope_head_dim"] % 2:
         problems.append(f"qk_rope_head_dim {values['qk_rope_head_dim']} is odd (rope rotates pairs)")
-    if any(q not in (None, "NO_QUANT") for q in quant):
-        problems.append(f"quant_algo {quant[0]}, kv_cache_quant_algo {quant[1]} (DeepSeek-V3 runs unquantized here, "
-                        "its latent cache in float32)")
+    if quant[0] not in STORED_ALGOS or quant[1] not in STORED_ALGOS[:2]:
+        problems.append(f"quant_algo {quant[0]}, kv_cache_quant_algo {quant[1]} (DeepSeek-V3 runs unquantized or in "
+                        "its released checkpoints' FP8 block scales here, its latent cache in float32)")
     if problems:
         raise ToolchainError(f"{origin}: " + "; ".join(problems), _REBUILD)
     mla = MlaDims(values["q_lora_rank"], values["kv_lora_rank"], values["qk_nope_head_dim"],
@@ -170,24 +176,26 @@ class MlaShard:
     kv_b: Linear
 
 
-def tensors(m: MlaDims, prefix: str, hidden: int, heads_per_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
-    """What one rank holds of one layer's MLA (archs/deepseek_v3.py ROWS), beside attention.dense."""
+def tensors(m: MlaDims, prefix: str, hidden: int, heads_per_rank: int,
+            fmt: Callable[[str], str | None]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """What one rank holds of one layer's MLA (archs/deepseek_v3.py ROWS), beside attention.dense; each projection in
+    its stored format (`fmt`: the module's name after the layer prefix -> qlinear format, None for float)."""
     a = f"{prefix}.attention"
-    return {f"{a}.q_a_proj.weight": ((m.q_lora_rank, hidden), "float"),
-            f"{a}.q_a_layernorm.weight": ((m.q_lora_rank,), "float"),
-            f"{a}.q_b_proj.weight": ((heads_per_rank * m.qk_head_dim, m.q_lora_rank), "float"),
-            f"{a}.kv_a_proj_with_mqa.weight": ((m.latent_width, hidden), "float"),
-            f"{a}.kv_a_layernorm.weight": ((m.kv_lora_rank,), "float"),
-            f"{a}.kv_b_proj.weight": ((heads_per_rank * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
-                                      "float")}
+    shapes = {"q_a_proj": (m.q_lora_rank, hidden), "q_b_proj": (heads_per_rank * m.qk_head_dim, m.q_lora_rank),
+              "kv_a_proj_with_mqa": (m.latent_width, hidden),
+              "kv_b_proj": (heads_per_rank * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)}
+    out: dict[str, tuple[tuple[int, ...], str]] = {f"{a}.q_a_layernorm.weight": ((m.q_lora_rank,), "float"),
+                                                   f"{a}.kv_a_layernorm.weight": ((m.kv_lora_rank,), "float")}
+    for name, (rows, cols) in shapes.items():
+        out.update(stored_tensors(f"{a}.{name}", rows, cols, False, fmt(f"attention.{name}")))
+    return out
 
 
-def load(t: dict[str, torch.Tensor], prefix: str) -> MlaShard:
+def load(t: dict[str, torch.Tensor], prefix: str, fmt: Callable[[str], str | None]) -> MlaShard:
     a = f"{prefix}.attention"
-    return MlaShard(q_a=make_linear(t, f"{a}.q_a_proj", False, None), q_a_norm=t[f"{a}.q_a_layernorm.weight"],
-                    q_b=make_linear(t, f"{a}.q_b_proj", False, None),
-                    kv_a=make_linear(t, f"{a}.kv_a_proj_with_mqa", False, None),
-                    kv_a_norm=t[f"{a}.kv_a_layernorm.weight"], kv_b=make_linear(t, f"{a}.kv_b_proj", False, None))
+    q_a, q_b, kv_a, kv_b = (make_linear(t, f"{a}.{name}", False, fmt(f"attention.{name}")) for name in LINEARS)
+    return MlaShard(q_a=q_a, q_a_norm=t[f"{a}.q_a_layernorm.weight"], q_b=q_b, kv_a=kv_a,
+                    kv_a_norm=t[f"{a}.kv_a_layernorm.weight"], kv_b=kv_b)
 
 
 def replicas(prefix: str, a: MlaShard | None, b: MlaShard | None) -> list[tuple[str, Any, Any]]:
@@ -195,9 +203,16 @@ def replicas(prefix: str, a: MlaShard | None, b: MlaShard | None) -> list[tuple[
     if a is None or b is None:
         return []
     p = f"{prefix}.attention"
-    return [(f"{p}.q_a_proj.weight", a.q_a.weight, b.q_a.weight), (f"{p}.q_a_layernorm.weight", a.q_a_norm, b.q_a_norm),
-            (f"{p}.kv_a_proj_with_mqa.weight", a.kv_a.weight, b.kv_a.weight),
+    # the projections compared as their values (an FP8 block-scale one: its dequantized weight, tiles and scales)
+    return [(f"{p}.q_a_proj.weight", _values(a.q_a), _values(b.q_a)),
+            (f"{p}.q_a_layernorm.weight", a.q_a_norm, b.q_a_norm),
+            (f"{p}.kv_a_proj_with_mqa.weight", _values(a.kv_a), _values(b.kv_a)),
             (f"{p}.kv_a_layernorm.weight", a.kv_a_norm, b.kv_a_norm)]
+
+
+def _values(linear: Linear) -> torch.Tensor:
+    dequantized = getattr(linear, "dequantized", None)
+    return dequantized() if dequantized is not None else linear.weight
 
 
 # -- attention --------------------------------------------------------------------------------------------------

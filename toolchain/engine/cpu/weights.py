@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -124,7 +124,7 @@ def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tupl
         if moe_layer:
             out.update(_moe_tensors(d, p, _global(d, pp_rank, i), tp_rank))
         if d.mla is not None:
-            out.update(mla.tensors(d.mla, p, H, d.heads_per_rank))
+            out.update(mla.tensors(d.mla, p, H, d.heads_per_rank, _formats(d, _global(d, pp_rank, i))))
         for name, (out_f, in_f), bias in _linears(d, qkv_out, moe_layer):
             fmt = d.linear_format(f"{_global(d, pp_rank, i)}.{name}")
             if fmt == "int4_group" and name.startswith("mlp."):
@@ -144,6 +144,11 @@ def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tupl
                                           zero=d.has_zero_point, prequant=d.pre_quant_scale))
             out[f"{medusa_lm_head(h)}.weight"] = ((d.padded_vocab // T, H), "float")
     return out
+
+
+def _formats(d: ModelDims, g: str) -> Callable[[str], str | None]:
+    """The stored format of each linear of the layer whose global prefix is `g`, by its name after the prefix."""
+    return lambda name: d.linear_format(f"{g}.{name}")
 
 
 def medusa_linear(h: int, layer: int) -> str:
@@ -357,7 +362,7 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
             kv_scale=t.get(f"{p}.attention.kv_cache_scaling_factor"),
             pre_ff_norm=t.get(f"{p}.pre_feedforward_layernorm.weight"),
             post_ff_norm=t.get(f"{p}.post_feedforward_layernorm.weight"),
-            mla=mla.load(t, p) if d.mla is not None else None,
+            mla=mla.load(t, p, _formats(d, g)) if d.mla is not None else None,
             sinks=t.get(f"{p}.attention.sinks"),
         ))
     shard = RankShard(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, layers=layers)
