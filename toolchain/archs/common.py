@@ -161,6 +161,9 @@ class Family:
     ignore: Callable[[Any, str], bool] | None = None
     """(ArchParams, HF tensor name) -> whether convert drops the tensor unread, for whole modules no row names
     (DeepSeek-V3's multi-token-prediction layers, which transformers ignores on load too)."""
+    mtp_rows: tuple[Row, ...] = ()
+    """Rows only a multi-token-prediction layer has (DeepSeek-V3's enorm, hnorm, eh_proj, shared_head), beside the
+    decoder rows it shares with the other layers; convert adds them for speculative.mode mtp (checkpoint/mtp.py)."""
 
     def __post_init__(self) -> None:
         # Table mistakes are programming errors: fail at import, not mid-conversion.
@@ -229,6 +232,7 @@ DIMS: dict[str, Callable[[Any], int]] = {
     "QB": lambda p: p.num_attention_heads * (p.mla["qk_nope_head_dim"] + p.mla["qk_rope_head_dim"]),
     "KVB": lambda p: p.num_attention_heads * (p.mla["qk_nope_head_dim"] + p.mla["v_head_dim"]),
     "OV": lambda p: p.num_attention_heads * p.mla["v_head_dim"],             # o_proj columns
+    "2H": lambda p: 2 * p.hidden_size,                        # an MTP layer's eh_proj input [embedding; hidden]
 }
 
 

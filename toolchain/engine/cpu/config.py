@@ -124,6 +124,15 @@ class ModelDims:
     """DeepSeek-V3's grouped sigmoid routing with its correction bias (routing.py); None: softmax top-k."""
     shared_expert_gate: bool = True
     """Qwen2-MoE scales its shared expert by sigmoid(shared_expert_gate(x)); DeepSeek-V3 adds it as it is."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers held after the main ones (config.json num_nextn_predict_layers, which
+    checkpoint/mtp.py writes for speculative.mode mtp): global layers num_layers.., on the last stage, each with
+    its own KV cache layer (engine/cpu/mtp.py)."""
+
+    @property
+    def cache_layers(self) -> int:
+        """Layers the KV pool holds: the main ones, then the MTP layers'."""
+        return self.num_layers + self.mtp_layers
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer `layer` is a mixture of experts (all of a MoE model's but its dense first ones)."""

@@ -1,0 +1,240 @@
+"""DeepSeek-V3's multi-token prediction (speculative.mode mtp): convert keeps the MTP layer, the CPU engine drafts with
+it and verifies the drafts, the CPU stand-in of the LLM API serves it and reports acceptance, and plan counts it.
+
+transformers 5.25 has no MTP module (it drops model.layers.{num_hidden_layers}.*), so the fixture writes the layer
+itself: a decoder layer plus enorm, hnorm, eh_proj and shared_head.norm, trained for a few seconds to predict the
+token two ahead of the tiny model's own greedy text (so drafts are accepted often, not never). The references are
+(a) greedy output with MTP equal to greedy output without it and (b) `reference_logits`, the MTP formula written
+out here over transformers' own DeepseekV3 decoder layer holding the MTP weights."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEEPSEEK_V3_TINY, make_hf_model
+from safetensors.torch import load_file, save_file
+from test_engine_cpu_util import _one_thread, make_engine_dir  # noqa: F401
+
+from toolchain.checkpoint.convert import convert_checkpoint
+from toolchain.engine.cpu import CpuEngine, SamplingParams
+from toolchain.engine.cpu.kv_cache import BlockTable
+from toolchain.engine.cpu.model import Chunk
+from toolchain.errors import ToolchainError
+
+ARCH = "DeepseekV3ForCausalLM"
+N = 3  # main layers; the MTP layer is model.layers.3
+TINY = {**DEEPSEEK_V3_TINY, "num_hidden_layers": N}
+OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+PROMPTS = [[1, 17, 101, 3, 44, 90, 91, 92, 12, 240, 6], [1, 5, 9, 33, 200, 7, 7, 7, 8, 9, 10, 11, 12, 13],
+           [1, 60, 61, 62, 63, 64]]
+NEW = 24
+
+_CACHE: dict = {}
+
+
+class Mtp:
+    """The MTP module as the formula says, over transformers' DeepseekV3 decoder layer: x_t = eh_proj([enorm(
+    embed(token_{t+1})); hnorm(h_t)]), h_t the main model's last hidden state before its final norm; the decoder
+    layer over x at positions 0.., causal; logits = lm_head(shared_head.norm(out))."""
+
+    def __init__(self, hf_dir: Path):
+        from transformers import AutoModelForCausalLM, DeepseekV3Model
+
+        self.main = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        # transformers builds layer N (a mixture, as N >= first_k_dense_replace) when told of N + 1 layers
+        self.full = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, num_hidden_layers=N + 1)
+        config = copy.deepcopy(self.main.config)
+        config.num_hidden_layers = 1
+        self.block = DeepseekV3Model(config)
+        self.block.layers = torch.nn.ModuleList([self.full.model.layers[N]])
+        stored, hidden = load_file(hf_dir / "model.safetensors"), config.hidden_size
+        fresh = {"eh_proj.weight": 0.2 * torch.randn(hidden, 2 * hidden)}  # before training: norms at one
+        self.own = {k: torch.nn.Parameter(stored[f"model.layers.{N}.{k}"].clone() if f"model.layers.{N}.{k}" in stored
+                                          else fresh.get(k, torch.ones(hidden))) for k in OWN}
+        self.block.norm.weight = self.own["shared_head.norm.weight"]
+        self.eps = config.rms_norm_eps
+
+    def hidden(self, tokens: list[int]) -> torch.Tensor:
+        got = {}
+        hook = self.main.model.norm.register_forward_hook(lambda _m, args, _o: got.__setitem__("h", args[0]))
+        with torch.no_grad():
+            self.main(torch.tensor([tokens]))
+        hook.remove()
+        return got["h"][0]
+
+    def logits(self, tokens: list[int], h: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(tokens) - 1, V]: row t predicts tokens[t + 2]."""
+        h = self.hidden(tokens) if h is None else h
+
+        def norm(x, w):
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+        e = self.main.model.embed_tokens(torch.tensor(tokens[1:]))
+        x = torch.nn.functional.linear(torch.cat([norm(e, self.own["enorm.weight"]),
+                                                  norm(h[:-1], self.own["hnorm.weight"])], -1),
+                                       self.own["eh_proj.weight"])
+        return self.main.lm_head(self.block(inputs_embeds=x[None], use_cache=False).last_hidden_state[0])
+
+    def train(self, steps: int = 300) -> None:
+        """Fit the MTP layer (Adam, seconds on one core) to what it should predict: at t, the main model's own
+        greedy token at t + 1, over random token sequences."""
+        g = torch.Generator().manual_seed(0)
+        data = []
+        with torch.no_grad():
+            for _ in range(64):
+                s = torch.randint(3, 250, (32,), generator=g).tolist()
+                h = self.hidden(s)
+                data.append((s, h, self.main.lm_head(self.main.model.norm(h)).argmax(-1)[1:]))
+        opt = torch.optim.Adam([*self.own.values(), *self.block.layers.parameters()], lr=3e-3)
+        for step in range(steps):
+            s, h, target = data[step % len(data)]
+            loss = torch.nn.functional.cross_entropy(self.logits(s, h), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    def save(self, hf_dir: Path, tmp: Path) -> None:
+        """model.layers.N.* as a released checkpoint stores them (per-expert names: transformers' own save), with
+        the MTP layer's own tensors and a copy of the embedding under it."""
+        self.full.save_pretrained(tmp, safe_serialization=True)
+        layer = {k: v for k, v in load_file(tmp / "model.safetensors").items() if k.startswith(f"model.layers.{N}.")}
+        stored = load_file(hf_dir / "model.safetensors")
+        own = {f"model.layers.{N}.{k}": v.detach().clone() for k, v in self.own.items()}
+        own[f"model.layers.{N}.embed_tokens.weight"] = stored["model.embed_tokens.weight"].clone()
+        save_file({**stored, **layer, **own}, hf_dir / "model.safetensors")
+
+
+def with_mtp(factory, trained: bool = True) -> tuple[Path, Mtp]:
+    """The tiny model with an MTP layer, and its reference (re-read from the saved checkpoint). Trained: the main
+    model's attention output scaled by 0.1 first, so its next token depends mostly on the current one and a
+    one-layer module can learn to foresee it (about 70% of held-out tokens); untrained: the model as it is with
+    transformers' random init of the layer."""
+    if trained not in _CACHE:
+        torch.manual_seed(5)
+        hf = make_hf_model(ARCH, factory.mktemp("hf-dsv3-mtp"), seed=21, **TINY)
+        if trained:
+            w = load_file(hf / "model.safetensors")
+            save_file({k: 0.1 * v if k.endswith("o_proj.weight") else v for k, v in w.items()}, hf / "model.safetensors")
+        mtp = Mtp(hf)
+        if trained:
+            mtp.train()
+        mtp.save(hf, factory.mktemp("hf-dsv3-mtp-save"))
+        _CACHE[trained] = hf, Mtp(hf)
+    return _CACHE[trained]
+
+
+def engine(factory, tp: int, mtp_layers: int, trained: bool = True) -> CpuEngine:
+    key = ("engine", tp, mtp_layers, trained)
+    if key not in _CACHE:
+        hf, _ = with_mtp(factory, trained)
+        out = factory.mktemp(f"engine-mtp-tp{tp}-{mtp_layers}-{trained}")
+        _CACHE[key] = CpuEngine.load(make_engine_dir(hf, out, tp, 1, convert_kwargs={"mtp_layers": mtp_layers}))
+    return _CACHE[key]
+
+
+def run(eng: CpuEngine, prompt: list[int], new: int = NEW):
+    seq = eng.start(prompt, SamplingParams(max_new_tokens=new))
+    eng.add(seq)
+    try:
+        while not seq.finished:
+            eng.step([(seq, seq.pending)])
+    finally:
+        eng.release(seq)
+    return seq
+
+
+# -- convert ----------------------------------------------------------------------------------------------------
+
+
+def test_convert_keeps_the_mtp_layer_only_when_asked(tmp_path_factory, tmp_path):
+    hf, _ = with_mtp(tmp_path_factory)
+    for tp in (1, 2):
+        (tmp_path / f"mtp{tp}").mkdir()
+        config = convert_checkpoint(hf, tmp_path / f"mtp{tp}", tp=tp, pp=1, dtype="float32", target="cpu",
+                                    mtp_layers=1)
+        assert config["num_hidden_layers"] == N and config["num_nextn_predict_layers"] == 1
+        for rank in range(tp):
+            written = load_file(tmp_path / f"mtp{tp}" / f"rank{rank}.safetensors")
+            layer = {n.removeprefix(f"transformer.layers.{N}."): t for n, t in written.items()
+                     if n.startswith(f"transformer.layers.{N}.")}
+            assert layer["eh_proj.weight"].shape == (64, 128)  # whole on every rank
+            assert {"enorm.weight", "hnorm.weight", "shared_head.norm.weight", "mlp.router.weight",
+                    "attention.kv_b_proj.weight"} <= set(layer)
+            assert layer["attention.q_b_proj.weight"].shape[0] == 4 // tp * (16 + 8)  # split by head as any layer's
+            assert not any("embed_tokens" in n or "shared_head.head" in n for n in layer)
+    (tmp_path / "plain").mkdir()
+    config = convert_checkpoint(hf, tmp_path / "plain", tp=1, pp=1, dtype="float32", target="cpu")
+    assert "num_nextn_predict_layers" not in config
+    assert not any(f".layers.{N}." in n for n in load_file(tmp_path / "plain" / "rank0.safetensors"))
+
+
+def test_convert_refuses_mtp_in_one_line(tmp_path_factory, tmp_path):
+    from test_deepseek_v3 import tiny
+
+    hf, _ = with_mtp(tmp_path_factory)
+    no_weights = tiny(tmp_path_factory)  # the tiny model as transformers writes it: no layer 3
+    none_declared = tmp_path / "none"  # and one whose config.json says it has none
+    none_declared.mkdir()
+    for f in no_weights.iterdir():
+        (none_declared / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((none_declared / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 0
+    cfg.pop("num_mtp_layers", None)
+    (none_declared / "config.json").write_text(json.dumps(cfg))
+    cases = [(no_weights, 1, "the weights lack model.layers.3.enorm.weight"),
+             (none_declared, 1, "num_nextn_predict_layers 0"),
+             (hf, 2, "PP \\+ MTP combination is not supported")]
+    for i, (src, pp, message) in enumerate(cases):
+        (tmp_path / f"out{i}").mkdir()
+        with pytest.raises(ToolchainError, match=message) as err:
+            convert_checkpoint(src, tmp_path / f"out{i}", tp=1, pp=pp, dtype="float32", target="cpu", mtp_layers=1)
+        assert "\n" not in str(err.value)
+
+
+# -- the CPU engine ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("trained", [True, False], ids=["trained", "random"])
+def test_the_mtp_forward_is_the_formula(tmp_path_factory, trained):
+    """The engine's MTP layer over a whole sequence (its own cache layer written, then read by each position)
+    equals the formula over transformers' decoder layer, at tp 1 and tp 2."""
+    _, ref = with_mtp(tmp_path_factory, trained)
+    tokens = PROMPTS[1]
+    want = ref.logits(tokens).detach()
+    for tp in (1, 2):
+        eng = engine(tmp_path_factory, tp, 1, trained)
+        table = BlockTable()
+        eng.kv.add_sequence(table, tokens, reuse=False)
+        try:
+            with torch.no_grad():
+                main = Chunk(table, tokens, logits=len(tokens), want_residual=True)
+                logits = eng.model.forward([main], eng.kv)[0]
+                assert main.residual is not None and logits is not None
+                torch.testing.assert_close(main.residual, ref.hidden(tokens), atol=1e-4, rtol=0)
+                got = eng.model.mtp_forward([Chunk(table, tokens[1:], logits=len(tokens) - 1,
+                                                   residual=main.residual[:-1])], eng.kv)[0]
+        finally:
+            eng.kv.release(table)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("trained", [True, False], ids=["trained", "random"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_output_with_mtp_is_greedy_output_without(tmp_path_factory, tp, trained):
+    """Lossless: every emitted token is the main model's own greedy choice, whether the drafts are mostly accepted
+    (the trained layer) or mostly rejected (random weights, the model's attention at full strength)."""
+    plain, mtp = engine(tmp_path_factory, tp, 0, trained), engine(tmp_path_factory, tp, 1, trained)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        want, got = run(plain, prompt), run(mtp, prompt)
+        assert got.output == want.output and want.drafted == 0
+        # one draft per generation step, each step emitting its accepted drafts and one token of its own
+        assert got.drafted + got.accepted_draft == NEW - 1
+        drafted, accepted = drafted + got.drafted, accepted + got.accepted_draft
+    rate = accepted / drafted
+    assert rate > 0.4 if trained else rate < 0.2, (accepted, drafted)
+    assert mtp.kv.k.shape[0] == N + 1 and plain.kv.k.shape[0] == N  # the MTP layer's own latent cache layer
