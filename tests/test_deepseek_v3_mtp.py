@@ -238,3 +238,81 @@ def test_greedy_output_with_mtp_is_greedy_output_without(tmp_path_factory, tp, t
     rate = accepted / drafted
     assert rate > 0.4 if trained else rate < 0.2, (accepted, drafted)
     assert mtp.kv.k.shape[0] == N + 1 and plain.kv.k.shape[0] == N  # the MTP layer's own latent cache layer
+
+
+# -- the LLM API's CPU stand-in (target llmapi-cpu) ------------------------------------------------------------
+
+
+def test_the_llmapi_cpu_stand_in_serves_mtp_and_reports_acceptance(tmp_path_factory, tmp_path):
+    """LLM(speculative_config=MTPDecodingConfig) at tp 2 through the inflight batcher: greedy output as without it,
+    and each request's perf metrics count its drafts and accepted drafts, as the PyTorch backend reports them."""
+    import shutil
+    import threading
+
+    from triton_helpers import make_tiny_tokenizer
+
+    from toolchain.llmapi.cpu_llm import CpuLLM
+    from toolchain.llmapi.cpu_llm import SamplingParams as LlmParams
+
+    src, _ = with_mtp(tmp_path_factory)
+    hf = tmp_path / "hf"
+    shutil.copytree(src, hf)
+    make_tiny_tokenizer(hf)
+    plain = engine(tmp_path_factory, 2, 0)
+    outputs: dict = {}
+    done = threading.Event()
+    with CpuLLM(model=str(hf), backend="pytorch", tensor_parallel_size=2, max_batch_size=4, max_seq_len=64,
+                speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 1},
+                work_dir=tmp_path / "work") as llm:
+        assert llm.spec.speculative.mode == "mtp" and llm.engine.mtp_draft_len == 1
+
+        def on_output(out):
+            if out.finished:
+                outputs[out.request_id] = out
+                if len(outputs) == len(PROMPTS):
+                    done.set()
+
+        for prompt in PROMPTS:  # batched: the three run in the same steps
+            llm.generate_async(prompt, LlmParams.from_kwargs({"max_tokens": NEW, "ignore_eos": True,
+                                                             "return_perf_metrics": True}), on_output=on_output)
+        assert done.wait(120)
+        stats = llm.stats
+    drafted = accepted = 0
+    for out, prompt in zip(sorted(outputs.values(), key=lambda o: o.request_id), PROMPTS, strict=True):
+        c = out.outputs[0]
+        assert c.token_ids == run(plain, prompt).output
+        perf = c.request_perf_metrics
+        assert perf.total_draft_tokens + perf.total_accepted_draft_tokens == NEW - 1
+        assert perf.acceptance_rate == perf.total_accepted_draft_tokens / perf.total_draft_tokens
+        drafted, accepted = drafted + perf.total_draft_tokens, accepted + perf.total_accepted_draft_tokens
+    assert (stats.draft_tokens, stats.accepted_draft_tokens) == (drafted, accepted)
+    assert accepted / drafted > 0.4, (accepted, drafted)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"decoding_type": "MTP", "num_nextn_predict_layers": 2}, "num_nextn_predict_layers 2"),
+    ({"decoding_type": "MTP", "use_relaxed_acceptance_for_thinking": True}, "use_relaxed_acceptance_for_thinking"),
+    ({"decoding_type": "NGram", "max_draft_len": 3}, "runs MTP only"),
+])
+def test_the_stand_in_refuses_what_it_does_not_run(tmp_path_factory, config, message):
+    from toolchain.llmapi.cpu_llm import LlmArgsError, engine_spec
+
+    hf, _ = with_mtp(tmp_path_factory)
+    with pytest.raises(LlmArgsError, match=message) as err:
+        engine_spec({"model": str(hf), "speculative_config": config})
+    assert "\n" not in str(err.value)
+
+
+def test_the_checks_pass_mtp_on_llmapi_cpu_for_deepseek_only(tmp_path_factory, tmp_path, hf_llama):
+    from test_llmapi_path import llmapi_spec
+
+    from toolchain.checks.preflight import build_context, run_checks
+    from toolchain.workspace import Workspace
+
+    hf, _ = with_mtp(tmp_path_factory)
+    for model, pp, status, fragment in [(hf, 1, "pass", "MTP layer"), (hf, 2, "fail", "PP + MTP"),
+                                        (hf_llama, 1, "fail", "multi-token prediction layers")]:
+        spec = llmapi_spec(tmp_path, model, target="llmapi-cpu", speculative={"mode": "mtp"},
+                           parallelism={"pp": pp})
+        got = {r.id: r for r in run_checks(build_context(spec, "plan", Workspace(tmp_path)))}["llmapi.speculative"]
+        assert (got.status, "\n" in got.message) == (status, False) and fragment in got.message, got.message

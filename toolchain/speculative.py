@@ -110,7 +110,8 @@ MODES: dict[str, SpeculativeMode] = {m.name: m for m in (
     # TensorRT-LLM 1.2 engines draft with EAGLE-1/2, not EAGLE-3, and have no MTP.
     SpeculativeMode("eagle3", None, None, "Eagle", (), "draft_model", NOTHING, False, True, False, {
         ENGINE: "EAGLE-3 drafts run on the PyTorch backend only (speculative_config decoding_type Eagle)"}),
-    SpeculativeMode("mtp", None, None, "MTP", (), "", NOTHING, False, True, True, {
+    # The LLM API's CPU stand-in runs mtp with the model's first MTP layer (engine/cpu/mtp.py).
+    SpeculativeMode("mtp", None, None, "MTP", (LLMAPI,), "", NOTHING, False, True, True, {
         ENGINE: "multi-token prediction runs on the PyTorch backend only (MTPDecodingConfig)"}),
 )}
 
