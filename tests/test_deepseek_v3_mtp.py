@@ -316,3 +316,75 @@ def test_the_checks_pass_mtp_on_llmapi_cpu_for_deepseek_only(tmp_path_factory, t
                            parallelism={"pp": pp})
         got = {r.id: r for r in run_checks(build_context(spec, "plan", Workspace(tmp_path)))}["llmapi.speculative"]
         assert (got.status, "\n" in got.message) == (status, False) and fragment in got.message, got.message
+
+
+# -- the plan ---------------------------------------------------------------------------------------------------
+
+R1 = Path(__file__).resolve().parent.parent / "build" / "configs" / "deepseek-r1"
+
+
+def test_the_mtp_layer_of_r1_is_11_6b_parameters():
+    """One mixture-of-experts decoder layer of DeepSeek-R1 (MLA, 256 routed experts and the shared one, the float32
+    router and correction bias) plus eh_proj [7168, 14336] and three norms: 11.61B parameters, counted at one byte
+    each at tp 1 (the router and bias at four)."""
+    from toolchain.archs import load_params
+    from toolchain.plan.mtp import weight_bytes
+    from toolchain.quant.view import Quantization
+
+    _, p = load_params(json.loads((R1 / "config.json").read_text()))
+    assert p.num_hidden_layers == 61 and p.is_moe_layer(61)
+    h, router = 7168, 256 * 7168 + 256
+    attention = 1536 * h + 128 * 192 * 1536 + 576 * h + 128 * 256 * 512 + h * 128 * 128
+    experts = (256 + 1) * 3 * 2048 * h
+    params = attention + experts + router + (2 * h + 1536 + 512) + 2 * h * h + 3 * h
+    assert weight_bytes(p, 1, tp=1, quant=Quantization(), dt_bytes=1) - 3 * router == params == 11_610_068_224
+    assert abs(params / 11.5e9 - 1) < 0.02
+
+
+def test_plan_with_mtp_adds_the_layer_its_latent_and_a_draft_token(tmp_path):
+    """R1 on 8 H200s (tp 8, moe_ep 8) in bf16: with speculative.mode mtp each rank holds the MTP layer's share (its
+    heads, 32 experts, an eighth of the shared expert, the rest whole), one more latent of 576 values per token, and
+    sequences one draft token longer."""
+    from test_plan_memory import plan, spec_for
+
+    from toolchain.archs import load_params
+    from toolchain.plan.memory import sequence_tokens
+    from toolchain.plan.mtp import weight_bytes
+    from toolchain.quant.view import Quantization
+
+    par = {"tp": 8, "moe_ep": 8}
+    base = dict(target="llmapi", gpu={"name": "H200"}, model={"dtype": "bfloat16"}, parallelism=par)
+    without = plan(spec_for(tmp_path, R1, **base))
+    spec = spec_for(tmp_path, R1, **base, speculative={"mode": "mtp"})
+    with_mtp = plan(spec)
+    _, p = load_params(json.loads((R1 / "config.json").read_text()))
+    h, heads = 7168, 128 // 8
+    attention = 1536 * h + heads * 192 * 1536 + 576 * h + heads * 256 * 512 + h * heads * 128
+    layer = 2 * (attention + 32 * 3 * 2048 * h + 3 * (2048 // 8) * h + 2 * h + 1536 + 512 + 2 * h * h + 3 * h) \
+        + 4 * (256 * h + 256)
+    assert weight_bytes(p, 1, tp=8, quant=Quantization(), dt_bytes=2, moe_ep=8) == layer
+    for a, b in zip(without.ranks, with_mtp.ranks, strict=True):
+        assert b.weights_bytes - a.weights_bytes == layer
+        assert (a.kv_bytes_per_token, b.kv_bytes_per_token) == (61 * 576 * 2, 62 * 576 * 2)
+    lim, tpb = spec.limits, spec.build.tokens_per_block
+    assert spec.speculative.max_draft_len == 0  # MTPDecodingConfig's one draft token all the same
+    assert (without.sequence_tokens, with_mtp.sequence_tokens) == (sequence_tokens(lim.max_seq_len, 0, tpb),
+                                                                   sequence_tokens(lim.max_seq_len, 1, tpb))
+    assert with_mtp.sequence_tokens > without.sequence_tokens
+
+
+@pytest.mark.parametrize("par", [{"tp": 1}, {"tp": 2}, {"tp": 2, "moe_ep": 2}])
+def test_plan_bytes_with_mtp_are_what_convert_writes(tmp_path_factory, tmp_path, par):
+    from test_plan_memory import plan, spec_for
+
+    from toolchain.checkpoint.convert import plan_any
+
+    hf, _ = with_mtp(tmp_path_factory)
+    spec = spec_for(tmp_path, hf, target="llmapi", gpu={"name": "H200"}, parallelism=par,
+                    speculative={"mode": "mtp"})
+    planned = plan(spec)
+    tp = par["tp"]
+    dry = plan_any(hf, tp=tp, pp=1, dtype="float16", target="trtllm", moe_ep=par.get("moe_ep"), mtp_layers=1)
+    plain = plan_any(hf, tp=tp, pp=1, dtype="float16", target="trtllm", moe_ep=par.get("moe_ep"))
+    assert all(dry.rank_bytes(r) > plain.rank_bytes(r) for r in range(tp))
+    assert [r.checkpoint_bytes for r in planned.ranks] == [dry.rank_bytes(r) for r in range(tp)]

@@ -116,6 +116,12 @@ MODES: dict[str, SpeculativeMode] = {m.name: m for m in (
 )}
 
 
+def target_draft_layers(mode: str) -> int:
+    """The model's own MTP layers a mode loads beside it: one for mtp (the checkpoint's first; the CPU engine drafts
+    one token a step with it, checkpoint/mtp.py and engine/cpu/mtp.py), none for the other modes."""
+    return 1 if MODES[mode].drafts_in_target else 0
+
+
 def mode_of(name: str) -> SpeculativeMode:
     """The row of a speculative.mode (the spec's Literal admits only these names)."""
     return MODES[name]

@@ -28,7 +28,7 @@ from toolchain.gpus import lookup
 from toolchain.manifest import Manifest, reusable
 from toolchain.quant.view import Quantization
 from toolchain.spec import DeploymentSpec
-from toolchain.speculative import DRAFT_ENGINE, mode_of
+from toolchain.speculative import DRAFT_ENGINE, mode_of, target_draft_layers
 from toolchain.weights_source import source_record
 from toolchain.targets import ENGINE, require_target
 from toolchain.workspace import Workspace
@@ -60,9 +60,8 @@ _ATTACH = {"medusa": (attach_heads, "heads"), "eagle": (attach_draft, "draft")}
 
 
 def mtp_layers(spec: DeploymentSpec) -> int:
-    """The model's own MTP layers convert keeps (checkpoint/mtp.py): one for a mode whose drafts come from the
-    target (mtp; the CPU engine drafts one token a step with it), else none."""
-    return 1 if mode_of(spec.speculative.mode).drafts_in_target else 0
+    """The model's own MTP layers convert keeps (checkpoint/mtp.py), as the mode's row says."""
+    return target_draft_layers(spec.speculative.mode)
 
 
 def _speculative_settings(spec: DeploymentSpec) -> dict:
