@@ -240,6 +240,42 @@ def test_greedy_output_with_mtp_is_greedy_output_without(tmp_path_factory, tp, t
     assert mtp.kv.k.shape[0] == N + 1 and plain.kv.k.shape[0] == N  # the MTP layer's own latent cache layer
 
 
+def test_mtp_under_chunked_context_prefix_reuse_and_batching(tmp_path_factory):
+    """The inflight batcher with prompts cut into 8-token chunks, a 24-token prefix shared (its blocks reused the
+    second time round, MTP entries included) and requests decoding side by side: still the plain greedy output."""
+    import threading
+
+    from toolchain.engine.cpu import InflightBatcher, SchedulerConfig
+
+    hf, _ = with_mtp(tmp_path_factory)
+    eng = CpuEngine.load(make_engine_dir(hf, tmp_path_factory.mktemp("engine-mtp-chunked"), 1, 1,
+                                         convert_kwargs={"mtp_layers": 1}, max_num_tokens=16,
+                                         plugin_config={"tokens_per_block": 8}))
+    plain = engine(tmp_path_factory, 1, 0)
+    prefix = list(range(3, 27))
+    prompts = [prefix + [40], prefix + [41, 42], [1, 60, 61, 62, 63, 64]]
+    with InflightBatcher(eng, SchedulerConfig(enable_chunked_context=True)) as b:
+        for round_ in range(2):
+            got: dict = {i: [] for i in range(len(prompts))}
+            done = threading.Semaphore(0)
+
+            def callback(i, got=got, done=done):
+                def cb(tokens, finished, error):
+                    got[i].extend(tokens if error is None else [error])
+                    if finished:
+                        done.release()
+                return cb
+
+            for i, prompt in enumerate(prompts):
+                b.submit((round_, i), prompt, SamplingParams(max_new_tokens=16), callback(i))
+            for _ in prompts:
+                assert done.acquire(timeout=120)
+            assert [got[i] for i in range(len(prompts))] == [run(plain, p, 16).output for p in prompts]
+        stats = b.stats
+    assert stats.chunked_steps > 0 and eng.kv.reused_total > 0 and stats.max_running > 1
+    assert stats.accepted_draft_tokens > 0.4 * stats.draft_tokens
+
+
 # -- the LLM API's CPU stand-in (target llmapi-cpu) ------------------------------------------------------------
 
 
