@@ -136,8 +136,8 @@ def engine(factory, tp: int, mtp_layers: int, trained: bool = True) -> CpuEngine
     return _CACHE[key]
 
 
-def run(eng: CpuEngine, prompt: list[int], new: int = NEW):
-    seq = eng.start(prompt, SamplingParams(max_new_tokens=new))
+def run(eng: CpuEngine, prompt: list[int], new: int = NEW, **sampling):
+    seq = eng.start(prompt, SamplingParams(max_new_tokens=new, **sampling))
     eng.add(seq)
     try:
         while not seq.finished:
@@ -238,6 +238,19 @@ def test_greedy_output_with_mtp_is_greedy_output_without(tmp_path_factory, tp, t
     rate = accepted / drafted
     assert rate > 0.4 if trained else rate < 0.2, (accepted, drafted)
     assert mtp.kv.k.shape[0] == N + 1 and plain.kv.k.shape[0] == N  # the MTP layer's own latent cache layer
+
+
+def test_sampled_output_with_mtp_is_the_same_seed_for_seed(tmp_path_factory):
+    """A draft is accepted only where the target's own sample equals it, so sampling keeps its distribution; with
+    the sampler's per-position draws the tokens are even the same as without MTP for the same seed."""
+    plain, mtp = engine(tmp_path_factory, 1, 0), engine(tmp_path_factory, 1, 1)
+    accepted = 0
+    for seed, prompt in enumerate(PROMPTS):
+        sampling = {"temperature": 0.8, "top_k": 4, "seed": seed}
+        got = run(mtp, prompt, **sampling)
+        assert got.output == run(plain, prompt, **sampling).output
+        accepted += got.accepted_draft
+    assert accepted > 0
 
 
 def test_mtp_under_chunked_context_prefix_reuse_and_batching(tmp_path_factory):
