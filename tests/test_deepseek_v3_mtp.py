@@ -38,7 +38,7 @@ _CACHE: dict = {}
 
 class Mtp:
     """The MTP module as the formula says, over transformers' DeepseekV3 decoder layer: x_t = eh_proj([enorm(
-    embed(token_{t+1})); hnorm(h_t)]), h_t the main model's last hidden state before its final norm; the decoder
+    embed(token_{t+1})); hnorm(h_t)]), h_t the main model's last hidden state after its final norm; the decoder
     layer over x at positions 0.., causal; logits = lm_head(shared_head.norm(out))."""
 
     def __init__(self, hf_dir: Path):
@@ -60,7 +60,7 @@ class Mtp:
 
     def hidden(self, tokens: list[int]) -> torch.Tensor:
         got = {}
-        hook = self.main.model.norm.register_forward_hook(lambda _m, args, _o: got.__setitem__("h", args[0]))
+        hook = self.main.model.norm.register_forward_hook(lambda _m, _args, out: got.__setitem__("h", out))
         with torch.no_grad():
             self.main(torch.tensor([tokens]))
         hook.remove()
@@ -88,7 +88,7 @@ class Mtp:
             for _ in range(64):
                 s = torch.randint(3, 250, (32,), generator=g).tolist()
                 h = self.hidden(s)
-                data.append((s, h, self.main.lm_head(self.main.model.norm(h)).argmax(-1)[1:]))
+                data.append((s, h, self.main.lm_head(h).argmax(-1)[1:]))
         opt = torch.optim.Adam([*self.own.values(), *self.block.layers.parameters()], lr=3e-3)
         for step in range(steps):
             s, h, target = data[step % len(data)]
@@ -211,12 +211,12 @@ def test_the_mtp_forward_is_the_formula(tmp_path_factory, trained):
         eng.kv.add_sequence(table, tokens, reuse=False)
         try:
             with torch.no_grad():
-                main = Chunk(table, tokens, logits=len(tokens), want_residual=True)
+                main = Chunk(table, tokens, logits=len(tokens), want_states=True)
                 logits = eng.model.forward([main], eng.kv)[0]
-                assert main.residual is not None and logits is not None
-                torch.testing.assert_close(main.residual, ref.hidden(tokens), atol=1e-4, rtol=0)
+                assert main.states is not None and logits is not None
+                torch.testing.assert_close(main.states, ref.hidden(tokens), atol=1e-4, rtol=0)
                 got = eng.model.mtp_forward([Chunk(table, tokens[1:], logits=len(tokens) - 1,
-                                                   residual=main.residual[:-1])], eng.kv)[0]
+                                                   states=main.states[:-1])], eng.kv)[0]
         finally:
             eng.kv.release(table)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

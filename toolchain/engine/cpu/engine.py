@@ -415,7 +415,7 @@ class CpuEngine:
                 chunks.append(Chunk(seq.table, seq.tokens[start:start + n] + draft,
                                     logits=n + len(draft) if tree is not None else 1 + len(draft) if last else 0,
                                     parents=[-1, *tree] if tree is not None else None,
-                                    want_hidden=medusa is not None and last, want_residual=bool(self.mtp_draft_len)))
+                                    want_hidden=medusa is not None and last, want_states=bool(self.mtp_draft_len)))
                 drafts.append(draft)
             with torch.no_grad():
                 logits = self.model.forward(chunks, self.kv)
@@ -472,10 +472,10 @@ class CpuEngine:
         for (seq, n, end, sampled), chunk in zip(commits, chunks, strict=True):
             start = seq.table.length
             m = positions_known(start, n, end - start - n, len(seq.tokens))
-            if m and chunk.residual is not None:
+            if m and chunk.states is not None:
                 want = sampled and not seq.finished
                 runs.append(Chunk(seq.table, seq.tokens[start + 1:start + 1 + m], logits=int(want),
-                                  residual=chunk.residual[:m]))
+                                  states=chunk.states[:m]))
                 drafting.append(seq if want else None)
         if not runs or not isinstance(self.model, Model):  # rank processes are refused an MTP layer (load)
             return

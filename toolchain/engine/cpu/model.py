@@ -48,10 +48,10 @@ class Chunk:
     want_hidden: bool = False
     hidden: torch.Tensor | None = None
     """With want_hidden, forward sets the final-normed hidden states of the logits rows (Medusa heads' input)."""
-    want_residual: bool = False
-    residual: torch.Tensor | None = None
-    """With want_residual, forward sets every row's last hidden state before the final norm (an MTP layer's
-    input, mtp.py); for `mtp_forward`, the caller sets the main model's at the chunk's positions."""
+    want_states: bool = False
+    states: torch.Tensor | None = None
+    """With want_states, forward sets every row's final-normed hidden state, what the model hands an MTP layer
+    (mtp.py); for `mtp_forward`, the caller sets the main model's at the chunk's positions."""
 
 
 def tree_tables(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,23 +190,24 @@ class Model:
                 x = self._mlp_block(shards, local, x)
             if pp_rank + 1 < len(self.stages) and not self.stages[pp_rank + 1]:
                 self._comm.send_hidden(x)
+        final_norm = self.stages[-1][0].part("final_norm") if self.stages[-1] else None
         for c, (s, e) in zip(chunks, rows, strict=True):
-            if c.want_residual and x is not None:
-                c.residual = x[s:e]
-        return self._logits(chunks, rows, x, self.stages[-1][0].part("final_norm") if self.stages[-1] else None)
+            if c.want_states and x is not None and final_norm is not None:
+                c.states = rms_norm(x[s:e], final_norm, self.d.norm_epsilon)
+        return self._logits(chunks, rows, x, final_norm)
 
     def mtp_forward(self, chunks: list[Chunk], kv: KvCacheManager) -> list[torch.Tensor | None]:
         """The first multi-token-prediction layer (mtp.py) over chunks whose `tokens` are the tokens after their
-        positions and whose `residual` holds the main model's hidden states there: writes its cache entries and
+        positions and whose `states` hold the main model's final-normed hidden states there: writes its cache entries and
         returns, per chunk, the logits of its last `logits` rows (each predicting the token two ahead)."""
         rows, ids, batch, (cos, sin), _local = self._prepare(chunks, kv)
         shards, eps = self.stages[-1], self.d.norm_epsilon
         layer = self.d.num_layers  # local and global at pp 1; its cache layer follows the main ones
         w = shards[0].layers[layer].mtp
-        if w is None or any(c.residual is None for c in chunks):
-            raise RuntimeError("mtp_forward needs an MTP layer and each chunk's residual")
+        if w is None or any(c.states is None for c in chunks):
+            raise RuntimeError("mtp_forward needs an MTP layer and each chunk's hidden states")
         embedded = rms_norm(self._embed(shards, ids), w.enorm, eps)
-        hidden = rms_norm(torch.cat([c.residual for c in chunks if c.residual is not None]), w.hnorm, eps)
+        hidden = rms_norm(torch.cat([c.states for c in chunks if c.states is not None]), w.hnorm, eps)
         x = w.eh_proj(torch.cat([embedded, hidden], dim=-1))
         x = self._attention_block(shards, layer, layer, x, batch, cos, sin)
         x = self._mlp_block(shards, layer, x)

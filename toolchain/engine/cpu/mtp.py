@@ -7,10 +7,13 @@ and pairs each position t with the token after it:
 
     x_t = eh_proj([enorm(embed(token_{t+1})) ; hnorm(h_t)])
 
-h_t being the main model's last hidden state at t before its final norm; the decoder layer (MLA attention over its
-own KV cache layer, at the main model's positions, and the mixture of experts) runs over x, and
-lm_head(shared_head.norm(out_t)) predicts token_{t+2}. The embedding and lm_head are the main model's (the paper's
-shared embedding and output head). Its draft is the argmax (greedy drafting, as the MTP worker's draft sampler).
+h_t being the main model's last hidden state at t after its final norm, what the model hands the MTP worker (the
+hidden states TensorRT-LLM's DeepseekV3Model returns, normed by model.norm, which vLLM's and SGLang's MTP layers take
+too; the paper's "representation given by the main model" does not say which, and its eq. 21 writes the hidden half
+first, where eh_proj's name and those implementations put the embedding first: both as recalled, UNVERIFIED against
+the source here). The decoder layer (MLA attention over its own KV cache layer, at the main model's positions, and the
+mixture of experts) runs over x, and lm_head(shared_head.norm(out_t)) predicts token_{t+2}. The embedding and lm_head
+are the main model's (the paper's shared embedding and output head). Its draft is the argmax (greedy drafting).
 
 Each step (engine.py CpuEngine.step) the main model verifies the draft riding on the last token (Sequence.verify:
 greedy output is the target's own, so lossless), then the MTP layer runs over every position whose next token is
