@@ -110,9 +110,16 @@ MODES: dict[str, SpeculativeMode] = {m.name: m for m in (
     # TensorRT-LLM 1.2 engines draft with EAGLE-1/2, not EAGLE-3, and have no MTP.
     SpeculativeMode("eagle3", None, None, "Eagle", (), "draft_model", NOTHING, False, True, False, {
         ENGINE: "EAGLE-3 drafts run on the PyTorch backend only (speculative_config decoding_type Eagle)"}),
-    SpeculativeMode("mtp", None, None, "MTP", (), "", NOTHING, False, True, True, {
+    # The LLM API's CPU stand-in runs mtp with the model's first MTP layer (engine/cpu/mtp.py).
+    SpeculativeMode("mtp", None, None, "MTP", (LLMAPI,), "", NOTHING, False, True, True, {
         ENGINE: "multi-token prediction runs on the PyTorch backend only (MTPDecodingConfig)"}),
 )}
+
+
+def target_draft_layers(mode: str) -> int:
+    """The model's own MTP layers a mode loads beside it: one for mtp (the checkpoint's first; the CPU engine drafts
+    one token a step with it, checkpoint/mtp.py and engine/cpu/mtp.py), none for the other modes."""
+    return 1 if MODES[mode].drafts_in_target else 0
 
 
 def mode_of(name: str) -> SpeculativeMode:

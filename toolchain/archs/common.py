@@ -93,7 +93,8 @@ class Row:
     layers: str | None = None
     """For a `{layer}` row that only some layers hold: "moe" (the layers ArchParams.is_moe_layer names) or
     "dense" (the others), as Llama 4 interleaves dense and mixture-of-experts MLPs and DeepSeek-V3 starts with
-    dense layers; None: every layer."""
+    dense layers; "mtp" (ArchParams.is_mtp_layer: a kept multi-token-prediction layer's own tensors); None: every
+    layer."""
 
     @property
     def per_layer(self) -> bool:
@@ -191,6 +192,9 @@ class Family:
     pipeline_refusal: str | None = None
     """Why the family cannot be split into pipeline stages (with the upstream source saying so), or None: pp > 1 is
     refused by the llmapi.architecture check and by convert for the LLM-API path (gpt-oss asserts pp_size == 1)."""
+    mtp_rows: tuple[Row, ...] = ()
+    """Rows only a multi-token-prediction layer has (DeepSeek-V3's enorm, hnorm, eh_proj, shared_head), beside the
+    decoder rows it shares with the other layers; convert adds them for speculative.mode mtp (checkpoint/mtp.py)."""
 
     def __post_init__(self) -> None:
         # Table mistakes are programming errors: fail at import, not mid-conversion.
@@ -209,7 +213,7 @@ class Family:
                 raise ValueError(f"{self.name}: row {row.hf} names unknown transform {row.transform}")
             if row.shape is not None and not set(row.shape) <= set(DIMS):
                 raise ValueError(f"{self.name}: row {row.hf} shape uses unknown symbols {row.shape}")
-            if row.layers not in (None, "moe", "dense") or (row.layers is not None and not row.per_layer):
+            if row.layers not in (None, "moe", "dense", "mtp") or (row.layers is not None and not row.per_layer):
                 raise ValueError(f"{self.name}: row {row.hf} layers must be moe or dense on a {{layer}} row")
         if self.decoder.fused_mlp != any(r.shard is Shard.FUSED_GATE_UP for r in self.rows):
             raise ValueError(f"{self.name}: decoder.fused_mlp must say whether the table has a FUSED_GATE_UP row")
@@ -272,6 +276,7 @@ DIMS: dict[str, Callable[[Any], int]] = {
     "OV": lambda p: p.num_attention_heads * p.mla["v_head_dim"],             # o_proj columns
     "NH": lambda p: p.num_attention_heads,                    # one value per q head (gpt-oss sinks)
     "2EI": lambda p: 2 * p.expert_size,                       # every expert's fused gate_up_proj (gpt-oss, Llama 4)
+    "2H": lambda p: 2 * p.hidden_size,                        # an MTP layer's eh_proj input [embedding; hidden]
 }
 
 
@@ -334,6 +339,8 @@ class NameTable:
         """Whether decoder layer `layer` holds the tensor of `row` (Row.layers)."""
         if row.layers is None:
             return True
+        if row.layers == "mtp":
+            return self.params.is_mtp_layer(layer)
         return self.params.is_moe_layer(layer) == (row.layers == "moe")
 
     def unmatched_error(self, names: list[str], origin: str) -> ToolchainError:

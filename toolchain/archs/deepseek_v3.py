@@ -24,7 +24,12 @@ the latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms are whole 
 (the PyTorch backend's MLA cache keeps one latent "head" per token on every rank: notes i36-facts §3.5).
 
 The multi-token-prediction layers (model.layers.{num_hidden_layers}.*, num_nextn_predict_layers of them) are
-dropped, as transformers drops them (_keys_to_ignore_on_load_unexpected); MTP as a speculative mode is not here yet.
+dropped, as transformers drops them (_keys_to_ignore_on_load_unexpected), unless speculative.mode is mtp: then
+checkpoint/mtp.py keeps the first one as transformer.layers.{num_hidden_layers}.* (pp 1 only), its decoder under the
+names every layer has and MTP_ROWS' own tensors (this toolchain's names, after the HF ones): enorm, hnorm, eh_proj
+and shared_head.norm, whole on every rank. Its embed_tokens and shared_head.head, where a checkpoint stores them,
+are the main model's embedding and lm_head again (DeepSeek-V3 paper §2.2: "shared embedding ... shared output
+head"), so they are dropped and the CPU engine uses the main ones.
 Refused in one line: q_lora_rank null (DeepSeek-V2-Lite's plain q_proj), norm_topk_prob false (TensorRT-LLM's
 DeepSeekV3 routing always normalises), scoring_func other than sigmoid or topk_method other than noaux_tc (V2's
 softmax routing), attention_bias true, hidden_act other than silu, and any quantization but the released
@@ -88,6 +93,18 @@ ROWS = (
     Row("lm_head.weight", "lm_head.weight", Shard.VOCAB, stage=Stage.LAST, tied_from="model.embed_tokens.weight",
         shape=("V", "H")),
     Row(f"{L}.self_attn.rotary_emb.inv_freq", None, Shard.DROP),
+)
+
+# The multi-token-prediction layer's own tensors (TensorRT-LLM _torch/models/modeling_deepseekv3.py DeepseekV3MTP:
+# enorm and hnorm RMSNorms, eh_proj [H, 2H] without bias, shared_head.norm); its decoder is the table above.
+MTP_ROWS = (
+    Row(f"{L}.enorm.weight", f"{T}.enorm.weight", Shard.REPLICATE, shape=("H",), layers="mtp"),
+    Row(f"{L}.hnorm.weight", f"{T}.hnorm.weight", Shard.REPLICATE, shape=("H",), layers="mtp"),
+    Row(f"{L}.eh_proj.weight", f"{T}.eh_proj.weight", Shard.REPLICATE, shape=("H", "2H"), layers="mtp"),
+    Row(f"{L}.shared_head.norm.weight", f"{T}.shared_head.norm.weight", Shard.REPLICATE, shape=("H",),
+        layers="mtp"),
+    Row(f"{L}.embed_tokens.weight", None, Shard.DROP),
+    Row(f"{L}.shared_head.head.weight", None, Shard.DROP),
 )
 
 # transformers 5.25's DeepseekV3Config defaults (models/deepseek_v3/configuration_deepseek_v3.py) for keys a
@@ -229,6 +246,7 @@ FAMILY = Family(
     quantization=quantization,
     decoder=Decoder(mla=True, shared_expert_gate=False),
     ignore=ignore,
+    mtp_rows=MTP_ROWS,
     engine_refusal=("TensorRT-LLM 1.2.1's engine path does not build DeepseekV3ForCausalLM (MODEL_MAP in "
                     "tensorrt_llm/models/__init__.py has DeepseekV2ForCausalLM and no V3; V3 runs on the PyTorch "
                     "backend, _torch/models/modeling_deepseekv3.py)"),

@@ -125,6 +125,11 @@ class ArchParams:
         first_dense = json.loads(self.extras_json or "{}").get("first_k_dense_replace", 0)
         return self.is_moe and layer >= first_dense and (layers is None or layer in layers)
 
+    def is_mtp_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a multi-token-prediction layer convert kept (DeepSeek-V3's, from
+        `mtp_from`, the main model's layer count, which checkpoint/mtp.py records in extras_json)."""
+        return layer >= json.loads(self.extras_json or "{}").get("mtp_from", self.num_hidden_layers)
+
     @property
     def has_dense_mlp(self) -> bool:
         """Whether some layer holds a dense MLP of intermediate_size (every layer of a dense model)."""

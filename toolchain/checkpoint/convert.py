@@ -26,6 +26,7 @@ from toolchain.weights_source import has_weights
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.checkpoint.layout import TORCH_DTYPES, Options, Plan, build_plan
 from toolchain.checkpoint.hf_quant import read_stored_format
+from toolchain.checkpoint.mtp import attach_mtp
 from toolchain.checkpoint.quantize import Quantizer
 from toolchain.checkpoint.stored import stored_group_size, virtualize_modelopt, virtualize_prequantized
 from toolchain.checkpoint.writer import write_plan
@@ -57,14 +58,16 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
                     use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                     ckpt: HFCheckpoint | None = None, quantization: Quantization | None = None,
                     gpu: tuple[str | None, int | None] | None = None, moe_tp: int | None = None,
-                    moe_ep: int | None = None, path: str | None = None) -> Plan:
+                    moe_ep: int | None = None, path: str | None = None, mtp_layers: int = 0) -> Plan:
     """Everything `convert_checkpoint` would write, per rank, without reading weights. `quantization` is
     the spec's request (Quantization.of its section), to which quantization_of adds the source checkpoint's
     own format (its config.json, and a ModelOpt export's hf_quant_config.json). `gpu` is (name, SM) of the
     target GPU when the spec names one (format checks); `moe_tp`/`moe_ep` the spec's expert parallelism
     (None: derived as TensorRT-LLM's Mapping does). `path` is the path whose runtime loads the result, the target's
     unless given: CpuLLM, the LLM-API path's stand-in, converts for the CPU engine with path llmapi, so a stored
-    format the PyTorch backend loads and trtllm-build lacks (FP8 block scales) is imported there too."""
+    format the PyTorch backend loads and trtllm-build lacks (FP8 block scales) is imported there too.
+    `mtp_layers`: the model's multi-token-prediction layers to keep (speculative.mode mtp; checkpoint/mtp.py),
+    0 to drop them."""
     ckpt = ckpt or HFCheckpoint(hf_dir)
     family, params = load_params(ckpt.config, str(ckpt.config_path))
     if family.parallel_embedding_at_tp:  # the family's TensorRT-LLM config decides (archs/gemma.py)
@@ -144,6 +147,8 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
         config["quantization"] = quant.config()
     plan = build_plan(family, params, ckpt, opts, config, quant=quant)
     plan.config_only = config_only
+    if mtp_layers:
+        attach_mtp(plan, ckpt, mtp_layers)
     return plan
 
 
@@ -184,7 +189,7 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
                        embedding_sharding_dim: int = 0, quantization: Quantization | None = None,
                        tokenizer_dir: Path | str | None = None, calibration: list | None = None,
                        gpu: tuple[str | None, int | None] | None = None, moe_tp: int | None = None,
-                       moe_ep: int | None = None, path: str | None = None) -> dict:
+                       moe_ep: int | None = None, path: str | None = None, mtp_layers: int = 0) -> dict:
     """Write config.json and rank{N}.safetensors into `out_dir` (existing, empty);
     return the config written. `path`: as plan_checkpoint's."""
     out = Path(out_dir)
@@ -195,7 +200,7 @@ def convert_checkpoint(hf_dir: Path | str, out_dir: Path | str, *, tp: int, pp: 
         plan = plan_checkpoint(hf_dir, tp=tp, pp=pp, dtype=dtype, target=target,
                                use_parallel_embedding=use_parallel_embedding,
                                embedding_sharding_dim=embedding_sharding_dim, ckpt=ckpt, quantization=quantization,
-                               gpu=gpu, moe_tp=moe_tp, moe_ep=moe_ep, path=path)
+                               gpu=gpu, moe_tp=moe_tp, moe_ep=moe_ep, path=path, mtp_layers=mtp_layers)
         if plan.quant is not None and not plan.quant.imports:
             # a pending quantizer, before calibrating (--dry-run still plans it)
             plan.quant.format.check_implemented(ENGINE)

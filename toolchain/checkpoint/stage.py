@@ -28,7 +28,7 @@ from toolchain.gpus import lookup
 from toolchain.manifest import Manifest, reusable
 from toolchain.quant.view import Quantization
 from toolchain.spec import DeploymentSpec
-from toolchain.speculative import DRAFT_ENGINE, mode_of
+from toolchain.speculative import DRAFT_ENGINE, mode_of, target_draft_layers
 from toolchain.weights_source import source_record
 from toolchain.targets import ENGINE, require_target
 from toolchain.workspace import Workspace
@@ -59,9 +59,16 @@ def _moe_settings(spec: DeploymentSpec) -> dict:
 _ATTACH = {"medusa": (attach_heads, "heads"), "eagle": (attach_draft, "draft")}
 
 
+def mtp_layers(spec: DeploymentSpec) -> int:
+    """The model's own MTP layers convert keeps (checkpoint/mtp.py), as the mode's row says."""
+    return target_draft_layers(spec.speculative.mode)
+
+
 def _speculative_settings(spec: DeploymentSpec) -> dict:
-    """Medusa heads or an EAGLE draft change the checkpoint; other modes do not."""
+    """Medusa heads, an EAGLE draft or the model's MTP layers change the checkpoint; other modes do not."""
     sp = spec.speculative
+    if mtp_layers(spec):
+        return {sp.mode: {"layers": mtp_layers(spec)}}
     if sp.mode not in _ATTACH:
         return {}
     _attach, heads_key = _ATTACH[sp.mode]
@@ -105,7 +112,7 @@ def _plan_options(spec: DeploymentSpec, loaded_by: str | None = None) -> dict:
     return {"tp": par.tp, "pp": par.pp, "dtype": spec.model.dtype, "target": spec.target, "path": loaded_by,
             "use_parallel_embedding": par.parallel_embedding, "embedding_sharding_dim": par.embedding_sharding_dim,
             "quantization": Quantization.of(spec.quantization), "gpu": target_gpu(spec), "moe_tp": par.moe_tp,
-            "moe_ep": par.moe_ep}
+            "moe_ep": par.moe_ep, "mtp_layers": mtp_layers(spec)}
 
 
 def plan_convert(spec: DeploymentSpec) -> Plan:

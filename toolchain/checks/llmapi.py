@@ -37,6 +37,12 @@ def _speculative(ctx: Context):
             return FAIL, ("speculative.mode=mtp needs a model with multi-token prediction layers "
                           "(num_nextn_predict_layers in config.json, as DeepSeek-V3 has); this one has none: "
                           "use draft_target, eagle3 or ngram")
+        if ctx.spec.parallelism.pp > 1:  # DeepseekV3ForCausalLM asserts it (_torch/models/modeling_deepseekv3.py)
+            return FAIL, "speculative.mode=mtp with parallelism.pp > 1: PP + MTP combination is not supported; set pp 1"
+        found = ctx.family()
+        if found is None or not found[0].mtp_rows:  # the CPU stand-in's convert keeps the layer by those rows
+            return FAIL, ("speculative.mode=mtp needs a family whose MTP layer this toolchain knows "
+                          "(DeepseekV3ForCausalLM's, archs/deepseek_v3.py MTP_ROWS)")
         return PASS, f"speculative_config decoding_type MTP over the model's {layers} MTP layer(s)"
     if sp.max_draft_len < 1:
         return FAIL, f"speculative.mode={sp.mode} needs speculative.max_draft_len >= 1"

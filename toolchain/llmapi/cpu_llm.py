@@ -223,9 +223,7 @@ def engine_spec(args: dict[str, Any]):
     if kv.get("dtype", "auto") not in ("auto", None, "fp8"):
         raise LlmArgsError(f"kv_cache_config.dtype {kv['dtype']!r} is not supported on the CPU engine yet; use auto")
     _check_attention_dp(args)
-    if args.get("speculative_config"):
-        raise LlmArgsError("speculative_config is not supported on the CPU engine yet (target llmapi-cpu); "
-                           "remove it, or deploy with target llmapi on a GPU host")
+    speculative = _speculative(args)
     sched = _section(args, "scheduler_config")
     policy = sched.get("capacity_scheduler_policy", "GUARANTEED_NO_EVICT")
     if policy not in POLICIES:
@@ -251,12 +249,40 @@ def engine_spec(args: dict[str, Any]):
             "build": {"tokens_per_block": _int(kv, "tokens_per_block", 32),
                       "kv_cache_reuse": bool(kv.get("enable_block_reuse", True)),
                       "chunked_context": bool(args.get("enable_chunked_prefill", False))},
+            "speculative": speculative,
             "serving": {"kv_cache_free_gpu_mem_fraction": kv.get("free_gpu_memory_fraction", 0.9),
                         "max_tokens_in_paged_kv_cache": kv.get("max_tokens"),
                         "batch_scheduler_policy": POLICIES[policy]},
         })
     except Exception as err:  # pydantic's message names the field
         raise LlmArgsError(f"LLM arguments the CPU engine cannot run: {str(err).splitlines()[0]}") from None
+
+
+# MTPDecodingConfig's fields that change what is drafted or accepted, at the values the CPU engine runs (facts
+# llmapi.json speculative.types.MTP): greedy acceptance only, no thinking-phase relaxation.
+_MTP_NEUTRAL = {"use_relaxed_acceptance_for_thinking": False, "relaxed_topk": 1, "relaxed_delta": 0.0}
+
+
+def _speculative(args: dict[str, Any]) -> dict:
+    """The spec's speculative section for LLM()'s speculative_config: MTPDecodingConfig with one MTP layer (the CPU
+    engine drafts one token a step with the model's own, engine/cpu/mtp.py: vanilla MTP and MTP-Eagle draft the same
+    with one layer), refused otherwise in one line."""
+    cfg = _section(args, "speculative_config")
+    if not cfg:
+        return {"mode": "none"}
+    kind = cfg.get("decoding_type")
+    if kind != "MTP":
+        raise LlmArgsError(f"speculative_config decoding_type {kind!r} is not run by the CPU engine (target "
+                           "llmapi-cpu), which runs MTP only; remove it, or deploy with target llmapi on a GPU host")
+    layers = cfg.get("num_nextn_predict_layers", 1)
+    if layers != 1 or cfg.get("max_draft_len") not in (None, 1):
+        raise LlmArgsError(f"speculative_config (MTP) num_nextn_predict_layers {layers!r}: the CPU engine drafts one "
+                           "token a step with the model's first MTP layer; set num_nextn_predict_layers: 1")
+    for key, neutral in _MTP_NEUTRAL.items():
+        if cfg.get(key, neutral) != neutral:
+            raise LlmArgsError(f"speculative_config (MTP) {key} {cfg[key]!r} is not supported by the CPU engine, which "
+                               f"accepts drafts greedily only; remove it (default {neutral!r})")
+    return {"mode": "mtp", "max_draft_len": 1}
 
 
 def _check_attention_dp(args: dict[str, Any]) -> None:

@@ -20,7 +20,8 @@ from toolchain.errors import ToolchainError
 from toolchain.plan.model import load_model
 from toolchain.quant import formats
 from toolchain.quant.view import Quantization, quantization_of
-from toolchain.speculative import CHECKPOINT, mode_of
+from toolchain.plan import mtp
+from toolchain.speculative import CHECKPOINT, mode_of, target_draft_layers
 from toolchain.targets import LLMAPI, target_of
 
 
@@ -132,6 +133,9 @@ def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
     fraction = spec.serving.kv_cache_free_gpu_mem_fraction
     spec_mode = spec.speculative.mode
     draft_len = spec.speculative.max_draft_len if spec_mode != "none" else 0
+    mtp_layers = target_draft_layers(spec_mode)  # the model's own MTP layers (plan/mtp.py), on the last stage
+    if mtp_layers:  # MTPDecodingConfig drafts num_nextn_predict_layers tokens (llmapi/args.py: max_draft_len or 1)
+        draft_len = draft_len or 1
     beam = build.max_beam_width
     seq_tokens = mem.sequence_tokens(lim.max_seq_len, draft_len, build.tokens_per_block,
                                      getattr(p, "sliding_window", None)) * beam
@@ -167,6 +171,9 @@ def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
                       attention_dp=par.attention_dp)
         weights = mem.rank_weights(p, **common).total + heads
         stored = mem.rank_weights(p, stored=True, **common).total + heads
+        if mtp_layers and pp_rank == pp - 1:
+            weights += mtp.weight_bytes(p, mtp_layers, **common)
+            stored += mtp.weight_bytes(p, mtp_layers, stored=True, **common)
         act = mem.activation_bytes(p, tp=attn_tp, max_num_tokens=lim.max_num_tokens, max_input_len=lim.max_input_len,
                                    context_fmha=build.context_fmha, act_bytes=act_width)
         if pp_rank == pp - 1:
@@ -177,7 +184,8 @@ def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
         graphs = mem.cuda_graph_bytes(p, tp=attn_tp, batch=graph_batch, draft_len=draft_len, last_stage=pp_rank == pp - 1)
         on_gpu = draft_bytes if rank == 0 else 0
         free = device_bytes - weights - act - workspace - graphs - on_gpu
-        kv_tok = mem.kv_bytes_per_token(p, tp=attn_tp, stage_layer_count=len(layers), kv_bytes=kv_bytes)
+        kv_tok = mem.kv_bytes_per_token(p, tp=attn_tp, kv_bytes=kv_bytes,
+                                        stage_layer_count=len(layers) + (mtp_layers if pp_rank == pp - 1 else 0))
         if gpu:
             kv_tok = math.ceil(kv_tok * mem.window_share(p, layers, seq_tokens // beam))
         pool = int(fraction * free) if free > 0 else 0

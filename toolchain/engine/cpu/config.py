@@ -145,6 +145,15 @@ class ModelDims:
     DeepSeek-V3's and Llama 4's are added as they are."""
     llama4: Llama4Attention | None = None
     """Llama 4's rope and NoPE layers, chunks, q/k norm and temperature tuning (engine/cpu/llama4.py)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers held after the main ones (config.json num_nextn_predict_layers, which
+    checkpoint/mtp.py writes for speculative.mode mtp): global layers num_layers.., on the last stage, each with
+    its own KV cache layer (engine/cpu/mtp.py)."""
+
+    @property
+    def cache_layers(self) -> int:
+        """Layers the KV pool holds: the main ones, then the MTP layers'."""
+        return self.num_layers + self.mtp_layers
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer `layer` holds experts rather than a dense MLP."""

@@ -10,6 +10,7 @@ A request gets the same tokens alone or batched.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 import os
 import threading
@@ -21,11 +22,14 @@ from toolchain.engine.cpu.config import BuildLimits, ModelDims, read_engine_conf
 from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager
 from toolchain.plan.memory import cpu_default_max_tokens
 from toolchain.engine.cpu.model import Chunk, Model
+from toolchain.engine.cpu.mtp import positions_known
 from toolchain.engine.cpu.sampling import Sampler, SamplingParams
 from toolchain.engine.cpu.comm import Comm, num_blocks
 from toolchain.engine.cpu.ranks import LeaderModel
 from toolchain.engine.cpu.weights import load_own_stage, load_stages
 from toolchain.errors import ToolchainError
+
+log = logging.getLogger(__name__)
 
 
 class Sequence:
@@ -42,7 +46,8 @@ class Sequence:
         self.acceptance_threshold = acceptance_threshold
         self.accepted_draft = 0
         self.drafted = len(self.draft)  # draft tokens offered for verification (total_draft_tokens)
-        self.tree: list[int] = []  # Medusa: the draft tree's tokens for the next step, in the tree's node order
+        # The engine's own drafts for the next step: a Medusa tree's tokens in node order, or MTP's (mtp.py).
+        self.tree: list[int] = []
         # return_generation_logits: a list the caller owns, extended each step with the logits rows
         # [n, V] its n emitted tokens were chosen from; None (the default) keeps nothing.
         self.generation_logits: list[torch.Tensor] | None = None
@@ -232,6 +237,8 @@ class CpuEngine:
         self.model = model
         self.kv = kv
         self.medusa = MedusaTree.create(medusa_choices, dims, limits) if dims.medusa_heads else None
+        # Draft tokens the engine's multi-token-prediction layer adds to each step (mtp.py): one, from the first.
+        self.mtp_draft_len = 1 if dims.mtp_layers else 0
         if medusa_choices is not None and not dims.medusa_heads:
             raise ToolchainError("medusa_choices given for an engine without Medusa heads",
                                  "build a MedusaForCausalLM engine (speculative.mode medusa) or drop the choices")
@@ -265,9 +272,9 @@ class CpuEngine:
             torch.set_num_threads(num_threads)
         engine_dir = Path(engine_dir)
         config, dims, limits = read_engine_config(engine_dir)
-        if comm is not None and dims.medusa_heads:
-            raise ToolchainError("Medusa heads are not run across rank processes",
-                                 "serve this engine in one process (serving.launch: single)")
+        if comm is not None and (dims.medusa_heads or dims.mtp_layers):
+            raise ToolchainError(f"{'Medusa heads are' if dims.medusa_heads else 'an MTP layer is'} not run across "
+                                 "rank processes", "serve this engine in one process (serving.launch: single)")
         model = Model(dims, load_own_stage(engine_dir, dims, comm.rank) if comm else load_stages(engine_dir, dims),
                       comm)
         if unit_kv_scales:
@@ -334,8 +341,9 @@ class CpuEngine:
 
     def _draft_problem(self, draft) -> str | None:
         limit = self.limits.max_draft_len
-        if self.medusa is not None:
-            return "draft_input_ids given to a Medusa engine, which drafts with its own heads; send none"
+        if self.medusa is not None or self.mtp_draft_len:
+            return (f"draft_input_ids given to {'a Medusa engine' if self.medusa else 'an engine with an MTP layer'}, "
+                    "which drafts with its own; send none")
         if limit == 0:
             return ("draft_input_ids given, but the engine was built without speculative decoding "
                     "(max_draft_len 0); set speculative.mode and max_draft_len and rebuild")
@@ -366,7 +374,8 @@ class CpuEngine:
         """Blocks `seq` needs beyond those it holds (or, before `add`, beyond its context's) to
         reach its longest possible length: guaranteed_no_evict's reservation."""
         # The last token is never fed back; draft tokens are written before they are verified.
-        longest = len(seq.prompt) + max(seq.params.max_new_tokens - 1, len(seq.draft))
+        # An MTP draft rides on the last fed token too.
+        longest = len(seq.prompt) + max(seq.params.max_new_tokens - 1, len(seq.draft)) + self.mtp_draft_len
         if self.medusa is not None:  # the last step's tree is written beyond the last fed token
             longest = len(seq.prompt) + seq.params.max_new_tokens - 1 + len(self.medusa.parents)
         held = len(seq.table.blocks) if seq.has_blocks else self.kv.blocks_for(len(seq.tokens))
@@ -406,11 +415,11 @@ class CpuEngine:
                 chunks.append(Chunk(seq.table, seq.tokens[start:start + n] + draft,
                                     logits=n + len(draft) if tree is not None else 1 + len(draft) if last else 0,
                                     parents=[-1, *tree] if tree is not None else None,
-                                    want_hidden=medusa is not None and last))
+                                    want_hidden=medusa is not None and last, want_states=bool(self.mtp_draft_len)))
                 drafts.append(draft)
             with torch.no_grad():
                 logits = self.model.forward(chunks, self.kv)
-            emitted = []
+            emitted, commits = [], []
             for (seq, n), rows, draft, chunk in zip(batch, logits, drafts, chunks, strict=False):
                 length = seq.table.length + n
                 path: list[int] = []
@@ -422,7 +431,11 @@ class CpuEngine:
                         tokens, path = medusa.verify(seq, rows)
                     elif draft:
                         tokens = seq.verify(rows, draft)
-                        seq.draft = []
+                        if seq.draft:
+                            seq.draft = []
+                        else:  # the MTP layer's draft (a Medusa tree takes the branch above)
+                            seq.drafted += len(draft)
+                            seq.tree = []
                     else:
                         tokens = seq.accept(rows[0])
                     if seq.generation_logits is not None and tokens and rows is not None:
@@ -442,9 +455,39 @@ class CpuEngine:
                 else:
                     # Accepted draft tokens keep their K/V; a rejected one's are left beyond the length.
                     accepted = max(0, min(len(tokens) - 1, len(draft))) if chunk.parents is None else 0
-                self.kv.commit(seq.table, seq.tokens, length + accepted)
+                commits.append((seq, n, length + accepted, rows is not None))
                 emitted.append(tokens)
+            if self.mtp_draft_len:
+                self._mtp_drafts(commits, chunks)
+            for seq, _n, end, _sampled in commits:
+                self.kv.commit(seq.table, seq.tokens, end)
             return emitted
+
+    def _mtp_drafts(self, commits: list[tuple[Sequence, int, int, bool]], chunks: list[Chunk]) -> None:
+        """The MTP layer (mtp.py) over every position of the step whose next token is known now, writing its cache
+        there, and each sequence that sampled and goes on drafts its next token from the last (greedy). Before the
+        commits: the tables' lengths are still where the step's tokens start. A failure here costs the drafts only."""
+        runs: list[Chunk] = []
+        drafting: list[Sequence | None] = []
+        for (seq, n, end, sampled), chunk in zip(commits, chunks, strict=True):
+            start = seq.table.length
+            m = positions_known(start, n, end - start - n, len(seq.tokens))
+            if m and chunk.states is not None:
+                want = sampled and not seq.finished
+                runs.append(Chunk(seq.table, seq.tokens[start + 1:start + 1 + m], logits=int(want),
+                                  states=chunk.states[:m]))
+                drafting.append(seq if want else None)
+        if not runs or not isinstance(self.model, Model):  # rank processes are refused an MTP layer (load)
+            return
+        try:
+            with torch.no_grad():
+                rows = self.model.mtp_forward(runs, self.kv)
+        except Exception:  # the output is the target's either way; the next steps run without a draft
+            log.exception("the MTP layer's forward failed; continuing without drafts")
+            return
+        for drafter, row in zip(drafting, rows, strict=True):
+            if drafter is not None and row is not None:
+                drafter.tree = [int(row[-1].argmax())]
 
     # -- synchronous entry points ---------------------------------------------------
 

@@ -93,7 +93,7 @@ def kv_bytes_per_token(d: ModelDims) -> int:
     kind = KV_KINDS.get(d.kv_cache_quant_algo or "")
     width = 1 if kind else 4  # the CPU engine keeps an unquantized cache in float32
     heads, k_width, v_width = cache_widths(d)
-    return d.num_layers * d.tp * heads * (k_width + v_width) * width
+    return d.cache_layers * d.tp * heads * (k_width + v_width) * width
 
 
 def available_memory_bytes() -> int:
@@ -153,8 +153,8 @@ class KvCacheManager:
         dtype = storage_dtype(self.kind) if self.kind else torch.float32
         heads, k_width, v_width = cache_widths(d)
         slots = num_blocks * tokens_per_block
-        self.k = torch.empty((d.num_layers, d.tp, slots, heads, k_width), dtype=dtype)
-        self.v = torch.empty((d.num_layers, d.tp, slots, heads, v_width), dtype=dtype)
+        self.k = torch.empty((d.cache_layers, d.tp, slots, heads, k_width), dtype=dtype)
+        self.v = torch.empty((d.cache_layers, d.tp, slots, heads, v_width), dtype=dtype)
         self._blocks = [_Block(i) for i in range(num_blocks)]
         # Never-registered free blocks, as a stack: the most recently freed (warm) block goes out first.
         self._clean = list(range(num_blocks - 1, -1, -1))
@@ -196,7 +196,7 @@ class KvCacheManager:
     @property
     def bytes_per_token(self) -> int:
         entry = self.k.element_size() * self.k[0, 0, 0].numel() + self.v.element_size() * self.v[0, 0, 0].numel()
-        return entry * self.d.num_layers * self.d.tp
+        return entry * self.d.cache_layers * self.d.tp
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.tokens_per_block)

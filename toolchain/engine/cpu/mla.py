@@ -103,7 +103,12 @@ def parse(cfg: dict, origin: str, *, tp: int, heads: int, intermediate: int, qua
     mla = MlaDims(values["q_lora_rank"], values["kv_lora_rank"], values["qk_nope_head_dim"],
                   values["qk_rope_head_dim"], values["v_head_dim"], bool(raw.get("rope_interleave", True)),
                   dict(scaling) if kind == "yarn" else None)
-    return {"mla": mla, "dense_layers": values["first_k_dense_replace"],
+    mtp = cfg.get("num_nextn_predict_layers", 0)  # the MTP layers convert kept (checkpoint/mtp.py), 0: none
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+        raise ToolchainError(f"{origin}: num_nextn_predict_layers must be an integer >= 0, got {mtp!r}", _REBUILD)
+    if mtp and int(cfg.get("mapping", {}).get("pp_size", 1)) > 1:
+        raise ToolchainError(f"{origin}: MTP layers with pp_size > 1 (PP + MTP combination is not supported)", _REBUILD)
+    return {"mla": mla, "dense_layers": values["first_k_dense_replace"], "mtp_layers": mtp,
             "grouped_routing": GroupedRouting(values["n_group"], values["topk_group"], float(scale)),
             "expert_size": values["moe_intermediate_size"],
             "shared_expert_size": values["shared_expert_intermediate_size"], "shared_expert_gate": False}

@@ -50,6 +50,10 @@ class Chunk:
     want_hidden: bool = False
     hidden: torch.Tensor | None = None
     """With want_hidden, forward sets the final-normed hidden states of the logits rows (Medusa heads' input)."""
+    want_states: bool = False
+    states: torch.Tensor | None = None
+    """With want_states, forward sets every row's final-normed hidden state, what the model hands an MTP layer
+    (mtp.py); for `mtp_forward`, the caller sets the main model's at the chunk's positions."""
 
 
 def tree_tables(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,6 +176,50 @@ class Model:
         """Run the chunks; per chunk the logits of its last `logits` positions [logits, V], or None
         for 0. Writes their K/V into `kv` but leaves every table's length as it
         was: the caller commits after sampling, so a failed step can be retried."""
+        rows, ids, batch, (cos, sin), local_tables = self._prepare(chunks, kv)
+
+        x: torch.Tensor | None = None
+        for pp_rank, shards in enumerate(self.stages):
+            if not shards:
+                continue
+            if pp_rank == 0:
+                x = self._embed(shards, ids)
+                if self.d.inter_layernorms:  # Gemma: embedding x sqrt(hidden_size) (GemmaModel.forward)
+                    x = x * math.sqrt(self.d.hidden_size)
+            elif x is None:  # this rank process starts at a later stage
+                x = self._comm.recv_hidden(len(ids), self.d.hidden_size)
+            for local in range(len(self.d.stage_layers(pp_rank))):  # an MTP layer after them runs in mtp_forward
+                layer = self.layer_offset[pp_rank] + local
+                tables = local_tables if self.d.is_local(layer) else (cos, sin)
+                x = self._attention_block(shards, local, layer, x, batch, *tables)
+                x = self._mlp_block(shards, local, x)
+            if pp_rank + 1 < len(self.stages) and not self.stages[pp_rank + 1]:
+                self._comm.send_hidden(x)
+        final_norm = self.stages[-1][0].part("final_norm") if self.stages[-1] else None
+        for c, (s, e) in zip(chunks, rows, strict=True):
+            if c.want_states and x is not None and final_norm is not None:
+                c.states = rms_norm(x[s:e], final_norm, self.d.norm_epsilon)
+        return self._logits(chunks, rows, x, final_norm)
+
+    def mtp_forward(self, chunks: list[Chunk], kv: KvCacheManager) -> list[torch.Tensor | None]:
+        """The first multi-token-prediction layer (mtp.py) over chunks whose `tokens` are the tokens after their
+        positions and whose `states` hold the main model's final-normed hidden states there: writes its cache entries and
+        returns, per chunk, the logits of its last `logits` rows (each predicting the token two ahead)."""
+        rows, ids, batch, (cos, sin), _local = self._prepare(chunks, kv)
+        shards, eps = self.stages[-1], self.d.norm_epsilon
+        layer = self.d.num_layers  # local and global at pp 1; its cache layer follows the main ones
+        w = shards[0].layers[layer].mtp
+        if w is None or any(c.states is None for c in chunks):
+            raise RuntimeError("mtp_forward needs an MTP layer and each chunk's hidden states")
+        embedded = rms_norm(self._embed(shards, ids), w.enorm, eps)
+        hidden = rms_norm(torch.cat([c.states for c in chunks if c.states is not None]), w.hnorm, eps)
+        x = w.eh_proj(torch.cat([embedded, hidden], dim=-1))
+        x = self._attention_block(shards, layer, layer, x, batch, cos, sin)
+        x = self._mlp_block(shards, layer, x)
+        return self._logits(chunks, rows, x, w.head_norm)
+
+    def _prepare(self, chunks: list[Chunk], kv: KvCacheManager):
+        """Each chunk's rows in the batch, the token ids, the attention batch and the rope tables (global, local)."""
         rows: list[tuple[int, int]] = []
         decode: list[tuple] = []
         context: list[tuple] = []
@@ -200,32 +248,18 @@ class Model:
         cos, sin = self.rotary.tables(torch.cat(positions), torch.cat(lengths))
         local_tables = (self.rotary_local.tables(torch.cat(positions), torch.cat(lengths))
                         if self.rotary_local is not None else (cos, sin))
+        return rows, ids, batch, (cos, sin), local_tables
 
-        x: torch.Tensor | None = None
-        for pp_rank, shards in enumerate(self.stages):
-            if not shards:
-                continue
-            if pp_rank == 0:
-                x = self._embed(shards, ids)
-                if self.d.inter_layernorms:  # Gemma: embedding x sqrt(hidden_size) (GemmaModel.forward)
-                    x = x * math.sqrt(self.d.hidden_size)
-            elif x is None:  # this rank process starts at a later stage
-                x = self._comm.recv_hidden(len(ids), self.d.hidden_size)
-            for local in range(len(shards[0].layers)):
-                layer = self.layer_offset[pp_rank] + local
-                tables = local_tables if self.d.is_local(layer) else (cos, sin)
-                x = self._attention_block(shards, local, layer, x, batch, *tables)
-                x = self._mlp_block(shards, local, x)
-            if pp_rank + 1 < len(self.stages) and not self.stages[pp_rank + 1]:
-                self._comm.send_hidden(x)
-
+    def _logits(self, chunks: list[Chunk], rows: list[tuple[int, int]], x: torch.Tensor | None,
+                final_norm: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """Per chunk the logits of its last `logits` rows of `x` through `final_norm` and the lm_head."""
         wanted: list[int] = []
         for c, (s, e) in zip(chunks, rows, strict=False):
             wanted.extend(range(e - min(c.logits, e - s), e))
         last = self.stages[-1]
         h = logits = None
-        if wanted and last and x is not None:
-            h = rms_norm(x[wanted], last[0].part("final_norm"), self.d.norm_epsilon)
+        if wanted and last and x is not None and final_norm is not None:
+            h = rms_norm(x[wanted], final_norm, self.d.norm_epsilon)
             logits = self._lm_head(last, h)
             if self.d.final_softcap:  # Gemma 2 (DecoderModelForCausalLM.forward): tanh(l / c) * c
                 logits = torch.tanh(logits / self.d.final_softcap) * self.d.final_softcap

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from toolchain.checkpoint.hf_reader import check_header
 from toolchain.engine.cpu.config import ModelDims
-from toolchain.engine.cpu import mla
+from toolchain.engine.cpu import mla, mtp
 from toolchain.engine.cpu.clamped_swiglu import clamped_swiglu
 from toolchain.engine.cpu.linear import Linear
 from toolchain.engine.cpu.moe import Experts, expert_slices
@@ -61,6 +61,7 @@ class LayerShard:
     post_ff_norm: torch.Tensor | None = None  # inter_layernorms: on the MLP output
     mla: mla.MlaShard | None = None  # DeepSeek-V3's latent projections (engine/cpu/mla.py)
     sinks: torch.Tensor | None = None  # attention_sinks (gpt-oss): this rank's q heads' sink logits, float32
+    mtp: mtp.MtpShard | None = None  # a multi-token-prediction layer's own norms and eh_proj (engine/cpu/mtp.py)
 
 
 @dataclass
@@ -87,9 +88,18 @@ def _layer(i: int) -> str:
     return f"transformer.layers.{i}"
 
 
+def held_layers(d: ModelDims, pp_rank: int) -> list[int]:
+    """Global indices of the layers a stage's ranks hold: its share of the main ones, and on the last stage the
+    multi-token-prediction layers after them (pp 1 only: config.py), at local indices that continue the count."""
+    layers = list(d.stage_layers(pp_rank))
+    if pp_rank == d.pp - 1:
+        layers += range(d.num_layers, d.cache_layers)
+    return layers
+
+
 def _global(d: ModelDims, pp_rank: int, local: int) -> str:
     """A layer's TensorRT-LLM module prefix with its global index (what exclude_modules globs name)."""
-    return _layer(d.stage_layers(pp_rank)[local])
+    return _layer(held_layers(d, pp_rank)[local])
 
 
 def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -106,8 +116,10 @@ def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tupl
             out[EMBEDDING] = ((d.padded_vocab // T, H), "float")
         else:
             out[EMBEDDING] = ((d.vocab_size, H // T), "float")
-    for i in range(len(d.stage_layers(pp_rank))):
+    for i, layer in enumerate(held_layers(d, pp_rank)):
         p = _layer(i)
+        if layer >= d.num_layers:
+            out.update(mtp.tensors(p, H))
         out[f"{p}.input_layernorm.weight"] = ((H,), "float")
         out[f"{p}.post_layernorm.weight"] = ((H,), "float")
         if d.inter_layernorms:
@@ -120,7 +132,7 @@ def expected_tensors(d: ModelDims, tp_rank: int, pp_rank: int) -> dict[str, tupl
             out[f"{p}.attention.kv_cache_scaling_factor"] = ((1,), "float")
         if d.attention_sinks:  # split with the q heads (archs/gpt_oss.py)
             out[f"{p}.attention.sinks"] = ((d.heads_per_rank,), "float")
-        moe_layer = d.is_moe_layer(d.stage_layers(pp_rank)[i])
+        moe_layer = d.is_moe_layer(layer)
         if moe_layer:
             out.update(_moe_tensors(d, p, _global(d, pp_rank, i), tp_rank))
         if d.mla is not None:
@@ -341,13 +353,13 @@ def check_kept_unquantized(d: ModelDims, path: Path, present: set[str], pp_rank:
 
 def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int, pp_rank: int) -> RankShard:
     layers = []
-    for i in range(len(d.stage_layers(pp_rank))):
+    for i, layer in enumerate(held_layers(d, pp_rank)):
         p, g = _layer(i), _global(d, pp_rank, i)
 
         def linear(name: str, bias: bool, p=p, g=g) -> Linear:
             return make_linear(t, f"{p}.{name}", bias, d.linear_format(f"{g}.{name}"), group=d.group_size)
 
-        dense_mlp = not d.is_moe_layer(d.stage_layers(pp_rank)[i])
+        dense_mlp = not d.is_moe_layer(layer)
         layers.append(LayerShard(
             input_norm=t[f"{p}.input_layernorm.weight"],
             qkv=linear("attention.qkv", d.attn_bias) if d.mla is None else None,
@@ -364,6 +376,7 @@ def _assemble(d: ModelDims, t: dict[str, torch.Tensor], rank: int, tp_rank: int,
             post_ff_norm=t.get(f"{p}.post_feedforward_layernorm.weight"),
             mla=mla.load(t, p, _formats(d, g)) if d.mla is not None else None,
             sinks=t.get(f"{p}.attention.sinks"),
+            mtp=mtp.load(t, p) if layer >= d.num_layers else None,
         ))
     shard = RankShard(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, layers=layers)
     shard.embedding = t.get(EMBEDDING)
@@ -472,7 +485,7 @@ def check_replicas(stages: list[list[RankShard]], d: ModelDims) -> None:
                           (f"{p}.mlp.router.bias", _router_bias(la), _router_bias(lb)),
                           (f"{p}.{SHARED_GATE}", _shared_gate(la), _shared_gate(lb)),
                           (f"{p}.{SCORE_BIAS}", _score_bias(la), _score_bias(lb)),
-                          *mla.replicas(p, la.mla, lb.mla)]
+                          *mla.replicas(p, la.mla, lb.mla), *mtp.replicas(p, la.mtp, lb.mtp)]
             for name, a, b in pairs:
                 if a is not None and b is not None and not torch.equal(a, b):
                     raise ToolchainError(
