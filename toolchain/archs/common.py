@@ -93,7 +93,7 @@ class Row:
     layers: str | None = None
     """For a `{layer}` row that only some layers hold: "moe" (the layers ArchParams.is_moe_layer names) or
     "dense" (the others), as Llama 4 interleaves dense and mixture-of-experts MLPs and DeepSeek-V3 starts with
-    dense layers; "mtp" (ArchParams.is_mtp_layer: a kept multi-token-prediction layer's own tensors); None: every
+    dense layers; "nextn" (ArchParams.is_mtp_layer: a kept multi-token-prediction layer's own tensors); None: every
     layer."""
 
     @property
@@ -213,7 +213,7 @@ class Family:
                 raise ValueError(f"{self.name}: row {row.hf} names unknown transform {row.transform}")
             if row.shape is not None and not set(row.shape) <= set(DIMS):
                 raise ValueError(f"{self.name}: row {row.hf} shape uses unknown symbols {row.shape}")
-            if row.layers not in (None, "moe", "dense", "mtp") or (row.layers is not None and not row.per_layer):
+            if row.layers not in (None, "moe", "dense", "nextn") or (row.layers is not None and not row.per_layer):
                 raise ValueError(f"{self.name}: row {row.hf} layers must be moe or dense on a {{layer}} row")
         if self.decoder.fused_mlp != any(r.shard is Shard.FUSED_GATE_UP for r in self.rows):
             raise ValueError(f"{self.name}: decoder.fused_mlp must say whether the table has a FUSED_GATE_UP row")
@@ -339,7 +339,7 @@ class NameTable:
         """Whether decoder layer `layer` holds the tensor of `row` (Row.layers)."""
         if row.layers is None:
             return True
-        if row.layers == "mtp":
+        if row.layers == "nextn":
             return self.params.is_mtp_layer(layer)
         return self.params.is_moe_layer(layer) == (row.layers == "moe")
 

@@ -98,11 +98,11 @@ ROWS = (
 # The multi-token-prediction layer's own tensors (TensorRT-LLM _torch/models/modeling_deepseekv3.py DeepseekV3MTP:
 # enorm and hnorm RMSNorms, eh_proj [H, 2H] without bias, shared_head.norm); its decoder is the table above.
 MTP_ROWS = (
-    Row(f"{L}.enorm.weight", f"{T}.enorm.weight", Shard.REPLICATE, shape=("H",), layers="mtp"),
-    Row(f"{L}.hnorm.weight", f"{T}.hnorm.weight", Shard.REPLICATE, shape=("H",), layers="mtp"),
-    Row(f"{L}.eh_proj.weight", f"{T}.eh_proj.weight", Shard.REPLICATE, shape=("H", "2H"), layers="mtp"),
+    Row(f"{L}.enorm.weight", f"{T}.enorm.weight", Shard.REPLICATE, shape=("H",), layers="nextn"),
+    Row(f"{L}.hnorm.weight", f"{T}.hnorm.weight", Shard.REPLICATE, shape=("H",), layers="nextn"),
+    Row(f"{L}.eh_proj.weight", f"{T}.eh_proj.weight", Shard.REPLICATE, shape=("H", "2H"), layers="nextn"),
     Row(f"{L}.shared_head.norm.weight", f"{T}.shared_head.norm.weight", Shard.REPLICATE, shape=("H",),
-        layers="mtp"),
+        layers="nextn"),
     Row(f"{L}.embed_tokens.weight", None, Shard.DROP),
     Row(f"{L}.shared_head.head.weight", None, Shard.DROP),
 )
