@@ -210,3 +210,30 @@ def test_attention_dp_limits_are_per_rank(tmp_path, deepseek):
     memory = plan_memory(spec, info, quant, B200, suggest=False)
     got = perf.predict(spec, info, quant, B200, memory)
     assert (got.batch_limit, got.batch_limited_by) == (4 * 64, "max_batch_size")  # 64 on each of 4 ranks
+
+
+def test_the_cpu_engine_is_costed_as_its_tp_split_under_attention_dp(tmp_path):
+    """llmapi-cpu accepts enable_attention_dp but runs attention split over tp (llmapi/cpu_llm.py
+    _check_attention_dp): its host prediction keeps the tp split's costs; a GPU replica takes attention DP's."""
+    import yaml
+
+    from test_probe_host import hand_profile
+    from toolchain.spec import load_spec
+
+    tiny = REPO / "models" / "tiny-mixtral"
+    if not tiny.exists():
+        pytest.skip("models/tiny-mixtral is not linked into this checkout")
+
+    def spec(target: str, adp: bool):
+        data = {"name": "adp", "target": target, "model": {"checkpoint": str(tiny), "dtype": "float16"},
+                "gpu": {"name": "H100 80GB"}, "parallelism": {"tp": 2, "attention_dp": adp}}
+        path = tmp_path / f"{target}-{adp}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return load_spec(path)
+
+    model = load_model(tiny)
+    cpu = [perf.deployment(spec("llmapi-cpu", adp), model, Quantization(), gpus.lookup("H100"),
+                           profile=hand_profile())[0].stages[0] for adp in (False, True)]
+    assert cpu[0] == cpu[1] and cpu[1].dp == 1
+    gpu = perf.deployment(spec("llmapi", True), model, Quantization(), gpus.lookup("H100"))[0].stages[0]
+    assert gpu.dp == 2 and gpu.attention_flops == 2 * cpu[0].attention_flops  # every head on each rank

@@ -113,9 +113,12 @@ def deployment(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft: 
         shards = par.tp if in_process else 1
         layers = p.num_hidden_layers if in_process else math.ceil(p.num_hidden_layers / par.pp)
         eff = host_efficiency(profile, layers, shards)
+    # The CPU engine runs attention split over tp with or without attention DP (llmapi/cpu_llm.py
+    # _check_attention_dp), so only a GPU replica is costed as attention DP's ranks.
+    adp = par.attention_dp and profile is None
     stages = tuple(stage_cost(p, tp=par.tp, pp_rank=r, pp=par.pp, quant=quant, dt_bytes=dt_bytes, kv_bytes=kv_bytes,
                               qkv_bias=model.qkv_bias, dense_bias=model.dense_bias, moe_tp=par.moe_tp,
-                              moe_ep=par.moe_ep, attention_dp=par.attention_dp) for r in range(par.pp))
+                              moe_ep=par.moe_ep, attention_dp=adp) for r in range(par.pp))
     notes: list[str] = []
     sp = spec.speculative
     draft_len = sp.max_draft_len if sp.mode != "none" else 0
