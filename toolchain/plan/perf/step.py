@@ -59,9 +59,10 @@ class StageCost:
     """Attention data-parallel ranks (attention DP: tp; else 1): each runs 1/dp of the batch's sequences through
     its whole attention, dense MLP, shared expert and lm_head."""
     moe_layers: int = 0
+    """The stage's layers with experts (the others' MLP is dense)."""
     exchange_share: float = 0.0
-    """Under attention DP, hidden states a rank sends per own token per MoE layer each way to the ranks holding
-    its experts, in tokens (`exchange_share`); 0 without attention DP, where the all-reduces combine instead."""
+    """Under attention DP, the hidden states a rank sends each way per own token per MoE layer to and from the
+    ranks holding its tokens' experts (`exchange_tokens`); 0 without attention DP, where the all-reduces combine."""
 
 
 def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantization, dt_bytes: int, kv_bytes: int,
@@ -224,7 +225,10 @@ def gpu_step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: str 
                   eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
     """One step of one rank on a GPU: memory time, compute time and communication time: 2 all-reduces per
     layer when tp > 1; under attention DP (cost.dp > 1) none, each rank running 1/dp of the sequences through
-    its attention and dense linears, the experts every rank's tokens, and a dispatch and a combine per MoE layer."""
+    its attention and dense linears, the experts every rank's tokens, and a dispatch and a combine per MoE layer.
+    Attention DP has no attention all-reduce: the PyTorch backend's Attention takes tp_size 1 under it (its o_proj
+    unsplit, nothing to reduce; archs/layout.py Layout.attn_tp), and the dense MLP and shared expert run unsplit
+    (memory.rank_weights)."""
     assert gpu.bandwidth_gb_s is not None and gpu.link is not None
     half = gpu.peak("fp16")
     assert half is not None
