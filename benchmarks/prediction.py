@@ -10,8 +10,8 @@ Keys (issue 26, item 8): `cpu_tpot_pred_over_measured_c1`, `_c4`, `_c16` (target
 TTFT, TPOT and throughput errors on AIConfigurator's measured GPU runs (plan/calibration.py; target <= 15%), with
 each of the three beside it; `published_*` and `blackwell_fp4_published_*`, the
 median absolute error and the share within +-20% on NVIDIA's published throughput tables (release 0.17's Hopper
-and Ampere engine points; release/1.2's Blackwell NVFP4 points, each point listed), reported apart and never
-fitted to; `tuned_vs_default_goodput_ratio` (target >= 1.3) and `tuned_quality_loss_pct`
+and Ampere engine points; release/1.2's Blackwell NVFP4 points and, as `moe_families_published_*`, its DeepSeek
+R1 points at attention DP, each point listed), reported apart and never fitted to; `tuned_vs_default_goodput_ratio` (target >= 1.3) and `tuned_quality_loss_pct`
 (target <= 1) from benchmarks/prediction_parts/tune_gain.py (`toolchain tune --measure`, about 10 minutes; --skip-tune leaves them
 null); `load_average` says how busy the host was.
 
@@ -119,21 +119,25 @@ def gpu_keys() -> dict[str, Any]:
 
 def published_keys() -> dict[str, Any]:
     """NVIDIA's published maximum throughputs, never fitted to, each table reported on its own: release 0.17's
-    engine-path FP8/FP16 Hopper and Ampere points, and release/1.2's PyTorch-backend NVFP4 points on Blackwell
-    (B200, GB200, B300). Signed error of the predicted over the published output tokens/s, in percent."""
+    engine-path FP8/FP16 Hopper and Ampere points, release/1.2's PyTorch-backend NVFP4 points on Blackwell
+    (B200, GB200, B300), and release/1.2's DeepSeek R1 points at attention DP (DEP4 NVFP4 on B200, B300, GB200;
+    DEP8 FP8 on H200; per GPU). Signed error of the predicted over the published output tokens/s, in percent."""
     from statistics import median
 
     from toolchain.plan import calibration as cal
 
     out: dict[str, Any] = {}
-    for name, path in (("published", cal.PUBLISHED), ("blackwell_fp4_published", cal.PUBLISHED_BLACKWELL_FP4)):
+    for name, path in (("published", cal.PUBLISHED), ("blackwell_fp4_published", cal.PUBLISHED_BLACKWELL_FP4),
+                       ("moe_families_published", cal.PUBLISHED_MOE_FAMILIES)):
         errors = [(pt, (pred - pt.output_tokens_per_s) / pt.output_tokens_per_s * 100)
                   for pt, pred in cal.published_check(path)]
         out[f"{name}_median_abs_error_pct"] = round(median(abs(e) for _, e in errors), 1)
         out[f"{name}_share_within_20_pct"] = round(sum(abs(e) <= 20 for _, e in errors) / len(errors), 3)
-        if name.startswith("blackwell"):
-            out[f"{name}_points"] = [{"gpu": pt.gpu, "isl": pt.isl, "osl": pt.osl, "tp": pt.tp,
-                                      "published": pt.output_tokens_per_s, "error_pct": round(e, 1)}
+        if name != "published":
+            out[f"{name}_points"] = [{"model": pt.model, "gpu": pt.gpu, "method": pt.method, "isl": pt.isl,
+                                      "osl": pt.osl, "tp": pt.tp, "attention_dp": pt.attention_dp,
+                                      "published": pt.output_tokens_per_s, "per_gpu": pt.per_gpu,
+                                      "error_pct": round(e, 1)}
                                      for pt, e in errors]
     return out
 

@@ -4,7 +4,9 @@ Two sources, kept apart: AIConfigurator 0.12.0's measured TensorRT-LLM runs (dat
 tools/fit_efficiency.py fits the efficiency table on a training split, and NVIDIA's published trtllm-bench table
 (data/published_throughput.json, perf-overview.md of release 0.17), which is never fitted to and only checks
 the result against the issue's target: the maximum throughput within +-20% on at least 80% of the Llama 3.1
-8B/70B/405B points on H100/H200/A100, a median error of at most 15%, and the published ranking of TP choices."""
+8B/70B/405B points on H100/H200/A100, a median error of at most 15%, and the published ranking of TP choices.
+release/1.2's Blackwell NVFP4 points and DeepSeek R1 points at attention DP are checked apart, against loose
+bounds the model meets as measured (never fitted)."""
 
 from __future__ import annotations
 
@@ -23,11 +25,15 @@ from toolchain.plan import perf
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _checked(path: Path = cal.PUBLISHED) -> list:
+    """(point, predicted max output tokens/s, signed error in %) for every point of a published table."""
+    return [(pt, pred, (pred - pt.output_tokens_per_s) / pt.output_tokens_per_s * 100)
+            for pt, pred in cal.published_check(path)]
+
+
 @pytest.fixture(scope="module")
 def published():
-    """(point, predicted max output tokens/s, signed error in %) for every published point."""
-    return [(pt, pred, (pred - pt.output_tokens_per_s) / pt.output_tokens_per_s * 100)
-            for pt, pred in cal.published_check()]
+    return _checked()
 
 
 def test_published_points_cover_the_issue_grid(published):
@@ -161,8 +167,7 @@ def test_trtllm_bench_build_limits_by_hand():
 
 @pytest.fixture(scope="module")
 def published_fp4():
-    return [(pt, pred, (pred - pt.output_tokens_per_s) / pt.output_tokens_per_s * 100)
-            for pt, pred in cal.published_check(cal.PUBLISHED_BLACKWELL_FP4)]
+    return _checked(cal.PUBLISHED_BLACKWELL_FP4)
 
 
 def test_blackwell_fp4_points_cover_three_cards_and_four_mixes(published_fp4):
@@ -181,3 +186,43 @@ def test_blackwell_fp4_prediction_error(published_fp4):
     assert statistics.median(abs(e) for e in errors) <= 12
     assert sum(abs(e) <= 20 for e in errors) >= 10
     assert max(abs(e) for e in errors) <= 35
+
+
+# -- release/1.2's DeepSeek R1 points at attention DP (data/published_moe_families.json), checked apart ----------
+
+@pytest.fixture(scope="module")
+def published_moe():
+    return _checked(cal.PUBLISHED_MOE_FAMILIES)
+
+
+def test_moe_family_points_are_deepseek_at_attention_dp_and_list_what_waits(published_moe):
+    points = [pt for pt, _, _ in published_moe]
+    assert {(pt.model, pt.gpu, pt.method, pt.tp) for pt in points} == {
+        ("deepseek-r1", "B200 180GB", "nvfp4", 4), ("deepseek-r1", "B300 288GB", "nvfp4", 4),
+        ("deepseek-r1", "GB200 186GB", "nvfp4", 4), ("deepseek-r1", "H200 141GB", "fp8_block", 8)}
+    assert len(points) == 14 and all(pt.attention_dp and pt.per_gpu for pt in points)
+    doc = json.loads(cal.PUBLISHED_MOE_FAMILIES.read_text())
+    assert "NEVER fitted" in doc["use"]
+    # the gpt-oss rows wait for MXFP4 and Llama 4's for its quantization; nothing of them is checked yet
+    assert "Waiting for: gpt-oss-120b" in doc["kept"] and "MXFP4" in doc["kept"] and "Llama 4 Scout" in doc["kept"]
+
+
+def test_moe_family_prediction_error(published_moe):
+    """Measured 2026-12-07: every point over-predicted, median +53%, worst +132% (H200 1024/1024); the
+    1024/8192 and 1024/32768 mixes within +9% to +26%, the prefill-heavy and short mixes worst (+46% to +93% on
+    Blackwell at 1024/1024 and 8192/1024). The model runs MLA's and the experts' kernels at the dense GEMMs'
+    fitted efficiency and the ranks perfectly balanced, so a surplus is expected; these loose bounds only catch
+    a regression (checking, never fitted)."""
+    errors = [e for _, _, e in published_moe]
+    assert all(e > 0 for e in errors)
+    assert statistics.median(abs(e) for e in errors) <= 60
+    assert max(abs(e) for e in errors) <= 150
+    assert sum(abs(e) <= 30 for e in errors) >= 5
+
+
+def test_moe_family_keeps_b300_above_b200(published_moe):
+    by = {(pt.gpu, pt.isl, pt.osl): (pt.output_tokens_per_s, pred) for pt, pred, _ in published_moe}
+    for (gpu, isl, osl), (published, predicted) in by.items():
+        if gpu == "B300 288GB":
+            b200 = by[("B200 180GB", isl, osl)]
+            assert published > b200[0] and predicted > b200[1], (isl, osl)

@@ -28,7 +28,8 @@ from toolchain.spec import DeploymentSpec, spec_from_dict
 
 DATA = Path(__file__).resolve().parent / "data"
 MODELS = DATA / "models"
-"""config.json of each Llama-3.1 size (shapes from meta-llama's model cards' config.json; only shapes matter)."""
+"""config.json of each Llama-3.1 size (shapes from meta-llama's model cards' config.json; only shapes matter) and of
+DeepSeek-R1 (build/configs/deepseek-r1 without its quantization_config: the published rows name the format)."""
 SILICON = DATA / "silicon_points.json"
 EFFICIENCY_FILE = DATA / "efficiency.json"
 MAX_NUM_TOKENS = 8192
@@ -100,16 +101,19 @@ def model_info(name: str) -> ModelInfo:
 
 
 def spec_for(model: str, gpu: str, method: str, tp: int, isl: int, osl: int, *, max_batch_size: int,
-             max_num_tokens: int, kv_fraction: float, dtype: str = "bfloat16", target: str = "trtllm") -> DeploymentSpec:
-    """A spec of one benchmarked configuration (one stage of `tp` ranks; an fp8 KV cache with fp8 or nvfp4
-    weights, which trtllm-bench, AIConfigurator's fp8 runs and NVIDIA's FP4 checkpoints use), so the prediction
-    runs the same planner, memory plan and performance model as `toolchain plan`."""
+             max_num_tokens: int, kv_fraction: float, dtype: str = "bfloat16", target: str = "trtllm",
+             attention_dp: bool = False) -> DeploymentSpec:
+    """A spec of one benchmarked configuration (one stage of `tp` ranks; an fp8 KV cache with fp8, nvfp4 or
+    fp8_block weights, which trtllm-bench, AIConfigurator's fp8 runs and NVIDIA's FP4 and DeepSeek's FP8
+    checkpoints use; with `attention_dp` the experts over all tp ranks, DEPn), so the prediction runs the same
+    planner, memory plan and performance model as `toolchain plan`."""
+    moe = {"attention_dp": True, "moe_ep": tp, "moe_tp": 1} if attention_dp else {}
     data = {
         "name": f"{model}-{method}-tp{tp}",
         "target": target,
         "model": {"checkpoint": str(MODELS / model), "dtype": dtype},
-        "quantization": {"method": method, "kv_cache": "fp8" if method in ("fp8", "nvfp4") else "none"},
-        "parallelism": {"tp": tp, "pp": 1, "gpus": tp},
+        "quantization": {"method": method, "kv_cache": "fp8" if method in ("fp8", "nvfp4", "fp8_block") else "none"},
+        "parallelism": {"tp": tp, "pp": 1, "gpus": tp, **moe},
         "gpu": {"name": gpu, "per_node": 8},
         "limits": {"max_batch_size": max_batch_size, "max_input_len": isl, "max_seq_len": isl + osl,
                    "max_num_tokens": max_num_tokens},
@@ -204,6 +208,9 @@ def holdout_mape() -> dict[str, float]:
 PUBLISHED = DATA / "published_throughput.json"
 PUBLISHED_BLACKWELL_FP4 = DATA / "published_blackwell_fp4.json"
 """release/1.2's Blackwell NVFP4 points, PyTorch backend: checked and reported apart from the 0.17 engine table."""
+PUBLISHED_MOE_FAMILIES = DATA / "published_moe_families.json"
+"""release/1.2's DeepSeek R1 points (attention DP over 4 or 8 GPUs), per GPU; its `kept` note lists the gpt-oss
+and Llama 4 points that wait for their formats."""
 BENCH_KV_FRACTION = 0.95
 """perf-overview.md (0.17): "In majority of cases, we also use a higher KV cache percentage by setting
 --kv_cache_free_gpu_mem_fraction 0.95"."""
@@ -220,12 +227,17 @@ class Published:
     isl: int
     osl: int
     output_tokens_per_s: float
+    attention_dp: bool = False
+    """DEPn: attention data parallelism with the experts over all n GPUs (moe_ep n)."""
+    per_gpu: bool = False
+    """The figure is per GPU (the file says so for all its rows); else the replica's."""
 
 
 @cache
 def published_points(path: Path = PUBLISHED) -> tuple[Published, ...]:
     doc = json.loads(path.read_text())
-    return tuple(Published(**dict(zip(doc["columns"], row, strict=True))) for row in doc["rows"])
+    per_gpu = bool(doc.get("per_gpu", False))
+    return tuple(Published(**dict(zip(doc["columns"], row, strict=True)), per_gpu=per_gpu) for row in doc["rows"])
 
 
 def param_count(p) -> int:
@@ -249,7 +261,12 @@ def bench_build_limits(point: Published) -> tuple[int, int]:
     per_token = 2 * p.num_hidden_layers * max(point.tp, p.num_key_value_heads) * p.head_size * kv_bytes / gib
     engine = param_count(p) / 1000 ** 3 * weight_bytes
     available = gpus.lookup(point.gpu).memory_bytes / gib * point.tp - engine
-    requests = available * BENCH_KV_FRACTION / per_token / (point.isl + point.osl)
+    return bench_rounding(available * BENCH_KV_FRACTION / per_token / (point.isl + point.osl), point)
+
+
+def bench_rounding(requests: float, point: Published) -> tuple[int, int]:
+    """trtllm-bench's limits from the requests the KV cache holds (`bench_build_limits`): capped, scaled by
+    1 + isl / osl for the tokens, rounded up to their steps."""
     raw_bs = min(requests, 4096)
     raw_tokens = min(raw_bs * (1 + point.isl / point.osl), 32768)
     if raw_bs < 256:
@@ -267,14 +284,30 @@ def bench_build_limits(point: Published) -> tuple[int, int]:
     return batch, tokens
 
 
+def planned_bench_limits(point: Published) -> tuple[int, int]:
+    """(max_batch_size, max_num_tokens) of a mixture-of-experts point: trtllm-bench's rounding (`bench_rounding`)
+    of the requests one rank's KV cache holds by the memory plan, since its own estimate (`param_count`) is a
+    dense Llama's; under attention DP the limits are each rank's, as LLM() takes them."""
+    spec = spec_for(point.model, point.gpu, point.method, point.tp, point.isl, point.osl, max_batch_size=2048,
+                    max_num_tokens=MAX_NUM_TOKENS, kv_fraction=BENCH_KV_FRACTION, target="llmapi",
+                    attention_dp=point.attention_dp)
+    info = model_info(point.model)
+    quant = quantization_of(spec.quantization, info.hf_config, hf_quant_config=info.hf_quant_config)
+    memory = plan_memory(spec, info, quant, gpus.lookup(point.gpu), suggest=False)
+    requests = memory.kv_tokens_capacity / (point.isl + point.osl)
+    return bench_rounding(requests, point)
+
+
 def predict_published(point: Published) -> perf.Performance:
     """What `toolchain plan` predicts for a published configuration, built as trtllm-bench built it."""
-    batch, tokens = bench_build_limits(point)
+    moe = model_info(point.model).params.is_moe
+    batch, tokens = planned_bench_limits(point) if moe else bench_build_limits(point)
     # The FP4 table was measured on the PyTorch backend (release/1.2's trtllm-bench default): the LLM-API path.
     spec = spec_for(point.model, point.gpu, point.method, point.tp, point.isl, point.osl, max_batch_size=batch,
                     max_num_tokens=tokens, kv_fraction=BENCH_KV_FRACTION,
                     dtype="float16" if point.method == "none" else "bfloat16",
-                    target="llmapi" if point.method == "nvfp4" else "trtllm")
+                    target="llmapi" if point.method in ("nvfp4", "fp8_block") else "trtllm",
+                    attention_dp=point.attention_dp)
     info = model_info(point.model)
     quant = quantization_of(spec.quantization, info.hf_config, hf_quant_config=info.hf_quant_config)
     device = gpus.lookup(point.gpu)
@@ -282,6 +315,10 @@ def predict_published(point: Published) -> perf.Performance:
 
 
 def published_check(path: Path = PUBLISHED) -> list[tuple[Published, float]]:
-    """Each published point with the model's predicted maximum output tokens/s (PUBLISHED_BLACKWELL_FP4: the
-    Blackwell FP4 points)."""
-    return [(pt, predict_published(pt).max_output_tokens_per_s) for pt in published_points(path)]
+    """Each published point with the model's predicted maximum output tokens/s, per GPU where the point is
+    (PUBLISHED_BLACKWELL_FP4: the Blackwell FP4 points; PUBLISHED_MOE_FAMILIES: DeepSeek R1)."""
+    out = []
+    for pt in published_points(path):
+        got = predict_published(pt)
+        out.append((pt, got.per_gpu_output_tokens_per_s if pt.per_gpu else got.max_output_tokens_per_s))
+    return out

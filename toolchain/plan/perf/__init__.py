@@ -3,7 +3,9 @@
 A step of the engine on one rank costs the larger of its memory time (the weights it reads once per step, the
 experts its tokens touch, the KV cache its sequences read and write, over the card's bandwidth) and its compute
 time (2 FLOPs per weight per token at the format's tensor-core peak, attention at the half-precision peak), plus
-its tensor-parallel all-reduces (two per layer, of the step's activations, ring formula). A pipeline runs
+its tensor-parallel all-reduces (two per layer, of the step's activations, ring formula), or under attention DP
+each rank's own sequences through its whole attention and the experts' dispatch and combine per MoE layer; each
+family's attention (windows, Llama 4's chunks, multi-head latent attention) is costed in `attention`. A pipeline runs
 `pp` micro-batches through its stages, so a step takes `pp` times its slowest stage's time, and fewer sequences
 than stages leave the bubble idle. In-flight batching in steady state at concurrency C mixes the generation
 tokens of the requests past their prompt with chunks of the prompts of the others, within `max_num_tokens`; TTFT,
@@ -19,6 +21,7 @@ Pure functions of the model's parameters, the format's bytes (quant/formats.py t
 GPU table (gpus.py): nothing here reads weights or runs anything.
 """
 
+from toolchain.plan.perf.attention import Span, layer_caps
 from toolchain.plan.perf.efficiency import (
                                             BASIS,
                                             DEFAULT_EFFICIENCY,
@@ -68,7 +71,9 @@ from toolchain.plan.perf.step import (
                                             Work,
                                             add,
                                             allreduce_seconds,
+                                            attention_load,
                                             context_work,
+                                            exchange_tokens,
                                             experts_touched,
                                             generation_work,
                                             gpu_step_time,
@@ -77,9 +82,9 @@ from toolchain.plan.perf.step import (
 )
 
 __all__ = ["ACT_BYTES", "BASIS", "CPU_PRECISION", "DEFAULT_EFFICIENCY", "EFFICIENCY", "FITTED", "FITTED_FILE",
-           "HOST_ACT_BYTES", "Deployment", "Efficiency", "HostRow", "Performance", "Point", "StageCost", "StepTime",
-           "Work", "Workload", "acceptance", "add", "allreduce_seconds", "arrival_wait", "basis_of",
-           "batch_candidates", "batch_wait", "best_point", "context_work", "deployment", "efficiency_of",
+           "HOST_ACT_BYTES", "Deployment", "Efficiency", "HostRow", "Performance", "Point", "Span", "StageCost", "StepTime",
+           "Work", "Workload", "acceptance", "add", "allreduce_seconds", "arrival_wait", "attention_load", "basis_of",
+           "batch_candidates", "batch_wait", "best_point", "context_work", "deployment", "efficiency_of", "exchange_tokens",
            "experts_touched", "first_wave_ttft", "generation_alone", "generation_work", "gpu_step_time", "host_efficiency",
-           "host_profile_of", "host_row", "host_step_time", "performance_dict", "predict", "predict_spec", "queued",
+           "host_profile_of", "host_row", "host_step_time", "layer_caps", "performance_dict", "predict", "predict_spec", "queued",
            "stage_cost", "steady_state", "step_time", "transfer_seconds", "unavailable"]

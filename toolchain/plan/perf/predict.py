@@ -113,9 +113,12 @@ def deployment(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft: 
         shards = par.tp if in_process else 1
         layers = p.num_hidden_layers if in_process else math.ceil(p.num_hidden_layers / par.pp)
         eff = host_efficiency(profile, layers, shards)
+    # The CPU engine runs attention split over tp with or without attention DP (llmapi/cpu_llm.py
+    # _check_attention_dp), so only a GPU replica is costed as attention DP's ranks.
+    adp = par.attention_dp and profile is None
     stages = tuple(stage_cost(p, tp=par.tp, pp_rank=r, pp=par.pp, quant=quant, dt_bytes=dt_bytes, kv_bytes=kv_bytes,
                               qkv_bias=model.qkv_bias, dense_bias=model.dense_bias, moe_tp=par.moe_tp,
-                              moe_ep=par.moe_ep) for r in range(par.pp))
+                              moe_ep=par.moe_ep, attention_dp=adp) for r in range(par.pp))
     notes: list[str] = []
     sp = spec.speculative
     draft_len = sp.max_draft_len if sp.mode != "none" else 0
@@ -150,7 +153,10 @@ def predict(spec, model: ModelInfo, quant: Quantization, device: Gpu, memory: Me
     wl, lim = spec.validation.workload, spec.limits
     run = bench_run and wl.duration_s is None and wl.mode == "concurrency"
     requests = wl.num_requests if run else 0
-    w = Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens, spec.build.chunked_context,
+    # Under attention DP each rank schedules its own requests within its own limits and KV cache, so the
+    # replica's are dp times one rank's (the GPU path; the CPU engine's host model runs the batch whole).
+    dp = dep.stages[0].dp if profile is None else 1
+    w = Workload(wl.input_tokens, wl.output_tokens, lim.max_num_tokens * dp, spec.build.chunked_context,
                  requests=requests)
     if w.isl > lim.max_input_len or w.isl + w.osl > lim.max_seq_len:
         notes.append(f"the workload's {w.isl} + {w.osl} tokens exceed limits.max_input_len {lim.max_input_len} or "
@@ -160,8 +166,8 @@ def predict(spec, model: ModelInfo, quant: Quantization, device: Gpu, memory: Me
                      "predicted as one context step, which the engine would refuse")
     tpb = spec.build.tokens_per_block
     seq = math.ceil((w.isl + w.osl + dep.draft_len) / tpb) * tpb
-    limits = {"max_batch_size": lim.max_batch_size, "kv_cache": memory.kv_tokens_capacity // seq,
-              "max_num_tokens": lim.max_num_tokens // (1 + dep.draft_len)}
+    limits = {"max_batch_size": lim.max_batch_size * dp, "kv_cache": memory.kv_tokens_capacity // seq * dp,
+              "max_num_tokens": lim.max_num_tokens // (1 + dep.draft_len) * dp}
     limited_by = min(limits, key=lambda k: limits[k])
     limit = limits[limited_by]
     if limit < 1:

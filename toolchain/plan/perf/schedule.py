@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from toolchain.gpus import Gpu
+from toolchain.plan.perf.attention import Span
 from toolchain.plan.perf.efficiency import Efficiency
 from toolchain.plan.perf.host import step_time
 from toolchain.plan.perf.step import (ACT_BYTES, StageCost, StepTime, Work, add, context_work, generation_work,
@@ -94,6 +95,12 @@ class Workload:
     @property
     def context_steps(self) -> int:
         return math.ceil(self.isl / self.chunk)
+
+    def prompt_spans(self, prompts: float) -> tuple[Span, ...]:
+        """The chunks of `prompts` prompts, each after the ones before it (what windows and MLA's context form
+        read per chunk)."""
+        return tuple(Span(prompts, j * self.chunk, min(self.chunk, self.isl - j * self.chunk), causal=True)
+                     for j in range(self.context_steps))
 
     @property
     def prior_tokens(self) -> int:
@@ -213,7 +220,7 @@ def steady_state(dep: Deployment, w: Workload, concurrency: int) -> Point:
     in_prompt = c * cs / prompts_iters
     g_mixed, g_plain = (c - in_prompt) * busy, c * busy
     per = c / prompts_iters  # prompts' worth of tokens per mixed iteration
-    prefill = Work(per * w.isl, per, per * w.prior_tokens, per * w.isl * (w.isl + 1) / 2)
+    prefill = Work(per * w.isl, per, per * w.prior_tokens, per * w.isl * (w.isl + 1) / 2, w.prompt_spans(per))
     mixed, _ = dep.iteration(add(generation_work(g_mixed, context, verify), prefill), g_mixed + in_prompt,
                              g_mixed, context)
     plain, gen_step = dep.iteration(generation_work(g_plain, context, verify), g_plain, g_plain, context)

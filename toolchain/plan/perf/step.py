@@ -1,5 +1,5 @@
 """One step of one rank: what it reads and computes (`StageCost`), the work a step runs (`Work`), and its time
-(`step_time`: memory, compute, the tensor-parallel all-reduce and fixed costs).
+(`step_time`: memory, compute, the tensor-parallel all-reduce or the experts' exchange, and fixed costs).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from toolchain.archs.layout import Layout
 from toolchain.archs.params import ArchParams
 from toolchain.gpus import Gpu, Link
 from toolchain.plan import memory as mem
+from toolchain.plan.perf import attention
+from toolchain.plan.perf.attention import Span
 from toolchain.plan.perf.efficiency import DEFAULT_EFFICIENCY, Efficiency
 from toolchain.quant.view import Quantization
 
@@ -42,27 +44,48 @@ class StageCost:
     kv_bytes_per_token: int
     attention_flops: float
     """FLOPs of one query token against one cached token, over the rank's heads and layers: 4 x heads x head_size
-    (QK^T and PV, a multiply and an add each) x layers."""
+    (QK^T and PV, a multiply and an add each) x layers; under MLA the absorbed form of a generation step
+    (attention.pair_flops)."""
+    caps: tuple[tuple[int | None, int], ...] = ()
+    """The stage's layers grouped by the most cached tokens a query sees (attention.layer_caps; (): all full)."""
+    context_attention_flops: float | None = None
+    """attention_flops of a prompt chunk where it differs (MLA's plain form); None: the same."""
+    expand_flops: float = 0.0
+    """FLOPs per cached token a prompt chunk reads, over the stage's layers (MLA: up-projecting the latent)."""
+    expert_flops: float = 0.0
+    """The part of gemm_flops that the routed experts take, per token of the whole batch (their share on this
+    rank): under attention DP the experts see every rank's tokens, the rest of gemm_flops only the rank's own."""
+    dp: int = 1
+    """Attention data-parallel ranks (attention DP: tp; else 1): each runs 1/dp of the batch's sequences through
+    its whole attention, dense MLP, shared expert and lm_head."""
+    moe_layers: int = 0
+    """The stage's layers with experts (the others' MLP is dense)."""
+    exchange_share: float = 0.0
+    """Under attention DP, the hidden states a rank sends each way per own token per MoE layer to and from the
+    ranks holding its tokens' experts (`exchange_tokens`); 0 without attention DP, where the all-reduces combine."""
 
 
 def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantization, dt_bytes: int, kv_bytes: int,
                qkv_bias: bool = False, dense_bias: bool = False, moe_tp: int | None = None,
-               moe_ep: int | None = None) -> StageCost:
-    """The cost figures of one rank of stage `pp_rank` (every rank of a stage holds the same shapes)."""
-    layout = Layout(tp, pp, moe_tp, moe_ep)
+               moe_ep: int | None = None, attention_dp: bool = False) -> StageCost:
+    """The cost figures of one rank of stage `pp_rank` (every rank of a stage holds the same shapes). With
+    `attention_dp` each rank holds the attention, dense MLP, shared expert and lm_head whole (Layout.attn_tp 1,
+    as memory.rank_weights holds them) for its own sequences, and the experts keep their moe_tp x moe_ep split."""
+    layout = Layout(tp, pp, moe_tp, moe_ep, attention_dp=attention_dp)
+    attn_tp = layout.attn_tp
     stage = layout.stage_layers(p.num_hidden_layers)[pp_rank]
     layers = len(stage)
     moe_layers = sum(1 for i in stage if p.is_moe_layer(i))  # all of a MoE model's but Llama 4's or DeepSeek's dense ones
     w = mem.rank_weights(p, tp=tp, pp_rank=pp_rank, pp=pp, quant=quant, dt_bytes=dt_bytes, qkv_bias=qkv_bias,
-                         dense_bias=dense_bias, moe_tp=moe_tp, moe_ep=moe_ep)
+                         dense_bias=dense_bias, moe_tp=moe_tp, moe_ep=moe_ep, attention_dp=attention_dp)
     read = w.layers + w.norms + w.lm_head
     last = pp_rank == pp - 1
     if last and w.lm_head == 0:  # a tied table serves as the lm_head, read whole every step
         read += w.embedding
-    shapes = mem.linear_shapes(p, tp, quant)
+    shapes = mem.linear_shapes(p, attn_tp, quant)
     gemm = 2.0 * sum(out * inp * (layers - moe_layers if name in mem.MLP_LINEARS else layers)
                      for name, out, inp in shapes)
-    expert_bytes, experts, share = 0.0, 0, 0.0
+    expert_bytes, experts, share, routed, exchange = 0.0, 0, 0.0, 0.0, 0.0
     if moe_layers:
         m_tp, m_ep = layout.moe_tp, layout.moe_ep
         width = p.expert_size // m_tp  # moe_intermediate_size where the family has one (Qwen MoE), as memory.expert_bytes
@@ -74,15 +97,40 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantiza
         expert_bytes = per_expert_layer * moe_layers
         read -= experts * expert_bytes
         # a token runs top_k experts, of which top_k / moe_ep on average live on this rank; and the router
-        gemm += (2.0 * 3 * width * p.hidden_size * p.top_k / m_ep + 2.0 * p.num_experts * p.hidden_size) * moe_layers
-        # a shared expert (Qwen2-MoE, Llama 4) runs for every token: its tp slice of fc and proj, and its gate if any
-        shared = (3 * p.shared_expert_size // tp + int(p.shared_expert_gated)) * p.hidden_size
+        routed = 2.0 * 3 * width * p.hidden_size * p.top_k / m_ep * moe_layers
+        gemm += routed + 2.0 * p.num_experts * p.hidden_size * moe_layers
+        # a shared expert (Qwen2-MoE, Llama 4, DeepSeek-V3) runs for every token: its slice of fc and proj (whole
+        # under attention DP), and its gate if any
+        shared = (3 * p.shared_expert_size // attn_tp + int(p.shared_expert_gated)) * p.hidden_size
         gemm += 2.0 * shared * moe_layers if p.shared_expert_size else 0.0
-    lm_head = 2.0 * (mem.padded_vocab(p, tp) // tp) * p.hidden_size if last else 0.0
-    heads = p.num_attention_heads // tp
+        if attention_dp and tp > 1:
+            exchange = exchange_tokens(p.top_k, tp, m_ep)
+    lm_head = 2.0 * (mem.padded_vocab(p, attn_tp) // attn_tp) * p.hidden_size if last else 0.0
+    heads = p.num_attention_heads // attn_tp
+    generation, context = attention.pair_flops(p, heads)
     return StageCost(layers, p.hidden_size, read, expert_bytes, experts, share, gemm, lm_head,
-                     mem.kv_bytes_per_token(p, tp=tp, stage_layer_count=layers, kv_bytes=kv_bytes),
-                     4.0 * heads * p.head_size * layers)
+                     mem.kv_bytes_per_token(p, tp=attn_tp, stage_layer_count=layers, kv_bytes=kv_bytes),
+                     generation * layers, attention.layer_caps(p, stage),
+                     None if context == generation else context * layers,
+                     attention.expand_flops(p, heads) * layers, routed, tp if attention_dp else 1,
+                     moe_layers, exchange)
+
+
+def exchange_tokens(top_k: int, ranks: int, moe_ep: int) -> float:
+    """Hidden states one attention-DP rank sends each way per own token per MoE layer (and receives as many).
+    TensorRT-LLM's fused MoE under attention DP either all-gathers every rank's tokens before the experts and
+    reduce-scatters after (each rank moving (n - 1) tokens per own token each way), or, where the experts are
+    spread over all n ranks (moe_ep n) and n > top_k, runs an all-to-all that sends each token to the ranks of
+    its top_k experts (top_k x (n - 1)/n of them off the rank, duplicates not merged); the cheaper one is taken,
+    as the all-to-all's gate on moe_ep_size > top_k picks it (tensorrt_llm/_torch/modules/fused_moe/, as
+    recalled: UNVERIFIED here). Without attention DP every tp rank holds every token after the attention's
+    all-reduce, so the experts need no dispatch and the MoE's all-reduce combines their outputs."""
+    if ranks <= 1:
+        return 0.0
+    gather = float(ranks - 1)
+    if moe_ep == ranks:
+        return min(gather, top_k * (ranks - 1) / ranks)
+    return gather
 
 
 def experts_touched(cost: StageCost, tokens: float) -> float:
@@ -140,55 +188,88 @@ class StepTime:
 @dataclass(frozen=True)
 class Work:
     """What one step runs on one rank: tokens through the linears, rows of logits, cached tokens read, and
-    (query, key) pairs of attention."""
+    (query, key) pairs of attention, all with every layer attending in full; `spans` says whose they are, for
+    layers that see fewer keys (windows, chunks) and for MLA's two forms."""
 
     tokens: float
     logits: float
     kv_read: float
     pairs: float
+    spans: tuple[Span, ...] = ()
 
     def scaled(self, factor: float) -> "Work":
-        return Work(self.tokens * factor, self.logits * factor, self.kv_read * factor, self.pairs * factor)
+        return Work(self.tokens * factor, self.logits * factor, self.kv_read * factor, self.pairs * factor,
+                    tuple(s.scaled(factor) for s in self.spans))
+
+
+def attention_load(cost: StageCost, work: Work) -> tuple[float, float]:
+    """(KV bytes read and written, attention FLOPs) of `work` on one rank. With every layer in full and one
+    attention form, work's totals; else layer group by group (StageCost.caps), each span under its group's
+    cap, a prompt chunk's pairs at the context form's FLOPs plus its cached latents' up-projection."""
+    full = (work.kv_read + work.tokens) * cost.kv_bytes_per_token, work.pairs * cost.attention_flops
+    plain = cost.context_attention_flops is None and not cost.expand_flops
+    if not work.spans or (not cost.caps and plain) or not cost.layers:
+        return full
+    kv_bytes = flops = 0.0
+    for cap, n in cost.caps or ((None, cost.layers),):
+        share = n / cost.layers
+        kv_bytes += share * (sum(s.kv_read(cap) for s in work.spans) + work.tokens) * cost.kv_bytes_per_token
+        for s in work.spans:
+            per_pair = cost.context_attention_flops if s.causal and cost.context_attention_flops else cost.attention_flops
+            flops += share * s.pairs(cap) * per_pair
+            flops += share * s.kv_read(cap) * cost.expand_flops if s.causal else 0.0
+    return kv_bytes, flops
 
 
 def gpu_step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: str = "fp16", tp: int = 1,
                   eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
-    """One step of one rank on a GPU: memory time, compute time and all-reduce time (2 per layer when tp > 1)."""
+    """One step of one rank on a GPU: memory time, compute time and communication time: 2 all-reduces per
+    layer when tp > 1; under attention DP (cost.dp > 1) none, each rank running 1/dp of the sequences through
+    its attention and dense linears, the experts every rank's tokens, and a dispatch and a combine per MoE layer.
+    Attention DP has no attention all-reduce: the PyTorch backend's Attention takes tp_size 1 under it (its o_proj
+    unsplit, nothing to reduce; archs/layout.py Layout.attn_tp), and the dense MLP and shared expert run unsplit
+    (memory.rank_weights)."""
     assert gpu.bandwidth_gb_s is not None and gpu.link is not None
     half = gpu.peak("fp16")
     assert half is not None
     gemm_peak = gpu.peak(math_precision) or half
     bandwidth = gpu.bandwidth_gb_s * 1e9 * eff.bandwidth
+    own = work.scaled(1 / cost.dp) if cost.dp > 1 else work
     linear_bytes = cost.weight_bytes + experts_touched(cost, work.tokens) * cost.expert_bytes
-    kv_bytes = (work.kv_read + work.tokens) * cost.kv_bytes_per_token  # read the cache, write the new tokens
-    linear_flops = (work.tokens * cost.gemm_flops / (gemm_peak * 1e12 * eff.compute)
-                    + work.logits * cost.lm_head_flops / (half * 1e12 * eff.compute))
-    attention_flops = work.pairs * cost.attention_flops / (half * 1e12 * eff.compute)
+    kv_bytes, attention_flops = attention_load(cost, own)  # read the cache, write the new tokens
+    gemm_flops = own.tokens * (cost.gemm_flops - cost.expert_flops) + work.tokens * cost.expert_flops
+    linear_flops = (gemm_flops / (gemm_peak * 1e12 * eff.compute)
+                    + own.logits * cost.lm_head_flops / (half * 1e12 * eff.compute))
+    attention_s = attention_flops / (half * 1e12 * eff.compute)
     memory_s = (linear_bytes + kv_bytes) / bandwidth
-    compute_s = linear_flops + attention_flops
-    kernels_s = max(linear_bytes / bandwidth, linear_flops) + max(kv_bytes / bandwidth, attention_flops)
+    compute_s = linear_flops + attention_s
+    kernels_s = max(linear_bytes / bandwidth, linear_flops) + max(kv_bytes / bandwidth, attention_s)
     comm_s = 0.0
-    if tp > 1 and work.tokens > 0:
-        link = dataclasses.replace(gpu.link, latency_us=gpu.link.latency_us * eff.latency)
+    link = dataclasses.replace(gpu.link, latency_us=gpu.link.latency_us * eff.latency)
+    if cost.dp > 1 and work.tokens > 0:
+        if cost.exchange_share:
+            exchange = own.tokens * cost.hidden * ACT_BYTES * cost.exchange_share
+            comm_s = 2 * cost.moe_layers * transfer_seconds(exchange, link, eff.link)
+    elif tp > 1 and work.tokens > 0:
         comm_s = 2 * cost.layers * allreduce_seconds(work.tokens * cost.hidden * ACT_BYTES, tp, link, eff.link)
-    fixed_s = (eff.fixed_us + eff.seq_us * work.logits) * 1e-6
+    fixed_s = (eff.fixed_us + eff.seq_us * own.logits) * 1e-6
     return StepTime(memory_s, compute_s, comm_s, fixed_s, kernels_s)
 
 
 def generation_work(batch: float, context: float, tokens_per_seq: int = 1) -> Work:
     """A generation step of `batch` sequences of `context` cached tokens, each running `tokens_per_seq` tokens
     (1, or 1 + the draft length when the step verifies drafts)."""
-    return Work(batch * tokens_per_seq, batch * tokens_per_seq, batch * context, batch * tokens_per_seq * context)
+    return Work(batch * tokens_per_seq, batch * tokens_per_seq, batch * context, batch * tokens_per_seq * context,
+                (Span(batch, context, tokens_per_seq, causal=False),))
 
 
 def context_work(tokens: int, start: int = 0) -> Work:
     """A context (prefill) chunk of `tokens` prompt tokens after `start` already cached: its tokens attend
     causally to the cache and to each other; one row of logits (its last token, when the chunk ends the prompt)."""
     pairs = tokens * start + tokens * (tokens + 1) / 2
-    return Work(tokens, 1, start, pairs)
+    return Work(tokens, 1, start, pairs, (Span(1, start, tokens, causal=True),))
 
 
 def add(*works: Work) -> Work:
     return Work(sum(w.tokens for w in works), sum(w.logits for w in works), sum(w.kv_read for w in works),
-                sum(w.pairs for w in works))
-
+                sum(w.pairs for w in works), tuple(s for w in works for s in w.spans))
