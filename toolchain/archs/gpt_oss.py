@@ -22,8 +22,8 @@ What the model computes (transformers models/gpt_oss/modeling_gpt_oss.py, the pa
 TensorRT-LLM's model (notes/i36-facts.md §1.4, a stored version of modeling_gpt_oss.py; which one is 1.2.1's is
 UNVERIFIED) constrains what LLM() serves, so the LLM-API path refuses: pipeline parallelism (`assert
 mapping.pp_size == 1`), tp above num_key_value_heads (its HF loader duplicates no KV heads; conservative), swiglu
-constants other than the ones it hard-codes (alpha 1.702, limit 7.0), and any quantization here (MXFP4 experts as
-published are issue 35's import). Its sliding window is `pretrained_config.sliding_window if layer_idx % 2 == 0`,
+constants other than the ones it hard-codes (alpha 1.702, limit 7.0), and any quantization here but the MXFP4
+experts the released checkpoints store (quant/formats.py MXFP4; attention, router, embeddings and lm_head bf16). Its sliding window is `pretrained_config.sliding_window if layer_idx % 2 == 0`,
 `layer_types` unread, so a config whose layer_types are not that alternation is refused at normalisation: every
 path (the stand-in included) would misread it.
 """
@@ -74,6 +74,7 @@ GPT_OSS_DEFAULTS = MappingProxyType({
 DEFAULT_ROPE = MappingProxyType({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                  "truncate": False, "original_max_position_embeddings": 4096})
 DEFAULT_EXPERTS, DEFAULT_TOP_K, DEFAULT_WINDOW = 128, 4, 128
+MXFP4 = "mxfp4"  # config.json quant_method of the released checkpoints, and its row's name (quant/formats.py)
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # GptOssConfig's defaults, and the constants upstream hard-codes
 DECODER = Decoder(hidden_act="swiglu", attention_sinks=True, expert_bias=True)
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -152,17 +153,19 @@ def config_extra(params) -> dict:
 
 
 def quantization_refusal(params, method: str, kv_cache: str, stored: str | None = None) -> Refusal | None:
-    if method == "none" and kv_cache == "none" and not stored:
+    """Only the released form is taken quantized: MXFP4 experts as stored (config.json quant_method mxfp4, which the
+    view reads as method mxfp4, quant/view.py stored_format); nothing is quantized here."""
+    if kv_cache == "none" and ((method == "none" and stored in (None, MXFP4)) or (method == MXFP4 and not stored)):
         return None
     what = f"a pre-quantized checkpoint ({stored})" if stored else f"quantization {method}/kv_cache {kv_cache}"
-    return Refusal(f"{what} on {params.architecture} is not supported yet (MXFP4 experts are issue 35's import)",
-                   "convert the bfloat16 checkpoint with quantization.method none and kv_cache none")
+    return Refusal(f"{what} on {params.architecture} is not supported (only its MXFP4 experts as released are)",
+                   "convert the bfloat16 or the released MXFP4 checkpoint with quantization.method none and kv_cache "
+                   "none")
 
 
 def llmapi_refusal(params, tp: int, quantized: bool) -> str | None:
+    # `quantized` needs no rule here: quantization_refusal takes nothing but the stored MXFP4 experts.
     extras = json.loads(params.extras_json or "{}")
-    if quantized:
-        return f"{params.architecture} quantized on the LLM-API path is not supported yet; serve it in bfloat16"
     if tp > params.num_key_value_heads:
         return (f"{params.architecture} at tp {tp} on the LLM-API path: tp above num_key_value_heads "
                 f"{params.num_key_value_heads} (TensorRT-LLM's gpt-oss HF loader duplicates no KV heads); use tp <= "

@@ -129,6 +129,11 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
             raise ToolchainError(f"{ckpt.config_path}: {problem}",
                                  f"use {smaller}a smaller parallelism.moe_tp (a larger moe_ep), or quantization.method "
                                  "int4_wo")
+    if q.modules is not None and q.covers("experts") and q.format.group_size:  # MXFP4's blocks of 32
+        problem = moe.block_problem(params, q.format.group_size, opts.layout.moe_tp)
+        if problem is not None:
+            raise ToolchainError(f"{ckpt.config_path}: {q.method} experts: {problem}",
+                                 "use a smaller parallelism.moe_tp (a larger moe_ep)")
     quant = None
     if q.active or q.prequantized is not None:
         quant = Quantizer(q, params.num_attention_heads, params.num_key_value_heads, tp,
