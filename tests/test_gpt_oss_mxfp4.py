@@ -116,3 +116,30 @@ def test_plan_checks_per_gpu_and_layout(tmp_path, capsys, gpu, parallelism, chec
                      model={"dtype": "bfloat16"})
     got = statuses(plan_json(tmp_path, spec, capsys=capsys)[1])[check]
     assert got[0] == status and fragment in got[1] and "\n" not in got[1], got
+
+
+# -- the config-only GPU example ------------------------------------------------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "build" / "gpt-oss-120b-h100.yaml"
+
+
+def test_the_example_plans_on_one_h100(tmp_path, capsys):
+    from toolchain.cli import main
+
+    assert main(["--root", str(tmp_path), "plan", str(EXAMPLE), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ranks"][0]["weights_bytes"] == expected_weight_bytes()
+    assert report["concurrency"] >= 32 and report["weight_format"] == "W4A16_MXFP4 on the experts"
+    assert report["performance"]["predicted"] and report["performance"]["max_output_tokens_per_s"] > 0
+
+
+def test_tune_searches_the_example_keeping_its_stored_format(tmp_path):
+    """tune proposes no format to quantize the stored checkpoint to (each would be refused as quantizing it
+    twice), nor a KV-cache format that would need calibration on it."""
+    from test_tune_search import tune
+
+    doc = tune(tmp_path, EXAMPLE, "--gpus", "1")
+    assert doc["candidates"]
+    every = doc["candidates"] + doc["dropped_candidates"]
+    assert {(c["quantization"], c["kv_cache"]) for c in every} == {("none", "none")}
+    assert not [c for c in doc["dropped_candidates"] if any("quantize" in f for f in c.get("failed_checks", []))]

@@ -310,7 +310,7 @@ def search(spec, gpu_specs: list, gpu_count: int, thresholds: list[Threshold], b
     key = sort_key(by_cost, base_limits)
     for gspec in gpu_specs:
         ctx = build_context(gspec, "plan")
-        stored = ctx.quant.imported is not None
+        stored = ctx.quant.imported is not None or ctx.quant.modelopt  # an AutoAWQ/GPTQ import, a stored format
         moe = ctx.model is not None and ctx.model.params.is_moe
         first, bad = structures(gspec, gpu_count, ctx.device, stored, moe)
         refused += bad
