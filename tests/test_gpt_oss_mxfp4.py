@@ -143,3 +143,148 @@ def test_tune_searches_the_example_keeping_its_stored_format(tmp_path):
     every = doc["candidates"] + doc["dropped_candidates"]
     assert {(c["quantization"], c["kv_cache"]) for c in every} == {("none", "none")}
     assert not [c for c in doc["dropped_candidates"] if any("quantize" in f for f in c.get("failed_checks", []))]
+
+
+# -- import and run on the CPU stand-in ------------------------------------------------------------------------
+
+ATOL = 1e-4
+PROMPTS = [[1, 5, 9, 33, 200, 7, 8, 100, 3, 44, 12], [1, 17, 101, 3, 44, 90, 91, 92, 12, 240, 6, 7, 7, 7]]
+LAYOUTS = {"tp1": (1, {}), "tp2": (2, {}), "ep2": (2, {"moe_tp": 1, "moe_ep": 2})}
+EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+
+
+def make_mxfp4_gpt_oss(root: Path) -> tuple[Path, Path]:
+    """A tiny gpt-oss (hidden 64, expert width 64: whole blocks of 32; 4 experts top-2, 2 layers, window 4) saved
+    twice: as transformers writes it in float32 ("fp32"), and as released ("mxfp4"): each expert stack transposed
+    from GptOssExperts' [E, in, out] to the rows [E, out, in] and quantized by ModelOpt's MXFP4 rounding
+    (quant/fp4.py quantize_mxfp4) into `*_blocks` [E, out, in/32, 16] and `*_scales` [E, out, in/32], with the
+    published quantization_config. The swiglu constants are upstream's (the LLM-API stand-in refuses others)."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from test_gpt_oss import make_gpt_oss
+
+    from toolchain.quant.fp4 import quantize_mxfp4
+
+    fp32 = make_gpt_oss(root / "fp32", seed=5, intermediate_size=64, swiglu_limit=7.0)
+    out = root / "mxfp4"
+    transformers.GptOssForCausalLM.from_pretrained(fp32).save_pretrained(out, safe_serialization=True)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(EXPERT_TENSORS)]:
+        blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2).contiguous())
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = released()["quantization_config"]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return fp32, out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_mxfp4_gpt_oss(tmp_path_factory.mktemp("gpt-oss-mxfp4"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """transformers 5.25 loads the MXFP4 checkpoint itself on the CPU, dequantizing the experts (without Triton:
+    "We will default to dequantizing the model"), so the parity is against that."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny[1], dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+_ENGINES: dict = {}
+
+
+def mxfp4_engine(tmp_path_factory, hf_dir: Path, layout: str):
+    from test_engine_cpu_util import make_engine_dir
+
+    from toolchain.engine.cpu import CpuEngine
+
+    if layout not in _ENGINES:
+        tp, kw = LAYOUTS[layout]
+        _ENGINES[layout] = CpuEngine.load(make_engine_dir(hf_dir, tmp_path_factory.mktemp(f"mxfp4-{layout}"), tp,
+                                                          convert_kwargs={"path": "llmapi", **kw}))
+    return _ENGINES[layout]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parity_with_transformers_on_the_mxfp4_checkpoint(tmp_path_factory, tiny, reference, layout):
+    import torch
+    from test_engine_cpu_util import hf_greedy, hf_logits
+
+    from toolchain.engine.cpu import SamplingParams
+    from toolchain.engine.cpu.qlinear import Mxfp4
+
+    e = mxfp4_engine(tmp_path_factory, tiny[1], layout)
+    experts = e.model.stages[0][0].layers[0].experts
+    assert all(isinstance(lin, Mxfp4) and lin.weight.dtype == torch.uint8 for lin in experts.fc + experts.proj)
+    for prompt in PROMPTS:
+        torch.testing.assert_close(e.forward_logits(prompt), hf_logits(reference, prompt), atol=ATOL, rtol=0)
+        assert e.generate(prompt, SamplingParams(max_new_tokens=8)) == hf_greedy(reference, prompt, 8)
+
+
+def test_the_rounding_matters(tiny, reference):
+    """The float32 model the MXFP4 one was rounded from gives other logits by far more than the tolerance, so the
+    parity above shows the engine computing with the stored MXFP4 values."""
+    import torch
+    from test_engine_cpu_util import hf_logits
+    from transformers import AutoModelForCausalLM
+
+    fp32 = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32).eval()
+    assert (hf_logits(fp32, PROMPTS[0]) - hf_logits(reference, PROMPTS[0])).abs().max() > 100 * ATOL
+
+
+def test_rank_files_hold_the_stored_bytes_de_interleaved(tmp_path_factory, tiny):
+    """Rank r of tp 2 (moe_tp 2) holds, per expert, [up; gate] rows of its half of the width (the checkpoint's odd
+    rows, then its even ones, TensorRT-LLM's de-interleave), the blocks flattened to bytes, the scales alike; its
+    proj the matching 32-column block of down_proj."""
+    import torch
+    from safetensors.torch import load_file
+
+    mxfp4_engine(tmp_path_factory, tiny[1], "tp2")
+    hf = load_file(str(tiny[1] / "model.safetensors"))
+    blocks, scales = hf["model.layers.1.mlp.experts.gate_up_proj_blocks"], hf["model.layers.1.mlp.experts.gate_up_proj_scales"]
+    down = hf["model.layers.1.mlp.experts.down_proj_blocks"]
+    ckpt = next(p for p in tmp_path_factory.getbasetemp().glob("mxfp4-tp2*/checkpoint"))
+    for r in range(2):
+        rank = load_file(str(ckpt / f"rank{r}.safetensors"))
+        rows = slice(32 * r, 32 * (r + 1))
+        gate, up = blocks[:, 0::2][:, rows], blocks[:, 1::2][:, rows]
+        assert torch.equal(rank["transformer.layers.1.mlp.fc.weight"], torch.cat([up, gate], dim=1).flatten(2))
+        assert torch.equal(rank["transformer.layers.1.mlp.fc.weights_scaling_factor"],
+                           torch.cat([scales[:, 1::2][:, rows], scales[:, 0::2][:, rows]], dim=1))
+        assert torch.equal(rank["transformer.layers.1.mlp.proj.weight"], down[:, :, r:r + 1].flatten(2))
+    config = json.loads((ckpt / "config.json").read_text())["quantization"]
+    assert (config["quant_algo"], config["group_size"]) == ("W4A16_MXFP4", 32)
+
+
+@pytest.mark.parametrize("tp,moe_ep", [(1, None), (2, None), (4, 4)])
+def test_planned_bytes_are_what_convert_writes(tp, moe_ep):
+    """The planner's stored bytes of gpt-oss-120b equal convert's dry run from config.json alone, rank 0."""
+    from toolchain.archs import load_params
+    from toolchain.checkpoint.convert import plan_any
+    from toolchain.plan import memory as mem
+
+    dry = plan_any(GPT_OSS_120B, tp=tp, pp=1, dtype="bfloat16", target="cpu", moe_ep=moe_ep, path="llmapi")
+    _, p = load_params({**released(), "torch_dtype": "bfloat16"})
+    q = quantization_of(Quantization(), released())
+    planned = mem.rank_weights(p, tp=tp, pp_rank=0, pp=1, quant=q, dt_bytes=2, stored=True, moe_ep=moe_ep,
+                               qkv_bias=True, dense_bias=True)
+    assert dry.rank_bytes(0) == planned.total
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    ({"tp": 4, "path": "llmapi"}, "(2880 / moe_tp 4 = 720) is not whole blocks of 32"),
+    ({"tp": 1}, "has no engine path in TensorRT-LLM 1.2"),
+])
+def test_convert_refuses_in_one_line(kw, fragment):
+    from toolchain.checkpoint.convert import plan_any
+
+    with pytest.raises(ToolchainError, match=fragment.replace("(", r"\(").replace(")", r"\)")) as err:
+        plan_any(GPT_OSS_120B, pp=1, dtype="bfloat16", target="cpu", **kw)
+    assert "\n" not in str(err.value)

@@ -51,10 +51,22 @@ ROWS = (
         # dtype, which the float32 copy holds exactly.
         Row(f"{L}.mlp.router.weight", f"{T}.mlp.router.weight", Shard.REPLICATE, dtype="float32", shape=("E", "H")),
         Row(f"{L}.mlp.router.bias", f"{T}.mlp.router.bias", Shard.REPLICATE, dtype="float32", shape=("E",)),
-        Row(f"{X}.gate_up_proj", f"{T}.mlp.fc.weight", Shard.STACKED_GATE_UP, shape=("E", "H", "2EI")),
+        Row(f"{X}.gate_up_proj", f"{T}.mlp.fc.weight", Shard.STACKED_GATE_UP, shape=("E", "H", "2EI"),
+            when="float_experts"),
         Row(f"{X}.gate_up_proj_bias", f"{T}.mlp.fc.bias", Shard.STACKED_GATE_UP, shape=("E", "2EI")),
-        Row(f"{X}.down_proj", f"{T}.mlp.proj.weight", Shard.STACKED_DOWN, shape=("E", "EI", "H")),
+        Row(f"{X}.down_proj", f"{T}.mlp.proj.weight", Shard.STACKED_DOWN, shape=("E", "EI", "H"), when="float_experts"),
         Row(f"{X}.down_proj_bias", f"{T}.mlp.proj.bias", Shard.STACKED_DOWN, shape=("E", "H")),
+        # As released, MXFP4 (transformers integrations/mxfp4.py, notes/i35-facts.md section 6): e2m1 blocks and
+        # E8M0 scales, one row per output, kept as stored bytes; the engine checkpoint holds what a quantized
+        # linear of the MXFP4 row (quant/formats.py) stores, with the experts in front.
+        Row(f"{X}.gate_up_proj_blocks", f"{T}.mlp.fc.weight", Shard.STACKED_GATE_UP_ROWS, dtype="uint8",
+            shape=("E", "2EI", "HB", "16"), when="mxfp4_experts"),
+        Row(f"{X}.gate_up_proj_scales", f"{T}.mlp.fc.weights_scaling_factor", Shard.STACKED_GATE_UP_ROWS,
+            dtype="uint8", shape=("E", "2EI", "HB"), when="mxfp4_experts"),
+        Row(f"{X}.down_proj_blocks", f"{T}.mlp.proj.weight", Shard.STACKED_DOWN_ROWS, dtype="uint8",
+            shape=("E", "H", "EIB", "16"), when="mxfp4_experts"),
+        Row(f"{X}.down_proj_scales", f"{T}.mlp.proj.weights_scaling_factor", Shard.STACKED_DOWN_ROWS, dtype="uint8",
+            shape=("E", "H", "EIB"), when="mxfp4_experts"),
     ),
     # One per q head, split over tp with the heads and kept float32, as upstream loads them:
     # `sinks[self.num_heads * self.tp_rank:self.num_heads * (self.tp_rank + 1)]`, a float32 Parameter.
@@ -144,12 +156,17 @@ def normalize(cfg: dict, params, origin: str):
         "swiglu_limit": _number(cfg, "swiglu_limit", SWIGLU_LIMIT, origin),
     }
     extras["runtime_defaults"] = {"max_attention_window": [w or full for w in windows]}
+    qc = cfg.get("quantization_config")
+    if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == MXFP4:
+        extras["mxfp4_experts"] = True  # the MXFP4 rows read the experts (quant/view.py stored_format checks the rest)
     return dataclasses.replace(params, num_experts=experts, top_k=top_k, moe_normalization="renormalize",
                                extras_json=json.dumps(extras, sort_keys=True))
 
 
 def config_extra(params) -> dict:
-    return {**json.loads(params.extras_json or "{}"), "moe": moe.config_section(params)}
+    # mxfp4_experts picks the rows (ArchParams.mxfp4_experts); the checkpoint says it in its `quantization` section
+    extras = {k: v for k, v in json.loads(params.extras_json or "{}").items() if k != "mxfp4_experts"}
+    return {**extras, "moe": moe.config_section(params)}
 
 
 def quantization_refusal(params, method: str, kv_cache: str, stored: str | None = None) -> Refusal | None:

@@ -102,8 +102,8 @@ FP8_BLOCK_GPUS = Devices(_only(90, 100, 103), WORDED,
 # checkpoint/hf_quant.py) and the CPU engine (engine/cpu/config.py) refuse them as not implemented yet and tune
 # proposes none of them. Wiring one removes its name here; tests/test_quant_formats.py holds each list to the
 # dispatchers, so a name stays here exactly as long as nothing computes or runs it.
-PENDING_QUANTIZERS = frozenset({"fp8_block", "mxfp4"})
-PENDING_CPU_KERNELS: frozenset[str] = frozenset({"mxfp4"})
+PENDING_QUANTIZERS = frozenset({"fp8_block"})
+PENDING_CPU_KERNELS: frozenset[str] = frozenset()
 # Rows whose Hugging Face export and import (checkpoint/hf_quant.py HF_COMPUTED, stored_linear) are still to come:
 # the HF export refuses them as not implemented yet (Format.check_implemented on the LLM-API path), HF_IMPORTS leaves
 # them out and tune proposes them on the engine path only. The HF export computes its own tensors, so this list is
@@ -196,7 +196,8 @@ class Format(_OnDevices):
     Quantizer.components, checkpoint/hf_quant.py _quantize_group), each raising on a key it lacks: "awq"
     (quant/awq.py), "smoothquant" (quant/smoothquant.py), "fp8" (quant/fp8.py); "imported" (quant/prequantized.py
     unpacks a stored checkpoint); "trtllm-build" (the fp weights are written as they are and trtllm-build
-    quantizes them, the CPU engine at load); "none" (nothing is quantized); "nvfp4" (quant/fp4.py); "fp8_block"
+    quantizes them, the CPU engine at load); "none" (nothing is quantized); "stored_rows" (the family's rows carry
+    the stored tensors as they are: gpt-oss's MXFP4 experts, checkpoint/convert.py stored_rows_quantization); "nvfp4" (quant/fp4.py); "fp8_block"
     (quant/fp8_block.py), while in PENDING_QUANTIZERS, is refused as not implemented yet."""
     stats: tuple[str, ...]
     """The calibration statistics its quantizer reads (quant/calibration.py LayerStats.inputs): "amax" (per input
@@ -414,7 +415,7 @@ MXFP4_GPUS = Devices((range(90, NEWEST_SM),), WORDED,
                      fix="serve it on an H100/H200 or a Blackwell GPU")
 _MXFP4 = (Tensor("weight", ("out", "in/2"), "uint8", "weight"),
           Tensor("weights_scaling_factor", ("out", "in/32"), "uint8", "out_groups"))
-MXFP4 = Format("mxfp4", "W4A16_MXFP4", "mxfp4", (), devices=MXFP4_GPUS, group_size=32, stored=_MXFP4,
+MXFP4 = Format("mxfp4", "W4A16_MXFP4", "stored_rows", (), devices=MXFP4_GPUS, group_size=32, stored=_MXFP4,
                built=_MXFP4, cpu_kernel="mxfp4", hf_name="mxfp4", hf_weight="uint8", blackwell_algo="W4A8_MXFP4_MXFP8",
                modules=("experts",),
                engine_why_not="has no engine path in TensorRT-LLM 1.2 (trtllm-build's quantize() has no MXFP4 "
