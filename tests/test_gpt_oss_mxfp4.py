@@ -288,3 +288,24 @@ def test_convert_refuses_in_one_line(kw, fragment):
     with pytest.raises(ToolchainError, match=fragment.replace("(", r"\(").replace(")", r"\)")) as err:
         plan_any(GPT_OSS_120B, pp=1, dtype="bfloat16", target="cpu", **kw)
     assert "\n" not in str(err.value)
+
+
+# -- release/1.2's published gpt-oss-120b points (plan/data/published_gpt_oss.json) ---------------------------
+
+def test_the_published_gpt_oss_points_are_transcribed_whole():
+    """19 points: B200 and H200 at DEP2 (attention DP over tp 2 with moe_ep 2), B300 and GB200 at TP1, every
+    card a GPU row here and every point the released MXFP4 checkpoint; spot values as perf-overview.md gives them."""
+    from toolchain import gpus
+    from toolchain.plan.calibration import DATA
+
+    doc = json.loads((DATA / "published_gpt_oss.json").read_text())
+    rows = [dict(zip(doc["columns"], r, strict=True)) for r in doc["rows"]]
+    assert len(rows) == 19 and {r["method"] for r in rows} == {"mxfp4"} and "mxfp4" in formats.STORED_ONLY
+    assert all(gpus.lookup(r["gpu"]).name == r["gpu"] for r in rows)
+    layouts = {(r["gpu"], r["tp"], r["moe_ep"], r["attention_dp"]) for r in rows}
+    assert layouts == {("B200 180GB", 2, 2, True), ("H200 141GB", 2, 2, True), ("B300 288GB", 1, 1, False),
+                       ("GB200 186GB", 1, 1, False)}
+    value = {(r["gpu"], r["isl"], r["osl"]): r["output_tokens_per_s"] for r in rows}
+    assert value[("B200 180GB", 1024, 1024)] == 29061 and value[("H200 141GB", 32768, 1024)] == 500
+    assert ("H200 141GB", 1024, 32768) not in value  # the published table's empty cell
+    assert {r["kv_cache"] for r in rows if r["gpu"].startswith("H")} == {"none"}
