@@ -1,7 +1,10 @@
 """gpt-oss as released: experts in MXFP4 (config.json `quantization_config: {quant_method: mxfp4}`, e2m1 blocks with
 one E8M0 scale per 32), attention, router, embeddings and lm_head in bfloat16. The stored format is recognised once
 (quant/view.py stored_format), covers the experts alone (Quantization.covers), and the planner counts the experts at
-4 bits plus a byte per 32 and everything else in the model dtype; the algorithm is named per GPU."""
+4 bits plus a byte per 32 and everything else in the model dtype; the algorithm is named per GPU. Convert imports the
+stored blocks and scales (de-interleaved, split over moe_ep and moe_tp) and the CPU engine runs them: logits equal to
+transformers' on the same MXFP4 checkpoint at tp 1, tp 2 and moe_ep 2, and served on target llmapi-cpu. The config-only
+example build/gpt-oss-120b-h100.yaml plans and tunes; release/1.2's published points are held as transcribed."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from toolchain.errors import ToolchainError
 from toolchain.quant import formats
@@ -189,7 +193,6 @@ def tiny(tmp_path_factory):
 def reference(tiny):
     """transformers 5.25 loads the MXFP4 checkpoint itself on the CPU, dequantizing the experts (without Triton:
     "We will default to dequantizing the model"), so the parity is against that."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny[1], dtype=torch.float32).eval()
@@ -214,7 +217,6 @@ def mxfp4_engine(tmp_path_factory, hf_dir: Path, layout: str):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parity_with_transformers_on_the_mxfp4_checkpoint(tmp_path_factory, tiny, reference, layout):
-    import torch
     from test_engine_cpu_util import hf_greedy, hf_logits
 
     from toolchain.engine.cpu import SamplingParams
@@ -231,7 +233,6 @@ def test_parity_with_transformers_on_the_mxfp4_checkpoint(tmp_path_factory, tiny
 def test_the_rounding_matters(tiny, reference):
     """The float32 model the MXFP4 one was rounded from gives other logits by far more than the tolerance, so the
     parity above shows the engine computing with the stored MXFP4 values."""
-    import torch
     from test_engine_cpu_util import hf_logits
     from transformers import AutoModelForCausalLM
 
@@ -243,7 +244,6 @@ def test_rank_files_hold_the_stored_bytes_de_interleaved(tmp_path_factory, tiny)
     """Rank r of tp 2 (moe_tp 2) holds, per expert, [up; gate] rows of its half of the width (the checkpoint's odd
     rows, then its even ones, TensorRT-LLM's de-interleave), the blocks flattened to bytes, the scales alike; its
     proj the matching 32-column block of down_proj."""
-    import torch
     from safetensors.torch import load_file
 
     mxfp4_engine(tmp_path_factory, tiny[1], "tp2")
@@ -309,3 +309,50 @@ def test_the_published_gpt_oss_points_are_transcribed_whole():
     assert value[("B200 180GB", 1024, 1024)] == 29061 and value[("H200 141GB", 32768, 1024)] == 500
     assert ("H200 141GB", 1024, 32768) not in value  # the published table's empty cell
     assert {r["kv_cache"] for r in rows if r["gpu"].startswith("H")} == {"none"}
+
+
+# -- deployed on target llmapi-cpu ----------------------------------------------------------------------------
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_llmapi_cpu_serves_the_mxfp4_checkpoint(tmp_path_factory):
+    """The released form deployed on the LLM-API path's CPU stand-in at tp 2 / moe_ep 2 (convert imports the stored
+    experts, the OpenAI server from the deployment's LLM() arguments runs them) answers the greedy tokens of
+    transformers running the same MXFP4 checkpoint."""
+    import urllib.request
+
+    from conftest import write_spec
+    from test_engine_cpu_util import hf_greedy
+    from test_gpt_oss_e2e import PROMPT, _words
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from triton_helpers import make_tiny_tokenizer
+
+    from toolchain.pipeline import convert_for, model_repo_for, openai_server
+    from toolchain.spec import load_spec
+    from toolchain.workspace import Workspace
+
+    root = tmp_path_factory.mktemp("gpt-oss-mxfp4-e2e")
+    _, hf = make_mxfp4_gpt_oss(root)
+    make_tiny_tokenizer(hf)
+    spec = load_spec(write_spec(root / "spec.yaml", hf, name="tiny-gpt-oss-mxfp4", target="llmapi-cpu",
+                                parallelism={"tp": 2, "moe_ep": 2},
+                                limits={"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128,
+                                        "max_num_tokens": 256},
+                                serving={"http_port": 0, "grpc_port": 0, "metrics_port": 0,
+                                         "max_tokens_in_paged_kv_cache": 2048},
+                                llmapi={"openai_port": 0}))
+    ws = Workspace(root)
+    convert_for(spec)(spec, ws)
+    model_repo_for(spec)(spec, ws)
+    prompt = AutoTokenizer.from_pretrained(hf)(_words(PROMPT))["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    expected = hf_greedy(model, prompt, 8)
+    assert min(expected) >= 3, "a special token in the greedy output; pick another seed"
+    with openai_server(spec, ws, ws.root / "openai.log") as api:
+        body = json.dumps({"model": api.served_model_name, "prompt": _words(PROMPT), "max_tokens": 8,
+                           "top_k": 1}).encode()
+        req = urllib.request.Request(f"{api.url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            answer = json.loads(resp.read())
+    assert answer["choices"][0]["text"].strip() == _words(expected)
