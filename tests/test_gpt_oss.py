@@ -80,7 +80,16 @@ def released_cfg(**over) -> dict:
     """gpt-oss-120b's config.json as released (rope_scaling / rope_theta, transformers 4.55), less its MXFP4
     quantization_config (issue 35): build/configs/gpt-oss-120b."""
     cfg = json.loads((CONFIGS / "gpt-oss-120b" / "config.json").read_text())
+    cfg.pop("quantization_config")  # its MXFP4 experts: tests/test_gpt_oss_mxfp4.py
     return {k: v for k, v in {**cfg, **over}.items() if v is not None}
+
+
+def bf16_120b(tmp_path: Path) -> Path:
+    """A config-only gpt-oss-120b in bfloat16: the released config.json less its quantization_config."""
+    out = tmp_path / "gpt-oss-120b-bf16"
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps(released_cfg(torch_dtype="bfloat16")))
+    return out
 
 
 # -- the table and its parameters ---------------------------------------------------------------------------
@@ -187,7 +196,7 @@ def test_the_cpu_stand_in_refuses_what_llm_refuses(hf_gpt_oss, tmp_path):
         with pytest.raises(ToolchainError, match=fragment) as err:
             plan_checkpoint(hf_gpt_oss, dtype="float32", path="llmapi", **kw)
         assert "\n" not in str(err.value)
-    with pytest.raises(ToolchainError, match="not supported yet"):
+    with pytest.raises(ToolchainError, match="quantization fp8/kv_cache none on GptOssForCausalLM is not supported"):
         plan_checkpoint(hf_gpt_oss, tp=1, pp=1, dtype="float32", quantization=_fp8())
 
 
@@ -207,7 +216,7 @@ def test_plan_of_gpt_oss_120b_from_config_alone(tmp_path, capsys):
 
     from toolchain.checkpoint.convert import plan_any
 
-    ckpt = CONFIGS / "gpt-oss-120b"
+    ckpt = bf16_120b(tmp_path)
     limits = {"max_batch_size": 8, "max_input_len": 4096, "max_seq_len": 8192, "max_num_tokens": 8192}
     for par in ({"tp": 1}, {"tp": 4, "moe_ep": 4}):
         spec = spec_file(tmp_path, ckpt, target="llmapi", parallelism=par, gpu={"name": "H200"}, limits=limits,

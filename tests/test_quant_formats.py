@@ -103,6 +103,8 @@ def test_every_row_names_its_quantizer_kernel_and_export():
             assert row.stored == formats.FP_WEIGHT and not row.stats, row.name
         elif row.quantizer == "imported":
             assert row is formats.IMPORTED_INT4
+        elif row.quantizer == "stored_rows":  # read by the family's rows as stored, never a spec method
+            assert row.name in formats.STORED_ONLY and not row.stats, row.name
         else:
             assert row.quantizer in formats.PENDING_QUANTIZERS and not row.quantizer_ready, row.name
         # Its CPU kernel: every quantized row runs on the CPU engine, or its kernel is pending; only `none` is a

@@ -55,6 +55,10 @@ class Shard(str, enum.Enum):
     # STACKED_EXPERT_FC is gate_up_proj [E, H, 2I] with the gate (activated) half first, STACKED_EXPERT_PROJ is
     # down_proj [E, I, H]; both are laid out per rank as EXPERT_FC and EXPERT_PROJ are (checkpoint/sharding.py
     # split_stacked_experts).
+    # STACKED_GATE_UP_ROWS / STACKED_DOWN_ROWS: the same stacks stored one row per output feature with their
+    # input in blocks, [E, out, in/32(, 16)] (gpt-oss's MXFP4 blocks and scales; checkpoint/expert_stacks.py).
+    STACKED_GATE_UP_ROWS = "stacked_gate_up_rows"
+    STACKED_DOWN_ROWS = "stacked_down_rows"
     STACKED_EXPERT_FC = "stacked_expert_fc"
     STACKED_EXPERT_PROJ = "stacked_expert_proj"
 
@@ -277,6 +281,9 @@ DIMS: dict[str, Callable[[Any], int]] = {
     "NH": lambda p: p.num_attention_heads,                    # one value per q head (gpt-oss sinks)
     "2EI": lambda p: 2 * p.expert_size,                       # every expert's fused gate_up_proj (gpt-oss, Llama 4)
     "2H": lambda p: 2 * p.hidden_size,                        # an MTP layer's eh_proj input [embedding; hidden]
+    "HB": lambda p: p.hidden_size // 32,                      # MXFP4 blocks of 32 along the hidden size (gpt-oss)
+    "EIB": lambda p: p.expert_size // 32,                     # MXFP4 blocks of 32 along the expert width
+    "16": lambda p: 16,                                       # bytes of one MXFP4 block (32 e2m1 values)
 }
 
 

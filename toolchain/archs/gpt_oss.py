@@ -22,8 +22,8 @@ What the model computes (transformers models/gpt_oss/modeling_gpt_oss.py, the pa
 TensorRT-LLM's model (notes/i36-facts.md §1.4, a stored version of modeling_gpt_oss.py; which one is 1.2.1's is
 UNVERIFIED) constrains what LLM() serves, so the LLM-API path refuses: pipeline parallelism (`assert
 mapping.pp_size == 1`), tp above num_key_value_heads (its HF loader duplicates no KV heads; conservative), swiglu
-constants other than the ones it hard-codes (alpha 1.702, limit 7.0), and any quantization here (MXFP4 experts as
-published are issue 35's import). Its sliding window is `pretrained_config.sliding_window if layer_idx % 2 == 0`,
+constants other than the ones it hard-codes (alpha 1.702, limit 7.0), and any quantization here but the MXFP4
+experts the released checkpoints store (quant/formats.py MXFP4; attention, router, embeddings and lm_head bf16). Its sliding window is `pretrained_config.sliding_window if layer_idx % 2 == 0`,
 `layer_types` unread, so a config whose layer_types are not that alternation is refused at normalisation: every
 path (the stand-in included) would misread it.
 """
@@ -51,10 +51,22 @@ ROWS = (
         # dtype, which the float32 copy holds exactly.
         Row(f"{L}.mlp.router.weight", f"{T}.mlp.router.weight", Shard.REPLICATE, dtype="float32", shape=("E", "H")),
         Row(f"{L}.mlp.router.bias", f"{T}.mlp.router.bias", Shard.REPLICATE, dtype="float32", shape=("E",)),
-        Row(f"{X}.gate_up_proj", f"{T}.mlp.fc.weight", Shard.STACKED_GATE_UP, shape=("E", "H", "2EI")),
+        Row(f"{X}.gate_up_proj", f"{T}.mlp.fc.weight", Shard.STACKED_GATE_UP, shape=("E", "H", "2EI"),
+            when="float_experts"),
         Row(f"{X}.gate_up_proj_bias", f"{T}.mlp.fc.bias", Shard.STACKED_GATE_UP, shape=("E", "2EI")),
-        Row(f"{X}.down_proj", f"{T}.mlp.proj.weight", Shard.STACKED_DOWN, shape=("E", "EI", "H")),
+        Row(f"{X}.down_proj", f"{T}.mlp.proj.weight", Shard.STACKED_DOWN, shape=("E", "EI", "H"), when="float_experts"),
         Row(f"{X}.down_proj_bias", f"{T}.mlp.proj.bias", Shard.STACKED_DOWN, shape=("E", "H")),
+        # As released, MXFP4 (transformers integrations/mxfp4.py, notes/i35-facts.md section 6): e2m1 blocks and
+        # E8M0 scales, one row per output, kept as stored bytes; the engine checkpoint holds what a quantized
+        # linear of the MXFP4 row (quant/formats.py) stores, with the experts in front.
+        Row(f"{X}.gate_up_proj_blocks", f"{T}.mlp.fc.weight", Shard.STACKED_GATE_UP_ROWS, dtype="uint8",
+            shape=("E", "2EI", "HB", "16"), when="mxfp4_experts"),
+        Row(f"{X}.gate_up_proj_scales", f"{T}.mlp.fc.weights_scaling_factor", Shard.STACKED_GATE_UP_ROWS,
+            dtype="uint8", shape=("E", "2EI", "HB"), when="mxfp4_experts"),
+        Row(f"{X}.down_proj_blocks", f"{T}.mlp.proj.weight", Shard.STACKED_DOWN_ROWS, dtype="uint8",
+            shape=("E", "H", "EIB", "16"), when="mxfp4_experts"),
+        Row(f"{X}.down_proj_scales", f"{T}.mlp.proj.weights_scaling_factor", Shard.STACKED_DOWN_ROWS, dtype="uint8",
+            shape=("E", "H", "EIB"), when="mxfp4_experts"),
     ),
     # One per q head, split over tp with the heads and kept float32, as upstream loads them:
     # `sinks[self.num_heads * self.tp_rank:self.num_heads * (self.tp_rank + 1)]`, a float32 Parameter.
@@ -74,6 +86,7 @@ GPT_OSS_DEFAULTS = MappingProxyType({
 DEFAULT_ROPE = MappingProxyType({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                  "truncate": False, "original_max_position_embeddings": 4096})
 DEFAULT_EXPERTS, DEFAULT_TOP_K, DEFAULT_WINDOW = 128, 4, 128
+MXFP4 = "mxfp4"  # config.json quant_method of the released checkpoints, and its row's name (quant/formats.py)
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # GptOssConfig's defaults, and the constants upstream hard-codes
 DECODER = Decoder(hidden_act="swiglu", attention_sinks=True, expert_bias=True)
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -143,31 +156,38 @@ def normalize(cfg: dict, params, origin: str):
         "swiglu_limit": _number(cfg, "swiglu_limit", SWIGLU_LIMIT, origin),
     }
     extras["runtime_defaults"] = {"max_attention_window": [w or full for w in windows]}
+    qc = cfg.get("quantization_config")
+    if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == MXFP4:
+        extras["mxfp4_experts"] = True  # the MXFP4 rows read the experts (quant/view.py stored_format checks the rest)
     return dataclasses.replace(params, num_experts=experts, top_k=top_k, moe_normalization="renormalize",
                                extras_json=json.dumps(extras, sort_keys=True))
 
 
 def config_extra(params) -> dict:
-    return {**json.loads(params.extras_json or "{}"), "moe": moe.config_section(params)}
+    # mxfp4_experts picks the rows (ArchParams.mxfp4_experts); the checkpoint says it in its `quantization` section
+    extras = {k: v for k, v in json.loads(params.extras_json or "{}").items() if k != "mxfp4_experts"}
+    return {**extras, "moe": moe.config_section(params)}
 
 
 def quantization_refusal(params, method: str, kv_cache: str, stored: str | None = None) -> Refusal | None:
-    if stored:
+    """Only the released form is taken quantized: MXFP4 experts as stored (config.json quant_method mxfp4, which the
+    view reads as method mxfp4, quant/view.py stored_format); nothing is quantized here."""
+    if stored not in (None, MXFP4):
         what = f"a pre-quantized checkpoint ({stored})"
-    elif method != "none":
+    elif method not in ("none", MXFP4) or (method == MXFP4 and stored):
         what = f"quantization {method}"
     elif kv_cache != "none":
         what = f"quantization.kv_cache {kv_cache}"
     else:
         return None
-    return Refusal(f"{what} on {params.architecture} is not supported yet (MXFP4 experts are issue 35's import)",
-                   "convert the bfloat16 checkpoint with quantization.method none and kv_cache none")
+    return Refusal(f"{what} on {params.architecture} is not supported (only its MXFP4 experts as released are)",
+                   "convert the bfloat16 or the released MXFP4 checkpoint with quantization.method none and kv_cache "
+                   "none")
 
 
 def llmapi_refusal(params, tp: int, quantized: bool) -> str | None:
+    # `quantized` needs no rule here: quantization_refusal takes nothing but the stored MXFP4 experts.
     extras = json.loads(params.extras_json or "{}")
-    if quantized:
-        return f"{params.architecture} quantized on the LLM-API path is not supported yet; serve it in bfloat16"
     if tp > params.num_key_value_heads:
         return (f"{params.architecture} at tp {tp} on the LLM-API path: tp above num_key_value_heads "
                 f"{params.num_key_value_heads} (TensorRT-LLM's gpt-oss HF loader duplicates no KV heads); use tp <= "

@@ -172,6 +172,18 @@ def tile_problem(params: Any, tile: int, tp: int, moe_tp: int) -> str | None:
     return None
 
 
+def block_problem(params: Any, block: int, moe_tp: int) -> str | None:
+    """Why experts stored in blocks of `block` input channels (MXFP4's 32, one E8M0 scale each) cannot be cut at this
+    moe_tp (None: they can): each rank's proj takes I/moe_tp input columns and their scales, and its fc I/moe_tp rows
+    of gate and of up, so the width per rank must be whole blocks (TensorRT-LLM's MXFP4 MoE loads the scales sliced
+    with the weight, notes/i35-facts.md section 6.3)."""
+    width = params.expert_size // moe_tp
+    if params.is_moe and width % block:
+        return (f"the expert {_width_key(params)} per rank ({params.expert_size} / moe_tp {moe_tp} = {width}) is not "
+                f"whole blocks of {block}")
+    return None
+
+
 def rank_experts(num_experts: int, moe_ep: int, tp_rank: int) -> range:
     """The experts a TP rank holds (Mapping.ep_experts with moe_ep_rank = tp_rank % moe_ep)."""
     per = num_experts // moe_ep

@@ -131,6 +131,17 @@ class ArchParams:
         return layer >= json.loads(self.extras_json or "{}").get("mtp_from", self.num_hidden_layers)
 
     @property
+    def mxfp4_experts(self) -> bool:
+        """The routed experts are stored in MXFP4 blocks and scales (gpt-oss as released: its normalize writes
+        mxfp4_experts into extras_json from config.json's quantization_config); the family's MXFP4 rows read them."""
+        return bool(json.loads(self.extras_json or "{}").get("mxfp4_experts"))
+
+    @property
+    def float_experts(self) -> bool:
+        """The routed experts are stored in the model's float dtype (not `mxfp4_experts`)."""
+        return not self.mxfp4_experts
+
+    @property
     def has_dense_mlp(self) -> bool:
         """Whether some layer holds a dense MLP of intermediate_size (every layer of a dense model)."""
         return not all(self.is_moe_layer(i) for i in range(self.num_hidden_layers))

@@ -38,7 +38,8 @@ class ConfigOnlyCheckpoint(HFCheckpoint):
             shape = expected_shape(row, params) if row.transform is None else None
             if shape is None:  # a transformed row, or one without a shape
                 raise ValueError(f"{family.name}: row {row.hf} cannot be planned from config.json alone")
-            tensors[name] = TensorInfo(name, self.config_path, shape, dtype)
+            stored = torch.uint8 if row.dtype == "uint8" else dtype  # bytes as stored (MXFP4 blocks and scales)
+            tensors[name] = TensorInfo(name, self.config_path, shape, stored)
         self._tensors = tensors
         self._files = []
         self._weight_map = None

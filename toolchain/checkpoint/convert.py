@@ -85,7 +85,12 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
         raise ToolchainError(f"{ckpt.config_path}: {refusal.why}", refusal.hint)
     config_only = isinstance(ckpt, ConfigOnlyCheckpoint)
     fmt = read_stored_format(ckpt.directory, ckpt.config)
-    if fmt is not None:
+    if fmt is not None and fmt.get("modules") is not None:
+        # A format the family's own rows carry as stored (gpt-oss's MXFP4 experts): nothing is virtualised and no
+        # quantizer runs; the config names the format (`stored_rows_quantization`).
+        q = quantization_of(requested, ckpt.config, modelopt=fmt)
+        fmt = None
+    elif fmt is not None:
         # A ModelOpt Hugging Face-format export (the LLM-API path's pre-quantized checkpoint) or a DeepSeek-style
         # FP8 block-scale checkpoint: imported as stored, in the format it was quantized in (parse_prequantized
         # knows AutoAWQ/GPTQ only).
@@ -136,8 +141,15 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     if tiles is not None:
         raise ToolchainError(f"{ckpt.config_path}: {tiles}", "use a larger parallelism.moe_ep (a smaller moe_tp), or "
                              "another parallelism.tp")
+    if q.modules is not None and q.covers("experts") and q.format.group_size:  # MXFP4's blocks of 32
+        problem = moe.block_problem(params, q.format.group_size, opts.layout.moe_tp)
+        if problem is not None:
+            raise ToolchainError(f"{ckpt.config_path}: {q.method} experts: {problem}",
+                                 "use a smaller parallelism.moe_tp (a larger moe_ep)")
     quant = None
-    if q.active or q.prequantized is not None:
+    if q.modules is not None:
+        config["quantization"] = stored_rows_quantization(q, params)
+    elif q.active or q.prequantized is not None:
         quant = Quantizer(q, params.num_attention_heads, params.num_key_value_heads, tp,
                           sharding.pp_layers(params.num_hidden_layers, pp), layout_plan, params.intermediate_size,
                           TORCH_DTYPES[resolved], raw=raw, kv_sources=kv_sources,
@@ -150,6 +162,23 @@ def plan_checkpoint(hf_dir: Path | str, *, tp: int, pp: int, dtype: str = "auto"
     if mtp_layers:
         attach_mtp(plan, ckpt, mtp_layers)
     return plan
+
+
+# The engine checkpoint's modules kept in the model dtype beside MXFP4 experts: TensorRT-LLM's own list for an mxfp4
+# checkpoint names attention qkv and out, the router, the embedding and the unembedding (QuantConfig
+# .update_from_model_ckpt: 'block.*.attn.out', 'block.*.mlp.gate', 'block.*.attn.qkv', 'embedding', 'unembedding';
+# notes/i35-facts.md section 5), here in this checkpoint's names.
+EXPERTS_ONLY_EXCLUDE = ("*attention.qkv", "*attention.dense", *exclude.ROUTER_EXCLUDE, "*vocab_embedding", "*lm_head")
+
+
+def stored_rows_quantization(q: Quantization, params: ArchParams) -> dict:
+    """config.json `quantization` of a checkpoint whose family rows carry a stored format holding the experts alone
+    (q.modules: MXFP4): its QuantAlgo, the block the format fixes and every other module excluded."""
+    if set(q.modules or ()) != {"experts"}:
+        raise ToolchainError(f"a stored {q.method} checkpoint quantizing {sorted(q.modules or ())} cannot be converted",
+                             "only one whose experts alone are quantized can")
+    return {"quant_algo": q.quant_algo, "kv_cache_quant_algo": None, "group_size": q.format.group_size,
+            "exclude_modules": list(EXPERTS_ONLY_EXCLUDE)}
 
 
 def plan_any(hf_dir: Path | str, **options) -> Plan:

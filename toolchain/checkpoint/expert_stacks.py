@@ -46,3 +46,24 @@ def split_down(t: torch.Tensor, tp: int, moe_tp: int, moe_ep: int) -> list[torch
         return [t[experts].contiguous() for experts, _ in _rank_slices(t.shape[0], tp, moe_ep)]
     cols = t.transpose(1, 2)  # [E, H, I]
     return [cols[experts].chunk(moe_tp, dim=2)[slot].contiguous() for experts, slot in _rank_slices(t.shape[0], tp, moe_ep)]
+
+
+def split_gate_up_rows(t: torch.Tensor, tp: int, moe_tp: int, moe_ep: int) -> list[torch.Tensor]:
+    """gate_up_proj's MXFP4 blocks [E, 2I, H/32, 16] (or scales [E, 2I, H/32]), already one row per output with gate
+    in the even and up in the odd rows (TensorRT-LLM's loader: `gate_up_weight[:, ::2, :], gate_up_weight[:, 1::2,
+    :]`, notes/i35-facts.md section 6.3), as each rank's fc [E_r, 2 I_r, H/2] (scales [E_r, 2 I_r, H/32]) of
+    [up_r; gate_r] per expert; the blocks flattened to bytes as that loader does (`flatten(-2, -1)`)."""
+    gate, up = t[:, 0::2], t[:, 1::2]
+    out = []
+    for experts, slot in _rank_slices(t.shape[0], tp, moe_ep):
+        u, g = up[experts].chunk(moe_tp, dim=1)[slot], gate[experts].chunk(moe_tp, dim=1)[slot]
+        out.append(torch.cat([u, g], dim=1).flatten(2).contiguous())
+    return out
+
+
+def split_down_rows(t: torch.Tensor, tp: int, moe_tp: int, moe_ep: int) -> list[torch.Tensor]:
+    """down_proj's MXFP4 blocks [E, H, I/32, 16] (or scales [E, H, I/32]) as each rank's proj [E_r, H, I_r/2]
+    (scales [E_r, H, I_r/32]): the expert width cut over moe_tp in whole blocks of 32 (archs/moe.py block_problem
+    refuses a width that is not)."""
+    return [t[experts].chunk(moe_tp, dim=2)[slot].flatten(2).contiguous()
+            for experts, slot in _rank_slices(t.shape[0], tp, moe_ep)]

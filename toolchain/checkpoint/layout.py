@@ -23,6 +23,8 @@ from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.errors import ToolchainError
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# A row's own dtype (Row.dtype): a float one, or stored bytes kept as they are (gpt-oss's MXFP4 blocks and scales).
+ROW_DTYPES = {**TORCH_DTYPES, "uint8": torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def stage_ranks(stage: int, tp: int) -> list[int]:
 def prepare(t: torch.Tensor, row: Row, dtype: torch.dtype, hf: str) -> torch.Tensor:
     """Apply the row's transform and cast to the checkpoint dtype (the row's own, where it names one)."""
     if row.dtype is not None:
-        dtype = TORCH_DTYPES[row.dtype]
+        dtype = ROW_DTYPES[row.dtype]
     if row.transform is not None:
         t = TRANSFORMS[row.transform](t)
     if t.dtype == dtype:
@@ -183,6 +185,10 @@ def shard_group(group: Group, tensors: dict[str, torch.Tensor], params: ArchPara
                 pieces = expert_stacks.split_gate_up(src, tp, opts.layout.moe_tp, opts.layout.moe_ep)
             elif shard is Shard.STACKED_DOWN:
                 pieces = expert_stacks.split_down(src, tp, opts.layout.moe_tp, opts.layout.moe_ep)
+            elif shard is Shard.STACKED_GATE_UP_ROWS:
+                pieces = expert_stacks.split_gate_up_rows(src, tp, opts.layout.moe_tp, opts.layout.moe_ep)
+            elif shard is Shard.STACKED_DOWN_ROWS:
+                pieces = expert_stacks.split_down_rows(src, tp, opts.layout.moe_tp, opts.layout.moe_ep)
             elif shard is Shard.REPLICATE:
                 pieces = [src] * tp
             elif shard is Shard.VOCAB:

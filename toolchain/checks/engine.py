@@ -364,8 +364,12 @@ def _group_padding(ctx: Context):
         return PASS, (f"every per-rank q, k/v and gate/up width and row-parallel input is whole {q.format.tile}x"
                       f"{q.format.tile} tiles")
     if p is not None and q.format.group_size is not None:
-        # convert's own rule (check_recipe), so plan and convert agree; a ToolchainError is this check's FAIL
+        # convert's own rules (check_recipe, moe.block_problem), so plan and convert agree; a ToolchainError is this
+        # check's FAIL
         check_blocks(q, _shape(p), tp, lambda t: splits_tp(p, ctx.spec.parallelism.layout, t))
+        if q.covers("experts") and (problem := moe.block_problem(p, q.format.group_size,
+                                                                 ctx.spec.parallelism.layout.moe_tp)):
+            return FAIL, f"{q.method} experts: {problem}; use a smaller parallelism.moe_tp (a larger moe_ep)"
         return PASS, f"every per-rank input width is whole blocks of {q.format.group_size}"
     if not q.per_group or p is None:
         return (PASS, "no per-group format") if p is not None else (SKIP, NO_MODEL)
@@ -543,6 +547,8 @@ def _device(ctx: Context):
     refused = device_refusal(q, dev.name, dev.sm)
     if refused:
         return FAIL, refused
+    if q.format.blackwell_algo:  # the runtime picks the algorithm by GPU (MXFP4)
+        return PASS, f"the formats run on SM {dev.sm}, the weights as {q.format.algo_on(dev.sm)}"
     return PASS, f"the formats run on SM {dev.sm}"
 
 

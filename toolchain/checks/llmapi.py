@@ -59,7 +59,7 @@ def _quantization(ctx: Context):
     if not q.active:
         return PASS, "unquantized: the checkpoint is served as it is"
     if q.modelopt:  # stored quantized (quant/view.py stored_format): LLM() loads it as it is
-        return PASS, f"the checkpoint is stored {q.quant_algo}, served as it is"
+        return PASS, f"the checkpoint is stored {q.describe(ctx.device.sm if ctx.device else None)}, served as it is"
     problem = hf_quant_problem(q)
     if problem:
         return FAIL, problem

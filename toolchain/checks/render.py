@@ -47,7 +47,7 @@ def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
                         "world_size": spec.parallelism.world_size},
         "device": {"name": dev.name, "memory_gib": round(dev.memory_gib, 2), "sm": dev.sm, "kind": dev.kind}
         if dev else None,
-        "weight_format": ctx.quant.describe(), "quantization": ctx.quant.weight_method,
+        "weight_format": ctx.quant.describe(dev.sm if dev else None), "quantization": ctx.quant.weight_method,
         "weight_dtype": memory.weight_dtype if memory else None, "kv_cache_dtype": memory.kv_dtype if memory else None,
         "ranks": ranks,
         "sequence_tokens": memory.sequence_tokens if memory else None,

@@ -79,11 +79,14 @@ def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: 
     expert, TensorRT-LLM tensorrt_llm/models/convert_utils.py weight_only_quantize on a batched matrix; AWQ
     packed int4 with per-group scales per expert, FP8 e4m3 with a scale per expert)."""
     experts, width, h = p.num_experts // moe_ep, p.expert_size // moe_tp, p.hidden_size
+    # A stored format may hold some kinds only (MXFP4: the routed experts); the rest stay in the model dtype.
+    shared_quant = quant.on("shared_expert") if quant is not None else None
+    quant = quant.on("experts") if quant is not None else None
 
-    def linear(out: int, inp: int) -> float:
-        return out * inp * dt_bytes if quant is None else linear_bytes(out, inp, quant, dt_bytes, stored)
+    def linear(out: int, inp: int, q: Quantization | None) -> float:
+        return out * inp * dt_bytes if q is None else linear_bytes(out, inp, q, dt_bytes, stored)
 
-    routed = experts * (linear(2 * width, h) + linear(h, width))
+    routed = experts * (linear(2 * width, h, quant) + linear(h, width, quant))
     if quant is not None:
         # What a stack holds once, not per expert: FP8's activation scale (MOEWeightWrapper, layers/moe.py at
         # c388fec7: (1,)); and in the engine AWQ's prequant vector, which the checkpoint stores per expert
@@ -97,7 +100,7 @@ def expert_bytes(p: ArchParams, moe_tp: int, moe_ep: int, dt_bytes: int, quant: 
                                    + formats.tensor_bytes(held_once, h, width, g, dt_bytes))
     shared_r = p.shared_expert_size // (shared_tp or moe_tp * moe_ep)
     gate = h * dt_bytes if p.shared_expert_gated else 0  # DeepSeek-V3's and Llama 4's shared experts have none
-    shared = linear(2 * shared_r, h) + linear(h, shared_r) + gate if p.shared_expert_size else 0
+    shared = linear(2 * shared_r, h, shared_quant) + linear(h, shared_r, shared_quant) + gate if p.shared_expert_size else 0
     return p.num_experts * h * ROUTER_BYTES + routed + shared
 
 
@@ -154,9 +157,10 @@ def rank_weights(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quanti
     h, v = p.hidden_size, p.vocab_size
     attn_tp = layout.attn_tp
     shapes = linear_shapes(p, attn_tp, quant)
-    per_layer = sum(linear_bytes(o, i, quant, dt_bytes, stored) for name, o, i in shapes if name not in MLP_LINEARS)
+    attention, mlp = quant.on("attention"), quant.on("mlp")  # each kind in the format, or in the model dtype
+    per_layer = sum(linear_bytes(o, i, attention, dt_bytes, stored) for name, o, i in shapes if name not in MLP_LINEARS)
     per_layer += sink_and_expert_bias_bytes(p, attn_tp, layout.moe_tp, layout.moe_ep, dt_bytes)
-    dense_mlp = sum(linear_bytes(o, i, quant, dt_bytes, stored) for name, o, i in shapes if name in MLP_LINEARS)
+    dense_mlp = sum(linear_bytes(o, i, mlp, dt_bytes, stored) for name, o, i in shapes if name in MLP_LINEARS)
     if qkv_bias:
         per_layer += linear_shapes(p, attn_tp)[0][1] * dt_bytes
     if dense_bias:

@@ -196,7 +196,8 @@ class Format(_OnDevices):
     Quantizer.components, checkpoint/hf_quant.py _quantize_group), each raising on a key it lacks: "awq"
     (quant/awq.py), "smoothquant" (quant/smoothquant.py), "fp8" (quant/fp8.py); "imported" (quant/prequantized.py
     unpacks a stored checkpoint); "trtllm-build" (the fp weights are written as they are and trtllm-build
-    quantizes them, the CPU engine at load); "none" (nothing is quantized); "nvfp4" (quant/fp4.py); "fp8_block"
+    quantizes them, the CPU engine at load); "none" (nothing is quantized); "stored_rows" (the family's rows carry
+    the stored tensors as they are: gpt-oss's MXFP4 experts, checkpoint/convert.py stored_rows_quantization); "nvfp4" (quant/fp4.py); "fp8_block"
     (quant/fp8_block.py), while in PENDING_QUANTIZERS, is refused as not implemented yet."""
     stats: tuple[str, ...]
     """The calibration statistics its quantizer reads (quant/calibration.py LayerStats.inputs): "amax" (per input
@@ -238,6 +239,13 @@ class Format(_OnDevices):
     activations' type; int8 for SmoothQuant's W8A8; fp8 for FP8 and FP8 block scales (e4m3 activations scaled
     per 1x128 at run time); fp4 for NVFP4 (e2m1 activations and weights)."""
 
+    blackwell_algo: str | None = None
+    """The QuantAlgo the PyTorch backend picks instead of `quant_algo` on SM 100 and newer, where the format's
+    algorithm depends on the GPU (MXFP4, `algo_on`); None: `quant_algo` on every GPU."""
+    modules: tuple[str, ...] | None = None
+    """The module kinds (quant/view.py MODULE_KINDS) the format can hold, where it quantizes only some (MXFP4: the
+    routed experts); the checkpoint's exclude list can take more away (Quantization.modules). None: every linear."""
+
     gemm_plugin: str | None = None
     """The trtllm-build --gemm_plugin its quantized linears need, which build.gemm_plugin auto resolves to; None:
     the spec's own. NVFP4's FP4Linear runs its FP4 GEMM only under the nvfp4 plugin and otherwise dequantizes to a
@@ -272,6 +280,12 @@ class Format(_OnDevices):
     def cpu_kernel_ready(self) -> bool:
         """The CPU engine runs it (a plain fp linear, or a kernel not in PENDING_CPU_KERNELS)."""
         return self.cpu_kernel not in PENDING_CPU_KERNELS
+
+    def algo_on(self, sm: int | None) -> str | None:
+        """The QuantAlgo the runtime uses on SM `sm` (`blackwell_algo` from SM 100 on; None: the SM is unknown and
+        `quant_algo` is said)."""
+        return self.blackwell_algo if self.blackwell_algo and sm is not None and sm >= BLACKWELL.start else \
+            self.quant_algo
 
     def check_implemented(self, path: str = LLMAPI) -> None:
         """Refuse, in one line, a row whose quantizer is pending on `path` (`ready_on`): before computing anything,
@@ -386,10 +400,35 @@ FP8_BLOCK = Format("fp8_block", "FP8_BLOCK_SCALES", "fp8_block", (), devices=FP8
                    engine_why_not="has no engine path in TensorRT-LLM 1.2 (trtllm-build's quantize() has no "
                                   "FP8_BLOCK_SCALES branch and would build the linears unquantized); use target llmapi")
 
+# MXFP4 (gpt-oss's released experts; notes/i35-facts.md sections 4.3, 5 and 6): e2m1 weights two to a byte, even
+# element in the low nibble, and one E8M0 (uint8, 2^(s - 127)) scale per 32 input channels, as transformers'
+# integrations/mxfp4.py declares them (`*_blocks` uint8 [E, out, in/32, 16], `*_scales` uint8 [E, out, in/32]). A
+# stored format only: config.json `quantization_config: {quant_method: mxfp4}`, which TensorRT-LLM's
+# QuantConfig.update_from_model_ckpt reads with group_size 32 and its own exclude list (attention, router,
+# embeddings: the experts alone are MXFP4), its algorithm by GPU (get_mxfp4_quant_algo): W4A16_MXFP4 (bf16
+# activations) below SM 100, W4A8_MXFP4_MXFP8 (MXFP8 activations; W4A8_MXFP4_FP8 with the TRITON MoE backend) from
+# SM 100 on. TensorRT-LLM's gpt-oss README lists its MoE backends for Hopper and Blackwell only, so older GPUs are
+# refused. The PyTorch backend only: trtllm-build's quantize() has no MXFP4 branch (section 2.3).
+MXFP4_GPUS = Devices((range(90, NEWEST_SM),), WORDED,
+                     why="(MXFP4 experts) runs on Hopper (SM 90) and Blackwell only (TensorRT-LLM's gpt-oss README "
+                         "lists its MoE backends for those)",
+                     fix="serve it on an H100/H200 or a Blackwell GPU")
+_MXFP4 = (Tensor("weight", ("out", "in/2"), "uint8", "weight"),
+          Tensor("weights_scaling_factor", ("out", "in/32"), "uint8", "out_groups"))
+MXFP4 = Format("mxfp4", "W4A16_MXFP4", "stored_rows", (), devices=MXFP4_GPUS, group_size=32, stored=_MXFP4,
+               built=_MXFP4, cpu_kernel="mxfp4", hf_name="mxfp4", hf_weight="uint8", blackwell_algo="W4A8_MXFP4_MXFP8",
+               modules=("experts",),
+               engine_why_not="has no engine path in TensorRT-LLM 1.2 (trtllm-build's quantize() has no MXFP4 "
+                              "branch); use target llmapi")
+
 METHODS: dict[str, Format] = {f.name: f for f in (NONE, INT8_WO, INT4_WO, AWQ, SMOOTHQUANT, FP8, NVFP4, FP8_BLOCK)}
 """The spec's quantization.method values, in the spec's order."""
-ALL: tuple[Format, ...] = (*METHODS.values(), IMPORTED_INT4)
-BY_ALGO: dict[str | None, Format] = {f.quant_algo: f for f in METHODS.values()}
+STORED_ONLY: dict[str, Format] = {MXFP4.name: MXFP4}
+"""Formats a checkpoint is stored in and convert imports, which no spec method writes."""
+ALL: tuple[Format, ...] = (*METHODS.values(), IMPORTED_INT4, *STORED_ONLY.values())
+BY_ALGO: dict[str | None, Format] = {
+    **{f.quant_algo: f for f in METHODS.values()},
+    **{a: f for f in STORED_ONLY.values() for a in (f.quant_algo, f.blackwell_algo) if a}}
 """config.json quant_algo -> the method that writes it (an import reads as awq's row plus zero points)."""
 HF_EXPORTS: dict[str, Format] = {f.name: f for f in METHODS.values() if f.hf_name}
 """Methods with a ModelOpt Hugging Face export (the LLM-API path's pre-quantized checkpoint)."""
@@ -432,6 +471,6 @@ def active(method: str, kv_cache: str) -> bool:
 
 
 def weight_format(method: str, *, imported: bool = False) -> Format:
-    """The row of a spec method, or of an imported int4 checkpoint; KeyError for an unknown method
-    (the spec and check_recipe refuse those first, naming the field)."""
-    return IMPORTED_INT4 if imported else METHODS[method]
+    """The row of a spec method, of a stored-only format (STORED_ONLY), or of an imported int4 checkpoint; KeyError
+    for an unknown method (the spec and check_recipe refuse those first, naming the field)."""
+    return IMPORTED_INT4 if imported else METHODS[method] if method in METHODS else STORED_ONLY[method]

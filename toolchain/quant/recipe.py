@@ -131,7 +131,7 @@ def check_blocks(quant: Quantization, shape: ModelShape, tp: int, splits: Callab
     ones the PyTorch backend's per-group int4 needs whole (pytorch_per_group_problems). Refused in one line naming
     parallelism.tp; `splits(t)` (archs/layout.py splits_tp) picks the tps the fix names."""
     block = quant.format.group_size
-    if block is not None:
+    if block is not None and (quant.covers("attention") or quant.covers("mlp")):  # the experts': moe.block_problem
         _refuse_split(quant, tp, lambda t: pytorch_per_group_problems(shape, block, t), splits,
                       f"its block of {block} input channels", "use another quantization.method (fp8 or awq)")
 
@@ -269,7 +269,7 @@ def check_recipe(quant: Quantization, shape: ModelShape, *, tp: int, target: str
     """Reject every invalid combination before a weight is read; returns the layout decisions. `splits(t)` says
     whether tp t splits the model (archs/layout.py splits_tp), for the tps a refusal suggests. `path` is the path
     whose runtime loads what convert writes, the target's unless given (the LLM-API stand-in's, below)."""
-    if quant.method not in METHODS:
+    if quant.method not in METHODS and not (quant.modelopt and quant.method in formats.STORED_ONLY):
         raise ToolchainError(f"quantization.method '{quant.method}' is unknown", f"use one of {', '.join(METHODS)}")
     if quant.kv_cache not in KV_KINDS:
         raise ToolchainError(f"quantization.kv_cache '{quant.kv_cache}' is unknown",

@@ -12,6 +12,7 @@ same way, once, after parsing.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 
 from toolchain.errors import ToolchainError
@@ -28,6 +29,11 @@ MODELOPT_NAMES = {"FP8_BLOCK_SCALES": "fp8_pb_wo"}
 # DeepSeek-V3-style config.json (quant_method "fp8" with weight_block_size) as FP8_BLOCK_SCALES and asserts
 # "FP8_BLOCK_SCALES only supports block_size=(128,128)".
 FP8_BLOCK_SIZE = (128, 128)
+# The kinds of module a format may quantize only some of (Format.modules, Quantization.covers): a decoder layer's
+# attention linears, its dense MLP, its routed experts and a shared expert; with the Hugging Face module of each
+# (layer `{i}`) that a checkpoint's exclude list is matched against.
+MODULE_KINDS = {"attention": "model.layers.{i}.self_attn", "mlp": "model.layers.{i}.mlp",
+                "experts": "model.layers.{i}.mlp.experts", "shared_expert": "model.layers.{i}.mlp.shared_expert"}
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,10 @@ class Quantization:
     modelopt: bool = False
     """The source is a ModelOpt Hugging Face-format export: method, kv_cache, group_size and exclude_modules
     are the checkpoint's, its tensors are read as stored, so nothing is computed and nothing calibrated."""
+    modules: frozenset[str] | None = None
+    """The module kinds (MODULE_KINDS) the weights' format holds, where it holds only some: a stored format whose
+    row names its kinds (Format.modules: MXFP4's experts), less those the checkpoint's exclude list names. None:
+    every linear is in the format. Derived once (`_modelopt`); the planner asks `covers`/`on`."""
 
     @classmethod
     def of(cls, section) -> Quantization:
@@ -134,6 +144,15 @@ class Quantization:
         """The weights' row (quant/formats.py): an imported checkpoint's own int4 format when imported."""
         return formats.weight_format(self.method, imported=self.imported is not None)
 
+    def covers(self, kind: str) -> bool:
+        """Whether the linears of module kind `kind` (MODULE_KINDS) are in the weights' format."""
+        return self.modules is None or kind in self.modules
+
+    def on(self, kind: str) -> Quantization:
+        """The view for the linears of module kind `kind`: this one where the format covers them, else the
+        unquantized one (they stay in the model dtype), with the same KV cache."""
+        return self if self.covers(kind) else Quantization(kv_cache=self.kv_cache)
+
     @property
     def kv_format(self) -> formats.KvFormat:
         return formats.KV_CACHE[self.kv_cache]
@@ -163,8 +182,12 @@ class Quantization:
     def needs_calibration(self) -> bool:
         return not self.modelopt and (self.format.calibration or self.kv_format.calibration)
 
-    def describe(self) -> str:
-        algo = self.quant_algo or "no weight quantization"
+    def describe(self, sm: int | None = None) -> str:
+        """The weights' format in words: its QuantAlgo (on SM `sm` where the runtime picks it by GPU, Format.algo_on)
+        and, for a format holding some module kinds only, which."""
+        algo = self.format.algo_on(sm) or "no weight quantization"
+        if self.modules is not None:
+            algo += " on the " + " and ".join(sorted(k.replace("_", " ") for k in self.modules))
         if self.per_group:
             algo += f" g{self.weight_group_size}"
         if self.imported:
@@ -192,7 +215,34 @@ def _modelopt(fmt: dict, requested: Quantization) -> Quantization:
     row = formats.BY_ALGO[algo]
     # group_size is per-group int4's; a block the format fixes (NVFP4's 16, FP8 block's 128) is its row's.
     return Quantization(method=row.name, group_size=(fmt["group_size"] or 128) if row.per_group else 128,
-                        kv_cache=formats.KV_BY_ALGO[kv].name, modelopt=True)
+                        kv_cache=formats.KV_BY_ALGO[kv].name, modelopt=True, modules=fmt.get("modules"))
+
+
+def converts(module: str, patterns: list[str]) -> bool:
+    """Whether transformers quantizes `module` under a `modules_to_not_convert` of `patterns`
+    (quantizers/quantizers_utils.py should_convert_module, transformers 5.25: a pattern skips a module it matches
+    from the start up to a module boundary, as a regex, or as a suffix)."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return not any(re.match(rf"(?:{key}){boundary}", module) or module.endswith(key) for key in patterns)
+
+
+def _mxfp4(qc: dict, layers: int, where: str) -> dict:
+    """A gpt-oss MXFP4 checkpoint's format. transformers converts GptOssExperts only (integrations/mxfp4.py
+    replace_with_mxfp4_linear: `should_convert_module(f"{module_name}.experts", modules_to_not_convert)`) and
+    TensorRT-LLM quantizes the experts whatever the list says (its own exclude list, notes/i35-facts.md section 5),
+    so the list must leave every layer's experts in MXFP4: one it excludes would be read as MXFP4 there."""
+    ignore = qc.get("modules_to_not_convert") or []
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise ToolchainError(f"{where}: quantization_config.modules_to_not_convert must be a list of module names, "
+                             f"got {ignore!r}")
+    kept = [i for i in range(layers) if not converts(MODULE_KINDS["experts"].format(i=i), ignore)]
+    if kept:
+        raise ToolchainError(f"{where}: quantization_config (mxfp4) modules_to_not_convert names the experts of "
+                             f"layer {kept[0]}, which TensorRT-LLM would still read as MXFP4",
+                             "import a checkpoint whose experts are MXFP4 in every layer (as released)")
+    row = formats.STORED_ONLY["mxfp4"]
+    return {"quant_algo": row.quant_algo, "kv_cache_quant_algo": None, "group_size": row.group_size,
+            "exclude_modules": list(ignore), "modules": frozenset(row.modules or ())}
 
 
 def stored_format(hf_config: dict | None, hf_quant_config: dict | None = None,
@@ -201,8 +251,9 @@ def stored_format(hf_config: dict | None, hf_quant_config: dict | None = None,
     group_size, exclude_modules}, or None for any other: a ModelOpt Hugging Face-format export
     (hf_quant_config.json's `quantization`, which TensorRT-LLM reads first, else config.json's
     `quantization_config` with quant_method "modelopt"), or a DeepSeek-V3-style FP8 block-scale checkpoint
-    (config.json quant_method "fp8" with weight_block_size; `weight_scale_inv` per linear). The one place
-    that recognises them: the planner and convert both ask here (`quantization_of`). Refuses, naming `where`,
+    (config.json quant_method "fp8" with weight_block_size; `weight_scale_inv` per linear), or a gpt-oss MXFP4
+    checkpoint (quant_method "mxfp4": its experts' `*_blocks`/`*_scales`; `modules`, the kinds it covers). The one
+    place that recognises them: the planner and convert both ask here (`quantization_of`). Refuses, naming `where`,
     what cannot be imported. `exclude_modules` are Hugging Face module names (globs)."""
     qc = (hf_config or {}).get("quantization_config")
     qc = qc if isinstance(qc, dict) else {}
@@ -215,6 +266,8 @@ def stored_format(hf_config: dict | None, hf_quant_config: dict | None = None,
         scheme = q.get("kv_cache_scheme")
         kv = "FP8" if isinstance(scheme, dict) and scheme.get("type") == "float" else scheme
         ignore = q.get("ignore") or []
+    elif method == "mxfp4":
+        return _mxfp4(qc, int((hf_config or {}).get("num_hidden_layers") or 0), where)
     elif method == "fp8" and qc.get("weight_block_size"):
         block = tuple(qc["weight_block_size"])
         if block != FP8_BLOCK_SIZE:

@@ -187,8 +187,10 @@ def structures(spec: DeploymentSpec, gpu_count: int, device: Gpu | None,
     threads, _ = engine_threads(spec)
     out, refused = [], []
     for tp, pp, replicas in layouts(gpu_count, on_cpu):
+        # a checkpoint stored quantized keeps its KV cache too: nothing can be calibrated on it (quant/view.py)
+        kvs = [spec.quantization.kv_cache] if stored_quantized else kv_formats(spec, device)
         for method, kv, mode, n, adp, ep in product(weight_methods(spec, device, stored_quantized),
-                                                    kv_formats(spec, device), speculative_modes(spec, mtp),
+                                                    kvs, speculative_modes(spec, mtp),
                                                     threads if tp * pp == 1 else threads[:1],
                                                     attention_dp_modes(spec, tp, moe), moe_ep_sizes(tp, moe)):
             changes: dict[str, Any] = {"parallelism.tp": tp, "parallelism.pp": pp,

@@ -44,6 +44,8 @@ PENDING_ALGOS = {f.quant_algo: f.cpu_kernel for f in formats.ALL if not f.cpu_ke
 MOE_QUANT_ALGOS = {a for m in EXPERT_METHODS if (a := formats.METHODS[m].quant_algo) is not None}
 # ...and FP8 block-scale experts as a DeepSeek-V3 checkpoint stores them (imported: checkpoint/block_experts.py)
 MOE_QUANT_ALGOS.add(str(formats.FP8_BLOCK.quant_algo))
+# and the stored formats that hold the experts alone (MXFP4, as gpt-oss is released), as the CPU engine runs them
+MOE_QUANT_ALGOS |= {f.quant_algo for f in formats.STORED_ONLY.values() if f.quant_algo and f.cpu_kernel_ready}
 KV_ALGOS = tuple(k.quant_algo for k in formats.KV_CACHE.values() if k.quant_algo)
 # TensorRT-LLM's exclusion list when config.json gives none (quantize_layers in
 # tensorrt_llm/quantization/quantize.py; facts checkpoint_config.json, quant/exclude.py).

@@ -10,6 +10,7 @@ the row's `cpu_kernel`:
 | sq (W8A8_SQ_PER_CHANNEL) | int8 (out, in), per-channel scale, static activation scale, prequant | x·prequant quantized per tensor to int8, `torch._int_mm`, rescaled |
 | fp8 (FP8) | e4m3 (out, in), per-tensor weight and activation scales | emulated: activation rounded through e4m3, weight dequantized, fp32 matmul |
 | nvfp4 (NVFP4) | uint8 (out, in/2) packed e2m1, e4m3 (out, in/16), global weight and input scales | emulated: activation quantized per 16 as the GPU's FP4 quantize kernel does, weight dequantized at load, fp32 matmul |
+| mxfp4 (W4A16_MXFP4; gpt-oss's experts) | uint8 (out, in/2) packed e2m1, uint8 E8M0 (out, in/32) | dequantized per call (value x 2^(scale - 127)), fp32 matmul: nothing cached in float |
 | fp8_block (FP8_BLOCK_SCALES) | e4m3 (out, in), float32 per 128x128 tile | emulated: activation rounded per 1x128 as fp8_quantize_1x128 does, weight dequantized at load, fp32 matmul |
 
 The packed integer kernels take bf16 activations (fp32 input is 40-100x
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from toolchain.engine.cpu.linear import Linear
 from toolchain.quant import formats
 from toolchain.quant import fp8 as fp8q
-from toolchain.quant.fp4 import dequantize_nvfp4, fake_quantize_nvfp4_activation
+from toolchain.quant.fp4 import dequantize_mxfp4, dequantize_nvfp4, fake_quantize_nvfp4_activation
 from toolchain.quant.fp8_block import dequantize_fp8_block, fake_quantize_fp8_per_1x128
 from toolchain.quant.int_quant import dequantize_per_group, pack_int4, quantize_per_channel, unpack_int4
 
@@ -204,6 +205,33 @@ class Fp8BlockScales(_Widened):
         return _bias(y, self.bias, add_bias)
 
 
+class Mxfp4(Linear):
+    """MXFP4 (gpt-oss's experts) from its stored bytes: `weight` keeps the uint8 (out, in/2) packed e2m1 values, low
+    nibble first, and `scales` the uint8 (out, in/32) E8M0 exponents; every call dequantizes them, value x
+    2^(scale - 127) (quant/fp4.py dequantize_mxfp4, transformers' convert_moe_packed_tensors), and multiplies in
+    float32, so memory holds the format as stored. On Hopper the PyTorch backend runs it as W4A16_MXFP4, the
+    activations unquantized (bf16 there, float32 here, as everywhere in this engine); Blackwell's W4A8_MXFP4_MXFP8
+    also quantizes the activations to MXFP8, which is not emulated."""
+
+    def __init__(self, packed, scales, bias=None):
+        super().__init__(packed, bias)
+        self.scales = scales
+
+    @property
+    def out_features(self):
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self):
+        return self.weight.shape[1] * 2
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_mxfp4(self.weight.reshape(*self.scales.shape, -1), self.scales, torch.float32)
+
+    def __call__(self, x, *, add_bias=True):
+        return _bias(F.linear(x, self.dequantized()), self.bias, add_bias)
+
+
 def _bias(y, bias, add):
     return y + bias if (add and bias is not None) else y
 
@@ -261,11 +289,13 @@ def build_linear(t: dict[str, torch.Tensor], prefix: str, bias: bool, fmt: str |
                      t[f"{prefix}.activation_scaling_factor"], b)
     if fmt == "fp8_block":
         return Fp8BlockScales(w, t[f"{prefix}.weights_scaling_factor"], b)
+    if fmt == "mxfp4":
+        return Mxfp4(w, t[f"{prefix}.weights_scaling_factor"], b)
     # A row's cpu_kernel (quant/formats.py) with no branch here: refuse rather than run it as another format.
     raise ValueError(f"{prefix}: no CPU kernel '{fmt}' (engine/cpu/qlinear.py KERNELS)")
 
 
-KERNELS = ("int8_wo", "int4_wo", "int4_group", "sq", "fp8", "nvfp4", "fp8_block")
+KERNELS = ("int8_wo", "int4_wo", "int4_group", "sq", "fp8", "nvfp4", "fp8_block", "mxfp4")
 """The kernels build_linear builds, which every quantized row's cpu_kernel names (tests/test_quant_formats.py)."""
 
 

@@ -92,8 +92,9 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantiza
         experts = layout.experts_per_rank(p.num_experts)
         share = p.top_k / p.num_experts
         # fc (w3, w1) and proj in the engine's format, as memory.expert_bytes counts them
-        per_expert_layer = (mem.linear_bytes(2 * width, p.hidden_size, quant, dt_bytes)
-                            + mem.linear_bytes(p.hidden_size, width, quant, dt_bytes))
+        expert_quant = quant.on("experts")  # a stored format may hold the experts alone (MXFP4)
+        per_expert_layer = (mem.linear_bytes(2 * width, p.hidden_size, expert_quant, dt_bytes)
+                            + mem.linear_bytes(p.hidden_size, width, expert_quant, dt_bytes))
         expert_bytes = per_expert_layer * moe_layers
         read -= experts * expert_bytes
         # a token runs top_k experts, of which top_k / moe_ep on average live on this rank; and the router
