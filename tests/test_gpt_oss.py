@@ -196,7 +196,7 @@ def test_the_cpu_stand_in_refuses_what_llm_refuses(hf_gpt_oss, tmp_path):
         with pytest.raises(ToolchainError, match=fragment) as err:
             plan_checkpoint(hf_gpt_oss, dtype="float32", path="llmapi", **kw)
         assert "\n" not in str(err.value)
-    with pytest.raises(ToolchainError, match="quantization fp8/kv_cache none on GptOssForCausalLM is not supported"):
+    with pytest.raises(ToolchainError, match="quantization fp8 on GptOssForCausalLM is not supported"):
         plan_checkpoint(hf_gpt_oss, tp=1, pp=1, dtype="float32", quantization=_fp8())
 
 
