@@ -11,7 +11,8 @@ TTFT, TPOT and throughput errors on AIConfigurator's measured GPU runs (plan/cal
 each of the three beside it; `published_*` and `blackwell_fp4_published_*`, the
 median absolute error and the share within +-20% on NVIDIA's published throughput tables (release 0.17's Hopper
 and Ampere engine points; release/1.2's Blackwell NVFP4 points and, as `moe_families_published_*`, its DeepSeek
-R1 points at attention DP, each point listed), reported apart and never fitted to; `tuned_vs_default_goodput_ratio` (target >= 1.3) and `tuned_quality_loss_pct`
+R1 points at attention DP and gpt-oss-120b points at DEP2 and TP1, each point listed, with each model's median and
+worst error and points within +-30% under `moe_families_published_by_model`), reported apart and never fitted to; `tuned_vs_default_goodput_ratio` (target >= 1.3) and `tuned_quality_loss_pct`
 (target <= 1) from benchmarks/prediction_parts/tune_gain.py (`toolchain tune --measure`, about 10 minutes; --skip-tune leaves them
 null); `load_average` says how busy the host was.
 
@@ -120,8 +121,10 @@ def gpu_keys() -> dict[str, Any]:
 def published_keys() -> dict[str, Any]:
     """NVIDIA's published maximum throughputs, never fitted to, each table reported on its own: release 0.17's
     engine-path FP8/FP16 Hopper and Ampere points, release/1.2's PyTorch-backend NVFP4 points on Blackwell
-    (B200, GB200, B300), and release/1.2's DeepSeek R1 points at attention DP (DEP4 NVFP4 on B200, B300, GB200;
-    DEP8 FP8 on H200; per GPU). Signed error of the predicted over the published output tokens/s, in percent."""
+    (B200, GB200, B300), and release/1.2's mixture-of-experts points (per GPU): DeepSeek R1 at attention DP (DEP4
+    NVFP4 on B200, B300, GB200; DEP8 FP8 on H200) and gpt-oss-120b as released (MXFP4 experts; DEP2 on B200 and
+    H200, TP1 on B300 and GB200; planned with a bf16 KV cache, the file's `kept` says why). Signed error of the
+    predicted over the published output tokens/s, in percent."""
     from statistics import median
 
     from toolchain.plan import calibration as cal
@@ -139,7 +142,18 @@ def published_keys() -> dict[str, Any]:
                                       "published": pt.output_tokens_per_s, "per_gpu": pt.per_gpu,
                                       "error_pct": round(e, 1)}
                                      for pt, e in errors]
+        if name == "moe_families_published":
+            out[f"{name}_by_model"] = {model: error_summary([e for pt, e in errors if pt.model == model])
+                                       for model in sorted({pt.model for pt, _ in errors})}
     return out
+
+
+def error_summary(errors: list[float]) -> dict[str, Any]:
+    """One model's published points: how many, the median |error|, the worst signed error, how many within +-30%."""
+    from statistics import median
+
+    return {"points": len(errors), "median_abs_error_pct": round(median(abs(e) for e in errors), 1),
+            "worst_error_pct": round(max(errors, key=abs), 1), "within_30_pct": sum(abs(e) <= 30 for e in errors)}
 
 
 def tune_keys() -> dict[str, Any]:

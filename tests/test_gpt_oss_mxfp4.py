@@ -4,7 +4,8 @@ one E8M0 scale per 32), attention, router, embeddings and lm_head in bfloat16. T
 4 bits plus a byte per 32 and everything else in the model dtype; the algorithm is named per GPU. Convert imports the
 stored blocks and scales (de-interleaved, split over moe_ep and moe_tp) and the CPU engine runs them: logits equal to
 transformers' on the same MXFP4 checkpoint at tp 1, tp 2 and moe_ep 2, and served on target llmapi-cpu. The config-only
-example build/gpt-oss-120b-h100.yaml plans and tunes; release/1.2's published points are held as transcribed."""
+example build/gpt-oss-120b-h100.yaml plans and tunes; release/1.2's published points are held as transcribed
+(tests/test_perf_calibration.py checks the model against them)."""
 
 from __future__ import annotations
 
@@ -290,21 +291,22 @@ def test_convert_refuses_in_one_line(kw, fragment):
     assert "\n" not in str(err.value)
 
 
-# -- release/1.2's published gpt-oss-120b points (plan/data/published_gpt_oss.json) ---------------------------
+# -- release/1.2's published gpt-oss-120b points (plan/data/published_moe_families.json) ----------------------
 
 def test_the_published_gpt_oss_points_are_transcribed_whole():
-    """19 points: B200 and H200 at DEP2 (attention DP over tp 2 with moe_ep 2), B300 and GB200 at TP1, every
-    card a GPU row here and every point the released MXFP4 checkpoint; spot values as perf-overview.md gives them."""
+    """19 points: B200 and H200 at DEP2 (attention DP over tp 2, the experts over both: moe_ep 2), B300 and GB200 at
+    TP1, every card a GPU row here and every point the released MXFP4 checkpoint; spot values as perf-overview.md
+    gives them. tests/test_perf_calibration.py checks the model against them."""
     from toolchain import gpus
-    from toolchain.plan.calibration import DATA
+    from toolchain.plan.calibration import PUBLISHED_MOE_FAMILIES
 
-    doc = json.loads((DATA / "published_gpt_oss.json").read_text())
-    rows = [dict(zip(doc["columns"], r, strict=True)) for r in doc["rows"]]
+    doc = json.loads(PUBLISHED_MOE_FAMILIES.read_text())
+    rows = [r for r in (dict(zip(doc["columns"], r, strict=True)) for r in doc["rows"]) if r["model"] == "gpt-oss-120b"]
     assert len(rows) == 19 and {r["method"] for r in rows} == {"mxfp4"} and "mxfp4" in formats.STORED_ONLY
     assert all(gpus.lookup(r["gpu"]).name == r["gpu"] for r in rows)
-    layouts = {(r["gpu"], r["tp"], r["moe_ep"], r["attention_dp"]) for r in rows}
-    assert layouts == {("B200 180GB", 2, 2, True), ("H200 141GB", 2, 2, True), ("B300 288GB", 1, 1, False),
-                       ("GB200 186GB", 1, 1, False)}
+    layouts = {(r["gpu"], r["tp"], r["attention_dp"]) for r in rows}
+    assert layouts == {("B200 180GB", 2, True), ("H200 141GB", 2, True), ("B300 288GB", 1, False),
+                       ("GB200 186GB", 1, False)}
     value = {(r["gpu"], r["isl"], r["osl"]): r["output_tokens_per_s"] for r in rows}
     assert value[("B200 180GB", 1024, 1024)] == 29061 and value[("H200 141GB", 32768, 1024)] == 500
     assert ("H200 141GB", 1024, 32768) not in value  # the published table's empty cell

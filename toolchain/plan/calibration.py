@@ -23,13 +23,15 @@ from toolchain import gpus
 from toolchain.plan import perf
 from toolchain.plan.model import ModelInfo, load_model
 from toolchain.plan.plan import plan_memory
+from toolchain.quant import formats
 from toolchain.quant.view import Quantization, quantization_of
 from toolchain.spec import DeploymentSpec, spec_from_dict
 
 DATA = Path(__file__).resolve().parent / "data"
 MODELS = DATA / "models"
-"""config.json of each Llama-3.1 size (shapes from meta-llama's model cards' config.json; only shapes matter) and of
-DeepSeek-R1 (build/configs/deepseek-r1 without its quantization_config: the published rows name the format)."""
+"""config.json of each Llama-3.1 size (shapes from meta-llama's model cards' config.json; only shapes matter), of
+DeepSeek-R1 (build/configs/deepseek-r1 without its quantization_config: the published rows name the format) and of
+gpt-oss-120b (build/configs/gpt-oss-120b with its MXFP4 quantization_config: the format is the checkpoint's own)."""
 SILICON = DATA / "silicon_points.json"
 EFFICIENCY_FILE = DATA / "efficiency.json"
 MAX_NUM_TOKENS = 8192
@@ -106,13 +108,15 @@ def spec_for(model: str, gpu: str, method: str, tp: int, isl: int, osl: int, *, 
     """A spec of one benchmarked configuration (one stage of `tp` ranks; an fp8 KV cache with fp8, nvfp4 or
     fp8_block weights, which trtllm-bench, AIConfigurator's fp8 runs and NVIDIA's FP4 and DeepSeek's FP8
     checkpoints use; with `attention_dp` the experts over all tp ranks, DEPn), so the prediction runs the same
-    planner, memory plan and performance model as `toolchain plan`."""
+    planner, memory plan and performance model as `toolchain plan`. A stored-only format (gpt-oss's MXFP4) is asked
+    as method none, the checkpoint's config.json naming it, with the KV cache in the model dtype."""
     moe = {"attention_dp": True, "moe_ep": tp, "moe_tp": 1} if attention_dp else {}
+    asked = "none" if method in formats.STORED_ONLY else method
     data = {
         "name": f"{model}-{method}-tp{tp}",
         "target": target,
         "model": {"checkpoint": str(MODELS / model), "dtype": dtype},
-        "quantization": {"method": method, "kv_cache": "fp8" if method in ("fp8", "nvfp4", "fp8_block") else "none"},
+        "quantization": {"method": asked, "kv_cache": "fp8" if method in ("fp8", "nvfp4", "fp8_block") else "none"},
         "parallelism": {"tp": tp, "pp": 1, "gpus": tp, **moe},
         "gpu": {"name": gpu, "per_node": 8},
         "limits": {"max_batch_size": max_batch_size, "max_input_len": isl, "max_seq_len": isl + osl,
@@ -209,8 +213,8 @@ PUBLISHED = DATA / "published_throughput.json"
 PUBLISHED_BLACKWELL_FP4 = DATA / "published_blackwell_fp4.json"
 """release/1.2's Blackwell NVFP4 points, PyTorch backend: checked and reported apart from the 0.17 engine table."""
 PUBLISHED_MOE_FAMILIES = DATA / "published_moe_families.json"
-"""release/1.2's DeepSeek R1 points (attention DP over 4 or 8 GPUs), per GPU; its `kept` note lists the gpt-oss
-and Llama 4 points that wait for their formats."""
+"""release/1.2's mixture-of-experts points, per GPU: DeepSeek R1 (attention DP over 4 or 8 GPUs) and gpt-oss-120b as
+released (DEP2 and TP1); its `kept` note says what is modelled how and lists the points that wait."""
 BENCH_KV_FRACTION = 0.95
 """perf-overview.md (0.17): "In majority of cases, we also use a higher KV cache percentage by setting
 --kv_cache_free_gpu_mem_fraction 0.95"."""
@@ -231,6 +235,10 @@ class Published:
     """DEPn: attention data parallelism with the experts over all n GPUs (moe_ep n)."""
     per_gpu: bool = False
     """The figure is per GPU (the file says so for all its rows); else the replica's."""
+    kv_cache: str | None = None
+    """The published run's KV cache, where the file records it. The check plans the one `spec_for` picks, which
+    differs for gpt-oss on Blackwell: measured with FP8 KV, planned with bf16 (the planner refuses FP8 KV on the
+    stored MXFP4 checkpoint, which has no KV scales)."""
 
 
 @cache
@@ -306,7 +314,7 @@ def predict_published(point: Published) -> perf.Performance:
     spec = spec_for(point.model, point.gpu, point.method, point.tp, point.isl, point.osl, max_batch_size=batch,
                     max_num_tokens=tokens, kv_fraction=BENCH_KV_FRACTION,
                     dtype="float16" if point.method == "none" else "bfloat16",
-                    target="llmapi" if point.method in ("nvfp4", "fp8_block") else "trtllm",
+                    target="llmapi" if point.method in ("nvfp4", "fp8_block", "mxfp4") else "trtllm",
                     attention_dp=point.attention_dp)
     info = model_info(point.model)
     quant = quantization_of(spec.quantization, info.hf_config, hf_quant_config=info.hf_quant_config)
@@ -316,7 +324,7 @@ def predict_published(point: Published) -> perf.Performance:
 
 def published_check(path: Path = PUBLISHED) -> list[tuple[Published, float]]:
     """Each published point with the model's predicted maximum output tokens/s, per GPU where the point is
-    (PUBLISHED_BLACKWELL_FP4: the Blackwell FP4 points; PUBLISHED_MOE_FAMILIES: DeepSeek R1)."""
+    (PUBLISHED_BLACKWELL_FP4: the Blackwell FP4 points; PUBLISHED_MOE_FAMILIES: DeepSeek R1 and gpt-oss-120b)."""
     out = []
     for pt in published_points(path):
         got = predict_published(pt)
