@@ -38,7 +38,26 @@ the vision tower is UNVERIFIED; images are not served here either way).
 
 Refused: num_experts_per_tok other than 1 (TensorRT-LLM's Llama 4 routing is top-1 then sigmoid, RoutingMethodType
 Llama4 per a secondary source, UNVERIFIED beyond that), hidden_act other than silu, layer_types that disagree
-with no_rope_layers and attention_chunk_size, and every quantization (FP8 for Llama 4 is not written yet).
+with no_rope_layers and attention_chunk_size, and every quantization but FP8 (with or without an FP8 KV cache) on the
+LLM-API path (`quantization_refusal`).
+
+FP8. The layout is read off upstream source, not off a released checkpoint: ModelOpt's HF export quantizes
+Llama4TextExperts as a whole (modelopt/torch/export/unified_export_hf.py _process_quantized_modules calls
+_export_quantized_weight for "gate_up_proj" and "down_proj"; quantizer_attr_names prefixes the weight's name), so a
+MoE layer stores feed_forward.experts.gate_up_proj e4m3 [E, H, 2I] and down_proj e4m3 [E, I, H] (the bmm layout
+kept: the per-tensor FP8 branch does not transpose) beside gate_up_proj_weight_scale, gate_up_proj_input_scale,
+down_proj_weight_scale and down_proj_input_scale, each one float32 scalar for every expert of the layer.
+TensorRT-LLM's Llama4MoE loads it with MoEWeightLoadingMode.FUSED_GATE_UP_PROJ and apply_router_weight_on_input
+(_torch/models/modeling_llama.py), whose FP8 path reads exactly those four names without an expert index
+(_torch/modules/fused_moe/quantization.py FP8QDQFusedMoEMethod.load_quant_scales, load_activation_scales_fp8_qdq;
+`.reshape([])` of each: a scalar) and the weights as `gate_up_proj[expert].transpose(0, 1).chunk(2)` (gate first).
+The router stays in the model dtype (TensorRT-LLM builds it with quant_config None; the export names it in
+exclude_modules); attention, the shared expert and dense MLPs are ordinary FP8 linears. Which TensorRT-LLM release
+the stored versions read are is not established (1.2.1 is assumed to read the same names), and the tensor list of
+nvidia/Llama-4-Scout-17B-16E-Instruct-FP8 was not read: UNVERIFIED against it. The export is
+checkpoint/stacked_fp8.py (calibrated by quant/calibration_llama4.py), imported back as stored by the same module;
+computing FP8 elsewhere (the engine path) is refused. A Llama4ForConditionalGeneration export keeps the vision tower
+as stored, in the model dtype and in exclude_modules.
 
 KV cache: the planner counts every layer at the full sequence (plan/memory.py): how TensorRT-LLM's KV manager
 sizes the chunked-attention layers is not established in the notes this was written from, so the rope layers
@@ -233,15 +252,22 @@ def config_extra(params) -> dict:
 
 
 def quantization_refusal(params, method: str, kv_cache: str, stored: str | None = None) -> Refusal | None:
+    """FP8 weights and/or an FP8 KV cache: the HF-format export writes them and convert imports them back as stored
+    (checkpoint/stacked_fp8.py). `stored` is config.json's quant_method ("modelopt") at convert and the stored
+    format's name ("fp8") in the plan's checks; what a ModelOpt checkpoint stores beyond FP8 is refused by the
+    import (stacked_fp8.check_stored)."""
     if stored:
+        if stored in ("modelopt", "fp8") and method == "none" and kv_cache in ("none", "fp8"):
+            return None
         what = f"a pre-quantized checkpoint ({stored})"
-    elif method != "none":
+    elif method not in ("none", "fp8"):
         what = f"quantization {method}"
-    elif kv_cache != "none":
+    elif kv_cache not in ("none", "fp8"):
         what = f"quantization.kv_cache {kv_cache}"
     else:
         return None
-    return Refusal(f"{what} of {params.architecture} is not supported yet", "convert the model unquantized")
+    return Refusal(f"{what} of {params.architecture} is not supported yet",
+                   "convert the model unquantized, or use quantization.method fp8 (kv_cache none or fp8)")
 
 
 DECODER = Decoder(hidden_act="swiglu", moe_router="sigmoid_input", shared_expert_gate=False,

@@ -56,6 +56,7 @@ from safetensors.torch import save_file
 from toolchain import __version__
 from toolchain.archs import load_params
 from toolchain.archs.common import EXPERT_SHARDS, Match, NameTable, Shard, trt_name
+from toolchain.checkpoint import stacked_fp8
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.errors import ToolchainError
 from toolchain.quant import awq as awq_q
@@ -300,12 +301,14 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, quant: Quan
                        dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str]]:
     """name -> tensor of the whole export, and the HF linears kept unquantized by exclude_modules."""
     out: dict[str, torch.Tensor] = {}
+    stacked = [r for r in table.rows if stacked_fp8.is_stacked(r)]  # Llama 4: checkpoint/stacked_fp8.py
     for name in ckpt.names():
-        if _match(table, name, str(ckpt.directory)).row.shard is not Shard.DROP:
+        if _match(table, name, str(ckpt.directory)).row.shard is not Shard.DROP or stacked:  # stacked: the vision tower
             out[name] = ckpt.load(name).to(dtype)
-    excluded: list[str] = []
+    prefix = stacked_fp8.text_prefix(stacked)
+    excluded: list[str] = stacked_fp8.kept(prefix)
     for layer in range(params.num_hidden_layers):
-        base = f"model.layers.{layer}"
+        base = f"{prefix}model.layers.{layer}"
         if quant.kv_cache == "fp8":
             # One amax over the q/k/v outputs (the project's calibration) for both k and v: never
             # below the exporter's separate k and v amaxes, so the cache cannot overflow.
@@ -314,10 +317,15 @@ def _quantized_tensors(ckpt: HFCheckpoint, table: NameTable, params, quant: Quan
             out[f"{base}.self_attn.k_proj.k_scale"], out[f"{base}.self_attn.v_proj.v_scale"] = scale, scale.clone()
         if quant.method == "none":
             continue
-        if params.is_moe:
+        groups = GROUPS[:2] + stacked_fp8.FEED_FORWARD_GROUPS["moe" if layer in params.moe_layers else "dense"] \
+            if stacked else GROUPS
+        if stacked and layer in params.moe_layers:
+            stacked_fp8.export_layer(out, stacked, layer, stats[layer])
+            excluded.append(f"{base}.feed_forward.router")
+        elif params.is_moe and not stacked:
             excluded += _moe_fp8(out, table, params, layer, stats[layer])
-        for slot, members, norm in GROUPS:
-            if params.is_moe and slot in ("mlp", "proj"):
+        for slot, members, norm in groups:
+            if params.is_moe and not stacked and slot in ("mlp", "proj"):
                 continue  # the experts, above
             prefixes = [f"{base}.{m}" for m in members]
             skip = [_module_excluded(table, p, quant.exclude_modules) for p in prefixes]

@@ -67,9 +67,9 @@ from dataclasses import dataclass, field
 import torch
 
 from toolchain.archs import moe
-from toolchain.archs.common import EXPERT_SHARDS, FUSED_SHARDS, Shard
+from toolchain.archs.common import EXPERT_SHARDS, FUSED_SHARDS, STACKED_EXPERT_SHARDS, Shard
 from toolchain.archs.layout import Layout
-from toolchain.checkpoint import sharding
+from toolchain.checkpoint import sharding, stacked_fp8
 from toolchain.checkpoint.block_experts import stored_block_experts
 from toolchain.checkpoint.hf_quant import engine_kv_scale, fuse_group, stored_linear
 from toolchain.checkpoint.hf_reader import HFCheckpoint, TensorInfo
@@ -450,7 +450,7 @@ class Quantizer:
 
     @staticmethod
     def is_experts(group: Group) -> bool:
-        return group.outputs[0].row.shard in EXPERT_SHARDS
+        return group.outputs[0].row.shard in EXPERT_SHARDS + STACKED_EXPERT_SHARDS
 
     # AWQ (per-group W4A16, MOEWeightWrapper's has_per_group_scaling branch) is stored as the dense awq linear is,
     # with the experts in front: weight [experts, out/2, in] int8 (two int4 rows per byte), weights_scaling_factor
@@ -485,6 +485,10 @@ class Quantizer:
                                         self.raw.__contains__, self.format, self.tp, self.mapping)
         o = group.outputs[0]
         prefix, _, local = _linear(o.name)
+        if stacked_fp8.is_stacked(o.row):  # Llama 4's experts: read as stored, never computed here
+            self._check_stacked(o)
+            return stacked_fp8.write(prefix, o, group.sources[0], lambda n: ckpt.read(self.raw[n]), self.tp,
+                                     self.mapping, stage_ranks(o.stage, self.tp))
         stats = self._stats(self.global_layer(o.stage, local))
         ws = [prepare(ckpt.load(s), o.row, torch.float32, s) for s in group.sources]
         fc = o.row.shard is Shard.EXPERT_FC
@@ -567,8 +571,14 @@ class Quantizer:
                 out.append(g)
         return out
 
+    def _check_stacked(self, o) -> None:
+        if stacked_fp8.is_stacked(o.row) and not (self.quantization.modelopt and self.format.quantizer == "fp8"):
+            raise ToolchainError(f"{o.name}: Llama 4's stacked experts are quantized by the LLM-API path's FP8 "
+                                 "export only", "use target llmapi (or llmapi-cpu) with quantization.method fp8")
+
     def plan_group(self, group: Group, fp_shapes: dict[tuple[int, str], tuple[int, ...]]) -> dict[int, list]:
         """rank -> [(name, shape, dtype)] for a quantized group, from its outputs' fp per-rank shapes."""
+        self._check_stacked(group.outputs[0])
         out: dict[int, list] = {}
         plan = self._expert_planned if self.is_experts(group) else self.planned
         for o in group.outputs:

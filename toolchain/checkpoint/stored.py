@@ -16,6 +16,7 @@ import fnmatch
 import torch
 
 from toolchain.archs.common import NameTable, Shard, trt_name
+from toolchain.checkpoint import stacked_fp8
 from toolchain.checkpoint.hf_quant import COMPANIONS, HF_SCALES, HF_WEIGHT, stored_scale
 from toolchain.checkpoint.hf_reader import HFCheckpoint, TensorInfo
 from toolchain.checkpoint.quantize import LINEARS, linear_of
@@ -72,11 +73,23 @@ def virtualize_modelopt(ckpt: HFCheckpoint, table: NameTable, fmt: dict, dtype: 
     # must agree (one fused GEMM, or one norm the AWQ prequant vector was folded into).
     groups: dict[tuple[int, str], dict[str, bool]] = {}
     modules: dict[tuple[int, str], str] = {}
+    hidden = stacked_fp8.hidden_scales(raw)
     for name, info in raw.items():
         prefix, _, leaf = name.rpartition(".")
-        if leaf in COMPANIONS:
+        if leaf in COMPANIONS or name in hidden:
             continue
         m = table.match(name)
+        if m is not None and stacked_fp8.is_stacked(m.row):  # Llama 4's experts, one tensor a layer
+            lin = linear_of(trt_name(m.row, m.layer))
+            assert lin is not None  # the stacked rows are mlp.fc / mlp.proj
+            quantized = algo is not None if config_only else info.dtype in HF_WEIGHT.values()
+            groups.setdefault((lin[2], LINEARS[lin[1]]), {})[name] = quantized
+            modules[(lin[2], lin[1])] = lin[0]
+            if quantized and not config_only:
+                stacked_fp8.check_stored(raw, name, algo, where)
+                info = TensorInfo(name, info.file, info.shape, dtype, -1)
+            virtual[name] = info
+            continue
         if m is not None and m.row.shard is Shard.DROP:
             # dropped unread, stored quantized or not: DeepSeek-V3's multi-token-prediction layer (Family.ignore)
             virtual[name] = info

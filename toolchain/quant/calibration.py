@@ -13,7 +13,7 @@ over the hidden states of every calibration sample (hooks record what enters
 each linear), and is freed again. Memory holds the hidden states and one
 layer, never the whole model.
 
-This package imports nothing of the project but its error type, which is
+This module imports nothing of the project outside toolchain.quant but its error type, which is
 why the stdlib file selection mirrors `toolchain.tinymodel.corpus` here.
 """
 
@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import json
 import sysconfig
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from toolchain.errors import ToolchainError
+from toolchain.quant import calibration_llama4
+from toolchain.quant.calibration_stats import InputStats, LayerStats, finish_layer
+from toolchain.quant.calibration_stats import Weights as _Weights
 from toolchain.quant.recipe import BUILTIN, check_calibration_file
 from toolchain.remote_code import auto_tokenizer
 from toolchain.remote_code import auto_config
@@ -116,66 +118,6 @@ def hf_tokenizer(tokenizer_dir: Path, trust_remote_code: bool = False) -> Callab
 
 # -- statistics -------------------------------------------------------------------------
 
-@dataclass
-class InputStats:
-    """What entered one linear (or the linears sharing its input) over all calibration tokens."""
-
-    amax: torch.Tensor                   # (in,) max |x| per channel
-    abssum: torch.Tensor                 # (in,) sum |x| per channel
-    xtx: torch.Tensor | None             # (in, in) float64 sum of x xᵀ, when asked for
-    tokens: int = 0
-
-    @property
-    def absmean(self) -> torch.Tensor:
-        return self.abssum / max(self.tokens, 1)
-
-    @property
-    def cov(self) -> torch.Tensor:
-        """E[x xᵀ] (uncentered second moment)."""
-        if self.xtx is None:
-            raise RuntimeError("this layer's second moments were not collected or were already dropped "
-                               "(StatsStream keeps only the current layer's)")
-        return self.xtx / max(self.tokens, 1)
-
-    def add(self, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).float()
-        self.amax = torch.maximum(self.amax, x.abs().amax(dim=0))
-        self.abssum += x.abs().sum(dim=0)
-        if self.xtx is not None:
-            xd = x.double()
-            self.xtx += xd.t() @ xd
-        self.tokens += x.shape[0]
-
-
-@dataclass
-class LayerStats:
-    inputs: dict[str, InputStats] = field(default_factory=dict)
-    qkv_amax: float = 0.0   # largest |q, k, v projection output| (KV-cache scales, as ModelOpt calibrates them)
-    expert_proj_amax: list[float] = field(default_factory=list)
-    """Mixture of experts: per expert, the largest |input of its down projection| over every calibration token
-    (each expert runs on every token for its statistics, whatever the router picks: `_expert_amax`)."""
-    expert_proj: list[InputStats] = field(default_factory=list)
-    """Mixture of experts, when second moments are collected (AWQ): per expert, the input statistics of its down
-    projection over every calibration token, as `expert_proj_amax`."""
-
-
-class _Weights:
-    """name -> tensor over a directory's safetensors files (headers only until asked)."""
-
-    def __init__(self, directory: Path):
-        from safetensors import safe_open
-
-        files = sorted(Path(directory).glob("*.safetensors"))
-        if not files:
-            raise ToolchainError(f"no *.safetensors in {directory}", "point model.checkpoint at the HF model")
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where = {name: h for h in self._handles for name in h.keys()}
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)
-
-    def prefixed(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {n[len(prefix):]: self.get(n).float() for n in self._where if n.startswith(prefix)}
 
 
 def collect_stats(hf_dir: Path, sequences: list[torch.Tensor], *, covariance: bool,
@@ -186,7 +128,7 @@ def collect_stats(hf_dir: Path, sequences: list[torch.Tensor], *, covariance: bo
     asked for (see StatsStream)."""
 
     # Never the model's own code: only registered architectures are converted, and transformers has their classes.
-    layers = auto_config(hf_dir, trust_remote_code=False).num_hidden_layers
+    layers = auto_config(hf_dir, trust_remote_code=False).get_text_config().num_hidden_layers
     return StatsStream(_layer_stats(Path(hf_dir), sequences, covariance, progress), layers)
 
 
@@ -196,6 +138,9 @@ def _layer_stats(hf_dir: Path, sequences: list[torch.Tensor], covariance: bool,
 
     hf_dir = Path(hf_dir)
     config = auto_config(hf_dir, trust_remote_code=False)  # as in collect_stats: built-in classes only
+    if config.get_text_config().model_type == "llama4_text":  # its own layer (feed_forward, chunked masks): calibration_llama4.py
+        yield from calibration_llama4.layer_stats(hf_dir, config, sequences, covariance, progress)
+        return
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     weights = _Weights(hf_dir)
@@ -243,11 +188,7 @@ def _layer_stats(hf_dir: Path, sequences: list[torch.Tensor], covariance: bool,
                   for n in (FUSED_KV_OUTPUTS if fused else KV_OUTPUTS)]
         with torch.no_grad():
             hidden = [layer(h, position_embeddings=pe, attention_mask=None) for h, pe in zip(hidden, rope, strict=False)]
-        for h in hooks:
-            h.remove()
-        layer.to("meta")  # free the layer's weights before the next one loads
-        if progress is not None:
-            progress(f"calibrated layer {i + 1}/{len(base.layers)}")
+        finish_layer(layer, hooks, i + 1, len(base.layers), progress)
         yield stats
 
 
