@@ -123,7 +123,8 @@ def published_keys() -> dict[str, Any]:
     engine-path FP8/FP16 Hopper and Ampere points, release/1.2's PyTorch-backend NVFP4 points on Blackwell
     (B200, GB200, B300), and release/1.2's mixture-of-experts points (per GPU): DeepSeek R1 at attention DP (DEP4
     NVFP4 on B200, B300, GB200; DEP8 FP8 on H200) and gpt-oss-120b as released (MXFP4 experts; DEP2 on B200 and
-    H200, TP1 on B300 and GB200; planned with a bf16 KV cache, the file's `kept` says why). Signed error of the
+    H200, TP1 on B300 and GB200; planned with a bf16 KV cache, the file's `kept` says why), and Llama 4 Scout at
+    TP4 FP8 on H200 and H100 (the v1.0 table's totals over 4 GPUs). Signed error of the
     predicted over the published output tokens/s, in percent."""
     from statistics import median
 

@@ -199,21 +199,23 @@ def _of(published_moe, model: str) -> list:
     return [row for row in published_moe if row[0].model == model]
 
 
-def test_moe_family_points_are_deepseek_and_gpt_oss_and_list_what_waits(published_moe):
+def test_moe_family_points_are_deepseek_gpt_oss_and_llama4_and_list_what_waits(published_moe):
     points = [pt for pt, _, _ in published_moe]
     assert {(pt.model, pt.gpu, pt.method, pt.tp, pt.attention_dp) for pt in points} == {
         ("deepseek-r1", "B200 180GB", "nvfp4", 4, True), ("deepseek-r1", "B300 288GB", "nvfp4", 4, True),
         ("deepseek-r1", "GB200 186GB", "nvfp4", 4, True), ("deepseek-r1", "H200 141GB", "fp8_block", 8, True),
         ("gpt-oss-120b", "B200 180GB", "mxfp4", 2, True), ("gpt-oss-120b", "H200 141GB", "mxfp4", 2, True),
-        ("gpt-oss-120b", "B300 288GB", "mxfp4", 1, False), ("gpt-oss-120b", "GB200 186GB", "mxfp4", 1, False)}
+        ("gpt-oss-120b", "B300 288GB", "mxfp4", 1, False), ("gpt-oss-120b", "GB200 186GB", "mxfp4", 1, False),
+        ("llama-4-scout", "H200 141GB", "fp8", 4, False), ("llama-4-scout", "H100 80GB", "fp8", 4, False)}
     assert len(_of(published_moe, "deepseek-r1")) == 14 and len(_of(published_moe, "gpt-oss-120b")) == 19
+    assert len(_of(published_moe, "llama-4-scout")) == 18
     assert all(pt.per_gpu for pt in points)
     # the KV cache as published: FP8 everywhere but gpt-oss on Hopper (auto, the model's bf16)
     assert {pt.kv_cache for pt in points if pt.model == "gpt-oss-120b" and pt.gpu.startswith("H")} == {"none"}
-    assert {pt.kv_cache for pt in points if pt.model == "deepseek-r1" or not pt.gpu.startswith("H")} == {"fp8"}
+    assert {pt.kv_cache for pt in points if pt.model != "gpt-oss-120b" or not pt.gpu.startswith("H")} == {"fp8"}
     doc = json.loads(cal.PUBLISHED_MOE_FAMILIES.read_text())
     assert "NEVER fitted" in doc["use"]
-    assert "Waiting for: gpt-oss-20b" in doc["kept"] and "Llama 4 Scout" in doc["kept"]
+    assert "Waiting for: gpt-oss-20b" in doc["kept"] and "Waiting for: Llama 4 Scout's B200/GB200" in doc["kept"]
     assert "Modelled with a bf16 KV cache on every card" in doc["kept"]
 
 
@@ -263,6 +265,19 @@ def test_gpt_oss_prediction_error(published_moe):
     assert sum(abs(e) <= 30 for e in errors) >= 6
     assert all(e > 50 for pt, _, e in rows if pt.gpu == "H200 141GB")
     assert all(e < 10 for pt, _, e in rows if pt.gpu != "H200 141GB")
+
+
+def test_llama4_scout_prediction_error(published_moe):
+    """Llama 4 Scout at TP4 FP8 (the v1.0 table's totals over 4 GPUs), measured 2026-12-07: median |error| 32%, 8 of
+    18 within +-30%, worst +80% (H200 20000/2000). H100 is over-predicted at every point (+23% to +56%); H200 runs from
+    -36% (128/2048) to +80%, under on the short-prompt mixes and over on the long-prompt ones. Loose bounds the model
+    meets, only to catch a regression (checking, never fitted)."""
+    rows = _of(published_moe, "llama-4-scout")
+    errors = [e for _, _, e in rows]
+    assert statistics.median(abs(e) for e in errors) <= 40
+    assert max(abs(e) for e in errors) <= 100
+    assert sum(abs(e) <= 30 for e in errors) >= 6
+    assert all(e > 0 for pt, _, e in rows if pt.gpu == "H100 80GB")
 
 
 def test_moe_family_keeps_b300_above_b200(published_moe):

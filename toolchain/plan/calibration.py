@@ -20,6 +20,7 @@ from functools import cache
 from pathlib import Path
 
 from toolchain import gpus
+from toolchain.archs import get_family
 from toolchain.plan import perf
 from toolchain.plan.model import ModelInfo, load_model
 from toolchain.plan.plan import plan_memory
@@ -308,13 +309,15 @@ def planned_bench_limits(point: Published) -> tuple[int, int]:
 
 def predict_published(point: Published) -> perf.Performance:
     """What `toolchain plan` predicts for a published configuration, built as trtllm-bench built it."""
-    moe = model_info(point.model).params.is_moe
-    batch, tokens = planned_bench_limits(point) if moe else bench_build_limits(point)
-    # The FP4 table was measured on the PyTorch backend (release/1.2's trtllm-bench default): the LLM-API path.
+    params = model_info(point.model).params
+    batch, tokens = planned_bench_limits(point) if params.is_moe else bench_build_limits(point)
+    # The FP4 table was measured on the PyTorch backend (release/1.2's trtllm-bench default): the LLM-API path, as
+    # is every family trtllm-build cannot build (Llama 4: the v1.0 table ran it on the PyTorch backend too).
+    pytorch_only = get_family(params.architecture).engine_refusal is not None
     spec = spec_for(point.model, point.gpu, point.method, point.tp, point.isl, point.osl, max_batch_size=batch,
                     max_num_tokens=tokens, kv_fraction=BENCH_KV_FRACTION,
                     dtype="float16" if point.method == "none" else "bfloat16",
-                    target="llmapi" if point.method in ("nvfp4", "fp8_block", "mxfp4") else "trtllm",
+                    target="llmapi" if pytorch_only or point.method in ("nvfp4", "fp8_block", "mxfp4") else "trtllm",
                     attention_dp=point.attention_dp)
     info = model_info(point.model)
     quant = quantization_of(spec.quantization, info.hf_config, hf_quant_config=info.hf_quant_config)
