@@ -23,7 +23,6 @@ scales (imported as stored, archs/deepseek_v3.py), a projection the checkpoint k
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,6 +33,7 @@ from toolchain.engine.cpu.linear import Linear
 from toolchain.engine.cpu.qlinear import make_linear, stored_tensors
 from toolchain.engine.cpu.rope import Rotary, apply_rotary
 from toolchain.engine.cpu.routing import GroupedRouting
+from toolchain.engine.cpu.yarn import attention_factor, yarn_frequencies, yarn_mscale
 from toolchain.errors import ToolchainError
 
 _REBUILD = "reconvert the checkpoint and rebuild the engine with --force"
@@ -117,44 +117,11 @@ def parse(cfg: dict, origin: str, *, tp: int, heads: int, intermediate: int, qua
 # -- rope -------------------------------------------------------------------------------------------------------
 
 
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """transformers' yarn_get_mscale: 0.1 x mscale x ln(scale) + 1 (1 for scale <= 1)."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_frequencies(dim: int, base: float, yarn: dict) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [dim/2], cos/sin factor): transformers' _compute_yarn_parameters (the converter
-    requires `factor`, so transformers' fallback to max_position_embeddings / original never applies)."""
-    original = yarn["original_max_position_embeddings"]
-    factor = yarn["factor"]
-    attention_factor = yarn.get("attention_factor")
-    mscale, mscale_all_dim = yarn.get("mscale"), yarn.get("mscale_all_dim")
-    if attention_factor is None:
-        attention_factor = (float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
-                            if mscale and mscale_all_dim else yarn_mscale(factor))
-    beta_fast, beta_slow = yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if yarn.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
-    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    keep = 1 - ramp
-    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
-
-
 def rotary(m: MlaDims, base: float) -> Rotary:
     """The rope tables over qk_rope_head_dim: plain, or YaRN's frequencies with its cos/sin factor."""
     table = Rotary(m.qk_rope_head_dim, base, None)
     if m.yarn is not None:
-        table.inv_freq, table.scale = yarn_frequencies(m.qk_rope_head_dim, base, m.yarn)
+        table.inv_freq, table.scale = yarn_frequencies(m.qk_rope_head_dim, base, m.yarn), attention_factor(m.yarn)
     return table
 
 

@@ -1,4 +1,4 @@
-"""YaRN rotary frequencies (gpt-oss), computed with transformers' own float32 operations
+"""YaRN rotary frequencies (gpt-oss, DeepSeek-V3's latent attention: engine/cpu/mla.py), computed with transformers' own float32 operations
 (modeling_rope_utils.py `_compute_yarn_parameters`) so the cos/sin tables agree with the HF reference bit for bit.
 
 Frequencies below the correction range are interpolated (divided by `factor`), those above kept, and a linear
@@ -15,7 +15,7 @@ import math
 import torch
 
 
-def _mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """transformers' yarn_get_mscale: 0.1 * mscale * ln(scale) + 1, 1 for scale <= 1."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
@@ -26,8 +26,8 @@ def attention_factor(scaling: dict) -> float:
         return float(scaling["attention_factor"])
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if mscale and mscale_all_dim:
-        return float(_mscale(factor, mscale) / _mscale(factor, mscale_all_dim))
-    return _mscale(factor)
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 def yarn_frequencies(head_size: int, base: float, scaling: dict) -> torch.Tensor:
