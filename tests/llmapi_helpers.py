@@ -79,17 +79,25 @@ def greedy_text(url: str, prompt: str, max_tokens: int) -> str:
     return texts(responses)[-1]
 
 
-@contextlib.contextmanager
-def serve_llmapi_cpu(root: Path, checkpoint: Path, *, name: str = "test-model", **sections):
-    """Convert `checkpoint` for target llmapi-cpu, render the repository and serve it; yields (spec, ws, server).
-    Keyword arguments are spec sections over LIMITS, SERVING and an OS-picked OpenAI port."""
-    from toolchain.pipeline import convert_for, model_repo_for, server_for
+def deploy_llmapi_cpu(root: Path, checkpoint: Path, *, name: str = "test-model", **sections):
+    """Convert `checkpoint` for target llmapi-cpu and render its repository; (spec, ws). Keyword arguments are spec
+    sections over LIMITS, SERVING and an OS-picked OpenAI port."""
+    from toolchain.pipeline import convert_for, model_repo_for
 
     sections = {"limits": LIMITS, "serving": SERVING, "llmapi": {"openai_port": 0}, **sections}
     spec = load_spec(write_spec(root / "spec.yaml", checkpoint, name=name, target="llmapi-cpu", **sections))
     ws = Workspace(root)
     convert_for(spec)(spec, ws)
     model_repo_for(spec)(spec, ws)
+    return spec, ws
+
+
+@contextlib.contextmanager
+def serve_llmapi_cpu(root: Path, checkpoint: Path, *, name: str = "test-model", **sections):
+    """`deploy_llmapi_cpu`, then serve it with Triton; yields (spec, ws, server)."""
+    from toolchain.pipeline import server_for
+
+    spec, ws = deploy_llmapi_cpu(root, checkpoint, name=name, **sections)
     with server_for(spec, ws, log_path=root / "server.log") as server:
         yield spec, ws, server
 

@@ -1,6 +1,6 @@
 """A tiny gpt-oss deployed on target llmapi-cpu (issue 36, item 7): `convert` prepares the CPU stand-in's engine at
-tp 2 with moe_ep 2, and the OpenAI server started from the deployment's LLM() arguments and Triton's llmapi model (the tritonserver
-of the nvidia-pytriton wheel) answer transformers' greedy tokens."""
+tp 2 with moe_ep 2, and the OpenAI server started from the deployment's LLM() arguments and Triton's llmapi model
+(the tritonserver of the nvidia-pytriton wheel) answer transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -9,16 +9,18 @@ import urllib.request
 
 import pytest
 
-from conftest import write_spec
+from llmapi_helpers import SERVING, deploy_llmapi_cpu
 from test_engine_cpu_util import hf_greedy
 from test_gpt_oss import _reference, make_gpt_oss
-from toolchain.spec import load_spec
-from toolchain.workspace import Workspace
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PROMPT = [5, 9, 33, 200, 7, 8, 100, 3, 44, 12]  # 10 words: past layer 0's 4-token window
 NEW = 8
+# tp 2 with expert parallelism 2, a KV pool of 2048 tokens (tests/llmapi_helpers.py serves it)
+DEPLOYMENT = {"parallelism": {"tp": 2, "moe_ep": 2},
+              "serving": {**SERVING, "max_tokens_in_paged_kv_cache": 2048},
+              "limits": {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 256}}
 
 
 @pytest.fixture(scope="module")
@@ -27,21 +29,11 @@ def deployed(tmp_path_factory):
     (alpha 1.702, limit 7.0; others are refused on the LLM-API path) and a word-level tokenizer."""
     from triton_helpers import make_tiny_tokenizer
 
-    from toolchain.pipeline import convert_for, model_repo_for
-
     root = tmp_path_factory.mktemp("gpt-oss-e2e")
     hf = make_gpt_oss(root / "hf", seed=23, swiglu_limit=7.0)
     make_tiny_tokenizer(hf)
-    spec = load_spec(write_spec(root / "spec.yaml", hf, name="tiny-gpt-oss", target="llmapi-cpu",
-                                parallelism={"tp": 2, "moe_ep": 2},
-                                limits={"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128,
-                                        "max_num_tokens": 256},
-                                serving={"http_port": 0, "grpc_port": 0, "metrics_port": 0,
-                                         "max_tokens_in_paged_kv_cache": 2048},
-                                llmapi={"openai_port": 0}))
-    ws = Workspace(root)
-    convert_for(spec)(spec, ws)
-    model_repo_for(spec)(spec, ws)  # Triton's llmapi model and the LLM() arguments (trtllm-serve.yaml)
+    # Triton's llmapi model and the LLM() arguments (trtllm-serve.yaml)
+    spec, ws = deploy_llmapi_cpu(root, hf, name="tiny-gpt-oss", **DEPLOYMENT)
     return spec, ws, hf
 
 

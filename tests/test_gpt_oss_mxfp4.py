@@ -323,29 +323,18 @@ def test_llmapi_cpu_serves_the_mxfp4_checkpoint(tmp_path_factory):
     transformers running the same MXFP4 checkpoint."""
     import urllib.request
 
-    from conftest import write_spec
+    from llmapi_helpers import deploy_llmapi_cpu
     from test_engine_cpu_util import hf_greedy
-    from test_gpt_oss_e2e import PROMPT, _words
+    from test_gpt_oss_e2e import DEPLOYMENT, PROMPT, _words
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from triton_helpers import make_tiny_tokenizer
 
-    from toolchain.pipeline import convert_for, model_repo_for, openai_server
-    from toolchain.spec import load_spec
-    from toolchain.workspace import Workspace
+    from toolchain.pipeline import openai_server
 
     root = tmp_path_factory.mktemp("gpt-oss-mxfp4-e2e")
     _, hf = make_mxfp4_gpt_oss(root)
     make_tiny_tokenizer(hf)
-    spec = load_spec(write_spec(root / "spec.yaml", hf, name="tiny-gpt-oss-mxfp4", target="llmapi-cpu",
-                                parallelism={"tp": 2, "moe_ep": 2},
-                                limits={"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128,
-                                        "max_num_tokens": 256},
-                                serving={"http_port": 0, "grpc_port": 0, "metrics_port": 0,
-                                         "max_tokens_in_paged_kv_cache": 2048},
-                                llmapi={"openai_port": 0}))
-    ws = Workspace(root)
-    convert_for(spec)(spec, ws)
-    model_repo_for(spec)(spec, ws)
+    spec, ws = deploy_llmapi_cpu(root, hf, name="tiny-gpt-oss-mxfp4", **DEPLOYMENT)
     prompt = AutoTokenizer.from_pretrained(hf)(_words(PROMPT))["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
