@@ -38,7 +38,7 @@ from toolchain.triton.launch import TritonLaunch, container_commands, docker_com
 from toolchain.triton.server import TritonServer
 from toolchain.llmapi import launch as llmapi_launch, manifests as llmapi_manifests
 from toolchain.llmapi.cpu_llm import ENGINE_DIR_ENV
-from toolchain.llmapi.launch import openai_engine_args, serve_config_path, served_model_name
+from toolchain.llmapi.launch import openai_engine_args, parser_options, serve_config_path, served_model_name
 from toolchain.llmapi.stage import run_convert_llmapi, served_model_dir
 from toolchain.openai.server import OpenAIServer
 
@@ -171,7 +171,8 @@ def openai_server(spec: DeploymentSpec, workspace: Workspace, log_path: Path) ->
     openai = endpoints(spec).openai
     return OpenAIServer(None, None, served_model_name(spec), openai.bind, openai.port,
                         model=served_model_dir(spec, workspace), config=serve_config_path(spec, workspace),
-                        log_path=log_path, extra_args=openai_engine_args(spec), env=_cpu_llm_env(spec, workspace),
+                        log_path=log_path, extra_args=(*openai_engine_args(spec), *parser_options(spec)),
+                        env=_cpu_llm_env(spec, workspace),
                         port_field="llmapi.openai_port")
 
 

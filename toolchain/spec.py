@@ -338,6 +338,13 @@ class LlmApiSection(_Section):
     """Port of the OpenAI-compatible server (trtllm-serve on a GPU host; the CPU server for llmapi-cpu); 0 picks a free one."""
     served_model_name: str | None = None
     """The `model` name the OpenAI server answers to; default: the spec's name."""
+    tool_parser: str | None = None
+    """trtllm-serve's --tool_parser: the format tool calls are parsed from in chat answers (qwen3, deepseekv3 on
+    the CPU server too; qwen3_coder, kimi_k2, deepseekv3.1, deepseek_v32 on a GPU host only). Unset: a chat request
+    with tools is refused by the CPU server (trtllm-serve would answer it as plain text)."""
+    reasoning_parser: str | None = None
+    """trtllm-serve's --reasoning_parser: deepseek-r1 or qwen3 splits the answer's <think> text into
+    reasoning_content."""
 
 
 class DynamoSection(_Section):

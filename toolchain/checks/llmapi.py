@@ -8,6 +8,7 @@ from toolchain.archs import get_family
 from toolchain.checks.registry import (ENGINE, FAIL, GPU_ONLY, LLMAPI_PATH, PASS, SERVING, SKIP, UNREGISTERED, Context,
                                        check)
 from toolchain.llmapi.args import llm_args, options_problem
+from toolchain.openai.tools import parsers_problem
 from toolchain.speculative import mode_of, refusal
 from toolchain.targets import target_of
 from toolchain.versions import TRITON_IMAGE, TRTLLM_VERSION, in_line
@@ -107,6 +108,22 @@ def _options(ctx: Context):
         return FAIL, problem + "; fix llmapi.options in the spec"
     n = len(ctx.spec.llmapi.options)
     return PASS, f"{n} extra LLM-API option(s), all known" if n else "no extra LLM-API options"
+
+
+@check("llmapi.parsers", SERVING, "llmapi.tool_parser / llmapi.reasoning_parser must name a parser trtllm-serve has "
+       "(tensorrt_llm/serve/tool_parser/tool_parser_factory.py, tensorrt_llm/llmapi/reasoning_parser.py; the CPU "
+       "server implements qwen3 and deepseekv3) for a family whose tool calls it reads", paths=LLMAPI_PATH)
+def _parsers(ctx: Context):
+    api = ctx.spec.llmapi
+    if api.tool_parser is None and api.reasoning_parser is None:
+        return PASS, "no tool or reasoning parser"
+    arch = ctx.model.params.architecture if ctx.model is not None else None
+    problem = parsers_problem(api.tool_parser, api.reasoning_parser, arch, on_cpu=ctx.spec.on_cpu)
+    if problem:
+        return FAIL, f"{problem}; fix llmapi.tool_parser / llmapi.reasoning_parser in the spec"
+    named = ", ".join(f"--{k} {v}" for k, v in (("tool_parser", api.tool_parser),
+                                                 ("reasoning_parser", api.reasoning_parser)) if v)
+    return PASS, f"the OpenAI server starts with {named}"
 
 
 @check("llmapi.num-tokens-vs-input", ENGINE,

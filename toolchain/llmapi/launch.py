@@ -98,7 +98,17 @@ def trtllm_serve_command(spec: DeploymentSpec, workspace: Workspace, host: str |
     return [TRTLLM_SERVE, str(served_model_dir(spec, workspace)),
             serve_option("--host"), host or endpoints(spec).openai.bind,
             serve_option("--port"), str(endpoints(spec).openai.port),
-            serve_option(SERVE_CONFIG_OPTION), str(serve_config_path(spec, workspace))]
+            serve_option(SERVE_CONFIG_OPTION), str(serve_config_path(spec, workspace)), *parser_options(spec)]
+
+
+def parser_options(spec: DeploymentSpec) -> list[str]:
+    """--tool_parser / --reasoning_parser as the spec sets them (llmapi.tool_parser, llmapi.reasoning_parser):
+    trtllm-serve's options, which the CPU OpenAI server takes under the same names."""
+    out = []
+    for option, value in (("--tool_parser", spec.llmapi.tool_parser), ("--reasoning_parser", spec.llmapi.reasoning_parser)):
+        if value is not None:
+            out += [serve_option(option), value]
+    return out
 
 
 def triton_launch_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
@@ -194,7 +204,7 @@ def openai_cpu_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
     return [sys.executable, "-m", "toolchain.openai", str(served_model_dir(spec, workspace)),
             "--config", str(serve_config_path(spec, workspace)), "--served-model-name", served_model_name(spec),
             "--host", endpoints(spec).openai.bind, "--port", str(endpoints(spec).openai.port),
-            *openai_engine_args(spec)]
+            *openai_engine_args(spec), *parser_options(spec)]
 
 
 def planned_launch(spec: DeploymentSpec, workspace: Workspace) -> dict:

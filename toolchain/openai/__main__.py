@@ -16,6 +16,7 @@ from pathlib import Path
 from toolchain.errors import ToolchainError
 from toolchain.stopsignals import Stopped, stop_on_signals
 from toolchain.llmapi.cpu_llm import LlmArgsError, load_engine, shared_engine_dir
+from toolchain.openai.tools import parsers_problem
 import yaml
 
 
@@ -43,6 +44,10 @@ def _args(argv):
     p.add_argument("--trust-remote-code", action="store_true",
                    help="engine path: let the tokenizer directory's own Python code run (off: such a tokenizer is "
                         "refused); the LLM-API path takes trust_remote_code from --config")
+    # trtllm-serve's own option names (tensorrt_llm/commands/serve.py), so a launch line reads the same for both.
+    p.add_argument("--tool_parser", help="parse tool calls out of chat answers in this format (trtllm-serve's names; "
+                                         "implemented: qwen3, deepseekv3)")
+    p.add_argument("--reasoning_parser", help="split reasoning into reasoning_content: deepseek-r1 or qwen3")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p.parse_args(argv)
 
@@ -63,7 +68,15 @@ def _limits(engine, args) -> None:
         engine.limits = dataclasses.replace(engine.limits, **changes)
 
 
-def _llm_app(args):
+def _parsers(args) -> dict:
+    """--tool_parser / --reasoning_parser, refused here by name before any engine loads."""
+    problem = parsers_problem(args.tool_parser, args.reasoning_parser, None)
+    if problem:
+        raise ToolchainError(problem)
+    return {"tool_parser": args.tool_parser, "reasoning_parser": args.reasoning_parser}
+
+
+def _llm_app(args, parsers):
     """MODEL --config FILE: the CPU engine LLM() would run for those arguments (toolchain.llmapi)."""
     import tempfile
 
@@ -85,8 +98,14 @@ def _llm_app(args):
             work.cleanup()
         raise ToolchainError(str(err)) from None
     template = args.chat_template.read_text() if args.chat_template else None
-    app = create_app(engine, spec.model.tokenizer_dir, args.served_model_name, scheduler=scheduler,
-                     chat_template=template, trust_remote_code=spec.model.trust_remote_code)
+    try:
+        app = create_app(engine, spec.model.tokenizer_dir, args.served_model_name, scheduler=scheduler,
+                         chat_template=template, trust_remote_code=spec.model.trust_remote_code,
+                         **parsers)
+    except ToolchainError:
+        if work is not None:
+            work.cleanup()
+        raise
     app.state.work_dir = work  # the engine's rank files live as long as the app
     return app
 
@@ -98,8 +117,9 @@ def build_app(args):
     if (args.model is None) == (args.engine_dir is None):
         raise ToolchainError("give either MODEL (with --config) or --engine-dir (with --tokenizer)",
                              "MODEL --config FILE serves the LLM-API path; --engine-dir serves a built engine")
+    parsers = _parsers(args)
     if args.model is not None:
-        return _llm_app(args)
+        return _llm_app(args, parsers)
     if args.tokenizer is None:
         raise ToolchainError("--engine-dir needs --tokenizer", "pass the Hugging Face tokenizer directory")
     if not (args.engine_dir / "config.json").is_file():
@@ -116,7 +136,7 @@ def build_app(args):
     engine = CpuEngine.load(args.engine_dir, num_threads=args.engine_threads, kv_cache=kv)
     _limits(engine, args)
     return create_app(engine, args.tokenizer, args.served_model_name, scheduler=scheduler, chat_template=template,
-                      trust_remote_code=args.trust_remote_code)
+                      trust_remote_code=args.trust_remote_code, **parsers)
 
 
 def main(argv=None) -> int:

@@ -25,13 +25,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import toolchain
+from toolchain.errors import ToolchainError
 from toolchain.engine.cpu import CpuEngine, QueueFull, SamplingParams, SchedulerConfig
 from toolchain.engine.cpu.sampling import UnseededStream
+from toolchain.openai.chat_output import ChatAnswer, effective_tool_choice
 from toolchain.openai.metrics import ServerMetrics
 from toolchain.openai.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, Envelope, error_body,
                                        model_list, validation_message)
 from toolchain.openai.service import EngineService, Generation
 from toolchain.openai.text import Detokenizer, StopStrings, TextCodec
+from toolchain.openai.tools import parsers_problem, request_problem
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.2
@@ -49,8 +52,9 @@ class OpenAIFrontend:
     """The request handlers and the state they share; `create_app` wires them."""
 
     def __init__(self, engine: CpuEngine, codec: TextCodec, model: str, scheduler: SchedulerConfig | None,
-                 engine_type: str):
+                 engine_type: str, tool_parser: str | None = None, reasoning_parser: str | None = None):
         self.engine, self.codec, self.model = engine, codec, model
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser  # trtllm-serve's names
         self.metrics = ServerMetrics(model, engine_type)
         self.service = EngineService(engine, scheduler, on_iteration=self.metrics.iteration)
         self.created = int(time.time())
@@ -69,7 +73,7 @@ class OpenAIFrontend:
         if isinstance(req, ChatCompletionRequest):
             messages = [m.for_template() for m in req.messages]
             text = self.codec.chat_prompt(messages, req.add_generation_prompt, req.chat_template,
-                                          req.chat_template_kwargs)
+                                          req.chat_template_kwargs, tools=req.tools)
             return self.codec.encode(text, add_special_tokens=req.add_special_tokens)
         if isinstance(req.prompt, str):
             if not req.prompt:
@@ -117,6 +121,8 @@ class OpenAIFrontend:
     def _start(self, req) -> Generation:
         self._check_model(req.model)
         reason = req.unsupported()
+        if not reason and isinstance(req, ChatCompletionRequest):
+            reason = request_problem(req.tools, effective_tool_choice(req), self.tool_parser)
         if reason:
             raise ApiError(reason)
         prompt = self._prompt_ids(req)
@@ -170,9 +176,10 @@ class OpenAIFrontend:
     async def respond(self, req, raw: Request) -> Response:
         env = Envelope(isinstance(req, ChatCompletionRequest), self.model)
         gen = self._start(req)
+        answer = ChatAnswer.wanted(req, self.tool_parser, self.reasoning_parser) if env.chat else None
         watcher = asyncio.create_task(self._watch(raw, gen))
         if req.stream:
-            return StreamingResponse(self._stream(gen, req, env, watcher), media_type="text/event-stream")
+            return StreamingResponse(self._stream(gen, req, env, watcher, answer), media_type="text/event-stream")
         try:
             text, reason, stop_reason = [], None, None
             async for piece, reason, stop_reason in self._pieces(gen, req):  # noqa: B007 - the last ones are kept
@@ -182,9 +189,14 @@ class OpenAIFrontend:
         finally:
             watcher.cancel()
             self.service.release(gen)
-        return JSONResponse(env.final("".join(text), reason, stop_reason, len(gen.prompt_ids), len(gen.output)))
+        message = answer.message("".join(text)) if answer is not None else None
+        if answer is not None:
+            reason = answer.finish_reason(reason)
+        return JSONResponse(env.final("".join(text), reason, stop_reason, len(gen.prompt_ids), len(gen.output),
+                                      message=message))
 
-    async def _stream(self, gen: Generation, req, env: Envelope, watcher: asyncio.Task):
+    async def _stream(self, gen: Generation, req, env: Envelope, watcher: asyncio.Task,
+                      answer: ChatAnswer | None = None):
         try:
             if env.chat:  # OpenAI's first chat chunk names the role
                 yield _sse(env.chunk("", role=True))
@@ -192,7 +204,11 @@ class OpenAIFrontend:
                 async for piece, reason, stop_reason in self._pieces(gen, req):
                     if reason is None and gen.cancelled:
                         return  # the client is gone
-                    if piece or reason is not None:
+                    if answer is not None:  # reasoning and tool calls parsed out of the pieces
+                        delta = answer.delta(piece, reason is not None)
+                        if delta or reason is not None:
+                            yield _sse(env.chunk(None, answer.finish_reason(reason), stop_reason, delta=delta))
+                    elif piece or reason is not None:
                         yield _sse(env.chunk(piece, reason, stop_reason))
             except RuntimeError as err:
                 body = error_body(f"generation failed: {err}", "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
@@ -239,15 +255,20 @@ class OpenAIFrontend:
 
 def create_app(engine: CpuEngine, tokenizer: TextCodec | Path | str, served_model_name: str, *,
                scheduler: SchedulerConfig | None = None, chat_template: str | None = None,
-               engine_type: str = "cpu", trust_remote_code: bool = False) -> FastAPI:
+               engine_type: str = "cpu", trust_remote_code: bool = False, tool_parser: str | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """A FastAPI app serving `engine` under `served_model_name`. `tokenizer` is the Hugging Face
     tokenizer directory (or a loaded TextCodec); `chat_template` (Jinja text) replaces the
-    tokenizer's own; `trust_remote_code` lets a tokenizer directory's own code run. The batcher starts
-    with the app's lifespan and stops with it."""
+    tokenizer's own; `trust_remote_code` lets a tokenizer directory's own code run; `tool_parser` and
+    `reasoning_parser` are trtllm-serve's --tool_parser / --reasoning_parser (parsers_problem refuses a
+    name or family they cannot serve). The batcher starts with the app's lifespan and stops with it."""
+    problem = parsers_problem(tool_parser, reasoning_parser, engine.dims.architecture)
+    if problem:
+        raise ToolchainError(problem)
     codec = tokenizer if isinstance(tokenizer, TextCodec) else TextCodec(tokenizer, chat_template, trust_remote_code)
     if chat_template is not None:
         codec.chat_template = chat_template
-    front = OpenAIFrontend(engine, codec, served_model_name, scheduler, engine_type)
+    front = OpenAIFrontend(engine, codec, served_model_name, scheduler, engine_type, tool_parser, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_app):

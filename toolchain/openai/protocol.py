@@ -149,7 +149,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[dict]] = None
-    tool_choice: Optional[Union[str, dict]] = "none"
+    tool_choice: Optional[Union[str, dict]] = "none"  # its rules: openai/tools.py request_problem
     response_format: Optional[dict] = None
 
     @property
@@ -161,13 +161,6 @@ class ChatCompletionRequest(_Sampling):
             return "logprobs is not supported by the CPU engine; omit it"
         if not self.messages:
             return "messages is empty: send at least one message"
-        # trtllm-serve renders `tools` into the chat template and parses calls out with its --tool_parser;
-        # this server does neither, so a request that sends tools (or asks for a tool call) is refused
-        # rather than answered as if it had sent none.
-        if self.tools:
-            return "tools is not supported: this server has no tool calling; omit tools (and tool_choice)"
-        if self.tool_choice not in (None, "none"):
-            return f"tool_choice={self.tool_choice!r} is not supported: this server has no tool calling; omit it"
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             return "response_format other than text (guided decoding) is not supported by the CPU engine"
         return super().unsupported()
@@ -208,9 +201,12 @@ class Envelope:
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def final(self, text: str, finish_reason: str | None, stop_reason, prompt_tokens: int, completion_tokens: int) -> dict:
+    def final(self, text: str, finish_reason: str | None, stop_reason, prompt_tokens: int, completion_tokens: int,
+              message: dict | None = None) -> dict:
+        """`message`: the chat message when it is more than the text (chat_output.ChatAnswer.message)."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            message = message or {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "logprobs": None,
                       "finish_reason": finish_reason, "stop_reason": stop_reason}
             body = self._base("chat.completion")
         else:
@@ -219,9 +215,12 @@ class Envelope:
             body = self._base("text_completion")
         return {**body, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, stop_reason=None, role: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None = None, stop_reason=None, role: bool = False,
+              delta: dict | None = None) -> dict:
+        """`delta`: the chat delta when it is more than the text (chat_output.ChatAnswer.delta)."""
         if self.chat:
-            delta = {"role": "assistant", "content": text or ""} if role else ({} if text is None else {"content": text})
+            if delta is None:
+                delta = {"role": "assistant", "content": text or ""} if role else ({} if text is None else {"content": text})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             body = self._base("chat.completion.chunk")
         else:

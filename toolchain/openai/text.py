@@ -63,7 +63,8 @@ class TextCodec:
         return lambda token_id: stream.step(backend, token_id)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, template: str | None = None,
-                    kwargs: dict | None = None) -> str:
+                    kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
+        """The prompt text; `tools` (the request's, OpenAI's shape) go to the template as trtllm-serve passes them."""
         template = template or self.chat_template
         if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(f"the tokenizer in {self.directory} has no chat template, so /v1/chat/completions cannot "
@@ -71,7 +72,7 @@ class TextCodec:
                            "--chat-template FILE, or use /v1/completions")
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                      chat_template=template, **(kwargs or {}))
+                                                      chat_template=template, tools=tools, **(kwargs or {}))
         except Exception as err:  # a template that raises on these messages (jinja errors, raise_exception)
             raise ApiError(f"the chat template failed on these messages: {type(err).__name__}: {err}") from None
 
