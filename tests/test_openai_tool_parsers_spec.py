@@ -75,3 +75,19 @@ def test_plan_refuses_a_tool_parser_for_a_family_upstream_has_none_for(tmp_path,
     assert result.status == "fail"
     assert result.message.startswith("trtllm-serve has no tool parser for the llama family's tool-call format")
     assert _check(_spec(tmp_path, hf_llama, target="llmapi-cpu", reasoning_parser="deepseek-r1")).status == "pass"
+
+
+def test_dynamo_refuses_the_parsers_rather_than_dropping_them(tmp_path, hf_qwen3):
+    from toolchain.dynamo.checks import problems
+
+    found = problems(_spec(tmp_path, hf_qwen3, target="llmapi-cpu", **PARSERS))
+    assert any(p.startswith("llmapi.tool_parser and llmapi.reasoning_parser name trtllm-serve's parsers") for p in found)
+    assert not any("parser" in p for p in problems(_spec(tmp_path, hf_qwen3, target="llmapi-cpu")))
+
+
+def test_the_reasoning_parser_is_set_in_its_own_field_not_in_llmapi_options(tmp_path, hf_qwen3):
+    from toolchain.llmapi.args import options_problem
+
+    spec = load_spec(write_spec(tmp_path / "o.yaml", hf_qwen3, target="llmapi-cpu",
+                                llmapi={"options": {"reasoning_parser": "qwen3"}}))
+    assert options_problem(spec).startswith("llmapi.options.reasoning_parser is derived from llmapi.reasoning_parser")

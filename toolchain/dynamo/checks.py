@@ -63,6 +63,13 @@ def problems(spec: DeploymentSpec) -> list[str]:
                    "off (no block is ever stored); set build.kv_cache_reuse: true or dynamo.router: round-robin")
     if runtime is None:
         return out
+    parsers = [f"llmapi.{k}" for k in ("tool_parser", "reasoning_parser") if getattr(spec.llmapi, k) is not None]
+    if parsers:
+        # Dynamo parses in its own frontend, by other names (the trtllm worker's --dyn-tool-call-parser and
+        # --dyn-reasoning-parser, facts dynamo.json): passing trtllm-serve's names on would be a guess.
+        out.append(f"{' and '.join(parsers)} name trtllm-serve's parsers, which `toolchain dynamo` does not pass to "
+                   "Dynamo (its workers take their own --dyn-tool-call-parser / --dyn-reasoning-parser names); "
+                   "unset them for Dynamo")
     if d.disaggregated and runtime == CPU_STAND_IN:
         out.append("dynamo.disaggregated needs KV-cache transfer between prefill and decode workers, which the CPU "
                    f"engine does not have; set it on target {named(LLMAPI, GPU)} (GPU hosts) or serve aggregated here")

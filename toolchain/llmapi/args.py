@@ -24,6 +24,7 @@ POLICY = {"guaranteed_no_evict": "GUARANTEED_NO_EVICT", "max_utilization": "MAX_
 DERIVED_FROM = {
     "model": "model.checkpoint", "tokenizer": "model.tokenizer", "dtype": "model.dtype", "backend": "target",
     "trust_remote_code": "model.trust_remote_code",
+    "reasoning_parser": "llmapi.reasoning_parser",  # trtllm-serve's --reasoning_parser, on every launch line
     "tensor_parallel_size": "parallelism.tp", "pipeline_parallel_size": "parallelism.pp",
     "moe_tensor_parallel_size": "parallelism.moe_tp", "moe_expert_parallel_size": "parallelism.moe_ep",
     "enable_attention_dp": "parallelism.attention_dp",
