@@ -115,6 +115,11 @@ def test_the_client_reads_the_tool_call_and_the_reasoning(client):
     assert choice.message.content == "Checking."
     assert choice.message.model_extra["reasoning_content"] == " hmm "
     assert choice.finish_reason == "tool_calls"
+    # The next turn sends the call and its result back, as a client does; the template takes both.
+    follow = [*MESSAGES, choice.message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    again = client.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, temperature=0)
+    assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 
 def test_the_stream_gives_the_same_call(client):
