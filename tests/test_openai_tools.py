@@ -62,16 +62,24 @@ def test_tool_call_stream_equals_the_whole_text_parse_at_every_split(fmt, text):
     whole = fmt().parse(text, NAMES)
     for pieces in _splits(text):
         stream = ToolCallStream(fmt(), NAMES)
-        sent = "".join(stream.feed(p) for p in pieces)
-        rest, calls = stream.finish()
-        assert (sent + rest, calls) == whole, pieces
+        sent, calls = "", []
+        for piece in pieces:
+            content, more = stream.feed(piece)
+            sent, calls = sent + content, calls + more
+        rest, more = stream.finish()
+        assert (sent + rest, calls + more) == whole, pieces
 
 
-def test_tool_call_stream_holds_back_what_may_open_a_call():
+def test_tool_call_stream_holds_back_what_may_open_a_call_and_sends_calls_when_final():
     stream = ToolCallStream(Qwen3Format(), NAMES)
-    assert stream.feed("Hello <tool") == "Hello"  # the space may precede a call (stripped), "<tool" may open one
-    assert stream.feed("kit") == " <toolkit"
-    assert stream.feed(" \n<tool_call>\n{") == ""
+    assert stream.feed("Hello <tool") == ("Hello", [])  # the space may precede a call (stripped), "<tool" may open one
+    assert stream.feed("kit") == (" <toolkit", [])
+    assert stream.feed(' \n<tool_call>\n{"name": "get_time"}\n</tool_') == ("", [])
+    assert stream.feed("call>\n<tool_call>\n") == ("", [Call("get_time", "{}")])  # its block closed: final
+    assert stream.finish() == ("", [])
+    # DeepSeek's calls wait for the end: a later call that does not parse makes the whole answer content.
+    stream = ToolCallStream(DeepSeekV3Format(), NAMES)
+    assert stream.feed(DEEPSEEK) == ("Sure.", []) and stream.finish()[1] == DeepSeekV3Format().parse(DEEPSEEK, NAMES)[1]
 
 
 def test_parser_names_and_families():

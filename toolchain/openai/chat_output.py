@@ -43,6 +43,7 @@ class ChatAnswer:
         self.stream = ToolCallStream(fmt, self.names) if fmt is not None else None
         self.named_id: str | None = None
         self.called = False
+        self.streamed_calls = 0
 
     @classmethod
     def wanted(cls, req, tool_parser: str | None, reasoning_parser: str | None) -> "ChatAnswer | None":
@@ -92,13 +93,15 @@ class ChatAnswer:
                 out["tool_calls"] = [self._named_delta(content)]
             content = ""
         elif self.stream is not None:
-            content = self.stream.feed(content)
+            content, calls = self.stream.feed(content)
             if finished:
-                rest, calls = self.stream.finish()
-                content += rest
-                calls = self._calls(calls)
-                if calls:
-                    out["tool_calls"] = [{"index": i, **c.message_entry()} for i, c in enumerate(calls)]
+                rest, more = self.stream.finish()
+                content, calls = content + rest, calls + more
+            if calls and not self.hide_calls:
+                first = self.streamed_calls
+                self.streamed_calls += len(calls)
+                self.called = True
+                out["tool_calls"] = [{"index": first + i, **c.message_entry()} for i, c in enumerate(calls)]
         if content:
             out["content"] = content
         return out

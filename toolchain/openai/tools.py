@@ -17,8 +17,8 @@ starts, as are families no upstream parser reads (Llama 3.x, Mistral and the res
 
 Streaming: text before the calls streams as it comes (held back only while it could be the start of the
 calls' opening tag, or is whitespace the whole-text parse would strip); from the opening tag on, the answer
-is buffered and its calls are sent whole, each in one delta, when generation ends. That is simpler than
-upstream's argument-by-argument deltas and gives exactly the calls the whole-text parse gives.
+is buffered and each call is sent whole, in one delta, once it is final (ToolCallStream). That is simpler
+than upstream's argument-by-argument deltas and gives exactly the calls the whole-text parse gives.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def _calls_from_json(action: Any, names: set[str]) -> list[Call]:
 
 class Qwen3Format:
     bot, eot = "<tool_call>\n", "\n</tool_call>"
+    final_when_closed = True  # a closed block's calls never change (each block is parsed alone)
 
     def parse(self, text: str, names: set[str]) -> tuple[str, list[Call]]:
         at = text.find(self.bot)
@@ -78,7 +79,8 @@ class Qwen3Format:
 
 
 class DeepSeekV3Format:
-    bot = "<｜tool▁calls▁begin｜>"
+    bot, eot = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁end｜>"
+    final_when_closed = False  # a later call that does not parse turns the whole answer into content
     call = re.compile(r"<｜tool▁call▁begin｜>.*?<｜tool▁call▁end｜>", re.DOTALL)
     detail = re.compile(r"<｜tool▁call▁begin｜>(.*)<｜tool▁sep｜>(.*)\n```json\n(.*)\n```<｜tool▁call▁end｜>", re.DOTALL)
 
@@ -168,28 +170,38 @@ def tool_names(tools: list | None) -> set[str]:
 
 
 class ToolCallStream:
-    """The tool calls of one streamed answer: `feed` returns the content safe to send now, `finish` the
-    rest of the content and the calls, exactly what `parse` gives for the whole text (except whitespace
-    at the very start of an answer that turns out to hold calls: it was sent before the calls showed)."""
+    """The tool calls of one streamed answer. `feed` returns the content safe to send now and the calls
+    that are final (qwen3: each once its block closes; deepseekv3: none before the end, since a later
+    broken call makes the whole answer content); `finish` the rest. Together they give exactly what `parse`
+    gives for the whole text, except whitespace at the very start of an answer that turns out to hold
+    calls: it was sent before the calls showed, and the whole-text parse strips it."""
 
     def __init__(self, fmt: Qwen3Format | DeepSeekV3Format, names: set[str]):
         self.fmt, self.names = fmt, names
         self.text = ""
         self.sent = 0  # characters of `text` sent as content
+        self.calls_sent = 0
 
-    def feed(self, piece: str) -> str:
+    def feed(self, piece: str) -> tuple[str, list[Call]]:
         self.text += piece
-        if self.fmt.bot in self.text:
-            safe = self.text[:self.text.find(self.fmt.bot)].rstrip()
+        at = self.text.find(self.fmt.bot)
+        if at != -1:
+            safe = self.text[:at].rstrip()
         else:
             keep = max((n for n in range(1, len(self.fmt.bot)) if self.text.endswith(self.fmt.bot[:n])), default=0)
             safe = self.text[:len(self.text) - keep].rstrip()  # whitespace before a call is stripped
         out = safe[self.sent:] if len(safe) > self.sent else ""
         self.sent += len(out)
-        return out
+        calls: list[Call] = []
+        # Parsed again only when a block may have closed in this piece.
+        if at != -1 and self.fmt.final_when_closed and self.fmt.eot in self.text[-(len(piece) + len(self.fmt.eot)):]:
+            calls = self.fmt.parse(self.text, self.names)[1][self.calls_sent:]
+            self.calls_sent += len(calls)
+        return out, calls
 
     def finish(self) -> tuple[str, list[Call]]:
         content, calls = self.fmt.parse(self.text, self.names)
+        calls = calls[self.calls_sent:]
         sent = self.text[:self.sent]
         for prefix in (sent, sent.lstrip()):  # the whole-text parse strips what precedes the calls
             if content.startswith(prefix):
