@@ -14,7 +14,7 @@ import torch
 
 from conftest import starts_server
 from test_engine_cpu_util import hf_logits, hf_model
-from triton_helpers import deploy, stream, token_request
+from triton_helpers import deploy, stream, text_request, token_request
 
 pytest.importorskip("toolchain.engine.cpu")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -97,3 +97,20 @@ def test_a_json_schema_guide_gives_valid_json_and_a_bad_one_is_refused(served, t
     message = str(bad.errors[0])
     assert 'the json_schema guide is rejected by XGrammar: Unsupported type "objekt"' in message
     assert "\n" not in message and server.ready
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_the_text_models_pass_guides_and_log_probs_through(served, tokenizer, model):
+    _, _, server = served
+    prompt = tokenizer.encode("Answer: ")
+    schema = (["json_schema"], "BYTES"), ([json.dumps(SCHEMA)], "BYTES")
+    direct = stream(server.grpc_url, "tensorrt_llm", token_request(
+        prompt, 120, stream=False, end_id=([END], "INT32"), runtime_top_k=([20], "INT32"), seed=([1], "UINT64"),
+        guided_decoding_guide_type=schema[0], guided_decoding_guide=schema[1]))
+    got = stream(server.grpc_url, model, text_request(
+        "Answer: ", 120, stream=False, top_k=([20], "INT32"), seed=([1], "UINT64"), return_log_probs=([True], "BOOL"),
+        guided_decoding_guide_type=schema[0], guided_decoding_guide=schema[1]))
+    assert not direct.errors and not got.errors
+    assert got.texts() == [tokenizer.decode(direct.tokens())]  # the same tokens, through preprocessing and back
+    log_probs = got.outputs("output_log_probs")[0]
+    assert log_probs.shape[-1] == len(direct.tokens()) and np.all(log_probs <= 0)

@@ -61,9 +61,11 @@ def tokenizer_info_dict(tokenizer_dir: Path | str, vocab_size: int) -> dict:
 
 
 def xgrammar_message(err: Exception) -> str:
-    """XGrammar's message on one line, without the "[hh:mm:ss] /project/cpp/file.cc:line: " its C++ logger puts first."""
+    """XGrammar's message on one line, without what its C++ logger puts first ("[hh:mm:ss] /project/cpp/file.cc:line: ",
+    "Check failed: (condition) is false: ")."""
     text = " ".join(str(err).split())
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text) or type(err).__name__
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
+    return re.sub(r"^Check failed: \(.*?\) is false: ", "", text) or type(err).__name__
 
 
 class GuidedDecoder:
@@ -118,11 +120,30 @@ class GuidedDecoder:
                 elif guide.kind == "ebnf_grammar":
                     compiled = c.compile_grammar(guide.text)
                 else:
-                    compiled = c.compile_structural_tag(guide.text)
+                    compiled = self._structural_tag(guide.text)
             except Exception as err:  # XGrammar raises RuntimeError / ValueError / its own types
                 raise GuideError(xgrammar_message(err)) from err
             self._compiled[guide] = compiled
             return compiled
+
+    def _structural_tag(self, text: str) -> Any:
+        """A structural tag in XGrammar's own form ({"type": "structural_tag", "format": ...}), or in the
+        {"structures": [{"begin", "schema", "end"}], "triggers": [...]} form TensorRT-LLM's LLM API sends (its
+        xgrammar matcher factory calls the two-argument compile_structural_tag then; UNVERIFIED against its source)."""
+        import xgrammar as xgr
+
+        try:
+            data = json.loads(text)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and "format" not in data and {"structures", "triggers"} <= set(data):
+            try:
+                items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                         for s in data["structures"]]
+            except (KeyError, TypeError) as err:
+                raise ValueError("each of a structural tag's structures needs begin, schema and end") from err
+            return self._compiler.compile_structural_tag(items, data["triggers"])
+        return self._compiler.compile_structural_tag(text)
 
     def matcher(self, guide: Guide) -> "GuideMatcher":
         import xgrammar as xgr
