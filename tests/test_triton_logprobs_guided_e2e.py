@@ -114,3 +114,23 @@ def test_the_text_models_pass_guides_and_log_probs_through(served, tokenizer, mo
     assert got.texts() == [tokenizer.decode(direct.tokens())]  # the same tokens, through preprocessing and back
     log_probs = got.outputs("output_log_probs")[0]
     assert log_probs.shape[-1] == len(direct.tokens()) and np.all(log_probs <= 0)
+
+
+def test_penalties_bad_words_and_embedding_bias_reach_the_engine(served, tokenizer):
+    from toolchain.engine.cpu import CpuEngine, SamplingParams
+
+    spec, ws, server = served
+    engine = CpuEngine.load(ws.engine_dir(spec))
+    prompt = tokenizer.encode("abcabc")
+    plain = engine.generate(prompt, SamplingParams(10))
+    bias = np.zeros(250, np.float32)
+    bias[plain[1]] = -50.0
+    params = SamplingParams(10, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25,
+                            bad_words=[[plain[0]]], embedding_bias=torch.from_numpy(bias))
+    want = engine.generate(prompt, params)
+    assert want != plain and plain[0] not in want and plain[1] not in want
+    got = stream(server.grpc_url, "tensorrt_llm", token_request(
+        prompt, 10, stream=True, end_id=([-1], "INT32"), repetition_penalty=([1.5], "FP32"),
+        presence_penalty=([0.5], "FP32"), frequency_penalty=([0.25], "FP32"),
+        bad_words_list=([[plain[0]], [1]], "INT32"), embedding_bias=(bias, "FP32")))
+    assert not got.errors and got.tokens() == want

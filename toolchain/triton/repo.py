@@ -238,7 +238,7 @@ def write_tokenizer_info(opts: RepoOptions, path: Path) -> None:
     engine_config = opts.engine_dir / "config.json"
     if engine_config.is_file():
         vocab_size = int(json.loads(engine_config.read_text()).get("pretrained_config", {}).get("vocab_size") or 0)
-    path.write_text(json.dumps(tokenizer_info_dict(opts.tokenizer_dir, vocab_size)))
+    path.write_text(json.dumps(tokenizer_info_dict(opts.tokenizer_dir, vocab_size, opts.trust_remote_code)))
 
 
 def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = False,

@@ -43,21 +43,23 @@ class Guide:
         return None
 
 
-def tokenizer_info_dict(tokenizer_dir: Path | str, vocab_size: int) -> dict:
+def tokenizer_info_dict(tokenizer_dir: Path | str, vocab_size: int, trust_remote_code: bool = False) -> dict:
     """The tokenizer-info file the tensorrt_llm backend reads from xgrammar_tokenizer_info_path: keys
     encoded_vocab, tokenizer_str, stop_token_ids (triton_backend/inflight_batcher_llm/src/model_instance_state.cc,
-    getGuidedDecodingConfigFromParams). encoded_vocab is the tokenizer's vocabulary by id (padded to `vocab_size`),
-    tokenizer_str its tokenizer.json, stop_token_ids its end-of-sequence ids."""
+    getGuidedDecodingConfigFromParams). encoded_vocab is the tokenizer's vocabulary by id (padded with "" to
+    `vocab_size`, as xgrammar's TokenizerInfo.from_huggingface pads it), tokenizer_str its serialized backend
+    tokenizer (from which XGrammar detects the vocabulary's encoding), stop_token_ids its end-of-sequence ids."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code)
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
-    vocab = [by_id.get(i, "") for i in range(max(vocab_size, len(by_id)))]
+    vocab = [by_id.get(i, "") for i in range(max(vocab_size, max(by_id) + 1))]
     stops = tokenizer.eos_token_id
     stop_ids = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
     tokenizer_json = Path(tokenizer_dir) / "tokenizer.json"
-    return {"encoded_vocab": vocab, "tokenizer_str": tokenizer_json.read_text() if tokenizer_json.is_file() else "",
-            "stop_token_ids": stop_ids}
+    text = backend.to_str() if backend is not None else tokenizer_json.read_text() if tokenizer_json.is_file() else ""
+    return {"encoded_vocab": vocab, "tokenizer_str": text, "stop_token_ids": stop_ids}
 
 
 def xgrammar_message(err: Exception) -> str:
