@@ -50,7 +50,7 @@ def build_config(spec: DeploymentSpec) -> dict:
         "max_input_len": lim.max_input_len,
         "max_seq_len": lim.max_seq_len,
         "max_num_tokens": lim.max_num_tokens,
-        "max_beam_width": 1,
+        "max_beam_width": spec.build.max_beam_width,
         "kv_cache_type": "PAGED",
         # As trtllm-build records them: the most draft tokens a request may bring (0: none).
         "max_draft_len": spec.speculative.max_draft_len if spec.speculative.mode != "none" else 0,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from toolchain.engine.cpu import beams
 from toolchain.engine.cpu.config import BuildLimits, ModelDims, read_engine_config
 from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager
 from toolchain.plan.memory import cpu_default_max_tokens
@@ -337,7 +338,9 @@ class CpuEngine:
         if n + params.max_new_tokens > lim.max_seq_len:
             return (f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the engine's "
                     f"max_seq_len {lim.max_seq_len}; ask for at most {lim.max_seq_len - n} new tokens")
-        return None
+        speculative = ("Medusa heads" if self.medusa is not None else "an MTP layer" if self.mtp_draft_len
+                       else "draft tokens" if len(draft) or lim.max_draft_len else None)
+        return beams.request_problem(params, lim.max_beam_width, speculative)
 
     def _draft_problem(self, draft) -> str | None:
         limit = self.limits.max_draft_len
@@ -359,6 +362,9 @@ class CpuEngine:
         problem = self.request_problem(prompt_ids, params, draft, draft_logits)
         if problem is not None:
             raise ToolchainError(problem)  # the message names the limit and what would fit
+        if params.beam_width > 1:  # one sequence per beam: beam_search.py's BeamSequence
+            raise ToolchainError("a beam search (beam_width > 1) is started by toolchain.engine.cpu.beam_search "
+                                 "(start_sequence, generate_sequences)")
         probs = None
         if draft_logits is not None:
             probs = torch.softmax(torch.as_tensor(draft_logits, dtype=torch.float32), -1)
@@ -379,6 +385,8 @@ class CpuEngine:
         if self.medusa is not None:  # the last step's tree is written beyond the last fed token
             longest = len(seq.prompt) + seq.params.max_new_tokens - 1 + len(self.medusa.parents)
         held = len(seq.table.blocks) if seq.has_blocks else self.kv.blocks_for(len(seq.tokens))
+        if seq.params.beam_width > 1:  # each beam grows to the longest length, a branching one copies a block
+            return seq.params.beam_width * (max(0, self.kv.blocks_for(longest) - held) + 1)
         return max(0, self.kv.blocks_for(longest) - held)
 
     def add(self, seq: Sequence) -> None:
