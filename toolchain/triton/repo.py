@@ -52,6 +52,8 @@ def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
     builder = target_of(spec).engine_builder
     if builder is not None and not builder.python_model:  # the tensorrtllm backend's parameters
         out["trtllm_parameters"] = tuple(sorted(triton_parameters(spec, medusa_choices=medusa).items()))
+    if spec.build.max_beam_width > 1:  # the backend's default decoding mode for beams (docs/model_config.md)
+        out["decoding_mode"] = "beam_search"
     if row.prompt_lookup:
         out["draft_ngram_size"] = spec.speculative.ngram_size
     if medusa is not None:
@@ -112,6 +114,7 @@ def repo_options(spec: DeploymentSpec, workspace: Workspace) -> RepoOptions:
         toolchain_path=Path(toolchain.__file__).resolve().parent.parent,
         engine_threads=s.engine_threads,
         trust_remote_code=spec.model.trust_remote_code,
+        max_beam_width=spec.build.max_beam_width,
         **_end_ids(spec),
         **_trtllm_options(spec, workspace),
     )

@@ -61,6 +61,7 @@ class RepoOptions:
     medusa_choices: str | None = None  # target cpu, Medusa: the draft tree ("{0}, {0, 0}, {1}")
     # model.trust_remote_code: pre/postprocessing pass it to AutoTokenizer (upstream's hard-code True).
     trust_remote_code: bool = False
+    max_beam_width: int = 1  # build.max_beam_width: the widest beam search requests may ask for
 
 
 def _tensors(rows, opts: RepoOptions) -> list[Tensor]:
@@ -85,7 +86,7 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
     params: dict[str, object] = {
         "gpt_model_type": "inflight_fused_batching",
         "gpt_model_path": opts.engine_dir,
-        "max_beam_width": 1,
+        "max_beam_width": opts.max_beam_width,
         "batch_scheduler_policy": opts.batch_scheduler_policy,
         "kv_cache_free_gpu_mem_fraction": opts.kv_cache_free_gpu_mem_fraction,
         # Written explicitly either way: the C++ default for reuse is on.
