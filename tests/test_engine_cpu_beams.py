@@ -187,3 +187,38 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one(engine):
     kv.release(child)
     kv.release(table)
     assert kv.used_blocks == 0
+
+
+def test_a_cancelled_or_stopped_beam_search_gives_every_block_back(engine):
+    import time
+
+    ended = []
+    batcher = InflightBatcher(engine).start()
+    batcher.submit("long", PROMPTS[3], SamplingParams(120, beam_width=4, num_return_sequences=4),
+                   lambda t, f, e: ended.append(f) if f else None)
+    deadline = time.time() + 30
+    while engine.kv.used_blocks <= 1 and time.time() < deadline:  # the beams have branched
+        time.sleep(0.005)
+    batcher.cancel("long")
+    while not ended and time.time() < deadline:
+        time.sleep(0.01)
+    assert ended == [True] and engine.kv.used_blocks == 0
+    batcher.submit("stopped", PROMPTS[3], SamplingParams(120, beam_width=4, num_return_sequences=4),
+                   lambda t, f, e: None)
+    while engine.kv.used_blocks <= 1 and time.time() < deadline:
+        time.sleep(0.005)
+    batcher.stop()
+    assert engine.kv.used_blocks == 0
+
+
+def test_generation_logits_are_refused_with_beams(engine):
+    import time
+
+    errors = []
+    with InflightBatcher(engine) as batcher:
+        batcher.submit("g", PROMPTS[0], SamplingParams(4, beam_width=2), lambda t, f, e: errors.append(e),
+                       generation_logits=[])
+        deadline = time.time() + 30
+        while not errors and time.time() < deadline:
+            time.sleep(0.01)
+    assert errors and "return_generation_logits with beam search" in errors[0]

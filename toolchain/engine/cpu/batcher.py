@@ -293,6 +293,8 @@ class InflightBatcher:
                 for req in list(self._running):
                     self._finish(req, "error", f"internal engine error: {type(err).__name__}: {err}")
         for req in pending:
+            if isinstance(req.sequence, BeamSequence):
+                req.sequence.finish("cancelled")  # its other beams' blocks go back too
             if req.sequence is not None:
                 self.engine.release(req.sequence)
             self._deliver(req, [], True, "the engine is shutting down")
@@ -310,6 +312,8 @@ class InflightBatcher:
                 # A paused request resumes by re-prefilling one sequence; a beam search's other beams would be lost.
                 problem = ("beam search (beam_width > 1) needs batch_scheduler_policy guaranteed_no_evict on the "
                            "CPU engine")
+            if problem is None and req.params.beam_width > 1 and req.logits is not None:
+                problem = "return_generation_logits with beam search (beam_width > 1) is not supported by the CPU engine"
             if problem is not None:
                 self._dequeued(req)
                 self._deliver(req, [], True, problem)
