@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import starts_server
-from triton_helpers import deploy, stream, token_request
+from triton_helpers import deploy, stream, text_request, token_request
 
 pytest.importorskip("toolchain.engine.cpu")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -55,6 +55,14 @@ def test_beams_and_sequences_over_tritonserver(served):
     assert [row.tolist() for row in beams.outputs("output_ids")[0][0]] == [
         r.tokens + [-1] * (width - len(r.tokens)) for r in ragged[1]]
     assert beams.outputs("sequence_length")[0].tolist() == [[len(r.tokens) for r in ragged[1]]]
+
+    # Through the ensemble: one text per beam (postprocessing decodes each), the tokenizer's EOS ending them.
+    text = stream(server.grpc_url, "ensemble", text_request(" ".join(f"w{i}" for i in PROMPT), 8, stream=False,
+                                                             beam_width=([2], "INT32")))
+    eos_beams = generate_sequences(engine, PROMPT, SamplingParams(8, end_id=2, beam_width=2, num_return_sequences=2))
+    assert not text.errors and text.outputs("text_output")[0].shape == (1, 2)
+    assert [t.decode() for t in text.outputs("text_output")[0][0]] == [
+        " ".join(f"w{i}" for i in b.tokens) for b in eos_beams]
 
     sampled = {"runtime_top_k": ([20], "INT32"), "temperature": ([1.5], "FP32"), "seed": ([5], "UINT64")}
     params = SamplingParams(8, top_k=20, temperature=1.5, seed=5, num_return_sequences=2)
