@@ -222,3 +222,15 @@ def test_generation_logits_are_refused_with_beams(engine):
         while not errors and time.time() < deadline:
             time.sleep(0.01)
     assert errors and "return_generation_logits with beam search" in errors[0]
+
+
+def test_a_pool_without_room_for_every_beam_is_refused(tmp_path_factory, hf_llama):
+    # TensorRT-LLM's check that max_tokens_in_paged_kv_cache holds one max_seq_len sequence of every beam.
+    from test_engine_cpu_util import BUILD, engine_dir
+
+    from toolchain.engine.cpu import CpuEngine, KvCacheConfig
+
+    path = engine_dir(tmp_path_factory, hf_llama, 1, 1, max_beam_width=4)
+    with pytest.raises(ToolchainError, match=r"less than one max_seq_len \(160\) sequence of 4 beams"):
+        CpuEngine.load(path, kv_cache=KvCacheConfig(max_tokens=3 * BUILD["max_seq_len"]))
+    assert CpuEngine.load(path, kv_cache=KvCacheConfig(max_tokens=4 * BUILD["max_seq_len"])).limits.max_beam_width == 4
