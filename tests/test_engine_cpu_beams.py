@@ -234,3 +234,12 @@ def test_a_pool_without_room_for_every_beam_is_refused(tmp_path_factory, hf_llam
     with pytest.raises(ToolchainError, match=r"less than one max_seq_len \(160\) sequence of 4 beams"):
         CpuEngine.load(path, kv_cache=KvCacheConfig(max_tokens=3 * BUILD["max_seq_len"]))
     assert CpuEngine.load(path, kv_cache=KvCacheConfig(max_tokens=4 * BUILD["max_seq_len"])).limits.max_beam_width == 4
+
+
+def test_beam_search_is_the_same_across_tensor_parallel_ranks(tmp_path_factory, hf_llama, engine):
+    params = SamplingParams(max_new_tokens=12, beam_width=3, num_return_sequences=3, early_stopping=0)
+    tp2 = load_engine(tmp_path_factory, hf_llama, 2, 1, max_beam_width=4)
+    ours = generate_sequences(engine, PROMPTS[1], params)
+    theirs = generate_sequences(tp2, PROMPTS[1], params)
+    assert [r.tokens for r in theirs] == [r.tokens for r in ours]
+    assert [r.score for r in theirs] == pytest.approx([r.score for r in ours], abs=1e-4)

@@ -152,14 +152,21 @@ class BeamSequence(Sequence):
         beams left without a child give their blocks back. `table` becomes the leading beam's."""
         kv = self.engine.kv
         taken: set[int] = set()
-        running = []
-        for parent, token, total, logp in chosen:
-            if id(parent) in taken:
-                table = kv.fork(parent.table)
-            else:
-                taken.add(id(parent))
-                table = parent.table
-            running.append(_Beam(table, parent.tokens + [token], total, parent.log_probs + [logp]))
+        running: list[_Beam] = []
+        forks: list[BlockTable] = []
+        try:
+            for parent, token, total, logp in chosen:
+                if id(parent) in taken:
+                    table = kv.fork(parent.table)
+                    forks.append(table)
+                else:
+                    taken.add(id(parent))
+                    table = parent.table
+                running.append(_Beam(table, parent.tokens + [token], total, parent.log_probs + [logp]))
+        except Exception:  # no block for a fork (the reservation should prevent it): undo the others
+            for table in forks:
+                kv.release(table)
+            raise
         for beam in self.running:
             if id(beam) not in taken:
                 kv.release(beam.table)

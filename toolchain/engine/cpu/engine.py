@@ -246,11 +246,11 @@ class CpuEngine:
         # The pool and the tables are shared state: generate() on a caller's thread and the
         # batcher's loop must not interleave their steps.
         self.lock = threading.RLock()
-        beams = limits.max_beam_width  # TRT-LLM: room for one full-length sequence of every beam
-        if kv.capacity_tokens < limits.max_seq_len * beams:
+        width = limits.max_beam_width  # TRT-LLM: room for one full-length sequence of every beam
+        if kv.capacity_tokens < limits.max_seq_len * width:
             raise ToolchainError(
                 f"the KV cache holds {kv.capacity_tokens} tokens ({kv.num_blocks} blocks of {kv.tokens_per_block}), "
-                f"less than one max_seq_len ({limits.max_seq_len}) sequence" + (f" of {beams} beams" if beams > 1 else ""),
+                f"less than one max_seq_len ({limits.max_seq_len}) sequence" + (f" of {width} beams" if width > 1 else ""),
                 "raise max_tokens_in_paged_kv_cache or kv_cache_free_gpu_mem_fraction, or lower max_seq_len")
 
     @classmethod
