@@ -29,7 +29,7 @@ def make_engine_dir(hf_dir: Path, tmp: Path, tp: int = 1, pp: int = 1, *, dtype:
     engine.mkdir()
     pretrained = convert_checkpoint(hf_dir, ckpt, tp=tp, pp=pp, dtype=dtype, target="cpu",
                                     **(convert_kwargs or {}))
-    build_config = {**BUILD, **build, "max_beam_width": 1}
+    build_config = {**BUILD, "max_beam_width": 1, **build}
     (engine / "config.json").write_text(json.dumps(
         {"version": "test", "target": "cpu", "pretrained_config": pretrained, "build_config": build_config}))
     for rank in range(tp * pp):

@@ -149,6 +149,17 @@ def test_capacity_is_whole_blocks_and_sequences_include_draft(tmp_path):
     assert mem.sequence_tokens(8192, 0, 32, window=4096) == 4096
 
 
+def test_beam_width_multiplies_each_sequences_kv(tmp_path):
+    # Every beam keeps its own KV: the executor sizes a sequence's blocks max_beam_width times (the plan's
+    # sequence_tokens), so a pool holds a quarter of the sequences at width 4.
+    one, four = (plan(spec_for(tmp_path, CONFIGS / "llama-3-8b-instruct", build={"max_beam_width": w}))
+                 for w in (1, 4))
+    assert four.sequence_tokens == 4 * one.sequence_tokens
+    # (the pool itself shrinks a little: the per-step buffers grow with the beams too)
+    assert one.kv_tokens_capacity * 0.99 < four.kv_tokens_capacity <= one.kv_tokens_capacity
+    assert four.concurrency == four.kv_tokens_capacity // (4 * one.sequence_tokens) < one.concurrency / 3.9
+
+
 def test_too_big_model_does_not_fit_and_names_changes_that_would(tmp_path):
     spec = spec_for(tmp_path, CONFIGS / "llama-3-70b", model={"dtype": "bfloat16"})
     p = plan(spec)

@@ -475,3 +475,17 @@ def test_python_models_dir_without_the_models_is_one_line(tmp_path, capsys):
         assert main(["--root", str(tmp_path / "ws"), "model-repo", str(spec.source), "--python-models", str(bad)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and "\n" not in err and "--python-models" in err
+
+
+def test_cpu_target_serves_the_builds_beam_width(tmp_path):
+    from toolchain.engine.build import build_config
+
+    hf = tmp_path / "hf"
+    make_tiny_tokenizer(hf)
+    (hf / "config.json").write_text("{}")
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", hf, target="cpu", build={"max_beam_width": 3}))
+    assert build_config(spec)["max_beam_width"] == 3  # what the CPU engine then enforces
+    ws = Workspace(tmp_path / "ws")
+    run_model_repo(spec, ws)
+    params = {k: v.string_value for k, v in _parse(ws.model_repo_dir(spec))["tensorrt_llm"].parameters.items()}
+    assert params["max_beam_width"] == "3" and params["decoding_mode"] == "beam_search"

@@ -42,7 +42,7 @@ class Builder:
 # NVIDIA's trtllm-build (tensorrt_llm/commands/build.py) writes rank{N}.engine, served by the tensorrtllm backend;
 # this toolchain's CPU engine (toolchain/engine/cpu) writes rank{N}.safetensors and runs as a Python model.
 TRTLLM_BUILD: Final = Builder("trtllm-build", "rank*.engine", beams=True, python_model=False)
-CPU_ENGINE: Final = Builder("cpu-engine", "rank*.safetensors", beams=False, python_model=True)
+CPU_ENGINE: Final = Builder("cpu-engine", "rank*.safetensors", beams=True, python_model=True)
 # What runs `LLM()` on the LLM-API path: TensorRT-LLM's own (tensorrt_llm/llmapi/llm.py, behind upstream's Triton
 # llmapi model.py and trtllm-serve), or this checkout's CPU stand-in (toolchain/llmapi/cpu_llm.py) on the CPU engine.
 LlmRuntime = Literal["tensorrt_llm", "cpu-stand-in"]

@@ -50,7 +50,7 @@ def build_config(spec: DeploymentSpec) -> dict:
         "max_input_len": lim.max_input_len,
         "max_seq_len": lim.max_seq_len,
         "max_num_tokens": lim.max_num_tokens,
-        "max_beam_width": 1,
+        "max_beam_width": spec.build.max_beam_width,
         "kv_cache_type": "PAGED",
         # As trtllm-build records it (--gather_context_logits): the executor returns context logits only then.
         "gather_context_logits": spec.build.gather_context_logits,

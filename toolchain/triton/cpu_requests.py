@@ -99,6 +99,13 @@ def logprob_record(return_log_probs: bool, return_context_logits: bool, normaliz
     return TokenLogprobs(mode="sampled" if normalize else "processed")
 
 
+def row_outputs(wants: set, normalize: bool) -> "LogprobOutputs | None":
+    """The log-prob / context-logit outputs of one engine request of a row that asks for them, else None."""
+    log_probs, context = "return_log_probs" in wants, "return_context_logits" in wants
+    record = logprob_record(log_probs, context, normalize)
+    return None if record is None else LogprobOutputs(record, log_probs, context)
+
+
 class LogprobOutputs:
     """output_log_probs [1, 1, n] and cum_log_probs [1, 1] (return_log_probs), context_logits [1, P, V]
     (return_context_logits) of one row: in streaming, each response the log-probs of its new tokens and the

@@ -55,6 +55,8 @@ def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
     builder = target_of(spec).engine_builder
     if builder is not None and not builder.python_model:  # the tensorrtllm backend's parameters
         out["trtllm_parameters"] = tuple(sorted(triton_parameters(spec, medusa_choices=medusa).items()))
+    if spec.build.max_beam_width > 1:  # the backend's default decoding mode for beams (docs/model_config.md)
+        out["decoding_mode"] = "beam_search"
     if row.prompt_lookup:
         out["draft_ngram_size"] = spec.speculative.ngram_size
     if medusa is not None:
@@ -118,6 +120,7 @@ def repo_options(spec: DeploymentSpec, workspace: Workspace) -> RepoOptions:
         guided_decoding_backend=s.guided_decoding_backend,
         xgrammar_tokenizer_info_path=(Path(workspace.model_repo_dir(spec)).resolve() / TOKENIZER_INFO
                                       if s.guided_decoding_backend else None),
+        max_beam_width=spec.build.max_beam_width,
         **_end_ids(spec),
         **_trtllm_options(spec, workspace),
     )

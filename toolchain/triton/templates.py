@@ -64,6 +64,7 @@ class RepoOptions:
     # serving.guided_decoding_backend, and the tokenizer-info file model-repo writes for it (repo.py).
     guided_decoding_backend: str | None = None
     xgrammar_tokenizer_info_path: Path | None = None
+    max_beam_width: int = 1  # build.max_beam_width: the widest beam search requests may ask for
 
 
 def _tensors(rows, opts: RepoOptions) -> list[Tensor]:
@@ -88,7 +89,7 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
     params: dict[str, object] = {
         "gpt_model_type": "inflight_fused_batching",
         "gpt_model_path": opts.engine_dir,
-        "max_beam_width": 1,
+        "max_beam_width": opts.max_beam_width,
         "batch_scheduler_policy": opts.batch_scheduler_policy,
         "kv_cache_free_gpu_mem_fraction": opts.kv_cache_free_gpu_mem_fraction,
         # Written explicitly either way: the C++ default for reuse is on.

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from toolchain.engine.cpu.beam_search import BeamSequence, start_sequence, step_with_beams
 from toolchain.engine.cpu.engine import CpuEngine, Sequence
 from toolchain.engine.cpu.logprobs import TokenLogprobs
 from toolchain.engine.cpu.sampling import SamplingParams
@@ -106,6 +107,7 @@ class _Request:
     paused: bool = False  # back in the queue after a pause (max_utilization)
     speculation: tuple[int, int] = (0, 0)  # (drafted, accepted) already added to the batcher's totals
     submitted: float = field(default_factory=time.perf_counter)
+    beam_results: list | None = None  # beam search: the returned beams (beams.BeamResult), filled when it ends
 
     @property
     def rank(self) -> tuple[float, int]:
@@ -181,14 +183,16 @@ class InflightBatcher:
                priority: float = DEFAULT_PRIORITY, stats: RequestStats | None = None,
                draft_tokens: list[int] | None = None, draft_logits=None,
                draft_acceptance_threshold: float | None = None, generation_logits: list | None = None,
-               logprobs: TokenLogprobs | None = None) -> None:
+               logprobs: TokenLogprobs | None = None, beam_results: list | None = None) -> None:
         """Queue a request; `callback(new_tokens, finished, error)` runs on the batcher thread.
         `draft_tokens` (draft_input_ids) are verified with the end of its context, by token
         equality or, with `draft_logits`, by TensorRT-LLM's probability rule. `generation_logits`
         (return_generation_logits), a list the caller owns, receives the logits rows [n, V] of
         each step's n new tokens before the callback hears of them; None keeps none. `logprobs`, a
         record the caller owns, is filled likewise with what the params' logprobs / prompt_logprobs /
-        return_context_logits ask for.
+        return_context_logits ask for. `beam_results`, a list the caller owns, receives a beam search's
+        returned beams (beams.BeamResult, best first) before the final callback, which brings the best
+        beam's tokens.
 
         Raises QueueFull when max_queue_size requests already wait (the executor's
         refusal), ValueError for a priority outside [0, 1]."""
@@ -205,7 +209,8 @@ class InflightBatcher:
             self._arrivals.append(_Request(request_id, prompt_ids, params, callback, float(priority),
                                            next(self._order), stats or RequestStats(), list(draft_tokens or ()),
                                            draft_logits=draft_logits, draft_threshold=draft_acceptance_threshold,
-                                           logits=generation_logits, logprobs=logprobs))
+                                           logits=generation_logits, logprobs=logprobs,
+                                           beam_results=beam_results))
             self._cv.notify()
 
     def cancel(self, request_id) -> None:
@@ -293,6 +298,8 @@ class InflightBatcher:
                 for req in list(self._running):
                     self._finish(req, "error", f"internal engine error: {type(err).__name__}: {err}")
         for req in pending:
+            if isinstance(req.sequence, BeamSequence):
+                req.sequence.finish("cancelled")  # its other beams' blocks go back too
             if req.sequence is not None:
                 self.engine.release(req.sequence)
             self._deliver(req, [], True, "the engine is shutting down")
@@ -306,18 +313,26 @@ class InflightBatcher:
             if problem is None and (req.request_id in self._known
                                     or any(q.request_id == req.request_id for q in self._queue)):
                 problem = f"request id {req.request_id!r} is already in flight"
+            if problem is None and req.params.beam_width > 1 and self.config.policy != "guaranteed_no_evict":
+                # A paused request resumes by re-prefilling one sequence; a beam search's other beams would be lost.
+                problem = ("beam search (beam_width > 1) needs batch_scheduler_policy guaranteed_no_evict on the "
+                           "CPU engine")
+            if problem is None and req.params.beam_width > 1 and req.logits is not None:
+                problem = "return_generation_logits with beam search (beam_width > 1) is not supported by the CPU engine"
             if problem is not None:
                 self._dequeued(req)
                 self._deliver(req, [], True, problem)
                 continue
             try:
-                req.sequence = self.engine.start(req.prompt, req.params, req.draft, req.draft_logits,
-                                                 req.draft_threshold, logprobs=req.logprobs)
+                req.sequence = start_sequence(self.engine, req.prompt, req.params, req.draft, req.draft_logits,
+                                              req.draft_threshold, logprobs=req.logprobs)
             except Exception as err:  # the log-prob record's own check, or a guide's matcher failing
                 self._dequeued(req)
                 self._deliver(req, [], True, str(err))
                 continue
             req.sequence.generation_logits = req.logits
+            if isinstance(req.sequence, BeamSequence):
+                req.sequence.results = req.beam_results
             req.stats.total_draft_tokens = len(req.draft)
             bisect.insort(self._queue, req, key=lambda r: r.rank)
 
@@ -434,13 +449,13 @@ class InflightBatcher:
         items = [(r.seq, n) for r, n in batch]
         context = [(r, n) for r, n in batch if r.seq.in_context]
         try:
-            emitted = self.engine.step(items)
+            emitted = step_with_beams(self.engine, items)
         except Exception:
             log.exception("batched step failed; retrying its %d requests one by one", len(batch))
             emitted = []
             for seq, n in items:
                 try:
-                    emitted.extend(self.engine.step([(seq, n)]))
+                    emitted.extend(step_with_beams(self.engine, [(seq, n)]))
                 except Exception as err:
                     seq.error = f"engine step failed: {type(err).__name__}: {err}"
                     seq.finish("error")

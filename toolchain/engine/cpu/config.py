@@ -245,6 +245,7 @@ class BuildLimits:
     max_num_tokens: int
     tokens_per_block: int = 32  # plugin_config.tokens_per_block (TensorRT-LLM 1.2's default)
     max_draft_len: int = 0  # draft tokens a request may bring for verification (speculative decoding)
+    max_beam_width: int = 1  # widest beam search a request may ask for (engine/cpu/beams.py)
 
 
 def _need(cfg: dict, key: str, kind: type, origin: str) -> Any:
@@ -579,9 +580,11 @@ def parse_limits(build: Any, origin: str) -> BuildLimits:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ToolchainError(f"{origin}: build_config '{key}' must be a positive integer, got {value!r}", _REBUILD)
         values[key] = value
-    if build.get("max_beam_width", 1) != 1:
-        raise ToolchainError(f"{origin}: max_beam_width {build['max_beam_width']} (the CPU engine only does 1)",
+    beams = build.get("max_beam_width", 1)
+    if not isinstance(beams, int) or isinstance(beams, bool) or beams < 1:
+        raise ToolchainError(f"{origin}: build_config.max_beam_width must be a positive integer, got {beams!r}",
                              _REBUILD)
+    values["max_beam_width"] = beams
     plugin = build.get("plugin_config") or {}
     tpb = plugin.get("tokens_per_block", 32)
     if not isinstance(tpb, int) or isinstance(tpb, bool) or tpb < 1 or tpb & (tpb - 1):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from toolchain.engine.cpu import beams
 from toolchain.engine.cpu.config import BuildLimits, ModelDims, read_engine_config
 from toolchain.engine.cpu.guided import GuidedDecoder, GuideError
 from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager
@@ -265,10 +266,11 @@ class CpuEngine:
         # The pool and the tables are shared state: generate() on a caller's thread and the
         # batcher's loop must not interleave their steps.
         self.lock = threading.RLock()
-        if kv.capacity_tokens < limits.max_seq_len:
+        width = limits.max_beam_width  # TRT-LLM: room for one full-length sequence of every beam
+        if kv.capacity_tokens < limits.max_seq_len * width:
             raise ToolchainError(
                 f"the KV cache holds {kv.capacity_tokens} tokens ({kv.num_blocks} blocks of {kv.tokens_per_block}), "
-                f"less than one max_seq_len ({limits.max_seq_len}) sequence",
+                f"less than one max_seq_len ({limits.max_seq_len}) sequence" + (f" of {width} beams" if width > 1 else ""),
                 "raise max_tokens_in_paged_kv_cache or kv_cache_free_gpu_mem_fraction, or lower max_seq_len")
 
     @classmethod
@@ -359,7 +361,9 @@ class CpuEngine:
         if n + params.max_new_tokens > lim.max_seq_len:
             return (f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the engine's "
                     f"max_seq_len {lim.max_seq_len}; ask for at most {lim.max_seq_len - n} new tokens")
-        return None
+        speculative = ("Medusa heads" if self.medusa is not None else "an MTP layer" if self.mtp_draft_len
+                       else "draft tokens" if len(draft) or lim.max_draft_len else None)
+        return beams.request_problem(params, lim.max_beam_width, speculative)
 
     def _guide_problem(self, params: SamplingParams, draft) -> str | None:
         guide = params.guide
@@ -400,6 +404,9 @@ class CpuEngine:
             problem = logprobs.problem()
         if problem is not None:
             raise ToolchainError(problem)  # the message names the limit and what would fit
+        if params.beam_width > 1:  # one sequence per beam: beam_search.py's BeamSequence
+            raise ToolchainError("a beam search (beam_width > 1) is started by toolchain.engine.cpu.beam_search "
+                                 "(start_sequence, generate_sequences)")
         probs = None
         if draft_logits is not None:
             probs = torch.softmax(torch.as_tensor(draft_logits, dtype=torch.float32), -1)
@@ -430,6 +437,8 @@ class CpuEngine:
         if self.medusa is not None:  # the last step's tree is written beyond the last fed token
             longest = len(seq.prompt) + seq.params.max_new_tokens - 1 + len(self.medusa.parents)
         held = len(seq.table.blocks) if seq.has_blocks else self.kv.blocks_for(len(seq.tokens))
+        if seq.params.beam_width > 1:  # each beam grows to the longest length, a branching one copies a block
+            return seq.params.beam_width * (max(0, self.kv.blocks_for(longest) - held) + 1)
         return max(0, self.kv.blocks_for(longest) - held)
 
     def add(self, seq: Sequence) -> None:

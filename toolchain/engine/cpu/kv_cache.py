@@ -387,6 +387,22 @@ class KvCacheManager:
                 self._clean.append(index)
         table.blocks, table.keys, table.length, table.tail = [], [], 0, ()
 
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A second table over `table`'s cached tokens, for a beam that branches off another (beam search):
+        the full blocks are shared (nothing writes into them again), the partly filled last one is copied
+        into a fresh block, which the new beam then writes on. Raises when the pool has no free block."""
+        tpb = self.tokens_per_block
+        full, part = divmod(table.length, tpb)
+        child = BlockTable()
+        for index in table.blocks[:full]:
+            self._blocks[index].refs += 1
+            child.blocks.append(index)
+        child.keys, child.length, child.tail = table.keys[:full], table.length, table.tail
+        if part:
+            self._append_block(child)
+            self._copy_slots(table.blocks[full], child.blocks[-1], part)
+        return child
+
     def forget_cached(self) -> int:
         """Drop every free block's registration, so no later request reuses it (a cold cache for
         side-by-side measurements); returns how many were dropped. Held blocks are untouched."""

@@ -55,6 +55,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # k >= 0: log-probs of prompt positions 1 .. P-1 (+ top k)
     return_context_logits: bool = False
     guide: Guide | None = None
+    # Several answers and beam search (engine/cpu/beams.py): n sampled sequences are child requests; with
+    # beam_width > 1 the min(num_return_sequences, beam_width) best beams, scored with length_penalty,
+    # early_stopping 1 ending the search once beam_width beams have finished, 0 by HF's heuristic.
     num_return_sequences: int = 1
     beam_width: int = 1
     length_penalty: float = 1.0
@@ -86,6 +89,13 @@ class SamplingParams:
         for word in self.stop_words:
             if not isinstance(word, (list, tuple)) or not word or not all(is_int(t) for t in word):
                 return f"each stop word must be a non-empty list of token ids, got {word!r}"
+        for name in ("num_return_sequences", "beam_width"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                return f"{name} must be a positive integer, got {getattr(self, name)!r}"
+        if not isinstance(self.length_penalty, (int, float)) or self.length_penalty != self.length_penalty:
+            return f"length_penalty must be a number, got {self.length_penalty!r}"
+        if self.early_stopping not in (0, 1):  # TRT-LLM's other values ("never") are not implemented here
+            return f"early_stopping must be 0 or 1, got {self.early_stopping!r}"
         return self._controls_problem(vocab_size, is_int)
 
     def _controls_problem(self, vocab_size: int, is_int) -> str | None:

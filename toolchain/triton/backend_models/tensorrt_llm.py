@@ -47,6 +47,8 @@ SAMPLING = (
     ("frequency_penalty", "frequency_penalty", float, 0.0),
     ("runtime_top_p_min", "top_p_min", float, 0.0),
     ("runtime_top_p_decay", "top_p_decay", float, 1.0),
+    ("beam_width", "beam_width", int, 1), ("num_return_sequences", "num_return_sequences", int, 1),
+    ("len_penalty", "length_penalty", float, 1.0), ("early_stopping", "early_stopping", int, 1),
 )
 # Inputs whose mere presence asks for something the CPU engine does not do.
 UNSUPPORTED_INPUTS = ("encoder_input_features", "prompt_embedding_table",
@@ -136,6 +138,7 @@ class _Row:
         self.logits = [] if "return_generation_logits" in wants else None
         self.extras = extras  # cpu_requests.LogprobOutputs: return_log_probs / return_context_logits
         self.tokens = []
+        self.sequence_index = self.beam_results = None  # one of several sequences; a beam search's results
         self.arrival_ns = time.time_ns()
         self.first_token_ns = 0
 
@@ -236,9 +239,9 @@ class TritonPythonModel:
         # toolchain that is not installed in the serving environment.
         if toolchain_path and toolchain_path not in sys.path:
             sys.path.append(toolchain_path)
-        from toolchain.engine.cpu import (CpuEngine, InflightBatcher, KvCacheConfig, QueueFull, RequestStats,
+        from toolchain.engine.cpu import (CpuEngine, InflightBatcher, KvCacheConfig, RequestStats,
                                           SamplingParams, SchedulerConfig)
-        from toolchain.triton import backend_params, cpu_requests
+        from toolchain.triton import backend_params, cpu_requests, sequences
 
         # Every parameter is read by the C++ backend's rules, so a config that fails to load on a
         # GPU host fails here too, with the backend's own message.
@@ -258,7 +261,6 @@ class TritonPythonModel:
         self.requests = cpu_requests
         self.normalize_log_probs = values["normalize_log_probs"]
         self.RequestStats = RequestStats
-        self.QueueFull = QueueFull
         self.sampling_fields = set(inspect.signature(SamplingParams).parameters)
         threads = _param(config, "engine_threads")
         kv_cache = KvCacheConfig(  # the block size is the engine's
@@ -287,6 +289,7 @@ class TritonPythonModel:
             raise ValueError(f"tensorrt_llm: the engine at {engine_dir} has Medusa heads but decoding_mode is "
                              f"{values.get('decoding_mode')}; set decoding_mode medusa and medusa_choices")
         self.engine.guided = cpu_requests.guided_decoder(values, self.engine.vocab_size)
+        self.sequences, self.max_beam_width = sequences, sequences.model_beam_width(values, self.engine)
         self.batcher = InflightBatcher(self.engine, scheduler)
         self.batcher.start()
         self.metrics = _Metrics.create(args["model_name"], args.get("model_version", "1"),
@@ -344,12 +347,10 @@ class TritonPythonModel:
                              "use inflight_fused_batching")
         if values.get("encoder_model_path") not in (None, "", "${encoder_engine_dir}"):
             raise ValueError("tensorrt_llm: encoder_model_path is set; the CPU engine runs decoder-only models")
-        if values["max_beam_width"] != 1:
-            raise ValueError(f"tensorrt_llm: max_beam_width {values['max_beam_width']} (the CPU engine only does 1)")
         mode = values.get("decoding_mode")
-        if mode not in (None, "top_k", "top_p", "top_k_top_p", "medusa"):
+        if mode not in (None, "top_k", "top_p", "top_k_top_p", "beam_search", "medusa"):
             raise ValueError(f"tensorrt_llm: decoding_mode {mode} is not supported by the CPU engine "
-                             "(top_k, top_p, top_k_top_p or medusa)")
+                             "(top_k, top_p, top_k_top_p, beam_search or medusa)")
 
     def _report_stats(self):
         while not self.stopping.wait(self.stats_period_s):
@@ -402,10 +403,6 @@ class TritonPythonModel:
             wants = {flag for flag in ("return_num_input_tokens", "return_num_output_tokens", "return_perf_metrics",
                                        "return_generation_logits", "return_log_probs", "return_context_logits")
                      if inputs.scalar(flag, row, False, bool)}
-            record = self.requests.logprob_record("return_log_probs" in wants, "return_context_logits" in wants,
-                                                  self.normalize_log_probs)
-            extras = None if record is None else self.requests.LogprobOutputs(
-                record, "return_log_probs" in wants, "return_context_logits" in wants)
             draft = inputs.row("draft_input_ids", row)
             logits = inputs.get("draft_logits")
             if logits is not None and logits.size:
@@ -416,10 +413,13 @@ class TritonPythonModel:
             else:
                 logits = None
             threshold = inputs.scalar("draft_acceptance_threshold", row, None, float)
-            rid = next(self.ids)
-            submissions.append((rid, _Row(group, row, prompt, exclude, wants, self.RequestStats(), params.max_new_tokens,
-                                          len(draft), extras), prompt, params,
-                                (draft, logits, threshold)))
+            for index, seq_params in self.sequences.sequences(params, inputs.get("num_return_sequences") is not None):
+                beams = seq_params.beam_width > 1  # its beams bring their own cum_log_probs (sequences.py)
+                extras = None if beams else self.requests.row_outputs(wants, self.normalize_log_probs)
+                entry = _Row(group, row, prompt, exclude, wants, self.RequestStats(), params.max_new_tokens, len(draft),
+                             extras)
+                entry.sequence_index, entry.beam_results = index, [] if beams else None
+                submissions.append((next(self.ids), entry, prompt, seq_params, (draft, logits, threshold)))
         with self.lock:
             self.groups[id(group)] = group
             for rid, row, _, _, _ in submissions:
@@ -430,12 +430,9 @@ class TritonPythonModel:
                 # The 1.2 backend sets no executor priority: every request runs at the default.
                 self.batcher.submit(rid, prompt, params, self._callback(rid), stats=row.stats, draft_tokens=draft,
                                     draft_logits=logits, draft_acceptance_threshold=threshold,
-                                    generation_logits=row.logits,
+                                    generation_logits=row.logits, beam_results=row.beam_results,
                                     logprobs=row.extras.record if row.extras is not None else None)
-            except self.QueueFull as err:
-                self._abort(group, error=f"tensorrt_llm: {err}")
-                return
-            except Exception as err:
+            except Exception as err:  # QueueFull among them: the executor's refusal
                 self._abort(group, error=f"tensorrt_llm: {err}")
                 return
 
@@ -447,9 +444,7 @@ class TritonPythonModel:
         for what in ("generation", "context"):
             if any(inputs.scalar(f"return_{what}_logits", r, False, bool) for r in range(inputs.batch)):
                 self.requests.check_gathered(build, what)
-        for name in ("beam_width", "num_return_sequences"):
-            if inputs.scalar(name, 0, 1) > 1:
-                raise ValueError(f"{name} > 1 is not supported by the CPU engine")
+        self.sequences.check_request(inputs, self.decoupled, self.max_beam_width)
 
 
     def _sampling(self, inputs, row):
@@ -515,6 +510,10 @@ class TritonPythonModel:
     def _outputs(self, row, tokens):
         out = [pb_utils.Tensor("output_ids", np.array(tokens, np.int32).reshape(1, 1, -1)),
                pb_utils.Tensor("sequence_length", np.array([[len(tokens)]], np.int32))]
+        if row.beam_results:  # a beam search's beams (triton/sequences.py)
+            out = [pb_utils.Tensor(n, v) for n, v in self.sequences.beam_arrays(row, "return_log_probs" in row.wants)]
+        if row.sequence_index is not None:
+            out.append(pb_utils.Tensor("sequence_index", np.array([[row.sequence_index]], np.int32)))
         if row.group.batch > 1:
             out.append(pb_utils.Tensor("batch_index", np.array([[row.index]], np.int32)))
         if "return_num_input_tokens" in row.wants:
