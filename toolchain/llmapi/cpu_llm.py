@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 from toolchain.errors import ToolchainError
 from toolchain.llmapi.args import llm_args_problem, windows_problem
+from toolchain.llmapi.guided import GuidedDecodingParams
+from toolchain.llmapi.logprobs import Logprob, prompt_logprobs, token_logprobs
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import LLMAPI
 from toolchain.engine.build import run_build
@@ -79,11 +81,13 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logprobs: int | None = None
+    min_p: float | None = None
+    logprobs: int | None = None  # each generated token's log-prob and its `logprobs` likeliest alternatives
+    prompt_logprobs: int | None = None  # each prompt token's log-prob (the first has none)
+    guided_decoding: GuidedDecodingParams | None = None
 
     # Fields whose non-neutral value asks for something the CPU engine does not compute.
-    _NEUTRAL = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
-                "logprobs": (None, 0), "use_beam_search": (False,)}
+    _NEUTRAL = {"use_beam_search": (False,)}
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "SamplingParams":
@@ -112,6 +116,16 @@ class SamplingParams:
         for name, neutral in self._NEUTRAL.items():
             if getattr(self, name) not in neutral:
                 raise LlmArgsError(f"{name}={getattr(self, name)!r} is not supported by the CPU engine")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+                raise LlmArgsError(f"{name} must be a non-negative integer, got {k!r}")
+        if self.guided_decoding is not None:
+            if isinstance(self.guided_decoding, dict):  # from a JSON request body
+                self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
+            problem = self.guided_decoding.problem()
+            if problem:
+                raise LlmArgsError(problem)
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise LlmArgsError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
 
@@ -151,7 +165,9 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "cancelled"
     stop_reason: int | str | None = None
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # with `logprobs`: the sum of the generated tokens' log-probs
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     request_perf_metrics: RequestPerfMetrics | None = None
     _last_text_len: int = 0
 
@@ -427,10 +443,20 @@ class CpuLLM:
         from toolchain.engine.cpu import SamplingParams as EngineParams
 
         end_id = sp.end_id if sp.end_id is not None else self.tokenizer.eos_token_id
+        guide = sp.guided_decoding.guide() if sp.guided_decoding is not None else None
+        if guide is not None and self.engine.guided is None:
+            # The PyTorch backend builds its XGrammar matcher from the model's tokenizer; so does the engine's.
+            from toolchain.engine.cpu.guided import GuidedDecoder
+
+            self.engine.guided = GuidedDecoder.from_tokenizer_dir(self.spec.model.tokenizer_dir, self.engine.vocab_size)
         return EngineParams(max_new_tokens=sp.max_tokens, temperature=1.0 if sp.temperature is None else sp.temperature,
                             top_k=sp.top_k or 0, top_p=sp.top_p or 0.0, seed=self._seeds.seed(sp.seed), min_tokens=sp.min_tokens or 0,
                             end_id=-1 if sp.ignore_eos or end_id is None else int(end_id),
-                            stop_words=[word for _, word in stops])
+                            stop_words=[word for _, word in stops],
+                            repetition_penalty=1.0 if sp.repetition_penalty is None else sp.repetition_penalty,
+                            presence_penalty=sp.presence_penalty or 0.0, frequency_penalty=sp.frequency_penalty or 0.0,
+                            min_p=sp.min_p or 0.0, logprobs=sp.logprobs, prompt_logprobs=sp.prompt_logprobs,
+                            guide=guide)
 
     def generate_async(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                        streaming: bool = False, on_output: Callable[[RequestOutput], None] | None = None
@@ -439,6 +465,7 @@ class CpuLLM:
         after each step that produced text when streaming, and once finished in any case; raises
         LlmArgsError for a request this engine refuses (the LLM API raises for the same)."""
         from toolchain.engine.cpu import RequestStats
+        from toolchain.engine.cpu.logprobs import TokenLogprobs
 
         sp = sampling_params or SamplingParams()
         sp.validate()
@@ -453,6 +480,7 @@ class CpuLLM:
         stats = RequestStats()
         perf = RequestPerfMetrics(arrival_time_ns=time.time_ns()) if sp.return_perf_metrics else None
         out = RequestOutput(rid, text, ids, [CompletionOutput(request_perf_metrics=perf)])
+        record = TokenLogprobs() if sp.logprobs is not None or sp.prompt_logprobs is not None else None
         generated: list[int] = []
 
         def callback(new_tokens, finished, error=None):
@@ -463,11 +491,23 @@ class CpuLLM:
             if not finished and not (streaming and new_tokens):
                 return
             self._update(out, sp, ids, generated, stats, finished, error, stops)
+            if record is not None:
+                self._logprobs(out.outputs[0], sp, ids, record)
             if on_output is not None:
                 on_output(out)
 
-        self._batcher.submit(rid, ids, params, callback, stats=stats)
+        self._batcher.submit(rid, ids, params, callback, stats=stats, logprobs=record)
         return RequestHandle(self, rid)
+
+    @staticmethod
+    def _logprobs(c: CompletionOutput, sp: SamplingParams, prompt: list[int], record) -> None:
+        """The output's log-probs from the engine's record (filled before the callback heard of the tokens)."""
+        generated = c.token_ids[len(prompt):] if not sp.exclude_input_from_output else c.token_ids
+        if sp.logprobs is not None:
+            c.logprobs = token_logprobs(generated, record)
+            c.cumulative_logprob = float(sum(record.tokens[:len(generated)]))
+        if sp.prompt_logprobs is not None:
+            c.prompt_logprobs = prompt_logprobs(prompt, record)
 
     def _update(self, out: RequestOutput, sp: SamplingParams, prompt: list[int], generated: list[int], stats,
                 finished: bool, error: str | None, stops: list[tuple[int | str, list[int]]]) -> None:
