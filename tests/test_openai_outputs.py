@@ -186,9 +186,13 @@ def test_chat_logprobs_and_top_logprobs(server, hf):
     ("/v1/chat/completions", chat("hi", 2, top_logprobs=2), "logprobs must be true when using top_logprobs"),
     ("/v1/chat/completions", chat("hi", 2, logprobs=True, top_logprobs=21), "top_logprobs"),
     ("/v1/completions", completion(PROMPT, 2, logprobs=21), "logprobs"),
-    ("/v1/completions", completion(PROMPT, 2, n=2), "n=2"),
-], ids=["top-without-logprobs", "top-over-limit", "logprobs-over-limit", "n"])
-def test_log_prob_limits_are_refused_in_one_line(server, path, body, needle):
+    ("/v1/completions", completion(PROMPT, 2, n=2), "Greedy decoding in the LLM API does not allow multiple returns"),
+    ("/v1/completions", completion(PROMPT, 2, n=2, best_of=1, temperature=1.0), "best_of (1) cannot be less than n (2)"),
+    ("/v1/completions", completion(PROMPT, 2, n=2, best_of=3, temperature=1.0), "best_of=3"),
+    ("/v1/completions", completion(PROMPT, 2, use_beam_search=True), "use_beam_search"),
+], ids=["top-without-logprobs", "top-over-limit", "logprobs-over-limit", "n-greedy", "best-of-below-n",
+        "best-of-above-n", "beam-search"])
+def test_what_is_not_served_is_refused_in_one_line(server, path, body, needle):
     status, resp = request(server, "POST", path, body)
     assert status == 400 and needle in resp["message"] and "\n" not in resp["message"], resp
 
@@ -362,3 +366,25 @@ def test_batched_prompts_answer_one_choice_each_as_separate_requests(server, hf)
     # One bad prompt refuses the whole request before any runs.
     status, bad = request(server, "POST", "/v1/completions", completion([[5, 6], [5, 99999]], 2))
     assert status == 400 and "vocabulary" in bad["message"]
+
+
+def test_n_sampled_answers_are_child_requests_seeded_seed_plus_j(server):
+    """Prompt i's sequence j is choice i * n + j, and equals a request of its own with seed + j."""
+    prompts = [PROMPT, "import os\n"]
+    body = completion(prompts, 6, n=2, temperature=1.0, seed=7)
+    resp = ok(server, "/v1/completions", body)
+    assert [c["index"] for c in resp["choices"]] == [0, 1, 2, 3]
+    alone = [ok(server, "/v1/completions", completion(p, 6, temperature=1.0, seed=7 + j))["choices"][0]["text"]
+             for p in prompts for j in range(2)]
+    assert [c["text"] for c in resp["choices"]] == alone
+    assert alone[0] != alone[1]
+    assert resp["usage"]["completion_tokens"] == 24
+    prompt_tokens = sum(ok(server, "/v1/completions", completion(p, 1))["usage"]["prompt_tokens"] for p in prompts)
+    assert resp["usage"]["prompt_tokens"] == prompt_tokens  # each prompt counted once
+    events = stream(server, "/v1/completions", body)
+    texts = [""] * 4
+    for e in events[:-1]:
+        texts[e["choices"][0]["index"]] += e["choices"][0]["text"]
+    assert texts == alone
+    chat_resp = ok(server, "/v1/chat/completions", chat("def f():", 4, n=3, temperature=1.0, seed=3))
+    assert [c["index"] for c in chat_resp["choices"]] == [0, 1, 2]

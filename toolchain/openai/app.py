@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from pathlib import Path
 
@@ -54,6 +54,18 @@ class Choice:
     index: int
     gen: Generation
     echo: str = ""
+    first: bool = True  # its prompt's first sequence: the one whose prompt tokens the usage counts
+
+
+# As the executor splits a request for n sampled sequences into child requests (LlmRequest::createChildRequest,
+# cpp/tensorrt_llm/batch_manager/llmRequest.cpp), each its own generation, child j seeded with the request's
+# seed + j (the rule engine/cpu/beams.py `children` follows; UNVERIFIED, as noted there).
+SEED_MODULUS = 2**64
+
+
+def _children(params, n: int) -> list:
+    base = int(params.seed or 0)
+    return [params] if n == 1 else [replace(params, seed=(base + j) % SEED_MODULUS) for j in range(n)]
 
 
 def _sse(obj) -> str:
@@ -123,12 +135,14 @@ class OpenAIFrontend:
             planned.append((ids, text, params))
         choices: list[Choice] = []
         try:
-            for index, (ids, text, params) in enumerate(planned):
-                record = TokenLogprobs() if params.logprobs is not None or params.prompt_logprobs is not None else None
-                gen = self.service.submit(ids, params, req.priority, logprobs=record)
+            for i, (ids, text, params) in enumerate(planned):
                 echo = "" if chat or not req.echo else (text if text is not None else
                                                         self.codec.decode(ids, req.skip_special_tokens))
-                choices.append(Choice(index, gen, echo))
+                for j, child in enumerate(_children(params, req.n)):
+                    record = TokenLogprobs() if child.logprobs is not None or child.prompt_logprobs is not None else None
+                    gen = self.service.submit(ids, child, req.priority, logprobs=record)
+                    # trtllm-serve's order: prompt i's sequence j is choice i * n + j.
+                    choices.append(Choice(i * req.n + j, gen, echo, first=j == 0))
         except QueueFull as err:
             self._release(choices)
             raise ApiError(str(err), HTTPStatus.TOO_MANY_REQUESTS, "RateLimitError") from None
@@ -248,8 +262,8 @@ class OpenAIFrontend:
         if logprobs is not None:  # the prompt's come first; the engine has them once the first token is out
             logprobs = extend(extend(empty(env.chat), self._echoed(choice, req)), logprobs)
         gen = choice.gen
-        return env.final("".join(text), reason, stop_reason, len(gen.prompt_ids), len(gen.output),
-                         index=choice.index, logprobs=logprobs)
+        return env.final("".join(text), reason, stop_reason, len(gen.prompt_ids) if choice.first else 0,
+                         len(gen.output), index=choice.index, logprobs=logprobs)
 
     async def _events(self, choice: Choice, req, env: Envelope):
         """One choice's chunks."""
@@ -277,7 +291,7 @@ class OpenAIFrontend:
                 yield _sse(body)
             else:
                 if req.include_usage():
-                    yield _sse(env.usage_chunk(sum(len(c.gen.prompt_ids) for c in choices),
+                    yield _sse(env.usage_chunk(sum(len(c.gen.prompt_ids) for c in choices if c.first),
                                                sum(len(c.gen.output) for c in choices)))
             yield "data: [DONE]\n\n"
         finally:  # also when the response task is cancelled because the client left

@@ -97,12 +97,20 @@ class _Sampling(_Body):
 
     def unsupported(self) -> str | None:
         """The first requested feature the CPU engine does not have, as a one-line reason."""
-        if self.n != 1:
-            return f"n={self.n} is not supported: this server returns one choice per prompt; send n=1"
-        if self.best_of not in (None, 1):
-            return f"best_of={self.best_of} is not supported; send best_of=1 or omit it"
+        best_of = self.best_of or self.n
+        if self.n < 1:
+            return f"n must be at least 1, got {self.n}"
+        if best_of < self.n:  # the LLM API's words (SamplingParams._validate)
+            return f"best_of ({best_of}) cannot be less than n ({self.n})"
         if self.use_beam_search:
-            return "use_beam_search is not supported by the CPU engine"
+            return "use_beam_search is not supported by the CPU engine's OpenAI server yet; send n sampled answers"
+        if best_of != self.n:
+            return (f"best_of={best_of} above n={self.n} is not supported: the server returns every sequence it "
+                    "samples; send best_of equal to n or omit it")
+        if self.n > 1 and (self.temperature == 0 or self.top_k == 1):
+            # As the LLM API refuses several returns of greedy decoding (SamplingParams._validate).
+            return (f"Greedy decoding in the LLM API does not allow multiple returns. Please set to best_of=1, got "
+                    f"best_of={best_of}.")
         if self.stream_options is not None and not self.stream:
             return "stream_options can only be sent with stream=true"  # upstream refuses it as well
         return None
