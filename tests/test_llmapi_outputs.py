@@ -106,3 +106,16 @@ def test_a_grammar_xgrammar_rejects_is_refused_with_its_message(llm):
     with pytest.raises(LlmArgsError, match="parenthesis is not closed"):
         llm.generate_async(PROMPT, SamplingParams(max_tokens=2, guided_decoding=GuidedDecodingParams(regex="(ab")))
     assert json.dumps(generate(llm, PROMPT, max_tokens=2).outputs[0].text)
+
+
+def test_n_sampled_sequences_are_child_requests_seeded_seed_plus_j(llm):
+    """RequestOutput.outputs[j] is sequence j, sampled as a request of its own with seed + j would be."""
+    sampling = dict(max_tokens=8, ignore_eos=True, temperature=1.0, top_p=0.95)
+    out = generate(llm, PROMPT, n=3, seed=5, **sampling)
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
+    alone = [generate(llm, PROMPT, seed=5 + j, **sampling).outputs[0].token_ids for j in range(3)]
+    assert [c.token_ids for c in out.outputs] == alone and len({tuple(a) for a in alone}) > 1
+    from toolchain.llmapi.cpu_llm import LlmArgsError, SamplingParams
+
+    with pytest.raises(LlmArgsError, match="best_of=3 above n=2"):
+        SamplingParams.from_kwargs(dict(n=2, best_of=3, top_p=0.9))

@@ -111,8 +111,9 @@ class SamplingParams:
         if best_of > 1 and self.greedy:
             raise LlmArgsError("Greedy decoding in the LLM API does not allow multiple returns. Please set to "
                                f"best_of=1, got best_of={best_of}.")
-        if best_of > 1 or self.n > 1:
-            raise LlmArgsError(f"n={self.n}, best_of={best_of}: the CPU engine returns one sequence per request")
+        if best_of != self.n:
+            raise LlmArgsError(f"best_of={best_of} above n={self.n} is not supported by the CPU engine, which returns "
+                               "every sequence it samples; set best_of to n or leave it unset")
         for name, neutral in self._NEUTRAL.items():
             if getattr(self, name) not in neutral:
                 raise LlmArgsError(f"{name}={getattr(self, name)!r} is not supported by the CPU engine")
@@ -189,11 +190,12 @@ class RequestOutput:
 class RequestHandle:
     """What `generate_async` returns: `abort()` cancels the request (its last output says "cancelled")."""
 
-    def __init__(self, llm: "CpuLLM", request_id: int):
-        self._llm, self.request_id = llm, request_id
+    def __init__(self, llm: "CpuLLM", request_ids: list[int]):
+        self._llm, self.request_id, self._children = llm, request_ids[0], request_ids
 
     def abort(self) -> None:
-        self._llm._batcher.cancel(self.request_id)
+        for rid in self._children:  # every sequence of an n > 1 request
+            self._llm._batcher.cancel(rid)
 
 
 def _int(args: dict, key: str, default: int | None) -> int | None:
@@ -464,9 +466,6 @@ class CpuLLM:
         """Queue one request. `on_output` gets the request's RequestOutput (the same object, updated)
         after each step that produced text when streaming, and once finished in any case; raises
         LlmArgsError for a request this engine refuses (the LLM API raises for the same)."""
-        from toolchain.engine.cpu import RequestStats
-        from toolchain.engine.cpu.logprobs import TokenLogprobs
-
         sp = sampling_params or SamplingParams()
         sp.validate()
         text = prompt if isinstance(prompt, str) else None
@@ -476,28 +475,47 @@ class CpuLLM:
         problem = self.engine.request_problem(ids, params)
         if problem:
             raise LlmArgsError(problem)
-        rid = next(self._ids)
+        # n sampled sequences run as the executor's child requests, child j seeded with the seed + j
+        # (engine/cpu/beams.py's rule, UNVERIFIED there); RequestOutput.outputs[j] is child j's.
+        rids = [next(self._ids) for _ in range(sp.n)]
+        out = RequestOutput(rids[0], text, ids, [])
+        done = [False] * sp.n
+        for j, rid in enumerate(rids):
+            child = params if sp.n == 1 else dataclasses.replace(params, seed=(int(params.seed or 0) + j) % 2**64)
+            perf = RequestPerfMetrics(arrival_time_ns=time.time_ns()) if sp.return_perf_metrics else None
+            out.outputs.append(CompletionOutput(index=j, request_perf_metrics=perf))
+            callback, record, stats = self._child_callback(out, j, done, sp, ids, stops, streaming, on_output)
+            self._batcher.submit(rid, ids, child, callback, stats=stats, logprobs=record)
+        return RequestHandle(self, rids)
+
+    def _child_callback(self, out: RequestOutput, j: int, done: list[bool], sp: SamplingParams, ids: list[int],
+                        stops, streaming: bool, on_output: Callable[[RequestOutput], None] | None):
+        """(batcher callback, log-prob record, stats) of sequence j of `out` (all on the batcher thread)."""
+        from toolchain.engine.cpu import RequestStats
+        from toolchain.engine.cpu.logprobs import TokenLogprobs
+
         stats = RequestStats()
-        perf = RequestPerfMetrics(arrival_time_ns=time.time_ns()) if sp.return_perf_metrics else None
-        out = RequestOutput(rid, text, ids, [CompletionOutput(request_perf_metrics=perf)])
         record = TokenLogprobs() if sp.logprobs is not None or sp.prompt_logprobs is not None else None
+        c = out.outputs[j]
         generated: list[int] = []
 
         def callback(new_tokens, finished, error=None):
             new_tokens = [int(t) for t in new_tokens or ()]
+            perf = c.request_perf_metrics
             if perf is not None and new_tokens and not perf.first_token_time_ns:
                 perf.first_token_time_ns = time.time_ns()
             generated.extend(new_tokens)
             if not finished and not (streaming and new_tokens):
                 return
-            self._update(out, sp, ids, generated, stats, finished, error, stops)
+            done[j] = done[j] or finished
+            self._update(out, c, sp, ids, generated, stats, finished, error, stops)
+            out.finished = all(done)
             if record is not None:
-                self._logprobs(out.outputs[0], sp, ids, record)
-            if on_output is not None:
+                self._logprobs(c, sp, ids, record)
+            if on_output is not None and (streaming or out.finished):
                 on_output(out)
 
-        self._batcher.submit(rid, ids, params, callback, stats=stats, logprobs=record)
-        return RequestHandle(self, rid)
+        return callback, record, stats
 
     @staticmethod
     def _logprobs(c: CompletionOutput, sp: SamplingParams, prompt: list[int], record) -> None:
@@ -509,9 +527,9 @@ class CpuLLM:
         if sp.prompt_logprobs is not None:
             c.prompt_logprobs = prompt_logprobs(prompt, record)
 
-    def _update(self, out: RequestOutput, sp: SamplingParams, prompt: list[int], generated: list[int], stats,
-                finished: bool, error: str | None, stops: list[tuple[int | str, list[int]]]) -> None:
-        c = out.outputs[0]
+    def _update(self, out: RequestOutput, c: CompletionOutput, sp: SamplingParams, prompt: list[int],
+                generated: list[int], stats, finished: bool, error: str | None,
+                stops: list[tuple[int | str, list[int]]]) -> None:
         tokens = list(generated)
         if finished:
             c.finish_reason, c.stop_reason, word = self._reason(stats.finish_reason, tokens, stops)
@@ -521,7 +539,7 @@ class CpuLLM:
         c.token_ids = tokens if sp.exclude_input_from_output else prompt + tokens
         c._last_text_len = len(c.text)
         c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=sp.skip_special_tokens)
-        out.finished, out.error = finished, error
+        out.error = out.error or error
         perf = c.request_perf_metrics
         if perf is not None:
             perf.first_scheduled_time_ns = stats.first_scheduled_ns or perf.arrival_time_ns
