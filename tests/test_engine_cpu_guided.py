@@ -82,6 +82,17 @@ def test_ebnf_grammar(engine, tokenizer):
     assert reason == "end_id" and re.fullmatch(r"\((?:[xyz]|\[\d\])(?:,(?:[xyz]|\[\d\]))*\)", text), text
 
 
+def test_structural_tags_in_xgrammars_form_and_the_llm_apis(engine, tokenizer):
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi!"}}
+    assert guided(engine, tokenizer, Guide("structural_tag", json.dumps(tag))) == ("hi!", "end_id")
+    legacy = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]}
+    assert engine.request_problem([5, 6], SamplingParams(4, guide=Guide("structural_tag", json.dumps(legacy)))) is None
+    broken = {"structures": [{"begin": "<f>"}], "triggers": ["<f>"]}
+    assert engine.request_problem([5, 6], SamplingParams(4, guide=Guide("structural_tag", json.dumps(broken)))) == (
+        "the structural_tag guide is rejected by XGrammar: each of a structural tag's structures needs begin, "
+        "schema and end")
+
+
 def test_the_guide_bounds_nothing_else(engine, tokenizer):
     # max_new_tokens still ends a request whose grammar is not complete yet
     text, reason = guided(engine, tokenizer, Guide("json"), n=1)

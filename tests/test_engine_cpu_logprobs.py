@@ -85,6 +85,12 @@ def test_sampled_mode_follows_the_cpp_runtime(engine, hf_llama):
     out = engine.generate(p, SamplingParams(max_new_tokens=8, top_k=5, temperature=1.0, seed=5, logprobs=0),
                           logprobs=rec)
     assert all(s > r - 1e-6 for s, r in zip(rec.tokens, raw.tokens, strict=False))  # renormalised over the top 5
+    # "processed" (normalize_log_probs false): before the top-k cut, here (temperature 1, no penalty) the raw value
+    top5 = SamplingParams(max_new_tokens=8, top_k=5, temperature=1.0, seed=5, logprobs=0)
+    processed, raw = TokenLogprobs(mode="processed"), TokenLogprobs()
+    assert engine.generate(p, top5, logprobs=processed) == engine.generate(p, top5, logprobs=raw)
+    assert torch.allclose(torch.tensor(processed.tokens), torch.tensor(raw.tokens), atol=TOL)
+    assert any(s > r + 1e-3 for s, r in zip(rec.tokens, raw.tokens, strict=True))
     with pytest.raises(ToolchainError, match="log-probability mode 'maybe'"):
         engine.start(p, SamplingParams(4, logprobs=0), logprobs=TokenLogprobs(mode="maybe"))
 

@@ -406,6 +406,7 @@ class CpuEngine:
         if logprobs is not None or asked:
             seq.logprobs = logprobs if logprobs is not None else TokenLogprobs()
             seq.logprobs.configure(params.logprobs, params.prompt_logprobs, params.return_context_logits)
+            seq.sampler.wants_processed = seq.logprobs.mode == "processed"
         if params.guide is not None and self.guided is not None:
             seq.sampler.guide = self.guided.matcher(params.guide)
         return seq

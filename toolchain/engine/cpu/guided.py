@@ -43,27 +43,31 @@ class Guide:
         return None
 
 
-def tokenizer_info_dict(tokenizer_dir: Path | str, vocab_size: int) -> dict:
+def tokenizer_info_dict(tokenizer_dir: Path | str, vocab_size: int, trust_remote_code: bool = False) -> dict:
     """The tokenizer-info file the tensorrt_llm backend reads from xgrammar_tokenizer_info_path: keys
     encoded_vocab, tokenizer_str, stop_token_ids (triton_backend/inflight_batcher_llm/src/model_instance_state.cc,
-    getGuidedDecodingConfigFromParams). encoded_vocab is the tokenizer's vocabulary by id (padded to `vocab_size`),
-    tokenizer_str its tokenizer.json, stop_token_ids its end-of-sequence ids."""
+    getGuidedDecodingConfigFromParams). encoded_vocab is the tokenizer's vocabulary by id (padded with "" to
+    `vocab_size`, as xgrammar's TokenizerInfo.from_huggingface pads it), tokenizer_str its serialized backend
+    tokenizer (from which XGrammar detects the vocabulary's encoding), stop_token_ids its end-of-sequence ids."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code)
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
-    vocab = [by_id.get(i, "") for i in range(max(vocab_size, len(by_id)))]
+    vocab = [by_id.get(i, "") for i in range(max(vocab_size, max(by_id) + 1))]
     stops = tokenizer.eos_token_id
     stop_ids = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
     tokenizer_json = Path(tokenizer_dir) / "tokenizer.json"
-    return {"encoded_vocab": vocab, "tokenizer_str": tokenizer_json.read_text() if tokenizer_json.is_file() else "",
-            "stop_token_ids": stop_ids}
+    text = backend.to_str() if backend is not None else tokenizer_json.read_text() if tokenizer_json.is_file() else ""
+    return {"encoded_vocab": vocab, "tokenizer_str": text, "stop_token_ids": stop_ids}
 
 
 def xgrammar_message(err: Exception) -> str:
-    """XGrammar's message on one line, without the "[hh:mm:ss] /project/cpp/file.cc:line: " its C++ logger puts first."""
+    """XGrammar's message on one line, without what its C++ logger puts first ("[hh:mm:ss] /project/cpp/file.cc:line: ",
+    "Check failed: (condition) is false: ")."""
     text = " ".join(str(err).split())
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text) or type(err).__name__
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
+    return re.sub(r"^Check failed: \(.*?\) is false: ", "", text) or type(err).__name__
 
 
 class GuidedDecoder:
@@ -122,11 +126,30 @@ class GuidedDecoder:
                 elif guide.kind == "ebnf_grammar":
                     compiled = c.compile_grammar(guide.text)
                 else:
-                    compiled = c.compile_structural_tag(guide.text)
+                    compiled = self._structural_tag(guide.text)
             except Exception as err:  # XGrammar raises RuntimeError / ValueError / its own types
                 raise GuideError(xgrammar_message(err)) from err
             self._compiled[guide] = compiled
             return compiled
+
+    def _structural_tag(self, text: str) -> Any:
+        """A structural tag in XGrammar's own form ({"type": "structural_tag", "format": ...}), or in the
+        {"structures": [{"begin", "schema", "end"}], "triggers": [...]} form TensorRT-LLM's LLM API sends (its
+        xgrammar matcher factory calls the two-argument compile_structural_tag then; UNVERIFIED against its source)."""
+        import xgrammar as xgr
+
+        try:
+            data = json.loads(text)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and "format" not in data and {"structures", "triggers"} <= set(data):
+            try:
+                items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                         for s in data["structures"]]
+            except (KeyError, TypeError) as err:
+                raise ValueError("each of a structural tag's structures needs begin, schema and end") from err
+            return self._compiler.compile_structural_tag(items, data["triggers"])
+        return self._compiler.compile_structural_tag(text)
 
     def matcher(self, guide: Guide) -> "GuideMatcher":
         import xgrammar as xgr

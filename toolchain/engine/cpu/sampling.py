@@ -163,6 +163,7 @@ class Sampler:
         # ("processed"), for TokenLogprobs' modes of those names.
         self.last_sampled = 0.0
         self.last_processed = 0.0
+        self.wants_processed = False  # set by the engine for a "processed" record: a log-softmax per pick otherwise saved
 
     def pick(self, logits: torch.Tensor, generated: int, tokens: list[int] | None = None) -> int:
         """The next token from last-position logits [V], `generated` tokens already produced and `tokens`
@@ -171,7 +172,7 @@ class Sampler:
         logits = process(logits, p, tokens if tokens is not None else [], generated)
         if self.guide is not None:
             logits = self.guide.mask(logits)
-        processed = torch.log_softmax(logits, -1)
+        processed = torch.log_softmax(logits, -1) if self.wants_processed else None
         if p.greedy:
             token = int(torch.argmax(logits))
             self.last_sampled = 0.0  # the greedy distribution puts all its mass on the pick
@@ -180,7 +181,8 @@ class Sampler:
             probs = torch.softmax(logits, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=self.generator))
             self.last_sampled = float(torch.log(probs[token]))
-        self.last_processed = float(processed[token])
+        if processed is not None:
+            self.last_processed = float(processed[token])
         if self.guide is not None:
             self.guide.accept(token)
         return token
