@@ -229,7 +229,10 @@ def test_the_openai_clients_structured_parse_returns_a_valid_object(server):
      lambda t: all(isinstance(v, bool) for v in json.loads(t))),
     # json_object is XGrammar's built-in JSON grammar, as upstream compiles it: any JSON value.
     ({"type": "json_object"}, lambda t: json.loads(t) is not None or t == "null"),
-], ids=["regex", "ebnf", "json_schema", "json", "json_object"])
+    ({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "ok: "}, {"type": "json_schema", "json_schema": {"type": "boolean"}}]}},
+     lambda t: t in ("ok: true", "ok: false")),
+], ids=["regex", "ebnf", "json_schema", "json", "json_object", "structural_tag"])
 def test_response_format_constrains_the_text(server, fmt, check):
     asks = [("/v1/chat/completions", chat("answer:", 80, response_format=fmt))]
     if fmt["type"] != "json_object":  # any whitespace is JSON: after code, the tiny model indents it forever
@@ -248,8 +251,9 @@ def test_response_format_constrains_the_text(server, fmt, check):
     ({"type": "json_schema"}, "response_format.json_schema is required for response_format.type == 'json_schema', "
                               "but got None."),
     ({"type": "regex"}, "response_format.regex is required"),
+    ({"type": "structural_tag"}, "response_format.format is required"),
     ({"type": "yaml"}, "response_format.type"),
-], ids=["schema", "regex", "missing-schema", "missing-regex", "unknown-type"])
+], ids=["schema", "regex", "missing-schema", "missing-regex", "missing-tag", "unknown-type"])
 def test_a_guide_xgrammar_rejects_is_a_400_with_its_message(server, fmt, needle):
     status, resp = request(server, "POST", "/v1/chat/completions", chat("hi", 4, response_format=fmt))
     assert status == 400 and needle in resp["message"] and "\n" not in resp["message"], resp
