@@ -331,6 +331,17 @@ def test_penalties_change_greedy_output_as_trtllm_applies_them(server, hf, field
     assert got == want and got != plain
 
 
+def test_min_p_one_keeps_only_the_likeliest_token(server):
+    """min_p 1.0 drops every token less likely than the likeliest: sampling at temperature 1 is greedy then."""
+    greedy_text = ok(server, "/v1/completions", completion(PROMPT, 10))["choices"][0]["text"]
+    sampled = [ok(server, "/v1/completions", completion(PROMPT, 10, temperature=1.0, min_p=1.0, seed=s))
+               ["choices"][0]["text"] for s in (1, 2)]
+    assert sampled == [greedy_text, greedy_text]
+    free = {ok(server, "/v1/completions", completion(PROMPT, 10, temperature=1.0, seed=s))["choices"][0]["text"]
+            for s in (1, 2, 3)}
+    assert free != {greedy_text}
+
+
 def test_stop_token_ids_end_the_text_and_include_stop_str_in_output_keeps_the_stop(server, hf):
     model, tok = hf
     out = greedy(model, tok.encode(PROMPT), 6)
