@@ -116,7 +116,11 @@ class GuidedDecoder:
                 if guide.kind == "json":
                     compiled = c.compile_builtin_json_grammar()
                 elif guide.kind == "json_schema":
-                    compiled = c.compile_json_schema(guide.text)
+                    # Without free whitespace between tokens, as TensorRT-LLM compiles schemas (UNVERIFIED, from
+                    # _torch/pyexecutor/grammar_matcher.py XGrammarMatcherFactory.create and the C++
+                    # batch_manager/guidedDecoder.cpp: any_whitespace=False); with it a small model can fill
+                    # max_tokens with newlines inside the object.
+                    compiled = c.compile_json_schema(guide.text, any_whitespace=False)
                 elif guide.kind == "regex":
                     compiled = c.compile_regex(guide.text)
                 elif guide.kind == "ebnf_grammar":
