@@ -40,6 +40,7 @@ from toolchain.llmapi.logprobs import Logprob, prompt_logprobs, token_logprobs
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import LLMAPI
 from toolchain.engine.build import run_build
+from toolchain.engine.cpu.beams import children
 from toolchain.workspace import Workspace
 from toolchain.remote_code import auto_tokenizer
 
@@ -480,8 +481,8 @@ class CpuLLM:
         rids = [next(self._ids) for _ in range(sp.n)]
         out = RequestOutput(rids[0], text, ids, [])
         done = [False] * sp.n
-        for j, rid in enumerate(rids):
-            child = params if sp.n == 1 else dataclasses.replace(params, seed=(int(params.seed or 0) + j) % 2**64)
+        for j, (rid, child) in enumerate(zip(rids, children(dataclasses.replace(params, num_return_sequences=sp.n)),
+                                             strict=True)):
             perf = RequestPerfMetrics(arrival_time_ns=time.time_ns()) if sp.return_perf_metrics else None
             out.outputs.append(CompletionOutput(index=j, request_perf_metrics=perf))
             callback, record, stats = self._child_callback(out, j, done, sp, ids, stops, streaming, on_output)

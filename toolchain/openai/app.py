@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import toolchain
 from toolchain.errors import ToolchainError
 from toolchain.engine.cpu import CpuEngine, QueueFull, SchedulerConfig
+from toolchain.engine.cpu.beams import children
 from toolchain.engine.cpu.guided import GuidedDecoder
 from toolchain.engine.cpu.logprobs import TokenLogprobs
 from toolchain.engine.cpu.sampling import UnseededStream
@@ -63,12 +64,6 @@ class Choice:
 # As the executor splits a request for n sampled sequences into child requests (LlmRequest::createChildRequest,
 # cpp/tensorrt_llm/batch_manager/llmRequest.cpp), each its own generation, child j seeded with the request's
 # seed + j (the rule engine/cpu/beams.py `children` follows; UNVERIFIED, as noted there).
-SEED_MODULUS = 2**64
-
-
-def _children(params, n: int) -> list:
-    base = int(params.seed or 0)
-    return [params] if n == 1 else [replace(params, seed=(base + j) % SEED_MODULUS) for j in range(n)]
 
 
 def _sse(obj) -> str:
@@ -144,7 +139,7 @@ class OpenAIFrontend:
             for i, (ids, text, params) in enumerate(planned):
                 echo = "" if chat or not req.echo else (text if text is not None else
                                                         self.codec.decode(ids, req.skip_special_tokens))
-                for j, child in enumerate(_children(params, req.n)):
+                for j, child in enumerate(children(replace(params, num_return_sequences=req.n))):
                     record = TokenLogprobs() if child.logprobs is not None or child.prompt_logprobs is not None else None
                     gen = self.service.submit(ids, child, req.priority, logprobs=record)
                     # trtllm-serve's order: prompt i's sequence j is choice i * n + j.
