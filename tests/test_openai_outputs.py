@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import TINY_TRAINED, starts_server
+from openai_helpers import build_engine, serving
 from test_openai_server import request, stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
@@ -27,29 +28,13 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory) -> Path:
-    from conftest import write_spec
-    from toolchain.checkpoint.stage import run_convert
-    from toolchain.engine.build import run_build
-    from toolchain.spec import load_spec
-    from toolchain.workspace import Workspace
-
-    root = tmp_path_factory.mktemp("openai-outputs")
-    spec = load_spec(write_spec(root / "spec.yaml", TINY_TRAINED, limits=LIMITS))
-    ws = Workspace(root)
-    run_convert(spec, ws)
-    run_build(spec, ws)
-    return Path(ws.engine_dir(spec))
+    return build_engine(tmp_path_factory.mktemp("openai-outputs"), TINY_TRAINED, limits=LIMITS)
 
 
 @pytest.fixture(scope="module")
 @starts_server
 def server(engine_dir, tmp_path_factory):
-    from toolchain.openai import OpenAIServer
-
-    log = tmp_path_factory.mktemp("log") / "server.log"
-    with OpenAIServer(engine_dir, TINY_TRAINED, MODEL, log_path=log,
-                      extra_args=("--max-tokens-in-paged-kv-cache", "4096", "--engine-threads", "1",
-                                  "--log-level", "warning")) as srv:
+    with serving(engine_dir, TINY_TRAINED, MODEL, tmp_path_factory.mktemp("log")) as srv:
         yield srv
 
 
@@ -188,10 +173,11 @@ def test_chat_logprobs_and_top_logprobs(server, hf):
     ("/v1/completions", completion(PROMPT, 2, logprobs=21), "logprobs"),
     ("/v1/completions", completion(PROMPT, 2, n=2), "Greedy decoding in the LLM API does not allow multiple returns"),
     ("/v1/completions", completion(PROMPT, 2, n=2, best_of=1, temperature=1.0), "best_of (1) cannot be less than n (2)"),
-    ("/v1/completions", completion(PROMPT, 2, n=2, best_of=3, temperature=1.0), "best_of=3"),
-    ("/v1/completions", completion(PROMPT, 2, use_beam_search=True), "use_beam_search"),
+    ("/v1/completions", completion(PROMPT, 2, best_of=3), "Greedy decoding in the LLM API does not allow multiple"),
+    # This engine is built with max_beam_width 1 (beam search itself: test_openai_beams.py).
+    ("/v1/completions", completion(PROMPT, 2, use_beam_search=True, n=2), "exceeds the engine's max_beam_width 1"),
 ], ids=["top-without-logprobs", "top-over-limit", "logprobs-over-limit", "n-greedy", "best-of-below-n",
-        "best-of-above-n", "beam-search"])
+        "best-of-greedy", "beam-above-build"])
 def test_what_is_not_served_is_refused_in_one_line(server, path, body, needle):
     status, resp = request(server, "POST", path, body)
     assert status == 400 and needle in resp["message"] and "\n" not in resp["message"], resp

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from openai_helpers import build_engine
+
 pytestmark = [pytest.mark.e2e]
 
 MODEL = "tiny-tools"
@@ -66,26 +68,12 @@ def _chain_model(out: Path) -> Path:
     return out
 
 
-def _build(root: Path, checkpoint: Path) -> Path:
-    from conftest import write_spec
-    from toolchain.checkpoint.stage import run_convert
-    from toolchain.engine.build import run_build
-    from toolchain.spec import load_spec
-    from toolchain.workspace import Workspace
-
-    spec = load_spec(write_spec(root / "spec.yaml", checkpoint, limits=LIMITS, build={"tokens_per_block": 16}))
-    ws = Workspace(root)
-    run_convert(spec, ws)
-    run_build(spec, ws)
-    return Path(ws.engine_dir(spec))
-
-
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
     """(engine dir, checkpoint dir holding the tokenizer)."""
     root = tmp_path_factory.mktemp("tool-calls")
     checkpoint = _chain_model(root / "hf")
-    return _build(root, checkpoint), checkpoint
+    return build_engine(root, checkpoint, limits=LIMITS, build={"tokens_per_block": 16}), checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +164,7 @@ def test_the_server_refuses_parsers_it_cannot_serve_at_start(chain, hf_llama_wor
         with pytest.raises(ToolchainError) as err:
             build_app(_args(base + extra))
         assert needle in str(err.value) and "\n" not in str(err.value)
-    llama_engine = _build(tmp_path, hf_llama_words)
+    llama_engine = build_engine(tmp_path, hf_llama_words, limits=LIMITS, build={"tokens_per_block": 16})
     with pytest.raises(ToolchainError) as err:
         build_app(_args(["--engine-dir", str(llama_engine), "--tokenizer", str(hf_llama_words),
                          "--served-model-name", MODEL, "--tool_parser", "qwen3"]))

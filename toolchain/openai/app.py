@@ -33,11 +33,11 @@ from toolchain.engine.cpu.guided import GuidedDecoder
 from toolchain.engine.cpu.logprobs import TokenLogprobs
 from toolchain.engine.cpu.sampling import UnseededStream
 from toolchain.openai.chat_output import ChatAnswer, effective_tool_choice
-from toolchain.openai.logprobs import LogprobShaper, empty, extend, prompt_logprobs
+from toolchain.openai.logprobs import LogprobShaper, empty, extend, prompt_logprobs, whole_logprobs
 from toolchain.openai.metrics import ServerMetrics
-from toolchain.openai.params import engine_params
+from toolchain.openai.params import engine_params, logprob_counts
 from toolchain.openai.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, Envelope, error_body,
-                                       merged, model_list, validation_message)
+                                       merged, model_list, usage, validation_message)
 from toolchain.openai.service import EngineService, Generation, merge_streams
 from toolchain.openai.structured import guide_for
 from toolchain.openai.text import Detokenizer, StopStrings, TextCodec
@@ -59,11 +59,19 @@ class Choice:
     gen: Generation
     echo: str = ""
     first: bool = True  # its prompt's first sequence: the one whose prompt tokens the usage counts
+    prompt: int = 0  # which prompt of the request
+    beam: int | None = None  # beam search: which of `beams` it answers (every beam shares one generation)
+    beams: list | None = None  # the generation's returned beams (beams.BeamResult), filled when it ends
 
 
 # As the executor splits a request for n sampled sequences into child requests (LlmRequest::createChildRequest,
 # cpp/tensorrt_llm/batch_manager/llmRequest.cpp), each its own generation, child j seeded with the request's
-# seed + j (the rule engine/cpu/beams.py `children` follows; UNVERIFIED, as noted there).
+# seed + j (the rule engine/cpu/beams.py `children` follows; UNVERIFIED, as noted there). Sampled best_of > n
+# generates best_of children and answers the n with the highest cumulative log-prob, best first (the LLM API's
+# SamplingParams doc: "sampling best_of responses and return n generations"; vLLM ranks by cumulative log-prob,
+# UNVERIFIED that trtllm-serve's order is the same), from a "raw" log-prob record each child keeps. Beam search
+# (use_beam_search) is one engine request of beam width best_of (or n) returning its n best beams, choice
+# i * n + j being prompt i's beam j.
 
 
 def _sse(obj) -> str:
@@ -139,11 +147,18 @@ class OpenAIFrontend:
             for i, (ids, text, params) in enumerate(planned):
                 echo = "" if chat or not req.echo else (text if text is not None else
                                                         self.codec.decode(ids, req.skip_special_tokens))
-                for j, child in enumerate(children(replace(params, num_return_sequences=req.n))):
+                if params.beam_width > 1:
+                    results: list = []
+                    gen = self.service.submit(ids, params, req.priority, beam_results=results)
+                    choices += [Choice(i * req.n + j, gen, echo, first=j == 0, prompt=i, beam=j, beams=results)
+                                for j in range(req.n)]
+                    continue
+                count = req.sampled_best_of()  # n, or best_of when above it (the n best kept, _prompt_bodies)
+                for j, child in enumerate(children(replace(params, num_return_sequences=count))):
                     record = TokenLogprobs() if child.logprobs is not None or child.prompt_logprobs is not None else None
                     gen = self.service.submit(ids, child, req.priority, logprobs=record)
                     # trtllm-serve's order: prompt i's sequence j is choice i * n + j.
-                    choices.append(Choice(i * req.n + j, gen, echo, first=j == 0))
+                    choices.append(Choice(i * count + j, gen, echo, first=j == 0, prompt=i))
         except QueueFull as err:
             self._release(choices)
             raise ApiError(str(err), HTTPStatus.TOO_MANY_REQUESTS, "RateLimitError") from None
@@ -163,7 +178,7 @@ class OpenAIFrontend:
 
     def _shaper(self, choice: Choice, req) -> LogprobShaper | None:
         gen = choice.gen
-        if gen.logprobs is None or gen.params.logprobs is None:
+        if gen.logprobs is None or logprob_counts(req)[0] is None:  # a record kept to rank best_of only
             return None
         if isinstance(req, ChatCompletionRequest):
             return LogprobShaper(self.codec, gen.logprobs, True, req.top_logprobs or 0)
@@ -243,20 +258,69 @@ class OpenAIFrontend:
         watcher = asyncio.create_task(self._watch(raw, choices))
         if req.stream:
             return StreamingResponse(self._stream(choices, req, env, watcher), media_type="text/event-stream")
+        prompts: dict[int, list[Choice]] = {}
+        for c in choices:
+            prompts.setdefault(c.prompt, []).append(c)
         try:
-            bodies = await asyncio.gather(*(self._complete(c, req, env) for c in choices))
+            per_prompt = await asyncio.gather(*(self._prompt_bodies(cs, req, env) for cs in prompts.values()))
         except RuntimeError as err:
             return _error(f"generation failed: {err}", HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
         finally:
             watcher.cancel()
             self._release(choices)
-        return JSONResponse(merged(list(bodies)))
+        return JSONResponse(merged([body for bodies in per_prompt for body in bodies]))
+
+    async def _prompt_bodies(self, choices: list[Choice], req, env: Envelope) -> list[dict]:
+        """One prompt's n bodies: its beams', the n best of its best_of sampled sequences, or its n sequences."""
+        if choices[0].beams is not None:
+            return await self._beam_bodies(choices, req, env)
+        bodies = list(await asyncio.gather(*(self._complete(c, req, env) for c in choices)))
+        if len(choices) == req.n:
+            return bodies
+        # Sampled best_of > n: the n with the highest cumulative log-prob, best first (ties: the earlier child).
+        ranked = sorted(range(len(choices)), key=lambda j: -choices[j].gen.logprobs.cum)[:req.n]
+        kept = []
+        for rank, j in enumerate(ranked):
+            body = bodies[j]
+            body["choices"][0]["index"] = choices[j].prompt * req.n + rank
+            body["usage"] = usage(len(choices[j].gen.prompt_ids) if rank == 0 else 0,
+                                  body["usage"]["completion_tokens"])
+            kept.append(body)
+        return kept
+
+    async def _beam_bodies(self, choices: list[Choice], req, env: Envelope) -> list[dict]:
+        """A beam search's bodies, one per returned beam (best first), once the search has ended. A beam's
+        log-probs are its chosen tokens' (BeamResult.log_probs: log_softmax after temperature, "raw" at 1)."""
+        gen = choices[0].gen
+        async for _ in gen.events():  # the beams end together; the last event brings the best one's tokens
+            pass
+        if gen.cancelled:
+            return []
+        self.metrics.request_done(gen, "stop" if gen.stats.finish_reason == "end_id" else "length")
+        bodies = []
+        for c in choices:
+            if c.beams is None or c.beam is None or c.beam >= len(c.beams):
+                continue
+            beam = c.beams[c.beam]
+            text = self.codec.decode(beam.tokens, req.skip_special_tokens)
+            reason: str | None = "stop" if beam.reason == "end_id" else "length"
+            logprobs = None
+            if logprob_counts(req)[0] is not None:
+                logprobs = whole_logprobs(self.codec, beam.tokens, beam.log_probs, env.chat, len(c.echo),
+                                          req.skip_special_tokens)
+            answer = ChatAnswer.wanted(req, self.tool_parser, self.reasoning_parser) if env.chat else None
+            message = answer.message(text) if answer is not None else None
+            if answer is not None:
+                reason = answer.finish_reason(reason)
+            bodies.append(env.final(c.echo + text, reason, None, len(gen.prompt_ids) if c.first else 0,
+                                    len(beam.tokens), message, index=c.index, logprobs=logprobs))
+        return bodies
 
     async def _complete(self, choice: Choice, req, env: Envelope) -> dict:
         """One choice's whole body."""
         text, reason, stop_reason = [choice.echo], None, None
         answer = ChatAnswer.wanted(req, self.tool_parser, self.reasoning_parser) if env.chat else None
-        logprobs = empty(env.chat) if choice.gen.params.logprobs is not None else None
+        logprobs = empty(env.chat) if self._shaper(choice, req) is not None else None
         async for piece, reason, stop_reason, lp in self._pieces(choice, req):  # noqa: B007 - the last ones are kept
             text.append(piece)
             if logprobs is not None:

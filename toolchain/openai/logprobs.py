@@ -16,6 +16,7 @@ floors them (a masked token's -inf is no JSON number).
 
 from __future__ import annotations
 
+from toolchain.engine.cpu.logprobs import TokenLogprobs
 from toolchain.openai.text import Detokenizer
 
 LOGPROB_FLOOR = -9999.0
@@ -113,3 +114,16 @@ def prompt_logprobs(codec, ids: list[int], record, k: int, skip_special_tokens: 
         top_dicts.append(_top_dict(text, top, (ids[j], values[j]), k))
     return {"text_offset": offsets, "token_logprobs": [None] + [_value(v) for v in values[1:len(ids)]],
             "tokens": [text(t) for t in ids], "top_logprobs": top_dicts}
+
+
+def whole_logprobs(codec, tokens: list[int], values: list[float], chat: bool, text_start: int = 0,
+                   skip_special_tokens: bool = True) -> dict:
+    """A finished sequence's log-probs from its chosen tokens' values alone (a beam's BeamResult.log_probs:
+    no alternatives), in the shape LogprobShaper gives (its top_logprobs hold the chosen token only)."""
+    record = TokenLogprobs(tokens=[float(v) for v in values], top=[[] for _ in values])
+    shaper = LogprobShaper(codec, record, chat, 0, text_start)
+    detok = Detokenizer(codec, skip_special_tokens)
+    for t in tokens:
+        shaper.add(t, len(detok.text))
+        detok.push([t])
+    return shaper.release(None) or empty(chat)

@@ -73,6 +73,18 @@ def logprob_counts(req) -> tuple[int | None, int | None]:
     return None, None
 
 
+def check_beam_logprobs(req, logprobs: int | None, prompt_logprobs: int | None) -> None:
+    """Log-probs with beam search: each beam's chosen tokens' only (BeamResult.log_probs), no alternatives
+    and no prompt log-probs; anything more is refused in one line."""
+    if prompt_logprobs is not None:
+        raise ApiError("echo with logprobs and use_beam_search is not supported: beams carry no prompt log-probs")
+    top = req.logprobs if hasattr(req, "echo") else (req.top_logprobs or 0) if req.logprobs else 0
+    if logprobs is not None and top:
+        what = "logprobs" if hasattr(req, "echo") else "top_logprobs"
+        raise ApiError(f"{what} {top} with use_beam_search is not supported: beams carry their chosen tokens' "
+                       f"log-probs only; send {what} 0")
+
+
 def engine_params(req, prompt: list[int], *, limits, vocab_size: int, end_id: int, stop_ids: list[int],
                   seed: int, guide: Any = None) -> SamplingParams:
     """The engine's SamplingParams for one prompt of `req`."""
@@ -85,7 +97,20 @@ def engine_params(req, prompt: list[int], *, limits, vocab_size: int, end_id: in
         if not 0 <= token < vocab_size:
             raise ApiError(f"stop_token_ids: token id {token} is outside the vocabulary [0, {vocab_size})")
     logprobs, prompt_logprobs = logprob_counts(req)
+    width = req.beam_width()
     extra: dict[str, Any] = {}
+    stop_words = ([] if req.ignore_eos else [[i] for i in stop_ids]) + [[int(t)] for t in req.stop_token_ids or ()]
+    if width > 1:
+        extra.update(beam_width=width, num_return_sequences=req.n, length_penalty=req.length_penalty,
+                     early_stopping=int(bool(req.early_stopping)))
+        check_beam_logprobs(req, logprobs, prompt_logprobs)
+        # The beams carry their own chosen tokens' log-probs (BeamResult.log_probs): no record is asked for.
+        logprobs = prompt_logprobs = None
+        # A beam ends on end_id itself; the engine refuses other stop words with beams (beams.request_problem).
+        stop_words = [w for w in stop_words if w != [end_id]]
+    elif req.sampled_best_of() > req.n and logprobs is None:
+        # Sampled best_of > n: the sequences are ranked by cumulative log-prob ("raw" record, app.py).
+        logprobs = 0
     if logprobs is not None:
         extra["logprobs"] = logprobs
     if prompt_logprobs is not None:
@@ -101,7 +126,7 @@ def engine_params(req, prompt: list[int], *, limits, vocab_size: int, end_id: in
         top_k=req.top_k, top_p=1.0 if req.top_p is None else req.top_p,
         seed=seed,
         end_id=-1 if req.ignore_eos else end_id,
-        stop_words=([] if req.ignore_eos else [[i] for i in stop_ids]) + [[int(t)] for t in req.stop_token_ids or ()],
+        stop_words=stop_words,
         min_tokens=req.min_tokens,
         repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty or 0.0,

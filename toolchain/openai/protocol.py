@@ -83,6 +83,8 @@ class _Sampling(_Body):
     response_format: Optional[ResponseFormat] = None
     # trtllm-serve's sampling extensions that the CPU engine implements (or accepts at their neutral value)
     use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search only (upstream's defaults: 1.0 and False)
+    early_stopping: bool = False
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -104,18 +106,31 @@ class _Sampling(_Body):
             return f"n must be at least 1, got {self.n}"
         if best_of < self.n:  # the LLM API's words (SamplingParams._validate)
             return f"best_of ({best_of}) cannot be less than n ({self.n})"
-        if self.use_beam_search:
-            return "use_beam_search is not supported by the CPU engine's OpenAI server yet; send n sampled answers"
-        if best_of != self.n:
-            return (f"best_of={best_of} above n={self.n} is not supported: the server returns every sequence it "
-                    "samples; send best_of equal to n or omit it")
-        if self.n > 1 and (self.temperature == 0 or self.top_k == 1):
+        if best_of > 1 and not self.use_beam_search and (self.temperature == 0 or self.top_k == 1):
             # As the LLM API refuses several returns of greedy decoding (SamplingParams._validate).
             return (f"Greedy decoding in the LLM API does not allow multiple returns. Please set to best_of=1, got "
                     f"best_of={best_of}.")
+        if self.stream and self.beam_width() > 1:
+            # UNVERIFIED whether trtllm-serve streams beams; the CPU engine's beams end together (beam_search.py).
+            return "stream=true with use_beam_search is not supported by the CPU engine's OpenAI server; send stream=false"
+        if self.stream and best_of > self.n and not self.use_beam_search:
+            # The n best of best_of are known only once all have ended (UNVERIFIED how trtllm-serve streams them).
+            return f"stream=true with best_of ({best_of}) above n ({self.n}) is not supported; send stream=false"
+        if self.beam_width() > 1 and self.stop_strings():
+            return "stop strings with use_beam_search are not supported by the CPU engine; send stop_token_ids"
         if self.stream_options is not None and not self.stream:
             return "stream_options can only be sent with stream=true"  # upstream refuses it as well
         return None
+
+    def beam_width(self) -> int:
+        """The beam search's width (1: no beam search). The LLM API's rule (SamplingParams docstring): with
+        use_beam_search, best_of is the beam width when given, else n; n sequences are returned."""
+        return (self.best_of or self.n) if self.use_beam_search else 1
+
+    def sampled_best_of(self) -> int:
+        """How many sequences a sampled request generates per prompt: best_of when above n (the n with the
+        highest cumulative log-prob are returned), else n."""
+        return self.n if self.use_beam_search else max(self.best_of or self.n, self.n)
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)

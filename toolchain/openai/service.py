@@ -283,13 +283,16 @@ class EngineService:
         self.batcher.stop()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: float | None = None,
-               logprobs: Any = None) -> Generation:
+               logprobs: Any = None, beam_results: list | None = None) -> Generation:
         """Raises QueueFull when the queue bound is reached. `logprobs` (the engine's TokenLogprobs, owned by
-        the caller) is filled by the engine before each callback hears of the tokens it covers."""
+        the caller) is filled by the engine before each callback hears of the tokens it covers; `beam_results`
+        (a list the caller owns) receives a beam search's returned beams before its final callback."""
         gen = Generation(next(self._ids), prompt_ids, params, self._handoff(), logprobs=logprobs)
         kwargs: dict[str, Any] = {} if priority is None else {"priority": priority}
         if logprobs is not None:
             kwargs["logprobs"] = logprobs
+        if beam_results is not None:
+            kwargs["beam_results"] = beam_results
         self.inflight[gen.request_id] = gen
         try:
             self.batcher.submit(gen.request_id, prompt_ids, params, gen.callback, stats=gen.stats, **kwargs)
