@@ -115,7 +115,10 @@ def test_n_sampled_sequences_are_child_requests_seeded_seed_plus_j(llm):
     assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
     alone = [generate(llm, PROMPT, seed=5 + j, **sampling).outputs[0].token_ids for j in range(3)]
     assert [c.token_ids for c in out.outputs] == alone and len({tuple(a) for a in alone}) > 1
-    from toolchain.llmapi.cpu_llm import LlmArgsError, SamplingParams
-
-    with pytest.raises(LlmArgsError, match="best_of=3 above n=2"):
-        SamplingParams.from_kwargs(dict(n=2, best_of=3, top_p=0.9))
+    # best_of 3 above n 2: the two of those three with the highest cumulative log-prob, best first.
+    scored = [generate(llm, PROMPT, seed=5 + j, logprobs=0, **sampling).outputs[0] for j in range(3)]
+    best = sorted(scored, key=lambda c: -c.cumulative_logprob)[:2]
+    out = generate(llm, PROMPT, n=2, best_of=3, seed=5, **sampling)
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in best] and [c.index for c in out.outputs] == [0, 1]
+    assert [c.cumulative_logprob for c in out.outputs] == pytest.approx([c.cumulative_logprob for c in best], abs=1e-4)
+    assert out.outputs[0].logprobs is None  # ranked by a record of their own, not shown

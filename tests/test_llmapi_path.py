@@ -156,6 +156,20 @@ def test_gemma3_runs_without_kv_cache_reuse_on_the_llmapi_path(tmp_path):
         results["llmapi.kv-reuse"].message
 
 
+def test_max_beam_width_reaches_llm_args_and_the_stand_ins_cpu_build(tmp_path, hf_llama):
+    """build.max_beam_width > 1 is LLM()'s max_beam_width (BaseLlmArgs), which the stand-in builds the CPU engine
+    with; one beam leaves upstream's default (None) alone; llmapi.options may not set it behind the spec's back."""
+    from toolchain.llmapi.args import llm_args, llm_args_problem, options_problem
+    from toolchain.llmapi.cpu_llm import engine_spec
+
+    args = llm_args(llmapi_spec(tmp_path, hf_llama, build={"max_beam_width": 3}), hf_llama)
+    assert args["max_beam_width"] == 3 and "max_beam_width" in FACTS["llm_args"]["fields"]
+    assert llm_args_problem(args) is None and engine_spec(args).build.max_beam_width == 3
+    assert "max_beam_width" not in llm_args(llmapi_spec(tmp_path, hf_llama), hf_llama)
+    spec = llmapi_spec(tmp_path, hf_llama, llmapi={"options": {"max_beam_width": 2}})
+    assert "derived from build.max_beam_width" in options_problem(spec)
+
+
 def test_other_families_keep_kv_cache_reuse_on_the_llmapi_path(tmp_path, hf_llama):
     from toolchain.llmapi.args import llm_args
 
@@ -374,7 +388,7 @@ def test_the_stand_in_refuses_what_the_real_llm_refuses_or_cannot_run(hf_llama_w
 @pytest.mark.parametrize("sampling, fragment", [
     ({"best_of": 2}, "Greedy decoding in the LLM API does not allow multiple returns"),
     ({"n": 2, "best_of": 1}, "best_of (1) cannot be less than n (2)"),
-    ({"use_beam_search": True}, "use_beam_search"),
+    ({"use_beam_search": True, "n": 2, "logprobs": 1}, "use_beam_search with logprobs above 0"),
     ({"logprobs": -1}, "logprobs must be a non-negative integer"),
     ({"guided_decoding": {"regex": "a+", "json_object": True}}, "Only one guide can be used for a request, but got 2."),
     ({"max_tokens": 0}, "max_tokens"),

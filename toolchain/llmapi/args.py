@@ -31,6 +31,7 @@ DERIVED_FROM = {
     "max_batch_size": "limits.max_batch_size", "max_input_len": "limits.max_input_len",
     "max_seq_len": "limits.max_seq_len", "max_num_tokens": "limits.max_num_tokens",
     "enable_chunked_prefill": "build.chunked_context", "speculative_config": "speculative",
+    "max_beam_width": "build.max_beam_width",
     "kv_cache_config.free_gpu_memory_fraction": "serving.kv_cache_free_gpu_mem_fraction",
     "kv_cache_config.max_tokens": "serving.max_tokens_in_paged_kv_cache",
     "kv_cache_config.enable_block_reuse": "build.kv_cache_reuse",
@@ -195,6 +196,11 @@ def llm_args(spec: DeploymentSpec, model_dir: Path | str) -> dict[str, Any]:
         # BaseLlmArgs.enable_attention_dp (bool, default False; facts/llmapi.json llm_args), handed to the Mapping
         # (_ParallelConfig.to_mapping); written only when on, so other deployments' files keep upstream's default.
         args["enable_attention_dp"] = True
+    if b.max_beam_width > 1:
+        # BaseLlmArgs.max_beam_width (Optional[int], default None: one beam; facts/llmapi.json llm_args): beam
+        # search requests (use_beam_search, best_of or n beams) are served up to this width. Written only for
+        # beams, so other deployments' files keep upstream's default.
+        args["max_beam_width"] = b.max_beam_width
     spec_cfg = speculative_config(spec)
     if spec_cfg is not None:
         args["speculative_config"] = spec_cfg

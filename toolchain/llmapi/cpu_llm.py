@@ -29,14 +29,16 @@ import itertools
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from toolchain.errors import ToolchainError
 from toolchain.llmapi.args import llm_args_problem, windows_problem
 from toolchain.llmapi.guided import GuidedDecodingParams
-from toolchain.llmapi.logprobs import Logprob, prompt_logprobs, token_logprobs
+from toolchain.llmapi.logprobs import prompt_logprobs, token_logprobs
+from toolchain.llmapi.outputs import (CompletionOutput, KvCacheMetrics, RequestOutput, RequestPerfMetrics,
+                                      beam_outputs, keep_best)
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import LLMAPI
 from toolchain.engine.build import run_build
@@ -86,9 +88,8 @@ class SamplingParams:
     logprobs: int | None = None  # each generated token's log-prob and its `logprobs` likeliest alternatives
     prompt_logprobs: int | None = None  # each prompt token's log-prob (the first has none)
     guided_decoding: GuidedDecodingParams | None = None
-
-    # Fields whose non-neutral value asks for something the CPU engine does not compute.
-    _NEUTRAL = {"use_beam_search": (False,)}
+    length_penalty: float | None = None  # beam search (None: 1.0)
+    early_stopping: int | None = None  # beam search: 1 ends once beam-width beams finished, 0 HF's heuristic
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "SamplingParams":
@@ -112,12 +113,9 @@ class SamplingParams:
         if best_of > 1 and self.greedy:
             raise LlmArgsError("Greedy decoding in the LLM API does not allow multiple returns. Please set to "
                                f"best_of=1, got best_of={best_of}.")
-        if best_of != self.n:
-            raise LlmArgsError(f"best_of={best_of} above n={self.n} is not supported by the CPU engine, which returns "
-                               "every sequence it samples; set best_of to n or leave it unset")
-        for name, neutral in self._NEUTRAL.items():
-            if getattr(self, name) not in neutral:
-                raise LlmArgsError(f"{name}={getattr(self, name)!r} is not supported by the CPU engine")
+        if self.beam_width > 1 and (self.logprobs or self.prompt_logprobs is not None):
+            raise LlmArgsError("use_beam_search with logprobs above 0 or prompt_logprobs is not supported by the CPU "
+                               "engine: a beam carries its chosen tokens' log-probs only; set logprobs 0 or leave it unset")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
@@ -131,61 +129,16 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise LlmArgsError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
 
+    @property
+    def beam_width(self) -> int:
+        """The LLM API's rule (SamplingParams doc): with use_beam_search, best_of is the beam width when given,
+        else n; n sequences are returned. 1: no beam search."""
+        return (self.best_of or self.n) if self.use_beam_search else 1
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else [str(s) for s in self.stop]
-
-
-@dataclass
-class KvCacheMetrics:
-    num_reused_blocks: int = 0
-    num_missed_blocks: int = 0
-    num_new_allocated_blocks: int = 0
-    num_total_allocated_blocks: int = 0
-    kv_cache_hit_rate: float = 0.0
-
-
-@dataclass
-class RequestPerfMetrics:
-    """The LLM API's per-request perf metrics (RequestOutput.outputs[0].request_perf_metrics)."""
-
-    arrival_time_ns: int = 0
-    first_scheduled_time_ns: int = 0
-    first_token_time_ns: int = 0
-    last_token_time_ns: int = 0
-    kv_cache_metrics: KvCacheMetrics = field(default_factory=KvCacheMetrics)
-    acceptance_rate: float = 0.0
-    total_accepted_draft_tokens: int = 0
-    total_draft_tokens: int = 0
-
-
-@dataclass
-class CompletionOutput:
-    index: int = 0
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "cancelled"
-    stop_reason: int | str | None = None
-    cumulative_logprob: float | None = None  # with `logprobs`: the sum of the generated tokens' log-probs
-    logprobs: list[dict[int, Logprob]] | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    request_perf_metrics: RequestPerfMetrics | None = None
-    _last_text_len: int = 0
-
-    @property
-    def text_diff(self) -> str:
-        return self.text[self._last_text_len:]
-
-
-@dataclass
-class RequestOutput:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = False
-    error: str | None = None
 
 
 class RequestHandle:
@@ -267,7 +220,9 @@ def engine_spec(args: dict[str, Any]):
                        "max_seq_len": max_seq, "max_num_tokens": _int(args, "max_num_tokens", 8192)},
             "build": {"tokens_per_block": _int(kv, "tokens_per_block", 32),
                       "kv_cache_reuse": bool(kv.get("enable_block_reuse", True)),
-                      "chunked_context": bool(args.get("enable_chunked_prefill", False))},
+                      "chunked_context": bool(args.get("enable_chunked_prefill", False)),
+                      # LLM()'s max_beam_width (None: one beam) is the CPU build's widest beam search.
+                      "max_beam_width": _int(args, "max_beam_width", None) or 1},
             "speculative": speculative,
             "serving": {"kv_cache_free_gpu_mem_fraction": kv.get("free_gpu_memory_fraction", 0.9),
                         "max_tokens_in_paged_kv_cache": kv.get("max_tokens"),
@@ -473,30 +428,82 @@ class CpuLLM:
         ids = self.encode(prompt, sp.add_special_tokens) if isinstance(prompt, str) else [int(t) for t in prompt]
         stops = self._stops(sp)
         params = self._engine_params(sp, stops)
+        count = max(sp.best_of or sp.n, sp.n) if sp.beam_width == 1 else 1  # sequences sampled
+        if streaming and (sp.beam_width > 1 or count > sp.n):
+            # UNVERIFIED whether the LLM API streams these; the CPU engine's beams end together.
+            raise LlmArgsError("streaming with use_beam_search or best_of above n is not supported by the CPU "
+                               "engine; generate without streaming")
+        if sp.beam_width > 1:
+            params = dataclasses.replace(
+                params, beam_width=sp.beam_width, num_return_sequences=sp.n, logprobs=None,
+                length_penalty=1.0 if sp.length_penalty is None else sp.length_penalty,
+                early_stopping=1 if sp.early_stopping is None else sp.early_stopping,
+                stop_words=[w for w in params.stop_words if w != [params.end_id]])  # a beam ends on end_id itself
+        elif count > sp.n and params.logprobs is None:
+            params = dataclasses.replace(params, logprobs=0)  # a record to rank the best_of sequences by
         problem = self.engine.request_problem(ids, params)
         if problem:
             raise LlmArgsError(problem)
+        if sp.beam_width > 1:
+            return self._submit_beams(text, ids, params, sp, on_output)
         # n sampled sequences run as the executor's child requests, child j seeded with the seed + j
         # (engine/cpu/beams.py's rule, UNVERIFIED there); RequestOutput.outputs[j] is child j's.
-        rids = [next(self._ids) for _ in range(sp.n)]
+        rids = [next(self._ids) for _ in range(count)]
         out = RequestOutput(rids[0], text, ids, [])
-        done = [False] * sp.n
-        for j, (rid, child) in enumerate(zip(rids, children(dataclasses.replace(params, num_return_sequences=sp.n)),
+        done = [False] * count
+        records: list = []
+        if count > sp.n:  # outputs cut to the n best once all have finished (outputs.keep_best)
+            on_output = self._best_of(sp.n, records, on_output)
+        for j, (rid, child) in enumerate(zip(rids, children(dataclasses.replace(params, num_return_sequences=count)),
                                              strict=True)):
             perf = RequestPerfMetrics(arrival_time_ns=time.time_ns()) if sp.return_perf_metrics else None
             out.outputs.append(CompletionOutput(index=j, request_perf_metrics=perf))
-            callback, record, stats = self._child_callback(out, j, done, sp, ids, stops, streaming, on_output)
+            callback, record, stats = self._child_callback(out, j, done, sp, ids, stops, streaming, on_output,
+                                                           child.logprobs is not None)
+            records.append(record)
             self._batcher.submit(rid, ids, child, callback, stats=stats, logprobs=record)
         return RequestHandle(self, rids)
 
+    @staticmethod
+    def _best_of(n: int, records: list, on_output: Callable[[RequestOutput], None] | None):
+        def finished(out: RequestOutput) -> None:
+            keep_best(out, n, records)
+            if on_output is not None:
+                on_output(out)
+
+        return finished
+
+    def _submit_beams(self, text: str | None, ids: list[int], params, sp: SamplingParams,
+                      on_output: Callable[[RequestOutput], None] | None) -> RequestHandle:
+        """One beam-search request; on its end `outputs` become its returned beams, best first."""
+        from toolchain.engine.cpu import RequestStats
+
+        rid, stats = next(self._ids), RequestStats()
+        results: list = []  # the engine's BeamResults, filled before the final callback
+        out = RequestOutput(rid, text, ids, [CompletionOutput()])
+
+        def callback(new_tokens, finished, error=None):
+            if not finished:
+                return
+            out.outputs = beam_outputs(results, self.tokenizer.decode, ids, sp.exclude_input_from_output,
+                                       sp.skip_special_tokens, sp.logprobs is not None) or out.outputs
+            if not results:  # cancelled or failed before the search ended
+                out.outputs[0].finish_reason = "cancelled"
+            out.error, out.finished = error, True
+            if on_output is not None:
+                on_output(out)
+
+        self._batcher.submit(rid, ids, params, callback, stats=stats, beam_results=results)
+        return RequestHandle(self, [rid])
+
     def _child_callback(self, out: RequestOutput, j: int, done: list[bool], sp: SamplingParams, ids: list[int],
-                        stops, streaming: bool, on_output: Callable[[RequestOutput], None] | None):
+                        stops, streaming: bool, on_output: Callable[[RequestOutput], None] | None, keep: bool):
         """(batcher callback, log-prob record, stats) of sequence j of `out` (all on the batcher thread)."""
         from toolchain.engine.cpu import RequestStats
         from toolchain.engine.cpu.logprobs import TokenLogprobs
 
         stats = RequestStats()
-        record = TokenLogprobs() if sp.logprobs is not None or sp.prompt_logprobs is not None else None
+        record = TokenLogprobs() if keep or sp.logprobs is not None or sp.prompt_logprobs is not None else None
         c = out.outputs[j]
         generated: list[int] = []
 
