@@ -8,7 +8,9 @@ The request contract of TensorRT-LLM's `triton_backend/all_models/llmapi/tensorr
   which `auto_complete_config` applies to the model config as upstream does;
 * one prompt per request in `text_input` [1]; `sampling_param_*` are the LLM API's
   SamplingParams, presence and frequency penalties included (`exclude_input_from_output`
-  False unless sent, as upstream's helpers default it); `streaming` needs the decoupled policy;
+  False unless sent, as upstream's helpers default it); `sampling_param_best_of` above 1 samples
+  that many and answers the one with the highest cumulative log-prob (upstream's inputs have no
+  `n` or beam-search input, so beams are not reachable here); `streaming` needs the decoupled policy;
 * every response carries `text_output`, the whole text so far (the LLM API's
   cumulative `output.text`); `finish_reason`, `stop_reason` and `cumulative_logprob`
   when their `return_*` input asks; the perf-metric outputs with
