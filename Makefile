@@ -61,18 +61,19 @@ $(AIPERF_STAMP):
 
 aiperf: $(AIPERF_STAMP) ## Install AIPerf 0.13 into benchmarks/.venv/aiperf
 
-# EleutherAI's lm-evaluation-harness 0.4.13 with its hf backend, in its own venv as AIPerf is: it needs numpy >= 2,
-# which the project's venv holds below 2. torch is the CPU build, taken as setup takes it (TORCH_INDEX, else pip's
-# own sources). tests/test_lm_eval.py scores a task shipped in tests/data through the OpenAI server with it.
+# EleutherAI's lm-evaluation-harness 0.4.13 with its hf and API (local-completions) backends, in its own venv as
+# AIPerf is: it needs numpy >= 2, which the project's venv holds below 2. torch is the CPU build, taken as setup
+# takes it (TORCH_INDEX, else pip's own sources). tests/test_lm_eval.py scores the tasks shipped in tests/data
+# through the OpenAI server with it.
 LMEVAL_VENV := benchmarks/.venv/lm-eval
 LMEVAL_STAMP := $(LMEVAL_VENV)/.setup-stamp
 $(LMEVAL_STAMP):
-	@echo "==> installing lm-evaluation-harness 0.4.13 (hf backend, torch 2.13.0+cpu) into $(LMEVAL_VENV) ..."
+	@echo "==> installing lm-evaluation-harness 0.4.13 (hf and API backends, torch 2.13.0+cpu) into $(LMEVAL_VENV) ..."
 	@test -x $(LMEVAL_VENV)/bin/python || $(PYTHON) -m venv $(LMEVAL_VENV)
 	@if [ -n "$(TORCH_HOST)" ] && ! getent hosts "$(TORCH_HOST)" >/dev/null; then idx=""; \
 	else idx="$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))"; fi; \
 	$(LMEVAL_VENV)/bin/pip install --quiet --disable-pip-version-check --no-compile $$idx \
-	  "lm-eval[hf]==0.4.13" "torch==2.13.0+cpu" $(QUIET_PIP)
+	  "lm-eval[api,hf]==0.4.13" "torch==2.13.0+cpu" $(QUIET_PIP)
 	@touch $(LMEVAL_STAMP)
 
 .PHONY: lm-eval
