@@ -44,6 +44,8 @@ $(STAMP): pyproject.toml
 	$(PIP) $$idx "torch==2.13.0+cpu" "numpy<2" $(QUIET_PIP)
 	@echo "==> installing trtllm-toolchain and its dependencies (tritonserver from nvidia-pytriton, transformers, ...) ..."
 	@$(PIP) -e ".[test]" $(QUIET_PIP)
+	@echo "==> installing xgrammar 0.2.9 (structured output) without its GPU-only triton dependency ..."
+	@$(PIP) --no-deps "xgrammar==0.2.9" $(QUIET_PIP)
 	@touch $(STAMP)
 	@echo "==> setup done: $(VENV)"
 

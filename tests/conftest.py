@@ -146,6 +146,16 @@ def hf_llama_words(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_llama_chars(tmp_path_factory) -> Path:
+    """hf_llama's model with a character tokenizer (every printable ASCII character a token), for guided decoding."""
+    from triton_helpers import make_char_tokenizer
+
+    out = make_hf_llama(tmp_path_factory.mktemp("hf-llama-chars"))
+    make_char_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def hf_llama_tied(tmp_path_factory) -> Path:
     return make_hf_llama(tmp_path_factory.mktemp("hf-llama-tied"), tie_word_embeddings=True, seed=1)
 

@@ -374,7 +374,9 @@ def test_the_stand_in_refuses_what_the_real_llm_refuses_or_cannot_run(hf_llama_w
 @pytest.mark.parametrize("sampling, fragment", [
     ({"best_of": 2}, "Greedy decoding in the LLM API does not allow multiple returns"),
     ({"n": 2, "best_of": 1}, "best_of (1) cannot be less than n (2)"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"logprobs": -1}, "logprobs must be a non-negative integer"),
+    ({"guided_decoding": {"regex": "a+", "json_object": True}}, "Only one guide can be used for a request, but got 2."),
     ({"max_tokens": 0}, "max_tokens"),
     ({"no_such_field": 1}, "no_such_field"),
 ])

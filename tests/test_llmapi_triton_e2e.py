@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import queue
 
+import numpy as np
 import pytest
 
 from conftest import REPO, write_spec, starts_server
@@ -123,6 +124,20 @@ def test_stop_with_the_request_id_ends_an_inflight_request(served):
             client.close()
     assert stop_error is not None and "Request cancelled by client" in str(stop_error)
     assert len(texts(responses)) < limit and responses[-1].as_numpy("finish_reason")[0] == b"cancelled"
+
+
+def test_penalties_and_the_cumulative_logprob_come_through_the_llmapi_model(served):
+    """sampling_param_presence_penalty reaches the engine (a huge one repeats no token of prompt or output), and
+    return_cumulative_logprob answers upstream's FP32 output with the generated tokens' summed log-prob."""
+    _, _, server = served
+    responses, errors = collect(server.grpc_url, llmapi_inputs(
+        "w5 w6 w7", sampling_param_max_tokens=8, sampling_param_top_k=1, sampling_param_presence_penalty=1000.0,
+        sampling_param_exclude_input_from_output=True, return_cumulative_logprob=True))
+    assert not errors, errors
+    words = ("w5 w6 w7 " + texts(responses)[-1]).split()
+    assert len(words) > 3 and len(set(words)) == len(words), words
+    cum = responses[-1].as_numpy("cumulative_logprob")
+    assert cum.dtype == np.float32 and cum.shape == (1,) and -1000 < float(cum[0]) < 0
 
 
 @pytest.mark.parametrize("inputs, fragment", [

@@ -110,9 +110,10 @@ def test_engine_errors_come_back_as_triton_errors(served):
     too_long = list(range(3, 3 + LIMITS["max_input_len"] + 8))
     got = stream(server.grpc_url, "tensorrt_llm", token_request(too_long, 4))
     assert got.errors and "tensorrt_llm" in str(got.errors[0]) and not got.responses
-    inputs = text_request(_words(PROMPT), 4, return_log_probs=([True], "BOOL"))
+    # an engine built without --gather_context_logits refuses context logits, as the executor does
+    inputs = text_request(_words(PROMPT), 4, return_context_logits=([True], "BOOL"))
     unsupported = stream(server.grpc_url, "ensemble", inputs)
-    assert unsupported.errors and "return_log_probs" in str(unsupported.errors[0])
+    assert unsupported.errors and "gather_context_logits" in str(unsupported.errors[0])
     assert server.ready
 
 

@@ -30,6 +30,26 @@ def make_tiny_tokenizer(out: Path, vocab_size: int = 250) -> Path:
     return Path(out)
 
 
+def make_char_tokenizer(out: Path, vocab_size: int = 250) -> Path:
+    """A character tokenizer saved as PreTrainedTokenizerFast: ids 0..2 are <unk>, <s>, </s>, then one token per
+    printable ASCII character, then fillers up to `vocab_size`. Any ASCII text is spellable, so a grammar's mask
+    (guided decoding) always leaves the random test model a way to write JSON, regexes' matches and the like."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in string.printable[:95]:
+        vocab.setdefault(ch, len(vocab))
+    vocab.update({f"<x{i}>": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()  # characters join with nothing between them
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(out)
+    return Path(out)
+
+
 def deploy(root: Path, hf_dir: Path, **sections):
     """Convert, build and render `hf_dir` with a spec of `sections` under `root`; returns
     (spec, workspace, an unstarted TritonServer on free ports)."""

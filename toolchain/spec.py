@@ -168,6 +168,10 @@ class ServingSection(_Section):
     """Requests that may wait for admission; more are refused with the executor's "queue is full" error (0: no bound)."""
     exclude_input_in_output: bool = True
     """Default for responses: return only generated tokens."""
+    guided_decoding_backend: Literal["xgrammar"] | None = None
+    """`xgrammar`: structured output (JSON, JSON schema, regex, EBNF) through the tensorrt_llm model's
+    guided_decoding_guide_type / guided_decoding_guide inputs; model-repo writes the tokenizer-info file the backend
+    reads (xgrammar_tokenizer_info_path). Unset: guided decoding off, such requests are refused."""
     engine_threads: int = Field(1, ge=0, le=256)
     """torch threads of the CPU engine inside the server (target cpu); 0 = every core this host gives the
     process. Small models decode fastest on one; 100M+ parameter models gain from more."""

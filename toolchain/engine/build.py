@@ -52,6 +52,8 @@ def build_config(spec: DeploymentSpec) -> dict:
         "max_num_tokens": lim.max_num_tokens,
         "max_beam_width": 1,
         "kv_cache_type": "PAGED",
+        # As trtllm-build records it (--gather_context_logits): the executor returns context logits only then.
+        "gather_context_logits": spec.build.gather_context_logits,
         # As trtllm-build records them: the most draft tokens a request may bring (0: none).
         "max_draft_len": spec.speculative.max_draft_len if spec.speculative.mode != "none" else 0,
         "plugin_config": {"remove_input_padding": True, "paged_kv_cache": True,

@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 from toolchain.errors import ToolchainError
 from toolchain.llmapi.args import llm_args_problem, windows_problem
+from toolchain.llmapi.guided import GuidedDecodingParams
+from toolchain.llmapi.logprobs import Logprob, prompt_logprobs, token_logprobs
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import LLMAPI
 from toolchain.engine.build import run_build
@@ -79,11 +81,13 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logprobs: int | None = None
+    min_p: float | None = None
+    logprobs: int | None = None  # each generated token's log-prob and its `logprobs` likeliest alternatives
+    prompt_logprobs: int | None = None  # each prompt token's log-prob (the first has none)
+    guided_decoding: GuidedDecodingParams | None = None
 
     # Fields whose non-neutral value asks for something the CPU engine does not compute.
-    _NEUTRAL = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
-                "logprobs": (None, 0), "use_beam_search": (False,)}
+    _NEUTRAL = {"use_beam_search": (False,)}
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "SamplingParams":
@@ -107,11 +111,22 @@ class SamplingParams:
         if best_of > 1 and self.greedy:
             raise LlmArgsError("Greedy decoding in the LLM API does not allow multiple returns. Please set to "
                                f"best_of=1, got best_of={best_of}.")
-        if best_of > 1 or self.n > 1:
-            raise LlmArgsError(f"n={self.n}, best_of={best_of}: the CPU engine returns one sequence per request")
+        if best_of != self.n:
+            raise LlmArgsError(f"best_of={best_of} above n={self.n} is not supported by the CPU engine, which returns "
+                               "every sequence it samples; set best_of to n or leave it unset")
         for name, neutral in self._NEUTRAL.items():
             if getattr(self, name) not in neutral:
                 raise LlmArgsError(f"{name}={getattr(self, name)!r} is not supported by the CPU engine")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+                raise LlmArgsError(f"{name} must be a non-negative integer, got {k!r}")
+        if self.guided_decoding is not None:
+            if isinstance(self.guided_decoding, dict):  # from a JSON request body
+                self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
+            problem = self.guided_decoding.problem()
+            if problem:
+                raise LlmArgsError(problem)
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise LlmArgsError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
 
@@ -151,7 +166,9 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "cancelled"
     stop_reason: int | str | None = None
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # with `logprobs`: the sum of the generated tokens' log-probs
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     request_perf_metrics: RequestPerfMetrics | None = None
     _last_text_len: int = 0
 
@@ -173,11 +190,12 @@ class RequestOutput:
 class RequestHandle:
     """What `generate_async` returns: `abort()` cancels the request (its last output says "cancelled")."""
 
-    def __init__(self, llm: "CpuLLM", request_id: int):
-        self._llm, self.request_id = llm, request_id
+    def __init__(self, llm: "CpuLLM", request_ids: list[int]):
+        self._llm, self.request_id, self._children = llm, request_ids[0], request_ids
 
     def abort(self) -> None:
-        self._llm._batcher.cancel(self.request_id)
+        for rid in self._children:  # every sequence of an n > 1 request
+            self._llm._batcher.cancel(rid)
 
 
 def _int(args: dict, key: str, default: int | None) -> int | None:
@@ -427,10 +445,20 @@ class CpuLLM:
         from toolchain.engine.cpu import SamplingParams as EngineParams
 
         end_id = sp.end_id if sp.end_id is not None else self.tokenizer.eos_token_id
+        guide = sp.guided_decoding.guide() if sp.guided_decoding is not None else None
+        if guide is not None and self.engine.guided is None:
+            # The PyTorch backend builds its XGrammar matcher from the model's tokenizer; so does the engine's.
+            from toolchain.engine.cpu.guided import GuidedDecoder
+
+            self.engine.guided = GuidedDecoder.from_tokenizer_dir(self.spec.model.tokenizer_dir, self.engine.vocab_size)
         return EngineParams(max_new_tokens=sp.max_tokens, temperature=1.0 if sp.temperature is None else sp.temperature,
                             top_k=sp.top_k or 0, top_p=sp.top_p or 0.0, seed=self._seeds.seed(sp.seed), min_tokens=sp.min_tokens or 0,
                             end_id=-1 if sp.ignore_eos or end_id is None else int(end_id),
-                            stop_words=[word for _, word in stops])
+                            stop_words=[word for _, word in stops],
+                            repetition_penalty=1.0 if sp.repetition_penalty is None else sp.repetition_penalty,
+                            presence_penalty=sp.presence_penalty or 0.0, frequency_penalty=sp.frequency_penalty or 0.0,
+                            min_p=sp.min_p or 0.0, logprobs=sp.logprobs, prompt_logprobs=sp.prompt_logprobs,
+                            guide=guide)
 
     def generate_async(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                        streaming: bool = False, on_output: Callable[[RequestOutput], None] | None = None
@@ -438,8 +466,6 @@ class CpuLLM:
         """Queue one request. `on_output` gets the request's RequestOutput (the same object, updated)
         after each step that produced text when streaming, and once finished in any case; raises
         LlmArgsError for a request this engine refuses (the LLM API raises for the same)."""
-        from toolchain.engine.cpu import RequestStats
-
         sp = sampling_params or SamplingParams()
         sp.validate()
         text = prompt if isinstance(prompt, str) else None
@@ -449,29 +475,61 @@ class CpuLLM:
         problem = self.engine.request_problem(ids, params)
         if problem:
             raise LlmArgsError(problem)
-        rid = next(self._ids)
+        # n sampled sequences run as the executor's child requests, child j seeded with the seed + j
+        # (engine/cpu/beams.py's rule, UNVERIFIED there); RequestOutput.outputs[j] is child j's.
+        rids = [next(self._ids) for _ in range(sp.n)]
+        out = RequestOutput(rids[0], text, ids, [])
+        done = [False] * sp.n
+        for j, rid in enumerate(rids):
+            child = params if sp.n == 1 else dataclasses.replace(params, seed=(int(params.seed or 0) + j) % 2**64)
+            perf = RequestPerfMetrics(arrival_time_ns=time.time_ns()) if sp.return_perf_metrics else None
+            out.outputs.append(CompletionOutput(index=j, request_perf_metrics=perf))
+            callback, record, stats = self._child_callback(out, j, done, sp, ids, stops, streaming, on_output)
+            self._batcher.submit(rid, ids, child, callback, stats=stats, logprobs=record)
+        return RequestHandle(self, rids)
+
+    def _child_callback(self, out: RequestOutput, j: int, done: list[bool], sp: SamplingParams, ids: list[int],
+                        stops, streaming: bool, on_output: Callable[[RequestOutput], None] | None):
+        """(batcher callback, log-prob record, stats) of sequence j of `out` (all on the batcher thread)."""
+        from toolchain.engine.cpu import RequestStats
+        from toolchain.engine.cpu.logprobs import TokenLogprobs
+
         stats = RequestStats()
-        perf = RequestPerfMetrics(arrival_time_ns=time.time_ns()) if sp.return_perf_metrics else None
-        out = RequestOutput(rid, text, ids, [CompletionOutput(request_perf_metrics=perf)])
+        record = TokenLogprobs() if sp.logprobs is not None or sp.prompt_logprobs is not None else None
+        c = out.outputs[j]
         generated: list[int] = []
 
         def callback(new_tokens, finished, error=None):
             new_tokens = [int(t) for t in new_tokens or ()]
+            perf = c.request_perf_metrics
             if perf is not None and new_tokens and not perf.first_token_time_ns:
                 perf.first_token_time_ns = time.time_ns()
             generated.extend(new_tokens)
             if not finished and not (streaming and new_tokens):
                 return
-            self._update(out, sp, ids, generated, stats, finished, error, stops)
-            if on_output is not None:
+            done[j] = done[j] or finished
+            self._update(out, c, sp, ids, generated, stats, finished, error, stops)
+            out.finished = all(done)
+            if record is not None:
+                self._logprobs(c, sp, ids, record)
+            if on_output is not None and (streaming or out.finished):
                 on_output(out)
 
-        self._batcher.submit(rid, ids, params, callback, stats=stats)
-        return RequestHandle(self, rid)
+        return callback, record, stats
 
-    def _update(self, out: RequestOutput, sp: SamplingParams, prompt: list[int], generated: list[int], stats,
-                finished: bool, error: str | None, stops: list[tuple[int | str, list[int]]]) -> None:
-        c = out.outputs[0]
+    @staticmethod
+    def _logprobs(c: CompletionOutput, sp: SamplingParams, prompt: list[int], record) -> None:
+        """The output's log-probs from the engine's record (filled before the callback heard of the tokens)."""
+        generated = c.token_ids[len(prompt):] if not sp.exclude_input_from_output else c.token_ids
+        if sp.logprobs is not None:
+            c.logprobs = token_logprobs(generated, record)
+            c.cumulative_logprob = float(sum(record.tokens[:len(generated)]))
+        if sp.prompt_logprobs is not None:
+            c.prompt_logprobs = prompt_logprobs(prompt, record)
+
+    def _update(self, out: RequestOutput, c: CompletionOutput, sp: SamplingParams, prompt: list[int],
+                generated: list[int], stats, finished: bool, error: str | None,
+                stops: list[tuple[int | str, list[int]]]) -> None:
         tokens = list(generated)
         if finished:
             c.finish_reason, c.stop_reason, word = self._reason(stats.finish_reason, tokens, stops)
@@ -481,7 +539,7 @@ class CpuLLM:
         c.token_ids = tokens if sp.exclude_input_from_output else prompt + tokens
         c._last_text_len = len(c.text)
         c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=sp.skip_special_tokens)
-        out.finished, out.error = finished, error
+        out.error = out.error or error
         perf = c.request_perf_metrics
         if perf is not None:
             perf.first_scheduled_time_ns = stats.first_scheduled_ns or perf.arrival_time_ns

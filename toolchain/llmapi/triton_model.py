@@ -7,8 +7,8 @@ The request contract of TensorRT-LLM's `triton_backend/all_models/llmapi/tensorr
   and `triton_config` (`max_batch_size` 0, `decoupled`, `cancellation_check_period_ms`),
   which `auto_complete_config` applies to the model config as upstream does;
 * one prompt per request in `text_input` [1]; `sampling_param_*` are the LLM API's
-  SamplingParams (`exclude_input_from_output` False unless sent, as upstream's helpers
-  default it); `streaming` needs the decoupled policy;
+  SamplingParams, presence and frequency penalties included (`exclude_input_from_output`
+  False unless sent, as upstream's helpers default it); `streaming` needs the decoupled policy;
 * every response carries `text_output`, the whole text so far (the LLM API's
   cumulative `output.text`); `finish_reason`, `stop_reason` and `cumulative_logprob`
   when their `return_*` input asks; the perf-metric outputs with
@@ -144,6 +144,11 @@ class TritonPythonModel:
         if stop is not None:
             kwargs["stop"] = [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in stop.as_numpy().reshape(-1)]
         returns = {name for name in RETURNS if _scalar(request, name)}
+        if "return_cumulative_logprob" in returns:
+            # cumulative_logprob is the LLM API's sum of the generated tokens' log-probs, which it computes when
+            # log-probs are asked for; upstream's inputs have no sampling_param_logprobs, so the flag asks here
+            # (UNVERIFIED how upstream's model fills it without them).
+            kwargs.setdefault("logprobs", 0)
         state = _Request(sender, triton_id, streaming, returns, request)
         params = self.SamplingParams.from_kwargs(kwargs)
         with self.lock:
@@ -179,6 +184,9 @@ class TritonPythonModel:
         for flag, name in RETURNS.items():
             if flag in state.returns:
                 value = getattr(c, name)
+                if name == "cumulative_logprob":  # TYPE_FP32 in upstream's config.pbtxt
+                    tensors.append(pb_utils.Tensor(name, np.array([value or 0.0], dtype=np.float32)))
+                    continue
                 tensors.append(pb_utils.Tensor(name, np.array([str(value).encode("utf-8")], dtype=object)))
         perf = c.request_perf_metrics
         if perf is not None:

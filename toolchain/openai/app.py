@@ -16,6 +16,7 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from pathlib import Path
 
@@ -25,12 +26,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import toolchain
-from toolchain.engine.cpu import CpuEngine, QueueFull, SamplingParams, SchedulerConfig
+from toolchain.engine.cpu import CpuEngine, QueueFull, SchedulerConfig
+from toolchain.engine.cpu.guided import GuidedDecoder
+from toolchain.engine.cpu.logprobs import TokenLogprobs
 from toolchain.engine.cpu.sampling import UnseededStream
+from toolchain.openai.logprobs import LogprobShaper, empty, extend, prompt_logprobs
 from toolchain.openai.metrics import ServerMetrics
+from toolchain.openai.params import engine_params
 from toolchain.openai.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, Envelope, error_body,
-                                       model_list, validation_message)
-from toolchain.openai.service import EngineService, Generation
+                                       merged, model_list, validation_message)
+from toolchain.openai.service import EngineService, Generation, merge_streams
+from toolchain.openai.structured import guide_for
 from toolchain.openai.text import Detokenizer, StopStrings, TextCodec
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,27 @@ DISCONNECT_POLL_S = 0.2
 
 def _error(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, err_type: str = "BadRequestError") -> JSONResponse:
     return JSONResponse(error_body(message, err_type, status), status_code=int(status))
+
+
+@dataclass
+class Choice:
+    """One prompt's generation within a request: its choice index and the prompt text echoed before it."""
+
+    index: int
+    gen: Generation
+    echo: str = ""
+    first: bool = True  # its prompt's first sequence: the one whose prompt tokens the usage counts
+
+
+# As the executor splits a request for n sampled sequences into child requests (LlmRequest::createChildRequest,
+# cpp/tensorrt_llm/batch_manager/llmRequest.cpp), each its own generation, child j seeded with the request's
+# seed + j (the rule engine/cpu/beams.py `children` follows; UNVERIFIED, as noted there).
+SEED_MODULUS = 2**64
+
+
+def _children(params, n: int) -> list:
+    base = int(params.seed or 0)
+    return [params] if n == 1 else [replace(params, seed=(base + j) % SEED_MODULUS) for j in range(n)]
 
 
 def _sse(obj) -> str:
@@ -65,103 +92,145 @@ class OpenAIFrontend:
             raise ApiError(f"model {name!r} is not served here; this server serves {self.model!r} (GET /v1/models)",
                            HTTPStatus.NOT_FOUND, "NotFoundError")
 
-    def _prompt_ids(self, req) -> list[int]:
+    def _prompts(self, req) -> list[tuple[list[int], str | None]]:
+        """(token ids, text) of each prompt; text is None for a prompt sent as token ids."""
         if isinstance(req, ChatCompletionRequest):
             messages = [m.for_template() for m in req.messages]
             text = self.codec.chat_prompt(messages, req.add_generation_prompt, req.chat_template,
                                           req.chat_template_kwargs)
-            return self.codec.encode(text, add_special_tokens=req.add_special_tokens)
-        if isinstance(req.prompt, str):
-            if not req.prompt:
-                raise ApiError("prompt is empty: send at least one token of text")
-            ids = self.codec.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-            if not ids:
-                raise ApiError("prompt encodes to no tokens: send some text the tokenizer knows")
-            return ids
-        if not req.prompt:
-            raise ApiError("prompt is empty: send a string or a non-empty list of token ids")
-        return list(req.prompt)
+            return [(self.codec.encode(text, add_special_tokens=req.add_special_tokens), text)]
+        out: list[tuple[list[int], str | None]] = []
+        for prompt in req.prompts():
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise ApiError("prompt is empty: send at least one token of text")
+                ids = self.codec.encode(prompt, add_special_tokens=req.add_special_tokens)
+                if not ids:
+                    raise ApiError("prompt encodes to no tokens: send some text the tokenizer knows")
+                out.append((ids, prompt))
+            elif not prompt:
+                raise ApiError("prompt is empty: send a string or a non-empty list of token ids")
+            else:
+                out.append((list(prompt), None))
+        return out
 
-    def _sampling(self, req, prompt: list[int]) -> SamplingParams:
-        lim = self.engine.limits
-        if len(prompt) > lim.max_input_len:
-            raise ApiError(f"the prompt has {len(prompt)} tokens, more than the engine's max_input_len "
-                           f"{lim.max_input_len}; shorten it")
-        room = lim.max_seq_len - len(prompt)
-        max_tokens = req.max_tokens
-        if max_tokens is None:
-            # trtllm-serve passes an absent max_tokens on as None and the executor deduces it as whatever
-            # max_seq_len leaves after the prompt (NVIDIA/TensorRT-LLM tensorrt_llm/executor/base_worker.py,
-            # _deduce_max_tokens: default_max_tokens = max_seq_len - prompt_len).
-            max_tokens = room
-        elif max_tokens < 1:
-            raise ApiError(f"max_tokens must be at least 1, got {max_tokens}")
-        elif max_tokens > room:
-            raise ApiError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the engine's "
-                           f"max_seq_len {lim.max_seq_len}; ask for at most {room} tokens")
-        if room < 1:
-            raise ApiError(f"the prompt ({len(prompt)} tokens) leaves no room under max_seq_len {lim.max_seq_len}")
-        if req.temperature is not None and req.temperature < 0:
-            raise ApiError(f"temperature must be >= 0, got {req.temperature}")
-        if req.top_p is not None and not 0 < req.top_p <= 1:
-            raise ApiError(f"top_p must be in (0, 1], got {req.top_p}")
-        return SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_k=req.top_k, top_p=1.0 if req.top_p is None else req.top_p,
-            seed=self.seeds.seed(req.seed),
-            end_id=-1 if req.ignore_eos else self.codec.end_id,
-            stop_words=[] if req.ignore_eos else [[i] for i in self.codec.stop_ids],
-            min_tokens=req.min_tokens)
-
-    def _start(self, req) -> Generation:
+    def _start(self, req) -> list[Choice]:
+        """Every prompt of `req` checked, then submitted: one Choice each (all or none)."""
         self._check_model(req.model)
         reason = req.unsupported()
         if reason:
             raise ApiError(reason)
-        prompt = self._prompt_ids(req)
-        params = self._sampling(req, prompt)
-        problem = self.engine.request_problem(prompt, params)
-        if problem:
-            raise ApiError(problem)
+        guide = guide_for(req.response_format)
+        if guide is not None:
+            self.guided_decoding()
+        chat = isinstance(req, ChatCompletionRequest)
+        planned = []
+        for ids, text in self._prompts(req):
+            params = engine_params(req, ids, limits=self.engine.limits, vocab_size=self.engine.vocab_size,
+                                   end_id=self.codec.end_id, stop_ids=self.codec.stop_ids,
+                                   seed=self.seeds.seed(req.seed), guide=guide)
+            problem = self.engine.request_problem(ids, params)
+            if problem:
+                raise ApiError(problem)
+            planned.append((ids, text, params))
+        choices: list[Choice] = []
         try:
-            return self.service.submit(prompt, params, req.priority)
+            for i, (ids, text, params) in enumerate(planned):
+                echo = "" if chat or not req.echo else (text if text is not None else
+                                                        self.codec.decode(ids, req.skip_special_tokens))
+                for j, child in enumerate(_children(params, req.n)):
+                    record = TokenLogprobs() if child.logprobs is not None or child.prompt_logprobs is not None else None
+                    gen = self.service.submit(ids, child, req.priority, logprobs=record)
+                    # trtllm-serve's order: prompt i's sequence j is choice i * n + j.
+                    choices.append(Choice(i * req.n + j, gen, echo, first=j == 0))
         except QueueFull as err:
+            self._release(choices)
             raise ApiError(str(err), HTTPStatus.TOO_MANY_REQUESTS, "RateLimitError") from None
         except (ValueError, RuntimeError) as err:
+            self._release(choices)
             raise ApiError(str(err), HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailableError") from None
+        return choices
 
-    async def _pieces(self, gen: Generation, req):
-        """(text to send, finish_reason, stop_reason) as tokens arrive; the last one has a finish_reason,
-        None when the request was cancelled under it."""
+    def guided_decoding(self) -> None:
+        """The engine's guided decoder, made from the tokenizer on first use."""
+        if getattr(self.engine, "guided", None) is None:
+            self.engine.guided = GuidedDecoder.from_tokenizer_dir(self.codec.directory, self.engine.vocab_size)
+
+    def _release(self, choices: list[Choice]) -> None:
+        for c in choices:
+            self.service.release(c.gen)
+
+    def _shaper(self, choice: Choice, req) -> LogprobShaper | None:
+        gen = choice.gen
+        if gen.logprobs is None or gen.params.logprobs is None:
+            return None
+        if isinstance(req, ChatCompletionRequest):
+            return LogprobShaper(self.codec, gen.logprobs, True, req.top_logprobs or 0)
+        return LogprobShaper(self.codec, gen.logprobs, False, req.logprobs, len(choice.echo))
+
+    def _echoed(self, choice: Choice, req) -> dict | None:
+        """Completions' echoed prompt's log-probs (with echo and logprobs)."""
+        gen = choice.gen
+        if not choice.echo or gen.params.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(self.codec, gen.prompt_ids, gen.logprobs, req.logprobs, req.skip_special_tokens)
+
+    async def _pieces(self, choice: Choice, req):
+        """(text to send, finish_reason, stop_reason, log-probs of the tokens whose text it is) as tokens
+        arrive; the last one has a finish_reason, None when the request was cancelled under it."""
+        gen = choice.gen
         detok = Detokenizer(self.codec, req.skip_special_tokens)
-        stops = StopStrings(req.stop_strings())
+        stops = StopStrings(req.stop_strings(), req.include_stop_str_in_output)
+        shaper = self._shaper(choice, req)
+        user_stops = set(req.stop_token_ids or ())
+        sent = 0  # characters of generated text released
+
+        def push(tokens: list[int]) -> str:
+            if shaper is None:
+                return detok.push(tokens)
+            piece = ""
+            for t in tokens:
+                shaper.add(t, len(detok.text))
+                piece += detok.push([t])
+            return piece
+
         async for tokens, finished in gen.events():
-            piece = stops.feed(detok.push(tokens)) if tokens else ""
+            stop_token = None
+            if (finished and tokens and tokens[-1] in user_stops and gen.stats.finish_reason == "stop_word"
+                    and not req.include_stop_str_in_output):
+                # A stop token id ends the text and is left out of it (the LLM API drops it too).
+                stop_token, tokens = tokens[-1], tokens[:-1]
+            elif finished and tokens and tokens[-1] in user_stops and gen.stats.finish_reason == "stop_word":
+                stop_token = tokens[-1]
+            piece = stops.feed(push(tokens)) if tokens else ""
             if finished and stops.hit is None:
                 piece += stops.feed(detok.finish())
             if stops.hit is not None:
                 self.service.release(gen)  # the engine need not go on
                 self.metrics.request_done(gen, "stop")
-                yield piece, "stop", stops.hit
+                sent += len(piece)
+                yield piece, "stop", stops.hit, shaper and shaper.release(sent)
                 return
             if finished:
                 if gen.cancelled:
-                    yield piece, None, None
+                    yield piece, None, None, None
                     return
                 reason = gen.finish_reason(self.codec.stop_ids)
                 self.metrics.request_done(gen, reason)
-                yield piece + stops.flush(), reason, None
+                yield piece + stops.flush(), reason, stop_token, shaper and shaper.release(None)
                 return
-            if piece:
-                yield piece, None, None
+            sent += len(piece)
+            lp = shaper and shaper.release(sent)
+            if piece or lp:
+                yield piece, None, None, lp
 
-    async def _watch(self, raw: Request, gen: Generation) -> None:
-        """Cancel `gen` when its client goes away (upstream polls is_disconnected the same way)."""
-        while not gen.done:
+    async def _watch(self, raw: Request, choices: list[Choice]) -> None:
+        """Cancel the request's generations when its client goes away (upstream polls is_disconnected the
+        same way)."""
+        while not all(c.gen.done for c in choices):
             if await raw.is_disconnected():
-                log.info("client gone; cancelling request %s", gen.request_id)
-                self.service.release(gen)
+                log.info("client gone; cancelling request %s", choices[0].gen.request_id)
+                self._release(choices)
                 return
             await asyncio.sleep(DISCONNECT_POLL_S)
 
@@ -169,41 +238,65 @@ class OpenAIFrontend:
 
     async def respond(self, req, raw: Request) -> Response:
         env = Envelope(isinstance(req, ChatCompletionRequest), self.model)
-        gen = self._start(req)
-        watcher = asyncio.create_task(self._watch(raw, gen))
+        choices = self._start(req)
+        watcher = asyncio.create_task(self._watch(raw, choices))
         if req.stream:
-            return StreamingResponse(self._stream(gen, req, env, watcher), media_type="text/event-stream")
+            return StreamingResponse(self._stream(choices, req, env, watcher), media_type="text/event-stream")
         try:
-            text, reason, stop_reason = [], None, None
-            async for piece, reason, stop_reason in self._pieces(gen, req):  # noqa: B007 - the last ones are kept
-                text.append(piece)
+            bodies = await asyncio.gather(*(self._complete(c, req, env) for c in choices))
         except RuntimeError as err:
             return _error(f"generation failed: {err}", HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
         finally:
             watcher.cancel()
-            self.service.release(gen)
-        return JSONResponse(env.final("".join(text), reason, stop_reason, len(gen.prompt_ids), len(gen.output)))
+            self._release(choices)
+        return JSONResponse(merged(list(bodies)))
 
-    async def _stream(self, gen: Generation, req, env: Envelope, watcher: asyncio.Task):
+    async def _complete(self, choice: Choice, req, env: Envelope) -> dict:
+        """One choice's whole body."""
+        text, reason, stop_reason = [choice.echo], None, None
+        logprobs = empty(env.chat) if choice.gen.params.logprobs is not None else None
+        async for piece, reason, stop_reason, lp in self._pieces(choice, req):  # noqa: B007 - the last ones are kept
+            text.append(piece)
+            if logprobs is not None:
+                extend(logprobs, lp)
+        if logprobs is not None:  # the prompt's come first; the engine has them once the first token is out
+            logprobs = extend(extend(empty(env.chat), self._echoed(choice, req)), logprobs)
+        gen = choice.gen
+        return env.final("".join(text), reason, stop_reason, len(gen.prompt_ids) if choice.first else 0,
+                         len(gen.output), index=choice.index, logprobs=logprobs)
+
+    async def _events(self, choice: Choice, req, env: Envelope):
+        """One choice's chunks."""
+        if env.chat:  # OpenAI's first chat chunk names the role
+            yield env.chunk("", role=True, index=choice.index)
+        echo = bool(choice.echo)
+        async for piece, reason, stop_reason, lp in self._pieces(choice, req):
+            if reason is None and choice.gen.cancelled:
+                return  # the client is gone
+            if echo:  # with the first tokens: the engine records the prompt's log-probs before it sends them
+                echo = False
+                yield env.chunk(choice.echo, index=choice.index, logprobs=self._echoed(choice, req))
+            if piece or lp or reason is not None:
+                yield env.chunk(piece, reason, stop_reason, index=choice.index, logprobs=lp)
+
+    async def _stream(self, choices: list[Choice], req, env: Envelope, watcher: asyncio.Task):
         try:
-            if env.chat:  # OpenAI's first chat chunk names the role
-                yield _sse(env.chunk("", role=True))
             try:
-                async for piece, reason, stop_reason in self._pieces(gen, req):
-                    if reason is None and gen.cancelled:
-                        return  # the client is gone
-                    if piece or reason is not None:
-                        yield _sse(env.chunk(piece, reason, stop_reason))
+                events = (self._events(choices[0], req, env) if len(choices) == 1 else
+                          merge_streams([self._events(c, req, env) for c in choices]))
+                async for chunk in events:
+                    yield _sse(chunk)
             except RuntimeError as err:
                 body = error_body(f"generation failed: {err}", "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
                 yield _sse(body)
             else:
                 if req.include_usage():
-                    yield _sse(env.usage_chunk(len(gen.prompt_ids), len(gen.output)))
+                    yield _sse(env.usage_chunk(sum(len(c.gen.prompt_ids) for c in choices if c.first),
+                                               sum(len(c.gen.output) for c in choices)))
             yield "data: [DONE]\n\n"
         finally:  # also when the response task is cancelled because the client left
             watcher.cancel()
-            self.service.release(gen)
+            self._release(choices)
 
     # -- small endpoints ------------------------------------------------------------------------
 
@@ -217,12 +310,12 @@ class OpenAIFrontend:
         try:
             req = CompletionRequest(model=self.model, prompt=self.codec.encode("hi") or [0], max_tokens=1,
                                     temperature=0.0)
-            gen = self._start(req)
+            choices = self._start(req)
             try:
-                async for _ in self._pieces(gen, req):
+                async for _ in self._pieces(choices[0], req):
                     pass
             finally:
-                self.service.release(gen)
+                self._release(choices)
             return Response("Generation health check OK", status_code=200)
         except Exception as err:
             msg = err.message if isinstance(err, ApiError) else f"{type(err).__name__}: {err}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import time
 from http import HTTPStatus
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -44,6 +44,24 @@ class StreamOptions(_Body):
     continuous_usage_stats: Optional[bool] = False
 
 
+class ResponseFormat(_Body):
+    """trtllm-serve's `response_format` (tensorrt_llm/serve/openai_protocol.py, ResponseFormat): the
+    OpenAI types plus trtllm-serve's own (json with a bare `schema`, regex, ebnf, structural_tag);
+    `structured.guide_for` maps it to the engine's guided-decoding Guide."""
+
+    type: Literal["text", "json", "json_schema", "json_object", "regex", "ebnf", "structural_tag"]
+    schema_: Optional[dict] = Field(default=None, alias="schema")
+    json_schema: Optional[dict] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    format: Optional[dict] = None  # structural_tag's format (XGrammar's structural tag)
+
+
+# The most log-probabilities one position may ask for (OpenAI caps chat top_logprobs at 20; trtllm-serve's
+# check_logprobs_limit value is UNVERIFIED here, so the larger of OpenAI's caps is taken).
+MAX_LOGPROBS = 20
+
+
 class _Sampling(_Body):
     """Fields shared by both endpoints, in upstream's names and defaults."""
 
@@ -60,11 +78,14 @@ class _Sampling(_Body):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     user: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
     # trtllm-serve's sampling extensions that the CPU engine implements (or accepts at their neutral value)
     use_beam_search: bool = False
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    stop_token_ids: Optional[list[StrictInt]] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -76,19 +97,20 @@ class _Sampling(_Body):
 
     def unsupported(self) -> str | None:
         """The first requested feature the CPU engine does not have, as a one-line reason."""
-        if self.n != 1:
-            return f"n={self.n} is not supported: this server returns one choice per request; send n=1"
-        if self.best_of not in (None, 1):
-            return f"best_of={self.best_of} is not supported; send best_of=1 or omit it"
+        best_of = self.best_of or self.n
+        if self.n < 1:
+            return f"n must be at least 1, got {self.n}"
+        if best_of < self.n:  # the LLM API's words (SamplingParams._validate)
+            return f"best_of ({best_of}) cannot be less than n ({self.n})"
         if self.use_beam_search:
-            return "use_beam_search is not supported by the CPU engine"
-        for name in ("frequency_penalty", "presence_penalty", "min_p"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                return f"{name} is not supported by the CPU engine; send 0 or omit it"
-        if self.repetition_penalty != 1.0:
-            return "repetition_penalty is not supported by the CPU engine; send 1.0 or omit it"
-        if self.logit_bias:
-            return "logit_bias is not supported by the CPU engine"
+            return "use_beam_search is not supported by the CPU engine's OpenAI server yet; send n sampled answers"
+        if best_of != self.n:
+            return (f"best_of={best_of} above n={self.n} is not supported: the server returns every sequence it "
+                    "samples; send best_of equal to n or omit it")
+        if self.n > 1 and (self.temperature == 0 or self.top_k == 1):
+            # As the LLM API refuses several returns of greedy decoding (SamplingParams._validate).
+            return (f"Greedy decoding in the LLM API does not allow multiple returns. Please set to best_of=1, got "
+                    f"best_of={best_of}.")
         if self.stream_options is not None and not self.stream:
             return "stream_options can only be sent with stream=true"  # upstream refuses it as well
         return None
@@ -105,17 +127,19 @@ class CompletionRequest(_Sampling):
     suffix: Optional[str] = None
     add_special_tokens: bool = True
 
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo=true is not supported; send echo=false"
-        if self.logprobs is not None:
-            return "logprobs is not supported by the CPU engine; omit it"
         if self.suffix:
             return "suffix is not supported"
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            return "a list of prompts is not supported: send one prompt (a string or a list of token ids) per request"
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            return f"logprobs must be within [0, {MAX_LOGPROBS}], got {self.logprobs}"
         return super().unsupported()
-
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -150,15 +174,16 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Union[str, dict]] = "none"
-    response_format: Optional[dict] = None
 
     @property
     def max_tokens(self) -> int | None:
         return self.max_completion_tokens
 
     def unsupported(self) -> str | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs is not supported by the CPU engine; omit it"
+        if self.top_logprobs and not self.logprobs:
+            return "logprobs must be true when using top_logprobs"  # trtllm-serve's words
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            return f"top_logprobs must be within [0, {MAX_LOGPROBS}], got {self.top_logprobs}"
         if not self.messages:
             return "messages is empty: send at least one message"
         # trtllm-serve renders `tools` into the chat template and parses calls out with its --tool_parser;
@@ -168,8 +193,6 @@ class ChatCompletionRequest(_Sampling):
             return "tools is not supported: this server has no tool calling; omit tools (and tool_choice)"
         if self.tool_choice not in (None, "none"):
             return f"tool_choice={self.tool_choice!r} is not supported: this server has no tool calling; omit it"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format other than text (guided decoding) is not supported by the CPU engine"
         return super().unsupported()
 
 
@@ -192,6 +215,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def merged(bodies: list[dict]) -> dict:
+    """One response of several prompts' bodies: their choices in order, their usage summed."""
+    choices = [c for b in bodies for c in b["choices"]]
+    total = [sum(b["usage"][k] for b in bodies) for k in ("prompt_tokens", "completion_tokens")]
+    return {**bodies[0], "choices": choices, "usage": usage(*total)}
+
+
 def model_list(name: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
                                         "owned_by": "tensorrt_llm"}]}
@@ -208,24 +238,26 @@ class Envelope:
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def final(self, text: str, finish_reason: str | None, stop_reason, prompt_tokens: int, completion_tokens: int) -> dict:
+    def final(self, text: str, finish_reason: str | None, stop_reason, prompt_tokens: int, completion_tokens: int,
+              *, index: int = 0, logprobs: dict | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": finish_reason, "stop_reason": stop_reason}
             body = self._base("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                       "stop_reason": stop_reason}
             body = self._base("text_completion")
         return {**body, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, stop_reason=None, role: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None = None, stop_reason=None, role: bool = False,
+              *, index: int = 0, logprobs: dict | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             body = self._base("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             body = self._base("text_completion")
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason

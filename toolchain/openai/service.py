@@ -196,6 +196,7 @@ class Generation:
     prompt_ids: list[int]
     params: SamplingParams
     handoff: Handoff
+    logprobs: Any = None  # the engine's TokenLogprobs record, when the request asked for log-probs
     stats: RequestStats = field(default_factory=RequestStats)
     arrival_ns: int = field(default_factory=time.time_ns)
     first_token_ns: int = 0
@@ -281,10 +282,14 @@ class EngineService:
     def stop(self) -> None:
         self.batcher.stop()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, priority: float | None = None) -> Generation:
-        """Raises QueueFull when the queue bound is reached."""
-        gen = Generation(next(self._ids), prompt_ids, params, self._handoff())
+    def submit(self, prompt_ids: list[int], params: SamplingParams, priority: float | None = None,
+               logprobs: Any = None) -> Generation:
+        """Raises QueueFull when the queue bound is reached. `logprobs` (the engine's TokenLogprobs, owned by
+        the caller) is filled by the engine before each callback hears of the tokens it covers."""
+        gen = Generation(next(self._ids), prompt_ids, params, self._handoff(), logprobs=logprobs)
         kwargs: dict[str, Any] = {} if priority is None else {"priority": priority}
+        if logprobs is not None:
+            kwargs["logprobs"] = logprobs
         self.inflight[gen.request_id] = gen
         try:
             self.batcher.submit(gen.request_id, prompt_ids, params, gen.callback, stats=gen.stats, **kwargs)
@@ -299,3 +304,35 @@ class EngineService:
         if not gen.done:
             gen.cancelled = True
             self.batcher.cancel(gen.request_id)
+
+
+async def merge_streams(streams: list):
+    """The items of several async iterators as each produces them (the chunks of a request's several
+    prompts, as trtllm-serve merges its generators for one completions request). An iterator's exception
+    is raised here; the others are closed."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream) -> None:
+        try:
+            async for item in stream:
+                await queue.put((item, None))
+        except Exception as err:  # handed to the reader, which raises it
+            await queue.put((None, err))
+        finally:
+            await queue.put((done, None))
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    left = len(tasks)
+    try:
+        while left:
+            item, err = await queue.get()
+            if err is not None:
+                raise err
+            if item is done:
+                left -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()

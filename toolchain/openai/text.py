@@ -120,8 +120,9 @@ class StopStrings:
     """OpenAI stop strings over streamed text: the output ends just before the first
     stop string; text that could be the start of one is held back until it is not."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = stops
+        self.include = include  # include_stop_str_in_output: the stop string ends the text
         self.pending = ""  # text not yet released
         self.hit: str | None = None
 
@@ -136,7 +137,7 @@ class StopStrings:
         found = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
         if found:
             at, self.hit = min(found)
-            out, self.pending = self.pending[:at], ""
+            out, self.pending = self.pending[:at + (len(self.hit) if self.include else 0)], ""
             return out
         keep = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
         cut = len(self.pending) - keep

@@ -40,6 +40,9 @@ STAGE = "model-repo"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "spiece.model")
 _RENDERER_SOURCES = ("config.py", "tensors.py", "templates.py", "repo.py")
+# The tokenizer-info file the tensorrt_llm model's xgrammar_tokenizer_info_path names, in the repository's root
+# (tritonserver takes only directories there for models).
+TOKENIZER_INFO = "xgrammar_tokenizer_info.json"
 
 
 def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
@@ -112,6 +115,9 @@ def repo_options(spec: DeploymentSpec, workspace: Workspace) -> RepoOptions:
         toolchain_path=Path(toolchain.__file__).resolve().parent.parent,
         engine_threads=s.engine_threads,
         trust_remote_code=spec.model.trust_remote_code,
+        guided_decoding_backend=s.guided_decoding_backend,
+        xgrammar_tokenizer_info_path=(Path(workspace.model_repo_dir(spec)).resolve() / TOKENIZER_INFO
+                                      if s.guided_decoding_backend else None),
         **_end_ids(spec),
         **_trtllm_options(spec, workspace),
     )
@@ -220,6 +226,21 @@ def render_repository(models: dict[str, ModelConfig], out: Path, target: str, he
             shutil.copyfile(backend_models.source(source), version_dir / "model.py")
 
 
+def write_tokenizer_info(opts: RepoOptions, path: Path) -> None:
+    """The JSON file the tensorrt_llm backend reads from xgrammar_tokenizer_info_path (keys encoded_vocab,
+    tokenizer_str, stop_token_ids: getGuidedDecodingConfigFromParams in TensorRT-LLM's
+    triton_backend/inflight_batcher_llm/src/model_instance_state.cc), from the deployment's tokenizer and the
+    engine's vocabulary size. Upstream writes it with a script of its own (UNVERIFIED path); this is that file's
+    content as XGrammar reads it."""
+    from toolchain.engine.cpu.guided import tokenizer_info_dict
+
+    vocab_size = 0  # without a built engine (rendered ahead of a GPU build): the tokenizer's own
+    engine_config = opts.engine_dir / "config.json"
+    if engine_config.is_file():
+        vocab_size = int(json.loads(engine_config.read_text()).get("pretrained_config", {}).get("vocab_size") or 0)
+    path.write_text(json.dumps(tokenizer_info_dict(opts.tokenizer_dir, vocab_size, opts.trust_remote_code)))
+
+
 def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                    python_models: Path | str | None = None, keep_edits: bool = False,
                    echo: Callable[[str], None] | None = None) -> Manifest:
@@ -243,6 +264,8 @@ def run_model_repo(spec: DeploymentSpec, workspace: Workspace, force: bool = Fal
               "Edit the spec and re-run; changes made here are overwritten.")
     with atomic_dir(repo_dir) as tmp:
         render_repository(models, tmp, opts.target, header, upstream)
+        if opts.xgrammar_tokenizer_info_path is not None:
+            write_tokenizer_info(opts, tmp / TOKENIZER_INFO)
         manifest.outputs = {
             "models": sorted(models),
             "target": opts.target,

@@ -61,6 +61,9 @@ class RepoOptions:
     medusa_choices: str | None = None  # target cpu, Medusa: the draft tree ("{0}, {0, 0}, {1}")
     # model.trust_remote_code: pre/postprocessing pass it to AutoTokenizer (upstream's hard-code True).
     trust_remote_code: bool = False
+    # serving.guided_decoding_backend, and the tokenizer-info file model-repo writes for it (repo.py).
+    guided_decoding_backend: str | None = None
+    xgrammar_tokenizer_info_path: Path | None = None
 
 
 def _tensors(rows, opts: RepoOptions) -> list[Tensor]:
@@ -100,8 +103,9 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
         # NVIDIA/TensorRT-LLM triton_backend/inflight_batcher_llm/src/model_instance_state.cc, 1.2):
         # a missing key fails the load; empty means guided decoding off.
         "tokenizer_dir": opts.tokenizer_dir,
-        "guided_decoding_backend": EMPTY,
-        "xgrammar_tokenizer_info_path": EMPTY,
+        "guided_decoding_backend": opts.guided_decoding_backend or EMPTY,
+        "xgrammar_tokenizer_info_path": (str(opts.xgrammar_tokenizer_info_path) if opts.xgrammar_tokenizer_info_path
+                                         else EMPTY),
     }
     if opts.max_tokens_in_paged_kv_cache is not None:
         params["max_tokens_in_paged_kv_cache"] = opts.max_tokens_in_paged_kv_cache

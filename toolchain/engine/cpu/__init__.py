@@ -7,8 +7,10 @@ rank{N}.safetensors), `generate` runs one request synchronously, and
 
 from toolchain.engine.cpu.batcher import InflightBatcher, QueueFull, RequestStats, SchedulerConfig
 from toolchain.engine.cpu.engine import CpuEngine
+from toolchain.engine.cpu.guided import Guide, GuidedDecoder, GuideError
 from toolchain.engine.cpu.kv_cache import KvCacheConfig
+from toolchain.engine.cpu.logprobs import TokenLogprobs
 from toolchain.engine.cpu.sampling import SamplingParams
 
-__all__ = ["CpuEngine", "InflightBatcher", "KvCacheConfig", "QueueFull", "RequestStats", "SamplingParams",
-           "SchedulerConfig"]
+__all__ = ["CpuEngine", "Guide", "GuideError", "GuidedDecoder", "InflightBatcher", "KvCacheConfig", "QueueFull",
+           "RequestStats", "SamplingParams", "SchedulerConfig", "TokenLogprobs"]

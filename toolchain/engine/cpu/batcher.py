@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from toolchain.engine.cpu.engine import CpuEngine, Sequence
+from toolchain.engine.cpu.logprobs import TokenLogprobs
 from toolchain.engine.cpu.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class _Request:
     draft_logits: object = None
     draft_threshold: float | None = None
     logits: list | None = None  # return_generation_logits: the engine extends it with each step's rows
+    logprobs: TokenLogprobs | None = None  # log-probs / context logits: the engine fills it (logprobs.py)
     sequence: Sequence | None = None  # the engine's, from _enqueue on: every queued or running request has one
     counted: bool = True  # still counted against max_queue_size (until first admitted or dropped)
     paused: bool = False  # back in the queue after a pause (max_utilization)
@@ -178,12 +180,15 @@ class InflightBatcher:
     def submit(self, request_id, prompt_ids: list[int], params: SamplingParams, callback: Callback, *,
                priority: float = DEFAULT_PRIORITY, stats: RequestStats | None = None,
                draft_tokens: list[int] | None = None, draft_logits=None,
-               draft_acceptance_threshold: float | None = None, generation_logits: list | None = None) -> None:
+               draft_acceptance_threshold: float | None = None, generation_logits: list | None = None,
+               logprobs: TokenLogprobs | None = None) -> None:
         """Queue a request; `callback(new_tokens, finished, error)` runs on the batcher thread.
         `draft_tokens` (draft_input_ids) are verified with the end of its context, by token
         equality or, with `draft_logits`, by TensorRT-LLM's probability rule. `generation_logits`
         (return_generation_logits), a list the caller owns, receives the logits rows [n, V] of
-        each step's n new tokens before the callback hears of them; None keeps none.
+        each step's n new tokens before the callback hears of them; None keeps none. `logprobs`, a
+        record the caller owns, is filled likewise with what the params' logprobs / prompt_logprobs /
+        return_context_logits ask for.
 
         Raises QueueFull when max_queue_size requests already wait (the executor's
         refusal), ValueError for a priority outside [0, 1]."""
@@ -200,7 +205,7 @@ class InflightBatcher:
             self._arrivals.append(_Request(request_id, prompt_ids, params, callback, float(priority),
                                            next(self._order), stats or RequestStats(), list(draft_tokens or ()),
                                            draft_logits=draft_logits, draft_threshold=draft_acceptance_threshold,
-                                           logits=generation_logits))
+                                           logits=generation_logits, logprobs=logprobs))
             self._cv.notify()
 
     def cancel(self, request_id) -> None:
@@ -305,7 +310,13 @@ class InflightBatcher:
                 self._dequeued(req)
                 self._deliver(req, [], True, problem)
                 continue
-            req.sequence = self.engine.start(req.prompt, req.params, req.draft, req.draft_logits, req.draft_threshold)
+            try:
+                req.sequence = self.engine.start(req.prompt, req.params, req.draft, req.draft_logits,
+                                                 req.draft_threshold, logprobs=req.logprobs)
+            except Exception as err:  # the log-prob record's own check, or a guide's matcher failing
+                self._dequeued(req)
+                self._deliver(req, [], True, str(err))
+                continue
             req.sequence.generation_logits = req.logits
             req.stats.total_draft_tokens = len(req.draft)
             bisect.insort(self._queue, req, key=lambda r: r.rank)
@@ -386,7 +397,7 @@ class InflightBatcher:
             if need > free:
                 break
             first_context = not any(r.seq.in_context for r, _ in batch)
-            context = len(seq.tokens) - engine.kv.matched_tokens(seq.tokens)
+            context = len(seq.tokens) - (0 if seq.wants_context else engine.kv.matched_tokens(seq.tokens))
             if context > budget and not (self.config.enable_chunked_context and budget >= engine.kv.tokens_per_block
                                          or first_context and context > lim.max_num_tokens):
                 break  # cannot start this step

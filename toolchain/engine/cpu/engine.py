@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from toolchain.engine.cpu.config import BuildLimits, ModelDims, read_engine_config
+from toolchain.engine.cpu.guided import GuidedDecoder, GuideError
 from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager
+from toolchain.engine.cpu.logprobs import TokenLogprobs
 from toolchain.plan.memory import cpu_default_max_tokens
 from toolchain.engine.cpu.model import Chunk, Model
 from toolchain.engine.cpu.mtp import positions_known
@@ -51,6 +53,9 @@ class Sequence:
         # return_generation_logits: a list the caller owns, extended each step with the logits rows
         # [n, V] its n emitted tokens were chosen from; None (the default) keeps nothing.
         self.generation_logits: list[torch.Tensor] | None = None
+        # Log-probs and context logits (logprobs.py): a record the caller owns, filled before it hears of tokens.
+        self.logprobs: TokenLogprobs | None = None
+        self.picked: list[float] = []  # this step's emitted tokens' log-probs in the sampler's own terms
         self.table = BlockTable()
         self.sampler = Sampler(params)
         self.output: list[int] = []
@@ -84,6 +89,11 @@ class Sequence:
         return [] if self.in_context else self.tree
 
     @property
+    def wants_context(self) -> bool:
+        """Prompt log-probs or context logits asked: every prompt position's logits, so no prefix reuse."""
+        return self.logprobs is not None and self.logprobs.wants_context
+
+    @property
     def has_blocks(self) -> bool:
         return bool(self.table.blocks)
 
@@ -92,11 +102,16 @@ class Sequence:
 
     def accept(self, logits: torch.Tensor) -> list[int]:
         """Sample the next token from `logits` [V]; returns the tokens to emit (empty on end_id)."""
-        return self.take(self.sampler.pick(logits, len(self.output)))
+        sampler = self.sampler
+        emitted = self.take(sampler.pick(logits, len(self.output), self.tokens))
+        if emitted:
+            mode = self.logprobs.mode if self.logprobs is not None else "raw"
+            self.picked.append(sampler.last_processed if mode == "processed" else sampler.last_sampled)
+        return emitted
 
     def take(self, token: int) -> list[int]:
         """Append `token` unless it ends the request; returns the tokens to emit."""
-        if self.sampler.is_end(token):
+        if self.sampler.is_end(token) or self.sampler.guide_done():
             self.finish("end_id")
             return []
         self.output.append(token)
@@ -141,6 +156,7 @@ class Sequence:
             t = (self.acceptance_threshold if self.acceptance_threshold is not None
                  else torch.rand(p.shape, generator=self.sampler.generator))
             if not bool((p < t * q).any()):
+                self.picked.append(float(torch.log(p[draft[i]])))
                 emitted += self.take(draft[i])
                 if self.finished:
                     break
@@ -236,6 +252,8 @@ class CpuEngine:
         self.limits = limits
         self.model = model
         self.kv = kv
+        # Guided decoding (guided.py): set by whoever knows the tokenizer; None refuses requests with a guide.
+        self.guided: GuidedDecoder | None = None
         self.medusa = MedusaTree.create(medusa_choices, dims, limits) if dims.medusa_heads else None
         # Draft tokens the engine's multi-token-prediction layer adds to each step (mtp.py): one, from the first.
         self.mtp_draft_len = 1 if dims.mtp_layers else 0
@@ -329,6 +347,8 @@ class CpuEngine:
             problem = f"sampling parameters must be SamplingParams, got {type(params).__name__}"
         if problem is None:
             problem = params.problem(self.vocab_size)
+        if problem is None and params.guide is not None:
+            problem = self._guide_problem(params, draft)
         if problem is not None:
             return problem
         n, lim = len(prompt_ids), self.limits
@@ -337,6 +357,21 @@ class CpuEngine:
         if n + params.max_new_tokens > lim.max_seq_len:
             return (f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the engine's "
                     f"max_seq_len {lim.max_seq_len}; ask for at most {lim.max_seq_len - n} new tokens")
+        return None
+
+    def _guide_problem(self, params: SamplingParams, draft) -> str | None:
+        guide = params.guide
+        if guide is None:
+            return None
+        if self.guided is None:
+            return ("guided decoding is not enabled for this engine; turn it on (guided_decoding_backend xgrammar "
+                    "with the tokenizer's info) or send no guide")
+        if len(draft):
+            return "guided decoding is not supported with draft_input_ids; send one or the other"
+        try:
+            self.guided.compile(guide)
+        except GuideError as err:
+            return f"the {guide.kind} guide is rejected by XGrammar: {err}"
         return None
 
     def _draft_problem(self, draft) -> str | None:
@@ -353,21 +388,35 @@ class CpuEngine:
         return None if problem is None else f"draft_input_ids: {problem}"
 
     def start(self, prompt_ids: list[int], params: SamplingParams, draft=(), draft_logits=None,
-              acceptance_threshold: float | None = None) -> Sequence:
+              acceptance_threshold: float | None = None, logprobs: TokenLogprobs | None = None) -> Sequence:
         """A validated request, not yet holding any KV blocks. `draft_logits` [len(draft), V] make
-        the draft judged by probabilities (TensorRT-LLM's rule) instead of token equality."""
+        the draft judged by probabilities (TensorRT-LLM's rule) instead of token equality. `logprobs`,
+        a record the caller owns, receives what params.logprobs / prompt_logprobs / return_context_logits
+        ask for (one is made when they ask and none is given: Sequence.logprobs)."""
         problem = self.request_problem(prompt_ids, params, draft, draft_logits)
+        if problem is None and logprobs is not None:
+            problem = logprobs.problem()
         if problem is not None:
             raise ToolchainError(problem)  # the message names the limit and what would fit
         probs = None
         if draft_logits is not None:
             probs = torch.softmax(torch.as_tensor(draft_logits, dtype=torch.float32), -1)
-        return Sequence(prompt_ids, params, list(draft), probs, acceptance_threshold)
+        seq = Sequence(prompt_ids, params, list(draft), probs, acceptance_threshold)
+        asked = params.logprobs is not None or params.prompt_logprobs is not None or params.return_context_logits
+        if logprobs is not None or asked:
+            seq.logprobs = logprobs if logprobs is not None else TokenLogprobs()
+            seq.logprobs.configure(params.logprobs, params.prompt_logprobs, params.return_context_logits)
+            seq.sampler.wants_processed = seq.logprobs.mode == "processed"
+        if params.guide is not None and self.guided is not None:
+            seq.sampler.guide = self.guided.matcher(params.guide)
+        return seq
 
     # -- KV blocks ---------------------------------------------------------------
 
     def blocks_to_add(self, seq: Sequence) -> int:
         """Free blocks `add` would take for `seq`'s context now (after prefix reuse)."""
+        if seq.wants_context:
+            return self.kv.blocks_for(len(seq.tokens))
         return self.kv.blocks_to_add(seq.tokens)
 
     def blocks_to_finish(self, seq: Sequence) -> int:
@@ -384,7 +433,7 @@ class CpuEngine:
     def add(self, seq: Sequence) -> None:
         """Blocks for the whole context (prompt, plus output when resuming a paused request)."""
         with self.lock:
-            self.kv.add_sequence(seq.table, seq.tokens)
+            self.kv.add_sequence(seq.table, seq.tokens, reuse=not seq.wants_context)
 
     def release(self, seq: Sequence) -> None:
         with self.lock:
@@ -404,27 +453,32 @@ class CpuEngine:
         Raises if the forward fails; no table has advanced then, so the caller may
         retry any subset."""
         with self.lock:
-            chunks, drafts = [], []
+            chunks, drafts, fulls = [], [], []
             medusa = self.medusa
             for seq, n in batch:
                 start = seq.table.length
                 last = n == seq.pending
                 draft = seq.riders(n)
                 tree = medusa.parents if draft and medusa is not None and not seq.in_context else None
+                every = tree is not None or (seq.wants_context and start < len(seq.prompt))
                 self.kv.reserve(seq.table, start + n + len(draft))
                 chunks.append(Chunk(seq.table, seq.tokens[start:start + n] + draft,
-                                    logits=n + len(draft) if tree is not None else 1 + len(draft) if last else 0,
+                                    logits=n + len(draft) if every else 1 + len(draft) if last else 0,
                                     parents=[-1, *tree] if tree is not None else None,
                                     want_hidden=medusa is not None and last, want_states=bool(self.mtp_draft_len)))
                 drafts.append(draft)
+                fulls.append(every and tree is None)  # a context chunk run with every position's logits
             with torch.no_grad():
                 logits = self.model.forward(chunks, self.kv)
             emitted, commits = [], []
-            for (seq, n), rows, draft, chunk in zip(batch, logits, drafts, chunks, strict=False):
+            for (seq, n), rows, draft, chunk, full in zip(batch, logits, drafts, chunks, fulls, strict=False):
                 length = seq.table.length + n
                 path: list[int] = []
                 tokens: list[int] = []
+                seq.picked = []
                 try:
+                    if rows is not None and full:
+                        rows = self._context_rows(seq, rows, n)
                     if rows is None:
                         tokens = []
                     elif chunk.parents is not None and medusa is not None:
@@ -440,6 +494,9 @@ class CpuEngine:
                         tokens = seq.accept(rows[0])
                     if seq.generation_logits is not None and tokens and rows is not None:
                         seq.generation_logits.append(_emitted_rows(rows, path, chunk.parents is not None, len(tokens)))
+                    if seq.logprobs is not None and seq.params.logprobs is not None and tokens and rows is not None:
+                        seq.logprobs.add_tokens(_emitted_rows(rows, path, chunk.parents is not None, len(tokens)),
+                                                tokens, seq.picked)
                     if medusa is not None and rows is not None and not seq.finished and chunk.hidden is not None:
                         with torch.no_grad():
                             hidden = chunk.hidden[path[-1] if path else 0 if chunk.parents is not None else -1]
@@ -462,6 +519,14 @@ class CpuEngine:
             for seq, _n, end, _sampled in commits:
                 self.kv.commit(seq.table, seq.tokens, end)
             return emitted
+
+    @staticmethod
+    def _context_rows(seq: Sequence, rows: torch.Tensor, n: int) -> torch.Tensor | None:
+        """Record the prompt positions' logits of a chunk run with every position's logits (logprobs.py);
+        returns the rows sampling uses: those from the chunk's last fed token on, None short of the end."""
+        if seq.logprobs is not None:
+            seq.logprobs.add_context(rows[:n], seq.table.length, seq.prompt)
+        return rows[n - 1:] if n == seq.pending else None
 
     def _mtp_drafts(self, commits: list[tuple[Sequence, int, int, bool]], chunks: list[Chunk]) -> None:
         """The MTP layer (mtp.py) over every position of the step whose next token is known now, writing its cache
@@ -491,9 +556,10 @@ class CpuEngine:
 
     # -- synchronous entry points ---------------------------------------------------
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-        """New tokens only, for one request, run to completion."""
-        seq = self.start(prompt_ids, params)
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 logprobs: TokenLogprobs | None = None) -> list[int]:
+        """New tokens only, for one request, run to completion (`logprobs` as for `start`)."""
+        seq = self.start(prompt_ids, params, logprobs=logprobs)
         with self.lock:
             if self.blocks_to_add(seq) + self.blocks_to_finish(seq) > self.kv.free_blocks:
                 raise ToolchainError("the KV cache has no room for this request now", "retry later")

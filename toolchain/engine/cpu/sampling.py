@@ -11,6 +11,9 @@
   it); -1 never stops. `min_tokens` masks end_id until that many tokens exist.
 - A stop word (a token-id sequence) stops generation when the generated tail
   matches it; its tokens stay in the output.
+- Embedding bias, penalties, bad words, no_repeat_ngram_size and min_p are applied
+  by penalties.py in the C++ runtime's order; a guide (guided.py) masks what its
+  grammar forbids, and its matcher ending finishes the request as end_id does.
 """
 
 from __future__ import annotations
@@ -19,8 +22,15 @@ import numbers
 import random
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+from toolchain.engine.cpu.guided import Guide
+from toolchain.engine.cpu.penalties import filtered, process
+
+if TYPE_CHECKING:
+    from toolchain.engine.cpu.guided import GuideMatcher
 
 
 @dataclass
@@ -34,6 +44,21 @@ class SamplingParams:
     pad_id: int | None = None  # accepted for interface parity; the engine never pads outputs
     stop_words: list[list[int]] = field(default_factory=list)
     min_tokens: int = 0
+    repetition_penalty: float = 1.0  # > 0; seen token: logit > 0 ? logit / p : logit * p
+    presence_penalty: float = 0.0  # subtracted once from every token id in prompt + output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in prompt + output
+    min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p times the likeliest
+    embedding_bias: torch.Tensor | None = None  # float32 [V], added to the logits first
+    bad_words: list[list[int]] = field(default_factory=list)
+    no_repeat_ngram_size: int = 0  # 0: off
+    logprobs: int | None = None  # k >= 0: each emitted token's log-prob and its k likeliest alternatives
+    prompt_logprobs: int | None = None  # k >= 0: log-probs of prompt positions 1 .. P-1 (+ top k)
+    return_context_logits: bool = False
+    guide: Guide | None = None
+    num_return_sequences: int = 1
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: int = 1
 
     @property
     def greedy(self) -> bool:
@@ -61,6 +86,40 @@ class SamplingParams:
         for word in self.stop_words:
             if not isinstance(word, (list, tuple)) or not word or not all(is_int(t) for t in word):
                 return f"each stop word must be a non-empty list of token ids, got {word!r}"
+        return self._controls_problem(vocab_size, is_int)
+
+    def _controls_problem(self, vocab_size: int, is_int) -> str | None:
+        def is_num(v) -> bool:
+            return isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            return f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_num(getattr(self, name)):
+                return f"{name} must be a finite number, got {getattr(self, name)!r}"
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            return f"min_p must be within [0, 1], got {self.min_p!r}"
+        bias = self.embedding_bias
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (vocab_size,):
+                return f"embedding_bias must be a float tensor of [{vocab_size}] (the vocabulary), got " \
+                       f"{list(getattr(bias, 'shape', [])) or type(bias).__name__}"
+            if not bias.is_floating_point() or bool(torch.isnan(bias).any()):
+                return "embedding_bias must hold floats, none of them NaN"
+        for word in self.bad_words:
+            if not isinstance(word, (list, tuple)) or not word or \
+                    not all(is_int(t) and 0 <= t < vocab_size for t in word):
+                return f"each bad word must be a non-empty list of token ids below {vocab_size}, got {word!r}"
+        if not is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
+            return f"no_repeat_ngram_size must be a non-negative integer, got {self.no_repeat_ngram_size!r}"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not is_int(k) or k < 0):
+                return f"{name} must be a non-negative integer or None, got {k!r}"
+        if self.guide is not None:
+            if not isinstance(self.guide, Guide):
+                return f"guide must be a Guide, got {type(self.guide).__name__}"
+            return self.guide.problem()
         return None
 
 
@@ -99,28 +158,38 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(int(params.seed) if params.seed is not None else 0)
         self._stops = [[int(t) for t in w] for w in params.stop_words]
         self._end_id = int(params.end_id)
+        self.guide: GuideMatcher | None = None  # the request's grammar state (guided.py), set by the engine
+        # The picked token's log-prob in the distribution it was drawn from ("sampled") and before top-k / top-p
+        # ("processed"), for TokenLogprobs' modes of those names.
+        self.last_sampled = 0.0
+        self.last_processed = 0.0
+        self.wants_processed = False  # set by the engine for a "processed" record: a log-softmax per pick otherwise saved
 
-    def pick(self, logits: torch.Tensor, generated: int) -> int:
-        """The next token from last-position logits [V], `generated` tokens already produced."""
+    def pick(self, logits: torch.Tensor, generated: int, tokens: list[int] | None = None) -> int:
+        """The next token from last-position logits [V], `generated` tokens already produced and `tokens`
+        the whole sequence so far (prompt + output, for penalties and n-gram masks)."""
         p = self.params
-        if 0 <= self._end_id and generated < p.min_tokens:
-            logits = logits.clone()
-            logits[self._end_id] = float("-inf")
+        logits = process(logits, p, tokens if tokens is not None else [], generated)
+        if self.guide is not None:
+            logits = self.guide.mask(logits)
+        processed = torch.log_softmax(logits, -1) if self.wants_processed else None
         if p.greedy:
-            return int(torch.argmax(logits))
-        logits = logits / p.temperature
-        if 0 < p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if 0 < p.top_p < 1:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            # Drop a token when the tokens before it already reach top_p (the first always stays).
-            drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
-            logits = logits.clone()
-            logits[order[drop]] = float("-inf")
-        probs = torch.softmax(logits, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            token = int(torch.argmax(logits))
+            self.last_sampled = 0.0  # the greedy distribution puts all its mass on the pick
+        else:
+            logits = filtered(logits, p)
+            probs = torch.softmax(logits, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+            self.last_sampled = float(torch.log(probs[token]))
+        if processed is not None:
+            self.last_processed = float(processed[token])
+        if self.guide is not None:
+            self.guide.accept(token)
+        return token
+
+    def guide_done(self) -> bool:
+        """The guide's grammar is complete and its stop token was picked: the request ends as on end_id."""
+        return self.guide is not None and self.guide.terminated
 
     def is_end(self, token: int) -> bool:
         return token == self._end_id

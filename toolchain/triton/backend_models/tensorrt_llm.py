@@ -51,8 +51,7 @@ SAMPLING = (
 # Inputs whose mere presence asks for something the CPU engine does not do.
 UNSUPPORTED_INPUTS = ("encoder_input_features", "prompt_embedding_table",
                       "lora_task_id", "lora_weights", "lora_config", "cross_attention_mask", "context_phase_params",
-                      "guided_decoding_guide_type", "guided_decoding_guide", "mrope_rotary_cos_sin")
-UNSUPPORTED_FLAGS = ("return_log_probs", "return_context_logits")
+                      "mrope_rotary_cos_sin")
 
 
 def _param(config, key):
@@ -124,7 +123,7 @@ class _Group:
 
 
 class _Row:
-    def __init__(self, group, index, prompt, exclude_input, wants, stats, max_new=0, drafted=0):
+    def __init__(self, group, index, prompt, exclude_input, wants, stats, max_new=0, drafted=0, extras=None):
         self.group = group
         self.index = index
         self.prompt = prompt
@@ -135,6 +134,7 @@ class _Row:
         self.drafted = drafted  # draft_input_ids it brought
         # return_generation_logits: the engine appends each step's rows [n, V] here (batcher thread).
         self.logits = [] if "return_generation_logits" in wants else None
+        self.extras = extras  # cpu_requests.LogprobOutputs: return_log_probs / return_context_logits
         self.tokens = []
         self.arrival_ns = time.time_ns()
         self.first_token_ns = 0
@@ -238,7 +238,7 @@ class TritonPythonModel:
             sys.path.append(toolchain_path)
         from toolchain.engine.cpu import (CpuEngine, InflightBatcher, KvCacheConfig, QueueFull, RequestStats,
                                           SamplingParams, SchedulerConfig)
-        from toolchain.triton import backend_params
+        from toolchain.triton import backend_params, cpu_requests
 
         # Every parameter is read by the C++ backend's rules, so a config that fails to load on a
         # GPU host fails here too, with the backend's own message.
@@ -255,6 +255,8 @@ class TritonPythonModel:
         self.cancel_period_s = max(values["cancellation_check_period_ms"], 1) / 1000.0
         self.stats_period_s = max(values["stats_check_period_ms"], 1) / 1000.0
         self.SamplingParams = SamplingParams
+        self.requests = cpu_requests
+        self.normalize_log_probs = values["normalize_log_probs"]
         self.RequestStats = RequestStats
         self.QueueFull = QueueFull
         self.sampling_fields = set(inspect.signature(SamplingParams).parameters)
@@ -284,6 +286,7 @@ class TritonPythonModel:
         if self.engine.dims.medusa_heads and not medusa:
             raise ValueError(f"tensorrt_llm: the engine at {engine_dir} has Medusa heads but decoding_mode is "
                              f"{values.get('decoding_mode')}; set decoding_mode medusa and medusa_choices")
+        self.engine.guided = cpu_requests.guided_decoder(values, self.engine.vocab_size)
         self.batcher = InflightBatcher(self.engine, scheduler)
         self.batcher.start()
         self.metrics = _Metrics.create(args["model_name"], args.get("model_version", "1"),
@@ -335,8 +338,6 @@ class TritonPythonModel:
 
     @staticmethod
     def _refuse_unsupported(values):
-        from toolchain.triton import backend_params
-
         """What the C++ backend would run but the CPU engine cannot: refused, never ignored."""
         if values["gpt_model_type"] in ("V1", "v1"):
             raise ValueError("tensorrt_llm: gpt_model_type V1 (static batching) is not supported by the CPU engine; "
@@ -349,9 +350,6 @@ class TritonPythonModel:
         if mode not in (None, "top_k", "top_p", "top_k_top_p", "medusa"):
             raise ValueError(f"tensorrt_llm: decoding_mode {mode} is not supported by the CPU engine "
                              "(top_k, top_p, top_k_top_p or medusa)")
-        if not backend_params.is_unset(values["guided_decoding_backend"], "guided_decoding_backend"):
-            raise ValueError("tensorrt_llm: guided decoding is not supported by the CPU engine; "
-                             "leave guided_decoding_backend empty")
 
     def _report_stats(self):
         while not self.stopping.wait(self.stats_period_s):
@@ -402,7 +400,12 @@ class TritonPythonModel:
             params = self._sampling(inputs, row)
             exclude = inputs.scalar("exclude_input_in_output", row, self.default_exclude_input, bool)
             wants = {flag for flag in ("return_num_input_tokens", "return_num_output_tokens", "return_perf_metrics",
-                                       "return_generation_logits") if inputs.scalar(flag, row, False, bool)}
+                                       "return_generation_logits", "return_log_probs", "return_context_logits")
+                     if inputs.scalar(flag, row, False, bool)}
+            record = self.requests.logprob_record("return_log_probs" in wants, "return_context_logits" in wants,
+                                                  self.normalize_log_probs)
+            extras = None if record is None else self.requests.LogprobOutputs(
+                record, "return_log_probs" in wants, "return_context_logits" in wants)
             draft = inputs.row("draft_input_ids", row)
             logits = inputs.get("draft_logits")
             if logits is not None and logits.size:
@@ -415,7 +418,7 @@ class TritonPythonModel:
             threshold = inputs.scalar("draft_acceptance_threshold", row, None, float)
             rid = next(self.ids)
             submissions.append((rid, _Row(group, row, prompt, exclude, wants, self.RequestStats(), params.max_new_tokens,
-                                          len(draft)), prompt, params,
+                                          len(draft), extras), prompt, params,
                                 (draft, logits, threshold)))
         with self.lock:
             self.groups[id(group)] = group
@@ -427,7 +430,8 @@ class TritonPythonModel:
                 # The 1.2 backend sets no executor priority: every request runs at the default.
                 self.batcher.submit(rid, prompt, params, self._callback(rid), stats=row.stats, draft_tokens=draft,
                                     draft_logits=logits, draft_acceptance_threshold=threshold,
-                                    generation_logits=row.logits)
+                                    generation_logits=row.logits,
+                                    logprobs=row.extras.record if row.extras is not None else None)
             except self.QueueFull as err:
                 self._abort(group, error=f"tensorrt_llm: {err}")
                 return
@@ -439,34 +443,14 @@ class TritonPythonModel:
         for name in UNSUPPORTED_INPUTS:
             if inputs.get(name) is not None:
                 raise ValueError(f"{name} is not supported by the CPU engine")
-        for name in UNSUPPORTED_FLAGS:
-            if inputs.scalar(name, 0, False, bool):
-                raise ValueError(f"{name}=true is not supported by the CPU engine")
-        if any(inputs.scalar("return_generation_logits", r, False, bool) for r in range(inputs.batch)):
-            self._check_gathers_generation_logits()
+        build = self.engine.config.get("build_config") or {}
+        for what in ("generation", "context"):
+            if any(inputs.scalar(f"return_{what}_logits", r, False, bool) for r in range(inputs.batch)):
+                self.requests.check_gathered(build, what)
         for name in ("beam_width", "num_return_sequences"):
             if inputs.scalar(name, 0, 1) > 1:
                 raise ValueError(f"{name} > 1 is not supported by the CPU engine")
-        bias = inputs.get("embedding_bias")
-        if bias is not None and bias.size and np.any(bias):
-            raise ValueError("embedding_bias is not supported by the CPU engine")
-        if "bad_words" not in self.sampling_fields and any(
-                inputs.word_list("bad_words_list", r) for r in range(inputs.batch)):
-            raise ValueError("bad_words_list is not supported by the CPU engine")
 
-    def _check_gathers_generation_logits(self):
-        """The executor returns generation logits only from an engine built with
-        --gather_generation_logits (build_config.gather_generation_logits, read by
-        cpp/tensorrt_llm/runtime/gptJsonConfig.cpp, default false) or an ExecutorConfig that sets
-        them, which the Triton backend never does (getExecutorConfigFromParams in
-        triton_backend/inflight_batcher_llm/src/model_instance_state.cc); otherwise enqueueing
-        fails with executorImpl.cpp's words, quoted here."""
-        build = self.engine.config.get("build_config") or {}
-        if not build.get("gather_generation_logits", False):
-            raise ValueError("To return generation logits, gather_generation_logits must be enabled in "
-                             "ExecutorConfig: this engine was built without --gather_generation_logits "
-                             "(its build_config); rebuild it with the flag (for a draft_target draft: "
-                             "set speculative.use_draft_logits true)")
 
     def _sampling(self, inputs, row):
         max_new = inputs.scalar("request_output_len", row)
@@ -475,8 +459,11 @@ class TritonPythonModel:
         kwargs = {"max_new_tokens": max_new, "end_id": inputs.scalar("end_id", row, -1),
                   "pad_id": inputs.scalar("pad_id", row, None),
                   "stop_words": inputs.word_list("stop_words_list", row)}
-        if "bad_words" in self.sampling_fields:
-            kwargs["bad_words"] = inputs.word_list("bad_words_list", row)
+        kwargs.update(bad_words=inputs.word_list("bad_words_list", row),
+                      embedding_bias=self.requests.embedding_bias(inputs, row),
+                      guide=self.requests.guide(inputs, row, self.engine.guided),
+                      logprobs=0 if inputs.scalar("return_log_probs", row, False, bool) else None,
+                      return_context_logits=inputs.scalar("return_context_logits", row, False, bool))
         for name, field, cast, neutral in SAMPLING:
             value = inputs.scalar(name, row, None, cast)
             if value is None:
@@ -548,6 +535,8 @@ class TritonPythonModel:
             out.append(pb_utils.Tensor("acceptance_rate", np.array([[st.acceptance_rate]], np.float32)))
         if row.logits is not None:
             out.append(pb_utils.Tensor("generation_logits", self._generation_logits(row)))
+        if row.extras is not None:
+            out += [pb_utils.Tensor(name, value) for name, value in row.extras.outputs(len(tokens), row.group.streaming)]
         return out
 
     def _generation_logits(self, row):
