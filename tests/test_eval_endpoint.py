@@ -126,6 +126,27 @@ def api(deployed):
         yield server
 
 
+def test_the_endpoint_measures_what_the_reference_does(deployed, api, tmp_path, capsys):
+    """float32 served by the CPU engine: the same log-probs as HF's float32 (within 1e-4), so a perplexity ratio
+    of 1, full greedy agreement, and the multiple-choice set answered exactly as the reference answers it."""
+    spec, ws = deployed
+    out = tmp_path / "eval.json"
+    rc = main(["--root", str(ws.root), "eval", str(spec.source), "--endpoint", api.url, "--json", str(out),
+               "--max-tokens", "512", "--window", "64", "--max-perplexity-ratio", "1.001"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    report = json.loads(out.read_text())
+    assert report["served_model"] == api.served_model_name and report["tokens_evaluated"] >= 8 * 63
+    assert report["perplexity_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert report["max_abs_logprob_diff"] < 1e-4
+    assert report["greedy_token_agreement"] == 1.0
+    assert report["top1_accuracy"] == report["reference_top1_accuracy"]
+    choices = report["choices"]
+    assert choices["items"] == 30 and choices["accuracy"] == choices["reference_accuracy"]
+    assert choices["same_pick"] == 1.0
+    assert report["passed"] is True and "perplexity ratio" in printed.out
+
+
 def test_a_model_the_server_does_not_serve_is_its_4xx_in_one_line(deployed, api, capsys):
     spec, ws = deployed
     rc = main(["--root", str(ws.root), "eval", str(spec.source), "--endpoint", api.url, "--model", "no-such-model"])
@@ -135,3 +156,21 @@ def test_a_model_the_server_does_not_serve_is_its_4xx_in_one_line(deployed, api,
 
 def test_the_model_name_comes_from_v1_models(api):
     assert Endpoint(api.url).model == api.served_model_name
+
+
+def test_deploy_fails_in_one_line_on_a_quality_bound_it_misses(tmp_path, capsys):
+    """An impossible bound (perplexity at most half the reference's): deploy runs every stage, measures quality
+    through the OpenAI server after its bench, writes the figures into report.json beside the latency verdict,
+    and fails on the bound in one line."""
+    quick = {"workload": {"num_requests": 4, "warmup_requests": 0, "concurrency": 2, "input_tokens": 16,
+                          "output_tokens": 4},
+             "quality": {"max_perplexity_ratio": 0.5, "tokens": 128, "window": 64}}
+    spec, ws = deploy_llmapi_cpu(tmp_path, TINY_TRAINED, name="tiny-gate", validation=quick)
+    rc = main(["--root", str(ws.root), "deploy", str(spec.source)])
+    printed = capsys.readouterr()
+    error = [line for line in printed.err.splitlines() if line.startswith("error:")]
+    assert rc == 1 and len(error) == 1, printed.err
+    assert "quality gate missed: perplexity_ratio 1" in error[0] and "> 0.5 (max_perplexity_ratio)" in error[0]
+    report = json.loads((ws.report_dir(spec) / "report.json").read_text())
+    assert report["quality"]["passed"] is False and report["quality"]["perplexity_ratio"] == pytest.approx(1, abs=1e-4)
+    assert "slo" in report and report["quality"]["choices"]["items"] == 30

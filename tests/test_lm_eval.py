@@ -75,6 +75,18 @@ def _score(lm_eval: Path, task: str, model: str, model_args: str, out: Path, *ex
             "answers": [d["resps"] for d in docs]}
 
 
+def test_lm_eval_loglikelihood_through_completions_scores_as_its_hf_backend(lm_eval, api, tmp_path):
+    # lm-eval's hf backend encodes with the tokenizer's own special tokens (the tiny Llama's BOS); its API models
+    # add none unless add_bos_token: the same token ids go to both this way.
+    served = _score(lm_eval, "toolchain_choice", "local-completions",
+                    f"base_url={api.url}/v1/completions,model={api.served_model_name},tokenizer={TINY_TRAINED},"
+                    "tokenizer_backend=huggingface,add_bos_token=True,num_concurrent=1,max_retries=1",
+                    tmp_path / "served")
+    hf = _score(lm_eval, "toolchain_choice", "hf", f"pretrained={TINY_TRAINED},dtype=float32", tmp_path / "hf")
+    assert served["samples"] == hf["samples"] == CHOICE_ITEMS
+    assert abs(served["acc,none"] - hf["acc,none"]) * CHOICE_ITEMS <= 1 + 1e-9, (served["acc,none"], hf["acc,none"])
+
+
 def test_lm_eval_generation_through_chat_completions_answers_as_its_hf_backend(lm_eval, api, tmp_path):
     # The chat endpoint renders the template and adds no special tokens (trtllm-serve's chat default,
     # add_special_tokens false); the hf backend is told the same with add_bos_token=False.
