@@ -85,6 +85,10 @@ def test_lm_eval_loglikelihood_through_completions_scores_as_its_hf_backend(lm_e
     hf = _score(lm_eval, "toolchain_choice", "hf", f"pretrained={TINY_TRAINED},dtype=float32", tmp_path / "hf")
     assert served["samples"] == hf["samples"] == CHOICE_ITEMS
     assert abs(served["acc,none"] - hf["acc,none"]) * CHOICE_ITEMS <= 1 + 1e-9, (served["acc,none"], hf["acc,none"])
+    # Each choice's log-likelihood as well, at float32 (a doc's resps: per choice [[loglikelihood, is_greedy]]).
+    pairs = [(float(a[0][0]), float(b[0][0])) for x, y in zip(served["answers"], hf["answers"], strict=True)
+             for a, b in zip(x, y, strict=True)]
+    assert len(pairs) >= 2 * CHOICE_ITEMS and max(abs(a - b) for a, b in pairs) < 1e-4
 
 
 def test_lm_eval_generation_through_chat_completions_answers_as_its_hf_backend(lm_eval, api, tmp_path):
