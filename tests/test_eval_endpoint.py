@@ -9,7 +9,7 @@ import json
 import socket
 
 import pytest
-from conftest import TINY_TRAINED, write_spec
+from conftest import TINY_TRAINED, starts_server, write_spec
 from llmapi_helpers import deploy_llmapi_cpu
 
 from toolchain.cli import main
@@ -118,6 +118,7 @@ def deployed(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+@starts_server
 def api(deployed):
     from toolchain.pipeline import openai_server
 
@@ -158,6 +159,7 @@ def test_the_model_name_comes_from_v1_models(api):
     assert Endpoint(api.url).model == api.served_model_name
 
 
+@pytest.mark.e2e
 def test_deploy_fails_in_one_line_on_a_quality_bound_it_misses(tmp_path, capsys):
     """An impossible bound (perplexity at most half the reference's): deploy runs every stage, measures quality
     through the OpenAI server after its bench, writes the figures into report.json beside the latency verdict,
