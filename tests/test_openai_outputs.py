@@ -229,7 +229,10 @@ def test_the_openai_clients_structured_parse_returns_a_valid_object(server):
      lambda t: all(isinstance(v, bool) for v in json.loads(t))),
     # json_object is XGrammar's built-in JSON grammar, as upstream compiles it: any JSON value.
     ({"type": "json_object"}, lambda t: json.loads(t) is not None or t == "null"),
-], ids=["regex", "ebnf", "json_schema", "json", "json_object"])
+    ({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "ok: "}, {"type": "json_schema", "json_schema": {"type": "boolean"}}]}},
+     lambda t: t in ("ok: true", "ok: false")),
+], ids=["regex", "ebnf", "json_schema", "json", "json_object", "structural_tag"])
 def test_response_format_constrains_the_text(server, fmt, check):
     asks = [("/v1/chat/completions", chat("answer:", 80, response_format=fmt))]
     if fmt["type"] != "json_object":  # any whitespace is JSON: after code, the tiny model indents it forever
@@ -248,8 +251,9 @@ def test_response_format_constrains_the_text(server, fmt, check):
     ({"type": "json_schema"}, "response_format.json_schema is required for response_format.type == 'json_schema', "
                               "but got None."),
     ({"type": "regex"}, "response_format.regex is required"),
+    ({"type": "structural_tag"}, "response_format.format is required"),
     ({"type": "yaml"}, "response_format.type"),
-], ids=["schema", "regex", "missing-schema", "missing-regex", "unknown-type"])
+], ids=["schema", "regex", "missing-schema", "missing-regex", "missing-tag", "unknown-type"])
 def test_a_guide_xgrammar_rejects_is_a_400_with_its_message(server, fmt, needle):
     status, resp = request(server, "POST", "/v1/chat/completions", chat("hi", 4, response_format=fmt))
     assert status == 400 and needle in resp["message"] and "\n" not in resp["message"], resp
@@ -325,6 +329,17 @@ def test_penalties_change_greedy_output_as_trtllm_applies_them(server, hf, field
     got = ok(server, "/v1/completions", completion(PROMPT, 16, **{field: value}))["choices"][0]["text"]
     want = tok.decode(greedy(model, ids, 16, penalty), skip_special_tokens=True)
     assert got == want and got != plain
+
+
+def test_min_p_one_keeps_only_the_likeliest_token(server):
+    """min_p 1.0 drops every token less likely than the likeliest: sampling at temperature 1 is greedy then."""
+    greedy_text = ok(server, "/v1/completions", completion(PROMPT, 10))["choices"][0]["text"]
+    sampled = [ok(server, "/v1/completions", completion(PROMPT, 10, temperature=1.0, min_p=1.0, seed=s))
+               ["choices"][0]["text"] for s in (1, 2)]
+    assert sampled == [greedy_text, greedy_text]
+    free = {ok(server, "/v1/completions", completion(PROMPT, 10, temperature=1.0, seed=s))["choices"][0]["text"]
+            for s in (1, 2, 3)}
+    assert free != {greedy_text}
 
 
 def test_stop_token_ids_end_the_text_and_include_stop_str_in_output_keeps_the_stop(server, hf):

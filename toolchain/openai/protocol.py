@@ -54,7 +54,9 @@ class ResponseFormat(_Body):
     json_schema: Optional[dict] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
-    format: Optional[dict] = None  # structural_tag's format (XGrammar's structural tag)
+    format: Optional[dict] = None  # structural_tag in XGrammar's form
+    structures: Optional[list[dict]] = None  # structural_tag in the LLM API's form: [{"begin", "schema", "end"}]
+    triggers: Optional[list[str]] = None
 
 
 # The most log-probabilities one position may ask for (OpenAI caps chat top_logprobs at 20; trtllm-serve's

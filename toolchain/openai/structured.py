@@ -46,7 +46,9 @@ def guide_for(fmt: ResponseFormat | None) -> Guide | None:
         return Guide("regex", _required(fmt, "regex", fmt.regex))
     if fmt.type == "ebnf":
         return Guide("ebnf_grammar", _required(fmt, "ebnf", fmt.ebnf))
-    # structural_tag: upstream hands the whole response_format on as JSON (UNVERIFIED against 1.2's exact
-    # serialisation; XGrammar's structural-tag JSON is {"type": "structural_tag", "format": {...}}).
-    _required(fmt, "format", fmt.format)
+    # structural_tag: upstream hands the whole response_format on as JSON, in XGrammar's form
+    # ({"type": "structural_tag", "format": {...}}) or the older {"structures": [...], "triggers": [...]}
+    # (UNVERIFIED against 1.2's exact serialisation); the engine compiles either.
+    if fmt.structures is None:
+        _required(fmt, "format", fmt.format)
     return Guide("structural_tag", fmt.model_dump_json(by_alias=True, exclude_none=True))

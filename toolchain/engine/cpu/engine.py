@@ -156,8 +156,10 @@ class Sequence:
             t = (self.acceptance_threshold if self.acceptance_threshold is not None
                  else torch.rand(p.shape, generator=self.sampler.generator))
             if not bool((p < t * q).any()):
-                self.picked.append(float(torch.log(p[draft[i]])))
-                emitted += self.take(draft[i])
+                taken = self.take(draft[i])
+                if taken:  # its log-prob in the target's own distribution
+                    self.picked.append(float(torch.log(p[draft[i]])))
+                emitted += taken
                 if self.finished:
                     break
                 self.accepted_draft += 1
