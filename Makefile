@@ -63,6 +63,24 @@ $(AIPERF_STAMP):
 
 aiperf: $(AIPERF_STAMP) ## Install AIPerf 0.13 into benchmarks/.venv/aiperf
 
+# EleutherAI's lm-evaluation-harness 0.4.13 with its hf and API (local-completions) backends, in its own venv as
+# AIPerf is: it needs numpy >= 2, which the project's venv holds below 2. torch is the CPU build, taken as setup
+# takes it (TORCH_INDEX, else pip's own sources). tests/test_lm_eval.py scores the tasks shipped in tests/data
+# through the OpenAI server with it.
+LMEVAL_VENV := benchmarks/.venv/lm-eval
+LMEVAL_STAMP := $(LMEVAL_VENV)/.setup-stamp
+$(LMEVAL_STAMP):
+	@echo "==> installing lm-evaluation-harness 0.4.13 (hf and API backends, torch 2.13.0+cpu) into $(LMEVAL_VENV) ..."
+	@test -x $(LMEVAL_VENV)/bin/python || $(PYTHON) -m venv $(LMEVAL_VENV)
+	@if [ -n "$(TORCH_HOST)" ] && ! getent hosts "$(TORCH_HOST)" >/dev/null; then idx=""; \
+	else idx="$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))"; fi; \
+	$(LMEVAL_VENV)/bin/pip install --quiet --disable-pip-version-check --no-compile $$idx \
+	  "lm-eval[api,hf]==0.4.13" "torch==2.13.0+cpu" $(QUIET_PIP)
+	@touch $(LMEVAL_STAMP)
+
+.PHONY: lm-eval
+lm-eval: $(LMEVAL_STAMP) ## Install lm-evaluation-harness 0.4.13 into benchmarks/.venv/lm-eval
+
 # NVIDIA Dynamo 1.6.1 (OpenAI frontend, KV-aware router, Python runtime) in the project's venv, for
 # `toolchain dynamo` on CPU and its tests. `pip install ai-dynamo` fails here: it pins aisimulate==0.13.0, a stub
 # that downloads from a host not reachable at install time. So: ai-dynamo-runtime with its dependencies, ai-dynamo
@@ -113,12 +131,14 @@ deploy: setup ## Every stage for SPEC, then serve, bench and stop (toolchain dep
 
 LINT := $(VENV)/bin/ruff check toolchain tools benchmarks/*.py benchmarks/reliability_parts benchmarks/prediction_parts && $(VENV)/bin/mypy
 
-# What `make test` installs beyond setup (~3 min from a clean clone): AIPerf goes into a venv of its own, so it
-# installs alongside Dynamo and then SmolLM2, which share .venv and so go one after the other (two pips must not
-# write one venv at once); then the tiny Mixtral, seconds, from the committed tiny Llama.
-.PHONY: test-extras venv-extras
+# What `make test` installs beyond setup (~3 min from a clean clone): AIPerf and lm-eval go into venvs of their own
+# (lm-eval's about 45 s from this host's package sources), so they install alongside Dynamo and then SmolLM2, which
+# share .venv and so go one after the other (two pips must not write one venv at once); then the tiny Mixtral,
+# seconds, from the committed tiny Llama.
+.PHONY: test-extras venv-extras own-venvs
 test-extras: setup
-	@$(MAKE) --no-print-directory -j2 aiperf venv-extras
+	@$(MAKE) --no-print-directory -j2 own-venvs venv-extras
+own-venvs: aiperf lm-eval
 venv-extras: dynamo
 	@$(MAKE) --no-print-directory smollm2
 	@$(MAKE) --no-print-directory tiny-mixtral

@@ -63,7 +63,8 @@ def spec_for(requests: int):
 
 def run(requests: int, probe: bool) -> dict[str, Any]:
     from toolchain.hostprofile import load_profile, save_profile
-    from toolchain.pipeline import deploy, probe_host
+    from toolchain.pipeline import deploy
+    from toolchain.probe_host import probe_host
     from toolchain.workspace import Workspace
 
     spec = spec_for(requests)

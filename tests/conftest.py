@@ -30,7 +30,7 @@ def _no_host_profile(tmp_path_factory, monkeypatch):
 # and a test that uses a fixture decorated below (directly or through other fixtures) gets that fixture's
 # marker at collection, so a new test on an existing server fixture needs no marker of its own.
 SERVER = "server"  # starts tritonserver, the OpenAI server, Dynamo, AIPerf or mpirun ranks
-EXTRAS = "extras"  # needs what `make test` installs beyond `make setup` (AIPerf, Dynamo, SmolLM2)
+EXTRAS = "extras"  # needs what `make test` installs beyond `make setup` (AIPerf, lm-eval, Dynamo, SmolLM2)
 
 
 def _tier(marker: str):

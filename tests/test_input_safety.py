@@ -254,8 +254,8 @@ def test_every_tokenizer_loader_refuses_remote_code(remote_code_tokenizer, tmp_p
             from toolchain.quant.calibration import hf_tokenizer
             hf_tokenizer(d)
         else:
-            from toolchain.eval.run import _tokenizer
-            _tokenizer(load_spec(write_spec(tmp_path / "spec.yaml", hf_llama, model={"tokenizer": str(d)})))
+            from toolchain.eval.run import spec_tokenizer
+            spec_tokenizer(load_spec(write_spec(tmp_path / "spec.yaml", hf_llama, model={"tokenizer": str(d)})))
     assert REFUSAL in one_line(err)
     assert not marker.exists()
 

@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "toolchain"
 # Top floor first. Rooms on one floor do not import each other.
 FLOORS: list[tuple[str, ...]] = [
     ("cli",),
-    ("tune",),
+    ("tune", "probe_host"),
     ("pipeline",),
     ("checks",),
     ("dynamo",),

@@ -200,6 +200,7 @@ TRIGGERS = {
     "serve.shm-size": ({"serving": {"instance_count": 1_000_000}}, {"stage": "serve"}, FAIL),
     "bench.workload-limits": ({"validation": {"workload": {"input_tokens": 4000}}}, {}, FAIL),
     "bench.streaming": ({"validation": {"workload": {"streaming": False}}}, {}, FAIL),
+    "quality.openai-endpoint": ({"validation": {"quality": {"max_perplexity_ratio": 1.05}}}, {}, FAIL),
     "spec.mode-runnable": ({"target": "cpu", "speculative": {"mode": "eagle"}}, {}, FAIL),
     "spec.eagle-draft": ({"speculative": {"mode": "eagle"}}, {}, FAIL),
     "spec.medusa-heads": ({"speculative": {"mode": "medusa"}}, {}, FAIL),

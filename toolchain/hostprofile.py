@@ -79,7 +79,7 @@ class HostProfile:
     gloo: dict[str, float] | None = None
     """Rank exchange between processes (engine/cpu/comm.py): {"latency_us", "gb_s"} of two rank processes alone,
     and with the serving probe "served_latency_us", the fixed cost an exchange has when the ranks serve beside
-    tritonserver (pipeline.probe_ranks); None when not measured."""
+    tritonserver (probe_host.probe_ranks); None when not measured."""
     serving: dict | None = None
     """The served path's costs, measured through it (tritonserver's ensemble over gRPC, streaming, with this
     toolchain's bench as the client) on the embedded tiny model: {"protocol", "step_us", "sequence_us",

@@ -1,4 +1,5 @@
-"""The spec's `validation` section: the load `toolchain bench` applies and the SLOs its report is judged against.
+"""The spec's `validation` section: the load `toolchain bench` applies, the SLOs its report is judged against, and
+the quality bounds `toolchain deploy` gates on (measured through the deployment's OpenAI endpoint).
 
 `spec.py` holds it as `DeploymentSpec.validation` and re-exports every class here; the bench reads it through the
 spec it is given.
@@ -129,8 +130,30 @@ class SloSection(_Section):
         return self
 
 
+class QualitySection(_Section):
+    max_perplexity_ratio: float | None = Field(None, gt=0)
+    """Deploy fails when the endpoint's held-out perplexity over the HF reference's (float32, same tokens) exceeds this, e.g. 1.05."""
+    min_greedy_agreement: float | None = Field(None, ge=0, le=1)
+    """Deploy fails when the share of positions where the endpoint's most likely next token is the reference's is below this."""
+    min_choice_accuracy: float | None = Field(None, ge=0, le=1)
+    """Deploy fails when the endpoint's accuracy on the shipped multiple-choice set is below this."""
+    max_choice_accuracy_drop: float | None = Field(None, ge=0, le=1)
+    """Deploy fails when the endpoint's multiple-choice accuracy is more than this below the reference's."""
+    tokens: int = Field(1024, ge=2)
+    """Held-out tokens the gate's eval sends (`toolchain eval --max-tokens`)."""
+    window: int = Field(256, ge=2)
+    """Tokens per prompt (capped at limits.max_input_len)."""
+
+    def bounds(self) -> dict[str, float]:
+        """The bounds set, by field name; empty: no gate (the default)."""
+        names = ("max_perplexity_ratio", "min_greedy_agreement", "min_choice_accuracy", "max_choice_accuracy_drop")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
 class ValidationSection(_Section):
     workload: WorkloadSection = Field(default_factory=WorkloadSection)
     """The load `toolchain bench` applies."""
     slo: SloSection = Field(default_factory=SloSection)
     """Service-level objectives the report is judged against."""
+    quality: QualitySection = Field(default_factory=QualitySection)
+    """Bounds on the quality measured through the OpenAI endpoint (`toolchain eval --endpoint`); deploy gates on any set."""

@@ -363,3 +363,17 @@ def _bench_streaming(ctx: Context):
         return FAIL, (f"validation.workload.streaming={str(w.streaming).lower()} but serving.streaming="
                       f"{str(served).lower()}: {fix}")
     return PASS, ("decoupled models, streamed over " + w.protocol) if served else "non-streaming requests"
+
+
+# ---- deploy's quality gate ------------------------------------------------------------------------------------------
+@check("quality.openai-endpoint", ("deploy",),
+       "validation.quality is measured through an OpenAI server's echoed prompt log-probs (eval/served.py)",
+       paths=ENGINE_PATH)
+def _quality_needs_openai(ctx: Context):
+    bounds = ctx.spec.validation.quality.bounds()
+    if not bounds:
+        return PASS, "no validation.quality bounds"
+    return FAIL, (f"validation.quality ({', '.join(bounds)}) is measured through an OpenAI server's echoed "
+                  f"log-probs, and target {ctx.spec.target} serves Triton's tensorrt_llm model only: use target "
+                  "llmapi-cpu (llmapi on a GPU host), or measure an OpenAI-compatible endpoint with "
+                  "`toolchain eval SPEC --endpoint URL`")

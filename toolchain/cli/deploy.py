@@ -44,8 +44,17 @@ def command(ctx: Context, spec, out_dir: Path | None, keep_edits: bool) -> None:
 
         click.echo(f"OpenAI server ({openai['protocol']}): TTFT p50 {p50('ttft_ms')}, TPOT p50 {p50('tpot_ms')}, "
                    f"{openai.get('num_requests')} requests, {openai.get('errors')} errors; report: {openai['report']}")
+    quality = report.get("quality")
+    if quality:
+        c = quality["choices"]
+        click.echo(f"quality through the OpenAI server: perplexity ratio {quality['perplexity_ratio']:.5f}, greedy "
+                   f"agreement {quality['greedy_token_agreement']:.2%}, multiple choice {c['accuracy']:.3f} "
+                   f"(reference {c['reference_accuracy']:.3f})")
     click.echo(f"deploy finished in {time.perf_counter() - start:.1f}s; report: {target}")
     missed = [what for what, r in (("Triton", report), ("OpenAI server", openai or {}))
               if not r.get("slo", {}).get("passed", True)]
     if missed:
         raise StageFailed(f"SLO missed ({' and '.join(missed)}); see the report above", str(target))
+    if quality and not quality["passed"]:
+        raise StageFailed(f"quality gate missed: {'; '.join(quality['missed'])}",
+                          f"the figures are in {target} under quality")

@@ -1,5 +1,6 @@
 """`toolchain eval SPEC`: held-out perplexity and greedy-token agreement of the
-converted model against the original Hugging Face model."""
+converted model against the original Hugging Face model; with `--endpoint URL`, of a running deployment's
+OpenAI-compatible /v1/completions (echoed prompt log-probs), plus multiple-choice accuracy."""
 
 from __future__ import annotations
 
@@ -13,7 +14,17 @@ from toolchain.spec import DeploymentSpec
 
 
 @click.command(help="Run the converted model (CPU engine, every rank) and the original HF model on held-out "
-                    "text; report both perplexities and their greedy-token agreement.")
+                    "text; report both perplexities and their greedy-token agreement. With --endpoint, measure a "
+                    "running deployment's /v1/completions instead (echo with logprobs), plus multiple-choice "
+                    "accuracy, against the HF model on the same tokens; validation.quality's bounds apply.")
+@click.option("--endpoint", metavar="URL", default=None,
+              help="A running OpenAI-compatible server (http://host:port): this project's, trtllm-serve, Dynamo's.")
+@click.option("--model", "served_model", metavar="NAME", default=None,
+              help="With --endpoint: the model to ask for (default: the first GET /v1/models lists).")
+@click.option("--choices", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --endpoint: a JSONL multiple-choice set instead of the shipped one.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True,
+              help="With --endpoint: requests in flight at once.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the report as JSON to this file.")
 @click.option("--text", type=click.Path(dir_okay=False, path_type=Path),
@@ -28,11 +39,18 @@ from toolchain.spec import DeploymentSpec
 @click.option("--max-perplexity-ratio", type=click.FloatRange(min=0), default=None,
               help="Exit 1 when perplexity / reference perplexity exceeds this.")
 @spec_command
-def command(ctx: Context, spec: DeploymentSpec, json_path: Path | None, text: Path | None, max_tokens: int,
+def command(ctx: Context, spec: DeploymentSpec, endpoint: str | None, served_model: str | None,
+            choices: Path | None, concurrency: int, json_path: Path | None, text: Path | None, max_tokens: int,
             window: int, threads: int | None, min_agreement: float | None,
             max_perplexity_ratio: float | None) -> None:
     from toolchain.eval.run import check_thresholds, run_eval  # keep `toolchain --help` light
 
+    if endpoint is not None:
+        report = _endpoint_eval(spec, endpoint, served_model, choices, concurrency, text, max_tokens, window,
+                                min_agreement, max_perplexity_ratio)
+        _write(report, json_path)
+        check_thresholds(report)
+        return
     report = run_eval(spec, ctx.workspace, text=text, max_tokens=max_tokens, window=window, threads=threads,
                       min_agreement=min_agreement, max_perplexity_ratio=max_perplexity_ratio, echo=click.echo)
     m = report["model"]
@@ -42,8 +60,36 @@ def command(ctx: Context, spec: DeploymentSpec, json_path: Path | None, text: Pa
     click.echo(f"  reference perplexity  {report['reference_perplexity']:.4f}  (HF, float32)")
     click.echo(f"  greedy agreement      {report['greedy_token_agreement']:.4%}")
     click.echo(f"  max |logit diff|      {report['max_abs_logit_diff']:.3g}")
+    _write(report, json_path)
+    check_thresholds(report)
+
+
+def _endpoint_eval(spec: DeploymentSpec, endpoint: str, served_model: str | None, choices: Path | None,
+                   concurrency: int, text: Path | None, max_tokens: int, window: int, min_agreement: float | None,
+                   max_perplexity_ratio: float | None) -> dict:
+    from toolchain.eval.served import run_endpoint_eval  # torch, transformers
+
+    # The spec's validation.quality bounds, with the command line's two over them.
+    bounds = spec.validation.quality.bounds()
+    given = {"min_greedy_agreement": min_agreement, "max_perplexity_ratio": max_perplexity_ratio}
+    bounds.update({k: v for k, v in given.items() if v is not None})
+    report = run_endpoint_eval(spec, endpoint, model=served_model, text=text, choices=choices, max_tokens=max_tokens,
+                               window=window, concurrency=concurrency, bounds=bounds, echo=click.echo)
+    c = report["choices"]
+    click.echo(f"{report['endpoint']} ({report['served_model']}): {report['tokens_evaluated']} tokens in "
+               f"{report['windows']} window(s) of {report['window']}")
+    click.echo(f"  perplexity            {report['perplexity']:.4f}")
+    click.echo(f"  reference perplexity  {report['reference_perplexity']:.4f}  (HF, float32, the same tokens)")
+    click.echo(f"  perplexity ratio      {report['perplexity_ratio']:.5f}")
+    click.echo(f"  greedy agreement      {report['greedy_token_agreement']:.4%}")
+    click.echo(f"  max |logprob diff|    {report['max_abs_logprob_diff']:.3g}")
+    click.echo(f"  multiple choice       {c['accuracy']:.4f} (reference {c['reference_accuracy']:.4f}, "
+               f"same pick {c['same_pick']:.2%}; {c['set']})")
+    return report
+
+
+def _write(report: dict, json_path: Path | None) -> None:
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2) + "\n")
         click.echo(f"wrote {json_path}")
-    check_thresholds(report)

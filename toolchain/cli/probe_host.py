@@ -7,7 +7,7 @@ import json
 import click
 
 from toolchain.hostprofile import HostProfile, load_profile, profile_path, save_profile
-from toolchain.pipeline import probe_host
+from toolchain.probe_host import probe_host
 
 
 def profile_lines(profile: HostProfile, path, fresh: bool) -> list[str]:

@@ -69,7 +69,7 @@ def _stand_in_engine(spec: DeploymentSpec, workspace: Workspace) -> Path:
     return inner_ws.engine_dir(inner)
 
 
-def _tokenizer(spec: DeploymentSpec):
+def spec_tokenizer(spec: DeploymentSpec):
     try:
         return auto_tokenizer(spec.model.tokenizer_dir, trust_remote_code=spec.model.trust_remote_code)
     except (OSError, ValueError) as err:
@@ -77,7 +77,7 @@ def _tokenizer(spec: DeploymentSpec):
                              "set model.tokenizer to a directory with tokenizer.json / tokenizer_config.json") from None
 
 
-def _reference(spec: DeploymentSpec) -> Callable[[list[int]], torch.Tensor]:
+def hf_reference(spec: DeploymentSpec) -> Callable[[list[int]], torch.Tensor]:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -115,7 +115,7 @@ def run_eval(spec: DeploymentSpec, workspace: Workspace, *, text: Path | None = 
         raise ToolchainError(f"max_tokens {max_tokens} is too small", "use --max-tokens 2 or more")
     start = time.monotonic()
     description, documents = file_documents(text) if text is not None else default_documents()
-    tokenizer = _tokenizer(spec)
+    tokenizer = spec_tokenizer(spec)
     stream = token_stream(tokenizer, documents, STREAM_FACTOR * max_tokens)
     with engine_for_eval(spec, workspace) as engine_dir:
         engine = CpuEngine.load(engine_dir, num_threads=threads)
@@ -127,7 +127,7 @@ def run_eval(spec: DeploymentSpec, workspace: Workspace, *, text: Path | None = 
     windows = token_windows(stream, window, max_tokens)
     say(f"evaluating {sum(map(len, windows))} of {len(stream)} tokens in {len(windows)} window(s) of {window} "
         f"({description})")
-    report = evaluate(engine.forward_logits, _reference(spec), windows)
+    report = evaluate(engine.forward_logits, hf_reference(spec), windows)
     pretrained = engine.config["pretrained_config"]
     report.update({
         "text": description,
