@@ -61,8 +61,9 @@ def _server(root: Path):
     from toolchain.spec import load_spec
     from toolchain.workspace import Workspace
 
+    # guided decoding on, as trtllm-serve needs it for response_format (LLM()'s guided_decoding_backend)
     spec = load_spec(SPEC, ["serving.http_port=0", "serving.grpc_port=0", "serving.metrics_port=0",
-                            "llmapi.openai_port=0"])
+                            "llmapi.openai_port=0", "serving.guided_decoding_backend=xgrammar"])
     ws = Workspace(root)
     convert_for(spec)(spec, ws)
     model_repo_for(spec)(spec, ws)

@@ -23,11 +23,13 @@ def build_engine(root: Path, checkpoint: Path, **sections) -> Path:
 
 
 @contextlib.contextmanager
-def serving(engine_dir: Path, tokenizer: Path, model: str, log_dir: Path):
-    """The OpenAI server on `engine_dir` with a 4096-token KV cache and one engine thread, logging to `log_dir`."""
+def serving(engine_dir: Path, tokenizer: Path, model: str, log_dir: Path, guided: bool = False):
+    """The OpenAI server on `engine_dir` with a 4096-token KV cache and one engine thread, logging to `log_dir`;
+    `guided`: with guided decoding on (XGrammar), as response_format needs."""
     from toolchain.openai import OpenAIServer
 
     with OpenAIServer(engine_dir, tokenizer, model, log_path=log_dir / "server.log",
                       extra_args=("--max-tokens-in-paged-kv-cache", "4096", "--engine-threads", "1",
-                                  "--log-level", "warning")) as srv:
+                                  "--log-level", "warning",
+                                  *(("--guided-decoding-backend", "xgrammar") if guided else ()))) as srv:
         yield srv

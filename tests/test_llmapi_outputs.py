@@ -25,7 +25,7 @@ def llm():
     from toolchain.llmapi.cpu_llm import CpuLLM
 
     llm = CpuLLM(model=str(TINY_TRAINED), backend="pytorch", dtype="float32", max_batch_size=4, max_seq_len=256,
-                 max_num_tokens=512, kv_cache_config={"max_tokens": 2048})
+                 max_num_tokens=512, kv_cache_config={"max_tokens": 2048}, guided_decoding_backend="xgrammar")
     yield llm
     llm.shutdown()
 

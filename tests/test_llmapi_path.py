@@ -185,6 +185,7 @@ def test_other_families_keep_kv_cache_reuse_on_the_llmapi_path(tmp_path, hf_llam
     ({"tensor_parallel_size": 2}, "derived from parallelism.tp"),
     ({"kv_cache_config": {"free_gpu_memory_fraction": 0.5}}, "serving.kv_cache_free_gpu_mem_fraction"),
     ({"kv_cache_config": {"max_attention_window": [16]}}, "derived from model.checkpoint"),
+    ({"guided_decoding_backend": "xgrammar"}, "derived from serving.guided_decoding_backend"),
 ])
 def test_bad_llmapi_options_fail_the_plan_in_one_line(tmp_path, hf_llama, options, fragment):
     from toolchain.checks.preflight import build_context, run_checks
@@ -193,6 +194,23 @@ def test_bad_llmapi_options_fail_the_plan_in_one_line(tmp_path, hf_llama, option
     results = {r.id: r for r in run_checks(build_context(spec, "plan", Workspace(tmp_path)))}
     assert results["llmapi.options"].status == "fail" and fragment in results["llmapi.options"].message
     assert "\n" not in results["llmapi.options"].message
+
+
+def test_guided_decoding_backend_reaches_llm_args_from_the_serving_field(tmp_path, hf_llama):
+    """LLM()'s guided_decoding_backend (default None: off) is written from serving.guided_decoding_backend, into
+    model.yaml and the trtllm-serve config alike; left out when the spec leaves it unset."""
+    import yaml
+
+    from toolchain.llmapi.args import llm_args, llm_args_problem, model_yaml, serve_config
+
+    fact = FACTS["llm_args"]["fields"]["guided_decoding_backend"]
+    assert fact["default"] is None and "'xgrammar'" in fact["type"]
+    spec = llmapi_spec(tmp_path, hf_llama, serving={"guided_decoding_backend": "xgrammar"})
+    args = llm_args(spec, hf_llama)
+    assert args["guided_decoding_backend"] == "xgrammar" and llm_args_problem(args) is None
+    assert model_yaml(spec, hf_llama)["guided_decoding_backend"] == "xgrammar"
+    assert yaml.safe_load(yaml.safe_dump(serve_config(spec)))["guided_decoding_backend"] == "xgrammar"
+    assert "guided_decoding_backend" not in llm_args(llmapi_spec(tmp_path, hf_llama), hf_llama)
 
 
 def test_known_options_pass_and_reach_model_yaml(tmp_path, hf_llama):
@@ -377,12 +395,29 @@ def test_a_stop_string_ends_generation_and_is_left_out(cpu_llm):
     ({"speculative_config": {"decoding_type": "Medusa", "max_draft_len": 4}}, "speculative_config"),
     ({"kv_cache_config": {"max_attention_window": [16]}}, "not the model's own windows"),
     ({"kv_cache_config": {"max_attention_window": [0]}}, "list of positive integers"),
+    ({"guided_decoding_backend": "llguidance"}, "XGrammar only; set guided_decoding_backend: xgrammar"),
+    ({"guided_decoding_backend": "outlines"}, "must be 'xgrammar' or 'llguidance'"),
 ])
 def test_the_stand_in_refuses_what_the_real_llm_refuses_or_cannot_run(hf_llama_words, kwargs, fragment):
     from toolchain.llmapi.cpu_llm import CpuLLM, LlmArgsError
 
     with pytest.raises(LlmArgsError, match=fragment):
         CpuLLM(model=str(hf_llama_words), **kwargs)
+
+
+@pytest.mark.slow
+def test_a_guided_request_needs_guided_decoding_backend(cpu_llm):
+    """This LLM() was made without guided_decoding_backend: a guided request is refused in one line saying how to
+    turn it on, before anything is queued, and the LLM keeps serving."""
+    from toolchain.llmapi.cpu_llm import LlmArgsError, SamplingParams
+    from toolchain.llmapi.guided import GuidedDecodingParams
+
+    with pytest.raises(LlmArgsError) as err:
+        cpu_llm.generate_async("w5 w6", SamplingParams(max_tokens=2, guided_decoding=GuidedDecodingParams(regex="w+")))
+    message = str(err.value)
+    assert message.startswith("Guided decoding is not enabled for this LLM; ") and "\n" not in message
+    assert "guided_decoding_backend='xgrammar'" in message and "serving.guided_decoding_backend" in message
+    assert cpu_llm.engine.guided is None and len(run(cpu_llm, "w5 w6", max_tokens=2, ignore_eos=True)[-1][3]) == 2
 
 
 @pytest.mark.parametrize("sampling, fragment", [

@@ -34,7 +34,7 @@ def engine_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 @starts_server
 def server(engine_dir, tmp_path_factory):
-    with serving(engine_dir, TINY_TRAINED, MODEL, tmp_path_factory.mktemp("log")) as srv:
+    with serving(engine_dir, TINY_TRAINED, MODEL, tmp_path_factory.mktemp("log"), guided=True) as srv:
         yield srv
 
 

@@ -151,6 +151,35 @@ def test_refusals_are_one_line_400s(client):
         assert needle in message and "\n" not in message
 
 
+def test_response_format_needs_guided_decoding_turned_on(client):
+    """This server was started without guided_decoding_backend: as trtllm-serve then, a constraining
+    response_format is a 400 in the words clients know, saying how to turn it on; "text" constrains nothing."""
+    import openai
+
+    for fmt in ({"type": "json_object"}, {"type": "regex", "regex": "a+"},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "boolean"}}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt, max_tokens=4)
+        message = err.value.body["message"]
+        assert message.startswith("Guided decoding is not enabled for this server; ") and "\n" not in message
+        assert "guided_decoding_backend: xgrammar" in message and "serving.guided_decoding_backend" in message
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "text"},
+                                          temperature=0)
+    assert resp.choices[0].message.content == "Hello there."
+
+
+def test_the_guided_decoding_option_belongs_to_the_engine_path(chain, tmp_path):
+    from toolchain.errors import ToolchainError
+    from toolchain.openai.__main__ import _args, build_app
+
+    _engine_dir, tokenizer = chain
+    with pytest.raises(ToolchainError) as err:
+        build_app(_args([str(tokenizer), "--served-model-name", MODEL, "--guided-decoding-backend", "xgrammar"]))
+    assert "set guided_decoding_backend: xgrammar in the --config file" in str(err.value)
+    with pytest.raises(SystemExit):  # argparse: llguidance is upstream's other backend, not the CPU engine's
+        _args(["--engine-dir", str(tmp_path), "--served-model-name", MODEL, "--guided-decoding-backend", "llguidance"])
+
+
 def test_the_server_refuses_parsers_it_cannot_serve_at_start(chain, hf_llama_words, tmp_path):
     from toolchain.errors import ToolchainError
     from toolchain.openai.__main__ import _args, build_app

@@ -171,7 +171,9 @@ class ServingSection(_Section):
     guided_decoding_backend: Literal["xgrammar"] | None = None
     """`xgrammar`: structured output (JSON, JSON schema, regex, EBNF) through the tensorrt_llm model's
     guided_decoding_guide_type / guided_decoding_guide inputs; model-repo writes the tokenizer-info file the backend
-    reads (xgrammar_tokenizer_info_path). Unset: guided decoding off, such requests are refused."""
+    reads (xgrammar_tokenizer_info_path). On the LLM-API path it is LLM()'s guided_decoding_backend (model.yaml, the
+    trtllm-serve config), which response_format needs. Unset: guided decoding off, such requests are refused.
+    Upstream's other value, llguidance, is not offered: the CPU engine implements XGrammar only."""
     engine_threads: int = Field(1, ge=0, le=256)
     """torch threads of the CPU engine inside the server (target cpu); 0 = every core this host gives the
     process. Small models decode fastest on one; 100M+ parameter models gain from more."""

@@ -25,6 +25,7 @@ DERIVED_FROM = {
     "model": "model.checkpoint", "tokenizer": "model.tokenizer", "dtype": "model.dtype", "backend": "target",
     "trust_remote_code": "model.trust_remote_code",
     "reasoning_parser": "llmapi.reasoning_parser",  # trtllm-serve's --reasoning_parser, on every launch line
+    "guided_decoding_backend": "serving.guided_decoding_backend",  # also the engine path's model parameter
     "tensor_parallel_size": "parallelism.tp", "pipeline_parallel_size": "parallelism.pp",
     "moe_tensor_parallel_size": "parallelism.moe_tp", "moe_expert_parallel_size": "parallelism.moe_ep",
     "enable_attention_dp": "parallelism.attention_dp",
@@ -201,6 +202,11 @@ def llm_args(spec: DeploymentSpec, model_dir: Path | str) -> dict[str, Any]:
         # search requests (use_beam_search, best_of or n beams) are served up to this width. Written only for
         # beams, so other deployments' files keep upstream's default.
         args["max_beam_width"] = b.max_beam_width
+    if s.guided_decoding_backend is not None:
+        # BaseLlmArgs.guided_decoding_backend (Optional[Literal['xgrammar', 'llguidance']], default None;
+        # facts/llmapi.json llm_args): without it the LLM API and trtllm-serve refuse guided decoding
+        # (response_format), so the spec field that turns it on for Triton's tensorrt_llm model turns it on here.
+        args["guided_decoding_backend"] = s.guided_decoding_backend
     spec_cfg = speculative_config(spec)
     if spec_cfg is not None:
         args["speculative_config"] = spec_cfg

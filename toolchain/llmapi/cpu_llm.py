@@ -54,6 +54,12 @@ ENGINE_DIR_ENV = "TOOLCHAIN_CPU_LLM_DIR"
 POLICIES = {"GUARANTEED_NO_EVICT": "guaranteed_no_evict", "MAX_UTILIZATION": "max_utilization"}
 
 
+# A guided request to an LLM made without guided_decoding_backend (the LLM API keeps guided decoding off unless it is
+# set; trtllm-serve answers such a request "Guided decoding is not enabled for this server", as clients quote it).
+GUIDED_OFF = ("Guided decoding is not enabled for this LLM; create it with guided_decoding_backend='xgrammar' "
+              "(spec: serving.guided_decoding_backend)")
+
+
 class LlmArgsError(ValueError):
     """An argument `TorchLlmArgs` (or this host) refuses; the message names the key."""
 
@@ -205,6 +211,7 @@ def engine_spec(args: dict[str, Any]):
     if kv.get("max_attention_window") is not None:
         _check_windows(kv["max_attention_window"], model_dir, max_seq)
     max_input = _int(args, "max_input_len", None) or max_seq - 1
+    guided = _guided_backend(args)
     try:
         return DeploymentSpec.model_validate({
             "name": "llm", "target": "cpu",
@@ -226,10 +233,22 @@ def engine_spec(args: dict[str, Any]):
             "speculative": speculative,
             "serving": {"kv_cache_free_gpu_mem_fraction": kv.get("free_gpu_memory_fraction", 0.9),
                         "max_tokens_in_paged_kv_cache": kv.get("max_tokens"),
-                        "batch_scheduler_policy": POLICIES[policy]},
+                        "batch_scheduler_policy": POLICIES[policy], "guided_decoding_backend": guided},
         })
     except Exception as err:  # pydantic's message names the field
         raise LlmArgsError(f"LLM arguments the CPU engine cannot run: {str(err).splitlines()[0]}") from None
+
+
+def _guided_backend(args: dict[str, Any]) -> str | None:
+    """LLM()'s guided_decoding_backend (BaseLlmArgs: Optional[Literal['xgrammar', 'llguidance']], default None:
+    guided decoding off, facts/llmapi.json llm_args). The CPU engine guides with XGrammar only."""
+    backend = args.get("guided_decoding_backend")
+    if backend == "llguidance":
+        raise LlmArgsError("guided_decoding_backend 'llguidance' is not run by the CPU engine, which guides with "
+                           "XGrammar only; set guided_decoding_backend: xgrammar")
+    if backend not in (None, "xgrammar"):
+        raise LlmArgsError(f"guided_decoding_backend must be 'xgrammar' or 'llguidance' (unset: off), got {backend!r}")
+    return backend
 
 
 # MTPDecodingConfig's fields that change what is drafted or accepted, at the values the CPU engine runs (facts
@@ -402,6 +421,8 @@ class CpuLLM:
 
         end_id = sp.end_id if sp.end_id is not None else self.tokenizer.eos_token_id
         guide = sp.guided_decoding.guide() if sp.guided_decoding is not None else None
+        if guide is not None and self.spec.serving.guided_decoding_backend is None:
+            raise LlmArgsError(GUIDED_OFF)
         if guide is not None and self.engine.guided is None:
             # The PyTorch backend builds its XGrammar matcher from the model's tokenizer; so does the engine's.
             from toolchain.engine.cpu.guided import GuidedDecoder

@@ -41,6 +41,9 @@ def _args(argv):
     p.add_argument("--max-tokens-in-paged-kv-cache", type=int, help="cap on the KV pool in tokens")
     p.add_argument("--disable-kv-cache-reuse", action="store_true")
     p.add_argument("--engine-threads", type=int, help="torch intra-op threads (0 = every core)")
+    p.add_argument("--guided-decoding-backend", choices=("xgrammar",),
+                   help="engine path: serve response_format with XGrammar (off: refused, as trtllm-serve refuses it "
+                        "without guided_decoding_backend); the LLM-API path takes guided_decoding_backend from --config")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="engine path: let the tokenizer directory's own Python code run (off: such a tokenizer is "
                         "refused); the LLM-API path takes trust_remote_code from --config")
@@ -101,7 +104,7 @@ def _llm_app(args, parsers):
     try:
         app = create_app(engine, spec.model.tokenizer_dir, args.served_model_name, scheduler=scheduler,
                          chat_template=template, trust_remote_code=spec.model.trust_remote_code,
-                         **parsers)
+                         guided_decoding_backend=spec.serving.guided_decoding_backend, **parsers)
     except ToolchainError:
         if work is not None:
             work.cleanup()
@@ -119,6 +122,9 @@ def build_app(args):
                              "MODEL --config FILE serves the LLM-API path; --engine-dir serves a built engine")
     parsers = _parsers(args)
     if args.model is not None:
+        if args.guided_decoding_backend is not None:
+            raise ToolchainError("--guided-decoding-backend is an engine-path option (with --engine-dir)",
+                                 "with MODEL, set guided_decoding_backend: xgrammar in the --config file")
         return _llm_app(args, parsers)
     if args.tokenizer is None:
         raise ToolchainError("--engine-dir needs --tokenizer", "pass the Hugging Face tokenizer directory")
@@ -136,7 +142,8 @@ def build_app(args):
     engine = CpuEngine.load(args.engine_dir, num_threads=args.engine_threads, kv_cache=kv)
     _limits(engine, args)
     return create_app(engine, args.tokenizer, args.served_model_name, scheduler=scheduler, chat_template=template,
-                      trust_remote_code=args.trust_remote_code, **parsers)
+                      trust_remote_code=args.trust_remote_code, guided_decoding_backend=args.guided_decoding_backend,
+                      **parsers)
 
 
 def main(argv=None) -> int:

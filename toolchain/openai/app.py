@@ -45,6 +45,10 @@ from toolchain.openai.tools import parsers_problem, request_problem
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.2
+# trtllm-serve's answer to response_format when its LLM arguments lack guided_decoding_backend (the words clients
+# quote; UNVERIFIED where upstream raises it), then how to turn it on.
+GUIDED_OFF = ("Guided decoding is not enabled for this server; start the server with guided_decoding_backend: "
+              "xgrammar in its LLM-API options (spec: serving.guided_decoding_backend)")
 
 
 def _error(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, err_type: str = "BadRequestError") -> JSONResponse:
@@ -82,8 +86,10 @@ class OpenAIFrontend:
     """The request handlers and the state they share; `create_app` wires them."""
 
     def __init__(self, engine: CpuEngine, codec: TextCodec, model: str, scheduler: SchedulerConfig | None,
-                 engine_type: str, tool_parser: str | None = None, reasoning_parser: str | None = None):
+                 engine_type: str, tool_parser: str | None = None, reasoning_parser: str | None = None,
+                 guided_decoding_backend: str | None = None):
         self.engine, self.codec, self.model = engine, codec, model
+        self.guided_decoding_backend = guided_decoding_backend  # LLM()'s; None: response_format is refused
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser  # trtllm-serve's names
         self.metrics = ServerMetrics(model, engine_type)
         self.service = EngineService(engine, scheduler, on_iteration=self.metrics.iteration)
@@ -130,6 +136,8 @@ class OpenAIFrontend:
         if reason:
             raise ApiError(reason)
         guide = guide_for(req.response_format)
+        if guide is not None and self.guided_decoding_backend is None:
+            raise ApiError(GUIDED_OFF)
         if guide is not None:
             self.guided_decoding()
         chat = isinstance(req, ChatCompletionRequest)
@@ -408,19 +416,24 @@ class OpenAIFrontend:
 def create_app(engine: CpuEngine, tokenizer: TextCodec | Path | str, served_model_name: str, *,
                scheduler: SchedulerConfig | None = None, chat_template: str | None = None,
                engine_type: str = "cpu", trust_remote_code: bool = False, tool_parser: str | None = None,
-               reasoning_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, guided_decoding_backend: str | None = None) -> FastAPI:
     """A FastAPI app serving `engine` under `served_model_name`. `tokenizer` is the Hugging Face
     tokenizer directory (or a loaded TextCodec); `chat_template` (Jinja text) replaces the
     tokenizer's own; `trust_remote_code` lets a tokenizer directory's own code run; `tool_parser` and
     `reasoning_parser` are trtllm-serve's --tool_parser / --reasoning_parser (parsers_problem refuses a
-    name or family they cannot serve). The batcher starts with the app's lifespan and stops with it."""
+    name or family they cannot serve); `guided_decoding_backend` is LLM()'s ("xgrammar"; None: guided decoding off,
+    a response_format other than text is refused as trtllm-serve refuses it). The batcher starts with the app's lifespan and stops with it."""
     problem = parsers_problem(tool_parser, reasoning_parser, engine.dims.architecture)
     if problem:
         raise ToolchainError(problem)
     codec = tokenizer if isinstance(tokenizer, TextCodec) else TextCodec(tokenizer, chat_template, trust_remote_code)
     if chat_template is not None:
         codec.chat_template = chat_template
-    front = OpenAIFrontend(engine, codec, served_model_name, scheduler, engine_type, tool_parser, reasoning_parser)
+    if guided_decoding_backend not in (None, "xgrammar"):
+        raise ToolchainError(f"guided_decoding_backend {guided_decoding_backend!r} is not served by the CPU engine, "
+                             "which guides with XGrammar only", "set guided_decoding_backend: xgrammar")
+    front = OpenAIFrontend(engine, codec, served_model_name, scheduler, engine_type, tool_parser, reasoning_parser,
+                           guided_decoding_backend)
 
     @asynccontextmanager
     async def lifespan(_app):
