@@ -157,7 +157,8 @@ def test_response_format_needs_guided_decoding_turned_on(client):
     import openai
 
     for fmt in ({"type": "json_object"}, {"type": "regex", "regex": "a+"},
-                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "boolean"}}}):
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "boolean"}}},
+                {"type": "structural_tag", "format": {"type": "const_string", "value": "ok"}}):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt, max_tokens=4)
         message = err.value.body["message"]
