@@ -220,6 +220,7 @@ TRIGGERS = {
     "llmapi.speculative": ({"target": "llmapi", "speculative": {"mode": "medusa", "max_draft_len": 4}}, {}, FAIL),
     "llmapi.quantization": ({"target": "llmapi", "quantization": {"method": "smoothquant"}}, {}, FAIL),
     "llmapi.options": ({"target": "llmapi", "llmapi": {"options": {"max_num_tokenz": 64}}}, {}, FAIL),
+    "llmapi.parsers": ({"target": "llmapi", "llmapi": {"tool_parser": "hermes"}}, {}, FAIL),
     "llmapi.architecture": ({"target": "llmapi", "parallelism": {"tp": 2},
                              "model": {"checkpoint": str(CONFIGS / "phi-3-mini-128k-instruct")}}, {}, FAIL),
     "llmapi.runtime-version": ({"target": "llmapi"}, {"stage": "serve"}, FAIL),

@@ -427,7 +427,8 @@ class CpuLLM:
             # The PyTorch backend builds its XGrammar matcher from the model's tokenizer; so does the engine's.
             from toolchain.engine.cpu.guided import GuidedDecoder
 
-            self.engine.guided = GuidedDecoder.from_tokenizer_dir(self.spec.model.tokenizer_dir, self.engine.vocab_size)
+            self.engine.guided = GuidedDecoder.from_tokenizer_dir(
+                self.spec.model.tokenizer_dir, self.engine.vocab_size, trust_remote_code=self.spec.model.trust_remote_code)
         return EngineParams(max_new_tokens=sp.max_tokens, temperature=1.0 if sp.temperature is None else sp.temperature,
                             top_k=sp.top_k or 0, top_p=sp.top_p or 0.0, seed=self._seeds.seed(sp.seed), min_tokens=sp.min_tokens or 0,
                             end_id=-1 if sp.ignore_eos or end_id is None else int(end_id),

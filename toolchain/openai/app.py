@@ -178,7 +178,8 @@ class OpenAIFrontend:
     def guided_decoding(self) -> None:
         """The engine's guided decoder, made from the tokenizer on first use."""
         if getattr(self.engine, "guided", None) is None:
-            self.engine.guided = GuidedDecoder.from_tokenizer_dir(self.codec.directory, self.engine.vocab_size)
+            self.engine.guided = GuidedDecoder.from_tokenizer_dir(self.codec.directory, self.engine.vocab_size,
+                                                               trust_remote_code=self.codec.trust_remote_code)
 
     def _release(self, choices: list[Choice]) -> None:
         for c in choices:

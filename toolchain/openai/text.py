@@ -33,6 +33,7 @@ class TextCodec:
         if not self.directory.is_dir():
             raise ToolchainError(f"tokenizer directory {self.directory} does not exist",
                                  "pass the Hugging Face model directory that holds tokenizer.json")
+        self.trust_remote_code = trust_remote_code
         self.tokenizer = auto_tokenizer(self.directory, trust_remote_code=trust_remote_code)
         self.chat_template = chat_template  # the server's override of the tokenizer's own
         eos = resolve(_read_json(self.directory / "config.json") or {},

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from toolchain.remote_code import auto_tokenizer
+
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
 
 
@@ -83,11 +85,10 @@ class GuidedDecoder:
         self._lock = threading.Lock()  # compile from request validation and the batcher thread alike
 
     @classmethod
-    def from_tokenizer_dir(cls, path: Path | str, vocab_size: int) -> "GuidedDecoder":
+    def from_tokenizer_dir(cls, path: Path | str, vocab_size: int, *, trust_remote_code: bool = False) -> "GuidedDecoder":
         import xgrammar as xgr
-        from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = auto_tokenizer(path, trust_remote_code=trust_remote_code)
         return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
 
     @classmethod
