@@ -104,7 +104,7 @@ class Sequence:
     def accept(self, logits: torch.Tensor) -> list[int]:
         """Sample the next token from `logits` [V]; returns the tokens to emit (empty on end_id)."""
         sampler = self.sampler
-        emitted = self.take(sampler.pick(logits, len(self.output), self.tokens))
+        emitted = self.take(sampler.pick(logits, len(self.output), self.tokens if sampler.reads_history else None))
         if emitted:
             mode = self.logprobs.mode if self.logprobs is not None else "raw"
             self.picked.append(sampler.last_processed if mode == "processed" else sampler.last_sampled)

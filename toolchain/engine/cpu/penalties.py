@@ -25,6 +25,13 @@ SamplingParams = Any
 NEG_INF = float("-inf")
 
 
+def reads_history(p: SamplingParams) -> bool:
+    """Whether `process` reads the tokens so far (penalties, bad words, the no-repeat n-gram mask): the
+    sequence is handed to it only then, not copied for every pick of every request."""
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or bool(p.bad_words) or p.no_repeat_ngram_size > 0)
+
+
 def penalised(logits: torch.Tensor, p: SamplingParams, tokens: list[int]) -> torch.Tensor:
     """Repetition, presence and frequency penalties over `tokens` (prompt + output)."""
     if not tokens or (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from toolchain.engine.cpu.guided import Guide
-from toolchain.engine.cpu.penalties import filtered, process
+from toolchain.engine.cpu.penalties import filtered, process, reads_history
 
 if TYPE_CHECKING:
     from toolchain.engine.cpu.guided import GuideMatcher
@@ -174,6 +174,7 @@ class Sampler:
         self.last_sampled = 0.0
         self.last_processed = 0.0
         self.wants_processed = False  # set by the engine for a "processed" record: a log-softmax per pick otherwise saved
+        self.reads_history = reads_history(params)  # pick() needs the sequence so far
 
     def pick(self, logits: torch.Tensor, generated: int, tokens: list[int] | None = None) -> int:
         """The next token from last-position logits [V], `generated` tokens already produced and `tokens`
