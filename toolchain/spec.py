@@ -23,6 +23,7 @@ from toolchain.errors import ToolchainError
 from toolchain.pretrained import require_built
 from toolchain.speculative import DRAFT_ENGINE, Mode, mode_of
 from toolchain.quant.formats import KvCacheKind, Method
+from toolchain.spec_lora import LoraSection
 from toolchain.spec_section import Section as _Section
 from toolchain.spec_workload import ValidationSection
 from toolchain.targets import TargetName, target_of
@@ -412,6 +413,8 @@ class DeploymentSpec(_Section):
     """The LLM-API path (targets llmapi and llmapi-cpu)."""
     dynamo: DynamoSection = Field(default_factory=DynamoSection)
     """NVIDIA Dynamo deployments of the LLM-API path (`toolchain dynamo`)."""
+    lora: LoraSection = Field(default_factory=LoraSection)
+    """LoRA adapters served beside the base model (multi-LoRA)."""
 
     source: Path | None = Field(None, exclude=True)
     """The file this spec was loaded from (set by the loader)."""
@@ -481,6 +484,8 @@ class DeploymentSpec(_Section):
     def spec_hash(self) -> str:
         """Stable hash of every field (paths as resolved), for manifests."""
         data = self.model_dump(mode="json")
+        if not self.lora.enabled:  # a spec without LoRA hashes as it did before the section existed
+            data.pop("lora")
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -595,6 +600,7 @@ def _resolve_paths(spec: DeploymentSpec, base: Path) -> None:
     if spec.serving.tritonserver is not None and "/" in str(spec.serving.tritonserver):
         spec.serving.tritonserver = resolve(spec.serving.tritonserver)
     spec.serving.admin_key_file = resolve(spec.serving.admin_key_file)
+    spec.lora.adapters = {name: resolve_path(path) for name, path in spec.lora.adapters.items()}
 
 
 def spec_from_dict(data: dict[str, Any], base: Path, origin: str = "<spec>",

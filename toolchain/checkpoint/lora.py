@@ -207,9 +207,7 @@ def module_dims(hidden: int, intermediate: int, num_heads: int, num_kv_heads: in
 
 
 def read_converted(directory: Path, dims: Mapping[str, tuple[int, int]], num_layers: int | None = None) -> Converted:
-    """(A [r, in], B [out, r]) per (layer, module) of a converted adapter, B already scaled. A row holds no
-    dims of its own: `dims` gives each module's (in, out), as the engine's model config does for the runtime.
-    The checks and their words are loraUtils.cpp @2a9abd95 `loraValidateRequestTensors`'s."""
+    """(A [r, in], B [out, r]) per (layer, module) of a converted adapter directory (`unpack` of its two files)."""
     directory = Path(directory)
     try:
         weights = np.load(directory / WEIGHTS_FILE, allow_pickle=False)
@@ -217,26 +215,35 @@ def read_converted(directory: Path, dims: Mapping[str, tuple[int, int]], num_lay
     except (OSError, ValueError) as e:
         raise ToolchainError(f"LoRA weights in {directory} are not readable ({type(e).__name__}: {e})".replace("\n", " "),
                              "write them with convert_adapter or hf_lora_convert.py") from None
+    return unpack(weights, keys, dims, num_layers, source=f"LoRA weights in {directory}")
+
+
+def unpack(weights: np.ndarray, keys: np.ndarray, dims: Mapping[str, tuple[int, int]], num_layers: int | None = None,
+           source: str = "lora_weights") -> Converted:
+    """(A [r, in], B [out, r]) per (layer, module) from `lora_weights` [1, rows, W] and `lora_config` [1, rows, 3|4]
+    (the files, or a Triton request's tensors), B already scaled. A row holds no dims of its own: `dims` gives
+    each module's (in, out), as the engine's model config does for the runtime. The checks and their words are
+    loraUtils.cpp @2a9abd95 `loraValidateRequestTensors`'s; `source` starts each message."""
     if weights.ndim != 3 or keys.ndim != 3 or weights.shape[0] != 1 or keys.shape[0] != 1:
-        raise ToolchainError(f"LoRA weights in {directory}: Expected batch dimension to be 1 for each lora request",
+        raise ToolchainError(f"{source}: Expected batch dimension to be 1 for each lora request",
                              f"weights {list(weights.shape)}, config {list(keys.shape)}; expected [1, rows, W] and [1, rows, 3]")
     if keys.dtype != np.int32 or keys.shape[2] not in (3, 4) or keys.shape[1] != weights.shape[1]:
-        raise ToolchainError(f"LoRA config in {directory} is not [1, rows, 3|4] int32 matching the weights' rows",
+        raise ToolchainError(f"{source}: lora_config is not [1, rows, 3|4] int32 matching the weights' rows",
                              f"got {keys.dtype} {list(keys.shape)} for weights {list(weights.shape)}")
     out: Converted = {}
     for row, (module_id, layer, rank) in zip(weights[0], keys[0][:, :3].tolist(), strict=True):
         module = MODULE_NAMES.get(module_id, "INVALID")
         if module not in dims:
-            raise ToolchainError(f"LoRA weights in {directory}: lora module {module} not enabled for this model",
+            raise ToolchainError(f"{source}: lora module {module} not enabled for this model",
                                  f"this model has LoRA modules {sorted(dims)}")
         if num_layers is not None and not 0 <= layer < num_layers:
-            raise ToolchainError(f"LoRA weights in {directory}: Expected layerId to be in the range [0, numModelLayers)",
+            raise ToolchainError(f"{source}: Expected layerId to be in the range [0, numModelLayers)",
                                  f"layer {layer}, the model has {num_layers}")
         if rank <= 0:
-            raise ToolchainError(f"LoRA weights in {directory}: Expected adapterSize to be > 0", f"{module} layer {layer}")
+            raise ToolchainError(f"{source}: Expected adapterSize to be > 0", f"{module} layer {layer}")
         d_in, d_out = dims[module]
         if len(row) < rank * (d_in + d_out):
-            raise ToolchainError(f"LoRA weights in {directory}: lora_weights has to few values for {module}",
+            raise ToolchainError(f"{source}: lora_weights has to few values for {module}",
                                  f"layer {layer}: the adapter was made for another base model")
         values = torch.from_numpy(np.ascontiguousarray(row))
         a = values[: rank * d_in].reshape(rank, d_in)
