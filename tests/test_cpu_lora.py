@@ -255,3 +255,36 @@ def test_build_records_lora_and_engine_loads_it(lora_world, tmp_path):
     plain_dir = tmp_path / "ws" / "engines" / "plain" / "engine"
     assert set(json.loads((plain_dir / "manifest.json").read_text())["inputs"]) == {"checkpoint", "target", "format"}
     assert "lora_config" not in json.loads((plain_dir / "config.json").read_text())["build_config"]
+
+
+def test_inflight_batcher_serves_adapters_side_by_side(lora_world, tmp_path):
+    import threading
+
+    from toolchain.engine.cpu import InflightBatcher
+
+    engine = lora_engine(lora_world, tmp_path)
+    engine.lora.put(1, *tensors(lora_world, "attn"))
+    engine.lora.put(2, *tensors(lora_world, "every"))
+    results: dict = {}
+    finished_ids: set = set()
+    done = threading.Event()
+
+    def callback(rid):
+        def on_tokens(tokens, finished, error):
+            got = results.setdefault(rid, [[], None])
+            got[0].extend(tokens)
+            if finished:
+                got[1] = error
+                finished_ids.add(rid)
+                if len(finished_ids) == 4:
+                    done.set()
+        return on_tokens
+
+    with InflightBatcher(engine) as batcher:
+        for rid, task in (("a", 1), ("b", 2), ("base", None), ("unknown", 9)):
+            batcher.submit(rid, PROMPTS[task if task != 9 else 1], greedy(task), callback(rid))
+        assert done.wait(120)
+    assert results["unknown"] == [[], "LoRA task 9 not found in cache. Please send LoRA weights with request"]
+    for rid, task, name in (("a", 1, "attn"), ("b", 2, "every"), ("base", None, None)):
+        assert results[rid] == [hf_greedy(lora_world["merged"][name], PROMPTS[task], NEW), None], rid
+    assert engine.lora._holders == {}  # finished requests no longer pin their adapters
