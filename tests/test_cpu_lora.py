@@ -288,3 +288,21 @@ def test_inflight_batcher_serves_adapters_side_by_side(lora_world, tmp_path):
     for rid, task, name in (("a", 1, "attn"), ("b", 2, "every"), ("base", None, None)):
         assert results[rid] == [hf_greedy(lora_world["merged"][name], PROMPTS[task], NEW), None], rid
     assert engine.lora._holders == {}  # finished requests no longer pin their adapters
+
+
+def test_beam_search_keeps_the_adapter(lora_world, tmp_path):
+    from test_engine_cpu_beams import hf_beams
+
+    from toolchain.engine.cpu.beam_search import generate_sequences
+
+    engine_dir = make_engine_dir(lora_world["base"], tmp_path, max_beam_width=2,
+                                 plugin_config={"lora_plugin": "float32"},
+                                 lora_config=lora_build_config(ALL_MODULES, MAX_RANK))
+    engine = CpuEngine.load(engine_dir)
+    engine.lora.put(2, *tensors(lora_world, "every"))
+    params = SamplingParams(max_new_tokens=6, beam_width=2, num_return_sequences=2, lora_task_id=2)
+    ours = generate_sequences(engine, PROMPTS[2], params)
+    theirs = hf_beams(lora_world["merged"]["every"], PROMPTS[2], 2, 6, 0, 1.0, True, 2)
+    assert [r.tokens for r in ours] == [t for t, _ in theirs]
+    assert [r.score for r in ours] == pytest.approx([s for _, s in theirs], abs=1e-4)
+    assert engine.lora._holders == {}
