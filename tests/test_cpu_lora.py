@@ -306,3 +306,20 @@ def test_beam_search_keeps_the_adapter(lora_world, tmp_path):
     assert [r.tokens for r in ours] == [t for t, _ in theirs]
     assert [r.score for r in ours] == pytest.approx([s for _, s in theirs], abs=1e-4)
     assert engine.lora._holders == {}
+
+
+def test_float16_engine_and_refusals_at_load(lora_world, tmp_path):
+    from toolchain.engine.cpu.lora import engine_problem
+
+    engine_dir = make_engine_dir(lora_world["base"], tmp_path, dtype="float16", plugin_config={"lora_plugin": "float16"},
+                                 lora_config=lora_build_config(ALL_MODULES, MAX_RANK))
+    engine = CpuEngine.load(engine_dir)
+    half = convert_adapter(lora_world["root"] / "every", tmp_path / "half", "float16")
+    weights, config = np.load(half / WEIGHTS_FILE), np.load(half / CONFIG_FILE)
+    with pytest.raises(ToolchainError, match="Expected lora weights to be the same data type as base model"):
+        engine.lora.put(1, weights.astype(np.float32), config)
+    engine.lora.put(1, weights, config)
+    assert engine.lora.used_bytes == 8 * 1024 * 2 * 2  # rank 8 x (in + out) summed over modules, 2 layers, 2 bytes
+    assert len(engine.generate(PROMPTS[1], greedy(1))) == NEW
+    assert engine_problem(engine.dims, ALL_MODULES, ranks_apart=True).startswith(
+        "LoRA is not run across rank processes")
