@@ -20,15 +20,15 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 NEW_TOKENS = 8
 
 
-def make_adapter(base: Path, out: Path, targets: list[str], seed: int):
-    """A random PEFT adapter (r 4, alpha 8) on the checkpoint in `base`, saved to `out`; returns PEFT's merged model.
+def make_adapter(base: Path, out: Path, targets: list[str], seed: int, r: int = 4):
+    """A random PEFT adapter (rank r, alpha 8) on the checkpoint in `base`, saved to `out`; returns PEFT's merged model.
     lora_B is scaled up so the adapter changes what greedy decoding picks."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
-    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, r=4, lora_alpha=8, target_modules=targets))
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, r=r, lora_alpha=8, target_modules=targets))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:

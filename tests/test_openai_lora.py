@@ -131,6 +131,18 @@ def test_bad_adapter_requests_get_one_line_errors(server, body, status, fragment
     assert got == status and fragment in answer["message"] and "\n" not in answer["message"]
 
 
+def test_an_adapter_the_engine_cannot_hold_is_a_400_and_the_server_keeps_serving(server, hf_llama_words, adapters,
+                                                                                     tmp_path):  # noqa: F811
+    from test_llmapi_lora import ATTN, make_adapter
+
+    make_adapter(hf_llama_words, tmp_path / "r8", ATTN, seed=3, r=8)  # the engine's max_lora_rank is 4
+    lora = {"lora_name": "wide", "lora_int_id": 9, "lora_path": str(tmp_path / "r8")}
+    status, body = call(server, "/v1/completions", completion(BASE, [5, 6], lora_request=lora))
+    assert status == 400 and "Invalid low_rank (8)" in body["message"] and "\n" not in body["message"]
+    status, body = call(server, "/v1/completions", completion("attn", PROMPTS[0]))
+    assert status == 200 and body["choices"][0]["text"] == words(adapters["attn"][1][0])
+
+
 def test_the_launch_line_names_each_adapter_in_spec_order(tmp_path, hf_llama_words, adapters):  # noqa: F811
     from toolchain.llmapi.launch import openai_cpu_command
     from toolchain.workspace import Workspace

@@ -202,7 +202,10 @@ class AdapterLoader:
         task = int(request.lora_int_id)
         with self._lock:
             if not cache.has(task):
-                cache.put_converted(task, self._read(request))
+                try:
+                    cache.put_converted(task, self._read(request))
+                except ToolchainError as err:  # the cache's checks (rank, modules, shapes) and "PEFT Cache is full"
+                    raise ValueError(f"lora_request {request.lora_name!r}: {err}") from None
                 self.loads += 1
         return task
 
