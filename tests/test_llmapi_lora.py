@@ -177,6 +177,16 @@ def test_one_lora_dir_gives_the_target_modules_with_qkv_completed(hf_llama_words
     assert spec.lora.max_lora_rank == 8 and spec.lora.cache.host_memory_bytes == 1 << 20
 
 
+def test_max_cpu_loras_sizes_the_host_cache_for_that_many_adapters(hf_llama_words):
+    from toolchain.llmapi.cpu_llm import engine_spec
+
+    spec = engine_spec({"model": str(hf_llama_words), "lora_config": {
+        "lora_target_modules": ["attn_q", "attn_dense"], "max_lora_rank": 8, "max_cpu_loras": 3}})
+    # q, k, v (completed), dense of hidden 64, 4 heads, 2 KV heads of 16: (64+64) + 2 (64+32) + (64+64) per rank,
+    # rank 8, 2 layers, float32.
+    assert spec.lora.cache.host_memory_bytes == 3 * 2 * 8 * (128 + 96 + 96 + 128) * 4
+
+
 # ---- CpuLLM serving adapters ----------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
@@ -221,3 +231,19 @@ def test_a_lora_request_to_an_llm_without_lora_config_is_refused(hf_llama_words,
         with pytest.raises(LlmArgsError, match="created without lora_config"):
             llm.generate_async(PROMPTS[0], SamplingParams(max_tokens=2),
                                lora_request=LoRARequest("attn", 1, str(adapters["attn"][0])))
+
+
+@pytest.mark.slow
+def test_an_adapter_evicted_from_the_host_cache_is_read_again_from_its_path(hf_llama_words, adapters, tmp_path):
+    from toolchain.llmapi.cpu_llm import CpuLLM, SamplingParams
+    from toolchain.llmapi.lora import LoRARequest
+
+    every = ["attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_gate", "mlp_4h_to_h"]
+    with CpuLLM(model=str(hf_llama_words), work_dir=tmp_path, max_batch_size=2, max_seq_len=64,
+                lora_config={"lora_target_modules": every, "max_lora_rank": 4, "max_cpu_loras": 1}) as llm:
+        sp = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, top_k=1)
+        order = ["attn", "every", "attn"]
+        for i, name in enumerate(order):
+            req = LoRARequest(name, 1 + (name == "every"), str(adapters[name][0]))
+            assert llm.generate(PROMPTS[i], sp, lora_request=req).outputs[0].token_ids == adapters[name][1][i]
+        assert llm.lora.loads == 3  # room for one adapter: "attn" went out for "every" and came back from disk

@@ -214,7 +214,8 @@ def engine_spec(args: dict[str, Any]):
     max_input = _int(args, "max_input_len", None) or max_seq - 1
     guided = _guided_backend(args)
     try:
-        lora = engine_lora_section(args.get("lora_config"), args.get("peft_cache_config"))
+        lora = engine_lora_section(args.get("lora_config"), args.get("peft_cache_config"), model_dir,
+                                   args.get("dtype") or "auto")
     except ValueError as err:
         raise LlmArgsError(str(err)) from None
     try:

@@ -139,13 +139,17 @@ def lora_config_of(value: LoraConfig | dict | None) -> LoraConfig | None:
     return cfg
 
 
-def engine_lora_section(lora_config: LoraConfig | dict | None, peft: PeftCacheConfig | dict | None) -> dict | None:
+def engine_lora_section(lora_config: LoraConfig | dict | None, peft: PeftCacheConfig | dict | None,
+                        model_dir: Path | None = None, dtype: str = "auto") -> dict | None:
     """The spec `lora` section of the CPU engine these LLM() arguments ask for (None: no LoRA), or ValueError.
 
     Target modules as the PyTorch executor settles them (tensorrt_llm/_torch/pyexecutor/_util.py
     `create_py_executor_instance`): given, or read from the one lora_dir (`load_torch_hf_lora`), q/k/v completed.
     With neither, upstream takes all twelve default modules, MoE ones among them (llm_args.py
-    validate_lora_config_consistency), which a dense CPU model cannot carry: refused instead."""
+    validate_lora_config_consistency), which a dense CPU model cannot carry: refused instead. max_cpu_loras, when
+    set, sizes the host cache instead of host_cache_size, as the executor does (`num_host_module_layer =
+    max_lora_rank * num_lora_modules * max_cpu_loras`, _util.py): room for that many adapters of max_lora_rank on
+    every target module of every layer of the model in `model_dir`."""
     from toolchain.checkpoint.lora_setup import adapter_info, with_missing_qkv  # imports torch
 
     cfg = lora_config_of(lora_config)
@@ -171,10 +175,30 @@ def engine_lora_section(lora_config: LoraConfig | dict | None, peft: PeftCacheCo
                          f"dense decoder's: {', '.join(dense)})")
     if cache.lora_prefetch_dir is not None:  # llm_args.py validate_peft_cache_config
         raise ValueError(f"lora_prefetch_dir was set to '{cache.lora_prefetch_dir}' while LoRA prefetch is not supported")
-    return {"target_modules": list(with_missing_qkv(modules)), "max_lora_rank": cfg.max_lora_rank,
-            "cache": {"host_memory_bytes": cache.host_cache_size, "optimal_adapter_size": cache.optimal_adapter_size,
+    modules = list(with_missing_qkv(modules))
+    host = cache.host_cache_size
+    if cfg.max_cpu_loras is not None and model_dir is not None:
+        host = cfg.max_cpu_loras * adapter_bytes(model_dir, modules, cfg.max_lora_rank, dtype)
+    return {"target_modules": modules, "max_lora_rank": cfg.max_lora_rank,
+            "cache": {"host_memory_bytes": host, "optimal_adapter_size": cache.optimal_adapter_size,
                       "max_adapter_size": cache.max_adapter_size, "max_loras": cfg.max_loras,
                       "max_cpu_loras": cfg.max_cpu_loras}}
+
+
+def adapter_bytes(model_dir: Path, modules: Sequence[str], rank: int, dtype: str = "auto") -> int:
+    """Bytes of one adapter of `rank` on `modules` of every layer of the HF model in `model_dir`, in the engine dtype
+    (`dtype`, or config.json's): what the CPU engine's LoRA cache counts for it (A [r, in] + B [out, r] per module)."""
+    import json
+
+    from toolchain.checkpoint.lora import module_dims  # imports torch
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    dims = module_dims(cfg["hidden_size"], cfg["intermediate_size"], heads, cfg.get("num_key_value_heads") or heads,
+                       cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    stored = dtype if dtype != "auto" else str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    itemsize = 4 if stored == "float32" else 2
+    return cfg["num_hidden_layers"] * sum(rank * sum(dims[m]) for m in modules) * itemsize
 
 
 class AdapterLoader:
