@@ -45,19 +45,23 @@ def greedy(model, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
     return out[len(ids):]
 
 
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory, hf_llama_words):
-    """{"attn": (dir, PEFT's greedy tokens per prompt), "every": ..., None: the base's}."""
+def make_adapters(root: Path, base: Path) -> dict:
+    """{"attn": (dir, PEFT's greedy tokens per prompt), "every": ..., None: the base's}: adapters on attention only
+    and on every projection, made with PEFT under `root` for the checkpoint in `base`."""
     from transformers import LlamaForCausalLM
 
-    root = tmp_path_factory.mktemp("llmapi-lora")
     made: dict = {}
     for seed, (name, targets) in enumerate((("attn", ATTN), ("every", EVERY))):
-        merged = make_adapter(hf_llama_words, root / name, targets, seed)
+        merged = make_adapter(base, root / name, targets, seed)
         made[name] = (root / name, [greedy(merged, p) for p in PROMPTS])
-    base = LlamaForCausalLM.from_pretrained(str(hf_llama_words), dtype=torch.float32).eval()
-    made[None] = (None, [greedy(base, p) for p in PROMPTS])
+    model = LlamaForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    made[None] = (None, [greedy(model, p) for p in PROMPTS])
     return made
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, hf_llama_words):
+    return make_adapters(tmp_path_factory.mktemp("llmapi-lora"), hf_llama_words)
 
 
 def lora_spec(tmp_path, checkpoint, adapters, target="llmapi-cpu", **lora):

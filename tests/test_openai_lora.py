@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from conftest import write_spec
-from test_llmapi_lora import NEW_TOKENS, PROMPTS, adapters, lora_spec  # noqa: F401 (adapters: a fixture)
+from test_llmapi_lora import NEW_TOKENS, PROMPTS, lora_spec, make_adapters
 
 pytestmark = [pytest.mark.slow]
 
@@ -23,7 +23,12 @@ BASE = "tiny-base"
 
 
 @pytest.fixture(scope="module")
-def server(adapters, hf_llama_words, tmp_path_factory):  # noqa: F811 (the imported fixture)
+def adapters(tmp_path_factory, hf_llama_words):
+    return make_adapters(tmp_path_factory.mktemp("openai-lora-adapters"), hf_llama_words)
+
+
+@pytest.fixture(scope="module")
+def server(adapters, hf_llama_words, tmp_path_factory):
     """The server's URL, for a llmapi-cpu spec serving adapters "attn" and "every", launched as the deployment
     launches it (its trtllm-serve YAML and its OpenAI engine flags)."""
     import uvicorn
@@ -87,7 +92,7 @@ def test_models_lists_the_base_then_each_adapter_with_its_parent(server):
     assert [(m["id"], m.get("parent")) for m in body["data"]] == [(BASE, None), ("attn", BASE), ("every", BASE)]
 
 
-def test_model_selects_the_adapter_in_completions_and_chat_streamed_or_not(server, adapters):  # noqa: F811
+def test_model_selects_the_adapter_in_completions_and_chat_streamed_or_not(server, adapters):
     for i, name in enumerate(("attn", "every", BASE)):
         key = None if name == BASE else name
         status, body = call(server, "/v1/completions", completion(name, PROMPTS[i]))
@@ -108,7 +113,7 @@ def test_model_selects_the_adapter_in_completions_and_chat_streamed_or_not(serve
     assert adapters["every"][1][1] != adapters[None][1][1]  # the adapter changes the answer: the test can fail
 
 
-def test_trtllm_serves_lora_request_field_selects_an_adapter_by_path(server, adapters):  # noqa: F811
+def test_trtllm_serves_lora_request_field_selects_an_adapter_by_path(server, adapters):
     lora = {"lora_name": "mine", "lora_int_id": 2, "lora_path": str(adapters["every"][0])}
     status, body = call(server, "/v1/completions", completion(BASE, PROMPTS[0], lora_request=lora))
     assert status == 200, body
@@ -132,7 +137,7 @@ def test_bad_adapter_requests_get_one_line_errors(server, body, status, fragment
 
 
 def test_an_adapter_the_engine_cannot_hold_is_a_400_and_the_server_keeps_serving(server, hf_llama_words, adapters,
-                                                                                     tmp_path):  # noqa: F811
+                                                                                     tmp_path):
     from test_llmapi_lora import ATTN, make_adapter
 
     make_adapter(hf_llama_words, tmp_path / "r8", ATTN, seed=3, r=8)  # the engine's max_lora_rank is 4
@@ -143,7 +148,7 @@ def test_an_adapter_the_engine_cannot_hold_is_a_400_and_the_server_keeps_serving
     assert status == 200 and body["choices"][0]["text"] == words(adapters["attn"][1][0])
 
 
-def test_the_launch_line_names_each_adapter_in_spec_order(tmp_path, hf_llama_words, adapters):  # noqa: F811
+def test_the_launch_line_names_each_adapter_in_spec_order(tmp_path, hf_llama_words, adapters):
     from toolchain.llmapi.launch import openai_cpu_command
     from toolchain.workspace import Workspace
 
@@ -160,3 +165,19 @@ def test_a_bad_lora_adapter_flag_is_one_line(hf_llama_words, tmp_path):
     spec_path = write_spec(tmp_path / "s.yaml", hf_llama_words)
     with pytest.raises(ToolchainError, match="must be NAME=DIR"):
         _adapters(_args([str(hf_llama_words), "--served-model-name", "m", "--lora-adapter", str(spec_path)]))
+
+
+def test_the_deployments_openai_server_serves_the_specs_adapters(tmp_path, hf_llama_words, adapters):
+    """convert and model-repo of a llmapi-cpu LoRA spec, then the OpenAI server the deployment starts (a process,
+    on the engine convert prepared): the adapter named by `model` answers as PEFT's merged model."""
+    from llmapi_helpers import deploy_llmapi_cpu
+    from toolchain.pipeline import openai_server
+
+    lora = {"adapters": {"attn": str(adapters["attn"][0]), "every": str(adapters["every"][0])}}
+    spec, ws = deploy_llmapi_cpu(tmp_path, hf_llama_words, lora=lora)
+    with openai_server(spec, ws, tmp_path / "openai.log") as api:
+        status, body = call(api.url, "/v1/completions", completion("every", PROMPTS[2]))
+        assert status == 200, body
+        assert body["choices"][0]["text"] == words(adapters["every"][1][2])
+        status, body = call(api.url, "/v1/models")
+        assert [m["id"] for m in body["data"]] == [spec.name, "attn", "every"]
