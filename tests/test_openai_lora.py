@@ -113,6 +113,19 @@ def test_model_selects_the_adapter_in_completions_and_chat_streamed_or_not(serve
     assert adapters["every"][1][1] != adapters[None][1][1]  # the adapter changes the answer: the test can fail
 
 
+def test_concurrent_requests_of_different_adapters_each_get_their_own_answer(server, adapters):
+    """Base, "attn" and "every" in flight together (they share the engine's batches), twice over."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = ["attn", "every", BASE] * 2
+    with ThreadPoolExecutor(len(names)) as pool:
+        got = list(pool.map(lambda i: call(server, "/v1/completions", completion(names[i], PROMPTS[i % 3])),
+                            range(len(names))))
+    for i, (status, body) in enumerate(got):
+        key = None if names[i] == BASE else names[i]
+        assert status == 200 and body["choices"][0]["text"] == words(adapters[key][1][i % 3]), (i, body)
+
+
 def test_trtllm_serves_lora_request_field_selects_an_adapter_by_path(server, adapters):
     lora = {"lora_name": "mine", "lora_int_id": 2, "lora_path": str(adapters["every"][0])}
     status, body = call(server, "/v1/completions", completion(BASE, PROMPTS[0], lora_request=lora))
