@@ -17,8 +17,11 @@ from toolchain.targets import target_of
 OFF = (PASS, "no LoRA")
 
 
-def _size(n: int) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 1024**2:.1f} MiB"
+def size_text(n: float) -> str:
+    """Bytes as GiB, MiB or KiB: a tiny model's adapters are a few KiB."""
+    if n >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / 1024**2:.1f} MiB" if n >= 1024**2 else f"{n / 1024:.1f} KiB"
 
 
 def workload_problems(spec) -> list[str]:
@@ -56,7 +59,7 @@ def _adapters(ctx: Context):
         try:
             adapter_info(name, section.task_id(name), path)
         except ToolchainError as err:
-            unreadable.append(f"LoRA adapter {name!r}: {err}")
+            unreadable.append(f"LoRA adapter {name!r}: {str(err).removeprefix('LoRA adapter ')}")
     problems += unreadable
     setup = None
     if not unreadable:
@@ -107,15 +110,15 @@ def _cache(ctx: Context):
                    "serving.kv_cache_free_gpu_mem_fraction)")
             return FAIL, _short("device", rank, c.device, g) + f"; {fix} or lower lora.max_lora_rank"
         if c.device is not None and c.device.nbytes > c.after_kv_bytes:
-            return FAIL, (f"rank {rank}: the LoRA device cache for {c.device.budget} takes {_size(c.device.nbytes)}, "
-                          f"more than the {_size(c.after_kv_bytes)} the KV cache leaves; lower lora.cache.max_loras or "
+            return FAIL, (f"rank {rank}: the LoRA device cache for {c.device.budget} takes {size_text(c.device.nbytes)}, "
+                          f"more than the {size_text(c.after_kv_bytes)} the KV cache leaves; lower lora.cache.max_loras or "
                           "serving.kv_cache_free_gpu_mem_fraction")
     rank, c = min(caches, key=lambda rc: (rc[1].host.adapters, rc[1].device.adapters if rc[1].device else 0))
-    held = f"host {_size(c.host.nbytes)} holds {c.host.adapters}"
+    held = f"host {size_text(c.host.nbytes)} holds {c.host.adapters}"
     if c.device is not None:
-        held += f", device {_size(c.device.nbytes)} holds {c.device.adapters}"
+        held += f", device {size_text(c.device.nbytes)} holds {c.device.adapters}"
     text = (f"rank {rank}: {held} max-size adapters (rank {c.geometry.max_adapter_size}, "
-            f"{_size(c.max_adapter_bytes)} each)")
+            f"{size_text(c.max_adapter_bytes)} each)")
     if target_of(spec).path == ENGINE_FLOW and (cache.max_loras is not None or cache.max_cpu_loras is not None):
         return WARN, (text + "; lora.cache.max_loras / max_cpu_loras are LLM-API settings the engine path ignores "
                       "(size its caches with gpu_memory_fraction and host_memory_bytes)")

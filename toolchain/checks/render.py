@@ -8,6 +8,7 @@ from toolchain.archs.layout import layout_problems
 from toolchain.plan.lora import Pool, RankLora
 from toolchain.plan.plan import plan_memory
 from toolchain.slo import judged_on, predicted_value, thresholds
+from toolchain.checks.lora import size_text
 from toolchain.checks.registry import FAIL, Context, CheckResult
 
 
@@ -90,14 +91,15 @@ def _lora_lines(ranks: list[dict]) -> list[str]:
         c = r.get("lora")
         if c is None:
             continue
-        pools = [f"host {_size(c['host_cache']['bytes'])} holds {c['host_cache']['max_size_adapters']}"]
+        pools = [f"host {size_text(c['host_cache']['bytes'])} holds {c['host_cache']['max_size_adapters']}"]
         if c["device_cache"] is not None:
-            pools.append(f"device {_size(c['device_cache']['bytes'])} holds {c['device_cache']['max_size_adapters']}")
-        each = ", ".join(f"{n} {_size(b)}" for n, b in c["adapter_bytes"].items())
+            pools.append(f"device {size_text(c['device_cache']['bytes'])} holds {c['device_cache']['max_size_adapters']}")
+        each = ", ".join(f"{n} {size_text(b)}" for n, b in c["adapter_bytes"].items())
         lines.append(f"  rank {r['rank']}: {', '.join(pools)} max-size adapters (rank {c['max_adapter_size']}, "
-                     f"{_size(c['max_adapter_bytes'])}, {c['dtype']})" + (f"; adapters {each}" if each else ""))
+                     f"{size_text(c['max_adapter_bytes'])}, {c['dtype']})" + (f"; adapters {each}" if each else ""))
     if lines:
-        lines.insert(0, "LoRA caches (the device cache from the memory the KV cache leaves):")
+        device = any(r.get("lora", {}).get("device_cache") for r in ranks)
+        lines.insert(0, "LoRA caches per rank" + (" (the device cache out of what the KV cache leaves):" if device else ":"))
     return lines
 
 
