@@ -47,7 +47,8 @@ def _adapters(ctx: Context):
         problems.append(f"LoRA adapter {served!r} has the served model's name, so `model: {served}` could not "
                         "select it; rename the adapter or set llmapi.served_model_name")
     p = ctx.model.params if ctx.model is not None else None
-    if p is not None and target_of(spec).path == ENGINE_FLOW and weight_dtype(spec, p) == "bfloat16":
+    dtype = weight_dtype(spec, p) if p is not None else spec.model.dtype  # before a stage the config may be unread
+    if target_of(spec).path == ENGINE_FLOW and dtype == "bfloat16":
         problems.append("LoRA on the engine path with a bfloat16 engine: the tensorrt_llm model declares lora_weights "
                         "TYPE_FP16 while the runtime wants the engine's dtype, and converted adapters (.npy) have no "
                         "bfloat16; set model.dtype float16, or serve on the LLM-API path (target llmapi)")
