@@ -122,6 +122,12 @@ def test_bfloat16_engine_path_is_refused(tmp_path, made):
     assert checks(llmapi)["lora.adapters"].status == PASS  # the LLM API reads PEFT directories in any dtype
 
 
+def test_no_target_modules(tmp_path, made):
+    spec = spec_of(tmp_path, made, lora={"target_modules": [], "max_lora_rank": 8})
+    assert "lora.target_modules is empty" in refused(spec)
+    assert all(r.lora is None for r in build_context(spec, "plan").memory.ranks)
+
+
 def test_adapter_named_as_the_served_model(tmp_path, made):
     assert "LoRA adapter 'lora' has the served model's name" in refused(spec_of(tmp_path, made, {"lora": "attn"}))
 

@@ -65,7 +65,10 @@ def _adapters(ctx: Context):
     setup = None
     if not unreadable:
         setup = lora_setup(section)
-        if p is not None and refusal is None and setup is not None:
+        if setup is not None and not setup.target_modules:
+            problems.append("lora.target_modules is empty, so the engine would carry no LoRA module; name the "
+                            "modules the adapters train, or drop the lora section")
+        elif p is not None and refusal is None and setup is not None:
             problems += setup_problems(setup, lora_plan.base_dims(p), p.num_hidden_layers, spec.parallelism.tp)
     if problems:
         return FAIL, "; ".join(problems)

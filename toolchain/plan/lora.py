@@ -80,9 +80,10 @@ def resolved(spec) -> LoraSetup | None:
     if not spec.lora.enabled:
         return None
     try:
-        return lora_setup(spec.lora)
+        setup = lora_setup(spec.lora)
     except ToolchainError:
         return None
+    return setup if setup is not None and setup.target_modules else None
 
 
 def cache_dtype(spec, p: ArchParams) -> str:
