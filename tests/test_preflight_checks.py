@@ -228,6 +228,11 @@ TRIGGERS = {
     "llmapi.kv-reuse": ({"target": "llmapi", "model": {"checkpoint": str(CONFIGS / "gemma-3-1b-it")}}, {}, FAIL),
     "llmapi.num-tokens-vs-input": ({"target": "llmapi", "limits": {"max_input_len": 8192, "max_seq_len": 8192 + 512,
                                                                    "max_num_tokens": 4096}}, {}, FAIL),
+    # the base spec's engine is bfloat16, which LoRA's converted adapters cannot be (contract38: TYPE_FP16 lora_weights)
+    "lora.adapters": ({"lora": {"target_modules": ["attn_q"], "max_lora_rank": 8}}, {}, FAIL),
+    # 1 MiB of host cache cannot hold one rank-64 adapter over Llama-3-8B's 32 layers
+    "lora.cache": ({"model": {"dtype": "float16"}, "lora": {"target_modules": ["attn_q"], "max_lora_rank": 64,
+                                                            "cache": {"host_memory_bytes": 1 << 20}}}, {}, FAIL),
 }
 
 

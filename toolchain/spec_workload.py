@@ -43,6 +43,9 @@ class TrafficClass(_Section):
     """Mean prompt length for this class; default: the workload's input_tokens."""
     output_tokens: int | None = Field(None, ge=1)
     """Requested output tokens for this class; default: the workload's output_tokens."""
+    adapter: str | None = None
+    """LoRA adapter (a name in lora.adapters) this class's requests use: Triton requests send its lora_task_id,
+    OpenAI requests name it as `model`; None: the base model."""
 
 
 class WorkloadSection(_Section):

@@ -8,7 +8,7 @@ order, which is the order `toolchain plan` lists them.
 
 from __future__ import annotations
 
-from toolchain.checks import engine, llmapi, serving, speculative  # noqa: F401  (registers the checks)
+from toolchain.checks import engine, llmapi, lora, serving, speculative  # noqa: F401  (registers the checks)
 from toolchain.checks.registry import (FAIL, GUARDED, PASS, REGISTRY, SKIP, WARN, CheckResult, Context, applies,
                                        build_context)
 from toolchain.errors import ToolchainError

@@ -5,8 +5,10 @@ from __future__ import annotations
 from toolchain.gpus import GIB, Gpu
 from toolchain.plan.perf import performance_dict
 from toolchain.archs.layout import layout_problems
+from toolchain.plan.lora import Pool, RankLora
 from toolchain.plan.plan import plan_memory
 from toolchain.slo import judged_on, predicted_value, thresholds
+from toolchain.checks.lora import size_text
 from toolchain.checks.registry import FAIL, Context, CheckResult
 
 
@@ -35,6 +37,7 @@ def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
             "cuda_graph_bytes_estimate": r.cuda_graph_bytes,
             "draft_bytes": r.draft_bytes, "free_bytes": r.free_bytes if ctx.memory else None,
             "kv_pool_bytes": r.kv_pool_bytes if ctx.memory else None,
+            **({"lora": lora_dict(r.lora)} if r.lora is not None else {}),
         })
     failed = [r.id for r in results if r.status == FAIL]
     fits = bool(ctx.memory and ctx.memory.fits)
@@ -66,6 +69,38 @@ def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
         "failed_checks": failed,
         "ok": fits and not failed,
     }
+
+
+def lora_dict(c: RankLora) -> dict:
+    """One rank's LoRA caches (plan/lora.py): the page geometry, each pool and the adapters' bytes."""
+    def pool(p: Pool | None) -> dict | None:
+        return None if p is None else {"bytes": p.nbytes, "slots": p.slots, "pages": p.pages,
+                                       "max_size_adapters": p.adapters, "holds_one": p.enough, "sized_by": p.budget}
+    g = c.geometry
+    return {"dtype": c.dtype, "page_width": g.page_width, "slots_per_page": g.slots_per_page,
+            "max_adapter_size": g.max_adapter_size, "max_adapter_bytes": c.max_adapter_bytes,
+            "host_cache": pool(c.host), "device_cache": pool(c.device),
+            "device_budget_after_kv_bytes": c.after_kv_bytes if c.device is not None else None,
+            "adapter_bytes": dict(c.adapter_bytes)}
+
+
+def _lora_lines(ranks: list[dict]) -> list[str]:
+    """The LoRA caches of each rank, one line each."""
+    lines = []
+    for r in ranks:
+        c = r.get("lora")
+        if c is None:
+            continue
+        pools = [f"host {size_text(c['host_cache']['bytes'])} holds {c['host_cache']['max_size_adapters']}"]
+        if c["device_cache"] is not None:
+            pools.append(f"device {size_text(c['device_cache']['bytes'])} holds {c['device_cache']['max_size_adapters']}")
+        each = ", ".join(f"{n} {size_text(b)}" for n, b in c["adapter_bytes"].items())
+        lines.append(f"  rank {r['rank']}: {', '.join(pools)} max-size adapters (rank {c['max_adapter_size']}, "
+                     f"{size_text(c['max_adapter_bytes'])}, {c['dtype']})" + (f"; adapters {each}" if each else ""))
+    if lines:
+        device = any(r.get("lora", {}).get("device_cache") for r in ranks)
+        lines.insert(0, "LoRA caches per rank" + (" (the device cache out of what the KV cache leaves):" if device else ":"))
+    return lines
 
 
 def slo_dict(spec, perf: dict) -> dict:
@@ -148,6 +183,7 @@ def render_text(report: dict) -> str:
         out.append(f"longest sequence ({report['sequence_tokens']} KV tokens): {report['concurrency']} fit at once "
                    f"in {report['kv_tokens_capacity']:,} KV tokens per rank")
     out.append(f"verdict: {report['verdict']}")
+    out.extend(_lora_lines(report["ranks"]))
     out.extend(_performance_lines(report.get("performance")))
     out.extend(_slo_lines(report.get("slo")))
     if report.get("eos"):

@@ -20,6 +20,7 @@ from toolchain.errors import ToolchainError
 from toolchain.plan.model import load_model
 from toolchain.quant import formats
 from toolchain.quant.view import Quantization, quantization_of
+from toolchain.plan import lora as lora_plan
 from toolchain.plan import mtp
 from toolchain.speculative import CHECKPOINT, mode_of, target_draft_layers
 from toolchain.targets import LLMAPI, target_of
@@ -51,6 +52,8 @@ class RankPlan:
     """Device memory left after everything above; the KV pool takes its share of it."""
     kv_pool_bytes: int
     kv_tokens_capacity: int
+    lora: lora_plan.RankLora | None = None
+    """The LoRA adapter caches of this rank (plan/lora.py), out of what the KV pool leaves; None without LoRA."""
 
 
 @dataclass
@@ -161,6 +164,7 @@ def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
     if gpu and target_of(spec).path == LLMAPI:
         graph_batch = mem.cuda_graph_batch(spec.llmapi.options, max_batch_size=lim.max_batch_size,
                                            max_num_tokens=lim.max_num_tokens, draft_len=draft_len)
+    lora = lora_plan.resolved(spec) if spec.lora.enabled and lora_plan.family_refusal(p) is None else None
     ranks: list[RankPlan] = []
     for rank in range(tp * pp):
         pp_rank, tp_rank = divmod(rank, tp)
@@ -190,8 +194,11 @@ def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
             kv_tok = math.ceil(kv_tok * mem.window_share(p, layers, seq_tokens // beam))
         pool = int(fraction * free) if free > 0 else 0
         capacity = mem.kv_pool_tokens(free, fraction, kv_tok, build.tokens_per_block, cap)
+        # the KV cache takes its blocks first; the LoRA device cache comes out of what they leave (plan/lora.py)
+        caches = None if lora is None else lora_plan.rank_lora(spec, p, lora, layers=layers, tp=tp, gpu=gpu,
+                                                               after_kv_bytes=free - capacity * kv_tok)
         ranks.append(RankPlan(rank, tp_rank, pp_rank, (layers.start, layers.stop - 1), weights, stored, kv_tok, act,
-                              workspace, on_gpu, graphs, device_bytes, free, pool, capacity))
+                              workspace, on_gpu, graphs, device_bytes, free, pool, capacity, caches))
 
     plan = MemoryPlan(device, dt, kv_name, quant, ranks, seq_tokens, lim.max_batch_size)
     if draft is not None:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from toolchain.gpus import Gpu, Link
 from toolchain.hostprofile import HostProfile
 from toolchain.plan.perf.efficiency import DEFAULT_EFFICIENCY, Efficiency
-from toolchain.plan.perf.step import StageCost, StepTime, Work, allreduce_seconds, experts_touched, gpu_step_time
+from toolchain.plan.perf.step import (StageCost, StepTime, Work, allreduce_seconds, experts_touched, gpu_step_time,
+                                      sequences)
 
 # ------------------------------------------------------------------------------------------- this host
 
@@ -102,6 +103,9 @@ def host_step_time(cost: StageCost, host: HostRow, work: Work, *, math_precision
         ((work.kv_read + work.tokens) * cost.kv_bytes_per_token / (host.attention_gb_s * 1e9),
          work.pairs * cost.attention_flops / (host.attention_tflops * 1e12)),
     ]
+    if cost.lora is not None:  # the adapters' float32 shrink and expand GEMMs, each adapter read once
+        kernels.append((cost.lora.bytes_read(sequences(work)) / bw,
+                        work.tokens * cost.lora.flops_per_token / (host.gemm_tflops("fp32", work.tokens) * 1e12)))
     memory_s = shards * sum(m for m, c in kernels if m >= c)
     compute_s = shards * sum(c for m, c in kernels if c > m)
     comm_s = 0.0

@@ -15,8 +15,9 @@ from toolchain.hostprofile import HostProfile, load_profile, missing_note
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, kv_dtype, kv_dtype_bytes, load_model, weight_dtype
 from toolchain.plan.perf.efficiency import Efficiency, basis_of, efficiency_of
 from toolchain.plan.perf.host import CPU_PRECISION, host_efficiency, host_row
+from toolchain.plan.perf.lora import lora_load
 from toolchain.plan.perf.schedule import Deployment, Workload, best_point, queued
-from toolchain.plan.perf.step import stage_cost
+from toolchain.plan.perf.step import StageCost, stage_cost
 from toolchain.plan.plan import DraftModel, MemoryPlan, plan_memory
 from toolchain.quant.view import Quantization, quantization_of
 from toolchain.speculative import DRAFT_ENGINE, mode_of
@@ -120,6 +121,9 @@ def deployment(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft: 
                               qkv_bias=model.qkv_bias, dense_bias=model.dense_bias, moe_tp=par.moe_tp,
                               moe_ep=par.moe_ep, attention_dp=adp) for r in range(par.pp))
     notes: list[str] = []
+    if spec.lora.enabled:  # the adapters' GEMMs and reads on each stage's ranks (perf/lora.py)
+        stages, note = with_lora(spec, p, stages, dt_bytes)
+        notes += [note] if note else []
     sp = spec.speculative
     draft_len = sp.max_draft_len if sp.mode != "none" else 0
     if sp.mode != "none" and draft_len == 0:
@@ -140,6 +144,16 @@ def deployment(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft: 
     dep = Deployment(device, stages, par.tp, math_precision, eff or efficiency_of(device), draft_cost,
                      draft_len, 1.0 + share * draft_len, shards)
     return dep, notes
+
+
+def with_lora(spec, p, stages: tuple[StageCost, ...], dtype_bytes: int) -> tuple[tuple[StageCost, ...], str | None]:
+    """The stages with the LoRA work of the spec's workload mix, and the note on what that assumes."""
+    layout = spec.parallelism.layout
+    out, note = [], None
+    for stage, layers in zip(stages, layout.stage_layers(p.num_hidden_layers), strict=True):
+        load, note = lora_load(spec, p, layers, spec.parallelism.tp, dtype_bytes)
+        out.append(dataclasses.replace(stage, lora=load))
+    return tuple(out), note
 
 
 def predict(spec, model: ModelInfo, quant: Quantization, device: Gpu, memory: MemoryPlan,

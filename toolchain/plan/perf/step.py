@@ -14,6 +14,7 @@ from toolchain.plan import memory as mem
 from toolchain.plan.perf import attention
 from toolchain.plan.perf.attention import Span
 from toolchain.plan.perf.efficiency import DEFAULT_EFFICIENCY, Efficiency
+from toolchain.plan.perf.lora import LoraLoad
 from toolchain.quant.view import Quantization
 
 ACT_BYTES = 2  # activations travel between ranks in the half type (fp16/bf16) under every weight format
@@ -63,6 +64,8 @@ class StageCost:
     exchange_share: float = 0.0
     """Under attention DP, the hidden states a rank sends each way per own token per MoE layer to and from the
     ranks holding its tokens' experts (`exchange_tokens`); 0 without attention DP, where the all-reduces combine."""
+    lora: LoraLoad | None = None
+    """The LoRA adapters the workload runs on this rank (perf/lora.py); None without LoRA."""
 
 
 def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantization, dt_bytes: int, kv_bytes: int,
@@ -241,6 +244,9 @@ def gpu_step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: str 
     gemm_flops = own.tokens * (cost.gemm_flops - cost.expert_flops) + work.tokens * cost.expert_flops
     linear_flops = (gemm_flops / (gemm_peak * 1e12 * eff.compute)
                     + own.logits * cost.lm_head_flops / (half * 1e12 * eff.compute))
+    if cost.lora is not None:  # the adapters' shrink and expand GEMMs in the half type, each adapter read once
+        linear_bytes += cost.lora.bytes_read(sequences(own))
+        linear_flops += own.tokens * cost.lora.flops_per_token / (half * 1e12 * eff.compute)
     attention_s = attention_flops / (half * 1e12 * eff.compute)
     memory_s = (linear_bytes + kv_bytes) / bandwidth
     compute_s = linear_flops + attention_s
@@ -255,6 +261,11 @@ def gpu_step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: str 
         comm_s = 2 * cost.layers * allreduce_seconds(work.tokens * cost.hidden * ACT_BYTES, tp, link, eff.link)
     fixed_s = (eff.fixed_us + eff.seq_us * own.logits) * 1e-6
     return StepTime(memory_s, compute_s, comm_s, fixed_s, kernels_s)
+
+
+def sequences(work: Work) -> float:
+    """Sequences a step runs (its spans' own; its rows of logits where it has no spans)."""
+    return sum(s.sequences for s in work.spans) if work.spans else work.logits
 
 
 def generation_work(batch: float, context: float, tokens_per_seq: int = 1) -> Work:
