@@ -451,7 +451,7 @@ TRITON_UNSET = {
     "max_tokens_in_paged_kv_cache": "written when serving.max_tokens_in_paged_kv_cache is set",
     "sink_token_length": "attention sinks off",
     "participant_ids": "orchestrator mode without spawning only",
-    "lora_prefetch_dir": "no adapters preloaded",
+    "lora_prefetch_dir": "written when lora.adapters is set: the adapters convert wrote (triton/repo.py)",
     "medusa_choices": "written for speculative.mode medusa: speculative.choices, else the tree recorded with the heads",
     "eagle_choices": "written when speculative.choices is set (else the backend's mc_sim_7b_63)",
     "lookahead_window_size": "written for speculative.mode lookahead",
