@@ -9,17 +9,14 @@ import ast
 from pathlib import Path
 
 import pytest
-from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
-from conftest import write_spec
+from test_upstream_triton_conformance import as_triton_json
+from test_upstream_triton_conformance import render as render_repo
 from toolchain.spec import load_spec
-from toolchain.triton import backend_params
-from toolchain.triton import backend_models
-from toolchain.triton.repo import run_model_repo
+from toolchain.triton import backend_models, backend_params
 from toolchain.upstream import facts
 from toolchain.workspace import Workspace
-from triton_helpers import make_tiny_tokenizer
 
 LORA_PARAMS = ("lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size", "lora_cache_gpu_memory_fraction",
                "lora_cache_host_memory_bytes", "lora_prefetch_dir")
@@ -27,15 +24,8 @@ LORA_INPUTS = ("lora_task_id", "lora_weights", "lora_config")
 
 
 def render(tmp_path: Path, target: str, **sections) -> tuple[dict[str, pb.ModelConfig], Workspace, object]:
-    hf = tmp_path / "hf"
-    make_tiny_tokenizer(hf)
-    (hf / "config.json").write_text("{}")
-    spec = load_spec(write_spec(tmp_path / "spec.yaml", hf, target=target, **sections))
-    ws = Workspace(tmp_path / "ws")
-    run_model_repo(spec, ws)
-    configs = {p.parent.name: text_format.Parse(p.read_text(), pb.ModelConfig())
-               for p in ws.model_repo_dir(spec).glob("*/config.pbtxt")}
-    return configs, ws, spec
+    configs = render_repo(tmp_path, target, **sections)
+    return configs, Workspace(tmp_path / "ws"), load_spec(tmp_path / "spec.yaml")
 
 
 def params(cfg: pb.ModelConfig) -> dict[str, str]:
@@ -63,7 +53,7 @@ def test_cache_parameters_and_prefetch_dir_reach_tensorrt_llm(tmp_path, target):
         "lora_prefetch_dir": str(ws.lora_dir(spec).resolve())}
     assert Path(got["lora_prefetch_dir"]).is_absolute()
     # What the C++ backend (and the CPU stand-in, which reads by the same rules) makes of them.
-    values = backend_params.read(json_format.MessageToDict(model, preserving_proto_field_name=True))
+    values = backend_params.read(as_triton_json(model))
     assert (values["lora_cache_optimal_adapter_size"], values["lora_cache_max_adapter_size"],
             values["lora_cache_gpu_memory_fraction"], values["lora_cache_host_memory_bytes"]) == (16, 32, 0.1, 1 << 28)
     assert values["lora_prefetch_dir"] == str(ws.lora_dir(spec).resolve())
@@ -76,7 +66,7 @@ def test_unset_cache_values_leave_the_backend_defaults(tmp_path):
     got = params(configs["tensorrt_llm"])
     assert "lora_prefetch_dir" not in got and "lora_cache_gpu_memory_fraction" not in got
     assert got["lora_cache_host_memory_bytes"] == str(1 << 30) and got["lora_cache_optimal_adapter_size"] == "8"
-    config = json_format.MessageToDict(configs["tensorrt_llm"], preserving_proto_field_name=True)
+    config = as_triton_json(configs["tensorrt_llm"])
     config["parameters"]["lora_prefetch_dir"] = {"string_value": "${lora_prefetch_dir}"}  # upstream's unfilled
     values = backend_params.read(config)
     assert values["lora_cache_gpu_memory_fraction"] is None  # std::nullopt: PeftCacheManagerConfig's 0.05
