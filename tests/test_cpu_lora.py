@@ -227,3 +227,64 @@ def test_prefix_blocks_not_shared_across_adapters(lora_world, tmp_path):
     engine.release(seq)
     expected = hf_logits(lora_world["merged"]["every"], prompt)[-1].argmax().item()
     assert engine.generate(prompt, greedy(2))[0] == expected
+
+
+def test_build_records_lora_and_engine_loads_it(lora_world, tmp_path):
+    import json
+
+    from conftest import write_spec
+    from toolchain.cli import main
+
+    adapters = {"attn": str(lora_world["root"] / "attn"), "every": str(lora_world["root"] / "every")}
+    spec = write_spec(tmp_path / "s.yaml", lora_world["base"], lora={"adapters": adapters})
+    assert main(["--root", str(tmp_path / "ws"), "build-engine", str(spec)]) == 0
+    engine_dir = tmp_path / "ws" / "engines" / "test-model" / "engine"
+    build = json.loads((engine_dir / "config.json").read_text())["build_config"]
+    assert build["plugin_config"]["lora_plugin"] == "float32"
+    assert build["lora_config"]["max_lora_rank"] == 8 and build["lora_config"]["lora_dir"] == []
+    assert build["lora_config"]["lora_target_modules"] == ALL_MODULES
+    assert build["lora_config"]["trtllm_modules_to_hf_modules"]["mlp_h_to_4h"] == "gate_proj"
+    manifest = json.loads((engine_dir / "manifest.json").read_text())
+    assert manifest["inputs"]["lora"] == {"max_lora_rank": 8, "target_modules": ALL_MODULES}
+    engine = CpuEngine.load(engine_dir, lora_host_bytes=1 << 20)
+    assert engine.lora is not None and engine.lora.target_modules == tuple(ALL_MODULES)
+    assert engine.lora.host_bytes == 1 << 20
+    # A spec without LoRA records nothing of it: its engine's manifest inputs are those it had before.
+    plain = write_spec(tmp_path / "p.yaml", lora_world["base"], name="plain")
+    assert main(["--root", str(tmp_path / "ws"), "build-engine", str(plain)]) == 0
+    plain_dir = tmp_path / "ws" / "engines" / "plain" / "engine"
+    assert set(json.loads((plain_dir / "manifest.json").read_text())["inputs"]) == {"checkpoint", "target", "format"}
+    assert "lora_config" not in json.loads((plain_dir / "config.json").read_text())["build_config"]
+
+
+def test_inflight_batcher_serves_adapters_side_by_side(lora_world, tmp_path):
+    import threading
+
+    from toolchain.engine.cpu import InflightBatcher
+
+    engine = lora_engine(lora_world, tmp_path)
+    engine.lora.put(1, *tensors(lora_world, "attn"))
+    engine.lora.put(2, *tensors(lora_world, "every"))
+    results: dict = {}
+    finished_ids: set = set()
+    done = threading.Event()
+
+    def callback(rid):
+        def on_tokens(tokens, finished, error):
+            got = results.setdefault(rid, [[], None])
+            got[0].extend(tokens)
+            if finished:
+                got[1] = error
+                finished_ids.add(rid)
+                if len(finished_ids) == 4:
+                    done.set()
+        return on_tokens
+
+    with InflightBatcher(engine) as batcher:
+        for rid, task in (("a", 1), ("b", 2), ("base", None), ("unknown", 9)):
+            batcher.submit(rid, PROMPTS[task if task != 9 else 1], greedy(task), callback(rid))
+        assert done.wait(120)
+    assert results["unknown"] == [[], "LoRA task 9 not found in cache. Please send LoRA weights with request"]
+    for rid, task, name in (("a", 1, "attn"), ("b", 2, "every"), ("base", None, None)):
+        assert results[rid] == [hf_greedy(lora_world["merged"][name], PROMPTS[task], NEW), None], rid
+    assert engine.lora._holders == {}  # finished requests no longer pin their adapters
