@@ -95,3 +95,26 @@ def test_a_moe_family_with_lora_is_refused(tmp_path, adapters):
     path = write_spec(tmp_path / "s.yaml", hf, lora={"adapters": {"attn": str(adapters["attn"])}})
     with pytest.raises(ToolchainError, match="mixture-of-experts family; LoRA is served for dense"):
         run_convert(load_spec(path), Workspace(tmp_path / "root"))
+
+
+def test_serve_refuses_a_changed_adapter_file(tmp_path, hf_llama, adapters):
+    """The tensorrt_llm model loads the converted adapters (lora_prefetch_dir): serve checks them as it checks the
+    engine, and names convert as the stage that writes them again."""
+    from toolchain import pipeline
+    from toolchain.engine.build import run_build
+
+    ws = Workspace(tmp_path / "root")
+    spec = load_spec(write_spec(tmp_path / "s.yaml", hf_llama, lora={"adapters": {"attn": str(adapters["attn"])}}))
+    run_convert(spec, ws)
+    run_build(spec, ws)
+    assert ws.lora_dir(spec) in pipeline.stage_outputs(spec, ws)
+    assert (ws.lora_dir(spec), "convert") in pipeline.served_outputs(spec, ws)
+    weights = ws.lora_dir(spec) / "1" / WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:-8])
+    with pytest.raises(ToolchainError) as err:
+        pipeline.check_served_outputs(spec, ws)
+    assert str(err.value).startswith(f"{weights} changed since convert-lora wrote it; refusing to serve it")
+    assert "run `toolchain convert " in str(err.value)
+    run_convert(spec, ws)  # writes them again
+    assert np.array_equal(np.load(weights), np.load(convert_adapter(adapters["attn"], tmp_path / "ref", "float32")
+                                                    / WEIGHTS_FILE))

@@ -151,8 +151,15 @@ def test_lora_builds_the_plugin_for_per_request_adapters(tmp_path, hf_llama, fak
     args = trtllm.validate(argv)
     assert args["--lora_target_modules"] == ("attn_q", "attn_k", "attn_v", "mlp_4h_to_h")
     assert args["--lora_plugin"] == "float16" and args["--max_lora_rank"] == 8 and "--lora_dir" not in args
-    engine = json.loads((tmp_path / "ws" / "engines" / "test-model" / "engine" / "config.json").read_text())
+    engine_dir = tmp_path / "ws" / "engines" / "test-model" / "engine"
+    engine = json.loads((engine_dir / "config.json").read_text())
     assert engine["build_config"]["lora_config"]["lora_target_modules"] == list(args["--lora_target_modules"])
+    # The post-build check reads the LoRA settings back (gptJsonConfig.cpp parseLora's keys).
+    assert trtllm.check_engine(load_spec(spec), engine_dir) == []
+    engine["build_config"]["plugin_config"]["lora_plugin"] = None
+    engine["build_config"]["lora_config"]["max_lora_rank"] = 4
+    (engine_dir / "config.json").write_text(json.dumps(engine))
+    assert trtllm.check_engine(load_spec(spec), engine_dir) == ["plugin_config.lora_plugin is off but the spec serves LoRA"]
     # An unknown module is refused as argparse refuses it.
     with pytest.raises(trtllm.FlagError, match="takes some of"):
         trtllm.validate(["--checkpoint_dir", "c", "--lora_target_modules", "attn_q", "q_proj"])

@@ -423,12 +423,33 @@ def check_engine(spec, engine_dir: Path, *, draft: bool = False, checkpoint_dir:
     gather = draft and sp.use_draft_logits
     if "gather_generation_logits" in bc and bool(bc["gather_generation_logits"]) != gather:
         problems.append(f"build_config.gather_generation_logits {bc['gather_generation_logits']} != {gather}")
+    if spec.lora.enabled and not draft:
+        problems += _lora_problems(spec, bc)
     quant = (pre.get("quantization") or {})
     if not draft and checkpoint_dir is not None:
         written = (read_json(Path(checkpoint_dir) / "config.json") or {}).get("quantization") or {}
         for key in ("quant_algo", "kv_cache_quant_algo"):
             if quant.get(key) != written.get(key):
                 problems.append(f"quantization.{key} {quant.get(key)} != {written.get(key)}")
+    return problems
+
+
+def _lora_problems(spec, bc: dict) -> list[str]:
+    """An engine for lora: the plugin on (gptJsonConfig.cpp parseLora reads plugin_config.lora_plugin) and
+    build_config.lora_config's rank and modules those the flags asked for."""
+    from toolchain.checkpoint.lora_setup import lora_setup
+
+    setup = lora_setup(spec.lora)
+    assert setup is not None  # spec.lora.enabled
+    if (bc.get("plugin_config") or {}).get("lora_plugin") in (None, "disable"):
+        return ["plugin_config.lora_plugin is off but the spec serves LoRA"]
+    lora = bc.get("lora_config") or {}
+    problems = []
+    if lora.get("max_lora_rank") != setup.max_lora_rank:
+        problems.append(f"build_config.lora_config.max_lora_rank {lora.get('max_lora_rank')} != {setup.max_lora_rank}")
+    if set(lora.get("lora_target_modules") or ()) != set(setup.target_modules):
+        problems.append(f"build_config.lora_config.lora_target_modules {lora.get('lora_target_modules')} != "
+                        f"{list(setup.target_modules)}")
     return problems
 
 
