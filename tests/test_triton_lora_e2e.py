@@ -124,3 +124,25 @@ def test_text_models_pass_the_adapter_through(served, expected, model):
     assert text(own).texts() == [_words(expected[SENT])]
     unknown = text(99)
     assert len(unknown.errors) == 1 and MISSING in unknown.errors[0].message()
+
+
+def test_adapters_and_the_base_batched_together(served, expected):
+    """The inflight batcher runs requests of several adapters and none in one batch (docs/lora.md: "mixed batches
+    with multiple LoRAs in the same batch"); each keeps its own answer."""
+    import threading
+
+    _, _, server, (weights, config) = served
+    _llm(server, task=SENT, weights=weights, config=config)  # cached (a no-op when the test above ran)
+    tasks = [None, 1, SENT, 1, None, SENT]
+    got: list = [None] * len(tasks)
+
+    def run(i):
+        got[i] = _llm(server, task=tasks[i], request_id=f"mix{i}")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(tasks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for task, result in zip(tasks, got, strict=True):
+        assert result is not None and not result.errors and result.tokens() == expected[task], task

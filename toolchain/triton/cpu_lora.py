@@ -105,15 +105,18 @@ def prepare(engine: Any, request_id: int, lora: RowLora) -> None:
         raise LoraRequestError(f"tensorrt_llm: lora_task_id {lora.task_id}: this engine was built without LoRA "
                                "(give the spec a lora section and build the engine again)")
     try:
-        if lora.weights is None and lora.config is None:
-            problem = cache.problem(lora.task_id)
-            if problem is not None:
-                raise LoraRequestError(executor_error(request_id, problem))
-            cache.bump(lora.task_id)
-            return
-        if lora.weights is None or lora.config is None:  # loraUtils.cpp loraValidateRequestTensorDims
-            raise ToolchainError("Request for LoRA inference must have both lora_weights and lora_keys")
-        cache.put(lora.task_id, lora.weights[None], lora.config[None])
+        # Under the engine's lock, as its steps (which read the cache) and releases (which unpin adapters) run: a put
+        # may evict, and the cache is not safe to change while another thread walks it.
+        with engine.lock:
+            if lora.weights is None and lora.config is None:
+                problem = cache.problem(lora.task_id)
+                if problem is not None:
+                    raise LoraRequestError(executor_error(request_id, problem))
+                cache.bump(lora.task_id)
+                return
+            if lora.weights is None or lora.config is None:  # loraUtils.cpp loraValidateRequestTensorDims
+                raise ToolchainError("Request for LoRA inference must have both lora_weights and lora_keys")
+            cache.put(lora.task_id, lora.weights[None], lora.config[None])
     except ToolchainError as err:
         message = err.message if err.message.startswith(_EXPECTED) else \
             f"Encountered an error when fetching new request: {err}"
