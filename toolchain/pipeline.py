@@ -112,6 +112,7 @@ def stage_outputs(spec: DeploymentSpec, workspace: Workspace) -> list[Path]:
     """Every output directory the stages of the spec's path write, in stage order."""
     out = [workspace.checkpoint_dir(spec)]
     if target_of(spec).builds_engine:
+        out += _lora_dir(spec, workspace)
         if mode_of(spec.speculative.mode).adds == DRAFT_ENGINE:
             out.append(workspace.draft_checkpoint_dir(spec))
         out.append(workspace.engine_dir(spec))
@@ -137,8 +138,14 @@ def served_outputs(spec: DeploymentSpec, workspace: Workspace) -> list[tuple[Pat
     if target_of(spec).llmapi_path:
         loaded = [(workspace.checkpoint_dir(spec), "convert")] if Quantization.of(spec.quantization).active else []
     else:
-        loaded = [(workspace.engine_dir(spec), "build-engine")]
+        # The tensorrt_llm model prefetches the adapters convert wrote (its lora_prefetch_dir).
+        loaded = [(workspace.engine_dir(spec), "build-engine"), *((d, "convert") for d in _lora_dir(spec, workspace))]
     return loaded + [(workspace.model_repo_dir(spec), "model-repo")]
+
+
+def _lora_dir(spec: DeploymentSpec, workspace: Workspace) -> list[Path]:
+    """The engine path's converted LoRA adapters (checkpoint/lora_stage.py), where the spec names adapters."""
+    return [workspace.lora_dir(spec)] if spec.lora.adapters else []
 
 
 def check_served_outputs(spec: DeploymentSpec, workspace: Workspace) -> None:
