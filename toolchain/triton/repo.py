@@ -173,7 +173,10 @@ def _renderer_hash() -> str:
 def options_hash(opts: RepoOptions) -> str:
     """Hash of what the repository is rendered from: the spec fields that reach
     a config.pbtxt, not the whole spec, so a different port does not re-render."""
-    blob = json.dumps(dataclasses.asdict(opts), sort_keys=True, default=str, separators=(",", ":"))
+    fields = dataclasses.asdict(opts)
+    if not fields["lora_parameters"]:  # a repository without LoRA keys as it did before LoRA existed
+        del fields["lora_parameters"]
+    blob = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
