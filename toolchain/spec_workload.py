@@ -43,6 +43,8 @@ class TrafficClass(_Section):
     """Mean prompt length for this class; default: the workload's input_tokens."""
     output_tokens: int | None = Field(None, ge=1)
     """Requested output tokens for this class; default: the workload's output_tokens."""
+    adapter: str | None = None
+    """The LoRA adapter (a lora.adapters name) this class's requests use; none: the base model."""
 
 
 class WorkloadSection(_Section):
