@@ -110,6 +110,31 @@ def draft_build_config(spec: DeploymentSpec) -> dict:
     return {**build_config(spec), "max_draft_len": 0, "gather_generation_logits": spec.speculative.use_draft_logits}
 
 
+def with_lora(build: dict, spec: DeploymentSpec, checkpoint_dir: Path) -> dict:
+    """`build` plus what trtllm-build records for LoRA (`lora_config`, `plugin_config.lora_plugin` = the engine dtype)
+    when the spec serves adapters; `build` unchanged otherwise."""
+    # Imported here: lora_setup reads the adapters' files, which `plan` never needs.
+    from toolchain.checkpoint.lora_setup import lora_setup
+    from toolchain.engine.cpu.lora import lora_build_config
+
+    setup = lora_setup(spec.lora)
+    if setup is None:
+        return build
+    dtype = json.loads((checkpoint_dir / "config.json").read_text())["dtype"]
+    return {**build, "lora_config": lora_build_config(setup.target_modules, setup.max_lora_rank),
+            "plugin_config": {**build["plugin_config"], "lora_plugin": dtype}}
+
+
+def lora_inputs(spec: DeploymentSpec) -> dict:
+    """The engine's LoRA settings as a build input (empty without LoRA, so other engines keep their digests)."""
+    from toolchain.checkpoint.lora_setup import lora_setup
+
+    setup = lora_setup(spec.lora)
+    if setup is None:
+        return {}
+    return {"lora": {"max_lora_rank": setup.max_lora_rank, "target_modules": list(setup.target_modules)}}
+
+
 def _cpu_engine_outputs(spec: DeploymentSpec, checkpoint_dir: Path, out: Path, build: dict) -> dict:
     written = write_cpu_engine(checkpoint_dir, out, build)
     return {"ranks": written["ranks"], "bytes": written["bytes"],
@@ -117,7 +142,8 @@ def _cpu_engine_outputs(spec: DeploymentSpec, checkpoint_dir: Path, out: Path, b
 
 
 def _build_cpu(spec: DeploymentSpec, workspace: Workspace, out: Path) -> dict:
-    outputs = _cpu_engine_outputs(spec, workspace.checkpoint_dir(spec), out, build_config(spec))
+    checkpoint_dir = workspace.checkpoint_dir(spec)
+    outputs = _cpu_engine_outputs(spec, checkpoint_dir, out, with_lora(build_config(spec), spec, checkpoint_dir))
     if mode_of(spec.speculative.mode).adds == DRAFT_ENGINE:
         engine = out / "draft" / "engine"
         engine.mkdir(parents=True)
@@ -241,6 +267,7 @@ def run_build(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
     inputs = {"checkpoint": content_hash(checkpoint_dir), "target": spec.target}
     if builder == CPU_ENGINE:
         inputs["format"] = ENGINE_FORMAT_VERSION
+        inputs.update(lora_inputs(spec))
     binary = None
     if builder == TRTLLM_BUILD:
         # Found (and its version checked) first: without it nothing can be built, and

@@ -348,6 +348,7 @@ class InflightBatcher:
         """max_utilization: give a running request's blocks back; it resumes from the queue
         with its tokens, re-prefilling them (reusing whatever blocks are still cached)."""
         self.engine.release(req.seq)
+        self.engine.hold_lora(req.seq)  # a paused request keeps its adapter cached (PeftCacheManager: host cache)
         self._running.remove(req)
         self._known.discard(req.request_id)
         req.paused = True
@@ -412,7 +413,8 @@ class InflightBatcher:
             if need > free:
                 break
             first_context = not any(r.seq.in_context for r, _ in batch)
-            context = len(seq.tokens) - (0 if seq.wants_context else engine.kv.matched_tokens(seq.tokens))
+            context = len(seq.tokens) - (0 if seq.wants_context else engine.kv.matched_tokens(
+                seq.tokens, engine.kv.reuse_root(seq.params.lora_task_id)))
             if context > budget and not (self.config.enable_chunked_context and budget >= engine.kv.tokens_per_block
                                          or first_context and context > lim.max_num_tokens):
                 break  # cannot start this step

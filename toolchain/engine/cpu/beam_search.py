@@ -75,12 +75,13 @@ class BeamSequence(Sequence):
         if self.in_context:
             start = self.table.length
             kv.reserve(self.table, start + n)
-            return [Chunk(self.table, self.tokens[start:start + n], logits=1 if n == self.pending else 0)]
+            return [Chunk(self.table, self.tokens[start:start + n], logits=1 if n == self.pending else 0,
+                          lora=self.params.lora_task_id)]
         out = []
         for beam in self.running:
             start = beam.table.length
             kv.reserve(beam.table, start + 1)
-            out.append(Chunk(beam.table, [(self.prompt + beam.tokens)[start]]))
+            out.append(Chunk(beam.table, [(self.prompt + beam.tokens)[start]], lora=self.params.lora_task_id))
         return out
 
     def advance(self, chunks: list[Chunk], rows: list[torch.Tensor | None]) -> list[int]:
@@ -197,7 +198,9 @@ def start_sequence(engine: CpuEngine, prompt_ids: list[int], params: SamplingPar
     problem = engine.request_problem(prompt_ids, params, draft, draft_logits)
     if problem is not None:
         raise ToolchainError(problem)
-    return BeamSequence(engine, prompt_ids, params)
+    seq = BeamSequence(engine, prompt_ids, params)
+    engine.hold_lora(seq)
+    return seq
 
 
 def step_with_beams(engine: CpuEngine, batch: list[tuple[Sequence, int]]) -> list[list[int]]:
@@ -241,6 +244,7 @@ def generate_sequences(engine: CpuEngine, prompt_ids: list[int], params: Samplin
         seq = start_sequence(engine, prompt_ids, child)
         with engine.lock:
             if engine.blocks_to_add(seq) + engine.blocks_to_finish(seq) > engine.kv.free_blocks:
+                engine.release(seq)
                 raise RuntimeError("the KV cache has no room for this request now; retry later")
             engine.add(seq)
             try:

@@ -23,6 +23,7 @@ from toolchain.engine.cpu.config import BuildLimits, ModelDims, read_engine_conf
 from toolchain.engine.cpu.guided import GuidedDecoder, GuideError
 from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager
 from toolchain.engine.cpu.logprobs import TokenLogprobs
+from toolchain.engine.cpu.lora import LoraCache, load_lora, lora_request_problem
 from toolchain.plan.memory import cpu_default_max_tokens
 from toolchain.engine.cpu.model import Chunk, Model
 from toolchain.engine.cpu.mtp import positions_known
@@ -257,6 +258,8 @@ class CpuEngine:
         self.kv = kv
         # Guided decoding (guided.py): set by whoever knows the tokenizer; None refuses requests with a guide.
         self.guided: GuidedDecoder | None = None
+        # LoRA adapters by task id (lora.py); None: built without LoRA. `load` sets it; the model reads it too.
+        self.lora: LoraCache | None = None
         self.medusa = MedusaTree.create(medusa_choices, dims, limits) if dims.medusa_heads else None
         # Draft tokens the engine's multi-token-prediction layer adds to each step (mtp.py): one, from the first.
         self.mtp_draft_len = 1 if dims.mtp_layers else 0
@@ -276,7 +279,8 @@ class CpuEngine:
     @classmethod
     def load(cls, engine_dir: Path | str, *, num_threads: int | None = None,
              kv_cache: KvCacheConfig | None = None, medusa_choices: list[list[int]] | None = None,
-             comm: Comm | None = None, unit_kv_scales: bool = False) -> "CpuEngine":
+             comm: Comm | None = None, unit_kv_scales: bool = False, lora_host_bytes: int | None = None,
+             lora_prefetch_dir: Path | None = None) -> "CpuEngine":
         """Load and validate an engine directory.
 
         `num_threads` sets torch's intra-op threads for the whole process (None
@@ -287,6 +291,8 @@ class CpuEngine:
         CPU_POOL_BATCHES full batches of max_seq_len (kv_cache.py says why). With `comm` this process is rank 0 of rank processes
         (ranks.py): it loads its own shard and leads the others through each step. `unit_kv_scales`
         quantizes an INT8/FP8 KV cache with scale 1.0 instead of the checkpoint's (Model.use_unit_kv_scales).
+        An engine built with LoRA gets a cache of `lora_host_bytes` (1 GiB by default) holding `lora_prefetch_dir`'s
+        adapters (lora.load_lora).
         """
         if num_threads == 0:  # every core the host lets this process use
             num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -297,8 +303,10 @@ class CpuEngine:
         if comm is not None and (dims.medusa_heads or dims.mtp_layers):
             raise ToolchainError(f"{'Medusa heads are' if dims.medusa_heads else 'an MTP layer is'} not run across "
                                  "rank processes", "serve this engine in one process (serving.launch: single)")
+        lora = load_lora(config, dims, comm is not None, lora_host_bytes, lora_prefetch_dir, str(engine_dir))
         model = Model(dims, load_own_stage(engine_dir, dims, comm.rank) if comm else load_stages(engine_dir, dims),
                       comm)
+        model.lora = lora
         if unit_kv_scales:
             model.use_unit_kv_scales()
         kv_cache = kv_cache or KvCacheConfig()
@@ -312,9 +320,12 @@ class CpuEngine:
                                  f"{limits.tokens_per_block}", "the block size is fixed when the engine is built")
         kv = KvCacheManager.create(dims, kv_cache)
         if comm is None:
-            return cls(config, dims, limits, model, kv, medusa_choices)
-        num_blocks(comm, kv)
-        return cls(config, dims, limits, LeaderModel(model, comm, kv), kv, medusa_choices)
+            engine = cls(config, dims, limits, model, kv, medusa_choices)
+        else:
+            num_blocks(comm, kv)
+            engine = cls(config, dims, limits, LeaderModel(model, comm, kv), kv, medusa_choices)
+        engine.lora = lora
+        return engine
 
     def close(self) -> None:
         """Release the rank processes this engine leads, if any (they leave their step loop)."""
@@ -353,6 +364,8 @@ class CpuEngine:
             problem = params.problem(self.vocab_size)
         if problem is None and params.guide is not None:
             problem = self._guide_problem(params, draft)
+        if problem is None:
+            problem = lora_request_problem(self.lora, params.lora_task_id)
         if problem is not None:
             return problem
         n, lim = len(prompt_ids), self.limits
@@ -418,7 +431,13 @@ class CpuEngine:
             seq.sampler.wants_processed = seq.logprobs.mode == "processed"
         if params.guide is not None and self.guided is not None:
             seq.sampler.guide = self.guided.matcher(params.guide)
+        self.hold_lora(seq)
         return seq
+
+    def hold_lora(self, seq: Sequence) -> None:
+        """Keep `seq`'s adapter in the LoRA cache until `release(seq)` (a request in flight pins its task)."""
+        if self.lora is not None and seq.params.lora_task_id is not None:
+            self.lora.use(seq.params.lora_task_id, seq)
 
     # -- KV blocks ---------------------------------------------------------------
 
@@ -426,7 +445,7 @@ class CpuEngine:
         """Free blocks `add` would take for `seq`'s context now (after prefix reuse)."""
         if seq.wants_context:
             return self.kv.blocks_for(len(seq.tokens))
-        return self.kv.blocks_to_add(seq.tokens)
+        return self.kv.blocks_to_add(seq.tokens, self.kv.reuse_root(seq.params.lora_task_id))
 
     def blocks_to_finish(self, seq: Sequence) -> int:
         """Blocks `seq` needs beyond those it holds (or, before `add`, beyond its context's) to
@@ -444,11 +463,14 @@ class CpuEngine:
     def add(self, seq: Sequence) -> None:
         """Blocks for the whole context (prompt, plus output when resuming a paused request)."""
         with self.lock:
-            self.kv.add_sequence(seq.table, seq.tokens, reuse=not seq.wants_context)
+            self.kv.add_sequence(seq.table, seq.tokens, reuse=not seq.wants_context,
+                                 root=self.kv.reuse_root(seq.params.lora_task_id))
 
     def release(self, seq: Sequence) -> None:
         with self.lock:
             self.kv.release(seq.table)
+            if self.lora is not None:
+                self.lora.done(seq)
 
     def needs_block(self, seq: Sequence, n: int) -> bool:
         """Whether feeding `n` more tokens (and the draft riding on them) crosses into a block
@@ -476,7 +498,8 @@ class CpuEngine:
                 chunks.append(Chunk(seq.table, seq.tokens[start:start + n] + draft,
                                     logits=n + len(draft) if every else 1 + len(draft) if last else 0,
                                     parents=[-1, *tree] if tree is not None else None,
-                                    want_hidden=medusa is not None and last, want_states=bool(self.mtp_draft_len)))
+                                    want_hidden=medusa is not None and last, want_states=bool(self.mtp_draft_len),
+                                    lora=seq.params.lora_task_id))
                 drafts.append(draft)
                 fulls.append(every and tree is None)  # a context chunk run with every position's logits
             with torch.no_grad():
@@ -573,6 +596,7 @@ class CpuEngine:
         seq = self.start(prompt_ids, params, logprobs=logprobs)
         with self.lock:
             if self.blocks_to_add(seq) + self.blocks_to_finish(seq) > self.kv.free_blocks:
+                self.release(seq)
                 raise ToolchainError("the KV cache has no room for this request now", "retry later")
             self.add(seq)
             try:
@@ -584,9 +608,9 @@ class CpuEngine:
             raise RuntimeError(seq.error)
         return seq.output
 
-    def forward_logits(self, input_ids: list[int]) -> torch.Tensor:
-        """Logits [T, vocab_size] (float32) for every position of `input_ids`."""
-        problem = self._ids_problem(input_ids)
+    def forward_logits(self, input_ids: list[int], lora_task_id: int | None = None) -> torch.Tensor:
+        """Logits [T, vocab_size] (float32) for every position of `input_ids` (under that LoRA adapter)."""
+        problem = self._ids_problem(input_ids) or lora_request_problem(self.lora, lora_task_id)
         if problem is not None:
             raise ToolchainError(problem)
         if len(input_ids) > self.limits.max_seq_len:
@@ -597,7 +621,7 @@ class CpuEngine:
             self.kv.add_sequence(table, ids, reuse=False)
             try:
                 with torch.no_grad():
-                    logits = self.model.forward([Chunk(table, ids, logits=len(ids))], self.kv)[0]
+                    logits = self.model.forward([Chunk(table, ids, logits=len(ids), lora=lora_task_id)], self.kv)[0]
                 if logits is None:
                     raise RuntimeError("the forward pass returned no logits")
                 return logits

@@ -128,6 +128,7 @@ class BlockTable:
         self.keys: list[int] = []  # reuse hash of each full block, in order
         self.length = 0  # tokens whose K/V are in the cache
         self.tail: tuple = ()  # tokens of the last, partly filled block (registered on release)
+        self.root = 0  # the hash its first block follows: a LoRA adapter's own (reuse_root)
         self.reused = 0
         self.alloc_total = 0
         self.alloc_new = 0
@@ -204,6 +205,12 @@ class KvCacheManager:
     # -- per request ------------------------------------------------------------
 
     @staticmethod
+    def reuse_root(lora_task_id: int | None) -> int:
+        """The hash a request's first block follows: 0 for the base model, the adapter's own otherwise, so blocks
+        computed under one adapter are never reused by another (TensorRT-LLM's BlockKey carries the LoRA task id)."""
+        return 0 if lora_task_id is None else hash(("lora", int(lora_task_id)))
+
+    @staticmethod
     def _key(parent: int, tokens: tuple) -> int:
         """A block's reuse hash: its tokens (fewer than a block for a partial one) after its parent's."""
         return hash((parent, tokens))
@@ -216,18 +223,18 @@ class KvCacheManager:
             keys.append(key)
         return keys
 
-    def match(self, tokens: list[int]) -> int:
+    def match(self, tokens: list[int], root: int = 0) -> int:
         """Full blocks of `tokens` the cache already holds (never the one with the last token)."""
         if not self.enable_block_reuse:
             return 0
         found = 0
-        for key in self._chain(tokens, (len(tokens) - 1) // self.tokens_per_block):
+        for key in self._chain(tokens, (len(tokens) - 1) // self.tokens_per_block, root):
             if key not in self._by_key:
                 break
             found += 1
         return found
 
-    def _partial(self, tokens: list[int], keys: list[int]) -> tuple[int, int] | None:
+    def _partial(self, tokens: list[int], keys: list[int], root: int = 0) -> tuple[int, int] | None:
         """(block, n): the registered block after the matched full blocks (their hashes `keys`)
         sharing the longest run of leading tokens (n >= 1) with the rest of `tokens`, the last
         token excluded."""
@@ -238,7 +245,7 @@ class KvCacheManager:
         want = tokens[full * tpb:min((full + 1) * tpb, len(tokens) - 1)]
         if not want:
             return None
-        parent = keys[-1] if keys else 0
+        parent = keys[-1] if keys else root
         best = None
         for index in self._children.get(parent, ()):
             have = self._blocks[index].tokens
@@ -249,18 +256,20 @@ class KvCacheManager:
                 best = (index, n)
         return best
 
-    def matched_tokens(self, tokens: list[int]) -> int:
+    def matched_tokens(self, tokens: list[int], root: int = 0) -> int:
         """Tokens of `tokens` a new request would take from the cache (full blocks, then a partial one)."""
-        full = self.match(tokens)
-        part = self._partial(tokens, self._chain(tokens, full))
+        full = self.match(tokens, root)
+        part = self._partial(tokens, self._chain(tokens, full, root), root)
         return full * self.tokens_per_block + (part[1] if part else 0)
 
-    def add_sequence(self, table: BlockTable, tokens: list[int], *, reuse: bool = True) -> None:
+    def add_sequence(self, table: BlockTable, tokens: list[int], *, reuse: bool = True, root: int = 0) -> None:
         """Give a request its context: matched blocks by prefix, fresh ones for the rest of
-        `tokens`. Raises if the pool cannot supply them (callers check `blocks_to_add` first)."""
-        matched = self.match(tokens) if reuse else 0
-        keys = self._chain(tokens, matched)
-        part = self._partial(tokens, keys) if reuse else None
+        `tokens`. Raises if the pool cannot supply them (callers check `blocks_to_add` first).
+        `root` keys its blocks apart from other adapters' (reuse_root)."""
+        table.root = root
+        matched = self.match(tokens, root) if reuse else 0
+        keys = self._chain(tokens, matched, root)
+        part = self._partial(tokens, keys, root) if reuse else None
         needed = self.blocks_for(len(tokens)) - matched
         if needed > self.free_blocks - self._cached_among(keys):
             raise RuntimeError(f"KV cache exhausted: {needed} blocks needed, {self.free_blocks} free")
@@ -301,11 +310,11 @@ class KvCacheManager:
     def _cached_among(self, keys: list[int]) -> int:
         return sum(1 for k in keys if self._blocks[self._by_key[k]].refs == 0)
 
-    def blocks_to_add(self, tokens: list[int]) -> int:
+    def blocks_to_add(self, tokens: list[int], root: int = 0) -> int:
         """Free blocks adding a sequence over `tokens` would consume (matched blocks that sit
         unreferenced in the cache count: taking them removes them from the free pool)."""
-        matched = self.match(tokens)
-        return self.blocks_for(len(tokens)) - matched + self._cached_among(self._chain(tokens, matched))
+        matched = self.match(tokens, root)
+        return self.blocks_for(len(tokens)) - matched + self._cached_among(self._chain(tokens, matched, root))
 
     def _append_block(self, table: BlockTable, count: bool = False) -> None:
         if self._clean:
@@ -357,9 +366,9 @@ class KvCacheManager:
         table.tail = tuple(tokens[full * tpb:length])
         if full <= len(table.keys):
             return
-        start_key = table.keys[-1] if table.keys else 0
+        start_key = table.keys[-1] if table.keys else table.root
         for b, key in enumerate(self._chain(tokens, full, start_key, len(table.keys)), start=len(table.keys)):
-            parent = table.keys[-1] if table.keys else 0
+            parent = table.keys[-1] if table.keys else table.root
             table.keys.append(key)
             block = self._blocks[table.blocks[b]]
             if block.key is None and key not in self._by_key:
@@ -371,7 +380,7 @@ class KvCacheManager:
         full = len(table.keys)
         if self.enable_block_reuse and table.tail and full < len(table.blocks) \
                 and table.length == full * self.tokens_per_block + len(table.tail):
-            parent = table.keys[-1] if table.keys else 0
+            parent = table.keys[-1] if table.keys else table.root
             key = self._key(parent, table.tail)
             block = self._blocks[table.blocks[full]]
             if block.key is None and block.refs == 1 and key not in self._by_key:
@@ -397,7 +406,7 @@ class KvCacheManager:
         for index in table.blocks[:full]:
             self._blocks[index].refs += 1
             child.blocks.append(index)
-        child.keys, child.length, child.tail = table.keys[:full], table.length, table.tail
+        child.keys, child.length, child.tail, child.root = table.keys[:full], table.length, table.tail, table.root
         if part:
             self._append_block(child)
             self._copy_slots(table.blocks[full], child.blocks[-1], part)

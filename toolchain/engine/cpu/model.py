@@ -31,6 +31,7 @@ from toolchain.engine.cpu.comm import Comm
 from toolchain.engine.cpu.mla import MlaAttention, rotary as mla_rotary
 from toolchain.engine.cpu.sinks import attend_with_sinks
 from toolchain.engine.cpu.llama4 import chunk_mask
+from toolchain.engine.cpu.lora import LoraBatch, LoraCache
 from toolchain.engine.cpu.rope import Rotary, apply_rotary, apply_rotary_interleaved
 from toolchain.engine.cpu.weights import RankShard
 from toolchain.quant.kv_cache import dequantize_kv, quantize_kv
@@ -54,6 +55,8 @@ class Chunk:
     states: torch.Tensor | None = None
     """With want_states, forward sets every row's final-normed hidden state, what the model hands an MTP layer
     (mtp.py); for `mtp_forward`, the caller sets the main model's at the chunk's positions."""
+    lora: int | None = None
+    """The LoRA task id whose adapter applies to this chunk's rows (engine/cpu/lora.py); None: the base model."""
 
 
 def tree_tables(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +131,7 @@ class _Batch:
     groups: list[_Group]  # decoding requests, then context chunks
     kv: KvCacheManager
     positions: torch.Tensor | None = None  # each new token's position (Llama 4's temperature tuning reads it)
+    lora: LoraBatch | None = None  # the chunks' LoRA adapters and their rows; None when no chunk names one
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -147,6 +151,7 @@ class Model:
         self.d = d
         self.stages = stages
         self.comm = comm
+        self.lora: LoraCache | None = None  # set by the engine when it serves LoRA adapters
         self.rotary = Rotary(d.head_size, d.rotary_base, d.rotary_scaling)
         # Multi-head latent attention (DeepSeek-V3) rotates only its rope head, with YaRN where configured.
         self.mla = MlaAttention(d.mla, d.norm_epsilon) if d.mla is not None else None
@@ -192,7 +197,7 @@ class Model:
                 layer = self.layer_offset[pp_rank] + local
                 tables = local_tables if self.d.is_local(layer) else (cos, sin)
                 x = self._attention_block(shards, local, layer, x, batch, *tables)
-                x = self._mlp_block(shards, local, x)
+                x = self._mlp_block(shards, local, x, layer, batch.lora)
             if pp_rank + 1 < len(self.stages) and not self.stages[pp_rank + 1]:
                 self._comm.send_hidden(x)
         final_norm = self.stages[-1][0].part("final_norm") if self.stages[-1] else None
@@ -245,6 +250,8 @@ class Model:
             first += n
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
         batch = _Batch(torch.cat(write), [_Group(g) for g in (decode, context) if g], kv, torch.cat(positions))
+        if self.lora is not None:
+            batch.lora = self.lora.batch([c.lora for c in chunks], rows)
         cos, sin = self.rotary.tables(torch.cat(positions), torch.cat(lengths))
         local_tables = (self.rotary_local.tables(torch.cat(positions), torch.cat(lengths))
                         if self.rotary_local is not None else (cos, sin))
@@ -338,6 +345,8 @@ class Model:
             w = s.layers[local]
             assert w.qkv is not None  # every attention but MLA's has one
             qkv = w.qkv(h)
+            if batch.lora is not None:
+                batch.lora.add_qkv(qkv, h, layer, s.tp_rank, nq * hd, nkv * hd)
             q = qkv[:, : nq * hd].view(-1, nq, hd)
             k = qkv[:, nq * hd: (nq + nkv) * hd].view(-1, nkv, hd)
             v = qkv[:, (nq + nkv) * hd:].view(-1, nkv, hd)
@@ -351,6 +360,8 @@ class Model:
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             attn = self._attend(q, k, v, batch, layer, s.tp_rank, w.sinks)
             part = w.dense(attn, add_bias=False)
+            if batch.lora is not None:  # row-parallel: this rank's input columns, into its partial sum
+                batch.lora.add(part, attn, layer, s.tp_rank, "attn_dense")
             total = part if i == 0 else total + part
         total = self._tp_sum(total)
         bias = shards[0].layers[local].dense.bias
@@ -401,7 +412,7 @@ class Model:
         weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         return weights @ values
 
-    def _mlp_block(self, shards, local, x) -> torch.Tensor:
+    def _mlp_block(self, shards, local, x, layer: int = 0, lora: LoraBatch | None = None) -> torch.Tensor:
         first = shards[0].layers[local]
         gemma = self.d.inter_layernorms  # Gemma 2: pre/post_feedforward_layernorm around a GELU-gated MLP
         pre = first.pre_ff_norm if gemma and first.pre_ff_norm is not None else first.post_norm
@@ -415,6 +426,13 @@ class Model:
             elif w.gate is None:  # one swiglu fc [up; gate] (Phi-3): silu(second half) * first half
                 up, gate = w.fc(h).chunk(2, dim=-1)
                 part = w.proj(F.silu(gate) * up, add_bias=False)
+            elif lora is not None:  # gate_proj (fc) and up_proj (gate) deltas before the product, down_proj's after
+                fc, gate = w.fc(h), w.gate(h)
+                lora.add(fc, h, layer, s.tp_rank, "mlp_h_to_4h")
+                lora.add(gate, h, layer, s.tp_rank, "mlp_gate")
+                inner = act(fc) * gate
+                part = w.proj(inner, add_bias=False)
+                lora.add(part, inner, layer, s.tp_rank, "mlp_4h_to_h")
             else:
                 part = w.proj(act(w.fc(h)) * w.gate(h), add_bias=False)
             total = part if i == 0 else total + part

@@ -62,6 +62,9 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: int = 1
+    # LoRA (engine/cpu/lora.py): the adapter's task id in the engine's LoRA cache; None runs the base model.
+    # Children and beams keep it; KV prefix reuse is keyed by it.
+    lora_task_id: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +97,8 @@ class SamplingParams:
                 return f"{name} must be a positive integer, got {getattr(self, name)!r}"
         if not isinstance(self.length_penalty, (int, float)) or self.length_penalty != self.length_penalty:
             return f"length_penalty must be a number, got {self.length_penalty!r}"
+        if self.lora_task_id is not None and (not is_int(self.lora_task_id) or self.lora_task_id < 0):
+            return f"lora_task_id must be a non-negative integer, got {self.lora_task_id!r}"
         if self.early_stopping not in (0, 1):  # TRT-LLM's other values ("never") are not implemented here
             return f"early_stopping must be 0 or 1, got {self.early_stopping!r}"
         return self._controls_problem(vocab_size, is_int)
