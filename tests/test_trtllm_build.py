@@ -80,11 +80,12 @@ def test_every_spec_flag_is_in_the_fakes_table(tmp_path):
     for name, flag in trtllm.FLAGS.items():
         assert name in fake["TABLE"], name
         theirs = fake["TABLE"][name]
-        if flag.kind == "choice":
+        if flag.kind in ("choice", "choices"):
             assert set(flag.values) <= theirs, name
         else:
             # upstream's argparse takes paths as type=str
             assert theirs == {"path": "str", "int": "int", "switch": "switch", "str": "str"}[flag.kind], name
+    assert {n for n, f in trtllm.FLAGS.items() if f.kind == "choices"} <= fake["MANY"]
 
 
 @pytest.mark.parametrize("example", ["llama3-8b-awq-h100", "llama3-70b-sq-tp4pp2", "mistral-7b-fp8-l40s",
@@ -126,6 +127,38 @@ def test_an_unset_gemm_plugin_counts_as_off():
     so weight streaming needs no explicit --gemm_plugin disable."""
     assert trtllm.validate(["--checkpoint_dir", "ckpt", "--weight_streaming"])["--weight_streaming"] is True
     assert trtllm.validate(["--checkpoint_dir", "ckpt", "--weight_streaming", "--gemm_plugin", "disable"])
+
+
+def test_lora_builds_the_plugin_for_per_request_adapters(tmp_path, hf_llama, fake_build, capsys):
+    """lora.adapters: --lora_plugin in the model dtype, --max_lora_rank the largest rank, --lora_target_modules the
+    adapters' modules with q/k/v completed (tensorrtllm_backend docs/lora.md's build line); no --lora_dir, since
+    adapters come per request or from the lora_prefetch_dir convert writes."""
+    from lora_helpers import make_peft_adapter
+
+    from toolchain.checkpoint.lora import LORA_MODULE_IDS
+
+    assert trtllm.LORA_MODULES == tuple(LORA_MODULE_IDS)
+    attn = make_peft_adapter(hf_llama, tmp_path / "attn", ["q_proj", "v_proj"], r=4)
+    mlp = make_peft_adapter(hf_llama, tmp_path / "mlp", ["down_proj"], r=8)
+    spec = trt_spec(tmp_path, hf_llama, model={"checkpoint": str(hf_llama), "dtype": "float16"},
+                    lora={"adapters": {"attn": str(attn), "mlp": str(mlp)}})
+    assert build(tmp_path, spec, "--dry-run") == 0
+    printed = capsys.readouterr().out
+    want = "--lora_plugin float16 --max_lora_rank 8 --lora_target_modules attn_q attn_k attn_v mlp_4h_to_h --workers"
+    assert want in printed and "--lora_dir" not in printed
+    assert build(tmp_path, spec) == 0, capsys.readouterr().err
+    [argv] = calls(fake_build)
+    args = trtllm.validate(argv)
+    assert args["--lora_target_modules"] == ("attn_q", "attn_k", "attn_v", "mlp_4h_to_h")
+    assert args["--lora_plugin"] == "float16" and args["--max_lora_rank"] == 8 and "--lora_dir" not in args
+    engine = json.loads((tmp_path / "ws" / "engines" / "test-model" / "engine" / "config.json").read_text())
+    assert engine["build_config"]["lora_config"]["lora_target_modules"] == list(args["--lora_target_modules"])
+    # An unknown module is refused as argparse refuses it.
+    with pytest.raises(trtllm.FlagError, match="takes some of"):
+        trtllm.validate(["--checkpoint_dir", "c", "--lora_target_modules", "attn_q", "q_proj"])
+    proc = subprocess.run([sys.executable, str(FAKE / "trtllm-build"), "--checkpoint_dir", "c", "--lora_target_modules",
+                           "attn_q", "q_proj"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and "invalid choice 'q_proj'" in proc.stderr
 
 
 def test_wrong_version_is_refused_before_building(tmp_path, hf_llama, fake_build, monkeypatch, capsys):
@@ -255,13 +288,14 @@ def test_flag_table_is_upstreams():
 
     upstream = facts("trtllm_build")["flags"]
     assert not set(trtllm.REMOVED) & set(upstream)
-    kinds = {"path": "str", "str": "str", "int": "int", "switch": "switch", "choice": "choice"}
+    kinds = {"path": "str", "str": "str", "int": "int", "switch": "switch", "choice": "choice", "choices": "choice"}
     for name, flag in trtllm.FLAGS.items():
         assert name in upstream, f"{name} is not a trtllm-build flag"
         up = upstream[name]
         where = f"{name} ({up['path']}:{up['line']})"
         if up["kind"] != "other":
             assert kinds[flag.kind] == up["kind"], where
+        assert (flag.kind == "choices") == (up.get("nargs") == "+" and up["kind"] == "choice"), where
         if flag.kind == "choice" and up["choices"] is not None:
             assert set(flag.values) <= set(up["choices"]), (where, sorted(set(flag.values) - set(up["choices"])))
         if flag.default is not None and up.get("default_expr") is None and flag.kind != "switch":

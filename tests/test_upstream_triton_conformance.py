@@ -25,6 +25,8 @@ VARIANTS = {
     "default": {},
     "not-streaming": {"serving": {"streaming": False}},
     "reuse-chunked": {"build": {"kv_cache_reuse": False, "chunked_context": True}},
+    "lora": {"lora": {"target_modules": ["attn_q", "mlp_4h_to_h"], "max_lora_rank": 16,
+                      "cache": {"optimal_adapter_size": 4, "gpu_memory_fraction": 0.2, "host_memory_bytes": 1 << 24}}},
 }
 TRTLLM_ONLY = {
     "lookahead": {"speculative": {"mode": "lookahead", "max_draft_len": 83, "lookahead_window_size": 7,

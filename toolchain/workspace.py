@@ -41,6 +41,11 @@ class Workspace:
         llmapi model and the OpenAI server load rather than each converting the checkpoint again."""
         return self._inside(self.engine_root(spec) / "cpu-llm")
 
+    def lora_dir(self, spec: DeploymentSpec) -> Path:
+        """The converted LoRA adapters `convert` writes for lora.adapters (lora/<task_id>/ and adapters.json): the
+        tensorrt_llm model's lora_prefetch_dir."""
+        return self._inside(self.engine_root(spec) / "lora")
+
     def engine_dir(self, spec: DeploymentSpec) -> Path:
         """The engine written by `build-engine` (trtllm-build output or the CPU engine)."""
         return self._inside(self.engine_root(spec) / "engine")

@@ -17,6 +17,7 @@ from typing import Callable
 from toolchain.checkpoint.convert import calibrate, convert_checkpoint, plan_any, plan_checkpoint
 from toolchain.checkpoint.hf_reader import HFCheckpoint
 from toolchain.checkpoint.layout import Plan
+from toolchain.checkpoint.lora_stage import lora_refusal, run_convert_lora
 from toolchain.checkpoint.eagle import attach_draft
 from toolchain.checkpoint.medusa import attach_heads, medusa_tree
 from toolchain.draft_tree import choices_text
@@ -147,6 +148,7 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
     with ckpt:
         # Planning validates config, parallelism, names and headers before any write.
         plan = _with_heads(plan_checkpoint(ckpt.directory, **_plan_options(spec, loaded_by), ckpt=ckpt), spec)
+        lora_refusal(spec, plan)
         inputs = {p.name: input_hash(p) for p in ckpt.input_files}
         hf_quant = ckpt.directory / "hf_quant_config.json"
         if hf_quant.is_file():  # a ModelOpt HF-format export: its format (algo, group size, exclusions) is read here
@@ -166,6 +168,7 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                                            say=note)) is not None:
             say(f"checkpoint {final} is current (same settings and inputs); reusing it (--force rebuilds)")
             run_convert_draft(spec, workspace, force=force, keep_edits=keep_edits, echo=note)
+            run_convert_lora(spec, workspace, plan.config["dtype"], force=force, keep_edits=keep_edits, echo=note)
             return have
         created = _missing_dirs(final.parent, workspace.root)
         start = time.monotonic()
@@ -186,6 +189,7 @@ def run_convert(spec: DeploymentSpec, workspace: Workspace, force: bool = False,
                     break
             raise
     run_convert_draft(spec, workspace, force=force, keep_edits=keep_edits, echo=note)
+    run_convert_lora(spec, workspace, plan.config["dtype"], force=force, keep_edits=keep_edits, echo=note)
     return wanted
 
 

@@ -27,17 +27,22 @@ from toolchain.quant import formats
 from toolchain.speculative import DRAFT_ENGINE, mode_of
 from toolchain.versions import TRITON_IMAGE, TRTLLM_LINE, TRTLLM_VERSION, in_line
 from toolchain.plan.plan import build_workers, checkpoint_bytes_per_rank
-from toolchain.plan.model import read_json
+from toolchain.plan.model import load_model, read_json, weight_dtype
 
 SUPPORTED_LINE = TRTLLM_LINE
 EN = ("enable", "disable")
 PLUGIN = ("auto", "float16", "float32", "bfloat16", "int32", "disable")  # a dtype, auto (model dtype) or disable
+# --lora_target_modules' choices: LoraManager.LORA_MODULE_IDS.keys() (tensorrt_llm/lora_manager.py @007e181b).
+LORA_MODULES = ("attn_qkv", "attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_4h_to_h", "mlp_gate",
+                "cross_attn_qkv", "cross_attn_q", "cross_attn_k", "cross_attn_v", "cross_attn_dense", "moe_h_to_4h",
+                "moe_4h_to_h", "moe_gate", "moe_router", "mlp_router", "mlp_gate_up")
 
 
 @dataclass(frozen=True)
 class Flag:
     kind: str
-    """path, str, int, choice or switch (present = on, takes no value)."""
+    """path, str, int, choice, choices (one or more of `values`, argparse nargs='+') or switch (present = on,
+    takes no value)."""
     values: tuple[str, ...] = ()
     default: object = None
 
@@ -84,7 +89,7 @@ FLAGS: dict[str, Flag] = {
     "--logits_dtype": Flag("choice", ("float16", "float32")), "--gather_context_logits": Flag("switch"),
     "--gather_generation_logits": Flag("switch"), "--gather_all_token_logits": Flag("switch"),
     "--lora_dir": Flag("path"), "--lora_ckpt_source": Flag("choice", ("hf", "nemo"), "hf"),
-    "--max_lora_rank": Flag("int", default=64),
+    "--max_lora_rank": Flag("int", default=64), "--lora_target_modules": Flag("choices", LORA_MODULES),
     "--speculative_decoding_mode": Flag("choice", ("draft_tokens_external", "lookahead_decoding", "medusa",
                                                    "explicit_draft_tokens", "eagle")),
     "--max_draft_len": Flag("int", default=0),
@@ -155,6 +160,17 @@ def parse_args(argv: list[str]) -> dict[str, object]:
             continue
         if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
             raise FlagError(f"{name} needs a value")
+        if flag.kind == "choices":  # nargs='+': every value up to the next flag
+            values = []
+            for value in argv[i + 1:]:
+                if value.startswith("--"):
+                    break
+                if value not in flag.values:
+                    raise FlagError(f"{name} takes some of {', '.join(flag.values)}, got {value!r}")
+                values.append(value)
+            out[name] = tuple(values)
+            i += 1 + len(values)
+            continue
         value = argv[i + 1]
         if flag.kind == "int":
             if not value.lstrip("-").isdigit():
@@ -236,9 +252,29 @@ def build_flags(spec, *, draft: bool = False) -> list[tuple[str, object]]:
         flags.append(("--speculative_decoding_mode", build_mode))
         if sp.max_draft_len:
             flags.append(("--max_draft_len", sp.max_draft_len))
+    if spec.lora.enabled and not draft:
+        flags += lora_flags(spec)
     if b.log_level != "info":
         flags.append(("--log_level", b.log_level))
     return flags
+
+
+def lora_flags(spec) -> list[tuple[str, object]]:
+    """The LoRA plugin in the engine's dtype, the rank limit and the modules, as tensorrtllm_backend docs/lora.md
+    builds it; no --lora_dir: adapters come per request or from the lora_prefetch_dir (with --lora_dir absent,
+    --lora_target_modules is what names the modules: tensorrt_llm/commands/build.py build_model)."""
+    from toolchain.checkpoint.lora_setup import lora_setup
+
+    setup = lora_setup(spec.lora)
+    assert setup is not None  # spec.lora.enabled
+    # The plugin's dtype is the checkpoint's, written out as upstream's examples do (`auto` resolving to the model
+    # dtype is the plugins' convention, UNVERIFIED for lora_plugin itself): auto only where config.json is unreadable.
+    try:
+        dtype = weight_dtype(spec, load_model(spec.model.checkpoint).params)
+    except ToolchainError:  # convert reports it
+        dtype = "auto"
+    return [("--lora_plugin", dtype), ("--max_lora_rank", setup.max_lora_rank),
+            ("--lora_target_modules", tuple(setup.target_modules))]
 
 
 def default_workers(spec) -> int:
@@ -267,7 +303,7 @@ def build_command(spec, checkpoint_dir: Path, output_dir: Path, binary: str = "t
              *build_flags(spec, draft=draft), ("--workers", min(workers, world))]
     argv: list[str] = []
     for name, value in pairs:
-        argv += [name] if value is True else [name, str(value)]
+        argv += [name] if value is True else [name, *map(str, value)] if isinstance(value, tuple) else [name, str(value)]
     try:
         validate(argv)
     except FlagError as err:
@@ -415,7 +451,7 @@ TRITON_UNSET = {
     "max_tokens_in_paged_kv_cache": "written when serving.max_tokens_in_paged_kv_cache is set",
     "sink_token_length": "attention sinks off",
     "participant_ids": "orchestrator mode without spawning only",
-    "lora_prefetch_dir": "no adapters preloaded",
+    "lora_prefetch_dir": "written when lora.adapters is set: the adapters convert wrote (triton/repo.py)",
     "medusa_choices": "written for speculative.mode medusa: speculative.choices, else the tree recorded with the heads",
     "eagle_choices": "written when speculative.choices is set (else the backend's mc_sim_7b_63)",
     "lookahead_window_size": "written for speculative.mode lookahead",

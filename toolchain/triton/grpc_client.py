@@ -20,7 +20,8 @@ def tensor(name: str, value, dtype: str, batch: bool = True):
     own shape with batch=False (models with max_batch_size 0)."""
     import tritonclient.grpc as grpcclient
 
-    numpy_types = {"INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_}
+    numpy_types = {"INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64, "FP16": np.float16, "FP32": np.float32,
+                   "BOOL": np.bool_}
     if dtype == "BYTES":
         values = value if isinstance(value, (list, tuple)) else [value]
         arr = np.array([[v.encode() if isinstance(v, str) else v for v in values]], dtype=object)

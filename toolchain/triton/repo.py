@@ -68,6 +68,25 @@ def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
     return out
 
 
+def lora_parameters(spec: DeploymentSpec, workspace: Workspace) -> dict[str, object]:
+    """The tensorrt_llm model's LoRA cache parameters from spec.lora.cache (model_instance_state.cc
+    getPeftCacheConfigFromParams reads them, defaults 8, 64, 0.05 and 1 GiB), and lora_prefetch_dir, the adapters
+    convert wrote by task id (engines/<name>/lora/), where the spec names adapters; nothing without lora, so the
+    backend's defaults apply (target trtllm writes those explicitly: engine/trtllm.py TRITON_DEFAULTS)."""
+    lora = spec.lora
+    if not lora.enabled:
+        return {}
+    cache = lora.cache
+    params: dict[str, object] = {"lora_cache_optimal_adapter_size": cache.optimal_adapter_size,
+                                 "lora_cache_max_adapter_size": cache.max_adapter_size,
+                                 "lora_cache_host_memory_bytes": cache.host_memory_bytes}
+    if cache.gpu_memory_fraction is not None:
+        params["lora_cache_gpu_memory_fraction"] = cache.gpu_memory_fraction
+    if lora.adapters:
+        params["lora_prefetch_dir"] = Path(workspace.lora_dir(spec)).resolve()
+    return params
+
+
 def recorded_medusa_choices(spec: DeploymentSpec, workspace: Workspace) -> str:
     """Medusa: the draft tree the convert stage attached the heads for and recorded in the
     checkpoint's manifest (Triton's `{0}, {0, 1}` syntax); the heads are not read again here."""
@@ -121,6 +140,7 @@ def repo_options(spec: DeploymentSpec, workspace: Workspace) -> RepoOptions:
         xgrammar_tokenizer_info_path=(Path(workspace.model_repo_dir(spec)).resolve() / TOKENIZER_INFO
                                       if s.guided_decoding_backend else None),
         max_beam_width=spec.build.max_beam_width,
+        lora_parameters=tuple(sorted(lora_parameters(spec, workspace).items())),
         **_end_ids(spec),
         **_trtllm_options(spec, workspace),
     )

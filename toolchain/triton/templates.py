@@ -54,6 +54,8 @@ class RepoOptions:
     # target trtllm: parameters from the spec's build and speculative sections
     # (toolchain.engine.trtllm.triton_parameters), and the draft-target draft engine.
     trtllm_parameters: tuple[tuple[str, object], ...] = ()
+    # lora (both targets): the lora_cache_* parameters and lora_prefetch_dir (repo.py lora_parameters).
+    lora_parameters: tuple[tuple[str, object], ...] = ()
     draft_engine_dir: Path | None = None
     draft_kv_cache_free_gpu_mem_fraction: float = 0.1
     draft_ngram_size: int = 0  # speculative.mode ngram: the BLS drafts by prompt lookup (0: off)
@@ -119,6 +121,7 @@ def tensorrt_llm_parameters(opts: RepoOptions) -> dict[str, object]:
     else:
         params["toolchain_path"] = opts.toolchain_path
         params["engine_threads"] = opts.engine_threads
+    params.update(dict(opts.lora_parameters))
     return params
 
 

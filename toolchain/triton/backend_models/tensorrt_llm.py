@@ -51,9 +51,8 @@ SAMPLING = (
     ("len_penalty", "length_penalty", float, 1.0), ("early_stopping", "early_stopping", int, 1),
 )
 # Inputs whose mere presence asks for something the CPU engine does not do.
-UNSUPPORTED_INPUTS = ("encoder_input_features", "prompt_embedding_table",
-                      "lora_task_id", "lora_weights", "lora_config", "cross_attention_mask", "context_phase_params",
-                      "mrope_rotary_cos_sin")
+UNSUPPORTED_INPUTS = ("encoder_input_features", "prompt_embedding_table", "cross_attention_mask",
+                      "context_phase_params", "mrope_rotary_cos_sin")
 
 
 def _param(config, key):
@@ -241,7 +240,7 @@ class TritonPythonModel:
             sys.path.append(toolchain_path)
         from toolchain.engine.cpu import (CpuEngine, InflightBatcher, KvCacheConfig, RequestStats,
                                           SamplingParams, SchedulerConfig)
-        from toolchain.triton import backend_params, cpu_requests, sequences
+        from toolchain.triton import backend_params, cpu_lora, cpu_requests, sequences
 
         # Every parameter is read by the C++ backend's rules, so a config that fails to load on a
         # GPU host fails here too, with the backend's own message.
@@ -258,7 +257,7 @@ class TritonPythonModel:
         self.cancel_period_s = max(values["cancellation_check_period_ms"], 1) / 1000.0
         self.stats_period_s = max(values["stats_check_period_ms"], 1) / 1000.0
         self.SamplingParams = SamplingParams
-        self.requests = cpu_requests
+        self.requests, self.lora = cpu_requests, cpu_lora
         self.normalize_log_probs = values["normalize_log_probs"]
         self.RequestStats = RequestStats
         self.sampling_fields = set(inspect.signature(SamplingParams).parameters)
@@ -284,7 +283,8 @@ class TritonPythonModel:
         if comm is not None and not comm.leader:
             return
         self.engine = CpuEngine.load(engine_dir, num_threads=num_threads, kv_cache=kv_cache,
-                                     medusa_choices=values.get("medusa_choices") if medusa else None, comm=comm)
+                                     medusa_choices=values.get("medusa_choices") if medusa else None, comm=comm,
+                                     **cpu_lora.load_options(values, warn=lambda m: print(f"tensorrt_llm: {m}")))
         if self.engine.dims.medusa_heads and not medusa:
             raise ValueError(f"tensorrt_llm: the engine at {engine_dir} has Medusa heads but decoding_mode is "
                              f"{values.get('decoding_mode')}; set decoding_mode medusa and medusa_choices")
@@ -398,7 +398,8 @@ class TritonPythonModel:
             if length < 0 or length > inputs.ids.shape[1]:
                 raise ValueError(f"input_lengths {length} does not fit input_ids of width {inputs.ids.shape[1]}")
             prompt = [int(t) for t in inputs.ids[row, :length]]
-            params = self._sampling(inputs, row)
+            lora = self.lora.row_lora(inputs, row)
+            params = self._sampling(inputs, row, lora)
             exclude = inputs.scalar("exclude_input_in_output", row, self.default_exclude_input, bool)
             wants = {flag for flag in ("return_num_input_tokens", "return_num_output_tokens", "return_perf_metrics",
                                        "return_generation_logits", "return_log_probs", "return_context_logits")
@@ -419,21 +420,24 @@ class TritonPythonModel:
                 entry = _Row(group, row, prompt, exclude, wants, self.RequestStats(), params.max_new_tokens, len(draft),
                              extras)
                 entry.sequence_index, entry.beam_results = index, [] if beams else None
-                submissions.append((next(self.ids), entry, prompt, seq_params, (draft, logits, threshold)))
+                submissions.append((next(self.ids), entry, prompt, seq_params, (draft, logits, threshold, lora)))
         with self.lock:
             self.groups[id(group)] = group
             for rid, row, _, _, _ in submissions:
                 self.rows[rid] = row
                 group.pending.add(rid)
-        for rid, row, prompt, params, (draft, logits, threshold) in submissions:
+        for rid, row, prompt, params, (draft, logits, threshold, lora) in submissions:
             try:
+                if lora is not None:  # the executor's enqueue: the adapter into the cache, or found there
+                    self.lora.prepare(self.engine, rid, lora)
                 # The 1.2 backend sets no executor priority: every request runs at the default.
                 self.batcher.submit(rid, prompt, params, self._callback(rid), stats=row.stats, draft_tokens=draft,
                                     draft_logits=logits, draft_acceptance_threshold=threshold,
                                     generation_logits=row.logits, beam_results=row.beam_results,
                                     logprobs=row.extras.record if row.extras is not None else None)
             except Exception as err:  # QueueFull among them: the executor's refusal
-                self._abort(group, error=f"tensorrt_llm: {err}")
+                self._abort(group, error=str(err) if isinstance(err, self.lora.LoraRequestError) else
+                            f"tensorrt_llm: {err}")
                 return
 
     def _check_supported(self, inputs):
@@ -447,7 +451,7 @@ class TritonPythonModel:
         self.sequences.check_request(inputs, self.decoupled, self.max_beam_width)
 
 
-    def _sampling(self, inputs, row):
+    def _sampling(self, inputs, row, lora=None):
         max_new = inputs.scalar("request_output_len", row)
         if max_new is None or max_new <= 0:
             raise ValueError(f"request_output_len (the ensemble's max_tokens) must be > 0, got {max_new}")
@@ -459,6 +463,8 @@ class TritonPythonModel:
                       guide=self.requests.guide(inputs, row, self.engine.guided),
                       logprobs=0 if inputs.scalar("return_log_probs", row, False, bool) else None,
                       return_context_logits=inputs.scalar("return_context_logits", row, False, bool))
+        if lora is not None:
+            kwargs["lora_task_id"] = lora.task_id
         for name, field, cast, neutral in SAMPLING:
             value = inputs.scalar(name, row, None, cast)
             if value is None:
