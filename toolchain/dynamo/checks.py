@@ -63,6 +63,11 @@ def problems(spec: DeploymentSpec) -> list[str]:
                    "off (no block is ever stored); set build.kv_cache_reuse: true or dynamo.router: round-robin")
     if runtime is None:
         return out
+    if spec.lora.enabled:
+        # ai-dynamo/dynamo docs/features/lora/README.md @11adf995, "Backend Support": "TensorRT-LLM | ❌ | Not yet
+        # supported" (LoRA there is the vLLM worker's); no Dynamo trtllm worker flag or handler builds a LoRARequest.
+        out.append("lora: Dynamo's TensorRT-LLM workers do not serve LoRA adapters (Dynamo's LoRA is vLLM-only); "
+                   "serve this spec with `toolchain deploy` (trtllm-serve / Triton) or remove the lora section")
     parsers = [f"llmapi.{k}" for k in ("tool_parser", "reasoning_parser") if getattr(spec.llmapi, k) is not None]
     if parsers:
         # Dynamo parses in its own frontend, by other names (the trtllm worker's --dyn-tool-call-parser and

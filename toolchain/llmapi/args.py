@@ -16,6 +16,7 @@ from typing import Any
 from toolchain import upstream
 from toolchain.archs import ArchParams, Family, load_params
 from toolchain.errors import ToolchainError
+from toolchain.llmapi.lora import section_problem
 from toolchain.spec import DeploymentSpec
 from toolchain.speculative import mode_of
 
@@ -40,7 +41,11 @@ DERIVED_FROM = {
     "kv_cache_config.dtype": "quantization.kv_cache",
     "kv_cache_config.max_attention_window": "model.checkpoint (config.json's sliding windows)",
     "scheduler_config.capacity_scheduler_policy": "serving.batch_scheduler_policy",
+    "lora_config": "lora", "peft_cache_config": "lora.cache",
 }
+# LLM() sections whose fields the facts do not record (LoraConfig is a dataclass in lora_helper.py, PeftCacheConfig
+# was not extracted): checked against llmapi/lora.py's mirrors of those classes.
+LORA_SECTIONS = ("lora_config", "peft_cache_config")
 # Nested sections whose own field names are known from the facts.
 SECTIONS = {"kv_cache_config": "kv_cache_config", "scheduler_config": "scheduler_config",
             "cuda_graph_config": "cuda_graph_config"}
@@ -210,7 +215,37 @@ def llm_args(spec: DeploymentSpec, model_dir: Path | str) -> dict[str, Any]:
     spec_cfg = speculative_config(spec)
     if spec_cfg is not None:
         args["speculative_config"] = spec_cfg
+    args.update(lora_args(spec))
     return merge(args, spec.llmapi.options)
+
+
+def lora_args(spec: DeploymentSpec) -> dict[str, Any]:
+    """LLM()'s `lora_config` and `peft_cache_config` for a spec serving LoRA (empty otherwise), as upstream's
+    multi-LoRA docs configure them (docs/source/features/lora.md @0c8de69: LoraConfig(lora_target_modules=...,
+    max_lora_rank=..., max_loras=..., max_cpu_loras=...), PeftCacheConfig(host_cache_size=..., device_cache_percent=...)).
+
+    lora_dir stays empty: the adapters are named per request (LoRARequest's lora_path) and loaded on first use, and
+    with several dirs the PyTorch executor preloads none anyway (_torch/pyexecutor/_util.py create_py_executor_instance
+    loads only a single lora_dir). lora_target_modules is given, q/k/v completed (lora_setup), so upstream neither
+    infers nor defaults to all twelve modules. max_loras / max_cpu_loras only when the spec sets them (None sizes the
+    pools by PeftCacheConfig); device_cache_percent only when set (upstream's default 0.02 otherwise)."""
+    if not spec.lora.enabled:
+        return {}
+    from toolchain.checkpoint.lora_setup import lora_setup  # imports torch
+
+    setup = lora_setup(spec.lora)
+    assert setup is not None  # enabled
+    cache = spec.lora.cache
+    lora: dict[str, Any] = {"lora_dir": [], "lora_ckpt_source": "hf", "max_lora_rank": setup.max_lora_rank,
+                            "lora_target_modules": list(setup.target_modules)}
+    for key in ("max_loras", "max_cpu_loras"):
+        if getattr(cache, key) is not None:
+            lora[key] = getattr(cache, key)
+    peft: dict[str, Any] = {"host_cache_size": cache.host_memory_bytes}
+    if cache.gpu_memory_fraction is not None:
+        peft["device_cache_percent"] = cache.gpu_memory_fraction
+    peft.update(optimal_adapter_size=cache.optimal_adapter_size, max_adapter_size=cache.max_adapter_size)
+    return {"lora_config": lora, "peft_cache_config": peft}
 
 
 def merge(base: dict, extra: dict) -> dict:
@@ -277,6 +312,8 @@ def llm_args_problem(args: dict[str, Any], partial: bool = False) -> str | None:
                     return f"unknown key '{key}.{sub}' ({release}: {key} has no such field{_closest(sub, fields)})"
         elif section and value is not None and not isinstance(value, dict):
             return f"{key} must be a mapping, got {type(value).__name__}"
+        if key in LORA_SECTIONS and (problem := section_problem(key, value)):
+            return problem
     spec_cfg = args.get("speculative_config")
     if spec_cfg is not None:
         return _speculative_problem(spec_cfg, facts.get("speculative", {}).get("types", {}))

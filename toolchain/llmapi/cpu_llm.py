@@ -37,8 +37,9 @@ from toolchain.errors import ToolchainError
 from toolchain.llmapi.args import llm_args_problem, windows_problem
 from toolchain.llmapi.guided import GuidedDecodingParams
 from toolchain.llmapi.logprobs import prompt_logprobs, token_logprobs
+from toolchain.llmapi.lora import AdapterLoader, LoRARequest, engine_lora_section
 from toolchain.llmapi.outputs import (CompletionOutput, KvCacheMetrics, RequestOutput, RequestPerfMetrics,
-                                      beam_outputs, keep_best)
+                                      beam_outputs, generate_all, keep_best)
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import LLMAPI
 from toolchain.engine.build import run_build
@@ -213,7 +214,11 @@ def engine_spec(args: dict[str, Any]):
     max_input = _int(args, "max_input_len", None) or max_seq - 1
     guided = _guided_backend(args)
     try:
-        return DeploymentSpec.model_validate({
+        lora = engine_lora_section(args.get("lora_config"), args.get("peft_cache_config"))
+    except ValueError as err:
+        raise LlmArgsError(str(err)) from None
+    try:
+        return DeploymentSpec.model_validate({**({"lora": lora} if lora else {}),
             "name": "llm", "target": "cpu",
             "model": {"checkpoint": str(model_dir.resolve()),
                       "tokenizer": str(Path(args.get("tokenizer") or model_dir).expanduser().resolve()),
@@ -372,7 +377,8 @@ def load_engine(args: dict[str, Any], work_dir: Path, num_threads: int | None = 
     # applies them as kv_cache_scaling_factor).
     engine = CpuEngine.load(ws.engine_dir(spec), num_threads=num_threads, kv_cache=KvCacheConfig(
         free_memory_fraction=s.kv_cache_free_gpu_mem_fraction, max_tokens=s.max_tokens_in_paged_kv_cache,
-        enable_block_reuse=spec.build.kv_cache_reuse), unit_kv_scales=True)
+        enable_block_reuse=spec.build.kv_cache_reuse), unit_kv_scales=True,
+        lora_host_bytes=spec.lora.cache.host_memory_bytes if spec.lora.enabled else None)
     scheduler = SchedulerConfig(policy=s.batch_scheduler_policy, enable_chunked_context=spec.build.chunked_context)
     return engine, scheduler, spec
 
@@ -400,6 +406,7 @@ class CpuLLM:
             self._drop_tmp()
             raise
         self._batcher = InflightBatcher(self.engine, scheduler).start()
+        self.lora = AdapterLoader(self.engine)  # LoRARequests' adapters, read on first use (llmapi/lora.py)
         self._ids = itertools.count(1)
         self._seeds = UnseededStream()  # the PyTorch backend's shared generator: unseeded requests differ
 
@@ -438,18 +445,30 @@ class CpuLLM:
                             min_p=sp.min_p or 0.0, logprobs=sp.logprobs, prompt_logprobs=sp.prompt_logprobs,
                             guide=guide)
 
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None):
+        """LLM.generate: every prompt's finished RequestOutput (one prompt: one output, not a list)."""
+        return generate_all(self, prompts, sampling_params, lora_request)
+
     def generate_async(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                       streaming: bool = False, on_output: Callable[[RequestOutput], None] | None = None
-                       ) -> RequestHandle:
+                       streaming: bool = False, on_output: Callable[[RequestOutput], None] | None = None,
+                       lora_request: LoRARequest | None = None) -> RequestHandle:
         """Queue one request. `on_output` gets the request's RequestOutput (the same object, updated)
         after each step that produced text when streaming, and once finished in any case; raises
-        LlmArgsError for a request this engine refuses (the LLM API raises for the same)."""
+        LlmArgsError for a request this engine refuses (the LLM API raises for the same). `lora_request`
+        runs it with that adapter, loaded on its first use."""
         sp = sampling_params or SamplingParams()
         sp.validate()
         text = prompt if isinstance(prompt, str) else None
         ids = self.encode(prompt, sp.add_special_tokens) if isinstance(prompt, str) else [int(t) for t in prompt]
         stops = self._stops(sp)
         params = self._engine_params(sp, stops)
+        try:
+            task = self.lora.task_id(lora_request)
+        except (ValueError, ToolchainError) as err:
+            raise LlmArgsError(str(err)) from None
+        if task is not None:
+            params = dataclasses.replace(params, lora_task_id=task)
         count = max(sp.best_of or sp.n, sp.n) if sp.beam_width == 1 else 1  # sequences sampled
         if streaming and (sp.beam_width > 1 or count > sp.n):
             # UNVERIFIED whether the LLM API streams these; the CPU engine's beams end together.

@@ -194,8 +194,12 @@ def gpu_launch_lines(spec: DeploymentSpec, workspace: Workspace) -> dict[str, st
 def openai_engine_args(spec: DeploymentSpec) -> tuple[str, ...]:
     """The OpenAI server's engine flags: the CPU engine stepped with the torch threads Triton's llmapi
     model gets (serving.engine_threads, a config.pbtxt parameter there), not torch's default of every core,
-    which on a small host also takes the core the server's event loop needs."""
-    return ("--engine-threads", str(spec.serving.engine_threads))
+    which on a small host also takes the core the server's event loop needs; and spec.lora.adapters as
+    `--lora-adapter NAME=DIR` in spec order (lora_int_id 1..N), served by `model` name. They are flags, not keys
+    of the --config YAML, which is trtllm-serve's own and forbids keys LLM() does not know."""
+    adapters = [arg for name, path in spec.lora.adapters.items()
+                for arg in ("--lora-adapter", f"{name}={Path(path).resolve()}")]
+    return ("--engine-threads", str(spec.serving.engine_threads), *adapters)
 
 
 def openai_cpu_command(spec: DeploymentSpec, workspace: Workspace) -> list[str]:

@@ -12,9 +12,12 @@ log-prob record (engine/cpu/logprobs.py).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from toolchain.llmapi.logprobs import Logprob
+from toolchain.llmapi.lora import requests_for
 
 
 @dataclass
@@ -93,3 +96,38 @@ def keep_best(out: RequestOutput, n: int, records: list) -> None:
         c.index = j
         if c.cumulative_logprob is None:  # what it was ranked by, also when no log-probs were asked for
             c.cumulative_logprob = float(records[at].cum)
+
+
+def generate_all(llm: Any, prompts, sampling_params=None, lora_request=None):
+    """`LLM.generate` over `generate_async` (tensorrt_llm/llmapi/llm.py): one prompt (text or token ids) or a list
+    of them, one SamplingParams or a list aligned with the prompts, likewise one LoRARequest or a list (the
+    multi-LoRA example of docs/source/features/lora.md: "Apply different LoRAs to different prompts"). All are
+    queued before any is waited for, so they share the engine's batches; a prompt's output is returned once finished
+    (a single prompt's alone, as LLM.generate returns it)."""
+    single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
+    batch = [prompts] if single else list(prompts)
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
+    if len(params) != len(batch):
+        raise ValueError(f"sampling_params has {len(params)} entries for {len(batch)} prompts; give one per prompt")
+    loras = requests_for(lora_request, len(batch))
+    done = [threading.Event() for _ in batch]
+    outputs: list = [None] * len(batch)
+    handles = []
+
+    def finished(i: int):
+        def on_output(out) -> None:
+            if out.finished:
+                outputs[i] = out
+                done[i].set()
+        return on_output
+
+    try:
+        for i, (prompt, sp, lora) in enumerate(zip(batch, params, loras, strict=True)):
+            handles.append(llm.generate_async(prompt, sp, on_output=finished(i), lora_request=lora))
+    except BaseException:
+        for handle in handles:  # all or none, as a refused prompt ends LLM.generate
+            handle.abort()
+        raise
+    for event in done:
+        event.wait()
+    return outputs[0] if single else outputs

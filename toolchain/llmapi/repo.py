@@ -46,6 +46,22 @@ TRITON_MODEL = Path(__file__).with_name("triton_model.py")
 
 MODEL = "tensorrt_llm"
 UPSTREAM_FILES = ("model.py", "helpers.py")
+# Triton's llmapi model of the 1.2 line sends no LoRARequest: model.py's execute() carries "# TODO : [JIRA-4040]
+# Verify Lora" and calls generate_async(prompt, SamplingParams(...), streaming) (NVIDIA/TensorRT-LLM
+# triton_backend/all_models/llmapi/tensorrt_llm/1/model.py @b35ac1b6, 1.2.0rc2; 1.2.1's UNVERIFIED), and its
+# config.pbtxt has no lora input. So a LoRA spec's repository loads the adapters' LLM (model.yaml's lora_config)
+# and says in README.md that Triton requests run the base model; trtllm-serve and the OpenAI server pick adapters.
+LORA_README = """# LoRA adapters and this repository
+
+This deployment serves LoRA adapters ({names}), but Triton's `llmapi` model of TensorRT-LLM 1.2 has no input that
+selects one: its model.py sends no LoRARequest ("TODO : [JIRA-4040] Verify Lora"). Requests through Triton run
+the base model. model.yaml still carries `lora_config` / `peft_cache_config`, so the LLM it starts is the one
+trtllm-serve runs.
+
+Select an adapter through the OpenAI server instead: trtllm-serve takes a `lora_request` body field
+({{"lora_name", "lora_int_id", "lora_path"}}); this toolchain's OpenAI server also takes `"model": "<adapter name>"`
+and lists the adapters in /v1/models.
+"""
 _LAYOUTS = ("", "tensorrt_llm/1", "llmapi/tensorrt_llm/1", "all_models/llmapi/tensorrt_llm/1",
             "triton_backend/all_models/llmapi/tensorrt_llm/1")
 
@@ -119,6 +135,8 @@ def run_model_repo_llmapi(spec: DeploymentSpec, workspace: Workspace, force: boo
         # The OpenAI server's config: the same LLM() arguments (trtllm-serve takes MODEL on its command line).
         serve = "# " + header.replace("\n", "\n# ") + "\n" + yaml.safe_dump(serve_config(spec), sort_keys=False)
         (tmp / SERVE_CONFIG).write_text(serve)
+        if spec.lora.enabled:
+            (tmp / "README.md").write_text(LORA_README.format(names=", ".join(spec.lora.adapters) or "sent per request"))
         if upstream_dir is not None:
             for name in UPSTREAM_FILES:
                 shutil.copyfile(upstream_dir / name, version / name)

@@ -51,6 +51,9 @@ def _args(argv):
     p.add_argument("--tool_parser", help="parse tool calls out of chat answers in this format (trtllm-serve's names; "
                                          "implemented: qwen3, deepseekv3)")
     p.add_argument("--reasoning_parser", help="split reasoning into reasoning_content: deepseek-r1 or qwen3")
+    p.add_argument("--lora-adapter", action="append", default=[], metavar="NAME=DIR",
+                   help="serve the PEFT adapter in DIR as model NAME (repeatable; task ids 1, 2, ... in order); the "
+                        "engine must carry LoRA (LLM-API path: lora_config in --config)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p.parse_args(argv)
 
@@ -79,6 +82,18 @@ def _parsers(args) -> dict:
     return {"tool_parser": args.tool_parser, "reasoning_parser": args.reasoning_parser}
 
 
+def _adapters(args) -> dict[str, Path]:
+    """--lora-adapter NAME=DIR, in the order given (the order fixes each adapter's lora_int_id)."""
+    out: dict[str, Path] = {}
+    for item in args.lora_adapter:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path or name in out:
+            raise ToolchainError(f"--lora-adapter {item!r} must be NAME=DIR with a name not given before",
+                                 "e.g. --lora-adapter sql=/adapters/sql")
+        out[name] = Path(path)
+    return out
+
+
 def _llm_app(args, parsers):
     """MODEL --config FILE: the CPU engine LLM() would run for those arguments (toolchain.llmapi)."""
     import tempfile
@@ -104,7 +119,8 @@ def _llm_app(args, parsers):
     try:
         app = create_app(engine, spec.model.tokenizer_dir, args.served_model_name, scheduler=scheduler,
                          chat_template=template, trust_remote_code=spec.model.trust_remote_code,
-                         guided_decoding_backend=spec.serving.guided_decoding_backend, **parsers)
+                         guided_decoding_backend=spec.serving.guided_decoding_backend,
+                         lora_adapters=_adapters(args), **parsers)
     except ToolchainError:
         if work is not None:
             work.cleanup()
@@ -139,11 +155,12 @@ def build_app(args):
         if problem:
             raise ToolchainError(problem)
     template = args.chat_template.read_text() if args.chat_template else None
+    adapters = _adapters(args)
     engine = CpuEngine.load(args.engine_dir, num_threads=args.engine_threads, kv_cache=kv)
     _limits(engine, args)
     return create_app(engine, args.tokenizer, args.served_model_name, scheduler=scheduler, chat_template=template,
                       trust_remote_code=args.trust_remote_code, guided_decoding_backend=args.guided_decoding_backend,
-                      **parsers)
+                      lora_adapters=adapters, **parsers)
 
 
 def main(argv=None) -> int:

@@ -32,6 +32,7 @@ from toolchain.engine.cpu.beams import children
 from toolchain.engine.cpu.guided import GuidedDecoder
 from toolchain.engine.cpu.logprobs import TokenLogprobs
 from toolchain.engine.cpu.sampling import UnseededStream
+from toolchain.llmapi.lora import AdapterLoader, LoRARequest
 from toolchain.openai.chat_output import ChatAnswer, effective_tool_choice
 from toolchain.openai.logprobs import LogprobShaper, empty, extend, prompt_logprobs, whole_logprobs
 from toolchain.openai.metrics import ServerMetrics
@@ -87,8 +88,12 @@ class OpenAIFrontend:
 
     def __init__(self, engine: CpuEngine, codec: TextCodec, model: str, scheduler: SchedulerConfig | None,
                  engine_type: str, tool_parser: str | None = None, reasoning_parser: str | None = None,
-                 guided_decoding_backend: str | None = None):
+                 guided_decoding_backend: str | None = None, lora_adapters: dict[str, Path] | None = None):
         self.engine, self.codec, self.model = engine, codec, model
+        # Served adapter name -> PEFT directory; lora_int_id = place + 1 (spec_lora.LoraSection.task_id).
+        self.adapters = {name: LoRARequest(name, i + 1, str(path))
+                         for i, (name, path) in enumerate((lora_adapters or {}).items())}
+        self.lora = AdapterLoader(engine)
         self.guided_decoding_backend = guided_decoding_backend  # LLM()'s; None: response_format is refused
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser  # trtllm-serve's names
         self.metrics = ServerMetrics(model, engine_type)
@@ -99,11 +104,21 @@ class OpenAIFrontend:
     # -- request -> engine ----------------------------------------------------------------
 
     def _check_model(self, name: str) -> None:
-        if name != self.model:
+        if name != self.model and name not in self.adapters:
             # trtllm-serve 1.2 ignores the name; OpenAI answers an unknown model with 404, and a
             # client that names the wrong model should learn it rather than get another model's text.
-            raise ApiError(f"model {name!r} is not served here; this server serves {self.model!r} (GET /v1/models)",
-                           HTTPStatus.NOT_FOUND, "NotFoundError")
+            message = (f"The model `{name}` does not exist." if self.adapters else  # OpenAI's words, as vLLM's
+                       f"model {name!r} is not served here; this server serves {self.model!r} (GET /v1/models)")
+            raise ApiError(message, HTTPStatus.NOT_FOUND, "NotFoundError")
+
+    def _lora_task(self, req) -> int | None:
+        """The engine task id of the request's adapter: trtllm-serve's `lora_request` body field first, else the
+        adapter `model` names (this server's extension, as vLLM and Dynamo select adapters); None: the base."""
+        lora = req.lora_request or self.adapters.get(req.model)
+        try:
+            return self.lora.task_id(lora)
+        except ValueError as err:
+            raise ApiError(str(err)) from None
 
     def _prompts(self, req) -> list[tuple[list[int], str | None]]:
         """(token ids, text) of each prompt; text is None for a prompt sent as token ids."""
@@ -142,10 +157,13 @@ class OpenAIFrontend:
             self.guided_decoding()
         chat = isinstance(req, ChatCompletionRequest)
         planned = []
+        task = self._lora_task(req)
         for ids, text in self._prompts(req):
             params = engine_params(req, ids, limits=self.engine.limits, vocab_size=self.engine.vocab_size,
                                    end_id=self.codec.end_id, stop_ids=self.codec.stop_ids,
                                    seed=self.seeds.seed(req.seed), guide=guide)
+            if task is not None:
+                params = replace(params, lora_task_id=task)
             problem = self.engine.request_problem(ids, params)
             if problem:
                 raise ApiError(problem)
@@ -262,7 +280,8 @@ class OpenAIFrontend:
     # -- responses --------------------------------------------------------------------------
 
     async def respond(self, req, raw: Request) -> Response:
-        env = Envelope(isinstance(req, ChatCompletionRequest), self.model)
+        # An adapter's answers carry its name, as vLLM's do.
+        env = Envelope(isinstance(req, ChatCompletionRequest), req.model if req.model in self.adapters else self.model)
         choices = self._start(req)
         watcher = asyncio.create_task(self._watch(raw, choices))
         if req.stream:
@@ -417,13 +436,16 @@ class OpenAIFrontend:
 def create_app(engine: CpuEngine, tokenizer: TextCodec | Path | str, served_model_name: str, *,
                scheduler: SchedulerConfig | None = None, chat_template: str | None = None,
                engine_type: str = "cpu", trust_remote_code: bool = False, tool_parser: str | None = None,
-               reasoning_parser: str | None = None, guided_decoding_backend: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, guided_decoding_backend: str | None = None,
+               lora_adapters: dict[str, Path] | None = None) -> FastAPI:
     """A FastAPI app serving `engine` under `served_model_name`. `tokenizer` is the Hugging Face
     tokenizer directory (or a loaded TextCodec); `chat_template` (Jinja text) replaces the
     tokenizer's own; `trust_remote_code` lets a tokenizer directory's own code run; `tool_parser` and
     `reasoning_parser` are trtllm-serve's --tool_parser / --reasoning_parser (parsers_problem refuses a
     name or family they cannot serve); `guided_decoding_backend` is LLM()'s ("xgrammar"; None: guided decoding off,
-    a response_format other than text is refused as trtllm-serve refuses it). The batcher starts with the app's lifespan and stops with it."""
+    a response_format other than text is refused as trtllm-serve refuses it). `lora_adapters` (name -> PEFT directory,
+    task ids 1..N in this order) are served under their names and listed in /v1/models; a request's `lora_request`
+    names any adapter by path as trtllm-serve's does. The batcher starts with the app's lifespan and stops with it."""
     problem = parsers_problem(tool_parser, reasoning_parser, engine.dims.architecture)
     if problem:
         raise ToolchainError(problem)
@@ -433,8 +455,15 @@ def create_app(engine: CpuEngine, tokenizer: TextCodec | Path | str, served_mode
     if guided_decoding_backend not in (None, "xgrammar"):
         raise ToolchainError(f"guided_decoding_backend {guided_decoding_backend!r} is not served by the CPU engine, "
                              "which guides with XGrammar only", "set guided_decoding_backend: xgrammar")
+    for name, path in (lora_adapters or {}).items():
+        if not Path(path).is_dir():
+            raise ToolchainError(f"LoRA adapter {name!r}: {path} is not a directory",
+                                 "point --lora-adapter NAME=DIR at the directory PEFT's save_pretrained wrote")
+    if lora_adapters and getattr(engine, "lora", None) is None:
+        raise ToolchainError("LoRA adapters were given but the engine was built without LoRA",
+                             "build it with the spec's lora section (LLM-API path: lora_config in --config)")
     front = OpenAIFrontend(engine, codec, served_model_name, scheduler, engine_type, tool_parser, reasoning_parser,
-                           guided_decoding_backend)
+                           guided_decoding_backend, lora_adapters)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -465,7 +494,7 @@ def create_app(engine: CpuEngine, tokenizer: TextCodec | Path | str, served_mode
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(model_list(front.model, front.created))
+        return JSONResponse(model_list(front.model, front.created, tuple(front.adapters)))
 
     @app.get("/version")
     async def version() -> JSONResponse:

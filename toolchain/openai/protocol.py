@@ -16,6 +16,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from toolchain.llmapi.lora import LoRARequest
+
 TokenIds = list[StrictInt]  # "5" or true must not pass as a token id
 
 
@@ -94,6 +96,9 @@ class _Sampling(_Body):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     priority: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    # trtllm-serve's adapter selection (openai_protocol.py: `lora_request: Optional[LoRARequest] = None` on both
+    # requests): the dataclass itself, so a lora_path that does not exist is a 400 with its own words.
+    lora_request: Optional[LoRARequest] = None
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -232,9 +237,11 @@ def merged(bodies: list[dict]) -> dict:
     return {**bodies[0], "choices": choices, "usage": usage(*total)}
 
 
-def model_list(name: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                        "owned_by": "tensorrt_llm"}]}
+def model_list(name: str, created: int, adapters: tuple[str, ...] = ()) -> dict:
+    """trtllm-serve's list (its one ModelCard), then each LoRA adapter with the base as `parent`, as vLLM's and
+    Dynamo's frontends list loaded adapters (an extension: trtllm-serve 1.2 lists the base only)."""
+    base = {"id": name, "object": "model", "created": created, "owned_by": "tensorrt_llm"}
+    return {"object": "list", "data": [base, *({**base, "id": a, "parent": name} for a in adapters)]}
 
 
 class Envelope:
