@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_TRAINED, write_spec
+from conftest import TINY_TRAINED, starts_server, write_spec
 from test_engine_cpu_util import _one_thread  # noqa: F401
 
 from toolchain.cli import main
@@ -97,3 +97,30 @@ def test_a_bad_adapter_request_is_one_line(tiny_lora, tmp_path, capsys):
     assert rc == 2 and "serves no LoRA adapters" in out and len(out.strip().splitlines()) == 1
     rc, _, out = _eval(capsys, tmp_path, spec, "--reference", str(TINY_TRAINED))
     assert rc == 2 and "pass --adapter NAME with it" in out
+
+
+@pytest.fixture(scope="module")
+@starts_server
+def openai_with_adapters(tiny_lora, tmp_path_factory):
+    """This project's OpenAI server on a llmapi-cpu LoRA spec (float32, tp 1), the adapters served by name."""
+    from llmapi_helpers import deploy_llmapi_cpu
+
+    from toolchain.pipeline import openai_server
+
+    spec, ws = deploy_llmapi_cpu(tmp_path_factory.mktemp("eval-lora-endpoint"), TINY_TRAINED, name="lora-ep",
+                                 lora={"adapters": {"attn": str(tiny_lora / "attn"), "all": str(tiny_lora / "all")}})
+    with openai_server(spec, ws, ws.root / "openai.log") as server:
+        yield spec, ws, server
+
+
+def test_the_endpoint_under_an_adapter_agrees_with_peft_merged(openai_with_adapters, tmp_path, capsys):
+    """--endpoint with --adapter asks the server for the adapter by name (the model field) and compares its echoed
+    log-probs with PEFT's merged model on the same tokens."""
+    spec, ws, server = openai_with_adapters
+    out = tmp_path / "eval.json"
+    rc = main(["--root", str(ws.root), "eval", str(spec.source), "--endpoint", server.url, "--adapter", "all",
+               "--json", str(out), *TOKENS, *WINDOW])
+    assert rc == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["served_model"] == "all" and report["adapter"]["name"] == "all"
+    assert report["greedy_token_agreement"] == 1.0 and report["perplexity_ratio"] == pytest.approx(1.0, abs=1e-3)
