@@ -1,7 +1,7 @@
 """`toolchain eval SPEC --adapter NAME`: the converted model under a LoRA adapter against PEFT's merged model
-(transformers, float32), on the engine path (the converted adapter files put into the CPU engine's LoRA cache) and
-on the LLM-API path (the stand-in's adapter loader), at tp 1 and 2, for the attention-only and the
-every-projection adapters that `make tiny-lora` makes."""
+(transformers, float32), on the engine path (the converted adapter files put into the CPU engine's LoRA cache;
+target trtllm through a CPU view of its converted checkpoint) and on the LLM-API path (the stand-in's adapter
+loader), at tp 1 and 2, for the attention-only and the every-projection adapters that `make tiny-lora` makes."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _eval(capsys, root: Path, spec: Path, *args: str) -> tuple[int, dict | None,
     return rc, json.loads(out.read_text()) if out.is_file() else None, got.out + got.err
 
 
-@pytest.mark.parametrize("target", ["cpu", "llmapi-cpu"])
+@pytest.mark.parametrize("target", ["cpu", "trtllm", "llmapi-cpu"])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("adapter", ["attn", "all"])
 def test_the_converted_model_under_an_adapter_agrees_with_peft_merged(tiny_lora, roots, tmp_path_factory, capsys,
