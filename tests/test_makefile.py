@@ -83,3 +83,18 @@ def test_make_demo_ends_saying_how_to_reach_the_venv(bare_venv):
                            capture_output=True, text=True, timeout=30)
     assert found.stdout.split() == [str(fake), str(bare_venv / "bin" / "python")], found.stderr
     assert f"{fake} serve build/x.yaml" in run.stdout  # the form that needs no activating
+
+
+def test_the_test_extras_make_the_models_derived_from_the_tiny_llama(bare_venv):
+    """`make test` (through venv-extras) makes what the CPU specs of the derived models load: the upcycled tiny
+    Mixtral and the two tiny LoRA adapters, each from the committed tiny Llama, after SmolLM2."""
+    stamps = [bare_venv / name for name in (".setup-stamp", ".dynamo-stamp", ".smollm2-stamp")]
+    for stamp in stamps:
+        stamp.touch()
+    run = _make("-n", *(f"-o{s}" for s in stamps), "venv-extras", f"VENV={bare_venv}")
+    assert run.returncode == 0, run.stderr
+    made = [line.split(maxsplit=1)[1] for line in run.stdout.splitlines()
+            if line.startswith(f"{bare_venv}/bin/toolchain ")]
+    assert made == ["smollm2 models/smollm2-135m-instruct",
+                    "tiny-mixtral models/tiny-mixtral --from models/tiny-llama",
+                    "tiny-lora models/tiny-llama-lora --from models/tiny-llama"], run.stdout

@@ -53,7 +53,7 @@ def printed_lines(capsys, root: Path, spec_path: Path) -> list[str]:
         out += _run(capsys, root, "build-engine", spec_path, "--dry-run", "--set", "build.mpi=always")
     if spec.target in ("trtllm", "llmapi"):  # the GPU host's (on CPU, serve --print needs the rendered repository)
         out += _run(capsys, root, "serve", spec_path, "--print")
-    if spec.target == "llmapi-cpu":
+    if spec.target == "llmapi-cpu" and not spec.lora.enabled:  # Dynamo's TensorRT-LLM workers take no LoRA
         out += _run(capsys, root, "dynamo", spec_path, "--print")
     if spec.target == "llmapi":
         # Dynamo 1.6.1 runs TensorRT-LLM 1.3.0rc29, so `toolchain dynamo` refuses the 1.2 options whose

@@ -537,7 +537,10 @@ def _deploy_llmapi(spec: DeploymentSpec, workspace: Workspace, out_dir: Path, pr
         with _timed("serve", progress, timings):
             server.start(timeout=serving.startup_timeout_s)
         with _timed("bench", progress, timings):
-            triton_spec = _with_workload(spec, protocol="triton-grpc", endpoint="tensorrt_llm")
+            # Triton's llmapi model takes no LoRA adapter per request at TensorRT-LLM 1.2 (bench's check_lora):
+            # this leg sends every class to the base model; the OpenAI leg below serves the adapters.
+            base_classes = [c.model_copy(update={"adapter": None}) for c in spec.validation.workload.classes]
+            triton_spec = _with_workload(spec, protocol="triton-grpc", endpoint="tensorrt_llm", classes=base_classes)
             report.update(run_bench(triton_spec, out_dir=out_dir, url=server.grpc_url,
                                     metrics_url=server.metrics_url, save_report=False))
     finally:

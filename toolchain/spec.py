@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from toolchain.archs.layout import Layout
 from toolchain.archs.moe import mapping_problems
 from toolchain.errors import ToolchainError
-from toolchain.pretrained import require_built
+from toolchain.pretrained import require_built, require_built_adapter
 from toolchain.speculative import DRAFT_ENGINE, Mode, mode_of
 from toolchain.quant.formats import KvCacheKind, Method
 from toolchain.spec_lora import LoraSection
@@ -481,6 +481,16 @@ class DeploymentSpec(_Section):
                              "single")
         return self
 
+    @model_validator(mode="after")
+    def _class_adapters_named(self) -> "DeploymentSpec":
+        names = list(self.lora.adapters)
+        for c in self.validation.workload.classes:
+            if c.adapter is not None and c.adapter not in names:
+                raise ValueError(f"validation.workload.classes {c.name!r} names adapter {c.adapter!r}, which "
+                                 f"lora.adapters does not hold ({', '.join(names) or 'none'}); name one of them "
+                                 "or remove the class's adapter")
+        return self
+
     def spec_hash(self) -> str:
         """Stable hash of every field (paths as resolved), for manifests."""
         data = self.model_dump(mode="json")
@@ -631,4 +641,6 @@ def load_spec(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> 
     spec = spec_from_dict(data, path.parent.resolve(), str(path), overrides)
     spec.source = path.resolve()
     require_built(spec.model.checkpoint)
+    for adapter in spec.lora.adapters.values():
+        require_built_adapter(adapter)
     return spec

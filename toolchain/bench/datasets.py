@@ -9,7 +9,7 @@ the history); a single request is a one-turn session. Sources:
 - a JSONL prompt file, one object a line (see `parse_line`).
 
 Traffic classes get their share of sessions by a seeded weighted draw and may
-set their own lengths and priority. Every random choice comes from one
+set their own lengths, priority and LoRA adapter. Every random choice comes from one
 `random.Random` seeded with (seed, level), so a run is reproducible and each
 sweep level gets its own prompts (repeating prompts across levels would let a
 prefix cache flatter the later ones).
@@ -47,6 +47,8 @@ class Session:
     index: int
     cls: str = "default"
     priority: int = 0
+    adapter: str | None = None
+    """The class's LoRA adapter (a lora.adapters name); None: the base model."""
     system: str | None = None
     system_ids: list[int] | None = None
     turns: list[Turn] = field(default_factory=list)
@@ -60,6 +62,8 @@ class Prompt:
     messages: list[dict] | None
     ids: list[int] | None
     isl: int
+    adapter: str | None = None
+    """The LoRA adapter the request asks for (the session's); None: the base model."""
 
 
 class Plan:
@@ -69,7 +73,9 @@ class Plan:
         self.wl, self.tok = wl, tokenizer
         self.max_input, self.max_seq = max_input, max_seq
         self.token_ids, self.chat = token_ids, chat
-        self.classes = [(c.name, c.share, c.priority, c.input_tokens, c.output_tokens) for c in wl.classes]
+        self.classes = [(c.name, c.share, c.priority, c.input_tokens, c.output_tokens, c.adapter)
+                        for c in wl.classes]
+        self.adapter_of = {c.name: c.adapter for c in wl.classes}
         self.file_entries = load_prompts_file(wl.prompts_file) if wl.prompts_file else None
         sp = wl.shared_prefix
         self.prefixes: list[str] = []
@@ -105,25 +111,26 @@ class Plan:
 
     def _class(self, rng: random.Random):
         if not self.classes:
-            return "default", 0, None, None
+            return "default", 0, None, None, None
         total = sum(c[1] for c in self.classes)
         x, acc = rng.random() * total, 0.0
-        for name, share, prio, isl, osl in self.classes:
+        for name, share, prio, isl, osl, adapter in self.classes:
             acc += share
             if x < acc:
-                return name, prio, isl, osl
-        name, _, prio, isl, osl = self.classes[-1]
-        return name, prio, isl, osl
+                return name, prio, isl, osl, adapter
+        name, _, prio, isl, osl, adapter = self.classes[-1]
+        return name, prio, isl, osl, adapter
 
     def _session(self, i: int, level, rng: random.Random, factory: PromptFactory | None) -> Session:
         wl = self.wl
-        name, prio, cls_isl, cls_osl = self._class(rng)
-        s = Session(index=i, cls=name, priority=prio)
+        name, prio, cls_isl, cls_osl, adapter = self._class(rng)
+        s = Session(index=i, cls=name, priority=prio, adapter=adapter)
         isl_mean = cls_isl or wl.input_tokens
         osl_mean = cls_osl or wl.output_tokens
         if self.file_entries is not None:
             entry = self.file_entries[(i + _level_offset(level, len(self.file_entries))) % len(self.file_entries)]
             s.cls = entry.get("class", s.cls)
+            s.adapter = self.adapter_of.get(s.cls, s.adapter)  # a line naming a class takes its adapter
             s.priority = int(entry.get("priority", s.priority))
             texts = entry["turns"]
             osl = entry.get("output_tokens") or osl_mean
@@ -171,6 +178,7 @@ class Plan:
         turn = s.turns[k]
         while True:
             p = self._assemble(s, turn, history)
+            p.adapter = s.adapter
             if p.isl <= self.max_input or not history:
                 # prompt + output must fit the engine's sequence limit
                 turn.max_tokens = min(turn.max_tokens, max(1, self.max_seq - p.isl))

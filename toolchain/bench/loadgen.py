@@ -77,7 +77,7 @@ class Runner:
         tag = "w" if warm else f"L{level}-"
         rid = f"{tag}{s.index}" if len(s.turns) == 1 else f"{tag}{s.index}.{k}"
         rec = RequestRecord(index=len(self.records), request_id=rid, warmup=warm, isl=prompt.isl,
-                            max_tokens=s.turns[k].max_tokens, level=level, cls=s.cls,
+                            max_tokens=s.turns[k].max_tokens, level=level, cls=s.cls, adapter=s.adapter,
                             session=s.index if len(s.turns) > 1 else None, turn=k)
         self.records.append(rec)
         return rec

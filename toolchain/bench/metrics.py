@@ -192,7 +192,8 @@ def compute(records: list[RequestRecord], slo=None, *, by_class: bool = True) ->
     }
     classes = sorted({r.cls for r in measured})
     if by_class and len(classes) > 1:
-        out["per_class"] = {c: _class_view(compute([r for r in measured if r.cls == c], ths, by_class=False))
+        out["per_class"] = {c: _class_view(compute([r for r in measured if r.cls == c], ths, by_class=False),
+                                           next(r.adapter for r in measured if r.cls == c))
                             for c in classes}
     return out
 
@@ -215,8 +216,10 @@ def _speculation(good: list[RequestRecord]) -> dict:
                             "acceptance_rate_per_request": stats(a / d for d, a in spec)}}
 
 
-def _class_view(m: dict) -> dict:
-    return {k: m[k] for k in _CLASS_KEYS}
+def _class_view(m: dict, adapter: str | None) -> dict:
+    """A class's figures and the LoRA adapter its requests used (None: the base model), so per-class TTFT is
+    per-adapter TTFT where classes name adapters."""
+    return {"adapter": adapter, **{k: m[k] for k in _CLASS_KEYS}}
 
 
 def itl_by_position(records: list[RequestRecord], max_positions: int = 512) -> dict:

@@ -5,7 +5,8 @@
   token-id contract (tensorrt_llm tensors).
 - `python -m toolchain.bench.mock openai --port P ...`: an aiohttp
   OpenAI-compatible server (/v1/models, /v1/completions,
-  /v1/chat/completions, /health), streaming or not.
+  /v1/chat/completions, /health), streaming or not; `adapters` {name: ttft_ms} serves LoRA adapters by name in
+  `model` (listed by /v1/models with the base as parent), each with a TTFT of its own.
 
 Timing truth, from the moment the mock sees the request: an optional empty
 first response (Triton) or role-only chunk (OpenAI chat) at `empty_ms` /
@@ -216,13 +217,16 @@ async def _at(t: float, precise: bool) -> None:
 
 def openai_app(*, model: str = "mock", ttft_ms: float = 40.0, step_ms: float = 10.0, tokens_per_response: int = 1,
                role_chunk: bool = True, usage_prompt_tokens: bool = True, precise: bool = True,
-               role_chunk_ms: float = 0.0):
+               role_chunk_ms: float = 0.0, adapters: dict[str, float] | None = None):
     import time
 
     from aiohttp import web
 
+    ttfts = {model: ttft_ms, **(adapters or {})}
+
     async def models(_):
-        return web.json_response({"object": "list", "data": [{"id": model, "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{"id": model, "object": "model"}] + [
+            {"id": name, "object": "model", "parent": model} for name in adapters or {}]})
 
     async def health(_):
         return web.Response(text="ok")
@@ -230,14 +234,14 @@ def openai_app(*, model: str = "mock", ttft_ms: float = 40.0, step_ms: float = 1
     async def complete(request: web.Request, chat: bool):
         t0 = time.perf_counter()
         body = await request.json()
-        if body.get("model") != model:
+        if body.get("model") not in ttfts:
             return web.json_response({"error": {"message": f"model '{body.get('model')}' does not exist"}}, status=404)
         n = int(body.get("max_tokens") or 16)
         prompt = " ".join(m.get("content", "") for m in body["messages"]) if chat else str(body.get("prompt", ""))
         usage = {"prompt_tokens": len(prompt.split()) if usage_prompt_tokens else 0, "completion_tokens": n,
                  "total_tokens": n}
         per, k, j = max(1, tokens_per_response), 0, 0
-        first = t0 + ttft_ms / 1000.0
+        first = t0 + ttfts[body["model"]] / 1000.0
 
         def chunk(text, role=False):
             if chat:

@@ -33,6 +33,8 @@ class RequestRecord:
     """Index of the load level (sweep position) this request belongs to."""
     cls: str = "default"
     """Traffic class name."""
+    adapter: str | None = None
+    """The LoRA adapter (a lora.adapters name) the request asked for; None: the base model."""
     session: int | None = None
     """Multi-turn session number (None for single requests)."""
     turn: int = 0

@@ -53,7 +53,7 @@ LEGEND = {
 SWEEP_LEGEND = {"load": "concurrency or request rate of the level", "lag mean": "mean send lag (ms)",
                 "err": "failed requests", "SLO": "the level met every SLO threshold"}
 
-CSV_COLUMNS = ("index", "request_id", "level", "class", "session", "turn", "warmup", "isl", "max_tokens", "osl",
+CSV_COLUMNS = ("index", "request_id", "level", "class", "adapter", "session", "turn", "warmup", "isl", "max_tokens", "osl",
                "server_osl", "client_osl", "responses", "token_source", "t_sched_ms", "t_send_ms", "t_first_resp_ms",
                "t_first_tok_ms", "t_last_tok_ms", "t_final_ms", "send_lag_ms", "ttft_ms", "ttfr_ms", "ttst_ms",
                "tpot_ms", "e2e_ms", "e2e_final_ms", "ttft_sched_ms", "draft_tokens", "accepted_draft_tokens",
@@ -136,6 +136,7 @@ def csv_rows(records: list[RequestRecord], anchor_ns: int):
         per = M.request_metrics(rec)
         yield {
             "index": rec.index, "request_id": rec.request_id, "level": rec.level, "class": rec.cls,
+            "adapter": rec.adapter or "",
             "session": "" if rec.session is None else rec.session, "turn": rec.turn, "warmup": int(rec.warmup),
             "isl": rec.isl, "max_tokens": rec.max_tokens, "osl": rec.osl,
             "server_osl": "" if rec.server_osl is None else rec.server_osl,
@@ -227,7 +228,8 @@ def print_level(level: dict, console=None, title: str = "") -> None:
         f"goodput {_fmt(level['goodput_req_per_s'])} req/s ({_fmt(100 * gf if gf is not None else None, 0)} %) | "
         f"tokens: {level['token_count_source']}")
     for name, c in (level.get("per_class") or {}).items():
-        console.print(f"  class {name}: {c['num_requests']} ok, TTFT p99 {_fmt(c['ttft_ms']['p99'])} ms, "
+        on = f" (adapter {c['adapter']})" if c.get("adapter") else ""
+        console.print(f"  class {name}{on}: {c['num_requests']} ok, TTFT p99 {_fmt(c['ttft_ms']['p99'])} ms, "
                       f"TPOT p99 {_fmt(c['tpot_ms']['p99'])} ms, E2E p99 {_fmt(c['e2e_ms']['p99'])} ms")
     spec = level.get("speculation")
     if spec:

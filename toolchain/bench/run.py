@@ -108,10 +108,17 @@ def target_url(spec: DeploymentSpec, url: str | None, grpc_url: str | None) -> s
     return normalize_url(target) if wl.protocol == "triton-grpc" else target
 
 
+def class_adapters(spec: DeploymentSpec) -> dict[str, int]:
+    """The LoRA adapters the workload's classes name -> their task ids (spec.lora.task_id), in class order."""
+    names = [c.adapter for c in spec.validation.workload.classes if c.adapter is not None]
+    return {name: spec.lora.task_id(name) for name in dict.fromkeys(names)}
+
+
 def open_transport(spec: DeploymentSpec, target: str):
     """The workload's transport to `target`, checked (server, model, contract) before any load."""
     wl = spec.validation.workload
     transport = make_transport(wl.protocol, url=target, model=wl.endpoint, streaming=wl.streaming,
+                               adapters=class_adapters(spec),
                                ignore_eos=wl.ignore_eos, exclude_input=spec.serving.exclude_input_in_output,
                                keep_text=wl.multi_turn.turns > 1 or wl.prompts_file is not None,
                                # A draft-target or n-gram deployment speculates through the BLS when asked to.

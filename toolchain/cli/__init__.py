@@ -29,6 +29,7 @@ COMMANDS = {
     "medusa-heads": "medusa_heads",
     "smollm2": "smollm2",
     "tiny-mixtral": "tiny_mixtral",
+    "tiny-lora": "tiny_lora",
     "convert": "convert",
     "build-engine": "build_engine",
     "model-repo": "model_repo",

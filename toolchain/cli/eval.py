@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from toolchain.cli._common import Context, spec_command
 from toolchain.spec import DeploymentSpec
+
+if TYPE_CHECKING:
+    from toolchain.eval.adapters import AdapterEval
 
 
 @click.command(help="Run the converted model (CPU engine, every rank) and the original HF model on held-out "
@@ -25,6 +29,10 @@ from toolchain.spec import DeploymentSpec
               help="With --endpoint: a JSONL multiple-choice set instead of the shipped one.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True,
               help="With --endpoint: requests in flight at once.")
+@click.option("--adapter", metavar="NAME", default=None,
+              help="Evaluate under this LoRA adapter (a lora.adapters name) against PEFT's merged model.")
+@click.option("--reference", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="With --adapter: an HF checkpoint taken as the merged model instead of PEFT's merge.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the report as JSON to this file.")
 @click.option("--text", type=click.Path(dir_okay=False, path_type=Path),
@@ -40,24 +48,31 @@ from toolchain.spec import DeploymentSpec
               help="Exit 1 when perplexity / reference perplexity exceeds this.")
 @spec_command
 def command(ctx: Context, spec: DeploymentSpec, endpoint: str | None, served_model: str | None,
-            choices: Path | None, concurrency: int, json_path: Path | None, text: Path | None, max_tokens: int,
-            window: int, threads: int | None, min_agreement: float | None,
-            max_perplexity_ratio: float | None) -> None:
+            choices: Path | None, concurrency: int, adapter: str | None, reference: Path | None,
+            json_path: Path | None, text: Path | None, max_tokens: int, window: int, threads: int | None,
+            min_agreement: float | None, max_perplexity_ratio: float | None) -> None:
+    from toolchain.eval.adapters import adapter_eval
     from toolchain.eval.run import check_thresholds, run_eval  # keep `toolchain --help` light
 
+    if reference is not None and adapter is None:
+        raise click.UsageError("--reference is the merged model of an adapter: pass --adapter NAME with it")
+    chosen = adapter_eval(spec, adapter, reference) if adapter is not None else None
     if endpoint is not None:
         report = _endpoint_eval(spec, endpoint, served_model, choices, concurrency, text, max_tokens, window,
-                                min_agreement, max_perplexity_ratio)
+                                min_agreement, max_perplexity_ratio, chosen)
         _write(report, json_path)
         check_thresholds(report)
         return
     report = run_eval(spec, ctx.workspace, text=text, max_tokens=max_tokens, window=window, threads=threads,
-                      min_agreement=min_agreement, max_perplexity_ratio=max_perplexity_ratio, echo=click.echo)
+                      min_agreement=min_agreement, max_perplexity_ratio=max_perplexity_ratio, echo=click.echo,
+                      adapter=chosen)
     m = report["model"]
-    click.echo(f"{m['architecture']} {m['dtype']} tp {m['tp']} x pp {m['pp']}: {report['tokens_evaluated']} tokens "
-               f"in {report['windows']} window(s) of {report['window']}")
+    on = f" + LoRA adapter {adapter} (task {report['adapter']['task_id']})" if adapter is not None else ""
+    click.echo(f"{m['architecture']} {m['dtype']} tp {m['tp']} x pp {m['pp']}{on}: {report['tokens_evaluated']} "
+               f"tokens in {report['windows']} window(s) of {report['window']}")
     click.echo(f"  perplexity            {report['perplexity']:.4f}")
-    click.echo(f"  reference perplexity  {report['reference_perplexity']:.4f}  (HF, float32)")
+    merged = (" with the adapter merged by PEFT" if reference is None else f", {reference}") if adapter else ""
+    click.echo(f"  reference perplexity  {report['reference_perplexity']:.4f}  (HF, float32{merged})")
     click.echo(f"  greedy agreement      {report['greedy_token_agreement']:.4%}")
     click.echo(f"  max |logit diff|      {report['max_abs_logit_diff']:.3g}")
     _write(report, json_path)
@@ -66,7 +81,7 @@ def command(ctx: Context, spec: DeploymentSpec, endpoint: str | None, served_mod
 
 def _endpoint_eval(spec: DeploymentSpec, endpoint: str, served_model: str | None, choices: Path | None,
                    concurrency: int, text: Path | None, max_tokens: int, window: int, min_agreement: float | None,
-                   max_perplexity_ratio: float | None) -> dict:
+                   max_perplexity_ratio: float | None, adapter: AdapterEval | None = None) -> dict:
     from toolchain.eval.served import run_endpoint_eval  # torch, transformers
 
     # The spec's validation.quality bounds, with the command line's two over them.
@@ -74,7 +89,8 @@ def _endpoint_eval(spec: DeploymentSpec, endpoint: str, served_model: str | None
     given = {"min_greedy_agreement": min_agreement, "max_perplexity_ratio": max_perplexity_ratio}
     bounds.update({k: v for k, v in given.items() if v is not None})
     report = run_endpoint_eval(spec, endpoint, model=served_model, text=text, choices=choices, max_tokens=max_tokens,
-                               window=window, concurrency=concurrency, bounds=bounds, echo=click.echo)
+                               window=window, concurrency=concurrency, bounds=bounds, echo=click.echo,
+                               adapter=adapter)
     c = report["choices"]
     click.echo(f"{report['endpoint']} ({report['served_model']}): {report['tokens_evaluated']} tokens in "
                f"{report['windows']} window(s) of {report['window']}")

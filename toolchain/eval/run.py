@@ -5,7 +5,8 @@ Target `cpu` evaluates the built engine directory. Target `trtllm` engines
 only run on a GPU, so there the converted checkpoint (the exact rank files
 trtllm-build consumes) is evaluated through a CPU engine view of it. Target
 `llmapi-cpu` evaluates the engine its `convert` prepares for the LLM() stand-in
-(llmapi/cpu_llm.py prepare_engine), the one its servers load.
+(llmapi/cpu_llm.py prepare_engine), the one its servers load. With an adapter (adapters.py) both sides run it:
+the engine under its LoRA task id, the reference with it merged by PEFT.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from toolchain.eval.texts import STREAM_FACTOR, default_documents, file_document
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import CPU_ENGINE, CPU_STAND_IN, target_of
 from toolchain.workspace import Workspace
-from toolchain.engine.build import build_config, write_cpu_engine
+from toolchain.engine.build import build_config, with_lora, write_cpu_engine
+from toolchain.eval.adapters import AdapterEval, load_adapter
 from toolchain.remote_code import auto_tokenizer
 from toolchain.engine.build import run_build
 from toolchain.llmapi.args import llm_args
@@ -53,7 +55,7 @@ def engine_for_eval(spec: DeploymentSpec, workspace: Workspace) -> Iterator[Path
     checkpoint = workspace.checkpoint_dir(spec)
     with tempfile.TemporaryDirectory(prefix="toolchain-eval-") as tmp:
         view = Path(tmp)
-        write_cpu_engine(checkpoint, view, build_config(spec), version="eval-view")
+        write_cpu_engine(checkpoint, view, with_lora(build_config(spec), spec, checkpoint), version="eval-view")
         yield view
 
 
@@ -77,7 +79,9 @@ def spec_tokenizer(spec: DeploymentSpec):
                              "set model.tokenizer to a directory with tokenizer.json / tokenizer_config.json") from None
 
 
-def hf_reference(spec: DeploymentSpec) -> Callable[[list[int]], torch.Tensor]:
+def hf_reference(spec: DeploymentSpec, adapter: AdapterEval | None = None) -> Callable[[list[int]], torch.Tensor]:
+    """The HF model's logits function at float32: the spec's checkpoint, with `adapter` merged into it by PEFT
+    (or its --reference checkpoint instead)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -88,8 +92,14 @@ def hf_reference(spec: DeploymentSpec) -> Callable[[list[int]], torch.Tensor]:
         # float32 whatever the stored dtype: the reference is the HF weights, computed exactly.
         # safetensors only (a pytorch_model.bin is a pickle that runs code when loaded); the model's own
         # code only when the spec trusts it.
-        model = AutoModelForCausalLM.from_pretrained(spec.model.checkpoint, dtype=torch.float32, use_safetensors=True,
+        checkpoint = adapter.reference if adapter is not None and adapter.reference is not None \
+            else spec.model.checkpoint
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, use_safetensors=True,
                                                      trust_remote_code=spec.model.trust_remote_code).eval()
+        if adapter is not None and adapter.reference is None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, adapter.info.path).merge_and_unload().eval()
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
@@ -99,7 +109,7 @@ def hf_reference(spec: DeploymentSpec) -> Callable[[list[int]], torch.Tensor]:
 def run_eval(spec: DeploymentSpec, workspace: Workspace, *, text: Path | None = None,
              max_tokens: int = DEFAULT_MAX_TOKENS, window: int = DEFAULT_WINDOW, threads: int | None = None,
              min_agreement: float | None = None, max_perplexity_ratio: float | None = None,
-             echo: Callable[[str], None] | None = None) -> dict:
+             echo: Callable[[str], None] | None = None, adapter: AdapterEval | None = None) -> dict:
     """Evaluate the spec's converted model against its HF checkpoint; returns the report dict.
     Raises StageFailed (after computing the report) when a given threshold is missed."""
     from toolchain.engine.cpu import CpuEngine
@@ -117,8 +127,12 @@ def run_eval(spec: DeploymentSpec, workspace: Workspace, *, text: Path | None = 
     description, documents = file_documents(text) if text is not None else default_documents()
     tokenizer = spec_tokenizer(spec)
     stream = token_stream(tokenizer, documents, STREAM_FACTOR * max_tokens)
+    task = None
     with engine_for_eval(spec, workspace) as engine_dir:
-        engine = CpuEngine.load(engine_dir, num_threads=threads)
+        engine = CpuEngine.load(engine_dir, num_threads=threads,
+                                lora_host_bytes=spec.lora.cache.host_memory_bytes if spec.lora.enabled else None)
+    if adapter is not None:
+        task = load_adapter(engine, spec, workspace, adapter)
     window = min(window, engine.limits.max_seq_len)
     bad = [t for t in stream if not 0 <= t < engine.vocab_size]
     if bad:
@@ -127,7 +141,7 @@ def run_eval(spec: DeploymentSpec, workspace: Workspace, *, text: Path | None = 
     windows = token_windows(stream, window, max_tokens)
     say(f"evaluating {sum(map(len, windows))} of {len(stream)} tokens in {len(windows)} window(s) of {window} "
         f"({description})")
-    report = evaluate(engine.forward_logits, hf_reference(spec), windows)
+    report = evaluate(lambda ids: engine.forward_logits(ids, lora_task_id=task), hf_reference(spec, adapter), windows)
     pretrained = engine.config["pretrained_config"]
     report.update({
         "text": description,
@@ -138,6 +152,8 @@ def run_eval(spec: DeploymentSpec, workspace: Workspace, *, text: Path | None = 
                   "quantization": pretrained.get("quantization")},
         "seconds": round(time.monotonic() - start, 2),
     })
+    if adapter is not None:
+        report["adapter"] = adapter.describe()
     missed = []
     if min_agreement is not None and report["greedy_token_agreement"] < min_agreement:
         missed.append(f"greedy_token_agreement {report['greedy_token_agreement']} < {min_agreement}")

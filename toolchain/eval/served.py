@@ -23,6 +23,7 @@ import torch
 
 from toolchain.errors import ToolchainError
 from toolchain.eval import choices as mc
+from toolchain.eval.adapters import AdapterEval
 from toolchain.eval.endpoint import Echoed, Endpoint, Rendering
 from toolchain.eval.run import DEFAULT_MAX_TOKENS, DEFAULT_WINDOW, hf_reference, spec_tokenizer
 from toolchain.eval.texts import STREAM_FACTOR, default_documents, file_documents, token_stream, token_windows
@@ -35,9 +36,14 @@ DEFAULT_CONCURRENCY = 4
 def run_endpoint_eval(spec: DeploymentSpec, url: str, *, model: str | None = None, text: Path | None = None,
                       choices: Path | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
                       window: int = DEFAULT_WINDOW, concurrency: int = DEFAULT_CONCURRENCY,
-                      bounds: dict[str, float] | None = None, echo: Callable[[str], None] | None = None) -> dict:
+                      bounds: dict[str, float] | None = None, echo: Callable[[str], None] | None = None,
+                      adapter: AdapterEval | None = None) -> dict:
     """Measure the deployment at `url` against the spec's HF checkpoint; the report dict, with `passed` and the
-    `missed` bounds (QualitySection field names) when `bounds` are given."""
+    `missed` bounds (QualitySection field names) when `bounds` are given. With `adapter`, the endpoint's model
+    defaults to the adapter's name (this project's OpenAI server selects adapters by `model`) and the reference
+    is the merged model."""
+    if adapter is not None and model is None:
+        model = adapter.info.name
     say = echo or (lambda _msg: None)
     if max_tokens < 2:
         raise ToolchainError(f"max_tokens {max_tokens} is too small", "use --max-tokens 2 or more")
@@ -60,7 +66,7 @@ def run_endpoint_eval(spec: DeploymentSpec, url: str, *, model: str | None = Non
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         echoed = list(pool.map(endpoint.echo, prompts))
     say("computing the HF reference (float32) on the same tokens")
-    reference = _log_softmax(hf_reference(spec), prompts)
+    reference = _log_softmax(hf_reference(spec, adapter), prompts)
     rendering = Rendering(tokenizer)
     for ids, got in zip(prompts, echoed, strict=True):
         rendering.learn(ids, got)
@@ -69,6 +75,7 @@ def run_endpoint_eval(spec: DeploymentSpec, url: str, *, model: str | None = Non
     report.update({"endpoint": endpoint.url, "served_model": endpoint.model, "text": description, "window": window,
                    "max_tokens": max_tokens, "token_names": rendering.name,
                    "reference": {"checkpoint": str(spec.model.checkpoint), "dtype": "float32"},
+                   **({"adapter": adapter.describe()} if adapter is not None else {}),
                    "seconds": round(time.monotonic() - start, 2)})
     return judge(report, bounds or {})
 

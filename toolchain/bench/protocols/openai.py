@@ -7,7 +7,8 @@ client total is kept next to the server's). A role-only first chat chunk is a
 response without tokens: it sets TTFR, not TTFT. The usage-only chunk and
 `[DONE]` are no responses; `[DONE]` (or the close) is t_final. Exact output
 length is asked for with `ignore_eos` and `min_tokens` (vLLM / trtllm-serve
-extensions), sent only with ignore_eos.
+extensions), sent only with ignore_eos. A request for a LoRA adapter names it in `model`, as this project's
+OpenAI server (and Dynamo's, and vLLM's) select adapters; GET /v1/models must list it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ class OpenAI(HttpClient):
     token_ids = False
 
     def __init__(self, url: str, model: str, *, chat: bool = False, streaming: bool = True, ignore_eos: bool = True,
-                 keep_text: bool = False, **_):
+                 keep_text: bool = False, adapters: dict[str, int] | None = None, **_):
         super().__init__()
+        self.adapters = adapters or {}
+        """LoRA adapters the workload's classes name (their task ids are the server's business here)."""
         self.url = normalize_http_url(url).removesuffix("/v1")
         self.model, self.chat, self.streaming, self.ignore_eos = model, chat, streaming, ignore_eos
         self.keep_text = keep_text
@@ -49,6 +52,11 @@ class OpenAI(HttpClient):
             raise ToolchainError(f"model '{self.model}' not served at {self.url} (it serves: "
                                  f"{', '.join(map(str, served)) or 'nothing'})",
                                  "set validation.workload.endpoint to one of the served model names")
+        missing = [name for name in self.adapters if name not in served]
+        if missing:
+            raise ToolchainError(f"LoRA adapter(s) {', '.join(missing)} not served at {self.url} as models (it "
+                                 f"serves: {', '.join(map(str, served))})",
+                                 "serve the spec with its lora section, or remove the classes' adapters")
         self.contract = "openai"
         return self.contract
 
@@ -56,8 +64,8 @@ class OpenAI(HttpClient):
     def inputs_sent(self) -> list[str]:
         return sorted(self._body(None, "x", [{"role": "user", "content": "x"}], 2, 0))
 
-    def _body(self, rec, text, messages, max_tokens: int, priority: int) -> dict:
-        body = {"model": self.model, "max_tokens": max_tokens, "stream": self.streaming}
+    def _body(self, rec, text, messages, max_tokens: int, priority: int, adapter: str | None = None) -> dict:
+        body = {"model": adapter or self.model, "max_tokens": max_tokens, "stream": self.streaming}
         if self.chat:
             body["messages"] = messages
         else:
@@ -72,7 +80,8 @@ class OpenAI(HttpClient):
         return body
 
     def build(self, rec, prompt, turn, priority: int) -> bytes:
-        return json.dumps(self._body(rec, prompt.text, prompt.messages, turn.max_tokens, priority)).encode()
+        return json.dumps(self._body(rec, prompt.text, prompt.messages, turn.max_tokens, priority,
+                                     prompt.adapter)).encode()
 
     async def run(self, rec, prompt, turn, priority: int = 0, request=None) -> Reply:
         data = request if request is not None else self.build(rec, prompt, turn, priority)

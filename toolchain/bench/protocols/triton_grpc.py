@@ -31,8 +31,9 @@ import time
 import numpy as np
 
 from toolchain.bench.protocols.transport import Reply, Stream, short
-from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, LLMAPI, TOKEN_IDS, Contract, detect, prepared,
-                                                ready_or_raise, record_drafts, request_tensors, requested_outputs)
+from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, LLMAPI, TOKEN_IDS, Contract, check_lora, detect,
+                                                prepared, ready_or_raise, record_drafts, request_tensors,
+                                                requested_outputs)
 from toolchain.errors import ToolchainError
 
 _STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -57,8 +58,11 @@ class TritonGrpc:
     chat = False
 
     def __init__(self, url: str, model: str, *, streaming: bool = True, ignore_eos: bool = True,
-                 exclude_input: bool | None = True, keep_text: bool = False, num_draft_tokens: int = 0, **_):
+                 exclude_input: bool | None = True, keep_text: bool = False, num_draft_tokens: int = 0,
+                 adapters: dict[str, int] | None = None, **_):
         self.url = url.strip().removeprefix("grpc://")
+        self.adapters = adapters or {}
+        """LoRA adapter name -> task id, for the adapters the workload's classes name."""
         if ":" not in self.url:
             raise ToolchainError(f"bad gRPC URL '{url}'", "pass --url host:port, e.g. 127.0.0.1:8001")
         self.model, self.streaming, self.ignore_eos, self.exclude_input = model, streaming, ignore_eos, exclude_input
@@ -105,13 +109,15 @@ class TritonGrpc:
         finally:
             client.close()
         self.contract = detect(self.model, self.url, meta, config, streaming=self.streaming)
+        check_lora(self.contract, self.url, self.adapters)
         return self.contract
 
     @property
     def inputs_sent(self) -> list[str]:
         probe = request_tensors(prepared(self.contract), text="x", ids=[1], max_tokens=2, streaming=self.streaming,
                                 ignore_eos=self.ignore_eos, exclude_input=self.exclude_input,
-                                num_draft_tokens=self.num_draft_tokens)
+                                num_draft_tokens=self.num_draft_tokens,
+                                lora_task_id=next(iter(self.adapters.values()), None))
         return [name for name, _, _ in probe]
 
     # ---- run -----------------------------------------------------------------------------------------------
@@ -143,7 +149,8 @@ class TritonGrpc:
         pb = self._pb
         tensors = request_tensors(prepared(self.contract), text=prompt.text, ids=prompt.ids, max_tokens=turn.max_tokens,
                                   streaming=self.streaming, ignore_eos=self.ignore_eos,
-                                  exclude_input=self.exclude_input, num_draft_tokens=self.num_draft_tokens)
+                                  exclude_input=self.exclude_input, num_draft_tokens=self.num_draft_tokens,
+                                  lora_task_id=None if prompt.adapter is None else self.adapters[prompt.adapter])
         req = pb.ModelInferRequest(model_name=self.model, id=rec.request_id, outputs=self._outputs)
         for name, dtype, arr in tensors:
             req.inputs.append(pb.ModelInferRequest.InferInputTensor(name=name, datatype=dtype, shape=arr.shape))

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from toolchain.bench.protocols.transport import Reply, Stream, short
-from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, TOKEN_IDS, Contract, detect, prepared,
+from toolchain.bench.protocols.contract import (DRAFT_OUTPUTS, TOKEN_IDS, Contract, check_lora, detect, prepared,
                                                 ready_or_raise, record_drafts, request_tensors)
 from toolchain.bench.protocols.sse import HttpClient, error_text, get_json, normalize_http_url
 from toolchain.errors import ToolchainError
@@ -26,9 +26,12 @@ class TritonHttp(HttpClient):
     chat = False
 
     def __init__(self, url: str, model: str, *, streaming: bool = True, ignore_eos: bool = True,
-                 exclude_input: bool | None = True, keep_text: bool = False, num_draft_tokens: int = 0, **_):
+                 exclude_input: bool | None = True, keep_text: bool = False, num_draft_tokens: int = 0,
+                 adapters: dict[str, int] | None = None, **_):
         super().__init__()
         self.url = normalize_http_url(url)
+        self.adapters = adapters or {}
+        """LoRA adapter name -> task id, for the adapters the workload's classes name."""
         self.model, self.streaming, self.ignore_eos, self.exclude_input = model, streaming, ignore_eos, exclude_input
         self.keep_text = keep_text
         self.num_draft_tokens = num_draft_tokens
@@ -58,17 +61,19 @@ class TritonHttp(HttpClient):
             raise ToolchainError(f"Triton server at {self.url} failed a metadata call for '{self.model}': "
                                  f"{error_text(status if status != 200 else status2, meta if status != 200 else config)}")
         self.contract = detect(self.model, self.url, meta, config, streaming=self.streaming)
+        check_lora(self.contract, self.url, self.adapters)
         self._endpoint = "generate_stream" if self.streaming or self.contract.decoupled else "generate"
         return self.contract
 
     @property
     def inputs_sent(self) -> list[str]:
-        return list(self._body(None, "x", [1], 2, 0))
+        return list(self._body(None, "x", [1], 2, 0, next(iter(self.adapters), None)))
 
-    def _body(self, rec, text, ids, max_tokens: int, priority: int) -> dict:
+    def _body(self, rec, text, ids, max_tokens: int, priority: int, adapter: str | None = None) -> dict:
         tensors = request_tensors(prepared(self.contract), text=text, ids=ids, max_tokens=max_tokens,
                                   streaming=self.streaming, ignore_eos=self.ignore_eos,
-                                  exclude_input=self.exclude_input, num_draft_tokens=self.num_draft_tokens)
+                                  exclude_input=self.exclude_input, num_draft_tokens=self.num_draft_tokens,
+                                  lora_task_id=None if adapter is None else self.adapters[adapter])
         body = {}
         for name, dtype, arr in tensors:
             if dtype == "BYTES":
@@ -84,7 +89,8 @@ class TritonHttp(HttpClient):
         return body
 
     def build(self, rec, prompt, turn, priority: int) -> bytes:
-        return json.dumps(self._body(rec, prompt.text, prompt.ids, turn.max_tokens, priority)).encode()
+        return json.dumps(self._body(rec, prompt.text, prompt.ids, turn.max_tokens, priority,
+                                     prompt.adapter)).encode()
 
     async def run(self, rec, prompt, turn, priority: int = 0, request=None) -> Reply:
         data = request if request is not None else self.build(rec, prompt, turn, priority)
