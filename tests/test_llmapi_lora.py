@@ -107,6 +107,30 @@ def test_lora_spec_reaches_llm_args_model_yaml_and_trtllm_serve_yaml_under_upstr
     assert f"--extra_llm_api_options {serve_config_path(gpu, ws)}" in gpu_launch_lines(gpu, ws)["trtllm_serve"]
 
 
+def test_printed_gpu_lines_mount_each_adapter_and_name_its_lora_request(tmp_path, hf_llama_words, adapters):
+    """trtllm-serve reads an adapter from the lora_path a request names, on its own filesystem: the container
+    mounts each adapter directory, and the printout gives each adapter's `lora_request` body field."""
+    import json
+
+    from toolchain.llmapi.launch import container_mounts, lora_requests
+    from toolchain.pipeline import print_gpu_launch
+    from toolchain.workspace import Workspace
+
+    spec = lora_spec(tmp_path, hf_llama_words, adapters, target="llmapi")
+    ws = Workspace(tmp_path / "ws")
+    mounts = container_mounts(spec, ws)
+    for name in ("attn", "every"):
+        assert str(adapters[name][0].resolve()) in mounts
+    assert lora_requests(spec)["every"] == {"lora_name": "every", "lora_int_id": 2,
+                                            "lora_path": str(adapters["every"][0].resolve())}
+    printed: list[str] = []
+    print_gpu_launch(spec, ws, printed.append)
+    text = "\n".join(printed)
+    assert f'"lora_request": {json.dumps(lora_requests(spec)["attn"])}' in text
+    docker = next(line for line in printed if line.startswith("# in a container, the OpenAI server"))
+    assert f"-v {adapters['attn'][0].resolve()}:{adapters['attn'][0].resolve()}" in docker
+
+
 def test_spec_without_lora_keeps_its_llm_args(tmp_path, hf_llama_words):
     from toolchain.llmapi.args import llm_args
 

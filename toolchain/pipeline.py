@@ -10,6 +10,7 @@ module. Each stage keeps its own caching: a second deploy with nothing changed g
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shlex
 import signal
@@ -240,6 +241,8 @@ def _print_llmapi_replica(spec: DeploymentSpec, ws: Workspace, echo: Echo, devic
     launch = llmapi_launch
     lines = launch.gpu_launch_lines(spec, ws)
     echo(f"# OpenAI server (trtllm-serve):\n{_pinned(lines['trtllm_serve'], devices)}")
+    for name, body in launch.lora_requests(spec).items():
+        echo(f"#   adapter {name}: send \"lora_request\": {json.dumps(body)} in the request body")
     how = ("the command upstream's launcher runs, with the bind addresses and the administrative APIs behind "
            "the key" if exposure.restricted(spec.serving) else "upstream's launcher, from a TensorRT-LLM 1.2.1 checkout")
     echo(f"# Triton ({how}):\n{_pinned(lines['triton'], devices)}")

@@ -158,7 +158,17 @@ def container_mounts(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
     paths = {served_model_dir(spec, workspace), Path(workspace.model_repo_dir(spec)).resolve()}
     if spec.model.tokenizer is not None:
         paths.add(Path(spec.model.tokenizer).resolve())
+    # trtllm-serve reads an adapter from the lora_path a request names, on the server's filesystem.
+    paths.update(Path(p).resolve() for p in spec.lora.adapters.values())
     return sorted(str(p) for p in paths)
+
+
+def lora_requests(spec: DeploymentSpec) -> dict[str, dict]:
+    """Each adapter's `lora_request` body field, the one way trtllm-serve 1.2 picks an adapter per request
+    (tensorrt_llm/serve/openai_server.py @0c8de69 passes request.lora_request to generate_async; the field is
+    executor/request.py's LoRARequest): lora_int_id is the adapter's place in lora.adapters, from 1."""
+    return {name: {"lora_name": name, "lora_int_id": spec.lora.task_id(name), "lora_path": str(Path(path).resolve())}
+            for name, path in spec.lora.adapters.items()}
 
 
 def srun_command(spec: DeploymentSpec, workspace: Workspace, *, container: bool = True) -> list[str]:
