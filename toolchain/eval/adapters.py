@@ -1,8 +1,8 @@
 """`toolchain eval SPEC --adapter NAME`: the converted model under one of the spec's LoRA adapters against the
 Hugging Face model with that adapter merged.
 
-- The reference is PEFT's own arithmetic: the base checkpoint at float32 with the adapter applied by
-  `PeftModel.from_pretrained(...).merge_and_unload()` (W + scale * B @ A folded into each weight), or `--reference
+- The reference is PEFT's own arithmetic: the base checkpoint at float32 with the adapter loaded by PEFT's
+  `PeftModel`, then `merge_and_unload()` (W + scale * B @ A folded into each weight), or `--reference
   DIR`, an HF checkpoint taken as that merged model (one merged elsewhere, or a full fine-tune to compare with).
 - The converted side runs the adapter as each path's server runs it. The engine path (targets cpu and trtllm):
   the adapter `convert` wrote in TensorRT-LLM's format (engines/<name>/lora/<task id>/, the tensorrt_llm model's

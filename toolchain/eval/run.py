@@ -99,7 +99,9 @@ def hf_reference(spec: DeploymentSpec, adapter: AdapterEval | None = None) -> Ca
         if adapter is not None and adapter.reference is None:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, adapter.info.path).merge_and_unload().eval()
+            # An adapter directory holds no code; remote code stays off as for every load here.
+            peft = PeftModel.from_pretrained(model, adapter.info.path, trust_remote_code=False)
+            model = peft.merge_and_unload().eval()
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from toolchain.fsutil import atomic_dir
+from toolchain.remote_code import auto_tokenizer
 from toolchain.tinymodel.derived import is_current, llama_config, sha256
 
 SEED = 0
@@ -115,14 +116,14 @@ def _windows(tokenizer, text: str) -> torch.Tensor:
 def train_adapter(src: Path, recipe: Recipe, out: Path) -> float:
     """Fine-tune one adapter of `recipe` on the tiny Llama at `src`, save it with PEFT to `out`; the last loss."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     torch.manual_seed(SEED)
-    tokenizer = AutoTokenizer.from_pretrained(src)
+    tokenizer = auto_tokenizer(src)
     rows = _windows(tokenizer, recipe.text)
     hf_logging.disable_progress_bar()  # the command's output stays its own lines
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, trust_remote_code=False)
     config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, target_modules=list(recipe.targets),
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
