@@ -21,6 +21,7 @@ from pathlib import Path
 
 from toolchain import gpus
 from toolchain.archs import get_family
+from toolchain.errors import ToolchainError
 from toolchain.plan import perf
 from toolchain.plan.model import ModelInfo, load_model
 from toolchain.plan.plan import plan_memory
@@ -213,6 +214,9 @@ def holdout_mape() -> dict[str, float]:
 PUBLISHED = DATA / "published_throughput.json"
 PUBLISHED_BLACKWELL_FP4 = DATA / "published_blackwell_fp4.json"
 """release/1.2's Blackwell NVFP4 points, PyTorch backend: checked and reported apart from the 0.17 engine table."""
+PUBLISHED_V1_0 = DATA / "published_v1_0.json"
+"""release 1.0's Hopper FP8 Llama points (totals of the replica), PyTorch backend (`path` pytorch): checked and
+reported apart from the 0.17 engine table, whose configurations they mostly repeat on the other path."""
 PUBLISHED_MOE_FAMILIES = DATA / "published_moe_families.json"
 """release/1.2's mixture-of-experts points, per GPU: DeepSeek R1 (attention DP over 4 or 8 GPUs) and gpt-oss-120b as
 released (DEP2 and TP1); its `kept` note says what is modelled how and lists the points that wait."""
@@ -240,13 +244,25 @@ class Published:
     """The published run's KV cache, where the file records it. The check plans the one `spec_for` picks, which
     differs for gpt-oss on Blackwell: measured with FP8 KV, planned with bf16 (the planner refuses FP8 KV on the
     stored MXFP4 checkpoint, which has no KV scales)."""
+    path: str | None = None
+    """How trtllm-bench ran it, from the file's `path`: "engine" (a trtllm-bench build engine) or "pytorch" (the
+    PyTorch backend, no engine); None where the file does not say yet (then `predict_published` chooses the target
+    by format and family)."""
+    release: str | None = None
+    """The TensorRT-LLM release whose perf-overview.md published the figure, from the file's `release`."""
+
+
+PATHS = ("engine", "pytorch")
 
 
 @cache
 def published_points(path: Path = PUBLISHED) -> tuple[Published, ...]:
     doc = json.loads(path.read_text())
-    per_gpu = bool(doc.get("per_gpu", False))
-    return tuple(Published(**dict(zip(doc["columns"], row, strict=True)), per_gpu=per_gpu) for row in doc["rows"])
+    header = {"per_gpu": bool(doc.get("per_gpu", False)), "path": doc.get("path"), "release": doc.get("release")}
+    if header["path"] not in (None, *PATHS):
+        raise ToolchainError(f"{path.name}: path {header['path']!r} is not one of {', '.join(PATHS)}",
+                             "name how trtllm-bench ran the table: engine or pytorch")
+    return tuple(Published(**{**header, **dict(zip(doc["columns"], row, strict=True))}) for row in doc["rows"])
 
 
 def param_count(p) -> int:
@@ -307,17 +323,38 @@ def planned_bench_limits(point: Published) -> tuple[int, int]:
     return bench_rounding(requests, point)
 
 
+def pytorch_bench_limits(point: Published) -> tuple[int, int]:
+    """(max_batch_size, max_num_tokens) trtllm-bench gives the PyTorch backend when neither is passed
+    (tensorrt_llm/bench/benchmark/utils/general.py get_settings): the same calc_engine_setting heuristic as the
+    engine build (`bench_build_limits`), then, chunked prefill being off by default, "Forcing max_num_tokens to
+    {max_isl + max_batch_size}" when that is more: a whole prompt and a token of every other request fit a step."""
+    batch, tokens = planned_bench_limits(point) if model_info(point.model).params.is_moe else bench_build_limits(point)
+    return batch, max(tokens, point.isl + batch)
+
+
+def bench_target(point: Published) -> str:
+    """The target a published point is planned on: its path's (pytorch: the LLM API, engine: trtllm-build). A
+    file that names no path yet: the LLM API for the formats and families only the PyTorch backend runs
+    (release/1.2's FP4 table was measured there, its trtllm-bench default; Llama 4 ran there in the v1.0 table)."""
+    if point.path is not None:
+        return "llmapi" if point.path == "pytorch" else "trtllm"
+    pytorch_only = get_family(model_info(point.model).params.architecture).engine_refusal is not None
+    return "llmapi" if pytorch_only or point.method in ("nvfp4", "fp8_block", "mxfp4") else "trtllm"
+
+
+def published_limits(point: Published) -> tuple[int, int]:
+    """(max_batch_size, max_num_tokens) of a published point as trtllm-bench set them on its path."""
+    if point.path == "pytorch":
+        return pytorch_bench_limits(point)
+    return planned_bench_limits(point) if model_info(point.model).params.is_moe else bench_build_limits(point)
+
+
 def predict_published(point: Published) -> perf.Performance:
-    """What `toolchain plan` predicts for a published configuration, built as trtllm-bench built it."""
-    params = model_info(point.model).params
-    batch, tokens = planned_bench_limits(point) if params.is_moe else bench_build_limits(point)
-    # The FP4 table was measured on the PyTorch backend (release/1.2's trtllm-bench default): the LLM-API path, as
-    # is every family trtllm-build cannot build (Llama 4: the v1.0 table ran it on the PyTorch backend too).
-    pytorch_only = get_family(params.architecture).engine_refusal is not None
+    """What `toolchain plan` predicts for a published configuration, built as trtllm-bench built it on its path."""
+    batch, tokens = published_limits(point)
     spec = spec_for(point.model, point.gpu, point.method, point.tp, point.isl, point.osl, max_batch_size=batch,
                     max_num_tokens=tokens, kv_fraction=BENCH_KV_FRACTION,
-                    dtype="float16" if point.method == "none" else "bfloat16",
-                    target="llmapi" if pytorch_only or point.method in ("nvfp4", "fp8_block", "mxfp4") else "trtllm",
+                    dtype="float16" if point.method == "none" else "bfloat16", target=bench_target(point),
                     attention_dp=point.attention_dp)
     info = model_info(point.model)
     quant = quantization_of(spec.quantization, info.hf_config, hf_quant_config=info.hf_quant_config)
@@ -327,7 +364,8 @@ def predict_published(point: Published) -> perf.Performance:
 
 def published_check(path: Path = PUBLISHED) -> list[tuple[Published, float]]:
     """Each published point with the model's predicted maximum output tokens/s, per GPU where the point is
-    (PUBLISHED_BLACKWELL_FP4: the Blackwell FP4 points; PUBLISHED_MOE_FAMILIES: DeepSeek R1 and gpt-oss-120b)."""
+    (PUBLISHED_V1_0: release 1.0's Hopper FP8 points on the PyTorch path; PUBLISHED_BLACKWELL_FP4: the Blackwell
+    FP4 points; PUBLISHED_MOE_FAMILIES: DeepSeek R1 and gpt-oss-120b)."""
     out = []
     for pt in published_points(path):
         got = predict_published(pt)
