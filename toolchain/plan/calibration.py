@@ -4,8 +4,10 @@ Two facts files feed it, kept apart on purpose:
 - `data/silicon_points.json`: TTFT and TPOT that AIConfigurator 0.12.0 measured for TensorRT-LLM serving
   Llama-3.1 (made by `python -m tools.silicon_points`). `tools/fit_efficiency.py` fits the efficiency table
   (`data/efficiency.json`, which plan/perf/efficiency.py reads) to the training part and reports the error on the held-out part.
-- `data/published_throughput.json`: NVIDIA's published `trtllm-bench` maximum throughputs. They are never fitted
-  to; tests/test_perf_calibration.py checks the fitted model against them.
+- `data/published_throughput.json` (release 0.17, engine path) and `data/published_v1_0.json` (release 1.0, PyTorch
+  path), with the release/1.2 files beside them: NVIDIA's published `trtllm-bench` maximum throughputs. They are
+  never fitted to; tests/test_perf_calibration.py and tests/test_published_v1_0.py check the fitted model against
+  them, each point planned on the target of the path its file names.
 
 `holdout_mape()` recomputes the held-out error from the committed points and the table plan/perf/efficiency.py loads, so the
 figure the table states cannot drift from the data (benchmarks/prediction.py reports it as gpu_holdout_mape).
