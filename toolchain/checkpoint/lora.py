@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -59,6 +60,7 @@ NOT_SPLIT = frozenset({"moe_router", "mlp_router"})
 STORAGE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 Converted = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+V = TypeVar("V")
 
 
 def _refuse(adapter: Path, what: str, hint: str) -> ToolchainError:
@@ -128,24 +130,23 @@ def lora_scale(config: Mapping) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def read_adapter(adapter: Path, hf_to_trtllm: Mapping[str, str] = LLAMA_HF_TO_TRTLLM) -> tuple[dict, Converted]:
-    """The adapter's config and its (A [r, in], B [out, r]) per (layer, TRT-LLM module), unscaled, in the order
-    the safetensors file stores them: hf_lora_convert.py keeps key order, layers not sorted (whether it reads the
-    file in storage order, as safetensors' load_file does, is UNVERIFIED; the runtime reads each row by its
-    config row, so the order changes no result)."""
-    adapter = Path(adapter)
-    config = read_adapter_config(adapter, hf_to_trtllm)
-    path = adapter / ADAPTER_WEIGHTS
+def weights_file(adapter: Path) -> Path:
+    """The adapter's safetensors file, refused in one line when PEFT did not write one."""
+    path = Path(adapter) / ADAPTER_WEIGHTS
     if not path.is_file():
-        found = ", ".join(sorted(p.name for p in adapter.glob("adapter_model.*"))) or "nothing"
+        found = ", ".join(sorted(p.name for p in Path(adapter).glob("adapter_model.*"))) or "nothing"
         raise _refuse(adapter, f"no {ADAPTER_WEIGHTS} (found {found})",
                       "save the adapter with PEFT's save_pretrained(DIR, safe_serialization=True)")
-    try:
-        tensors = load_file(str(path))
-    except Exception as e:  # safetensors raises its own SafetensorError and OSError on bad files
-        raise _refuse(adapter, f"{ADAPTER_WEIGHTS} is not readable ({type(e).__name__})", "save the adapter again") from None
-    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    return path
+
+
+def paired(adapter: Path, items: Iterable[tuple[str, V]],
+           hf_to_trtllm: Mapping[str, str] = LLAMA_HF_TO_TRTLLM) -> dict[tuple[int, str], tuple[V, V]]:
+    """(lora_A, lora_B) per (layer, TRT-LLM module) from the file's (key, value) items (tensors, or their shapes),
+    in the items' order; a key hf_lora_convert.py would skip, a module this family has no LoRA module for, an empty
+    file and a half pair are refused in one line."""
+    parts: dict[tuple[int, str], dict[str, V]] = {}
+    for key, value in items:
         match = CONVERT_KEY.fullmatch(key)
         if match is None:
             raise _refuse(adapter, f"tensor {key} is not a LoRA A/B weight of a decoder layer",
@@ -154,15 +155,32 @@ def read_adapter(adapter: Path, hf_to_trtllm: Mapping[str, str] = LLAMA_HF_TO_TR
         if hf_module not in hf_to_trtllm:
             raise _refuse(adapter, f"tensor {key}: {hf_module} has no TensorRT-LLM LoRA module for this family",
                           f"target only {sorted(hf_to_trtllm)}")
-        parts.setdefault((layer, hf_to_trtllm[hf_module]), {})[side] = tensor
+        parts.setdefault((layer, hf_to_trtllm[hf_module]), {})[side] = value
     if not parts:
         raise _refuse(adapter, f"{ADAPTER_WEIGHTS} holds no LoRA weights", "save the trained adapter with PEFT")
-    weights: Converted = {}
+    out: dict[tuple[int, str], tuple[V, V]] = {}
     for (layer, module), pair in parts.items():
-        a, b = pair.get("A"), pair.get("B")
-        if a is None or b is None:
-            raise _refuse(adapter, f"layer {layer} {module} has only lora_{'A' if b is None else 'B'}",
+        if "A" not in pair or "B" not in pair:
+            raise _refuse(adapter, f"layer {layer} {module} has only lora_{'A' if 'B' not in pair else 'B'}",
                           "the adapter is incomplete: save it again with PEFT")
+        out[(layer, module)] = (pair["A"], pair["B"])
+    return out
+
+
+def read_adapter(adapter: Path, hf_to_trtllm: Mapping[str, str] = LLAMA_HF_TO_TRTLLM) -> tuple[dict, Converted]:
+    """The adapter's config and its (A [r, in], B [out, r]) per (layer, TRT-LLM module), unscaled, in the order
+    the safetensors file stores them: hf_lora_convert.py keeps key order, layers not sorted (whether it reads the
+    file in storage order, as safetensors' load_file does, is UNVERIFIED; the runtime reads each row by its
+    config row, so the order changes no result)."""
+    adapter = Path(adapter)
+    config = read_adapter_config(adapter, hf_to_trtllm)
+    path = weights_file(adapter)
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:  # safetensors raises its own SafetensorError and OSError on bad files
+        raise _refuse(adapter, f"{ADAPTER_WEIGHTS} is not readable ({type(e).__name__})", "save the adapter again") from None
+    weights: Converted = {}
+    for (layer, module), (a, b) in paired(adapter, tensors.items(), hf_to_trtllm).items():
         # hf_lora_convert.py transposes A when in < r and B when out < r; a rank that large is refused instead.
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != config["r"] or b.shape[1] != config["r"] \
                 or a.shape[1] < a.shape[0] or b.shape[0] < b.shape[1]:
@@ -172,18 +190,23 @@ def read_adapter(adapter: Path, hf_to_trtllm: Mapping[str, str] = LLAMA_HF_TO_TR
     return config, weights
 
 
+def read_scaled(adapter: Path, hf_to_trtllm: Mapping[str, str] = LLAMA_HF_TO_TRTLLM) -> Converted:
+    """(A, B x PEFT's scale) per (layer, module) in float32: what every runtime applies (hf_lora_convert.py and
+    lora_manager.py fold the scale into B), before each casts to its own dtype."""
+    config, weights = read_adapter(adapter, hf_to_trtllm)
+    scale = lora_scale(config)
+    return {key: (a.to(torch.float32), b.to(torch.float32) * scale) for key, (a, b) in weights.items()}
+
+
 def convert_adapter(adapter: Path, out_dir: Path, dtype: str = "float16",
                     hf_to_trtllm: Mapping[str, str] = LLAMA_HF_TO_TRTLLM) -> Path:
     """Write `out_dir`/model.lora_weights.npy and model.lora_config.npy as hf_lora_convert.py does."""
     if dtype not in STORAGE_DTYPES:
         # hf_lora_convert.py also offers bfloat16; how it puts that in an .npy is UNVERIFIED, so it is refused.
         raise ToolchainError(f"LoRA storage dtype {dtype!r} is not supported", f"use one of {sorted(STORAGE_DTYPES)}")
-    config, weights = read_adapter(adapter, hf_to_trtllm)
-    scale = lora_scale(config)
     rows, keys = [], []
-    for (layer, module), (a, b) in weights.items():
-        out = (b.to(torch.float32) * scale).to(STORAGE_DTYPES[dtype])
-        rows.append(torch.cat([a.to(STORAGE_DTYPES[dtype]).flatten(), out.flatten()]))
+    for (layer, module), (a, b) in read_scaled(adapter, hf_to_trtllm).items():
+        rows.append(torch.cat([a.to(STORAGE_DTYPES[dtype]).flatten(), b.to(STORAGE_DTYPES[dtype]).flatten()]))
         keys.append([LORA_MODULE_IDS[module], layer, a.shape[0]])
     width = max(len(row) for row in rows)
     packed = torch.zeros(len(rows), width, dtype=STORAGE_DTYPES[dtype])

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from toolchain.checkpoint.lora import (ADAPTER_WEIGHTS, CONVERT_KEY, LLAMA_HF_TO_TRTLLM, LORA_MODULE_IDS, NOT_SPLIT,
-                                       ROW_PARALLEL, _refuse, lora_scale, read_adapter_config)
+from toolchain.checkpoint.lora import (ADAPTER_WEIGHTS, LLAMA_HF_TO_TRTLLM, LORA_MODULE_IDS, NOT_SPLIT, ROW_PARALLEL,
+                                       _refuse, lora_scale, paired, read_adapter_config, weights_file)
 from toolchain.errors import ToolchainError
 from toolchain.spec_lora import LoraSection
 
@@ -80,36 +80,15 @@ def adapter_info(name: str, task_id: int, path: Path,
         raise ToolchainError(f"LoRA adapter {name!r}: {path} is not a directory",
                              "set lora.adapters.<name> to the directory PEFT's save_pretrained wrote")
     config = read_adapter_config(path, hf_to_trtllm)
-    weights = path / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        raise _refuse(path, f"no {ADAPTER_WEIGHTS}", "save the adapter with PEFT's save_pretrained(DIR, safe_serialization=True)")
-    parts: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
+    weights = weights_file(path)
     try:
         with safe_open(str(weights), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                match = CONVERT_KEY.fullmatch(key)
-                if match is None:
-                    raise _refuse(path, f"tensor {key} is not a LoRA A/B weight of a decoder layer",
-                                  "train the adapter on the decoder layers' linear projections only")
-                hf_module = match.group(3)
-                if hf_module not in hf_to_trtllm:
-                    raise _refuse(path, f"tensor {key}: {hf_module} has no TensorRT-LLM LoRA module for this family",
-                                  f"target only {sorted(hf_to_trtllm)}")
-                parts.setdefault((int(match.group(1)), hf_to_trtllm[hf_module]), {})[match.group(4)] = \
-                    tuple(f.get_slice(key).get_shape())
-    except ToolchainError:
-        raise
+            items = [(key, tuple(f.get_slice(key).get_shape())) for key in f.keys()]  # noqa: SIM118 (not a mapping)
     except Exception as e:  # safetensors' own SafetensorError, OSError
         raise _refuse(path, f"{ADAPTER_WEIGHTS} is not readable ({type(e).__name__})", "save the adapter again") from None
-    if not parts:
-        raise _refuse(path, f"{ADAPTER_WEIGHTS} holds no LoRA weights", "save the trained adapter with PEFT")
     shapes = {}
     rank = config["r"]
-    for (layer, module), pair in sorted(parts.items()):
-        a, b = pair.get("A"), pair.get("B")
-        if a is None or b is None:
-            raise _refuse(path, f"layer {layer} {module} has only lora_{'A' if b is None else 'B'}",
-                          "the adapter is incomplete: save it again with PEFT")
+    for (layer, module), (a, b) in sorted(paired(path, items, hf_to_trtllm).items()):
         if len(a) != 2 or len(b) != 2 or a[0] != rank or b[1] != rank:
             raise _refuse(path, f"layer {layer} {module}: lora_A {list(a)} / lora_B {list(b)} do not fit rank {rank}",
                           "save the adapter again with PEFT")

@@ -236,13 +236,12 @@ class AdapterLoader:
     def _read(self, request: LoRARequest):
         import torch
 
-        from toolchain.checkpoint.lora import lora_scale, read_adapter
+        from toolchain.checkpoint.lora import read_scaled
 
         try:
-            config, weights = read_adapter(Path(request.lora_path))
+            weights = read_scaled(Path(request.lora_path))
         except ToolchainError as err:
             raise ValueError(f"lora_request {request.lora_name!r}: {err}") from None
-        scale = lora_scale(config)
         dtype = getattr(self.engine.lora, "dtype", torch.float32)
         targets = set(getattr(self.engine.lora, "target_modules", ()) or ())
         out = {}
@@ -251,7 +250,7 @@ class AdapterLoader:
                 # lora_manager.py load_from_hf: "LoRA module '...' not in target modules ..., skipping." (a warning)
                 log.warning("LoRA module '%s' not in target modules %s, skipping.", module, sorted(targets))
                 continue
-            out[(layer, module)] = (a.to(dtype), (b.to(torch.float32) * scale).to(dtype))
+            out[(layer, module)] = (a.to(dtype), b.to(dtype))
         return out
 
 
