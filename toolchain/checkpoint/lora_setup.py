@@ -100,7 +100,12 @@ def lora_setup(section: LoraSection) -> LoraSetup | None:
     """The section resolved against its adapters' files; None when the spec serves no LoRA."""
     if not section.enabled:
         return None
-    adapters = tuple(adapter_info(name, section.task_id(name), path) for name, path in section.adapters.items())
+    return setup_of(section, tuple(adapter_info(name, section.task_id(name), path)
+                                   for name, path in section.adapters.items()))
+
+
+def setup_of(section: LoraSection, adapters: tuple[AdapterInfo, ...]) -> LoraSetup:
+    """The engine's rank limit and modules from the section and its adapters, already read."""
     largest = max((a.rank for a in adapters), default=0)
     max_rank = section.max_lora_rank if section.max_lora_rank is not None else largest
     trained = {m for a in adapters for m in a.modules}

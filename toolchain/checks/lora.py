@@ -4,7 +4,7 @@ adapter, as TensorRT-LLM's PeftCacheManager requires at model load (plan/lora.py
 
 from __future__ import annotations
 
-from toolchain.checkpoint.lora_setup import adapter_info, lora_setup, setup_problems
+from toolchain.checkpoint.lora_setup import adapter_info, setup_of, setup_problems
 from toolchain.checks.registry import ENGINE, FAIL, PASS, SERVING, SKIP, WARN, Context, check
 from toolchain.errors import ToolchainError
 from toolchain.gpus import GIB
@@ -47,20 +47,20 @@ def _adapters(ctx: Context):
     refusal = lora_plan.family_refusal(p) if p is not None else None
     if refusal:
         problems.append(refusal)
-    unreadable = []
+    unreadable, read = [], []
     for name, path in section.adapters.items():  # each bad adapter in its own words, not only the first
         try:
-            adapter_info(name, section.task_id(name), path)
+            read.append(adapter_info(name, section.task_id(name), path))
         except ToolchainError as err:
             unreadable.append(f"LoRA adapter {name!r}: {str(err).removeprefix('LoRA adapter ')}")
     problems += unreadable
     setup = None
     if not unreadable:
-        setup = lora_setup(section)
-        if setup is not None and not setup.target_modules:
+        setup = setup_of(section, tuple(read))
+        if not setup.target_modules:
             problems.append("lora.target_modules is empty, so the engine would carry no LoRA module; name the "
                             "modules the adapters train, or drop the lora section")
-        elif p is not None and refusal is None and setup is not None:
+        elif p is not None and refusal is None:
             problems += setup_problems(setup, lora_plan.base_dims(p), p.num_hidden_layers, spec.parallelism.tp)
     if problems:
         return FAIL, "; ".join(problems)
