@@ -46,6 +46,8 @@ $(STAMP): pyproject.toml
 	@$(PIP) -e ".[test]" $(QUIET_PIP)
 	@echo "==> installing xgrammar 0.2.9 (structured output) without its GPU-only triton dependency ..."
 	@$(PIP) --no-deps "xgrammar==0.2.9" $(QUIET_PIP)
+	@echo "==> installing AIConfigurator's per-kernel database (aiconfigurator-core 0.12.0, data only) ..."
+	@$(PIP) --no-deps "aiconfigurator-core==0.12.0" $(QUIET_PIP)
 	@touch $(STAMP)
 	@echo "==> setup done: $(VENV)"
 

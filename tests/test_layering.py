@@ -55,7 +55,7 @@ FLOOR = {room: len(FLOORS) - i for i, rooms in enumerate(FLOORS) for room in roo
 # its top, where its caller should not pay for it.
 HEAVY = {"aiohttp", "uvloop", "torch", "transformers", "tokenizers", "safetensors", "tritonclient", "matplotlib", "fastapi", "uvicorn",
          "accelerate", "gguf", "modelopt", "pytriton", "dynamo", "aiperf", "triton_python_backend_utils",
-         "numpy", "grpc", "prometheus_client", "httptools", "jinja2", "huggingface_hub", "datasets", "xgrammar", "peft"}
+         "numpy", "pyarrow", "grpc", "prometheus_client", "httptools", "jinja2", "huggingface_hub", "datasets", "xgrammar", "peft"}
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,13 @@
     PYTHONPATH=. python -m tools.fit_efficiency            # fit, print every point's error, write the table
     PYTHONPATH=. python -m tools.fit_efficiency --check    # print the errors of the committed table only
 
-Reads toolchain/plan/data/silicon_points.json, fits one `perf.Efficiency` row per GPU generation that has
-measurements to the training points (calibration.held_out says which configurations are held out, and why),
-prints each point's measured and predicted TTFT, TPOT and throughput, the MAPE on the training and the
-held-out points, and writes toolchain/plan/data/efficiency.json (the rows, the split, the date, the held-out
-error), which plan/perf/efficiency.py loads. The fit minimises the mean absolute log error of TPOT plus half that of TTFT
+Reads toolchain/plan/data/silicon_points.json, fits one measured-kernel row (`kernel_rows`: what serving adds to
+AIConfigurator's kernel times, PARAMS) per measured card to its training points (calibration.held_out says which
+configurations are held out, and why), prints each point's measured and predicted TTFT, TPOT and throughput, the
+MAPE on the training and the held-out points, and writes toolchain/plan/data/efficiency.json (the rows, the
+split, the date, the held-out error), which plan/perf/efficiency.py loads; the roofline's rows (`rows`, for what
+the kernel database lacks) are carried as they are. Each card's row is its own runs' (the H100's TensorRT-LLM
+1.0.0rc3, the H200's and B200's a later release; `kernel_row_releases`): serving costs are the software's. The fit minimises the mean absolute log error of TPOT plus half that of TTFT
 (TPOT decides throughput; measured TTFT carries more noise: queueing of a closed loop's bunched arrivals)
 with a Nelder-Mead search, each parameter kept in its range by a transform. No NVIDIA published figure is
 read here: those check the result (tests/test_perf_calibration.py) and are never fitted to.
@@ -15,6 +17,7 @@ read here: those check the result (tests/test_perf_calibration.py) and are never
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -29,16 +32,18 @@ KERNELS = cal.DATA / "kernel_efficiency.json"
 
 TTFT_WEIGHT = 0.5
 RESTARTS = 3
-PARAMS = ("bandwidth", "compute", "link", "fixed_us", "latency", "seq_us", "ttft_ms")
-FRACTIONS = {"bandwidth", "compute", "link"}
-START = {"bandwidth": 0.8, "compute": 0.7, "link": 0.8, "fixed_us": 500.0, "latency": 2.0, "seq_us": 5.0, "ttft_ms": 50.0}
+PARAMS = ("kernel_scale", "link_scale", "fixed_us", "seq_us", "ttft_ms")
+"""What the measured-kernel step's row fits: the rest of a row (bandwidth, compute, link, latency) serves the
+roofline alone, whose rows (`rows`, fitted 2026-12-03 before the kernel layer) are kept as they are."""
+FRACTIONS: set[str] = set()
+START = {"kernel_scale": 1.0, "link_scale": 1.0, "fixed_us": 300.0, "seq_us": 5.0, "ttft_ms": 50.0}
 
 
-def to_eff(x: list[float]) -> perf.Efficiency:
-    values = {}
+def to_eff(x: list[float], base: perf.Efficiency = perf.DEFAULT_EFFICIENCY) -> perf.Efficiency:
+    values: dict = {"kernels": True}
     for name, v in zip(PARAMS, x, strict=True):
         values[name] = 1 / (1 + math.exp(-v)) if name in FRACTIONS else math.exp(v)
-    return perf.Efficiency(**values)
+    return dataclasses.replace(base, **values)
 
 
 def from_eff(values: dict[str, float]) -> list[float]:
@@ -134,24 +139,25 @@ def report(points, eff_of) -> None:
 def main(argv: list[str]) -> int:
     points = cal.measured_points()
     if "--check" in argv:
-        report(points, lambda p: perf.efficiency_of(gpus.lookup(p.gpu)))
+        report(points, lambda p: None)
         return 0
     rows: dict[str, dict[str, float]] = {}
     by_arch = defaultdict(list)
     for pt in points:
         if not cal.held_out(pt):
-            by_arch[arch_of(pt)].append(pt)
+            by_arch[pt.gpu].append(pt)
     for arch, train in sorted(by_arch.items()):
+        base = perf.EFFICIENCY[gpus.lookup(arch).arch]
         best = from_eff(START)
         for _ in range(RESTARTS):  # a simplex can stall; restarting from its best point is the usual cure
-            best = nelder_mead(lambda x, train=train: loss(train, to_eff(x)), best)
-        eff = to_eff(best)
+            best = nelder_mead(lambda x, train=train, base=base: loss(train, to_eff(x, base)), best)
+        eff = to_eff(best, base)
         rows[arch] = {n: round(getattr(eff, n), 4) for n in PARAMS}
         print(f"{arch}: {len(train)} training points, loss {loss(train, eff):.4f}: {rows[arch]}")
-    derived = derive_rows(rows)
-    fitted = {arch: perf.Efficiency(**row) for arch, row in rows.items()}
-    report(points, lambda p: fitted[arch_of(p)])
-    held = cal.mape((p for p in points if cal.held_out(p)), lambda p: fitted[arch_of(p)])
+    fitted = {name: dataclasses.replace(perf.EFFICIENCY[gpus.lookup(name).arch], **row, kernels=True)
+              for name, row in rows.items()}
+    report(points, lambda p: fitted[p.gpu])
+    held = cal.mape((p for p in points if cal.held_out(p)), lambda p: fitted[p.gpu])
     measured = {}
     for gpu in sorted({p.gpu for p in points}):
         runs = sorted({(p.model, p.method, p.backend_version, p.measured) for p in points if p.gpu == gpu})
@@ -159,19 +165,18 @@ def main(argv: list[str]) -> int:
             f"{model} {'bf16' if method == 'none' else method}, TensorRT-LLM "
             + (version if version != "not recorded" else f"version not recorded, measured {when}")
             for model, method, version, when in runs)
-    doc = {
-        "source": json.loads(cal.SILICON.read_text())["source"],
-        "points": "toolchain/plan/data/silicon_points.json",
+    doc = dict(perf.FITTED)
+    doc.update({
         "measured": measured,
         "split": (f"whole configurations (model, GPU, format, TP, ISL/OSL) held out: every {cal.HOLDOUT_EVERY}th "
                   "in sorted order (toolchain/plan/calibration.py held_out)"),
         "objective": f"mean absolute log error of TPOT + {TTFT_WEIGHT} x that of TTFT, Nelder-Mead",
-        "fitted": datetime.date.today().isoformat(),
+        "kernel_rows_fitted": datetime.date.today().isoformat(),
         "made_by": "PYTHONPATH=. python -m tools.fit_efficiency",
         "holdout_mape": {k: round(v, 2) for k, v in held.items()},
-        "rows": rows,
-        "derived": derived,
-    }
+        "kernel_rows": rows,
+        "kernel_row_releases": {name: perf.KERNEL_ROW_RELEASES.get(name, "?") for name in rows},
+    })
     cal.EFFICIENCY_FILE.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {cal.EFFICIENCY_FILE}")
     return 0

@@ -15,6 +15,7 @@ figure the table states cannot drift from the data (benchmarks/prediction.py rep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -172,7 +173,10 @@ def predict_measured(point: Measured, eff: perf.Efficiency | None = None) -> tup
     law), so its TTFT grows by (C / L - 1) x that time. The run is taken as WAVES x C requests from a standing
     start, so the first wave's queue weighs in the mean TTFT (perf.first_wave_ttft)."""
     device = gpus.lookup(point.gpu)
-    dep = measured_deployment(point, eff or perf.efficiency_of(device))
+    dep = measured_deployment(point, eff or perf.DEFAULT_EFFICIENCY)
+    if eff is None:
+        dep = dataclasses.replace(dep, eff=perf.efficiency_of(device, perf.measured_kernels(dep),
+                                                              release=perf.KERNEL_ROW_RELEASES.get(point.gpu)))
     running = min(point.concurrency, _kv_requests(*point.config))
     wait_iters, wait_ratio = batch_waiting(point)
     workload = perf.Workload(point.isl, point.osl, MAX_NUM_TOKENS, batch_wait_iters=wait_iters,
@@ -361,7 +365,8 @@ def predict_published(point: Published) -> perf.Performance:
     info = model_info(point.model)
     quant = quantization_of(spec.quantization, info.hf_config, hf_quant_config=info.hf_quant_config)
     device = gpus.lookup(point.gpu)
-    return perf.predict(spec, info, quant, device, plan_memory(spec, info, quant, device, suggest=False))
+    return perf.predict(spec, info, quant, device, plan_memory(spec, info, quant, device, suggest=False),
+                        release=point.release)
 
 
 def published_check(path: Path = PUBLISHED) -> list[tuple[Published, float]]:

@@ -246,6 +246,9 @@ class Format(_OnDevices):
     """The module kinds (quant/view.py MODULE_KINDS) the format can hold, where it quantizes only some (MXFP4: the
     routed experts); the checkpoint's exclude list can take more away (Quantization.modules). None: every linear."""
 
+    measured_gemm: str | None = None
+    """The gemm_dtype AIConfigurator's per-kernel database times this format's GEMMs under (plan/perf/kernels.py);
+    None: not measured, its GEMMs are predicted from the roofline."""
     gemm_plugin: str | None = None
     """The trtllm-build --gemm_plugin its quantized linears need, which build.gemm_plugin auto resolves to; None:
     the spec's own. NVFP4's FP4Linear runs its FP4 GEMM only under the nvfp4 plugin and otherwise dequantizes to a
@@ -321,18 +324,18 @@ _SCALAR = ("1",)
 # reads as such (W8A16 exports fp weights; W4A16 per channel does not exist).
 _WO_NO_HF = "has no pre-quantized Hugging Face format the PyTorch backend loads; use awq (int4 per group) or fp8"
 
-NONE = Format("none", None, "none", (), stored=FP_WEIGHT, built=FP_WEIGHT)
+NONE = Format("none", None, "none", (), stored=FP_WEIGHT, built=FP_WEIGHT, measured_gemm="bfloat16")
 INT8_WO = Format("int8_wo", "W8A16", "trtllm-build", (), stored=FP_WEIGHT, weight_only=True, devices=INTEGER_GPUS,
                  built=(Tensor("weight", ("out", "in"), "int8", "weight"),
                         Tensor("weights_scaling_factor", ("out",), "float16", "out_vec")),
-                 cpu_kernel="int8_wo", hf_why_not=_WO_NO_HF)
+                 cpu_kernel="int8_wo", hf_why_not=_WO_NO_HF, measured_gemm="int8_wo")
 INT4_WO = Format("int4_wo", "W4A16", "trtllm-build", (), stored=FP_WEIGHT, weight_only=True, devices=INTEGER_GPUS,
                  built=(_INT4_WEIGHT, Tensor("weights_scaling_factor", ("out",), "float16", "out_vec")),
-                 cpu_kernel="int4_wo", hf_why_not=_WO_NO_HF)
+                 cpu_kernel="int4_wo", hf_why_not=_WO_NO_HF, measured_gemm="int4_wo")
 AWQ = Format("awq", "W4A16_AWQ", "awq", ("absmean", "cov"), devices=INTEGER_GPUS, per_group=True,
              stored=(_INT4_WEIGHT, _INT4_GROUP_SCALES, _PREQUANT),
              built=(_INT4_WEIGHT, _INT4_GROUP_SCALES_BUILT, _PREQUANT),
-             cpu_kernel="int4_group", hf_name="int4_awq", hf_weight="uint8")
+             cpu_kernel="int4_group", hf_name="int4_awq", hf_weight="uint8", measured_gemm="int4_wo")
 SMOOTHQUANT = Format("smoothquant", "W8A8_SQ_PER_CHANNEL", "smoothquant", ("amax",), devices=INTEGER_GPUS,
                      stored=(Tensor("weight", ("out", "in"), "int8", "weight"),
                              Tensor("weights_scaling_factor", ("out",), "float32", "out_vec"),
@@ -340,7 +343,7 @@ SMOOTHQUANT = Format("smoothquant", "W8A8_SQ_PER_CHANNEL", "smoothquant", ("amax
                      built=(Tensor("weight", ("out", "in"), "int8", "weight"),
                             Tensor("weights_scaling_factor", ("out",), "float32", "out_vec"),
                             Tensor("activation_scaling_factor", _SCALAR, "float32", "scalar"), _PREQUANT),
-                     cpu_kernel="sq", math="int8",
+                     cpu_kernel="sq", math="int8", measured_gemm="sq",
                      # tensorrt_llm/_torch/modules/linear.py get_quant_method has no W8A8_SQ_PER_CHANNEL branch:
                      # the backend raises "unsupported quant mode" for it.
                      hf_why_not="(W8A8_SQ_PER_CHANNEL) does not load on the PyTorch backend; use fp8 or awq")
@@ -351,13 +354,13 @@ FP8 = Format("fp8", "FP8", "fp8", ("amax",), devices=FP8_GPUS,
              built=(Tensor("weight", ("out", "in"), "fp8", "weight"),
                     Tensor("weights_scaling_factor", _SCALAR, "float32", "scalar"),
                     Tensor("activation_scaling_factor", _SCALAR, "float32", "scalar")),
-             cpu_kernel="fp8", hf_name="fp8", hf_weight="fp8", math="fp8")
+             cpu_kernel="fp8", hf_name="fp8", hf_weight="fp8", math="fp8", measured_gemm="fp8")
 # An AutoAWQ (GEMM) or GPTQ int4 checkpoint imported losslessly (quant/prequantized.py): the same
 # QuantAlgo and kernel as awq, with zero points instead of the prequant vector (has_zero_point).
 IMPORTED_INT4 = Format("imported_int4", AWQ.quant_algo, "imported", (), devices=INTEGER_GPUS, per_group=True,
                        stored=(_INT4_WEIGHT, _INT4_GROUP_SCALES, _ZERO),
                        built=(_INT4_WEIGHT, _INT4_GROUP_SCALES_BUILT, _ZERO),
-                       cpu_kernel="int4_group",
+                       cpu_kernel="int4_group", measured_gemm="int4_wo",
                        hf_why_not="is an AutoAWQ/GPTQ import, which the LLM-API path loads from its own files")
 
 # NVFP4 (TensorRT-LLM FP4Linear / FP4RowLinear, tensorrt_llm/quantization/layers.py @2a9abd95; notes/i35-facts.md
@@ -382,7 +385,8 @@ NVFP4 = Format("nvfp4", "NVFP4", "nvfp4", ("amax",), devices=NVFP4_GPUS, group_s
                       Tensor("weights_global_scaling_factor", _SCALAR, "float32", "scalar"),
                       Tensor("activation_global_scaling_factor", _SCALAR, "float32", "scalar"),
                       Tensor("alpha", _SCALAR, "float32", "scalar")),
-               cpu_kernel="nvfp4", hf_name="nvfp4", hf_weight="uint8", math="fp4", gemm_plugin="nvfp4")
+               cpu_kernel="nvfp4", hf_name="nvfp4", hf_weight="uint8", math="fp4", gemm_plugin="nvfp4",
+               measured_gemm="nvfp4")
 # FP8 block scales (DeepSeek-V3's recipe; TensorRT-LLM FP8BlockScalesLinearMethod, tensorrt_llm/_torch/modules/
 # linear.py; notes/i35-facts.md section 4.2): e4m3 weights and one float32 dequantization scale (amax / 448) per
 # 128x128 tile, a partial tile at the edge having its own. Weights only: the activations are quantized per 1x128 at
@@ -395,7 +399,7 @@ _FP8_BLOCK = (Tensor("weight", ("out", "in"), "fp8", "weight"),
 FP8_BLOCK = Format("fp8_block", "FP8_BLOCK_SCALES", "fp8_block", (), devices=FP8_BLOCK_GPUS,
                    stored=_FP8_BLOCK, built=_FP8_BLOCK, cpu_kernel="fp8_block", tile=128,
                    # ModelOpt's name for it, mapped to FP8_BLOCK_SCALES by QuantConfig._map_new_to_legacy_args.
-                   hf_name="fp8_pb_wo", hf_weight="fp8", math="fp8",
+                   hf_name="fp8_pb_wo", hf_weight="fp8", math="fp8", measured_gemm="fp8_block",
                    # quantize() (tensorrt_llm/quantization/quantize.py @89fd9b74) has no FP8_BLOCK_SCALES branch.
                    engine_why_not="has no engine path in TensorRT-LLM 1.2 (trtllm-build's quantize() has no "
                                   "FP8_BLOCK_SCALES branch and would build the linears unquantized); use target llmapi")

@@ -4,6 +4,7 @@ fitted to measured runs (data/efficiency.json, made by tools/fit_efficiency.py),
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,13 @@ class Efficiency:
     ttft_ms: float = 0.0
     """What a request spends before its first iteration (receiving, tokenizing, scheduling) and after its first
     token (detokenizing, sending), in milliseconds, added to TTFT only."""
+    kernel_scale: float = 1.0
+    """Measured kernels (plan/perf/kernel_step.py): their time in serving over their time measured alone."""
+    link_scale: float = 1.0
+    """Measured kernels: an all-reduce's time in serving over its time measured alone."""
+    kernels: bool = False
+    """The row is the measured-kernel step's (KERNEL_ROWS): a step on it looks its kernels up where AIConfigurator's
+    database has them (plan/perf/kernel_step.py); a roofline row never does."""
 
 
 # The documented defaults, for what the fit does not reach (and the hand-computed tests' reference):
@@ -55,13 +63,58 @@ those cards (tools/fit_efficiency.py derive_rows): their fixed costs (per step, 
 the card's own link latency, per sequence, per request) come from the host and the same TensorRT-LLM software,
 so they carry over. The basis says which kind of row a card gets."""
 EFFICIENCY: dict[str, Efficiency] = {arch: Efficiency(**row) for arch, row in FITTED["rows"].items()}
+
+
+def _arch_of(name: str) -> str:
+    return next(g.arch for g in GPUS if g.name == name)
+
+
 for _arch in ("Ampere", "Ada", "Hopper", "Blackwell"):
     EFFICIENCY.setdefault(_arch, EFFICIENCY.get(CARRIED_FROM, DEFAULT_EFFICIENCY))
 BASIS = "roofline x efficiencies fitted to AIConfigurator 0.12.0 silicon samples"
 """The start of every fitted prediction's `basis`; `basis_of` completes it for a card."""
 
 
-def efficiency_of(gpu: Gpu) -> Efficiency:
+KERNEL_ROWS: dict[str, Efficiency] = {name: dataclasses.replace(EFFICIENCY[_arch_of(name)], **row, kernels=True)
+                                      for name, row in FITTED.get("kernel_rows", {}).items()}
+"""The rows of the measured-kernel step (plan/perf/kernel_step.py), one per measured card: what serving adds to
+AIConfigurator's kernel times (per step, per sequence, per request, and the kernels' and all-reduces' time in
+serving over alone), fitted to that card's measured runs by tools/fit_efficiency.py."""
+KERNEL_ROW_RELEASES: dict[str, str] = FITTED.get("kernel_row_releases", {})
+"""The TensorRT-LLM release each kernel row's runs measured (the H100's 1.0.0rc3; the H200's and B200's, measured on
+2025-10-29 without a recorded version, the 1.1 line then current). What serving adds is the software's and the
+host's, not the card's: a prediction takes the row of the release nearest the one it predicts, then of its own
+generation, then of its own card (`kernel_row`)."""
+PREDICTED_RELEASE = "1.2"
+"""The TensorRT-LLM release a plan predicts (the toolchain deploys 1.2.1); a published table names its own."""
+
+
+def _release(version: str) -> float:
+    major, minor = (version.split(".") + ["0"])[:2]
+    return int(major) + int("".join(c for c in minor if c.isdigit()) or 0) / 100
+
+
+def kernel_row(gpu: Gpu, release: str | None = None) -> tuple[str, Efficiency] | None:
+    """(the measured card, its row) a measured-kernel prediction on `gpu` takes for TensorRT-LLM `release`
+    (PREDICTED_RELEASE by default); None when no row is fitted."""
+    if not KERNEL_ROWS:
+        return None
+    want = _release(release or PREDICTED_RELEASE)
+
+    def rank(name: str) -> tuple[float, bool, bool]:
+        got = KERNEL_ROW_RELEASES.get(name)
+        return (abs(_release(got) - want) if got else 9.0, _arch_of(name) != gpu.arch, name != gpu.name)
+
+    name = min(sorted(KERNEL_ROWS), key=rank)
+    return name, KERNEL_ROWS[name]
+
+
+def efficiency_of(gpu: Gpu, measured_kernels: bool = False, release: str | None = None) -> Efficiency:
+    """The card's row: the measured-kernel step's (`measured_kernels`, where a row is fitted; `kernel_row`) or
+    the roofline's."""
+    row = kernel_row(gpu, release) if measured_kernels else None
+    if row is not None:
+        return row[1]
     return EFFICIENCY.get(gpu.arch, DEFAULT_EFFICIENCY)
 
 
@@ -69,7 +122,7 @@ def basis_of(gpu: Gpu) -> str:
     """What a prediction on `gpu` rests on: the fit (the runs of its generation it was fitted to, with their
     TensorRT-LLM versions, and the held-out error), and whether this card itself, its generation, or neither was
     measured end to end."""
-    held = FITTED["holdout_mape"]
+    held = FITTED.get("roofline_holdout_mape", FITTED["holdout_mape"])
     error = (f"held-out MAPE TPOT {held['tpot']:.0f}%, throughput {held['throughput']:.0f}%, "
              f"TTFT {held['ttft']:.0f}%")
     measured = FITTED["measured"]

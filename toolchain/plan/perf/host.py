@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from toolchain.gpus import Gpu, Link
 from toolchain.hostprofile import HostProfile
+from toolchain.plan.perf import kernel_step
 from toolchain.plan.perf.efficiency import DEFAULT_EFFICIENCY, Efficiency
 from toolchain.plan.perf.step import (StageCost, StepTime, Work, allreduce_seconds, experts_touched, gpu_step_time,
                                       sequences)
@@ -121,4 +122,6 @@ def step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: str = "f
     process running `shards` ranks' shards one after another (serving.launch single)."""
     if isinstance(gpu, HostRow):
         return host_step_time(cost, gpu, work, math_precision=math_precision, tp=tp, eff=eff, shards=shards)
+    if eff.kernels and kernel_step.available(cost, gpu, tp):
+        return kernel_step.kernel_step_time(cost, gpu, work, tp=tp, eff=eff)
     return gpu_step_time(cost, gpu, work, math_precision=math_precision, tp=tp, eff=eff)

@@ -13,8 +13,9 @@ from toolchain.errors import ToolchainError
 from toolchain.gpus import Gpu
 from toolchain.hostprofile import HostProfile, load_profile, missing_note
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, kv_dtype, kv_dtype_bytes, load_model, weight_dtype
-from toolchain.plan.perf.efficiency import Efficiency, basis_of, efficiency_of
+from toolchain.plan.perf.efficiency import FITTED, KERNEL_ROW_RELEASES, Efficiency, basis_of, efficiency_of, kernel_row
 from toolchain.plan.perf.host import CPU_PRECISION, host_efficiency, host_row
+from toolchain.plan.perf.kernel_step import describe, measured_kernels, unmeasured
 from toolchain.plan.perf.lora import lora_load
 from toolchain.plan.perf.schedule import Deployment, Workload, best_point, queued
 from toolchain.plan.perf.step import StageCost, stage_cost
@@ -97,7 +98,8 @@ def acceptance(spec) -> tuple[float, str | None]:
 
 
 def deployment(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft: ModelInfo | None = None,
-               eff: Efficiency | None = None, profile: HostProfile | None = None) -> tuple[Deployment, list[str]]:
+               eff: Efficiency | None = None, profile: HostProfile | None = None,
+               release: str | None = None) -> tuple[Deployment, list[str]]:
     """The replica the spec describes, and notes on what the prediction assumes. With `profile` (a CPU target)
     the device is this host (`host_row`), in the CPU engine's bytes and precisions."""
     p, par = model.params, spec.parallelism
@@ -143,6 +145,8 @@ def deployment(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft: 
         notes.append(f"speculative.mode {sp.mode}: drafting networks counted only as the tokens they add to a step")
     dep = Deployment(device, stages, par.tp, math_precision, eff or efficiency_of(device), draft_cost,
                      draft_len, 1.0 + share * draft_len, shards)
+    if eff is None and profile is None and measured_kernels(dep):
+        dep = dataclasses.replace(dep, eff=efficiency_of(device, measured_kernels=True, release=release))
     return dep, notes
 
 
@@ -158,12 +162,12 @@ def with_lora(spec, p, stages: tuple[StageCost, ...], dtype_bytes: int) -> tuple
 
 def predict(spec, model: ModelInfo, quant: Quantization, device: Gpu, memory: MemoryPlan,
             draft: ModelInfo | None = None, eff: Efficiency | None = None, profile: HostProfile | None = None,
-            concurrency: int | None = None, bench_run: bool = False) -> Performance:
+            concurrency: int | None = None, bench_run: bool = False, release: str | None = None) -> Performance:
     """TTFT and TPOT at `concurrency` (default validation.workload.concurrency), and the maximum output
     throughput, of a spec that fits; on this host's CPU engine with `profile`. TTFT is the steady state's (a
     service long running), or with `bench_run` the mean over a `toolchain bench` level, whose num_requests
     requests start with all C at once (Workload.requests; not with duration_s or an open loop)."""
-    dep, notes = deployment(spec, model, quant, device, draft, eff, profile)
+    dep, notes = deployment(spec, model, quant, device, draft, eff, profile, release)
     wl, lim = spec.validation.workload, spec.limits
     run = bench_run and wl.duration_s is None and wl.mode == "concurrency"
     requests = wl.num_requests if run else 0
@@ -206,12 +210,27 @@ def predict(spec, model: ModelInfo, quant: Quantization, device: Gpu, memory: Me
         basis = f"host profile {profile.date}" + (f" (serving: {profile.serving['protocol']})"
                                                   if profile.serving else " (engine only)")
     else:
-        basis = basis_of(device) if eff is None else "roofline x given efficiencies"
+        basis = gpu_basis(dep, device, eff, release)
     return Performance(best.output_tokens_per_s, best.output_tokens_per_s / dep.gpus, best.concurrency, limit,
                        limited_by, c, at.ttft_s * 1e3, at.tpot_s * 1e3,
                        {"context": at.context_bound, "generation": at.generation_bound}, usd, basis,
                        {"input_tokens": w.isl, "output_tokens": w.osl, "concurrency": c},
                        dep.tokens_per_step, notes, at.output_tokens_per_s)
+
+
+def gpu_basis(dep: Deployment, device: Gpu, eff: Efficiency | None, release: str | None) -> str:
+    """What a GPU prediction rests on: the measured kernels and the row of serving costs it took, or the roofline's
+    fitted row and why the kernel database did not serve (extrapolated from it)."""
+    if eff is not None:
+        return "roofline x given efficiencies" if not eff.kernels else describe(dep, None) + " x given serving costs"
+    if dep.eff.kernels:
+        row = kernel_row(device, release)
+        held = FITTED["holdout_mape"]
+        error = f"held-out MAPE TPOT {held['tpot']:.0f}%, throughput {held['throughput']:.0f}%, TTFT {held['ttft']:.0f}%"
+        return (f"{describe(dep, row[0] if row else None)} (TensorRT-LLM "
+                f"{KERNEL_ROW_RELEASES.get(row[0], '?') if row else '?'}), {error}")
+    why = unmeasured(dep)
+    return basis_of(device) + (f"; extrapolated: {why}" if why else "")
 
 
 def host_profile_of(spec) -> HostProfile | None:

@@ -24,6 +24,28 @@ ACT_BYTES = 2  # activations travel between ranks in the half type (fp16/bf16) u
 
 
 @dataclass(frozen=True)
+class KernelShapes:
+    """What the measured-kernel step (kernel_step.py) looks up for one rank of a dense stage: its GEMMs by shape
+    in the format's measured precision, its attention heads and KV precision."""
+
+    gemm_dtype: str
+    """The format's gemm_dtype in AIConfigurator's database (quant/formats.py Format.measured_gemm)."""
+    weight_bytes: float
+    """Bytes per weight element in the built format, scales included (the speed of light of an unmeasured shape)."""
+    gemms: tuple[tuple[int, int], ...]
+    """(n, k) of one layer's GEMMs as both paths fuse them: qkv, the output projection, gate and up together, down."""
+    lm_head: tuple[int, int] | None
+    """(n, k) of the lm_head on the last stage (its rank's vocabulary slice), run in the half type; else None."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    """"fp8" for a one-byte KV cache (int8 too: the database has fp8 only), else "bfloat16"."""
+    mlp_width: int
+    """The rank's intermediate size (the activation's elementwise bytes)."""
+
+
+@dataclass(frozen=True)
 class StageCost:
     """What one rank of a pipeline stage reads and computes, per step and per token."""
 
@@ -66,6 +88,8 @@ class StageCost:
     ranks holding its tokens' experts (`exchange_tokens`); 0 without attention DP, where the all-reduces combine."""
     lora: LoraLoad | None = None
     """The LoRA adapters the workload runs on this rank (perf/lora.py); None without LoRA."""
+    kernels: KernelShapes | None = None
+    """The shapes the measured-kernel step looks up (dense stages in a measured format); None: the roofline only."""
 
 
 def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantization, dt_bytes: int, kv_bytes: int,
@@ -112,12 +136,30 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantiza
     lm_head = 2.0 * (mem.padded_vocab(p, attn_tp) // attn_tp) * p.hidden_size if last else 0.0
     heads = p.num_attention_heads // attn_tp
     generation, context = attention.pair_flops(p, heads)
+    kernels = None
+    if not moe_layers and p.mla is None and not attention_dp and quant.format.measured_gemm and layers:
+        kernels = kernel_shapes(p, shapes, quant, dt_bytes, kv_bytes, attn_tp, last)
     return StageCost(layers, p.hidden_size, read, expert_bytes, experts, share, gemm, lm_head,
                      mem.kv_bytes_per_token(p, tp=attn_tp, stage_layer_count=layers, kv_bytes=kv_bytes),
                      generation * layers, attention.layer_caps(p, stage),
                      None if context == generation else context * layers,
                      attention.expand_flops(p, heads) * layers, routed, tp if attention_dp else 1,
-                     moe_layers, exchange)
+                     moe_layers, exchange, kernels=kernels)
+
+
+def kernel_shapes(p: ArchParams, shapes: list[tuple[str, int, int]], quant: Quantization, dt_bytes: int,
+                  kv_bytes: int, tp: int, last: bool) -> KernelShapes:
+    """A dense stage's GEMMs as the engine runs them: q, k and v as one GEMM, gate and up (fc) as one."""
+    by_name = {name: (out, inp) for name, out, inp in shapes}
+    (qkv_n, h), (dense_n, dense_k) = by_name["qkv"], by_name["dense"]
+    fc_n, _ = by_name["fc"]
+    proj_n, proj_k = by_name["proj"]
+    element = mem.linear_bytes(qkv_n, h, quant, dt_bytes) / (qkv_n * h)
+    lm_head = (mem.padded_vocab(p, tp) // tp, p.hidden_size) if last else None
+    return KernelShapes(str(quant.format.measured_gemm), element,
+                        ((qkv_n, h), (dense_n, dense_k), (2 * fc_n, h), (proj_n, proj_k)), lm_head,
+                        p.num_attention_heads // tp, mem.kv_heads_per_rank(p, tp), p.head_size,
+                        "fp8" if kv_bytes == 1 else "bfloat16", proj_k)
 
 
 def exchange_tokens(top_k: int, ranks: int, moe_ep: int) -> float:

@@ -1,0 +1,125 @@
+"""The measured-kernel layer: AIConfigurator 0.12.0's per-operation database read from the installed package
+(plan/perf/kernels.py) and the step built from it (plan/perf/kernel_step.py)."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from toolchain import gpus
+from toolchain.plan import calibration as cal
+from toolchain.plan import perf
+from toolchain.plan.perf import kernel_step
+from toolchain.plan.perf import kernels as db
+from toolchain.quant.view import Quantization
+
+H100 = gpus.lookup("H100 80GB")
+A100 = gpus.lookup("A100 80GB")
+
+
+def _table_latency(system: str, dtype: str, m: int, n: int, k: int) -> float:
+    t = db.table(system, "gemm", "gemm_perf")
+    assert t is not None
+    rows = pq.read_table(t.path, columns=["gemm_dtype", "m", "n", "k", "latency"]).to_pylist()
+    return next(r["latency"] for r in rows if (r["gemm_dtype"], r["m"], r["n"], r["k"]) == (dtype, m, n, k))
+
+
+def test_the_database_is_installed_and_its_newest_version_is_read():
+    assert db.data_root() is not None, "make setup installs aiconfigurator-core 0.12.0"
+    t = db.table("h100_sxm", "gemm", "gemm_perf")
+    assert t is not None and t.version == "1.3.0rc20"
+    assert db.table("a100_sxm", "gemm", "gemm_perf").version == "1.0.0"
+    assert db.table("h100_pcie", "gemm", "gemm_perf") is None  # an empty directory in 0.12.0
+
+
+def test_a_measured_gemm_is_the_tables_own_latency_and_interpolates_between_rows():
+    sites = db.gemm_sites("h100_sxm", "fp8")
+    assert sites is not None
+    measured = _table_latency("h100_sxm", "fp8", 1024, 4096, 4096)
+    ms, within = db.gemm_ms(H100, sites, "fp8", 1.0, 1024, 4096, 4096)
+    assert within and ms == pytest.approx(max(measured, db.gemm_sol_ms(H100, "fp8", 1.0, 1024, 4096, 4096)))
+    lo, hi = (db.gemm_ms(H100, sites, "fp8", 1.0, m, 4096, 4096)[0] for m in (1024, 1280))
+    mid = db.gemm_ms(H100, sites, "fp8", 1.0, 1152, 4096, 4096)[0]
+    assert min(lo, hi) <= mid <= max(lo, hi)
+
+
+def test_past_the_largest_row_the_boundary_util_is_held():
+    sites = db.gemm_sites("h100_sxm", "bfloat16")
+    top = max(sites.sites[(4096, 4096)][0])
+    at_top = db.gemm_ms(H100, sites, "fp16", 2.0, top, 4096, 4096)[0]
+    twice = db.gemm_ms(H100, sites, "fp16", 2.0, 2 * top, 4096, 4096)[0]
+    assert twice == pytest.approx(2 * at_top, rel=0.02)  # compute-bound: twice the rows, twice the time
+
+
+def test_an_unmeasured_shape_borrows_the_nearest_sites_util():
+    sites = db.gemm_sites("h100_sxm", "fp8")
+    assert (28672, 4096) not in sites.sites  # Llama-3.1-8B's gate and up at TP1
+    ms, within = db.gemm_ms(H100, sites, "fp8", 1.0, 512, 28672, 4096)
+    assert within
+    sol = db.gemm_sol_ms(H100, "fp8", 1.0, 512, 28672, 4096)
+    utils = [db.gemm_sol_ms(H100, "fp8", 1.0, 512, *s) / db.gemm_ms(H100, sites, "fp8", 1.0, 512, *s)[0]
+             for _, s in db.nearest_sites(sites, 28672, 4096)]
+    assert min(utils) - 1e-9 <= sol / ms <= max(utils) + 1e-9
+    # a shape far from every site still gets the nearest one's util, and says it lay outside the data
+    assert db.gemm_ms(H100, sites, "fp8", 1.0, 512, 2 ** 20, 32)[1] is False
+
+
+def test_no_kernel_is_faster_than_the_datasheet():
+    # AIConfigurator 0.12.0's A100 generation-attention table (a `legacy` collection) reads faster than 2039 GB/s
+    grid, _ = db.nearest_grid(db.attention_grids("a100_sxm", "generation", 128, "bfloat16"), 32, 8)
+    kv_bytes = 128 * 2048 * 8 * 128 * 2 * 2  # batch x tokens x kv heads x head size x (K, V) x bf16
+    assert db.grid_ms(grid, 128, 2048, lambda x: x) < kv_bytes / 2039e9 * 1e3
+    p = cal.model_info("llama-3.1-8b").params
+    cost = perf.stage_cost(p, tp=1, pp_rank=0, pp=1, quant=Quantization(), dt_bytes=2, kv_bytes=2)
+    _, generation = kernel_step.attention_ms(cost, cost.kernels, "a100_sxm", perf.generation_work(128, 2048), A100)
+    assert generation >= 128 * 2048 * cost.kv_bytes_per_token / 2039e9 * 1e3 * (1 - 1e-9)
+
+
+def _dep(model: str, gpu: str, method: str = "fp8", tp: int = 1) -> perf.Deployment:
+    point = cal.Measured(model, gpu, method, tp, 1024, 1024, 8, 0.0, 0.0, "", "", "")
+    dep = cal.measured_deployment(point, perf.DEFAULT_EFFICIENCY)
+    return dep
+
+
+def test_a_dense_deployment_on_a_measured_card_steps_on_measured_kernels():
+    dep = _dep("llama-3.1-70b", "H100 80GB", tp=4)
+    assert perf.measured_kernels(dep) and kernel_step.unmeasured(dep) is None
+    row = perf.efficiency_of(dep.gpu, measured_kernels=True)
+    assert row.kernels and row is not perf.efficiency_of(dep.gpu)
+    step = perf.step_time(dep.stages[0], dep.gpu, perf.generation_work(64, 2048), math_precision="fp8", tp=4, eff=row)
+    roof = perf.step_time(dep.stages[0], dep.gpu, perf.generation_work(64, 2048), math_precision="fp8", tp=4,
+                          eff=perf.efficiency_of(dep.gpu))
+    assert step.seconds != roof.seconds and step.comm_s > 0  # the all-reduce from its own table
+
+
+def test_what_the_database_lacks_is_predicted_from_the_roofline_and_said_so():
+    pcie = _dep("llama-3.1-8b", "H100 PCIe")
+    assert not perf.measured_kernels(pcie)
+    assert "no kernel data for H100 PCIe" in kernel_step.unmeasured(pcie)
+    moe = cal.Published("deepseek-r1", "B200 180GB", "nvfp4", 4, 1024, 1024, 1.0, attention_dp=True,
+                        per_gpu=True, path="pytorch", release="1.2")
+    assert "extrapolated" in cal.predict_published(moe).basis
+    dense = cal.published_points(cal.PUBLISHED_V1_0)[0]
+    basis = cal.predict_published(dense).basis
+    assert "measured kernels (h200_sxm, TensorRT-LLM 1.3.0rc20" in basis and "extrapolated" not in basis
+
+
+def test_a_missing_database_falls_back_to_the_roofline(monkeypatch):
+    monkeypatch.setattr(db, "data_root", lambda: None)
+    for fn in (db.gemm_sites, db.attention_grids, db.allreduce_curves, kernel_step._available):
+        fn.cache_clear()
+    try:
+        dep = _dep("llama-3.1-8b", "H100 80GB")
+        assert not perf.measured_kernels(dep)
+        assert "not installed" in kernel_step.unmeasured(dep)
+    finally:
+        monkeypatch.undo()
+        for fn in (db.gemm_sites, db.attention_grids, db.allreduce_curves, kernel_step._available):
+            fn.cache_clear()
+
+
+def test_published_tables_take_the_serving_costs_of_the_nearest_measured_release():
+    h200 = gpus.lookup("H200 141GB")
+    assert perf.kernel_row(h200, "1.0")[0] == "H100 80GB"  # TensorRT-LLM 1.0.0rc3's runs
+    assert perf.kernel_row(h200)[0] == "H200 141GB"  # what the toolchain deploys (1.2.1): the newest runs
+    assert perf.kernel_row(gpus.lookup("GB200 186GB"))[0] == "B200 180GB"

@@ -1,0 +1,191 @@
+"""One step of one rank from measured kernels: the stage's GEMMs, attention and all-reduces each looked up in
+AIConfigurator's per-operation database (kernels.py) at the step's shapes, one after another, plus the elementwise
+kernels between them and the step's fixed costs.
+
+A layer runs, as both TensorRT-LLM paths lay a dense decoder out (AIConfigurator's sdk/models/llama.py lists the
+same operations): the fused qkv GEMM, attention (the prompt chunks' context attention and the generating
+sequences' decode attention, each at its own batch and length), the output projection, an all-reduce, the
+residual add and norm, the fused gate-and-up GEMM, the activation, the down projection, an all-reduce, the add
+and norm. The last stage adds the lm_head over the rows that sample (in the half type). The elementwise kernels
+move their bytes at AIConfigurator's memory-bound rule (bytes / (0.8 x bandwidth) + 3 us: its systems/*.yaml
+`mem_bw_empirical_scaling_factor` and `mem_empirical_constant_latency`).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from toolchain.gpus import Gpu
+from toolchain.plan.perf import kernels as db
+from toolchain.plan.perf.attention import Span
+from toolchain.plan.perf.efficiency import Efficiency
+from toolchain.plan.perf.step import ACT_BYTES, KernelShapes, StageCost, StepTime, Work, sequences
+
+ELEMENTWISE_BANDWIDTH = 0.8
+ELEMENTWISE_US = 3.0
+
+
+def available(cost: StageCost, gpu: Gpu, tp: int) -> bool:
+    """The database has this GPU, the format's GEMMs, the stage's attention and (tp > 1) the all-reduce."""
+    return cost.kernels is not None and _available(cost.kernels, gpu.name, tp)
+
+
+@cache
+def _available(k: KernelShapes, gpu_name: str, tp: int) -> bool:
+    if gpu_name not in db.SYSTEMS:
+        return False
+    system = db.SYSTEMS[gpu_name]
+    if db.gemm_sites(system, k.gemm_dtype) is None or db.gemm_sites(system, "bfloat16") is None:
+        return False
+    if not db.attention_grids(system, "context", k.head_dim, k.kv_dtype, _fmha(system, k)):
+        return False
+    if not db.attention_grids(system, "generation", k.head_dim, k.kv_dtype):
+        return False
+    return tp <= 1 or db.allreduce_ms(system, 1.0, tp) is not None
+
+
+def measured_kernels(dep) -> bool:
+    """Every stage of a GPU deployment steps on measured kernels (`available`)."""
+    return all(available(c, dep.gpu, dep.tp) for c in dep.stages)
+
+
+def _fmha(system: str, k: KernelShapes) -> str:
+    """The context FMHA's precision: bf16 (FP8 context FMHA is an opt-in of both paths)."""
+    return "bfloat16"
+
+
+def unmeasured(dep) -> str | None:
+    """Why a GPU deployment does not step on measured kernels (None: it does): what AIConfigurator 0.12.0's
+    database lacks for it, in words for the basis."""
+    gpu = dep.gpu
+    if gpu.name not in db.SYSTEMS:
+        return f"AIConfigurator {db.VERSION} has no kernel data for {gpu.name}"
+    if db.data_root() is None:
+        return f"{db.PACKAGE} {db.VERSION} (its kernel database) is not installed: run `make setup`"
+    for cost in dep.stages:
+        k = cost.kernels
+        if k is None:
+            return "the kernel database holds no kernels for this family or format (experts, latent attention or attention DP)"
+        system = db.SYSTEMS[gpu.name]
+        if db.gemm_sites(system, k.gemm_dtype) is None:
+            return f"the kernel database has no {k.gemm_dtype} GEMMs on {gpu.name}"
+        if not available(cost, gpu, dep.tp):
+            return (f"the kernel database lacks attention of head size {k.head_dim} with a {k.kv_dtype} KV cache or "
+                    f"a {dep.tp}-GPU all-reduce on {gpu.name}")
+    return None
+
+
+def describe(dep, row: str | None) -> str:
+    """What a measured-kernel prediction rests on: the database's tables for the card, and the measured runs the
+    serving costs (`row`, the measured card of efficiency.kernel_row) were fitted to."""
+    k = dep.stages[0].kernels
+    assert k is not None
+    sites = db.gemm_sites(db.SYSTEMS[dep.gpu.name], k.gemm_dtype)
+    assert sites is not None
+    kernels = (f"AIConfigurator {db.VERSION}'s measured kernels ({sites.table.system}, TensorRT-LLM "
+               f"{sites.table.version}, the PyTorch backend's; on the engine path they stand in for its own)")
+    return kernels if row is None else f"{kernels} + serving costs fitted to {row}'s measured runs"
+
+
+def kernel_step_time(cost: StageCost, gpu: Gpu, work: Work, *, tp: int, eff: Efficiency) -> StepTime:
+    """One step of one rank of a dense stage from the measured kernels (`available` must hold)."""
+    k = cost.kernels
+    assert k is not None and gpu.bandwidth_gb_s is not None
+    system = db.SYSTEMS[gpu.name]
+    sites = db.gemm_sites(system, k.gemm_dtype)
+    half = db.gemm_sites(system, "bfloat16")
+    assert sites is not None and half is not None
+    precision = {"bfloat16": "fp16", "nvfp4": "fp4", "fp8_block": "fp8", "int8_wo": "fp16", "int4_wo": "fp16",
+                 "sq": "int8"}.get(k.gemm_dtype, k.gemm_dtype)
+    tokens = work.tokens
+    memory_ms = compute_ms = 0.0
+
+    def add(ms: float, memory_bound: bool) -> None:
+        nonlocal memory_ms, compute_ms
+        if memory_bound:
+            memory_ms += ms
+        else:
+            compute_ms += ms
+
+    if tokens > 0:
+        for n, kk in k.gemms:
+            ms, _ = db.gemm_ms(gpu, sites, precision, k.weight_bytes, tokens, n, kk)
+            add(ms * cost.layers, _memory_bound(gpu, precision, k.weight_bytes, tokens, n, kk))
+    if k.lm_head is not None and work.logits > 0:
+        n, kk = k.lm_head
+        ms, _ = db.gemm_ms(gpu, half, "fp16", 2.0, work.logits, n, kk)
+        add(ms, _memory_bound(gpu, "fp16", 2.0, work.logits, n, kk))
+    context_ms, generation_ms = attention_ms(cost, k, system, work, gpu)
+    add(context_ms, False)
+    add(generation_ms, True)
+    elementwise_ms = 0.0
+    if tokens > 0:
+        hidden_bytes = tokens * cost.hidden * ACT_BYTES
+        per_layer = [3 * hidden_bytes, 3 * hidden_bytes, 3 * tokens * k.mlp_width * ACT_BYTES]  # add+norm x2, act
+        elementwise_ms = cost.layers * sum(_elementwise_ms(gpu, b) for b in per_layer)
+        elementwise_ms += _elementwise_ms(gpu, hidden_bytes)  # the embedding's gather
+    comm_ms = 0.0
+    if tp > 1 and tokens > 0:
+        one = db.allreduce_ms(system, tokens * cost.hidden, tp)
+        assert one is not None
+        comm_ms = 2 * cost.layers * one * eff.link_scale
+    if cost.lora is not None:  # the adapters' shrink and expand GEMMs (not in the database): the roofline's
+        lora_bytes = cost.lora.bytes_read(sequences(work)) / (gpu.bandwidth_gb_s * 1e9 * eff.bandwidth)
+        lora_flops = tokens * cost.lora.flops_per_token / ((gpu.peak("fp16") or 1.0) * 1e12 * eff.compute)
+        add(max(lora_bytes, lora_flops) * 1e3 / eff.kernel_scale, lora_bytes >= lora_flops)
+    fixed_s = (eff.fixed_us + eff.seq_us * work.logits) * 1e-6
+    kernels_ms = (memory_ms + compute_ms + elementwise_ms) * eff.kernel_scale
+    return StepTime((memory_ms + elementwise_ms) * 1e-3 * eff.kernel_scale, compute_ms * 1e-3 * eff.kernel_scale,
+                    comm_ms * 1e-3, fixed_s, kernels_ms * 1e-3)
+
+
+def _memory_bound(gpu: Gpu, precision: str, weight_bytes: float, m: float, n: int, k: int) -> bool:
+    peak = (gpu.peak(precision) or gpu.peak("fp16") or 1.0) * 1e12
+    assert gpu.bandwidth_gb_s is not None
+    return (n * k * weight_bytes + 2.0 * m * (n + k)) / (gpu.bandwidth_gb_s * 1e9) > 2.0 * m * n * k / peak
+
+
+def _elementwise_ms(gpu: Gpu, nbytes: float) -> float:
+    assert gpu.bandwidth_gb_s is not None
+    return (nbytes / (gpu.bandwidth_gb_s * 1e9 * ELEMENTWISE_BANDWIDTH) + ELEMENTWISE_US * 1e-6) * 1e3
+
+
+def attention_ms(cost: StageCost, k: KernelShapes, system: str, work: Work, gpu: Gpu) -> tuple[float, float]:
+    """(context, generation) attention milliseconds of the step over the stage's layers: each prompt chunk at its
+    batch and length (a chunk after cached tokens in proportion to its (query, key) pairs), each generation span
+    at its batch and cached length, layer group by group under their caps (windows, chunks). Neither is taken
+    faster than the datasheet allows: a generation span reads its cached K and V at most at the card's
+    bandwidth, a chunk's FLOPs run at most at its half-precision peak (the A100's generation table in
+    AIConfigurator 0.12.0, a `legacy` collection, reads faster than the A100's 2039 GB/s)."""
+    assert gpu.bandwidth_gb_s is not None
+    bandwidth = gpu.bandwidth_gb_s * 1e9
+    peak = (gpu.peak("fp16") or 1.0) * 1e12
+    per_layer_kv = cost.kv_bytes_per_token / max(cost.layers, 1)
+    per_layer_flops = cost.attention_flops / max(cost.layers, 1)
+    ctx_grids = db.attention_grids(system, "context", k.head_dim, k.kv_dtype, _fmha(system, k))
+    gen_grids = db.attention_grids(system, "generation", k.head_dim, k.kv_dtype)
+    ctx = db.nearest_grid(ctx_grids, k.heads, k.kv_heads)
+    gen = db.nearest_grid(gen_grids, k.heads, k.kv_heads)
+    assert ctx is not None and gen is not None
+    spans: tuple[Span, ...] = work.spans
+    context = generation = 0.0
+    groups = cost.caps or ((None, cost.layers),)
+    for cap, layers in groups:
+        for s in spans:
+            if s.sequences <= 0 or s.tokens <= 0:
+                continue
+            if s.causal:
+                grid, scale = ctx
+                whole = s.start + s.tokens if cap is None else min(s.start + s.tokens, cap)
+                ms = db.grid_ms(grid, s.sequences, whole, lambda x: x * x)
+                full_pairs = whole * (whole + 1) / 2
+                share = s.pairs(cap) / s.sequences / full_pairs if full_pairs else 0.0
+                floor = s.pairs(cap) * per_layer_flops / peak * 1e3
+                context += layers * max(ms * scale * share, floor)
+            else:
+                grid, scale = gen
+                seen = s.start if cap is None else min(s.start, cap)
+                ms = db.grid_ms(grid, s.sequences * s.tokens, max(seen, 1.0), lambda x: x)
+                floor = s.sequences * seen * per_layer_kv / bandwidth * 1e3
+                generation += layers * max(ms * scale, floor)
+    return context, generation
