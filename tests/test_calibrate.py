@@ -221,7 +221,7 @@ def truth_row() -> perf.Efficiency:
 
 
 def measured(isl: int, osl: int, concurrency: int, requests: int) -> perf.Performance:
-    """What the truth row gives a run at `concurrency` planned as calibrate plans an AIPerf run (the LLM API's
+    """What the truth row gives a run at `concurrency` planned as calibrate plans an AIPerf run (trtllm-serve's
     default limits) of llama-3.1-8b fp8 on one H100."""
     spec = cal.spec_for("llama-3.1-8b", H100, "fp8", 1, isl, osl, max_batch_size=2048, max_num_tokens=8192,
                         kv_fraction=0.9, target="llmapi", concurrency=concurrency, num_requests=requests)
@@ -302,6 +302,25 @@ def test_runs_at_a_concurrency_fit_ttft_and_tpot_toward_the_row_that_made_them(t
     truth, shipped = truth_row(), perf.efficiency_of(gpus.lookup(H100))
     # the fitted bandwidth moved from the shipped row toward the one the runs were made with
     assert abs(doc["row"]["bandwidth"] - truth.bandwidth) < abs(shipped.bandwidth - truth.bandwidth)
+
+
+def test_a_streaming_trtllm_bench_run_at_a_concurrency_fits_its_ttft_and_tpot(tmp_path, cache, capsys):
+    got = measured(1000, 200, 16, 160)
+    doc = trtllm_bench_report(v1_0_h100()[0], TRTLLM_VERSION)
+    doc["dataset"].update(avg_isl=1000, avg_osl=200, num_requests=160)
+    doc["request_info"].update(num_requests=160)
+    doc["performance"]["system_output_throughput_tok_s"] = got.output_tokens_per_s
+    doc["world_info"].update(max_batch_size=2048, max_num_tokens=8192, kv_cache_percentage=0.9)
+    doc["streaming_metrics"] = {"avg_ttft_ms": got.ttft_ms, "avg_tpot_ms": got.tpot_ms}
+    run = write(tmp_path / "run.json", doc)
+    assert main(["calibrate", "--dry-run", "--json", str(run)]) == 0
+    as_max = json.loads(capsys.readouterr().out)
+    assert as_max["points"][0]["concurrency"] is None and list(as_max["points"][0]["measured"]) == ["throughput"]
+    assert any("only their throughput is fitted" in n for n in as_max["notes"])
+    assert main(["calibrate", "--dry-run", "--json", "--concurrency", "16", str(run)]) == 0
+    at_c = json.loads(capsys.readouterr().out)
+    assert at_c["points"][0]["concurrency"] == 16 and set(at_c["points"][0]["measured"]) == {"throughput", "ttft", "tpot"}
+    assert at_c["error_pct"]["after"] < at_c["error_pct"]["before"]
 
 
 # ------------------------------------------------------------------------------------------------ refusals

@@ -39,10 +39,11 @@ from toolchain.targets import target_of
 FLAGS = {"gpu": "--gpu", "tp": "--tp", "pp": "--pp", "method": "--quantization", "kv_cache": "--kv-cache",
          "path": "--path", "version": "--version", "model": "--model"}
 """The facts a report may lack, and the flag that gives each."""
-LLMAPI_LIMITS = (2048, cal.MAX_NUM_TOKENS, 0.9)
+SERVE_LIMITS = (2048, cal.MAX_NUM_TOKENS, 0.9)
 """(max_batch_size, max_num_tokens, KV fraction) of a run at a concurrency whose report and spec do not say:
-the LLM API's defaults as calibration.py assumes them (max_num_tokens 8192, KvCacheConfig
-free_gpu_memory_fraction 0.9; max_batch_size 2048, calibration._kv_requests)."""
+trtllm-serve's defaults (tensorrt_llm/commands/serve.py: --max_batch_size and --max_num_tokens default to
+BuildConfig's, 2048 and 8192, toolchain/upstream/facts/llmapi.json trtllm_serve and trtllm_build.json; KvCacheConfig
+free_gpu_memory_fraction 0.9, llmapi.json kv_cache_config)."""
 TTFT_WEIGHT = 0.5
 """As tools/fit_efficiency.py: a measured TTFT carries more noise (the queue of a closed loop's bunched start)."""
 PRIOR = 0.01
@@ -192,7 +193,7 @@ class Case:
 def _limits(report: Report, facts: Facts, point: Point) -> tuple[int, int, float, str | None]:
     """(max_batch_size, max_num_tokens, KV fraction, a note on where they come from)."""
     if facts.max_batch_size and facts.max_num_tokens:
-        return facts.max_batch_size, facts.max_num_tokens, facts.kv_fraction or LLMAPI_LIMITS[2], None
+        return facts.max_batch_size, facts.max_num_tokens, facts.kv_fraction or SERVE_LIMITS[2], None
     if report.format == TRTLLM_BENCH and point.concurrency is None:
         pub = cal.Published(str(facts.model), str(facts.gpu), str(facts.method), int(facts.tp or 1), point.isl,
                             point.osl, point.output_tokens_per_s, path=facts.path)
@@ -200,8 +201,8 @@ def _limits(report: Report, facts: Facts, point: Point) -> tuple[int, int, float
         return batch, tokens, facts.kv_fraction or cal.BENCH_KV_FRACTION, (
             f"{report.file.name}: max_batch_size {batch} and max_num_tokens {tokens} from trtllm-bench's own "
             "heuristic (the report does not record them)")
-    return (*LLMAPI_LIMITS[:2], facts.kv_fraction or LLMAPI_LIMITS[2],
-            f"{report.file.name}: the LLM API's default limits ({LLMAPI_LIMITS[0]} sequences, {LLMAPI_LIMITS[1]} "
+    return (*SERVE_LIMITS[:2], facts.kv_fraction or SERVE_LIMITS[2],
+            f"{report.file.name}: trtllm-serve's default limits ({SERVE_LIMITS[0]} sequences, {SERVE_LIMITS[1]} "
             "tokens) assumed (pass --spec to give the deployment's)")
 
 
