@@ -79,6 +79,8 @@ SLOW_UNIT_TESTS = (
     "tests/test_tune.py::test_a_mean_slo_is_not_said_to_stand_for_a_percentile",
     "tests/test_tune.py::test_pareto_labels_do_not_overlap",
     "tests/test_tune.py::test_speculative_decoding_is_searched_on_and_off_only_where_the_spec_has_a_draft",
+    # Measured on 2 shared cores (2026-12-07): 16 and 22 s, ten reports' refit of three multipliers (calibrate).
+    "tests/test_calibrate.py::test_fitting_half_the_mixes_cuts_the_error_on_the_other_half*",
 )
 
 

@@ -27,6 +27,7 @@ from collections import defaultdict
 from toolchain import gpus
 from toolchain.plan import calibration as cal
 from toolchain.plan import perf
+from toolchain.plan.fit import nelder_mead
 
 KERNELS = cal.DATA / "kernel_efficiency.json"
 
@@ -56,39 +57,6 @@ def loss(points, eff: perf.Efficiency) -> float:
         ttft, tpot, _ = cal.predict_measured(pt, eff)
         total += abs(math.log(tpot / pt.tpot_ms)) + TTFT_WEIGHT * abs(math.log(ttft / pt.ttft_ms))
     return total / len(points)
-
-
-def nelder_mead(f, x0: list[float], step: float = 0.5, iterations: int = 600, tol: float = 1e-7) -> list[float]:
-    """The downhill simplex (Nelder and Mead, 1965) with the usual coefficients: reflect 1, expand 2, contract
-    0.5, shrink 0.5."""
-    n = len(x0)
-    simplex = [list(x0)] + [[x0[j] + (step if j == i else 0.0) for j in range(n)] for i in range(n)]
-    values = [f(x) for x in simplex]
-    for _ in range(iterations):
-        order = sorted(range(n + 1), key=lambda i: values[i])
-        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
-        if values[-1] - values[0] < tol:
-            break
-        centre = [sum(x[j] for x in simplex[:-1]) / n for j in range(n)]
-        worst = simplex[-1]
-        reflected = [c + (c - w) for c, w in zip(centre, worst, strict=True)]
-        fr = f(reflected)
-        if fr < values[0]:
-            expanded = [c + 2 * (c - w) for c, w in zip(centre, worst, strict=True)]
-            fe = f(expanded)
-            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
-        elif fr < values[-2]:
-            simplex[-1], values[-1] = reflected, fr
-        else:
-            contracted = [c + 0.5 * (w - c) for c, w in zip(centre, worst, strict=True)]
-            fc = f(contracted)
-            if fc < values[-1]:
-                simplex[-1], values[-1] = contracted, fc
-            else:
-                best = simplex[0]
-                simplex = [best] + [[b + 0.5 * (x - b) for b, x in zip(best, xs, strict=True)] for xs in simplex[1:]]
-                values = [values[0]] + [f(x) for x in simplex[1:]]
-    return simplex[min(range(n + 1), key=lambda i: values[i])]
 
 
 # Generations without end-to-end measurements, and the card whose kernel measurements scale Hopper's row to them.

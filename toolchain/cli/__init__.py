@@ -24,6 +24,7 @@ COMMANDS = {
     "archs": "archs",
     "plan": "plan",
     "probe-host": "probe_host",
+    "calibrate": "calibrate",
     "tune": "tune",
     "tiny-model": "tiny_model",
     "medusa-heads": "medusa_heads",

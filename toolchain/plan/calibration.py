@@ -109,25 +109,30 @@ def model_info(name: str) -> ModelInfo:
 
 def spec_for(model: str, gpu: str, method: str, tp: int, isl: int, osl: int, *, max_batch_size: int,
              max_num_tokens: int, kv_fraction: float, dtype: str = "bfloat16", target: str = "trtllm",
-             attention_dp: bool = False) -> DeploymentSpec:
+             attention_dp: bool = False, pp: int = 1, kv_cache: str | None = None, concurrency: int = 1,
+             num_requests: int | None = None) -> DeploymentSpec:
     """A spec of one benchmarked configuration (one stage of `tp` ranks; an fp8 KV cache with fp8, nvfp4 or
     fp8_block weights, which trtllm-bench, AIConfigurator's fp8 runs and NVIDIA's FP4 and DeepSeek's FP8
     checkpoints use; with `attention_dp` the experts over all tp ranks, DEPn), so the prediction runs the same
     planner, memory plan and performance model as `toolchain plan`. A stored-only format (gpt-oss's MXFP4) is asked
-    as method none, the checkpoint's config.json naming it, with the KV cache in the model dtype."""
+    as method none, the checkpoint's config.json naming it, with the KV cache in the model dtype. `toolchain
+    calibrate` (plan/calibrate.py) names the KV cache, pipeline stages and the workload a report ran; `model` may
+    be a config directory's absolute path as well as a name under MODELS."""
     moe = {"attention_dp": True, "moe_ep": tp, "moe_tp": 1} if attention_dp else {}
     asked = "none" if method in formats.STORED_ONLY else method
     data = {
-        "name": f"{model}-{method}-tp{tp}",
+        "name": f"{Path(model).name}-{method}-tp{tp}",
         "target": target,
         "model": {"checkpoint": str(MODELS / model), "dtype": dtype},
-        "quantization": {"method": asked, "kv_cache": "fp8" if method in ("fp8", "nvfp4", "fp8_block") else "none"},
-        "parallelism": {"tp": tp, "pp": 1, "gpus": tp, **moe},
+        "quantization": {"method": asked, "kv_cache": kv_cache or ("fp8" if method in ("fp8", "nvfp4", "fp8_block")
+                                                                   else "none")},
+        "parallelism": {"tp": tp, "pp": pp, "gpus": tp * pp, **moe},
         "gpu": {"name": gpu, "per_node": 8},
         "limits": {"max_batch_size": max_batch_size, "max_input_len": isl, "max_seq_len": isl + osl,
                    "max_num_tokens": max_num_tokens},
         "serving": {"kv_cache_free_gpu_mem_fraction": kv_fraction},
-        "validation": {"workload": {"input_tokens": isl, "output_tokens": osl, "concurrency": 1}},
+        "validation": {"workload": {"input_tokens": isl, "output_tokens": osl, "concurrency": concurrency,
+                                    **({"num_requests": num_requests} if num_requests else {})}},
     }
     return spec_from_dict(data, MODELS, f"calibration point {data['name']}")
 

@@ -85,6 +85,7 @@ from toolchain.plan.perf.step import (
                                             stage_cost,
                                             transfer_seconds,
 )
+from toolchain.plan.perf.calibrated import CalibratedRow, calibrated_row
 
 __all__ = ["ACT_BYTES", "BASIS", "CPU_PRECISION", "DEFAULT_EFFICIENCY", "EFFICIENCY", "FITTED", "FITTED_FILE",
            "HOST_ACT_BYTES", "KERNEL_ROW_RELEASES", "KERNEL_ROWS", "KERNEL_SYSTEMS", "Deployment", "Efficiency", "HostRow", "Performance", "Point", "Span", "StageCost", "StepTime",
@@ -93,3 +94,4 @@ __all__ = ["ACT_BYTES", "BASIS", "CPU_PRECISION", "DEFAULT_EFFICIENCY", "EFFICIE
            "experts_touched", "first_wave_ttft", "generation_alone", "generation_work", "gpu_step_time", "host_efficiency",
            "host_profile_of", "host_row", "host_step_time", "kernel_row", "layer_caps", "measured_kernels", "performance_dict", "predict", "predict_spec", "queued",
            "stage_cost", "steady_state", "step_time", "transfer_seconds", "unavailable"]
+__all__ += ["CalibratedRow", "calibrated_row"]

@@ -13,10 +13,12 @@ from toolchain.errors import ToolchainError
 from toolchain.gpus import Gpu
 from toolchain.hostprofile import HostProfile, load_profile, missing_note
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, kv_dtype, kv_dtype_bytes, load_model, weight_dtype
+from toolchain.plan.perf.calibrated import IGNORE_ENV, calibrated_row
 from toolchain.plan.perf.efficiency import FITTED, KERNEL_ROW_RELEASES, Efficiency, basis_of, efficiency_of, kernel_row
 from toolchain.plan.perf.host import CPU_PRECISION, host_efficiency, host_row
 from toolchain.plan.perf.kernel_step import describe, measured_kernels, unmeasured
 from toolchain.plan.perf.lora import lora_load
+from toolchain.plan.perf.paths import TRTLLM_VERSION, path_of
 from toolchain.plan.perf.schedule import Deployment, Workload, best_point, queued
 from toolchain.plan.perf.step import StageCost, stage_cost
 from toolchain.plan.plan import DraftModel, MemoryPlan, plan_memory
@@ -167,7 +169,12 @@ def predict(spec, model: ModelInfo, quant: Quantization, device: Gpu, memory: Me
     throughput, of a spec that fits; on this host's CPU engine with `profile`. TTFT is the steady state's (a
     service long running), or with `bench_run` the mean over a `toolchain bench` level, whose num_requests
     requests start with all C at once (Workload.requests; not with duration_s or an open loop)."""
-    dep, notes = deployment(spec, model, quant, device, draft, eff, profile, release)
+    # A GPU row the user calibrated from their own runs of this device, path and version comes first.
+    own = calibrated_row(device.name, path_of(spec), TRTLLM_VERSION) if eff is None and profile is None else None
+    dep, notes = deployment(spec, model, quant, device, draft, own.eff if own else eff, profile, release)
+    if own:
+        notes.append(f"efficiencies calibrated from your runs ({own.file}; `toolchain calibrate --show`, "
+                     f"{IGNORE_ENV}=1 ignores them)")
     wl, lim = spec.validation.workload, spec.limits
     run = bench_run and wl.duration_s is None and wl.mode == "concurrency"
     requests = wl.num_requests if run else 0
@@ -210,7 +217,7 @@ def predict(spec, model: ModelInfo, quant: Quantization, device: Gpu, memory: Me
         basis = f"host profile {profile.date}" + (f" (serving: {profile.serving['protocol']})"
                                                   if profile.serving else " (engine only)")
     else:
-        basis = gpu_basis(dep, device, eff, release)
+        basis = own.basis if own else gpu_basis(dep, device, eff, release)
     return Performance(best.output_tokens_per_s, best.output_tokens_per_s / dep.gpus, best.concurrency, limit,
                        limited_by, c, at.ttft_s * 1e3, at.tpot_s * 1e3,
                        {"context": at.context_bound, "generation": at.generation_bound}, usd, basis,
