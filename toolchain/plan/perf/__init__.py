@@ -80,6 +80,7 @@ from toolchain.plan.perf.step import (
                                             stage_cost,
                                             transfer_seconds,
 )
+from toolchain.plan.perf.error_bars import bar_text, error_bar, params_billions
 
 __all__ = ["ACT_BYTES", "BASIS", "CPU_PRECISION", "DEFAULT_EFFICIENCY", "EFFICIENCY", "FITTED", "FITTED_FILE",
            "HOST_ACT_BYTES", "Deployment", "Efficiency", "HostRow", "Performance", "Point", "Span", "StageCost", "StepTime",
@@ -87,4 +88,5 @@ __all__ = ["ACT_BYTES", "BASIS", "CPU_PRECISION", "DEFAULT_EFFICIENCY", "EFFICIE
            "batch_candidates", "batch_wait", "best_point", "context_work", "deployment", "efficiency_of", "exchange_tokens",
            "experts_touched", "first_wave_ttft", "generation_alone", "generation_work", "gpu_step_time", "host_efficiency",
            "host_profile_of", "host_row", "host_step_time", "layer_caps", "performance_dict", "predict", "predict_spec", "queued",
-           "stage_cost", "steady_state", "step_time", "transfer_seconds", "unavailable"]
+           "stage_cost", "steady_state", "step_time", "transfer_seconds", "unavailable",
+           "bar_text", "error_bar", "params_billions"]
