@@ -11,11 +11,13 @@ import statistics
 from pathlib import Path
 
 import pytest
+from conftest import write_spec
 
-from toolchain.checks.render import render_text, report_dict
+from toolchain import hostprofile as hp
 from toolchain.checks.preflight import build_context, run_checks
+from toolchain.checks.render import render_text, report_dict
 from toolchain.plan import calibration as cal
-from toolchain.plan.perf import error_bars
+from toolchain.plan.perf import error_bars, performance_dict
 from toolchain.plan.perf.error_bars import CELLS_FILE, error_bar, params_billions
 from toolchain.slo import thresholds
 from toolchain.spec import load_spec
@@ -25,6 +27,7 @@ from tools import error_cells
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_70B = REPO / "build" / "llama3-70b-tp4pp2.yaml"
+PROFILE = REPO / "tests" / "tune" / "host-profile-epyc-2core.json"
 
 
 def committed() -> list[dict]:
@@ -111,3 +114,15 @@ def test_tune_shows_the_bar_and_ranks_by_the_prediction():
         bar = e.performance["error_bar"]
         assert e.candidate.label in line and f"±{bar['pct']:.0f}%" in line.split(e.candidate.label)[1]
     assert any("ranked by the prediction itself" in line for line in lines)
+
+
+def test_a_cpu_target_gets_no_bar(hf_llama, tmp_path):
+    """The CPU engine's prediction comes from this host's profile and is checked closed loop, not against cells."""
+    spec = load_spec(write_spec(tmp_path / "cpu.yaml", hf_llama, target="cpu"))
+    ctx = build_context(spec, "plan")
+    profile = hp.HostProfile.from_dict(json.loads(PROFILE.read_text()))
+    perf = performance_dict(spec, ctx.model, ctx.quant, ctx.device, ctx.memory, profile=profile)
+    assert perf["predicted"] and perf["basis"].startswith("host profile") and perf["error_bar"] is None
+    report = {**report_dict(ctx, run_checks(ctx)), "performance": perf}
+    text = render_text(report)
+    assert "output tokens/s (" in text and "error bar" not in text and "±" not in text

@@ -8,8 +8,8 @@ mixture-of-experts families included) and each of AIConfigurator's measured runs
 the file no longer matches the model); this module only reads that file.
 
 `error_bar(gpu, method, params_b, tp, path, moe=...)` groups the cells by configuration (GPU, format, model size,
-dense or mixture of experts, TP, path; releases and ISL/OSL mixes pooled) and takes the nearest groups by `distance` until at least MIN_CELLS cells
-are in hand. The bar is the median |error| of those cells, widened by WIDEN_PER_DISTANCE for each unit of distance
+dense or mixture of experts, TP, path; releases and ISL/OSL mixes pooled) and takes the nearest groups by
+`distance` until at least MIN_CELLS cells are in hand. The bar is the median |error| of those cells, widened by WIDEN_PER_DISTANCE for each unit of distance
 to the farthest group taken, since a configuration nobody measured can be off in ways its neighbours are not.
 The weights below are a judgement, documented here, not a fit.
 """
@@ -47,7 +47,8 @@ SAME_SIZE = 0.01
 TP_PER_DOUBLING = 0.5
 """Distance per doubling of TP (|log2 ratio|): TP1 to TP4 is 1."""
 OTHER_PATH = 0.5
-"""Distance for the other path (engine cells for a PyTorch-backend query): the same kernels, other overheads."""
+"""Distance for the other path (engine cells for a PyTorch-backend query): the same model and card on the other
+runtime, whose step overheads differ."""
 OTHER_KIND = 1.0
 """Distance between a mixture of experts and a dense model (when the query says which it is)."""
 WIDEN_PER_DISTANCE = 0.25
