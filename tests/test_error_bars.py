@@ -126,3 +126,16 @@ def test_a_cpu_target_gets_no_bar(hf_llama, tmp_path):
     report = {**report_dict(ctx, run_checks(ctx)), "performance": perf}
     text = render_text(report)
     assert "output tokens/s (" in text and "error bar" not in text and "±" not in text
+
+
+def test_the_file_says_how_the_bars_hold_on_configurations_left_out():
+    doc = json.loads(CELLS_FILE.read_text())
+    check = error_bars.left_out_check(error_bars.groups())
+    assert check["groups"] >= 40 and 0 < check["covered"] <= check["groups"]
+    assert f"for {check['covered']} of {check['groups']}" in doc["left_out"] and doc["left_out_missed"] == check["missed"]
+    # leaving a group out changes its own bar: the H100 70B TP2 PyTorch cells no longer answer for themselves
+    pool = error_bars.groups()
+    mine = next(g for g in pool if g.label == "H100 80GB fp8 70.6B tp2 pytorch")
+    without = error_bar(mine.gpu, mine.method, mine.params_b, mine.tp, mine.path, mine.moe,
+                        among=tuple(g for g in pool if g is not mine))
+    assert without["distance"] > 0 and "H100 80GB fp8 70.6B tp2 pytorch" not in without["nearest"]

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from toolchain.plan import calibration as cal
-from toolchain.plan.perf.error_bars import CELLS_FILE, params_billions
+from toolchain.plan.perf.error_bars import CELLS_FILE, MIN_CELLS, grouped, left_out_check, params_billions
 
 COLUMNS = ["source", "release", "path", "gpu", "method", "model", "params_b", "moe", "tp", "isl", "osl", "concurrency",
            "error_pct"]
@@ -72,7 +72,8 @@ def measured_rows() -> list[list]:
 
 
 def document(rows: list[list]) -> str:
-    """The file's text: its header and `rows`."""
+    """The file's text: its header, how the bars hold on groups left out (error_bars.left_out_check), `rows`."""
+    check = left_out_check(grouped(tuple(dict(zip(COLUMNS, row, strict=True)) for row in rows)))
     head = {
         "what": "one cell per point whose throughput is known and never fitted to, with the signed error of the "
                 "current model's predicted output throughput over it in percent; plan/perf/error_bars.py groups them "
@@ -83,6 +84,9 @@ def document(rows: list[list]) -> str:
                     " closed-loop output throughput at the run's concurrency; release: the backend version recorded",
         "params_b": "parameters in billions from the model's config.json, every expert counted (error_bars.params_billions); moe: a mixture of experts",
         "made_by": "PYTHONPATH=. python -m tools.error_cells",
+        "left_out": f"each configuration of at least {MIN_CELLS} cells left out in turn, the bar of the others covers "
+                    f"its own median |error| for {check['covered']} of {check['groups']}",
+        "left_out_missed": check["missed"],
         "columns": COLUMNS,
     }
     text = json.dumps(head, indent=1)[:-2]

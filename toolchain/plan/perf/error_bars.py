@@ -114,12 +114,17 @@ def cells() -> tuple[dict, ...]:
 
 @cache
 def groups() -> tuple[Group, ...]:
+    return grouped(cells())
+
+
+def grouped(rows: tuple[dict, ...]) -> tuple[Group, ...]:
+    """Cells (dicts with NEEDED's keys) pooled by configuration, in a fixed order."""
     by: dict[tuple, list[dict]] = {}
-    for c in cells():
+    for c in rows:
         by.setdefault((c["gpu"], c["method"], c["params_b"], c["moe"], c["tp"], c["path"]), []).append(c)
-    return tuple(Group(gpu, method, params_b, moe, tp, path, tuple(c["error_pct"] for c in rows),
-                       tuple(c["source"] for c in rows))
-                 for (gpu, method, params_b, moe, tp, path), rows in sorted(by.items()))
+    return tuple(Group(gpu, method, params_b, moe, tp, path, tuple(c["error_pct"] for c in members),
+                       tuple(c["source"] for c in members))
+                 for (gpu, method, params_b, moe, tp, path), members in sorted(by.items()))
 
 
 def _arch(gpu: str) -> str | None:
@@ -159,11 +164,13 @@ def distance(group: Group, gpu: str, method: str, params_b: float, tp: int, path
     return d, differs
 
 
-def error_bar(gpu: str, method: str, params_b: float, tp: int, path: str, moe: bool | None = None) -> dict | None:
+def error_bar(gpu: str, method: str, params_b: float, tp: int, path: str, moe: bool | None = None,
+              among: tuple[Group, ...] | None = None) -> dict | None:
     """{"pct": the median |error| in percent of the nearest cells (widened with their distance), "cells": how
     many, "nearest": what matched and how far, "distance"}; None when no cell is within MAX_DISTANCE. `moe`: whether
-    the model is a mixture of experts (None: not considered)."""
-    ranked = sorted(((*distance(g, gpu, method, params_b, tp, path, moe), g) for g in groups()),
+    the model is a mixture of experts (None: not considered); `among`: these groups instead of the file's."""
+    pool = groups() if among is None else among
+    ranked = sorted(((*distance(g, gpu, method, params_b, tp, path, moe), g) for g in pool),
                     key=lambda r: (r[0], r[2].label))
     taken: list[tuple[float, list[str], Group]] = []
     for row in ranked:
@@ -187,3 +194,17 @@ def error_bar(gpu: str, method: str, params_b: float, tp: int, path: str, moe: b
 def bar_text(bar: dict | None) -> str:
     """'±12%', as plan and tune print a bar beside a predicted throughput; '-' without one."""
     return f"±{bar['pct']:.0f}%" if bar else "-"
+
+
+def left_out_check(pool: tuple[Group, ...]) -> dict:
+    """How well the bars hold on configurations they did not see: each group of at least MIN_CELLS cells left out
+    in turn, whether the bar the other groups give its configuration covers the group's own median |error|."""
+    checked = [g for g in pool if len(g.errors) >= MIN_CELLS]
+    missed = []
+    for g in checked:
+        bar = error_bar(g.gpu, g.method, g.params_b, g.tp, g.path, g.moe, among=tuple(x for x in pool if x is not g))
+        own = median(abs(e) for e in g.errors)
+        if bar is None or own > bar["pct"]:
+            against = "no bar" if bar is None else f"+-{bar['pct']}%"
+            missed.append(f"{g.label}: {own:.1f}% against {against}")
+    return {"groups": len(checked), "covered": len(checked) - len(missed), "missed": missed}
