@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from toolchain.gpus import GIB, Gpu
-from toolchain.plan.perf import performance_dict
+from toolchain.plan.perf import bar_text, performance_dict
 from toolchain.archs.layout import layout_problems
 from toolchain.plan.lora import Pool, RankLora
 from toolchain.plan.plan import plan_memory
@@ -142,12 +142,19 @@ def _performance_lines(perf: dict | None) -> list[str]:
     cost = (f"; ${perf['usd_per_million_output_tokens']:.3f} per million output tokens"
             if perf["usd_per_million_output_tokens"] is not None else "")
     unit = "rank" if perf["basis"].startswith("host profile") else "GPU"  # the CPU engine's ranks share this host
+    bar = perf.get("error_bar")
     lines = [f"performance ({perf['basis']}):",
-             f"  max {perf['max_output_tokens_per_s']:,.0f} output tokens/s ({perf['per_gpu_output_tokens_per_s']:,.0f} "
+             f"  max {perf['max_output_tokens_per_s']:,.0f} output tokens/s{' ' + bar_text(bar) if bar else ''} "
+             f"({perf['per_gpu_output_tokens_per_s']:,.0f} "
              f"per {unit}) at batch {perf['batch_size_at_max']} of {perf['batch_limit']} "
              f"({perf['batch_limited_by']}), ISL {wl['input_tokens']} / OSL {wl['output_tokens']}{cost}",
              f"  at concurrency {perf['concurrency']}: mean TTFT {perf['ttft_ms']:,.1f} ms, mean TPOT {perf['tpot_ms']:.2f} ms; "
              f"context {perf['bound']['context']}-bound, generation {perf['bound']['generation']}-bound"]
+    if bar:
+        lines.append(f"  error bar ±{bar['pct']:.1f}% (the model's median throughput error on the nearest known cells): "
+                     f"{bar['nearest']}")
+    elif unit == "GPU" and "error_bar" in perf:
+        lines.append("  error bar: none (no published or measured cell near this GPU, format, size and TP)")
     lines += [f"  note: {n}" for n in perf["notes"]]
     return lines
 

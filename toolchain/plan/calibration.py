@@ -228,6 +228,9 @@ PUBLISHED_BLACKWELL_FP4 = DATA / "published_blackwell_fp4.json"
 PUBLISHED_V1_0 = DATA / "published_v1_0.json"
 """release 1.0's Hopper FP8 Llama points (totals of the replica), PyTorch backend (`path` pytorch): checked and
 reported apart from the 0.17 engine table, whose configurations they mostly repeat on the other path."""
+PUBLISHED_V1_0_BLACKWELL_FP4 = DATA / "published_v1_0_blackwell_fp4.json"
+"""release 1.0's Blackwell NVFP4 Llama points (3.3 70B TP1, 3.1 405B TP4 on B200 and GB200; totals of the replica),
+PyTorch backend: reported with release/1.2's Blackwell file, apart from the Hopper tables."""
 PUBLISHED_MOE_FAMILIES = DATA / "published_moe_families.json"
 """release/1.2's mixture-of-experts points, per GPU: DeepSeek R1 (attention DP over 4 or 8 GPUs) and gpt-oss-120b as
 released (DEP2 and TP1); its `kept` note says what is modelled how and lists the points that wait."""
@@ -353,6 +356,11 @@ def bench_target(point: Published) -> str:
     return "llmapi" if pytorch_only or point.method in ("nvfp4", "fp8_block", "mxfp4") else "trtllm"
 
 
+def point_path(point: Published) -> str:
+    """How trtllm-bench ran a published point: its file's `path`, else the path of the target it is planned on."""
+    return point.path or {"llmapi": "pytorch", "trtllm": "engine"}[bench_target(point)]
+
+
 def published_limits(point: Published) -> tuple[int, int]:
     """(max_batch_size, max_num_tokens) of a published point as trtllm-bench set them on its path."""
     if point.path == "pytorch":
@@ -376,8 +384,9 @@ def predict_published(point: Published) -> perf.Performance:
 
 def published_check(path: Path = PUBLISHED) -> list[tuple[Published, float]]:
     """Each published point with the model's predicted maximum output tokens/s, per GPU where the point is
-    (PUBLISHED_V1_0: release 1.0's Hopper FP8 points on the PyTorch path; PUBLISHED_BLACKWELL_FP4: the Blackwell
-    FP4 points; PUBLISHED_MOE_FAMILIES: DeepSeek R1 and gpt-oss-120b)."""
+    (PUBLISHED_V1_0: release 1.0's Hopper FP8 points on the PyTorch path; PUBLISHED_BLACKWELL_FP4 and
+    PUBLISHED_V1_0_BLACKWELL_FP4: the Blackwell FP4 points of release/1.2 and 1.0; PUBLISHED_MOE_FAMILIES:
+    DeepSeek R1, gpt-oss-120b and Llama 4 Scout)."""
     out = []
     for pt in published_points(path):
         got = predict_published(pt)

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from toolchain.fsutil import atomic_dir
+from toolchain.plan.perf import bar_text
 from toolchain.slo import judged_on, thresholds
 from toolchain.spec import DeploymentSpec
 from toolchain.targets import target_of
@@ -32,7 +33,7 @@ def _num(value, fmt: str) -> str:
 
 
 def table(rows: list[Evaluated], by_cost: bool) -> list[str]:
-    head: tuple[str, ...] = ("#", "candidate", "tok/s/GPU", "TTFT ms", "TPOT ms", "batch@max", "TPOT@max", "$/Mtok",
+    head: tuple[str, ...] = ("#", "candidate", "tok/s/GPU", "error", "TTFT ms", "TPOT ms", "batch@max", "TPOT@max", "$/Mtok",
                              "bound")
     checked = any(e.cross_check for e in rows)
     if checked:  # the second opinion beside ours: its throughput per GPU and TPOT at our batch@max
@@ -42,7 +43,7 @@ def table(rows: list[Evaluated], by_cost: bool) -> list[str]:
         p = e.performance if e.predicted else {}
         bound = "/".join(p["bound"].values()) if p else "-"
         row: tuple[str, ...] = (str(i), e.candidate.label, _num(p.get("per_gpu_output_tokens_per_s"), ",.0f"),
-                                _num(p.get("ttft_ms"), ",.1f"), _num(p.get("tpot_ms"), ".2f"),
+                                bar_text(p.get("error_bar")), _num(p.get("ttft_ms"), ",.1f"), _num(p.get("tpot_ms"), ".2f"),
                                 _num(p.get("batch_size_at_max"), "d"), _num(e.full_load.get("tpot_ms"), ".2f"),
                                 _num(p.get("usd_per_million_output_tokens"), ".3f"), bound)
         if checked:
@@ -124,6 +125,9 @@ def render(result: SearchResult, top: int) -> str:
         if any(e.predicted for e in result.ranked):
             lines.append("(predicted by plan's roofline model: TTFT/TPOT are means at a replica's share of the "
                          "workload's concurrency, TPOT@max at the batch of the maximum; both meet the SLO's bounds)")
+        if any(e.predicted and e.performance.get("error_bar") for e in result.shown[:top]):
+            lines.append("(error: the model's median throughput error on the published or measured cells nearest each "
+                         "candidate, tune.json's error_bar says which; ranked by the prediction itself)")
         same = len(result.ranked) - len(result.shown)
         if same:
             lines.append(f"({same} kept candidates predicted the same as a better one, differing only in knobs the "
@@ -311,7 +315,8 @@ def write(out: Path, result: SearchResult, top: int, text: str, extra: dict | No
                 header.append(share_line(e.candidate.spec.validation.workload, spec.validation.workload,
                                          e.candidate.replicas))
             if e.predicted:
-                header.append(f"predicted per replica: {p['max_output_tokens_per_s']:,.0f} output tokens/s at batch "
+                bar = f" {bar_text(p['error_bar'])}" if p.get("error_bar") else ""
+                header.append(f"predicted per replica: {p['max_output_tokens_per_s']:,.0f} output tokens/s{bar} at batch "
                               f"{p['batch_size_at_max']}; mean TTFT {p['ttft_ms']:,.1f} ms, mean TPOT "
                               f"{p['tpot_ms']:.2f} ms at concurrency {p['concurrency']} ({p['basis']})")
                 basis = judged_on(thresholds(spec.validation.slo))

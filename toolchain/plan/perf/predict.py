@@ -15,6 +15,7 @@ from toolchain.hostprofile import HostProfile, load_profile, missing_note
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, kv_dtype, kv_dtype_bytes, load_model, weight_dtype
 from toolchain.plan.perf.calibrated import IGNORE_ENV, calibrated_row
 from toolchain.plan.perf.efficiency import FITTED, KERNEL_ROW_RELEASES, Efficiency, basis_of, efficiency_of, kernel_row
+from toolchain.plan.perf.error_bars import bench_path, error_bar, params_billions
 from toolchain.plan.perf.host import CPU_PRECISION, host_efficiency, host_row
 from toolchain.plan.perf.kernel_step import describe, measured_kernels, unmeasured
 from toolchain.plan.perf.lora import lora_load
@@ -49,6 +50,9 @@ class Performance:
     notes: list[str] = field(default_factory=list)
     output_tokens_per_s: float = 0.0
     """Output throughput at `concurrency`."""
+    error_bar: dict | None = None
+    """A GPU prediction's error bar (perf/error_bars.py: pct, cells, nearest); None on a CPU target, which
+    benchmarks/prediction.py checks closed loop instead."""
 
     def as_dict(self) -> dict:
         return {"predicted": True,
@@ -62,7 +66,7 @@ class Performance:
                 else round(self.usd_per_million_output_tokens, 4),
                 "output_tokens_per_s": round(self.output_tokens_per_s, 1),
                 "basis": self.basis, "workload": self.workload, "tokens_per_step": round(self.tokens_per_step, 3),
-                "notes": self.notes}
+                "notes": self.notes, "error_bar": self.error_bar}
 
 
 def unavailable(spec, device: Gpu | None, memory: MemoryPlan | None, profile: HostProfile | None = None) -> str | None:
@@ -222,7 +226,10 @@ def predict(spec, model: ModelInfo, quant: Quantization, device: Gpu, memory: Me
                        limited_by, c, at.ttft_s * 1e3, at.tpot_s * 1e3,
                        {"context": at.context_bound, "generation": at.generation_bound}, usd, basis,
                        {"input_tokens": w.isl, "output_tokens": w.osl, "concurrency": c},
-                       dep.tokens_per_step, notes, at.output_tokens_per_s)
+                       dep.tokens_per_step, notes, at.output_tokens_per_s,
+                       None if profile is not None else error_bar(device.name, quant.method,
+                                                                  params_billions(model.params), spec.parallelism.tp,
+                                                                  bench_path(spec), model.params.is_moe))
 
 
 def gpu_basis(dep: Deployment, device: Gpu, eff: Efficiency | None, release: str | None) -> str:
