@@ -1,0 +1,184 @@
+"""Disaggregated candidates of `toolchain tune`: prefill and decode workers of their own (NVIDIA Dynamo with
+TensorRT-LLM), predicted by plan/perf/disagg.py and ranked beside the aggregated ones by the same objective.
+
+Proposed only where the spec's target runs under Dynamo (dynamo/checks.py: the LLM-API path on GPUs); on another
+GPU target tune says once why not (a CPU target serves on one host, where there is nothing to split). Per GPU, on the weight and KV formats of the best aggregated candidate (so a split and an
+aggregated deployment of one format are compared), the grid is small: each role's tp from the tps tune tries
+(pp 1, within a node), worker ratios P:D of `RATIOS`, scaled by the largest whole factor the GPU budget holds, and
+the decode workers' max_batch_size on tune's batch grid from the largest down to the first that meets the SLO (the
+prediction already takes the best decode batch below the cap). Prefill workers take a whole prompt per step
+(max_num_tokens at least limits.max_input_len). Each role is planned and checked as its own spec
+(dynamo/roles.py role_spec) with every check `toolchain plan` runs; a failed one drops the candidate as
+"<role>:<check id>". The written spec is a disaggregated Dynamo spec: `toolchain dynamo --manifests` of it writes
+the DynamoGraphDeployment with each role's settings.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from toolchain import gpus
+from toolchain.checks.preflight import FAIL, Context, build_context, run_checks
+from toolchain.dynamo.checks import problems as dynamo_problems
+from toolchain.dynamo.roles import role_spec
+from toolchain.errors import ToolchainError
+from toolchain.plan import memory as mem
+from toolchain.plan import perf
+from toolchain.plan.model import kv_dtype, kv_dtype_bytes
+from toolchain.plan.perf.disagg import Role, Split, point, predict_disagg
+from toolchain.slo import Threshold
+from toolchain.spec import DeploymentSpec
+from toolchain.tune.candidates import BATCH_GRID, Candidate, derive
+from toolchain.tune.search import Evaluated, SearchResult, pareto, search, slo_misses, sort_key
+
+RATIOS = ((1, 1), (1, 2), (2, 1), (1, 3))
+"""Prefill : decode workers tried (each scaled to fill the GPU budget)."""
+TPS = (1, 2, 4, 8)
+
+
+def why_not(spec: DeploymentSpec) -> str | None:
+    """Why this spec's deployment cannot be split under Dynamo, or None."""
+    try:
+        found = dynamo_problems(derive(spec, {"dynamo.disaggregated": True, "parallelism.gpus": None}))
+    except ToolchainError as err:
+        found = [err.message]
+    return f"disaggregated candidates not proposed: {found[0]}" if found else None
+
+
+def layouts(gpu_count: int, per_node: int) -> list[tuple[int, int, int, int]]:
+    """(P, tp_p, D, tp_d) over at most `gpu_count` GPUs: each role's tp within a node, a ratio of RATIOS times the
+    largest factor that fits."""
+    out = []
+    tps = [t for t in TPS if t <= min(gpu_count, per_node)]
+    for tp_p in tps:
+        for tp_d in tps:
+            for p, d in RATIOS:
+                k = gpu_count // (p * tp_p + d * tp_d)
+                if k >= 1:
+                    out.append((p * k, tp_p, d * k, tp_d))
+    return out
+
+
+def candidates(base: DeploymentSpec, gpu_count: int) -> list[Candidate]:
+    """The disaggregated specs of `base` (a per-GPU spec at the chosen formats), decode max_batch_size at the
+    largest of the grid (`evaluate_roles` walks it down)."""
+    lim = base.limits
+    out = []
+    for p, tp_p, d, tp_d in layouts(gpu_count, base.gpu.per_node):
+        changes: dict[str, Any] = {
+            "parallelism.tp": min(tp_p, tp_d), "parallelism.pp": 1, "parallelism.gpus": gpu_count,
+            "parallelism.moe_tp": None, "parallelism.moe_ep": None, "parallelism.attention_dp": False,
+            "dynamo.disaggregated": True, "dynamo.prefill_workers": p, "dynamo.decode_workers": d,
+            "dynamo.prefill": {"tp": tp_p, "max_num_tokens": max(lim.max_num_tokens, lim.max_input_len)},
+            "dynamo.decode": {"tp": tp_d, "max_batch_size": max(BATCH_GRID)}}
+        out.append(Candidate(derive(base, changes), 1, (p * tp_p + d * tp_d)))
+    return out
+
+
+@lru_cache(maxsize=256)
+def _planned(text: str) -> tuple[Context, tuple[str, ...]]:
+    """A role spec's context and failed checks, cached by the spec's JSON: prefill roles repeat across ratios."""
+    spec = DeploymentSpec.model_validate_json(text)
+    ctx = build_context(spec, "plan")
+    failed = tuple(r.id for r in run_checks(ctx) if r.status == FAIL)
+    return ctx, failed
+
+
+def role_of(spec: DeploymentSpec, ctx: Context, workers: int) -> Role:
+    """One role (`spec`: its role spec, planned in `ctx`) for the prediction: its replica, limits and KV pool."""
+    assert ctx.model is not None and ctx.device is not None and ctx.memory is not None
+    dep, _ = perf.deployment(spec, ctx.model, ctx.quant, ctx.device, ctx.draft)
+    p, layout = ctx.model.params, spec.parallelism.layout
+    layers = max(len(r) for r in layout.stage_layers(p.num_hidden_layers))
+    per_token = mem.kv_bytes_per_token(p, tp=layout.attn_tp, stage_layer_count=layers,
+                                       kv_bytes=kv_dtype_bytes(kv_dtype(spec, p, ctx.quant)))
+    return Role(dep, workers, spec.limits.max_batch_size, spec.limits.max_num_tokens,
+                ctx.memory.kv_tokens_capacity, per_token)
+
+
+def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
+    """Plan and check each role as its own spec, then predict the split at the workload's concurrency and at the
+    maximum, and judge the SLO at both (as search.evaluate does for an aggregated candidate)."""
+    spec = candidate.spec
+    out = Evaluated(candidate)
+    roles: dict[str, Role] = {}
+    for name, workers in (("prefill", spec.dynamo.prefill_workers), ("decode", spec.dynamo.decode_workers)):
+        try:
+            rspec = role_spec(spec, name)
+            ctx, failed = _planned(rspec.model_dump_json())
+        except ToolchainError as err:
+            out.failed = [f"{name}: {err}"]
+            return out
+        out.device = ctx.device
+        if ctx.memory is not None:
+            out.weight_bytes += sum(r.weights_bytes for r in ctx.memory.ranks) * workers
+        out.failed += [f"{name}:{f}" for f in failed]
+        if not failed and (ctx.memory is None or not ctx.memory.fits):
+            out.failed.append(f"{name}:memory.fits")
+        if out.failed:
+            return out
+        if ctx.model is None or ctx.device is None or not ctx.device.has_performance:
+            out.performance = {"predicted": False, "note": "no GPU figures to predict a disaggregated split"}
+            return out
+        roles[name] = role_of(rspec, ctx, workers)
+    wl, pre, dec = spec.validation.workload, roles["prefill"], roles["decode"]
+    split = Split(pre, dec, wl.input_tokens, wl.output_tokens, spec.build.chunked_context,
+                  spec.build.tokens_per_block, candidate.gpu_count <= spec.gpu.per_node)
+    assert out.device is not None
+    basis = f"{perf.basis_of(out.device)}; disaggregated: plan/perf/disagg.py"
+    try:
+        out.performance = predict_disagg(split, wl.concurrency, spec.gpu.hourly_usd, basis)
+    except ToolchainError as err:
+        out.failed = [f"disagg: {err.message}"]
+        return out
+    out.slo_misses = slo_misses(out.performance, thresholds, wl.output_tokens, wl.concurrency)
+    at = point(split, int(out.performance["batch_size_at_max"]))
+    out.full_load = {"concurrency": at.concurrency, "ttft_ms": round(at.ttft_s * 1e3, 2),
+                     "tpot_ms": round(at.tpot_s * 1e3, 3)}
+    if not out.slo_misses:
+        out.slo_misses = slo_misses(out.full_load, thresholds, wl.output_tokens, at.concurrency)
+    return out
+
+
+def evaluate_roles(candidate: Candidate, thresholds: list[Threshold]) -> list[Evaluated]:
+    """The candidate at decode max_batch_size down the grid until one meets the SLO (all of them evaluated)."""
+    out = []
+    for batch in sorted(BATCH_GRID, reverse=True):
+        c = Candidate(derive(candidate.spec, {"dynamo.decode.max_batch_size": batch}), candidate.replicas,
+                      candidate.gpu_count)
+        e = evaluate(c, thresholds)
+        out.append(e)
+        if e.kept or any(not f.startswith("decode:") for f in e.failed) or not e.predicted and not e.failed:
+            break  # met, or refused by something a smaller decode batch does not change
+    return out
+
+
+def search_with_disagg(spec: DeploymentSpec, gpu_specs: list, gpu_count: int, thresholds: list[Threshold],
+                       by_cost: bool) -> SearchResult:
+    """search.search, then the disaggregated candidates of each GPU's spec ranked in with the aggregated ones."""
+    result = search(spec, gpu_specs, gpu_count, thresholds, by_cost)
+    if all(gpus.resolve(g).kind != "gpu" for g in gpu_specs):  # one host's CPU engine: no KV transfer to split by
+        return result
+    reason = why_not(spec)
+    if reason:
+        result.notes.append(reason)
+        return result
+    added: list[Evaluated] = []
+    for gspec in gpu_specs:
+        mine = [e for e in result.ranked if e.candidate.spec.gpu.name == gspec.gpu.name and e.predicted]
+        if not mine:
+            continue
+        q = mine[0].candidate.spec.quantization
+        base = derive(gspec, {"quantization.method": q.method, "quantization.kv_cache": q.kv_cache})
+        for c in candidates(base, gpu_count):
+            added += evaluate_roles(c, thresholds)
+    if not added:
+        return result
+    kept = [e for e in added if e.kept]
+    result.ranked = sorted([*result.ranked, *kept],
+                           key=sort_key(by_cost, (spec.limits.max_batch_size, spec.limits.max_num_tokens,
+                                                  spec.build.chunked_context)))
+    result.dropped += [e for e in added if not e.kept]
+    result.front = pareto(result.ranked)
+    return result
