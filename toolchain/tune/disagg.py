@@ -154,11 +154,16 @@ def evaluate_roles(candidate: Candidate, thresholds: list[Threshold]) -> list[Ev
     return out
 
 
+def on_gpus(spec: DeploymentSpec) -> bool:
+    device = gpus.resolve(spec)
+    return device is None or device.kind == "gpu"  # None: a GPU target whose card the spec does not name
+
+
 def search_with_disagg(spec: DeploymentSpec, gpu_specs: list, gpu_count: int, thresholds: list[Threshold],
                        by_cost: bool) -> SearchResult:
     """search.search, then the disaggregated candidates of each GPU's spec ranked in with the aggregated ones."""
     result = search(spec, gpu_specs, gpu_count, thresholds, by_cost)
-    if all(gpus.resolve(g).kind != "gpu" for g in gpu_specs):  # one host's CPU engine: no KV transfer to split by
+    if not any(on_gpus(g) for g in gpu_specs):  # one host's CPU engine: no KV transfer to split by
         return result
     reason = why_not(spec)
     if reason:
