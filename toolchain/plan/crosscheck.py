@@ -91,10 +91,10 @@ def parse(report: str) -> Estimate:
         rest = rest.strip()
         role = _ROLE_LINE.fullmatch(label)
         if role:
-            number = re.match(r"[\d,.]+", rest)
-            if number:
+            leading = re.match(r"[\d,.]+", rest)
+            if leading:
                 key = "memory_gb" if role.group(2) == "Memory" else role.group(2).lower()
-                roles.setdefault(_ROLE_NAMES[role.group(1)], {})[key] = float(number.group().replace(",", ""))
+                roles.setdefault(_ROLE_NAMES[role.group(1)], {})[key] = float(leading.group().replace(",", ""))
         elif label == "Backend":
             found = re.fullmatch(r"trtllm \(([^)]+)\)", rest)
             if found:
