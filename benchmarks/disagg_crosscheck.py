@@ -35,12 +35,11 @@ sys.path.insert(0, str(REPO))
 
 from toolchain.bench.results import print_and_write  # noqa: E402
 from toolchain.checks.preflight import build_context  # noqa: E402
-from toolchain.dynamo.roles import role_spec  # noqa: E402
+from toolchain.dynamo.roles import role_of, role_spec  # noqa: E402
 from toolchain.errors import ToolchainError  # noqa: E402
 from toolchain.plan import crosscheck  # noqa: E402
 from toolchain.plan.perf.disagg import Split, decode_seq_per_s, predict_disagg, prefill_worker  # noqa: E402
 from toolchain.spec import load_spec  # noqa: E402
-from toolchain.tune.disagg import role_of  # noqa: E402
 
 BASE = REPO / "build" / "llama3-8b-llmapi-h100.yaml"
 CONFIGS = REPO / "build" / "configs"
@@ -77,7 +76,8 @@ def ours(config: str, system: str, isl: int, osl: int, prefill: tuple, decode: t
     roles = {}
     for name, workers in (("prefill", pw), ("decode", dw)):
         rspec = role_spec(spec, name)
-        roles[name] = role_of(rspec, build_context(rspec, "plan"), workers)
+        ctx = build_context(rspec, "plan")
+        roles[name] = role_of(rspec, ctx.model, ctx.quant, ctx.device, ctx.memory, workers)
     same_node = pw * ptp + dw * dtp <= spec.gpu.per_node
     split = Split(roles["prefill"], roles["decode"], isl, osl, spec.build.chunked_context, block, same_node)
     concurrency = dbs * dw

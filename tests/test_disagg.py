@@ -15,7 +15,7 @@ from toolchain.checks.preflight import build_context
 from toolchain.errors import ToolchainError
 from toolchain.plan.perf.disagg import NIC, Split, kv_transfer_seconds, point, predict_disagg
 from toolchain.spec import load_spec
-from toolchain.tune.disagg import role_of
+from toolchain.dynamo.roles import role_of
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_8B_LLMAPI = REPO / "build" / "llama3-8b-llmapi-h100.yaml"
@@ -25,7 +25,8 @@ PLAIN = ["llmapi.options={}", "speculative.mode=none"]
 
 def role(overrides: list[str], workers: int = 1):
     spec = load_spec(LLAMA_8B_LLMAPI, [*PLAIN, *overrides])
-    return role_of(spec, build_context(spec, "plan"), workers)
+    ctx = build_context(spec, "plan")
+    return role_of(spec, ctx.model, ctx.quant, ctx.device, ctx.memory, workers)
 
 
 def split(isl: int, osl: int, *, prefill=None, decode=None, chunked: bool = True, same_node: bool = True) -> Split:

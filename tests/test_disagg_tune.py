@@ -179,6 +179,13 @@ def test_tune_writes_the_chosen_split_as_a_dynamo_graph(tmp_path, capsys):
     assert d.disaggregated and d.prefill.tp and d.decode.tp and d.decode.max_batch_size
     row = next(c for c in doc["candidates"] if c["label"] == doc["top"][0])
     assert row["disaggregated"] and row["decode_workers"] == d.decode_workers
+    # `toolchain plan` of the written spec predicts the split, as the row has it
+    capsys.readouterr()
+    assert main(["--root", str(tmp_path), "plan", str(first), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["performance"]
+    for key in ("per_gpu_output_tokens_per_s", "ttft_ms", "tpot_ms", "batch_size_at_max"):
+        assert planned[key] == row["performance"][key], key
+    assert planned["disaggregated"]["bottleneck"] == row["performance"]["disaggregated"]["bottleneck"]
     assert main(["--root", str(tmp_path), "dynamo", str(first), "--print", "--manifests",
                  str(tmp_path / "graph")]) == 0
     graph = yaml.safe_load((tmp_path / "graph" / manifests.FILES["graph"]).read_text())["spec"]["services"]

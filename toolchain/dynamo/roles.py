@@ -1,12 +1,20 @@
 """A disaggregated deployment's roles as specs: the spec each prefill or decode worker runs, its shared fields
 replaced by the role's settings (spec_dynamo.RoleSection), so the memory plan, the checks and the prediction of
-one role are those of an ordinary spec and no stage reads the dynamo section twice."""
+one role are those of an ordinary spec and no stage reads the dynamo section twice; and the split those roles make
+for the prediction (plan/perf/disagg.py), which `toolchain plan` and `toolchain tune` both read."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from toolchain.errors import ToolchainError
+from toolchain.gpus import Gpu
+from toolchain.plan import memory as mem
+from toolchain.plan import perf
+from toolchain.plan.model import ModelInfo, kv_dtype, kv_dtype_bytes
+from toolchain.plan.perf.disagg import Role, Split, predict_disagg
+from toolchain.plan.plan import MemoryPlan
+from toolchain.quant.view import Quantization
 from toolchain.spec import DeploymentSpec
 from toolchain.spec_dynamo import ROLES
 
@@ -40,3 +48,31 @@ def role_spec(spec: DeploymentSpec, role: str) -> DeploymentSpec:
         return spec.derived(changes)
     except ToolchainError as err:
         raise ToolchainError(f"dynamo.{role}: {err.message}") from None
+
+
+def role_of(spec: DeploymentSpec, model: ModelInfo, quant: Quantization, device: Gpu, memory: MemoryPlan,
+            workers: int, draft: ModelInfo | None = None) -> Role:
+    """One role for the prediction (`spec`: its role spec, planned into `memory`): its replica, limits, KV pool and
+    the KV bytes per token one of its ranks holds (what it sends or receives)."""
+    dep, _ = perf.deployment(spec, model, quant, device, draft)
+    p, layout = model.params, spec.parallelism.layout
+    layers = max(len(r) for r in layout.stage_layers(p.num_hidden_layers))
+    per_token = mem.kv_bytes_per_token(p, tp=layout.attn_tp, stage_layer_count=layers,
+                                       kv_bytes=kv_dtype_bytes(kv_dtype(spec, p, quant)))
+    return Role(dep, workers, spec.limits.max_batch_size, spec.limits.max_num_tokens, memory.kv_tokens_capacity,
+                per_token)
+
+
+def split_of(spec: DeploymentSpec, prefill: Role, decode: Role) -> Split:
+    """The split of a disaggregated spec: its workload over the two roles, NVLink between them when all their
+    GPUs fit one node of gpu.per_node."""
+    wl = spec.validation.workload
+    same_node = prefill.gpus + decode.gpus <= spec.gpu.per_node
+    return Split(prefill, decode, wl.input_tokens, wl.output_tokens, spec.build.chunked_context,
+                 spec.build.tokens_per_block, same_node)
+
+
+def split_performance(spec: DeploymentSpec, split: Split, device: Gpu, concurrency: int | None = None) -> dict:
+    """The split's `performance` object at `concurrency` (default the workload's), labelled with its basis."""
+    basis = f"{perf.basis_of(device)}; disaggregated: plan/perf/disagg.py"
+    return predict_disagg(split, concurrency or spec.validation.workload.concurrency, spec.gpu.hourly_usd, basis)

@@ -21,12 +21,9 @@ from typing import Any
 from toolchain import gpus
 from toolchain.checks.preflight import FAIL, Context, build_context, run_checks
 from toolchain.dynamo.checks import problems as dynamo_problems
-from toolchain.dynamo.roles import role_spec
+from toolchain.dynamo.roles import role_of, role_spec, split_of, split_performance
 from toolchain.errors import ToolchainError
-from toolchain.plan import memory as mem
-from toolchain.plan import perf
-from toolchain.plan.model import kv_dtype, kv_dtype_bytes
-from toolchain.plan.perf.disagg import Role, Split, point, predict_disagg
+from toolchain.plan.perf.disagg import Role, point
 from toolchain.slo import Threshold
 from toolchain.spec import DeploymentSpec
 from toolchain.tune.candidates import BATCH_GRID, Candidate, derive
@@ -85,18 +82,6 @@ def _planned(text: str) -> tuple[Context, tuple[str, ...]]:
     return ctx, failed
 
 
-def role_of(spec: DeploymentSpec, ctx: Context, workers: int) -> Role:
-    """One role (`spec`: its role spec, planned in `ctx`) for the prediction: its replica, limits and KV pool."""
-    assert ctx.model is not None and ctx.device is not None and ctx.memory is not None
-    dep, _ = perf.deployment(spec, ctx.model, ctx.quant, ctx.device, ctx.draft)
-    p, layout = ctx.model.params, spec.parallelism.layout
-    layers = max(len(r) for r in layout.stage_layers(p.num_hidden_layers))
-    per_token = mem.kv_bytes_per_token(p, tp=layout.attn_tp, stage_layer_count=layers,
-                                       kv_bytes=kv_dtype_bytes(kv_dtype(spec, p, ctx.quant)))
-    return Role(dep, workers, spec.limits.max_batch_size, spec.limits.max_num_tokens,
-                ctx.memory.kv_tokens_capacity, per_token)
-
-
 def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
     """Plan and check each role as its own spec, then predict the split at the workload's concurrency and at the
     maximum, and judge the SLO at both (as search.evaluate does for an aggregated candidate)."""
@@ -121,14 +106,13 @@ def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
         if ctx.model is None or ctx.device is None or not ctx.device.has_performance:
             out.performance = {"predicted": False, "note": "no GPU figures to predict a disaggregated split"}
             return out
-        roles[name] = role_of(rspec, ctx, workers)
-    wl, pre, dec = spec.validation.workload, roles["prefill"], roles["decode"]
-    split = Split(pre, dec, wl.input_tokens, wl.output_tokens, spec.build.chunked_context,
-                  spec.build.tokens_per_block, candidate.gpu_count <= spec.gpu.per_node)
+        assert ctx.memory is not None
+        roles[name] = role_of(rspec, ctx.model, ctx.quant, ctx.device, ctx.memory, workers, ctx.draft)
+    wl = spec.validation.workload
+    split = split_of(spec, roles["prefill"], roles["decode"])
     assert out.device is not None
-    basis = f"{perf.basis_of(out.device)}; disaggregated: plan/perf/disagg.py"
     try:
-        out.performance = predict_disagg(split, wl.concurrency, spec.gpu.hourly_usd, basis)
+        out.performance = split_performance(spec, split, out.device)
     except ToolchainError as err:
         out.failed = [f"disagg: {err.message}"]
         return out
