@@ -2,12 +2,13 @@
 TensorRT-LLM), predicted by plan/perf/disagg.py and ranked beside the aggregated ones by the same objective.
 
 Proposed only where the spec's target runs under Dynamo (dynamo/checks.py: the LLM-API path on GPUs); on another
-GPU target tune says once why not (a CPU target serves on one host, where there is nothing to split). Per GPU, on the weight and KV formats of the best aggregated candidate (so a split and an
-aggregated deployment of one format are compared), the grid is small: each role's tp from the tps tune tries
-(pp 1, within a node), worker ratios P:D of `RATIOS`, scaled by the largest whole factor the GPU budget holds, and
-the decode workers' max_batch_size on tune's batch grid from the largest down to the first that meets the SLO (the
-prediction already takes the best decode batch below the cap). Prefill workers take a whole prompt per step
-(max_num_tokens at least limits.max_input_len). Each role is planned and checked as its own spec
+GPU target tune says once why not (a CPU target serves on one host, where there is nothing to split). Per GPU, on
+the weight and KV formats of the best aggregated candidate (so a split and an aggregated deployment of one format
+are compared; where none meets the SLO, the fastest that fits), the grid is small: each role's tp from the tps
+tune tries (pp 1, within a node), worker ratios P:D of `RATIOS`, scaled by the largest whole factor the GPU
+budget holds, and the decode workers' max_batch_size on tune's batch grid from the largest down to the first that
+meets the SLO (the prediction already takes the best decode batch below the cap). Prefill workers take a whole
+prompt per step (max_num_tokens at least limits.max_input_len). Each role is planned and checked as its own spec
 (dynamo/roles.py role_spec) with every check `toolchain plan` runs; a failed one drops the candidate as
 "<role>:<check id>". The written spec is a disaggregated Dynamo spec: `toolchain dynamo --manifests` of it writes
 the DynamoGraphDeployment with each role's settings.
@@ -155,10 +156,11 @@ def search_with_disagg(spec: DeploymentSpec, gpu_specs: list, gpu_count: int, th
         return result
     added: list[Evaluated] = []
     for gspec in gpu_specs:
-        mine = [e for e in result.ranked if e.candidate.spec.gpu.name == gspec.gpu.name and e.predicted]
-        if not mine:
-            continue
-        q = mine[0].candidate.spec.quantization
+        # the formats of the best aggregated candidate on this GPU; where none meets the SLO (a split may), of the
+        # fastest that fits and misses only the SLO; where none fits, the spec's own
+        ours = [e for e in [*result.ranked, *sorted(result.dropped, key=lambda e: -e.per_gpu())]
+                if e.candidate.spec.gpu.name == gspec.gpu.name and e.predicted and not e.failed]
+        q = ours[0].candidate.spec.quantization if ours else gspec.quantization
         base = derive(gspec, {"quantization.method": q.method, "quantization.kv_cache": q.kv_cache})
         for c in candidates(base, gpu_count):
             added += evaluate_roles(c, thresholds)
