@@ -121,6 +121,33 @@ def test_the_role_settings_survive_dynamos_own_merge_of_the_shared_yaml(tmp_path
             assert merged["tensor_parallel_size"] == 1 and merged["max_num_tokens"] == 4096
 
 
+def test_the_role_flags_parse_with_dynamos_own_parser(tmp_path, monkeypatch):
+    """dynamo.trtllm's own argparse group (Dynamo 1.6.1 backend_args.py) reads each role's flags as the values
+    the spec gives, typed as the worker uses them."""
+    pytest.importorskip("dynamo.frontend", reason="NVIDIA Dynamo is not installed (make dynamo)")
+    import argparse
+    import importlib.util
+    import os
+
+    from tools.upstream_facts.dynamo import _importable
+
+    spec = load_spec(DYNAMO_SPEC, ROLES)
+    for key in [k for k in os.environ if k.startswith("DYN_")]:
+        monkeypatch.delenv(key)
+    site = Path(importlib.util.find_spec("dynamo.frontend").origin).resolve().parents[2]
+    with _importable(site):
+        from dynamo.common.configuration.groups.runtime_args import DynamoRuntimeArgGroup
+        from dynamo.trtllm.backend_args import DynamoTrtllmArgGroup
+
+        worker = argparse.ArgumentParser(exit_on_error=False)
+        DynamoRuntimeArgGroup().add_arguments(worker)
+        DynamoTrtllmArgGroup().add_arguments(worker)
+        parsed = {g.role: worker.parse_args(g.argv[3:]) for g in render.worker_groups(spec, Workspace(tmp_path))}
+    assert (parsed["prefill"].tensor_parallel_size, parsed["prefill"].max_num_tokens) == (1, 4096)
+    assert (parsed["decode"].max_batch_size, parsed["decode"].free_gpu_memory_fraction) == (128, 0.5)
+    assert parsed["decode"].tensor_parallel_size == 1  # the flag's default: the shared YAML's tp 2 goes over it
+
+
 def test_a_roles_tp_that_does_not_split_the_model_fails_its_check():
     spec = load_spec(LLAMA_8B_LLMAPI, [*PLAIN, "dynamo.disaggregated=true", "dynamo.decode.tp=3"])
     result = {r.id: r for r in run_checks(build_context(spec, "plan"))}["dynamo.roles"]
