@@ -16,7 +16,6 @@ the DynamoGraphDeployment with each role's settings.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 from toolchain import gpus
@@ -74,16 +73,20 @@ def candidates(base: DeploymentSpec, gpu_count: int) -> list[Candidate]:
     return out
 
 
-@lru_cache(maxsize=256)
-def _planned(text: str) -> tuple[Context, tuple[str, ...]]:
-    """A role spec's context and failed checks, cached by the spec's JSON: prefill roles repeat across ratios."""
-    spec = DeploymentSpec.model_validate_json(text)
-    ctx = build_context(spec, "plan")
-    failed = tuple(r.id for r in run_checks(ctx) if r.status == FAIL)
-    return ctx, failed
+Planned = dict[str, tuple[Context, tuple[str, ...]]]
+"""Role specs planned in one search, by their JSON: prefill roles repeat across ratios and decode batches."""
 
 
-def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
+def _planned(spec: DeploymentSpec, cache: Planned) -> tuple[Context, tuple[str, ...]]:
+    """A role spec's context and failed checks, planned once per search."""
+    key = spec.model_dump_json()
+    if key not in cache:
+        ctx = build_context(spec, "plan")
+        cache[key] = ctx, tuple(r.id for r in run_checks(ctx) if r.status == FAIL)
+    return cache[key]
+
+
+def evaluate(candidate: Candidate, thresholds: list[Threshold], cache: Planned | None = None) -> Evaluated:
     """Plan and check each role as its own spec, then predict the split at the workload's concurrency and at the
     maximum, and judge the SLO at both (as search.evaluate does for an aggregated candidate)."""
     spec = candidate.spec
@@ -92,7 +95,7 @@ def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
     for name, workers in (("prefill", spec.dynamo.prefill_workers), ("decode", spec.dynamo.decode_workers)):
         try:
             rspec = role_spec(spec, name)
-            ctx, failed = _planned(rspec.model_dump_json())
+            ctx, failed = _planned(rspec, {} if cache is None else cache)
         except ToolchainError as err:
             out.failed = [f"{name}: {err}"]
             return out
@@ -126,13 +129,13 @@ def evaluate(candidate: Candidate, thresholds: list[Threshold]) -> Evaluated:
     return out
 
 
-def evaluate_roles(candidate: Candidate, thresholds: list[Threshold]) -> list[Evaluated]:
+def evaluate_roles(candidate: Candidate, thresholds: list[Threshold], cache: Planned) -> list[Evaluated]:
     """The candidate at decode max_batch_size down the grid until one meets the SLO (all of them evaluated)."""
     out = []
     for batch in sorted(BATCH_GRID, reverse=True):
         c = Candidate(derive(candidate.spec, {"dynamo.decode.max_batch_size": batch}), candidate.replicas,
                       candidate.gpu_count)
-        e = evaluate(c, thresholds)
+        e = evaluate(c, thresholds, cache)
         out.append(e)
         if e.kept or any(not f.startswith("decode:") for f in e.failed) or not e.predicted and not e.failed:
             break  # met, or refused by something a smaller decode batch does not change
@@ -155,6 +158,7 @@ def search_with_disagg(spec: DeploymentSpec, gpu_specs: list, gpu_count: int, th
         result.notes.append(reason)
         return result
     added: list[Evaluated] = []
+    planned: Planned = {}
     for gspec in gpu_specs:
         # the formats of the best aggregated candidate on this GPU; where none meets the SLO (a split may), of the
         # fastest that fits and misses only the SLO; where none fits, the spec's own
@@ -163,7 +167,7 @@ def search_with_disagg(spec: DeploymentSpec, gpu_specs: list, gpu_count: int, th
         q = ours[0].candidate.spec.quantization if ours else gspec.quantization
         base = derive(gspec, {"quantization.method": q.method, "quantization.kv_cache": q.kv_cache})
         for c in candidates(base, gpu_count):
-            added += evaluate_roles(c, thresholds)
+            added += evaluate_roles(c, thresholds, planned)
     if not added:
         return result
     kept = [e for e in added if e.kept]
