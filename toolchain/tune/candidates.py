@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
+from toolchain.dynamo.roles import role_values
 from toolchain.errors import ToolchainError
 from toolchain.gpus import Gpu
 from toolchain.hostprofile import load_profile, resolve_threads, usable_cores
@@ -54,10 +55,9 @@ class Candidate:
         chunk = "c" if s.build.chunked_context else ""
         d = s.dynamo
         if d.disaggregated:  # prefill and decode workers of their own (tune/disagg.py), each role's settings
-            tp_p, tp_d = d.prefill.tp or s.parallelism.tp, d.decode.tp or s.parallelism.tp
-            parts = [f"disagg P{d.prefill_workers}xTP{tp_p} D{d.decode_workers}xTP{tp_d}", f"w:{q.method}",
-                     f"kv:{q.kv_cache}", f"b{d.decode.max_batch_size or s.limits.max_batch_size}",
-                     f"n{d.prefill.max_num_tokens or s.limits.max_num_tokens}{chunk}"]
+            pre, dec = role_values(s, "prefill"), role_values(s, "decode")
+            parts = [f"disagg P{d.prefill_workers}xTP{pre['tp']} D{d.decode_workers}xTP{dec['tp']}", f"w:{q.method}",
+                     f"kv:{q.kv_cache}", f"b{dec['max_batch_size']}", f"n{pre['max_num_tokens']}{chunk}"]
         else:
             parts = [f"tp{s.parallelism.tp}pp{s.parallelism.pp}x{self.replicas}",
                      f"w:{q.method}", f"kv:{q.kv_cache}", f"b{s.limits.max_batch_size}",
