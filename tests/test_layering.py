@@ -39,7 +39,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("weights_source",),
     ("workspace", "spec_reference"),
     ("spec",),
-    ("quant", "archs", "tinymodel", "spec_workload", "spec_lora"),
+    ("quant", "archs", "tinymodel", "spec_workload", "spec_lora", "spec_dynamo"),
     ("pretrained", "hub", "manifest", "gpus", "speculative", "spec_section"),
     ("remote_code", "fingerprint", "draft_tree", "netutil", "stopsignals", "slo", "eos", "versions", "host",
      "targets", "hostprofile"),

@@ -228,6 +228,8 @@ TRIGGERS = {
     "llmapi.kv-reuse": ({"target": "llmapi", "model": {"checkpoint": str(CONFIGS / "gemma-3-1b-it")}}, {}, FAIL),
     "llmapi.num-tokens-vs-input": ({"target": "llmapi", "limits": {"max_input_len": 8192, "max_seq_len": 8192 + 512,
                                                                    "max_num_tokens": 4096}}, {}, FAIL),
+    # Llama-3-8B has 32 heads and 8 KV heads: a prefill tp of 3 splits neither
+    "dynamo.roles": ({"target": "llmapi", "dynamo": {"disaggregated": True, "prefill": {"tp": 3}}}, {}, FAIL),
     # the base spec's engine is bfloat16, which LoRA's converted adapters cannot be (contract38: TYPE_FP16 lora_weights)
     "lora.adapters": ({"lora": {"target_modules": ["attn_q"], "max_lora_rank": 8}}, {}, FAIL),
     # 1 MiB of host cache cannot hold one rank-64 adapter over Llama-3-8B's 32 layers

@@ -23,6 +23,7 @@ from toolchain.errors import ToolchainError
 from toolchain.pretrained import require_built, require_built_adapter
 from toolchain.speculative import DRAFT_ENGINE, Mode, mode_of
 from toolchain.quant.formats import KvCacheKind, Method
+from toolchain.spec_dynamo import DynamoSection, role_gpus_problem
 from toolchain.spec_lora import LoraSection
 from toolchain.spec_section import Section as _Section
 from toolchain.spec_workload import ValidationSection
@@ -354,36 +355,6 @@ class LlmApiSection(_Section):
     reasoning_content."""
 
 
-class DynamoSection(_Section):
-    """NVIDIA Dynamo (`toolchain dynamo`): an OpenAI frontend with a router in front of several engine workers."""
-
-    workers: int = Field(2, ge=1, le=64)
-    """Aggregated workers behind the router: replicas of `python3 -m dynamo.trtllm` (target llmapi, each tp x pp
-    GPUs) or CPU-engine processes on this host (target llmapi-cpu)."""
-    router: Literal["kv", "round-robin", "random", "least-loaded"] = "kv"
-    """The frontend's --router-mode: kv sends each request to the worker whose cached KV blocks cover most of its
-    prompt (the workers publish KV-block events; needs build.kv_cache_reuse); the others ignore the caches."""
-    disaggregated: bool = False
-    """Target llmapi: separate prefill and decode workers (dynamo.trtllm --disaggregation-mode prefill|decode,
-    the KV cache sent from one to the other); prefill_workers and decode_workers count them instead of workers."""
-    prefill_workers: int = Field(1, ge=1, le=64)
-    """Prefill workers when disaggregated."""
-    decode_workers: int = Field(1, ge=1, le=64)
-    """Decode workers when disaggregated."""
-    http_port: int = Field(8000, ge=0, le=65535)
-    """Port of the frontend's OpenAI endpoint (Dynamo's default 8000); 0 picks a free one (target llmapi-cpu)."""
-    namespace: str = Field("dynamo", pattern=r"^[a-z0-9][a-z0-9-]*$")
-    """Dynamo namespace the workers register in and the frontend discovers (--namespace; Dynamo's default)."""
-    migration_limit: int = Field(3, ge=0, le=16)
-    """The frontend's --migration-limit: how often a request whose worker died or disconnected moves on to another
-    worker, carrying its tokens so far (0: such a request fails with an error)."""
-    image: str | None = None
-    """Container image of the Kubernetes manifest; default nvcr.io/nvidia/ai-dynamo/tensorrtllm-runtime:<the pinned
-    Dynamo release>."""
-    startup_timeout_s: float = Field(180.0, gt=0)
-    """Seconds `toolchain dynamo` waits for the frontend to list the model with every worker registered (CPU)."""
-
-
 class DeploymentSpec(_Section):
     name: str = Field("model", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     """Deployment name: output directories are engines/<name>, model_repo/<name>, reports/<name>."""
@@ -452,6 +423,14 @@ class DeploymentSpec(_Section):
         return self
 
     @model_validator(mode="after")
+    def _roles_fit_gpus(self) -> "DeploymentSpec":
+        par = self.parallelism
+        problem = role_gpus_problem(self.dynamo, par.tp, par.pp, par.gpus)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _attention_dp_on_llmapi_path(self) -> "DeploymentSpec":
         if self.parallelism.attention_dp and not self.llmapi_path:
             # Only the PyTorch backend's Mapping has enable_attention_dp; trtllm-build's engines split attention by tp.
@@ -496,6 +475,9 @@ class DeploymentSpec(_Section):
         data = self.model_dump(mode="json")
         if not self.lora.enabled:  # a spec without LoRA hashes as it did before the section existed
             data.pop("lora")
+        for role in ("prefill", "decode"):  # so does one without per-role Dynamo settings
+            if not getattr(self.dynamo, role).given:
+                data["dynamo"].pop(role)
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -5,10 +5,13 @@ upstream/facts/llmapi.json), caught before anything is written."""
 from __future__ import annotations
 
 from toolchain.archs import get_family
+from toolchain.archs.layout import splits_tp
 from toolchain.checks.registry import (ENGINE, FAIL, GPU_ONLY, LLMAPI_PATH, PASS, SERVING, SKIP, UNREGISTERED, Context,
                                        check)
+from toolchain.dynamo.roles import role_values
 from toolchain.llmapi.args import llm_args, options_problem
 from toolchain.openai.tools import parsers_problem
+from toolchain.spec_dynamo import ROLES
 from toolchain.speculative import mode_of, refusal
 from toolchain.targets import target_of
 from toolchain.versions import TRITON_IMAGE, TRTLLM_VERSION, in_line
@@ -166,3 +169,28 @@ def _runtime_version(ctx: Context):
         return FAIL, (f"TensorRT-LLM {found} is installed, the spec's arguments are checked against "
                       f"{TRTLLM_VERSION}: use the {TRITON_IMAGE} image")
     return PASS, f"TensorRT-LLM {found}"
+
+
+@check("dynamo.roles", (), "a disaggregated deployment's prefill and decode workers: each role's tp splits the model "
+       "as parallelism.tp must (tp.heads), and its max_num_tokens takes a whole prompt without chunked prefill "
+       "(llmapi.num-tokens-vs-input)", paths=LLMAPI_PATH)
+def _dynamo_roles(ctx: Context):
+    spec, p = ctx.spec, ctx.model.params if ctx.model is not None else None
+    if not spec.dynamo.disaggregated or not spec.dynamo.roles_given:
+        return PASS, "no per-role settings (every worker runs the shared ones)"
+    told = []
+    for role in ROLES:
+        values = role_values(spec, role)
+        layout = spec.parallelism.layout.with_tp(values["tp"])
+        if p is not None and not splits_tp(p, layout, values["tp"]):
+            good = [t for t in (1, 2, 4, 8, 16, 32, 64) if splits_tp(p, layout, t)]
+            return FAIL, (f"dynamo.{role}.tp={values['tp']} does not split num_attention_heads="
+                          f"{p.num_attention_heads}, num_key_value_heads={p.num_key_value_heads}, intermediate_size="
+                          f"{p.intermediate_size}; use tp {', '.join(map(str, good))}")
+        if values["max_num_tokens"] < spec.limits.max_input_len and not spec.build.chunked_context:
+            return FAIL, (f"dynamo.{role}.max_num_tokens {values['max_num_tokens']} is below limits.max_input_len "
+                          f"{spec.limits.max_input_len} and chunked prefill is off: the role's workers would refuse "
+                          f"longer prompts; raise it or set build.chunked_context=true")
+        told.append(f"{role} tp {values['tp']}, batch {values['max_batch_size']}, {values['max_num_tokens']} "
+                    f"tokens/step, KV share {values['kv_cache_free_gpu_mem_fraction']}")
+    return PASS, "; ".join(told)

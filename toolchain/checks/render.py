@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from toolchain.dynamo.roles import role_of, role_spec, split_of, split_performance
+from toolchain.errors import ToolchainError
 from toolchain.gpus import GIB, Gpu
 from toolchain.plan.perf import bar_text, performance_dict
 from toolchain.archs.layout import layout_problems
@@ -9,7 +11,7 @@ from toolchain.plan.lora import Pool, RankLora
 from toolchain.plan.plan import plan_memory
 from toolchain.slo import judged_on, predicted_value, thresholds
 from toolchain.checks.lora import size_text
-from toolchain.checks.registry import FAIL, Context, CheckResult
+from toolchain.checks.registry import FAIL, CheckResult, Context, build_context
 
 
 def _size(n: float) -> str:
@@ -43,6 +45,8 @@ def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
     fits = bool(ctx.memory and ctx.memory.fits)
     dev = ctx.device
     perf = performance_dict(spec, model, ctx.quant, dev, ctx.memory, ctx.draft)
+    if spec.dynamo.disaggregated and perf.get("predicted") and dev is not None and dev.kind == "gpu":
+        perf = split_dict(spec)  # Dynamo's split (the CPU engine has none: dynamo.checks refuses it there)
     return {
         "name": spec.name, "target": spec.target,
         "architecture": model.params.architecture if model else None,
@@ -69,6 +73,27 @@ def report_dict(ctx: Context, results: list[CheckResult]) -> dict:
         "failed_checks": failed,
         "ok": fits and not failed,
     }
+
+
+def split_dict(spec) -> dict:
+    """A disaggregated spec's prediction (target llmapi under Dynamo): each role planned as its own spec, then
+    the split (plan/perf/disagg.py), what `toolchain tune` ranked it by; or why there is none."""
+    roles = {}
+    for name, workers in (("prefill", spec.dynamo.prefill_workers), ("decode", spec.dynamo.decode_workers)):
+        try:
+            rspec = role_spec(spec, name)
+            ctx = build_context(rspec, "plan")
+        except ToolchainError as err:
+            return {"predicted": False, "note": f"disaggregated: {err.message}"}
+        if ctx.model is None or ctx.device is None or ctx.memory is None or not ctx.memory.fits:
+            return {"predicted": False, "note": f"disaggregated: the {name} workers do not fit (plan {rspec.name} "
+                                                "with the role's settings to see why)"}
+        roles[name] = role_of(rspec, ctx.model, ctx.quant, ctx.device, ctx.memory, workers, ctx.draft)
+        device = ctx.device
+    try:
+        return split_performance(spec, split_of(spec, roles["prefill"], roles["decode"]), device)
+    except ToolchainError as err:
+        return {"predicted": False, "note": f"disaggregated: {err.message}"}
 
 
 def lora_dict(c: RankLora) -> dict:
@@ -155,6 +180,13 @@ def _performance_lines(perf: dict | None) -> list[str]:
                      f"{bar['nearest']}")
     elif unit == "GPU" and "error_bar" in perf:
         lines.append("  error bar: none (no published or measured cell near this GPU, format, size and TP)")
+    split = perf.get("disaggregated")
+    if split:
+        pre, dec = split["prefill"], split["decode"]
+        lines.append(f"  disaggregated: {pre['workers']} prefill x tp {pre['tp']} ({pre['seq_per_s']:,.1f} prompts/s), "
+                     f"{dec['workers']} decode x tp {dec['tp']} ({dec['seq_per_s']:,.1f} requests/s at batch "
+                     f"{dec['batch_at_max']} each); KV transfer {split['kv_transfer_ms']:.2f} ms over {split['link']}; "
+                     f"{split['bottleneck']}-bound")
     lines += [f"  note: {n}" for n in perf["notes"]]
     return lines
 

@@ -20,7 +20,8 @@ from toolchain.targets import CPU, target_of
 from toolchain.tune import measure as measuring
 from toolchain.tune.candidates import derive
 from toolchain.tune.report import render, slo_miss_line, write, written_spec
-from toolchain.tune.search import cross_check, search
+from toolchain.tune.disagg import search_with_disagg
+from toolchain.tune.search import cross_check
 
 
 def parse_slo_option(text: str | None) -> list[str]:
@@ -136,7 +137,7 @@ def command(ctx: Context, spec_path: Path, overrides: tuple[str, ...], gpu_count
                                  "host's CPU", "drop --cross-check, or tune a GPU target")
         executable = crosscheck.ensure_venv()  # before the search: a venv that cannot be made fails in one line
     by_cost = bool(prices) or (target_of(spec).device != CPU and all(s.gpu.hourly_usd is not None for s in specs))
-    result = search(spec, specs, count, ths, by_cost)
+    result = search_with_disagg(spec, specs, count, ths, by_cost)
     if not result.ranked and not result.closest():
         counts = ", ".join(f"{n} {why}" for why, n in result.drop_counts().items())
         where = f"{count} GPUs ({', '.join(s.gpu.name for s in specs)})" if target_of(spec).device != CPU \

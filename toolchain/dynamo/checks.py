@@ -7,6 +7,7 @@ from toolchain.dynamo import flags
 from toolchain.errors import ToolchainError
 from toolchain.llmapi.args import SECTIONS, known_args, options_problem, serve_config
 from toolchain.spec import DeploymentSpec
+from toolchain.spec_dynamo import ROLES
 from toolchain.targets import CPU, CPU_STAND_IN, GPU, LLMAPI, TENSORRT_LLM, named, target_of
 
 # The keys Dynamo's disaggregated engine configs set beyond an aggregated one, per role (facts dynamo.json
@@ -81,6 +82,12 @@ def problems(spec: DeploymentSpec) -> list[str]:
     if runtime == TENSORRT_LLM and spec.parallelism.world_size > spec.gpu.per_node:
         out.append(f"one worker of tp x pp = {spec.parallelism.world_size} GPUs spans hosts (gpu.per_node "
                    f"{spec.gpu.per_node}); Dynamo's multinode workers are not rendered yet: keep tp x pp within a host")
+    for role in ROLES if d.disaggregated and runtime == TENSORRT_LLM else ():
+        tp = d.role(role).tp
+        if tp is not None and tp * spec.parallelism.pp > spec.gpu.per_node:
+            out.append(f"one {role} worker of dynamo.{role}.tp x pp = {tp * spec.parallelism.pp} GPUs spans hosts "
+                       f"(gpu.per_node {spec.gpu.per_node}); Dynamo's multinode workers are not rendered yet: lower "
+                       f"dynamo.{role}.tp")
     why = options_problem(spec)
     if why:
         out.append(why)

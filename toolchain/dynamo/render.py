@@ -11,6 +11,13 @@ YAML plus, through --override-engine-args, the two keys Dynamo's own prefill/dec
 cache from prefill to decode, and the overlap scheduler off on prefill workers. With router kv the workers publish
 their KV-block events (--publish-kv-events), which the frontend's KV router indexes.
 
+A role whose settings differ from the shared ones (dynamo.prefill / dynamo.decode: tp, max_batch_size,
+max_num_tokens, the KV cache's share) says so twice: as dynamo.trtllm's own flags, and as the same LLM() keys in its
+--override-engine-args. The flags alone would not hold: the worker builds LLM()'s arguments from its flags, then
+merges the --extra-engine-args YAML over them (which names tensor_parallel_size, max_batch_size, max_num_tokens and
+kv_cache_config, the shared values), then deep-merges --override-engine-args last (ai-dynamo 1.6.1 wheel,
+dynamo/trtllm/workers/llm_worker.py: arg_map, update_llm_args_with_extra_options, deep_update).
+
 One host, no etcd or NATS: file discovery, the TCP request plane and the ZMQ event plane, as on CPU. Worker i
 gets GPUs [i*w, (i+1)*w) of the host (w = tp x pp) through CUDA_VISIBLE_DEVICES. Every flag is looked up in
 the facts read from Dynamo 1.6.1 (flags.py); the override keys are checked against TensorRT-LLM 1.2.1's
@@ -28,6 +35,7 @@ from typing import Any
 from toolchain import upstream
 from toolchain.dynamo import flags
 from toolchain.dynamo.checks import DISAGG_KEYS, check
+from toolchain.dynamo.roles import role_changes, role_values
 from toolchain.spec import DeploymentSpec
 from toolchain.workspace import Workspace
 from toolchain.llmapi.args import llm_args_problem
@@ -50,14 +58,30 @@ class WorkerGroup:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
-def role_overrides(role: str) -> dict[str, Any]:
-    """What a prefill or decode worker sets over the aggregated YAML, taken from Dynamo's example engine configs;
-    checked against the LLM() arguments of TensorRT-LLM 1.2.1."""
+# A role's setting -> (dynamo.trtllm's flag, the LLM() key path it sets; Dynamo 1.6.1 backend_args.py and
+# llm_worker.py's arg_map).
+ROLE_FLAGS = {"tp": ("--tensor-parallel-size", ("tensor_parallel_size",)),
+              "max_batch_size": ("--max-batch-size", ("max_batch_size",)),
+              "max_num_tokens": ("--max-num-tokens", ("max_num_tokens",)),
+              "kv_cache_free_gpu_mem_fraction": ("--free-gpu-memory-fraction",
+                                                 ("kv_cache_config", "free_gpu_memory_fraction"))}
+
+
+def role_overrides(role: str, spec: DeploymentSpec | None = None) -> dict[str, Any]:
+    """What a prefill or decode worker sets over the aggregated YAML: the keys Dynamo's example engine configs
+    add, and the role's own settings where they differ from the shared ones (`spec`); checked against the LLM()
+    arguments of TensorRT-LLM 1.2.1."""
 
     if role == "agg":
         return {}
     doc = upstream.facts("dynamo")["examples"][f"engine_{role}"]["doc"]
     out = {key: doc[key] for key in DISAGG_KEYS if key in doc}
+    for name, value in (role_changes(spec, role) if spec is not None else {}).items():
+        *parents, last = ROLE_FLAGS[name][1]
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
     problem = llm_args_problem(out, partial=True)
     if problem:
         raise LookupError(f"Dynamo's {role} engine keys are not TensorRT-LLM 1.2.1 LLM() arguments: {problem}")
@@ -92,8 +116,10 @@ def worker_command(spec: DeploymentSpec, workspace: Workspace, role: str, *, eng
     if role != "agg":
         if role not in flags.choices("trtllm_worker", "--disaggregation-mode"):
             raise LookupError(f"dynamo.trtllm has no --disaggregation-mode {role}")
+        for name, value in role_changes(spec, role).items():
+            argv += [w(ROLE_FLAGS[name][0]), str(value)]
         argv += [w("--disaggregation-mode"), role,
-                 w("--override-engine-args"), json.dumps(role_overrides(role), separators=(",", ":"))]
+                 w("--override-engine-args"), json.dumps(role_overrides(role, spec), separators=(",", ":"))]
     if spec.dynamo.router == "kv":
         argv.append(w("--publish-kv-events"))
     if namespace:
@@ -102,11 +128,20 @@ def worker_command(spec: DeploymentSpec, workspace: Workspace, role: str, *, eng
 
 
 def worker_groups(spec: DeploymentSpec, workspace: Workspace, **kwargs: Any) -> list[WorkerGroup]:
+    return [WorkerGroup(role, n, worker_command(spec, workspace, role, **kwargs), role_gpus(spec, role),
+                        role_overrides(role, spec)) for role, n in roles(spec)]
+
+
+def roles(spec: DeploymentSpec) -> list[tuple[str, int]]:
+    """(role, workers) of the deployment: aggregated workers, or prefill and decode ones."""
     d = spec.dynamo
-    gpus = spec.parallelism.world_size
-    roles = [("prefill", d.prefill_workers), ("decode", d.decode_workers)] if d.disaggregated else [("agg", d.workers)]
-    return [WorkerGroup(role, n, worker_command(spec, workspace, role, **kwargs), gpus, role_overrides(role))
-            for role, n in roles]
+    return [("prefill", d.prefill_workers), ("decode", d.decode_workers)] if d.disaggregated else [("agg", d.workers)]
+
+
+def role_gpus(spec: DeploymentSpec, role: str) -> int:
+    """GPUs of one worker of `role`: its tp x pp."""
+    tp = spec.parallelism.tp if role == "agg" else role_values(spec, role)["tp"]
+    return tp * spec.parallelism.pp
 
 
 def gpu_commands(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
@@ -123,9 +158,7 @@ def gpu_commands(spec: DeploymentSpec, workspace: Workspace) -> list[str]:
 
 
 def gpus_needed(spec: DeploymentSpec) -> int:
-    d = spec.dynamo
-    replicas = d.prefill_workers + d.decode_workers if d.disaggregated else d.workers
-    return replicas * spec.parallelism.world_size
+    return sum(n * role_gpus(spec, role) for role, n in roles(spec))
 
 
 def version_note() -> str:

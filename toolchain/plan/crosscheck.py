@@ -48,6 +48,9 @@ class Estimate:
     tensorrt_llm: str
     """The TensorRT-LLM release of the kernel measurements the estimate comes from."""
     tool: str = f"aiconfigurator {VERSION}"
+    roles: dict[str, dict[str, float]] | None = None
+    """A disaggregated estimate (`--estimate-mode disagg`): per role ("prefill", "decode") its tp, pp, bs, workers
+    and memory_gb, as the report's "(p) ..." and "(d) ..." lines give them; None for aggregated serving."""
 
     @property
     def label(self) -> str:
@@ -69,16 +72,30 @@ _FIELDS = {  # report line label -> (Estimate field, number pattern)
 }
 
 
+# A disaggregated report's per-role lines ("(p) TP:  2", "(d) Memory:  31.854 GB"; verified on 0.12.0's output).
+_ROLE_LINE = re.compile(r"\((p|d)\) (TP|PP|BS|Workers|Memory)")
+_ROLE_NAMES = {"p": "prefill", "d": "decode"}
+
+
 def parse(report: str) -> Estimate:
     """The figures of an `aiconfigurator cli estimate` report ("Performance Estimate" block, one `Label: value`
-    per line); a report without them (an error, another tool version) is refused in one line."""
+    per line); a report without them (an error, another tool version) is refused in one line. A disaggregated
+    report ("Performance Estimate (disagg)") gives each role's lines instead of one `Memory (GPU)`: its memory_gb
+    is then the larger role's (what one GPU must hold)."""
     values: dict[str, float | int | str] = {}
+    roles: dict[str, dict[str, float]] = {}
     for line in report.splitlines():
         label, sep, rest = line.strip().partition(":")
         if not sep:
             continue
         rest = rest.strip()
-        if label == "Backend":
+        role = _ROLE_LINE.fullmatch(label)
+        if role:
+            leading = re.match(r"[\d,.]+", rest)
+            if leading:
+                key = "memory_gb" if role.group(2) == "Memory" else role.group(2).lower()
+                roles.setdefault(_ROLE_NAMES[role.group(1)], {})[key] = float(leading.group().replace(",", ""))
+        elif label == "Backend":
             found = re.fullmatch(r"trtllm \(([^)]+)\)", rest)
             if found:
                 values["tensorrt_llm"] = found.group(1)
@@ -88,11 +105,13 @@ def parse(report: str) -> Estimate:
             if found:
                 number = found.group(1).replace(",", "")
                 values[name] = int(number) if name == "concurrency" else float(number)
+    if roles and "memory_gb" not in values and all("memory_gb" in r for r in roles.values()):
+        values["memory_gb"] = max(r["memory_gb"] for r in roles.values())
     missing = [f for f in ("tensorrt_llm", *(n for n, _ in _FIELDS.values())) if f not in values]
     if missing:
         raise ToolchainError(f"aiconfigurator's report lacks {', '.join(missing)}",
                              f"run `{VENV}/bin/aiconfigurator cli estimate ...` by hand to see its error")
-    return Estimate(**values)  # type: ignore[arg-type]
+    return Estimate(**values, roles=roles or None)  # type: ignore[arg-type]
 
 
 def command(spec, device: Gpu, batch_size: int, executable: Path | str = "aiconfigurator") -> list[str]:
@@ -124,6 +143,20 @@ def command(spec, device: Gpu, batch_size: int, executable: Path | str = "aiconf
             "--gemm-quant-mode", gemm, "--kvcache-quant-mode", kv,
             "--free-gpu-memory-fraction", str(spec.serving.kv_cache_free_gpu_mem_fraction),
             "--no-color", "--log-level", "ERROR"]
+
+
+def disagg_command(model_path: Path | str, system: str, isl: int, osl: int, prefill: tuple[int, int, int],
+                   decode: tuple[int, int, int], gemm: str, kv: str,
+                   executable: Path | str = "aiconfigurator") -> list[str]:
+    """`aiconfigurator cli estimate --estimate-mode disagg` for prefill and decode workers given as (tp, batch
+    size, workers) each, pp 1 (the four per-role options 0.12.0 requires in that mode)."""
+    (ptp, pbs, pw), (dtp, dbs, dw) = prefill, decode
+    return [str(executable), "cli", "estimate", "--model-path", str(model_path), "--system", system,
+            "--backend", "trtllm", "--estimate-mode", "disagg", "--isl", str(isl), "--osl", str(osl),
+            "--prefill-tp-size", str(ptp), "--prefill-pp-size", "1", "--prefill-batch-size", str(pbs),
+            "--prefill-num-workers", str(pw), "--decode-tp-size", str(dtp), "--decode-pp-size", "1",
+            "--decode-batch-size", str(dbs), "--decode-num-workers", str(dw),
+            "--gemm-quant-mode", gemm, "--kvcache-quant-mode", kv, "--no-color", "--log-level", "ERROR"]
 
 
 def install_command(venv: Path = VENV) -> str:

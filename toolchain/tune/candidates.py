@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
-from pydantic import ValidationError
-
+from toolchain.dynamo.roles import role_values
 from toolchain.errors import ToolchainError
 from toolchain.gpus import Gpu
 from toolchain.hostprofile import load_profile, resolve_threads, usable_cores
@@ -54,9 +53,15 @@ class Candidate:
         s = self.spec
         q = s.quantization
         chunk = "c" if s.build.chunked_context else ""
-        parts = [f"tp{s.parallelism.tp}pp{s.parallelism.pp}x{self.replicas}",
-                 f"w:{q.method}", f"kv:{q.kv_cache}", f"b{s.limits.max_batch_size}",
-                 f"n{s.limits.max_num_tokens}{chunk}"]
+        d = s.dynamo
+        if d.disaggregated:  # prefill and decode workers of their own (tune/disagg.py), each role's settings
+            pre, dec = role_values(s, "prefill"), role_values(s, "decode")
+            parts = [f"disagg P{d.prefill_workers}xTP{pre['tp']} D{d.decode_workers}xTP{dec['tp']}", f"w:{q.method}",
+                     f"kv:{q.kv_cache}", f"b{dec['max_batch_size']}", f"n{pre['max_num_tokens']}{chunk}"]
+        else:
+            parts = [f"tp{s.parallelism.tp}pp{s.parallelism.pp}x{self.replicas}",
+                     f"w:{q.method}", f"kv:{q.kv_cache}", f"b{s.limits.max_batch_size}",
+                     f"n{s.limits.max_num_tokens}{chunk}"]
         if s.speculative.mode != "none":
             parts.append(s.speculative.mode)
         if s.parallelism.attention_dp:
@@ -78,27 +83,23 @@ class Candidate:
                 "max_batch_size": s.limits.max_batch_size, "max_num_tokens": s.limits.max_num_tokens,
                 "chunked_context": s.build.chunked_context, "speculative": s.speculative.mode,
                 "attention_dp": s.parallelism.attention_dp, "moe_ep": s.parallelism.moe_ep or 1,
-                "engine_threads": s.serving.engine_threads}
+                "engine_threads": s.serving.engine_threads, **self.disagg_knobs}
+
+    @property
+    def disagg_knobs(self) -> dict:
+        """A disaggregated candidate's roles (none for an aggregated one, whose tune.json stays as it was)."""
+        d = self.spec.dynamo
+        if not d.disaggregated:
+            return {}
+        return {"disaggregated": True, **{f"{role}_{k}": v for role in ("prefill", "decode")
+                                          for k, v in {"workers": getattr(d, f"{role}_workers"),
+                                                       **d.role(role).given}.items()}}
 
 
 def derive(spec: DeploymentSpec, changes: dict[str, Any]) -> DeploymentSpec:
     """The spec with dotted fields replaced ("limits.max_batch_size": 64), validated as a loaded file is; a
-    combination the spec's own validators refuse raises ToolchainError with their message."""
-    data = spec.model_dump(mode="python", exclude={"source"})
-    for dotted, value in changes.items():
-        node = data
-        *parents, last = dotted.split(".")
-        for key in parents:
-            node = node[key]
-        node[last] = value
-    try:
-        out = DeploymentSpec.model_validate(data)
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ToolchainError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
-    out.source = spec.source
-    return out
+    combination the spec's own validators refuse raises ToolchainError with their message (Section.derived)."""
+    return spec.derived(changes)
 
 
 def layouts(gpu_count: int, on_cpu: bool) -> list[tuple[int, int, int]]:

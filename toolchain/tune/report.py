@@ -314,6 +314,14 @@ def write(out: Path, result: SearchResult, top: int, text: str, extra: dict | No
             if e.candidate.replicas > 1:
                 header.append(share_line(e.candidate.spec.validation.workload, spec.validation.workload,
                                          e.candidate.replicas))
+            split = p.get("disaggregated") if e.predicted else None
+            if split:
+                header.append(f"disaggregated (NVIDIA Dynamo): {split['prefill']['workers']} prefill workers of tp "
+                              f"{split['prefill']['tp']}, {split['decode']['workers']} decode workers of tp "
+                              f"{split['decode']['tp']}; `toolchain dynamo <this file> --manifests DIR` writes the "
+                              "DynamoGraphDeployment")
+                header.append(f"predicted KV transfer {split['kv_transfer_ms']:.2f} ms per request over "
+                              f"{split['link']}; the {split['bottleneck']} workers bound the throughput")
             if e.predicted:
                 bar = f" {bar_text(p['error_bar'])}" if p.get("error_bar") else ""
                 header.append(f"predicted per replica: {p['max_output_tokens_per_s']:,.0f} output tokens/s{bar} at batch "

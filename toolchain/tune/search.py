@@ -359,6 +359,10 @@ def cross_check(ranked: list[Evaluated], top: int, estimator: Estimator) -> None
         if not e.predicted or e.device is None:
             e.cross_check = {"error": "no prediction of ours to compare with"}
             continue
+        if e.candidate.spec.dynamo.disaggregated:  # the estimator is aggregated serving's
+            e.cross_check = {"error": "disaggregated: compared with AIConfigurator's disagg estimate in "
+                                      "benchmarks/disagg_crosscheck.py, not here"}
+            continue
         batch = int(e.performance["batch_size_at_max"])
         try:
             est = estimator(e.candidate.spec, e.device, batch)
