@@ -55,13 +55,15 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "overhead": ("fixed_us", "seq_us"),
     "ttft": ("ttft_ms",),
     "comm": ("link", "latency"),
+    "kernels": ("kernel_scale",),
+    "allreduce": ("link_scale",),
 }
 """Multipliers the fit may free, in the order more data frees them, and the Efficiency fields each scales."""
 SPEED = "speed"
 """The single multiplier of one or two reports: every time of the row scaled alike (the fractions up, the fixed
 costs down), which one throughput pins without saying which part of the step is off."""
 FRACTIONS = ("bandwidth", "compute", "link")
-COSTS = ("fixed_us", "latency", "seq_us", "ttft_ms")
+COSTS = ("fixed_us", "latency", "seq_us", "ttft_ms", "kernel_scale", "link_scale")
 
 
 # ------------------------------------------------------------------------------------- completing the facts
@@ -243,16 +245,17 @@ def case_of(report: Report, facts: Facts, point: Point, spec_path: Path | None, 
 # ------------------------------------------------------------------------------------------------ the fit
 
 
-def parameters_for(cases: list[Case]) -> tuple[tuple[str, ...], str]:
+def parameters_for(cases: list[Case], kernels: bool = False) -> tuple[tuple[str, ...], str]:
     """The multipliers the reports identify, and why: one (`SPEED`) for up to five measured values (one or two
     reports); then one per three values, in GROUPS' order, TTFT's only when a TTFT was measured and the
-    interconnect's only when a run spans GPUs."""
+    interconnect's only when a run spans GPUs. A measured-kernel row (`kernels`) frees its kernels' time in serving
+    over alone where a roofline row frees its bandwidth and compute fractions."""
     n = sum(len(c.measured) for c in cases)
-    available = ["memory", "compute", "overhead"]
+    available = ["kernels", "overhead"] if kernels else ["memory", "compute", "overhead"]
     if any("ttft" in c.measured for c in cases):
         available.append("ttft")
     if any((c.facts.tp or 1) * (c.facts.pp or 1) > 1 for c in cases):
-        available.append("comm")
+        available.append("allreduce" if kernels else "comm")
     k = min(len(available), n // 3)
     if k <= 1:
         return (SPEED,), f"{n} measured value(s): one multiplier on every time of the row"
@@ -356,7 +359,7 @@ def calibrate(reports: list[Report], flags: Facts, spec_path: Path | None = None
                      "only their throughput is fitted")
     device = gpus.lookup(str(gpu))
     base = shipped_row(device, str(path))
-    params, why = parameters_for(cases)
+    params, why = parameters_for(cases, base.kernels)
     x = fit(cases, base, params)
     eff = apply(base, params, x)
     before, after = errors_pct(cases, base), errors_pct(cases, eff)

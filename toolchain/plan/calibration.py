@@ -378,8 +378,9 @@ def predict_published(point: Published) -> perf.Performance:
     info = model_info(point.model)
     quant = quantization_of(spec.quantization, info.hf_config, hf_quant_config=info.hf_quant_config)
     device = gpus.lookup(point.gpu)
+    # the shipped model's prediction, never rows a user calibrated on this machine (`toolchain calibrate`)
     return perf.predict(spec, info, quant, device, plan_memory(spec, info, quant, device, suggest=False),
-                        release=point.release)
+                        release=point.release, calibrated=False)
 
 
 def published_check(path: Path = PUBLISHED) -> list[tuple[Published, float]]:

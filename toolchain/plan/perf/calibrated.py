@@ -14,7 +14,6 @@ This module reads and writes the files only; the fit lives in plan/calibrate.py,
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import re
@@ -26,6 +25,7 @@ from toolchain.fsutil import atomic_file
 from toolchain.gpus import Gpu
 from toolchain.hostprofile import cache_dir as host_profile_dir
 from toolchain.plan.perf.efficiency import Efficiency, efficiency_of
+from toolchain.plan.perf.kernels import SYSTEMS as KERNEL_SYSTEMS
 
 IGNORE_ENV = "TOOLCHAIN_NO_CALIBRATION"
 ROW_KIND = "trtllm-toolchain calibrated efficiency row"
@@ -65,11 +65,10 @@ def row_path(gpu_name: str, path: str, version: str, root: Path | None = None) -
 
 
 def shipped_row(device: Gpu, path: str) -> Efficiency:
-    """The shipped table's row a calibration starts from: per path where efficiency_of takes one (a keyword the
-    kernel layer may add), else per generation."""
-    if "path" in inspect.signature(efficiency_of).parameters:
-        return efficiency_of(device, path=path)  # type: ignore[call-arg]
-    return efficiency_of(device)
+    """The shipped table's row a calibration starts from: the measured-kernel step's on a card AIConfigurator's
+    database measured (its serving costs of the release a plan predicts), else the roofline's of its generation.
+    One row serves both paths: the database's kernels are the PyTorch backend's on either."""
+    return efficiency_of(device, measured_kernels=device.name in KERNEL_SYSTEMS)
 
 
 def row_of(doc: dict, file: Path) -> CalibratedRow:
@@ -83,7 +82,8 @@ def row_of(doc: dict, file: Path) -> CalibratedRow:
     loo = err.get("leave_one_out")
     error = float(loo if loo is not None else err["after"])
     n = len(doc["reports"])
-    basis = (f"roofline x efficiencies calibrated on {n} run{'s' if n != 1 else ''} of {doc['gpu']} ({doc['path']}, "
+    kind = "measured kernels x serving costs" if eff.kernels else "roofline x efficiencies"
+    basis = (f"{kind} calibrated on {n} run{'s' if n != 1 else ''} of {doc['gpu']} ({doc['path']}, "
              f"TensorRT-LLM {doc['trtllm_version']}), fit error {error:.1f}%"
              f"{' (leave-one-out)' if loo is not None else ' on the runs it was fitted to'}, {doc['date']}")
     return CalibratedRow(eff, basis, error, n, file)

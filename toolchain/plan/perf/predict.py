@@ -168,13 +168,18 @@ def with_lora(spec, p, stages: tuple[StageCost, ...], dtype_bytes: int) -> tuple
 
 def predict(spec, model: ModelInfo, quant: Quantization, device: Gpu, memory: MemoryPlan,
             draft: ModelInfo | None = None, eff: Efficiency | None = None, profile: HostProfile | None = None,
-            concurrency: int | None = None, bench_run: bool = False, release: str | None = None) -> Performance:
+            concurrency: int | None = None, bench_run: bool = False, release: str | None = None,
+            calibrated: bool = True) -> Performance:
     """TTFT and TPOT at `concurrency` (default validation.workload.concurrency), and the maximum output
     throughput, of a spec that fits; on this host's CPU engine with `profile`. TTFT is the steady state's (a
     service long running), or with `bench_run` the mean over a `toolchain bench` level, whose num_requests
-    requests start with all C at once (Workload.requests; not with duration_s or an open loop)."""
+    requests start with all C at once (Workload.requests; not with duration_s or an open loop). `release`: the
+    TensorRT-LLM release predicted (a published table's; default the one deployed), whose measured serving costs
+    the measured-kernel step takes (efficiency.kernel_row); `calibrated` False ignores the rows `toolchain calibrate`
+    cached on this machine (the published check predicts the shipped model)."""
     # A GPU row the user calibrated from their own runs of this device, path and version comes first.
-    own = calibrated_row(device.name, path_of(spec), TRTLLM_VERSION) if eff is None and profile is None else None
+    own = (calibrated_row(device.name, path_of(spec), TRTLLM_VERSION)
+           if calibrated and eff is None and profile is None else None)
     dep, notes = deployment(spec, model, quant, device, draft, own.eff if own else eff, profile, release)
     if own:
         notes.append(f"efficiencies calibrated from your runs ({own.file}; `toolchain calibrate --show`, "
