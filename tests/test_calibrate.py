@@ -90,8 +90,9 @@ def test_fitting_half_the_mixes_cuts_the_error_on_the_other_half(tmp_path, cache
     result = calibrate(train, Facts(), leave_one_out=False)
     doc = result.doc
     assert (doc["gpu"], doc["path"], doc["trtllm_version"]) == (H100, path, release)
-    # ten throughputs pin three multipliers; TTFT's needs a TTFT, so it stays shipped
-    assert doc["fitted"]["parameters"] == ["memory", "compute", "overhead"]
+    # ten throughputs pin three multipliers of the measured-kernel row (its kernels' time in serving, its overheads,
+    # the 70B's all-reduce at tp 2); TTFT's needs a TTFT, so it stays shipped
+    assert doc["fitted"]["parameters"] == ["kernels", "overhead", "allreduce"]
     assert doc["row"]["ttft_ms"] == pytest.approx(doc["shipped"]["ttft_ms"])
     assert doc["error_pct"]["after"] < doc["error_pct"]["before"]
     notes: list[str] = []
@@ -115,7 +116,7 @@ def test_three_reports_get_a_leave_one_out_error_the_basis_quotes(tmp_path, cach
     assert loo is not None and loo > 0
     row = calrow.calibrated_row(H100, "engine", "0.17")
     assert row is not None and row.error_pct == loo and row.basis.startswith(
-        f"roofline x efficiencies calibrated on 3 runs of {H100} (engine, TensorRT-LLM 0.17), fit error {loo:.1f}% "
+        f"measured kernels x serving costs calibrated on 3 runs of {H100} (engine, TensorRT-LLM 0.17), fit error {loo:.1f}% "
         "(leave-one-out)")
 
 
@@ -142,13 +143,13 @@ def test_the_plan_says_it_uses_the_calibrated_row_after_calibrating_and_not_befo
     report = write(tmp_path / "run.json", trtllm_bench_report(point, TRTLLM_VERSION))
     spec, engine_spec = plan_spec(tmp_path), plan_spec(tmp_path, "trtllm")
     before = plan_performance(tmp_path, spec, capsys)
-    assert before["basis"].startswith(perf.BASIS) and "calibrated" not in before["basis"]
+    assert before["basis"].startswith("AIConfigurator 0.12.0's measured kernels") and "calibrated" not in before["basis"]
 
     assert main(["calibrate", str(report)]) == 0
     out = capsys.readouterr().out
     assert "fitted: speed" in out and "wrote" in out
     after = plan_performance(tmp_path, spec, capsys)
-    assert after["basis"].startswith(f"roofline x efficiencies calibrated on 1 run of {H100} (pytorch, "
+    assert after["basis"].startswith(f"measured kernels x serving costs calibrated on 1 run of {H100} (pytorch, "
                                      f"TensorRT-LLM {TRTLLM_VERSION}), fit error")
     assert any("calibrated from your runs" in n for n in after["notes"])
     assert after["max_output_tokens_per_s"] != before["max_output_tokens_per_s"]
@@ -215,9 +216,10 @@ def test_a_row_that_cannot_be_serialised_leaves_no_file(cache):
 
 
 def truth_row() -> perf.Efficiency:
-    """The row the synthetic runs below are measured with: the shipped H100 row, slower memory, dearer steps."""
-    base = perf.efficiency_of(gpus.lookup(H100))
-    return dataclasses.replace(base, bandwidth=base.bandwidth * 0.8, fixed_us=base.fixed_us * 1.5)
+    """The row the synthetic runs below are measured with: the shipped H100 measured-kernel row, slower kernels,
+    dearer sequences."""
+    base = perf.efficiency_of(gpus.lookup(H100), measured_kernels=True)
+    return dataclasses.replace(base, kernel_scale=base.kernel_scale * 1.25, seq_us=base.seq_us * 1.5)
 
 
 def measured(isl: int, osl: int, concurrency: int, requests: int) -> perf.Performance:
@@ -296,12 +298,12 @@ def test_runs_at_a_concurrency_fit_ttft_and_tpot_toward_the_row_that_made_them(t
     assert doc["written"] is None and doc["trtllm_version"] == TRTLLM_VERSION
     assert {r["format"] for r in doc["reports"]} == {AIPERF, TOOLCHAIN_BENCH}
     assert doc["error_pct"]["values"] == 9  # throughput, TTFT and TPOT of three points
-    assert doc["fitted"]["parameters"] == ["memory", "compute", "overhead"]
+    assert doc["fitted"]["parameters"] == ["kernels", "overhead", "ttft"]
     assert doc["error_pct"]["after"] < doc["error_pct"]["before"] / 2
     assert doc["error_pct"]["leave_one_out"] is None  # two reports
-    truth, shipped = truth_row(), perf.efficiency_of(gpus.lookup(H100))
-    # the fitted bandwidth moved from the shipped row toward the one the runs were made with
-    assert abs(doc["row"]["bandwidth"] - truth.bandwidth) < abs(shipped.bandwidth - truth.bandwidth)
+    truth, shipped = truth_row(), perf.efficiency_of(gpus.lookup(H100), measured_kernels=True)
+    # the fitted kernels' time moved from the shipped row toward the one the runs were made with
+    assert abs(doc["row"]["kernel_scale"] - truth.kernel_scale) < abs(shipped.kernel_scale - truth.kernel_scale)
 
 
 def test_a_streaming_trtllm_bench_run_at_a_concurrency_fits_its_ttft_and_tpot(tmp_path, cache, capsys):

@@ -358,7 +358,7 @@ def calibrate(reports: list[Report], flags: Facts, spec_path: Path | None = None
         notes.append("TTFT and TPOT of maximum-throughput runs (every request queued at once) are the queue's: "
                      "only their throughput is fitted")
     device = gpus.lookup(str(gpu))
-    base = shipped_row(device, str(path))
+    base = shipped_row(device, str(path), str(version))
     params, why = parameters_for(cases, base.kernels)
     x = fit(cases, base, params)
     eff = apply(base, params, x)

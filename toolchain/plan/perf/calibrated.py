@@ -64,11 +64,11 @@ def row_path(gpu_name: str, path: str, version: str, root: Path | None = None) -
     return (root or cache_dir()) / f"{_slug(gpu_name)}_{path}_{_slug(normal_version(version))}.json"
 
 
-def shipped_row(device: Gpu, path: str) -> Efficiency:
+def shipped_row(device: Gpu, path: str, version: str | None = None) -> Efficiency:
     """The shipped table's row a calibration starts from: the measured-kernel step's on a card AIConfigurator's
-    database measured (its serving costs of the release a plan predicts), else the roofline's of its generation.
-    One row serves both paths: the database's kernels are the PyTorch backend's on either."""
-    return efficiency_of(device, measured_kernels=device.name in KERNEL_SYSTEMS)
+    database measured (the serving costs measured nearest TensorRT-LLM `version`), else the roofline's of its
+    generation. One row serves both paths: the database's kernels are the PyTorch backend's on either."""
+    return efficiency_of(device, measured_kernels=device.name in KERNEL_SYSTEMS, release=version)
 
 
 def row_of(doc: dict, file: Path) -> CalibratedRow:
@@ -76,7 +76,7 @@ def row_of(doc: dict, file: Path) -> CalibratedRow:
     to Efficiency since, keeps the shipped value)."""
     device = gpus.lookup(doc["gpu"])
     known = {f.name for f in dataclasses.fields(Efficiency)}
-    eff = dataclasses.replace(shipped_row(device, doc["path"]),
+    eff = dataclasses.replace(shipped_row(device, doc["path"], doc["trtllm_version"]),
                               **{k: float(v) for k, v in doc["row"].items() if k in known})
     err = doc["error_pct"]
     loo = err.get("leave_one_out")
