@@ -19,6 +19,7 @@ import datetime
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from toolchain import gpus
 from toolchain.errors import ToolchainError
@@ -264,7 +265,7 @@ def parameters_for(cases: list[Case], kernels: bool = False) -> tuple[tuple[str,
 
 def apply(base: perf.Efficiency, params: tuple[str, ...], x: list[float]) -> perf.Efficiency:
     """The base row with each parameter's multiplier exp(x) on its fields (by name); fractions stay <= 1."""
-    values: dict[str, float] = {}
+    values: dict[str, Any] = {}
     for name, v in zip(params, x, strict=True):
         m = math.exp(v)
         for f in FRACTIONS + COSTS if name == SPEED else GROUPS[name]:

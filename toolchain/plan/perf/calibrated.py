@@ -19,6 +19,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from toolchain import gpus
 from toolchain.fsutil import atomic_file
@@ -75,9 +76,10 @@ def row_of(doc: dict, file: Path) -> CalibratedRow:
     """The row a file holds: its fields by name over the shipped row (a field the file lacks, such as one added
     to Efficiency since, keeps the shipped value)."""
     device = gpus.lookup(doc["gpu"])
-    known = {f.name for f in dataclasses.fields(Efficiency)}
-    eff = dataclasses.replace(shipped_row(device, doc["path"], doc["trtllm_version"]),
-                              **{k: float(v) for k, v in doc["row"].items() if k in known})
+    # the numeric fields; `kernels` (which step the row is for) comes from the shipped row it was fitted from
+    known = {f.name for f in dataclasses.fields(Efficiency) if f.name != "kernels"}
+    values: dict[str, Any] = {k: float(v) for k, v in doc["row"].items() if k in known}
+    eff = dataclasses.replace(shipped_row(device, doc["path"], doc["trtllm_version"]), **values)
     err = doc["error_pct"]
     loo = err.get("leave_one_out")
     error = float(loo if loo is not None else err["after"])
