@@ -139,8 +139,7 @@ def test_requests_beyond_the_kv_cache_wait_by_littles_law():
     running = cal._kv_requests(*point.config)
     assert running < point.concurrency  # 69 requests of 9216 tokens fit the FP8 KV cache of one B200
     # the measured-kernel row of the card's own runs
-    eff = perf.efficiency_of(gpus.lookup(point.gpu), measured_kernels=True,
-                             release=perf.KERNEL_ROW_RELEASES[point.gpu])
+    eff = perf.measured_row(point.gpu, "pytorch")
     assert eff.kernels and eff == perf.KERNEL_ROWS[point.gpu]
     # the run's waves counted at the requests that run at once (calibration.WAVES)
     workload = perf.Workload(1024, 8192, cal.MAX_NUM_TOKENS, requests=cal.WAVES * running)

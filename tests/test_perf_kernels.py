@@ -118,8 +118,15 @@ def test_a_missing_database_falls_back_to_the_roofline(monkeypatch):
             fn.cache_clear()
 
 
-def test_published_tables_take_the_serving_costs_of_the_nearest_measured_release():
+def test_each_path_and_release_takes_the_serving_costs_of_its_nearest_measured_runs():
     h200 = gpus.lookup("H200 141GB")
-    assert perf.kernel_row(h200, "1.0")[0] == "H100 80GB"  # TensorRT-LLM 1.0.0rc3's runs
-    assert perf.kernel_row(h200)[0] == "H200 141GB"  # what the toolchain deploys (1.2.1): the newest runs
-    assert perf.kernel_row(gpus.lookup("GB200 186GB"))[0] == "B200 180GB"
+    assert perf.kernel_row(h200, "1.0", "pytorch")[0] == "H100 80GB"  # TensorRT-LLM 1.0.0rc3's runs
+    assert perf.kernel_row(h200, None, "pytorch")[0] == "H200 141GB"  # what the toolchain deploys: the newest runs
+    # no measured run covers the engine path: the nearest release's PyTorch serving costs stand in, and say so
+    assert perf.kernel_row(h200, "0.17", "engine")[0] == "H100 80GB"
+    assert perf.kernel_row(gpus.lookup("GB200 186GB"), None, "pytorch")[0] == "B200 180GB"
+    assert {m["path"] for m in perf.KERNEL_ROW_META.values()} == {"pytorch"}
+    v017 = cal.predict_published(cal.published_points(cal.PUBLISHED)[0]).basis
+    v10 = cal.predict_published(cal.published_points(cal.PUBLISHED_V1_0)[0]).basis
+    assert "H100 80GB's measured runs" in v017 and "the engine path has no measured runs here" in v017
+    assert "H100 80GB's measured runs" in v10 and "has no measured runs here" not in v10

@@ -46,7 +46,8 @@ def test_the_batch_cap_is_refined_to_the_largest_that_meets_a_binding_slo():
     best = result.ranked[0]
     batch = best.candidate.spec.limits.max_batch_size
     assert batch not in BATCH_GRID and 64 < batch < 128, best.candidate.label
-    assert best.kept and best.full_load["concurrency"] == batch
+    # full load is the best throughput's concurrency, at or just under the cap (the curve is flat near its top)
+    assert best.kept and batch - 4 <= best.full_load["concurrency"] <= batch
     c = best.candidate
     one_more = evaluate(Candidate(derive(c.spec, {"limits.max_batch_size": batch + 1}), c.replicas, c.gpu_count), slo)
     assert not one_more.failed and "tpot_p99_ms" in one_more.slo_misses

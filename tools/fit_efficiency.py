@@ -33,11 +33,12 @@ KERNELS = cal.DATA / "kernel_efficiency.json"
 
 TTFT_WEIGHT = 0.5
 RESTARTS = 3
-PARAMS = ("kernel_scale", "link_scale", "fixed_us", "seq_us", "ttft_ms")
+PARAMS = ("kernel_scale", "link_scale", "attention_scale", "fixed_us", "seq_us", "ttft_ms")
 """What the measured-kernel step's row fits: the rest of a row (bandwidth, compute, link, latency) serves the
 roofline alone, whose rows (`rows`, fitted 2026-12-03 before the kernel layer) are kept as they are."""
 FRACTIONS: set[str] = set()
-START = {"kernel_scale": 1.0, "link_scale": 1.0, "fixed_us": 300.0, "seq_us": 5.0, "ttft_ms": 50.0}
+START = {"kernel_scale": 1.0, "link_scale": 1.0, "attention_scale": 1.0, "fixed_us": 300.0, "seq_us": 5.0,
+         "ttft_ms": 50.0}
 
 
 def to_eff(x: list[float], base: perf.Efficiency = perf.DEFAULT_EFFICIENCY) -> perf.Efficiency:
@@ -104,38 +105,61 @@ def report(points, eff_of) -> None:
               f"throughput {errors['throughput']:.1f}%")
 
 
+UNRECORDED_RELEASE = "1.1"
+"""The release of AIConfigurator's runs that record none (H200 and B200, measured 2025-10-29): the 1.1 line was
+TensorRT-LLM's current one then (1.0 shipped in September 2025, 1.2 later). An assumption the rows' meta states."""
+
+
+def release_of(version: str) -> str:
+    return UNRECORDED_RELEASE if version == "not recorded" else ".".join(version.split(".")[:2])
+
+
+def groups(points) -> dict[str, list]:
+    """The runs each row is fitted to: AIConfigurator's, per card (all of the PyTorch path)."""
+    out: dict[str, list] = defaultdict(list)
+    for pt in points:
+        out[pt.gpu].append(pt)
+    return out
+
+
+def meta_of(name: str, points) -> dict:
+    cards = sorted({p.gpu for p in points})
+    runs = sorted({(p.model, p.method, p.backend_version, p.measured) for p in points})
+    what = "; ".join(f"{m} {'bf16' if q == 'none' else q}, TensorRT-LLM "
+                     + (v if v != "not recorded" else f"version not recorded, measured {when}")
+                     for m, q, v, when in runs)
+    return {"cards": cards, "path": "pytorch", "release": release_of(points[0].backend_version),
+            "runs": f"{name}'s measured runs (AIConfigurator 0.12.0 silicon samples, the PyTorch path: {what})"}
+
+
 def main(argv: list[str]) -> int:
     points = cal.measured_points()
     if "--check" in argv:
         report(points, lambda p: None)
         return 0
     rows: dict[str, dict[str, float]] = {}
-    by_arch = defaultdict(list)
-    for pt in points:
-        if not cal.held_out(pt):
-            by_arch[pt.gpu].append(pt)
-    for arch, train in sorted(by_arch.items()):
-        base = perf.EFFICIENCY[gpus.lookup(arch).arch]
+    meta: dict[str, dict] = {}
+    for name, members in sorted(groups(points).items()):
+        train = [p for p in members if not cal.held_out(p)]
+        base = perf.EFFICIENCY[gpus.lookup(members[0].gpu).arch]
         best = from_eff(START)
         for _ in range(RESTARTS):  # a simplex can stall; restarting from its best point is the usual cure
             best = nelder_mead(lambda x, train=train, base=base: loss(train, to_eff(x, base)), best)
         eff = to_eff(best, base)
-        rows[arch] = {n: round(getattr(eff, n), 4) for n in PARAMS}
-        print(f"{arch}: {len(train)} training points, loss {loss(train, eff):.4f}: {rows[arch]}")
-    fitted = {name: dataclasses.replace(perf.EFFICIENCY[gpus.lookup(name).arch], **row, kernels=True)
-              for name, row in rows.items()}
-    report(points, lambda p: fitted[p.gpu])
-    held = cal.mape((p for p in points if cal.held_out(p)), lambda p: fitted[p.gpu])
-    measured = {}
-    for gpu in sorted({p.gpu for p in points}):
-        runs = sorted({(p.model, p.method, p.backend_version, p.measured) for p in points if p.gpu == gpu})
-        measured[gpu] = "; ".join(
-            f"{model} {'bf16' if method == 'none' else method}, TensorRT-LLM "
-            + (version if version != "not recorded" else f"version not recorded, measured {when}")
-            for model, method, version, when in runs)
+        rows[name] = {n: round(getattr(eff, n), 4) for n in PARAMS}
+        meta[name] = meta_of(name, members)
+        print(f"{name}: {len(train)} training points, loss {loss(train, eff):.4f}: {rows[name]}")
+    fitted = {name: dataclasses.replace(perf.EFFICIENCY[gpus.lookup(meta[name]["cards"][0]).arch], **row,
+                                        kernels=True) for name, row in rows.items()}
+
+    def row_of(p):
+        return fitted[p.gpu]
+
+    report(points, row_of)
+    held = cal.mape((p for p in points if cal.held_out(p)), row_of)
     doc = dict(perf.FITTED)
+    doc.pop("kernel_row_releases", None)
     doc.update({
-        "measured": measured,
         "split": (f"whole configurations (model, GPU, format, TP, ISL/OSL) held out: every {cal.HOLDOUT_EVERY}th "
                   "in sorted order (toolchain/plan/calibration.py held_out)"),
         "objective": f"mean absolute log error of TPOT + {TTFT_WEIGHT} x that of TTFT, Nelder-Mead",
@@ -143,7 +167,7 @@ def main(argv: list[str]) -> int:
         "made_by": "PYTHONPATH=. python -m tools.fit_efficiency",
         "holdout_mape": {k: round(v, 2) for k, v in held.items()},
         "kernel_rows": rows,
-        "kernel_row_releases": {name: perf.KERNEL_ROW_RELEASES.get(name, "?") for name in rows},
+        "kernel_row_meta": meta,
     })
     cal.EFFICIENCY_FILE.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {cal.EFFICIENCY_FILE}")

@@ -177,11 +177,9 @@ def predict_measured(point: Measured, eff: perf.Efficiency | None = None) -> tup
     clients and L running requests each request spends C / L times its service time in the system (Little's
     law), so its TTFT grows by (C / L - 1) x that time. The run is taken as WAVES x C requests from a standing
     start, so the first wave's queue weighs in the mean TTFT (perf.first_wave_ttft)."""
-    device = gpus.lookup(point.gpu)
     dep = measured_deployment(point, eff or perf.DEFAULT_EFFICIENCY)
     if eff is None:
-        dep = dataclasses.replace(dep, eff=perf.efficiency_of(device, perf.measured_kernels(dep),
-                                                              release=perf.KERNEL_ROW_RELEASES.get(point.gpu)))
+        dep = dataclasses.replace(dep, eff=perf.measured_row(point.gpu, "pytorch"))
     running = min(point.concurrency, _kv_requests(*point.config))
     wait_iters, wait_ratio = batch_waiting(point)
     workload = perf.Workload(point.isl, point.osl, MAX_NUM_TOKENS, batch_wait_iters=wait_iters,

@@ -28,12 +28,13 @@ from toolchain.plan.perf.efficiency import (
                                             EFFICIENCY,
                                             FITTED,
                                             FITTED_FILE,
-                                            KERNEL_ROW_RELEASES,
+                                            KERNEL_ROW_META,
                                             KERNEL_ROWS,
                                             Efficiency,
                                             basis_of,
                                             efficiency_of,
                                             kernel_row,
+                                            measured_row,
 )
 from toolchain.plan.perf.host import (
                                             CPU_PRECISION,
@@ -89,11 +90,11 @@ from toolchain.plan.perf.calibrated import CalibratedRow, calibrated_row
 from toolchain.plan.perf.error_bars import bar_text, error_bar, params_billions
 
 __all__ = ["ACT_BYTES", "BASIS", "CPU_PRECISION", "DEFAULT_EFFICIENCY", "EFFICIENCY", "FITTED", "FITTED_FILE",
-           "HOST_ACT_BYTES", "KERNEL_ROW_RELEASES", "KERNEL_ROWS", "KERNEL_SYSTEMS", "Deployment", "Efficiency", "HostRow", "Performance", "Point", "Span", "StageCost", "StepTime",
+           "HOST_ACT_BYTES", "KERNEL_ROW_META", "KERNEL_ROWS", "KERNEL_SYSTEMS", "Deployment", "Efficiency", "HostRow", "Performance", "Point", "Span", "StageCost", "StepTime",
            "Work", "Workload", "acceptance", "add", "allreduce_seconds", "arrival_wait", "attention_load", "basis_of",
            "batch_candidates", "batch_wait", "best_point", "context_work", "deployment", "efficiency_of", "exchange_tokens",
            "experts_touched", "first_wave_ttft", "generation_alone", "generation_work", "gpu_step_time", "host_efficiency",
-           "host_profile_of", "host_row", "host_step_time", "kernel_row", "layer_caps", "measured_kernels", "performance_dict", "predict", "predict_spec", "queued",
+           "host_profile_of", "host_row", "host_step_time", "kernel_row", "layer_caps", "measured_row", "measured_kernels", "performance_dict", "predict", "predict_spec", "queued",
            "stage_cost", "steady_state", "step_time", "transfer_seconds", "unavailable",
            "bar_text", "error_bar", "params_billions"]
 __all__ += ["CalibratedRow", "calibrated_row"]

@@ -67,9 +67,9 @@ def row_path(gpu_name: str, path: str, version: str, root: Path | None = None) -
 
 def shipped_row(device: Gpu, path: str, version: str | None = None) -> Efficiency:
     """The shipped table's row a calibration starts from: the measured-kernel step's on a card AIConfigurator's
-    database measured (the serving costs measured nearest TensorRT-LLM `version`), else the roofline's of its
-    generation. One row serves both paths: the database's kernels are the PyTorch backend's on either."""
-    return efficiency_of(device, measured_kernels=device.name in KERNEL_SYSTEMS, release=version)
+    database measured (the serving costs measured on `path` nearest TensorRT-LLM `version`), else the roofline's
+    of its generation."""
+    return efficiency_of(device, measured_kernels=device.name in KERNEL_SYSTEMS, release=version, path=path)
 
 
 def row_of(doc: dict, file: Path) -> CalibratedRow:

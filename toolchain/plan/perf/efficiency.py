@@ -37,6 +37,9 @@ class Efficiency:
     """Measured kernels (plan/perf/kernel_step.py): their time in serving over their time measured alone."""
     link_scale: float = 1.0
     """Measured kernels: an all-reduce's time in serving over its time measured alone."""
+    attention_scale: float = 1.0
+    """Measured kernels: attention's time in serving over its time measured alone, relative to kernel_scale (the
+    serving kernels read a paged cache the collector's did not)."""
     kernels: bool = False
     """The row is the measured-kernel step's (KERNEL_ROWS): a step on it looks its kernels up where AIConfigurator's
     database has them (plan/perf/kernel_step.py); a roofline row never does."""
@@ -75,16 +78,17 @@ BASIS = "roofline x efficiencies fitted to AIConfigurator 0.12.0 silicon samples
 """The start of every fitted prediction's `basis`; `basis_of` completes it for a card."""
 
 
-KERNEL_ROWS: dict[str, Efficiency] = {name: dataclasses.replace(EFFICIENCY[_arch_of(name)], **row, kernels=True)
-                                      for name, row in FITTED.get("kernel_rows", {}).items()}
-"""The rows of the measured-kernel step (plan/perf/kernel_step.py), one per measured card: what serving adds to
-AIConfigurator's kernel times (per step, per sequence, per request, and the kernels' and all-reduces' time in
-serving over alone), fitted to that card's measured runs by tools/fit_efficiency.py."""
-KERNEL_ROW_RELEASES: dict[str, str] = FITTED.get("kernel_row_releases", {})
-"""The TensorRT-LLM release each kernel row's runs measured (the H100's 1.0.0rc3; the H200's and B200's, measured on
-2025-10-29 without a recorded version, the 1.1 line then current). What serving adds is the software's and the
-host's, not the card's: a prediction takes the row of the release nearest the one it predicts, then of its own
-generation, then of its own card (`kernel_row`)."""
+KERNEL_ROW_META: dict[str, dict] = FITTED.get("kernel_row_meta", {})
+"""Each measured-kernel row's runs: the cards (`cards`), the flow (`path`: engine or pytorch) and the TensorRT-LLM
+release (`release`) they measured, and what they were (`runs`). The PyTorch rows are AIConfigurator's silicon
+samples per card (the H100's on 1.0.0rc3; the H200's and B200's measured on 2025-10-29 without a recorded
+version, the 1.1 line then current); the engine row is NVIDIA's 0.14 online-serving table (H100 and H200)."""
+KERNEL_ROWS: dict[str, Efficiency] = {
+    name: dataclasses.replace(EFFICIENCY[_arch_of(KERNEL_ROW_META[name]["cards"][0])], **row, kernels=True)
+    for name, row in FITTED.get("kernel_rows", {}).items()}
+"""The rows of the measured-kernel step (plan/perf/kernel_step.py): what serving adds to AIConfigurator's kernel
+times (per step, per sequence, per request, and the kernels', attention's and all-reduces' time in serving over
+alone), fitted per set of measured runs by tools/fit_efficiency.py."""
 PREDICTED_RELEASE = "1.2"
 """The TensorRT-LLM release a plan predicts (the toolchain deploys 1.2.1); a published table names its own."""
 
@@ -94,25 +98,36 @@ def _release(version: str) -> float:
     return int(major) + int("".join(c for c in minor if c.isdigit()) or 0) / 100
 
 
-def kernel_row(gpu: Gpu, release: str | None = None) -> tuple[str, Efficiency] | None:
-    """(the measured card, its row) a measured-kernel prediction on `gpu` takes for TensorRT-LLM `release`
-    (PREDICTED_RELEASE by default); None when no row is fitted."""
+def kernel_row(gpu: Gpu, release: str | None = None, path: str | None = None) -> tuple[str, Efficiency] | None:
+    """(the row's name, the row) a measured-kernel prediction on `gpu` takes for TensorRT-LLM `release`
+    (PREDICTED_RELEASE by default) on `path`: what serving adds is the flow's, the software's and the host's more
+    than the card's, so the row of the same path first, then of the nearest release, then of the card's own
+    generation, then of the card itself; None when no row is fitted."""
     if not KERNEL_ROWS:
         return None
     want = _release(release or PREDICTED_RELEASE)
 
-    def rank(name: str) -> tuple[float, bool, bool]:
-        got = KERNEL_ROW_RELEASES.get(name)
-        return (abs(_release(got) - want) if got else 9.0, _arch_of(name) != gpu.arch, name != gpu.name)
+    def rank(name: str) -> tuple[bool, float, bool, bool]:
+        meta = KERNEL_ROW_META[name]
+        cards = meta["cards"]
+        return (path is not None and meta["path"] != path, abs(_release(meta["release"]) - want),
+                all(_arch_of(c) != gpu.arch for c in cards), gpu.name not in cards)
 
     name = min(sorted(KERNEL_ROWS), key=rank)
     return name, KERNEL_ROWS[name]
 
 
-def efficiency_of(gpu: Gpu, measured_kernels: bool = False, release: str | None = None) -> Efficiency:
+def measured_row(card: str, path: str) -> Efficiency:
+    """The row fitted to `card`'s own runs on `path` (the fit's and its held-out check's)."""
+    return next(KERNEL_ROWS[n] for n in sorted(KERNEL_ROWS)
+                if card in KERNEL_ROW_META[n]["cards"] and KERNEL_ROW_META[n]["path"] == path)
+
+
+def efficiency_of(gpu: Gpu, measured_kernels: bool = False, release: str | None = None,
+                  path: str | None = None) -> Efficiency:
     """The card's row: the measured-kernel step's (`measured_kernels`, where a row is fitted; `kernel_row`) or
     the roofline's."""
-    row = kernel_row(gpu, release) if measured_kernels else None
+    row = kernel_row(gpu, release, path) if measured_kernels else None
     if row is not None:
         return row[1]
     return EFFICIENCY.get(gpu.arch, DEFAULT_EFFICIENCY)

@@ -75,16 +75,16 @@ def unmeasured(dep) -> str | None:
     return None
 
 
-def describe(dep, row: str | None) -> str:
+def describe(dep, runs: str | None) -> str:
     """What a measured-kernel prediction rests on: the database's tables for the card, and the measured runs the
-    serving costs (`row`, the measured card of efficiency.kernel_row) were fitted to."""
+    serving costs were fitted to (`runs`, the words of the row efficiency.kernel_row took)."""
     k = dep.stages[0].kernels
     assert k is not None
     sites = db.gemm_sites(db.SYSTEMS[dep.gpu.name], k.gemm_dtype)
     assert sites is not None
     kernels = (f"AIConfigurator {db.VERSION}'s measured kernels ({sites.table.system}, TensorRT-LLM "
                f"{sites.table.version}, the PyTorch backend's; on the engine path they stand in for its own)")
-    return kernels if row is None else f"{kernels} + serving costs fitted to {row}'s measured runs"
+    return kernels if runs is None else f"{kernels} + serving costs fitted to {runs}"
 
 
 def kernel_step_time(cost: StageCost, gpu: Gpu, work: Work, *, tp: int, eff: Efficiency) -> StepTime:
@@ -116,12 +116,14 @@ def kernel_step_time(cost: StageCost, gpu: Gpu, work: Work, *, tp: int, eff: Eff
         ms, _ = db.gemm_ms(gpu, half, "fp16", 2.0, work.logits, n, kk)
         add(ms, _memory_bound(gpu, "fp16", 2.0, work.logits, n, kk))
     context_ms, generation_ms = attention_ms(cost, k, system, work, gpu)
-    add(context_ms, False)
-    add(generation_ms, True)
+    add(context_ms * eff.attention_scale, False)
+    add(generation_ms * eff.attention_scale, True)
     elementwise_ms = 0.0
     if tokens > 0:
         hidden_bytes = tokens * cost.hidden * ACT_BYTES
-        per_layer = [3 * hidden_bytes, 3 * hidden_bytes, 3 * tokens * k.mlp_width * ACT_BYTES]  # add+norm x2, act
+        # the activation; and the residual add and norm twice, unless the all-reduce does them (tp > 1: the
+        # PyTorch backend's AllReduce fuses RESIDUAL_RMS_NORM into its kernel)
+        per_layer = [3 * tokens * k.mlp_width * ACT_BYTES] + ([3 * hidden_bytes] * 2 if tp <= 1 else [])
         elementwise_ms = cost.layers * sum(_elementwise_ms(gpu, b) for b in per_layer)
         elementwise_ms += _elementwise_ms(gpu, hidden_bytes)  # the embedding's gather
     comm_ms = 0.0

@@ -14,7 +14,7 @@ from toolchain.gpus import Gpu
 from toolchain.hostprofile import HostProfile, load_profile, missing_note
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, kv_dtype, kv_dtype_bytes, load_model, weight_dtype
 from toolchain.plan.perf.calibrated import IGNORE_ENV, calibrated_row
-from toolchain.plan.perf.efficiency import FITTED, KERNEL_ROW_RELEASES, Efficiency, basis_of, efficiency_of, kernel_row
+from toolchain.plan.perf.efficiency import FITTED, KERNEL_ROW_META, Efficiency, basis_of, efficiency_of, kernel_row
 from toolchain.plan.perf.error_bars import bench_path, error_bar, params_billions
 from toolchain.plan.perf.host import CPU_PRECISION, host_efficiency, host_row
 from toolchain.plan.perf.kernel_step import describe, measured_kernels, unmeasured
@@ -152,7 +152,8 @@ def deployment(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft: 
     dep = Deployment(device, stages, par.tp, math_precision, eff or efficiency_of(device), draft_cost,
                      draft_len, 1.0 + share * draft_len, shards)
     if eff is None and profile is None and measured_kernels(dep):
-        dep = dataclasses.replace(dep, eff=efficiency_of(device, measured_kernels=True, release=release))
+        dep = dataclasses.replace(dep, eff=efficiency_of(device, measured_kernels=True, release=release,
+                                                         path=path_of(spec)))
     return dep, notes
 
 
@@ -226,7 +227,7 @@ def predict(spec, model: ModelInfo, quant: Quantization, device: Gpu, memory: Me
         basis = f"host profile {profile.date}" + (f" (serving: {profile.serving['protocol']})"
                                                   if profile.serving else " (engine only)")
     else:
-        basis = own.basis if own else gpu_basis(dep, device, eff, release)
+        basis = own.basis if own else gpu_basis(dep, device, eff, release, path_of(spec))
     return Performance(best.output_tokens_per_s, best.output_tokens_per_s / dep.gpus, best.concurrency, limit,
                        limited_by, c, at.ttft_s * 1e3, at.tpot_s * 1e3,
                        {"context": at.context_bound, "generation": at.generation_bound}, usd, basis,
@@ -237,17 +238,19 @@ def predict(spec, model: ModelInfo, quant: Quantization, device: Gpu, memory: Me
                                                                   bench_path(spec), model.params.is_moe))
 
 
-def gpu_basis(dep: Deployment, device: Gpu, eff: Efficiency | None, release: str | None) -> str:
+def gpu_basis(dep: Deployment, device: Gpu, eff: Efficiency | None, release: str | None, path: str | None) -> str:
     """What a GPU prediction rests on: the measured kernels and the row of serving costs it took, or the roofline's
     fitted row and why the kernel database did not serve (extrapolated from it)."""
     if eff is not None:
         return "roofline x given efficiencies" if not eff.kernels else describe(dep, None) + " x given serving costs"
     if dep.eff.kernels:
-        row = kernel_row(device, release)
+        row = kernel_row(device, release, path)
         held = FITTED["holdout_mape"]
         error = f"held-out MAPE TPOT {held['tpot']:.0f}%, throughput {held['throughput']:.0f}%, TTFT {held['ttft']:.0f}%"
-        return (f"{describe(dep, row[0] if row else None)} (TensorRT-LLM "
-                f"{KERNEL_ROW_RELEASES.get(row[0], '?') if row else '?'}), {error}")
+        meta = KERNEL_ROW_META[row[0]] if row else None
+        stand_in = (f"; the {path} path has no measured runs here: the nearest release's {meta['path']} serving "
+                    "costs stand in" if meta and path and meta["path"] != path else "")
+        return f"{describe(dep, meta['runs'] if meta else None)}, {error}{stand_in}"
     why = unmeasured(dep)
     return basis_of(device) + (f"; extrapolated: {why}" if why else "")
 
