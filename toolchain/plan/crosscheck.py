@@ -19,15 +19,16 @@ from pathlib import Path
 
 from toolchain.errors import ToolchainError
 from toolchain.gpus import Gpu
+from toolchain.plan.perf.kernels import SYSTEMS as KERNEL_SYSTEMS
 
 VERSION = "0.12.0"
 VENV = Path(__file__).resolve().parents[2] / "benchmarks" / ".venv" / "aiconfigurator"
 INSTALL_TIMEOUT_S = 900
 RUN_TIMEOUT_S = 600
 
-# The toolchain's GPU names -> AIConfigurator's system names (aiconfigurator_core/systems/*.yaml).
-SYSTEMS = {"H100 80GB": "h100_sxm", "H100 PCIe": "h100_pcie", "H200 141GB": "h200_sxm", "A100 80GB": "a100_sxm",
-           "L40S": "l40s", "L4": "l4", "B200 180GB": "b200_sxm"}
+SYSTEMS = KERNEL_SYSTEMS
+"""The toolchain's GPU names -> AIConfigurator's system names: the cards its 0.12.0 database holds (the PCIe H100
+and the L4 have empty directories there, so a cross-check on them could only fail)."""
 # quantization.method -> --gemm-quant-mode (the choices of `aiconfigurator cli estimate --help`); awq is a
 # per-group int4 format, which AIConfigurator models as int4 weight-only.
 GEMM = {"none": "bfloat16", "fp8": "fp8", "int8_wo": "int8_wo", "int4_wo": "int4_wo", "awq": "int4_wo",
