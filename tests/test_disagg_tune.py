@@ -125,23 +125,10 @@ def test_the_role_flags_parse_with_dynamos_own_parser(tmp_path, monkeypatch):
     """dynamo.trtllm's own argparse group (Dynamo 1.6.1 backend_args.py) reads each role's flags as the values
     the spec gives, typed as the worker uses them."""
     pytest.importorskip("dynamo.frontend", reason="NVIDIA Dynamo is not installed (make dynamo)")
-    import argparse
-    import importlib.util
-    import os
-
-    from tools.upstream_facts.dynamo import _importable
+    from dynamo_helpers import dynamo_parsers
 
     spec = load_spec(DYNAMO_SPEC, ROLES)
-    for key in [k for k in os.environ if k.startswith("DYN_")]:
-        monkeypatch.delenv(key)
-    site = Path(importlib.util.find_spec("dynamo.frontend").origin).resolve().parents[2]
-    with _importable(site):
-        from dynamo.common.configuration.groups.runtime_args import DynamoRuntimeArgGroup
-        from dynamo.trtllm.backend_args import DynamoTrtllmArgGroup
-
-        worker = argparse.ArgumentParser(exit_on_error=False)
-        DynamoRuntimeArgGroup().add_arguments(worker)
-        DynamoTrtllmArgGroup().add_arguments(worker)
+    with dynamo_parsers(monkeypatch) as (_, worker):
         parsed = {g.role: worker.parse_args(g.argv[3:]) for g in render.worker_groups(spec, Workspace(tmp_path))}
     assert (parsed["prefill"].tensor_parallel_size, parsed["prefill"].max_num_tokens) == (1, 4096)
     assert (parsed["decode"].max_batch_size, parsed["decode"].free_gpu_memory_fraction) == (128, 0.5)

@@ -117,29 +117,13 @@ def test_disaggregated_workers_take_dynamos_prefill_and_decode_keys(ws):
 
 def test_rendered_commands_parse_with_dynamos_own_parsers(ws, monkeypatch):
     pytest.importorskip("dynamo.frontend", reason="NVIDIA Dynamo is not installed (make dynamo)")
-    import argparse
-    import importlib.util
-    import os
-
-    from tools.upstream_facts.dynamo import _importable
+    from dynamo_helpers import dynamo_parsers
 
     spec = gpu_spec("dynamo.disaggregated=true")
-    for key in [k for k in os.environ if k.startswith("DYN_")]:
-        monkeypatch.delenv(key)
-    site = Path(importlib.util.find_spec("dynamo.frontend").origin).resolve().parents[2]
-    with _importable(site):
-        from dynamo.common.configuration.groups.runtime_args import DynamoRuntimeArgGroup
-        from dynamo.frontend.frontend_args import FrontendArgGroup
-        from dynamo.trtllm.backend_args import DynamoTrtllmArgGroup
-
-        front = argparse.ArgumentParser(exit_on_error=False)
-        FrontendArgGroup().add_arguments(front)
+    with dynamo_parsers(monkeypatch) as (front, worker):
         argv = render.frontend_command(spec)
         parsed = front.parse_args(argv[3:])
         assert (parsed.router_mode, parsed.http_port, parsed.discovery_backend) == ("kv", spec.dynamo.http_port, "file")
-        worker = argparse.ArgumentParser(exit_on_error=False)
-        DynamoRuntimeArgGroup().add_arguments(worker)
-        DynamoTrtllmArgGroup().add_arguments(worker)
         for group in render.worker_groups(spec, ws):
             parsed = worker.parse_args(group.argv[3:])
             assert parsed.disaggregation_mode == group.role and parsed.publish_kv_events is True
