@@ -5,8 +5,8 @@ kernels between them and the step's fixed costs.
 A layer runs, as both TensorRT-LLM paths lay a dense decoder out (AIConfigurator's sdk/models/llama.py lists the
 same operations): the fused qkv GEMM, attention (the prompt chunks' context attention and the generating
 sequences' decode attention, each at its own batch and length), the output projection, an all-reduce, the
-residual add and norm, the fused gate-and-up GEMM, the activation, the down projection, an all-reduce, the add
-and norm. The last stage adds the lm_head over the rows that sample (in the half type). The elementwise kernels
+residual add and norm (inside the all-reduce's kernel at tp > 1, as the PyTorch backend fuses them), the fused
+gate-and-up GEMM, the activation, the down projection, an all-reduce, the add and norm. The last stage adds the lm_head over the rows that sample (in the half type). The elementwise kernels
 move their bytes at AIConfigurator's memory-bound rule (bytes / (0.8 x bandwidth) + 3 us: its systems/*.yaml
 `mem_bw_empirical_scaling_factor` and `mem_empirical_constant_latency`).
 """
@@ -23,6 +23,10 @@ from toolchain.plan.perf.step import ACT_BYTES, KernelShapes, StageCost, StepTim
 
 ELEMENTWISE_BANDWIDTH = 0.8
 ELEMENTWISE_US = 3.0
+FMHA = "bfloat16"
+"""The context attention's own precision looked up (the database also times FP8 context FMHA): bf16 over the KV
+cache's precision, the choice that needs no option; which one TensorRT-LLM 1.2 picks for an FP8 checkpoint by
+default is UNVERIFIED here."""
 
 
 def available(cost: StageCost, gpu: Gpu, tp: int) -> bool:
@@ -37,7 +41,7 @@ def _available(k: KernelShapes, gpu_name: str, tp: int) -> bool:
     system = db.SYSTEMS[gpu_name]
     if db.gemm_sites(system, k.gemm_dtype) is None or db.gemm_sites(system, "bfloat16") is None:
         return False
-    if not db.attention_grids(system, "context", k.head_dim, k.kv_dtype, _fmha(system, k)):
+    if not db.attention_grids(system, "context", k.head_dim, k.kv_dtype, FMHA):
         return False
     if not db.attention_grids(system, "generation", k.head_dim, k.kv_dtype):
         return False
@@ -47,11 +51,6 @@ def _available(k: KernelShapes, gpu_name: str, tp: int) -> bool:
 def measured_kernels(dep) -> bool:
     """Every stage of a GPU deployment steps on measured kernels (`available`)."""
     return all(available(c, dep.gpu, dep.tp) for c in dep.stages)
-
-
-def _fmha(system: str, k: KernelShapes) -> str:
-    """The context FMHA's precision: bf16 (FP8 context FMHA is an opt-in of both paths)."""
-    return "bfloat16"
 
 
 def unmeasured(dep) -> str | None:
@@ -122,7 +121,8 @@ def kernel_step_time(cost: StageCost, gpu: Gpu, work: Work, *, tp: int, eff: Eff
     if tokens > 0:
         hidden_bytes = tokens * cost.hidden * ACT_BYTES
         # the activation; and the residual add and norm twice, unless the all-reduce does them (tp > 1: the
-        # PyTorch backend's AllReduce fuses RESIDUAL_RMS_NORM into its kernel)
+        # PyTorch backend's Llama decoder layer passes AllReduceParams(fusion_op=RESIDUAL_RMS_NORM, or its
+        # _QUANT_FP8 form) to its all-reduce, tensorrt_llm/_torch/models/modeling_llama.py)
         per_layer = [3 * tokens * k.mlp_width * ACT_BYTES] + ([3 * hidden_bytes] * 2 if tp <= 1 else [])
         elementwise_ms = cost.layers * sum(_elementwise_ms(gpu, b) for b in per_layer)
         elementwise_ms += _elementwise_ms(gpu, hidden_bytes)  # the embedding's gather
@@ -164,7 +164,7 @@ def attention_ms(cost: StageCost, k: KernelShapes, system: str, work: Work, gpu:
     peak = (gpu.peak("fp16") or 1.0) * 1e12
     per_layer_kv = cost.kv_bytes_per_token / max(cost.layers, 1)
     per_layer_flops = cost.attention_flops / max(cost.layers, 1)
-    ctx_grids = db.attention_grids(system, "context", k.head_dim, k.kv_dtype, _fmha(system, k))
+    ctx_grids = db.attention_grids(system, "context", k.head_dim, k.kv_dtype, FMHA)
     gen_grids = db.attention_grids(system, "generation", k.head_dim, k.kv_dtype)
     ctx = db.nearest_grid(ctx_grids, k.heads, k.kv_heads)
     gen = db.nearest_grid(gen_grids, k.heads, k.kv_heads)
