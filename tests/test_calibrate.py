@@ -153,6 +153,9 @@ def test_the_plan_says_it_uses_the_calibrated_row_after_calibrating_and_not_befo
                                      f"TensorRT-LLM {TRTLLM_VERSION}), fit error")
     assert any("calibrated from your runs" in n for n in after["notes"])
     assert after["max_output_tokens_per_s"] != before["max_output_tokens_per_s"]
+    # the error bar is the calibration's own error on the user's runs, not the published cells'
+    assert after["error_bar"]["nearest"] == after["basis"] and after["error_bar"]["cells"] == 1
+    assert before["error_bar"]["nearest"] != before["basis"]
     # the row is the path's: an engine plan of the same GPU keeps the shipped table
     assert "calibrated" not in plan_performance(tmp_path, engine_spec, capsys)["basis"]
     monkeypatch.setenv(calrow.IGNORE_ENV, "1")  # reproducible runs ignore the cache

@@ -28,7 +28,6 @@ from toolchain.archs.params import ArchParams
 from toolchain.errors import ToolchainError
 from toolchain.plan.memory import rank_weights
 from toolchain.quant.view import Quantization
-from toolchain.targets import ENGINE, LLMAPI, target_of
 
 CELLS_FILE = Path(__file__).resolve().parents[1] / "data" / "error_cells.json"
 
@@ -55,15 +54,6 @@ WIDEN_PER_DISTANCE = 0.25
 """The bar grows by this share of itself per unit of distance to the farthest group it rests on."""
 MAX_DISTANCE = 4.0
 """Beyond this no cell says anything about the query: no bar."""
-
-PATH_OF_TARGET = {ENGINE: "engine", LLMAPI: "pytorch"}
-"""The trtllm-bench path a GPU target's deployment runs: engines (trtllm) or the PyTorch backend (llmapi, and
-Dynamo's workers, which run the LLM API)."""
-
-
-def bench_path(spec) -> str:
-    """"engine" or "pytorch": the path of the cells that measured what `spec` deploys."""
-    return PATH_OF_TARGET[target_of(spec).path]
 
 
 def params_billions(p: ArchParams) -> float:

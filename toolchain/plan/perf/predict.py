@@ -15,7 +15,7 @@ from toolchain.hostprofile import HostProfile, load_profile, missing_note
 from toolchain.plan.model import DTYPE_BYTES, ModelInfo, kv_dtype, kv_dtype_bytes, load_model, weight_dtype
 from toolchain.plan.perf.calibrated import IGNORE_ENV, calibrated_row
 from toolchain.plan.perf.efficiency import FITTED, KERNEL_ROW_META, Efficiency, basis_of, efficiency_of, kernel_row
-from toolchain.plan.perf.error_bars import bench_path, error_bar, params_billions
+from toolchain.plan.perf.error_bars import error_bar, params_billions
 from toolchain.plan.perf.host import CPU_PRECISION, host_efficiency, host_row
 from toolchain.plan.perf.kernel_step import describe, measured_kernels, unmeasured
 from toolchain.plan.perf.lora import lora_load
@@ -228,14 +228,17 @@ def predict(spec, model: ModelInfo, quant: Quantization, device: Gpu, memory: Me
                                                   if profile.serving else " (engine only)")
     else:
         basis = own.basis if own else gpu_basis(dep, device, eff, release, path_of(spec))
+    bar = None  # a CPU target's prediction is checked closed loop on this host instead
+    if own:  # the calibration's own error on the user's runs
+        bar = {"pct": round(own.error_pct, 1), "cells": own.reports, "nearest": own.basis, "distance": 0.0}
+    elif profile is None:
+        bar = error_bar(device.name, quant.method, params_billions(model.params), spec.parallelism.tp, path_of(spec),
+                        model.params.is_moe)
     return Performance(best.output_tokens_per_s, best.output_tokens_per_s / dep.gpus, best.concurrency, limit,
                        limited_by, c, at.ttft_s * 1e3, at.tpot_s * 1e3,
                        {"context": at.context_bound, "generation": at.generation_bound}, usd, basis,
                        {"input_tokens": w.isl, "output_tokens": w.osl, "concurrency": c},
-                       dep.tokens_per_step, notes, at.output_tokens_per_s,
-                       None if profile is not None else error_bar(device.name, quant.method,
-                                                                  params_billions(model.params), spec.parallelism.tp,
-                                                                  bench_path(spec), model.params.is_moe))
+                       dep.tokens_per_step, notes, at.output_tokens_per_s, bar)
 
 
 def gpu_basis(dep: Deployment, device: Gpu, eff: Efficiency | None, release: str | None, path: str | None) -> str:
