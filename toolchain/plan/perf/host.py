@@ -123,5 +123,5 @@ def step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: str = "f
     if isinstance(gpu, HostRow):
         return host_step_time(cost, gpu, work, math_precision=math_precision, tp=tp, eff=eff, shards=shards)
     if eff.kernels and kernel_step.available(cost, gpu, tp):
-        return kernel_step.kernel_step_time(cost, gpu, work, tp=tp, eff=eff)
+        return kernel_step.kernel_step_time(cost, gpu, work, math_precision=math_precision, tp=tp, eff=eff)
     return gpu_step_time(cost, gpu, work, math_precision=math_precision, tp=tp, eff=eff)

@@ -86,16 +86,16 @@ def describe(dep, runs: str | None) -> str:
     return kernels if runs is None else f"{kernels} + serving costs fitted to {runs}"
 
 
-def kernel_step_time(cost: StageCost, gpu: Gpu, work: Work, *, tp: int, eff: Efficiency) -> StepTime:
-    """One step of one rank of a dense stage from the measured kernels (`available` must hold)."""
+def kernel_step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: str, tp: int,
+                     eff: Efficiency) -> StepTime:
+    """One step of one rank of a dense stage from the measured kernels (`available` must hold); `math_precision`
+    the format's (quant/formats.py Format.math), whose peak an unmeasured GEMM's speed of light takes."""
     k = cost.kernels
     assert k is not None and gpu.bandwidth_gb_s is not None
     system = db.SYSTEMS[gpu.name]
     sites = db.gemm_sites(system, k.gemm_dtype)
     half = db.gemm_sites(system, "bfloat16")
     assert sites is not None and half is not None
-    precision = {"bfloat16": "fp16", "nvfp4": "fp4", "fp8_block": "fp8", "int8_wo": "fp16", "int4_wo": "fp16",
-                 "sq": "int8"}.get(k.gemm_dtype, k.gemm_dtype)
     tokens = work.tokens
     memory_ms = compute_ms = 0.0
 
@@ -108,8 +108,8 @@ def kernel_step_time(cost: StageCost, gpu: Gpu, work: Work, *, tp: int, eff: Eff
 
     if tokens > 0:
         for n, kk in k.gemms:
-            ms, _ = db.gemm_ms(gpu, sites, precision, k.weight_bytes, tokens, n, kk)
-            add(ms * cost.layers, _memory_bound(gpu, precision, k.weight_bytes, tokens, n, kk))
+            ms, _ = db.gemm_ms(gpu, sites, math_precision, k.weight_bytes, tokens, n, kk)
+            add(ms * cost.layers, _memory_bound(gpu, math_precision, k.weight_bytes, tokens, n, kk))
     if k.lm_head is not None and work.logits > 0:
         n, kk = k.lm_head
         ms, _ = db.gemm_ms(gpu, half, "fp16", 2.0, work.logits, n, kk)
@@ -142,9 +142,8 @@ def kernel_step_time(cost: StageCost, gpu: Gpu, work: Work, *, tp: int, eff: Eff
 
 
 def _memory_bound(gpu: Gpu, precision: str, weight_bytes: float, m: float, n: int, k: int) -> bool:
-    peak = (gpu.peak(precision) or gpu.peak("fp16") or 1.0) * 1e12
-    assert gpu.bandwidth_gb_s is not None
-    return (n * k * weight_bytes + 2.0 * m * (n + k)) / (gpu.bandwidth_gb_s * 1e9) > 2.0 * m * n * k / peak
+    compute, memory = db.gemm_sol_terms(gpu, precision, weight_bytes, m, n, k)
+    return memory > compute
 
 
 def _elementwise_ms(gpu: Gpu, nbytes: float) -> float:

@@ -34,9 +34,6 @@ SYSTEMS = {"H100 80GB": "h100_sxm", "H200 141GB": "h200_sxm", "A100 80GB": "a100
            "B200 180GB": "b200_sxm", "GB200 186GB": "gb200", "B300 288GB": "b300_sxm"}
 """The toolchain's GPU names -> AIConfigurator's system names (aiconfigurator_core/systems/<system>.yaml).
 The PCIe H100, A100 40GB, L4 and A30 have empty directories in 0.12.0."""
-GEMM_DTYPES = {"fp16": "bfloat16", "fp8": "fp8", "fp4": "nvfp4"}
-"""The format's math precision (quant/formats.py `math`) -> the database's gemm_dtype; fp8 block scales are
-`fp8_block` (`gemm_dtype`). Weight-only and SmoothQuant GEMMs were measured on the A100 alone."""
 MAX_SITE_DISTANCE = 2.0
 """How far (in log2 units of n and k) a measured GEMM site may be from the asked shape to lend its util."""
 NEAREST_SITES = 4
@@ -145,14 +142,19 @@ def gemm_sites(system: str, dtype: str) -> GemmSites | None:
     return GemmSites(t, dtype, sites)
 
 
-def gemm_sol_ms(gpu: Gpu, precision: str, weight_bytes: float, m: float, n: int, k: int) -> float:
-    """Speed-of-light time of an (m x k) by (k x n) GEMM: its FLOPs at the dense peak or its bytes (weights in
-    their format, activations in and out in the half type) at the datasheet bandwidth, whichever is longer."""
+def gemm_sol_terms(gpu: Gpu, precision: str, weight_bytes: float, m: float, n: int, k: int) -> tuple[float, float]:
+    """(compute, memory) milliseconds of an (m x k) by (k x n) GEMM at the speed of light: its FLOPs at the dense
+    peak, its bytes (weights in their format, activations in and out in the half type) at the datasheet bandwidth."""
     peak = (gpu.peak(precision) or gpu.peak("fp16") or 1.0) * 1e12
     assert gpu.bandwidth_gb_s is not None
     flops = 2.0 * m * n * k / peak
     memory = (n * k * weight_bytes + 2.0 * m * (n + k)) / (gpu.bandwidth_gb_s * 1e9)
-    return max(flops, memory) * 1e3
+    return flops * 1e3, memory * 1e3
+
+
+def gemm_sol_ms(gpu: Gpu, precision: str, weight_bytes: float, m: float, n: int, k: int) -> float:
+    """Speed-of-light time of a GEMM: the longer of `gemm_sol_terms`."""
+    return max(gemm_sol_terms(gpu, precision, weight_bytes, m, n, k))
 
 
 def gemm_ms(gpu: Gpu, sites: GemmSites, precision: str, weight_bytes: float, m: float, n: int, k: int
