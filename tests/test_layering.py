@@ -26,6 +26,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("cli",),
     ("tune", "probe_host"),
     ("pipeline",),
+    ("importer",),  # reads a deployment made by hand; renders it back with the stages below
     ("checks",),
     ("dynamo",),
     ("openai",),

@@ -20,6 +20,7 @@ from toolchain.stopsignals import Stopped
 # command name -> module under toolchain.cli holding a Click command `command`
 COMMANDS = {
     "init": "init",
+    "import": "import_",
     "schema": "schema",
     "archs": "archs",
     "plan": "plan",
