@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from toolchain.cli import main
+from toolchain.errors import ToolchainError
 from toolchain.engine.trtllm import validate
 from toolchain.importer.engine import read_engine, recorded_flags
 from toolchain.importer.repo import DRAFT_TARGET, PLAIN, WITH_BLS, read_repository, templates, unset
@@ -114,15 +115,34 @@ def test_draft_target_round_trip(tmp_path, hf_llama_words):
     draft = write_engine_config(tmp_path / "draft", max_batch_size=4)
     spec, report = _import(tmp_path, draft_target_set(hf_llama_words, engine, draft))
     assert report["layout"] == DRAFT_TARGET
-    assert report["mismatches"] == []
-    # The doc puts the target on GPU 1 and the draft on GPU 0; the toolchain's orchestrator placement is fixed.
-    assert report["inexpressible"] == ["tensorrt_llm.gpu_device_ids"]
+    assert report["mismatches"] == [] and report["inexpressible"] == []
     sp = spec["speculative"]
+    # The doc puts the target on GPU 1 and the draft on GPU 0 (the toolchain's default for the draft).
+    assert sp["target_gpu_device_ids"] == [1] and "draft_gpu_device_ids" not in sp
+    assert _rows(report, "tensorrt_llm")["gpu_device_ids"]["status"] == EQUAL
     assert sp["mode"] == "draft_target" and sp["max_draft_len"] == 4
     assert sp["draft_kv_cache_free_gpu_mem_fraction"] == 0.8
     assert spec["build"]["kv_cache_reuse"] is True and spec["serving"]["exclude_input_in_output"] is False
     assert {r["status"] for r in _rows(report, "draft engine").values()} == {EQUAL}
     assert _rows(report, "tensorrt_llm_draft")["gpu_device_ids"]["status"] == EQUAL
+
+
+def test_draft_on_another_gpu_round_trips(tmp_path, hf_llama_words):
+    engine = write_engine_config(tmp_path / "engine", max_batch_size=4, max_draft_len=4, speculative_mode=2)
+    draft = write_engine_config(tmp_path / "draft", max_batch_size=4)
+    spec, report = _import(tmp_path, draft_target_set(hf_llama_words, engine, draft, gpus=("0", "1")))
+    assert report["mismatches"] == [] and report["inexpressible"] == []
+    assert spec["speculative"]["draft_gpu_device_ids"] == [1] and "target_gpu_device_ids" not in spec["speculative"]
+
+
+@pytest.mark.parametrize("speculative, words", [
+    ({"mode": "none", "target_gpu_device_ids": [1]}, "not none on trtllm"),
+    ({"mode": "draft_target", "target_gpu_device_ids": [1, 2]}, "list 1 distinct GPU indices"),
+    ({"mode": "draft_target", "draft_gpu_device_ids": [-1]}, "list 1 distinct GPU indices"),
+])
+def test_gpu_placement_is_checked(tmp_path, speculative, words):
+    with pytest.raises(ToolchainError, match=words):
+        spec_from_dict({"target": "trtllm", "speculative": speculative}, tmp_path)
 
 
 def test_engine_settings_reach_the_spec_and_back(tmp_path, hf_llama_words):

@@ -138,9 +138,10 @@ def streaming_set(tokenizer: Path, engine: Path) -> dict[str, str]:
     return out
 
 
-def draft_target_set(tokenizer: Path, engine: Path, draft_engine: Path) -> dict[str, str]:
+def draft_target_set(tokenizer: Path, engine: Path, draft_engine: Path, gpus: tuple[str, str] = ("1", "0")
+                     ) -> dict[str, str]:
     """speculative-decoding.md, "Using Draft Target Model approach with Triton Inference Server": batch 4,
-    no streaming. logits_datatype, encoder_input_features_data_type and prompt_embedding_table_data_type are
+    no streaming, the target on GPU 1 and the draft on GPU 0 (`gpus`). logits_datatype, encoder_input_features_data_type and prompt_embedding_table_data_type are
     added (the doc predates them; the 1.2 templates do not parse without them)."""
     dtypes = "logits_datatype:TYPE_FP32"
     engine_args = ("triton_backend:tensorrtllm,engine_dir:{engine},decoupled_mode:False,max_tokens_in_paged_kv_cache:,"
@@ -157,8 +158,8 @@ def draft_target_set(tokenizer: Path, engine: Path, draft_engine: Path) -> dict[
         "tensorrt_llm_bls": "triton_max_batch_size:4,decoupled_mode:False,accumulate_tokens:false,bls_instance_count:1,"
                             "tensorrt_llm_model_name:tensorrt_llm,tensorrt_llm_draft_model_name:tensorrt_llm_draft,"
                             f"{dtypes}",
-        "tensorrt_llm": engine_args.format(engine=engine, gpu=1),
-        "tensorrt_llm_draft": engine_args.format(engine=draft_engine, gpu=0),
+        "tensorrt_llm": engine_args.format(engine=engine, gpu=gpus[0]),
+        "tensorrt_llm_draft": engine_args.format(engine=draft_engine, gpu=gpus[1]),
     }
 
 

@@ -319,6 +319,11 @@ class SpeculativeSection(_Section):
     """lookahead: verification set size G (Triton lookahead_verification_set_size)."""
     choices: str | None = None
     """medusa/eagle: draft tree as "{0, 0, 0}, {0, 1}" (Triton medusa_choices / eagle_choices); default the backend's."""
+    target_gpu_device_ids: list[int] | None = None
+    """draft_target on target trtllm (orchestrator mode): the target engine's GPUs, one per rank (tensorrt_llm's
+    gpu_device_ids; [1] in TensorRT-LLM's speculative-decoding.md); unset: 0 .. tp x pp - 1."""
+    draft_gpu_device_ids: list[int] | None = None
+    """draft_target on target trtllm: the draft engine's one GPU (tensorrt_llm_draft's gpu_device_ids); unset: [0]."""
     expected_acceptance: float | None = Field(None, ge=0, le=1)
     """The share of draft tokens the target is expected to accept, for `toolchain plan`'s performance prediction:
     a step then yields 1 + expected_acceptance x max_draft_len tokens. Unset: the mode's default
@@ -461,6 +466,18 @@ class DeploymentSpec(_Section):
         return self
 
     @model_validator(mode="after")
+    def _placement_fits(self) -> "DeploymentSpec":
+        sp = self.speculative
+        for key, count in (("target_gpu_device_ids", self.parallelism.world_size), ("draft_gpu_device_ids", 1)):
+            ids = getattr(sp, key)
+            if ids is not None and (self.target != "trtllm" or mode_of(sp.mode).adds != DRAFT_ENGINE):
+                raise ValueError(f"speculative.{key} places the engines of draft_target on target trtllm "
+                                 f"(orchestrator mode), not {sp.mode} on {self.target}; remove it")
+            if ids is not None and (len(ids) != count or min(ids) < 0 or len(set(ids)) != count):
+                raise ValueError(f"speculative.{key} {ids}: list {count} distinct GPU indices >= 0 (one per rank)")
+        return self
+
+    @model_validator(mode="after")
     def _class_adapters_named(self) -> "DeploymentSpec":
         names = list(self.lora.adapters)
         for c in self.validation.workload.classes:
@@ -475,6 +492,9 @@ class DeploymentSpec(_Section):
         data = self.model_dump(mode="json")
         if not self.lora.enabled:  # a spec without LoRA hashes as it did before the section existed
             data.pop("lora")
+        for key in ("target_gpu_device_ids", "draft_gpu_device_ids"):  # and one without a GPU placement
+            if data["speculative"][key] is None:
+                data["speculative"].pop(key)
         for role in ("prefill", "decode"):  # so does one without per-role Dynamo settings
             if not getattr(self.dynamo, role).given:
                 data["dynamo"].pop(role)

@@ -507,5 +507,6 @@ def triton_parameters(spec, medusa_choices: str | None = None) -> dict[str, obje
     if decoding == "eagle" and sp.choices:
         params["eagle_choices"] = sp.choices
     if mode_of(sp.mode).adds == DRAFT_ENGINE:  # orchestrator mode places the GPUs, not MPI ranks
-        params["gpu_device_ids"] = ",".join(str(g) for g in range(spec.parallelism.world_size))
+        gpus = sp.target_gpu_device_ids or range(spec.parallelism.world_size)
+        params["gpu_device_ids"] = ",".join(str(g) for g in gpus)
     return params

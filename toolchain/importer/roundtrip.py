@@ -40,8 +40,9 @@ REASONS: dict[tuple[str, str], str] = {
     **{(ENGINE_MODEL, k): f"the spec has no field for it ({why})" for k, why in TRITON_UNSET.items()},
     (ENGINE_MODEL, "max_attention_window_size"): "the spec has no attention-window field: the toolchain leaves it "
                                                  "unset, so the engine's max_seq_len applies",
-    (ENGINE_MODEL, "gpu_device_ids"): "the toolchain places the target on GPUs 0..tp x pp - 1 and the draft on GPU "
-                                      "0 (engine/trtllm.py triton_parameters); the spec has no GPU placement field",
+    (ENGINE_MODEL, "gpu_device_ids"): "the spec places the engines of draft_target only "
+                                      "(speculative.target_gpu_device_ids, draft_gpu_device_ids); MPI ranks place "
+                                      "the others",
     (ENGINE_MODEL, "gpt_model_type"): "the toolchain always writes inflight_fused_batching",
     (ENGINE_MODEL, "normalize_log_probs"): ALWAYS, (ENGINE_MODEL, "cancellation_check_period_ms"): ALWAYS,
     (ENGINE_MODEL, "stats_check_period_ms"): ALWAYS, (ENGINE_MODEL, "executor_worker_path"): ALWAYS,

@@ -170,7 +170,22 @@ def _speculative(dep: Deployment) -> dict[str, Any]:
     if dep.repo.draft and dep.draft_engine is not None:
         out["draft_kv_cache_free_gpu_mem_fraction"] = dep.value("kv_cache_free_gpu_mem_fraction", dep.repo.draft)
         out["use_draft_logits"] = bool(dep.draft_engine.build.get("gather_generation_logits"))
+        world = int(dep.engine.mapping.get("world_size", 1))
+        for key, model, usual in (("target_gpu_device_ids", ENGINE_MODEL, list(range(world))),
+                                  ("draft_gpu_device_ids", dep.repo.draft, [0])):
+            ids = _gpu_ids(dep.repo[model].param("gpu_device_ids"))
+            if ids is not None and ids != usual:
+                out[key] = ids
     return out
+
+
+def _gpu_ids(text: str | None) -> list[int] | None:
+    """gpu_device_ids as the backend reads it ("0,1"); None where unset or not a list of indices (the round trip
+    then reports it)."""
+    try:
+        return [int(x) for x in text.split(",")] if text else None
+    except ValueError:
+        return None
 
 
 def _lora(dep: Deployment) -> dict[str, Any]:

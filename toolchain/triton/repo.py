@@ -65,6 +65,8 @@ def _trtllm_options(spec: DeploymentSpec, workspace: Workspace) -> dict:
     if row.adds == DRAFT_ENGINE:
         out["draft_engine_dir"] = Path(workspace.engine_dir(spec)).resolve() / "draft" / "engine"
         out["draft_kv_cache_free_gpu_mem_fraction"] = spec.speculative.draft_kv_cache_free_gpu_mem_fraction
+        if spec.speculative.draft_gpu_device_ids is not None:
+            out["draft_gpu_device_ids"] = ",".join(map(str, spec.speculative.draft_gpu_device_ids))
     return out
 
 
@@ -176,6 +178,8 @@ def options_hash(opts: RepoOptions) -> str:
     fields = dataclasses.asdict(opts)
     if not fields["lora_parameters"]:  # a repository without LoRA keys as it did before LoRA existed
         del fields["lora_parameters"]
+    if fields["draft_gpu_device_ids"] == "0":  # and one with the draft on GPU 0 as before it could move
+        del fields["draft_gpu_device_ids"]
     blob = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -58,6 +58,7 @@ class RepoOptions:
     lora_parameters: tuple[tuple[str, object], ...] = ()
     draft_engine_dir: Path | None = None
     draft_kv_cache_free_gpu_mem_fraction: float = 0.1
+    draft_gpu_device_ids: str = "0"  # target trtllm: the draft engine's GPU (speculative.draft_gpu_device_ids)
     draft_ngram_size: int = 0  # speculative.mode ngram: the BLS drafts by prompt lookup (0: off)
     decoding_mode: str = "top_k_top_p"  # target cpu: "medusa" for a Medusa engine
     medusa_choices: str | None = None  # target cpu, Medusa: the draft tree ("{0}, {0, 0}, {1}")
@@ -193,7 +194,7 @@ def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
             "gpt_model_path": opts.draft_engine_dir,
             "kv_cache_free_gpu_mem_fraction": opts.draft_kv_cache_free_gpu_mem_fraction}
         if _gpu_backend(opts):
-            params["gpu_device_ids"] = "0"
+            params["gpu_device_ids"] = opts.draft_gpu_device_ids
         models["tensorrt_llm_draft"] = ModelConfig(
             "tensorrt_llm_draft", mbs, _tensors(TENSORRT_LLM_INPUTS, opts), _tensors(TENSORRT_LLM_OUTPUTS, opts),
             backend="tensorrtllm" if _gpu_backend(opts) else "python",
