@@ -113,8 +113,10 @@ def test_streaming_set_reports_what_the_spec_cannot_say(tmp_path, hf_llama_words
 def test_draft_target_round_trip(tmp_path, hf_llama_words):
     engine = write_engine_config(tmp_path / "engine", max_batch_size=4, max_draft_len=4, speculative_mode=2)
     draft = write_engine_config(tmp_path / "draft", max_batch_size=4)
-    spec, report = _import(tmp_path, draft_target_set(hf_llama_words, engine, draft))
+    spec, report = _import(tmp_path, draft_target_set(hf_llama_words, engine, draft), "--draft-hf",
+                           str(hf_llama_words))
     assert report["layout"] == DRAFT_TARGET
+    assert spec["speculative"]["draft_model"] == str(hf_llama_words)
     assert report["mismatches"] == [] and report["inexpressible"] == []
     sp = spec["speculative"]
     # The doc puts the target on GPU 1 and the draft on GPU 0 (the toolchain's default for the draft).
@@ -161,6 +163,46 @@ def test_engine_settings_reach_the_spec_and_back(tmp_path, hf_llama_words):
     assert (b["max_beam_width"], b["opt_num_tokens"], spec["model"]["dtype"]) == (2, 100, "bfloat16")
     assert "max_tokens_in_paged_kv_cache" not in spec["serving"]
     assert _rows(report, "tensorrt_llm")["decoding_mode"]["status"] == "default"  # beam_search either way
+
+
+LORA = {"lora_dir": [], "lora_ckpt_source": "hf", "max_lora_rank": 8, "lora_target_modules": ["attn_q", "attn_k", "attn_v"],
+        "trtllm_modules_to_hf_modules": {}, "max_loras": None, "max_cpu_loras": None}
+
+
+@pytest.mark.parametrize("variant", ["fp8", "lora", "tp2"])
+def test_engine_variants_round_trip(variant, tmp_path, hf_llama_words):
+    """The format, LoRA limits and split config.json records come back through the spec."""
+    extra: dict = {"fp8": {}, "lora": {"plugin": {"lora_plugin": "float16"}, "lora_config": LORA}, "tp2": {"tp": 2}}
+    engine = write_engine_config(tmp_path / "engine", max_batch_size=64, **extra[variant])
+    if variant == "fp8":
+        cfg = json.loads((engine / "config.json").read_text())
+        cfg["pretrained_config"]["quantization"].update(quant_algo="FP8", kv_cache_quant_algo="FP8")
+        (engine / "config.json").write_text(json.dumps(cfg))
+    params = plain_set(hf_llama_words, engine)
+    if variant == "lora":
+        params["tensorrt_llm"] += ",lora_cache_max_adapter_size:32"
+    spec, report = _import(tmp_path, params, "--hf", str(hf_llama_words))
+    assert report["mismatches"] == [] and report["inexpressible"] == []
+    engine_rows = _rows(report, "engine")
+    if variant == "fp8":
+        assert spec["quantization"] == {"method": "fp8", "kv_cache": "fp8"}
+        assert engine_rows["pretrained_config.quantization.quant_algo"]["status"] == EQUAL
+    if variant == "lora":
+        assert spec["lora"]["max_lora_rank"] == 8 and spec["lora"]["cache"]["max_adapter_size"] == 32
+        assert engine_rows["--lora_target_modules"]["status"] == EQUAL
+        assert _rows(report, "tensorrt_llm")["lora_cache_max_adapter_size"]["status"] == EQUAL
+    if variant == "tp2":
+        assert spec["parallelism"]["tp"] == 2 and engine_rows["pretrained_config.mapping.tp_size"]["status"] == EQUAL
+
+
+def test_tokenizer_elsewhere_still_imports_and_says_why_not_rendered(tmp_path, plain_engine, capsys):
+    """Paths of the GPU host the repository came from: the spec is written, the repository is not rendered here
+    (said in the report), the flags are still compared."""
+    spec, report = _import(tmp_path, plain_set(Path("/gpu-host/llama"), plain_engine))
+    assert "tokenizer directory not found: /gpu-host/llama" in report["skipped"]
+    assert spec["model"]["checkpoint"] == "/gpu-host/llama"
+    assert {r["status"] for r in _rows(report, "engine").values()} == {EQUAL}
+    assert "repository not rendered" in capsys.readouterr().out
 
 
 def test_imported_spec_renders_and_prints_the_recorded_flags(tmp_path, hf_llama_words, plain_engine, capsys):

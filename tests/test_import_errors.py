@@ -59,6 +59,15 @@ def _unfilled(tmp_path, hf):
     return _edit(_plain(tmp_path, hf), "tensorrt_llm", ",prompt_embedding_table_data_type:TYPE_FP16", "")
 
 
+def _quant_algo(tmp_path, hf):
+    params = _plain(tmp_path, hf)
+    path = tmp_path / "engine" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["pretrained_config"]["quantization"]["quant_algo"] = "W4A8_QSERVE_PER_GROUP"
+    path.write_text(json.dumps(cfg))
+    return params
+
+
 def _missing_model(tmp_path, hf):
     params = _plain(tmp_path, hf)
     del params["postprocessing"]
@@ -76,6 +85,8 @@ CASES = {
                                      "tensorrt_llm/config.pbtxt"]),
     "decoupled": (_decoupled, ["tensorrt_llm_bls/config.pbtxt", "decoupled"]),
     "draft engine": (_draft_engine, ["tensorrt_llm_draft/config.pbtxt", "gpt_model_path (engine_dir) is unset"]),
+    "quant algo": (_quant_algo, ["engine/config.json", "pretrained_config.quantization.quant_algo",
+                                 "W4A8_QSERVE_PER_GROUP"]),
     "unfilled": (_unfilled, ["tensorrt_llm/config.pbtxt line", "${prompt_embedding_table_data_type}"]),
 }
 

@@ -58,6 +58,8 @@ def _llmapi_mapping():
 @click.option("--hf", "hf", type=click.Path(path_type=Path), default=None,
               help="Hugging Face checkpoint the engine was converted from (model.checkpoint); default: the "
                    "tokenizer directory.")
+@click.option("--draft-hf", "draft_hf", type=click.Path(path_type=Path), default=None,
+              help="draft-target: the draft's Hugging Face checkpoint (speculative.draft_model), which convert needs.")
 @click.option("--out", "out", type=click.Path(path_type=Path), default=None,
               help="Spec to write (default build/<repository name>.yaml).")
 @click.option("--target", type=click.Choice(["trtllm", "llmapi"]), default="trtllm", show_default=True,
@@ -65,8 +67,8 @@ def _llmapi_mapping():
 @click.option("--report", "report_path", type=click.Path(path_type=Path), default=None,
               help="Also write the round trip's report as JSON here.")
 @pass_ctx
-def command(ctx: Context, sources: tuple[Path, ...], engine: Path | None, hf: Path | None, out: Path | None,
-            target: str, report_path: Path | None) -> None:
+def command(ctx: Context, sources: tuple[Path, ...], engine: Path | None, hf: Path | None, draft_hf: Path | None,
+            out: Path | None, target: str, report_path: Path | None) -> None:
     """Read a Triton repository filled from upstream's inflight_batcher_llm templates (plain ensemble, BLS or
     draft-target), its engine's config.json and the HF checkpoint into a spec; render the spec's repository
     and compare every parameter and build flag with the original."""
@@ -76,10 +78,10 @@ def command(ctx: Context, sources: tuple[Path, ...], engine: Path | None, hf: Pa
 
     repo_dir, engine, hf = _sort_sources(sources, engine, hf)
     repo = read_repository(repo_dir)
-    dep = read_deployment(repo, engine, hf)
+    dep = read_deployment(repo, engine, hf, draft_hf)
     out = out or Path("build") / f"{spec_name(None, repo)}.yaml"
     data = spec_dict(dep, spec_name(out, repo))
-    spec = spec_from_dict(data, out.parent.resolve(), str(out))
+    spec = spec_from_dict(data, out.parent.resolve(), f"the spec imported from {repo.root}")
     report = round_trip(dep, spec)
     losses: list = []
     if target == "llmapi":
@@ -98,6 +100,9 @@ def command(ctx: Context, sources: tuple[Path, ...], engine: Path | None, hf: Pa
         with atomic_file(report_path) as fh:
             fh.write(json.dumps(body, indent=1) + "\n")
     click.echo(f"wrote {out} (target {data.get('target', target)})")
+    if repo.draft and draft_hf is None:
+        click.echo("note: speculative.draft_model is unset: set it (or pass --draft-hf) to the draft's Hugging Face "
+                   "checkpoint before `toolchain convert`", err=True)
     bad = report.of(MISMATCH)
     if bad:
         raise StageFailed(f"the round trip differs from the original in {len(bad)} field(s), first "

@@ -33,6 +33,7 @@ class Deployment:
     engine: Engine
     draft_engine: Engine | None
     hf: Path | None
+    draft_hf: Path | None = None
 
     @property
     def trt(self) -> Model:
@@ -55,8 +56,10 @@ def _disagree(a: Model, b: Model, what: str, va: Any, vb: Any) -> ToolchainError
                           "fill both models with the same value (the spec holds one)")
 
 
-def read_deployment(repo: Repository, engine_dir: Path | None = None, hf: Path | None = None) -> Deployment:
-    """The engines the repository names (or `engine_dir`), read and checked against the repository."""
+def read_deployment(repo: Repository, engine_dir: Path | None = None, hf: Path | None = None,
+                    draft_hf: Path | None = None) -> Deployment:
+    """The engines the repository names (or `engine_dir`), read and checked against the repository; `hf` and
+    `draft_hf` the HF checkpoints of the target and the draft (model.checkpoint, speculative.draft_model)."""
     trt = repo[ENGINE_MODEL]
     given = Path(engine_dir) if engine_dir else None
     named = trt.param("gpt_model_path")
@@ -72,9 +75,13 @@ def read_deployment(repo: Repository, engine_dir: Path | None = None, hf: Path |
             raise ToolchainError(draft.where("parameter gpt_model_path (engine_dir) is unset: the draft model names "
                                              "no engine"), f"fill {repo.draft} with engine_dir:DRAFT_ENGINE_DIR")
         draft_engine = read_engine(Path(path), role="draft engine")
-    if hf is not None and not (Path(hf) / "config.json").is_file():
-        raise ToolchainError(f"--hf {hf} has no config.json", "pass the Hugging Face checkpoint directory")
-    dep = Deployment(repo, engine, draft_engine, Path(hf) if hf else None)
+    for flag, given_hf in (("--hf", hf), ("--draft-hf", draft_hf)):
+        if given_hf is not None and not (Path(given_hf) / "config.json").is_file():
+            raise ToolchainError(f"{flag} {given_hf} has no config.json", "pass a Hugging Face checkpoint directory")
+    if draft_hf is not None and not repo.draft:
+        raise ToolchainError(f"--draft-hf {draft_hf}: {repo.root} has no draft model (no tensorrt_llm_bls names "
+                             "tensorrt_llm_draft_model_name)", "leave --draft-hf out")
+    dep = Deployment(repo, engine, draft_engine, Path(hf) if hf else None, Path(draft_hf) if draft_hf else None)
     _check_agreement(dep)
     return dep
 
@@ -170,6 +177,8 @@ def _speculative(dep: Deployment) -> dict[str, Any]:
     if dep.repo.draft and dep.draft_engine is not None:
         out["draft_kv_cache_free_gpu_mem_fraction"] = dep.value("kv_cache_free_gpu_mem_fraction", dep.repo.draft)
         out["use_draft_logits"] = bool(dep.draft_engine.build.get("gather_generation_logits"))
+        if dep.draft_hf is not None:
+            out["draft_model"] = str(dep.draft_hf)
         world = int(dep.engine.mapping.get("world_size", 1))
         for key, model, usual in (("target_gpu_device_ids", ENGINE_MODEL, list(range(world))),
                                   ("draft_gpu_device_ids", dep.repo.draft, [0])):
