@@ -224,6 +224,14 @@ def test_imported_spec_renders_and_prints_the_recorded_flags(tmp_path, hf_llama_
             assert (value if value != "auto" else "float16") == want, flag
 
 
+def test_sources_may_name_the_engine_and_checkpoint(tmp_path, hf_llama_words, plain_engine):
+    """`toolchain import REPO ENGINE HF`: the directories are told apart by what they hold."""
+    repo = write_repository(tmp_path / "repo", plain_set(hf_llama_words, Path("/elsewhere/engine")))
+    out = tmp_path / "s.yaml"
+    assert main(["import", str(repo), str(plain_engine), str(hf_llama_words), "--out", str(out)]) == 0
+    assert load_spec(out).model.checkpoint == hf_llama_words.resolve()
+
+
 def test_library_path_matches_the_command(tmp_path, hf_llama_words, plain_engine):
     repo = read_repository(write_repository(tmp_path / "repo", plain_set(hf_llama_words, plain_engine)))
     dep = read_deployment(repo)

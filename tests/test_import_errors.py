@@ -136,3 +136,15 @@ def test_engine_given_on_the_command_line_wins(tmp_path, hf_llama_words, capsys)
     assert json.loads(report.read_text())["mismatches"] == []
     assert main(["import", str(repo), "--out", str(out)]) == 2
     assert "/nonexistent/engine has no config.json" in capsys.readouterr().err
+
+
+def test_hf_checkpoint_of_another_model_is_refused(tmp_path, hf_llama_words, capsys):
+    engine = write_engine_config(tmp_path / "engine", max_batch_size=64)
+    cfg = json.loads((engine / "config.json").read_text())
+    cfg["pretrained_config"]["hidden_size"] = 4096
+    (engine / "config.json").write_text(json.dumps(cfg))
+    repo = write_repository(tmp_path / "repo", plain_set(hf_llama_words, engine))
+    assert main(["import", str(repo), "--hf", str(hf_llama_words), "--out", str(tmp_path / "s.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "config.json: hidden_size 64 disagrees with" in err and "pretrained_config.hidden_size 4096" in err
+    assert "\n" not in err

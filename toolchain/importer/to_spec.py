@@ -8,6 +8,7 @@ in one line naming the files and fields; a setting the spec holds no field for i
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,9 +82,31 @@ def read_deployment(repo: Repository, engine_dir: Path | None = None, hf: Path |
     if draft_hf is not None and not repo.draft:
         raise ToolchainError(f"--draft-hf {draft_hf}: {repo.root} has no draft model (no tensorrt_llm_bls names "
                              "tensorrt_llm_draft_model_name)", "leave --draft-hf out")
+    for given_hf, built in ((hf, engine), (draft_hf, draft_engine)):
+        if given_hf is not None and built is not None:
+            _check_checkpoint(Path(given_hf), built)
     dep = Deployment(repo, engine, draft_engine, Path(hf) if hf else None, Path(draft_hf) if draft_hf else None)
     _check_agreement(dep)
     return dep
+
+
+# HF config.json key -> the engine's pretrained_config key holding the same size (checkpoint/config.py writes them).
+SHAPE_KEYS = {"hidden_size": "hidden_size", "num_hidden_layers": "num_hidden_layers", "vocab_size": "vocab_size",
+              "num_attention_heads": "num_attention_heads"}
+
+
+def _check_checkpoint(hf: Path, engine: Engine) -> None:
+    """The HF checkpoint is the model the engine was built from: the sizes both record agree."""
+    try:
+        cfg = json.loads((hf / "config.json").read_text())
+    except ValueError as err:
+        raise ToolchainError(f"{hf / 'config.json'} is not JSON ({err})", "pass a Hugging Face checkpoint") from None
+    for key, built_key in SHAPE_KEYS.items():
+        mine, built = cfg.get(key), engine.pretrained.get(built_key)
+        if mine is not None and built is not None and mine != built:
+            raise ToolchainError(f"{hf / 'config.json'}: {key} {mine} disagrees with {engine.path}: "
+                                 f"pretrained_config.{built_key} {built}: not the model this engine was built from",
+                                 "pass the checkpoint the engine was converted from")
 
 
 def _check_agreement(dep: Deployment) -> None:
