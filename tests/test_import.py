@@ -88,6 +88,7 @@ def test_plain_ensemble_round_trips_every_parameter(tmp_path, hf_llama_words, pl
     assert rows["kv_cache_free_gpu_mem_fraction"]["status"] == EQUAL
     assert rows["max_attention_window_size"]["status"] == "default"  # 2560 = the engine's max_seq_len
     assert rows["gpt_model_path"]["status"] == "relocated"
+    assert rows["gpt_model_path"]["rendered"] == "engines/imported/engine"  # where the user's workspace has it
     assert "tensorrt_llm_bls" in {r["where"] for r in report["rows"] if r["status"] == "added"}
     flags = _rows(report, "engine")
     assert {r["status"] for f, r in flags.items() if f.startswith("--")} == {EQUAL}

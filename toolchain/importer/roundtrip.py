@@ -11,6 +11,7 @@ directory (the toolchain serves engines/<name>/engine), `mismatch` for anything 
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -205,6 +206,10 @@ def compare_repository(dep: Deployment, spec: DeploymentSpec) -> list[Row]:
             rows += compare_model(orig, rend, dep, dirs, name == dep.repo.draft)
         for name in sorted(set(rendered.models) - set(dep.repo.models)):
             rows.append(Row(name, "model", None, name, ADDED, "the toolchain renders every model of the templates"))
+        real = os.path.realpath(tmp)
+        for row in rows:  # the temporary workspace's paths as the user's workspace holds them (engines/<name>/...)
+            if isinstance(row.rendered, str) and row.rendered.startswith((tmp + os.sep, real + os.sep)):
+                row.rendered = os.path.relpath(os.path.realpath(row.rendered), real)
         return rows
 
 
