@@ -17,9 +17,11 @@ from toolchain.engine.trtllm import TRITON_DEFAULTS
 from toolchain.importer.repo import ENGINE_MODEL, Model
 from toolchain.triton.backend_params import PARSERS, parameters
 
-# Unset in tensorrt_llm, where the C++ backend passes "no value" on and the executor picks: KvCacheConfig's free
-# memory fraction 0.9, the scheduler's GUARANTEED_NO_EVICT, and for decoding_mode the sampler of the beam width
-# (DecodingMode::Auto: top_k_top_p at beam 1, beam_search above). UNVERIFIED against 1.2.1's executor sources.
+# Unset in tensorrt_llm, where the C++ backend passes "no value" on and the executor picks: the defaults
+# tensorrtllm_backend docs/model_config.md states (read at v0.21.0, the docs' last tag in this repository's mirror;
+# not re-read at 1.2.1): kv_cache_free_gpu_mem_fraction 0.9, batch_scheduler_policy guaranteed_no_evict,
+# decoding_mode top_k_top_p at max_beam_width 1 and beam_search above, max_attention_window_size the engine's
+# max_sequence_length.
 EXECUTOR_DEFAULTS: dict[str, Any] = {"kv_cache_free_gpu_mem_fraction": 0.9,
                                      "batch_scheduler_policy": "guaranteed_no_evict"}
 PYTHON_DEFAULTS: dict[tuple[str, str], Any] = {
