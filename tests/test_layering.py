@@ -26,6 +26,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("cli",),
     ("tune", "probe_host"),
     ("pipeline",),
+    ("importer",),  # an existing deployment read into a spec, and moved to the LLM-API path
     ("checks",),
     ("dynamo",),
     ("openai",),
