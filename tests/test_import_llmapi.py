@@ -167,6 +167,24 @@ def test_int8_kv_cache_and_smoothquant_move_to_the_nearest_loaded_formats():
     assert _fails(spec) == []
 
 
+@pytest.mark.parametrize("kv", [k for k in KV_CACHE if k != "none"])
+def test_a_kv_cache_alone_is_kept_or_moved_to_its_nearest(kv):
+    from toolchain.checkpoint.hf_quant import hf_quant_problem
+
+    raw = _raw("llama3-70b-tp4pp2.yaml", quantization={"kv_cache": kv})
+    out, losses = to_llmapi(raw, base=BUILD)
+    refused = hf_quant_problem(_load(raw).quantization)
+    lost = [loss for loss in losses if loss.setting.startswith("quantization.")]
+    if refused is None:
+        assert lost == [] and out["quantization"]["kv_cache"] == kv
+        return
+    assert [(loss.setting, loss.value, loss.what_is_lost) for loss in lost] == [("quantization.kv_cache", kv, refused)]
+    new = KV_CACHE[out["quantization"]["kv_cache"]]
+    assert new.refused_on(90) is None and lost[0].nearest.startswith(new.name)
+    assert out["quantization"].get("method", "none") == raw["quantization"].get("method", "none")
+    assert _fails(_load(out)) == []
+
+
 def test_int8_kv_cache_on_a_gpu_without_fp8_has_no_kv_quantization():
     out, losses = to_llmapi(_raw("llama3-70b-sq-tp4pp2.yaml", gpu={"name": "A100 80GB"}), base=BUILD)
     assert KV_CACHE["fp8"].refused_on(80) is not None  # the table: FP8 needs Ada/Hopper

@@ -286,21 +286,9 @@ def to_llmapi(spec_dict: dict, parameters: Mapping[str, str] | None = None,
     spec = spec_from_dict(copy.deepcopy(spec_dict), Path(base).resolve(), "the imported spec")
     require_target(spec, f"target {spec.target} is already on the LLM-API path",
                    f"pass a spec of target {named(ENGINE, GPU)}", path=ENGINE)
-    found = _family(spec)
-    if found is not None:
-        family, params = found
-        why = family.llmapi_problem(params, spec.parallelism.tp, spec.parallelism.pp, False)
-        if why is not None:
-            raise ToolchainError(f"this deployment cannot move to the LLM-API path: {why}")
     out = copy.deepcopy(spec_dict)
     out["target"] = named(LLMAPI, GPU)
-    losses: list[Loss] = []
-    if found is not None and found[0].llmapi_no_reuse is not None and spec.build.kv_cache_reuse:
-        # The llmapi.kv-reuse check's rule (llmapi/args.py writes enable_partial_reuse false for such a family).
-        losses.append(Loss("build.kv_cache_reuse", True, f"KV cache block reuse across requests sharing a prefix; "
-                           f"the PyTorch backend runs {found[1].architecture} without it ({found[0].llmapi_no_reuse})",
-                           "off (kv_cache_config.enable_block_reuse false)"))
-        _put(out, "build.kv_cache_reuse", False)
+    losses = _family_losses(spec, out)
     for path, rule in ENGINE_ONLY.items():
         value = _get(spec, path)
         if rule.lost(value, spec):
@@ -309,11 +297,30 @@ def to_llmapi(spec_dict: dict, parameters: Mapping[str, str] | None = None,
     losses += _quantization(spec, out)
     losses += _speculative(spec, out)
     losses += _lora(spec)
-    endpoint = spec.validation.workload.endpoint
-    if endpoint in ENGINE_ENDPOINTS and _get(spec, "validation.workload.protocol").startswith("triton"):
+    workload = spec.validation.workload
+    if workload.endpoint in ENGINE_ENDPOINTS and workload.protocol.startswith("triton"):
         _put(out, "validation.workload.endpoint", LLMAPI_MODEL)
     losses += _parameters(spec, parameters or {}, out)
     return out, losses
+
+
+def _family_losses(spec: DeploymentSpec, out: dict) -> list[Loss]:
+    """The family's own rules for the LLM-API path: a family it has no model for is refused (llmapi.architecture's
+    rule, `llmapi_problem` unquantized), and one it runs without KV cache reuse gets reuse off (llmapi.kv-reuse's
+    rule; llmapi/args.py writes enable_partial_reuse false for it)."""
+    found = _family(spec)
+    if found is None:
+        return []
+    family, params = found
+    why = family.llmapi_problem(params, spec.parallelism.tp, spec.parallelism.pp, False)
+    if why is not None:
+        raise ToolchainError(f"this deployment cannot move to the LLM-API path: {why}")
+    if family.llmapi_no_reuse is None or not spec.build.kv_cache_reuse:
+        return []
+    _put(out, "build.kv_cache_reuse", False)
+    return [Loss("build.kv_cache_reuse", True, f"KV cache block reuse across requests sharing a prefix; the PyTorch "
+                 f"backend runs {params.architecture} without it ({family.llmapi_no_reuse})",
+                 "off (kv_cache_config.enable_block_reuse false)")]
 
 
 # ---- quantization -----------------------------------------------------------------------------------------------
