@@ -26,7 +26,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("cli",),
     ("tune", "probe_host"),
     ("pipeline",),
-    ("importer",),  # reads a deployment made by hand; renders it back with the stages below
+    ("importer",),  # reads a deployment made by hand into a spec, renders it back, moves it to the LLM-API path
     ("checks",),
     ("dynamo",),
     ("openai",),
