@@ -241,13 +241,22 @@ def test_library_path_matches_the_command(tmp_path, hf_llama_words, plain_engine
     assert not report.of(MISMATCH) and report.skipped is None
 
 
-def test_llmapi_target_without_its_module_is_one_line(tmp_path, hf_llama_words, plain_engine, capsys):
-    try:
-        import toolchain.importer.llmapi  # noqa: F401
-    except ModuleNotFoundError:
-        repo = write_repository(tmp_path / "repo", plain_set(hf_llama_words, plain_engine))
-        assert main(["import", str(repo), "--out", str(tmp_path / "x.yaml"), "--target", "llmapi"]) == 2
-        err = capsys.readouterr().err.strip()
-        assert err.count("\n") == 0 and "toolchain/importer/llmapi.py" in err
-    else:
-        pytest.skip("the llmapi mapping is present: its own tests cover --target llmapi")
+def test_llmapi_target_writes_the_moved_spec_lists_losses_and_plans_both(tmp_path, hf_llama_words, capsys):
+    """`--target llmapi`: the spec written is the LLM-API one; an INT8 KV cache, which the PyTorch backend does not
+    load, is one line with its nearest choice; both deployments are planned side by side."""
+    engine = write_engine_config(tmp_path / "engine", max_batch_size=64)
+    cfg = json.loads((engine / "config.json").read_text())
+    cfg["pretrained_config"]["quantization"].update(kv_cache_quant_algo="INT8")
+    (engine / "config.json").write_text(json.dumps(cfg))
+    spec, report = _import(tmp_path, plain_set(hf_llama_words, engine), "--hf", str(hf_llama_words),
+                           "--target", "llmapi", "--gpu", "H100 80GB")
+    out = capsys.readouterr().out
+    assert spec["target"] == "llmapi" and report["target"] == "llmapi"
+    assert spec["quantization"].get("kv_cache") != "int8"
+    kv_lines = [line for line in out.splitlines() if line.startswith("quantization.kv_cache=int8")]
+    assert len(kv_lines) == 1 and "nearest" in kv_lines[0], out
+    assert any(line.startswith("quantization.kv_cache=int8") for line in report["losses"])
+    header = next(line for line in out.splitlines() if line.split()[:2] == ["trtllm", "llmapi"])
+    assert header and "max output tok/s" in out and "llmapi predicted from:" in out, out
+    assert spec["gpu"] == {"name": "H100 80GB"}
+    load_spec(tmp_path / "build" / "imported.yaml")  # the moved spec loads as it was written

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
@@ -39,18 +38,6 @@ def _sort_sources(sources: tuple[Path, ...], engine: Path | None, hf: Path | Non
     return repos[0], engine, hf
 
 
-def _llmapi_mapping():
-    """importer/llmapi.py's to_llmapi, looked up when asked for: the module lands separately, and a checkout
-    without it still imports for target trtllm."""
-    try:
-        return importlib.import_module("toolchain.importer.llmapi").to_llmapi
-    except ModuleNotFoundError as err:
-        if err.name != "toolchain.importer.llmapi":
-            raise
-        raise ToolchainError("--target llmapi needs toolchain/importer/llmapi.py, which this checkout lacks",
-                             "import with --target trtllm, or update the toolchain") from None
-
-
 @click.command("import")
 @click.argument("sources", metavar="SOURCE...", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--engine", "engine", type=click.Path(path_type=Path), default=None,
@@ -64,11 +51,15 @@ def _llmapi_mapping():
               help="Spec to write (default build/<repository name>.yaml).")
 @click.option("--target", type=click.Choice(["trtllm", "llmapi"]), default="trtllm", show_default=True,
               help="trtllm: the deployment as it is; llmapi: its LLM-API counterpart, with what is lost.")
+@click.option("--gpu", default=None, help="The GPU the engine was built for and serves on (gpu.name: a name "
+              "`toolchain plan` knows); the engine's config.json does not record it.")
+@click.option("--compare/--no-compare", default=True, show_default=True,
+              help="With --target llmapi: plan both deployments and print their predictions side by side.")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), default=None,
               help="Also write the round trip's report as JSON here.")
 @pass_ctx
 def command(ctx: Context, sources: tuple[Path, ...], engine: Path | None, hf: Path | None, draft_hf: Path | None,
-            out: Path | None, target: str, report_path: Path | None) -> None:
+            out: Path | None, gpu: str | None, target: str, compare: bool, report_path: Path | None) -> None:
     """Read a Triton repository filled from upstream's inflight_batcher_llm templates (plain ensemble, BLS or
     draft-target), its engine's config.json and the HF checkpoint into a spec; render the spec's repository
     and compare every parameter and build flag with the original."""
@@ -81,11 +72,17 @@ def command(ctx: Context, sources: tuple[Path, ...], engine: Path | None, hf: Pa
     dep = read_deployment(repo, engine, hf, draft_hf)
     out = out or Path("build") / f"{spec_name(None, repo)}.yaml"
     data = spec_dict(dep, spec_name(out, repo))
+    if gpu is not None:  # an engine's config.json does not record the card it was built for
+        data["gpu"] = {"name": gpu}
     spec = spec_from_dict(data, out.parent.resolve(), f"the spec imported from {repo.root}")
     report = round_trip(dep, spec)
     losses: list = []
+    moved = None
     if target == "llmapi":
-        data, losses = _llmapi_mapping()(data)
+        from toolchain.importer.llmapi import to_llmapi
+
+        data, losses = to_llmapi(data, repo["tensorrt_llm"].raw, base=out.parent)
+        moved = spec_from_dict(data, out.parent.resolve(), f"the LLM-API spec moved from {repo.root}")
     header = (f"# Imported by `toolchain import` from {repo.root} ({repo.layout} layout) and {dep.engine.dir}.\n"
               "# The round trip's report lists what this spec does not express.\n")
     with atomic_file(out) as fh:
@@ -100,6 +97,13 @@ def command(ctx: Context, sources: tuple[Path, ...], engine: Path | None, hf: Pa
         with atomic_file(report_path) as fh:
             fh.write(json.dumps(body, indent=1) + "\n")
     click.echo(f"wrote {out} (target {data.get('target', target)})")
+    if moved is not None and compare and gpu is None:
+        click.echo("note: pass --gpu NAME to plan both deployments side by side (the engine does not record its "
+                   "GPU)", err=True)
+    elif moved is not None and compare:
+        from toolchain.importer.llmapi import compare_plans, side_by_side
+
+        click.echo(side_by_side(compare_plans(spec, moved)))
     if repo.draft and draft_hf is None:
         click.echo("note: speculative.draft_model is unset: set it (or pass --draft-hf) to the draft's Hugging Face "
                    "checkpoint before `toolchain convert`", err=True)
