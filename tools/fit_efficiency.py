@@ -33,18 +33,29 @@ KERNELS = cal.DATA / "kernel_efficiency.json"
 
 TTFT_WEIGHT = 0.5
 RESTARTS = 3
-PARAMS = ("kernel_scale", "link_scale", "attention_scale", "fixed_us", "seq_us", "ttft_ms")
+PARAMS = ("kernel_scale", "attention_scale", "allreduce_us", "fixed_us", "seq_us", "ttft_ms")
 """What the measured-kernel step's row fits: the rest of a row (bandwidth, compute, link, latency) serves the
-roofline alone, whose rows (`rows`, fitted 2026-12-03 before the kernel layer) are kept as they are."""
+roofline alone, whose rows (`rows`, fitted 2026-12-03 before the kernel layer) are kept as they are. The
+all-reduce keeps its measured time (link_scale 1.0) plus a fitted cost per call (`allreduce_us`): a scale fitted
+to the H100's runs (8B at TP8, small messages) doubled the large collectives of a 70B or 405B step as well."""
 FRACTIONS: set[str] = set()
+CAPS = {"fixed_us": 1000.0, "seq_us": 25.0}
+"""Upper bounds of the host's costs. The step overlaps them with the kernels (perf/step.py StepTime.overlapped),
+so runs whose kernels take longer leave them unpinned and a search may wander to any size below the kernels' time;
+a millisecond per step and 25 us per sequence are beyond what the PyTorch backend's executor loop spends."""
+PRIOR = ("fixed_us", "seq_us")
+PRIOR_WEIGHT = 0.002
+"""Weight of the host costs' distance (absolute log) from START in the objective: where the runs do not pin them
+they stay near the starting guess instead of drifting to a bound, which matters where a plan extrapolates (a
+large batch that the measured concurrencies, at most 128, never reached)."""
 START = {"kernel_scale": 1.0, "link_scale": 1.0, "attention_scale": 1.0, "fixed_us": 300.0, "seq_us": 5.0,
-         "ttft_ms": 50.0}
+         "ttft_ms": 50.0, "allreduce_us": 5.0}
 
 
 def to_eff(x: list[float], base: perf.Efficiency = perf.DEFAULT_EFFICIENCY) -> perf.Efficiency:
     values: dict = {"kernels": True}
     for name, v in zip(PARAMS, x, strict=True):
-        values[name] = 1 / (1 + math.exp(-v)) if name in FRACTIONS else math.exp(v)
+        values[name] = 1 / (1 + math.exp(-v)) if name in FRACTIONS else min(math.exp(v), CAPS.get(name, math.inf))
     return dataclasses.replace(base, **values)
 
 
@@ -57,7 +68,8 @@ def loss(points, eff: perf.Efficiency) -> float:
     for pt in points:
         ttft, tpot, _ = cal.predict_measured(pt, eff)
         total += abs(math.log(tpot / pt.tpot_ms)) + TTFT_WEIGHT * abs(math.log(ttft / pt.ttft_ms))
-    return total / len(points)
+    prior = sum(abs(math.log(getattr(eff, n) / START[n])) for n in PRIOR)
+    return total / len(points) + PRIOR_WEIGHT * prior
 
 
 # Generations without end-to-end measurements, and the card whose kernel measurements scale Hopper's row to them.

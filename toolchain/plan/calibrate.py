@@ -57,14 +57,14 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "ttft": ("ttft_ms",),
     "comm": ("link", "latency"),
     "kernels": ("kernel_scale",),
-    "allreduce": ("link_scale",),
+    "allreduce": ("link_scale", "allreduce_us"),
 }
 """Multipliers the fit may free, in the order more data frees them, and the Efficiency fields each scales."""
 SPEED = "speed"
 """The single multiplier of one or two reports: every time of the row scaled alike (the fractions up, the fixed
 costs down), which one throughput pins without saying which part of the step is off."""
 FRACTIONS = ("bandwidth", "compute", "link")
-COSTS = ("fixed_us", "latency", "seq_us", "ttft_ms", "kernel_scale", "link_scale")
+COSTS = ("fixed_us", "latency", "seq_us", "ttft_ms", "kernel_scale", "link_scale", "allreduce_us")
 
 
 # ------------------------------------------------------------------------------------- completing the facts

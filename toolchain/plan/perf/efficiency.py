@@ -36,7 +36,13 @@ class Efficiency:
     kernel_scale: float = 1.0
     """Measured kernels (plan/perf/kernel_step.py): their time in serving over their time measured alone."""
     link_scale: float = 1.0
-    """Measured kernels: an all-reduce's time in serving over its time measured alone."""
+    """Measured kernels: an all-reduce's time in serving over its time measured alone (the shipped rows keep 1.0
+    and fit `allreduce_us`; `toolchain calibrate` may scale both)."""
+    allreduce_us: float = 0.0
+    """Measured kernels: what serving adds to each all-reduce, in microseconds: the ranks wait for the slowest
+    before the collective starts, which AIConfigurator's measurement of the collective alone leaves out. A fixed
+    cost per call, not a scale: it weighs on a small model's many small messages (8B at TP8) and hardly on the
+    large ones of a 70B or 405B step at high concurrency, where the measured collective's time holds."""
     attention_scale: float = 1.0
     """Measured kernels: attention's time in serving over its time measured alone, relative to kernel_scale (the
     serving kernels read a paged cache the collector's did not)."""

@@ -130,7 +130,7 @@ def kernel_step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: s
     if tp > 1 and tokens > 0:
         one = db.allreduce_ms(system, tokens * cost.hidden, tp)
         assert one is not None
-        comm_ms = 2 * cost.layers * one * eff.link_scale
+        comm_ms = 2 * cost.layers * (one * eff.link_scale + eff.allreduce_us * 1e-3)
     if cost.lora is not None:  # the adapters' shrink and expand GEMMs (not in the database): the roofline's
         lora_bytes = cost.lora.bytes_read(sequences(work)) / (gpu.bandwidth_gb_s * 1e9 * eff.bandwidth)
         lora_flops = tokens * cost.lora.flops_per_token / ((gpu.peak("fp16") or 1.0) * 1e12 * eff.compute)
@@ -138,7 +138,7 @@ def kernel_step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: s
     fixed_s = (eff.fixed_us + eff.seq_us * work.logits) * 1e-6
     kernels_ms = (memory_ms + compute_ms + elementwise_ms) * eff.kernel_scale
     return StepTime((memory_ms + elementwise_ms) * 1e-3 * eff.kernel_scale, compute_ms * 1e-3 * eff.kernel_scale,
-                    comm_ms * 1e-3, fixed_s, kernels_ms * 1e-3)
+                    comm_ms * 1e-3, fixed_s, kernels_ms * 1e-3, overlapped=True)
 
 
 def _memory_bound(gpu: Gpu, precision: str, weight_bytes: float, m: float, n: int, k: int) -> bool:

@@ -214,6 +214,13 @@ class StepTime:
     serial: bool = False
     """The kernels run one after another (the CPU engine): memory_s and compute_s are then the summed times of
     the kernels each bounds, not two overlapping totals."""
+    overlapped: bool = False
+    """The host's work (fixed_s) runs while the GPU executes the previous step, so a step takes the longer of the
+    two rather than their sum: the PyTorch backend's overlap scheduler, on unless `disable_overlap_scheduler`
+    (TorchLlmArgs, default False, toolchain/upstream/facts/llmapi.json), which schedules and samples iteration
+    n + 1 while iteration n's kernels run. The measured-kernel step, whose rows are fitted to PyTorch-path runs,
+    takes it on both paths (the engine path's C++ executor also prepares the next batch on the host while the
+    GPU works); the roofline and the CPU engine add the two."""
 
     @property
     def seconds(self) -> float:
@@ -222,6 +229,8 @@ class StepTime:
             kernels = self.memory_s + self.compute_s
         else:
             kernels = max(self.memory_s, self.compute_s) if self.kernels_s is None else self.kernels_s
+        if self.overlapped:
+            return max(kernels + self.comm_s, self.fixed_s)
         return kernels + self.comm_s + self.fixed_s
 
     @property
