@@ -103,11 +103,12 @@ def test_bls_layout_round_trips_every_parameter(tmp_path, hf_llama_words, plain_
     assert bls["decoupled"]["status"] == EQUAL and bls["accumulate_tokens"]["status"] == EQUAL
 
 
-def test_streaming_set_reports_what_the_spec_cannot_say(tmp_path, hf_llama_words, plain_engine):
+def test_streaming_set_round_trips_every_parameter(tmp_path, hf_llama_words, plain_engine):
+    """docs/llama.md's streaming set: decoupled models and a BLS that accumulates the text (serving.accumulate_tokens)."""
     spec, report = _import(tmp_path, streaming_set(hf_llama_words, plain_engine))
-    assert spec["serving"]["streaming"] is True
-    assert report["mismatches"] == []
-    assert report["inexpressible"] == ["tensorrt_llm_bls.accumulate_tokens"]
+    assert spec["serving"]["streaming"] is True and spec["serving"]["accumulate_tokens"] is True
+    assert report["mismatches"] == [] and report["inexpressible"] == []
+    assert _rows(report, "tensorrt_llm_bls")["accumulate_tokens"]["status"] == EQUAL
     assert _rows(report, "tensorrt_llm")["gpt_model_type"]["status"] == "equivalent"
 
 

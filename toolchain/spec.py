@@ -150,6 +150,8 @@ class ServingSection(_Section):
     """Environment variable holding that key when admin_key_file is unset."""
     streaming: bool = True
     """Deploy decoupled models so clients can stream tokens."""
+    accumulate_tokens: bool = False
+    """Streaming through tensorrt_llm_bls: each response carries the text so far, not the new piece (its parameter)."""
     tritonserver: Path | None = None
     """tritonserver binary; default: `tritonserver` on PATH, else the one inside the nvidia-pytriton wheel."""
     startup_timeout_s: float = Field(180.0, gt=0)
@@ -492,9 +494,10 @@ class DeploymentSpec(_Section):
         data = self.model_dump(mode="json")
         if not self.lora.enabled:  # a spec without LoRA hashes as it did before the section existed
             data.pop("lora")
-        for key in ("target_gpu_device_ids", "draft_gpu_device_ids"):  # and one without a GPU placement
-            if data["speculative"][key] is None:
-                data["speculative"].pop(key)
+        for part, key in (("speculative", "target_gpu_device_ids"), ("speculative", "draft_gpu_device_ids"),
+                          ("serving", "accumulate_tokens")):  # and one without a GPU placement or accumulating BLS
+            if data[part][key] in (None, False):
+                data[part].pop(key)
         for role in ("prefill", "decode"):  # so does one without per-role Dynamo settings
             if not getattr(self.dynamo, role).given:
                 data["dynamo"].pop(role)

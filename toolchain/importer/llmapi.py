@@ -134,6 +134,10 @@ ENGINE_ONLY: dict[str, Rule] = {
     "serving.max_queue_size": Rule(
         "a bound on the requests waiting for admission; no LLM() argument bounds the executor's queue",
         "none (requests wait without bound)", lambda v, _: v > 0, absent=("max_queue_size",)),
+    "serving.accumulate_tokens": Rule(
+        "streamed responses carrying the text so far (tensorrt_llm_bls's accumulate_tokens); the llmapi model "
+        "streams each new piece and has no such LLM() argument", "join the streamed pieces in the client",
+        lambda v, _: v is True, absent=("accumulate_tokens",)),
     "serving.exclude_input_in_output": Rule(
         "a model-wide default for returning the prompt with the output; Triton's llmapi model takes it per "
         "request only", "send sampling_param_exclude_input_from_output with each request", lambda v, _: v is False,

@@ -52,7 +52,6 @@ REASONS: dict[tuple[str, str], str] = {
     (ENGINE_MODEL, "decoding_mode"): "derived from speculative.mode and build.max_beam_width",
     (ENGINE_MODEL, "backend"): "target trtllm serves tensorrt_llm on the C++ tensorrtllm backend",
     ("preprocessing", "add_special_tokens"): ALWAYS, ("postprocessing", "skip_special_tokens"): ALWAYS,
-    ("tensorrt_llm_bls", "accumulate_tokens"): ALWAYS,
     ("preprocessing", "multimodal_model_path"): MULTIMODAL, ("preprocessing", "max_num_images"): MULTIMODAL,
     ("preprocessing", "hf_model_path"): MULTIMODAL, ("tensorrt_llm_bls", "multimodal_encoders_name"): MULTIMODAL,
     ("*", "instance_group.count"): "the spec holds one serving.instance_count for preprocessing, postprocessing "

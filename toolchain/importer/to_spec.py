@@ -266,6 +266,8 @@ def spec_dict(dep: Deployment, name: str) -> dict[str, Any]:
         "batch_scheduler_policy": dep.value("batch_scheduler_policy"),
         "exclude_input_in_output": bool(dep.value("exclude_input_in_output")),
     }
+    if BLS in dep.repo.models and dep.value("accumulate_tokens", BLS):
+        serving["accumulate_tokens"] = True
     if trt.param("max_tokens_in_paged_kv_cache") is not None:
         serving["max_tokens_in_paged_kv_cache"] = dep.value("max_tokens_in_paged_kv_cache")
     if trt.param("guided_decoding_backend") == "xgrammar":

@@ -135,6 +135,7 @@ def repo_options(spec: DeploymentSpec, workspace: Workspace) -> RepoOptions:
         enable_kv_cache_reuse=spec.build.kv_cache_reuse,
         enable_chunked_context=spec.build.chunked_context,
         exclude_input_in_output=s.exclude_input_in_output,
+        accumulate_tokens=s.accumulate_tokens,
         toolchain_path=Path(toolchain.__file__).resolve().parent.parent,
         engine_threads=s.engine_threads,
         trust_remote_code=spec.model.trust_remote_code,

@@ -48,6 +48,7 @@ class RepoOptions:
     end_id: int | None = None
     stop_ids: tuple[int, ...] = ()
     max_queue_size: int = 0  # 0 = unbounded, as fill_template.py defaults it
+    accumulate_tokens: bool = False  # the BLS streams the text so far instead of each new piece
     logits_dtype: str = "TYPE_FP32"
     encoder_features_dtype: str = "TYPE_FP16"
     prompt_table_dtype: str = "TYPE_FP16"
@@ -184,7 +185,7 @@ def build_models(opts: RepoOptions) -> dict[str, ModelConfig]:
             "tensorrt_llm_bls", mbs, _tensors(BLS_INPUTS, opts), _tensors(TEXT_OUTPUTS, opts), backend="python",
             instance_group=cpu, decoupled=opts.decoupled,
             # Empty names mean "none" to tensorrtllm_backend's BLS (get_valid_param_value).
-            parameters={"accumulate_tokens": False, "tensorrt_llm_model_name": "tensorrt_llm",
+            parameters={"accumulate_tokens": opts.accumulate_tokens, "tensorrt_llm_model_name": "tensorrt_llm",
                         "tensorrt_llm_draft_model_name": EMPTY, "multimodal_encoders_name": EMPTY}),
     }
     if opts.draft_engine_dir is not None:
