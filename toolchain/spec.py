@@ -501,8 +501,7 @@ class DeploymentSpec(_Section):
         for role in ("prefill", "decode"):  # so does one without per-role Dynamo settings
             if not getattr(self.dynamo, role).given:
                 data["dynamo"].pop(role)
-        blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()
+        return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _section_model(annotation: Any) -> type[_Section] | None:
