@@ -238,16 +238,19 @@ def test_gpt_oss_points_plan_the_kv_cache_the_planner_allows():
 
 
 def test_moe_family_prediction_error(published_moe):
-    """DeepSeek R1, measured 2026-12-07: every point over-predicted, median +53%, worst +132% (H200 1024/1024); the
-    1024/8192 and 1024/32768 mixes within +9% to +26%, the prefill-heavy and short mixes worst (+46% to +93% on
-    Blackwell at 1024/1024 and 8192/1024). The model runs MLA's and the experts' kernels at the dense GEMMs'
-    fitted efficiency and the ranks perfectly balanced, so a surplus is expected; these loose bounds only catch
-    a regression (checking, never fitted)."""
+    """DeepSeek R1 on measured kernels (latent attention from AIConfigurator's mla tables, the experts from its MoE
+    table at DeepSeek's power_law_1.01 skew, each DEP rank's own share of the attention), measured 2026-12-07: every
+    point over-predicted, +22% to +87%, median +44% (+53% on the roofline), worst +87% (GB200 1024/1024; +132% at
+    H200 1024/1024 on the roofline), 2 of 14 within +-30% (6 on the roofline, whose long-output Blackwell points
+    sat near +10% to +20%). The GB200's and B300's MoE rows time the experts about 40% faster than the B200's
+    where the published GB200 runs no faster than the B200; the serving costs are the dense rows' (B200's kernel
+    scale 0.78, fitted to Llama-3.1-70B), and the experts' all-to-all stays the roofline's. Loose bounds the model
+    meets, only to catch a regression (checking, never fitted)."""
     errors = [e for _, _, e in _of(published_moe, "deepseek-r1")]
     assert all(e > 0 for e in errors)
-    assert statistics.median(abs(e) for e in errors) <= 60
-    assert max(abs(e) for e in errors) <= 150
-    assert sum(abs(e) <= 30 for e in errors) >= 5
+    assert statistics.median(abs(e) for e in errors) <= 50
+    assert max(abs(e) for e in errors) <= 100
+    assert sum(abs(e) <= 30 for e in errors) >= 2
 
 
 def test_gpt_oss_prediction_error(published_moe):

@@ -96,9 +96,6 @@ def test_what_the_database_lacks_is_predicted_from_the_roofline_and_said_so():
     pcie = _dep("llama-3.1-8b", "H100 PCIe")
     assert not perf.measured_kernels(pcie)
     assert "no kernel data for H100 PCIe" in kernel_step.unmeasured(pcie)
-    moe = cal.Published("deepseek-r1", "B200 180GB", "nvfp4", 4, 1024, 1024, 1.0, attention_dp=True,
-                        per_gpu=True, path="pytorch", release="1.2")
-    assert "extrapolated" in cal.predict_published(moe).basis
     dense = cal.published_points(cal.PUBLISHED_V1_0)[0]
     basis = cal.predict_published(dense).basis
     assert "measured kernels (h200_sxm, TensorRT-LLM 1.3.0rc20" in basis and "extrapolated" not in basis
@@ -180,9 +177,9 @@ def test_moe_families_step_on_measured_experts_where_the_table_has_their_shape()
     for gpu, tp in (("H200 141GB", 2), ("B300 288GB", 1)):
         basis = cal.predict_published(_published("gpt-oss-120b", gpu, "mxfp4", tp, tp > 1)).basis
         assert "MoE table" in basis and "extrapolated" not in basis
-    # DeepSeek's latent attention has no lookup here: the roofline, and why
-    r1 = cal.predict_published(_published("deepseek-r1", "B200 180GB", "nvfp4", 4, True)).basis
-    assert "extrapolated" in r1 and "latent attention" in r1
+    # DeepSeek's latent attention from the mla tables, its experts at DeepSeek's own routing skew
+    r1 = cal.predict_published(_published("deepseek-r1", "H200 141GB", "fp8_block", 8, True)).basis
+    assert "MoE table" in r1 and "extrapolated" not in r1
 
 
 def test_an_moe_shape_the_table_lacks_falls_back_to_the_roofline_and_says_which():
@@ -197,3 +194,38 @@ def test_an_moe_shape_the_table_lacks_falls_back_to_the_roofline_and_says_which(
     assert not perf.measured_kernels(dep)
     why = kernel_step.unmeasured(dep)
     assert "MoE table has no w4a16_mxfp4 experts" in why and "moe_tp 1 x moe_ep 1 on H100 80GB" in why
+
+
+def test_latent_attention_is_the_mla_tables_own_and_its_bmms_interpolate():
+    table = db.table("h200_sxm", "mla", "generation_mla_perf")
+    rows = pq.read_table(table.path).to_pylist()
+    row = next(r for r in rows if (r["kv_cache_dtype"], r["num_heads"], r["batch_size"]) == ("fp8", 128, 64))
+    grid, scale = db.nearest_grid(db.mla_grids("h200_sxm", "generation", "fp8"), 128, 1)
+    assert scale == 1.0
+    assert db.grid_ms(grid, 64, row["step"] + row["isl"], lambda x: x) == row["latency"]
+    bmm = db.mla_bmm_curves("h200_sxm")
+    pre, post = bmm[("mla_gen_pre", "fp8", 128)], bmm[("mla_gen_post", "fp8", 128)]
+    i = pre[0].index(1024.0)
+    assert db.mla_bmm_ms("h200_sxm", "fp8", 1024, 128) == pytest.approx(pre[1][i] + post[1][post[0].index(1024.0)])
+    assert db.mla_bmm_ms("h200_sxm", "fp8", 1024, 3) is None  # no such head count measured
+
+
+def test_deepseek_steps_on_measured_latent_attention_and_experts():
+    p = cal.model_info("deepseek-r1").params
+    cost = perf.stage_cost(p, tp=8, pp_rank=0, pp=1, quant=Quantization(method="fp8_block", kv_cache="fp8"),
+                           dt_bytes=2, kv_bytes=1, moe_tp=1, moe_ep=8, attention_dp=True)
+    k = cost.kernels
+    assert k is not None and k.latent is not None and k.experts is not None
+    assert (k.heads, k.kv_heads) == (128, 1)  # attention DP: every head on the rank
+    assert k.gemms == ((1536 + 576, 7168), (128 * 192, 1536), (7168, 128 * 128))  # q_a+kv_a, q_b, o_proj
+    assert k.latent.kv_b == (128 * 256, 512) and k.latent.bmm_dtype == "fp8"
+    assert (k.experts.moe_ep, k.experts.layers, k.experts.distribution) == (8, 58, db.MLA_MOE_DISTRIBUTION)
+    h200 = gpus.lookup("H200 141GB")
+    assert kernel_step.available(cost, h200, 8)
+    row = perf.efficiency_of(h200, measured_kernels=True)
+    step = kernel_step.kernel_step_time(cost, h200, perf.generation_work(256, 2048), math_precision="fp8", tp=8,
+                                        eff=row)
+    # the experts see all 256 tokens, the latent attention each rank's 32 sequences
+    own = kernel_step.attention_ms(cost, k, "h200_sxm", perf.generation_work(32, 2048), h200)[1]
+    experts = db.moe_ms("h200_sxm", "fp8_block", 256, 7168, 2048, 8, 256, 1, 8, db.MLA_MOE_DISTRIBUTION) * 58
+    assert step.kernels_s * 1e3 > (own * row.attention_scale + experts) * row.kernel_scale

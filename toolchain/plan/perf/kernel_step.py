@@ -44,9 +44,14 @@ def _available(k: KernelShapes, gpu_name: str, sm: int | None, tp: int) -> bool:
     system = db.SYSTEMS[gpu_name]
     if db.gemm_sites(system, k.gemm_dtype) is None or db.gemm_sites(system, "bfloat16") is None:
         return False
-    if not db.attention_grids(system, "context", k.head_dim, k.kv_dtype, FMHA):
+    if k.latent is not None:
+        if not db.mla_grids(system, "context", k.kv_dtype) or not db.mla_grids(system, "generation", k.kv_dtype):
+            return False
+        if db.mla_bmm_ms(system, k.latent.bmm_dtype, 1.0, k.heads) is None:
+            return False
+    elif not db.attention_grids(system, "context", k.head_dim, k.kv_dtype, FMHA):
         return False
-    if not db.attention_grids(system, "generation", k.head_dim, k.kv_dtype):
+    elif not db.attention_grids(system, "generation", k.head_dim, k.kv_dtype):
         return False
     if k.experts is not None and _experts_ms(k, system, sm, 1.0) is None:
         return False
@@ -65,7 +70,7 @@ def _experts_ms(k: KernelShapes, system: str, sm: int | None, tokens: float) -> 
     e = k.experts
     assert e is not None
     return db.moe_ms(system, experts_dtype(k, sm), tokens, e.hidden, e.inter, e.topk, e.num_experts,
-                     e.moe_tp, e.moe_ep)
+                     e.moe_tp, e.moe_ep, e.distribution)
 
 
 def measured_kernels(dep) -> bool:
@@ -84,17 +89,20 @@ def unmeasured(dep) -> str | None:
     for cost in dep.stages:
         k = cost.kernels
         if k is None:
-            return ("the kernel database holds no kernels for this family or format (latent attention, attention DP "
-                    "on a dense model, or linears in a format it lacks)")
+            return ("the kernel database holds no kernels for this family or format (attention DP on a dense model, "
+                    "or linears in a format it lacks)")
         system = db.SYSTEMS[gpu.name]
         if db.gemm_sites(system, k.gemm_dtype) is None:
             return f"the kernel database has no {k.gemm_dtype} GEMMs on {gpu.name}"
         if k.experts is not None and _experts_ms(k, system, gpu.sm, 1.0) is None:
-            e, table = k.experts, db.moe_curves(system)[0]
+            e, table = k.experts, db.moe_curves(system, k.experts.distribution)[0]
             version = f"TensorRT-LLM {table.version}'s " if table else ""
             return (f"the kernel database's {version}MoE table has no {experts_dtype(k, gpu.sm)} experts of hidden "
                     f"{e.hidden}, width {e.inter}, top {e.topk} of {e.num_experts} at moe_tp {e.moe_tp} x moe_ep "
                     f"{e.moe_ep} on {gpu.name}")
+        if k.latent is not None and not available(cost, gpu, dep.tp):
+            return (f"the kernel database lacks latent attention with a {k.kv_dtype} KV cache, its {k.heads}-head "
+                    f"{k.latent.bmm_dtype} BMMs or a {dep.tp}-GPU all-reduce on {gpu.name}")
         if not available(cost, gpu, dep.tp):
             return (f"the kernel database lacks attention of head size {k.head_dim} with a {k.kv_dtype} KV cache or "
                     f"a {dep.tp}-GPU all-reduce on {gpu.name}")
@@ -110,7 +118,7 @@ def describe(dep, runs: str | None) -> str:
     assert sites is not None
     experts = ""
     if k.experts is not None:
-        table = db.moe_curves(sites.table.system)[0]
+        table = db.moe_curves(sites.table.system, k.experts.distribution)[0]
         assert table is not None
         experts = f"; the experts from its TensorRT-LLM {table.version} MoE table"
     kernels = (f"AIConfigurator {db.VERSION}'s measured kernels ({sites.table.system}, TensorRT-LLM "
@@ -148,6 +156,9 @@ def kernel_step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: s
         for n, kk in k.gemms:
             ms, _ = db.gemm_ms(gpu, sites, math_precision, k.weight_bytes, tokens, n, kk)
             add(ms * cost.layers, _memory_bound(gpu, math_precision, k.weight_bytes, tokens, n, kk))
+    if k.latent is not None:
+        memory_ms, compute_ms = _add_latent(k, gpu, system, work, cost.layers, math_precision, sites, memory_ms,
+                                            compute_ms)
     if k.experts is not None:
         memory_ms, compute_ms = _add_experts(cost, k, gpu, everyone.tokens, tokens, math_precision, sites, half,
                                              memory_ms, compute_ms)
@@ -173,6 +184,8 @@ def kernel_step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: s
             shared = [3 * tokens * e.shared_width * ACT_BYTES] if e.shared else []
             elementwise_ms = ((cost.layers - e.layers) * sum(_elementwise_ms(gpu, b) for b in per_layer)
                               + e.layers * sum(_elementwise_ms(gpu, b) for b in shared + per_layer[1:]))
+        if k.latent is not None:  # the latent norms (q_a_layernorm, kv_a_layernorm)
+            elementwise_ms += cost.layers * _elementwise_ms(gpu, 3 * tokens * k.latent.norm_values * ACT_BYTES)
         elementwise_ms += _elementwise_ms(gpu, hidden_bytes)  # the embedding's gather
     comm_ms = 0.0
     if cost.dp > 1 and tokens > 0:
@@ -191,6 +204,26 @@ def kernel_step_time(cost: StageCost, gpu: Gpu, work: Work, *, math_precision: s
     kernels_ms = (memory_ms + compute_ms + elementwise_ms) * eff.kernel_scale
     return StepTime((memory_ms + elementwise_ms) * 1e-3 * eff.kernel_scale, compute_ms * 1e-3 * eff.kernel_scale,
                     comm_ms * 1e-3, fixed_s, kernels_ms * 1e-3, overlapped=True)
+
+
+def _add_latent(k: KernelShapes, gpu: Gpu, system: str, work: Work, layers: int, math_precision: str,
+                sites: db.GemmSites, memory_ms: float, compute_ms: float) -> tuple[float, float]:
+    """(memory_ms, compute_ms) with latent attention's own GEMMs added (its attention kernels are attention_ms'):
+    kv_b over the prompt chunks' tokens and the cached latents they read (a chunk after cached tokens
+    up-projects those too), and the two absorbed BMMs over the generating tokens."""
+    lat = k.latent
+    assert lat is not None
+    prompt = sum(s.sequences * (s.start + s.tokens) for s in work.spans if s.causal)
+    generating = sum(s.sequences * s.tokens for s in work.spans if not s.causal)
+    if prompt > 0:
+        n, kk = lat.kv_b
+        ms, _ = db.gemm_ms(gpu, sites, math_precision, k.weight_bytes, prompt, n, kk)
+        bound = _memory_bound(gpu, math_precision, k.weight_bytes, prompt, n, kk)
+        memory_ms, compute_ms = (memory_ms + ms * layers, compute_ms) if bound else \
+            (memory_ms, compute_ms + ms * layers)
+    bmm = db.mla_bmm_ms(system, lat.bmm_dtype, generating, k.heads)
+    assert bmm is not None
+    return memory_ms + bmm * layers, compute_ms
 
 
 def _add_experts(cost: StageCost, k: KernelShapes, gpu: Gpu, routed: float, tokens: float, math_precision: str,
@@ -250,9 +283,14 @@ def attention_ms(cost: StageCost, k: KernelShapes, system: str, work: Work, gpu:
     bandwidth = gpu.bandwidth_gb_s * 1e9
     peak = (gpu.peak("fp16") or 1.0) * 1e12
     per_layer_kv = cost.kv_bytes_per_token / max(cost.layers, 1)
-    per_layer_flops = cost.attention_flops / max(cost.layers, 1)
-    ctx_grids = db.attention_grids(system, "context", k.head_dim, k.kv_dtype, FMHA)
-    gen_grids = db.attention_grids(system, "generation", k.head_dim, k.kv_dtype)
+    # a chunk's pairs at the context form's FLOPs where it has its own (MLA's plain form)
+    per_layer_flops = (cost.context_attention_flops or cost.attention_flops) / max(cost.layers, 1)
+    if k.latent is not None:  # the heads' whole latent attention (kv_heads 1), as the mla tables key it
+        ctx_grids = db.mla_grids(system, "context", k.kv_dtype)
+        gen_grids = db.mla_grids(system, "generation", k.kv_dtype)
+    else:
+        ctx_grids = db.attention_grids(system, "context", k.head_dim, k.kv_dtype, FMHA)
+        gen_grids = db.attention_grids(system, "generation", k.head_dim, k.kv_dtype)
     ctx = db.nearest_grid(ctx_grids, k.heads, k.kv_heads)
     gen = db.nearest_grid(gen_grids, k.heads, k.kv_heads)
     assert ctx is not None and gen is not None

@@ -11,6 +11,7 @@ from toolchain.archs.layout import Layout
 from toolchain.archs.params import ArchParams
 from toolchain.gpus import Gpu, Link
 from toolchain.plan import memory as mem
+from toolchain.plan import mla
 from toolchain.plan.perf import attention, kernels
 from toolchain.plan.perf.attention import Span
 from toolchain.plan.perf.efficiency import DEFAULT_EFFICIENCY, Efficiency
@@ -50,6 +51,23 @@ class ExpertShapes:
     shared_width: int
     dense: tuple[tuple[int, int], ...]
     """(n, k) of the dense MLP's GEMMs on the stage's layers without experts."""
+    distribution: str = kernels.MOE_DISTRIBUTION
+    """The routing skew of the table's rows the lookup takes (kernels.MOE_DISTRIBUTION, MLA_MOE_DISTRIBUTION)."""
+
+
+@dataclass(frozen=True)
+class LatentShapes:
+    """What the measured-kernel step looks up for multi-head latent attention (DeepSeek-V3) beyond KernelShapes'
+    GEMMs (the fused q_a and kv_a down-projection, q_b and the output projection, run by every token): the
+    attention kernels of the `mla` tables, kv_b's up-projection run by the prompt tokens, and the two absorbed BMMs
+    a generating token runs instead (AIConfigurator's sdk/models/deepseek.py lays a layer out so)."""
+
+    kv_b: tuple[int, int]
+    """(n, k) of kv_b on this rank (the prompt chunk's keys and values out of the latent)."""
+    bmm_dtype: str
+    """The absorbed BMMs' dtype: fp8 under a quantized format, else bfloat16 (DeepSeekModel's mla_bmm_quant_mode)."""
+    norm_values: int
+    """Values of one token's latent norms (q_a_layernorm, kv_a_layernorm) a layer runs."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +92,7 @@ class KernelShapes:
     mlp_width: int
     """The rank's intermediate size (the activation's elementwise bytes)."""
     experts: ExpertShapes | None = None
+    latent: LatentShapes | None = None
 
 
 @dataclass(frozen=True)
@@ -170,7 +189,7 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantiza
     kernels = None
     if not moe_layers and p.mla is None and not attention_dp and quant.format.measured_gemm and layers:
         kernels = kernel_shapes(p, shapes, quant, dt_bytes, kv_bytes, attn_tp, last)
-    elif moe_layers and p.mla is None and layers:
+    elif moe_layers and layers:
         kernels = moe_kernel_shapes(p, shapes, quant, dt_bytes, kv_bytes, layout, last, moe_layers)
     return StageCost(layers, p.hidden_size, read, expert_bytes, experts, share, gemm, lm_head,
                      mem.kv_bytes_per_token(p, tp=attn_tp, stage_layer_count=layers, kv_bytes=kv_bytes),
@@ -207,12 +226,33 @@ def moe_kernel_shapes(p: ArchParams, shapes: list[tuple[str, int, int]], quant: 
     if len(dense) != 1 or None in dense or not all(dtypes):
         return None
     attention = quant.on("attention")
-    base = kernel_shapes(p, shapes, attention, dt_bytes, kv_bytes, layout.attn_tp, last)
+    shaped = latent_kernel_shapes if p.mla is not None else kernel_shapes
+    base = shaped(p, shapes, attention, dt_bytes, kv_bytes, layout.attn_tp, last)
     h, s_tp = p.hidden_size, p.shared_expert_size // layout.attn_tp
     shared = ((2 * s_tp, h), (h, s_tp)) if p.shared_expert_size else ()
+    skew = kernels.MLA_MOE_DISTRIBUTION if p.mla is not None else kernels.MOE_DISTRIBUTION
     moe = ExpertShapes(dtypes[0], dtypes[1], h, p.expert_size, p.top_k, p.num_experts, layout.moe_tp,
-                       layout.moe_ep, moe_layers, (p.num_experts, h), shared, s_tp, base.gemms[2:])
-    return dataclasses.replace(base, gemms=base.gemms[:2], experts=moe)
+                       layout.moe_ep, moe_layers, (p.num_experts, h), shared, s_tp, base.gemms[-2:], skew)
+    return dataclasses.replace(base, gemms=base.gemms[:-2], experts=moe)
+
+
+def latent_kernel_shapes(p: ArchParams, shapes: list[tuple[str, int, int]], quant: Quantization, dt_bytes: int,
+                         kv_bytes: int, tp: int, last: bool) -> KernelShapes:
+    """A latent-attention stage's GEMMs as AIConfigurator's DeepSeek model lays them out: q_a and kv_a as one
+    down-projection, q_b, the output projection (every token), then the dense MLP's fused gate-and-up and down;
+    kv_b and the absorbed BMMs in `latent`."""
+    by_name = {name: (out, inp) for name, out, inp in shapes}
+    (q_a, h), (kv_a, _), q_b, kv_b, dense = by_name["q_a"], by_name["kv_a"], by_name["q_b"], by_name["kv_b"], \
+        by_name["dense"]
+    fc_n, _ = by_name["fc"]
+    proj_n, proj_k = by_name["proj"]
+    element = mem.linear_bytes(q_b[0], q_b[1], quant, dt_bytes) / (q_b[0] * q_b[1])
+    lm_head = (mem.padded_vocab(p, tp) // tp, p.hidden_size) if last else None
+    gemm_dtype = str(quant.format.measured_gemm)
+    latent = LatentShapes(kv_b, "bfloat16" if gemm_dtype == "bfloat16" else "fp8", mla.norm_values(p))
+    return KernelShapes(gemm_dtype, element, ((q_a + kv_a, h), q_b, dense, (2 * fc_n, h), (proj_n, proj_k)),
+                        lm_head, p.num_attention_heads // tp, 1, mla.kv_values_per_token(p),
+                        "fp8" if kv_bytes == 1 else "bfloat16", proj_k, latent=latent)
 
 
 def exchange_tokens(top_k: int, ranks: int, moe_ep: int) -> float:
