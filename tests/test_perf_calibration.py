@@ -238,45 +238,52 @@ def test_gpt_oss_points_plan_the_kv_cache_the_planner_allows():
 
 
 def test_moe_family_prediction_error(published_moe):
-    """DeepSeek R1, measured 2026-12-07: every point over-predicted, median +53%, worst +132% (H200 1024/1024); the
-    1024/8192 and 1024/32768 mixes within +9% to +26%, the prefill-heavy and short mixes worst (+46% to +93% on
-    Blackwell at 1024/1024 and 8192/1024). The model runs MLA's and the experts' kernels at the dense GEMMs'
-    fitted efficiency and the ranks perfectly balanced, so a surplus is expected; these loose bounds only catch
-    a regression (checking, never fitted)."""
+    """DeepSeek R1 on measured kernels (latent attention from AIConfigurator's mla tables, the experts from its MoE
+    table at DeepSeek's power_law_1.01 skew, each DEP rank's own share of the attention), measured 2026-12-07: every
+    point over-predicted, +22% to +87%, median +44% (+53% on the roofline), worst +87% (GB200 1024/1024; +132% at
+    H200 1024/1024 on the roofline), 2 of 14 within +-30% (6 on the roofline, whose long-output Blackwell points
+    sat near +10% to +20%). The GB200's and B300's MoE rows time the experts about 40% faster than the B200's
+    where the published GB200 runs no faster than the B200; the serving costs are the dense rows' (B200's kernel
+    scale 0.78, fitted to Llama-3.1-70B), and the experts' all-to-all stays the roofline's. Loose bounds the model
+    meets, only to catch a regression (checking, never fitted)."""
     errors = [e for _, _, e in _of(published_moe, "deepseek-r1")]
     assert all(e > 0 for e in errors)
-    assert statistics.median(abs(e) for e in errors) <= 60
-    assert max(abs(e) for e in errors) <= 150
-    assert sum(abs(e) <= 30 for e in errors) >= 5
+    assert statistics.median(abs(e) for e in errors) <= 50
+    assert max(abs(e) for e in errors) <= 100
+    assert sum(abs(e) <= 30 for e in errors) >= 2
 
 
 def test_gpt_oss_prediction_error(published_moe):
-    """gpt-oss-120b, measured 2026-12-07: median |error| 34%, worst +115% (H200 1024/1024), 7 of 19 points within
-    +-30% (4 within +-20%; B200 1024/32768 sits at -30.0%). Blackwell is under-predicted (-50% to +1%; worst at 1024/1024, B300 -50%): planned with a bf16 KV cache
-    against the published FP8 one, so a rank holds half the requests, and the experts' math taken at bf16 (MXFP4's
-    row) where Blackwell runs them on MXFP8 activations. H200 is over-predicted (+87% to +115%): its published
-    figures are a fifth of B200's, with the TRITON MoE backend and W4A16 experts the model costs at the dense
-    GEMMs' fitted efficiency. Loose bounds the model meets, only to catch a regression (checking, never fitted)."""
+    """gpt-oss-120b on measured kernels (the MXFP4 experts from AIConfigurator's MoE table: W4A16 on H200, W4A8 on
+    Blackwell; DEP2 with each rank's own share of the attention), measured 2026-12-07: median |error| 21% (34% on
+    the roofline), worst +43% (H200 1024/8192), 16 of 19 points within +-30%. Blackwell is under-predicted (-3% to
+    -33%, worst on the prefill-heavy 8192/1024 and 32768/1024 at TP1): planned with a bf16 KV cache against the
+    published FP8 one, so a rank holds half the requests. H200 is over-predicted (+4% to +43%; the published run
+    used the TRITON MoE backend, the table times TensorRT-LLM's own). Loose bounds the model meets, only to catch a
+    regression (checking, never fitted)."""
     rows = _of(published_moe, "gpt-oss-120b")
     errors = [e for _, _, e in rows]
-    assert statistics.median(abs(e) for e in errors) <= 40
-    assert max(abs(e) for e in errors) <= 130
-    assert sum(abs(e) <= 30 for e in errors) >= 6
-    assert all(e > 50 for pt, _, e in rows if pt.gpu == "H200 141GB")
-    assert all(e < 10 for pt, _, e in rows if pt.gpu != "H200 141GB")
+    assert statistics.median(abs(e) for e in errors) <= 25
+    assert max(abs(e) for e in errors) <= 50
+    assert sum(abs(e) <= 30 for e in errors) >= 14
+    assert all(e > 0 for pt, _, e in rows if pt.gpu == "H200 141GB")
+    assert all(e < 0 for pt, _, e in rows if pt.gpu != "H200 141GB")
 
 
 def test_llama4_scout_prediction_error(published_moe):
-    """Llama 4 Scout at TP4 FP8 (the v1.0 table's totals over 4 GPUs), measured 2026-12-07: median |error| 32%, 8 of
-    18 within +-30%, worst +80% (H200 20000/2000). H100 is over-predicted at every point (+23% to +56%); H200 runs from
-    -36% (128/2048) to +80%, under on the short-prompt mixes and over on the long-prompt ones. Loose bounds the model
-    meets, only to catch a regression (checking, never fitted)."""
+    """Llama 4 Scout at TP4 FP8 (the v1.0 table's totals over 4 GPUs) on measured kernels (the experts from
+    AIConfigurator's MoE table at moe_tp 4), measured 2026-12-07: median |error| 33% (32% on the roofline), 8 of 18
+    within +-30%, worst +104% (H100 128/4096). Every point is over-predicted: H200 by +7% to +34% but +74% at
+    20000/2000, H100 by +33% to +104% (+23% to +56% on the roofline). The H100's published figures are under half
+    the H200's while its planned batch is half of the H200's and its step about as long per request, so the
+    surplus is in the batch the H100 held rather than in the kernels (UNVERIFIED: the published runs name no batch).
+    Loose bounds the model meets, only to catch a regression (checking, never fitted)."""
     rows = _of(published_moe, "llama-4-scout")
     errors = [e for _, _, e in rows]
     assert statistics.median(abs(e) for e in errors) <= 40
-    assert max(abs(e) for e in errors) <= 100
+    assert max(abs(e) for e in errors) <= 110
     assert sum(abs(e) <= 30 for e in errors) >= 6
-    assert all(e > 0 for pt, _, e in rows if pt.gpu == "H100 80GB")
+    assert all(e > 0 for _, _, e in rows)
 
 
 def test_moe_family_keeps_b300_above_b200(published_moe):

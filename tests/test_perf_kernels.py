@@ -11,7 +11,7 @@ from toolchain.plan import calibration as cal
 from toolchain.plan import perf
 from toolchain.plan.perf import kernel_step
 from toolchain.plan.perf import kernels as db
-from toolchain.quant.view import Quantization
+from toolchain.quant.view import Quantization, quantization_of
 
 H100 = gpus.lookup("H100 80GB")
 A100 = gpus.lookup("A100 80GB")
@@ -96,9 +96,6 @@ def test_what_the_database_lacks_is_predicted_from_the_roofline_and_said_so():
     pcie = _dep("llama-3.1-8b", "H100 PCIe")
     assert not perf.measured_kernels(pcie)
     assert "no kernel data for H100 PCIe" in kernel_step.unmeasured(pcie)
-    moe = cal.Published("deepseek-r1", "B200 180GB", "nvfp4", 4, 1024, 1024, 1.0, attention_dp=True,
-                        per_gpu=True, path="pytorch", release="1.2")
-    assert "extrapolated" in cal.predict_published(moe).basis
     dense = cal.published_points(cal.PUBLISHED_V1_0)[0]
     basis = cal.predict_published(dense).basis
     assert "measured kernels (h200_sxm, TensorRT-LLM 1.3.0rc20" in basis and "extrapolated" not in basis
@@ -130,3 +127,105 @@ def test_each_path_and_release_takes_the_serving_costs_of_its_nearest_measured_r
     v10 = cal.predict_published(cal.published_points(cal.PUBLISHED_V1_0)[0]).basis
     assert "H100 80GB's measured runs" in v017 and "the engine path has no measured runs here" in v017
     assert "H100 80GB's measured runs" in v10 and "has no measured runs here" not in v10
+
+
+# ------------------------------------------------------------------------------------------- experts
+
+SCOUT_FP8 = ("fp8", 5120, 8192, 1, 16)  # Llama 4 Scout's experts as the MoE table keys them: hidden, width, top 1 of 16
+
+
+def _moe_rows(system: str, dtype: str, hidden: int, inter: int, topk: int, experts: int, moe_tp: int,
+              moe_ep: int) -> dict[int, float]:
+    """The MoE table's own latencies (ms) by num_tokens at one shape, at the distribution the lookup takes."""
+    table, _ = db.moe_curves(system)
+    assert table is not None
+    rows = pq.read_table(table.path).to_pylist()
+    key = (dtype, hidden, inter, topk, experts, moe_tp, moe_ep, db.MOE_DISTRIBUTION)
+    return {r["num_tokens"]: r["latency"] for r in rows
+            if (r["moe_dtype"], r["hidden_size"], r["inter_size"], r["topk"], r["num_experts"], r["moe_tp_size"],
+                r["moe_ep_size"], r["distribution"]) == key and r["kernel_source"] != db.MOE_LOW_LATENCY}
+
+
+def test_a_measured_moe_shape_is_the_tables_own_latency():
+    # the current slot of query_versions.yaml, not the newest directory (1.3.0rc23 holds a few other shapes only)
+    assert db.moe_curves("h200_sxm")[0].version == "1.3.0rc20"
+    rows = _moe_rows("h200_sxm", *SCOUT_FP8, 4, 1)
+    assert len(rows) > 20
+    for tokens in (1, 64, 1024):
+        assert db.moe_ms("h200_sxm", *SCOUT_FP8[:1], tokens, *SCOUT_FP8[1:], 4, 1) == rows[tokens]
+
+
+def test_moe_latency_interpolates_along_the_tokens_and_grows_past_the_last_row():
+    rows = _moe_rows("h100_sxm", *SCOUT_FP8, 4, 1)
+    measured = sorted(rows)
+    lo, hi = next((a, b) for a, b in zip(measured, measured[1:]) if b - a > 1 and a >= 64)
+    mid = db.moe_ms("h100_sxm", "fp8", (lo + hi) / 2, *SCOUT_FP8[1:], 4, 1)
+    assert min(rows[lo], rows[hi]) < mid < max(rows[lo], rows[hi])
+    top = measured[-1]
+    assert db.moe_ms("h100_sxm", "fp8", 2 * top, *SCOUT_FP8[1:], 4, 1) == pytest.approx(2 * rows[top])
+
+
+def _published(model: str, gpu: str, method: str, tp: int, attention_dp: bool) -> cal.Published:
+    return cal.Published(model, gpu, method, tp, 1024, 1024, 1.0, attention_dp=attention_dp, per_gpu=True,
+                         path="pytorch", release="1.2")
+
+
+def test_moe_families_step_on_measured_experts_where_the_table_has_their_shape():
+    scout = cal.predict_published(_published("llama-4-scout", "H200 141GB", "fp8", 4, False)).basis
+    assert "the experts from its TensorRT-LLM 1.3.0rc20 MoE table" in scout and "extrapolated" not in scout
+    # gpt-oss's MXFP4 experts under attention DP (DEP2) on Hopper (W4A16) and on one Blackwell GPU (W4A8_MXFP8)
+    for gpu, tp in (("H200 141GB", 2), ("B300 288GB", 1)):
+        basis = cal.predict_published(_published("gpt-oss-120b", gpu, "mxfp4", tp, tp > 1)).basis
+        assert "MoE table" in basis and "extrapolated" not in basis
+    # DeepSeek's latent attention from the mla tables, its experts at DeepSeek's own routing skew
+    r1 = cal.predict_published(_published("deepseek-r1", "H200 141GB", "fp8_block", 8, True)).basis
+    assert "MoE table" in r1 and "extrapolated" not in r1
+
+
+def test_an_moe_shape_the_table_lacks_falls_back_to_the_roofline_and_says_which():
+    # the H100's w4a16_mxfp4 rows for gpt-oss-120b start at moe_ep 2: one GPU holding all 128 experts is not there
+    assert db.moe_ms("h100_sxm", "w4a16_mxfp4", 64, 2880, 2880, 4, 128, 1, 2) is not None
+    assert db.moe_ms("h100_sxm", "w4a16_mxfp4", 64, 2880, 2880, 4, 128, 1, 1) is None
+    p = cal.model_info("gpt-oss-120b")
+    spec = cal.spec_for("gpt-oss-120b", "H100 80GB", "mxfp4", 1, 1024, 1024, max_batch_size=64, max_num_tokens=8192,
+                        kv_fraction=0.9)
+    quant = quantization_of(spec.quantization, p.hf_config, hf_quant_config=p.hf_quant_config)
+    dep, _ = perf.deployment(spec, p, quant, H100)
+    assert not perf.measured_kernels(dep)
+    why = kernel_step.unmeasured(dep)
+    assert "MoE table has no w4a16_mxfp4 experts" in why and "moe_tp 1 x moe_ep 1 on H100 80GB" in why
+
+
+def test_latent_attention_is_the_mla_tables_own_and_its_bmms_interpolate():
+    table = db.table("h200_sxm", "mla", "generation_mla_perf")
+    rows = pq.read_table(table.path).to_pylist()
+    row = next(r for r in rows if (r["kv_cache_dtype"], r["num_heads"], r["batch_size"]) == ("fp8", 128, 64))
+    grid, scale = db.nearest_grid(db.mla_grids("h200_sxm", "generation", "fp8"), 128, 1)
+    assert scale == 1.0
+    assert db.grid_ms(grid, 64, row["step"] + row["isl"], lambda x: x) == row["latency"]
+    bmm = db.mla_bmm_curves("h200_sxm")
+    pre, post = bmm[("mla_gen_pre", "fp8", 128)], bmm[("mla_gen_post", "fp8", 128)]
+    i = pre[0].index(1024.0)
+    assert db.mla_bmm_ms("h200_sxm", "fp8", 1024, 128) == pytest.approx(pre[1][i] + post[1][post[0].index(1024.0)])
+    assert db.mla_bmm_ms("h200_sxm", "fp8", 1024, 3) is None  # no such head count measured
+
+
+def test_deepseek_steps_on_measured_latent_attention_and_experts():
+    p = cal.model_info("deepseek-r1").params
+    cost = perf.stage_cost(p, tp=8, pp_rank=0, pp=1, quant=Quantization(method="fp8_block", kv_cache="fp8"),
+                           dt_bytes=2, kv_bytes=1, moe_tp=1, moe_ep=8, attention_dp=True)
+    k = cost.kernels
+    assert k is not None and k.latent is not None and k.experts is not None
+    assert (k.heads, k.kv_heads) == (128, 1)  # attention DP: every head on the rank
+    assert k.gemms == ((1536 + 576, 7168), (128 * 192, 1536), (7168, 128 * 128))  # q_a+kv_a, q_b, o_proj
+    assert k.latent.kv_b == (128 * 256, 512) and k.latent.bmm_dtype == "fp8"
+    assert (k.experts.moe_ep, k.experts.layers, k.experts.distribution) == (8, 58, db.MLA_MOE_DISTRIBUTION)
+    h200 = gpus.lookup("H200 141GB")
+    assert kernel_step.available(cost, h200, 8)
+    row = perf.efficiency_of(h200, measured_kernels=True)
+    step = kernel_step.kernel_step_time(cost, h200, perf.generation_work(256, 2048), math_precision="fp8", tp=8,
+                                        eff=row)
+    # the experts see all 256 tokens, the latent attention each rank's 32 sequences
+    own = kernel_step.attention_ms(cost, k, "h200_sxm", perf.generation_work(32, 2048), h200)[1]
+    experts = db.moe_ms("h200_sxm", "fp8_block", 256, 7168, 2048, 8, 256, 1, 8, db.MLA_MOE_DISTRIBUTION) * 58
+    assert step.kernels_s * 1e3 > (own * row.attention_scale + experts) * row.kernel_scale

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import yaml
+
 from toolchain.gpus import Gpu
 
 PACKAGE = "aiconfigurator-core"
@@ -295,3 +297,138 @@ def allreduce_ms(system: str, elements: float, ranks: int) -> float | None:
         return None
     sizes, lats = curves[ranks]
     return _curve(sizes, lats, max(elements, 1.0), lambda x: max(x, sizes[0]))
+
+
+# ------------------------------------------------------------------------------------------- experts
+
+MOE_DTYPES = {None: "bfloat16", "FP8": "fp8", "FP8_BLOCK_SCALES": "fp8_block", "NVFP4": "nvfp4",
+              "W4A16_MXFP4": "w4a16_mxfp4", "W4A8_MXFP4_MXFP8": "w4a8_mxfp4_mxfp8"}
+"""The QuantAlgo the runtime runs the experts in (quant/formats.py Format.algo_on) -> the `moe_dtype` the MoE table
+names it by; an algorithm missing here has no measured experts."""
+MOE_DISTRIBUTION = "power_law_1.2"
+"""Which of the table's routing skews (balanced, power_law_1.01, power_law_1.2) a lookup takes: the one
+AIConfigurator's own MoE model asks for by default (sdk/config.py ModelConfig.workload_distribution "power_law",
+sdk/models/moe.py MOEModel._power_law_alpha 1.2 for Mixtral, Llama 4 and gpt-oss); MLA_MOE_DISTRIBUTION for
+DeepSeek's."""
+MLA_MOE_DISTRIBUTION = "power_law_1.01"
+"""The skew AIConfigurator's DeepSeek model asks for (sdk/models/deepseek.py DeepSeekModel._power_law_alpha 1.01)."""
+MOE_LOW_LATENCY = "moe_torch_flow_min_latency"
+"""The kernel_source of the rows AIConfigurator keeps apart as TensorRT-LLM's low-latency NVFP4 kernel
+(sdk/operations/moe.py MoE.load_data: the engine folds them into a second view); the default view leaves them out."""
+
+
+def current_version(system: str) -> str | None:
+    """The TensorRT-LLM version AIConfigurator queries on `system` by default: the `current` slot of
+    systems/query_versions.yaml (its overrides first). The MoE lookup takes it rather than the newest directory,
+    whose table (1.3.0rc23) holds a few newer shapes only."""
+    root = data_root()
+    if root is None:
+        return None
+    slots = yaml.safe_load((root.parent / "query_versions.yaml").read_text())
+    chosen = (slots.get("overrides") or {}).get(system, {}).get("trtllm") or slots["defaults"]["trtllm"]
+    return chosen.get("current")
+
+
+@dataclass(frozen=True)
+class ExpertsKey:
+    """One MoE shape as the table keys it: the model's whole experts (hidden and per-expert intermediate size,
+    top k of E) and how they are split (moe_tp x moe_ep), in one dtype."""
+
+    dtype: str
+    hidden: int
+    inter: int
+    topk: int
+    experts: int
+    moe_tp: int
+    moe_ep: int
+
+
+@cache
+def moe_curves(system: str, distribution: str = MOE_DISTRIBUTION
+               ) -> tuple[Table | None, dict[ExpertsKey, tuple[list[float], list[float]]]]:
+    """The current version's fused-MoE latencies (ms) on `system` at `distribution`, per shape along
+    num_tokens: the tokens entering the MoE block, all ranks' under attention DP (the table's `num_tokens`; one
+    rank's share of the experts is timed, collector/trtllm/collect_moe.py)."""
+    version = current_version(system)
+    root = data_root()
+    if version is None or root is None:
+        return None, {}
+    path = root / system / "moe" / "trtllm" / version / "moe_perf.parquet"
+    if not path.is_file():
+        return None, {}
+    names = ("kernel_source", "moe_dtype", "num_tokens", "hidden_size", "inter_size", "topk", "num_experts",
+             "moe_tp_size", "moe_ep_size", "distribution", "latency")
+    cols = _columns(path, names)
+    rows: dict[ExpertsKey, dict[int, float]] = {}
+    for src, d, tokens, h, inter, topk, e, mtp, mep, dist, lat in zip(*(cols[c] for c in names), strict=True):
+        if dist != distribution or src == MOE_LOW_LATENCY or not lat or lat <= 0:
+            continue
+        rows.setdefault(ExpertsKey(d, h, inter, topk, e, mtp, mep), {})[tokens] = lat
+    curves = {key: ([float(t) for t in sorted(r)], [r[t] for t in sorted(r)]) for key, r in rows.items()}
+    return Table(system, version, path), curves
+
+
+def moe_ms(system: str, dtype: str, tokens: float, hidden: int, inter: int, topk: int, experts: int, moe_tp: int,
+           moe_ep: int, distribution: str = MOE_DISTRIBUTION) -> float | None:
+    """One fused MoE (the routed experts of one layer on one rank) for `tokens` tokens, interpolated along
+    num_tokens at the exact shape (the table was collected at the models' own shapes, so none is transferred from
+    another), past the measured range in proportion to the tokens; None where the shape is not in the table."""
+    curve = moe_curves(system, distribution)[1].get(ExpertsKey(dtype, hidden, inter, topk, experts, moe_tp, moe_ep))
+    if curve is None:
+        return None
+    return _curve(*curve, max(tokens, 1.0), lambda x: x)
+
+
+# ------------------------------------------------------------------------------------------- latent attention
+
+
+@cache
+def mla_grids(system: str, phase: str, kv_dtype: str) -> dict[tuple[int, int], AttentionGrid]:
+    """Multi-head latent attention's own kernel (DeepSeek-V3's shapes: 512 latent + 64 rope values a token) for
+    `phase` ("context" or "generation"), keyed (heads, 1) as attention_grids keys (heads, KV heads), with the
+    KV cache in `kv_dtype`: the `mla` tables' context_mla_perf / generation_mla_perf (the attention alone; the
+    projections around it are GEMMs and, in generation, the absorbed kv_b BMMs of mla_bmm_ms)."""
+    t = table(system, "mla", f"{phase}_mla_perf")
+    if t is None:
+        return {}
+    names = ("mla_dtype", "kv_cache_dtype", "num_heads", "batch_size", "isl", "step", "latency")
+    cols = _columns(t.path, names)
+    rows: dict[int, dict[int, dict[int, float]]] = {}
+    for md, kd, h, b, isl, step, lat in zip(*(cols[c] for c in names), strict=True):
+        if md != "bfloat16" or kd != kv_dtype or not lat or lat <= 0:
+            continue
+        seq = isl if phase == "context" else step + isl
+        rows.setdefault(h, {}).setdefault(b, {})[seq] = lat
+    out = {}
+    for h, per_batch in rows.items():
+        curves = {b: ([float(s) for s in sorted(by)], [by[s] for s in sorted(by)]) for b, by in per_batch.items()}
+        out[(h, 1)] = AttentionGrid(t, h, 1, curves)
+    return out
+
+
+@cache
+def mla_bmm_curves(system: str) -> dict[tuple[str, str, int], tuple[list[float], list[float]]]:
+    """Generation's absorbed kv_b BMMs (mla_bmm_perf: `mla_gen_pre` multiplies the queries into the latent space,
+    `mla_gen_post` the attention's output back out), per (op, dtype, heads) along num_tokens."""
+    t = table(system, "mla_bmm", "mla_bmm_perf")
+    if t is None:
+        return {}
+    names = ("op_name", "bmm_dtype", "num_tokens", "num_heads", "latency")
+    cols = _columns(t.path, names)
+    rows: dict[tuple[str, str, int], dict[int, float]] = {}
+    for op, d, tokens, h, lat in zip(*(cols[c] for c in names), strict=True):
+        if lat and lat > 0:
+            rows.setdefault((op, d, h), {})[tokens] = lat
+    return {key: ([float(x) for x in sorted(r)], [r[x] for x in sorted(r)]) for key, r in rows.items()}
+
+
+def mla_bmm_ms(system: str, dtype: str, tokens: float, heads: int) -> float | None:
+    """Both absorbed BMMs of one layer for `tokens` generating tokens over `heads` heads, or None where not
+    measured (past the last row in proportion to the tokens)."""
+    curves = mla_bmm_curves(system)
+    parts = [curves.get((op, dtype, heads)) for op in ("mla_gen_pre", "mla_gen_post")]
+    if tokens <= 0:
+        return 0.0
+    if any(c is None for c in parts):
+        return None
+    return sum(_curve(*c, max(tokens, 1.0), lambda x: x) for c in parts if c is not None)

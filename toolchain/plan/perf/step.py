@@ -11,10 +11,12 @@ from toolchain.archs.layout import Layout
 from toolchain.archs.params import ArchParams
 from toolchain.gpus import Gpu, Link
 from toolchain.plan import memory as mem
-from toolchain.plan.perf import attention
+from toolchain.plan import mla
+from toolchain.plan.perf import attention, kernels
 from toolchain.plan.perf.attention import Span
 from toolchain.plan.perf.efficiency import DEFAULT_EFFICIENCY, Efficiency
 from toolchain.plan.perf.lora import LoraLoad
+from toolchain.quant import formats
 from toolchain.quant.view import Quantization
 
 ACT_BYTES = 2  # activations travel between ranks in the half type (fp16/bf16) under every weight format
@@ -24,16 +26,62 @@ ACT_BYTES = 2  # activations travel between ranks in the half type (fp16/bf16) u
 
 
 @dataclass(frozen=True)
+class ExpertShapes:
+    """What the measured-kernel step looks up for a stage's mixture-of-experts layers: the routed experts as
+    AIConfigurator's MoE table keys them (the model's whole shapes and their moe_tp x moe_ep split; kernels.moe_ms),
+    and the GEMMs around them: the router, the shared expert, and the dense MLP of the layers without experts."""
+
+    dtype: str
+    """The experts' `moe_dtype` (kernels.MOE_DTYPES) on GPUs before SM 100."""
+    blackwell_dtype: str
+    """The same from SM 100 on, where a format's algorithm differs there (MXFP4: W4A8_MXFP4_MXFP8)."""
+    hidden: int
+    inter: int
+    """One expert's whole intermediate size (the table's inter_size; moe_tp splits it)."""
+    topk: int
+    num_experts: int
+    moe_tp: int
+    moe_ep: int
+    layers: int
+    """The stage's layers with experts."""
+    router: tuple[int, int]
+    """(n, k) of the router GEMM, run in the half type as AIConfigurator's MoE block runs it."""
+    shared: tuple[tuple[int, int], ...]
+    """(n, k) of the shared expert's fused gate-and-up and its down projection on this rank (() without one)."""
+    shared_width: int
+    dense: tuple[tuple[int, int], ...]
+    """(n, k) of the dense MLP's GEMMs on the stage's layers without experts."""
+    distribution: str = kernels.MOE_DISTRIBUTION
+    """The routing skew of the table's rows the lookup takes (kernels.MOE_DISTRIBUTION, MLA_MOE_DISTRIBUTION)."""
+
+
+@dataclass(frozen=True)
+class LatentShapes:
+    """What the measured-kernel step looks up for multi-head latent attention (DeepSeek-V3) beyond KernelShapes'
+    GEMMs (the fused q_a and kv_a down-projection, q_b and the output projection, run by every token): the
+    attention kernels of the `mla` tables, kv_b's up-projection run by the prompt tokens, and the two absorbed BMMs
+    a generating token runs instead (AIConfigurator's sdk/models/deepseek.py lays a layer out so)."""
+
+    kv_b: tuple[int, int]
+    """(n, k) of kv_b on this rank (the prompt chunk's keys and values out of the latent)."""
+    bmm_dtype: str
+    """The absorbed BMMs' dtype: fp8 under a quantized format, else bfloat16 (DeepSeekModel's mla_bmm_quant_mode)."""
+    norm_values: int
+    """Values of one token's latent norms (q_a_layernorm, kv_a_layernorm) a layer runs."""
+
+
+@dataclass(frozen=True)
 class KernelShapes:
-    """What the measured-kernel step (kernel_step.py) looks up for one rank of a dense stage: its GEMMs by shape
-    in the format's measured precision, its attention heads and KV precision."""
+    """What the measured-kernel step (kernel_step.py) looks up for one rank of a stage: its GEMMs by shape in the
+    format's measured precision, its attention heads and KV precision, and a mixture-of-experts model's experts."""
 
     gemm_dtype: str
     """The format's gemm_dtype in AIConfigurator's database (quant/formats.py Format.measured_gemm)."""
     weight_bytes: float
     """Bytes per weight element in the built format, scales included (the speed of light of an unmeasured shape)."""
     gemms: tuple[tuple[int, int], ...]
-    """(n, k) of one layer's GEMMs as both paths fuse them: qkv, the output projection, gate and up together, down."""
+    """(n, k) of one layer's GEMMs as both paths fuse them: qkv, the output projection, gate and up together, down
+    (with `experts`: qkv and the output projection only)."""
     lm_head: tuple[int, int] | None
     """(n, k) of the lm_head on the last stage (its rank's vocabulary slice), run in the half type; else None."""
     heads: int
@@ -43,6 +91,8 @@ class KernelShapes:
     """"fp8" for a one-byte KV cache (int8 too: the database has fp8 only), else "bfloat16"."""
     mlp_width: int
     """The rank's intermediate size (the activation's elementwise bytes)."""
+    experts: ExpertShapes | None = None
+    latent: LatentShapes | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +189,8 @@ def stage_cost(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantiza
     kernels = None
     if not moe_layers and p.mla is None and not attention_dp and quant.format.measured_gemm and layers:
         kernels = kernel_shapes(p, shapes, quant, dt_bytes, kv_bytes, attn_tp, last)
+    elif moe_layers and layers:
+        kernels = moe_kernel_shapes(p, shapes, quant, dt_bytes, kv_bytes, layout, last, moe_layers)
     return StageCost(layers, p.hidden_size, read, expert_bytes, experts, share, gemm, lm_head,
                      mem.kv_bytes_per_token(p, tp=attn_tp, stage_layer_count=layers, kv_bytes=kv_bytes),
                      generation * layers, attention.layer_caps(p, stage),
@@ -160,6 +212,47 @@ def kernel_shapes(p: ArchParams, shapes: list[tuple[str, int, int]], quant: Quan
                         ((qkv_n, h), (dense_n, dense_k), (2 * fc_n, h), (proj_n, proj_k)), lm_head,
                         p.num_attention_heads // tp, mem.kv_heads_per_rank(p, tp), p.head_size,
                         "fp8" if kv_bytes == 1 else "bfloat16", proj_k)
+
+
+def moe_kernel_shapes(p: ArchParams, shapes: list[tuple[str, int, int]], quant: Quantization, dt_bytes: int,
+                      kv_bytes: int, layout: Layout, last: bool, moe_layers: int) -> KernelShapes | None:
+    """A mixture-of-experts stage's kernels: the attention and its GEMMs as a dense stage's (on the attention's
+    ranks, attn_tp), the routed experts as one fused MoE per layer, the router, the shared expert and the dense
+    MLP of the other layers; None where a part has no measured counterpart (the non-expert linears in a format the
+    GEMM table lacks or in two formats, the experts in an algorithm the MoE table does not name)."""
+    dense = {quant.on(kind).format.measured_gemm for kind in ("attention", "mlp", "shared_expert")}
+    experts = quant.on("experts").format
+    dtypes = [kernels.MOE_DTYPES.get(a, "") for a in (experts.quant_algo, experts.algo_on(formats.BLACKWELL.start))]
+    if len(dense) != 1 or None in dense or not all(dtypes):
+        return None
+    attention = quant.on("attention")
+    shaped = latent_kernel_shapes if p.mla is not None else kernel_shapes
+    base = shaped(p, shapes, attention, dt_bytes, kv_bytes, layout.attn_tp, last)
+    h, s_tp = p.hidden_size, p.shared_expert_size // layout.attn_tp
+    shared = ((2 * s_tp, h), (h, s_tp)) if p.shared_expert_size else ()
+    skew = kernels.MLA_MOE_DISTRIBUTION if p.mla is not None else kernels.MOE_DISTRIBUTION
+    moe = ExpertShapes(dtypes[0], dtypes[1], h, p.expert_size, p.top_k, p.num_experts, layout.moe_tp,
+                       layout.moe_ep, moe_layers, (p.num_experts, h), shared, s_tp, base.gemms[-2:], skew)
+    return dataclasses.replace(base, gemms=base.gemms[:-2], experts=moe)
+
+
+def latent_kernel_shapes(p: ArchParams, shapes: list[tuple[str, int, int]], quant: Quantization, dt_bytes: int,
+                         kv_bytes: int, tp: int, last: bool) -> KernelShapes:
+    """A latent-attention stage's GEMMs as AIConfigurator's DeepSeek model lays them out: q_a and kv_a as one
+    down-projection, q_b, the output projection (every token), then the dense MLP's fused gate-and-up and down;
+    kv_b and the absorbed BMMs in `latent`."""
+    by_name = {name: (out, inp) for name, out, inp in shapes}
+    (q_a, h), (kv_a, _), q_b, kv_b, dense = by_name["q_a"], by_name["kv_a"], by_name["q_b"], by_name["kv_b"], \
+        by_name["dense"]
+    fc_n, _ = by_name["fc"]
+    proj_n, proj_k = by_name["proj"]
+    element = mem.linear_bytes(q_b[0], q_b[1], quant, dt_bytes) / (q_b[0] * q_b[1])
+    lm_head = (mem.padded_vocab(p, tp) // tp, p.hidden_size) if last else None
+    gemm_dtype = str(quant.format.measured_gemm)
+    latent = LatentShapes(kv_b, "bfloat16" if gemm_dtype == "bfloat16" else "fp8", mla.norm_values(p))
+    return KernelShapes(gemm_dtype, element, ((q_a + kv_a, h), q_b, dense, (2 * fc_n, h), (proj_n, proj_k)),
+                        lm_head, p.num_attention_heads // tp, 1, mla.kv_values_per_token(p),
+                        "fp8" if kv_bytes == 1 else "bfloat16", proj_k, latent=latent)
 
 
 def exchange_tokens(top_k: int, ranks: int, moe_ep: int) -> float:
