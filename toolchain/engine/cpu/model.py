@@ -58,6 +58,10 @@ class Chunk:
     (mtp.py); for `mtp_forward`, the caller sets the main model's at the chunk's positions."""
     lora: int | None = None
     """The LoRA task id whose adapter applies to this chunk's rows (engine/cpu/lora.py); None: the base model."""
+    want_argmax: bool = False
+    argmax: int | None = None
+    """With want_argmax, forward sets the argmax of the chunk's last logits row, from one argmax over the step's rows
+    (greedy sampling batched on a tensor instead of one call per request)."""
 
 
 def tree_tables(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,11 +318,14 @@ class Model:
             return [None] * len(chunks)
         out: list[torch.Tensor | None] = []
         at = 0
+        top = logits.argmax(-1).tolist() if any(c.want_argmax for c in chunks) else None
         for c, (s, e) in zip(chunks, rows, strict=False):
             n = min(c.logits, e - s)
             out.append(logits[at:at + n] if n else None)
             if c.want_hidden:
                 c.hidden = h[at:at + n] if n and h is not None else None
+            if c.want_argmax and top is not None and n:
+                c.argmax = top[at + n - 1]
             at += n
         return out
 

@@ -96,9 +96,11 @@ class Int4Grouped(Linear):
         return dequantize_per_group(unpack_int4(self.weight), self.scales, self.group, zero=self.zero)
 
     def __call__(self, x, *, add_bias=True):
-        if self.prequant is not None:
-            x = x * self.prequant
-        return _bias(self.kernel(x.to(torch.bfloat16)).float(), self.bias, add_bias)
+        if self.prequant is None:
+            x = x.to(torch.bfloat16)
+        else:  # x * prequant rounded to bf16 as it is stored: (x * prequant).to(bf16) in one pass
+            x = torch.mul(x, self.prequant, out=torch.empty(x.shape, dtype=torch.bfloat16))
+        return _bias(self.kernel(x).float(), self.bias, add_bias)
 
     def kernel_input(self, rows):
         return torch.randn(rows, self._sz.shape[0] * self.group).to(torch.bfloat16)  # the packed width
