@@ -19,7 +19,12 @@ contender, greedy decoding with fixed output lengths:
 (f) how many 512-token requests run at once in a fixed KV budget: paged blocks
     (shared system prompt stored once) vs a contiguous reservation of prompt +
     max_tokens per request (guaranteed_no_evict without reuse); also without a
-    shared prefix (max_utilization vs the same reservation).
+    shared prefix (max_utilization vs the same reservation);
+(g) a decode step (`CpuEngine.step` over b decoding requests) against its own GEMM
+    floor: every weight of the engine (fused QKV, output projection, gate and up,
+    down, LM head) through the kernel the engine runs it with, bare, at b rows,
+    timed interleaved with the steps in the same process; for fp32, int8 and int4
+    weight-only at b = 1 and 16.
 
     python benchmarks/cpu_engine.py [--json PATH] [--quick] [--only a,b,...]
 
@@ -314,11 +319,21 @@ def decode_rate(engine: CpuEngine, batch: int, new: int) -> float:
     return after / (last - first)
 
 
+QUANT_METHODS = {"int8": "int8_wo", "int4": "awq"}
+
+
+def quantized_engines(hf_dir: Path, root: Path, fp_engine: Path) -> dict[str, Path]:
+    """fp32, int8 and int4 engine directories, each quantized one built once per run."""
+    engines = {"fp32": fp_engine}
+    for name, method in QUANT_METHODS.items():
+        out = root / name
+        engines[name] = out / "engine" if out.exists() else build_engine(hf_dir, out, method=method)
+    return engines
+
+
 def bench_quantized(hf_dir: Path, root: Path, fp_engine: Path, quick: bool) -> dict:
     new = 16 if quick else 48
-    engines = {"fp32": fp_engine,
-               "int8": build_engine(hf_dir, root / "int8", method="int8_wo"),
-               "int4": build_engine(hf_dir, root / "int4", method="awq")}
+    engines = quantized_engines(hf_dir, root, fp_engine)
     rates = {}
     for name, eng in engines.items():
         engine = load(eng)
@@ -331,6 +346,65 @@ def bench_quantized(hf_dir: Path, root: Path, fp_engine: Path, quick: bool) -> d
         for b in (1, 16):
             out[f"{q}_decode_speedup_vs_fp32_b{b}"] = round(rates[(q, b)] / rates[("fp32", b)], 2)
     out["int4_layout"] = "W4A16_AWQ (group 128; round-to-nearest scales: the decode kernel is the same for any)"
+    return out
+
+
+# -- (g) the decode step against its GEMM floor --------------------------------------------
+
+def engine_linears(engine: CpuEngine) -> list:
+    """Every weight matmul a decode step runs, in order: per layer QKV, output projection, gate and up
+    (one fused fc where the engine holds one), down; then the LM head."""
+    out = []
+    for shards in engine.model.stages:
+        for shard in shards:
+            for layer in shard.layers:
+                out += [m for m in (layer.qkv, layer.dense, layer.fc, layer.gate, layer.proj) if m is not None]
+            if shard.lm_head is not None:
+                out.append(shard.lm_head)
+    return out
+
+
+def step_vs_floor(engine: CpuEngine, batch: int, rounds: int) -> dict:
+    """Median step and floor times of `rounds` interleaved pairs, and the median of their ratios.
+    The step is `engine.step` over `batch` requests decoding one token each (16-token prompts,
+    contexts run first); the floor is the same weights' bare kernels at `batch` rows."""
+    linears = engine_linears(engine)
+    inputs = [m.kernel_input(batch) for m in linears]
+    seqs = [engine.start(p, greedy(rounds + 8)) for p in prompts_of(batch, 16, seed=11)]
+    for seq in seqs:
+        engine.add(seq)
+    try:
+        engine.step([(s, s.pending) for s in seqs])
+        steps, floors = [], []
+        with torch.no_grad():
+            for i in range(rounds + 2):
+                start = time.perf_counter()
+                engine.step([(s, 1) for s in seqs])
+                mid = time.perf_counter()
+                for m, x in zip(linears, inputs, strict=True):
+                    m.kernel(x)
+                end = time.perf_counter()
+                if i >= 2:  # warm-up
+                    steps.append(mid - start)
+                    floors.append(end - mid)
+    finally:
+        for seq in seqs:
+            engine.release(seq)
+    return {"step_ms": round(statistics.median(steps) * 1000, 2), "floor_ms": round(statistics.median(floors) * 1000, 2),
+            "ratio": round(statistics.median(s / f for s, f in zip(steps, floors, strict=True)), 3)}
+
+
+def bench_floor(hf_dir: Path, root: Path, fp_engine: Path, quick: bool) -> dict:
+    rounds = 8 if quick else 40
+    out: dict = {"rounds": rounds, "what": "CpuEngine.step (b decoding requests) / the bare kernels of its weights"}
+    for name, eng in quantized_engines(hf_dir, root, fp_engine).items():
+        engine = load(eng)
+        for b in (1, 16):
+            got = step_vs_floor(engine, b, rounds)
+            prefix = "" if name == "fp32" else f"{name}_"
+            out[f"{prefix}decode_step_vs_gemm_floor_b{b}"] = got["ratio"]
+            out[f"{name}_b{b}_ms"] = {"step": got["step_ms"], "floor": got["floor_ms"]}
+        del engine
     return out
 
 
@@ -436,7 +510,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="small model and counts: a smoke run")
-    ap.add_argument("--only", default="a,b,c,d,e,f", help="comma-separated parts to run")
+    ap.add_argument("--only", default="a,b,c,d,e,f,g", help="comma-separated parts to run")
     args = ap.parse_args(argv)
     parts = set(args.only.split(","))
     torch.set_num_threads(THREADS)
@@ -453,7 +527,8 @@ def main(argv=None) -> int:
                  ("c", "quantized_decode", lambda: bench_quantized(hf_dir, root, eng, args.quick)),
                  ("d", "kv_accounting", lambda: bench_kv_accounting(hf_dir, eng, root)),
                  ("e", "chunked_context", lambda: bench_chunked(hf_dir, root, args.quick)),
-                 ("f", "concurrency", lambda: bench_concurrency(small, root))]
+                 ("f", "concurrency", lambda: bench_concurrency(small, root)),
+                 ("g", "decode_floor", lambda: bench_floor(hf_dir, root, eng, args.quick))]
         for key, name, fn in steps:
             if key not in parts:
                 continue
@@ -479,6 +554,12 @@ TARGETS = {
     "kv_bytes_per_token_ratio_measured_vs_planned": "0.95 .. 1.05",
     "itl_p99_ratio_chunked_on_vs_off": "<= 0.5",
     "concurrency_ratio_paged_vs_contiguous": ">= 2",
+    "decode_step_vs_gemm_floor_b1": "<= 1.3",
+    "decode_step_vs_gemm_floor_b16": "<= 1.15",
+    "int8_decode_step_vs_gemm_floor_b1": "",
+    "int8_decode_step_vs_gemm_floor_b16": "",
+    "int4_decode_step_vs_gemm_floor_b1": "",
+    "int4_decode_step_vs_gemm_floor_b16": "",
 }
 
 if __name__ == "__main__":

@@ -102,10 +102,15 @@ class Sequence:
     def finish(self, reason: str) -> None:
         self.finished, self.reason = True, reason
 
-    def accept(self, logits: torch.Tensor) -> list[int]:
-        """Sample the next token from `logits` [V]; returns the tokens to emit (empty on end_id)."""
+    def accept(self, logits: torch.Tensor, argmax: int | None = None) -> list[int]:
+        """Sample the next token from `logits` [V]; returns the tokens to emit (empty on end_id). `argmax`: the
+        step's batched argmax of these logits (Chunk.argmax), the pick where Sampler.picks_argmax."""
         sampler = self.sampler
-        emitted = self.take(sampler.pick(logits, len(self.output), self.tokens if sampler.reads_history else None))
+        if argmax is not None:
+            sampler.last_sampled = 0.0
+        token = sampler.pick(logits, len(self.output), self.tokens if sampler.reads_history else None) \
+            if argmax is None else argmax
+        emitted = self.take(token)
         if emitted:
             mode = self.logprobs.mode if self.logprobs is not None else "raw"
             self.picked.append(sampler.last_processed if mode == "processed" else sampler.last_sampled)
@@ -499,7 +504,8 @@ class CpuEngine:
                                     logits=n + len(draft) if every else 1 + len(draft) if last else 0,
                                     parents=[-1, *tree] if tree is not None else None,
                                     want_hidden=medusa is not None and last, want_states=bool(self.mtp_draft_len),
-                                    lora=seq.params.lora_task_id))
+                                    lora=seq.params.lora_task_id, want_argmax=last and not draft and not every
+                                    and seq.sampler.picks_argmax(len(seq.output))))
                 drafts.append(draft)
                 fulls.append(every and tree is None)  # a context chunk run with every position's logits
             with torch.no_grad():
@@ -525,7 +531,7 @@ class CpuEngine:
                             seq.drafted += len(draft)
                             seq.tree = []
                     else:
-                        tokens = seq.accept(rows[0])
+                        tokens = seq.accept(rows[0], chunk.argmax)
                     if seq.generation_logits is not None and tokens and rows is not None:
                         seq.generation_logits.append(_emitted_rows(rows, path, chunk.parents is not None, len(tokens)))
                     if seq.logprobs is not None and seq.params.logprobs is not None and tokens and rows is not None:

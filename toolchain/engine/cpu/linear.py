@@ -31,3 +31,13 @@ class Linear:
         bias = self.bias if add_bias else None
         return torch.nn.functional.linear(x, self.weight, bias)
 
+    # The matmul alone, as a benchmark's floor runs it (benchmarks/cpu_engine.py): the kernel this module calls,
+    # on an input already in the kernel's dtype and width, no bias, nothing before or after.
+
+    def kernel_input(self, rows: int) -> torch.Tensor:
+        """A [rows, in] input as `kernel` reads it."""
+        return torch.randn(rows, self.in_features)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+

@@ -30,6 +30,7 @@ from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheManager
 from toolchain.engine.cpu.comm import Comm
 from toolchain.engine.cpu.mla import MlaAttention, rotary as mla_rotary
 from toolchain.engine.cpu.sinks import attend_with_sinks
+from toolchain.engine.cpu.step_tables import additive_mask, slot_matrix
 from toolchain.engine.cpu.llama4 import chunk_mask
 from toolchain.engine.cpu.lora import LoraBatch, LoraCache
 from toolchain.engine.cpu.rope import Rotary, apply_rotary, apply_rotary_interleaved
@@ -57,6 +58,10 @@ class Chunk:
     (mtp.py); for `mtp_forward`, the caller sets the main model's at the chunk's positions."""
     lora: int | None = None
     """The LoRA task id whose adapter applies to this chunk's rows (engine/cpu/lora.py); None: the base model."""
+    want_argmax: bool = False
+    argmax: int | None = None
+    """With want_argmax, forward sets the argmax of the chunk's last logits row, from one argmax over the step's rows
+    (greedy sampling batched on a tensor instead of one call per request)."""
 
 
 def tree_tables(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,30 +82,50 @@ def tree_tables(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 class _Group:
     """Requests attended to in one call: their padded query rows, key slots and masks."""
 
-    def __init__(self, rows: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]):
+    def __init__(self, rows: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]],
+                 slots: torch.Tensor | None = None):
         # rows: (index of the first new token in the batch, new tokens n, cached length before, key slots [past+n],
-        # ancestor matrix of a draft tree or None)
+        # ancestor matrix of a draft tree or None). `slots` [B, keys] (step_tables.slot_matrix) instead of each
+        # row's own: the rows' slot entries are then unused.
         self.batch = len(rows)
         self.q_len = max(r[1] for r in rows)
         keys = max(r[2] + r[1] for r in rows)
         self._trees = [(b, n, past, anc) for b, (_, n, past, _, anc) in enumerate(rows) if anc is not None]
-        self.slots = torch.zeros(self.batch, keys, dtype=torch.int64)  # padding reads slot 0, masked out
-        q_index = torch.zeros(self.batch, self.q_len, dtype=torch.int64)
-        valid = torch.zeros(self.batch, self.q_len, dtype=torch.bool)
-        q_pos = torch.full((self.batch, self.q_len), -1, dtype=torch.int64)
-        for b, (first, n, past, slots, _) in enumerate(rows):
-            self.slots[b, : past + n] = slots
-            q_index[b, :n] = torch.arange(first, first + n)
-            valid[b, :n] = True
-            q_pos[b, :n] = torch.arange(past, past + n)
+        if slots is None:
+            slots = torch.zeros(self.batch, keys, dtype=torch.int64)  # padding reads slot 0, masked out
+            for b, (_, n, past, own, _) in enumerate(rows):
+                if own is not None:
+                    slots[b, : past + n] = own
+        self.slots = slots
+        firsts = [r[0] for r in rows]
+        # Decoding requests one token each, consecutive in the batch (the step puts them first): their queries
+        # and outputs are a slice of the batch's rows, no gather or scatter.
+        self.span = ((firsts[0], firsts[0] + self.batch) if self.q_len == 1 and not self._trees
+                     and firsts == list(range(firsts[0], firsts[0] + self.batch)) else None)
+        if self.q_len == 1:
+            q_index = torch.tensor(firsts, dtype=torch.int64)[:, None]
+            valid = torch.ones(self.batch, 1, dtype=torch.bool)
+            q_pos = torch.tensor([r[2] for r in rows], dtype=torch.int64)[:, None]
+        else:
+            q_index = torch.zeros(self.batch, self.q_len, dtype=torch.int64)
+            valid = torch.zeros(self.batch, self.q_len, dtype=torch.bool)
+            q_pos = torch.full((self.batch, self.q_len), -1, dtype=torch.int64)
+            for b, (first, n, past, _, _) in enumerate(rows):
+                q_index[b, :n] = torch.arange(first, first + n)
+                valid[b, :n] = True
+                q_pos[b, :n] = torch.arange(past, past + n)
+        # The pool slot each new token is written at, in the order of `tokens`.
+        self.write = (slots.gather(1, q_pos).reshape(-1) if self.q_len == 1
+                      else torch.cat([slots[b, past:past + n] for b, (_, n, past, _, _) in enumerate(rows)]))
         self.flat_slots = self.slots.reshape(-1)
         self.q_index = q_index.reshape(-1)
         self.valid = valid.reshape(-1)
-        self.tokens = self.q_index[self.valid]
+        self.tokens = self.q_index if self.q_len == 1 else self.q_index[self.valid]
         self._q_pos = q_pos[:, :, None]
         self._key = torch.arange(keys)[None, None, :]
         self._pad = ~valid
         self._masks: dict[tuple[int | None, int | None], torch.Tensor] = {}
+        self._additive: dict[tuple[int | None, int | None], torch.Tensor] = {}
         # One fresh context (nothing cached, no padding): plain causal attention, which SDPA runs
         # with its fused kernel instead of materialising a mask (2x faster at 2k tokens).
         self.fresh = self.batch == 1 and rows[0][2] == 0
@@ -124,6 +149,12 @@ class _Group:
             self._masks[(window, chunk)] = m.unsqueeze(1)
         return self._masks[(window, chunk)]
 
+    def additive_mask(self, window: int | None, chunk: int | None = None) -> torch.Tensor:
+        """`mask` as SDPA's float mask, made once per step (step_tables.additive_mask)."""
+        if (window, chunk) not in self._additive:
+            self._additive[(window, chunk)] = additive_mask(self.mask(window, chunk))
+        return self._additive[(window, chunk)]
+
 
 @dataclass
 class _Batch:
@@ -140,8 +171,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+    """weight * (x * rsqrt(mean(x^2) + eps)): transformers' LlamaRMSNorm's operations in its order, through one
+    [rows, hidden] buffer instead of three. Right after a matmul has swept the caches, every fresh temporary is
+    written to cold memory, which cost a decode step more than the arithmetic; the values are bit for bit the same."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    out = x.pow(2)
+    scale = out.mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return torch.mul(x, scale, out=out).mul_(weight)
 
 
 class Model:
@@ -224,38 +261,46 @@ class Model:
         return self._logits(chunks, rows, x, w.head_norm)
 
     def _prepare(self, chunks: list[Chunk], kv: KvCacheManager):
-        """Each chunk's rows in the batch, the token ids, the attention batch and the rope tables (global, local)."""
+        """Each chunk's rows in the batch, the token ids, the attention batch and the rope tables (global, local).
+        Built from Python lists into a few tensors for the whole batch (step_tables.py says why)."""
         rows: list[tuple[int, int]] = []
-        decode: list[tuple] = []
-        context: list[tuple] = []
-        write: list[torch.Tensor] = []
-        positions: list[torch.Tensor] = []
-        lengths: list[torch.Tensor] = []  # each token's request length after this step (longrope picks by it)
+        groups: tuple[list[tuple], list[tuple]] = ([], [])  # decoding requests, context chunks
+        tables: tuple[list[list[int]], list[list[int]]] = ([], [])
+        positions: list[int] = []
+        lengths: list[int] = []  # each token's request length after this step (longrope picks by it)
+        ids: list[int] = []
         first = 0
         for c in chunks:
             past, n = c.table.length, len(c.tokens)
             if n == 0 or len(c.table.blocks) * kv.tokens_per_block < past + n:
                 raise RuntimeError(f"chunk of {n} tokens at {past} has no KV blocks reserved for it")
-            slots = kv.slots(c.table, 0, past + n)
-            write.append(slots[past:])
             anc = None
             if c.parents is not None:
                 depth, anc = tree_tables(c.parents)
-                positions.append(past + depth)
+                positions += (past + depth).tolist()
             else:
-                positions.append(torch.arange(past, past + n))
-            lengths.append(torch.full((n,), past + n, dtype=torch.int64))
-            (decode if n == 1 else context).append((first, n, past, slots, anc))
+                positions += range(past, past + n)
+            lengths += [past + n] * n
+            ids += c.tokens
+            groups[n != 1].append((first, n, past, None, anc))
+            tables[n != 1].append(c.table.blocks)
             rows.append((first, first + n))
             first += n
-        ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
-        batch = _Batch(torch.cat(write), [_Group(g) for g in (decode, context) if g], kv, torch.cat(positions))
+        made = [_Group(g, slot_matrix(t, [r[2] + r[1] for r in g], kv.tokens_per_block))
+                for g, t in zip(groups, tables, strict=True) if g]
+        write = made[0].write
+        if len(made) > 1 or made[0].span != (0, first):  # each group's tokens at their rows of the batch
+            write = torch.empty(first, dtype=torch.int64)
+            for g in made:
+                write[g.tokens] = g.write
+        pos = torch.tensor(positions, dtype=torch.int64)
+        batch = _Batch(write, made, kv, pos)
         if self.lora is not None:
             batch.lora = self.lora.batch([c.lora for c in chunks], rows)
-        cos, sin = self.rotary.tables(torch.cat(positions), torch.cat(lengths))
-        local_tables = (self.rotary_local.tables(torch.cat(positions), torch.cat(lengths))
-                        if self.rotary_local is not None else (cos, sin))
-        return rows, ids, batch, (cos, sin), local_tables
+        length = torch.tensor(lengths, dtype=torch.int64)
+        cos, sin = self.rotary.tables(pos, length)
+        local_tables = self.rotary_local.tables(pos, length) if self.rotary_local is not None else (cos, sin)
+        return rows, torch.tensor(ids, dtype=torch.int64), batch, (cos, sin), local_tables
 
     def _logits(self, chunks: list[Chunk], rows: list[tuple[int, int]], x: torch.Tensor | None,
                 final_norm: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -266,7 +311,8 @@ class Model:
         last = self.stages[-1]
         h = logits = None
         if wanted and last and x is not None and final_norm is not None:
-            h = rms_norm(x[wanted], final_norm, self.d.norm_epsilon)
+            # Every row wanted (a decode step): the rows themselves, not a gathered copy.
+            h = rms_norm(x if len(wanted) == x.shape[0] else x[wanted], final_norm, self.d.norm_epsilon)
             logits = self._lm_head(last, h)
             if self.d.final_softcap:  # Gemma 2 (DecoderModelForCausalLM.forward): tanh(l / c) * c
                 logits = torch.tanh(logits / self.d.final_softcap) * self.d.final_softcap
@@ -276,11 +322,14 @@ class Model:
             return [None] * len(chunks)
         out: list[torch.Tensor | None] = []
         at = 0
+        top = logits.argmax(-1).tolist() if any(c.want_argmax for c in chunks) else None
         for c, (s, e) in zip(chunks, rows, strict=False):
             n = min(c.logits, e - s)
             out.append(logits[at:at + n] if n else None)
             if c.want_hidden:
                 c.hidden = h[at:at + n] if n and h is not None else None
+            if c.want_argmax and top is not None and n:
+                c.argmax = top[at + n - 1]
             at += n
         return out
 
@@ -328,6 +377,8 @@ class Model:
 
     def _lm_head(self, shards: list[RankShard], h: torch.Tensor) -> torch.Tensor:
         # Column-parallel over the padded vocab: concatenate the slices, drop the padding.
+        if len(shards) == 1:  # one slice: no copy of [rows, vocab] through cat
+            return self._tp_cat(shards[0].part("lm_head")(h))[:, : self.d.vocab_size]
         return self._tp_cat(torch.cat([s.part("lm_head")(h) for s in shards], dim=-1))[:, : self.d.vocab_size]
 
     # -- one decoder layer ------------------------------------------------------
@@ -356,6 +407,9 @@ class Model:
                 q, k = d.llama4.position_qk(layer, q, k, cos, sin, batch.positions, d.norm_epsilon)
             elif d.rope_interleaved:
                 q, k = apply_rotary_interleaved(q, cos, sin), apply_rotary_interleaved(k, cos, sin)
+            elif w.q_norm is None:  # q and k heads side by side in qkv: one rotation for both, element by element
+                qk = apply_rotary(qkv[:, : (nq + nkv) * hd].view(-1, nq + nkv, hd), cos, sin)
+                q, k = qk[:, :nq], qk[:, nq:]
             else:
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             attn = self._attend(q, k, v, batch, layer, s.tp_rank, w.sinks)
@@ -368,7 +422,7 @@ class Model:
         out = total + bias if bias is not None else total
         if d.inter_layernorms:  # Gemma 2: post_layernorm normalises the attention output before the residual
             out = rms_norm(out, shards[0].layers[local].post_norm, d.norm_epsilon)
-        return x + out
+        return out.add_(x)  # x + out, into the block's own fresh output
 
     def _attend(self, q, k, v, batch: "_Batch", layer, tp_rank, sinks=None) -> torch.Tensor:
         kv = batch.kv
@@ -378,7 +432,9 @@ class Model:
             k, v = quantize_kv(k, scale, kv.kind), quantize_kv(v, scale, kv.kind)
         _bytes(k_pool).index_copy_(0, batch.write, _bytes(k))
         _bytes(v_pool).index_copy_(0, batch.write, _bytes(v))
-        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2])
+        rows, width = q.shape[0], q.shape[1] * q.shape[2]
+        whole = len(batch.groups) == 1 and batch.groups[0].span == (0, rows)  # one decode group: its output is `out`
+        out = None if whole else torch.empty(rows, width)
         window = self.d.attention_window(layer)
         chunk = self.d.llama4.chunk_of(layer) if self.d.llama4 is not None else None
         for g in batch.groups:
@@ -387,7 +443,10 @@ class Model:
             values = _bytes(v_pool).index_select(0, g.flat_slots).view(v_pool.dtype).view(shape)
             if scale is not None:
                 keys, values = dequantize_kv(keys, scale), dequantize_kv(values, scale)
-            query = q[g.q_index].view(g.batch, g.q_len, *q.shape[1:]).transpose(1, 2)
+            if g.span is not None:  # decoding rows, consecutive: a view of q
+                query = q[g.span[0]:g.span[1]].reshape(g.batch, 1, *q.shape[1:]).transpose(1, 2)
+            else:
+                query = q[g.q_index].view(g.batch, g.q_len, *q.shape[1:]).transpose(1, 2)
             if sinks is not None:  # gpt-oss: a learned sink logit per head (sinks.py)
                 o = attend_with_sinks(query, keys.transpose(1, 2), values.transpose(1, 2), g.mask(window, chunk),
                                       self.scale, sinks)
@@ -397,9 +456,16 @@ class Model:
             else:
                 causal = g.plain_causal(window, chunk)
                 o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2),
-                                                   attn_mask=None if causal else g.mask(window, chunk),
+                                                   attn_mask=None if causal else g.additive_mask(window, chunk),
                                                    is_causal=causal, scale=self.scale, enable_gqa=True)
-            out[g.tokens] = o.transpose(1, 2).reshape(g.batch * g.q_len, -1)[g.valid]
+            if whole:
+                return o.transpose(1, 2).reshape(rows, width)
+            assert out is not None
+            if g.span is not None:
+                out[g.span[0]:g.span[1]] = o.transpose(1, 2).reshape(g.batch, width)
+            else:
+                out[g.tokens] = o.transpose(1, 2).reshape(g.batch * g.q_len, -1)[g.valid]
+        assert out is not None
         return out
 
     def _softcapped(self, query, keys, values, mask, cap: float) -> torch.Tensor:
@@ -433,15 +499,20 @@ class Model:
                 inner = act(fc) * gate
                 part = w.proj(inner, add_bias=False)
                 lora.add(part, inner, layer, s.tp_rank, "mlp_4h_to_h")
-            else:
-                part = w.proj(act(w.fc(h)) * w.gate(h), add_bias=False)
+            else:  # in place on the fresh matmul outputs: the same values, two [rows, inter] allocations fewer
+                part = w.proj(_act_(act, w.fc(h)).mul_(w.gate(h)), add_bias=False)
             total = part if i == 0 else total + part
         total = self._tp_sum(total)
         bias = first.proj.bias if first.proj is not None else None
         out = total + bias if bias is not None else total
         if gemma and first.post_ff_norm is not None:
             out = rms_norm(out, first.post_ff_norm, self.d.norm_epsilon)
-        return x + out
+        return out.add_(x)  # x + out, into the block's own fresh output
+
+
+def _act_(act, x: torch.Tensor) -> torch.Tensor:
+    """`act(x)`, written into x where the activation can (SiLU)."""
+    return F.silu(x, inplace=True) if act is F.silu else act(x)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

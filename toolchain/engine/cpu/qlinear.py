@@ -59,8 +59,13 @@ class Int8WeightOnly(Linear):
         return self.weight.float() * self.scale[:, None]
 
     def __call__(self, x, *, add_bias=True):
-        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self._scale_bf16).float()
-        return _bias(y, self.bias, add_bias)
+        return _bias(self.kernel(x.to(torch.bfloat16)).float(), self.bias, add_bias)
+
+    def kernel_input(self, rows):
+        return torch.randn(rows, self.in_features).to(torch.bfloat16)
+
+    def kernel(self, x):
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self._scale_bf16)
 
 
 class Int4Grouped(Linear):
@@ -91,11 +96,17 @@ class Int4Grouped(Linear):
         return dequantize_per_group(unpack_int4(self.weight), self.scales, self.group, zero=self.zero)
 
     def __call__(self, x, *, add_bias=True):
-        if self.prequant is not None:
-            x = x * self.prequant
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self._kernel, self.group,
-                                                      self._sz).float()
-        return _bias(y, self.bias, add_bias)
+        if self.prequant is None:
+            x = x.to(torch.bfloat16)
+        else:  # x * prequant rounded to bf16 as it is stored: (x * prequant).to(bf16) in one pass
+            x = torch.mul(x, self.prequant, out=torch.empty(x.shape, dtype=torch.bfloat16))
+        return _bias(self.kernel(x).float(), self.bias, add_bias)
+
+    def kernel_input(self, rows):
+        return torch.randn(rows, self._sz.shape[0] * self.group).to(torch.bfloat16)  # the packed width
+
+    def kernel(self, x):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._kernel, self.group, self._sz)
 
 
 class Int4WeightOnly(Int4Grouped):

@@ -107,10 +107,12 @@ class Rotary:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [n, heads, head_size] by position (rotate_half pairs dim i with i + d/2)."""
+    """Rotate x [n, heads, head_size] by position (rotate_half pairs dim i with i + d/2): x * cos + rotate_half(x) *
+    sin, transformers' operations, with two temporaries instead of five (the values are the same bit for bit)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    rotated[..., :half].neg_()
+    return (x * cos).add_(rotated.mul_(sin))
 
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -203,6 +203,13 @@ class Sampler:
             self.guide.accept(token)
         return token
 
+    def picks_argmax(self, generated: int) -> bool:
+        """Whether `pick` would take the argmax of the logits exactly as given (greedy, nothing to process or
+        record): the step then takes it from one argmax over every such request's row (Chunk.want_argmax)."""
+        p = self.params
+        return (p.greedy and p.temperature in (0, 1) and p.embedding_bias is None and not self.reads_history
+                and self.guide is None and not self.wants_processed and not (0 <= p.end_id and generated < p.min_tokens))
+
     def guide_done(self) -> bool:
         """The guide's grammar is complete and its stop token was picked: the request ends as on end_id."""
         return self.guide is not None and self.guide.terminated

@@ -1,0 +1,87 @@
+"""The decode step's batched tables and leaner operations give exactly what the plain per-request forms give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_engine_cpu_util import PROMPTS, load_engine
+
+from toolchain.engine.cpu import SamplingParams
+from toolchain.engine.cpu.kv_cache import BlockTable
+from toolchain.engine.cpu.model import _Group, rms_norm
+from toolchain.engine.cpu.rope import apply_rotary
+from toolchain.engine.cpu.sampling import Sampler
+from toolchain.engine.cpu.step_tables import additive_mask, slot_matrix
+
+
+def test_slot_matrix_is_each_requests_slots_padded_with_slot_0(tmp_path_factory, hf_llama):
+    kv = load_engine(tmp_path_factory, hf_llama).kv
+    tpb = kv.tokens_per_block
+    tables = [[7, 2, 9], [3], [5, 11, 1, 4], [8, 6]]
+    lengths = [2 * tpb + 2, 3, 4 * tpb - 1, tpb + 1]
+    got = slot_matrix(tables, lengths, tpb)
+    assert got.shape == (4, max(lengths))
+    for b, (blocks, n) in enumerate(zip(tables, lengths, strict=True)):
+        table = BlockTable()
+        table.blocks = blocks
+        assert got[b, :n].tolist() == kv.slots(table, 0, n).tolist()
+        assert got[b, n:].tolist() == [0] * (max(lengths) - n)
+
+
+def test_a_group_from_the_slot_matrix_equals_one_from_each_rows_slots():
+    tpb = 4
+    tables = [[1, 2, 3], [4, 5], [6]]
+    rows = [(0, 1, 9, None, None), (1, 1, 5, None, None), (2, 1, 2, None, None)]  # decoding: one token each
+    lengths = [r[2] + r[1] for r in rows]
+    slots = slot_matrix(tables, lengths, tpb)
+    fast = _Group(rows, slots)
+    plain = _Group([(f, n, past, slots[b, :past + n], None) for b, (f, n, past, _, _) in enumerate(rows)])
+    assert fast.span == (0, 3)
+    assert torch.equal(fast.slots, plain.slots) and torch.equal(fast.write, plain.write)
+    assert torch.equal(fast.tokens, plain.tokens) and torch.equal(fast.mask(None), plain.mask(None))
+    assert fast.write.tolist() == [slots[b, past].item() for b, (_, _, past, _, _) in enumerate(rows)]
+
+
+def test_the_float_mask_gives_sdpa_the_same_result_as_the_boolean_one():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 6, 1, 16), torch.randn(3, 2, 9, 16), torch.randn(3, 2, 9, 16)
+    mask = torch.rand(3, 1, 1, 9) > 0.3
+    mask[..., 0] = True
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    got = F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask(mask), enable_gqa=True)
+    assert torch.equal(want, got)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (16, 96), (5, 3, 32)])
+def test_rms_norm_and_rotary_are_the_plain_expressions_bit_for_bit(shape):
+    torch.manual_seed(1)
+    x, w = torch.randn(*shape) * 4, torch.randn(shape[-1])
+    plain = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(rms_norm(x, w, 1e-5), plain)
+    heads = torch.randn(7, 4, 32)
+    cos, sin = torch.randn(7, 1, 32), torch.randn(7, 1, 32)
+    half = torch.cat((-heads[..., 16:], heads[..., :16]), dim=-1)
+    assert torch.equal(apply_rotary(heads, cos, sin), heads * cos + half * sin)
+
+
+def test_greedy_picks_from_the_batched_argmax_equal_the_samplers_own(tmp_path_factory, hf_llama, monkeypatch):
+    engine = load_engine(tmp_path_factory, hf_llama)
+    params = [SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=6, top_k=1, temperature=0.5),
+              SamplingParams(max_new_tokens=6, repetition_penalty=1.3), SamplingParams(max_new_tokens=6, end_id=2,
+                                                                                     min_tokens=3)]
+    assert [Sampler(p).picks_argmax(0) for p in params] == [True, False, False, False]
+
+    def run():
+        seqs = [engine.start(p, q) for p, q in zip(PROMPTS, params, strict=True)]
+        for s in seqs:
+            engine.add(s)
+        while not all(s.finished for s in seqs):
+            engine.step([(s, s.pending) for s in seqs if not s.finished])
+        for s in seqs:
+            engine.release(s)
+        return [s.output for s in seqs]
+
+    batched = run()
+    monkeypatch.setattr(Sampler, "picks_argmax", lambda self, generated: False)
+    assert run() == batched
