@@ -12,16 +12,18 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from toolchain.errors import ToolchainError
 from toolchain.importer.engine import Engine, default_opt_num_tokens, read_engine
 from toolchain.importer.repo import BLS, ENGINE_MODEL, Model, Repository
 from toolchain.importer.values import effective
 from toolchain.quant.formats import BY_ALGO, KV_BY_ALGO, METHODS
+from toolchain.spec import BuildSection, ModelSection
 
-DTYPES = ("float16", "bfloat16", "float32")
-GEMM_PLUGINS = ("float16", "bfloat16", "float32", "fp8", "nvfp4", "disable")
+# The spec's own choices (spec.py), "auto" aside: what an engine's dtype and gemm plugin may map to.
+DTYPES = tuple(v for v in get_args(ModelSection.model_fields["dtype"].annotation) if v != "auto")
+GEMM_PLUGINS = tuple(v for v in get_args(BuildSection.model_fields["gemm_plugin"].annotation) if v != "auto")
 # trtllm-build --speculative_decoding_mode -> speculative.mode the import writes (with the repository's layout).
 MODES = {None: "none", "draft_tokens_external": "draft_target", "lookahead_decoding": "lookahead"}
 
