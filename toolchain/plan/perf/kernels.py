@@ -62,13 +62,13 @@ def data_root() -> Path | None:
     return root if root.is_dir() else None
 
 
-def table(system: str, op: str, name: str) -> Table | None:
-    """The newest TensorRT-LLM version's `name` table of `op` on `system` (versions sorted as the directory
-    names sort, 1.3.0rc20 after 1.3.0rc10), or None."""
+def table(system: str, op: str, name: str, version: str | None = None) -> Table | None:
+    """The `name` table of `op` on `system` at TensorRT-LLM `version`, by default the newest one (versions sorted
+    as the directory names sort, 1.3.0rc20 after 1.3.0rc10), or None."""
     root = data_root()
     if root is None:
         return None
-    found = sorted((root / system / op / "trtllm").glob(f"*/{name}.parquet"),
+    found = sorted((root / system / op / "trtllm").glob(f"{version or '*'}/{name}.parquet"),
                    key=lambda p: _version_key(p.parent.name))
     return Table(system, found[-1].parent.name, found[-1]) if found else None
 
@@ -350,22 +350,19 @@ def moe_curves(system: str, distribution: str = MOE_DISTRIBUTION
     num_tokens: the tokens entering the MoE block, all ranks' under attention DP (the table's `num_tokens`; one
     rank's share of the experts is timed, collector/trtllm/collect_moe.py)."""
     version = current_version(system)
-    root = data_root()
-    if version is None or root is None:
-        return None, {}
-    path = root / system / "moe" / "trtllm" / version / "moe_perf.parquet"
-    if not path.is_file():
+    found = table(system, "moe", "moe_perf", version) if version is not None else None
+    if found is None:
         return None, {}
     names = ("kernel_source", "moe_dtype", "num_tokens", "hidden_size", "inter_size", "topk", "num_experts",
              "moe_tp_size", "moe_ep_size", "distribution", "latency")
-    cols = _columns(path, names)
+    cols = _columns(found.path, names)
     rows: dict[ExpertsKey, dict[int, float]] = {}
     for src, d, tokens, h, inter, topk, e, mtp, mep, dist, lat in zip(*(cols[c] for c in names), strict=True):
         if dist != distribution or src == MOE_LOW_LATENCY or not lat or lat <= 0:
             continue
         rows.setdefault(ExpertsKey(d, h, inter, topk, e, mtp, mep), {})[tokens] = lat
     curves = {key: ([float(t) for t in sorted(r)], [r[t] for t in sorted(r)]) for key, r in rows.items()}
-    return Table(system, version, path), curves
+    return found, curves
 
 
 def moe_ms(system: str, dtype: str, tokens: float, hidden: int, inter: int, topk: int, experts: int, moe_tp: int,
