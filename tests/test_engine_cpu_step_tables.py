@@ -85,3 +85,15 @@ def test_greedy_picks_from_the_batched_argmax_equal_the_samplers_own(tmp_path_fa
     batched = run()
     monkeypatch.setattr(Sampler, "picks_argmax", lambda self, generated: False)
     assert run() == batched
+
+
+@pytest.mark.parametrize("shape", [(0, 48), (1, 48), (2, 48), (3, 48), (17, 48), (48,), (2, 5, 48)])
+def test_matmul_is_x_times_the_stored_weight_transposed(shape):
+    from toolchain.engine.cpu.linear import Linear, matmul
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(*shape, generator=g), torch.randn(80, 48, generator=g), torch.randn(80, generator=g)
+    y = matmul(x, w)
+    assert y.shape == (*shape[:-1], 80) and y.is_contiguous()
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(Linear(w, b)(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(Linear(w, b)(x, add_bias=False), y, rtol=0, atol=0)

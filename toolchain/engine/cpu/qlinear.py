@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from toolchain.engine.cpu.linear import Linear
+from toolchain.engine.cpu.linear import Linear, matmul
 from toolchain.quant import formats
 from toolchain.quant import fp8 as fp8q
 from toolchain.quant.fp4 import dequantize_mxfp4, dequantize_nvfp4, fake_quantize_nvfp4_activation
@@ -157,7 +157,7 @@ class Fp8PerTensor(Linear):
         self._wide = fp8q.from_fp8(weight, self.weight_scale)
 
     def __call__(self, x, *, add_bias=True):
-        y = F.linear(fp8q.fake_fp8(x, self.act_scale), self._wide)
+        y = matmul(fp8q.fake_fp8(x, self.act_scale), self._wide)
         return _bias(y, self.bias, add_bias)
 
 
@@ -195,7 +195,7 @@ class Nvfp4(_Widened):
         self._wide = dequantize_nvfp4(packed, block_scale, self.global_scale)
 
     def __call__(self, x, *, add_bias=True):
-        y = F.linear(fake_quantize_nvfp4_activation(x, self.act_scale), self._wide)
+        y = matmul(fake_quantize_nvfp4_activation(x, self.act_scale), self._wide)
         return _bias(y, self.bias, add_bias)
 
 
@@ -212,7 +212,7 @@ class Fp8BlockScales(_Widened):
         self._wide = dequantize_fp8_block(weight, self.scale)
 
     def __call__(self, x, *, add_bias=True):
-        y = F.linear(fake_quantize_fp8_per_1x128(x), self._wide)
+        y = matmul(fake_quantize_fp8_per_1x128(x), self._wide)
         return _bias(y, self.bias, add_bias)
 
 
@@ -240,7 +240,7 @@ class Mxfp4(Linear):
         return dequantize_mxfp4(self.weight.reshape(*self.scales.shape, -1), self.scales, torch.float32)
 
     def __call__(self, x, *, add_bias=True):
-        return _bias(F.linear(x, self.dequantized()), self.bias, add_bias)
+        return _bias(matmul(x, self.dequantized()), self.bias, add_bias)
 
 
 def _bias(y, bias, add):
