@@ -22,11 +22,11 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     takes the slow path too. The sums are the same products in another order, so values differ from
     F.linear's in the last bits (greedy tokens of every shipped CPU spec are unchanged); like F.linear's,
     a row's values may depend on how many rows run with it below 8 rows."""
-    flat = x.reshape(-1, x.shape[-1])
-    cols = flat.repeat(2, 1).t() if flat.shape[0] == 1 else flat.t()
-    y = torch.mm(weight, cols)
-    y = (y[:, :1] if flat.shape[0] == 1 else y).t().contiguous()
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+    if x.dim() != 2:
+        return matmul(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+    if x.shape[0] == 1:
+        return torch.mm(weight, torch.cat((x, x)).t()).t()[:1].contiguous()
+    return torch.mm(weight, x.t()).t().contiguous()
 
 
 class Linear:

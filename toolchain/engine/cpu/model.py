@@ -171,14 +171,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x * rsqrt(mean(x^2) + eps)): transformers' LlamaRMSNorm's operations in its order, through one
-    [rows, hidden] buffer instead of three. Right after a matmul has swept the caches, every fresh temporary is
-    written to cold memory, which cost a decode step more than the arithmetic; the values are bit for bit the same."""
+    """weight * (x * rsqrt(mean(x^2) + eps)): transformers' LlamaRMSNorm's operations in its order. In float32,
+    torch's own rms_norm computes exactly these (bit for bit, tests/test_engine_cpu_step_tables.py) in one call and
+    fewer temporaries, which matters more than the arithmetic right after a matmul has swept the caches."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-    out = x.pow(2)
-    scale = out.mean(-1, keepdim=True).add_(eps).rsqrt_()
-    return torch.mul(x, scale, out=out).mul_(weight)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class Model:
@@ -391,8 +389,8 @@ class Model:
                                                     batch), add_bias=False) for s in shards]
             return x + self._tp_sum(sum(parts[1:], parts[0]))
         nq, nkv, hd = d.heads_per_rank, d.kv_heads_per_rank, d.head_size
-        total = torch.zeros(0)
-        for i, s in enumerate(shards):
+        total = None
+        for s in shards:
             w = s.layers[local]
             assert w.qkv is not None  # every attention but MLA's has one
             qkv = w.qkv(h)
@@ -416,7 +414,8 @@ class Model:
             part = w.dense(attn, add_bias=False)
             if batch.lora is not None:  # row-parallel: this rank's input columns, into its partial sum
                 batch.lora.add(part, attn, layer, s.tp_rank, "attn_dense")
-            total = part if i == 0 else total + part
+            total = part if total is None else total + part
+        assert total is not None
         total = self._tp_sum(total)
         bias = shards[0].layers[local].dense.bias
         out = total + bias if bias is not None else total
@@ -484,8 +483,8 @@ class Model:
         pre = first.pre_ff_norm if gemma and first.pre_ff_norm is not None else first.post_norm
         h = rms_norm(x, pre, self.d.norm_epsilon)
         act = _gelu_tanh if self.d.hidden_act == "gelu" else F.silu
-        total = torch.zeros(0)
-        for i, s in enumerate(shards):
+        total = None
+        for s in shards:
             w = s.layers[local]
             if w.experts is not None:  # mixture of experts: this rank's experts' part (moe.py)
                 part = w.experts(h)
@@ -501,7 +500,8 @@ class Model:
                 lora.add(part, inner, layer, s.tp_rank, "mlp_4h_to_h")
             else:  # in place on the fresh matmul outputs: the same values, two [rows, inter] allocations fewer
                 part = w.proj(_act_(act, w.fc(h)).mul_(w.gate(h)), add_bias=False)
-            total = part if i == 0 else total + part
+            total = part if total is None else total + part
+        assert total is not None
         total = self._tp_sum(total)
         bias = first.proj.bias if first.proj is not None else None
         out = total + bias if bias is not None else total
