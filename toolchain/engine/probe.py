@@ -1,6 +1,6 @@
 """`toolchain probe-host`'s measurements: this host's rates for the CPU engine, from the engine's own kernels.
 
-Each figure runs the code the CPU engine runs (engine/cpu/): the float32 `F.linear` every float weight goes
+Each figure runs the code the CPU engine runs (engine/cpu/): the float32 `linear.matmul` every float weight goes
 through (weights are widened to float32 at load), the weight-only int8/int4 packed kernels and SmoothQuant's
 `torch._int_mm` of engine/cpu/qlinear.py on bf16/int8 activations, attention as `Model._attend` does it (an
 `index_select` of the cached keys and values out of the paged pool, then `scaled_dot_product_attention`), and the
@@ -31,6 +31,7 @@ from toolchain.checkpoint.convert import convert_checkpoint
 from toolchain.engine.build import write_cpu_engine
 from toolchain.engine.cpu import CpuEngine, InflightBatcher, KvCacheConfig, SamplingParams
 from toolchain.engine.cpu.comm import Comm
+from toolchain.engine.cpu.linear import matmul
 from toolchain.engine.cpu.qlinear import Int4WeightOnly, Int8WeightOnly, SmoothQuantW8A8
 from toolchain.hostprofile import HostProfile, current_key
 from toolchain.netutil import free_port
@@ -79,14 +80,14 @@ def gemv_gb_s(nbytes: int) -> float:
     inp = 1024
     w = torch.randn(max(1, nbytes // (4 * inp)), inp)
     x = torch.randn(1, inp)
-    return w.numel() * 4 / _best_seconds(lambda: F.linear(x, w)) / 1e9
+    return w.numel() * 4 / _best_seconds(lambda: matmul(x, w)) / 1e9
 
 
 def gemm_curves() -> dict[str, dict[str, float]]:
     """GFLOP/s of each kernel the CPU engine runs a linear with, by rows per call."""
     out_f, in_f = GEMM_SHAPE
     w = torch.randn(out_f, in_f) * 0.02
-    kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"fp32": lambda x: F.linear(x, w)}
+    kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"fp32": lambda x: matmul(x, w)}
     w_bf16 = w.to(torch.bfloat16)
     kernels["bf16"] = lambda x: F.linear(x.to(torch.bfloat16), w_bf16)
     kernels["int8_wo"] = Int8WeightOnly(w)
