@@ -543,7 +543,8 @@ def test_cpu_llm_serves_the_checkpoint_as_the_engine_runs_it(export, deepseek, t
     else:
         # the two ranks' partial sums added in another order: measured 3.1e-6 (fp16 export); with bf16 activations
         # a last-bit difference can flip one e4m3 rounding of a 1x128 activation group, which moved one logit by
-        # 1.1e-3 of the largest (measured, deepseek at tp 2); the tokens stay the same.
-        assert float((got - want).abs().max() / want.abs().max()) < 5e-3
+        # 1.1e-3 of the largest with F.linear's summation order and 6.9e-3 with linear.matmul's (measured, deepseek
+        # at tp 2); the tokens stay the same.
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-2
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert len(tokens) == 12 and tokens[0] == int(want[-1].argmax())
