@@ -45,8 +45,11 @@ class Linear:
         return self.weight.shape[1]
 
     def __call__(self, x: torch.Tensor, *, add_bias: bool = True) -> torch.Tensor:
-        # Row-parallel shards leave their bias out; it is added once after the partial sums.
-        y = matmul(x, self.weight)
+        return self.with_bias(matmul(x, self.weight), add_bias)
+
+    def with_bias(self, y: torch.Tensor, add_bias: bool) -> torch.Tensor:
+        """y plus the bias where there is one and `add_bias`: row-parallel shards leave theirs out, to be added once
+        after the partial sums."""
         return y + self.bias if (add_bias and self.bias is not None) else y
 
     # The matmul alone, as a benchmark's floor runs it (benchmarks/cpu_engine.py): the kernel this module calls,

@@ -59,7 +59,7 @@ class Int8WeightOnly(Linear):
         return self.weight.float() * self.scale[:, None]
 
     def __call__(self, x, *, add_bias=True):
-        return _bias(self.kernel(x.to(torch.bfloat16)).float(), self.bias, add_bias)
+        return self.with_bias(self.kernel(x.to(torch.bfloat16)).float(), add_bias)
 
     def kernel_input(self, rows):
         return torch.randn(rows, self.in_features).to(torch.bfloat16)
@@ -100,7 +100,7 @@ class Int4Grouped(Linear):
             x = x.to(torch.bfloat16)
         else:  # x * prequant rounded to bf16 as it is stored: (x * prequant).to(bf16) in one pass
             x = torch.mul(x, self.prequant, out=torch.empty(x.shape, dtype=torch.bfloat16))
-        return _bias(self.kernel(x).float(), self.bias, add_bias)
+        return self.with_bias(self.kernel(x).float(), add_bias)
 
     def kernel_input(self, rows):
         return torch.randn(rows, self._sz.shape[0] * self.group).to(torch.bfloat16)  # the packed width
@@ -143,7 +143,7 @@ class SmoothQuantW8A8(Linear):
 
     def __call__(self, x, *, add_bias=True):
         y = torch._int_mm(self.quantize_input(x), self.weight.t()).float() * self._out_scale
-        return _bias(y, self.bias, add_bias)
+        return self.with_bias(y, add_bias)
 
 
 class Fp8PerTensor(Linear):
@@ -158,7 +158,7 @@ class Fp8PerTensor(Linear):
 
     def __call__(self, x, *, add_bias=True):
         y = matmul(fp8q.fake_fp8(x, self.act_scale), self._wide)
-        return _bias(y, self.bias, add_bias)
+        return self.with_bias(y, add_bias)
 
 
 class _Widened(Linear):
@@ -196,7 +196,7 @@ class Nvfp4(_Widened):
 
     def __call__(self, x, *, add_bias=True):
         y = matmul(fake_quantize_nvfp4_activation(x, self.act_scale), self._wide)
-        return _bias(y, self.bias, add_bias)
+        return self.with_bias(y, add_bias)
 
 
 class Fp8BlockScales(_Widened):
@@ -213,7 +213,7 @@ class Fp8BlockScales(_Widened):
 
     def __call__(self, x, *, add_bias=True):
         y = matmul(fake_quantize_fp8_per_1x128(x), self._wide)
-        return _bias(y, self.bias, add_bias)
+        return self.with_bias(y, add_bias)
 
 
 class Mxfp4(Linear):
@@ -240,11 +240,7 @@ class Mxfp4(Linear):
         return dequantize_mxfp4(self.weight.reshape(*self.scales.shape, -1), self.scales, torch.float32)
 
     def __call__(self, x, *, add_bias=True):
-        return _bias(matmul(x, self.dequantized()), self.bias, add_bias)
-
-
-def _bias(y, bias, add):
-    return y + bias if (add and bias is not None) else y
+        return self.with_bias(matmul(x, self.dequantized()), add_bias)
 
 
 # -- what each format stores, and building the right Linear --------------------------------
