@@ -22,9 +22,10 @@ contender, greedy decoding with fixed output lengths:
     shared prefix (max_utilization vs the same reservation);
 (g) a decode step (`CpuEngine.step` over b decoding requests) against its own GEMM
     floor: every weight of the engine (fused QKV, output projection, gate and up,
-    down, LM head) through the kernel the engine runs it with, bare, at b rows,
-    timed interleaved with the steps in the same process; for fp32, int8 and int4
-    weight-only at b = 1 and 16.
+    down, LM head) through the kernel the engine runs it with, bare, at b rows in
+    the layout the step hands it (columns for a float32 output projection, MLP and
+    LM head), timed interleaved with the steps in the same process; for fp32, int8
+    and int4 weight-only at b = 1 and 16.
 
     python benchmarks/cpu_engine.py [--json PATH] [--quick] [--only a,b,...]
 
@@ -41,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 # transformers' continuous batching runs its model in a thread of its own; with OpenMP's default
@@ -56,6 +58,7 @@ sys.path.insert(0, str(REPO))
 from toolchain.bench.results import print_and_write  # noqa: E402
 from toolchain.engine.cpu import (CpuEngine, InflightBatcher, KvCacheConfig, RequestStats,  # noqa: E402
                                   SamplingParams, SchedulerConfig)
+from toolchain.engine.cpu.linear import as_columns, gemm_columns, takes_columns  # noqa: E402
 
 THREADS = 2
 TPB = 32  # tokens_per_block, TensorRT-LLM 1.2's default
@@ -351,16 +354,35 @@ def bench_quantized(hf_dir: Path, root: Path, fp_engine: Path, quick: bool) -> d
 
 # -- (g) the decode step against its GEMM floor --------------------------------------------
 
-def engine_linears(engine: CpuEngine) -> list:
-    """Every weight matmul a decode step runs, in order: per layer QKV, output projection, gate and up
-    (one fused fc where the engine holds one), down; then the LM head."""
-    out = []
+def floor_kernels(engine: CpuEngine, rows: int) -> list[tuple]:
+    """Every weight matmul a decode step of `rows` runs, in order, as (kernel, input) with the input in the layout
+    the step hands it: per layer QKV, output projection, gate and up (one fused fc where the engine holds one), down;
+    then the LM head. A float32 output projection, MLP and LM head run on columns (linear.columns, on the step's own
+    conditions), the rest through their module's kernel on rows."""
+    out: list[tuple] = []
+    one_shard = [len(shards) for shards in engine.model.stages] == [1] and engine.model.comm is None
     for shards in engine.model.stages:
         for shard in shards:
             for layer in shard.layers:
-                out += [m for m in (layer.qkv, layer.dense, layer.fc, layer.gate, layer.proj) if m is not None]
-            if shard.lm_head is not None:
-                out.append(shard.lm_head)
+                if layer.qkv is not None:
+                    out.append((layer.qkv.kernel, layer.qkv.kernel_input(rows)))
+                if layer.dense is not None:
+                    out.append((partial(layer.dense.columns, add_bias=False),
+                                as_columns(torch.randn(rows, layer.dense.in_features))) if takes_columns(layer.dense)
+                               else (layer.dense.kernel, layer.dense.kernel_input(rows)))
+                mlp = [m for m in (layer.fc, layer.gate, layer.proj) if m is not None]
+                if layer.gate is None or not takes_columns(*mlp):
+                    out += [(m.kernel, m.kernel_input(rows)) for m in mlp]
+                    continue
+                cols = as_columns(torch.randn(rows, layer.fc.in_features))
+                inner = gemm_columns(torch.randn(layer.proj.in_features, cols.shape[1]))
+                out += [(partial(m.columns, add_bias=False), cols) for m in (layer.fc, layer.gate)]
+                out.append((partial(layer.proj.columns, add_bias=False), inner))
+            head = shard.lm_head
+            if head is not None:
+                columns = one_shard and takes_columns(head)
+                out.append((partial(head.columns, add_bias=False), as_columns(torch.randn(rows, head.in_features))) if columns
+                           else (head.kernel, head.kernel_input(rows)))
     return out
 
 
@@ -368,8 +390,7 @@ def step_vs_floor(engine: CpuEngine, batch: int, rounds: int) -> dict:
     """Median step and floor times of `rounds` interleaved pairs, and the median of their ratios.
     The step is `engine.step` over `batch` requests decoding one token each (16-token prompts,
     contexts run first); the floor is the same weights' bare kernels at `batch` rows."""
-    linears = engine_linears(engine)
-    inputs = [m.kernel_input(batch) for m in linears]
+    kernels = floor_kernels(engine, batch)
     seqs = [engine.start(p, greedy(rounds + 8)) for p in prompts_of(batch, 16, seed=11)]
     for seq in seqs:
         engine.add(seq)
@@ -381,8 +402,8 @@ def step_vs_floor(engine: CpuEngine, batch: int, rounds: int) -> dict:
                 start = time.perf_counter()
                 engine.step([(s, 1) for s in seqs])
                 mid = time.perf_counter()
-                for m, x in zip(linears, inputs, strict=True):
-                    m.kernel(x)
+                for kernel, x in kernels:
+                    kernel(x)
                 end = time.perf_counter()
                 if i >= 2:  # warm-up
                     steps.append(mid - start)

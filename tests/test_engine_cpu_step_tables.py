@@ -98,3 +98,49 @@ def test_matmul_is_x_times_the_stored_weight_transposed(rows, out_f, in_f):
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(Linear(w, b)(x), torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(Linear(w, b)(x, add_bias=False), y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 11, 12, 17])
+def test_the_product_on_columns_is_matmuls_product_transposed(rows):
+    from toolchain.engine.cpu.linear import Linear, as_columns, gemm_columns, matmul, takes_columns
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(rows, 96, generator=g), torch.randn(160, 96, generator=g), torch.randn(160, generator=g)
+    cols = as_columns(x)
+    assert cols.shape == (96, max(rows, 2)) and cols.stride(0) == 1  # one row runs as two, as in matmul
+    y = Linear(w).columns(cols)
+    assert torch.equal(y.t()[:rows], matmul(x, w))
+    assert torch.equal(Linear(w, b).columns(cols), y + b[:, None])
+    assert torch.equal(Linear(w, b).columns(cols, add_bias=False), y)
+    # The layout the fast GEMM reads: as rows below 12 columns, as they are from 12 on; the values unchanged.
+    c = torch.randn(96, max(rows, 2), generator=g)
+    laid = gemm_columns(c)
+    assert torch.equal(laid, c) and laid.stride(0) == (1 if c.shape[1] < 12 else c.shape[1])
+    from toolchain.engine.cpu.qlinear import Int8WeightOnly
+    assert takes_columns(Linear(w), Linear(w, b)) and not takes_columns(Linear(w), Int8WeightOnly(w))
+
+
+def test_the_output_projection_mlp_and_lm_head_on_columns_give_the_row_paths_logits_bit_for_bit(tmp_path_factory, hf_llama,
+                                                                               monkeypatch):
+    import toolchain.engine.cpu.model as model
+    from toolchain.engine.cpu.model import Chunk
+    engine = load_engine(tmp_path_factory, hf_llama)
+
+    def logits():
+        seqs = [engine.start(p, SamplingParams(max_new_tokens=4)) for p in PROMPTS]
+        for s in seqs:
+            engine.add(s)
+        try:
+            engine.step([(s, s.pending) for s in seqs])  # the contexts, through the same path
+            return [engine.model.forward([Chunk(s.table, [5, 6][:n]) for s in seqs[:b]], engine.kv)
+                    for b, n in ((1, 1), (len(seqs), 1), (len(seqs), 2))]
+        finally:
+            for s in seqs:
+                engine.release(s)
+
+    columns = logits()
+    assert not columns[0][0].is_contiguous()  # the LM head's transposed view: the columns path ran
+    monkeypatch.setattr(model, "takes_columns", lambda *modules: False)
+    rows = logits()
+    assert rows[0][0].is_contiguous()
+    for a, b in zip(columns, rows, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from toolchain.engine.cpu.config import ModelDims
 from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheManager
+from toolchain.engine.cpu.linear import as_columns, gemm_columns, takes_columns
 from toolchain.engine.cpu.comm import Comm
 from toolchain.engine.cpu.mla import MlaAttention, rotary as mla_rotary
 from toolchain.engine.cpu.sinks import attend_with_sinks
@@ -338,7 +339,7 @@ class Model:
         return self.comm
 
     def _tp_sum(self, total: torch.Tensor) -> torch.Tensor:
-        return total if self.comm is None else self.comm.tp_sum(total)
+        return total if self.comm is None else self.comm.tp_sum(total.contiguous())
 
     def _tp_cat(self, part: torch.Tensor) -> torch.Tensor:
         return part if self.comm is None else self.comm.tp_cat(part)
@@ -375,8 +376,13 @@ class Model:
 
     def _lm_head(self, shards: list[RankShard], h: torch.Tensor) -> torch.Tensor:
         # Column-parallel over the padded vocab: concatenate the slices, drop the padding.
+        head = shards[0].part("lm_head")
+        if len(shards) == 1 and self.comm is None and takes_columns(head):
+            # float32: logits as a transposed view of the columns' product, no [rows, vocab] copy; argmax and
+            # sampling read them as they lie (linear.columns).
+            return head.columns(as_columns(h)).t()[: h.shape[0], : self.d.vocab_size]
         if len(shards) == 1:  # one slice: no copy of [rows, vocab] through cat
-            return self._tp_cat(shards[0].part("lm_head")(h))[:, : self.d.vocab_size]
+            return self._tp_cat(head(h))[:, : self.d.vocab_size]
         return self._tp_cat(torch.cat([s.part("lm_head")(h) for s in shards], dim=-1))[:, : self.d.vocab_size]
 
     # -- one decoder layer ------------------------------------------------------
@@ -411,9 +417,13 @@ class Model:
             else:
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             attn = self._attend(q, k, v, batch, layer, s.tp_rank, w.sinks)
-            part = w.dense(attn, add_bias=False)
             if batch.lora is not None:  # row-parallel: this rank's input columns, into its partial sum
+                part = w.dense(attn, add_bias=False)
                 batch.lora.add(part, attn, layer, s.tp_rank, "attn_dense")
+            elif takes_columns(w.dense):  # float32: the product on columns, read back as a transposed view
+                part = w.dense.columns(as_columns(attn), add_bias=False).t()[: attn.shape[0]]
+            else:
+                part = w.dense(attn, add_bias=False)
             total = part if total is None else total + part
         assert total is not None
         total = self._tp_sum(total)
@@ -421,7 +431,7 @@ class Model:
         out = total + bias if bias is not None else total
         if d.inter_layernorms:  # Gemma 2: post_layernorm normalises the attention output before the residual
             out = rms_norm(out, shards[0].layers[local].post_norm, d.norm_epsilon)
-        return out.add_(x)  # x + out, into the block's own fresh output
+        return _residual(x, out)
 
     def _attend(self, q, k, v, batch: "_Batch", layer, tp_rank, sinks=None) -> torch.Tensor:
         kv = batch.kv
@@ -484,6 +494,7 @@ class Model:
         h = rms_norm(x, pre, self.d.norm_epsilon)
         act = _gelu_tanh if self.d.hidden_act == "gelu" else F.silu
         total = None
+        cols = None
         for s in shards:
             w = s.layers[local]
             if w.experts is not None:  # mixture of experts: this rank's experts' part (moe.py)
@@ -498,6 +509,10 @@ class Model:
                 inner = act(fc) * gate
                 part = w.proj(inner, add_bias=False)
                 lora.add(part, inner, layer, s.tp_rank, "mlp_4h_to_h")
+            elif takes_columns(w.fc, w.gate, w.proj):  # float32: on columns throughout, one transposed view at the end
+                cols = as_columns(h) if cols is None else cols
+                inner = _act_(act, w.fc.columns(cols)).mul_(w.gate.columns(cols))
+                part = w.proj.columns(gemm_columns(inner), add_bias=False).t()[: h.shape[0]]
             else:  # in place on the fresh matmul outputs: the same values, two [rows, inter] allocations fewer
                 part = w.proj(_act_(act, w.fc(h)).mul_(w.gate(h)), add_bias=False)
             total = part if total is None else total + part
@@ -507,7 +522,13 @@ class Model:
         out = total + bias if bias is not None else total
         if gemma and first.post_ff_norm is not None:
             out = rms_norm(out, first.post_ff_norm, self.d.norm_epsilon)
-        return out.add_(x)  # x + out, into the block's own fresh output
+        return _residual(x, out)
+
+
+def _residual(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """x + out: into the block's own fresh output where it lies in rows, else (a transposed view of a product on
+    columns) a new tensor in x's layout; the same sums either way."""
+    return out.add_(x) if out.is_contiguous() else x + out
 
 
 def _act_(act, x: torch.Tensor) -> torch.Tensor:
