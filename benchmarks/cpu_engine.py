@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO))
 from toolchain.bench.results import print_and_write  # noqa: E402
 from toolchain.engine.cpu import (CpuEngine, InflightBatcher, KvCacheConfig, RequestStats,  # noqa: E402
                                   SamplingParams, SchedulerConfig)
-from toolchain.engine.cpu.linear import as_columns, gemm_columns, takes_columns  # noqa: E402
+from toolchain.engine.cpu.linear import as_columns, gemm_columns, on_columns  # noqa: E402
 
 THREADS = 2
 TPB = 32  # tokens_per_block, TensorRT-LLM 1.2's default
@@ -368,10 +368,10 @@ def floor_kernels(engine: CpuEngine, rows: int) -> list[tuple]:
                     out.append((layer.qkv.kernel, layer.qkv.kernel_input(rows)))
                 if layer.dense is not None:
                     out.append((partial(layer.dense.columns, add_bias=False),
-                                as_columns(torch.randn(rows, layer.dense.in_features))) if takes_columns(layer.dense)
+                                as_columns(torch.randn(rows, layer.dense.in_features))) if on_columns(rows, layer.dense)
                                else (layer.dense.kernel, layer.dense.kernel_input(rows)))
                 mlp = [m for m in (layer.fc, layer.gate, layer.proj) if m is not None]
-                if layer.gate is None or not takes_columns(*mlp):
+                if layer.gate is None or not on_columns(rows, *mlp):
                     out += [(m.kernel, m.kernel_input(rows)) for m in mlp]
                     continue
                 cols = as_columns(torch.randn(rows, layer.fc.in_features))
@@ -380,7 +380,7 @@ def floor_kernels(engine: CpuEngine, rows: int) -> list[tuple]:
                 out.append((partial(layer.proj.columns, add_bias=False), inner))
             head = shard.lm_head
             if head is not None:
-                columns = one_shard and takes_columns(head)
+                columns = one_shard and on_columns(rows, head)
                 out.append((partial(head.columns, add_bias=False), as_columns(torch.randn(rows, head.in_features))) if columns
                            else (head.kernel, head.kernel_input(rows)))
     return out

@@ -97,12 +97,12 @@ def test_matmul_is_x_times_the_stored_weight_transposed(rows, out_f, in_f):
     assert y.shape == (*rows, out_f) and y.is_contiguous()
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(Linear(w, b)(x), torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(Linear(w, b)(x, add_bias=False), y, rtol=0, atol=0)
+    assert torch.equal(Linear(w, b)(x, add_bias=False), Linear(w).product(x))  # the bias left out, nothing else
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 11, 12, 17])
 def test_the_product_on_columns_is_matmuls_product_transposed(rows):
-    from toolchain.engine.cpu.linear import Linear, as_columns, gemm_columns, matmul, takes_columns
+    from toolchain.engine.cpu.linear import Linear, as_columns, gemm_columns, matmul
     g = torch.Generator().manual_seed(1)
     x, w, b = torch.randn(rows, 96, generator=g), torch.randn(160, 96, generator=g), torch.randn(160, generator=g)
     cols = as_columns(x)
@@ -115,31 +115,50 @@ def test_the_product_on_columns_is_matmuls_product_transposed(rows):
     c = torch.randn(96, max(rows, 2), generator=g)
     laid = gemm_columns(c)
     assert torch.equal(laid, c) and laid.stride(0) == (1 if c.shape[1] < 12 else c.shape[1])
+
+
+@pytest.mark.parametrize("rows", [(1,), (2,), (3,), (4,), (17,), (64,), (2, 5)])
+def test_from_three_rows_a_float_linear_runs_onednn_on_its_blocked_weight(rows):
+    from toolchain.engine.cpu.linear import BLOCKED_FROM_ROWS, Linear, matmul, on_columns
     from toolchain.engine.cpu.qlinear import Int8WeightOnly
-    assert takes_columns(Linear(w), Linear(w, b)) and not takes_columns(Linear(w), Int8WeightOnly(w))
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(*rows, 96, generator=g), torch.randn(160, 96, generator=g), torch.randn(160, generator=g)
+    lin = Linear(w, b)
+    assert lin.blocked_weight is not None and lin.blocked_weight.is_mkldnn
+    assert Int8WeightOnly(w).blocked_weight is None  # a quantized kernel keeps its own weight only
+    n = x.reshape(-1, 96).shape[0]
+    y = lin(x, add_bias=False)
+    assert y.shape == (*rows, 160) and y.is_contiguous()
+    if n < BLOCKED_FROM_ROWS:
+        assert torch.equal(y, matmul(x, w)) and on_columns(n, lin)
+    else:  # oneDNN's sums: another order than matmul's, the same products
+        torch.testing.assert_close(y, matmul(x, w), rtol=1e-5, atol=1e-5)
+        assert not on_columns(n, lin)
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    assert torch.equal(lin(x), y + b)
+    assert not on_columns(1, lin, Int8WeightOnly(w))
 
 
-def test_the_output_projection_mlp_and_lm_head_on_columns_give_the_row_paths_logits_bit_for_bit(tmp_path_factory, hf_llama,
-                                                                               monkeypatch):
+def test_the_output_projection_mlp_and_lm_head_on_columns_give_the_row_paths_logits_bit_for_bit(
+        tmp_path_factory, hf_llama, monkeypatch):
     import toolchain.engine.cpu.model as model
     from toolchain.engine.cpu.model import Chunk
     engine = load_engine(tmp_path_factory, hf_llama)
 
-    def logits():
-        seqs = [engine.start(p, SamplingParams(max_new_tokens=4)) for p in PROMPTS]
+    def logits():  # one and two decoding requests: the rows the columns path takes
+        seqs = [engine.start(p, SamplingParams(max_new_tokens=4)) for p in PROMPTS[:2]]
         for s in seqs:
             engine.add(s)
         try:
-            engine.step([(s, s.pending) for s in seqs])  # the contexts, through the same path
-            return [engine.model.forward([Chunk(s.table, [5, 6][:n]) for s in seqs[:b]], engine.kv)
-                    for b, n in ((1, 1), (len(seqs), 1), (len(seqs), 2))]
+            engine.step([(s, s.pending) for s in seqs])
+            return [engine.model.forward([Chunk(s.table, [5]) for s in seqs[:b]], engine.kv) for b in (1, 2)]
         finally:
             for s in seqs:
                 engine.release(s)
 
     columns = logits()
     assert not columns[0][0].is_contiguous()  # the LM head's transposed view: the columns path ran
-    monkeypatch.setattr(model, "takes_columns", lambda *modules: False)
+    monkeypatch.setattr(model, "on_columns", lambda rows, *modules: False)
     rows = logits()
     assert rows[0][0].is_contiguous()
     for a, b in zip(columns, rows, strict=True):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from toolchain.engine.cpu.config import ModelDims
 from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheManager
-from toolchain.engine.cpu.linear import as_columns, gemm_columns, takes_columns
+from toolchain.engine.cpu.linear import as_columns, gemm_columns, on_columns
 from toolchain.engine.cpu.comm import Comm
 from toolchain.engine.cpu.mla import MlaAttention, rotary as mla_rotary
 from toolchain.engine.cpu.sinks import attend_with_sinks
@@ -377,9 +377,9 @@ class Model:
     def _lm_head(self, shards: list[RankShard], h: torch.Tensor) -> torch.Tensor:
         # Column-parallel over the padded vocab: concatenate the slices, drop the padding.
         head = shards[0].part("lm_head")
-        if len(shards) == 1 and self.comm is None and takes_columns(head):
-            # float32: logits as a transposed view of the columns' product, no [rows, vocab] copy; argmax and
-            # sampling read them as they lie (linear.columns).
+        if len(shards) == 1 and self.comm is None and on_columns(h.shape[0], head):
+            # float32, few rows: logits as a transposed view of the columns' product, no [rows, vocab] copy;
+            # argmax and sampling read them as they lie (linear.columns).
             return head.columns(as_columns(h)).t()[: h.shape[0], : self.d.vocab_size]
         if len(shards) == 1:  # one slice: no copy of [rows, vocab] through cat
             return self._tp_cat(head(h))[:, : self.d.vocab_size]
@@ -420,7 +420,7 @@ class Model:
             if batch.lora is not None:  # row-parallel: this rank's input columns, into its partial sum
                 part = w.dense(attn, add_bias=False)
                 batch.lora.add(part, attn, layer, s.tp_rank, "attn_dense")
-            elif takes_columns(w.dense):  # float32: the product on columns, read back as a transposed view
+            elif on_columns(attn.shape[0], w.dense):  # float32, few rows: on columns, read back as a transposed view
                 part = w.dense.columns(as_columns(attn), add_bias=False).t()[: attn.shape[0]]
             else:
                 part = w.dense(attn, add_bias=False)
@@ -509,7 +509,8 @@ class Model:
                 inner = act(fc) * gate
                 part = w.proj(inner, add_bias=False)
                 lora.add(part, inner, layer, s.tp_rank, "mlp_4h_to_h")
-            elif takes_columns(w.fc, w.gate, w.proj):  # float32: on columns throughout, one transposed view at the end
+            elif on_columns(h.shape[0], w.fc, w.gate, w.proj):  # float32, few rows: on columns throughout, one
+                # transposed view at the end
                 cols = as_columns(h) if cols is None else cols
                 inner = _act_(act, w.fc.columns(cols)).mul_(w.gate.columns(cols))
                 part = w.proj.columns(gemm_columns(inner), add_bias=False).t()[: h.shape[0]]
