@@ -2,7 +2,7 @@
 
 Each figure runs the code the CPU engine runs (engine/cpu/): the float32 `linear.Linear` every float weight goes
 through (weights are widened to float32 at load; `matmul` at one or two rows, oneDNN on a blocked copy from
-three), the weight-only int8/int4 packed kernels and SmoothQuant's `torch._int_mm` of engine/cpu/qlinear.py on
+four), the weight-only int8/int4 packed kernels and SmoothQuant's `torch._int_mm` of engine/cpu/qlinear.py on
 bf16/int8 activations, attention as `Model._attend` does it (an
 `index_select` of the cached keys and values out of the paged pool, then `scaled_dot_product_attention`), and the
 fixed costs of a step on a model of the embedded tiny Llama's shape driven by the `InflightBatcher` itself. The
@@ -88,7 +88,7 @@ def gemm_curves() -> dict[str, dict[str, float]]:
     """GFLOP/s of each kernel the CPU engine runs a linear with, by rows per call."""
     out_f, in_f = GEMM_SHAPE
     w = torch.randn(out_f, in_f) * 0.02
-    kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"fp32": Linear(w)}  # matmul, or oneDNN from 3 rows
+    kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"fp32": Linear(w)}  # matmul, or oneDNN from 4 rows
     w_bf16 = w.to(torch.bfloat16)
     kernels["bf16"] = lambda x: F.linear(x.to(torch.bfloat16), w_bf16)
     kernels["int8_wo"] = Int8WeightOnly(w)

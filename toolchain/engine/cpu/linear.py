@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import torch
 
-BLOCKED_FROM_ROWS = 3
+BLOCKED_FROM_ROWS = 4
 """From this many rows a float32 `Linear` runs on its oneDNN-blocked copy (`Linear.product`); below, `matmul`."""
+BLOCKED_MIN_BYTES = 1 << 20
+"""Weights smaller than this keep no blocked copy: oneDNN gains where a weight streams from memory, while one that
+sits in cache gains nothing at a few rows and pays more per call inside a step (the embedded tiny Llama, 0.8 MB
+weights, one 4-row forward: 4.5 ms with its linears on oneDNN against 3.5 ms without)."""
 
 
 def blocked(weight: torch.Tensor) -> torch.Tensor | None:
     """A float32 weight (out, in) reordered into oneDNN's blocked layout for its matmul (PyTorch's
     mkldnn._reorder_linear_weight, what its CPU inductor backend prepacks linears with); None where this build of
-    torch has no oneDNN or the weight is empty."""
-    if not torch.backends.mkldnn.is_available() or weight.dtype != torch.float32 or weight.numel() == 0:
+    torch has no oneDNN or the weight is under BLOCKED_MIN_BYTES."""
+    if (not torch.backends.mkldnn.is_available() or weight.dtype != torch.float32
+            or weight.numel() * weight.element_size() < BLOCKED_MIN_BYTES):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
@@ -64,19 +69,21 @@ def on_columns(rows: int, *modules: "Linear | None") -> bool:
 class Linear:
     """y = x @ W.T + b with W stored (out, in) as in the checkpoint, in float32.
 
-    The weight is held twice: as stored, for `matmul` at one or two rows, and blocked for oneDNN's matmul
-    (`blocked`), which from three rows on reads it much faster than the plain GEMM does. The benchmark model's
-    layers (benchmarks/cpu_engine.py, 302 MB of weights), all in turn, 2 threads, ms:
+    A weight of 1 MiB or more is held twice: as stored, for `matmul` at up to three rows, and blocked for oneDNN's
+    matmul (`blocked`), which from four rows on reads it much faster than the plain GEMM does. The benchmark
+    model's layers (benchmarks/cpu_engine.py, 302 MB of weights), all in turn, 2 threads, ms:
 
     | rows | 1 | 2 | 3 | 4 | 5 | 8 | 16 | 64 | 256 |
     |---|---|---|---|---|---|---|---|---|---|
     | `matmul` | 12.3 | 12.0 | 14.0 | 16.5 | 20.8 | 38.3 | 31.0 | 65.6 | 213 |
     | oneDNN, blocked | 16.4 | 16.6 | 14.7 | 14.1 | 14.3 | 17.5 | 19.4 | 50.0 | 182 |
 
-    A decode step of 16 requests took 33 ms against 57 (8 requests: 27 against 50; one request: the same). The
-    second copy doubles the float weights' memory; it is made at load, before the KV pool takes its share of what
-    is left. The sums come in oneDNN's order: a row's values depend on whether it ran with fewer than three rows
-    or more (below eight they already did, see `matmul`)."""
+    At three rows the two are even (a whole forward of that model at three rows: 26.3 ms through oneDNN, 24.5
+    without; at four 26.0 against 28.0, at five 24.0 against 32.0). A decode step of 16 requests took 33 ms
+    against 57 (8 requests: 27 against 50; one request: the same). The second copy doubles those weights' memory;
+    it is made at load, before the KV pool takes its share of what is left. The sums come in oneDNN's order: a
+    row's values depend on whether it ran with fewer than four rows or more (below eight they already did, see
+    `matmul`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight
