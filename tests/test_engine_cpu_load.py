@@ -122,3 +122,47 @@ def test_config_exposes_both_sections(tmp_path_factory, hf_llama):
         engine.forward_logits([1, 250])
     with pytest.raises(ToolchainError, match="empty prompt"):
         engine.forward_logits([])
+
+
+_POOL_PROBE = """
+import os, sys, time
+import torch
+import toolchain.engine.cpu.engine as engine_module
+from toolchain.engine.cpu import CpuEngine
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+read = engine_module.read_engine_config
+
+def read_after_parallel_work(path):  # what a large model's load does (conversions, oneDNN reorders), on any model
+    torch.ones(1 << 22).mul_(2)
+    return read(path)
+
+engine_module.read_engine_config = read_after_parallel_work
+torch.set_num_threads(2)
+before = threads()
+CpuEngine.load(sys.argv[1], num_threads=2)
+deadline = time.monotonic() + 5
+while threads() > before and time.monotonic() < deadline:  # a finished thread's OpenMP workers exit on their own
+    time.sleep(0.05)
+after = threads()
+torch.ones(1 << 22).mul_(2)  # parallel work on this thread: its own pool, which outlives the call
+time.sleep(0.5)
+print(before, after, threads())
+"""
+
+
+def test_loading_leaves_no_openmp_pool_in_the_callers_thread(tmp_path_factory, hf_llama):
+    # A pool left in the serving process's long-lived main thread made libgomp stop spinning for the batcher's
+    # thread too (two pools on two cores): each of its matmuls then waited for workers to wake (engine.py).
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "-c", _POOL_PROBE, str(engine_dir(tmp_path_factory, hf_llama, 1, 1))],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+                         env={k: v for k, v in __import__("os").environ.items() if k != "OMP_NUM_THREADS"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after, with_pool = map(int, out.stdout.split())
+    assert after == before
+    assert with_pool > before  # the probe sees a pool where one is left
