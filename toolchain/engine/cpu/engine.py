@@ -30,6 +30,7 @@ from toolchain.engine.cpu.mtp import positions_known
 from toolchain.engine.cpu.sampling import Sampler, SamplingParams
 from toolchain.engine.cpu.comm import Comm, num_blocks
 from toolchain.engine.cpu.ranks import LeaderModel
+from toolchain.engine.cpu.threads import on_passing_thread
 from toolchain.engine.cpu.weights import load_own_stage, load_stages
 from toolchain.errors import ToolchainError
 
@@ -254,30 +255,6 @@ class MedusaTree:
 
 
 
-def _on_passing_thread(fn, *args):
-    """fn(*args) on a thread that ends with it, its exception raised here.
-
-    Loading converts and reorders every weight with torch's OpenMP-parallel kernels, and libgomp gives each
-    thread that starts parallel work a pool of its own for as long as that thread lives. With two pools on a
-    host of two cores libgomp counts more threads than CPUs and stops spinning between parallel regions, so
-    every matmul of the batcher's thread waits for its workers to wake. Loaded in the serving process's main
-    thread, which lives on, the 124M-parameter benchmark model's decode steps on the batcher's thread took
-    30 ms against 20 (OpenMP's default wait policy, b1); loaded on a passing thread, 20."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = fn(*args)
-        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread as is
-            box["error"] = err
-
-    thread = threading.Thread(target=run, name="cpu-engine-load")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
 class CpuEngine:
     def __init__(self, config: dict, dims: ModelDims, limits: BuildLimits, model: Model | LeaderModel,
                  kv: KvCacheManager, medusa_choices: list[list[int]] | None = None):
@@ -328,8 +305,8 @@ class CpuEngine:
             num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        return _on_passing_thread(cls._load, Path(engine_dir), kv_cache, medusa_choices, comm, unit_kv_scales,
-                                  lora_host_bytes, lora_prefetch_dir)
+        return on_passing_thread(cls._load, Path(engine_dir), kv_cache, medusa_choices, comm, unit_kv_scales,
+                                 lora_host_bytes, lora_prefetch_dir)
 
     @classmethod
     def _load(cls, engine_dir: Path, kv_cache: KvCacheConfig | None, medusa_choices: list[list[int]] | None,

@@ -28,6 +28,7 @@ import torch
 
 from toolchain.engine.cpu.comm import Comm, RankLost, abort_soon, num_blocks
 from toolchain.engine.cpu.config import read_engine_config
+from toolchain.engine.cpu.threads import on_passing_thread
 from toolchain.engine.cpu.weights import load_own_stage
 # The rendered tensorrt_llm model.py (copied verbatim into every repository, so it cannot change) reaches
 # the rendezvous through this module: ranks.launched_world() and ranks.ADDR_ENV, which moved to comm.py.
@@ -103,7 +104,12 @@ def worker_loop(model, comm: Comm, kv: KvCacheManager) -> None:
 
 
 def load_worker(engine_dir, comm: Comm):
-    """A rank other than 0: its own shard and a pool the size of the leader's, ready for worker_loop."""
+    """A rank other than 0: its own shard and a pool the size of the leader's, ready for worker_loop on another
+    thread; loaded on a passing thread, so the caller's keeps no OpenMP pool (threads.py)."""
+    return on_passing_thread(_load_worker, engine_dir, comm)
+
+
+def _load_worker(engine_dir, comm: Comm):
     _, dims, limits = read_engine_config(engine_dir)
     model = Model(dims, load_own_stage(engine_dir, dims, comm.rank), comm)
     return model, KvCacheManager(dims, num_blocks(comm, None), limits.tokens_per_block, enable_block_reuse=False)
