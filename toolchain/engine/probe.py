@@ -1,8 +1,8 @@
 """`toolchain probe-host`'s measurements: this host's rates for the CPU engine, from the engine's own kernels.
 
 Each figure runs the code the CPU engine runs (engine/cpu/): the float32 `linear.Linear` every float weight goes
-through (weights are widened to float32 at load; `matmul` at one or two rows, oneDNN on a blocked copy from
-four), the weight-only int8/int4 packed kernels and SmoothQuant's `torch._int_mm` of engine/cpu/qlinear.py on
+through (weights are widened to float32 at load; `matmul` up to three rows, oneDNN on a blocked copy from four
+for a weight of 1 MiB or more), the weight-only int8/int4 packed kernels and SmoothQuant's `torch._int_mm` of engine/cpu/qlinear.py on
 bf16/int8 activations, attention as `Model._attend` does it (an
 `index_select` of the cached keys and values out of the paged pool, then `scaled_dot_product_attention`), and the
 fixed costs of a step on a model of the embedded tiny Llama's shape driven by the `InflightBatcher` itself. The

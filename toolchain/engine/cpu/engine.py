@@ -254,7 +254,6 @@ class MedusaTree:
         return emitted, path
 
 
-
 class CpuEngine:
     def __init__(self, config: dict, dims: ModelDims, limits: BuildLimits, model: Model | LeaderModel,
                  kv: KvCacheManager, medusa_choices: list[list[int]] | None = None):
