@@ -148,10 +148,13 @@ def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
     # with every KV head (Layout.attn_tp: 1), so its activations, logits and KV per token are those of tp 1.
     attn_tp = spec.parallelism.layout.attn_tp
 
+    # What the engine holds its float tensors in: the CPU engine widens every one to float32 at load
+    # (engine/cpu/weights.py), whatever the checkpoint stores; a GPU engine keeps the checkpoint's dtype.
+    held_dtype = target_of(spec).compute_dtype or dt
     draft_bytes = draft_kv = 0
     if draft is not None:
         dp = draft.info.params
-        ddt = DTYPE_BYTES[weight_dtype(spec, dp)]
+        ddt = DTYPE_BYTES[target_of(spec).compute_dtype or weight_dtype(spec, dp)]
         draft_bytes = mem.rank_weights(dp, tp=1, pp_rank=0, pp=1, quant=Quantization(), dt_bytes=ddt).total
         draft_bytes += mem.activation_bytes(dp, tp=1, max_num_tokens=lim.max_num_tokens,
                                             max_input_len=lim.max_input_len, context_fmha=build.context_fmha)
@@ -159,7 +162,7 @@ def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
             draft_bytes += mem.generation_logits_bytes(dp, tp=1, max_batch_size=lim.max_batch_size, beam=1)
         draft_kv = mem.kv_bytes_per_token(dp, tp=1, stage_layer_count=dp.num_hidden_layers, kv_bytes=ddt)
 
-    heads = heads_rank_bytes(spec, p, dt)
+    heads = heads_rank_bytes(spec, p, held_dtype)
     graph_batch = 0
     if gpu and target_of(spec).path == LLMAPI:
         graph_batch = mem.cuda_graph_batch(spec.llmapi.options, max_batch_size=lim.max_batch_size,
@@ -173,10 +176,14 @@ def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
                       parallel_embedding=par.parallel_embedding, embedding_sharding_dim=par.embedding_sharding_dim,
                       qkv_bias=model.qkv_bias, dense_bias=model.dense_bias, moe_tp=par.moe_tp, moe_ep=par.moe_ep,
                       attention_dp=par.attention_dp)
-        weights = mem.rank_weights(p, **common).total + heads
-        stored = mem.rank_weights(p, stored=True, **common).total + heads
+        held = {**common, "dt_bytes": DTYPE_BYTES[held_dtype]}
+        weights = mem.rank_weights(p, **held).total + heads
+        stored = mem.rank_weights(p, stored=True, **common).total + heads_rank_bytes(spec, p, dt)
+        if not gpu:
+            weights += mem.cpu_widened_bytes(p, tp=tp, pp_rank=pp_rank, pp=pp, quant=quant,
+                                             attention_dp=par.attention_dp)
         if mtp_layers and pp_rank == pp - 1:
-            weights += mtp.weight_bytes(p, mtp_layers, **common)
+            weights += mtp.weight_bytes(p, mtp_layers, **held)
             stored += mtp.weight_bytes(p, mtp_layers, stored=True, **common)
         act = mem.activation_bytes(p, tp=attn_tp, max_num_tokens=lim.max_num_tokens, max_input_len=lim.max_input_len,
                                    context_fmha=build.context_fmha, act_bytes=act_width)

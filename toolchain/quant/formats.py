@@ -303,6 +303,11 @@ class Format(_OnDevices):
                              "fp8 on the LLM-API path")
 
 
+# The CPU engine's kernels that widen the stored weight to float32 once at load and keep both (engine/cpu/qlinear.py
+# Fp8PerTensor, Nvfp4, Fp8BlockScales): each such linear holds out x in x 4 bytes beyond its stored tensors.
+CPU_WIDENED = frozenset({"fp8", "nvfp4", "fp8_block"})
+
+
 def tensor_bytes(tensors: tuple[Tensor, ...], out: int, inp: int, group: int, model_bytes: int) -> float:
     """Bytes of one linear's tensors (TensorRT-LLM docs/source/legacy/reference/memory.md)."""
     return sum(t.elements(out, inp, group) * (model_bytes if t.dtype == "model" else STORAGE_BYTES[t.dtype])

@@ -108,6 +108,15 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def pool_reserve_bytes(d: ModelDims, config: KvCacheConfig) -> int:
+    """Memory to leave after the weights so `KvCacheManager.create` reaches config.max_tokens: the pool's bytes over
+    the share of free memory it may take. What the weights' optional copies (linear.blocked_budget) must not touch;
+    0 without a cap, where the pool takes its share of whatever is left."""
+    if config.max_tokens is None:
+        return 0
+    return int(config.max_tokens * kv_bytes_per_token(d) / config.free_memory_fraction)
+
+
 class _Block:
     __slots__ = ("index", "refs", "key", "used", "parent", "tokens")
 

@@ -8,6 +8,10 @@ checkpoint module gets, from the module's stored format (`ModelDims.linear_forma
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 import torch
 
 BLOCKED_FROM_ROWS = 4
@@ -18,12 +22,48 @@ sits in cache gains nothing at a few rows and pays more per call inside a step (
 weights, one 4-row forward: 4.5 ms with its linears on oneDNN against 3.5 ms without)."""
 
 
+class BlockedBudget:
+    """Bytes the blocked copies made under `blocked_budget` may still take, and what was refused."""
+
+    def __init__(self, limit: int):
+        self.left = limit
+        self.refused = 0
+        self.refused_bytes = 0
+
+    def take(self, nbytes: int) -> bool:
+        if nbytes > self.left:
+            self.refused += 1
+            self.refused_bytes += nbytes
+            return False
+        self.left -= nbytes
+        return True
+
+
+_BUDGET: contextvars.ContextVar[BlockedBudget | None] = contextvars.ContextVar("blocked_budget", default=None)
+
+
+@contextlib.contextmanager
+def blocked_budget(limit: int) -> Iterator[BlockedBudget]:
+    """Within it, the blocked copies `Linear`s make take at most `limit` bytes in all: a weight whose copy would
+    pass it keeps the plain GEMM at every row count. Outside it, nothing limits them (a module made by hand, the
+    host probe's)."""
+    budget = BlockedBudget(max(limit, 0))
+    token = _BUDGET.set(budget)
+    try:
+        yield budget
+    finally:
+        _BUDGET.reset(token)
+
+
 def blocked(weight: torch.Tensor) -> torch.Tensor | None:
     """A float32 weight (out, in) reordered into oneDNN's blocked layout for its matmul (PyTorch's
     mkldnn._reorder_linear_weight, what its CPU inductor backend prepacks linears with); None where this build of
-    torch has no oneDNN or the weight is under BLOCKED_MIN_BYTES."""
-    if (not torch.backends.mkldnn.is_available() or weight.dtype != torch.float32
-            or weight.numel() * weight.element_size() < BLOCKED_MIN_BYTES):
+    torch has no oneDNN, the weight is under BLOCKED_MIN_BYTES, or its copy would pass the `blocked_budget`."""
+    nbytes = weight.numel() * weight.element_size()
+    if not torch.backends.mkldnn.is_available() or weight.dtype != torch.float32 or nbytes < BLOCKED_MIN_BYTES:
+        return None
+    budget = _BUDGET.get()
+    if budget is not None and not budget.take(nbytes):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
@@ -70,7 +110,8 @@ class Linear:
     """y = x @ W.T + b with W stored (out, in) as in the checkpoint, in float32.
 
     A weight of 1 MiB or more is held twice: as stored, for `matmul` at up to three rows, and blocked for oneDNN's
-    matmul (`blocked`), which from four rows on reads it much faster than the plain GEMM does. The benchmark
+    matmul (`blocked`), which from four rows on reads it much faster than the plain GEMM does, where memory allows
+    (`blocked_budget`: an engine's load leaves its KV pool room first). The benchmark
     model's layers (benchmarks/cpu_engine.py, 302 MB of weights), all in turn, 2 threads, ms:
 
     | rows | 1 | 2 | 3 | 4 | 5 | 8 | 16 | 64 | 256 |

@@ -22,7 +22,8 @@ from toolchain.checkpoint.hf_reader import check_header
 from toolchain.engine.cpu.config import ModelDims
 from toolchain.engine.cpu import mla, mtp
 from toolchain.engine.cpu.clamped_swiglu import clamped_swiglu
-from toolchain.engine.cpu.linear import Linear
+from toolchain.engine.cpu.kv_cache import available_memory_bytes
+from toolchain.engine.cpu.linear import Linear, blocked_budget
 from toolchain.engine.cpu.moe import Experts, expert_slices
 from toolchain.engine.cpu.qlinear import make_linear
 from toolchain.engine.cpu.qlinear import stored_tensors
@@ -273,7 +274,10 @@ def _read_rank(path: Path, wanted: dict[str, tuple[tuple[int, ...], str]]) -> tu
     return tensors, extra
 
 
-def load_rank(engine_dir: Path, d: ModelDims, rank: int) -> RankShard:
+def load_rank(engine_dir: Path, d: ModelDims, rank: int, kv_reserve: int = 0) -> RankShard:
+    """One rank's shard. Its float32 weights get their oneDNN-blocked copies (linear.blocked) from the memory
+    available once the rank's tensors are read, less `kv_reserve` (kv_cache.pool_reserve_bytes): the copies only
+    speed the matmuls up, so they never take what the KV pool needs or more than the host has."""
     pp_rank, tp_rank = divmod(rank, d.tp)
     path = Path(engine_dir) / f"rank{rank}.safetensors"
     if not path.is_file():
@@ -300,7 +304,12 @@ def load_rank(engine_dir: Path, d: ModelDims, rank: int) -> RankShard:
                              "the checkpoint does not match its config.json (tp/pp, heads, vocab)")
     if extra:
         log.warning("%s: ignoring %d unused tensor(s): %s", path.name, len(extra), ", ".join(sorted(extra)[:5]))
-    return _assemble(d, tensors, rank, tp_rank, pp_rank)
+    with blocked_budget(available_memory_bytes() - kv_reserve) as budget:
+        shard = _assemble(d, tensors, rank, tp_rank, pp_rank)
+    if budget.refused:
+        log.warning("%s: %d weight(s) (%.1f GiB) keep the plain matmul at every batch size: their oneDNN copies "
+                    "would not fit beside the KV pool", path.name, budget.refused, budget.refused_bytes / 2 ** 30)
+    return shard
 
 
 def check_kept_unquantized(d: ModelDims, path: Path, present: set[str], pp_rank: int) -> None:
@@ -422,17 +431,17 @@ def moe_first_expert(d: ModelDims, tp_rank: int) -> int:
     return (tp_rank % d.moe_ep) * (d.num_experts // d.moe_ep)
 
 
-def load_stages(engine_dir: Path, d: ModelDims) -> list[list[RankShard]]:
-    """All ranks, grouped by pipeline stage, TP ranks in order within a stage."""
-    stages = [[load_rank(engine_dir, d, pp * d.tp + tp) for tp in range(d.tp)] for pp in range(d.pp)]
+def load_stages(engine_dir: Path, d: ModelDims, kv_reserve: int = 0) -> list[list[RankShard]]:
+    """All ranks, grouped by pipeline stage, TP ranks in order within a stage (`kv_reserve`: see load_rank)."""
+    stages = [[load_rank(engine_dir, d, pp * d.tp + tp, kv_reserve) for tp in range(d.tp)] for pp in range(d.pp)]
     check_replicas(stages, d)
     return stages
 
 
-def load_own_stage(engine_dir: Path, d: ModelDims, rank: int) -> list[list[RankShard]]:
+def load_own_stage(engine_dir: Path, d: ModelDims, rank: int, kv_reserve: int = 0) -> list[list[RankShard]]:
     """One rank process's view (ranks.py): its own shard in its stage, every other stage empty."""
     stages: list[list[RankShard]] = [[] for _ in range(d.pp)]
-    stages[rank // d.tp] = [load_rank(engine_dir, d, rank)]
+    stages[rank // d.tp] = [load_rank(engine_dir, d, rank, kv_reserve)]
     return stages
 
 
