@@ -63,7 +63,8 @@ def held_bytes(obj, seen: dict | None = None) -> int:
     """The bytes of every tensor a loaded shard keeps, each storage once, the optional blocked copies left out."""
     seen = {} if seen is None else seen
     if isinstance(obj, torch.Tensor):
-        seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        if not obj.is_mkldnn:  # a blocked copy (linear.blocked): optional, made only where memory allows
+            seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             held_bytes(item, seen)
@@ -71,9 +72,8 @@ def held_bytes(obj, seen: dict | None = None) -> int:
         for item in obj.values():
             held_bytes(item, seen)
     elif type(obj).__module__.startswith("toolchain.engine.cpu") and hasattr(obj, "__dict__"):
-        for name, value in vars(obj).items():
-            if name != "blocked_weight":
-                held_bytes(value, seen)
+        for value in vars(obj).values():
+            held_bytes(value, seen)
     return sum(seen.values())
 
 

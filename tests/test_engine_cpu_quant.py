@@ -43,6 +43,29 @@ def test_int8_weight_only(w, rows):
     assert torch.equal(lin.weight, q) and torch.equal(lin.scale, s)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 8, 33, 300])
+def test_int8_weight_only_from_eight_rows_runs_onednn_bf16_on_the_same_int8_values(rows):
+    from toolchain.engine.cpu.linear import blocked_budget
+    if not qlinear._bf16_matmul():
+        pytest.skip("oneDNN has no native bfloat16 matmul on this CPU: the int8 kernel runs at every row count")
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(1024, 512, generator=g) * 0.05, torch.randn(rows, 512, generator=g).to(torch.bfloat16)
+    lin = qlinear.Int8WeightOnly(w)
+    assert lin.blocked_bf16 is not None and lin.blocked_bf16.is_mkldnn  # 1 MiB of bfloat16: the copy's threshold
+    assert qlinear.Int8WeightOnly(w[:128]).blocked_bf16 is None  # 128 KiB: the int8 kernel at every row count
+    int8 = torch.ops.aten._weight_int8pack_mm(x, lin.weight, lin._scale_bf16)
+    y = lin.kernel(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 1024)
+    if rows < qlinear.INT8_BLOCKED_FROM_ROWS:
+        assert torch.equal(y, int8)
+    else:  # the same products summed in oneDNN's order, rounded to bf16 before the scale: within an ulp or so
+        assert not torch.equal(y, int8)
+        torch.testing.assert_close(y.float(), int8.float(), rtol=2 ** -7, atol=2 ** -7 * int8.abs().max().item())
+    with blocked_budget(0):  # no room for the copy: the int8 kernel, exactly
+        starved = qlinear.Int8WeightOnly(w)
+    assert starved.blocked_bf16 is None and torch.equal(starved.kernel(x), int8)
+
+
 @pytest.mark.parametrize("rows", [1, 40, 300])
 def test_int4_awq_layout(w, rows):
     q, s = quantize_per_group(w, 128)

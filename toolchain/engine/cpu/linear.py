@@ -56,11 +56,12 @@ def blocked_budget(limit: int) -> Iterator[BlockedBudget]:
 
 
 def blocked(weight: torch.Tensor) -> torch.Tensor | None:
-    """A float32 weight (out, in) reordered into oneDNN's blocked layout for its matmul (PyTorch's
+    """A float32 or bfloat16 weight (out, in) reordered into oneDNN's blocked layout for its matmul (PyTorch's
     mkldnn._reorder_linear_weight, what its CPU inductor backend prepacks linears with); None where this build of
-    torch has no oneDNN, the weight is under BLOCKED_MIN_BYTES, or its copy would pass the `blocked_budget`."""
+    torch has no oneDNN, the copy is under BLOCKED_MIN_BYTES, or it would pass the `blocked_budget`."""
     nbytes = weight.numel() * weight.element_size()
-    if not torch.backends.mkldnn.is_available() or weight.dtype != torch.float32 or nbytes < BLOCKED_MIN_BYTES:
+    if (not torch.backends.mkldnn.is_available() or weight.dtype not in (torch.float32, torch.bfloat16)
+            or nbytes < BLOCKED_MIN_BYTES):
         return None
     budget = _BUDGET.get()
     if budget is not None and not budget.take(nbytes):

@@ -5,7 +5,7 @@ the row's `cpu_kernel`:
 
 | kernel (quant_algo) | stored (TensorRT-LLM tensorrt_llm/quantization/layers.py) | run |
 |---|---|---|
-| int8_wo / int4_wo (W8A16 / W4A16) | fp weight (the build quantizes it: `preprocess_weights`) | quantized here at load, per channel amax/127 or amax/7, as trtllm-build does; `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` |
+| int8_wo / int4_wo (W8A16 / W4A16) | fp weight (the build quantizes it: `preprocess_weights`) | quantized here at load, per channel amax/127 or amax/7, as trtllm-build does; `_weight_int8pack_mm` (from 8 rows oneDNN's bf16 matmul on the same values, see `Int8WeightOnly`) / `_weight_int4pack_mm_for_cpu` |
 | int4_group (awq, imported int4: ModelOpt) | int8 (out/2, in) packed int4, scales (out, in/g), prequant (in,), zero (out, in/g) if has_zero_point | x·prequant, then `_weight_int4pack_mm_for_cpu` |
 | sq (W8A8_SQ_PER_CHANNEL) | int8 (out, in), per-channel scale, static activation scale, prequant | x·prequant quantized per tensor to int8, `torch._int_mm`, rescaled |
 | fp8 (FP8) | e4m3 (out, in), per-tensor weight and activation scales | emulated: activation rounded through e4m3, weight dequantized, fp32 matmul |
@@ -14,18 +14,23 @@ the row's `cpu_kernel`:
 | fp8_block (FP8_BLOCK_SCALES) | e4m3 (out, in), float32 per 128x128 tile | emulated: activation rounded per 1x128 as fp8_quantize_1x128 does, weight dequantized at load, fp32 matmul |
 
 The packed integer kernels take bf16 activations (fp32 input is 40-100x
-slower) and run at every row count: measured on a 2-core host they beat the
-fp32 matmul from 1 row (decode) to 256 (prefill), 1.5-3x at 16-256 rows,
-where dequantizing the weight per call was 2-10x slower than fp32. Nothing is
-cached in float, so memory holds the format as stored.
+slower). Measured on a 2-core host when they were written, they beat the fp32
+matmul from 1 row (decode) to 256 (prefill), where dequantizing the weight per
+call was 2-10x slower than fp32; since the float path moved to oneDNN from four
+rows (linear.py), the int8 kernel is slower than it from about 12 rows, and an
+int8 linear of 1 MiB or more keeps an optional bfloat16 copy of its int8 values
+for 8 rows and more (`Int8WeightOnly`). Nothing else is cached in float, so
+memory holds the format as stored.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from toolchain.engine.cpu.linear import Linear, matmul
+from toolchain.engine.cpu.linear import Linear, blocked, matmul
 from toolchain.quant import formats
 from toolchain.quant import fp8 as fp8q
 from toolchain.quant.fp4 import dequantize_mxfp4, dequantize_nvfp4, fake_quantize_nvfp4_activation
@@ -48,12 +53,34 @@ def _int4_kernel_pack(q_signed: torch.Tensor, scales: torch.Tensor, zero: torch.
     return packed, sz
 
 
+@functools.cache
+def _bf16_matmul() -> bool:
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+INT8_BLOCKED_FROM_ROWS = 8
+"""From this many rows an int8 weight-only linear runs oneDNN's bfloat16 matmul on its blocked copy
+(`Int8WeightOnly.kernel`); below, torch's int8 kernel."""
+
+
 class Int8WeightOnly(Linear):
+    """W8A16 per channel: int8 (out, in) and a scale per output channel, on bfloat16 activations.
+
+    torch's `_weight_int8pack_mm` costs about the same per row at any row count (the benchmark model's linears, 2
+    threads: 1 row 8.3 ms, 8 rows 13.7, 16 rows 22.1, 64 rows 62). From INT8_BLOCKED_FROM_ROWS rows the same int8
+    values, widened to bfloat16 (exactly) and held in oneDNN's blocked layout, go through oneDNN's bfloat16 matmul
+    and the scale follows (8 rows 13.7 ms, 16 rows 14.9, 64 rows 29.2). The copy takes 2 bytes a weight and is made
+    like the float32 ones (linear.blocked: 1 MiB or more, within the load's `blocked_budget`); without it the int8
+    kernel runs at every row count. Both accumulate in float32; the oneDNN path rounds the sums to bfloat16 before
+    the scale, the int8 kernel after it, so the two differ by up to an ulp of bfloat16."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         q, scale = quantize_per_channel(weight.float(), bits=8)
         super().__init__(q, bias)
         self.scale = scale
         self._scale_bf16 = scale.to(torch.bfloat16)
+        # Only where oneDNN runs bfloat16 natively (AVX512-BF16 or AMX); elsewhere it would convert every call.
+        self.blocked_bf16 = blocked(q.to(torch.bfloat16)) if _bf16_matmul() else None
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.scale[:, None]
@@ -65,6 +92,9 @@ class Int8WeightOnly(Linear):
         return torch.randn(rows, self.in_features).to(torch.bfloat16)
 
     def kernel(self, x):
+        if self.blocked_bf16 is not None and x.dim() == 2 and x.shape[0] >= INT8_BLOCKED_FROM_ROWS:
+            y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.blocked_bf16, None, "none", [], "")
+            return y.mul_(self._scale_bf16)
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self._scale_bf16)
 
 
