@@ -113,3 +113,25 @@ def test_the_plan_states_the_weights_the_engine_holds(tmp_path, method):
     shard = load_stages(ckpt, dims)[0][0]
     sections = {"quantization": {"method": method}} if method != "none" else {}
     assert planned_weights(tmp_path, hf, **sections) == held_bytes(shard)
+
+
+def test_each_format_rows_cpu_widened_is_what_its_kernel_holds():
+    """A row's `cpu_widened` (what the plan adds) against the kernel built from its stored tensors: a float32
+    (out, in) weight kept beside the stored one, or none."""
+    from toolchain.engine.cpu.qlinear import KERNELS, build_linear, stored_tensors
+    from toolchain.quant import formats
+
+    out_f, in_f = 64, 256
+    g = torch.Generator().manual_seed(5)
+    make = {"float": lambda s: torch.rand(s, generator=g) + 0.5, "int8": lambda s: torch.randint(-8, 8, s, generator=g,
+            dtype=torch.int8), "uint8": lambda s: torch.randint(0, 120, s, generator=g, dtype=torch.uint8),
+            "fp8": lambda s: (torch.rand(s, generator=g) + 0.5).to(torch.float8_e4m3fn)}
+    rows = {row.cpu_kernel: row for row in formats.ALL if row.cpu_kernel in KERNELS}
+    assert {k for k, row in rows.items() if row.cpu_widened} == {"fp8", "nvfp4", "fp8_block"}
+    for kernel, row in rows.items():
+        wanted = stored_tensors("m", out_f, in_f, False, kernel, group=row.group_size or 128)
+        lin = build_linear({n: make[kind](shape) for n, (shape, kind) in wanted.items()}, "m", False, kernel,
+                           group=row.group_size or 128)
+        wide = [t for t in vars(lin).values() if isinstance(t, torch.Tensor) and not t.is_mkldnn
+                and t.dtype == torch.float32 and t.shape == (out_f, in_f)]
+        assert bool(wide) == row.cpu_widened, kernel

@@ -221,14 +221,14 @@ CPU_POOL_BATCHES = 2
 def cpu_widened_bytes(p: ArchParams, *, tp: int, pp_rank: int, pp: int, quant: Quantization,
                       attention_dp: bool = False) -> int:
     """The float32 copies the CPU engine keeps of one rank's dense linears in a format its kernel widens at load
-    (formats.CPU_WIDENED), on top of their stored tensors; 0 in every other format."""
+    (its row's `cpu_widened`), on top of their stored tensors; 0 in every other format."""
     layout = Layout(tp, pp, attention_dp=attention_dp)
     stage = layout.stage_layers(p.num_hidden_layers)[pp_rank]
     dense_mlp = sum(1 for layer in stage if not p.is_moe_layer(layer))
     total = 0
     for name, out, inp in linear_shapes(p, layout.attn_tp, quant):
         kind = quant.on("mlp" if name in MLP_LINEARS else "attention")
-        if kind.format.cpu_kernel in formats.CPU_WIDENED:
+        if kind.format.cpu_widened:
             total += (dense_mlp if name in MLP_LINEARS else len(stage)) * out * inp * 4
     return total
 

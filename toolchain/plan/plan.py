@@ -150,11 +150,12 @@ def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
 
     # What the engine holds its float tensors in: the CPU engine widens every one to float32 at load
     # (engine/cpu/weights.py), whatever the checkpoint stores; a GPU engine keeps the checkpoint's dtype.
-    held_dtype = target_of(spec).compute_dtype or dt
+    compute_dtype = target_of(spec).compute_dtype
+    held_dtype = compute_dtype or dt
     draft_bytes = draft_kv = 0
     if draft is not None:
         dp = draft.info.params
-        ddt = DTYPE_BYTES[target_of(spec).compute_dtype or weight_dtype(spec, dp)]
+        ddt = DTYPE_BYTES[compute_dtype or weight_dtype(spec, dp)]
         draft_bytes = mem.rank_weights(dp, tp=1, pp_rank=0, pp=1, quant=Quantization(), dt_bytes=ddt).total
         draft_bytes += mem.activation_bytes(dp, tp=1, max_num_tokens=lim.max_num_tokens,
                                             max_input_len=lim.max_input_len, context_fmha=build.context_fmha)
@@ -163,6 +164,7 @@ def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
         draft_kv = mem.kv_bytes_per_token(dp, tp=1, stage_layer_count=dp.num_hidden_layers, kv_bytes=ddt)
 
     heads = heads_rank_bytes(spec, p, held_dtype)
+    stored_heads = heads if held_dtype == dt else heads_rank_bytes(spec, p, dt)
     graph_batch = 0
     if gpu and target_of(spec).path == LLMAPI:
         graph_batch = mem.cuda_graph_batch(spec.llmapi.options, max_batch_size=lim.max_batch_size,
@@ -178,7 +180,7 @@ def plan_memory(spec, model: ModelInfo, quant: Quantization, device: Gpu, draft:
                       attention_dp=par.attention_dp)
         held = {**common, "dt_bytes": DTYPE_BYTES[held_dtype]}
         weights = mem.rank_weights(p, **held).total + heads
-        stored = mem.rank_weights(p, stored=True, **common).total + heads_rank_bytes(spec, p, dt)
+        stored = mem.rank_weights(p, stored=True, **common).total + stored_heads
         if not gpu:
             weights += mem.cpu_widened_bytes(p, tp=tp, pp_rank=pp_rank, pp=pp, quant=quant,
                                              attention_dp=par.attention_dp)

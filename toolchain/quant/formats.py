@@ -209,6 +209,9 @@ class Format(_OnDevices):
     """Per quantized linear once trtllm-build has loaded it (the planner's engine memory)."""
     cpu_kernel: str | None = None
     """The CPU engine's linear for it (engine/cpu/qlinear.py build_linear); None: a plain fp linear."""
+    cpu_widened: bool = False
+    """The CPU kernel widens the stored weight to float32 once at load and keeps both (qlinear.py Fp8PerTensor,
+    Nvfp4, Fp8BlockScales): each linear holds out x in x 4 bytes beyond its stored tensors (plan/memory.py)."""
     devices: Devices = ANY_GPU
     """The GPUs that build and run it (FP8_GPUS, INTEGER_GPUS, ...), read by convert and the quant.* checks."""
     engine_why_not: str | None = None
@@ -303,11 +306,6 @@ class Format(_OnDevices):
                              "fp8 on the LLM-API path")
 
 
-# The CPU engine's kernels that widen the stored weight to float32 once at load and keep both (engine/cpu/qlinear.py
-# Fp8PerTensor, Nvfp4, Fp8BlockScales): each such linear holds out x in x 4 bytes beyond its stored tensors.
-CPU_WIDENED = frozenset({"fp8", "nvfp4", "fp8_block"})
-
-
 def tensor_bytes(tensors: tuple[Tensor, ...], out: int, inp: int, group: int, model_bytes: int) -> float:
     """Bytes of one linear's tensors (TensorRT-LLM docs/source/legacy/reference/memory.md)."""
     return sum(t.elements(out, inp, group) * (model_bytes if t.dtype == "model" else STORAGE_BYTES[t.dtype])
@@ -359,7 +357,7 @@ FP8 = Format("fp8", "FP8", "fp8", ("amax",), devices=FP8_GPUS,
              built=(Tensor("weight", ("out", "in"), "fp8", "weight"),
                     Tensor("weights_scaling_factor", _SCALAR, "float32", "scalar"),
                     Tensor("activation_scaling_factor", _SCALAR, "float32", "scalar")),
-             cpu_kernel="fp8", hf_name="fp8", hf_weight="fp8", math="fp8", measured_gemm="fp8")
+             cpu_kernel="fp8", cpu_widened=True, hf_name="fp8", hf_weight="fp8", math="fp8", measured_gemm="fp8")
 # An AutoAWQ (GEMM) or GPTQ int4 checkpoint imported losslessly (quant/prequantized.py): the same
 # QuantAlgo and kernel as awq, with zero points instead of the prequant vector (has_zero_point).
 IMPORTED_INT4 = Format("imported_int4", AWQ.quant_algo, "imported", (), devices=INTEGER_GPUS, per_group=True,
@@ -390,7 +388,7 @@ NVFP4 = Format("nvfp4", "NVFP4", "nvfp4", ("amax",), devices=NVFP4_GPUS, group_s
                       Tensor("weights_global_scaling_factor", _SCALAR, "float32", "scalar"),
                       Tensor("activation_global_scaling_factor", _SCALAR, "float32", "scalar"),
                       Tensor("alpha", _SCALAR, "float32", "scalar")),
-               cpu_kernel="nvfp4", hf_name="nvfp4", hf_weight="uint8", math="fp4", gemm_plugin="nvfp4",
+               cpu_kernel="nvfp4", cpu_widened=True, hf_name="nvfp4", hf_weight="uint8", math="fp4", gemm_plugin="nvfp4",
                measured_gemm="nvfp4")
 # FP8 block scales (DeepSeek-V3's recipe; TensorRT-LLM FP8BlockScalesLinearMethod, tensorrt_llm/_torch/modules/
 # linear.py; notes/i35-facts.md section 4.2): e4m3 weights and one float32 dequantization scale (amax / 448) per
@@ -402,7 +400,7 @@ NVFP4 = Format("nvfp4", "NVFP4", "nvfp4", ("amax",), devices=NVFP4_GPUS, group_s
 _FP8_BLOCK = (Tensor("weight", ("out", "in"), "fp8", "weight"),
               Tensor("weights_scaling_factor", ("ceil(out/128)", "ceil(in/128)"), "float32", "tiles"))
 FP8_BLOCK = Format("fp8_block", "FP8_BLOCK_SCALES", "fp8_block", (), devices=FP8_BLOCK_GPUS,
-                   stored=_FP8_BLOCK, built=_FP8_BLOCK, cpu_kernel="fp8_block", tile=128,
+                   stored=_FP8_BLOCK, built=_FP8_BLOCK, cpu_kernel="fp8_block", cpu_widened=True, tile=128,
                    # ModelOpt's name for it, mapped to FP8_BLOCK_SCALES by QuantConfig._map_new_to_legacy_args.
                    hf_name="fp8_pb_wo", hf_weight="fp8", math="fp8", measured_gemm="fp8_block",
                    # quantize() (tensorrt_llm/quantization/quantize.py @89fd9b74) has no FP8_BLOCK_SCALES branch.

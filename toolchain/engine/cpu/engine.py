@@ -21,10 +21,9 @@ import torch
 from toolchain.engine.cpu import beams
 from toolchain.engine.cpu.config import BuildLimits, ModelDims, read_engine_config
 from toolchain.engine.cpu.guided import GuidedDecoder, GuideError
-from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager, pool_reserve_bytes
+from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager, capped, pool_reserve_bytes
 from toolchain.engine.cpu.logprobs import TokenLogprobs
 from toolchain.engine.cpu.lora import LoraCache, load_lora, lora_request_problem
-from toolchain.plan.memory import cpu_default_max_tokens
 from toolchain.engine.cpu.model import Chunk, Model
 from toolchain.engine.cpu.mtp import positions_known
 from toolchain.engine.cpu.sampling import Sampler, SamplingParams
@@ -316,10 +315,7 @@ class CpuEngine:
             raise ToolchainError(f"{'Medusa heads are' if dims.medusa_heads else 'an MTP layer is'} not run across "
                                  "rank processes", "serve this engine in one process (serving.launch: single)")
         lora = load_lora(config, dims, comm is not None, lora_host_bytes, lora_prefetch_dir, str(engine_dir))
-        kv_cache = kv_cache or KvCacheConfig()
-        if kv_cache.max_tokens is None:
-            kv_cache = dataclasses.replace(kv_cache, max_tokens=cpu_default_max_tokens(limits.max_batch_size,
-                                                                                       limits.max_seq_len))
+        kv_cache = capped(kv_cache or KvCacheConfig(), limits.max_batch_size, limits.max_seq_len)
         reserve = pool_reserve_bytes(dims, kv_cache)
         model = Model(dims, load_own_stage(engine_dir, dims, comm.rank, reserve) if comm
                       else load_stages(engine_dir, dims, reserve), comm)

@@ -39,14 +39,14 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
 from toolchain.engine.cpu.config import ModelDims
 from toolchain.errors import ToolchainError
-from toolchain.plan.memory import kv_pool_tokens
+from toolchain.plan.memory import cpu_default_max_tokens, kv_pool_tokens
 from toolchain.quant.kv_cache import storage_dtype
 
 # kv_cache_quant_algo -> what the cache stores (TensorRT-LLM tensorrt_llm/quantization/quantize_by_modelopt.py):
@@ -106,6 +106,13 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def capped(config: KvCacheConfig, max_batch_size: int, max_seq_len: int) -> KvCacheConfig:
+    """`config` with the CPU engine's own cap on the pool where it sets none (plan/memory.cpu_default_max_tokens)."""
+    if config.max_tokens is not None:
+        return config
+    return replace(config, max_tokens=cpu_default_max_tokens(max_batch_size, max_seq_len))
 
 
 def pool_reserve_bytes(d: ModelDims, config: KvCacheConfig) -> int:

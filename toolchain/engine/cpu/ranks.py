@@ -33,8 +33,7 @@ from toolchain.engine.cpu.weights import load_own_stage
 # The rendered tensorrt_llm model.py (copied verbatim into every repository, so it cannot change) reaches
 # the rendezvous through this module: ranks.launched_world() and ranks.ADDR_ENV, which moved to comm.py.
 from toolchain.engine.cpu.comm import ADDR_ENV, launched_world  # noqa: F401
-from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager, pool_reserve_bytes
-from toolchain.plan.memory import cpu_default_max_tokens
+from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheConfig, KvCacheManager, capped, pool_reserve_bytes
 from toolchain.engine.cpu.model import Chunk, Model
 
 
@@ -114,7 +113,7 @@ def _load_worker(engine_dir, comm: Comm):
     _, dims, limits = read_engine_config(engine_dir)
     # The leader sizes the pool after every rank has loaded (num_blocks); until then a rank leaves room for the
     # default one (CpuEngine.load's rule) beside its weights.
-    default = KvCacheConfig(max_tokens=cpu_default_max_tokens(limits.max_batch_size, limits.max_seq_len))
+    default = capped(KvCacheConfig(), limits.max_batch_size, limits.max_seq_len)
     model = Model(dims, load_own_stage(engine_dir, dims, comm.rank, pool_reserve_bytes(dims, default)), comm)
     return model, KvCacheManager(dims, num_blocks(comm, None), limits.tokens_per_block, enable_block_reuse=False)
 
