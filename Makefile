@@ -48,6 +48,8 @@ $(STAMP): pyproject.toml
 	@$(PIP) --no-deps "xgrammar==0.2.9" $(QUIET_PIP)
 	@echo "==> installing AIConfigurator's per-kernel database (aiconfigurator-core 0.12.0, data only) ..."
 	@$(PIP) --no-deps "aiconfigurator-core==0.12.0" $(QUIET_PIP)
+	@echo "==> compiling the CPU engine's kernels (toolchain/engine/cpu/csrc; without a C++ compiler it keeps torch's path) ..."
+	@$(PY) -c "from toolchain.engine.cpu.native import main; main()"
 	@touch $(STAMP)
 	@echo "==> setup done: $(VENV)"
 

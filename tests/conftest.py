@@ -11,8 +11,11 @@ import pytest
 import torch
 import yaml
 
+from toolchain.engine.cpu import native
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_TRAINED = REPO / "models" / "tiny-llama"
+_KERNELS = native.cache_dir()  # where `make setup` built them, read before any test moves $XDG_CACHE_HOME
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +24,9 @@ def _no_host_profile(tmp_path_factory, monkeypatch):
     $XDG_CACHE_HOME): with one, CPU plans, bench reports and tune would predict where a clean CI machine does not.
     A test that wants a profile makes one in its own cache directory."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
+    # The CPU engine's compiled kernels are no profile: every test (and the servers and ranks it starts) loads the
+    # ones `make setup` built instead of compiling its own under the temporary cache.
+    monkeypatch.setenv(native.DIR_VARIABLE, str(_KERNELS))
 
 
 # -- test tiers ------------------------------------------------------------------------

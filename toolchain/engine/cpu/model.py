@@ -30,6 +30,7 @@ from toolchain.engine.cpu.kv_cache import BlockTable, KvCacheManager
 from toolchain.engine.cpu.linear import as_columns, gemm_columns, on_columns
 from toolchain.engine.cpu.comm import Comm
 from toolchain.engine.cpu.mla import MlaAttention, rotary as mla_rotary
+from toolchain.engine.cpu import native
 from toolchain.engine.cpu.sinks import attend_with_sinks
 from toolchain.engine.cpu.step_tables import additive_mask, slot_matrix
 from toolchain.engine.cpu.llama4 import chunk_mask
@@ -103,6 +104,8 @@ class _Group:
         # and outputs are a slice of the batch's rows, no gather or scatter.
         self.span = ((firsts[0], firsts[0] + self.batch) if self.q_len == 1 and not self._trees
                      and firsts == list(range(firsts[0], firsts[0] + self.batch)) else None)
+        # Each decoding row's keys, its new one included (native.paged_decode_attention reads them in place).
+        self.lengths = torch.tensor([r[2] + r[1] for r in rows], dtype=torch.int64) if self.span else None
         if self.q_len == 1:
             q_index = torch.tensor(firsts, dtype=torch.int64)[:, None]
             valid = torch.ones(self.batch, 1, dtype=torch.bool)
@@ -177,6 +180,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     fewer temporaries, which matters more than the arithmetic right after a matmul has swept the caches."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    kernels = native.ops()  # one pass instead of eight calls (csrc/layer_ops.cpp); equal to float32 rounding
+    if kernels is not None:
+        return kernels.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
@@ -205,6 +211,8 @@ class Model:
         self.kv_scales = {(self.layer_offset[p] + i, s.tp_rank): layer.kv_scale
                           for p, shards in enumerate(stages) for s in shards
                           for i, layer in enumerate(s.layers) if layer.kv_scale is not None}
+        # Decode attention straight from the pool (csrc/paged_attention.cpp) where this host builds it; None: torch's.
+        self.kernels = native.ops()
 
     def use_unit_kv_scales(self) -> None:
         """Quantize the KV cache with scale 1.0 instead of the checkpoint's calibrated ones: what
@@ -437,16 +445,28 @@ class Model:
         kv = batch.kv
         k_pool, v_pool = kv.k[layer, tp_rank], kv.v[layer, tp_rank]
         scale = self.kv_scales[(layer, tp_rank)] if kv.kind else None
+        rows, width = q.shape[0], q.shape[1] * q.shape[2]
+        whole = len(batch.groups) == 1 and batch.groups[0].span == (0, rows)  # one decode group: its output is `out`
+        window = self.d.attention_window(layer)
+        chunk = self.d.llama4.chunk_of(layer) if self.d.llama4 is not None else None
+        # Decode rows of a float32 pool without sinks, soft-capping or chunks: read in place (csrc/paged_attention.cpp)
+        native = (self.kernels if scale is None and sinks is None and chunk is None and not self.d.attn_softcap
+                  and k_pool.dtype == q.dtype == torch.float32 else None)
+        if native is not None and whole:  # the whole step: the kernel writes the new keys and values too
+            g = batch.groups[0]
+            return native.paged_decode_attention(q, k_pool, v_pool, g.slots, g.lengths, self.scale, window or 0,
+                                                 k, v, batch.write)
         if scale is not None and kv.kind is not None:
             k, v = quantize_kv(k, scale, kv.kind), quantize_kv(v, scale, kv.kind)
         _bytes(k_pool).index_copy_(0, batch.write, _bytes(k))
         _bytes(v_pool).index_copy_(0, batch.write, _bytes(v))
-        rows, width = q.shape[0], q.shape[1] * q.shape[2]
-        whole = len(batch.groups) == 1 and batch.groups[0].span == (0, rows)  # one decode group: its output is `out`
         out = None if whole else torch.empty(rows, width)
-        window = self.d.attention_window(layer)
-        chunk = self.d.llama4.chunk_of(layer) if self.d.llama4 is not None else None
         for g in batch.groups:
+            if native is not None and g.span is not None:
+                assert out is not None  # a decode group beside context chunks: its rows of `out`
+                out[g.span[0]:g.span[1]] = native.paged_decode_attention(q[g.span[0]:g.span[1]], k_pool, v_pool,
+                                                                         g.slots, g.lengths, self.scale, window or 0)
+                continue
             shape = (g.batch, g.slots.shape[1], *k_pool.shape[1:])
             keys = _bytes(k_pool).index_select(0, g.flat_slots).view(k_pool.dtype).view(shape)  # [B, S, heads, head]
             values = _bytes(v_pool).index_select(0, g.flat_slots).view(v_pool.dtype).view(shape)

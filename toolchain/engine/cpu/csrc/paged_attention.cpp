@@ -1,0 +1,198 @@
+// Decode attention over the CPU engine's paged KV pool, read in place through each request's slot table.
+//
+// The torch path (model.py _attend) gathers every request's keys and values out of the pool with index_select,
+// then runs scaled_dot_product_attention on the copies: at 16 requests of about 100 tokens that is two copies of
+// the cache read and written once more per layer, plus a dozen small operations, about a sixth of a decode step
+// (benchmarks/README.md, issue 41). Here each (request, KV head) reads its keys and values once, straight from
+// their pool slots, for all the query heads that share them (grouped-query attention), in float32 throughout.
+//
+// Semantics are those of the torch path for a decode row: one query per request at position n - 1 attends to
+// the request's first n slots, or to its last `window` of them (TensorRT-LLM's max_attention_window, HF's
+// sliding_window: the query's own key included). Softmax takes the row maximum first, as SDPA does; only the
+// order of the float sums differs from SDPA's, so results agree to float32 rounding, not bit for bit.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+// Multiply-adds below which one thread finishes before a sleeping second one would wake (measured with
+// benchmarks/cpu_engine.py's decode steps, OMP_WAIT_POLICY=PASSIVE).
+constexpr int64_t kParallelWork = 1 << 18;
+
+// Eight floats as one GCC vector: the compiler lowers it to the widest unit -march=native offers, and the
+// sums below keep eight (or sixteen) independent lanes, which a plain loop may not reorder into.
+typedef float f8 __attribute__((vector_size(32)));
+
+inline f8 load8(const float* p) {
+  f8 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  f8 x = {0}, y = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    x += load8(a + i) * load8(b + i);
+    y += load8(a + i + 8) * load8(b + i + 8);
+  }
+  for (; i + 8 <= n; i += 8) x += load8(a + i) * load8(b + i);
+  x += y;
+  float s = ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// The step's new keys and values, k_new/v_new [n, kv_heads, head_size] (views of the QKV output), into their pool
+// slots `write` [n]: what index_copy_ does, without its two calls per layer.
+void write_rows(const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& write, const at::Tensor& k_pool,
+                const at::Tensor& v_pool) {
+  const int64_t kv_heads = k_pool.size(1), head_size = k_pool.size(2), pool_slots = k_pool.size(0);
+  TORCH_CHECK(write.dim() == 1 && write.scalar_type() == at::kLong && write.is_contiguous(),
+              "paged_decode_attention: write must be contiguous int64 [n]");
+  const int64_t n = write.size(0);
+  const at::Tensor* news[2] = {&k_new, &v_new};
+  const at::Tensor* pools[2] = {&k_pool, &v_pool};
+  for (int i = 0; i < 2; ++i) {
+    const at::Tensor& x = *news[i];
+    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.size(0) == n && x.size(1) == kv_heads &&
+                    x.size(2) == head_size && x.stride(2) == 1,
+                "paged_decode_attention: new keys and values must be float32 [n, kv_heads, head_size] like the pool");
+  }
+  const int64_t* slot = write.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < pool_slots, "paged_decode_attention: write slot ", slot[r],
+                " is outside the pool of ", pool_slots);
+  for (int i = 0; i < 2; ++i) {
+    const at::Tensor& x = *news[i];
+    const float* src = x.data_ptr<float>();
+    float* dst = pools[i]->data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        std::copy_n(src + r * x.stride(0) + h * x.stride(1), head_size,
+                    dst + (slot[r] * kv_heads + h) * head_size);
+  }
+}
+
+// q [B, heads, head_size] (rows and heads may be strided, a view of the fused QKV output), pools [slots, kv_heads,
+// head_size] contiguous, slots [B, S] int64, lengths [B] int64 (each request's keys, this token's included),
+// window 0 for none. With `write`, first stores k_new/v_new there (write_rows). Returns [B, heads * head_size].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& slots, const at::Tensor& lengths, double scale, int64_t window,
+                                  const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+                                  const std::optional<at::Tensor>& write) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1,
+              "paged_decode_attention: q must be float32 [B, heads, head_size] with unit stride in head_size");
+  TORCH_CHECK(k_pool.dim() == 3 && k_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() &&
+                  v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == at::kFloat && v_pool.is_contiguous(),
+              "paged_decode_attention: the pools must be contiguous float32 [slots, kv_heads, head_size], alike");
+  TORCH_CHECK(k_pool.size(2) == q.size(2) && k_pool.size(1) > 0 && q.size(1) % k_pool.size(1) == 0,
+              "paged_decode_attention: heads must be a multiple of the pool's kv_heads, with the same head_size");
+  TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.size(0) == q.size(0),
+              "paged_decode_attention: slots must be contiguous int64 [B, S]");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
+                  lengths.size(0) == q.size(0),
+              "paged_decode_attention: lengths must be contiguous int64 [B]");
+  const int64_t batch = q.size(0), heads = q.size(1), head_size = q.size(2);
+  const int64_t kv_heads = k_pool.size(1), group = heads / kv_heads, width = slots.size(1);
+  const int64_t pool_slots = k_pool.size(0), row = kv_heads * head_size;
+  const int64_t* lens = lengths.data_ptr<int64_t>();
+  const int64_t* table = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width, "paged_decode_attention: request ", b, " has ", lens[b],
+                " keys; its slot table holds ", width);
+    for (int64_t t = 0; t < lens[b]; ++t)
+      TORCH_CHECK(table[b * width + t] >= 0 && table[b * width + t] < pool_slots,
+                  "paged_decode_attention: slot ", table[b * width + t], " is outside the pool of ", pool_slots);
+  }
+  TORCH_CHECK(!write.has_value() || (k_new.has_value() && v_new.has_value()),
+              "paged_decode_attention: write needs k_new and v_new");
+  if (write.has_value()) write_rows(*k_new, *v_new, *write, k_pool, v_pool);
+  auto out = at::empty({batch, heads * head_size}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* qp = q.data_ptr<float>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  // A work item is one request's keys for a range of its KV heads. The items walk the pool a key row at a time
+  // (all the range's heads side by side, slots of a block adjacent): the hardware prefetcher follows that, where
+  // a head at a time strides a row apart and waits on memory for every key. One request splits into as many
+  // head ranges as there are threads when the batch alone cannot occupy them.
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = std::min<int64_t>(kv_heads, std::max<int64_t>(1, threads / std::max<int64_t>(batch, 1)));
+  const int64_t span = (kv_heads + splits - 1) / splits;
+  int64_t work = 0;
+  for (int64_t b = 0; b < batch; ++b) work += lens[b];
+  work *= heads * head_size;
+  auto run = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc, inv;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / splits, h0 = (item % splits) * span, h1 = std::min(kv_heads, h0 + span);
+      if (h0 >= h1) continue;
+      const int64_t n = lens[b], first = window > 0 ? std::max<int64_t>(0, n - window) : 0, keys = n - first;
+      const int64_t* own = table + b * width + first;
+      const int64_t qh0 = h0 * group, qh1 = h1 * group, nh = qh1 - qh0;
+      scores.resize(nh * keys);
+      acc.assign(nh * head_size, 0.f);
+      inv.resize(nh);
+      const float* qb = qp + b * q_row;
+      for (int64_t t = 0; t < keys; ++t) {
+        const float* k = kp + own[t] * row;
+        if (t + 1 < keys) __builtin_prefetch(kp + own[t + 1] * row + h0 * head_size);
+        for (int64_t qh = qh0; qh < qh1; ++qh)
+          scores[(qh - qh0) * keys + t] = dot(qb + qh * q_head, k + (qh / group) * head_size, head_size) * fscale;
+      }
+      for (int64_t i = 0; i < nh; ++i) {
+        float* s = scores.data() + i * keys;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < keys; ++t) top = std::max(top, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < keys; ++t) {
+          s[t] = std::exp(s[t] - top);
+          sum += s[t];
+        }
+        inv[i] = 1.f / sum;
+      }
+      for (int64_t t = 0; t < keys; ++t) {
+        const float* v = vp + own[t] * row;
+        if (t + 1 < keys) __builtin_prefetch(vp + own[t + 1] * row + h0 * head_size);
+        for (int64_t qh = qh0; qh < qh1; ++qh) {
+          const float p = scores[(qh - qh0) * keys + t];
+          const float* vh = v + (qh / group) * head_size;
+          float* a = acc.data() + (qh - qh0) * head_size;
+          for (int64_t i = 0; i < head_size; ++i) a[i] += p * vh[i];
+        }
+      }
+      for (int64_t qh = qh0; qh < qh1; ++qh) {
+        float* o = op + b * heads * head_size + qh * head_size;
+        const float* a = acc.data() + (qh - qh0) * head_size;
+        for (int64_t i = 0; i < head_size; ++i) o[i] = a[i] * inv[qh - qh0];
+      }
+    }
+  };
+  // Waking the pool's threads costs tens of microseconds where they sleep between regions (OMP_WAIT_POLICY
+  // PASSIVE, the serving default here): a small step's attention runs on the calling thread.
+  if (work < kParallelWork || threads < 2)
+    run(0, batch * splits);
+  else
+    at::parallel_for(0, batch * splits, 1, run);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(toolchain_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor lengths, float scale, "
+        "int window, Tensor? k_new=None, Tensor? v_new=None, Tensor? write=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(toolchain_cpu, CPU, m) { m.impl("paged_decode_attention", paged_decode_attention); }
