@@ -59,12 +59,13 @@ def _reference(q, k_pool, v_pool, slots, lengths, scale, window):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_size", [(4, 4, 16), (8, 2, 32), (12, 12, 64), (6, 3, 24)])
+@pytest.mark.parametrize("heads, kv_heads, head_size", [(4, 4, 16), (8, 2, 32), (12, 12, 64), (6, 3, 24), (4, 2, 20)])
 @pytest.mark.parametrize("lengths", [[1], [5], [17, 1, 40], [33] * 16, [300, 7, 129, 64]])
 @pytest.mark.parametrize("window", [0, 6])
 def test_paged_decode_attention_equals_gather_then_sdpa(ops, heads, kv_heads, head_size, lengths, window):
     # [33] * 16 and the 300-token case pass the kernel's parallel threshold; the others run on one thread, and one
-    # request splits its heads between the threads.
+    # request splits its heads between the threads. Keys in blocks of eight with a tail; a head size of 20 takes the
+    # one-key-at-a-time scores.
     q, k_pool, v_pool, slots, lens = _pool_case(len(lengths) + head_size, len(lengths), heads, kv_heads, head_size,
                                                 lengths)
     scale = head_size ** -0.5
@@ -189,3 +190,26 @@ def test_the_switch_turns_the_kernels_off(monkeypatch):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     monkeypatch.delitem(native._loaded, "ops", raising=False)
     assert native.ops() is None
+
+
+def test_a_process_that_finds_no_build_makes_one_past_a_stale_lock(tmp_path):
+    # A fresh process (a library's operators register once per process) with an empty kernel directory holding only
+    # the lock of a build killed long ago: it builds, marks the build whole and computes with it.
+    import os
+    import subprocess
+    import sys
+    import time
+    where = tmp_path / native.build_key()
+    where.mkdir()
+    (where / "lock").touch()
+    old = time.time() - 2 * native.STALE_LOCK_S
+    os.utime(where / "lock", (old, old))
+    code = ("import torch; from toolchain.engine.cpu import native; ops = native.ops(); "
+            "x = torch.arange(8.0).view(2, 4); print(ops.rms_norm(x, torch.ones(4), 0.0).sum().item())")
+    env = {**os.environ, native.DIR_VARIABLE: str(tmp_path)}
+    env.pop(native.ENV_SWITCH, None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    want = torch.nn.functional.rms_norm(torch.arange(8.0).view(2, 4), (4,), torch.ones(4), 0.0).sum().item()
+    assert abs(float(done.stdout.strip()) - want) < 1e-5
+    assert (where / "ready").exists() and (where / f"{native.LIBRARY}.so").exists() and not (where / "lock").exists()

@@ -37,6 +37,7 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 ENV_SWITCH = "TOOLCHAIN_CPU_NATIVE"
 DIR_VARIABLE = "TOOLCHAIN_CPU_KERNELS_DIR"
 LIBRARY = "toolchain_cpu_kernels"
+STALE_LOCK_S = 600  # a build takes about 10 s; a lock this old outlived the process that took it
 
 _loaded: dict[str, Any] = {}
 
@@ -78,6 +79,10 @@ def _build() -> Any:
         torch.ops.load_library(str(where / f"{LIBRARY}.so"))
         return torch.ops.toolchain_cpu
     where.mkdir(parents=True, exist_ok=True)
+    lock = where / "lock"  # torch's FileBaton: a build killed midway leaves it, and every later load would wait on it
+    with contextlib.suppress(OSError):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
     path = os.environ.get("PATH", "")
     if ninja is not None:  # the ninja wheel's binary, where the venv's bin is not on PATH
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path

@@ -3,13 +3,14 @@
 // The torch path (model.py _attend) gathers every request's keys and values out of the pool with index_select,
 // then runs scaled_dot_product_attention on the copies: at 16 requests of about 100 tokens that is two copies of
 // the cache read and written once more per layer, plus a dozen small operations, about a sixth of a decode step
-// (benchmarks/README.md, issue 41). Here each (request, KV head) reads its keys and values once, straight from
-// their pool slots, for all the query heads that share them (grouped-query attention), in float32 throughout.
+// (benchmarks/README.md, issue 41). Here a request's keys and values are read once, straight from their pool
+// slots, by all the query heads that share them (grouped-query attention), in float32 throughout.
 //
 // Semantics are those of the torch path for a decode row: one query per request at position n - 1 attends to
 // the request's first n slots, or to its last `window` of them (TensorRT-LLM's max_attention_window, HF's
-// sliding_window: the query's own key included). Softmax takes the row maximum first, as SDPA does; only the
-// order of the float sums differs from SDPA's, so results agree to float32 rounding, not bit for bit.
+// sliding_window: the query's own key included). Softmax takes the row maximum first, as SDPA does. The float
+// sums run in another order and e^x is Cephes' polynomial (exp8), so results agree with SDPA's to float32
+// rounding, not bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -48,6 +49,45 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float s = ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// The lane sums of eight vectors as one vector, [sum(a[0]), ..., sum(a[7])]: three rounds of pairwise adds and
+// shuffles, where eight separate horizontal sums would cost a chain of scalar adds each.
+inline f8 sums8(const f8* a) {
+  f8 b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // [a0 a0 a2 a2 a1 a1 a3 a3] and [a4 a4 a6 a6 a5 a5 a7 a7], two partial sums each
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  const f8 d = __builtin_shufflevector(c[0], c[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+               __builtin_shufflevector(c[0], c[1], 1, 3, 9, 11, 5, 7, 13, 15);  // [a0 a2 a4 a6 a1 a3 a5 a7]
+  return __builtin_shufflevector(d, d, 0, 4, 1, 5, 2, 6, 3, 7);
+}
+
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+// e^x for eight floats x <= 0 (softmax's shifted scores): Cephes' expf, 2^n e^r with n = round(x / ln 2) and a
+// degree-7 polynomial for e^r, within about an ulp of std::exp; 0 below e^-87.3, the smallest normal float.
+inline f8 exp8(f8 x) {
+  const f8 floor_x = f8{} - 87.33654f;
+  const i8 under = x < floor_x;
+  x = under ? floor_x : x;
+  const f8 n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (1.5 x 2^23)
+  f8 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f8 p = f8{} + 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.f;
+  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
+  f8 scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  return under ? f8{} : p * scale;
 }
 
 // The step's new keys and values, k_new/v_new [n, kv_heads, head_size] (views of the QKV output), into their pool
@@ -141,32 +181,58 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
       const int64_t n = lens[b], first = window > 0 ? std::max<int64_t>(0, n - window) : 0, keys = n - first;
       const int64_t* own = table + b * width + first;
       const int64_t qh0 = h0 * group, qh1 = h1 * group, nh = qh1 - qh0;
-      scores.resize(nh * keys);
+      const int64_t padded = (keys + 7) / 8 * 8;  // each head's scores in whole vectors, the tail at -inf
+      scores.resize(nh * padded);
       acc.assign(nh * head_size, 0.f);
       inv.resize(nh);
       const float* qb = qp + b * q_row;
-      for (int64_t t = 0; t < keys; ++t) {
-        const float* k = kp + own[t] * row;
-        if (t + 1 < keys) __builtin_prefetch(kp + own[t + 1] * row + h0 * head_size);
-        for (int64_t qh = qh0; qh < qh1; ++qh)
-          scores[(qh - qh0) * keys + t] = dot(qb + qh * q_head, k + (qh / group) * head_size, head_size) * fscale;
+      if (head_size % 8 == 0) {
+        // Eight keys at a time: their rows stay in L1 while every query head of the range scores them.
+        for (int64_t t0 = 0; t0 < keys; t0 += 8) {
+          const float* k[8];
+          for (int64_t j = 0; j < 8; ++j) k[j] = kp + own[std::min(t0 + j, keys - 1)] * row;
+          for (int64_t qh = qh0; qh < qh1; ++qh) {
+            const float* qv = qb + qh * q_head;
+            const int64_t at = (qh / group) * head_size;
+            f8 a[8] = {};
+            for (int64_t d = 0; d < head_size; d += 8) {
+              const f8 x = load8(qv + d);
+              for (int j = 0; j < 8; ++j) a[j] += x * load8(k[j] + at + d);
+            }
+            const f8 s8 = sums8(a) * fscale;
+            __builtin_memcpy(scores.data() + (qh - qh0) * padded + t0, &s8, sizeof s8);
+          }
+        }
+      } else {
+        for (int64_t t = 0; t < keys; ++t) {
+          const float* k = kp + own[t] * row;
+          for (int64_t qh = qh0; qh < qh1; ++qh)
+            scores[(qh - qh0) * padded + t] = dot(qb + qh * q_head, k + (qh / group) * head_size, head_size) * fscale;
+        }
       }
       for (int64_t i = 0; i < nh; ++i) {
-        float* s = scores.data() + i * keys;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < keys; ++t) top = std::max(top, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < keys; ++t) {
-          s[t] = std::exp(s[t] - top);
-          sum += s[t];
+        float* s = scores.data() + i * padded;
+        std::fill(s + keys, s + padded, -std::numeric_limits<float>::infinity());
+        f8 top = f8{} - std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < padded; t += 8) {
+          const f8 x = load8(s + t);
+          top = x > top ? x : top;
         }
-        inv[i] = 1.f / sum;
+        const float m = std::max(std::max(std::max(top[0], top[1]), std::max(top[2], top[3])),
+                                 std::max(std::max(top[4], top[5]), std::max(top[6], top[7])));
+        f8 sum = {};
+        for (int64_t t = 0; t < padded; t += 8) {
+          const f8 e = exp8(load8(s + t) - m);
+          __builtin_memcpy(s + t, &e, sizeof e);
+          sum += e;
+        }
+        inv[i] = 1.f / (((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7])));
       }
       for (int64_t t = 0; t < keys; ++t) {
         const float* v = vp + own[t] * row;
         if (t + 1 < keys) __builtin_prefetch(vp + own[t + 1] * row + h0 * head_size);
         for (int64_t qh = qh0; qh < qh1; ++qh) {
-          const float p = scores[(qh - qh0) * keys + t];
+          const float p = scores[(qh - qh0) * padded + t];
           const float* vh = v + (qh / group) * head_size;
           float* a = acc.data() + (qh - qh0) * head_size;
           for (int64_t i = 0; i < head_size; ++i) a[i] += p * vh[i];
