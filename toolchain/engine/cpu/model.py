@@ -450,22 +450,22 @@ class Model:
         window = self.d.attention_window(layer)
         chunk = self.d.llama4.chunk_of(layer) if self.d.llama4 is not None else None
         # Decode rows of a float32 pool without sinks, soft-capping or chunks: read in place (csrc/paged_attention.cpp)
-        native = (self.kernels if scale is None and sinks is None and chunk is None and not self.d.attn_softcap
-                  and k_pool.dtype == q.dtype == torch.float32 else None)
-        if native is not None and whole:  # the whole step: the kernel writes the new keys and values too
+        kernels = (self.kernels if scale is None and sinks is None and chunk is None and not self.d.attn_softcap
+                   and k_pool.dtype == q.dtype == torch.float32 else None)
+        if kernels is not None and whole:  # the whole step: the kernel writes the new keys and values too
             g = batch.groups[0]
-            return native.paged_decode_attention(q, k_pool, v_pool, g.slots, g.lengths, self.scale, window or 0,
-                                                 k, v, batch.write)
+            return kernels.paged_decode_attention(q, k_pool, v_pool, g.slots, g.lengths, self.scale, window or 0,
+                                                  k, v, batch.write)
         if scale is not None and kv.kind is not None:
             k, v = quantize_kv(k, scale, kv.kind), quantize_kv(v, scale, kv.kind)
         _bytes(k_pool).index_copy_(0, batch.write, _bytes(k))
         _bytes(v_pool).index_copy_(0, batch.write, _bytes(v))
         out = None if whole else torch.empty(rows, width)
         for g in batch.groups:
-            if native is not None and g.span is not None:
+            if kernels is not None and g.span is not None:
                 assert out is not None  # a decode group beside context chunks: its rows of `out`
-                out[g.span[0]:g.span[1]] = native.paged_decode_attention(q[g.span[0]:g.span[1]], k_pool, v_pool,
-                                                                         g.slots, g.lengths, self.scale, window or 0)
+                out[g.span[0]:g.span[1]] = kernels.paged_decode_attention(q[g.span[0]:g.span[1]], k_pool, v_pool,
+                                                                          g.slots, g.lengths, self.scale, window or 0)
                 continue
             shape = (g.batch, g.slots.shape[1], *k_pool.shape[1:])
             keys = _bytes(k_pool).index_select(0, g.flat_slots).view(k_pool.dtype).view(shape)  # [B, S, heads, head]

@@ -2,10 +2,10 @@
 
 torch has no paged attention for CPU, and the gather-then-SDPA path costs a sixth of a decode step at 16 requests
 (csrc/paged_attention.cpp says why). The kernels are built once per source, torch version and CPU into
-$XDG_CACHE_HOME/trtllm-toolchain/cpu-kernels/ (`make setup` builds them; a process that finds them missing builds
-them itself, under torch's lock, so concurrent workers build once). Without a compiler, or with
-TOOLCHAIN_CPU_NATIVE=0, the engine keeps its torch path and logs why in one line: the kernels change speed, not
-what the engine accepts.
+$XDG_CACHE_HOME/trtllm-toolchain/cpu-kernels/ or $TOOLCHAIN_CPU_KERNELS_DIR (`make setup` builds them; a process
+that finds them missing builds them itself, under torch's lock, so concurrent workers build once). Without a
+compiler the engine keeps its torch path and says why in one line; TOOLCHAIN_CPU_NATIVE=0 keeps it there. The
+kernels change speed, not what the engine accepts.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "layer_ops.cpp")]
 # -march=native: the build directory is keyed by this CPU's flags, so a cache shared between hosts never hands
-# one the other's instructions. -ffp-contract=off: no fused multiply-adds, so elementwise results round as torch's
-# separate operations do (layer_ops.cpp). -fopenmp: at::parallel_for is OpenMP inline in ATen's headers; the library then
-# binds to the libgomp torch has loaded already (the same soname).
+# one the other's instructions. -ffp-contract=off: no fused multiply-adds, so elementwise results round as
+# torch's separate operations do (layer_ops.cpp). -fopenmp: at::parallel_for is OpenMP inline in ATen's headers;
+# the library then binds to the libgomp torch has loaded already (the same soname).
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 ENV_SWITCH = "TOOLCHAIN_CPU_NATIVE"
 DIR_VARIABLE = "TOOLCHAIN_CPU_KERNELS_DIR"
@@ -106,14 +106,14 @@ def ops() -> Any | None:
             log.debug("CPU kernels ready in %.1f s", time.monotonic() - start)
         except Exception as e:  # no compiler, no headers, a failed build: the torch path stays, said once
             _loaded["ops"] = None
-            first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-            log.warning("CPU engine: native kernels unavailable (%s); decode attention runs on torch's path, slower",
-                        first[:200])
+            last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            log.warning("CPU engine: native kernels unavailable (%s); the engine runs on torch's path, slower",
+                        last[:200])
     return _loaded["ops"]
 
 
 def main() -> int:
-    """`python -m toolchain.engine.cpu.native`: build now (make setup), say where or why not."""
+    """What `make setup` runs: build now, and say where or why not."""
     start = time.monotonic()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if ops() is None:

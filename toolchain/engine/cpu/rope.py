@@ -110,8 +110,9 @@ class Rotary:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [n, heads, head_size] by position (rotate_half pairs dim i with i + d/2): x * cos + rotate_half(x) *
     sin, transformers' operations, with two temporaries instead of five (the values are the same bit for bit)."""
+    # The same products and sums in one pass (csrc/layer_ops.cpp), for one table row per row of x.
     kernels = native.ops() if x.dtype == cos.dtype == sin.dtype == torch.float32 and x.dim() == 3 else None
-    if kernels is not None and x.stride(-1) == 1 and cos.numel() == sin.numel() == x.shape[0] * x.shape[-1]:  # the same products and sums in one pass (csrc/layer_ops.cpp)
+    if kernels is not None and x.stride(-1) == 1 and cos.numel() == sin.numel() == x.shape[0] * x.shape[-1]:
         return kernels.rotary(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
