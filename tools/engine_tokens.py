@@ -37,12 +37,13 @@ def generate(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 def tokens(engine_dir: Path, n: int) -> dict:
-    from toolchain.engine.cpu import CpuEngine
+    from toolchain.engine.cpu import CpuEngine, SamplingParams
 
     engine = CpuEngine.load(engine_dir, num_threads=2)
     engine.kv.enable_block_reuse = False
     prompts = [[t % engine.model.d.vocab_size for t in p] for p in PROMPTS]
-    return {"alone": [generate(engine, [p], n)[0] for p in prompts], "batched": generate(engine, prompts, n),
+    return {"alone": [engine.generate(p, SamplingParams(max_new_tokens=n)) for p in prompts],
+            "batched": generate(engine, prompts, n),
             "native_kernels": getattr(engine.model, "kernels", None) is not None}
 
 

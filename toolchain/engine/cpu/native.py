@@ -97,15 +97,13 @@ def _build() -> Any:
 
 def ops() -> Any | None:
     """torch.ops.toolchain_cpu once built and loaded; None where disabled or unbuildable (logged once)."""
-    if "ops" not in _loaded and not enabled():  # read once: the engine's hot path asks on every layer
-        _loaded["ops"] = None
-    if "ops" not in _loaded:
-        start = time.monotonic()
+    if "ops" in _loaded:  # decided once per process: the engine's hot path asks on every layer
+        return _loaded["ops"]
+    _loaded["ops"] = None
+    if enabled():
         try:
             _loaded["ops"] = _build()
-            log.debug("CPU kernels ready in %.1f s", time.monotonic() - start)
         except Exception as e:  # no compiler, no headers, a failed build: the torch path stays, said once
-            _loaded["ops"] = None
             last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
             log.warning("CPU engine: native kernels unavailable (%s); the engine runs on torch's path, slower",
                         last[:200])
